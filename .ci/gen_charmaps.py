@@ -1,0 +1,315 @@
+"""Generate filters/charmaps.py from installed data packages.
+
+Usage: python .ci/gen_charmaps.py > filters/charmaps.py
+
+Needs: opencc-python-reimplemented, pypinyin, confusable-homoglyphs (pip install them).
+The output is deterministic for a given set of package versions and Python ``unicodedata``
+version (both are recorded in the generated header).
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib.metadata
+import json
+import sys
+import unicodedata
+from pathlib import Path
+
+import confusable_homoglyphs
+import opencc
+from pypinyin import Style, lazy_pinyin
+from pypinyin.contrib.tone_convert import to_normal
+from pypinyin.pinyin_dict import pinyin_dict
+
+PINYIN_BASE = 0x3400
+PINYIN_LAST = 0x9FFF
+PUA_BASE = 0xF0000
+NO_READING = "\x00"
+WIDTH = 100  # target source-line width (ruff line-length is 110)
+
+# Ranges treated as CJK (never confusable sources): Han ideographs, radicals, CJK symbols,
+# kana, bopomofo, hangul, enclosed/compatibility CJK, CJK compatibility forms.
+CJK_RANGES = (
+    (0x1100, 0x11FF),  # Hangul Jamo
+    (0x2E80, 0x2FDF),  # CJK Radicals Supplement, Kangxi Radicals
+    (0x2FF0, 0x2FFF),  # Ideographic Description Characters
+    (0x3000, 0x33FF),  # CJK Symbols/Punct., Kana, Bopomofo, Hangul Compat. Jamo, Kanbun, enclosed
+    (0x3400, 0x4DBF),  # CJK Ext. A
+    (0x4E00, 0x9FFF),  # CJK Unified Ideographs
+    (0xA960, 0xA97F),  # Hangul Jamo Extended-A
+    (0xAC00, 0xD7FF),  # Hangul Syllables, Jamo Extended-B
+    (0xF900, 0xFAFF),  # CJK Compatibility Ideographs
+    (0xFE30, 0xFE4F),  # CJK Compatibility Forms
+    (0xFF00, 0xFFEF),  # Halfwidth and Fullwidth Forms
+    (0x1B000, 0x1B16F),  # Kana Supplement / Extended
+    (0x20000, 0x3FFFF),  # SIP / TIP (Han ext. B..)
+)
+
+
+def is_cjk(ch: str) -> bool:
+    cp = ord(ch)
+    return any(lo <= cp <= hi for lo, hi in CJK_RANGES)
+
+
+def version(dist: str) -> str:
+    return importlib.metadata.version(dist)
+
+
+# ----------------------------------------------------------------------------- OpenCC
+
+
+def traditional_to_simplified() -> list[tuple[str, str]]:
+    path = Path(opencc.__file__).parent / "dictionary" / "TSCharacters.txt"
+    pairs: dict[str, str] = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        trad, cands = line.split("\t", 1)
+        simp = cands.split()[0]
+        if len(trad) == 1 and len(simp) == 1 and trad != simp:
+            if trad in pairs:
+                raise SystemExit(f"duplicate TSCharacters key {trad!r}")
+            pairs[trad] = simp
+    # Resolve chains (A->B and B->C becomes A->C) so that translating twice equals translating once.
+    for trad, simp in pairs.items():
+        seen = {trad}
+        while simp in pairs and simp not in seen:
+            seen.add(simp)
+            simp = pairs[simp]
+        pairs[trad] = simp
+    return sorted((t, s) for t, s in pairs.items() if t != s)
+
+
+# ----------------------------------------------------------------------------- pinyin
+
+
+def pinyin_tables() -> tuple[list[str], list[str], str]:
+    readings = {cp: [to_normal(r) for r in v.split(",")] for cp, v in pinyin_dict.items()}
+    syllables = sorted({s for rs in readings.values() for s in rs})
+    index = {s: i for i, s in enumerate(syllables)}
+    initials = []
+    for s in syllables:
+        initials.append(s[:2] if s[:2] in ("zh", "ch", "sh") else s[0])
+    codes = []
+    for cp in range(PINYIN_BASE, PINYIN_LAST + 1):
+        rs = readings.get(cp)
+        codes.append(chr(PUA_BASE + index[rs[0]]) if rs else NO_READING)
+    codes_s = "".join(codes)
+    # Cross-check against pypinyin's public API (NORMAL style, no heteronyms).
+    for cp in range(PINYIN_BASE, PINYIN_LAST + 1):
+        ch = chr(cp)
+        got = lazy_pinyin(ch, style=Style.NORMAL, errors=lambda _: [""])[0]
+        mine = codes_s[cp - PINYIN_BASE]
+        want = syllables[ord(mine) - PUA_BASE] if mine != NO_READING else ""
+        if got != want:
+            raise SystemExit(f"pinyin mismatch for U+{cp:04X}: lazy_pinyin={got!r} table={want!r}")
+    return syllables, initials, codes_s
+
+
+def encode_codes(codes: str, n_syllables: int) -> str:
+    """Encode as base64 of UTF-16-LE where index i is stored as chr(i + 1) and "no reading" as \\x00."""
+    assert n_syllables + 1 < 0xD800
+    small = "".join("\x00" if c == NO_READING else chr(ord(c) - PUA_BASE + 1) for c in codes)
+    return base64.b64encode(small.encode("utf-16-le")).decode("ascii")
+
+
+# ----------------------------------------------------------------------------- confusables
+
+
+def _strip_marks(s: str) -> str:
+    # The package keeps the LRM/RLM marks that confusables.txt puts around RTL text.
+    return s.replace("\u200e", "").replace("\u200f", "")
+
+
+def _ascii_target(t: str) -> str | None:
+    t = unicodedata.normalize("NFKC", t).casefold()
+    if len(t) == 1 and t.isascii() and t.isalnum():
+        return t
+    return None
+
+
+def _excluded_source(ch: str, target: str) -> str | None:
+    if ch.isascii():
+        return "ascii"
+    if is_cjk(ch):
+        return "cjk"
+    if unicodedata.normalize("NFKC", ch).isascii():
+        return "nfkc-ascii"  # NFKC (full-width, math alphanumerics, ...) already handles it
+    dec = unicodedata.decimal(ch, None)
+    if dec is not None and str(dec) != target:
+        return "digit"  # a digit of another script: remapping would change its value
+    return None
+
+
+def confusables() -> tuple[list[tuple[str, str]], dict[str, int]]:
+    path = Path(confusable_homoglyphs.__file__).parent / "confusables.json"
+    data = json.loads(path.read_text(encoding="utf-8"))
+    direct: dict[str, set[str]] = {}
+    for key, entries in data.items():
+        src = _strip_marks(key)
+        if len(src) != 1:
+            continue
+        for e in entries:
+            t = _ascii_target(_strip_marks(e["c"]))
+            if t is not None:
+                direct.setdefault(src, set()).add(t)
+    # Casefolded / lower-cased forms of a source inherit its target unless they have their own.
+    derived: dict[str, set[str]] = {}
+    for src, ts in direct.items():
+        for form in {src.casefold(), src.lower()}:
+            if len(form) == 1 and form != src and form not in direct:
+                derived.setdefault(form, set()).update(ts)
+    stats = {"ambiguous": 0, "ascii": 0, "cjk": 0, "nfkc-ascii": 0, "digit": 0}
+    table: dict[str, str] = {}
+    for src, ts in (*direct.items(), *derived.items()):
+        if len(ts) != 1:
+            stats["ambiguous"] += 1
+            continue
+        (t,) = ts
+        why = _excluded_source(src, t)
+        if why:
+            stats[why] += 1
+            continue
+        table[src] = t
+    stats["direct"] = sum(1 for s in table if s in direct)
+    stats["derived"] = sum(1 for s in table if s in derived)
+    return sorted(table.items(), key=lambda kv: (kv[1], ord(kv[0]))), stats
+
+
+# ----------------------------------------------------------------------------- emit
+
+
+def _safe_raw(ch: str) -> bool:
+    """Characters that can appear unescaped in the source: printable, left-to-right letters."""
+    return unicodedata.category(ch).startswith("L") and unicodedata.bidirectional(ch) == "L"
+
+
+def _lit(chars: str, escape_all: bool = False) -> str:
+    out = []
+    for ch in chars:
+        if ch.isascii() and ch.isprintable() and ch not in "\\\"'":
+            out.append(ch)
+        elif not escape_all and _safe_raw(ch):
+            out.append(ch)
+        elif ord(ch) <= 0xFFFF:
+            out.append(f"\\u{ord(ch):04x}")
+        else:
+            out.append(f"\\U{ord(ch):08x}")
+    return '"' + "".join(out) + '"'
+
+
+def _width(s: str) -> int:
+    return sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in s)
+
+
+def _chunks(items: list[str], width: int) -> list[list[str]]:
+    """Split items (already-escaped tokens) into runs whose rendered width stays under width."""
+    runs: list[list[str]] = [[]]
+    w = 0
+    for tok in items:
+        tw = _width(tok)
+        if runs[-1] and w + tw > width:
+            runs.append([])
+            w = 0
+        runs[-1].append(tok)
+        w += tw
+    return runs
+
+
+def emit_parallel(names: tuple[str, str], pairs: list[tuple[str, str]], per_line: int) -> list[str]:
+    a_lines, b_lines = [f"{names[0]}: str = ("], [f"{names[1]}: str = ("]
+    for i in range(0, len(pairs), per_line):
+        part = pairs[i : i + per_line]
+        a_lines.append(f"    {_lit(''.join(p[0] for p in part))}")
+        b_lines.append(f"    {_lit(''.join(p[1] for p in part))}")
+    return [*a_lines, ")", "", *b_lines, ")"]
+
+
+def emit_confusables(pairs: list[tuple[str, str]]) -> list[str]:
+    by_target: dict[str, list[str]] = {}
+    for src, t in pairs:
+        by_target.setdefault(t, []).append(src)
+    from_lines, to_lines = ["CONFUSABLE_FROM: str = ("], ["CONFUSABLE_TO: str = ("]
+    for t in sorted(by_target):
+        toks = [_lit(s, escape_all=True)[1:-1] for s in by_target[t]]
+        for run in _chunks(toks, WIDTH - 16):
+            from_lines.append(f'    "{"".join(run)}"  # -> {t}')
+            to_lines.append(f'    "{t * len(run)}"')
+    return [*from_lines, ")", "", *to_lines, ")"]
+
+
+def emit_tuple(name: str, items: list[str]) -> list[str]:
+    toks = [_lit(s) + "," for s in items]
+    lines = [f"{name}: tuple[str, ...] = ("]
+    for run in _chunks([t + " " for t in toks], WIDTH - 4):
+        lines.append("    " + "".join(run).rstrip())
+    lines.append(")")
+    return lines
+
+
+def main() -> None:
+    ts = traditional_to_simplified()
+    syllables, initials, codes = pinyin_tables()
+    conf, stats = confusables()
+    b64 = encode_codes(codes, len(syllables))
+    n_read = sum(1 for c in codes if c != NO_READING)
+
+    out: list[str] = [
+        '"""Generated character tables for normalization: traditional->simplified Han, Han->pinyin '
+        'syllable codes, confusable->ASCII. Do not edit; regenerate with .ci/gen_charmaps.py."""',
+        "# ruff: noqa: E501",
+        "# fmt: off",
+        "",
+        "# Sources and licenses:",
+        "#   OpenCC TSCharacters.txt (via opencc-python-reimplemented "
+        f"{version('opencc-python-reimplemented')}): Apache-2.0",
+        f"#   pypinyin {version('pypinyin')} pinyin_dict (pinyin-data): MIT",
+        f"#   Unicode confusables.txt (via confusable-homoglyphs {version('confusable-homoglyphs')}):"
+        " Unicode License",
+        f"# NFKC/casefold from Python unicodedata {unicodedata.unidata_version}.",
+        "",
+        "from binascii import a2b_base64 as _a2b_base64",
+        "",
+        f"# Traditional -> simplified, char level, first OpenCC candidate: {len(ts)} entries",
+        "# (chains such as A->B, B->C are resolved to A->C so translation is idempotent).",
+        "# Use: str.maketrans(TRADITIONAL, SIMPLIFIED).",
+        *emit_parallel(("TRADITIONAL", "SIMPLIFIED"), ts, 40),
+        "",
+        f"# {len(syllables)} toneless pinyin syllables (u-umlaut written as v), sorted.",
+        *emit_tuple("PINYIN_SYLLABLES", syllables),
+        "",
+        "# Initial of each PINYIN_SYLLABLES entry (zh/ch/sh, a consonant, or the first letter).",
+        *emit_tuple("PINYIN_INITIALS", initials),
+        "",
+        f"PINYIN_BASE: int = 0x{PINYIN_BASE:04X}",
+        "# PINYIN_CODES[cp - PINYIN_BASE] for cp in PINYIN_BASE..U+9FFF is chr(0xF0000 + i), i the index in",
+        "# PINYIN_SYLLABLES of the character's first (most common) pypinyin reading, or '\\x00' if it has",
+        f"# none ({n_read} of {len(codes)} code points have a reading). Stored as base64 of UTF-16-LE",
+        "# with index i encoded as chr(i + 1).",
+        "_PINYIN_CODES_B64 = (",
+    ]
+    for i in range(0, len(b64), WIDTH - 4):
+        out.append(f'    "{b64[i : i + WIDTH - 4]}"')
+    out += [
+        ")",
+        "PINYIN_CODES: str = (",
+        '    _a2b_base64(_PINYIN_CODES_B64).decode("utf-16-le")',
+        "    .translate({i + 1: 0xF0000 + i for i in range(len(PINYIN_SYLLABLES))})",
+        ")",
+        "del _PINYIN_CODES_B64, _a2b_base64",
+        "",
+        f"# Confusable -> ASCII lower-case letter/digit: {len(conf)} entries "
+        f"({stats['direct']} from confusables.txt, {stats['derived']} lower-case forms of those).",
+        "# Never maps ASCII, CJK, characters NFKC already folds to ASCII, or other-script digits.",
+        "# Use: str.maketrans(CONFUSABLE_FROM, CONFUSABLE_TO) after NFKC + casefold.",
+        *emit_confusables(conf),
+        "",
+    ]
+    text = "\n".join(out)
+    sys.stdout.buffer.write(text.encode("utf-8"))
+    print(f"confusables stats: {stats}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""Filter parameters: one frozen record, its validation, and the digest that namespaces stored fingerprints."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+
+import mmh3
+
+from filters.errors import ConfigError
+from filters.normalize import NormalizeOptions
+
+METHODS = ("exact", "mgram", "simhash", "minhash", "sentences")
+VERIFY_MODES = ("sketch", "native")
+
+
+@dataclass(frozen=True, slots=True)
+class FilterConfig:
+    """Everything that decides a verdict. The defaults need no tuning (see README for their F1)."""
+
+    normalize: NormalizeOptions = field(default_factory=NormalizeOptions)
+    # Candidate generators, in the order their buckets are consulted.
+    methods: tuple[str, ...] = ("exact", "mgram")
+    # "sketch": every candidate is verified by the bottom-k shingle overlap below.
+    # "native": each method verifies its own candidates (simhash: Hamming distance, minhash: estimated
+    # Jaccard, sentences: shared sentences, mgram/exact: sketch).
+    verify: str = "sketch"
+    shingle: int = 3  # character n-gram size of the verification shingles
+    sketch_size: int = 128  # bottom-k sketch kept per indexed message
+    threshold: float = 0.5  # Jaccard at or above which a candidate is a duplicate
+    containment: float = 0.8  # ... or containment of the smaller text in the larger, at or above this
+    containment_min_ratio: float = 0.2  # ... when the smaller has at least this share of the larger's size
+    containment_min_size: int = 12  # ... and at least this many shingles (short texts need Jaccard)
+    mgram: int = 5  # m-gram size of the substring-index bucket keys
+    mgram_keys: int = 24  # sampled m-gram keys per message (all of them for short texts)
+    simhash_k: int = 3  # Hamming distance bound; the 64 bits split into k + 1 blocks
+    minhash_perm: int = 128
+    minhash_bands: int = 32
+    sentences_top: int = 3  # the Baidu signature: this many longest sentences
+    sentences_min_chars: int = 10
+    max_candidates: int = 16  # candidates verified per message, best-ranked first
+    bucket_cap: int = 64  # representatives kept per bucket (newest win)
+    max_chars: int = 20_000  # longer texts are truncated before fingerprinting
+    window: float = 24 * 3600.0  # seconds of event time an indexed message keeps matching
+    seed: int = 0x6E656172
+
+    def __post_init__(self) -> None:
+        unknown = [m for m in self.methods if m not in METHODS]
+        if unknown or not self.methods:
+            raise ConfigError(f"methods must be a non-empty subset of {METHODS}, got {self.methods!r}")
+        if self.verify not in VERIFY_MODES:
+            raise ConfigError(f"verify must be one of {VERIFY_MODES}, got {self.verify!r}")
+        if not 0.0 < self.threshold <= 1.0 or not 0.0 < self.containment <= 1.0:
+            raise ConfigError("threshold and containment must be in (0, 1]")
+        if self.minhash_perm % self.minhash_bands:
+            raise ConfigError("minhash_perm must be a multiple of minhash_bands")
+        if not 0 <= self.simhash_k < 16:
+            raise ConfigError("simhash_k must be in [0, 15]")
+        for name in ("shingle", "sketch_size", "mgram", "mgram_keys", "max_candidates", "bucket_cap",
+                     "max_chars", "sentences_top"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1")
+        if self.window <= 0:
+            raise ConfigError("window must be > 0 seconds")
+
+    def replace(self, **changes: object) -> FilterConfig:
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+    def fingerprint_params(self) -> dict[str, object]:
+        """The parameters that change what is stored; thresholds and the window do not."""
+        d = asdict(self)
+        for volatile in ("threshold", "containment", "containment_min_ratio", "containment_min_size",
+                         "max_candidates", "window", "verify"):
+            d.pop(volatile)
+        return d
+
+    def digest(self) -> str:
+        """Short stable id of the fingerprint parameters; stored keys carry it so configs never mix."""
+        canonical = json.dumps(self.fingerprint_params(), sort_keys=True, separators=(",", ":"))
+        return format(mmh3.hash64(canonical.encode(), seed=7, signed=False)[0], "016x")[:12]

@@ -1,0 +1,187 @@
+"""The filter engine: fingerprint a batch, look up candidates, verify greedily, insert the unique ones.
+
+`NearDupFilter.check_batch` is the pure "process a batch" function that the file runner and the Kafka
+worker both wrap. Verification is greedy per message: candidates come ranked (most shared bucket keys
+first, then newest), and the message is a duplicate of the first one whose verified similarity passes.
+Messages of the same batch are checked against each other in order, so a batch decides exactly what
+the same messages would decide one at a time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from filters.config import FilterConfig
+from filters.fingerprint import Fingerprint, Fingerprinter, hamming, key_method, minhash_jaccard
+from filters.index import Candidate, CandidateIndex, Entry, MemoryIndex, Query, open_index
+from filters.sketch import overlap
+
+_MAX_INSERT_ROUNDS = 8
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    id: str
+    text: str
+    ts: float
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """The routing decision for one message."""
+
+    id: str
+    duplicate: bool
+    duplicate_of: str | None = None
+    similarity: float = 0.0
+    method: str | None = None
+
+    @property
+    def label(self) -> str:
+        return "duplicate" if self.duplicate else "unique"
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    ok: bool
+    similarity: float
+    method: str
+
+
+class NearDupFilter:
+    """Near-duplicate filter over a sliding window of event time.
+
+    >>> f = NearDupFilter()
+    >>> f.check("WIN a FREE iPhone now!!! call 555-0100", id="a", ts=0).duplicate
+    False
+    >>> f.check("w i n a free iphone NOW, call 555-0199", id="b", ts=1).duplicate_of
+    'a'
+    """
+
+    def __init__(
+        self,
+        config: FilterConfig | None = None,
+        index: CandidateIndex | str = "memory://",
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config or FilterConfig()
+        self.fingerprinter = Fingerprinter(self.config)
+        if isinstance(index, str):
+            index = open_index(
+                index, window=self.config.window, bucket_cap=self.config.bucket_cap,
+                namespace=self.config.digest(),
+            )
+        self.index = index
+        self.clock = clock
+        self._auto_id = 0
+
+    # -- public API --------------------------------------------------------------------------
+    def check(self, text: str, id: str | None = None, ts: float | None = None) -> Verdict:
+        return self.check_batch([self.message(text, id, ts)])[0]
+
+    def message(self, text: str, id: str | None = None, ts: float | None = None) -> Message:
+        if id is None:
+            self._auto_id += 1
+            id = f"auto-{self._auto_id}"
+        return Message(id, text, self.clock() if ts is None else float(ts))
+
+    def check_batch(self, messages: Sequence[Message]) -> list[Verdict]:
+        if not messages:
+            return []
+        fps = self.fingerprinter.fingerprint_batch([m.text for m in messages])
+        return self.decide(messages, fps)
+
+    def decide(self, messages: Sequence[Message], fps: Sequence[Fingerprint]) -> list[Verdict]:
+        cfg = self.config
+        looked = self.index.lookup([Query(m.id, m.ts, fp.keys) for m, fp in zip(messages, fps)],
+                                   cfg.max_candidates)
+        verdicts: list[Verdict] = []
+        batch_local = MemoryIndex(cfg.window, cfg.bucket_cap)
+        pending: dict[int, Entry] = {}
+        for i, (msg, fp) in enumerate(zip(messages, fps)):
+            own, remote = looked[i]
+            if own is not None:
+                verdicts.append(Verdict(msg.id, False, method="replay"))
+                continue
+            local = batch_local.lookup([Query(msg.id, msg.ts, fp.keys)], cfg.max_candidates)[0]
+            if local[0] is not None:  # the same id twice in one batch: a replay as well
+                verdicts.append(Verdict(msg.id, False, method="replay"))
+                continue
+            verdict = self._first_match(msg, fp, _merge(local[1], remote, cfg.max_candidates))
+            verdicts.append(verdict)
+            if not verdict.duplicate:
+                entry = Entry.of(msg.id, msg.ts, fp)
+                pending[i] = entry
+                batch_local.insert([(entry, fp.keys)])
+        self._insert(pending, messages, fps, verdicts)
+        return verdicts
+
+    # -- verification ------------------------------------------------------------------------
+    def _first_match(self, msg: Message, fp: Fingerprint, candidates: Sequence[Candidate]) -> Verdict:
+        for cand in candidates:
+            m = self.verify(fp, cand)
+            if m.ok:
+                return Verdict(msg.id, True, cand.entry.id, round(m.similarity, 4), m.method)
+        return Verdict(msg.id, False)
+
+    def verify(self, fp: Fingerprint, cand: Candidate) -> Match:
+        cfg = self.config
+        entry = cand.entry
+        method = key_method(cand.first_key)
+        if entry.exact == fp.exact:
+            return Match(True, 1.0, "exact")
+        if cfg.verify == "native":
+            if method == "simhash" and fp.simhash is not None and entry.simhash is not None:
+                d = hamming(fp.simhash, entry.simhash)
+                return Match(d <= cfg.simhash_k, 1.0 - d / 64, method)
+            if method == "minhash" and fp.minhash is not None and entry.minhash is not None:
+                j = minhash_jaccard(fp.minhash, entry.minhash)
+                return Match(j >= cfg.threshold, j, method)
+            if method == "sentences" and fp.sentences and entry.sentences:
+                shared = len(fp.sentences & entry.sentences)
+                return Match(shared > 0, shared / min(len(fp.sentences), len(entry.sentences)), method)
+        ov = overlap(fp.sketch, fp.size, entry.sketch, entry.size)
+        if ov.jaccard >= cfg.threshold:
+            return Match(True, ov.jaccard, method)
+        if (
+            ov.containment >= cfg.containment
+            and ov.size_ratio >= cfg.containment_min_ratio
+            and min(ov.size_a, ov.size_b) >= cfg.containment_min_size
+        ):
+            return Match(True, ov.containment, method)
+        return Match(False, max(ov.jaccard, ov.containment), method)
+
+    # -- insertion with race resolution ------------------------------------------------------
+    def _insert(
+        self,
+        pending: dict[int, Entry],
+        messages: Sequence[Message],
+        fps: Sequence[Fingerprint],
+        verdicts: list[Verdict],
+    ) -> None:
+        for _ in range(_MAX_INSERT_ROUNDS):
+            if not pending:
+                return
+            order = list(pending)
+            results = self.index.insert([(pending[i], fps[i].keys) for i in order])
+            retry: dict[int, Entry] = {}
+            for i, conflicts in zip(order, results):
+                if conflicts is None:
+                    continue
+                verdict = self._first_match(messages[i], fps[i], conflicts)
+                verdicts[i] = verdict
+                if not verdict.duplicate:
+                    retry[i] = pending[i]
+            pending = retry
+        # A bucket this contended is a spam wave; the message stays unique but is not indexed.
+
+
+def _merge(local: list[Candidate], remote: list[Candidate], limit: int) -> list[Candidate]:
+    if not local:
+        return remote
+    if not remote:
+        return local
+    merged = sorted([*local, *remote], key=lambda c: (-c.shared, -c.entry.ts))
+    return merged[:limit]

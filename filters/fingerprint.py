@@ -1,0 +1,181 @@
+"""Fingerprints of a message: exact hash, verification sketch, and the bucket keys of each method.
+
+Bucket keys are 64-bit integers whose top four bits name the method that made them, so the buckets of
+different methods never mix in one index:
+
+- exact      128-bit mmh3 of the normalized text (the fast path; folded to one key).
+- mgram      QQ's substring index: m-grams of the normalized text, sampled by hash so that a message
+             has about `mgram_keys` keys (all of them when short). The sample is nested: a key kept
+             at rate 1/2P is also kept at rate 1/P, so a short copy still meets its long original.
+- simhash    Charikar's 64-bit simhash over shingles weighted by their count, split into k + 1 blocks
+             (Manku et al.): two fingerprints within Hamming distance k share at least one block.
+- minhash    MinHash over the shingle set, b bands of r rows (LSH banding).
+- sentences  Baidu's signature: hashes of the few longest sentences.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import mmh3
+import numpy as np
+
+from filters.config import FilterConfig
+from filters.normalize import Normalizer
+from filters.shingles import mix64, seed_constant, shingle_sets
+
+TAG_SHIFT = 60
+TAGS = {"exact": 1, "mgram": 2, "simhash": 3, "minhash": 4, "sentences": 5}
+METHOD_OF_TAG = {v: k for k, v in TAGS.items()}
+_LOW60 = (1 << TAG_SHIFT) - 1
+_SENTENCE_END = re.compile(r"[.!?;。！？；\n]+")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Fingerprint:
+    """What neardup keeps of a message: enough to find it (keys) and to verify it (the rest)."""
+
+    normalized: str
+    exact: int  # 128-bit hash of the normalized text
+    size: int  # number of distinct verification shingles
+    sketch: np.ndarray  # bottom-k of the shingle hashes, sorted uint64
+    keys: tuple[int, ...]  # bucket keys, method tag in the top four bits
+    simhash: int | None = None
+    minhash: np.ndarray | None = None
+    sentences: frozenset[int] = frozenset()
+
+
+def key_method(key: int) -> str:
+    return METHOD_OF_TAG.get(key >> TAG_SHIFT, "?")
+
+
+def _tagged(tag: str, value: int) -> int:
+    return (TAGS[tag] << TAG_SHIFT) | (value & _LOW60)
+
+
+def hamming(a: int, b: int) -> int:
+    return (a ^ b).bit_count()
+
+
+class Fingerprinter:
+    """Turns raw texts into `Fingerprint`s for one `FilterConfig`; pure and deterministic."""
+
+    def __init__(self, config: FilterConfig) -> None:
+        self.config = config
+        self.normalizer = Normalizer(config.normalize)
+        c = config
+        self._methods = frozenset(c.methods)
+        if "minhash" in self._methods:
+            rng = np.random.Generator(np.random.PCG64(c.seed))
+            self._perm_a = rng.integers(1, 2**63, size=c.minhash_perm, dtype=np.uint64) | np.uint64(1)
+            self._perm_b = rng.integers(0, 2**63, size=c.minhash_perm, dtype=np.uint64)
+        self._simhash_bits = np.arange(64, dtype=np.uint64)
+
+    def fingerprint(self, text: str) -> Fingerprint:
+        return self.fingerprint_batch([text])[0]
+
+    def fingerprint_batch(self, texts: Sequence[str]) -> list[Fingerprint]:
+        c = self.config
+        normalized = [self.normalizer(t[: c.max_chars]) for t in texts]
+        shingles = shingle_sets(normalized, c.shingle, c.seed)
+        grams = shingle_sets(normalized, c.mgram, c.seed + 1) if "mgram" in self._methods else None
+        out = []
+        for i, norm in enumerate(normalized):
+            hashes = shingles.hashes[i]
+            exact = mmh3.hash128(norm.encode("utf-8", "surrogatepass"), seed=c.seed & 0xFFFFFFFF)
+            keys: list[int] = []
+            simhash = minhash = None
+            sentences: frozenset[int] = frozenset()
+            for method in c.methods:
+                if method == "exact":
+                    keys.append(_tagged("exact", exact ^ (exact >> 64)))
+                elif method == "mgram":
+                    assert grams is not None
+                    keys.extend(self._mgram_keys(grams.hashes[i]))
+                elif method == "simhash":
+                    simhash = self._simhash(hashes)
+                    keys.extend(self._simhash_keys(simhash))
+                elif method == "minhash":
+                    minhash = self._minhash(hashes)
+                    keys.extend(self._band_keys(minhash))
+                elif method == "sentences":
+                    sentences = self._sentences(texts[i][: c.max_chars])
+                    keys.extend(_tagged("sentences", s) for s in sentences)
+            out.append(
+                Fingerprint(
+                    normalized=norm,
+                    exact=exact,
+                    size=len(hashes),
+                    sketch=hashes[: c.sketch_size].copy(),
+                    keys=tuple(dict.fromkeys(keys)),
+                    simhash=simhash,
+                    minhash=minhash,
+                    sentences=sentences,
+                )
+            )
+        return out
+
+    # -- methods ---------------------------------------------------------------------------
+    def _mgram_keys(self, grams: np.ndarray) -> list[int]:
+        target = self.config.mgram_keys
+        rate = 1
+        while len(grams) >= 2 * rate * target:
+            rate *= 2
+        kept = grams if rate == 1 else grams[(grams & np.uint64(rate - 1)) == 0]
+        tag = TAGS["mgram"] << TAG_SHIFT
+        return [tag | (int(g) & _LOW60) for g in kept.tolist()]
+
+    def _simhash(self, hashes: np.ndarray) -> int:
+        if not len(hashes):
+            return 0
+        bits = ((hashes[:, None] >> self._simhash_bits[None, :]) & np.uint64(1)).astype(np.int32)
+        votes = 2 * bits.sum(axis=0) - len(hashes)
+        return int(np.packbits((votes > 0)[::-1]).view(">u8")[0])
+
+    def _simhash_keys(self, fp: int) -> list[int]:
+        blocks = self.config.simhash_k + 1
+        width = 64 // blocks
+        keys = []
+        for b in range(blocks):
+            lo = b * width
+            hi = 64 if b == blocks - 1 else lo + width
+            value = (fp >> lo) & ((1 << (hi - lo)) - 1)
+            keys.append(_tagged("simhash", (b << 48) | value))
+        return keys
+
+    def _minhash(self, hashes: np.ndarray) -> np.ndarray:
+        if not len(hashes):
+            return np.full(self.config.minhash_perm, np.uint32(0xFFFFFFFF), dtype=np.uint32)
+        permuted = (self._perm_a[:, None] * hashes[None, :] + self._perm_b[:, None]) >> np.uint64(32)
+        return permuted.min(axis=1).astype(np.uint32)
+
+    def _band_keys(self, sig: np.ndarray) -> list[int]:
+        bands = self.config.minhash_bands
+        rows = sig.reshape(bands, -1)
+        keys = []
+        for b in range(bands):
+            h = mmh3.hash64(rows[b].tobytes(), seed=b, signed=False)[0]
+            keys.append(_tagged("minhash", h))
+        return keys
+
+    def _sentences(self, raw: str) -> frozenset[int]:
+        c = self.config
+        parts = [self.normalizer(p) for p in _SENTENCE_END.split(raw)]
+        parts = [p for p in parts if len(p) >= c.sentences_min_chars]
+        longest = sorted(parts, key=lambda p: (-len(p), p))[: c.sentences_top]
+        return frozenset(mmh3.hash64(p.encode("utf-8", "surrogatepass"), seed=c.seed & 0xFFFF, signed=False)[0]
+                         for p in longest)
+
+
+def minhash_jaccard(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.count_nonzero(a == b)) / len(a)
+
+
+def shingle_seed_constant(seed: int) -> int:
+    """Exposed for `explain`: the constant the shingle hash starts from."""
+    return int(seed_constant(seed))
+
+
+__all__ = ["Fingerprint", "Fingerprinter", "hamming", "key_method", "minhash_jaccard", "mix64"]

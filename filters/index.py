@@ -1,0 +1,209 @@
+"""The candidate index seam: the `CandidateIndex` protocol, the in-memory backend, and `open_index(url)`.
+
+An index maps bucket keys to the representatives (unique messages) indexed under them, within a
+sliding window of event time. The engine asks it for candidates, verifies them itself, and inserts
+only messages it found unique, so buckets hold representatives, not every copy of a spam wave.
+
+Backends are chosen by URL, as faust chooses stores: `memory://` (the embedded mode; a product
+feature, not a test double) and `redis://` / `rediss://` (shared by many workers).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+from urllib.parse import urlparse
+
+import numpy as np
+
+from filters.errors import ConfigError
+from filters.fingerprint import Fingerprint
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Entry:
+    """An indexed representative: its id, event time and what verification needs of it."""
+
+    id: str
+    ts: float
+    exact: int
+    size: int
+    sketch: np.ndarray
+    simhash: int | None = None
+    minhash: np.ndarray | None = None
+    sentences: frozenset[int] = frozenset()
+
+    @classmethod
+    def of(cls, id: str, ts: float, fp: Fingerprint) -> Entry:
+        return cls(id, ts, fp.exact, fp.size, fp.sketch, fp.simhash, fp.minhash, fp.sentences)
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    entry: Entry
+    shared: int  # how many of the message's bucket keys hold this entry
+    first_key: int  # the first of the message's keys (in method order) that found it
+
+
+@dataclass(frozen=True, slots=True)
+class Query:
+    id: str
+    ts: float
+    keys: tuple[int, ...]
+
+
+@runtime_checkable
+class CandidateIndex(Protocol):
+    """What the engine needs of an index. All calls for one batch come from one thread."""
+
+    def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | None, list[Candidate]]]:
+        """For each query: the entry already stored under its id (a replay), and up to `limit`
+        candidates that share a key with it and are inside the window of its event time, ranked by
+        shared keys, then by recency. An entry never is its own candidate."""
+        ...
+
+    def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]:
+        """Insert representatives under their keys. For each: None when inserted, or the candidates
+        that entered its buckets since its lookup (another worker won the race): then nothing was
+        inserted, and the engine verifies those and either calls it a duplicate or inserts again."""
+        ...
+
+    def expire(self, now: float) -> int:
+        """Forget entries older than `now - window`; returns how many went."""
+        ...
+
+    def stats(self) -> dict[str, int]:
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+class MemoryIndex:
+    """Dict-of-buckets index for one process. Memory is freed as the window slides."""
+
+    def __init__(self, window: float, bucket_cap: int = 64) -> None:
+        self.window = window
+        self.bucket_cap = bucket_cap
+        self._buckets: dict[int, list[int]] = {}
+        self._entries: dict[int, tuple[Entry, tuple[int, ...]]] = {}
+        self._by_id: dict[str, int] = {}
+        self._expiry: list[tuple[float, int]] = []
+        self._seq = 0
+        self._watermark = float("-inf")
+        self.evicted_by_cap = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | None, list[Candidate]]]:
+        return [self._lookup_one(q, limit) for q in queries]
+
+    def _lookup_one(self, q: Query, limit: int) -> tuple[Entry | None, list[Candidate]]:
+        self._advance(q.ts)
+        own = self._by_id.get(q.id)
+        counts: dict[int, int] = {}
+        first: dict[int, int] = {}
+        buckets = self._buckets
+        for key in q.keys:
+            bucket = buckets.get(key)
+            if bucket is None:
+                continue
+            for seq in bucket:
+                if seq in counts:
+                    counts[seq] += 1
+                else:
+                    counts[seq] = 1
+                    first[seq] = key
+        if own is not None:
+            counts.pop(own, None)
+        oldest = q.ts - self.window
+        ranked = sorted(counts, key=lambda s: (-counts[s], -s))
+        out = []
+        for seq in ranked:
+            entry = self._entries[seq][0]
+            if entry.ts < oldest:
+                continue
+            out.append(Candidate(entry, counts[seq], first[seq]))
+            if len(out) >= limit:
+                break
+        return (self._entries[own][0] if own is not None else None), out
+
+    def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]:
+        for entry, keys in entries:
+            if entry.id in self._by_id:
+                continue
+            self._advance(entry.ts)
+            if entry.ts < self._watermark - self.window:
+                continue  # already outside the window: it could never match anything
+            self._seq += 1
+            seq = self._seq
+            self._entries[seq] = (entry, keys)
+            self._by_id[entry.id] = seq
+            heapq.heappush(self._expiry, (entry.ts, seq))
+            for key in keys:
+                bucket = self._buckets.setdefault(key, [])
+                bucket.append(seq)
+                if len(bucket) > self.bucket_cap:
+                    del bucket[0]
+                    self.evicted_by_cap += 1
+        return [None] * len(entries)
+
+    def _advance(self, ts: float) -> None:
+        if ts > self._watermark:
+            self._watermark = ts
+            if self._expiry and self._expiry[0][0] < ts - self.window:
+                self.expire(ts)
+
+    def expire(self, now: float) -> int:
+        horizon = now - self.window
+        gone = 0
+        while self._expiry and self._expiry[0][0] < horizon:
+            _, seq = heapq.heappop(self._expiry)
+            item = self._entries.pop(seq, None)
+            if item is None:
+                continue
+            entry, keys = item
+            gone += 1
+            if self._by_id.get(entry.id) == seq:
+                del self._by_id[entry.id]
+            for key in keys:
+                bucket = self._buckets.get(key)
+                if bucket is None:
+                    continue
+                try:
+                    bucket.remove(seq)
+                except ValueError:
+                    pass  # evicted earlier by the bucket cap
+                if not bucket:
+                    del self._buckets[key]
+        return gone
+
+    def stats(self) -> dict[str, int]:
+        sizes = [len(b) for b in self._buckets.values()]
+        return {
+            "entries": len(self._entries),
+            "buckets": len(self._buckets),
+            "max_bucket": max(sizes, default=0),
+            "evicted_by_cap": self.evicted_by_cap,
+        }
+
+    def entries(self) -> Iterable[Entry]:
+        return (e for e, _ in self._entries.values())
+
+    def close(self) -> None:
+        pass
+
+
+def open_index(url: str, *, window: float, bucket_cap: int, namespace: str) -> CandidateIndex:
+    """`memory://` or `redis://[:password@]host:port/db` / `rediss://...` (TLS) / `redis+cluster://`."""
+    scheme = urlparse(url).scheme
+    if scheme == "memory":
+        return MemoryIndex(window, bucket_cap)
+    if scheme in ("redis", "rediss", "redis+cluster", "rediss+cluster", "unix"):
+        from filters.redis_index import RedisIndex  # the one backend that does I/O; loaded on demand
+
+        return RedisIndex(url, window=window, bucket_cap=bucket_cap, namespace=namespace)
+    raise ConfigError(f"unknown index URL scheme {scheme!r} in {url!r}: use memory:// or redis://")

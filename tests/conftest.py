@@ -1,0 +1,124 @@
+"""Real Redis/Kafka fixtures: NEARDUP_TEST_* env, else testcontainers, else skip (fail in CI)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import ExitStack
+from functools import cache
+from typing import NoReturn
+
+import pytest
+import redis
+
+HINT = 'run `docker/services.sh start` and `eval "$(docker/services.sh env)"`, or start a Docker daemon'
+
+
+def _unavailable(what: str) -> NoReturn:
+    """A missing service fails in CI (a service test must never be skipped there) and skips elsewhere."""
+    msg = f"{what} is not available: {HINT}"
+    if os.environ.get("CI"):
+        pytest.fail(msg, pytrace=False)
+    pytest.skip(msg)
+
+
+@cache
+def _docker_available() -> bool:
+    try:
+        import docker
+
+        client = docker.from_env(timeout=3)
+        try:
+            return bool(client.ping())
+        finally:
+            client.close()
+    except Exception:
+        return False
+
+
+@pytest.fixture(scope="session")
+def _containers() -> Iterator[ExitStack]:
+    """Owns the testcontainers started by the fixtures below; stops them at the end of the session."""
+    with ExitStack() as stack:
+        yield stack
+
+
+def _redis_container(stack: ExitStack, password: str | None = None) -> str:
+    try:
+        from testcontainers.community.redis import RedisContainer
+    except ImportError:  # testcontainers < 4.15
+        from testcontainers.redis import RedisContainer
+
+    container = stack.enter_context(RedisContainer("redis:7", password=password))
+    auth = f":{password}@" if password else ""
+    return f"redis://{auth}{container.get_container_host_ip()}:{container.get_exposed_port(6379)}/0"
+
+
+@pytest.fixture(scope="session")
+def redis_url(_containers: ExitStack) -> str:
+    if url := os.environ.get("NEARDUP_TEST_REDIS_URL"):
+        return url
+    if _docker_available():
+        return _redis_container(_containers)
+    _unavailable("Redis (NEARDUP_TEST_REDIS_URL)")
+
+
+@pytest.fixture(scope="session")
+def redis_auth_url(_containers: ExitStack) -> str:
+    if url := os.environ.get("NEARDUP_TEST_REDIS_AUTH_URL"):
+        return url
+    if _docker_available():
+        return _redis_container(_containers, password="neardup-secret")
+    _unavailable("Redis with AUTH (NEARDUP_TEST_REDIS_AUTH_URL)")
+
+
+@pytest.fixture(scope="session")
+def redis_tls_url() -> str:
+    # Optional: only docker/services.sh provides it, and only when redis-server has TLS.
+    if url := os.environ.get("NEARDUP_TEST_REDIS_TLS_URL"):
+        return url
+    pytest.skip("NEARDUP_TEST_REDIS_TLS_URL is not set (TLS Redis comes from docker/services.sh start redis)")
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_url() -> str:
+    # Optional: started only by `docker/services.sh start cluster`.
+    if url := os.environ.get("NEARDUP_TEST_REDIS_CLUSTER_URL"):
+        return url
+    pytest.skip("NEARDUP_TEST_REDIS_CLUSTER_URL is not set (run `docker/services.sh start cluster`)")
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap(_containers: ExitStack) -> str:
+    if bootstrap := os.environ.get("NEARDUP_TEST_KAFKA"):
+        return bootstrap
+    if _docker_available():
+        try:
+            from testcontainers.community.kafka import KafkaContainer
+        except ImportError:  # testcontainers < 4.15
+            from testcontainers.kafka import KafkaContainer
+
+        return _containers.enter_context(KafkaContainer()).get_bootstrap_server()
+    _unavailable("Kafka (NEARDUP_TEST_KAFKA)")
+
+
+@pytest.fixture(scope="session")
+def kafka_sasl() -> dict[str, str]:
+    """SASL_PLAINTEXT + PLAIN listener: {"bootstrap", "user", "password"} (docker/services.sh only)."""
+    if bootstrap := os.environ.get("NEARDUP_TEST_KAFKA_SASL"):
+        return {
+            "bootstrap": bootstrap,
+            "user": os.environ.get("NEARDUP_TEST_KAFKA_SASL_USER", "neardup"),
+            "password": os.environ.get("NEARDUP_TEST_KAFKA_SASL_PASSWORD", "neardup-secret"),
+        }
+    _unavailable("Kafka SASL/PLAIN listener (NEARDUP_TEST_KAFKA_SASL)")
+
+
+@pytest.fixture
+def fresh_redis(redis_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url)
+    client.flushdb()
+    try:
+        yield client
+    finally:
+        client.close()
