@@ -25,20 +25,23 @@ class FilterConfig:
     # "native": each method verifies its own candidates (simhash: Hamming distance, minhash: estimated
     # Jaccard, sentences: shared sentences, mgram/exact: sketch).
     verify: str = "sketch"
-    shingle: int = 3  # character n-gram size of the verification shingles
+    shingle: int = 4  # character n-gram size of the verification shingles
     sketch_size: int = 128  # bottom-k sketch kept per indexed message
     threshold: float = 0.5  # Jaccard at or above which a candidate is a duplicate
     containment: float = 0.8  # ... or containment of the smaller text in the larger, at or above this
-    containment_min_ratio: float = 0.2  # ... when the smaller has at least this share of the larger's size
+    containment_min_ratio: float = 0.35  # ... when the smaller has at least this share of the larger's size
     containment_min_size: int = 12  # ... and at least this many shingles (short texts need Jaccard)
-    mgram: int = 5  # m-gram size of the substring-index bucket keys
-    mgram_keys: int = 24  # sampled m-gram keys per message (all of them for short texts)
+    mgram: int = 6  # m-gram size of the substring-index bucket keys
+    mgram_keys: int = 12  # sampled m-gram keys per message (all of them for short texts)
     simhash_k: int = 3  # Hamming distance bound; the 64 bits split into k + 1 blocks
     minhash_perm: int = 128
     minhash_bands: int = 32
     sentences_top: int = 3  # the Baidu signature: this many longest sentences
     sentences_min_chars: int = 10
-    max_candidates: int = 16  # candidates verified per message, best-ranked first
+    max_candidates: int = 8  # candidates verified per message, best-ranked first
+    # A candidate is verified only if it shares at least this fraction of the message's bucket keys;
+    # unrelated texts share a key or two by chance, true copies share many (see README, tuning).
+    min_shared: float = 0.1
     bucket_cap: int = 64  # representatives kept per bucket (newest win)
     max_chars: int = 20_000  # longer texts are truncated before fingerprinting
     window: float = 24 * 3600.0  # seconds of event time an indexed message keeps matching
@@ -70,7 +73,7 @@ class FilterConfig:
         """The parameters that change what is stored; thresholds and the window do not."""
         d = asdict(self)
         for volatile in ("threshold", "containment", "containment_min_ratio", "containment_min_size",
-                         "max_candidates", "window", "verify"):
+                         "max_candidates", "window", "verify", "min_shared"):
             d.pop(volatile)
         return d
 

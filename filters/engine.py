@@ -9,6 +9,7 @@ the same messages would decide one at a time.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -94,22 +95,42 @@ class NearDupFilter:
         return self.decide(messages, fps)
 
     def decide(self, messages: Sequence[Message], fps: Sequence[Fingerprint]) -> list[Verdict]:
+        if isinstance(self.index, MemoryIndex):
+            return [self._decide_local(m, fp) for m, fp in zip(messages, fps)]
+        return self._decide_shared(messages, fps)
+
+    def _query(self, msg: Message, fp: Fingerprint) -> Query:
+        floor = max(1, math.ceil(self.config.min_shared * len(fp.keys)))
+        return Query(msg.id, msg.ts, fp.keys, floor)
+
+    def _decide_local(self, msg: Message, fp: Fingerprint) -> Verdict:
+        """Embedded index: nothing else writes to it, so look up, verify and insert one by one."""
+        assert isinstance(self.index, MemoryIndex)
+        own, candidates = self.index.lookup_one(self._query(msg, fp), self.config.max_candidates)
+        if own is not None:
+            return Verdict(msg.id, False, method="replay")
+        verdict = self._first_match(msg, fp, candidates)
+        if not verdict.duplicate:
+            self.index.insert([(Entry.of(msg.id, msg.ts, fp), fp.keys)])
+        return verdict
+
+    def _decide_shared(self, messages: Sequence[Message], fps: Sequence[Fingerprint]) -> list[Verdict]:
+        """Shared index: one lookup and one insert round for the whole batch; messages of the batch
+        are checked against each other through a batch-local index, and insert conflicts (another
+        worker indexed a near-duplicate meanwhile) are verified before anything is called unique."""
         cfg = self.config
-        looked = self.index.lookup([Query(m.id, m.ts, fp.keys) for m, fp in zip(messages, fps)],
-                                   cfg.max_candidates)
+        queries = [self._query(m, fp) for m, fp in zip(messages, fps)]
+        looked = self.index.lookup(queries, cfg.max_candidates)
         verdicts: list[Verdict] = []
         batch_local = MemoryIndex(cfg.window, cfg.bucket_cap)
         pending: dict[int, Entry] = {}
         for i, (msg, fp) in enumerate(zip(messages, fps)):
             own, remote = looked[i]
-            if own is not None:
+            local_own, local = batch_local.lookup_one(queries[i], cfg.max_candidates)
+            if own is not None or local_own is not None:
                 verdicts.append(Verdict(msg.id, False, method="replay"))
                 continue
-            local = batch_local.lookup([Query(msg.id, msg.ts, fp.keys)], cfg.max_candidates)[0]
-            if local[0] is not None:  # the same id twice in one batch: a replay as well
-                verdicts.append(Verdict(msg.id, False, method="replay"))
-                continue
-            verdict = self._first_match(msg, fp, _merge(local[1], remote, cfg.max_candidates))
+            verdict = self._first_match(msg, fp, _merge(local, remote, cfg.max_candidates))
             verdicts.append(verdict)
             if not verdict.duplicate:
                 entry = Entry.of(msg.id, msg.ts, fp)
@@ -120,7 +141,10 @@ class NearDupFilter:
 
     # -- verification ------------------------------------------------------------------------
     def _first_match(self, msg: Message, fp: Fingerprint, candidates: Sequence[Candidate]) -> Verdict:
+        floor = max(1, math.ceil(self.config.min_shared * len(fp.keys)))
         for cand in candidates:
+            if cand.shared < floor and cand.entry.exact != fp.exact:
+                continue
             m = self.verify(fp, cand)
             if m.ok:
                 return Verdict(msg.id, True, cand.entry.id, round(m.similarity, 4), m.method)

@@ -24,12 +24,14 @@ import numpy as np
 
 from filters.config import FilterConfig
 from filters.normalize import Normalizer
-from filters.shingles import mix64, seed_constant, shingle_sets
+from filters.shingles import Batch, mix64
 
 TAG_SHIFT = 60
 TAGS = {"exact": 1, "mgram": 2, "simhash": 3, "minhash": 4, "sentences": 5}
 METHOD_OF_TAG = {v: k for k, v in TAGS.items()}
 _LOW60 = (1 << TAG_SHIFT) - 1
+_TAG_ROOM = np.uint64(64 - TAG_SHIFT)
+_MGRAM_TAG = np.uint64(2 << TAG_SHIFT)
 _SENTENCE_END = re.compile(r"[.!?;。！？；\n]+")
 
 
@@ -79,11 +81,12 @@ class Fingerprinter:
     def fingerprint_batch(self, texts: Sequence[str]) -> list[Fingerprint]:
         c = self.config
         normalized = [self.normalizer(t[: c.max_chars]) for t in texts]
-        shingles = shingle_sets(normalized, c.shingle, c.seed)
-        grams = shingle_sets(normalized, c.mgram, c.seed + 1) if "mgram" in self._methods else None
+        batch = Batch(normalized, max(c.shingle, c.mgram), c.seed)
+        sketches = batch.sketches(c.shingle, c.sketch_size)
+        grams = batch.samples(c.mgram, c.mgram_keys) if "mgram" in self._methods else None
         out = []
         for i, norm in enumerate(normalized):
-            hashes = shingles.hashes[i]
+            hashes = sketches.hashes[i]
             exact = mmh3.hash128(norm.encode("utf-8", "surrogatepass"), seed=c.seed & 0xFFFFFFFF)
             keys: list[int] = []
             simhash = minhash = None
@@ -93,7 +96,7 @@ class Fingerprinter:
                     keys.append(_tagged("exact", exact ^ (exact >> 64)))
                 elif method == "mgram":
                     assert grams is not None
-                    keys.extend(self._mgram_keys(grams.hashes[i]))
+                    keys.extend(((grams[i] >> _TAG_ROOM) | _MGRAM_TAG).tolist())
                 elif method == "simhash":
                     simhash = self._simhash(hashes)
                     keys.extend(self._simhash_keys(simhash))
@@ -107,8 +110,8 @@ class Fingerprinter:
                 Fingerprint(
                     normalized=norm,
                     exact=exact,
-                    size=len(hashes),
-                    sketch=hashes[: c.sketch_size].copy(),
+                    size=sketches.sizes[i],
+                    sketch=hashes.copy(),
                     keys=tuple(dict.fromkeys(keys)),
                     simhash=simhash,
                     minhash=minhash,
@@ -118,15 +121,6 @@ class Fingerprinter:
         return out
 
     # -- methods ---------------------------------------------------------------------------
-    def _mgram_keys(self, grams: np.ndarray) -> list[int]:
-        target = self.config.mgram_keys
-        rate = 1
-        while len(grams) >= 2 * rate * target:
-            rate *= 2
-        kept = grams if rate == 1 else grams[(grams & np.uint64(rate - 1)) == 0]
-        tag = TAGS["mgram"] << TAG_SHIFT
-        return [tag | (int(g) & _LOW60) for g in kept.tolist()]
-
     def _simhash(self, hashes: np.ndarray) -> int:
         if not len(hashes):
             return 0
@@ -171,11 +165,6 @@ class Fingerprinter:
 
 def minhash_jaccard(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.count_nonzero(a == b)) / len(a)
-
-
-def shingle_seed_constant(seed: int) -> int:
-    """Exposed for `explain`: the constant the shingle hash starts from."""
-    return int(seed_constant(seed))
 
 
 __all__ = ["Fingerprint", "Fingerprinter", "hamming", "key_method", "minhash_jaccard", "mix64"]

@@ -11,7 +11,10 @@ feature, not a test double) and `redis://` / `rediss://` (shared by many workers
 from __future__ import annotations
 
 import heapq
+from collections import Counter
 from collections.abc import Iterable, Sequence
+from itertools import chain
+from operator import itemgetter
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 from urllib.parse import urlparse
@@ -52,6 +55,7 @@ class Query:
     id: str
     ts: float
     keys: tuple[int, ...]
+    min_shared: int = 1  # candidates sharing fewer keys need not be returned
 
 
 @runtime_checkable
@@ -81,6 +85,13 @@ class CandidateIndex(Protocol):
         ...
 
 
+def _rank(item: tuple[int, int]) -> tuple[int, int]:
+    return item[1], item[0]  # most shared keys first, then the newest (highest sequence number)
+
+
+_BY_SHARED_THEN_NEWEST = itemgetter(1, 0)
+
+
 class MemoryIndex:
     """Dict-of-buckets index for one process. Memory is freed as the window slides."""
 
@@ -99,37 +110,33 @@ class MemoryIndex:
         return len(self._entries)
 
     def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | None, list[Candidate]]]:
-        return [self._lookup_one(q, limit) for q in queries]
+        return [self.lookup_one(q, limit) for q in queries]
 
-    def _lookup_one(self, q: Query, limit: int) -> tuple[Entry | None, list[Candidate]]:
+    def lookup_one(self, q: Query, limit: int) -> tuple[Entry | None, list[Candidate]]:
         self._advance(q.ts)
         own = self._by_id.get(q.id)
-        counts: dict[int, int] = {}
-        first: dict[int, int] = {}
-        buckets = self._buckets
-        for key in q.keys:
-            bucket = buckets.get(key)
-            if bucket is None:
-                continue
-            for seq in bucket:
-                if seq in counts:
-                    counts[seq] += 1
-                else:
-                    counts[seq] = 1
-                    first[seq] = key
+        entries = self._entries
+        own_entry = entries[own][0] if own is not None else None
+        hit = [b for b in map(self._buckets.get, q.keys) if b]
+        if not hit:
+            return own_entry, []
+        counts = Counter(chain.from_iterable(hit))
         if own is not None:
             counts.pop(own, None)
+        items = counts.items() if q.min_shared <= 1 else [i for i in counts.items() if i[1] >= q.min_shared]
+        # Most shared keys first, then the newest (highest sequence number).
+        ranked = sorted(items, key=_BY_SHARED_THEN_NEWEST, reverse=True)
         oldest = q.ts - self.window
-        ranked = sorted(counts, key=lambda s: (-counts[s], -s))
         out = []
-        for seq in ranked:
-            entry = self._entries[seq][0]
+        for seq, shared in ranked:
+            entry, keys = entries[seq]
             if entry.ts < oldest:
                 continue
-            out.append(Candidate(entry, counts[seq], first[seq]))
+            mine = set(keys)
+            out.append(Candidate(entry, shared, next((k for k in q.keys if k in mine), q.keys[0])))
             if len(out) >= limit:
                 break
-        return (self._entries[own][0] if own is not None else None), out
+        return own_entry, out
 
     def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]:
         for entry, keys in entries:

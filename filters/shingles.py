@@ -30,52 +30,85 @@ def seed_constant(seed: int) -> np.uint64:
     return np.uint64(int(mix64(np.array([seed], dtype=np.uint64))[0]) | 1)
 
 
-@dataclass(frozen=True, slots=True)
-class ShingleSets:
-    """For each text of a batch: the sorted, distinct 64-bit hashes of its character n-grams."""
-
-    hashes: list[np.ndarray]
-
-    def __len__(self) -> int:
-        return len(self.hashes)
+_HASH_BITS = 44  # precision kept in sketches; the rest of the 64 bits carries the owner when sorting
+_LOW = np.uint64((1 << _HASH_BITS) - 1)
+_DROP = np.uint64(64 - _HASH_BITS)
 
 
 def code_points(text: str) -> np.ndarray:
     return np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
 
 
-def shingle_sets(texts: Sequence[str], n: int, seed: int) -> ShingleSets:
-    """Distinct n-gram hashes of every text. A text shorter than n is one shingle: itself.
+@dataclass(frozen=True, slots=True)
+class Sketches:
+    """Per text: the smallest distinct shingle hashes (sorted, at most k) and the number of distinct
+    shingles (exact when the text has few, else estimated from the sketch's density)."""
 
-    The whole batch is hashed in one pass over the concatenated code points and de-duplicated with
-    one sort, so the per-message Python overhead is a slice, not a loop over characters.
-    """
-    if not texts:
-        return ShingleSets([])
-    # Pad each text to at least n code points with a marker, so short texts still yield one shingle
-    # and no n-gram spans two texts (the window never crosses the separator run).
-    pad = "\U00100000" * (n - 1)
-    lengths = np.fromiter((max(len(t), 1) for t in texts), dtype=np.int64, count=len(texts))
-    joined = pad.join(t if t else "\U00100000" for t in texts) + pad
-    cps = code_points(joined).astype(np.uint64)
-    total = len(cps)
-    s = seed_constant(seed)
-    count = total - n + 1
-    h = np.full(count, s, dtype=np.uint64)
-    for j in range(n):
-        h = (h ^ cps[j : j + count]) * _MUL
-    h = mix64(h)
-    # Start offset of each text in `joined`; n-grams starting at [start, start + max(len - n + 1, 1)).
-    starts = np.zeros(len(texts), dtype=np.int64)
-    starts[1:] = np.cumsum(lengths[:-1] + (n - 1))
-    counts = np.maximum(lengths - n + 1, 1)
-    owner = np.repeat(np.arange(len(texts), dtype=np.int64), counts)
-    offsets = np.arange(counts.sum(), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
-    values = h[np.repeat(starts, counts) + offsets]
-    order = np.lexsort((values, owner))
-    values, owner = values[order], owner[order]
-    keep = np.ones(len(values), dtype=bool)
-    keep[1:] = (values[1:] != values[:-1]) | (owner[1:] != owner[:-1])
-    values, owner = values[keep], owner[keep]
-    bounds = np.searchsorted(owner, np.arange(1, len(texts)))
-    return ShingleSets(np.split(values, bounds))
+    hashes: list[np.ndarray]
+    sizes: list[int]
+
+
+class Batch:
+    """The code points of a batch of normalized texts, laid end to end for vectorised n-gram hashing."""
+
+    def __init__(self, texts: Sequence[str], width: int, seed: int) -> None:
+        self.count = len(texts)
+        self.seed = seed
+        # Each text is followed by width - 1 pad markers, so no n-gram spans two texts and a text
+        # shorter than n still yields one shingle: itself, padded.
+        pad = "\U00100000" * (width - 1)
+        self.lengths = np.fromiter((max(len(t), 1) for t in texts), dtype=np.int64, count=len(texts))
+        joined = pad.join(t if t else "\U00100000" for t in texts) + pad
+        self.cps = code_points(joined).astype(np.uint64)
+        self.starts = np.zeros(len(texts), dtype=np.int64)
+        self.starts[1:] = np.cumsum(self.lengths[:-1] + (width - 1))
+
+    def ngrams(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(hashes, owner, per-text counts) of every n-gram position of every text."""
+        count = len(self.cps) - n + 1
+        h = np.full(count, seed_constant(self.seed + n), dtype=np.uint64)
+        for j in range(n):
+            h = (h ^ self.cps[j : j + count]) * _MUL
+        h = mix64(h)
+        counts = np.maximum(self.lengths - n + 1, 1)
+        owner = np.repeat(np.arange(self.count, dtype=np.int64), counts)
+        offsets = np.arange(counts.sum(), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+        return h[np.repeat(self.starts, counts) + offsets], owner, counts
+
+    def sketches(self, n: int, k: int) -> Sketches:
+        """Bottom-k sketches. Only hashes below a per-text threshold (≈ 3k of them expected) are
+        sorted at all, so long texts cost a filter, not a sort."""
+        values, owner, counts = self.ngrams(n)
+        keep_fraction = np.minimum(1.0, (3.0 * k) / counts)
+        limit = np.where(keep_fraction >= 1.0, np.uint64(0xFFFFFFFFFFFFFFFF),
+                         (np.minimum(keep_fraction, 0.999) * 2.0**64).astype(np.uint64))
+        below = values <= limit[owner]
+        values, owner = values[below], owner[below]
+        keyed = np.sort((owner.astype(np.uint64) << np.uint64(_HASH_BITS)) | (values >> _DROP))
+        distinct = np.ones(len(keyed), dtype=bool)
+        distinct[1:] = keyed[1:] != keyed[:-1]
+        keyed = keyed[distinct]
+        owners = (keyed >> np.uint64(_HASH_BITS)).astype(np.int64)
+        # Sketches keep the top 32 bits of each hash: half the memory, and a chance collision between
+        # two sketches of 128 is about 4e-6.
+        hashes = ((keyed & _LOW) >> np.uint64(_HASH_BITS - 32)).astype(np.uint32)
+        bounds = np.searchsorted(owners, np.arange(self.count + 1))
+        per_text = np.diff(bounds)
+        sizes = np.where(keep_fraction >= 1.0, per_text, np.rint(per_text / keep_fraction)).astype(np.int64)
+        out = [hashes[bounds[i] : min(bounds[i + 1], bounds[i] + k)] for i in range(self.count)]
+        return Sketches(out, sizes.tolist())
+
+    def samples(self, m: int, target: int) -> list[np.ndarray]:
+        """m-gram hashes kept by a nested sample: rate 1/2^j, the smallest j that leaves at most
+        about 2 * target of a text's m-grams. A key kept at rate 1/2P is also kept at rate 1/P."""
+        values, owner, counts = self.ngrams(m)
+        rates = np.ones(self.count, dtype=np.uint64)
+        while True:
+            grow = counts >= 2 * rates.astype(np.int64) * target
+            if not grow.any():
+                break
+            rates[grow] *= np.uint64(2)
+        kept = (values & (rates[owner] - np.uint64(1))) == 0
+        values, owner = values[kept], owner[kept]
+        bounds = np.searchsorted(owner, np.arange(self.count + 1))
+        return [values[bounds[i] : bounds[i + 1]] for i in range(self.count)]

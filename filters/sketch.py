@@ -9,11 +9,11 @@ and |A∩B|/|A∪B|, |A∩B|/|A| and |A∩B|/|B| are estimated without bias from
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
 
 import numpy as np
 
-_NO_LIMIT = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
 def bottom_k(sorted_hashes: np.ndarray, k: int) -> np.ndarray:
@@ -41,13 +41,18 @@ class Overlap:
 
 
 def overlap(a: np.ndarray, size_a: int, b: np.ndarray, size_b: int) -> Overlap:
-    tau_a = a[-1] if size_a > len(a) and len(a) else _NO_LIMIT
-    tau_b = b[-1] if size_b > len(b) and len(b) else _NO_LIMIT
-    tau = min(tau_a, tau_b)
-    a_low = a[: np.searchsorted(a, tau, side="right")] if tau != _NO_LIMIT else a
-    b_low = b[: np.searchsorted(b, tau, side="right")] if tau != _NO_LIMIT else b
-    na, nb = len(a_low), len(b_low)
+    la, lb = a.tolist(), b.tolist()
+    # A sketch that holds fewer hashes than its text has shingles is complete only up to its largest.
+    tau_a = la[-1] if la and size_a > len(la) else None
+    tau_b = lb[-1] if lb and size_b > len(lb) else None
+    if tau_a is not None or tau_b is not None:
+        tau = min(t for t in (tau_a, tau_b) if t is not None)
+        if tau_a is None or tau_a > tau:
+            la = la[: bisect_right(la, tau)]
+        if tau_b is None or tau_b > tau:
+            lb = lb[: bisect_right(lb, tau)]
+    na, nb = len(la), len(lb)
     if not na or not nb:
         return Overlap(0.0, 0.0, 0.0, size_a, size_b)
-    inter = len(set(a_low.tolist()).intersection(b_low.tolist()))
+    inter = len(set(la).intersection(lb))
     return Overlap(inter / (na + nb - inter), inter / na, inter / nb, size_a, size_b)

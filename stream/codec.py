@@ -1,0 +1,117 @@
+"""Record codec: raw bytes (a JSONL line or a Kafka value) → `Message`, and verdicts back to output records.
+
+Decoding rules (the README states them): a record must be UTF-8; in JSON format it must be a JSON
+object with a string text field whose content is not empty or whitespace only. The id field may be a
+string or a number (absent: the caller's fallback, e.g. line number or topic/partition/offset). The
+timestamp field is seconds since the epoch as a number or numeric string (absent: the caller's
+fallback, e.g. arrival time or the Kafka record timestamp). Anything else raises a `RejectedInput`
+subclass whose `reason` goes to the dead-letter output.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from filters.engine import Message, Verdict
+from filters.errors import DecodeError, MissingText, RejectedInput
+
+FORMATS = ("json", "text")
+
+
+@dataclass(frozen=True, slots=True)
+class RecordFormat:
+    format: str = "json"
+    text_field: str = "text"
+    id_field: str = "id"
+    ts_field: str = "ts"
+    max_record_bytes: int = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Decoded:
+    message: Message
+    record: dict[str, Any] | None  # the parsed JSON object; None in text format
+
+
+def decode(raw: bytes, fmt: RecordFormat, *, fallback_id: str, fallback_ts: float) -> Decoded:
+    if len(raw) > fmt.max_record_bytes:
+        raise DecodeError(f"record of {len(raw)} bytes exceeds {fmt.max_record_bytes}", "too_large")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DecodeError(f"not UTF-8: {exc.reason} at byte {exc.start}", "invalid_utf8") from exc
+    if fmt.format == "text":
+        text = text.rstrip("\r\n")
+        _require_content(text)
+        return Decoded(Message(fallback_id, text, fallback_ts), None)
+    try:
+        record = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise DecodeError(f"not JSON: {exc}", "invalid_json") from exc
+    if not isinstance(record, dict):
+        raise DecodeError(f"JSON {type(record).__name__} is not an object", "not_an_object")
+    if fmt.text_field not in record:
+        raise MissingText(f"no {fmt.text_field!r} field", "no_text")
+    value = record[fmt.text_field]
+    if not isinstance(value, str):
+        raise MissingText(f"{fmt.text_field!r} is {type(value).__name__}, not a string", "text_not_string")
+    _require_content(value)
+    return Decoded(
+        Message(_id(record, fmt.id_field, fallback_id), value, _ts(record, fmt.ts_field, fallback_ts)),
+        record,
+    )
+
+
+def _require_content(text: str) -> None:
+    if not text.strip():
+        raise MissingText("text is empty or whitespace only", "empty_text")
+
+
+def _id(record: dict[str, Any], field: str, fallback: str) -> str:
+    value = record.get(field)
+    if value is None:
+        return fallback
+    if isinstance(value, str) and value:
+        return value
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return str(value)
+    raise RejectedInput(f"{field!r} must be a non-empty string or a number", "bad_id")
+
+
+def _ts(record: dict[str, Any], field: str, fallback: float) -> float:
+    value = record.get(field)
+    if value is None:
+        return fallback
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            raise RejectedInput(f"{field!r} is not a number: {value[:40]!r}", "bad_timestamp") from None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        raise RejectedInput(f"{field!r} must be seconds since the epoch (>= 0)", "bad_timestamp")
+    return float(value)
+
+
+def duplicate_record(decoded: Decoded, verdict: Verdict, fmt: RecordFormat) -> bytes:
+    """The original record plus `duplicate_of`, `similarity` and `method`, as one JSON line."""
+    record = dict(decoded.record) if decoded.record is not None else {
+        fmt.id_field: decoded.message.id, fmt.text_field: decoded.message.text,
+    }
+    record["duplicate_of"] = verdict.duplicate_of
+    record["similarity"] = verdict.similarity
+    record["method"] = verdict.method
+    return orjson.dumps(record)
+
+
+def rejected_record(raw: bytes, error: RejectedInput, position: str) -> bytes:
+    """The original line (undecodable bytes replaced) plus why it was rejected."""
+    return orjson.dumps({
+        "error": str(error),
+        "reason": error.reason,
+        "position": position,
+        "line": raw.decode("utf-8", "replace"),
+    })
