@@ -130,8 +130,6 @@ def run_filter(
             progress(summary)
 
     for number, line in enumerate(lines, start=1):
-        if not line.strip(b" \t\r\n") and fmt.format == "json":
-            continue  # blank lines in JSONL are not records
         batch.append(RawRecord(line, str(number), clock()))
         if len(batch) >= batch_size:
             flush_batch()
