@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import numpy as np
 
 
-
 def bottom_k(sorted_hashes: np.ndarray, k: int) -> np.ndarray:
     return sorted_hashes[:k]
 
