@@ -84,6 +84,12 @@ class Fingerprinter:
         batch = Batch(normalized, max(c.shingle, c.mgram), c.seed)
         sketches = batch.sketches(c.shingle, c.sketch_size)
         grams = batch.samples(c.mgram, c.mgram_keys) if "mgram" in self._methods else None
+        features: list[np.ndarray] = []
+        if "simhash" in self._methods or "minhash" in self._methods:
+            # simhash and minhash see every shingle (weighted by its count), not only the sketch.
+            values, _, counts = batch.ngrams(c.shingle)
+            bounds = np.concatenate(([0], np.cumsum(counts)))
+            features = [values[bounds[j] : bounds[j + 1]] for j in range(len(normalized))]
         out = []
         for i, norm in enumerate(normalized):
             hashes = sketches.hashes[i]
@@ -98,10 +104,10 @@ class Fingerprinter:
                     assert grams is not None
                     keys.extend(((grams[i] >> _TAG_ROOM) | _MGRAM_TAG).tolist())
                 elif method == "simhash":
-                    simhash = self._simhash(hashes)
+                    simhash = self._simhash(features[i])
                     keys.extend(self._simhash_keys(simhash))
                 elif method == "minhash":
-                    minhash = self._minhash(hashes)
+                    minhash = self._minhash(np.unique(features[i]))
                     keys.extend(self._band_keys(minhash))
                 elif method == "sentences":
                     sentences = self._sentences(texts[i][: c.max_chars])

@@ -10,12 +10,12 @@ feature, not a test double) and `redis://` / `rediss://` (shared by many workers
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from itertools import chain
-from operator import itemgetter
 from dataclasses import dataclass
+from itertools import chain
 from typing import Protocol, runtime_checkable
 from urllib.parse import urlparse
 
@@ -65,7 +65,8 @@ class CandidateIndex(Protocol):
     def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | None, list[Candidate]]]:
         """For each query: the entry already stored under its id (a replay), and up to `limit`
         candidates that share a key with it and are inside the window of its event time, ranked by
-        shared keys, then by recency. An entry never is its own candidate."""
+        shared keys, then by recency (newest event time first, then the later inserted). An entry
+        never is its own candidate."""
         ...
 
     def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]:
@@ -85,15 +86,12 @@ class CandidateIndex(Protocol):
         ...
 
 
-def _rank(item: tuple[int, int]) -> tuple[int, int]:
-    return item[1], item[0]  # most shared keys first, then the newest (highest sequence number)
-
-
-_BY_SHARED_THEN_NEWEST = itemgetter(1, 0)
-
-
 class MemoryIndex:
-    """Dict-of-buckets index for one process. Memory is freed as the window slides."""
+    """Dict-of-buckets index for one process. Memory is freed as the window slides.
+
+    "Newest" means event time, then insertion order, for ranking and for the bucket cap alike, so
+    that an index whose buckets are sorted by event time (Redis) can behave the same.
+    """
 
     def __init__(self, window: float, bucket_cap: int = 64) -> None:
         self.window = window
@@ -124,16 +122,18 @@ class MemoryIndex:
         if own is not None:
             counts.pop(own, None)
         items = counts.items() if q.min_shared <= 1 else [i for i in counts.items() if i[1] >= q.min_shared]
-        # Most shared keys first, then the newest (highest sequence number).
-        ranked = sorted(items, key=_BY_SHARED_THEN_NEWEST, reverse=True)
+        # Most shared keys first, then the newest: event time, then sequence number.
+        ranked = sorted(items, key=lambda item: (item[1], entries[item[0]][0].ts, item[0]), reverse=True)
         oldest = q.ts - self.window
+        buckets = self._buckets
         out = []
         for seq, shared in ranked:
-            entry, keys = entries[seq]
+            entry = entries[seq][0]
             if entry.ts < oldest:
                 continue
-            mine = set(keys)
-            out.append(Candidate(entry, shared, next((k for k in q.keys if k in mine), q.keys[0])))
+            # The first key whose bucket holds it (not merely one of its keys: the cap may have evicted it).
+            first = next(k for k in q.keys if seq in buckets.get(k, ()))
+            out.append(Candidate(entry, shared, first))
             if len(out) >= limit:
                 break
         return own_entry, out
@@ -152,11 +152,18 @@ class MemoryIndex:
             heapq.heappush(self._expiry, (entry.ts, seq))
             for key in keys:
                 bucket = self._buckets.setdefault(key, [])
-                bucket.append(seq)
+                # Buckets stay sorted by (event time, seq), so bucket[0] is the oldest one the cap evicts.
+                if bucket and self._entries[bucket[-1]][0].ts > entry.ts:
+                    bisect.insort(bucket, seq, key=self._age)
+                else:
+                    bucket.append(seq)
                 if len(bucket) > self.bucket_cap:
                     del bucket[0]
                     self.evicted_by_cap += 1
         return [None] * len(entries)
+
+    def _age(self, seq: int) -> tuple[float, int]:
+        return self._entries[seq][0].ts, seq
 
     def _advance(self, ts: float) -> None:
         if ts > self._watermark:

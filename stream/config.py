@@ -1,10 +1,21 @@
-"""Settings of the CLI and the worker: durations, and (growing) the layered configuration."""
+"""Settings of the CLI and the worker: durations, and the layered configuration (flags > env > TOML file > defaults)."""
 
 from __future__ import annotations
 
+import argparse
+import os
 import re
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
+from filters.config import METHODS, VERIFY_MODES, FilterConfig
 from filters.errors import ConfigError
+from stream.codec import FORMATS, RecordFormat
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$")
 _UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0, None: 1.0}
@@ -22,3 +33,340 @@ def parse_duration(text: str | float | int) -> float:
     if seconds <= 0:
         raise ConfigError(f"duration must be positive: {text!r}")
     return seconds
+
+
+ENV_PREFIX = "NEARDUP_"
+CONFIG_ENV = "NEARDUP_CONFIG"
+RUNTIMES = ("aiokafka", "faust")
+INDEX_ERROR_POLICIES = ("block", "unchecked")
+SECURITY_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
+MASK = "***"
+_TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")  # Kafka's own rule for topic names
+
+# Groups of settings, so that `produce` and `tail` show only the connection options.
+KAFKA, WORKER = "kafka", "worker"
+
+
+def _meta(help: str, group: str = WORKER, kind: str = "str", secret: bool = False) -> dict[str, Any]:
+    return {"help": help, "group": group, "kind": kind, "secret": secret}
+
+
+_DEFAULT_FILTER = FilterConfig()
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Everything `neardup serve`/`produce`/`tail` need. `sources` says where each value came from."""
+
+    # -- Kafka connection ------------------------------------------------------------------------
+    kafka_bootstrap: str = field(default="localhost:9092", metadata=_meta("bootstrap servers, host:port[,...]", KAFKA))
+    kafka_security_protocol: str = field(default="PLAINTEXT", metadata=_meta(
+        f"one of {', '.join(SECURITY_PROTOCOLS)}", KAFKA))
+    kafka_sasl_mechanism: str = field(default="PLAIN", metadata=_meta(f"one of {', '.join(SASL_MECHANISMS)}", KAFKA))
+    kafka_sasl_username: str = field(default="", metadata=_meta("SASL user name", KAFKA))
+    kafka_sasl_password: str = field(default="", repr=False, metadata=_meta(
+        "SASL password (prefer the environment variable: flags show in `ps`)", KAFKA, secret=True))
+    kafka_ssl_cafile: str = field(default="", metadata=_meta("CA certificate file for SSL/SASL_SSL", KAFKA))
+    kafka_client_id: str = field(default="neardup", metadata=_meta("client id the broker logs", KAFKA))
+    # -- topics ----------------------------------------------------------------------------------
+    input_topics: tuple[str, ...] = field(default=("neardup-input",), metadata=_meta(
+        "topics to filter, comma-separated", kind="list"))
+    unique_topic: str = field(default="unique", metadata=_meta("where unique records go"))
+    duplicate_topic: str = field(default="duplicate", metadata=_meta("where duplicates go"))
+    dead_letter_topic: str = field(default="neardup-dead-letter", metadata=_meta(
+        "where undecodable/rejected records go, with the reason in headers"))
+    group_id: str = field(default="neardup", metadata=_meta("consumer group: workers sharing it share the input"))
+    create_topics: bool = field(default=True, metadata=_meta("create missing input/output topics", kind="bool"))
+    partitions: int = field(default=1, metadata=_meta("partitions of topics neardup creates", kind="int"))
+    replication_factor: int = field(default=1, metadata=_meta("replication of topics neardup creates", kind="int"))
+    # -- records ---------------------------------------------------------------------------------
+    format: str = field(default="json", metadata=_meta(f"record format: {', '.join(FORMATS)}"))
+    text_field: str = field(default="text", metadata=_meta("JSON field holding the text"))
+    id_field: str = field(default="", metadata=_meta(
+        "JSON field holding a unique message id (empty: topic/partition/offset)"))
+    ts_field: str = field(default="", metadata=_meta(
+        "JSON field holding the event time in seconds (empty: the Kafka record timestamp)"))
+    # -- filter ----------------------------------------------------------------------------------
+    index: str = field(default="memory://", metadata=_meta(
+        "candidate index: redis://host:6379/0 (shared, survives restarts) or memory:// (trying out only)"))
+    window: float = field(default=_DEFAULT_FILTER.window, metadata=_meta(
+        "sliding window of event time: 90s, 30m, 12h, 7d", kind="duration"))
+    methods: tuple[str, ...] = field(default=_DEFAULT_FILTER.methods, metadata=_meta(
+        f"candidate generators, comma-separated, of {', '.join(METHODS)}", kind="list"))
+    verify: str = field(default=_DEFAULT_FILTER.verify, metadata=_meta(f"one of {', '.join(VERIFY_MODES)}"))
+    threshold: float = field(default=_DEFAULT_FILTER.threshold, metadata=_meta("Jaccard threshold", kind="float"))
+    containment: float = field(default=_DEFAULT_FILTER.containment, metadata=_meta(
+        "containment threshold", kind="float"))
+    # -- worker ----------------------------------------------------------------------------------
+    runtime: str = field(default="aiokafka", metadata=_meta(
+        "consume/produce/commit loop: aiokafka (default, faster) or faust"))
+    max_batch: int = field(default=500, metadata=_meta("records routed per batch, at most", kind="int"))
+    batch_within: float = field(default=0.05, metadata=_meta(
+        "wait at most this long to fill a batch: 50ms, 1s", kind="duration"))
+    on_index_error: str = field(default="block", metadata=_meta(
+        "index unavailable: block (pause, retry with backoff) or unchecked (pass to unique, "
+        "header neardup-verdict: unchecked)"))
+    retry_initial: float = field(default=0.5, metadata=_meta("first backoff after an index error", kind="duration"))
+    retry_max: float = field(default=30.0, metadata=_meta("longest backoff after index errors", kind="duration"))
+    linger: float = field(default=0.005, metadata=_meta("producer linger: batch output records this long",
+                                                       kind="duration"))
+    state_dir: str = field(default="", metadata=_meta(
+        "faust runtime: its data directory (empty: a temporary directory)"))
+    log_level: str = field(default="info", metadata=_meta("debug, info, warning, error"))
+    # Not a setting: where each value above came from ("default", "file PATH", "env NAME", "flag --x").
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        def one_of(name: str, allowed: tuple[str, ...]) -> None:
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+
+        one_of("kafka_security_protocol", SECURITY_PROTOCOLS)
+        one_of("kafka_sasl_mechanism", SASL_MECHANISMS)
+        one_of("runtime", RUNTIMES)
+        one_of("on_index_error", INDEX_ERROR_POLICIES)
+        one_of("format", FORMATS)
+        if self.kafka_security_protocol.startswith("SASL") and not (
+            self.kafka_sasl_username and self.kafka_sasl_password
+        ):
+            raise ConfigError(f"{self.kafka_security_protocol} needs kafka_sasl_username and kafka_sasl_password")
+        if not self.kafka_bootstrap.strip():
+            raise ConfigError("kafka_bootstrap is empty")
+        if not self.input_topics:
+            raise ConfigError("input_topics is empty")
+        outputs = (self.unique_topic, self.duplicate_topic, self.dead_letter_topic)
+        for topic in (*self.input_topics, *outputs):
+            if not _TOPIC.match(topic):
+                raise ConfigError(f"not a valid Kafka topic name: {topic!r}")
+        if loop := set(outputs) & set(self.input_topics):
+            raise ConfigError(f"output topic(s) {sorted(loop)} are also inputs: the worker would read its own output")
+        for name in ("partitions", "replication_factor", "max_batch"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.retry_max < self.retry_initial:
+            raise ConfigError("retry_max must be >= retry_initial")
+        self.filter_config()  # validates methods, thresholds and the window
+        object.__setattr__(self, "sources", MappingProxyType(dict(self.sources)))
+
+    # -- derived ---------------------------------------------------------------------------------
+    def filter_config(self) -> FilterConfig:
+        return FilterConfig(methods=self.methods, verify=self.verify, threshold=self.threshold,
+                            containment=self.containment, window=self.window)
+
+    def record_format(self) -> RecordFormat:
+        # An empty field name is never looked up by any real record, so the codec uses the fallback
+        # (Kafka coordinates / Kafka timestamp).
+        return RecordFormat(self.format, self.text_field, self.id_field, self.ts_field)
+
+    @property
+    def output_topics(self) -> tuple[str, str, str]:
+        return self.unique_topic, self.duplicate_topic, self.dead_letter_topic
+
+    def masked(self) -> dict[str, Any]:
+        """The settings as plain values, secrets replaced by `***` (for printing and logging)."""
+        return {f.name: mask_value(f.name, getattr(self, f.name)) for f in setting_fields()}
+
+    def __repr__(self) -> str:
+        # Secrets stay out of logs and tracebacks: passwords and passwords inside URLs are masked.
+        return "Settings(" + ", ".join(f"{k}={v!r}" for k, v in self.masked().items()) + ")"
+
+    def describe(self) -> str:
+        """TOML-like lines `name = value  # source`, secrets masked: what `neardup config` prints."""
+        lines = []
+        for name, value in self.masked().items():
+            lines.append(f"{name} = {_toml_value(value)}  # {self.sources.get(name, 'default')}")
+        return "\n".join(lines)
+
+
+def setting_fields() -> tuple[Any, ...]:
+    return tuple(f for f in fields(Settings) if f.name != "sources")
+
+
+def env_name(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+# -- masking ------------------------------------------------------------------------------------
+
+
+def mask_url(text: str) -> str:
+    """`redis://:secret@host/0` → `redis://:***@host/0`; anything without a password is unchanged."""
+    if "://" not in text:
+        return text
+    try:
+        parts = urlsplit(text)
+        password = parts.password
+    except ValueError:
+        return text
+    if not password:
+        return text
+    user = parts.username or ""
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urlunsplit(parts._replace(netloc=f"{user}:{MASK}@{host}"))
+
+
+def mask_value(name: str, value: Any) -> Any:
+    meta = next((f.metadata for f in setting_fields() if f.name == name), {})
+    if meta.get("secret") or name.endswith("password"):
+        return MASK if value else value
+    if isinstance(value, str):
+        return mask_url(value)
+    return value
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, tuple | list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, int | float):
+        return repr(value)
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+# -- conversion ---------------------------------------------------------------------------------
+
+
+def _to_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"not a boolean: {value!r} (use true/false)")
+
+
+def _to_list(value: Any) -> tuple[str, ...]:
+    items = value if isinstance(value, list | tuple) else str(value).split(",")
+    return tuple(str(item).strip() for item in items if str(item).strip())
+
+
+def _to_number(kind: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def convert(value: Any) -> Any:
+        if isinstance(value, bool):
+            raise ConfigError(f"not a number: {value!r}")
+        try:
+            return kind(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"not a number: {value!r}") from None
+
+    return convert
+
+
+def _to_str(value: Any) -> str:
+    if isinstance(value, dict | list | tuple | bool):
+        raise ConfigError(f"not a string: {value!r}")
+    return str(value)
+
+
+_CONVERT: dict[str, Callable[[Any], Any]] = {
+    "str": _to_str,
+    "int": _to_number(int),
+    "float": _to_number(float),
+    "bool": _to_bool,
+    "list": _to_list,
+    "duration": parse_duration,
+}
+
+
+def _convert(name: str, value: Any, source: str) -> Any:
+    kind = next(f.metadata["kind"] for f in setting_fields() if f.name == name)
+    try:
+        return _CONVERT[kind](value)
+    except ConfigError as exc:
+        raise ConfigError(f"{name} from {source}: {exc}") from None
+
+
+# -- layers -------------------------------------------------------------------------------------
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """Settings from a TOML file: top-level `name = value`, or tables whose name prefixes the key
+    (`[kafka] bootstrap = ...` is `kafka_bootstrap`). Unknown names are an error: a typo must not
+    silently fall back to a default."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path}: {exc}") from exc
+    known = {f.name for f in setting_fields()}
+    out: dict[str, Any] = {}
+
+    def walk(table: dict[str, Any], prefix: str) -> None:
+        for key, value in table.items():
+            name = f"{prefix}{key}".replace("-", "_")
+            if isinstance(value, dict):
+                walk(value, name + "_")
+            elif name in known:
+                out[name] = value
+            else:
+                raise ConfigError(f"config file {path}: unknown setting {name!r}")
+
+    walk(data, "")
+    return out
+
+
+def load_settings(
+    flags: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    config_file: str | Path | None = None,
+) -> Settings:
+    """Flags (only those given: None means not given) > `NEARDUP_*` environment > TOML file > defaults.
+
+    The file is `config_file`, else `$NEARDUP_CONFIG`, else none.
+    """
+    env = os.environ if env is None else env
+    flags = {k: v for k, v in (flags or {}).items() if v is not None}
+    if config_file is None:
+        config_file = env.get(CONFIG_ENV) or None
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    if config_file is not None:
+        for name, value in read_toml(config_file).items():
+            values[name] = _convert(name, value, f"file {config_file}")
+            sources[name] = f"file {config_file}"
+    for f in setting_fields():
+        var = env_name(f.name)
+        if var in env:
+            values[f.name] = _convert(f.name, env[var], f"env {var}")
+            sources[f.name] = f"env {var}"
+    known = {f.name for f in setting_fields()}
+    for name, value in flags.items():
+        if name not in known:
+            raise ConfigError(f"unknown setting {name!r}")
+        values[name] = _convert(name, value, f"flag {flag_name(name)}")
+        sources[name] = f"flag {flag_name(name)}"
+    return Settings(**values, sources=sources)
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser, groups: tuple[str, ...] = (KAFKA, WORKER)) -> None:
+    """One `--flag` per setting (of the given groups), plus `--config FILE`. Flags default to None
+    ("not given"), so `load_settings` can tell a flag from a default."""
+    parser.add_argument("--config", metavar="FILE", default=None,
+                        help=f"TOML file of settings (default ${CONFIG_ENV}); flags and {ENV_PREFIX}* override it")
+    titles = {KAFKA: "Kafka connection", WORKER: "worker"}
+    for group in groups:
+        g = parser.add_argument_group(titles[group])
+        for f in setting_fields():
+            if f.metadata["group"] != group:
+                continue
+            default = f.default if not isinstance(f.default, tuple) else ",".join(f.default)
+            shown = MASK if f.metadata["secret"] else default
+            help_text = f"{f.metadata['help']} [{env_name(f.name)}; default {shown!r}]"
+            g.add_argument(flag_name(f.name), dest=f.name, default=None, help=help_text,
+                           metavar=f.metadata["kind"].upper())
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    known = {f.name for f in setting_fields()}
+    flags = {k: v for k, v in vars(args).items() if k in known}
+    return load_settings(flags, config_file=getattr(args, "config", None))

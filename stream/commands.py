@@ -1,0 +1,122 @@
+"""The Kafka subcommands of `neardup`: serve, produce, tail, config (registered by `add_commands`)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from filters.errors import NeardupError
+from stream.config import KAFKA, WORKER, add_settings_arguments, settings_from_args
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    # aiokafka logs every retried connection at ERROR; ours say what matters.
+    logging.getLogger("aiokafka").setLevel(max(logging.WARNING, logging.getLogger().level))
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from stream.worker import serve
+
+    settings = settings_from_args(args)
+    _logging(settings.log_level)
+    asyncio.run(serve(settings))
+    return 0
+
+
+def cmd_produce(args: argparse.Namespace) -> int:
+    from stream.kafka_tools import ensure_topics, produce_lines
+
+    settings = settings_from_args(args)
+    _logging(settings.log_level)
+
+    async def run() -> int:
+        if settings.create_topics:
+            await ensure_topics(settings, [args.topic])
+        if args.file == "-":
+            return await produce_lines(settings, sys.stdin.buffer, args.topic, key_field=args.key_field,
+                                       limit=args.limit)
+        with open(args.file, "rb") as f:
+            return await produce_lines(settings, f, args.topic, key_field=args.key_field, limit=args.limit)
+
+    count = asyncio.run(run())
+    print(f"produced {count} records to {args.topic}", file=sys.stderr)
+    return 0
+
+
+def cmd_tail(args: argparse.Namespace) -> int:
+    from stream.kafka_tools import read_topics, record_json
+
+    settings = settings_from_args(args)
+    _logging(settings.log_level)
+    out = sys.stdout.buffer
+
+    async def run() -> None:
+        async for record in read_topics(settings, args.topics, from_beginning=args.from_beginning,
+                                        max_records=args.max, idle_timeout=args.timeout):
+            out.write(record_json(record) + b"\n")
+            out.flush()
+
+    try:
+        asyncio.run(run())
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)
+    print(settings.describe())
+    return 0
+
+
+def add_commands(subparsers: Any) -> None:
+    """Register serve, produce, tail and config on `subparsers` (from `parser.add_subparsers()`)."""
+    p = subparsers.add_parser("serve", help="run the Kafka worker: input topics → unique / duplicate / dead-letter",
+                              description="Consume the input topics in batches, route every record to the unique, "
+                                          "duplicate or dead-letter topic (verdict in headers), commit after the "
+                                          "outputs are acknowledged. Use a redis:// index (shared, survives "
+                                          "restarts); memory:// is for trying out.")
+    add_settings_arguments(p, (KAFKA, WORKER))
+    p.set_defaults(func=cmd_serve)
+
+    p = subparsers.add_parser("produce", help="load a JSONL file into a topic, one record per line")
+    p.add_argument("file", help="JSONL file ('-': stdin)")
+    p.add_argument("--topic", required=True)
+    p.add_argument("--key-field", default="", help="JSON field whose value becomes the record key")
+    p.add_argument("--limit", type=int, default=None, help="produce at most this many lines")
+    add_settings_arguments(p, (KAFKA,))
+    p.set_defaults(func=cmd_produce)
+
+    p = subparsers.add_parser("tail", help="print records of topics as JSON lines")
+    p.add_argument("topics", nargs="+", metavar="TOPIC")
+    p.add_argument("--from-beginning", action="store_true", help="start at the earliest offset (default: new records)")
+    p.add_argument("--max", type=int, default=None, help="stop after this many records")
+    p.add_argument("--timeout", type=float, default=None, help="stop after this many seconds without a record")
+    add_settings_arguments(p, (KAFKA,))
+    p.set_defaults(func=cmd_tail)
+
+    p = subparsers.add_parser("config", help="print the effective settings, their sources, secrets masked")
+    add_settings_arguments(p, (KAFKA, WORKER))
+    p.set_defaults(func=cmd_config)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m stream.commands …`: the Kafka commands on their own."""
+    parser = argparse.ArgumentParser(prog="neardup")
+    add_commands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except NeardupError as exc:
+        print(f"neardup: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

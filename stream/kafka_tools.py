@@ -1,0 +1,328 @@
+"""Kafka plumbing on aiokafka: client options from Settings, error mapping, topic admin, produce a file, read/tail topics."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import orjson
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import (
+    AuthenticationFailedError,
+    AuthenticationMethodNotSupported,
+    ClusterAuthorizationFailedError,
+    GroupAuthorizationFailedError,
+    IllegalSaslStateError,
+    KafkaConfigurationError,
+    KafkaConnectionError,
+    KafkaError,
+    KafkaTimeoutError,
+    NoBrokersAvailable,
+    NodeNotReadyError,
+    RequestTimedOutError,
+    SaslAuthenticationFailed,
+    TopicAlreadyExistsError,
+    TopicAuthorizationFailedError,
+    UnsupportedSaslMechanismError,
+)
+from aiokafka.helpers import create_ssl_context
+
+from filters.errors import BrokerUnavailable, ConfigError, NeardupError, ServiceError
+from stream.config import Settings
+
+log = logging.getLogger("neardup.kafka")
+
+Headers = tuple[tuple[str, bytes], ...]
+
+# Retrying cannot help: the settings are wrong.
+_REFUSED = (AuthenticationFailedError, SaslAuthenticationFailed, AuthenticationMethodNotSupported, UnsupportedSaslMechanismError,
+            IllegalSaslStateError, TopicAuthorizationFailedError, GroupAuthorizationFailedError,
+            ClusterAuthorizationFailedError, KafkaConfigurationError)
+# Not now, maybe later.
+_UNAVAILABLE = (KafkaConnectionError, NoBrokersAvailable, NodeNotReadyError, KafkaTimeoutError,
+                RequestTimedOutError)
+
+
+@dataclass(frozen=True, slots=True)
+class KafkaRecord:
+    """One record as read from a topic (timestamp in milliseconds, as Kafka has it)."""
+
+    topic: str
+    partition: int
+    offset: int
+    timestamp: int
+    key: bytes | None
+    value: bytes | None
+    headers: Headers = ()
+
+    @property
+    def coordinates(self) -> str:
+        return f"{self.topic}/{self.partition}/{self.offset}"
+
+    def header(self, name: str) -> bytes | None:
+        """The last value of header `name` (a name may repeat; the last one written wins)."""
+        found = None
+        for key, value in self.headers:
+            if key == name:
+                found = value
+        return found
+
+    @classmethod
+    def of(cls, msg: Any) -> KafkaRecord:
+        """From an aiokafka ConsumerRecord."""
+        return cls(msg.topic, msg.partition, msg.offset, msg.timestamp, msg.key, msg.value,
+                   tuple((k, bytes(v)) for k, v in (msg.headers or ())))
+
+
+def map_kafka_error(exc: BaseException, where: str) -> NeardupError:
+    """The neardup error for an aiokafka error (raise it `from exc`)."""
+    detail = f"Kafka at {where}: {type(exc).__name__}: {exc}"
+    if isinstance(exc, _REFUSED):
+        return ConfigError(f"{detail} (check the security settings)")
+    if isinstance(exc, _UNAVAILABLE) or getattr(exc, "retriable", False):
+        return BrokerUnavailable(detail)
+    return ServiceError(detail)
+
+
+class _RefusalSeen(logging.Filter):
+    """aiokafka logs why each bootstrap host failed, then raises a bare "Unable to bootstrap" error;
+    this remembers a refusal (bad password, unsupported mechanism) so it is not mistaken for an outage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refusal: BaseException | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        for arg in args:
+            if isinstance(arg, _REFUSED):
+                self.refusal = arg
+        return True
+
+
+@contextmanager
+def broker_errors(settings: Settings) -> Iterator[None]:
+    """Maps aiokafka errors raised inside the block to neardup errors."""
+    seen = _RefusalSeen()
+    logger = logging.getLogger("aiokafka")
+    logger.addFilter(seen)
+    try:
+        yield
+    except KafkaError as exc:
+        if isinstance(exc, KafkaConnectionError) and seen.refusal is not None:
+            raise map_kafka_error(seen.refusal, settings.kafka_bootstrap) from exc
+        raise map_kafka_error(exc, settings.kafka_bootstrap) from exc
+    finally:
+        logger.removeFilter(seen)
+
+
+def client_options(settings: Settings) -> dict[str, Any]:
+    """Connection keyword arguments shared by aiokafka's consumer, producer and admin client."""
+    options: dict[str, Any] = {
+        "bootstrap_servers": settings.kafka_bootstrap,
+        "client_id": settings.kafka_client_id,
+        "security_protocol": settings.kafka_security_protocol,
+    }
+    if settings.kafka_security_protocol.startswith("SASL"):
+        options["sasl_mechanism"] = settings.kafka_sasl_mechanism
+        options["sasl_plain_username"] = settings.kafka_sasl_username
+        options["sasl_plain_password"] = settings.kafka_sasl_password
+    if settings.kafka_security_protocol.endswith("SSL"):
+        options["ssl_context"] = create_ssl_context(cafile=settings.kafka_ssl_cafile or None)
+    return options
+
+
+# -- admin ---------------------------------------------------------------------------------------
+
+
+async def ensure_topics(settings: Settings, topics: Sequence[str], partitions: int | None = None) -> list[str]:
+    """Create those of `topics` that do not exist; returns the ones created."""
+    admin = AIOKafkaAdminClient(**client_options(settings))
+    with broker_errors(settings):
+        await admin.start()
+        try:
+            existing = set(await admin.list_topics())
+            missing = sorted(set(topics) - existing)
+            if not missing:
+                return []
+            n = partitions or settings.partitions
+            new = [NewTopic(t, num_partitions=n, replication_factor=settings.replication_factor) for t in missing]
+            try:
+                response = await admin.create_topics(new)
+            except TopicAlreadyExistsError:
+                return []  # another worker created them meanwhile
+            created = []
+            for topic, code, *_ in response.topic_errors:
+                if code == 0:
+                    created.append(topic)
+                elif code != TopicAlreadyExistsError.errno:
+                    raise ServiceError(f"Kafka at {settings.kafka_bootstrap}: cannot create topic {topic!r}: "
+                                       f"error code {code}")
+            if created:
+                log.info("created topic(s) %s with %d partition(s)", ", ".join(created), n)
+            return created
+        finally:
+            await admin.close()
+
+
+async def delete_topics(settings: Settings, topics: Sequence[str]) -> None:
+    admin = AIOKafkaAdminClient(**client_options(settings))
+    with broker_errors(settings):
+        await admin.start()
+        try:
+            existing = set(await admin.list_topics())
+            if doomed := [t for t in topics if t in existing]:
+                await admin.delete_topics(doomed)
+        finally:
+            await admin.close()
+
+
+# -- produce -------------------------------------------------------------------------------------
+
+
+@asynccontextmanager
+async def producer(settings: Settings, **overrides: Any) -> AsyncIterator[AIOKafkaProducer]:
+    options = {"acks": "all", "linger_ms": round(settings.linger * 1000), **client_options(settings), **overrides}
+    p = AIOKafkaProducer(**options)
+    with broker_errors(settings):
+        await p.start()
+        try:
+            yield p
+        finally:
+            await p.stop()
+
+
+def _key_of(line: bytes, key_field: str) -> bytes | None:
+    try:
+        record = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return None
+    value = record.get(key_field) if isinstance(record, dict) else None
+    if value is None or isinstance(value, dict | list):
+        return None
+    return (value if isinstance(value, str) else orjson.dumps(value).decode()).encode()
+
+
+async def produce_lines(
+    settings: Settings,
+    lines: BinaryIO,
+    topic: str,
+    *,
+    key_field: str = "",
+    limit: int | None = None,
+) -> int:
+    """Each non-blank line of `lines` (without its line break) becomes one record's value, in order;
+    the key is the JSON field `key_field` when given and present. Returns how many were acknowledged."""
+    sent = 0
+    async with producer(settings) as p:
+        pending: list[asyncio.Future[Any]] = []
+        with broker_errors(settings):
+            for line in lines:
+                value = line.rstrip(b"\r\n")
+                if not value.strip():
+                    continue
+                key = _key_of(value, key_field) if key_field else None
+                pending.append(await p.send(topic, value=value, key=key))
+                sent += 1
+                if len(pending) >= 10_000:  # bound memory on big files
+                    await asyncio.gather(*pending)
+                    pending.clear()
+                if limit is not None and sent >= limit:
+                    break
+            await asyncio.gather(*pending)
+    return sent
+
+
+async def produce_file(settings: Settings, path: str | Path, topic: str, *, key_field: str = "",
+                       limit: int | None = None) -> int:
+    with open(path, "rb") as f:
+        return await produce_lines(settings, f, topic, key_field=key_field, limit=limit)
+
+
+# -- read ----------------------------------------------------------------------------------------
+
+
+async def read_topics(
+    settings: Settings,
+    topics: Sequence[str],
+    *,
+    from_beginning: bool = True,
+    max_records: int | None = None,
+    idle_timeout: float | None = None,
+    deadline: float | None = None,
+) -> AsyncIterator[KafkaRecord]:
+    """Records of `topics` (all partitions, no consumer group, nothing committed), as they arrive.
+
+    Stops after `max_records`, after `idle_timeout` seconds without a record, or at `deadline`
+    (time.monotonic()); with none of them it follows the topics forever.
+    """
+    consumer = AIOKafkaConsumer(
+        *topics,
+        group_id=None,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest" if from_beginning else "latest",
+        **client_options(settings),
+    )
+    with broker_errors(settings):
+        await consumer.start()
+        try:
+            seen = 0
+            last = time.monotonic()
+            while max_records is None or seen < max_records:
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    return
+                if idle_timeout is not None and now - last >= idle_timeout:
+                    return
+                wait = 1.0
+                if deadline is not None:
+                    wait = min(wait, deadline - now)
+                if idle_timeout is not None:
+                    wait = min(wait, idle_timeout - (now - last))
+                batches = await consumer.getmany(timeout_ms=max(1, round(wait * 1000)), max_records=1000)
+                for messages in batches.values():
+                    for msg in messages:
+                        yield KafkaRecord.of(msg)
+                        seen += 1
+                        last = time.monotonic()
+                        if max_records is not None and seen >= max_records:
+                            return
+        finally:
+            await consumer.stop()
+
+
+async def collect(settings: Settings, topics: Sequence[str], count: int, timeout: float) -> list[KafkaRecord]:
+    """The first `count` records of `topics` (from the beginning), or what arrived within `timeout`."""
+    deadline = time.monotonic() + timeout
+    return [r async for r in read_topics(settings, topics, max_records=count, deadline=deadline)]
+
+
+def _text_or_base64(data: bytes | None) -> str | dict[str, str] | None:
+    if data is None:
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return {"base64": base64.b64encode(data).decode("ascii")}
+
+
+def record_json(record: KafkaRecord) -> bytes:
+    """One JSON line for `neardup tail`: bytes as UTF-8 text, or {"base64": ...} when not UTF-8;
+    headers as an object (a repeated header name shows its last value)."""
+    return orjson.dumps({
+        "topic": record.topic,
+        "partition": record.partition,
+        "offset": record.offset,
+        "timestamp": record.timestamp,
+        "key": _text_or_base64(record.key),
+        "value": _text_or_base64(record.value),
+        "headers": {name: _text_or_base64(value) for name, value in record.headers},
+    })

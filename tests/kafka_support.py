@@ -1,0 +1,156 @@
+"""Helpers of the Kafka worker tests: unique names, settings, producing, running a worker until a condition, a TCP proxy."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from typing import Any
+
+import redis
+
+from filters.engine import NearDupFilter
+from stream.config import Settings
+from stream.kafka_tools import Headers, KafkaRecord, collect, producer
+from stream.runner import RawRecord, Routed, route_batch
+from stream.worker import AiokafkaWorker, FaustWorker, WorkerStats
+
+Input = tuple[bytes | None, bytes | None, Headers]  # key, value, headers
+
+
+def unique_name(prefix: str = "t") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+def index_url_with_prefix(redis_url: str) -> str:
+    """The test's own namespace in the shared Redis: nothing to flush, nothing shared with other tests."""
+    return f"{redis_url}{'&' if '?' in redis_url else '?'}prefix={unique_name('ndtest')}"
+
+
+def drop_index(url: str) -> None:
+    base, _, query = url.partition("?")
+    prefix = dict(item.split("=", 1) for item in query.split("&"))["prefix"]
+    client = redis.Redis.from_url(base)
+    try:
+        keys = list(client.scan_iter(match=f"{{{prefix}:*", count=1000))
+        for i in range(0, len(keys), 500):
+            client.delete(*keys[i : i + 500])
+    finally:
+        client.close()
+
+
+def settings_for(bootstrap: str, index: str, **overrides: Any) -> Settings:
+    """Settings with topic and group names of their own."""
+    name = unique_name()
+    values: dict[str, Any] = {
+        "kafka_bootstrap": bootstrap,
+        "input_topics": (f"{name}-in",),
+        "unique_topic": f"{name}-unique",
+        "duplicate_topic": f"{name}-duplicate",
+        "dead_letter_topic": f"{name}-dead",
+        "group_id": f"{name}-group",
+        "index": index,
+        "batch_within": 0.02,
+        "linger": 0.001,
+        "log_level": "debug",
+    }
+    values.update(overrides)
+    return Settings(**values)
+
+
+async def produce(settings: Settings, topic: str, records: Sequence[Input]) -> None:
+    async with producer(settings) as p:
+        futures = [await p.send(topic, key=k, value=v, headers=list(h)) for k, v, h in records]
+        await asyncio.gather(*futures)
+
+
+async def run_until(
+    worker: AiokafkaWorker | FaustWorker,
+    done: Callable[[WorkerStats], bool],
+    timeout: float = 30.0,
+    during: Callable[[], Awaitable[None]] | None = None,
+) -> WorkerStats:
+    """Run `worker` until `done(stats)` (polled), then stop it gracefully; re-raises the worker's error."""
+    task = asyncio.ensure_future(worker.run())
+    deadline = time.monotonic() + timeout
+    try:
+        while not done(worker.stats):
+            if task.done():
+                task.result()  # raises the worker's exception
+                raise AssertionError("worker stopped before the condition held")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"condition not met within {timeout}s: {worker.stats.line()}")
+            if during is not None:
+                await during()
+            await asyncio.sleep(0.02)
+    finally:
+        worker.stop()
+        await asyncio.wait_for(asyncio.shield(task), 30)
+    return task.result()
+
+
+async def outputs(settings: Settings, count: int, timeout: float = 20.0) -> list[KafkaRecord]:
+    return await collect(settings, settings.output_topics, count, timeout)
+
+
+def reference_verdicts(lines: Sequence[bytes], settings: Settings, topic: str) -> dict[str, Routed]:
+    """What the filter decides with a memory index for `lines` in order (single partition: offsets 0..)."""
+    nd = NearDupFilter(settings.filter_config(), index="memory://")
+    raws = [RawRecord(line, f"{topic}/0/{i}", 0.0) for i, line in enumerate(lines)]
+    return {r.raw.fallback_id: r for r in route_batch(nd, raws, settings.record_format())}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class TcpProxy:
+    """A TCP forwarder to a real service that the test can switch off and on (an outage, for real)."""
+
+    def __init__(self, target_host: str, target_port: int, port: int) -> None:
+        self.target = (target_host, target_port)
+        self.port = port
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        for writer in list(self._writers):
+            writer.close()
+        self._writers.clear()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*self.target)
+        except OSError:
+            writer.close()
+            return
+        self._writers |= {writer, up_writer}
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError, asyncio.CancelledError):
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+
+@contextlib.contextmanager
+def redis_namespace(redis_url: str) -> Iterator[str]:
+    url = index_url_with_prefix(redis_url)
+    try:
+        yield url
+    finally:
+        drop_index(url)

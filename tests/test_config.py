@@ -1,0 +1,172 @@
+"""Layered settings: flags > NEARDUP_* environment > TOML file > defaults, sources, validation, masking."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from filters.errors import ConfigError
+from stream import commands
+from stream.config import (
+    MASK,
+    Settings,
+    add_settings_arguments,
+    load_settings,
+    mask_url,
+    parse_duration,
+    settings_from_args,
+)
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "neardup.toml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_defaults_with_nothing_given() -> None:
+    s = load_settings({}, env={})
+    assert s == Settings()
+    assert s.input_topics == ("neardup-input",)
+    assert s.output_topics == ("unique", "duplicate", "neardup-dead-letter")
+    assert s.index == "memory://" and s.runtime == "aiokafka" and s.on_index_error == "block"
+    assert all(s.sources.get(name, "default") == "default" for name in s.masked())
+
+
+def test_flag_beats_env_beats_file_beats_default(tmp_path: Path) -> None:
+    path = write(tmp_path, """
+        index = "redis://file-host:6379/0"
+        window = "2h"
+        max_batch = 100
+        partitions = 3
+        [kafka]
+        bootstrap = "file-broker:9092"
+        client_id = "from-file"
+    """)
+    env = {
+        "NEARDUP_KAFKA_BOOTSTRAP": "env-broker:9092",
+        "NEARDUP_WINDOW": "30m",
+        "NEARDUP_INPUT_TOPICS": "a, b",
+        "NEARDUP_MAX_BATCH": "200",
+        "NEARDUP_TEST_KAFKA": "ignored: not a setting",
+    }
+    s = load_settings({"kafka_bootstrap": "flag-broker:9092", "max_batch": "300", "window": None}, env=env,
+                      config_file=path)
+    assert s.kafka_bootstrap == "flag-broker:9092"  # flag over env over file
+    assert s.max_batch == 300
+    assert s.window == 1800.0  # env over file (the flag was not given)
+    assert s.input_topics == ("a", "b")
+    assert s.index == "redis://file-host:6379/0"  # file over default
+    assert s.kafka_client_id == "from-file"
+    assert s.partitions == 3
+    assert s.runtime == "aiokafka"  # default
+    assert s.sources["kafka_bootstrap"] == "flag --kafka-bootstrap"
+    assert s.sources["window"] == "env NEARDUP_WINDOW"
+    assert s.sources["index"] == f"file {path}"
+    assert "runtime" not in s.sources
+
+
+def test_config_file_from_environment(tmp_path: Path) -> None:
+    path = write(tmp_path, 'unique_topic = "kept"\n')
+    s = load_settings({}, env={"NEARDUP_CONFIG": str(path)})
+    assert s.unique_topic == "kept"
+    assert s.sources["unique_topic"] == f"file {path}"
+
+
+@pytest.mark.parametrize(("value", "expected"), [("true", True), ("0", False), ("no", False), ("YES", True)])
+def test_env_booleans(value: str, expected: bool) -> None:
+    assert load_settings({}, env={"NEARDUP_CREATE_TOPICS": value}).create_topics is expected
+
+
+@pytest.mark.parametrize(("flags", "env", "fragment"), [
+    ({"window": "soon"}, {}, "window from flag --window"),
+    ({}, {"NEARDUP_MAX_BATCH": "many"}, "max_batch from env NEARDUP_MAX_BATCH"),
+    ({}, {"NEARDUP_CREATE_TOPICS": "maybe"}, "not a boolean"),
+    ({"runtime": "kafka-streams"}, {}, "runtime must be one of"),
+    ({"on_index_error": "ignore"}, {}, "on_index_error must be one of"),
+    ({"unique_topic": "in"}, {"NEARDUP_INPUT_TOPICS": "in"}, "also inputs"),
+    ({"duplicate_topic": "bad topic"}, {}, "not a valid Kafka topic name"),
+    ({"kafka_security_protocol": "SASL_PLAINTEXT"}, {}, "needs kafka_sasl_username"),
+    ({"methods": "exact,telepathy"}, {}, "methods must be"),
+    ({"max_batch": "0"}, {}, "max_batch must be >= 1"),
+    ({"nonsense": "1"}, {}, "unknown setting"),
+])
+def test_invalid_values_name_their_source(flags: dict[str, str], env: dict[str, str], fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment):
+        load_settings(flags, env=env)
+
+
+def test_unknown_or_broken_config_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="unknown setting 'kafka_bootstrapp'"):
+        load_settings({}, env={}, config_file=write(tmp_path, '[kafka]\nbootstrapp = "x:1"\n'))
+    with pytest.raises(ConfigError, match="config file"):
+        load_settings({}, env={}, config_file=write(tmp_path, "window = \n"))
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_settings({}, env={}, config_file=tmp_path / "missing.toml")
+
+
+def test_durations() -> None:
+    assert parse_duration("50ms") == 0.05
+    assert parse_duration("1.5h") == 5400.0
+    assert parse_duration(7) == 7.0
+    with pytest.raises(ConfigError):
+        parse_duration("0s")
+
+
+def test_secrets_are_masked_everywhere(tmp_path: Path) -> None:
+    path = write(tmp_path, 'index = "redis://:file-secret@redis:6379/0"\n')
+    env = {"NEARDUP_KAFKA_SASL_PASSWORD": "env-secret", "NEARDUP_KAFKA_SASL_USERNAME": "neardup",
+           "NEARDUP_KAFKA_SECURITY_PROTOCOL": "SASL_PLAINTEXT"}
+    s = load_settings({}, env=env, config_file=path)
+    assert s.kafka_sasl_password == "env-secret" and s.index.startswith("redis://:file-secret@")
+    text = s.describe()
+    for shown in (text, repr(s), str(s.masked())):
+        assert "file-secret" not in shown and "env-secret" not in shown
+    assert f'kafka_sasl_password = "{MASK}"  # env NEARDUP_KAFKA_SASL_PASSWORD' in text
+    assert f'index = "redis://:{MASK}@redis:6379/0"  # file {path}' in text
+    assert 'kafka_sasl_username = "neardup"' in text  # a user name is not a secret
+
+
+@pytest.mark.parametrize(("url", "masked"), [
+    ("redis://:pw@host:6379/0", f"redis://:{MASK}@host:6379/0"),
+    ("rediss://user:p%40ss@host/1?ssl_ca_certs=/x", f"rediss://user:{MASK}@host/1?ssl_ca_certs=/x"),
+    ("redis://host:6379/0", "redis://host:6379/0"),
+    ("memory://", "memory://"),
+    ("not a url", "not a url"),
+])
+def test_mask_url(url: str, masked: str) -> None:
+    assert mask_url(url) == masked
+
+
+def test_flags_from_argparse(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    path = write(tmp_path, 'group_id = "file-group"\nunique_topic = "file-unique"\n')
+    parser = argparse.ArgumentParser()
+    add_settings_arguments(parser)
+    args = parser.parse_args(["--config", str(path), "--unique-topic", "flag-unique", "--on-index-error",
+                              "unchecked", "--input-topics", "x,y"])
+    monkeypatch.setenv("NEARDUP_UNIQUE_TOPIC", "env-unique")
+    monkeypatch.setenv("NEARDUP_GROUP_ID", "env-group")
+    s = settings_from_args(args)
+    assert (s.unique_topic, s.group_id, s.on_index_error, s.input_topics) == (
+        "flag-unique", "env-group", "unchecked", ("x", "y"))
+
+
+def test_config_command_prints_effective_settings(monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    for name in [n for n in __import__("os").environ if n.startswith("NEARDUP_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("NEARDUP_INDEX", "redis://:hunter2@127.0.0.1:6379/0")
+    assert commands.main(["config", "--window", "12h", "--ts-field", "ts"]) == 0
+    out = capsys.readouterr().out
+    assert "hunter2" not in out
+    assert f'index = "redis://:{MASK}@127.0.0.1:6379/0"  # env NEARDUP_INDEX' in out
+    assert "window = 43200.0  # flag --window" in out
+    assert 'ts_field = "ts"  # flag --ts-field' in out
+    assert 'runtime = "aiokafka"  # default' in out
+
+
+def test_bad_setting_is_a_clean_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert commands.main(["config", "--runtime", "spark"]) == 2
+    assert "runtime must be one of" in capsys.readouterr().err

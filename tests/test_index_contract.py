@@ -1,0 +1,311 @@
+"""The `CandidateIndex` contract, run against every backend: `MemoryIndex` and `RedisIndex` must behave alike."""
+
+from __future__ import annotations
+
+import random
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import numpy as np
+import pytest
+import redis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from filters.config import FilterConfig
+from filters.engine import Message, NearDupFilter, Verdict
+from filters.index import Candidate, CandidateIndex, Entry, MemoryIndex, Query
+
+MakeIndex = Callable[..., CandidateIndex]
+U64 = (1 << 64) - 1
+
+
+def with_query(url: str, **params: str) -> str:
+    parts = urlsplit(url)
+    query = [*parse_qsl(parts.query), *params.items()]
+    return urlunsplit(parts._replace(query=urlencode(query)))
+
+
+def drop_namespace(url: str, prefix: str) -> None:
+    """Deletes every key written under `prefix` (tests use a fresh prefix each)."""
+    with redis.Redis.from_url(url) as client:
+        keys = list(client.scan_iter(match=f"{{{prefix}:*", count=1000))
+        for at in range(0, len(keys), 500):
+            client.delete(*keys[at : at + 500])
+
+
+@pytest.fixture(params=["memory", "redis"])
+def make_index(request: pytest.FixtureRequest) -> Iterator[MakeIndex]:
+    """A factory of fresh, empty indexes of one backend (Redis: a fresh prefix, cleaned up after)."""
+    made: list[CandidateIndex] = []
+    prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
+    url = request.getfixturevalue("redis_url") if request.param == "redis" else ""
+
+    def make(window: float = 100.0, bucket_cap: int = 4) -> CandidateIndex:
+        if request.param == "memory":
+            return MemoryIndex(window, bucket_cap)
+        from filters.redis_index import RedisIndex
+
+        index = RedisIndex(with_query(url, prefix=prefix), window=window, bucket_cap=bucket_cap,
+                           namespace=uuid.uuid4().hex[:12])
+        made.append(index)
+        return index
+
+    yield make
+    for index in made:
+        index.close()
+    if url:
+        drop_namespace(url, prefix)
+
+
+def entry(id: str, ts: float, seed: int = 0, **fields: object) -> Entry:
+    rng = np.random.default_rng(seed)
+    values: dict[str, object] = {
+        "exact": int(rng.integers(0, 2**62)),
+        "size": 40,
+        "sketch": np.sort(rng.integers(0, 2**63, size=8, dtype=np.uint64)),
+    }
+    values.update(fields)
+    return Entry(id, ts, **values)  # type: ignore[arg-type]
+
+
+def add(index: CandidateIndex, e: Entry, keys: Sequence[int]) -> None:
+    """What the engine does for a unique message: look it up, then insert it."""
+    index.lookup([Query(e.id, e.ts, tuple(keys))], 8)
+    assert index.insert([(e, tuple(keys))]) == [None]
+
+
+def found(index: CandidateIndex, id: str, ts: float, keys: Sequence[int], limit: int = 16,
+          min_shared: int = 1) -> tuple[str | None, list[tuple[str, int, int]]]:
+    """One lookup, as (own id, [(candidate id, shared, first key)])."""
+    [(own, cands)] = index.lookup([Query(id, ts, tuple(keys), min_shared)], limit)
+    return (None if own is None else own.id), [(c.entry.id, c.shared, c.first_key) for c in cands]
+
+
+def assert_same_entry(a: Entry, b: Entry) -> None:
+    assert (a.id, a.ts, a.exact, a.size, a.simhash, a.sentences) == (b.id, b.ts, b.exact, b.size, b.simhash,
+                                                                      b.sentences)
+    assert a.sketch.dtype == b.sketch.dtype == np.uint64
+    assert np.array_equal(a.sketch, b.sketch)
+    if a.minhash is None or b.minhash is None:
+        assert a.minhash is None and b.minhash is None
+    else:
+        assert a.minhash.dtype == b.minhash.dtype == np.uint32
+        assert np.array_equal(a.minhash, b.minhash)
+
+
+# --- lookup ------------------------------------------------------------------------------------------
+
+
+def test_ranking_most_shared_then_newest(make_index: MakeIndex) -> None:
+    index = make_index(bucket_cap=8)
+    add(index, entry("a", 1), [1, 2, 3])
+    add(index, entry("b", 2), [1, 2])
+    add(index, entry("c", 3), [2])
+    add(index, entry("d", 3), [2])  # same event time as c, inserted later: newer
+    add(index, entry("e", 0.5), [2])  # inserted last, but the oldest event time
+    _, cands = found(index, "q", 5, [3, 2, 1])
+    assert cands == [("a", 3, 3), ("b", 2, 2), ("d", 1, 2), ("c", 1, 2), ("e", 1, 2)]
+    assert found(index, "q", 5, [3, 2, 1], limit=2)[1] == cands[:2]
+    assert found(index, "q", 5, [3, 2, 1], min_shared=2)[1] == cands[:2]
+    assert found(index, "q", 5, [9, 8])[1] == []
+
+
+def test_first_key_is_the_first_query_key_whose_bucket_holds_it(make_index: MakeIndex) -> None:
+    index = make_index(bucket_cap=1)
+    add(index, entry("a", 1), [1, 2])
+    add(index, entry("b", 2), [1])  # evicts a from bucket 1 (cap 1): a is found through 2 only
+    assert found(index, "q", 3, [1, 2]) == (None, [("b", 1, 1), ("a", 1, 2)])
+
+
+def test_window_on_event_time(make_index: MakeIndex) -> None:
+    index = make_index(window=100)
+    add(index, entry("a", 10), [1])
+    assert found(index, "q1", 60, [1])[1] == [("a", 1, 1)]
+    assert found(index, "q2", 110, [1])[1] == [("a", 1, 1)]  # entry.ts >= ts - window: still in
+    assert found(index, "q3", 110.5, [1])[1] == []  # window seconds after its ts it stops matching
+    # The stream has moved on: a late message no longer sees what the window let go.
+    assert found(index, "q4", 50, [1])[1] == []
+
+
+def test_inserting_outside_the_window_is_a_no_op(make_index: MakeIndex) -> None:
+    index = make_index(window=100)
+    add(index, entry("a", 1000), [1])
+    add(index, entry("old", 10), [1])
+    assert found(index, "q", 1000, [1])[1] == [("a", 1, 1)]
+
+
+def test_expire_forgets_what_left_the_window(make_index: MakeIndex) -> None:
+    index = make_index(window=100)
+    add(index, entry("a", 10), [1])
+    add(index, entry("b", 150), [1])
+    assert isinstance(index.expire(200), int)
+    assert found(index, "q", 120, [1])[1] == [("b", 1, 1)]
+
+
+def test_an_entry_is_never_its_own_candidate(make_index: MakeIndex) -> None:
+    index = make_index()
+    add(index, entry("a", 1), [1, 2])
+    add(index, entry("b", 1), [2])
+    assert found(index, "a", 2, [1, 2]) == ("a", [("b", 1, 2)])
+
+
+def test_replay_returns_the_stored_entry_and_the_first_insert_wins(make_index: MakeIndex) -> None:
+    index = make_index()
+    first = entry("a", 1, seed=1)
+    add(index, first, [1])
+    [(own, cands)] = index.lookup([Query("a", 2, (1,))], 8)
+    assert own is not None and cands == []
+    assert_same_entry(own, first)
+    second = entry("a", 2, seed=2)
+    assert index.insert([(second, (1, 5))]) == [None]
+    [(own, _)] = index.lookup([Query("a", 3, (5,))], 8)
+    assert own is not None
+    assert_same_entry(own, first)
+    assert found(index, "q", 3, [5])[1] == []  # the second insert did not index anything
+
+
+def test_only_inserted_entries_are_candidates(make_index: MakeIndex) -> None:
+    index = make_index()
+    assert found(index, "x", 1, [1, 2]) == (None, [])  # looked up (a duplicate, say), never inserted
+    assert found(index, "y", 2, [1, 2]) == (None, [])
+    add(index, entry("y", 2), [1, 2])
+    assert found(index, "z", 3, [1, 2]) == (None, [("y", 2, 1)])
+
+
+def test_bucket_cap_keeps_the_newest(make_index: MakeIndex) -> None:
+    index = make_index(bucket_cap=4)
+    for i, ts in enumerate([5, 1, 6, 2, 4, 3]):  # out of event-time order: the cap goes by event time
+        add(index, entry(f"e{ts}", ts, seed=i), [7, 100 + i])
+    assert [c[0] for c in found(index, "q", 10, [7])[1]] == ["e6", "e5", "e4", "e3"]
+
+
+def test_entry_round_trips_every_field(make_index: MakeIndex) -> None:
+    index = make_index()
+    full = Entry(
+        id="ünïcode id:with{braces}",
+        ts=1_700_000_000.123456,
+        exact=(1 << 128) - 1,
+        size=123_456,
+        sketch=np.array([0, 1, 2**53 + 1, U64 - 1, U64], dtype=np.uint64),
+        simhash=U64,
+        minhash=np.array([0, 7, 0xFFFFFFFF], dtype=np.uint32),
+        sentences=frozenset({0, 1, 2**63, U64}),
+    )
+    bare = Entry("bare", 1_700_000_001.0, 0, 0, np.array([], dtype=np.uint64))
+    add(index, full, [U64, 1])
+    add(index, bare, [U64])
+    [(own, cands)] = index.lookup([Query(full.id, full.ts, (U64,))], 8)
+    assert own is not None and [c.entry.id for c in cands] == ["bare"]
+    assert_same_entry(own, full)
+    assert_same_entry(cands[0].entry, bare)
+    [(_, cands)] = index.lookup([Query("q", full.ts, (1, U64))], 8)
+    assert [c.entry.id for c in cands] == [full.id, "bare"] and cands[0].first_key == 1
+    assert_same_entry(cands[0].entry, full)
+
+
+def test_stats_count_entries_and_buckets(make_index: MakeIndex) -> None:
+    index = make_index()
+    for i in range(5):
+        add(index, entry(f"e{i}", i), [i, 100])
+    stats = index.stats()
+    assert (stats["entries"], stats["buckets"]) == (5, 6)
+
+
+def test_a_batch_is_answered_in_order(make_index: MakeIndex) -> None:
+    index = make_index()
+    add(index, entry("a", 1), [1])
+    add(index, entry("b", 1), [2])
+    queries = [Query("q1", 2, (2,)), Query("a", 2, (1,)), Query("q3", 2, (3,)), Query("q4", 2, (1, 2))]
+    looked = index.lookup(queries, 8)
+    assert [(o and o.id, [c.entry.id for c in cs]) for o, cs in looked] == [
+        (None, ["b"]), ("a", []), (None, []), (None, ["b", "a"]),  # same event time: b inserted later
+    ]
+    assert index.lookup([], 8) == [] and index.insert([]) == []
+
+
+# --- the same answers as the reference, for any sequence of batches -----------------------------------
+
+_ids = st.sampled_from([f"m{i}" for i in range(12)])
+_query = st.tuples(_ids, st.integers(0, 40).map(float), st.sets(st.integers(1, 6), min_size=1, max_size=4),
+                   st.integers(1, 2))
+_batch = st.tuples(st.lists(_query, min_size=1, max_size=6), st.lists(st.booleans(), min_size=6, max_size=6))
+
+
+def _view(looked: list[tuple[Entry | None, list[Candidate]]]) -> list[tuple[object, ...]]:
+    return [((own.id, own.ts) if own else None, [(c.entry.id, c.entry.ts, c.shared, c.first_key) for c in cs])
+            for own, cs in looked]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batches=st.lists(_batch, min_size=1, max_size=8), limit=st.integers(1, 4))
+def test_matches_the_reference_for_any_batches(
+    make_index: MakeIndex, batches: list[tuple[list[tuple[str, float, set[int], int]], list[bool]]], limit: int
+) -> None:
+    index, reference = make_index(window=10, bucket_cap=2), MemoryIndex(10, 2)
+    for n, (batch, keep) in enumerate(batches):
+        queries = [Query(id, ts, tuple(sorted(keys)), floor) for id, ts, keys, floor in batch]
+        looked = index.lookup(queries, limit)
+        assert _view(looked) == _view(reference.lookup(queries, limit))
+        pending = [(Entry(q.id, q.ts, n, 1, np.zeros(1, np.uint64)), q.keys)
+                   for q, (own, _), k in zip(queries, looked, keep, strict=False) if own is None and k]
+        assert index.insert(pending) == reference.insert(pending)
+
+
+# --- the engine on top ---------------------------------------------------------------------------------
+
+_WORDS = ("free prize winner claim now call text stop reply urgent account bank verify offer limited "
+          "meeting tomorrow lunch project report update deadline review thanks please today office "
+          "weather train ticket holiday family dinner music game score team season").split()
+
+
+def generated_messages(n: int, seed: int = 7) -> list[Message]:
+    """Spam waves (near-duplicates with other numbers and small edits), unique chatter, replays of an
+    id, event time mostly increasing with some disorder and a jump past the window."""
+    rng = random.Random(seed)
+    templates = [" ".join(rng.choices(_WORDS, k=rng.randint(8, 30))) for _ in range(12)]
+    out: list[Message] = []
+    ts = 1_700_000_000.0
+    for i in range(n):
+        ts += rng.uniform(0, 20)
+        if i == n // 2:
+            ts += 4000  # beyond the window: the first half's waves are forgotten
+        roll = rng.random()
+        if roll < 0.5:
+            words = rng.choice(templates).split()
+            if rng.random() < 0.5:
+                words[rng.randrange(len(words))] = rng.choice(_WORDS)
+            text = f"{' '.join(words)} call 555-{rng.randint(0, 9999):04d}"
+            if rng.random() < 0.3:
+                text = text.upper()
+        elif roll < 0.9:
+            text = " ".join(rng.choices(_WORDS, k=rng.randint(3, 25))) + f" #{i}"
+        else:
+            text = rng.choice(templates)
+        if out and rng.random() < 0.05:
+            prev = rng.choice(out)
+            out.append(Message(prev.id, prev.text, ts))  # a replay (redelivery) of an earlier message
+            continue
+        out.append(Message(f"m{i}", text, ts + rng.uniform(-60, 0)))
+    return out
+
+
+def test_engine_gives_the_same_verdicts(make_index: MakeIndex) -> None:
+    config = FilterConfig(window=3600.0, bucket_cap=8)
+    messages = generated_messages(400)
+    verdicts: list[list[Verdict]] = []
+    for index in (MemoryIndex(config.window, config.bucket_cap), make_index(config.window, config.bucket_cap)):
+        engine = NearDupFilter(config, index=index)
+        rng = random.Random(3)
+        got: list[Verdict] = []
+        at = 0
+        while at < len(messages):
+            size = rng.choice([1, 2, 7, 32, 64])
+            got += engine.check_batch(messages[at : at + size])
+            at += size
+        verdicts.append(got)
+    assert verdicts[0] == verdicts[1]
+    labels = [v.label for v in verdicts[0]]
+    assert labels.count("duplicate") > 50 and labels.count("unique") > 50  # the stream tests something
+    assert any(v.method == "replay" for v in verdicts[0])

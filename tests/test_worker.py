@@ -1,0 +1,301 @@
+"""The Kafka worker against real Kafka and Redis: routing, headers, pass-through, replay, crash/restart, outages, SASL."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import orjson
+import pytest
+from aiokafka.admin import AIOKafkaAdminClient
+
+from filters.errors import ConfigError
+from stream import commands
+from stream.config import Settings
+from stream.kafka_tools import KafkaRecord, client_options, ensure_topics
+from stream.worker import AiokafkaWorker, OutRecord, make_worker
+from tests.kafka_support import (
+    TcpProxy,
+    free_port,
+    outputs,
+    produce,
+    redis_namespace,
+    reference_verdicts,
+    run_until,
+    settings_for,
+    unique_name,
+)
+
+pytestmark = [pytest.mark.services, pytest.mark.timeout(120)]
+
+SAMPLE = Path(__file__).parent / "data" / "sample.jsonl"
+
+
+@pytest.fixture
+def index_url(redis_url: str) -> Iterator[str]:
+    with redis_namespace(redis_url) as url:
+        yield url
+
+
+def by_source(records: Sequence[KafkaRecord]) -> dict[str, list[KafkaRecord]]:
+    out: dict[str, list[KafkaRecord]] = {}
+    for r in records:
+        source = r.header("neardup-source")
+        assert source is not None, r
+        out.setdefault(source.decode(), []).append(r)
+    return out
+
+
+def verdict(r: KafkaRecord) -> tuple[str, str | None]:
+    """(output kind, duplicate_of) of an output record."""
+    dup_of = r.header("neardup-duplicate-of")
+    return (r.header("neardup-verdict") or b"").decode(), dup_of.decode() if dup_of is not None else None
+
+
+async def committed(settings: Settings) -> dict[int, int | None]:
+    admin = AIOKafkaAdminClient(**client_options(settings))
+    await admin.start()
+    try:
+        offsets = await admin.list_consumer_group_offsets(settings.group_id)
+    finally:
+        await admin.close()
+    topic = settings.input_topics[0]
+    return {tp.partition: meta.offset for tp, meta in offsets.items() if tp.topic == topic}
+
+
+GOOD = [
+    (b"k-a", b'{"id": "a", "text": "WIN a FREE iPhone now!!! call 555-0100 to claim your prize"}',
+     (("trace", b"t-1"), ("x-bin", b"\x00\xff"))),
+    (b"k-b", b'{"id": "b", "text": "w i n a free iphone NOW, call 555-0199 to claim your prize"}', (("trace", b"t-2"),)),
+    (None, b'{"id": "c", "text": "The meeting moved to Thursday at ten; bring the quarterly numbers."}', ()),
+]
+BAD = [
+    (b"k-utf", b'{"id": "u", "text": "caf\xe9"}', (("trace", b"t-3"),)),  # Latin-1, not UTF-8
+    (b"k-json", b'{"id": "j", "text": ', ()),
+    (b"k-notext", b'{"id": "n", "body": "no text field"}', ()),
+    (b"k-tomb", None, ()),  # a tombstone
+]
+
+
+@pytest.mark.parametrize("runtime", ["aiokafka", "faust"])
+def test_good_duplicate_and_bad_records_land_in_the_right_topics(
+    kafka_bootstrap: str, index_url: str, runtime: str
+) -> None:
+    settings = settings_for(kafka_bootstrap, index_url, runtime=runtime, id_field="id")
+    inputs = GOOD + BAD
+    topic = settings.input_topics[0]
+
+    async def scenario() -> list[KafkaRecord]:
+        await ensure_topics(settings, [topic, *settings.output_topics])
+        await produce(settings, topic, inputs)
+        await run_until(make_worker(settings), lambda s: s.seen >= len(inputs))
+        return await outputs(settings, len(inputs) + 1, timeout=2)  # +1: nothing more may arrive
+
+    got = by_source(asyncio.run(scenario()))
+    assert sorted(got) == [f"{topic}/0/{i}" for i in range(len(inputs))]  # each exactly once
+    for i, (key, value, headers) in enumerate(inputs):
+        (out,) = got[f"{topic}/0/{i}"]
+        assert (out.key, out.value) == (key, value)  # passed through unchanged
+        assert out.headers[: len(headers)] == headers  # input headers first, unchanged
+    a, b, c, utf, js, notext, tomb = (got[f"{topic}/0/{i}"][0] for i in range(len(inputs)))
+    assert (a.topic, verdict(a)) == (settings.unique_topic, ("unique", None))
+    assert (b.topic, verdict(b)) == (settings.duplicate_topic, ("duplicate", "a"))
+    assert 0.5 <= float(b.header("neardup-similarity") or b"0") <= 1.0
+    assert b.header("neardup-method") and b.header("neardup-id") == b"b"
+    assert (c.topic, verdict(c)) == (settings.unique_topic, ("unique", None))
+    assert {r.topic for r in (utf, js, notext, tomb)} == {settings.dead_letter_topic}
+    assert utf.header("neardup-reason") == b"invalid_utf8" and b"UTF-8" in (utf.header("neardup-error") or b"")
+    assert js.header("neardup-reason") == b"invalid_json"
+    assert notext.header("neardup-reason") == b"no_text"
+    assert tomb.value is None and tomb.header("neardup-reason") == b"invalid_json"
+    assert all(r.header("neardup-verdict") == b"rejected" for r in (utf, js, notext, tomb))
+
+
+def test_replay_gets_the_same_verdict(kafka_bootstrap: str, index_url: str) -> None:
+    """A second group re-reads everything (a full replay): same verdicts, uniques as 'replay'."""
+    settings = settings_for(kafka_bootstrap, index_url, id_field="id", ts_field="ts", max_batch=64)
+    lines = SAMPLE.read_bytes().splitlines()
+    topic = settings.input_topics[0]
+
+    async def scenario() -> tuple[list[KafkaRecord], list[KafkaRecord]]:
+        await produce(settings, topic, [(None, line, ()) for line in lines])
+        await run_until(make_worker(settings), lambda s: s.seen >= len(lines))
+        first = await outputs(settings, len(lines))
+        again = replace(settings, group_id=settings.group_id + "-replay")
+        await run_until(make_worker(again), lambda s: s.seen >= len(lines))
+        both = await outputs(settings, 2 * len(lines))
+        return first, both
+
+    first, both = asyncio.run(scenario())
+    original = {source: verdict(rs[0]) for source, rs in by_source(first).items()}
+    assert len(original) == len(lines)
+    replayed = by_source(both)
+    for source, records in replayed.items():
+        assert len(records) == 2
+        assert verdict(records[1]) == original[source], source
+        if original[source][0] == "unique":
+            assert records[1].header("neardup-method") == b"replay"
+    assert Counter(kind for kind, _ in original.values()) == Counter(
+        {"unique": 169, "duplicate": 131, "rejected": 2})
+
+
+class Crash(Exception):
+    pass
+
+
+def test_crash_after_produce_before_commit_then_restart(kafka_bootstrap: str, index_url: str) -> None:
+    """At-least-once: the worker dies after batch 3 was delivered but before its commit; the restarted
+    worker re-reads batch 3: every input is routed, and each output copy has the single-run verdict."""
+    settings = settings_for(kafka_bootstrap, index_url, id_field="id", ts_field="ts", max_batch=40)
+    lines = SAMPLE.read_bytes().splitlines()
+    topic = settings.input_topics[0]
+    crashed_batch: list[KafkaRecord] = []
+
+    def crash_on_third(records: Sequence[KafkaRecord], outs: Sequence[OutRecord]) -> None:
+        if worker.stats.batches == 3:
+            crashed_batch.extend(records)
+            raise Crash
+
+    worker = AiokafkaWorker(settings, observer=crash_on_third)
+
+    async def scenario() -> list[KafkaRecord]:
+        await produce(settings, topic, [(None, line, ()) for line in lines])
+        with pytest.raises(Crash):
+            await run_until(worker, lambda s: False)
+        before = await committed(settings)
+        assert before == {0: crashed_batch[0].offset}  # batches 1-2 committed, batch 3 not
+        restarted = make_worker(settings)
+        remaining = len(lines) - crashed_batch[0].offset
+        await run_until(restarted, lambda s: s.seen >= remaining)
+        assert await committed(settings) == {0: len(lines)}
+        return await outputs(settings, len(lines) + len(crashed_batch), timeout=20)
+
+    got = by_source(asyncio.run(scenario()))
+    reference = reference_verdicts(lines, settings, topic)
+    assert set(got) == set(reference)  # nothing lost
+    replayed = {r.coordinates for r in crashed_batch}
+    for source, records in got.items():
+        assert len(records) == (2 if source in replayed else 1), source
+        ref = reference[source]
+        expected = ("rejected", None) if ref.kind == "rejected" else (
+            ref.kind, ref.verdict.duplicate_of if ref.verdict else None)
+        for r in records:
+            assert verdict(r) == expected, source
+
+
+def test_index_outage_blocks_then_resumes(kafka_bootstrap: str, redis_url: str,
+                                          caplog: pytest.LogCaptureFixture) -> None:
+    """Redis behind a proxy that is down: nothing is produced or committed, one log line; then it
+    comes back and everything is routed."""
+    port = free_port()
+    host, redis_port = redis_url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
+    with redis_namespace(redis_url) as direct:
+        url = direct.replace(f"{host}:{redis_port}", f"127.0.0.1:{port}", 1)
+        settings = settings_for(kafka_bootstrap, url, retry_initial=0.05, retry_max=0.2, id_field="id")
+        proxy = TcpProxy(host, int(redis_port), port)
+        inputs = GOOD + BAD
+        worker = make_worker(settings)
+
+        async def scenario() -> list[KafkaRecord]:
+            await produce(settings, settings.input_topics[0], inputs)
+            task = asyncio.ensure_future(run_until(worker, lambda s: s.seen >= len(inputs)))
+            while worker.stats.index_errors < 3:
+                assert not task.done(), task
+                await asyncio.sleep(0.02)
+            assert await outputs(settings, 1, timeout=0.5) == []
+            assert await committed(settings) == {}
+            await proxy.start()
+            try:
+                await task
+            finally:
+                await proxy.stop()
+            return await outputs(settings, len(inputs))
+
+        with caplog.at_level(logging.INFO, logger="neardup.worker"):
+            got = asyncio.run(scenario())
+    assert Counter(r.topic for r in got) == {settings.unique_topic: 2, settings.duplicate_topic: 1,
+                                             settings.dead_letter_topic: 4}
+    paused = [r for r in caplog.records if "index unavailable" in r.message]
+    assert len(paused) == 1 and "consumption paused" in paused[0].message
+    assert any("index available again" in r.message for r in caplog.records)
+
+
+def test_index_outage_unchecked_passes_records(kafka_bootstrap: str) -> None:
+    settings = settings_for(kafka_bootstrap, f"redis://127.0.0.1:{free_port()}/0", on_index_error="unchecked",
+                            id_field="id")
+    inputs = GOOD + BAD
+
+    async def scenario() -> list[KafkaRecord]:
+        await produce(settings, settings.input_topics[0], inputs)
+        await run_until(make_worker(settings), lambda s: s.seen >= len(inputs))
+        return await outputs(settings, len(inputs))
+
+    got = asyncio.run(scenario())
+    unique = [r for r in got if r.topic == settings.unique_topic]
+    assert [r.header("neardup-id") for r in unique] == [b"a", b"b", b"c"]
+    assert all(r.header("neardup-verdict") == b"unchecked" for r in unique)
+    reasons = Counter(r.header("neardup-reason") for r in got if r.topic == settings.dead_letter_topic)
+    assert reasons == {b"invalid_utf8": 1, b"invalid_json": 2, b"no_text": 1}
+
+
+def test_sasl_plain(kafka_sasl: dict[str, str], index_url: str) -> None:
+    settings = settings_for(kafka_sasl["bootstrap"], index_url, kafka_security_protocol="SASL_PLAINTEXT",
+                            kafka_sasl_username=kafka_sasl["user"], kafka_sasl_password=kafka_sasl["password"],
+                            id_field="id")
+
+    async def scenario() -> list[KafkaRecord]:
+        await produce(settings, settings.input_topics[0], GOOD)
+        await run_until(make_worker(settings), lambda s: s.seen >= len(GOOD))
+        return await outputs(settings, len(GOOD))
+
+    got = asyncio.run(scenario())
+    assert sorted(verdict(r) for r in got) == [("duplicate", "a"), ("unique", None), ("unique", None)]
+
+    wrong = replace(settings, kafka_sasl_password="wrong-password")
+    with pytest.raises(ConfigError, match="AuthenticationFailed|security"):
+        asyncio.run(ensure_topics(wrong, [unique_name()]))
+
+
+def test_produce_and_tail_commands(kafka_bootstrap: str, capsys: pytest.CaptureFixture[str],
+                                   tmp_path: Path) -> None:
+    topic = unique_name("cmd")
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b'{"id": "x1", "text": "hello"}\n\n{"id": 7, "text": "caf\xc3\xa9"}\n')
+    assert commands.main(["produce", str(path), "--topic", topic, "--key-field", "id",
+                          "--kafka-bootstrap", kafka_bootstrap]) == 0
+    assert "produced 2 records" in capsys.readouterr().err
+    assert commands.main(["tail", topic, "--from-beginning", "--max", "2", "--timeout", "10",
+                          "--kafka-bootstrap", kafka_bootstrap]) == 0
+    rows = [orjson.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["key"], r["offset"], r["partition"]) for r in rows] == [("x1", 0, 0), ("7", 1, 0)]
+    assert orjson.loads(rows[1]["value"]) == {"id": 7, "text": "café"}
+    assert rows[0]["headers"] == {} and isinstance(rows[0]["timestamp"], int)
+
+
+def test_tail_shows_binary_as_base64(kafka_bootstrap: str, capsys: pytest.CaptureFixture[str]) -> None:
+    settings = settings_for(kafka_bootstrap, "memory://")
+    topic = settings.input_topics[0]
+    asyncio.run(produce(settings, topic, [(b"\xff", b"\x00\xfe", (("h", b"\xff"), ("ok", b"yes")))]))
+    assert commands.main(["tail", topic, "--from-beginning", "--max", "1", "--timeout", "10",
+                          "--kafka-bootstrap", kafka_bootstrap]) == 0
+    (row,) = [orjson.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert row["key"] == {"base64": "/w=="} and row["value"] == {"base64": "AP4="}
+    assert row["headers"] == {"h": {"base64": "/w=="}, "ok": "yes"}
+
+
+def test_committed_offsets_after_a_run(kafka_bootstrap: str, index_url: str) -> None:
+    settings = settings_for(kafka_bootstrap, index_url, partitions=2)
+    topic = settings.input_topics[0]
+
+    async def scenario() -> dict[int, int | None]:
+        await ensure_topics(settings, [topic])
+        await produce(settings, topic, [(str(i).encode(), b'{"text": "message %d"}' % i, ()) for i in range(40)])
+        await run_until(make_worker(settings), lambda s: s.seen >= 40)
+        return await committed(settings)
+
+    offsets = asyncio.run(scenario())
+    assert sum(o or 0 for o in offsets.values()) == 40 and set(offsets) == {0, 1}
