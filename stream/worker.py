@@ -399,6 +399,7 @@ class FaustWorker:
         self.router = Router(settings, self.nd, self.stats)
         self.observer = observer
         self.stop_event = asyncio.Event()
+        self._failure: BaseException | None = None
         self.app = self._build_app()
 
     def stop(self) -> None:
@@ -440,25 +441,38 @@ class FaustWorker:
                  for t in s.output_topics}
 
         async def agent(stream: Any) -> None:
-            async for events in stream.take_events(s.max_batch, within=s.batch_within):
-                records = [_faust_record(e.message) for e in events]
-                outs = await self.router.route(records, stopping=self.stop_event.is_set)
-                if outs is None:
-                    # Stopping during an index outage. Leaving the loop would make take_events ack the
-                    # unrouted events (its `finally`), so wait here until the worker is torn down.
-                    await asyncio.Event().wait()
-                    return
-                futures = [await sinks[o.topic].send(key=o.key, value=o.value, headers=list(o.headers))
-                           for o in outs]
-                await asyncio.gather(*futures)
-                self.stats.add(outs)
-                if self.observer is not None:
-                    maybe = self.observer(records, outs)
-                    if maybe is not None:
-                        await maybe
+            # noack_take, not take_events: take_events acks a batch in a `finally`, so a batch whose
+            # routing or delivery failed would be committed anyway (measured: lost records).
+            async for events in stream.noack_take(s.max_batch, within=s.batch_within):
+                try:
+                    if not await self._batch(events, sinks):
+                        return
+                except BaseException as exc:
+                    # Nothing of this batch is acked; stop the worker rather than let faust restart
+                    # the agent past a gap that would be committed only after a restart anyway.
+                    self._failure = self._failure or exc
+                    self.stop()
+                    raise
+                for event in events:
+                    await stream.ack(event)
 
         app.agent(source, name="neardup.route")(agent)
         return app
+
+    async def _batch(self, events: Sequence[Any], sinks: dict[str, Any]) -> bool:
+        """Route, produce and await the deliveries of one batch; False when stopping instead."""
+        records = [_faust_record(e.message) for e in events]
+        outs = await self.router.route(records, stopping=self.stop_event.is_set)
+        if outs is None:
+            return False  # stopping during an index outage: nothing produced, nothing acked
+        futures = [await sinks[o.topic].send(key=o.key, value=o.value, headers=list(o.headers)) for o in outs]
+        await asyncio.gather(*futures)
+        self.stats.add(outs)
+        if self.observer is not None:
+            maybe = self.observer(records, outs)
+            if maybe is not None:
+                await maybe
+        return True
 
     async def run(self) -> WorkerStats:
         s = self.settings
@@ -466,16 +480,11 @@ class FaustWorker:
             await ensure_topics(s, [*s.input_topics, *s.output_topics])
         await self.app.start()
         try:
-            crashed = asyncio.ensure_future(self.app._crash_event_wait()) if hasattr(
-                self.app, "_crash_event_wait") else None
-            waiters = [asyncio.ensure_future(self.stop_event.wait()), asyncio.ensure_future(self.app.wait_until_stopped())]
-            if crashed is not None:
-                waiters.append(crashed)
-            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-            for w in waiters:
-                w.cancel()
+            await self.stop_event.wait()
         finally:
             await self.app.stop()
+        if self._failure is not None:
+            raise self._failure
         log.info("stopped: %s", self.stats.line())
         return self.stats
 

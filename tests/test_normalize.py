@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from filters.normalize import EMAIL_MARK, NUMBER_MARK, URL_MARK, Normalizer, NormalizeOptions
+from filters.normalize import EMAIL_MARK, NUMBER_MARK, URL_MARK, NormalizeOptions, Normalizer
 
 STEPS = NormalizeOptions.step_names()
 FULL = Normalizer()
