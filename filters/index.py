@@ -16,6 +16,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import chain
+from operator import itemgetter
 from typing import Protocol, runtime_checkable
 from urllib.parse import urlparse
 
@@ -65,8 +66,8 @@ class CandidateIndex(Protocol):
     def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | None, list[Candidate]]]:
         """For each query: the entry already stored under its id (a replay), and up to `limit`
         candidates that share a key with it and are inside the window of its event time, ranked by
-        shared keys, then by recency (newest event time first, then the later inserted). An entry
-        never is its own candidate."""
+        shared keys, then by recency (the most recently inserted first). An entry never is its own
+        candidate."""
         ...
 
     def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]:
@@ -86,11 +87,18 @@ class CandidateIndex(Protocol):
         ...
 
 
+def _rank(item: tuple[int, int]) -> tuple[int, int]:
+    return item[1], item[0]  # most shared keys first, then the newest (highest sequence number)
+
+
+_BY_SHARED_THEN_NEWEST = itemgetter(1, 0)
+
+
 class MemoryIndex:
     """Dict-of-buckets index for one process. Memory is freed as the window slides.
 
-    "Newest" means event time, then insertion order, for ranking and for the bucket cap alike, so
-    that an index whose buckets are sorted by event time (Redis) can behave the same.
+    The bucket cap keeps the newest by event time (then insertion order), as a bucket sorted by event
+    time does (Redis): a late copy of an old message does not push out recent ones.
     """
 
     def __init__(self, window: float, bucket_cap: int = 64) -> None:
@@ -122,8 +130,8 @@ class MemoryIndex:
         if own is not None:
             counts.pop(own, None)
         items = counts.items() if q.min_shared <= 1 else [i for i in counts.items() if i[1] >= q.min_shared]
-        # Most shared keys first, then the newest: event time, then sequence number.
-        ranked = sorted(items, key=lambda item: (item[1], entries[item[0]][0].ts, item[0]), reverse=True)
+        # Most shared keys first, then the newest (highest sequence number).
+        ranked = sorted(items, key=_BY_SHARED_THEN_NEWEST, reverse=True)
         oldest = q.ts - self.window
         buckets = self._buckets
         out = []

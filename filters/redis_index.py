@@ -37,7 +37,9 @@ the watermark, the script does not even look at the buckets.
 Cluster. `redis+cluster://` / `rediss+cluster://` use `RedisCluster`. Because every script touches
 keys of one namespace only, and all of them carry the same hash tag, each script runs on one slot:
 one namespace (one filter configuration) therefore lives on one master; different namespaces spread
-over the cluster. Standalone Redis uses the same hash tag, so both behave the same.
+over the cluster. Standalone Redis uses the same hash tag, so both behave the same. The scripts
+declare only the meta key and build the other names from the prefixes they are given (as BullMQ
+does): the names share the declared key's hash tag, hence its slot.
 
 Errors are mapped where they enter: unreachable, timed out, loading, failing over, out of memory →
 `IndexUnavailable` (retriable); wrong password or missing permission → `ConfigError` (retrying cannot
@@ -89,6 +91,9 @@ __all__ = ["ENCODING_VERSION", "INSERT_LUA", "LOOKUP_LUA", "RedisIndex", "decode
 DEFAULT_PREFIX = "neardup"
 DEFAULT_GRACE = 3600.0  # seconds of wall clock that keys outlive the window
 INSERT_CHUNK = 64  # entries per insert script: bounds how long one script blocks the server
+# A caller's record of its own inserts is needed only until its batch's insert rounds are over. Should
+# it expire earlier, the caller's own batch-mates come back as conflicts: extra verification, no harm.
+OWN_RECORD_TTL_MS = 600_000
 DEFAULT_SOCKET_TIMEOUT = 5.0  # without one, a stalled server would hang a worker forever
 _MIN_TS = -float(2**52)  # event times must be above it (MIN_TS in the scripts)
 _NAME = re.compile(r"[A-Za-z0-9_.:-]+")  # prefix and namespace: no glob or hash-tag characters
@@ -164,10 +169,12 @@ def decode_entry(data: bytes, id: str) -> Entry:
 
 # --- server-side scripts -------------------------------------------------------------------------
 
-# Shared by both scripts: rank candidates like MemoryIndex (most shared keys, newest event time, then
-# the later inserted, which for equal scores is the larger member: members start with the seq in
-# fixed-width hex), keep the best `limit`, and append (id, shared, first key index, entry) to `out`.
-# Beyond `limit` members, an insertion sort into `limit` slots: most members fail the first comparison.
+# Shared by both scripts. `emit` ranks candidates like MemoryIndex (most shared keys, then the most
+# recently inserted: members start with the seq in fixed-width hex, so that is the larger member),
+# keeps the best `limit`, and appends (id, shared, first key index, entry) to `out`. Beyond `limit`
+# members, an insertion sort into `limit` slots: most members fail the first comparison.
+# A query's buckets can hold hundreds of members, so the work per member is kept to a few table
+# operations: no scores (the range query already applied the window), no own-id check until ranking.
 _LUA_RANK = """
 -- Event times are > MIN_TS; sentinel scores are below it (see the module docstring).
 local MIN_TS = -4503599627370496
@@ -176,10 +183,17 @@ local function lower_bound(horizon)  -- ZRANGEBYSCORE's min for "inside the wind
   if horizon < MIN_TS then horizon = MIN_TS end
   return string.format('%.17g', horizon)
 end
-local function emit(out, members, count, first, score, limit, epre)
+local function emit(out, members, count, first, min_shared, own_suffix, limit, epre)
+  local ranked = {}
+  local own_length = 16 + #own_suffix
+  for _, m in ipairs(members) do
+    if count[m] >= min_shared and not (#m == own_length and string.sub(m, 17) == own_suffix) then
+      ranked[#ranked + 1] = m
+    end
+  end
+  members = ranked
   local function before(a, b)
     if count[a] ~= count[b] then return count[a] > count[b] end
-    if score[a] ~= score[b] then return score[a] > score[b] end
     return a > b
   end
   local top = {}
@@ -209,6 +223,9 @@ local function emit(out, members, count, first, score, limit, epre)
 end
 """
 
+# A script per query rather than ZRANGEBYSCORE per bucket and MGET of the winners: one reply per
+# query instead of one per bucket, and no second round trip; measured 3-4x more lookups per second
+# over the eval stream.
 LOOKUP_LUA = _LUA_RANK + """
 -- One query, read-only. KEYS[1]: the namespace's meta hash.
 -- ARGV: bucket key prefix, entry key prefix, window, limit, query id, the caller's high-water mark
@@ -228,40 +245,32 @@ local out = {state[1] or '0', false}
 local own = redis.call('GET', epre .. ARGV[5])
 if own and struct.unpack('<d', own, 2) >= horizon then out[2] = own end
 local lo = lower_bound(horizon)
-local count, first, score, members = {}, {}, {}, {}
+local count, first, members = {}, {}, {}
 for p = 1, #keys, 16 do
-  local rows = redis.call('ZRANGEBYSCORE', bpre .. string.sub(keys, p, p + 15), lo, '+inf', 'WITHSCORES')
-  for j = 1, #rows, 2 do
+  local rows = redis.call('ZRANGEBYSCORE', bpre .. string.sub(keys, p, p + 15), lo, '+inf')
+  for j = 1, #rows do
     local m = rows[j]
     local c = count[m]
     if c then
       count[m] = c + 1
-    elseif string.sub(m, 17) ~= own_suffix then
-      count[m] = 1; first[m] = (p + 15) / 16; score[m] = tonumber(rows[j + 1])
-      members[#members + 1] = m
+    else
+      count[m] = 1; first[m] = (p + 15) / 16; members[#members + 1] = m
     end
   end
 end
-if min_shared > 1 then
-  local kept = {}
-  for _, m in ipairs(members) do
-    if count[m] >= min_shared then kept[#kept + 1] = m end
-  end
-  members = kept
-end
-return emit(out, members, count, first, score, limit, epre)
+return emit(out, members, count, first, min_shared, own_suffix, limit, epre)
 """
 
 INSERT_LUA = _LUA_RANK + """
 -- A chunk of one caller's inserts, atomically. KEYS[1]: the namespace's meta hash.
 -- ARGV: bucket key prefix, entry key prefix, window, bucket cap, TTL (ms), the caller's high-water
 --       mark of event time, the key of the caller's own-inserts record for its current lookup ('' if
---       none), then per entry: id, ts, watermark ('' when it was not looked up), encoded entry, its
---       bucket keys (16 hex digits each, concatenated).
+--       none) and that record's TTL (ms), then per entry: id, ts, watermark ('' when it was not
+--       looked up), encoded entry, its bucket keys (16 hex digits each, concatenated).
 -- Returns {seq, high-water mark, per entry: 0 (inserted, or kept the first of a replayed id, or too
 --          old for the window) or the flat list of candidates that entered its buckets after its
 --          watermark (then it was not inserted)}.
-local meta, own_key = KEYS[1], ARGV[7]
+local meta, own_key, own_ttl = KEYS[1], ARGV[7], ARGV[8]
 local bpre, epre = ARGV[1], ARGV[2]
 local window, cap, ttl = tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
 local hwm = tonumber(ARGV[6])
@@ -295,7 +304,7 @@ local function foreign_since(mark)  -- did anybody else insert anything after `m
   return pos < start
 end
 local results = {}
-for i = 8, #ARGV, 5 do
+for i = 9, #ARGV, 5 do
   local id, ts_arg, mark, blob, keys = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4]
   local ts = tonumber(ts_arg)
   local ekey = epre .. id
@@ -312,28 +321,27 @@ for i = 8, #ARGV, 5 do
         mark = tonumber(mark)
         local own_suffix = ':' .. id
         local lo = lower_bound(horizon)
-        local count, first, score, members = {}, {}, {}, {}
+        local count, first, members = {}, {}, {}
         for p = 1, #keys, 16 do
           local bkey = bpre .. string.sub(keys, p, p + 15)
           local head = redis.call('ZRANGE', bkey, 0, 0, 'WITHSCORES')
           if head[1] == SENTINEL and MIN_TS - tonumber(head[2]) > mark then
-            local rows = redis.call('ZRANGEBYSCORE', bkey, lo, '+inf', 'WITHSCORES')
-            for j = 1, #rows, 2 do
+            local rows = redis.call('ZRANGEBYSCORE', bkey, lo, '+inf')
+            for j = 1, #rows do
               local m = rows[j]
               local s = tonumber(string.sub(m, 1, 16), 16)
-              if s > mark and not is_own(s) and string.sub(m, 17) ~= own_suffix then
+              if s > mark and not is_own(s) then
                 local c = count[m]
                 if c then
                   count[m] = c + 1
                 else
-                  count[m] = 1; first[m] = (p + 15) / 16; score[m] = tonumber(rows[j + 1])
-                  members[#members + 1] = m
+                  count[m] = 1; first[m] = (p + 15) / 16; members[#members + 1] = m
                 end
               end
             end
           end
         end
-        emit(conflicts, members, count, first, score, #members, epre)
+        emit(conflicts, members, count, first, 1, own_suffix, #members, epre)
       end
       if #conflicts > 0 then
         result = conflicts
@@ -363,7 +371,7 @@ if seq > start then
   redis.call('HSET', meta, 'seq', seq)
   if own_key ~= '' then
     redis.call('APPEND', own_key, string.format(' %d %d', start, seq))
-    redis.call('PEXPIRE', own_key, ttl)
+    redis.call('PEXPIRE', own_key, own_ttl)
   end
 end
 if hwm > stored_hwm then redis.call('HSET', meta, 'hwm', hwm_s) end
@@ -532,12 +540,14 @@ class RedisIndex:
         return out
 
     def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]:
+        """See `CandidateIndex.insert`. If it raises, some chunks may have been written: inserting is
+        idempotent by id, so the worker retries the batch and finds those as replays."""
         if not entries:
             return []
         calls = []
         for at in range(0, len(entries), INSERT_CHUNK):
             args: list[str | int | bytes] = [*self._static_args, self.bucket_cap, self._ttl_ms,
-                                             repr(self._hwm), self._own_key]
+                                             repr(self._hwm), self._own_key, OWN_RECORD_TTL_MS]
             for entry, keys in entries[at : at + INSERT_CHUNK]:
                 mark = self._marks.get(entry.id, self._marks_before.get(entry.id))
                 args += [entry.id, repr(_event_time(entry.ts, entry.id)), "" if mark is None else mark,
@@ -577,13 +587,11 @@ class RedisIndex:
         `inserted`: entries inserted since the namespace was created (the seq counter).
         """
         entries = buckets = 0
+        entry_prefix, bucket_prefix = self._epre.encode(), self._bpre.encode()
         with self._errors():
             for key in self._scan():
-                kind = key[len(self._pattern) - 1 : len(self._pattern) + 1]
-                if kind == b"e:":
-                    entries += 1
-                elif kind == b"b:":
-                    buckets += 1
+                entries += key.startswith(entry_prefix)
+                buckets += key.startswith(bucket_prefix)
             inserted = int(self._client.hget(self._meta, "seq") or 0)
         return {"entries": entries, "buckets": buckets, "inserted": inserted}
 
@@ -612,14 +620,6 @@ class RedisIndex:
             yield from self._client.scan_iter(match=self._pattern, count=1000, target_nodes=node)
         else:
             yield from self._client.scan_iter(match=self._pattern, count=1000)
-
-    def _eval(self, script: _Script, args: Sequence[str | int | bytes]) -> Any:
-        with self._errors():
-            try:
-                return self._client.evalsha(script.sha, 1, self._meta, *args)
-            except NoScriptError:
-                self._client.script_load(script.source)
-                return self._client.evalsha(script.sha, 1, self._meta, *args)
 
     def _eval_pipelined(self, script: _Script, calls: Sequence[Sequence[str | int | bytes]]) -> list[Any]:
         """Runs `script` once per call in one round trip; reloads it once if the server forgot it."""

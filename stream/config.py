@@ -9,7 +9,6 @@ import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -77,6 +76,11 @@ class Settings:
     dead_letter_topic: str = field(default="neardup-dead-letter", metadata=_meta(
         "where undecodable/rejected records go, with the reason in headers"))
     group_id: str = field(default="neardup", metadata=_meta("consumer group: workers sharing it share the input"))
+    group_instance_id: str = field(default="", metadata=_meta(
+        "static group membership (aiokafka runtime): a restarted worker with the same id gets its partitions "
+        "back at once instead of after the session timeout; unique per worker, e.g. the pod name"))
+    session_timeout: float = field(default=10.0, metadata=_meta(
+        "consumer group session timeout: a dead worker's partitions move after this long", kind="duration"))
     create_topics: bool = field(default=True, metadata=_meta("create missing input/output topics", kind="bool"))
     partitions: int = field(default=1, metadata=_meta("partitions of topics neardup creates", kind="int"))
     replication_factor: int = field(default=1, metadata=_meta("replication of topics neardup creates", kind="int"))
@@ -147,7 +151,7 @@ class Settings:
         if self.retry_max < self.retry_initial:
             raise ConfigError("retry_max must be >= retry_initial")
         self.filter_config()  # validates methods, thresholds and the window
-        object.__setattr__(self, "sources", MappingProxyType(dict(self.sources)))
+        object.__setattr__(self, "sources", dict(self.sources))  # a copy: the caller's dict may change
 
     # -- derived ---------------------------------------------------------------------------------
     def filter_config(self) -> FilterConfig:

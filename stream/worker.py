@@ -8,13 +8,16 @@ indexed and matches its original again). With `memory://` the index dies with th
 after a restart are checked against an empty index: use Redis for `serve`; memory:// is for trying out.
 
 Two runtimes share everything but the loop: `aiokafka` (default: a plain consume → route → produce →
-commit loop) and `faust` (a faust-streaming agent over `stream.take_events`).
+commit loop, pipelined one batch deep) and `faust` (a faust-streaming agent over `stream.noack_take`,
+acking a batch after its outputs were acknowledged). aiokafka is the default: faster, lower latency,
+and its commits are explicit (see bench/kafka_e2e.py and the FaustWorker docstring).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import signal
 import tempfile
 import time
@@ -83,8 +86,15 @@ class WorkerStats:
         self.batches += 1
         self.seen += len(outs)
         for out in outs:
-            verdict = next((v for k, v in reversed(out.headers) if k == H_VERDICT), b"")
-            setattr(self, verdict.decode() or REJECTED, getattr(self, verdict.decode() or REJECTED) + 1)
+            verdict = next(v for k, v in reversed(out.headers) if k == H_VERDICT).decode()
+            if verdict == UNIQUE:
+                self.unique += 1
+            elif verdict == DUPLICATE:
+                self.duplicate += 1
+            elif verdict == UNCHECKED:
+                self.unchecked += 1
+            else:
+                self.rejected += 1
 
     def line(self) -> str:
         seconds = time.monotonic() - self.started
@@ -193,6 +203,7 @@ class Router:
         self.stats = stats
         self.backoff = Backoff(settings.retry_initial, settings.retry_max)
         self._down_since: float | None = None
+        self._attempts = 0  # failed attempts in the current outage
         self._retry_at = 0.0
         # How the CPU-bound, blocking routing step runs: in a worker thread by default, so that the
         # event loop keeps fetching, heartbeating and delivering the previous batch meanwhile.
@@ -215,6 +226,7 @@ class Router:
                 outs = await self._run(route_records, self.nd, records, self.settings)
             except IndexUnavailable as exc:
                 self.stats.index_errors += 1
+                self._attempts += 1
                 if self._down_since is None:
                     self._down_since = time.monotonic()
                     pause()
@@ -231,8 +243,9 @@ class Router:
                 continue
             if self._down_since is not None:
                 log.warning("index available again after %.1fs (%d failed attempts): consumption resumed",
-                            time.monotonic() - self._down_since, self.stats.index_errors)
+                            time.monotonic() - self._down_since, self._attempts)
                 self._down_since = None
+                self._attempts = 0
                 self.backoff.reset()
                 resume()
             return outs
@@ -270,22 +283,36 @@ def open_filter(settings: Settings) -> NearDupFilter:
 
 
 class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
-    """Before partitions are taken away, let the batch in progress finish and commit."""
+    """Before partitions are taken away, deliver and commit what was routed from them."""
 
-    def __init__(self, lock: asyncio.Lock) -> None:
-        self.lock = lock
+    def __init__(self, flush: Callable[[], Awaitable[None]]) -> None:
+        self.flush = flush
 
     async def on_partitions_revoked(self, revoked: Any) -> None:
-        async with self.lock:
-            pass
+        await self.flush()
 
     async def on_partitions_assigned(self, assigned: Any) -> None:
         if assigned:
             log.info("assigned %s", ", ".join(f"{tp.topic}/{tp.partition}" for tp in sorted(assigned)))
 
 
+@dataclass
+class _InFlight:
+    """A routed batch whose output records were handed to the producer but not yet acknowledged."""
+
+    records: list[KafkaRecord]
+    outs: list[OutRecord]
+    deliveries: list[asyncio.Future[Any]]
+
+
 class AiokafkaWorker:
-    """consume (getmany) → route (a thread) → produce (await acks) → commit, one batch at a time."""
+    """consume (getmany) → route (a thread) → produce → await acks → commit.
+
+    Pipelined one batch deep: while batch N+1 is routed (in a thread), the event loop collects batch N's
+    acknowledgements; N is committed after they all arrived, and always before N+1. So a batch's offsets
+    are committed only after every output of it and of all batches before it was acknowledged; a crash
+    may leave up to two routed batches uncommitted, to be re-read (replayed) after a restart.
+    """
 
     def __init__(self, settings: Settings, nd: NearDupFilter | None = None, *,
                  observer: BatchObserver | None = None) -> None:
@@ -295,7 +322,9 @@ class AiokafkaWorker:
         self.router = Router(settings, self.nd, self.stats)
         self.observer = observer
         self.stop_event = asyncio.Event()
-        self._lock = asyncio.Lock()
+        self._lock = asyncio.Lock()  # one batch step at a time: the loop, or a rebalance's flush
+        self._in_flight: _InFlight | None = None
+        self._consumer: AIOKafkaConsumer | None = None
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -309,15 +338,22 @@ class AiokafkaWorker:
             enable_auto_commit=False,
             auto_offset_reset="earliest",
             max_poll_records=s.max_batch,
+            group_instance_id=s.group_instance_id or None,
+            session_timeout_ms=round(s.session_timeout * 1000),
+            heartbeat_interval_ms=max(100, round(s.session_timeout * 1000 / 3)),
             **client_options(s),
         )
+        self._consumer = consumer
         with broker_errors(s):
             await consumer.start()
         try:
-            consumer.subscribe(list(s.input_topics), listener=_Rebalance(self._lock))
+            consumer.subscribe(list(s.input_topics), listener=_Rebalance(self._flush_locked))
             async with producer(s) as prod:
                 await self._loop(consumer, prod)
+                # Stopping (not failing): deliver and commit the batch in flight.
+                await self._flush_locked()
         finally:
+            self._in_flight = None
             with broker_errors(s):
                 await consumer.stop()
         log.info("stopped: %s", self.stats.line())
@@ -329,7 +365,10 @@ class AiokafkaWorker:
         stop_wait = asyncio.ensure_future(self.stop_event.wait())
         try:
             while not self.stop_event.is_set():
-                fetch = asyncio.ensure_future(consumer.getmany(timeout_ms=timeout_ms, max_records=s.max_batch))
+                # With a batch in flight, look for more without waiting: if there is none, finish the
+                # batch in flight first (latency), then wait for records.
+                wait_ms = 0 if self._in_flight is not None else timeout_ms
+                fetch = asyncio.ensure_future(consumer.getmany(timeout_ms=wait_ms, max_records=s.max_batch))
                 await asyncio.wait([fetch, stop_wait], return_when=asyncio.FIRST_COMPLETED)
                 if not fetch.done():
                     fetch.cancel()
@@ -337,9 +376,11 @@ class AiokafkaWorker:
                 with broker_errors(s):
                     fetched = fetch.result()
                 records = [KafkaRecord.of(m) for msgs in fetched.values() for m in msgs]
-                if records:
-                    async with self._lock:
+                async with self._lock:
+                    if records:
                         await self._batch(consumer, prod, records)
+                    else:
+                        await self._flush()
         finally:
             stop_wait.cancel()
 
@@ -353,27 +394,44 @@ class AiokafkaWorker:
             consumer.resume(*consumer.assignment())
 
         async def keepalive() -> None:
+            await self._flush()  # what was routed before the outage need not wait for the index
             # Paused partitions return nothing; polling keeps the consumer in its group.
             await consumer.getmany(timeout_ms=0)
 
         outs = await self.router.route(records, pause=pause, resume=resume, keepalive=keepalive,
                                        stopping=self.stop_event.is_set)
         if outs is None:
-            return  # stopping during an index outage: nothing produced, nothing committed
+            return  # stopping during an index outage: nothing of this batch produced or committed
         with broker_errors(s):
-            futures = [await prod.send(o.topic, value=o.value, key=o.key, headers=list(o.headers)) for o in outs]
-            await asyncio.gather(*futures)
-        self.stats.add(outs)
+            deliveries = [await prod.send(o.topic, value=o.value, key=o.key, headers=list(o.headers))
+                          for o in outs]
+        await self._flush()  # the previous batch: its acks arrived while this one was routed
+        self._in_flight = _InFlight(records, outs, deliveries)
+
+    async def _flush_locked(self) -> None:
+        async with self._lock:
+            await self._flush()
+
+    async def _flush(self) -> None:
+        """Await the acks of the batch in flight, then commit its offsets."""
+        batch, self._in_flight = self._in_flight, None
+        if batch is None:
+            return
+        s = self.settings
+        with broker_errors(s):
+            await asyncio.gather(*batch.deliveries)
+        self.stats.add(batch.outs)
         if self.observer is not None:
-            maybe = self.observer(records, outs)
+            maybe = self.observer(batch.records, batch.outs)
             if maybe is not None:
                 await maybe
         offsets: dict[TopicPartition, int] = {}
-        for r in records:
+        for r in batch.records:
             tp = TopicPartition(r.topic, r.partition)
             offsets[tp] = max(offsets.get(tp, 0), r.offset + 1)
+        assert self._consumer is not None
         try:
-            await consumer.commit(offsets)
+            await self._consumer.commit(offsets)
         except (CommitFailedError, IllegalStateError) as exc:
             # The group moved on (rebalance): whoever owns the partitions now re-reads this batch.
             log.warning("commit failed, the batch will be re-read by the partitions' new owner: %s", exc)
@@ -385,10 +443,12 @@ class AiokafkaWorker:
 
 
 class FaustWorker:
-    """The same batch step as a faust-streaming agent: `stream.take_events(max_batch, within)`.
+    """The same batch step as a faust-streaming agent over `stream.noack_take(max_batch, within)`.
 
-    faust acks a batch's events when the agent asks for the next batch (after our body awaited every
-    output's delivery); its consumer commits acked offsets every `broker_commit_interval`.
+    The agent acks a batch's events after every output was acknowledged; faust's consumer commits the
+    acked offsets every `broker_commit_interval`. (`take_events` would ack in a `finally`, i.e. also
+    when routing or producing failed: measured, that commits records that never reached an output.)
+    While the index is down, faust keeps fetching until its stream buffer is full (no explicit pause).
     """
 
     def __init__(self, settings: Settings, nd: NearDupFilter | None = None, *,
@@ -400,6 +460,10 @@ class FaustWorker:
         self.observer = observer
         self.stop_event = asyncio.Event()
         self._failure: BaseException | None = None
+        self._lock = asyncio.Lock()
+        # faust wants a data directory even with in-memory tables; a temporary one unless configured.
+        self._own_datadir = not settings.state_dir
+        self._datadir = settings.state_dir or tempfile.mkdtemp(prefix="neardup-faust-")
         self.app = self._build_app()
 
     def stop(self) -> None:
@@ -422,7 +486,7 @@ class FaustWorker:
             broker=brokers,
             broker_credentials=credentials,
             broker_client_id=s.kafka_client_id,
-            datadir=s.state_dir or tempfile.mkdtemp(prefix="neardup-faust-"),
+            datadir=self._datadir,
             store="memory://",
             web_enabled=False,
             value_serializer="raw",
@@ -432,6 +496,8 @@ class FaustWorker:
             producer_linger=s.linger,
             broker_commit_interval=1.0,
             stream_buffer_maxsize=max(4096, 2 * s.max_batch),
+            # Unacked events (a failed batch) are simply not committed; faust must not wait for them.
+            stream_wait_empty=False,
             topic_partitions=s.partitions,
             topic_replication_factor=s.replication_factor,
         )
@@ -445,8 +511,9 @@ class FaustWorker:
             # routing or delivery failed would be committed anyway (measured: lost records).
             async for events in stream.noack_take(s.max_batch, within=s.batch_within):
                 try:
-                    if not await self._batch(events, sinks):
-                        return
+                    async with self._lock:  # run() takes it to stop between batches
+                        if not await self._batch(events, sinks):
+                            return
                 except BaseException as exc:
                     # Nothing of this batch is acked; stop the worker rather than let faust restart
                     # the agent past a gap that would be committed only after a restart anyway.
@@ -481,8 +548,11 @@ class FaustWorker:
         await self.app.start()
         try:
             await self.stop_event.wait()
+            await asyncio.wait_for(self._lock.acquire(), timeout=60)  # let the batch in progress finish
         finally:
             await self.app.stop()
+            if self._own_datadir:
+                shutil.rmtree(self._datadir, ignore_errors=True)
         if self._failure is not None:
             raise self._failure
         log.info("stopped: %s", self.stats.line())

@@ -1,4 +1,4 @@
-"""Helpers of the Kafka worker tests: unique names, settings, producing, running a worker until a condition, a TCP proxy."""
+"""Kafka worker test helpers: unique names, settings, producing, running a worker until a condition, a proxy."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import redis
 
 from filters.engine import NearDupFilter
 from stream.config import Settings
-from stream.kafka_tools import Headers, KafkaRecord, collect, producer
+from stream.kafka_tools import Headers, KafkaRecord, collect, producer, read_topics
 from stream.runner import RawRecord, Routed, route_batch
 from stream.worker import AiokafkaWorker, FaustWorker, WorkerStats
 
@@ -61,9 +61,12 @@ def settings_for(bootstrap: str, index: str, **overrides: Any) -> Settings:
     return Settings(**values)
 
 
-async def produce(settings: Settings, topic: str, records: Sequence[Input]) -> None:
+async def produce(settings: Settings, topic: str, records: Sequence[Input],
+                  timestamps_ms: Sequence[int] | None = None) -> None:
     async with producer(settings) as p:
-        futures = [await p.send(topic, key=k, value=v, headers=list(h)) for k, v, h in records]
+        futures = [await p.send(topic, key=k, value=v, headers=list(h),
+                                timestamp_ms=None if timestamps_ms is None else timestamps_ms[i])
+                   for i, (k, v, h) in enumerate(records)]
         await asyncio.gather(*futures)
 
 
@@ -92,8 +95,14 @@ async def run_until(
     return task.result()
 
 
-async def outputs(settings: Settings, count: int, timeout: float = 20.0) -> list[KafkaRecord]:
-    return await collect(settings, settings.output_topics, count, timeout)
+async def outputs(settings: Settings, count: int, timeout: float = 20.0, settle: float = 0.0) -> list[KafkaRecord]:
+    """The first `count` output records (fewer if `timeout` passes first). With `settle`: once `count`
+    arrived, all output records as they are `settle` seconds later (to see that no more arrive)."""
+    got = await collect(settings, settings.output_topics, count, timeout)
+    if settle > 0 and len(got) >= count:
+        got = [r async for r in read_topics(settings, settings.output_topics, max_records=10 * count + 10,
+                                            idle_timeout=settle)]
+    return got
 
 
 def reference_verdicts(lines: Sequence[bytes], settings: Settings, topic: str) -> dict[str, Routed]:

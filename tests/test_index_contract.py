@@ -103,10 +103,10 @@ def test_ranking_most_shared_then_newest(make_index: MakeIndex) -> None:
     add(index, entry("a", 1), [1, 2, 3])
     add(index, entry("b", 2), [1, 2])
     add(index, entry("c", 3), [2])
-    add(index, entry("d", 3), [2])  # same event time as c, inserted later: newer
-    add(index, entry("e", 0.5), [2])  # inserted last, but the oldest event time
+    add(index, entry("d", 3), [2])
+    add(index, entry("e", 0.5), [2])  # the oldest event time, but inserted last: the newest
     _, cands = found(index, "q", 5, [3, 2, 1])
-    assert cands == [("a", 3, 3), ("b", 2, 2), ("d", 1, 2), ("c", 1, 2), ("e", 1, 2)]
+    assert cands == [("a", 3, 3), ("b", 2, 2), ("e", 1, 2), ("d", 1, 2), ("c", 1, 2)]
     assert found(index, "q", 5, [3, 2, 1], limit=2)[1] == cands[:2]
     assert found(index, "q", 5, [3, 2, 1], min_shared=2)[1] == cands[:2]
     assert found(index, "q", 5, [9, 8])[1] == []
@@ -178,7 +178,8 @@ def test_bucket_cap_keeps_the_newest(make_index: MakeIndex) -> None:
     index = make_index(bucket_cap=4)
     for i, ts in enumerate([5, 1, 6, 2, 4, 3]):  # out of event-time order: the cap goes by event time
         add(index, entry(f"e{ts}", ts, seed=i), [7, 100 + i])
-    assert [c[0] for c in found(index, "q", 10, [7])[1]] == ["e6", "e5", "e4", "e3"]
+    kept = [c[0] for c in found(index, "q", 10, [7])[1]]
+    assert kept == ["e3", "e4", "e6", "e5"]  # the newest four by event time, ranked most recent insert first
 
 
 def test_entry_round_trips_every_field(make_index: MakeIndex) -> None:
@@ -220,7 +221,7 @@ def test_a_batch_is_answered_in_order(make_index: MakeIndex) -> None:
     queries = [Query("q1", 2, (2,)), Query("a", 2, (1,)), Query("q3", 2, (3,)), Query("q4", 2, (1, 2))]
     looked = index.lookup(queries, 8)
     assert [(o and o.id, [c.entry.id for c in cs]) for o, cs in looked] == [
-        (None, ["b"]), ("a", []), (None, []), (None, ["b", "a"]),  # same event time: b inserted later
+        (None, ["b"]), ("a", []), (None, []), (None, ["b", "a"]),  # b was inserted later
     ]
     assert index.lookup([], 8) == [] and index.insert([]) == []
 
