@@ -305,7 +305,20 @@ class _InFlight:
     deliveries: list[asyncio.Future[Any]]
 
 
-class AiokafkaWorker:
+class _WorkerCore:
+    """What both runtimes share: settings, the filter, the router and its stats, the stop signal."""
+
+    def __init__(self, settings: Settings, nd: NearDupFilter | None = None, *,
+                 observer: BatchObserver | None = None) -> None:
+        self.settings = settings
+        self.nd = nd or open_filter(settings)
+        self.stats = WorkerStats()
+        self.router = Router(settings, self.nd, self.stats)
+        self.observer = observer
+        self.stop_event = asyncio.Event()
+
+
+class AiokafkaWorker(_WorkerCore):
     """consume (getmany) → route (a thread) → produce → await acks → commit.
 
     Pipelined one batch deep: while batch N+1 is routed (in a thread), the event loop collects batch N's
@@ -316,12 +329,7 @@ class AiokafkaWorker:
 
     def __init__(self, settings: Settings, nd: NearDupFilter | None = None, *,
                  observer: BatchObserver | None = None) -> None:
-        self.settings = settings
-        self.nd = nd or open_filter(settings)
-        self.stats = WorkerStats()
-        self.router = Router(settings, self.nd, self.stats)
-        self.observer = observer
-        self.stop_event = asyncio.Event()
+        super().__init__(settings, nd, observer=observer)
         self._lock = asyncio.Lock()  # one batch step at a time: the loop, or a rebalance's flush
         self._in_flight: _InFlight | None = None
         self._consumer: AIOKafkaConsumer | None = None
@@ -442,7 +450,7 @@ class AiokafkaWorker:
 # -- the faust runtime ---------------------------------------------------------------------------
 
 
-class FaustWorker:
+class FaustWorker(_WorkerCore):
     """The same batch step as a faust-streaming agent over `stream.noack_take(max_batch, within)`.
 
     The agent acks a batch's events after every output was acknowledged; faust's consumer commits the
@@ -453,12 +461,7 @@ class FaustWorker:
 
     def __init__(self, settings: Settings, nd: NearDupFilter | None = None, *,
                  observer: BatchObserver | None = None) -> None:
-        self.settings = settings
-        self.nd = nd or open_filter(settings)
-        self.stats = WorkerStats()
-        self.router = Router(settings, self.nd, self.stats)
-        self.observer = observer
-        self.stop_event = asyncio.Event()
+        super().__init__(settings, nd, observer=observer)
         self._failure: BaseException | None = None
         self._lock = asyncio.Lock()
         # faust wants a data directory even with in-memory tables; a temporary one unless configured.
