@@ -42,7 +42,7 @@ class Fingerprint:
     normalized: str
     exact: int  # 128-bit hash of the normalized text
     size: int  # number of distinct verification shingles
-    sketch: np.ndarray  # bottom-k of the shingle hashes, sorted uint64
+    sketch: np.ndarray  # bottom-k of the shingle hashes (top 32 bits), sorted uint32
     keys: tuple[int, ...]  # bucket keys, method tag in the top four bits
     simhash: int | None = None
     minhash: np.ndarray | None = None
