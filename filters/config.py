@@ -41,7 +41,7 @@ class FilterConfig:
     max_candidates: int = 8  # candidates verified per message, best-ranked first
     # A candidate is verified only if it shares at least this fraction of the message's bucket keys;
     # unrelated texts share a key or two by chance, true copies share many (see README, tuning).
-    min_shared: float = 0.1
+    min_shared: float = 0.2
     bucket_cap: int = 64  # representatives kept per bucket (newest win)
     max_chars: int = 20_000  # longer texts are truncated before fingerprinting
     window: float = 24 * 3600.0  # seconds of event time an indexed message keeps matching

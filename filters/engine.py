@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from filters.config import FilterConfig
 from filters.fingerprint import Fingerprint, Fingerprinter, hamming, key_method, minhash_jaccard
 from filters.index import Candidate, CandidateIndex, Entry, MemoryIndex, Query, open_index
-from filters.sketch import overlap
+from filters.sketch import Probe
 
 _MAX_INSERT_ROUNDS = 8
 
@@ -141,32 +141,64 @@ class NearDupFilter:
 
     # -- verification ------------------------------------------------------------------------
     def _first_match(self, msg: Message, fp: Fingerprint, candidates: Sequence[Candidate]) -> Verdict:
+        probe: Probe | None = None
         floor = max(1, math.ceil(self.config.min_shared * len(fp.keys)))
         for cand in candidates:
-            if cand.shared < floor and cand.entry.exact != fp.exact:
+            if cand.entry.exact == fp.exact:
+                return Verdict(msg.id, True, cand.entry.id, 1.0, "exact")
+            if cand.shared < floor:
                 continue
-            m = self.verify(fp, cand)
+            if probe is None:
+                probe = Probe(fp.sketch, fp.size)
+            m = self.verify(fp, cand, probe)
             if m.ok:
                 return Verdict(msg.id, True, cand.entry.id, round(m.similarity, 4), m.method)
         return Verdict(msg.id, False)
 
-    def verify(self, fp: Fingerprint, cand: Candidate) -> Match:
-        cfg = self.config
+    def verify(self, fp: Fingerprint, cand: Candidate, probe: Probe | None = None) -> Match:
+        """Is the candidate a near-duplicate of the message? With verify="sketch", by the shingle-sketch
+        overlap; with "native", by any configured method's own measure (in config order), so the verdict
+        does not depend on which key happened to find the candidate."""
         entry = cand.entry
-        method = key_method(cand.first_key)
         if entry.exact == fp.exact:
             return Match(True, 1.0, "exact")
-        if cfg.verify == "native":
-            if method == "simhash" and fp.simhash is not None and entry.simhash is not None:
-                d = hamming(fp.simhash, entry.simhash)
-                return Match(d <= cfg.simhash_k, 1.0 - d / 64, method)
-            if method == "minhash" and fp.minhash is not None and entry.minhash is not None:
-                j = minhash_jaccard(fp.minhash, entry.minhash)
-                return Match(j >= cfg.threshold, j, method)
-            if method == "sentences" and fp.sentences and entry.sentences:
-                shared = len(fp.sentences & entry.sentences)
-                return Match(shared > 0, shared / min(len(fp.sentences), len(entry.sentences)), method)
-        ov = overlap(fp.sketch, fp.size, entry.sketch, entry.size)
+        method = key_method(cand.first_key)
+        if self.config.verify == "sketch":
+            return self._sketch_match(fp, entry, method, probe)
+        best = Match(False, 0.0, method)
+        sketched = False
+        for name in self.config.methods:
+            if name in ("mgram", "exact"):  # no measure of their own: the sketch verifies them, once
+                if sketched:
+                    continue
+                sketched = True
+                m = self._sketch_match(fp, entry, method, probe)
+            else:
+                m = self._native_match(name, fp, entry)
+                if m is None:
+                    continue
+            if m.ok:
+                return m
+            if m.similarity > best.similarity:
+                best = Match(False, m.similarity, method)
+        return best
+
+    def _native_match(self, method: str, fp: Fingerprint, entry: Entry) -> Match | None:
+        cfg = self.config
+        if method == "simhash" and fp.simhash is not None and entry.simhash is not None:
+            d = hamming(fp.simhash, entry.simhash)
+            return Match(d <= cfg.simhash_k, 1.0 - d / 64, method)
+        if method == "minhash" and fp.minhash is not None and entry.minhash is not None:
+            j = minhash_jaccard(fp.minhash, entry.minhash)
+            return Match(j >= cfg.threshold, j, method)
+        if method == "sentences" and fp.sentences and entry.sentences:
+            shared = len(fp.sentences & entry.sentences)
+            return Match(shared > 0, shared / min(len(fp.sentences), len(entry.sentences)), method)
+        return None
+
+    def _sketch_match(self, fp: Fingerprint, entry: Entry, method: str, probe: Probe | None) -> Match:
+        cfg = self.config
+        ov = (probe or Probe(fp.sketch, fp.size)).overlap(entry.sketch, entry.size)
         if ov.jaccard >= cfg.threshold:
             return Match(True, ov.jaccard, method)
         if (

@@ -83,7 +83,12 @@ class Fingerprinter:
         normalized = [self.normalizer(t[: c.max_chars]) for t in texts]
         batch = Batch(normalized, max(c.shingle, c.mgram), c.seed)
         sketches = batch.sketches(c.shingle, c.sketch_size)
-        grams = batch.samples(c.mgram, c.mgram_keys) if "mgram" in self._methods else None
+        mgram_keys: list[int] = []
+        mgram_bounds: list[int] = []
+        if "mgram" in self._methods:
+            grams, bounds = batch.samples(c.mgram, c.mgram_keys)
+            mgram_keys = ((grams >> _TAG_ROOM) | _MGRAM_TAG).tolist()
+            mgram_bounds = bounds.tolist()
         features: list[np.ndarray] = []
         if "simhash" in self._methods or "minhash" in self._methods:
             # simhash and minhash see every shingle (weighted by its count), not only the sketch.
@@ -101,8 +106,7 @@ class Fingerprinter:
                 if method == "exact":
                     keys.append(_tagged("exact", exact ^ (exact >> 64)))
                 elif method == "mgram":
-                    assert grams is not None
-                    keys.extend(((grams[i] >> _TAG_ROOM) | _MGRAM_TAG).tolist())
+                    keys.extend(mgram_keys[mgram_bounds[i] : mgram_bounds[i + 1]])
                 elif method == "simhash":
                     simhash = self._simhash(features[i])
                     keys.extend(self._simhash_keys(simhash))

@@ -15,7 +15,6 @@ import heapq
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from itertools import chain
 from operator import itemgetter
 from typing import Protocol, runtime_checkable
 from urllib.parse import urlparse
@@ -87,16 +86,14 @@ class CandidateIndex(Protocol):
         ...
 
 
-def _rank(item: tuple[int, int]) -> tuple[int, int]:
-    return item[1], item[0]  # most shared keys first, then the newest (highest sequence number)
-
-
 _BY_SHARED_THEN_NEWEST = itemgetter(1, 0)
 
 
 class MemoryIndex:
     """Dict-of-buckets index for one process. Memory is freed as the window slides.
 
+    Most buckets hold one representative (m-gram keys of unique texts rarely repeat), so a bucket is a
+    bare sequence number until a second entry arrives, and a list sorted by (event time, seq) after.
     The bucket cap keeps the newest by event time (then insertion order), as a bucket sorted by event
     time does (Redis): a late copy of an old message does not push out recent ones.
     """
@@ -104,12 +101,14 @@ class MemoryIndex:
     def __init__(self, window: float, bucket_cap: int = 64) -> None:
         self.window = window
         self.bucket_cap = bucket_cap
-        self._buckets: dict[int, list[int]] = {}
-        self._entries: dict[int, tuple[Entry, tuple[int, ...]]] = {}
+        self._buckets: dict[int, int | list[int]] = {}
+        self._entries: dict[int, Entry] = {}
+        self._keys: dict[int, tuple[int, ...]] = {}
         self._by_id: dict[str, int] = {}
         self._expiry: list[tuple[float, int]] = []
         self._seq = 0
         self._watermark = float("-inf")
+        self._newest = float("-inf")  # latest event time inserted: an entry at or after it sorts last everywhere
         self.evicted_by_cap = 0
 
     def __len__(self) -> int:
@@ -122,31 +121,52 @@ class MemoryIndex:
         self._advance(q.ts)
         own = self._by_id.get(q.id)
         entries = self._entries
-        own_entry = entries[own][0] if own is not None else None
-        hit = [b for b in map(self._buckets.get, q.keys) if b]
-        if not hit:
-            return own_entry, []
-        counts = Counter(chain.from_iterable(hit))
+        own_entry = entries[own] if own is not None else None
+        hits = [b for b in map(self._buckets.get, q.keys) if b is not None]
+        floor = q.min_shared
+        if len(hits) < floor:
+            return own_entry, []  # nothing can share `floor` keys with it
+        flat: list[int] = []
+        for bucket in hits:
+            if bucket.__class__ is int:
+                flat.append(bucket)  # type: ignore[arg-type]
+            else:
+                flat.extend(bucket)  # type: ignore[arg-type]
+        counts = Counter(flat)
         if own is not None:
             counts.pop(own, None)
-        items = counts.items() if q.min_shared <= 1 else [i for i in counts.items() if i[1] >= q.min_shared]
-        # Most shared keys first, then the newest (highest sequence number).
-        ranked = sorted(items, key=_BY_SHARED_THEN_NEWEST, reverse=True)
+        if floor <= 1:
+            items = list(counts.items())
+        elif len(counts) == len(flat):
+            return own_entry, []  # every entry was in one bucket only
+        else:
+            items = [i for i in counts.items() if i[1] >= floor]
+        if not items:
+            return own_entry, []
+        items.sort(key=_BY_SHARED_THEN_NEWEST, reverse=True)  # most shared keys first, then the newest
         oldest = q.ts - self.window
-        buckets = self._buckets
         out = []
-        for seq, shared in ranked:
-            entry = entries[seq][0]
+        for seq, shared in items:
+            entry = entries[seq]
             if entry.ts < oldest:
                 continue
-            # The first key whose bucket holds it (not merely one of its keys: the cap may have evicted it).
-            first = next(k for k in q.keys if seq in buckets.get(k, ()))
-            out.append(Candidate(entry, shared, first))
+            out.append(Candidate(entry, shared, self._first_key(q.keys, seq)))
             if len(out) >= limit:
                 break
         return own_entry, out
 
+    def _first_key(self, keys: tuple[int, ...], seq: int) -> int:
+        """The first key whose bucket holds `seq` (not merely one of its keys: the cap may have evicted it)."""
+        get = self._buckets.get
+        for key in keys:
+            bucket = get(key)
+            if bucket == seq or (bucket.__class__ is list and seq in bucket):  # type: ignore[operator]
+                return key
+        raise AssertionError(f"entry {seq} was counted but is in none of the query's buckets")
+
     def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]:
+        buckets = self._buckets
+        cap = self.bucket_cap
         for entry, keys in entries:
             if entry.id in self._by_id:
                 continue
@@ -155,23 +175,34 @@ class MemoryIndex:
                 continue  # already outside the window: it could never match anything
             self._seq += 1
             seq = self._seq
-            self._entries[seq] = (entry, keys)
+            self._entries[seq] = entry
+            self._keys[seq] = keys
             self._by_id[entry.id] = seq
             heapq.heappush(self._expiry, (entry.ts, seq))
+            in_order = entry.ts >= self._newest
+            if in_order:
+                self._newest = entry.ts
             for key in keys:
-                bucket = self._buckets.setdefault(key, [])
+                bucket = buckets.get(key)
+                if bucket is None:
+                    buckets[key] = seq
+                    continue
+                if bucket.__class__ is int:
+                    bucket = buckets[key] = [bucket]  # type: ignore[list-item]
                 # Buckets stay sorted by (event time, seq), so bucket[0] is the oldest one the cap evicts.
-                if bucket and self._entries[bucket[-1]][0].ts > entry.ts:
-                    bisect.insort(bucket, seq, key=self._age)
+                if in_order or self._entries[bucket[-1]].ts <= entry.ts:  # type: ignore[index]
+                    bucket.append(seq)  # type: ignore[union-attr]
                 else:
-                    bucket.append(seq)
-                if len(bucket) > self.bucket_cap:
-                    del bucket[0]
+                    bisect.insort(bucket, seq, key=self._age)  # type: ignore[arg-type]
+                if len(bucket) > cap:  # type: ignore[arg-type]
+                    del bucket[0]  # type: ignore[union-attr]
                     self.evicted_by_cap += 1
+                    if len(bucket) == 1:  # type: ignore[arg-type]
+                        buckets[key] = bucket[0]  # type: ignore[index]
         return [None] * len(entries)
 
     def _age(self, seq: int) -> tuple[float, int]:
-        return self._entries[seq][0].ts, seq
+        return self._entries[seq].ts, seq
 
     def _advance(self, ts: float) -> None:
         if ts > self._watermark:
@@ -181,30 +212,35 @@ class MemoryIndex:
 
     def expire(self, now: float) -> int:
         horizon = now - self.window
+        buckets = self._buckets
         gone = 0
         while self._expiry and self._expiry[0][0] < horizon:
             _, seq = heapq.heappop(self._expiry)
-            item = self._entries.pop(seq, None)
-            if item is None:
+            entry = self._entries.pop(seq, None)
+            if entry is None:
                 continue
-            entry, keys = item
+            keys = self._keys.pop(seq)
             gone += 1
             if self._by_id.get(entry.id) == seq:
                 del self._by_id[entry.id]
             for key in keys:
-                bucket = self._buckets.get(key)
+                bucket = buckets.get(key)
                 if bucket is None:
                     continue
+                if bucket.__class__ is int:
+                    if bucket == seq:
+                        del buckets[key]
+                    continue  # else it was evicted earlier by the bucket cap
                 try:
-                    bucket.remove(seq)
+                    bucket.remove(seq)  # type: ignore[union-attr]
                 except ValueError:
-                    pass  # evicted earlier by the bucket cap
-                if not bucket:
-                    del self._buckets[key]
+                    continue  # evicted earlier by the bucket cap
+                if len(bucket) == 1:  # type: ignore[arg-type]
+                    buckets[key] = bucket[0]  # type: ignore[index]
         return gone
 
     def stats(self) -> dict[str, int]:
-        sizes = [len(b) for b in self._buckets.values()]
+        sizes = [1 if b.__class__ is int else len(b) for b in self._buckets.values()]  # type: ignore[arg-type]
         return {
             "entries": len(self._entries),
             "buckets": len(self._buckets),
@@ -213,7 +249,7 @@ class MemoryIndex:
         }
 
     def entries(self) -> Iterable[Entry]:
-        return (e for e, _ in self._entries.values())
+        return iter(self._entries.values())
 
     def close(self) -> None:
         pass

@@ -98,9 +98,10 @@ class Batch:
         out = [hashes[bounds[i] : min(bounds[i + 1], bounds[i] + k)] for i in range(self.count)]
         return Sketches(out, sizes.tolist())
 
-    def samples(self, m: int, target: int) -> list[np.ndarray]:
+    def samples(self, m: int, target: int) -> tuple[np.ndarray, np.ndarray]:
         """m-gram hashes kept by a nested sample: rate 1/2^j, the smallest j that leaves at most
-        about 2 * target of a text's m-grams. A key kept at rate 1/2P is also kept at rate 1/P."""
+        about 2 * target of a text's m-grams. A key kept at rate 1/2P is also kept at rate 1/P.
+        Returns the kept hashes of all texts end to end, and the bounds of text i: [bounds[i], bounds[i+1])."""
         values, owner, counts = self.ngrams(m)
         rates = np.ones(self.count, dtype=np.uint64)
         while True:
@@ -110,5 +111,4 @@ class Batch:
             rates[grow] *= np.uint64(2)
         kept = (values & (rates[owner] - np.uint64(1))) == 0
         values, owner = values[kept], owner[kept]
-        bounds = np.searchsorted(owner, np.arange(self.count + 1))
-        return [values[bounds[i] : bounds[i + 1]] for i in range(self.count)]
+        return values, np.searchsorted(owner, np.arange(self.count + 1))

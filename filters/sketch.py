@@ -39,19 +39,40 @@ class Overlap:
         return min(self.size_a, self.size_b) / max(self.size_a, self.size_b, 1)
 
 
+class Probe:
+    """One sketch prepared for comparison with many others: the new message's, converted once per
+    message instead of once per candidate."""
+
+    __slots__ = ("hashes", "members", "size")
+
+    def __init__(self, sketch: np.ndarray, size: int) -> None:
+        self.hashes: list[int] = sketch.tolist()
+        self.members = frozenset(self.hashes)
+        self.size = size
+
+    def overlap(self, other: np.ndarray, size_b: int) -> Overlap:
+        la, lb = self.hashes, other.tolist()
+        na, nb = len(la), len(lb)
+        size_a = self.size
+        if not na or not nb:
+            return Overlap(0.0, 0.0, 0.0, size_a, size_b)
+        common = self.members.intersection(lb)
+        # A sketch that holds fewer hashes than its text has shingles is complete only up to its largest.
+        tau_a = la[-1] if size_a > na else None
+        tau_b = lb[-1] if size_b > nb else None
+        if tau_a is not None or tau_b is not None:
+            tau = min(t for t in (tau_a, tau_b) if t is not None)
+            if la[-1] > tau:
+                na = bisect_right(la, tau)
+            if lb[-1] > tau:
+                nb = bisect_right(lb, tau)
+            if common and max(common) > tau:
+                common = [h for h in common if h <= tau]
+            if not na or not nb:
+                return Overlap(0.0, 0.0, 0.0, size_a, size_b)
+        inter = len(common)
+        return Overlap(inter / (na + nb - inter), inter / na, inter / nb, size_a, size_b)
+
+
 def overlap(a: np.ndarray, size_a: int, b: np.ndarray, size_b: int) -> Overlap:
-    la, lb = a.tolist(), b.tolist()
-    # A sketch that holds fewer hashes than its text has shingles is complete only up to its largest.
-    tau_a = la[-1] if la and size_a > len(la) else None
-    tau_b = lb[-1] if lb and size_b > len(lb) else None
-    if tau_a is not None or tau_b is not None:
-        tau = min(t for t in (tau_a, tau_b) if t is not None)
-        if tau_a is None or tau_a > tau:
-            la = la[: bisect_right(la, tau)]
-        if tau_b is None or tau_b > tau:
-            lb = lb[: bisect_right(lb, tau)]
-    na, nb = len(la), len(lb)
-    if not na or not nb:
-        return Overlap(0.0, 0.0, 0.0, size_a, size_b)
-    inter = len(set(la).intersection(lb))
-    return Overlap(inter / (na + nb - inter), inter / na, inter / nb, size_a, size_b)
+    return Probe(a, size_a).overlap(b, size_b)

@@ -37,9 +37,14 @@ class Decoded:
     record: dict[str, Any] | None  # the parsed JSON object; None in text format
 
 
+_BOM = b"\xef\xbb\xbf"
+
+
 def decode(raw: bytes, fmt: RecordFormat, *, fallback_id: str, fallback_ts: float) -> Decoded:
     if len(raw) > fmt.max_record_bytes:
         raise DecodeError(f"record of {len(raw)} bytes exceeds {fmt.max_record_bytes}", "too_large")
+    if raw.startswith(_BOM):
+        raw = raw[len(_BOM):]  # a byte-order mark (first line of a file saved by some editors) is not content
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:

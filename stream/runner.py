@@ -64,6 +64,7 @@ class Summary:
     unique: int = 0
     duplicate: int = 0
     rejected: int = 0
+    blank: int = 0  # blank lines between JSONL records: not records, so not counted in `seen`
     reasons: Counter[str] = field(default_factory=Counter)
     methods: Counter[str] = field(default_factory=Counter)
     seconds: float = 0.0
@@ -89,6 +90,8 @@ class Summary:
             f"in {self.seen} = unique {self.unique} + duplicate {self.duplicate} + rejected {self.rejected}",
             f"duplicate ratio {ratio:.2%}  ({self.seconds:.2f} s, {rate:,.0f} messages/s)",
         ]
+        if self.blank:
+            lines.append(f"skipped {self.blank} blank lines (not records)")
         if self.methods:
             lines.append("matched by: " + ", ".join(f"{k} {v}" for k, v in self.methods.most_common()))
         if self.reasons:
@@ -130,6 +133,9 @@ def run_filter(
             progress(summary)
 
     for number, line in enumerate(lines, start=1):
+        if fmt.format == "json" and not line.strip():
+            summary.blank += 1
+            continue
         batch.append(RawRecord(line, str(number), clock()))
         if len(batch) >= batch_size:
             flush_batch()

@@ -112,9 +112,21 @@ BAD = [
     (b"{\"text\": \"bad id three\", \"id\": {\"a\": 1}}", "bad_id"),
     (b"{\"text\": \"raw\x01control\"}", "invalid_json"),  # unescaped control characters are not JSON
     (b"{\"text\": \"\\ud800 lone surrogate\"}", "invalid_json"),
-    (b"", "invalid_json"),
-    (b"   ", "invalid_json"),
 ]
+
+
+def test_blank_lines_between_records_are_skipped_and_reported_and_a_bom_is_not_content(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    lines = [b"\xef\xbb\xbf" + jl({"id": "g1", "text": SPAM, "ts": 1}), b"", b"   \t",
+             jl({"id": "g2", "text": OTHER, "ts": 2}), b""]
+    run = Run(tmp_path, capsys, lines)
+    assert run.rc == 0
+    assert run.counts == (2, 2, 0, 0)  # blank lines are not records: in = unique + duplicate + rejected
+    assert "skipped 3 blank lines" in run.err
+    assert [r["id"] for r in read_jsonl(run.unique)] == ["g1", "g2"]
+    text = Run(tmp_path, capsys, [b"hello there", b"", b"general kenobi"], "--format", "text", name="in.txt")
+    assert text.counts == (3, 2, 0, 1)  # in text format a line is a message: a blank one is rejected
+    assert [r["reason"] for r in read_jsonl(text.rejected)] == ["empty_text"]
 
 
 def test_every_kind_of_bad_input_is_rejected_with_its_reason(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
