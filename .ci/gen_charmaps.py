@@ -154,15 +154,29 @@ def confusables() -> tuple[list[tuple[str, str]], dict[str, int]]:
             t = _ascii_target(_strip_marks(e["c"]))
             if t is not None:
                 direct.setdefault(src, set()).add(t)
-    # Casefolded / lower-cased forms of a source inherit its target unless they have their own.
-    derived: dict[str, set[str]] = {}
-    for src, ts in direct.items():
-        for form in {src.casefold(), src.lower()}:
-            if len(form) == 1 and form != src and form not in direct:
-                derived.setdefault(form, set()).update(ts)
+    # The table runs before case folding, so a character without a target of its own takes the target of
+    # its case class (the characters with the same one-character casefold: Г/г, Σ/σ/ς, В/в), or 'ГОРОД'
+    # and 'город' would normalize differently: the folded (lower-case) form's target, else the one
+    # target its members agree on. A character with its own target keeps it: capital Υ looks like Y
+    # and small υ like u, and the capitals are what spammers put in Latin words.
+    classes: dict[str, set[str]] = {}
+    for cp in range(0x110000):
+        ch = chr(cp)
+        folded = ch.casefold()
+        if len(folded) == 1 and folded != ch and not (0xD800 <= cp <= 0xDFFF):
+            if folded.casefold() != folded:
+                raise SystemExit(f"casefold is not idempotent for U+{cp:04X}")
+            classes.setdefault(folded, {folded}).add(ch)
+    resolved = dict(direct)
+    for folded, members in classes.items():
+        targets = direct.get(folded) or set().union(*(direct.get(m, set()) for m in members))
+        for m in members:
+            if m not in direct and targets:
+                resolved[m] = targets
+    derived = {src: ts for src, ts in resolved.items() if src not in direct or direct[src] != ts}
     stats = {"ambiguous": 0, "ascii": 0, "cjk": 0, "nfkc-ascii": 0, "digit": 0}
     table: dict[str, str] = {}
-    for src, ts in (*direct.items(), *derived.items()):
+    for src, ts in resolved.items():
         if len(ts) != 1:
             stats["ambiguous"] += 1
             continue
@@ -300,9 +314,11 @@ def main() -> None:
         "del _PINYIN_CODES_B64, _a2b_base64",
         "",
         f"# Confusable -> ASCII lower-case letter/digit: {len(conf)} entries "
-        f"({stats['direct']} from confusables.txt, {stats['derived']} lower-case forms of those).",
+        f"({stats['direct']} from confusables.txt, {stats['derived']} from their case class).",
         "# Never maps ASCII, CJK, characters NFKC already folds to ASCII, or other-script digits.",
-        "# Use: str.maketrans(CONFUSABLE_FROM, CONFUSABLE_TO) after NFKC + casefold.",
+        "# A character with no target of its own has its case class's (Г as г), so case changes of",
+        "# homoglyph text give the same result; one with its own keeps it (Υ → y, υ → u).",
+        "# Use: str.maketrans(CONFUSABLE_FROM, CONFUSABLE_TO).",
         *emit_confusables(conf),
         "",
     ]

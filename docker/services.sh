@@ -2,6 +2,7 @@
 # Real Redis + real Apache Kafka (KRaft) on loopback, without Docker.
 #
 #   docker/services.sh start|stop|status|env [redis|kafka|cluster|all]
+#   docker/services.sh restart kafka   stop and start the broker keeping its data (a short outage)
 #
 #   redis    plain Redis (:6379), Redis with requirepass (:6380), TLS Redis (:6381, self-signed CA)
 #   kafka    Apache Kafka 3.9.1, one combined broker+controller: PLAINTEXT :9092, SASL_PLAINTEXT/PLAIN :9094
@@ -324,6 +325,8 @@ transaction.state.log.replication.factor=1
 transaction.state.log.min.isr=1
 transaction.state.log.num.partitions=1
 group.initial.rebalance.delay.ms=0
+# 16 MiB records (the largest the worker accepts) plus headers: the worker passes values through.
+message.max.bytes=17825792
 log.flush.interval.messages=10000000
 num.network.threads=2
 num.io.threads=4
@@ -394,6 +397,14 @@ start_kafka() {
     -t "$cluster_id" -c "$KAFKA_DIR/server.properties" >"$KAFKA_DIR/format.log" 2>&1 ||
     die "kafka storage format failed:
 $(tail -n 30 "$KAFKA_DIR/format.log")"
+  launch_kafka
+}
+
+# Start the broker process on the formatted data in $KAFKA_DIR and wait until it serves.
+launch_kafka() {
+  local -a jvm=(-Dlog4j.configuration="file:$KAFKA_DIR/log4j.properties" -Dkafka.logs.dir="$KAFKA_DIR"
+    -Djava.awt.headless=true -Djava.net.preferIPv4Stack=true)
+  rm -f "$KAFKA_DIR/kafka.pid"
   # setsid: own session, so the broker outlives this script and the caller's process group.
   # shellcheck disable=SC2086  # KAFKA_HEAP is a list of JVM options
   setsid bash -c 'echo $$ >"$1"; shift; exec "$@"' _ "$KAFKA_DIR/kafka.pid" \
@@ -403,6 +414,16 @@ $(tail -n 30 "$KAFKA_DIR/format.log")"
   local i
   for ((i = 0; i < 50; i++)); do [[ -s $KAFKA_DIR/kafka.pid ]] && break; sleep 0.1; done
   wait_kafka
+}
+
+# An outage for fault-injection tests: stop the broker (SIGTERM, controlled shutdown) and start it again
+# on the same data, so topics, records and committed offsets survive.
+restart_kafka() {
+  pid_alive "$KAFKA_DIR/kafka.pid" || die "kafka is not running (start it with: $0 start kafka)"
+  kill_pidfile "$KAFKA_DIR/kafka.pid" 30
+  log "kafka stopped for a restart"
+  write_kafka_config
+  launch_kafka
 }
 
 stop_kafka() {
@@ -487,6 +508,9 @@ main() {
         cluster) stop_cluster ;;
         all) stop_kafka; stop_redis_all; stop_cluster ;;
       esac ;;
+    restart)
+      [[ $what == kafka ]] || usage
+      restart_kafka ;;
     status) status "$what" ;;
     env) print_env "$what" ;;
     *) usage ;;

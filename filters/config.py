@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field, replace
 import mmh3
 
 from filters.errors import ConfigError
-from filters.normalize import NormalizeOptions
+from filters.normalize import NORMALIZE_VERSION, NormalizeOptions
 
 METHODS = ("exact", "mgram", "simhash", "minhash", "sentences")
 VERIFY_MODES = ("sketch", "native")
@@ -72,6 +72,7 @@ class FilterConfig:
     def fingerprint_params(self) -> dict[str, object]:
         """The parameters that change what is stored; thresholds and the window do not."""
         d = asdict(self)
+        d["normalize_version"] = NORMALIZE_VERSION  # a changed normalization never meets old stored fingerprints
         for volatile in ("threshold", "containment", "containment_min_ratio", "containment_min_size",
                          "max_candidates", "window", "verify", "min_shared"):
             d.pop(volatile)

@@ -80,7 +80,7 @@ class Fingerprinter:
 
     def fingerprint_batch(self, texts: Sequence[str]) -> list[Fingerprint]:
         c = self.config
-        normalized = [self.normalizer(t[: c.max_chars]) for t in texts]
+        normalized = self.normalizer.normalize_batch([t[: c.max_chars] for t in texts])
         batch = Batch(normalized, max(c.shingle, c.mgram), c.seed)
         sketches = batch.sketches(c.shingle, c.sketch_size)
         mgram_keys: list[int] = []
@@ -166,7 +166,7 @@ class Fingerprinter:
 
     def _sentences(self, raw: str) -> frozenset[int]:
         c = self.config
-        parts = [self.normalizer(p) for p in _SENTENCE_END.split(raw)]
+        parts = self.normalizer.normalize_batch(_SENTENCE_END.split(raw))
         parts = [p for p in parts if len(p) >= c.sentences_min_chars]
         longest = sorted(parts, key=lambda p: (-len(p), p))[: c.sentences_top]
         return frozenset(mmh3.hash64(p.encode("utf-8", "surrogatepass"), seed=c.seed & 0xFFFF, signed=False)[0]

@@ -4,12 +4,43 @@ Each step is a named option (see `NormalizeOptions`) so that `neardup explain` c
 did. The order matters and is fixed:
 
     nfkc → strip_invisible → strip_accents → confusables → traditional_to_simplified → casefold
-    → mask_urls → strip_separators → leet → mask_numbers → pinyin
+    → mask_urls → leet → mask_numbers → strip_separators → pinyin
 
-After `strip_separators` the text has no spaces or punctuation at all, so inserting spaces, dots,
-emoji or zero-width characters between letters changes nothing; shingles are then taken over the
-remaining characters. Placeholders for masked URLs and numbers live in the Supplementary Private
-Use Area-B so they can never collide with real text.
+- `strip_accents` decomposes (NFD) and drops every combining mark (nonzero combining class, and the
+  combining diacritic blocks), so the result never depends on the order of stacked marks.
+- `confusables` maps Cyrillic/Greek/... look-alikes to ASCII. It runs before `casefold`, so a
+  character without a target of its own takes its lower case's (Г as г → r, Σ as σ → o); one with
+  its own keeps it (Υ → y, υ → u: capitals are what spammers put in Latin words).
+- A number is a run of digits joined only by separators (`555-0100`, `+1 (555) 010 0100`).
+- `leet` reads digits, `@` and `$` as letters only where they are part of a word, decided while the
+  separators are still there: `@` between two letters (`p@ypal`), then `$` before a letter (`$ale`,
+  `ca$h`), then a number of one or two digits that is part of a word: right after a letter and
+  followed (after any separators) by a letter or the end of the text (`fr33 c4sh` → `free cash`,
+  `he11o`); right before a letter with a letter up to three separators before it (`h 3llo`,
+  `at 10pm`); or in spaced-out text between one-letter tokens (`C 0 n g r a t s`). A number that
+  stands alone among words (`meet at 10 pm`, `save 50% now`, `$100`, `room 101a`) stays a number.
+  `l`, `1` and `I` are one visual class: `l` is folded to `i`.
+- `mask_numbers` replaces each number by one placeholder; `mask_urls` does the same for URLs and
+  e-mail addresses.
+- After `strip_separators` the text has no spaces, punctuation, symbols or emoji at all, so inserting
+  them between letters changes nothing; shingles are then taken over the remaining characters.
+- Empty result: a text with no letters or digits (only emoji and punctuation) would normalize to ""
+  and so equal every other such text. Instead, when removing the separators would leave nothing,
+  `strip_separators` removes only the whitespace ("😀 🎉!" → "😀🎉!"; the earlier steps already did
+  NFKC and removed invisible characters). Such a form is all separators, so it never equals the form
+  of a text with words; only texts of whitespace and invisible characters still normalize to "".
+
+Placeholders for masked URLs and numbers are letters of a script never seen in messages, so they can
+never collide with real text; pinyin syllables are coded in the Supplementary Private Use Area-A.
+
+Speed: `Normalizer.normalize_batch` gives exactly `[normalizer(t) for t in texts]` but runs each step
+once over the whole batch: the texts are joined with a character every step treats as the end of a
+text, the per-character steps (everything up to `casefold`; then `l` → `i`, separator stripping and
+the pinyin codes) are lookups in one table per stage applied with numpy, and the patterns run once
+per stage (URL and e-mail patterns only where a literal such as `://`, `@` or `.com` says they can
+match). A single text takes the same stages with `str.translate`/`bytes.translate`
+(and pure-ASCII text skips the Unicode ones). The step-by-step path (`trace`, and options the fused
+stages do not cover) is the reference; tests hold both to it.
 """
 
 from __future__ import annotations
@@ -17,9 +48,16 @@ from __future__ import annotations
 import functools
 import re
 import unicodedata
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 
+import numpy as np
+
 from filters import charmaps
+
+# Bumped whenever a step changes its output: stored fingerprints carry it (FilterConfig.digest), so a
+# shared index never mixes fingerprints of two normalizations.
+NORMALIZE_VERSION = 2
 
 # Placeholders are letters of the Mende Kikakui script: word characters (so separator stripping
 # keeps them), untouched by NFKC, and never seen in the messages neardup filters.
@@ -27,41 +65,110 @@ URL_MARK = "\U0001E800"
 EMAIL_MARK = "\U0001E801"
 NUMBER_MARK = "\U0001E802"
 
+# Joins the texts of a batch: a control character (strip_invisible deletes it from every text, so no
+# text contains it) that is also whitespace and a separator, so each pattern below ends a match there
+# (`\S`, `[\w.+-]`, `_SEP`) and treats it like the end of the text (`_END`, `\b`, lookbehinds).
+_JOIN = "\x1e"
+
 _TLDS = r"(?:com|net|org|info|biz|co|uk|cn|io|ly|me|us|de|ru|jp|tv)"
-# Three cheap patterns instead of one: each starts with something literal or rare, so the regex engine
-# skips most positions; the costly ones only run when a quick search says they can match.
-_SCHEME_URL = re.compile(r"(?:(?:https?|ftp)://|www\.)\S+", re.IGNORECASE)
-_EMAIL = re.compile(r"[\w.+-]+@[\w-]+(?:\.[\w-]+)+")
-_HAS_TLD = re.compile(r"\." + _TLDS + r"\b", re.IGNORECASE)
-_BARE_DOMAIN = re.compile(r"\b(?:[a-z0-9-]+\.)+" + _TLDS + r"\b(?:/\S*)?", re.IGNORECASE)
-_SEPARATOR = re.compile(r"[\W_]+")
-_COMBINING = re.compile(r"[\u0300-\u036f\u1ab0-\u1aff\u1dc0-\u1dff\u20d0-\u20ff\ufe20-\ufe2f]")
-# Leetspeak: one or two digits (or @, $) between Latin letters stand for letters.
-_LEET_RUN = re.compile(r"(?<=[a-z])[0-9]{1,2}(?=[a-z])")
+# URL and e-mail masking runs after casefold, so the patterns are lower-case only. Each starts with
+# something literal or rare so the regex engine skips most positions.
+_SCHEME_URL = re.compile(r"(?:(?:https?|ftp)://|www\.)\S+")
+_EMAIL = re.compile(r"(?<![\w.+-])[\w.+-]+@[\w-]+(?:\.[\w-]+)+")
+_HAS_TLD = re.compile(r"\." + _TLDS + r"\b")
+_BARE_DOMAIN = re.compile(r"\b(?:[a-z0-9-]+\.)+" + _TLDS + r"\b(?:/\S*)?")
+_DOMAIN_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789.-")
+_SEPARATORS = re.compile(r"[\W_]+")
+_SEP = r"(?:[^\w\x1e]|_)"  # one separator character, never the batch joiner
+_END = r"(?:[a-z]|\x1e|\Z)"  # a letter, or the end of the text
+_LEET_AT = re.compile(r"@(?<=[a-z]@)(?=[a-z])")
+_LEET_DOLLAR = re.compile(r"\$(?=[a-z])")
 _LEET_DIGITS = str.maketrans("0123456789", "oizeasgtbg")
-# `l`, `1`, `|`, `ı` and friends are one visual class; folding them lets "he11o", "heIIo", "hello" meet.
-_DIGIT_RUN = re.compile(r"[0-9]+")
+_NUMBER = re.compile(rf"[0-9]++(?:{_SEP}*+[0-9]++)*+")
+# Every number, the leet ones in the group `leet`: at most two digits, and right after a letter and
+# followed by a letter or the end; or right before a letter and 1-3 separators after one; or between
+# one-letter tokens 1-3 separators away (spaced-out text: " ".join("hav3 won") puts three between words).
+_TWO_DIGITS_AT_MOST = rf"(?:{_SEP}*+[0-9])?+(?!{_SEP}*+[0-9])"
+_AFTER_ONE_LETTER_TOKEN = "|".join(
+    rf"(?<=[a-z]{_SEP}{{{k}}}[0-9])(?<!\w[a-z]{_SEP}{{{k}}}[0-9])" for k in (1, 2, 3)
+)
+_AFTER_A_LETTER = "|".join(rf"(?<=[a-z]{_SEP}{{{k}}}[0-9])" for k in (1, 2, 3))
+_NUMBER_OR_LEET = re.compile(  # starts with [0-9] so the regex engine skips to digits quickly
+    rf"[0-9](?:(?P<leet>(?<=[a-z][0-9]){_TWO_DIGITS_AT_MOST}(?={_SEP}*+{_END})"
+    rf"|(?:{_AFTER_A_LETTER}){_TWO_DIGITS_AT_MOST}(?=[a-z])"
+    rf"|(?:{_AFTER_ONE_LETTER_TOKEN}){_TWO_DIGITS_AT_MOST}"
+    rf"(?={_SEP}{{1,3}}[a-z](?!\w)|{_SEP}*+(?:\x1e|\Z)))"
+    rf"|[0-9]*+(?:{_SEP}*+[0-9]++)*+)"
+)
 _LATIN_RUN = re.compile(r"[a-z]{1,12}")
 _HAN = re.compile(r"[\u3400-\u9fff]")
+_PINYIN_CODE = 0xF0000
+_COMBINING_RANGES = ((0x300, 0x36F), (0x1AB0, 0x1AFF), (0x1DC0, 0x1DFF), (0x20D0, 0x20FF), (0xFE20, 0xFE2F))
+# Characters outside these ranges are never changed by a per-character step (casefold, marks,
+# invisibles, the tables): planes 0-1 and the tags/variation selectors of plane 14.
+_SCANNED = (*range(0x20000), *range(0xE0000, 0xE1000))
+_DROP = np.uint32(0xFFFFFFFF)
+_MULTI = np.uint32(0xFFFFFFFE)
+
+
+def _char_class(chars: Sequence[str]) -> str:
+    ranges: list[tuple[int, int]] = []
+    for cp in sorted(map(ord, chars)):
+        if ranges and ranges[-1][1] == cp - 1:
+            ranges[-1] = (ranges[-1][0], cp)
+        else:
+            ranges.append((cp, cp))
+    return "".join(re.escape(chr(a)) if a == b else f"{re.escape(chr(a))}-{re.escape(chr(b))}" for a, b in ranges)
+
+
+@functools.cache
+def _invisible_chars() -> tuple[str, ...]:
+    """Format (Cf) and control (Cc, except tab, LF, CR) characters plus variation selectors."""
+    out = []
+    for cp in _SCANNED:
+        ch = chr(cp)
+        if cp in (0x09, 0x0A, 0x0D):
+            continue
+        if unicodedata.category(ch) in ("Cf", "Cc") or 0xFE00 <= cp <= 0xFE0F or 0xE0100 <= cp <= 0xE01EF:
+            out.append(ch)
+    return tuple(out)
 
 
 @functools.cache
 def _invisible_pattern() -> re.Pattern[str]:
-    """Format (Cf) and control (Cc) characters plus variation selectors: they render as nothing."""
-    ranges: list[tuple[int, int]] = []
-    for cp in [*range(0x20000), *range(0xE0000, 0xE0200)]:
-        if cp in (0x09, 0x0A, 0x0D):
-            continue
-        ch = chr(cp)
-        if unicodedata.category(ch) in ("Cf", "Cc") or 0xFE00 <= cp <= 0xFE0F or 0xE0100 <= cp <= 0xE01EF:
-            if ranges and ranges[-1][1] == cp - 1:
-                ranges[-1] = (ranges[-1][0], cp)
-            else:
-                ranges.append((cp, cp))
-    body = "".join(
-        re.escape(chr(a)) if a == b else f"{re.escape(chr(a))}-{re.escape(chr(b))}" for a, b in ranges
-    )
-    return re.compile(f"[{body}]+")
+    return re.compile(f"[{_char_class(_invisible_chars())}]+")
+
+
+@functools.cache
+def _marks_pattern() -> re.Pattern[str]:
+    """Combining marks strip_accents drops: the combining diacritic blocks and every character with a
+    nonzero combining class (the only ones canonical ordering moves, so none is left to reorder)."""
+    marks = [
+        chr(cp)
+        for cp in _SCANNED
+        if unicodedata.combining(chr(cp)) or any(lo <= cp <= hi for lo, hi in _COMBINING_RANGES)
+    ]
+    return re.compile(f"[{_char_class(marks)}]+")
+
+
+@functools.cache
+def _translation_tables() -> tuple[dict[int, str], dict[int, int], dict[int, str], dict[str, str]]:
+    """Built once per process from the constant tables in `filters.charmaps` (they never change)."""
+    confusables = str.maketrans(charmaps.CONFUSABLE_FROM, charmaps.CONFUSABLE_TO)
+    t2s = str.maketrans(charmaps.TRADITIONAL, charmaps.SIMPLIFIED)
+    base = charmaps.PINYIN_BASE
+    pinyin = {base + i: c for i, c in enumerate(charmaps.PINYIN_CODES) if c != "\x00"}
+    syllables = {syl: chr(_PINYIN_CODE + i) for i, syl in enumerate(charmaps.PINYIN_SYLLABLES)}
+    return confusables, t2s, pinyin, syllables
+
+
+@functools.cache
+def _word_code_points() -> np.ndarray:
+    """Every code point that `\\w` matches (what strip_separators keeps), as uint32."""
+    every = np.arange(0x110000, dtype=np.uint32)
+    every = every[(every < 0xD800) | (every > 0xDFFF)]
+    words = re.sub(r"[\W_]+", "", every.tobytes().decode("utf-32-le"))
+    return np.frombuffer(words.encode("utf-32-le"), dtype=np.uint32)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,9 +182,9 @@ class NormalizeOptions:
     traditional_to_simplified: bool = True
     casefold: bool = True
     mask_urls: bool = True
-    strip_separators: bool = True
     leet: bool = True
     mask_numbers: bool = True
+    strip_separators: bool = True
     pinyin: bool = True
 
     @classmethod
@@ -86,6 +193,23 @@ class NormalizeOptions:
 
     def with_steps(self, **changes: bool) -> NormalizeOptions:
         return replace(self, **changes)
+
+
+@dataclass(frozen=True, slots=True)
+class _Stages:
+    """The fused per-character tables of one `NormalizeOptions` (see the module docstring)."""
+
+    decompose: str | None  # NFKD (nfkc + strip_accents), NFD (strip_accents alone) or nothing
+    chars: dict[int, str]  # stage 1 for str.translate: decomposed character → its form after casefold
+    chars_lut: np.ndarray  # the same as uint32 code points, _DROP or _MULTI (see `multi`)
+    multi: dict[str, str]  # stage 1 characters that become several (ß → ss)
+    ascii_chars: bytes  # stage 1 of ASCII text for bytes.translate, with ascii_drop deleted
+    ascii_drop: bytes
+    words: dict[int, str]  # stage 3 for str.translate after separators are gone: leet digits, l, pinyin
+    words_lut: np.ndarray  # stage 3 as uint32 code points or _DROP (separators)
+    kinds_lut: np.ndarray  # uint8 per stage 3 output: 1 for a-z, 2 for a pinyin code, else 0
+    ascii_words: bytes  # stage 3 of ASCII(+placeholder) text for bytes.translate of its UTF-8
+    ascii_words_drop: bytes
 
 
 class Normalizer:
@@ -97,21 +221,45 @@ class Normalizer:
         self._tab_confusables, self._tab_t2s, self._tab_pinyin, self._syllable_code = _translation_tables()
         self._max_syllable = max(len(s) for s in charmaps.PINYIN_SYLLABLES)
         order = NormalizeOptions.step_names()
-        self._steps = [(name, getattr(self, f"_{name}")) for name in order if getattr(self.options, name)]
-        self._fast = [step for _, step in self._steps]
-        if self.options.confusables and self.options.traditional_to_simplified:
-            # Adjacent table lookups fuse into one pass over the text; `trace` still shows both.
-            self._tab_fused = {**self._tab_confusables, **self._tab_t2s}
-            at = self._fast.index(self._confusables)
-            self._fast[at : at + 2] = [self._confusables_and_t2s]
+        self._steps: list[tuple[str, Callable[[str], str]]] = [
+            (name, getattr(self, f"_{name}")) for name in order if getattr(self.options, name)
+        ]
+        self._stages = _stages(self.options) if _fusable(self.options) else None
 
+    # -- public ------------------------------------------------------------------------------
     def __call__(self, text: str) -> str:
-        for step in self._fast:
-            text = step(text)
-        return text
+        st = self._stages
+        if st is None:
+            return self._stepwise(text)
+        out = self._fused(text, st)
+        # The fused stage 3 drops every separator; strip_separators' rule for texts made only of them
+        # (see the module docstring) is left to the steps: such texts are rare.
+        return out if out or not text else self._stepwise(text)
 
-    def _confusables_and_t2s(self, text: str) -> str:
-        return text if text.isascii() else text.translate(self._tab_fused)
+    def normalize_batch(self, texts: Sequence[str]) -> list[str]:
+        """`[self(t) for t in texts]`, computed with one pass of each stage over the whole batch."""
+        st = self._stages
+        if st is None or len(texts) < 2:
+            return [self(t) for t in texts]
+        clean = [t.replace(_JOIN, "") if _JOIN in t else t for t in texts]
+        ascii_at = [i for i, t in enumerate(clean) if t.isascii()]
+        other_at = [i for i, t in enumerate(clean) if not t.isascii()] if len(ascii_at) < len(clean) else []
+        out: list[str] = [""] * len(texts)
+        if ascii_at:
+            joined = _JOIN.join([clean[i] for i in ascii_at])
+            joined = joined.encode("ascii").translate(st.ascii_chars, st.ascii_drop).decode("ascii")
+            joined = self._words_stage(joined, st)
+            done = joined.encode("utf-8").translate(st.ascii_words, st.ascii_words_drop).decode("utf-8")
+            for i, s in zip(ascii_at, done.split(_JOIN), strict=True):
+                out[i] = s
+        if other_at:
+            joined = _JOIN.join([clean[i] for i in other_at])
+            joined = self._chars_batch(joined, st)
+            joined = self._words_stage(joined, st)
+            done, latin_next_to_pinyin = self._words_batch(joined, st)
+            for k, (i, s) in enumerate(zip(other_at, done.split(_JOIN), strict=True)):
+                out[i] = self._latin_pinyin(s) if k in latin_next_to_pinyin else s
+        return [s if s or not t else self._stepwise(t) for s, t in zip(out, texts, strict=True)]
 
     def trace(self, text: str) -> list[tuple[str, str]]:
         """The text after each enabled step, for `neardup explain`."""
@@ -121,59 +269,125 @@ class Normalizer:
             out.append((name, text))
         return out
 
+    def _stepwise(self, text: str) -> str:
+        for _, step in self._steps:
+            text = step(text)
+        return text
+
+    # -- fused stages ------------------------------------------------------------------------
+    def _fused(self, text: str, st: _Stages) -> str:
+        if _JOIN in text:
+            text = text.replace(_JOIN, "")  # strip_invisible would delete it; stage 1 keeps it
+        if text.isascii():
+            text = text.encode("ascii").translate(st.ascii_chars, st.ascii_drop).decode("ascii")
+            text = self._words_stage(text, st)
+            return text.encode("utf-8").translate(st.ascii_words, st.ascii_words_drop).decode("utf-8")
+        if st.decompose:
+            text = unicodedata.normalize(st.decompose, text)
+        text = self._words_stage(text.translate(st.chars), st)
+        han = self.options.pinyin and _HAN.search(text) is not None
+        text = _SEPARATORS.sub("", text)
+        if st.words:
+            text = text.translate(st.words)
+        return self._latin_pinyin(text) if han else text
+
+    def _chars_batch(self, joined: str, st: _Stages) -> str:
+        if st.decompose:
+            joined = unicodedata.normalize(st.decompose, joined)
+        codes = np.frombuffer(joined.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+        mapped = st.chars_lut[codes]
+        multi = mapped == _MULTI
+        has_multi = bool(multi.any())
+        if has_multi:
+            mapped[multi] = codes[multi]  # replaced after decoding, they are rare (ß)
+        mapped = mapped[mapped != _DROP]
+        joined = mapped.tobytes().decode("utf-32-le", "surrogatepass")
+        if has_multi:
+            for ch, value in st.multi.items():
+                if ch in joined:
+                    joined = joined.replace(ch, value)
+        return joined
+
+    def _words_stage(self, text: str, st: _Stages) -> str:
+        """mask_urls, then leet and mask_numbers as far as they need context (patterns)."""
+        o = self.options
+        if o.mask_urls:
+            text = self._mask_urls(text)
+        if o.leet:
+            text = _leet_symbols(text)
+            text = _NUMBER_OR_LEET.sub(_leet_or_mask if o.mask_numbers else _leet_or_keep, text)
+        elif o.mask_numbers:
+            text = _NUMBER.sub(NUMBER_MARK, text)
+        return text
+
+    def _words_batch(self, joined: str, st: _Stages) -> tuple[str, set[int]]:
+        codes = np.frombuffer(joined.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+        mapped = st.words_lut[codes]
+        mapped = mapped[mapped != _DROP]
+        latin_next_to_pinyin: set[int] = set()
+        if self.options.pinyin:
+            kind = st.kinds_lut[mapped]  # 1: Latin letter, 2: pinyin code
+            touching = np.flatnonzero((kind[:-1] | kind[1:]) == 3)
+            if len(touching):
+                # Like the pinyin step: only in texts with a Han character.
+                text_ends = np.flatnonzero(mapped == ord(_JOIN))
+                touched = np.searchsorted(text_ends, touching, side="right")
+                han = np.flatnonzero((codes >= 0x3400) & (codes <= 0x9FFF))
+                with_han = np.searchsorted(np.flatnonzero(codes == ord(_JOIN)), han, side="right")
+                latin_next_to_pinyin = set(touched.tolist()) & set(with_han.tolist())
+        return mapped.tobytes().decode("utf-32-le", "surrogatepass"), latin_next_to_pinyin
+
     # -- steps -----------------------------------------------------------------------------
     @staticmethod
     def _nfkc(text: str) -> str:
         return text if text.isascii() else unicodedata.normalize("NFKC", text)
 
     def _strip_invisible(self, text: str) -> str:
-        # ASCII control characters are separators, which a later step removes anyway.
-        return text if text.isascii() else self._invisible.sub("", text)
+        return text if text.isascii() and text.isprintable() else self._invisible.sub("", text)
+
+    @staticmethod
+    def _strip_accents(text: str) -> str:
+        return text if text.isascii() else _marks_pattern().sub("", unicodedata.normalize("NFD", text))
 
     def _confusables(self, text: str) -> str:
         return text if text.isascii() else text.translate(self._tab_confusables)
+
+    def _traditional_to_simplified(self, text: str) -> str:
+        return text if text.isascii() else text.translate(self._tab_t2s)
 
     @staticmethod
     def _casefold(text: str) -> str:
         return text.lower() if text.isascii() else text.casefold()
 
     @staticmethod
-    def _strip_accents(text: str) -> str:
-        if text.isascii():
-            return text
-        return _COMBINING.sub("", unicodedata.normalize("NFD", text))
-
-    def _traditional_to_simplified(self, text: str) -> str:
-        return text if text.isascii() else text.translate(self._tab_t2s)
-
-    @staticmethod
     def _mask_urls(text: str) -> str:
-        if "/" in text or "www" in text or "WWW" in text:
-            text = _SCHEME_URL.sub(f" {URL_MARK} ", text)
+        if "://" in text or "www." in text:
+            text = _sub_at(_SCHEME_URL, text, f" {URL_MARK} ", _scheme_starts(text))
         if "@" in text:
-            text = _EMAIL.sub(f" {EMAIL_MARK} ", text)
-        if "." in text and _HAS_TLD.search(text):
-            text = _BARE_DOMAIN.sub(f" {URL_MARK} ", text)
+            text = _sub_at(_EMAIL, text, f" {EMAIL_MARK} ", _email_starts(text))
+        if "." in text:
+            text = _sub_at(_BARE_DOMAIN, text, f" {URL_MARK} ", _domain_starts(text))
         return text
 
     @staticmethod
-    def _strip_separators(text: str) -> str:
-        return _SEPARATOR.sub("", text)
-
-    @staticmethod
     def _leet(text: str) -> str:
-        if _DIGIT_RUN.search(text):
-            text = _LEET_RUN.sub(lambda m: m.group().translate(_LEET_DIGITS), text)
-        return text.replace("l", "i")
+        return _NUMBER_OR_LEET.sub(_leet_or_keep, _leet_symbols(text)).replace("l", "i")
 
     @staticmethod
     def _mask_numbers(text: str) -> str:
-        return _DIGIT_RUN.sub(NUMBER_MARK, text)
+        return _NUMBER.sub(NUMBER_MARK, text)
+
+    @staticmethod
+    def _strip_separators(text: str) -> str:
+        out = _SEPARATORS.sub("", text)
+        return out if out or not text else "".join(text.split())
 
     def _pinyin(self, text: str) -> str:
         if text.isascii() or not _HAN.search(text):
             return text
-        coded = text.translate(self._tab_pinyin)
+        return self._latin_pinyin(text.translate(self._tab_pinyin))
+
+    def _latin_pinyin(self, coded: str) -> str:
         # Latin letters that stand between Han characters are pinyin substitutions ("转fa微博").
         return _LATIN_RUN.sub(self._pinyin_run, coded) if _LATIN_RUN.search(coded) else coded
 
@@ -201,16 +415,161 @@ class Normalizer:
         return "".join(out)
 
 
-@functools.cache
-def _translation_tables() -> tuple[dict[int, str], dict[int, int], dict[int, str], dict[str, str]]:
-    """Built once per process from the constant tables in `filters.charmaps` (they never change)."""
-    confusables = str.maketrans(charmaps.CONFUSABLE_FROM, charmaps.CONFUSABLE_TO)
-    t2s = str.maketrans(charmaps.TRADITIONAL, charmaps.SIMPLIFIED)
-    base = charmaps.PINYIN_BASE
-    pinyin = {base + i: c for i, c in enumerate(charmaps.PINYIN_CODES) if c != "\x00"}
-    syllables = {syl: chr(0xF0000 + i) for i, syl in enumerate(charmaps.PINYIN_SYLLABLES)}
-    return confusables, t2s, pinyin, syllables
+def _sub_at(pattern: re.Pattern[str], text: str, repl: str, starts: Sequence[int]) -> str:
+    """`pattern.sub(repl, text)` given, in ascending order, every position where a match can start:
+    the same result without the regex engine trying every other position (the costly part)."""
+    out = []
+    pos = 0
+    for p in starts:
+        if p >= pos and (m := pattern.match(text, p)):
+            out.append(text[pos:p])
+            out.append(repl)
+            pos = m.end()
+    if not out:
+        return text
+    out.append(text[pos:])
+    return "".join(out)
+
+
+def _find_all(text: str, literal: str) -> list[int]:
+    out = []
+    at = text.find(literal)
+    while at >= 0:
+        out.append(at)
+        at = text.find(literal, at + 1)
+    return out
+
+
+def _scheme_starts(text: str) -> list[int]:
+    """A scheme URL starts with https://, http://, ftp:// or www."""
+    starts = {q - k for q in _find_all(text, "://") for k in (5, 4, 3) if q >= k}
+    starts.update(_find_all(text, "www."))
+    return sorted(starts)
+
+
+def _email_starts(text: str) -> list[int]:
+    """An e-mail address starts where the run of local-part characters before its @ starts."""
+    out = []
+    for at in _find_all(text, "@"):
+        p = at
+        while p and (text[p - 1].isalnum() or text[p - 1] in "_.+-"):
+            p -= 1
+        if p < at:
+            out.append(p)
+    return out
+
+
+def _domain_starts(text: str) -> list[int]:
+    """A bare domain starts at a word boundary inside the run of [a-z0-9.-] before one of its TLDs."""
+    starts: set[int] = set()
+    for m in _HAS_TLD.finditer(text):
+        q = m.start()
+        p = q
+        while p and text[p - 1] in _DOMAIN_CHARS:
+            p -= 1
+        starts.add(p)
+        for i in range(p + 1, q):
+            before, here = text[i - 1], text[i]
+            if (before in ".-" and here.isalnum()) or (here == "-" and before.isalnum()):
+                starts.add(i)
+    return sorted(starts)
+
+
+def _leet_symbols(text: str) -> str:
+    if "@" in text:
+        text = _sub_at(_LEET_AT, text, "a", _find_all(text, "@"))
+    if "$" in text:
+        text = _sub_at(_LEET_DOLLAR, text, "s", _find_all(text, "$"))
+    return text
+
+
+def _leet_or_keep(m: re.Match[str]) -> str:
+    return m.group().translate(_LEET_DIGITS) if m.lastgroup else m.group()  # lastgroup: "leet" or None
+
+
+def _leet_or_mask(m: re.Match[str]) -> str:
+    return m.group().translate(_LEET_DIGITS) if m.lastgroup else NUMBER_MARK
 
 
 def _is_syllable_code(ch: str) -> bool:
-    return bool(ch) and 0xF0000 <= ord(ch) < 0xF1000
+    return bool(ch) and _PINYIN_CODE <= ord(ch) < _PINYIN_CODE + 0x1000
+
+
+def _fusable(o: NormalizeOptions) -> bool:
+    """The fused stages equal the steps when the per-character steps act character by character:
+    NFKC composes, so it is fused only with strip_accents (NFD(NFKC(s)) = NFKD(s)); the batch joiner
+    needs strip_invisible; stage 3 deletes separators."""
+    return o.strip_invisible and o.strip_separators and (o.strip_accents or not o.nfkc)
+
+
+@functools.cache
+def _stages(o: NormalizeOptions) -> _Stages:
+    """Derive the fused tables from the step functions themselves, character by character."""
+    n = Normalizer(NormalizeOptions(**{name: False for name in NormalizeOptions.step_names()}))
+    per_char = [
+        step
+        for name, step in (
+            ("strip_invisible", n._strip_invisible),
+            ("strip_accents", n._strip_accents),
+            ("confusables", n._confusables),
+            ("traditional_to_simplified", n._traditional_to_simplified),
+            ("casefold", n._casefold),
+        )
+        if getattr(o, name)
+    ]
+    candidates = {chr(cp) for cp in range(0x80)}
+    candidates.update(_invisible_chars())
+    candidates.update(charmaps.CONFUSABLE_FROM, charmaps.TRADITIONAL)
+    candidates.update(ch for ch in map(chr, _SCANNED) if ch.casefold() != ch or unicodedata.combining(ch))
+    candidates.update(chr(lo + i) for lo, hi in _COMBINING_RANGES for i in range(hi - lo + 1))
+    chars: dict[int, str] = {}
+    for ch in candidates:
+        value = ch
+        for step in per_char:
+            value = step(value)
+        if value != ch:
+            chars[ord(ch)] = value
+    chars_lut = np.arange(0x110000, dtype=np.uint32)
+    multi = {}
+    for cp, value in chars.items():
+        if len(value) == 1:
+            chars_lut[cp] = ord(value)
+        elif not value:
+            chars_lut[cp] = _DROP
+        else:
+            chars_lut[cp] = _MULTI
+            multi[chr(cp)] = value
+    chars_lut[ord(_JOIN)] = ord(_JOIN)
+    ascii_chars = bytes(ord(chars.get(b, chr(b))) if b < 0x80 and len(chars.get(b, "x")) == 1 else b
+                        for b in range(256))
+    ascii_drop = bytes(b for b in range(0x80) if chars.get(b) == "" and b != ord(_JOIN))
+
+    words: dict[int, str] = {}
+    if o.leet:
+        words[ord("l")] = "i"
+    if o.pinyin:
+        words.update(_translation_tables()[2])
+    words_lut = np.full(0x110000, _DROP, dtype=np.uint32)
+    kept = _word_code_points()
+    words_lut[kept] = kept
+    for cp, value in words.items():
+        words_lut[cp] = ord(value)
+    words_lut[ord(_JOIN)] = ord(_JOIN)
+    kinds_lut = np.zeros(0x110000, dtype=np.uint8)
+    kinds_lut[ord("a") : ord("z") + 1] = 1
+    kinds_lut[_PINYIN_CODE : _PINYIN_CODE + 0x1000] = 2
+    ascii_words = bytes(ord(words.get(b, chr(b))) if b < 0x80 else b for b in range(256))
+    ascii_words_drop = bytes(b for b in range(0x80) if words_lut[b] == _DROP and b != ord(_JOIN))
+    return _Stages(
+        decompose="NFKD" if o.nfkc else "NFD" if o.strip_accents else None,
+        chars=chars,
+        chars_lut=chars_lut,
+        multi=multi,
+        ascii_chars=ascii_chars,
+        ascii_drop=ascii_drop,
+        words=words,
+        words_lut=words_lut,
+        kinds_lut=kinds_lut,
+        ascii_words=ascii_words,
+        ascii_words_drop=ascii_words_drop,
+    )

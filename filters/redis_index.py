@@ -21,18 +21,23 @@ window + grace (wall clock) on each write, so idle buckets and entries disappear
 TTL is a safety net only: what matches is decided by event time. (If a consumer stalls for longer
 than the grace, entries whose event time is still inside the window may be gone when it resumes.)
 
-Atomicity. `lookup` runs `LOOKUP_LUA` per query (pipelined: one round trip per batch), which also
-returns the namespace's `seq` at that moment: the query's watermark. `insert` runs `INSERT_LUA` per
-chunk of `INSERT_CHUNK` entries (pipelined: one round trip per insert round; chunks bound how long
-one script blocks the server). For each entry the script looks at the sentinels of the entry's
-buckets; if any bucket received an entry with seq > watermark that another caller inserted, it
-returns those entries (ranked like a lookup) and inserts nothing; otherwise it assigns the next seq
-and writes. Redis runs a script atomically, so of two workers that looked up near-duplicates at the
-same moment, the second to insert always sees the first. The caller's own inserts since its lookup
-never count (the engine already checked its batch against itself, as with `MemoryIndex`): seqs a
-chunk assigns itself are above the seq it started at, and each chunk appends its range to the
-caller's `own:` record, which later chunks and retry rounds read. When nobody else inserted since
-the watermark, the script does not even look at the buckets.
+Atomicity. `lookup` runs `LOOKUP_LUA` per chunk of `LOOKUP_CHUNK` queries (pipelined: one round trip
+per batch), which also returns the namespace's `seq` at that moment: the watermark of the chunk's
+queries. `insert` runs `INSERT_LUA` per chunk of `INSERT_CHUNK` entries (pipelined: one round trip per
+insert round; chunks bound how long one script blocks the server). For each entry the script looks
+at the sentinels of the entry's buckets; if any bucket received an entry with seq > watermark that
+another caller inserted, it returns those entries (ranked like a lookup) and inserts nothing;
+otherwise it assigns the next seq and writes. Redis runs a script atomically, so of two workers that
+looked up near-duplicates at the same moment, the second to insert always sees the first. The
+caller's own inserts since its lookup never count (the engine already checked its batch against
+itself, as with `MemoryIndex`): seqs a chunk assigns itself are above the seq it started at, and each
+chunk appends its range to the caller's `own:` record, which later chunks and retry rounds read. When
+nobody else inserted since the watermark, the script does not even look at the buckets.
+
+Cost (bench/redis_bench.py; INFO commandstats): with ~16 bucket keys per message, a lookup is ~16
+ZRANGEBYSCORE calls inside the script plus ~0.2 µs per bucket member returned, an insert ~16 ZADD and
+PEXPIRE calls; most of that is Redis's per-call cost of `redis.call`, not Lua work, and it is the
+floor of this layout. The client side (hiredis parsing and packing, one command per chunk) is small.
 
 Cluster. `redis+cluster://` / `rediss+cluster://` use `RedisCluster`. Because every script touches
 keys of one namespace only, and all of them carry the same hash tag, each script runs on one slot:
@@ -91,6 +96,7 @@ __all__ = ["ENCODING_VERSION", "INSERT_LUA", "LOOKUP_LUA", "RedisIndex", "decode
 DEFAULT_PREFIX = "neardup"
 DEFAULT_GRACE = 3600.0  # seconds of wall clock that keys outlive the window
 INSERT_CHUNK = 64  # entries per insert script: bounds how long one script blocks the server
+LOOKUP_CHUNK = 128  # queries per lookup script: the same, for lookups (which cost less each)
 # A caller's record of its own inserts is needed only until its batch's insert rounds are over. Should
 # it expire earlier, the caller's own batch-mates come back as conflicts: extra verification, no harm.
 OWN_RECORD_TTL_MS = 600_000
@@ -169,13 +175,15 @@ def decode_entry(data: bytes, id: str) -> Entry:
 
 # --- server-side scripts -------------------------------------------------------------------------
 
-# Shared by both scripts. `emit` ranks candidates like MemoryIndex (most shared keys, then the most
-# recently inserted: members start with the seq in fixed-width hex, so that is the larger member),
-# keeps the best `limit`, and appends (id, shared, first key index, entry) to `out`. Beyond `limit`
-# members, an insertion sort into `limit` slots: most members fail the first comparison.
-# A query's buckets can hold hundreds of members, so the work per member is kept to a few table
-# operations: no scores (the range query already applied the window), no own-id check until ranking.
-_LUA_RANK = """
+# Shared by both scripts. `gather` is the member-counting loop: for the buckets `keys` it counts how many
+# hold each member inside the window, and remembers the first that does; `emit` ranks candidates like
+# MemoryIndex (most shared keys, then the most recently inserted: members start with the seq in
+# fixed-width hex, so that is the larger member), keeps the best `limit`, and appends (id, shared,
+# first key index, entry) to `out`. Beyond `limit` members, an insertion sort into `limit` slots: most
+# members fail the first comparison. A query's buckets can hold hundreds of members, so the work per
+# member is kept to a few table operations: no scores (the range query already applied the window),
+# no own-id check until ranking, and the lookup passes no filters.
+_LUA_COMMON = """
 -- Event times are > MIN_TS; sentinel scores are below it (see the module docstring).
 local MIN_TS = -4503599627370496
 local SENTINEL = '#'
@@ -183,29 +191,49 @@ local function lower_bound(horizon)  -- ZRANGEBYSCORE's min for "inside the wind
   if horizon < MIN_TS then horizon = MIN_TS end
   return string.format('%.17g', horizon)
 end
+-- `bucket_ok(key)` may skip a whole bucket and `member_ok(member)` a member; nil skips nothing.
+local function gather(bpre, keys, lo, bucket_ok, member_ok)
+  local count, first, members, n = {}, {}, {}, 0
+  for p = 1, #keys, 16 do
+    local bkey = bpre .. string.sub(keys, p, p + 15)
+    if not bucket_ok or bucket_ok(bkey) then
+      local rows = redis.call('ZRANGEBYSCORE', bkey, lo, '+inf')
+      local k = (p + 15) / 16
+      for j = 1, #rows do
+        local m = rows[j]
+        local c = count[m]
+        if c then
+          count[m] = c + 1
+        elseif not member_ok or member_ok(m) then
+          count[m] = 1; first[m] = k; n = n + 1; members[n] = m
+        end
+      end
+    end
+  end
+  return members, count, first
+end
 local function emit(out, members, count, first, min_shared, own_suffix, limit, epre)
-  local ranked = {}
+  local ranked, n = {}, 0
   local own_length = 16 + #own_suffix
   for _, m in ipairs(members) do
     if count[m] >= min_shared and not (#m == own_length and string.sub(m, 17) == own_suffix) then
-      ranked[#ranked + 1] = m
+      n = n + 1; ranked[n] = m
     end
   end
-  members = ranked
   local function before(a, b)
     if count[a] ~= count[b] then return count[a] > count[b] end
     return a > b
   end
   local top = {}
-  if #members <= limit then
-    top = members
-    table.sort(top, before)
+  if n <= limit then
+    top = ranked
+    if n > 1 then table.sort(top, before) end
   elseif limit > 0 then
-    for _, m in ipairs(members) do
-      local n = #top
-      if n < limit or before(m, top[n]) then
-        if n == limit then top[n] = nil; n = n - 1 end
-        local pos = n + 1
+    for _, m in ipairs(ranked) do
+      local t = #top
+      if t < limit or before(m, top[t]) then
+        if t == limit then top[t] = nil; t = t - 1 end
+        local pos = t + 1
         while pos > 1 and before(m, top[pos - 1]) do top[pos] = top[pos - 1]; pos = pos - 1 end
         top[pos] = m
       end
@@ -223,45 +251,42 @@ local function emit(out, members, count, first, min_shared, own_suffix, limit, e
 end
 """
 
-# A script per query rather than ZRANGEBYSCORE per bucket and MGET of the winners: one reply per
-# query instead of one per bucket, and no second round trip; measured 3-4x more lookups per second
-# over the eval stream.
-LOOKUP_LUA = _LUA_RANK + """
--- One query, read-only. KEYS[1]: the namespace's meta hash.
--- ARGV: bucket key prefix, entry key prefix, window, limit, query id, the caller's high-water mark
---       of event time (its own previous lookups and inserts, and this query), the fewest shared keys
---       a candidate needs, the bucket keys (16 hex digits each, concatenated).
--- Returns {seq, own entry or false, (id, shared, first key index, entry) * up to limit}.
+# A script per chunk of queries rather than ZRANGEBYSCORE per bucket and MGET of the winners: one reply
+# per query instead of one per bucket, and no second round trip (measured 3-4x more lookups per second
+# over the eval stream); and a chunk of queries per script rather than one: most of the cost of a
+# short query was the client's encoding and parsing of its own command (see bench/redis_bench.py).
+LOOKUP_LUA = _LUA_COMMON + """
+-- A chunk of queries, read-only. KEYS[1]: the namespace's meta hash.
+-- ARGV: bucket key prefix, entry key prefix, window, limit, the caller's high-water mark of event time
+--       (its previous lookups and inserts), then per query: id, event time, the fewest shared keys a
+--       candidate needs, the bucket keys (16 hex digits each, concatenated).
+-- Returns {seq, per query: {own entry or false, (id, shared, first key index, entry) * up to limit}}.
+-- Each query's horizon is the high-water mark including it and the queries before it.
 local bpre, epre = ARGV[1], ARGV[2]
 local window, limit = tonumber(ARGV[3]), tonumber(ARGV[4])
-local own_suffix = ':' .. ARGV[5]
-local hwm = tonumber(ARGV[6])
-local min_shared = tonumber(ARGV[7])
-local keys = ARGV[8]
+local hwm = tonumber(ARGV[5])
 local state = redis.call('HMGET', KEYS[1], 'seq', 'hwm')
 if state[2] and tonumber(state[2]) > hwm then hwm = tonumber(state[2]) end
-local horizon = hwm - window
-local out = {state[1] or '0', false}
-local own = redis.call('GET', epre .. ARGV[5])
-if own and struct.unpack('<d', own, 2) >= horizon then out[2] = own end
-local lo = lower_bound(horizon)
-local count, first, members = {}, {}, {}
-for p = 1, #keys, 16 do
-  local rows = redis.call('ZRANGEBYSCORE', bpre .. string.sub(keys, p, p + 15), lo, '+inf')
-  for j = 1, #rows do
-    local m = rows[j]
-    local c = count[m]
-    if c then
-      count[m] = c + 1
-    else
-      count[m] = 1; first[m] = (p + 15) / 16; members[#members + 1] = m
-    end
+local out = {state[1] or '0'}
+local horizon, lo = nil, nil
+for i = 6, #ARGV, 4 do
+  local id = ARGV[i]
+  local ts = tonumber(ARGV[i + 1])
+  if ts > hwm or not lo then
+    if ts > hwm then hwm = ts end
+    horizon = hwm - window
+    lo = lower_bound(horizon)
   end
+  local reply = {false}
+  local own = redis.call('GET', epre .. id)
+  if own and struct.unpack('<d', own, 2) >= horizon then reply[1] = own end
+  local members, count, first = gather(bpre, ARGV[i + 3], lo)
+  out[#out + 1] = emit(reply, members, count, first, tonumber(ARGV[i + 2]), ':' .. id, limit, epre)
 end
-return emit(out, members, count, first, min_shared, own_suffix, limit, epre)
+return out
 """
 
-INSERT_LUA = _LUA_RANK + """
+INSERT_LUA = _LUA_COMMON + """
 -- A chunk of one caller's inserts, atomically. KEYS[1]: the namespace's meta hash.
 -- ARGV: bucket key prefix, entry key prefix, window, bucket cap, TTL (ms), the caller's high-water
 --       mark of event time, the key of the caller's own-inserts record for its current lookup ('' if
@@ -317,31 +342,19 @@ for i = 9, #ARGV, 5 do
     if ts >= horizon then  -- else it is already outside the window and could never match
       local conflicts = {}
       if mark ~= '' and foreign_since(tonumber(mark)) then
-        -- Look into the buckets whose last insert (the sentinel) is newer than the watermark.
+        -- Look into the buckets whose last insert (the sentinel) is newer than the watermark, at the
+        -- members that others inserted after it.
         mark = tonumber(mark)
-        local own_suffix = ':' .. id
-        local lo = lower_bound(horizon)
-        local count, first, members = {}, {}, {}
-        for p = 1, #keys, 16 do
-          local bkey = bpre .. string.sub(keys, p, p + 15)
+        local function bucket_ok(bkey)
           local head = redis.call('ZRANGE', bkey, 0, 0, 'WITHSCORES')
-          if head[1] == SENTINEL and MIN_TS - tonumber(head[2]) > mark then
-            local rows = redis.call('ZRANGEBYSCORE', bkey, lo, '+inf')
-            for j = 1, #rows do
-              local m = rows[j]
-              local s = tonumber(string.sub(m, 1, 16), 16)
-              if s > mark and not is_own(s) then
-                local c = count[m]
-                if c then
-                  count[m] = c + 1
-                else
-                  count[m] = 1; first[m] = (p + 15) / 16; members[#members + 1] = m
-                end
-              end
-            end
-          end
+          return head[1] == SENTINEL and MIN_TS - tonumber(head[2]) > mark
         end
-        emit(conflicts, members, count, first, 1, own_suffix, #members, epre)
+        local function member_ok(m)
+          local s = tonumber(string.sub(m, 1, 16), 16)
+          return s > mark and not is_own(s)
+        end
+        local members, count, first = gather(bpre, keys, lower_bound(horizon), bucket_ok, member_ok)
+        emit(conflicts, members, count, first, 1, ':' .. id, #members, epre)
       end
       if #conflicts > 0 then
         result = conflicts
@@ -525,18 +538,29 @@ class RedisIndex:
         if not queries:
             return []
         calls = []
-        for q in queries:
-            self._hwm = max(self._hwm, _event_time(q.ts, q.id))
-            calls.append((*self._static_args, limit, q.id, repr(self._hwm), q.min_shared, _hex(q.keys)))
+        hwm = self._hwm
+        for at in range(0, len(queries), LOOKUP_CHUNK):
+            args: list[str | int] = [*self._static_args, limit, repr(hwm)]
+            for q in queries[at : at + LOOKUP_CHUNK]:
+                ts = _event_time(q.ts, q.id)
+                hwm = max(hwm, ts)
+                args += (q.id, repr(ts), q.min_shared, _hex(q.keys))
+            calls.append(args)
         replies = self._eval_pipelined(_LOOKUP, calls)
+        self._hwm = hwm
         self._marks_before, self._marks = self._marks, {}
         self._own_key = f"{self._opre}{uuid.uuid4().hex}"  # a new batch: a new record of own inserts
         decoded: dict[bytes, Entry] = {}  # a wave's representative is a candidate of many queries
         out: list[tuple[Entry | None, list[Candidate]]] = []
-        for q, reply in zip(queries, replies, strict=True):
-            self._marks.setdefault(q.id, int(reply[0]))  # an id twice in a batch: the earlier mark
-            own = None if reply[1] is None else self._decode(reply[1], q.id, decoded)
-            out.append((own, self._candidates(reply, 2, q.keys, decoded)))
+        marks = self._marks
+        pairs = iter(queries)
+        for reply in replies:
+            mark = int(reply[0])
+            for result in reply[1:]:
+                q = next(pairs)
+                marks.setdefault(q.id, mark)  # an id twice in a batch: the earlier mark
+                own = None if not result[0] else self._decode(result[0], q.id, decoded)
+                out.append((own, self._candidates(result, 1, q.keys, decoded)))
         return out
 
     def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]:
@@ -601,11 +625,11 @@ class RedisIndex:
     # -- helpers -------------------------------------------------------------------------------
     def _candidates(self, flat: list[Any], start: int, keys: Sequence[int],
                     decoded: dict[bytes, Entry]) -> list[Candidate]:
-        out = []
-        for j in range(start, len(flat), 4):
-            entry = self._decode(flat[j + 3], flat[j].decode(), decoded)
-            out.append(Candidate(entry, int(flat[j + 1]), keys[int(flat[j + 2]) - 1]))
-        return out
+        if len(flat) <= start:
+            return []
+        decode = self._decode
+        return [Candidate(decode(blob, id.decode(), decoded), shared, keys[first - 1])
+                for id, shared, first, blob in zip(*(iter(flat[start:]),) * 4, strict=True)]
 
     @staticmethod
     def _decode(blob: bytes, id: str, decoded: dict[bytes, Entry]) -> Entry:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -17,6 +18,7 @@ from filters.errors import NeardupError
 from filters.normalize import NormalizeOptions
 from stream.codec import FORMATS, RecordFormat
 from stream.config import parse_duration
+from stream.logs import LOG_FORMATS, setup_logging
 from stream.runner import DUPLICATE, UNIQUE, RawRecord, Summary, route_batch, run_filter
 
 
@@ -44,17 +46,19 @@ def _add_filter_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--containment", type=float, default=FilterConfig().containment,
                    help="containment threshold (truncated copies, added ad lines)")
     g.add_argument("--normalize", default="",
-                   help="turn normalization steps off/on, e.g. '-pinyin,-mask_numbers' "
+                   help="turn normalization steps off/on, e.g. '-pinyin,-mask_numbers' (or no-pinyin, !pinyin; "
+                        "+step turns one on) "
                         f"(steps: {', '.join(NormalizeOptions.step_names())})")
 
 
 def _config(args: argparse.Namespace) -> FilterConfig:
     steps: dict[str, bool] = {}
     for item in filter(None, (s.strip() for s in args.normalize.split(","))):
-        name = item.lstrip("+-")
+        off = item.startswith(("-", "!", "no-"))
+        name = item.removeprefix("no-").lstrip("+-!")
         if name not in NormalizeOptions.step_names():
             raise NeardupError(f"unknown normalization step {name!r}")
-        steps[name] = not item.startswith("-")
+        steps[name] = not off
     return FilterConfig(
         normalize=NormalizeOptions().with_steps(**steps),
         methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
@@ -94,7 +98,17 @@ def _progress(enabled: bool) -> tuple[object, object]:
     return show, done
 
 
+def _log_summary(summary: Summary) -> None:
+    checked = summary.unique + summary.duplicate
+    logging.getLogger("neardup.filter").info(
+        summary.text().replace("\n", "; "),
+        extra={"in": summary.seen, "unique": summary.unique, "duplicate": summary.duplicate,
+               "rejected": summary.rejected, "duplicate_ratio": round(summary.duplicate / checked, 6) if checked else 0.0,
+               "seconds": round(summary.seconds, 3), "reasons": dict(summary.reasons), "methods": dict(summary.methods)})
+
+
 def cmd_filter(args: argparse.Namespace) -> int:
+    setup_logging("info", args.log_format)
     nd = NearDupFilter(_config(args), index=args.index)
     with ExitStack() as stack:
         def out(path: str | None, default: IO[bytes] | None) -> FileSink:
@@ -104,7 +118,7 @@ def cmd_filter(args: argparse.Namespace) -> int:
                 return FileSink(sys.stdout.buffer)
             return FileSink(stack.enter_context(open(path, "wb")))
 
-        show, done = _progress(sys.stderr.isatty() and not args.quiet)
+        show, done = _progress(sys.stderr.isatty() and not args.quiet and args.log_format == "plain")
         summary = run_filter(
             nd,
             _lines(args.inputs, stack),
@@ -117,7 +131,11 @@ def cmd_filter(args: argparse.Namespace) -> int:
         )
         done()  # type: ignore[operator]
     nd.index.close()
-    if not args.quiet:
+    if args.quiet:
+        pass
+    elif args.log_format == "json":
+        _log_summary(summary)  # one JSON line
+    else:
         print(summary.text(), file=sys.stderr)
     return 0
 
@@ -167,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ts-field", default="ts", help="seconds since the epoch; absent: arrival time")
     p.add_argument("--batch-size", type=int, default=512)
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
+    p.add_argument("--log-format", choices=LOG_FORMATS, default="plain",
+                   help="plain (default: progress bar and summary as text) or json (the summary as one JSON line, "
+                        "no progress bar)")
     _add_filter_options(p)
     p.set_defaults(func=cmd_filter)
 
@@ -192,12 +213,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _glue_normalize_value(argv: Sequence[str]) -> list[str]:
+    """`--normalize -pinyin` → `--normalize=-pinyin`: argparse reads a separate value that starts with
+    '-' as an option of its own ("expected one argument"), and the documented form starts with '-'."""
+    out: list[str] = []
+    args = iter(argv)
+    for arg in args:
+        if arg == "--":
+            out.append(arg)
+            out.extend(args)
+        elif arg == "--normalize" and (value := next(args, None)) is not None:
+            out.append(f"--normalize={value}")
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_glue_normalize_value(sys.argv[1:] if argv is None else argv))
     try:
         return int(args.func(args))
     except NeardupError as exc:
-        print(f"neardup: {exc}", file=sys.stderr)
+        if getattr(args, "log_format", None) == "json":
+            setup_logging("error", "json")
+            logging.getLogger("neardup").error(str(exc), extra={"error": type(exc).__name__})
+        else:
+            print(f"neardup: {exc}", file=sys.stderr)
         return 2
     except BrokenPipeError:
         return 0

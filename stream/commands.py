@@ -1,30 +1,27 @@
-"""The Kafka subcommands of `neardup`: serve, produce, tail, config (registered by `add_commands`)."""
+"""The Kafka subcommands of `neardup`: serve, produce, tail, top, config (registered by `add_commands`)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from filters.errors import NeardupError
 from stream.config import KAFKA, WORKER, add_settings_arguments, settings_from_args
+from stream.logs import setup_logging
 
 
-def _logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    # aiokafka logs every retried connection at ERROR; ours say what matters.
-    logging.getLogger("aiokafka").setLevel(max(logging.WARNING, logging.getLogger().level))
+def _logging(level: str, fmt: str = "plain") -> None:
+    setup_logging(level, fmt)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from stream.worker import serve
 
     settings = settings_from_args(args)
-    _logging(settings.log_level)
+    _logging(settings.log_level, settings.log_format)
     asyncio.run(serve(settings))
     return 0
 
@@ -33,7 +30,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
     from stream.kafka_tools import ensure_topics, produce_lines
 
     settings = settings_from_args(args)
-    _logging(settings.log_level)
+    _logging(settings.log_level, settings.log_format)
 
     async def run() -> int:
         if settings.create_topics:
@@ -53,7 +50,7 @@ def cmd_tail(args: argparse.Namespace) -> int:
     from stream.kafka_tools import read_topics, record_json
 
     settings = settings_from_args(args)
-    _logging(settings.log_level)
+    _logging(settings.log_level, settings.log_format)
     out = sys.stdout.buffer
 
     async def run() -> None:
@@ -69,6 +66,26 @@ def cmd_tail(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_top(args: argparse.Namespace) -> int:
+    from stream.campaigns import open_campaigns
+    from stream.top import from_http, from_store, run_top
+
+    settings = settings_from_args(args)
+    _logging(settings.log_level, settings.log_format)
+    if args.source:
+        return run_top(from_http(args.source), limit=args.limit, sort=args.sort, interval=args.interval,
+                       once=args.once)
+    if settings.index.startswith("memory:"):
+        raise NeardupError("a memory:// index keeps its campaigns inside the serve process: "
+                           "use --from http://HOST:PORT (its metrics port)")
+    store = open_campaigns(settings.index, namespace=settings.filter_config().digest(), window=settings.window,
+                           minutes=settings.campaign_minutes)
+    try:
+        return run_top(from_store(store), limit=args.limit, sort=args.sort, interval=args.interval, once=args.once)
+    finally:
+        store.close()
+
+
 def cmd_config(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     print(settings.describe())
@@ -76,13 +93,15 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def add_commands(subparsers: Any) -> None:
-    """Register serve, produce, tail and config on `subparsers` (from `parser.add_subparsers()`)."""
+    """Register serve, produce, tail, top and config on `subparsers` (from `parser.add_subparsers()`)."""
     p = subparsers.add_parser("serve", help="run the Kafka worker: input topics → unique / duplicate / dead-letter",
                               description="Consume the input topics in batches, route every record to the unique, "
                                           "duplicate or dead-letter topic (verdict in headers), commit after the "
                                           "outputs are acknowledged. Use a redis:// index (shared, survives "
                                           "restarts); memory:// is for trying out.")
     add_settings_arguments(p, (KAFKA, WORKER))
+    p.add_argument("--exactly-once", dest="processing_guarantee", action="store_const", const="exactly_once",
+                   default=None, help="same as --processing-guarantee exactly_once")
     p.set_defaults(func=cmd_serve)
 
     p = subparsers.add_parser("produce", help="load a JSONL file into a topic, one record per line")
@@ -100,6 +119,21 @@ def add_commands(subparsers: Any) -> None:
     p.add_argument("--timeout", type=float, default=None, help="stop after this many seconds without a record")
     add_settings_arguments(p, (KAFKA,))
     p.set_defaults(func=cmd_tail)
+
+    p = subparsers.add_parser("top", help="the duplicate clusters (spam campaigns) of the window, live",
+                              description="Show the campaign view: duplicate clusters of the current window with "
+                                          "size, growth per minute, first/last seen and the text of the first copy. "
+                                          "Reads the index's Redis (the same --index, --window and --methods as "
+                                          "serve: they name the namespace), or a worker's HTTP server (--from).")
+    p.add_argument("--sort", default="size", choices=("size", "growth", "last"),
+                   help="size (default), growth (copies in the last minutes) or last (last seen)")
+    p.add_argument("--limit", type=int, default=20, help="clusters shown (default 20)")
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default 2)")
+    p.add_argument("--once", action="store_true", help="print the view once and exit")
+    p.add_argument("--from", dest="source", metavar="URL", default=None,
+                   help="read a worker's /campaigns, e.g. http://127.0.0.1:9464 (needed for a memory:// index)")
+    add_settings_arguments(p, (WORKER,))
+    p.set_defaults(func=cmd_top)
 
     p = subparsers.add_parser("config", help="print the effective settings, their sources, secrets masked")
     add_settings_arguments(p, (KAFKA, WORKER))

@@ -7,6 +7,16 @@ before (an indexed unique one is found under its own id: unique, method "replay"
 indexed and matches its original again). With `memory://` the index dies with the worker, so replays
 after a restart are checked against an empty index: use Redis for `serve`; memory:// is for trying out.
 
+Exactly-once (`processing_guarantee = "exactly_once"`, aiokafka runtime only): each batch's outputs and
+its consumed offsets go in one Kafka transaction (a transactional producer, `send_offsets_to_transaction`,
+then commit), so a reader with isolation.level=read_committed sees every input's output exactly once,
+crash or not; a batch interrupted by a crash is aborted and re-read. The transactional id is
+`neardup-<group_id>-<group_instance_id>`: with static membership a restarted worker fences its dead
+predecessor and aborts its open transaction at once (without one the id is random, and the dead
+transaction holds read_committed readers back until the broker's transaction timeout, 60 s). aiokafka
+commits transactional offsets without the group generation (no KIP-447 fencing): a worker that stalls
+past its session timeout and then commits could still repeat a batch that its successor also routed.
+
 Two runtimes share everything but the loop: `aiokafka` (default: a plain consume → route → produce →
 commit loop, pipelined one batch deep) and `faust` (a faust-streaming agent over `stream.noack_take`,
 acking a batch after its outputs were acknowledged). aiokafka is the default: faster, lower latency,
@@ -21,6 +31,7 @@ import shutil
 import signal
 import tempfile
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -30,7 +41,7 @@ from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 
 from filters.engine import NearDupFilter
 from filters.errors import ConfigError, IndexUnavailable, RejectedInput
-from stream.codec import decode
+from stream.codec import RecordFormat, decode
 from stream.config import Settings
 from stream.kafka_tools import (
     Headers,
@@ -57,6 +68,8 @@ H_ERROR = "neardup-error"
 UNCHECKED = "unchecked"
 REJECTED = "rejected"
 _MAX_ERROR_CHARS = 500
+# The producer must pass through the largest record the codec accepts, plus headers.
+MAX_OUTPUT_BYTES = RecordFormat().max_record_bytes + 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +155,10 @@ def output_of(record: KafkaRecord, routed: Routed, settings: Settings) -> OutRec
                     (H_ERROR, str(routed.error)[:_MAX_ERROR_CHARS].encode())]
         topic = settings.dead_letter_topic
     headers.append((H_SOURCE, record.coordinates.encode()))
+    if routed.kind == REJECTED and routed.error is not None and routed.error.reason == "too_large":
+        # Too large for the codec is too large for the producer: dead-lettered without its value
+        # (neardup-source says where to find it), so one huge record cannot stop the worker.
+        return OutRecord(topic, record.key, None, tuple(headers))
     return OutRecord(topic, record.key, record.value, tuple(headers))
 
 
@@ -205,6 +222,7 @@ class Router:
         self._down_since: float | None = None
         self._attempts = 0  # failed attempts in the current outage
         self._retry_at = 0.0
+        self.retries = 0  # route attempts repeated after an index error (a metric)
         # How the CPU-bound, blocking routing step runs: in a worker thread by default, so that the
         # event loop keeps fetching, heartbeating and delivering the previous batch meanwhile.
         self._run = run or asyncio.to_thread
@@ -240,6 +258,7 @@ class Router:
                     if keepalive is not None:
                         await keepalive()
                     await asyncio.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+                self.retries += 1
                 continue
             if self._down_since is not None:
                 log.warning("index available again after %.1fs (%d failed attempts): consumption resumed",
@@ -250,9 +269,16 @@ class Router:
                 resume()
             return outs
 
+    @property
+    def index_down(self) -> bool:
+        """True from an index error until the index answers again."""
+        return self._down_since is not None
+
     async def _route_unchecked(self, records: Sequence[KafkaRecord]) -> list[OutRecord]:
         now = time.monotonic()
         if self._down_since is None or now >= self._retry_at:
+            if self._down_since is not None:
+                self.retries += 1
             try:
                 outs = await self._run(route_records, self.nd, records, self.settings)
             except IndexUnavailable as exc:
@@ -287,11 +313,14 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
 
     def __init__(self, flush: Callable[[], Awaitable[None]]) -> None:
         self.flush = flush
+        # Counts assignments; aiokafka fetches nothing of a new assignment before this callback runs.
+        self.assignments = 0
 
     async def on_partitions_revoked(self, revoked: Any) -> None:
         await self.flush()
 
     async def on_partitions_assigned(self, assigned: Any) -> None:
+        self.assignments += 1
         if assigned:
             log.info("assigned %s", ", ".join(f"{tp.topic}/{tp.partition}" for tp in sorted(assigned)))
 
@@ -303,6 +332,7 @@ class _InFlight:
     records: list[KafkaRecord]
     outs: list[OutRecord]
     deliveries: list[asyncio.Future[Any]]
+    assignment: int = 0  # `_Rebalance.assignments` when the records were fetched
 
 
 class _WorkerCore:
@@ -333,9 +363,17 @@ class AiokafkaWorker(_WorkerCore):
         self._lock = asyncio.Lock()  # one batch step at a time: the loop, or a rebalance's flush
         self._in_flight: _InFlight | None = None
         self._consumer: AIOKafkaConsumer | None = None
+        self._producer: Any = None
+        self._transactional = settings.processing_guarantee == "exactly_once"
+        self._rebalance = _Rebalance(self._flush_locked)
 
     def stop(self) -> None:
         self.stop_event.set()
+
+    @property
+    def consumer(self) -> AIOKafkaConsumer | None:
+        """The consumer once `run` started it (stream/ops.py reads its lag)."""
+        return self._consumer
 
     async def run(self) -> WorkerStats:
         s = self.settings
@@ -349,14 +387,21 @@ class AiokafkaWorker(_WorkerCore):
             group_instance_id=s.group_instance_id or None,
             session_timeout_ms=round(s.session_timeout * 1000),
             heartbeat_interval_ms=max(100, round(s.session_timeout * 1000 / 3)),
+            # Exactly-once: an upstream's aborted transactions are not input.
+            isolation_level="read_committed" if self._transactional else "read_uncommitted",
             **client_options(s),
         )
         self._consumer = consumer
         with broker_errors(s):
             await consumer.start()
         try:
-            consumer.subscribe(list(s.input_topics), listener=_Rebalance(self._flush_locked))
-            async with producer(s) as prod:
+            consumer.subscribe(list(s.input_topics), listener=self._rebalance)
+            options: dict[str, Any] = {"max_request_size": MAX_OUTPUT_BYTES}
+            if self._transactional:
+                options["transactional_id"] = (f"neardup-{s.group_id}-"
+                                               f"{s.group_instance_id or uuid.uuid4().hex[:12]}")
+            async with producer(s, **options) as prod:
+                self._producer = prod
                 await self._loop(consumer, prod)
                 # Stopping (not failing): deliver and commit the batch in flight.
                 await self._flush_locked()
@@ -383,16 +428,18 @@ class AiokafkaWorker(_WorkerCore):
                     break
                 with broker_errors(s):
                     fetched = fetch.result()
+                assignment = self._rebalance.assignments
                 records = [KafkaRecord.of(m) for msgs in fetched.values() for m in msgs]
                 async with self._lock:
                     if records:
-                        await self._batch(consumer, prod, records)
+                        await self._batch(consumer, prod, records, assignment)
                     else:
                         await self._flush()
         finally:
             stop_wait.cancel()
 
-    async def _batch(self, consumer: AIOKafkaConsumer, prod: Any, records: list[KafkaRecord]) -> None:
+    async def _batch(self, consumer: AIOKafkaConsumer, prod: Any, records: list[KafkaRecord],
+                     assignment: int = 0) -> None:
         s = self.settings
 
         def pause() -> None:
@@ -410,11 +457,15 @@ class AiokafkaWorker(_WorkerCore):
                                        stopping=self.stop_event.is_set)
         if outs is None:
             return  # stopping during an index outage: nothing of this batch produced or committed
+        if self._transactional:
+            await self._flush()  # one transaction at a time: commit the previous batch's first
+            with broker_errors(s):
+                await prod.begin_transaction()
         with broker_errors(s):
             deliveries = [await prod.send(o.topic, value=o.value, key=o.key, headers=list(o.headers))
                           for o in outs]
         await self._flush()  # the previous batch: its acks arrived while this one was routed
-        self._in_flight = _InFlight(records, outs, deliveries)
+        self._in_flight = _InFlight(records, outs, deliveries, assignment)
 
     async def _flush_locked(self) -> None:
         async with self._lock:
@@ -428,6 +479,14 @@ class AiokafkaWorker(_WorkerCore):
         s = self.settings
         with broker_errors(s):
             await asyncio.gather(*batch.deliveries)
+        if self._transactional and batch.assignment != self._rebalance.assignments:
+            # The partitions were reassigned since the batch was fetched: their owner now (maybe this
+            # worker) re-reads it from the committed offsets, so committing it too would repeat it.
+            log.warning("partitions reassigned while a batch of %d records was in flight: its transaction is "
+                        "aborted, the records are re-read by their owner", len(batch.records))
+            with broker_errors(s):
+                await self._producer.abort_transaction()
+            return
         self.stats.add(batch.outs)
         if self.observer is not None:
             maybe = self.observer(batch.records, batch.outs)
@@ -437,6 +496,11 @@ class AiokafkaWorker(_WorkerCore):
         for r in batch.records:
             tp = TopicPartition(r.topic, r.partition)
             offsets[tp] = max(offsets.get(tp, 0), r.offset + 1)
+        if self._transactional:
+            with broker_errors(s):
+                await self._producer.send_offsets_to_transaction(offsets, s.group_id)
+                await self._producer.commit_transaction()
+            return
         assert self._consumer is not None
         try:
             await self._consumer.commit(offsets)
@@ -582,7 +646,12 @@ def make_worker(settings: Settings, nd: NearDupFilter | None = None, *,
 
 async def serve(settings: Settings) -> WorkerStats:
     """Run a worker until SIGINT/SIGTERM; the batch in progress is finished and committed first."""
+    from stream.ops import Ops  # metrics, campaign view, HTTP endpoints
+
     worker = make_worker(settings)
+    ops = Ops(settings, worker)
+    ops.attach()
+    await ops.start()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, worker.stop)
@@ -594,4 +663,5 @@ async def serve(settings: Settings) -> WorkerStats:
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+        await ops.stop()
         worker.nd.index.close()

@@ -129,6 +129,19 @@ def test_confusables_never_remap_ascii_or_cjk() -> None:
         assert not unicodedata.normalize("NFKC", ch).isascii(), repr(ch)  # NFKC's job already
 
 
+def test_every_case_variant_of_a_homoglyph_is_mapped() -> None:
+    # The table runs before casefold: a capital whose lower case is a homoglyph must be mapped too.
+    frm = set(charmaps.CONFUSABLE_FROM)
+    missing = [
+        ch for ch in map(chr, range(0x20000))
+        if ch not in frm and len(ch.casefold()) == 1 and ch.casefold() in frm
+    ]
+    assert missing == []
+    for upper, lower in [("Г", "г"), ("Б", "б"), ("Σ", "σ"), ("ς", "σ"), ("В", "в"), ("Н", "н")]:
+        assert upper.translate(CONFUSABLES) == lower.translate(CONFUSABLES) != lower, (upper, lower)
+    assert "Υ".translate(CONFUSABLES) == "y" and "υ".translate(CONFUSABLES) == "u"  # each keeps its own
+
+
 def test_confusables_are_idempotent() -> None:
     assert not set(charmaps.CONFUSABLE_TO) & set(charmaps.CONFUSABLE_FROM)
 

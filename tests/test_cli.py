@@ -357,13 +357,28 @@ def test_argparse_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "invalid choice: 'xml'" in capsys.readouterr().err
 
 
-@pytest.mark.xfail(strict=True, raises=SystemExit, reason=(
-    "BUG: --normalize's help (and its natural use) is `--normalize '-pinyin,-mask_numbers'`, but argparse "
-    "takes a value starting with '-' for an option: 'expected one argument' (exit 2); only "
-    "--normalize=-pinyin works"))
 def test_normalize_option_accepts_the_documented_form(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["explain", "在家", "再家", "--normalize", "-pinyin,-mask_numbers"]) == 0
     assert "unique" in capsys.readouterr().out.splitlines()[-1]
+
+
+@pytest.mark.parametrize("value", ["-pinyin", "no-pinyin", "!pinyin", "-pinyin,+leet", " no-pinyin , -mask_urls "])
+@pytest.mark.parametrize("glued", [True, False])
+def test_normalize_option_turns_a_step_off_in_every_spelling(capsys: pytest.CaptureFixture[str], value: str,
+                                                             glued: bool) -> None:
+    args = [f"--normalize={value}"] if glued else ["--normalize", value]
+    assert main(["explain", "在家", "再家", *args]) == 0
+    out = capsys.readouterr().out
+    assert "pinyin" not in out.split("== comparison")[0]  # the step is gone from the trace
+    assert "unique" in out.splitlines()[-1]  # and the homophones no longer meet
+    assert main(["explain", "在家", "再家", "--normalize", "+pinyin"]) == 0
+    assert "duplicate" in capsys.readouterr().out.splitlines()[-1]
+
+
+def test_normalize_option_value_is_not_glued_after_double_dash(capsys: pytest.CaptureFixture[str]) -> None:
+    # After `--` every argument is positional: `--normalize` there is text B, not the option.
+    assert main(["explain", "--", "--normalize", "-pinyin"]) == 0
+    assert "== B: '-pinyin'" in capsys.readouterr().out
 
 
 def test_unreadable_input_file_is_an_error_not_a_crash(tmp_path: Path) -> None:
@@ -381,8 +396,8 @@ def test_explain_prints_normalized_forms_and_a_verdict(capsys: pytest.CaptureFix
     assert "== B: 'w i n a fr33 iPhone!! call 555-0199'" in out
     steps = re.findall(r"^  (\w+)\s+'(.*)'$", out, flags=re.M)
     assert [s for s, _ in steps][:11] == ["nfkc", "strip_invisible", "strip_accents", "confusables",
-                                          "traditional_to_simplified", "casefold", "mask_urls", "strip_separators",
-                                          "leet", "mask_numbers", "pinyin"]
+                                          "traditional_to_simplified", "casefold", "mask_urls", "leet",
+                                          "mask_numbers", "strip_separators", "pinyin"]
     finals = [v for s, v in steps if s == "pinyin"]
     assert finals == ["winafreeiphonecaii‹num›", "winafreeiphonecaii‹num›"]
     assert "== verdict for B after A: duplicate of A" in out

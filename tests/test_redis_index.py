@@ -19,9 +19,9 @@ from hypothesis.extra.numpy import arrays
 from filters.config import FilterConfig
 from filters.engine import NearDupFilter, Verdict
 from filters.errors import ConfigError, IndexCorrupt, IndexUnavailable, NeardupError
-from filters.index import Candidate, Entry, Query, open_index
-from filters.redis_index import INSERT_CHUNK, RedisIndex, decode_entry, encode_entry
-from tests.test_index_contract import assert_same_entry, drop_namespace, with_query
+from filters.index import Candidate, Entry, MemoryIndex, Query, open_index
+from filters.redis_index import INSERT_CHUNK, LOOKUP_CHUNK, RedisIndex, decode_entry, encode_entry
+from tests.test_index_contract import _view, assert_same_entry, drop_namespace, with_query
 
 U64 = (1 << 64) - 1
 WINDOW = 3600.0
@@ -281,6 +281,30 @@ def test_scripts_are_reloaded_after_a_script_flush(make: Callable[..., RedisInde
     with redis.Redis.from_url(redis_url) as client:
         client.script_flush()
     assert index.insert([(entry("c"), (1,))]) == [None]
+
+
+def test_a_batch_of_several_lookup_scripts_is_answered_like_the_reference(make: Callable[..., RedisIndex]) -> None:
+    """Lookups go to the server a chunk of queries per script: a batch across chunks, with event time
+    jumping past the window in the middle of a chunk (each query's horizon counts the queries before
+    it), replays of an id inside the batch and ids looked up twice, answers as `MemoryIndex` does."""
+    index, reference = make(window=100.0, bucket_cap=3), MemoryIndex(100.0, 3)
+    rng = random.Random(5)
+    for round in range(3):
+        size = 2 * LOOKUP_CHUNK + 7
+        jump = rng.randrange(LOOKUP_CHUNK // 2, size)  # where event time jumps past the window
+        # Rounds 70 s apart in a window of 100 s: a round sees the previous one until its jump of 60 s.
+        queries = [Query(f"m{rng.randrange(3 * size)}", 70.0 * round + rng.uniform(0, 60) + 60 * (i >= jump),
+                         tuple(rng.sample(range(1, 40), rng.randint(1, 5))), rng.randint(1, 2))
+                   for i in range(size)]
+        looked = index.lookup(queries, 4)
+        assert _view(looked) == _view(reference.lookup(queries, 4))
+        assert round == 0 or sum(bool(cands) for _, cands in looked) > size // 4  # it tests something
+        pending, seen = [], set()
+        for q, (own, _) in zip(queries, looked):
+            if own is None and q.id not in seen and rng.random() < 0.7:
+                seen.add(q.id)
+                pending.append((entry(q.id, q.ts, rng.randrange(10**6)), q.keys))
+        assert index.insert(pending) == reference.insert(pending) == [None] * len(pending)
 
 
 # --- insert conflicts ----------------------------------------------------------------------------------

@@ -1,0 +1,59 @@
+"""Logging setup of the CLI: plain text lines (default) or JSON lines (`--log-format json`) on stderr."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from datetime import UTC, datetime
+from typing import IO, Any
+
+import orjson
+
+from filters.errors import ConfigError
+
+LOG_FORMATS = ("plain", "json")
+PLAIN = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+_HANDLER = "neardup"
+
+# Attributes every LogRecord has; anything else on a record came from `extra=` and goes into the JSON.
+_STANDARD = frozenset(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime", "taskName"}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ts (UTC, ISO 8601), level, logger, msg, the `extra=` fields, exc."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        for key, value in record.__dict__.items():
+            if key not in _STANDARD and not key.startswith("_"):
+                out[key] = value
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        # default=str: an extra field that orjson cannot serialise must not lose the log line.
+        return orjson.dumps(out, default=str).decode()
+
+
+def setup_logging(level: str = "info", fmt: str = "plain", stream: IO[str] | None = None) -> logging.Handler:
+    """Configure the root logger: level, and one handler of the given format (replacing the one an
+    earlier call installed); returns that handler."""
+    if fmt not in LOG_FORMATS:
+        raise ConfigError(f"log format must be one of {', '.join(LOG_FORMATS)}, got {fmt!r}")
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(PLAIN))
+    handler.set_name(_HANDLER)
+    root = logging.getLogger()
+    # Replace the handler of an earlier call only: others (a test runner's capture) stay.
+    for old in [h for h in root.handlers if h.get_name() == _HANDLER]:
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(getattr(logging, level.upper(), logging.INFO))
+    # Libraries that lower their own loggers' levels (jieba logs at DEBUG) must not reach us below ours.
+    handler.setLevel(root.level)
+    # aiokafka logs every retried connection at ERROR; ours say what matters.
+    logging.getLogger("aiokafka").setLevel(max(logging.WARNING, root.level))
+    return handler

@@ -1,0 +1,197 @@
+"""Prometheus metrics of a worker: routed counts per topic, stage latencies, batch sizes, index errors, lag, index size.
+
+Every worker has its own `CollectorRegistry` (several workers in one test process must not share
+counters). Stage latencies are per batch: `decode` (decoding records and building the output headers:
+the route step minus the two below), `fingerprint`, `index` (candidate lookup, verification and insert),
+`produce` (from routed until every output record was acknowledged). Redis round trips of the index
+and of the campaign view are timed on their own (`neardup_redis_seconds`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from filters.engine import Message, NearDupFilter, Verdict
+from filters.index import Candidate, CandidateIndex, Entry, Query
+
+STAGES = ("decode", "fingerprint", "index", "produce")
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_BATCH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+
+
+class WorkerMetrics:
+    """The metric families of one worker, in a registry of their own."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.messages_in = Counter("neardup_messages_in", "input records routed, by input topic", ["topic"], registry=r)
+        self.unique = Counter("neardup_messages_unique", "records routed to the unique topic, by input topic",
+                              ["topic"], registry=r)
+        self.duplicate = Counter("neardup_messages_duplicate", "records routed to the duplicate topic, by input topic",
+                                 ["topic"], registry=r)
+        self.dead_lettered = Counter("neardup_messages_dead_lettered",
+                                     "records routed to the dead-letter topic, by input topic and reason",
+                                     ["topic", "reason"], registry=r)
+        self.unchecked = Counter("neardup_messages_unchecked",
+                                 "records passed to unique unchecked while the index was down (on_index_error=unchecked)",
+                                 ["topic"], registry=r)
+        self.duplicate_ratio = Gauge("neardup_duplicate_ratio",
+                                     "duplicate / (unique + duplicate) since the worker started", registry=r)
+        self.batches = Counter("neardup_batches", "batches routed and acknowledged", registry=r)
+        self.batch_size = Histogram("neardup_batch_size", "records per batch", buckets=_BATCH_BUCKETS, registry=r)
+        self.stage_seconds = Histogram("neardup_stage_seconds", "seconds per batch in each stage", ["stage"],
+                                       buckets=_LATENCY_BUCKETS, registry=r)
+        self.redis_seconds = Histogram("neardup_redis_seconds", "seconds per Redis round trip, by operation", ["op"],
+                                       buckets=_LATENCY_BUCKETS, registry=r)
+        self.index_errors = Counter("neardup_index_errors",
+                                    "routing attempts that failed because the index was unavailable", registry=r)
+        self.index_retries = Counter("neardup_index_retries",
+                                     "batches routed again after an index error (backoff)", registry=r)
+        self.index_up = Gauge("neardup_index_up", "1 while the index answers, 0 during an outage", registry=r)
+        self.campaign_errors = Counter("neardup_campaign_errors",
+                                       "campaign view updates that failed (the batch was routed regardless)", registry=r)
+        self.consumer_lag = Gauge("neardup_consumer_lag",
+                                  "records not yet fetched: highwater - position, per assigned partition",
+                                  ["topic", "partition"], registry=r)
+        self.index_size = Gauge("neardup_index_size", "the candidate index's stats(): entries, buckets, ...",
+                                ["stat"], registry=r)
+        self.index_up.set(1)
+        for stage in STAGES:
+            self.stage_seconds.labels(stage)  # present (at 0) before the first batch: dashboards need no special case
+        self._unique_total = 0
+        self._duplicate_total = 0
+        self._errors_seen = 0
+        self._retries_seen = 0
+        self._lag_labels: set[tuple[str, str]] = set()
+
+    # -- per batch -------------------------------------------------------------------------------
+    def count(self, topics: Sequence[str], verdicts: Sequence[str], reasons: Sequence[str | None]) -> None:
+        """One acknowledged batch: per record its input topic, verdict (unique, duplicate, rejected,
+        unchecked) and, for rejected ones, the reason."""
+        self.batches.inc()
+        self.batch_size.observe(len(topics))
+        for topic, verdict, reason in zip(topics, verdicts, reasons, strict=True):
+            self.messages_in.labels(topic).inc()
+            if verdict == "unique":
+                self.unique.labels(topic).inc()
+                self._unique_total += 1
+            elif verdict == "duplicate":
+                self.duplicate.labels(topic).inc()
+                self._duplicate_total += 1
+            elif verdict == "unchecked":
+                self.unchecked.labels(topic).inc()
+            else:
+                self.dead_lettered.labels(topic, reason or "unknown").inc()
+        checked = self._unique_total + self._duplicate_total
+        self.duplicate_ratio.set(self._duplicate_total / checked if checked else 0.0)
+
+    def stage(self, name: str, seconds: float) -> None:
+        self.stage_seconds.labels(name).observe(max(0.0, seconds))
+
+    # -- at scrape time ----------------------------------------------------------------------------
+    def index_state(self, errors: int, retries: int, down: bool) -> None:
+        """The router's running totals (counters only move forward by their increase)."""
+        if errors > self._errors_seen:
+            self.index_errors.inc(errors - self._errors_seen)
+            self._errors_seen = errors
+        if retries > self._retries_seen:
+            self.index_retries.inc(retries - self._retries_seen)
+            self._retries_seen = retries
+        self.index_up.set(0 if down else 1)
+
+    def lag(self, lags: Mapping[tuple[str, int], int]) -> None:
+        labels = {(topic, str(partition)) for topic, partition in lags}
+        for gone in self._lag_labels - labels:  # partitions taken away by a rebalance
+            self.consumer_lag.remove(*gone)
+        for (topic, partition), value in lags.items():
+            self.consumer_lag.labels(topic, str(partition)).set(value)
+        self._lag_labels = labels
+
+    def index_stats(self, stats: Mapping[str, int]) -> None:
+        for name, value in stats.items():
+            self.index_size.labels(name).set(value)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class TimedFilter:
+    """Stands in for a `NearDupFilter` in `route_batch` (which calls only `check_batch`): the same two
+    steps as `NearDupFilter.check_batch`, timed. One instance per batch."""
+
+    def __init__(self, nd: NearDupFilter) -> None:
+        self.nd = nd
+        self.fingerprint = 0.0
+        self.index = 0.0
+
+    def check_batch(self, messages: Sequence[Message]) -> list[Verdict]:
+        if not messages:
+            return []
+        t0 = time.perf_counter()
+        fps = self.nd.fingerprinter.fingerprint_batch([m.text for m in messages])
+        t1 = time.perf_counter()
+        verdicts = self.nd.decide(messages, fps)
+        self.fingerprint = t1 - t0
+        self.index = time.perf_counter() - t1
+        return verdicts
+
+
+class TimedIndex:
+    """A `CandidateIndex` that times the round trips of another (a shared one: Redis)."""
+
+    def __init__(self, inner: CandidateIndex, observe: Callable[[str, float], None]) -> None:
+        self.inner = inner
+        self._observe = observe
+
+    def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | None, list[Candidate]]]:
+        t0 = time.perf_counter()
+        try:
+            return self.inner.lookup(queries, limit)
+        finally:
+            self._observe("lookup", time.perf_counter() - t0)
+
+    def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]:
+        t0 = time.perf_counter()
+        try:
+            return self.inner.insert(entries)
+        finally:
+            self._observe("insert", time.perf_counter() - t0)
+
+    def expire(self, now: float) -> int:
+        return self.inner.expire(now)
+
+    def stats(self) -> dict[str, int]:
+        return self.inner.stats()
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def __getattr__(self, name: str) -> Any:  # backend extras (namespace, prefix, ...) stay reachable
+        return getattr(self.inner, name)
+
+
+RouteStep = Callable[..., Any]
+
+
+def timed_route_runner(metrics: WorkerMetrics, routed: Callable[[Sequence[Any]], None]
+                       ) -> Callable[..., Any]:
+    """A `Router(run=...)`: runs the route step in a thread, as the default does, with a `TimedFilter`
+    in place of the filter; records the stage times and calls `routed(records)` when it is done."""
+
+    async def run(step: RouteStep, nd: NearDupFilter, records: Sequence[Any], *args: Any) -> Any:
+        timed = TimedFilter(nd)
+        t0 = time.perf_counter()
+        result = await asyncio.to_thread(step, timed, records, *args)
+        total = time.perf_counter() - t0
+        metrics.stage("fingerprint", timed.fingerprint)
+        metrics.stage("index", timed.index)
+        metrics.stage("decode", total - timed.fingerprint - timed.index)
+        routed(records)
+        return result
+
+    return run

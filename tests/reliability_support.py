@@ -1,0 +1,756 @@
+"""Fault-injection scenarios for the Kafka worker: serve processes, clusters of near-duplicates, outages, readers.
+
+Shared by tests/test_reliability.py (which asserts on the results) and bench/faults.py (which prints
+them as the README table). Each scenario runs real `neardup serve` processes against the real broker
+and Redis, with topics, consumer group and Redis namespace of its own.
+
+Run as `python -m tests.reliability_support serve [flags]`, it is `neardup serve` with an optional test
+hook on the Redis index, chosen by $RELIABILITY_INDEX_HOOK (comma-separated):
+`pause=SECONDS` sleeps after every lookup (widens the window in which two workers race, or slows a
+worker down so that a fault lands mid-stream); `racy` turns the atomic check-and-insert into a plain
+check-then-insert (the design the concurrency test must catch).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import orjson
+import redis
+from aiokafka import AIOKafkaConsumer
+
+from filters.config import FilterConfig
+from filters.engine import NearDupFilter
+from stream.config import Settings, setting_fields
+from stream.kafka_tools import KafkaRecord, client_options, ensure_topics, producer
+from stream.runner import RawRecord, route_batch
+from tests.kafka_support import TcpProxy, free_port, redis_namespace, settings_for
+
+REPO = Path(__file__).resolve().parents[1]
+HOOK_ENV = "RELIABILITY_INDEX_HOOK"
+EVAL_STREAM = REPO.parent / "shared" / "eval" / "stream.jsonl"
+SAMPLE = REPO / "tests" / "data" / "sample.jsonl"
+
+H_SOURCE, H_VERDICT, H_ID, H_DUP_OF, H_REASON = (
+    "neardup-source", "neardup-verdict", "neardup-id", "neardup-duplicate-of", "neardup-reason")
+
+
+# -- the serve process -------------------------------------------------------------------------
+
+
+def serve_env(settings: Settings, hook: str = "") -> dict[str, str]:
+    """Every setting as a NEARDUP_* variable (secrets included: the environment is how they should be
+    passed), the rest of the environment without other NEARDUP_* settings."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEARDUP_") or k.startswith("NEARDUP_TEST_")}
+    for f in setting_fields():
+        value = getattr(settings, f.name)
+        if isinstance(value, tuple):
+            value = ",".join(value)
+        elif isinstance(value, bool):
+            value = "true" if value else "false"
+        env[f"NEARDUP_{f.name.upper()}"] = str(value)
+    env["PYTHONPATH"] = str(REPO)
+    env[HOOK_ENV] = hook
+    return env
+
+
+class Serve:
+    """One `neardup serve` subprocess; its stderr (the log) goes to a file."""
+
+    def __init__(self, settings: Settings, log_dir: Path, name: str, *, hook: str = "",
+                 args: Sequence[str] = ()) -> None:
+        self.name = name
+        self.log_path = log_dir / f"{name}-{uuid.uuid4().hex[:6]}.log"
+        self._log = open(self.log_path, "wb")  # closed in stop()
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.reliability_support", "serve", *args],
+                                     cwd=REPO, env=serve_env(settings, hook), stdout=subprocess.DEVNULL,
+                                     stderr=self._log)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def assigned(self) -> set[int]:
+        """The partitions of this worker's latest assignment, from its log."""
+        lines = re.findall(r"neardup\.worker: assigned (.+)", self.log())
+        if not lines:
+            return set()
+        return {int(tp.rsplit("/", 1)[1]) for tp in lines[-1].split(", ")}
+
+    def alive(self) -> None:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"{self.name} exited {self.proc.returncode}: {self.log()[-3000:]}")
+
+    def rss_kb(self) -> int:
+        status = Path(f"/proc/{self.proc.pid}/status").read_text()
+        return int(re.search(r"VmRSS:\s+(\d+)", status).group(1))  # type: ignore[union-attr]
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                self._log.close()
+                raise AssertionError(f"{self.name} did not stop on signal {sig}: {self.log()[-3000:]}") from None
+        self._log.close()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+
+@contextmanager
+def serving(*workers: Serve) -> Iterator[list[Serve]]:
+    """Makes sure every worker started here is gone afterwards, whatever the test did."""
+    started = list(workers)
+    try:
+        yield started
+    finally:
+        for w in started:
+            if w.proc.poll() is None:
+                w.kill()
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, what: str, *,
+               check: Callable[[], None] = lambda: None, interval: float = 0.1) -> float:
+    """Polls `condition`; returns the seconds it took. `check` runs each round (e.g. workers alive)."""
+    start = time.monotonic()
+    while not condition():
+        check()
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"{what}: not within {timeout}s")
+        time.sleep(interval)
+    return time.monotonic() - start
+
+
+def wait_assigned(workers: Sequence[Serve], partitions: int, timeout: float = 60.0) -> None:
+    """Until the workers' latest assignments split all partitions between them, each having some."""
+    def stable() -> bool:
+        sets = [w.assigned() for w in workers]
+        union = set().union(*sets)
+        return all(sets) and union == set(range(partitions)) and sum(map(len, sets)) == partitions
+
+    def check() -> None:
+        for w in workers:
+            w.alive()
+
+    wait_until(stable, timeout, f"{len(workers)} workers sharing {partitions} partitions", check=check)
+
+
+def _install_hook(spec: str) -> None:
+    from filters.redis_index import RedisIndex
+
+    for part in filter(None, spec.split(",")):
+        if part.startswith("pause="):
+            pause = float(part.split("=", 1)[1])
+            lookup = RedisIndex.lookup
+
+            def paused_lookup(self: RedisIndex, queries: Any, limit: int, _lookup: Any = lookup,
+                              _pause: float = pause) -> Any:
+                found = _lookup(self, queries, limit)
+                time.sleep(_pause)
+                return found
+
+            RedisIndex.lookup = paused_lookup  # type: ignore[method-assign]
+        elif part == "racy":
+            insert = RedisIndex.insert
+
+            def racy_insert(self: RedisIndex, entries: Any, _insert: Any = insert) -> Any:
+                # Forget the lookup watermarks: the script then inserts without checking what others
+                # inserted since the lookup (check-then-insert).
+                self._marks.clear()
+                self._marks_before.clear()
+                return _insert(self, entries)
+
+            RedisIndex.insert = racy_insert  # type: ignore[method-assign]
+        else:
+            raise SystemExit(f"unknown {HOOK_ENV} part {part!r}")
+
+
+# -- inputs ------------------------------------------------------------------------------------
+
+_VOCABULARY = ["".join(random.Random(i).choices("abcdefghijklmnopqrstuvwxyz", k=6)) for i in range(400)]
+
+
+def cluster_text(cluster: int, copy: int) -> str:
+    """Copy `copy` of cluster `cluster`: the cluster's 30 random words with one word and the phone
+    number changed. Copies of one cluster are near-duplicates; different clusters are not."""
+    words = random.Random(cluster).choices(_VOCABULARY, k=30)
+    if copy:
+        words[(cluster + copy) % 30] = _VOCABULARY[(cluster * 7 + copy) % len(_VOCABULARY)]
+    return " ".join(words) + f" call now 555-{copy:02d}{cluster:04d}"
+
+
+def cluster_value(cluster: int, copy: int) -> bytes:
+    return orjson.dumps({"id": f"c{cluster}-{copy}", "text": cluster_text(cluster, copy)})
+
+
+def cluster_of(message_id: str) -> int:
+    return int(message_id[1:].split("-", 1)[0])
+
+
+def stream_lines(limit: int) -> list[bytes]:
+    """The first `limit` records of the eval stream (the sample when it is absent), plus two bad ones."""
+    path = EVAL_STREAM if EVAL_STREAM.is_file() else SAMPLE
+    lines = [line.rstrip(b"\r\n") for line in path.read_bytes().splitlines() if line.strip()][:limit]
+    lines.insert(len(lines) // 3, b"\xff\xfe not UTF-8")
+    lines.insert(2 * len(lines) // 3, b'{"id": "no-text-here"}')
+    return lines
+
+
+# -- Kafka -------------------------------------------------------------------------------------
+
+
+def scenario_settings(bootstrap: str, index: str, **overrides: Any) -> Settings:
+    values: dict[str, Any] = {"id_field": "id", "session_timeout": 6.0, "log_level": "info"}
+    if "metrics_port" in {f.name for f in setting_fields()}:
+        values["metrics_port"] = 0  # several workers on one host: no HTTP server each
+    values.update(overrides)
+    return settings_for(bootstrap, index, **values)
+
+
+async def create_topics(settings: Settings, partitions: int) -> None:
+    await ensure_topics(settings, [*settings.input_topics, *settings.output_topics], partitions=partitions)
+
+
+async def produce_to(settings: Settings, records: Sequence[tuple[int | None, bytes | None, bytes | None]],
+                     topic: str | None = None, **options: Any) -> None:
+    """(partition, key, value) records, in order, all acknowledged."""
+    topic = topic or settings.input_topics[0]
+    async with producer(settings, **options) as p:
+        futures = [await p.send(topic, key=k, value=v, partition=part) for part, k, v in records]
+        await asyncio.gather(*futures)
+
+
+async def read_outputs(settings: Settings, *, committed: bool = False, sources: int | None = None,
+                       timeout: float = 60.0, settle: float = 1.0,
+                       during: Callable[[list[KafkaRecord]], None] | None = None) -> list[KafkaRecord]:
+    """All output records (read_committed when `committed`): until `sources` distinct inputs were
+    seen and then `settle` seconds pass without a record (so late copies are counted too), or until
+    `timeout`. `during` is called with what was read so far after every poll."""
+    consumer = AIOKafkaConsumer(*settings.output_topics, group_id=None, enable_auto_commit=False,
+                                auto_offset_reset="earliest",
+                                isolation_level="read_committed" if committed else "read_uncommitted",
+                                max_partition_fetch_bytes=32 * 1024 * 1024, fetch_max_bytes=64 * 1024 * 1024,
+                                **client_options(settings))
+    await consumer.start()
+    got: list[KafkaRecord] = []
+    seen: set[bytes | None] = set()
+    deadline = time.monotonic() + timeout
+    last = time.monotonic()
+    try:
+        while time.monotonic() < deadline:
+            batches = await consumer.getmany(timeout_ms=200, max_records=5000)
+            for messages in batches.values():
+                for m in messages:
+                    record = KafkaRecord.of(m)
+                    got.append(record)
+                    seen.add(record.header(H_SOURCE))
+                    last = time.monotonic()
+            if during is not None:
+                during(got)
+            if sources is not None and len(seen) >= sources and time.monotonic() - last >= settle:
+                break
+            if sources is None and time.monotonic() - last >= settle:
+                break
+    finally:
+        await consumer.stop()
+    return got
+
+
+def read(settings: Settings, **kwargs: Any) -> list[KafkaRecord]:
+    return asyncio.run(read_outputs(settings, **kwargs))
+
+
+def restart_kafka() -> float:
+    """`docker/services.sh restart kafka`: the broker stops and starts on its data; returns seconds."""
+    start = time.monotonic()
+    done = subprocess.run(["bash", str(REPO / "docker" / "services.sh"), "restart", "kafka"],
+                          capture_output=True, text=True, timeout=180)
+    if done.returncode != 0:
+        raise AssertionError(f"kafka restart failed: {done.stderr[-2000:]}")
+    return time.monotonic() - start
+
+
+# -- verdicts ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Out:
+    """One output record as the tests see it."""
+
+    source: str
+    kind: str  # unique | duplicate | rejected (from the topic; checked against the verdict header)
+    id: str
+    duplicate_of: str | None
+    reason: str | None
+
+
+def outs(records: Sequence[KafkaRecord], settings: Settings) -> list[Out]:
+    kinds = {settings.unique_topic: "unique", settings.duplicate_topic: "duplicate",
+             settings.dead_letter_topic: "rejected"}
+    result = []
+    for r in records:
+        kind = kinds[r.topic]
+        assert (r.header(H_VERDICT) or b"").decode() == kind, r
+        dup = r.header(H_DUP_OF)
+        reason = r.header(H_REASON)
+        result.append(Out((r.header(H_SOURCE) or b"").decode(), kind, (r.header(H_ID) or b"").decode(),
+                          dup.decode() if dup is not None else None, reason.decode() if reason is not None else None))
+    return result
+
+
+@dataclass
+class Tally:
+    """What came out, against what went in: the figures of the README table."""
+
+    scenario: str
+    messages: int
+    faults: str
+    lost: int = 0  # inputs with no output at all
+    repeated: int = 0  # output copies beyond one per input
+    let_through: int = 0  # near-duplicate clusters with more than one unique (a race lost)
+    wrong_verdicts: int = 0  # inputs whose verdict differs from a single worker's
+    recovery_s: float | None = None
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    def row(self) -> str:
+        rec = "" if self.recovery_s is None else f"{self.recovery_s:.1f}"
+        return (f"| {self.scenario} | {self.messages} | {self.faults} | {self.lost} | {self.repeated} | "
+                f"{self.let_through} | {self.wrong_verdicts} | {rec} |")
+
+
+TABLE_HEAD = ("| scenario | messages | faults injected | lost | repeated outputs | near-duplicates let through "
+              "| verdicts ≠ single run | recovery s |\n|---|---|---|---|---|---|---|---|")
+
+
+MEMORY_HEAD = "| memory scenario | messages | measured |\n|---|---|---|"
+
+
+@dataclass(frozen=True, slots=True)
+class Figure:
+    """A row of the memory table."""
+
+    scenario: str
+    messages: int
+    measured: str
+
+    def row(self) -> str:
+        return f"| {self.scenario} | {self.messages:,} | {self.measured} |"
+
+
+def tally_sources(tally: Tally, got: Sequence[Out], sources: set[str]) -> Counter[str]:
+    copies = Counter(o.source for o in got)
+    tally.lost = len(sources - set(copies))
+    tally.repeated = sum(n - 1 for n in copies.values())
+    assert set(copies) <= sources, sorted(set(copies) - sources)[:5]
+    return copies
+
+
+def tally_clusters(tally: Tally, got: Sequence[Out]) -> dict[int, int]:
+    """Uniques per cluster (distinct message ids), and whether every copy of an input says the same."""
+    kinds: dict[str, set[str]] = {}
+    for o in got:
+        kinds.setdefault(o.id, set()).add(o.kind)
+        if o.kind == "duplicate":
+            assert o.duplicate_of is not None and cluster_of(o.duplicate_of) == cluster_of(o.id), o
+    uniques: Counter[int] = Counter()
+    for message_id, ks in kinds.items():
+        if len(ks) > 1:
+            tally.wrong_verdicts += 1  # a replayed copy disagrees with the first
+        if "unique" in ks:
+            uniques[cluster_of(message_id)] += 1
+    clusters = {cluster_of(i) for i in kinds}
+    per_cluster = {c: uniques[c] for c in clusters}
+    tally.let_through = sum(n > 1 for n in per_cluster.values())
+    return per_cluster
+
+
+def reference_clusters(values: Sequence[bytes], settings: Settings) -> dict[int, int]:
+    """Uniques per cluster when one worker (memory index) reads `values` in this order."""
+    nd = NearDupFilter(settings.filter_config(), index="memory://")
+    routed = route_batch(nd, [RawRecord(v, f"ref/{i}", 0.0) for i, v in enumerate(values)],
+                         settings.record_format())
+    uniques: Counter[int] = Counter()
+    for r in routed:
+        assert r.verdict is not None
+        uniques[cluster_of(r.verdict.id)] += not r.verdict.duplicate
+    return dict(uniques)
+
+
+def reference_stream(lines: Sequence[bytes], settings: Settings) -> dict[str, tuple[str, str | None]]:
+    """(kind, duplicate_of or reason) per source of a single-partition topic read by one worker."""
+    nd = NearDupFilter(settings.filter_config(), index="memory://")
+    topic = settings.input_topics[0]
+    routed = route_batch(nd, [RawRecord(v, f"{topic}/0/{i}", 0.0) for i, v in enumerate(lines)],
+                         settings.record_format())
+    out = {}
+    for r in routed:
+        if r.kind == "rejected":
+            assert r.error is not None
+            out[r.raw.fallback_id] = ("rejected", r.error.reason)
+        else:
+            assert r.verdict is not None
+            out[r.raw.fallback_id] = (r.kind, r.verdict.duplicate_of)
+    return out
+
+
+def tally_stream(tally: Tally, got: Sequence[Out], reference: dict[str, tuple[str, str | None]]) -> None:
+    tally_sources(tally, got, set(reference))
+    wrong = {o.source for o in got if (o.kind, o.duplicate_of if o.kind != "rejected" else o.reason)
+             != reference[o.source]}
+    tally.wrong_verdicts = len(wrong)
+
+
+# -- Redis -------------------------------------------------------------------------------------
+
+
+def cluster_index_url(cluster_node_url: str) -> str:
+    parts = urlsplit(cluster_node_url)
+    return f"{parts.scheme}+cluster://{parts.netloc}?prefix=ndtest-{uuid.uuid4().hex[:10]}"
+
+
+def drop_cluster_index(url: str) -> None:
+    base, _, query = url.partition("?")
+    prefix = dict(item.split("=", 1) for item in query.split("&"))["prefix"]
+    with redis.RedisCluster.from_url(base.replace("+cluster", "")) as client:
+        for node in client.get_primaries():
+            keys = list(client.scan_iter(match=f"{{{prefix}:*", target_nodes=node))
+            for at in range(0, len(keys), 500):
+                client.delete(*keys[at : at + 500])
+
+
+def namespace_keys(redis_url: str, prefix: str) -> list[bytes]:
+    with redis.Redis.from_url(redis_url) as client:
+        return list(client.scan_iter(match=f"{{{prefix}:*", count=5000))
+
+
+# -- scenarios ---------------------------------------------------------------------------------
+
+
+def concurrency(bootstrap: str, index: str, log_dir: Path, *, workers: int = 3, clusters: int = 150,
+                singletons: int = 60, hook: str = "", name: str = "concurrency") -> tuple[Tally, dict[int, int]]:
+    """`workers` serve processes, one group, one partition each; cluster c's copy w goes to partition
+    w, all produced in one burst once every worker has its partition. Returns the tally and the
+    uniques per cluster."""
+    settings = scenario_settings(bootstrap, index, partitions=workers)
+    records: list[tuple[int | None, bytes | None, bytes | None]] = []
+    for c in range(clusters):
+        records += [(w, f"c{c}".encode(), cluster_value(c, w)) for w in range(workers)]
+    for s in range(singletons):  # a cluster of one: must stay unique
+        records.append((s % workers, None, cluster_value(clusters + s, 0)))
+    tally = Tally(f"{name}: {workers} workers, {workers} partitions", len(records),
+                  f"{clusters} near-duplicate clusters, a copy in each partition at once"
+                  + (f" ({hook})" if hook else ""))
+    asyncio.run(create_topics(settings, workers))
+    with serving(*[Serve(settings, log_dir, f"w{i}", hook=hook) for i in range(workers)]) as procs:
+        wait_assigned(procs, workers)
+        asyncio.run(produce_to(settings, records))
+        got = outs(read(settings, sources=len(records), timeout=90, settle=1.0), settings)
+        for p in procs:
+            p.alive()
+        for p in procs:
+            assert p.stop() == 0, p.log()[-2000:]
+    topic = settings.input_topics[0]
+    sources = set()
+    offsets: Counter[int] = Counter()
+    for part, _, _ in records:
+        assert part is not None
+        sources.add(f"{topic}/{part}/{offsets[part]}")
+        offsets[part] += 1
+    tally_sources(tally, got, sources)
+    per_cluster = tally_clusters(tally, got)
+    reference = reference_clusters([v for _, _, v in records if v is not None], settings)
+    tally.wrong_verdicts += sum(per_cluster.get(c, 0) != n for c, n in reference.items())
+    tally.notes["reference_let_through"] = sum(n != 1 for n in reference.values())
+    return tally, per_cluster
+
+
+CRASH_BATCH = 50
+
+
+def crash(bootstrap: str, index: str, log_dir: Path, *, exactly_once: bool, messages: int = 1000) -> Tally:
+    """kill -9 one worker mid-run (static membership, batches of 50, each held 0.2 s after its lookup, so
+    that the previous batch's outputs are out and uncommitted when the kill lands), restart it; read
+    the outputs as a read_committed consumer."""
+    guarantee = "exactly_once" if exactly_once else "at_least_once"
+    settings = scenario_settings(bootstrap, index, max_batch=CRASH_BATCH, ts_field="ts",
+                                 group_instance_id="worker-1", processing_guarantee=guarantee)
+    lines = stream_lines(messages)
+    tally = Tally(f"kill -9 mid-run, restart ({guarantee})", len(lines), "1 SIGKILL")
+    asyncio.run(create_topics(settings, 1))
+    asyncio.run(produce_to(settings, [(0, None, v) for v in lines]))
+    with serving(Serve(settings, log_dir, "first", hook="pause=0.2")) as (first,):
+        # Kill once a good part is out (committed), so that the kill lands mid-run.
+        read(settings, committed=True, sources=len(lines) // 4, timeout=60, settle=0.0)
+        time.sleep(0.1)  # mid-batch: the previous batch's outputs sent, not committed
+        first.alive()
+        first.kill()
+    before = outs(read(settings, committed=True, timeout=5, settle=0.5), settings)
+    assert 0 < len({o.source for o in before}) < len(lines), "the worker was not killed mid-run"
+    with serving(Serve(settings, log_dir, "restarted")) as (again,):
+        records = read(settings, committed=True, sources=len(lines), timeout=60, settle=1.5)
+        again.alive()
+        assert again.stop() == 0, again.log()[-2000:]
+    tally_stream(tally, outs(records, settings), reference_stream(lines, settings))
+    tally.recovery_s = longest_gap(records)
+    everything = outs(read(settings, committed=False, timeout=10, settle=0.5), settings)
+    tally.notes["repeated_in_log_read_uncommitted"] = len(everything) - len({o.source for o in everything})
+    tally.notes["before_kill"] = len(before)
+    return tally
+
+
+def rebalance(bootstrap: str, index: str, log_dir: Path, *, exactly_once: bool, clusters: int = 240) -> Tally:
+    """Three partitions, a copy of each near-duplicate cluster in each; worker A starts alone (slowed
+    down, so that batches are in flight all the time), worker B joins once a quarter is out, A leaves
+    (SIGTERM) once half is out, B finishes."""
+    guarantee = "exactly_once" if exactly_once else "at_least_once"
+    settings = scenario_settings(bootstrap, index, partitions=3, max_batch=20, processing_guarantee=guarantee)
+    committed = exactly_once
+    records = [(copy, None, cluster_value(c, copy)) for c in range(clusters) for copy in range(3)]
+    tally = Tally(f"worker added, then one removed ({guarantee})", len(records), "2 rebalances")
+    asyncio.run(create_topics(settings, 3))
+    asyncio.run(produce_to(settings, records))
+    topic = settings.input_topics[0]
+    sources = {f"{topic}/{copy}/{c}" for c in range(clusters) for copy in range(3)}
+    hook = "pause=0.1"
+    with serving(Serve(settings, log_dir, "a", hook=hook)) as procs:
+        read(settings, committed=committed, sources=len(records) // 4, timeout=60, settle=0.0)
+        procs.append(Serve(settings, log_dir, "b", hook=hook))
+        wait_assigned(procs, 3)
+        read(settings, committed=committed, sources=len(records) // 2, timeout=60, settle=0.0)
+        assert procs[0].stop() == 0, procs[0].log()[-2000:]
+        got = outs(read(settings, committed=committed, sources=len(records), timeout=90, settle=1.5), settings)
+        procs[1].alive()
+        assert procs[1].stop() == 0, procs[1].log()[-2000:]
+        tally.notes["aborted_batches"] = sum(p.log().count("its transaction is aborted") for p in procs)
+        tally.notes["commit_failed"] = sum(p.log().count("commit failed") for p in procs)
+    tally_sources(tally, got, sources)
+    tally_clusters(tally, got)
+    return tally
+
+
+def broker_restart(bootstrap: str, index: str, log_dir: Path, *, messages: int = 1000) -> Tally:
+    """The broker stops and starts (same data) while one worker is mid-stream."""
+    settings = scenario_settings(bootstrap, index, max_batch=10, ts_field="ts", group_instance_id="worker-1")
+    lines = stream_lines(messages)
+    tally = Tally("Kafka broker restarted mid-stream", len(lines), "1 broker stop/start")
+    asyncio.run(create_topics(settings, 1))
+    asyncio.run(produce_to(settings, [(0, None, v) for v in lines]))
+    with serving(Serve(settings, log_dir, "w", hook="pause=0.03")) as (worker,):
+        read(settings, sources=len(lines) // 5, timeout=60, settle=0.0)
+        worker.alive()
+        down = restart_kafka()
+        worker.alive()
+        records = read(settings, sources=len(lines), timeout=90, settle=1.0)
+        worker.alive()
+        assert worker.stop() == 0, worker.log()[-2000:]
+    tally_stream(tally, outs(records, settings), reference_stream(lines, settings))
+    tally.recovery_s = longest_gap(records)
+    tally.notes["broker_restart_s"] = round(down, 1)
+    return tally
+
+
+def redis_outage(bootstrap: str, redis_url: str, log_dir: Path, *, outage: float = 10.0,
+                 messages: int = 1000) -> Tally:
+    """Redis (behind a proxy the test switches off) is gone for `outage` seconds while one worker is
+    mid-stream, policy block: the worker stops routing, retries with backoff, resumes by itself."""
+    host, port = urlsplit(redis_url).hostname or "127.0.0.1", urlsplit(redis_url).port or 6379
+    lines = stream_lines(messages)
+    tally = Tally(f"Redis unreachable for {outage:.0f} s mid-stream (block)", len(lines), "1 Redis outage")
+    with ProxyThread(host, port) as proxy, redis_namespace(redis_url) as direct:
+        index = direct.replace(f"{host}:{port}", f"127.0.0.1:{proxy.port}", 1)
+        settings = scenario_settings(bootstrap, index, max_batch=10, ts_field="ts", retry_initial=0.2,
+                                     retry_max=2.0)
+        asyncio.run(create_topics(settings, 1))
+        asyncio.run(produce_to(settings, [(0, None, v) for v in lines]))
+        with serving(Serve(settings, log_dir, "w", hook="pause=0.02")) as (worker,):
+            read(settings, sources=len(lines) // 5, timeout=60, settle=0.0)
+            proxy.down()
+            time.sleep(2.0)  # what was routed before the outage is delivered meanwhile
+            during = len(read(settings, timeout=5, settle=0.3))
+            time.sleep(max(0.0, outage - 4.0))
+            after = len(read(settings, timeout=5, settle=0.3))
+            worker.alive()
+            proxy.up()
+            records = read(settings, sources=len(lines), timeout=90, settle=1.0)
+            worker.alive()
+            assert worker.stop() == 0, worker.log()[-2000:]
+            log = worker.log()
+    tally_stream(tally, outs(records, settings), reference_stream(lines, settings))
+    tally.recovery_s = longest_gap(records)
+    tally.notes["routed_while_down"] = after - during
+    tally.notes["paused_lines"] = log.count("index unavailable: consumption paused")
+    tally.notes["resumed_lines"] = log.count("index available again")
+    return tally
+
+
+class ProxyThread:
+    """`TcpProxy` on an event loop of its own, so that a test can cut a service off from a subprocess."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.port = free_port()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._proxy = TcpProxy(host, port, self.port)
+
+    def __enter__(self) -> ProxyThread:
+        self._thread.start()
+        self.up()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+    def up(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._proxy.start(), self._loop).result(10)
+
+    def down(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._proxy.stop(), self._loop).result(10)
+
+
+# -- memory ------------------------------------------------------------------------------------
+
+
+def rss_mb() -> float:
+    status = Path("/proc/self/status").read_text()
+    return int(re.search(r"VmRSS:\s+(\d+)", status).group(1)) / 1024  # type: ignore[union-attr]
+
+
+def namespace_usage(redis_url: str, prefix: str) -> tuple[int, int]:
+    """(keys, bytes by MEMORY USAGE) of one namespace (the shared Redis' used_memory moves with others)."""
+    keys = namespace_keys(redis_url, prefix)
+    with redis.Redis.from_url(redis_url) as client:
+        pipe = client.pipeline(transaction=False)
+        for key in keys:
+            pipe.memory_usage(key)
+        return len(keys), sum(n or 0 for n in pipe.execute())
+
+
+def largest_bucket(redis_url: str, prefix: str) -> int:
+    buckets = [k for k in namespace_keys(redis_url, prefix) if b":b:" in k]
+    with redis.Redis.from_url(redis_url) as client:
+        pipe = client.pipeline(transaction=False)
+        for key in buckets:
+            pipe.zcard(key)
+        return max(pipe.execute(), default=0)
+
+
+def drop_prefix(redis_url: str, prefix: str) -> None:
+    keys = namespace_keys(redis_url, prefix)
+    with redis.Redis.from_url(redis_url) as client:
+        for at in range(0, len(keys), 500):
+            client.delete(*keys[at : at + 500])
+
+
+SPAM = ("Congratulations! You have been selected to receive a $1000 gift card. Click http://spam.example/claim "
+        "now to claim your prize before it expires tonight. Reply STOP to opt out.")
+
+
+def spam_edit(rng: random.Random, base: str = SPAM) -> str:
+    """`base` with three characters changed and a reference number added."""
+    chars = list(base)
+    for _ in range(3):
+        chars[rng.randrange(len(chars))] = rng.choice("abcdefghijklmnopqrstuvwxyz0123456789 !")
+    return "".join(chars) + f" ref {rng.randrange(10**6)}"
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    at: float  # messages so far, or seconds
+    rss_mb: float
+    keys: int
+    bytes: int
+
+
+def spam_wave(redis_url: str, messages: int = 200_000, every: int = 40_000) -> tuple[Counter[str], list[Sample]]:
+    """One message with small edits, `messages` times, through route_batch and the Redis index."""
+    prefix = f"ndtest-spam-{uuid.uuid4().hex[:8]}"
+    nd = NearDupFilter(FilterConfig(), index=f"{redis_url}?prefix={prefix}")
+    fmt = Settings(id_field="id").record_format()
+    rng = random.Random(7)
+    kinds: Counter[str] = Counter()
+    samples = []
+    try:
+        for start in range(0, messages, 2000):
+            raws = [RawRecord(orjson.dumps({"id": f"s{i}", "text": spam_edit(rng)}), f"s{i}", 1.7e9 + i / 100)
+                    for i in range(start, start + 2000)]
+            kinds.update(r.kind for r in route_batch(nd, raws, fmt))
+            if (start + 2000) % every == 0:
+                samples.append(Sample(start + 2000, rss_mb(), *namespace_usage(redis_url, prefix)))
+    finally:
+        nd.index.close()
+        drop_prefix(redis_url, prefix)
+    return kinds, samples
+
+
+def long_stream(redis_url: str, seconds: float = 12.0, rate: int = 1000) -> tuple[int, int, list[Sample]]:
+    """Unique messages at `rate`/s for `seconds` of wall clock, event time = now, window 2 s, TTL grace
+    1 s; every message ends in the same boilerplate (shared buckets). Returns (messages, largest
+    bucket, samples by elapsed seconds)."""
+    prefix = f"ndtest-window-{uuid.uuid4().hex[:8]}"
+    config = FilterConfig(window=2.0)
+    nd = NearDupFilter(config, index=f"{redis_url}?prefix={prefix}&grace=1")
+    rng = random.Random(3)
+    vocabulary = ["".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=6)) for _ in range(2000)]
+    tail = " -- Reply STOP to unsubscribe from these alerts, standard message rates apply."
+    samples: list[Sample] = []
+    sent = 0
+    step = rate // 5
+    started = time.time()
+    try:
+        while time.time() - started < seconds:
+            now = time.time()
+            nd.check_batch([nd.message(" ".join(rng.choices(vocabulary, k=12)) + tail, f"m{sent + i}", now)
+                            for i in range(step)])
+            sent += step
+            if sent % rate == 0:
+                samples.append(Sample(time.time() - started, rss_mb(), *namespace_usage(redis_url, prefix)))
+            time.sleep(max(0.0, 0.2 - (time.time() - now)))
+        largest = largest_bucket(redis_url, prefix)
+    finally:
+        nd.index.close()
+        drop_prefix(redis_url, prefix)
+    return sent, largest, samples
+
+
+def longest_gap(records: Sequence[KafkaRecord]) -> float:
+    """The longest time without output (by the records' create times): how long a fault stopped the flow."""
+    stamps = sorted(r.timestamp for r in records)
+    return max((b - a for a, b in itertools.pairwise(stamps)), default=0) / 1000.0
+
+
+def main(argv: Sequence[str]) -> int:
+    """`serve [flags]`: neardup serve, with the index hook of $RELIABILITY_INDEX_HOOK installed."""
+    if not argv or argv[0] != "serve":
+        raise SystemExit("usage: python -m tests.reliability_support serve [neardup serve flags]")
+    _install_hook(os.environ.get(HOOK_ENV, ""))
+    from stream.commands import main as neardup
+
+    return neardup(list(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
