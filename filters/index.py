@@ -15,6 +15,7 @@ import heapq
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from operator import itemgetter
 from typing import Protocol, runtime_checkable
 from urllib.parse import urlparse
@@ -122,7 +123,7 @@ class MemoryIndex:
         own = self._by_id.get(q.id)
         entries = self._entries
         own_entry = entries[own] if own is not None else None
-        hits = [b for b in map(self._buckets.get, q.keys) if b is not None]
+        hits = list(filter(None, map(self._buckets.get, q.keys)))  # buckets are never empty (nor seq 0)
         floor = q.min_shared
         if len(hits) < floor:
             return own_entry, []  # nothing can share `floor` keys with it
@@ -182,10 +183,12 @@ class MemoryIndex:
             in_order = entry.ts >= self._newest
             if in_order:
                 self._newest = entry.ts
-            for key in keys:
-                bucket = buckets.get(key)
-                if bucket is None:
-                    buckets[key] = seq
+            # One C-level pass claims every new key; only keys that already had a bucket need Python.
+            held = list(map(buckets.setdefault, keys, repeat(seq)))
+            if held.count(seq) == len(keys):
+                continue
+            for key, bucket in zip(keys, held):
+                if bucket is seq:
                     continue
                 if bucket.__class__ is int:
                     bucket = buckets[key] = [bucket]  # type: ignore[list-item]

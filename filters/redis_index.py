@@ -91,7 +91,8 @@ from redis.retry import Retry
 from filters.errors import ConfigError, IndexCorrupt, IndexUnavailable, NeardupError, ServiceError
 from filters.index import Candidate, Entry, Query
 
-__all__ = ["ENCODING_VERSION", "INSERT_LUA", "LOOKUP_LUA", "RedisIndex", "decode_entry", "encode_entry"]
+__all__ = ["ENCODING_VERSION", "INSERT_LUA", "LOOKUP_LUA", "RedisIndex", "decode_entry", "encode_entry",
+           "map_redis_error", "redact_url"]
 
 DEFAULT_PREFIX = "neardup"
 DEFAULT_GRACE = 3600.0  # seconds of wall clock that keys outlive the window
@@ -429,7 +430,7 @@ class RedisTarget:
         if cluster:
             scheme = scheme.removesuffix("+cluster")
         if scheme not in ("redis", "rediss", "unix"):
-            raise ConfigError(f"not a Redis URL: {_redact(url)}")
+            raise ConfigError(f"not a Redis URL: {redact_url(url)}")
         query: list[tuple[str, str]] = []
         prefix, grace = DEFAULT_PREFIX, DEFAULT_GRACE
         for name, value in parse_qsl(parts.query, keep_blank_values=True):
@@ -449,13 +450,14 @@ class RedisTarget:
         path = parts.path
         if cluster:
             if path.strip("/") not in ("", "0"):
-                raise ConfigError(f"Redis Cluster has only database 0: {_redact(url)}")
+                raise ConfigError(f"Redis Cluster has only database 0: {redact_url(url)}")
             path = ""
         client_url = urlunsplit((scheme, parts.netloc, path, urlencode(query), ""))
         return cls(client_url, cluster, prefix, grace)
 
 
-def _redact(url: str) -> str:
+def redact_url(url: str) -> str:
+    """`url` with its password replaced by `***`, fit for logs and error messages."""
     parts = urlsplit(url)
     if parts.password is None:
         return url
@@ -470,8 +472,12 @@ _REFUSED = (AuthenticationError, AuthorizationError, AuthenticationWrongNumberOf
             NoPermissionError)
 
 
-def _map_error(exc: BaseException, where: str) -> NeardupError:
-    """The neardup error for a redis-py error (raise it `from exc`)."""
+def map_redis_error(exc: BaseException, where: str) -> NeardupError:
+    """The neardup error for a redis-py error (raise it `from exc`); `where` names the server (`redact_url`).
+
+    Refused credentials are a `ConfigError`, a server that is down, loading, failing over or out of
+    memory is `IndexUnavailable` (retry later), any other error reply `IndexCorrupt`, the rest `ServiceError`.
+    Shared by every Redis client of neardup (the index, the campaign view), so they fail alike."""
     detail = f"Redis index at {where}: {type(exc).__name__}: {exc}"
     if isinstance(exc, _REFUSED):  # before _UNAVAILABLE: AuthenticationError is a ConnectionError
         return ConfigError(f"{detail} (check the password/user in the index URL)")
@@ -500,7 +506,7 @@ class RedisIndex:
         self.bucket_cap = bucket_cap
         self.namespace = namespace
         self.prefix = target.prefix
-        self._where = _redact(url)
+        self._where = redact_url(url)
         tag = f"{{{target.prefix}:{namespace}}}"
         self._meta = f"{tag}:meta"
         self._bpre = f"{tag}:b:"
@@ -671,7 +677,7 @@ class RedisIndex:
         try:
             yield
         except (RedisError, RedisClusterException) as exc:
-            raise _map_error(exc, self._where) from exc
+            raise map_redis_error(exc, self._where) from exc
 
     def __repr__(self) -> str:
         return f"RedisIndex({self._where!r}, namespace={self.namespace!r}, window={self.window})"

@@ -37,6 +37,7 @@ from redis.exceptions import RedisClusterException, RedisError
 from redis.retry import Retry
 
 from filters.errors import ConfigError, IndexCorrupt
+from filters.redis_index import RedisTarget, map_redis_error, redact_url
 
 SORTS = ("size", "growth", "last")
 DEFAULT_MINUTES = 10
@@ -311,17 +312,14 @@ class RedisCampaigns:
 
     def __init__(self, url: str, *, namespace: str, window: float, minutes: int = DEFAULT_MINUTES,
                  snippet: int = SNIPPET) -> None:
-        # The index's URL parser and error mapping: both Redis clients read one URL and fail alike.
-        from filters.redis_index import RedisTarget, _map_error, _redact
-
         if not window > 0 or minutes < 1:
             raise ConfigError("campaigns need window > 0 seconds and minutes >= 1")
+        # The index's URL parser and error mapping: both Redis clients read one URL and fail alike.
         target = RedisTarget.parse(url)
         self.window = float(window)
         self.minutes = minutes
         self.snippet = snippet
-        self._where = _redact(url)
-        self._map_error = _map_error
+        self._where = redact_url(url)
         tag = f"{{{target.prefix}:{namespace}}}"
         self.size_key = f"{tag}:c:size"
         self._last_key = f"{tag}:c:last"
@@ -386,7 +384,7 @@ class RedisCampaigns:
         try:
             yield
         except (RedisError, RedisClusterException) as exc:
-            raise self._map_error(exc, self._where) from exc
+            raise map_redis_error(exc, self._where) from exc
 
 
 def open_campaigns(index_url: str, *, namespace: str, window: float, minutes: int = DEFAULT_MINUTES) -> CampaignStore:

@@ -66,6 +66,17 @@ def cmd_tail(args: argparse.Namespace) -> int:
     return 0
 
 
+def _seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text!r}")
+    return value
+
+
 def cmd_top(args: argparse.Namespace) -> int:
     from stream.campaigns import open_campaigns
     from stream.top import from_http, from_store, run_top
@@ -124,11 +135,13 @@ def add_commands(subparsers: Any) -> None:
                               description="Show the campaign view: duplicate clusters of the current window with "
                                           "size, growth per minute, first/last seen and the text of the first copy. "
                                           "Reads the index's Redis (the same --index, --window and --methods as "
-                                          "serve: they name the namespace), or a worker's HTTP server (--from).")
+                                          "serve: they name the namespace), or a worker's HTTP server (--from). "
+                                          "Keys (when stdin is a terminal): s size, g growth, l last seen, "
+                                          "r refresh now, q quit.")
     p.add_argument("--sort", default="size", choices=("size", "growth", "last"),
                    help="size (default), growth (copies in the last minutes) or last (last seen)")
     p.add_argument("--limit", type=int, default=20, help="clusters shown (default 20)")
-    p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default 2)")
+    p.add_argument("--interval", type=_seconds, default=2.0, help="seconds between refreshes (default 2)")
     p.add_argument("--once", action="store_true", help="print the view once and exit")
     p.add_argument("--from", dest="source", metavar="URL", default=None,
                    help="read a worker's /campaigns, e.g. http://127.0.0.1:9464 (needed for a memory:// index)")

@@ -1,4 +1,4 @@
-"""Prometheus metrics of a worker: routed counts per topic, stage latencies, batch sizes, index errors, lag, index size.
+"""Prometheus metrics of a worker: routed counts per topic, stage latencies, batch sizes, index and Kafka errors, lag, index size.
 
 Every worker has its own `CollectorRegistry` (several workers in one test process must not share
 counters). Stage latencies are per batch: `decode` (decoding records and building the output headers:
@@ -53,6 +53,10 @@ class WorkerMetrics:
         self.index_retries = Counter("neardup_index_retries",
                                      "batches routed again after an index error (backoff)", registry=r)
         self.index_up = Gauge("neardup_index_up", "1 while the index answers, 0 during an outage", registry=r)
+        self.kafka_errors = Counter("neardup_kafka_errors",
+                                    "worker operations (fetch, delivery) and reachability probes that failed because "
+                                    "the broker was unreachable", registry=r)
+        self.kafka_up = Gauge("neardup_kafka_up", "1 while the broker answers, 0 during an outage", registry=r)
         self.campaign_errors = Counter("neardup_campaign_errors",
                                        "campaign view updates that failed (the batch was routed regardless)", registry=r)
         self.consumer_lag = Gauge("neardup_consumer_lag",
@@ -61,12 +65,14 @@ class WorkerMetrics:
         self.index_size = Gauge("neardup_index_size", "the candidate index's stats(): entries, buckets, ...",
                                 ["stat"], registry=r)
         self.index_up.set(1)
+        self.kafka_up.set(1)
         for stage in STAGES:
             self.stage_seconds.labels(stage)  # present (at 0) before the first batch: dashboards need no special case
         self._unique_total = 0
         self._duplicate_total = 0
         self._errors_seen = 0
         self._retries_seen = 0
+        self._kafka_errors_seen = 0
         self._lag_labels: set[tuple[str, str]] = set()
 
     # -- per batch -------------------------------------------------------------------------------
@@ -103,6 +109,13 @@ class WorkerMetrics:
             self.index_retries.inc(retries - self._retries_seen)
             self._retries_seen = retries
         self.index_up.set(0 if down else 1)
+
+    def kafka_state(self, errors: int, down: bool) -> None:
+        """The worker's `KafkaHealth` totals (the counter only moves forward by their increase)."""
+        if errors > self._kafka_errors_seen:
+            self.kafka_errors.inc(errors - self._kafka_errors_seen)
+            self._kafka_errors_seen = errors
+        self.kafka_up.set(0 if down else 1)
 
     def lag(self, lags: Mapping[tuple[str, int], int]) -> None:
         labels = {(topic, str(partition)) for topic, partition in lags}

@@ -198,6 +198,7 @@ class Ops:
     async def metrics_text(self) -> bytes:
         router = self.worker.router
         self.metrics.index_state(self.worker.stats.index_errors, router.retries, router.index_down)
+        self.metrics.kafka_state(self.worker.kafka.errors, self.worker.kafka.down)
         consumer = self.worker.consumer if isinstance(self.worker, AiokafkaWorker) else None
         if consumer is not None:
             self.metrics.lag(await _lag(consumer))

@@ -192,7 +192,8 @@ def render_page(view: CampaignView, *, refresh: int = DEFAULT_REFRESH, limit: in
     refresh_tag = f'<meta http-equiv="refresh" content="{refresh}">' if refresh else ""
     table = (
         '<table id="campaigns"><thead><tr><th>#</th><th>size</th>'
-        f"<th>last {view.minutes} min</th><th>per minute</th><th>first seen</th><th>last seen</th>"
+        f'<th title="copies in the last {view.minutes} minutes">growth, {view.minutes} min</th>'
+        "<th>per minute</th><th>first seen</th><th>last seen</th>"
         "<th>representative</th><th>text (first copy)</th></tr></thead>"
         f"<tbody>{''.join(rows)}</tbody></table>"
         if rows else '<p class="empty">No duplicate clusters in the window yet.</p>')

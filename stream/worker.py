@@ -17,6 +17,12 @@ transaction holds read_committed readers back until the broker's transaction tim
 commits transactional offsets without the group generation (no KIP-447 fencing): a worker that stalls
 past its session timeout and then commits could still repeat a batch that its successor also routed.
 
+Kafka outages (aiokafka runtime): the clients reconnect on their own; `KafkaHealth` makes the outage
+visible (one WARNING line, one INFO line when the broker answers again, `neardup_kafka_up` and
+`neardup_kafka_errors_total`), and at-least-once a delivery that failed meanwhile is sent again before its
+batch is committed. An output that its topic refuses as too large is dead-lettered without its value
+(reason `output_too_large`) instead of stopping the worker.
+
 Two runtimes share everything but the loop: `aiokafka` (default: a plain consume → route → produce →
 commit loop, pipelined one batch deep) and `faust` (a faust-streaming agent over `stream.noack_take`,
 acking a batch after its outputs were acknowledged). aiokafka is the default: faster, lower latency,
@@ -37,10 +43,22 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
-from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
+from aiokafka.errors import (
+    CommitFailedError,
+    IllegalStateError,
+    KafkaConnectionError,
+    KafkaError,
+    KafkaTimeoutError,
+    MessageSizeTooLargeError,
+    NoBrokersAvailable,
+    NodeNotReadyError,
+    RecordListTooLargeError,
+    RequestTimedOutError,
+)
+from aiokafka.partitioner import DefaultPartitioner
 
 from filters.engine import NearDupFilter
-from filters.errors import ConfigError, IndexUnavailable, RejectedInput
+from filters.errors import ConfigError, IndexUnavailable, RejectedInput, ServiceError
 from stream.codec import RecordFormat, decode
 from stream.config import Settings
 from stream.kafka_tools import (
@@ -67,6 +85,23 @@ H_REASON = "neardup-reason"
 H_ERROR = "neardup-error"
 UNCHECKED = "unchecked"
 REJECTED = "rejected"
+# The reason of a record that an output topic refused as larger than its max.message.bytes.
+OUTPUT_TOO_LARGE = "output_too_large"
+# The broker is not reachable now (retrying helps), as opposed to refusing what it was asked.
+KAFKA_UNAVAILABLE = (KafkaConnectionError, NodeNotReadyError, RequestTimedOutError, KafkaTimeoutError,
+                     NoBrokersAvailable)
+# The broker refused a record batch as larger than the topic's max.message.bytes (Kafka's
+# MESSAGE_TOO_LARGE / RecordTooLarge, and RECORD_LIST_TOO_LARGE).
+_TOO_LARGE = (MessageSizeTooLargeError, RecordListTooLargeError)
+
+
+def transient(exc: BaseException) -> bool:
+    """An aiokafka error that retrying can cure: the broker unreachable, or a leader being elected."""
+    return isinstance(exc, KAFKA_UNAVAILABLE) or (isinstance(exc, KafkaError) and exc.retriable)
+
+
+KAFKA_PROBE_EVERY = 1.0  # seconds between reachability probes while the broker is unavailable
+_KAFKA_PROBE_TIMEOUT = 5.0
 _MAX_ERROR_CHARS = 500
 # The producer must pass through the largest record the codec accepts, plus headers.
 MAX_OUTPUT_BYTES = RecordFormat().max_record_bytes + 1024 * 1024
@@ -160,6 +195,22 @@ def output_of(record: KafkaRecord, routed: Routed, settings: Settings) -> OutRec
         # (neardup-source says where to find it), so one huge record cannot stop the worker.
         return OutRecord(topic, record.key, None, tuple(headers))
     return OutRecord(topic, record.key, record.value, tuple(headers))
+
+
+def refused_output(record: KafkaRecord, refused: OutRecord, exc: BaseException, settings: Settings) -> OutRecord:
+    """The dead-letter record for `record` once `refused.topic` refused its output as too large: like the
+    `too_large` rule, without the value (`neardup-source` says where it is), so it cannot be refused again."""
+    size = len(refused.value or b"") + len(refused.key or b"") + sum(len(k) + len(v) for k, v in refused.headers)
+    verdict = next((v for k, v in reversed(refused.headers) if k == H_VERDICT), b"")
+    message_id = next((v for k, v in reversed(refused.headers) if k == H_ID), None)
+    error = (f"{refused.topic!r} refused the {verdict.decode()} output of about {size} bytes as too large "
+             f"(its max.message.bytes): {type(exc).__name__}")
+    headers = [*record.headers, (H_VERDICT, REJECTED.encode()), (H_REASON, OUTPUT_TOO_LARGE.encode()),
+               (H_ERROR, error[:_MAX_ERROR_CHARS].encode())]
+    if message_id is not None:
+        headers.append((H_ID, message_id))
+    headers.append((H_SOURCE, record.coordinates.encode()))
+    return OutRecord(settings.dead_letter_topic, record.key, None, tuple(headers))
 
 
 def route_records(nd: NearDupFilter, records: Sequence[KafkaRecord], settings: Settings) -> list[OutRecord]:
@@ -298,6 +349,105 @@ class Router:
         return unchecked_records(records, self.settings)
 
 
+class KafkaHealth(logging.Filter):
+    """Whether the broker answers, as one worker sees it: one WARNING line when it stops, one INFO line when it is back.
+
+    aiokafka's clients retry on their own and mostly only log, so the evidence comes from two places: the
+    worker's own operations failing with an unavailability error (`failed`: the broker is down), and
+    aiokafka's log records carrying one (as a logging filter: the broker is suspect). `watch` decides a
+    suspicion with a metadata request (`probe`): down if it fails; while down it probes every
+    KAFKA_PROBE_EVERY seconds, and the first answer ends the outage. While suspect or down, each of
+    aiokafka's log lines is shown once per outage: its reconnect loop repeats them thousands of times a
+    second. `errors` counts failed operations and probes (a metric), not aiokafka's internal retries.
+    """
+
+    def __init__(self, probe: Callable[[], Awaitable[Any]] | None = None) -> None:
+        super().__init__("neardup.kafka-health")
+        self.probe = probe
+        self.errors = 0
+        self.suppressed = 0  # aiokafka log lines not shown in the current outage
+        self._errors_before = 0  # `errors` when the current outage began
+        self._down_since: float | None = None
+        self._suspect = False
+        self._evidence = ""
+        self._shown: set[tuple[str, Any]] = set()
+
+    @property
+    def down(self) -> bool:
+        return self._down_since is not None
+
+    def failed(self, exc: BaseException, where: str) -> None:
+        """An operation of the worker failed with a `transient` error: the broker is down if it was
+        unreachable, suspect otherwise (a leader election, say: the probe decides)."""
+        self.errors += 1
+        self._suspect = True
+        if isinstance(exc, KAFKA_UNAVAILABLE):
+            self._mark_down(f"{where}: {type(exc).__name__}: {exc}")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not self._suspect:
+            args = record.args if isinstance(record.args, tuple) else ()
+            if not any(isinstance(a, (*KAFKA_UNAVAILABLE, OSError)) for a in args):
+                return True
+            self._suspect = True
+            self._evidence = record.getMessage()[:300]
+        key = (record.name, record.msg)
+        if key in self._shown:
+            self.suppressed += 1
+            return False
+        self._shown.add(key)
+        return True
+
+    async def watch(self) -> None:
+        """Until cancelled: settle suspicions and outages with probes."""
+        assert self.probe is not None
+        while True:
+            await asyncio.sleep(KAFKA_PROBE_EVERY if self.down else 0.2)
+            if not self._suspect:
+                continue
+            try:
+                await asyncio.wait_for(self.probe(), _KAFKA_PROBE_TIMEOUT)
+            except (KafkaError, OSError, TimeoutError) as exc:
+                self.errors += 1
+                self._mark_down(self._evidence or f"metadata request: {type(exc).__name__}: {exc}")
+            else:
+                self._mark_up()
+
+    async def wait_up(self, stopping: Callable[[], bool]) -> bool:
+        """Until the broker answers again (True), or stopping (False)."""
+        while self.down:
+            if stopping():
+                return False
+            await asyncio.sleep(0.1)
+        return True
+
+    def _mark_down(self, cause: str) -> None:
+        if self._down_since is None:
+            self._down_since = time.monotonic()
+            self._errors_before = self.errors - 1
+            log.warning("kafka unavailable: %s (retrying; outputs not acknowledged are kept and nothing is "
+                        "committed until they are)", cause)
+
+    def _mark_up(self) -> None:
+        if self._down_since is not None:
+            log.info("kafka available again after %.1fs (%d failed operations and probes; %d repeated client log "
+                     "lines not shown)", time.monotonic() - self._down_since, self.errors - self._errors_before,
+                     self.suppressed)
+        self._down_since = None
+        self._suspect = False
+        self._evidence = ""
+        self._shown.clear()
+        self.suppressed = 0
+
+    def attach(self) -> list[logging.Logger]:
+        """Adds this filter to aiokafka's loggers (a logger's filters do not apply to its children)."""
+        names = [n for n in list(logging.root.manager.loggerDict) if n == "aiokafka" or n.startswith("aiokafka.")]
+        loggers = [logging.getLogger(n) for n in {"aiokafka", *names}]
+        for logger in loggers:
+            logger.addFilter(self)
+        return loggers
+
+
 def open_filter(settings: Settings) -> NearDupFilter:
     if settings.index.startswith("memory:"):
         log.warning("index %s lives in this process only: verdicts are not shared with other workers and "
@@ -344,6 +494,7 @@ class _WorkerCore:
         self.nd = nd or open_filter(settings)
         self.stats = WorkerStats()
         self.router = Router(settings, self.nd, self.stats)
+        self.kafka = KafkaHealth()  # the aiokafka runtime gives it a probe and watches the broker
         self.observer = observer
         self.stop_event = asyncio.Event()
 
@@ -394,6 +545,9 @@ class AiokafkaWorker(_WorkerCore):
         self._consumer = consumer
         with broker_errors(s):
             await consumer.start()
+        self.kafka.probe = consumer.topics  # a metadata request
+        filtered = self.kafka.attach()
+        watch = asyncio.ensure_future(self.kafka.watch())
         try:
             consumer.subscribe(list(s.input_topics), listener=self._rebalance)
             options: dict[str, Any] = {"max_request_size": MAX_OUTPUT_BYTES}
@@ -407,8 +561,11 @@ class AiokafkaWorker(_WorkerCore):
                 await self._flush_locked()
         finally:
             self._in_flight = None
+            watch.cancel()
             with broker_errors(s):
                 await consumer.stop()
+            for logger in filtered:
+                logger.removeFilter(self.kafka)
         log.info("stopped: %s", self.stats.line())
         return self.stats
 
@@ -427,7 +584,15 @@ class AiokafkaWorker(_WorkerCore):
                     fetch.cancel()
                     break
                 with broker_errors(s):
-                    fetched = fetch.result()
+                    try:
+                        fetched = fetch.result()
+                    except KafkaError as exc:
+                        if not transient(exc):
+                            raise
+                        self.kafka.failed(exc, "fetch")
+                        await asyncio.sleep(0.1)  # a leader election does not mark the broker down
+                        await self.kafka.wait_up(self.stop_event.is_set)
+                        continue
                 assignment = self._rebalance.assignments
                 records = [KafkaRecord.of(m) for msgs in fetched.values() for m in msgs]
                 async with self._lock:
@@ -462,8 +627,7 @@ class AiokafkaWorker(_WorkerCore):
             with broker_errors(s):
                 await prod.begin_transaction()
         with broker_errors(s):
-            deliveries = [await prod.send(o.topic, value=o.value, key=o.key, headers=list(o.headers))
-                          for o in outs]
+            deliveries = [await self._send(prod, o) for o in outs]
         await self._flush()  # the previous batch: its acks arrived while this one was routed
         self._in_flight = _InFlight(records, outs, deliveries, assignment)
 
@@ -478,7 +642,10 @@ class AiokafkaWorker(_WorkerCore):
             return
         s = self.settings
         with broker_errors(s):
-            await asyncio.gather(*batch.deliveries)
+            if self._transactional:
+                await asyncio.gather(*batch.deliveries)  # any failure: the transaction is not committed
+            else:
+                batch.outs = await self._delivered(batch)
         if self._transactional and batch.assignment != self._rebalance.assignments:
             # The partitions were reassigned since the batch was fetched: their owner now (maybe this
             # worker) re-reads it from the committed offsets, so committing it too would repeat it.
@@ -509,6 +676,81 @@ class AiokafkaWorker(_WorkerCore):
             log.warning("commit failed, the batch will be re-read by the partitions' new owner: %s", exc)
         except KafkaError as exc:
             raise map_kafka_error(exc, s.kafka_bootstrap) from exc
+
+    async def _send(self, prod: Any, out: OutRecord) -> asyncio.Future[Any]:
+        """Hands `out` to the producer. At-least-once, a refusal or an outage while doing so comes back as the
+        delivery's error (see `_delivered`)."""
+        if out.key is None and out.value is None:
+            # A record without a key dead-lettered without its value: `send` refuses a record with
+            # neither, a record batch of its own takes it.
+            return await self._send_alone(prod, out)
+        try:
+            return await prod.send(out.topic, value=out.value, key=out.key, headers=list(out.headers))
+        except KafkaError as exc:
+            if self._transactional or not (transient(exc) or isinstance(exc, _TOO_LARGE)):
+                raise
+            failed: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            failed.set_exception(exc)
+            return failed
+
+    async def _send_alone(self, prod: Any, out: OutRecord) -> asyncio.Future[Any]:
+        """`out` in a record batch of its own, to the partition `send` would choose: the broker refuses a
+        batch as a whole, so small records batched with a too-large one were refused with it."""
+        try:
+            partitions = sorted(await prod.partitions_for(out.topic))
+            batch = prod.create_batch()
+            batch.append(key=out.key, value=out.value, timestamp=None, headers=list(out.headers))
+            return await prod.send_batch(batch, out.topic, partition=DefaultPartitioner()(out.key, partitions,
+                                                                                          partitions))
+        except KafkaError as exc:
+            if self._transactional or not (transient(exc) or isinstance(exc, _TOO_LARGE)):
+                raise
+            failed: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            failed.set_exception(exc)
+            return failed
+
+    async def _delivered(self, batch: _InFlight) -> list[OutRecord]:
+        """At-least-once: waits until every output of `batch` was acknowledged, and returns the outputs as
+        delivered. An output refused as too large is sent again alone, and if refused alone, dead-lettered
+        without its value (reason `output_too_large`); one the dead-letter topic refuses stops the worker
+        (nothing committed). An output that failed with a `transient` error (the broker unreachable, a
+        leader election) is sent again once the broker answers. Other errors stop the worker."""
+        prod = self._producer
+        outs = list(batch.outs)
+        alone: set[int] = set()
+        pending = dict(enumerate(batch.deliveries))
+        while pending:
+            results = await asyncio.gather(*pending.values(), return_exceptions=True)
+            again: dict[int, asyncio.Future[Any]] = {}
+            resent = 0
+            for i, result in zip(list(pending), results, strict=True):
+                if not isinstance(result, BaseException):
+                    continue
+                if isinstance(result, _TOO_LARGE):
+                    if i not in alone:
+                        alone.add(i)
+                    elif outs[i].topic != self.settings.dead_letter_topic:
+                        outs[i] = refused_output(batch.records[i], outs[i], result, self.settings)
+                        log.warning("output of %s refused as too large: dead-lettered without its value (%s)",
+                                    batch.records[i].coordinates, OUTPUT_TOO_LARGE)
+                    else:
+                        raise ServiceError(
+                            f"the dead-letter topic {outs[i].topic!r} refused the record for "
+                            f"{batch.records[i].coordinates} as too large: stopping, nothing of the batch "
+                            f"committed") from result
+                    again[i] = await self._send_alone(prod, outs[i])
+                elif transient(result):
+                    self.kafka.failed(result, f"delivery to {outs[i].topic}")
+                    if not await self.kafka.wait_up(self.stop_event.is_set):
+                        raise result  # stopping during the outage: nothing of the batch committed
+                    again[i] = await (self._send_alone(prod, outs[i]) if i in alone else self._send(prod, outs[i]))
+                    resent += 1
+                else:
+                    raise result
+            if resent:
+                log.info("%d outputs not delivered during the outage sent again", resent)
+            pending = again
+        return outs
 
 
 # -- the faust runtime ---------------------------------------------------------------------------

@@ -8,7 +8,9 @@ Run as `python -m tests.reliability_support serve [flags]`, it is `neardup serve
 hook on the Redis index, chosen by $RELIABILITY_INDEX_HOOK (comma-separated):
 `pause=SECONDS` sleeps after every lookup (widens the window in which two workers race, or slows a
 worker down so that a fault lands mid-stream); `racy` turns the atomic check-and-insert into a plain
-check-then-insert (the design the concurrency test must catch).
+check-then-insert (the design the concurrency test must catch); `request_timeout=SECONDS` makes the
+worker's producer give up on a delivery after SECONDS instead of aiokafka's 40 (so that a broker
+restart of a few seconds fails deliveries, which the worker must send again).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -35,6 +38,7 @@ from urllib.parse import urlsplit
 import orjson
 import redis
 from aiokafka import AIOKafkaConsumer
+from prometheus_client.parser import text_string_to_metric_families
 
 from filters.config import FilterConfig
 from filters.engine import NearDupFilter
@@ -182,6 +186,17 @@ def _install_hook(spec: str) -> None:
                 return _insert(self, entries)
 
             RedisIndex.insert = racy_insert  # type: ignore[method-assign]
+        elif part.startswith("request_timeout="):
+            import stream.worker
+
+            timeout_ms = round(float(part.split("=", 1)[1]) * 1000)
+            make_producer = stream.worker.producer
+
+            def short_producer(settings: Settings, _make: Any = make_producer, _timeout_ms: int = timeout_ms,
+                               **overrides: Any) -> Any:
+                return _make(settings, **{"request_timeout_ms": _timeout_ms, **overrides})
+
+            stream.worker.producer = short_producer  # type: ignore[assignment]
         else:
             raise SystemExit(f"unknown {HOOK_ENV} part {part!r}")
 
@@ -549,24 +564,82 @@ def rebalance(bootstrap: str, index: str, log_dir: Path, *, exactly_once: bool, 
     return tally
 
 
+class MetricsPoller:
+    """Scrapes a worker's /metrics every `every` seconds in a thread; keeps (seconds, samples) of each
+    answered scrape (a scrape the worker does not answer is skipped)."""
+
+    def __init__(self, url: str, names: Sequence[str], every: float = 0.2) -> None:
+        self.url = url
+        self.names = set(names)
+        self.every = every
+        self.samples: list[tuple[float, dict[str, float]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._start = time.monotonic()
+
+    def scrape(self) -> dict[str, float] | None:
+        try:
+            with urllib.request.urlopen(self.url, timeout=2) as r:
+                text = r.read().decode()
+        except OSError:
+            return None
+        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name in self.names}
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            if (got := self.scrape()) is not None:
+                self.samples.append((time.monotonic() - self._start, got))
+
+    def __enter__(self) -> MetricsPoller:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def values(self, name: str) -> list[float]:
+        return [got[name] for _, got in self.samples if name in got]
+
+
 def broker_restart(bootstrap: str, index: str, log_dir: Path, *, messages: int = 1000) -> Tally:
-    """The broker stops and starts (same data) while one worker is mid-stream."""
-    settings = scenario_settings(bootstrap, index, max_batch=10, ts_field="ts", group_instance_id="worker-1")
+    """The broker stops and starts (same data) while one worker is mid-stream; its /metrics is scraped
+    all along (kafka_up, kafka_errors_total) and its log is checked for the outage's two lines."""
+    port = free_port()
+    settings = scenario_settings(bootstrap, index, max_batch=10, ts_field="ts", group_instance_id="worker-1",
+                                 metrics_port=port, metrics_host="127.0.0.1")
     lines = stream_lines(messages)
     tally = Tally("Kafka broker restarted mid-stream", len(lines), "1 broker stop/start")
     asyncio.run(create_topics(settings, 1))
     asyncio.run(produce_to(settings, [(0, None, v) for v in lines]))
-    with serving(Serve(settings, log_dir, "w", hook="pause=0.03")) as (worker,):
+    names = ("neardup_kafka_up", "neardup_kafka_errors_total")
+    with serving(Serve(settings, log_dir, "w", hook="pause=0.03,request_timeout=2")) as (worker,), \
+            MetricsPoller(f"http://127.0.0.1:{port}/metrics", names) as poller:
         read(settings, sources=len(lines) // 5, timeout=60, settle=0.0)
         worker.alive()
+        before = poller.scrape()
         down = restart_kafka()
         worker.alive()
         records = read(settings, sources=len(lines), timeout=90, settle=1.0)
         worker.alive()
+        # The probe that ends the outage runs every second: give the gauge that long to come back.
+        wait_until(lambda: (poller.scrape() or {}).get("neardup_kafka_up") == 1.0, 10, "kafka_up back to 1")
+        after = poller.scrape()
         assert worker.stop() == 0, worker.log()[-2000:]
+    log = worker.log()
     tally_stream(tally, outs(records, settings), reference_stream(lines, settings))
     tally.recovery_s = longest_gap(records)
     tally.notes["broker_restart_s"] = round(down, 1)
+    tally.notes["unavailable_lines"] = log.count("neardup.worker: kafka unavailable: ")
+    tally.notes["available_lines"] = len(re.findall(r"neardup\.worker: kafka available again after [0-9.]+s", log))
+    tally.notes["log_lines"] = log.count("\n")
+    tally.notes["resent_lines"] = log.count("not delivered during the outage sent again")
+    tally.notes["scrapes"] = len(poller.samples)
+    tally.notes["kafka_up_min"] = min(poller.values("neardup_kafka_up"), default=None)
+    tally.notes["kafka_up"] = (before or {}).get("neardup_kafka_up"), (after or {}).get("neardup_kafka_up")
+    tally.notes["kafka_errors"] = ((before or {}).get("neardup_kafka_errors_total"),
+                                   (after or {}).get("neardup_kafka_errors_total"))
     return tally
 
 

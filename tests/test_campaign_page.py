@@ -57,9 +57,12 @@ class Table(HTMLParser):
         super().__init__()
         self.rows: list[dict[str, str]] = []
         self.cells: list[list[str]] = []
+        self.spark_titles: list[str] = []
+        self.headings: list[str] = []
         self.tags: list[str] = []
         self.meta_refresh: str | None = None
         self._cell: list[str] | None = None
+        self._heading: list[str] | None = None
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         self.tags.append(tag)
@@ -69,6 +72,10 @@ class Table(HTMLParser):
             self.cells.append([])
         elif tag == "td" and self.rows:
             self._cell = []
+            if a.get("class") == "spark":
+                self.spark_titles.append(a.get("title", ""))
+        elif tag == "th":
+            self._heading = []
         elif tag == "meta" and a.get("http-equiv") == "refresh":
             self.meta_refresh = a.get("content")
 
@@ -76,10 +83,15 @@ class Table(HTMLParser):
         if tag == "td" and self._cell is not None:
             self.cells[-1].append("".join(self._cell))
             self._cell = None
+        elif tag == "th" and self._heading is not None:
+            self.headings.append("".join(self._heading))
+            self._heading = None
 
     def handle_data(self, data: str) -> None:
         if self._cell is not None:
             self._cell.append(data)
+        elif self._heading is not None:
+            self._heading.append(data)
 
 
 @pytest.fixture
@@ -121,6 +133,16 @@ def test_campaign_page_in_headless_chromium(kafka_bootstrap: str, index_url: str
     assert texts["spam-c-0"].startswith("<img src=x onerror=alert(1)> Work from home & earn")
     assert texts["spam-a-0"] == CAMPAIGNS["spam-a"]  # the first copy, its doubled spaces collapsed
     assert [cells[1] for cells in table.cells] == [str(n) for n in sorted(COPIES.values(), reverse=True)]
+    # Growth: copies in the last 10 minutes (all of them, the run took seconds) and a sparkline of the
+    # copies per minute, oldest first, whose busiest minute is a full bar; its title lists the counts.
+    assert table.headings[2:4] == ["growth, 10 min", "per minute"]
+    for row, cells, title in zip(table.rows, table.cells, table.spark_titles, strict=True):
+        size = int(row["data-size"])
+        assert cells[2] == row["data-growth"] == str(size)
+        per_minute = [int(n) for n in title.removeprefix("copies per minute, oldest first: ").split(", ")]
+        assert len(per_minute) == 10 and sum(per_minute) == size
+        assert len(cells[3]) == 10 and set(cells[3]) <= set("·▁▂▃▄▅▆▇█") and "█" in cells[3]
+        assert [ch == "·" for ch in cells[3]] == [n == 0 for n in per_minute]
 
     data = shot.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"

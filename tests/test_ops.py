@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import inspect
 import io
 import json
 import logging
+import os
+import pty
 import re
+import select
+import signal
+import struct
 import subprocess
 import sys
+import termios
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -33,8 +41,8 @@ from stream.kafka_tools import KafkaRecord, ensure_topics
 from stream.logs import setup_logging
 from stream.metrics import STAGES, WorkerMetrics
 from stream.ops import Ops
-from stream.ops_http import render_page, sparkline
-from stream.top import fit, render, safe
+from stream.ops_http import render_page, sparkline, start_server
+from stream.top import CLEAR, SHOW_CURSOR, fit, render, run_top, safe
 from stream.worker import AiokafkaWorker, FaustWorker, make_worker
 from tests.kafka_support import (
     TcpProxy,
@@ -533,6 +541,189 @@ def test_terminal_view_is_safe_fitted_and_ranked() -> None:
     assert "\x1b" not in text and "10m" in lines[2] and "10s" in lines[2]  # first seen 10 min, last 10 s ago
     assert sparkline((0, 1, 0, 2, 4)) == "·▃·▅█"
     assert "\x1b[1m" in render(view_of(HOSTILE), width=100, color=True)
+
+
+# -- `neardup top` under a terminal ------------------------------------------------------------------------
+
+
+class StoreEndpoints:
+    """The worker's HTTP endpoints over a campaign store alone (what `top --from` reads)."""
+
+    def __init__(self, store: MemoryCampaigns) -> None:
+        self.store = store
+
+    async def metrics_text(self) -> bytes:
+        return b""
+
+    async def health(self) -> tuple[bool, dict[str, Any]]:
+        return True, {"status": "ok"}
+
+    async def ready(self) -> tuple[bool, dict[str, Any]]:
+        return True, {"status": "ready"}
+
+    async def campaigns(self, limit: int, sort: str) -> CampaignView:
+        return self.store.top(limit, sort)
+
+
+@contextlib.contextmanager
+def serving(store: MemoryCampaigns) -> Iterator[str]:
+    """The real HTTP app (`stream.ops_http`) over `store`, on its own event loop thread; yields its URL."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    runner, port = asyncio.run_coroutine_threadsafe(start_server(StoreEndpoints(store), "127.0.0.1", 0), loop).result(10)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+def wave_store() -> MemoryCampaigns:
+    """`big` (8 copies) sent 20 minutes ago, `fast` (3 copies) now: by size big leads, by growth fast."""
+    clock = Clock()
+    store = MemoryCampaigns(3600, minutes=10, clock=clock)
+    store.record([Sighting("big", f"old wave {i}") for i in range(8)])
+    clock.now += 20 * 60
+    store.record([Sighting("fast", f"new wave {i}") for i in range(3)])
+    return store
+
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+class Terminal:
+    """A pseudo-terminal (150 columns) whose slave side is a subprocess's stdin, stdout and stderr."""
+
+    def __init__(self) -> None:
+        self.master, self.slave = pty.openpty()
+        fcntl.ioctl(self.slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 150, 0, 0))
+        self.saved = termios.tcgetattr(self.slave)
+        self.output = b""
+
+    def screens(self) -> list[str]:
+        """What was drawn, one text per redraw (colours removed)."""
+        return [ANSI.sub("", part) for part in self.output.decode(errors="replace").split(CLEAR)[1:]]
+
+    def read_until(self, predicate: Callable[[list[str]], bool], timeout: float = 20.0) -> list[str]:
+        deadline = time.monotonic() + timeout
+        while not predicate(self.screens()):
+            left = deadline - time.monotonic()
+            assert left > 0, f"not on the screen within {timeout}s: {self.output[-2000:]!r}"
+            if select.select([self.master], [], [], left)[0]:
+                self.output += os.read(self.master, 65536)
+        return self.screens()
+
+    def drain(self) -> None:
+        while select.select([self.master], [], [], 0.2)[0]:
+            self.output += os.read(self.master, 65536)
+
+    def lflags(self) -> int:
+        return termios.tcgetattr(self.slave)[3]
+
+    def close(self) -> None:
+        os.close(self.master)
+        os.close(self.slave)
+
+
+def ranked_ids(screen: str) -> list[str]:
+    return [line.split()[6] for line in screen.splitlines() if re.match(r"\s+\d+ ", line)]
+
+
+@contextlib.contextmanager
+def top_in_terminal(*args: str) -> Iterator[tuple[Terminal, subprocess.Popen[bytes]]]:
+    term = Terminal()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEARDUP_") and k != "NO_COLOR"}
+    env.update(PYTHONPATH=str(REPO), TERM="xterm")
+    proc = subprocess.Popen([sys.executable, "-m", "stream.cli", "top", *args], cwd=REPO, env=env,
+                            stdin=term.slave, stdout=term.slave, stderr=term.slave)
+    try:
+        yield term, proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        term.close()
+
+
+def test_top_keys_change_the_sort_under_a_terminal_and_q_restores_it() -> None:
+    """`neardup top` in a pseudo-terminal: the first screen is by size with the keys in the header; `g`
+    redraws at once (the interval is a minute) by growth; `q` exits 0 and the terminal's settings are
+    the ones it had before (echo and line mode back), the cursor shown again."""
+    with serving(wave_store()) as base, top_in_terminal("--from", base, "--interval", "60") as (term, proc):
+        first = term.read_until(lambda screens: any(ranked_ids(s) for s in screens))[-1]
+        header = first.splitlines()[0]
+        assert "sorted by size" in header and "2 duplicate clusters" in header
+        assert "[s]ize [g]rowth [l]ast seen [r]efresh [q]uit" in header
+        assert ranked_ids(first) == ["big", "fast"]
+        assert "\x1b[7m[s]ize\x1b[0m" in term.output.decode()  # the current sort's key highlighted
+        # While it runs, keys arrive one by one, unechoed.
+        assert not term.lflags() & (termios.ICANON | termios.ECHO)
+        assert term.saved[3] & termios.ICANON and term.saved[3] & termios.ECHO
+
+        os.write(term.master, b"g")
+        screens = term.read_until(lambda screens: len(screens) > 1)
+        assert len(screens) == 2  # one redraw, from the key
+        second = screens[-1]
+        assert "sorted by growth" in second.splitlines()[0]
+        assert ranked_ids(second) == ["fast", "big"]
+        assert [line.split()[1:3] for line in second.splitlines() if re.match(r"\s+\d+ ", line)] == \
+            [["3", "3"], ["8", "0"]]  # size, copies in the last 10 minutes
+        assert "\x1b[7m[g]rowth\x1b[0m" in term.output.decode()
+
+        os.write(term.master, b"q")
+        assert proc.wait(10) == 0
+        term.drain()
+        assert term.output.endswith(SHOW_CURSOR.encode())
+        assert termios.tcgetattr(term.slave) == term.saved
+        assert len(term.screens()) == 2
+
+
+@pytest.mark.parametrize(("signum", "status"), [(signal.SIGINT, 0), (signal.SIGTERM, 128 + signal.SIGTERM)])
+def test_top_restores_the_terminal_on_ctrl_c_and_sigterm(signum: int, status: int) -> None:
+    with serving(wave_store()) as base, top_in_terminal("--from", base, "--sort", "last") as (term, proc):
+        screen = term.read_until(lambda screens: any(ranked_ids(s) for s in screens))[-1]
+        assert "sorted by last seen" in screen and ranked_ids(screen) == ["fast", "big"]
+        assert not term.lflags() & termios.ICANON
+        proc.send_signal(signum)
+        assert proc.wait(10) == status
+        term.drain()
+        assert termios.tcgetattr(term.slave) == term.saved
+        assert term.output.endswith(SHOW_CURSOR.encode())
+        assert b"Traceback" not in term.output
+
+
+def test_top_restores_the_terminal_when_the_view_fails() -> None:
+    """In-process, keys from a pseudo-terminal: an unexpected error in the second fetch propagates, and
+    the terminal is back in line mode with echo; the `r` key redraws at once, without waiting."""
+    master, slave = pty.openpty()
+    saved = termios.tcgetattr(slave)
+    modes: list[int] = []
+    store = wave_store()
+
+    def fetch(limit: int, sort: str) -> CampaignView:
+        modes.append(termios.tcgetattr(slave)[3])
+        if len(modes) == 1:
+            os.write(master, b"xr")  # an unknown key, then refresh
+            return store.top(limit, sort)
+        raise RuntimeError("the view broke")
+
+    out = io.StringIO()
+    keys = os.fdopen(slave, "r", closefd=False)
+    started = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match="the view broke"):
+            run_top(fetch, limit=5, sort="growth", interval=60, once=False, out=out, keys=keys)
+        assert time.monotonic() - started < 30  # `r` redrew; the interval did not pass
+        assert len(modes) == 2 and all(not m & termios.ICANON for m in modes)
+        assert termios.tcgetattr(slave) == saved
+        assert "sorted by growth" in out.getvalue() and "[r]efresh" in out.getvalue()
+    finally:
+        keys.close()
+        os.close(master)
+        os.close(slave)
 
 
 # -- logs -------------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import redis
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from filters.config import FilterConfig
-from filters.errors import ConfigError
+from filters.errors import ConfigError, ServiceError
 from stream import commands
 from stream.config import Settings, load_settings, settings_from_args
 from stream.kafka_tools import KafkaRecord, client_options
@@ -151,13 +151,27 @@ def test_worker_added_and_removed_mid_run(kafka_bootstrap: str, index_url: str, 
 
 def test_kafka_broker_restart_mid_stream(kafka_bootstrap: str, index_url: str, tmp_path: Path) -> None:
     """`docker/services.sh restart kafka` (a few seconds) while the worker routes: it reconnects on its
-    own (the process never exits), nothing is lost, verdicts equal a single run."""
+    own (the process never exits), nothing is lost, verdicts equal a single run. One WARNING line says
+    that Kafka is unavailable and one INFO line that it is back; /metrics showed kafka_up 0 during the
+    outage, counted the failed operations, and shows kafka_up 1 after it; aiokafka's reconnect loop
+    (thousands of lines a second) does not flood the log."""
     if kafka_bootstrap != os.environ.get("NEARDUP_TEST_KAFKA"):
         pytest.skip("restarting the broker needs the broker of docker/services.sh")
     tally = rs.broker_restart(kafka_bootstrap, index_url, tmp_path)
     TABLE.append(tally)
+    print("\nbroker restart:", tally.notes)
     assert tally.lost == 0 and tally.wrong_verdicts == 0
     assert tally.repeated <= 2 * 10
+    notes = tally.notes
+    assert (notes["unavailable_lines"], notes["available_lines"]) == (1, 1), notes
+    assert notes["kafka_up"] == (1.0, 1.0), notes
+    assert notes["kafka_up_min"] == 0.0, notes  # scraped during the outage
+    errors_before, errors_after = notes["kafka_errors"]
+    assert errors_after > errors_before, notes
+    assert notes["log_lines"] < 300, notes
+    # The serve process's producer gives up on a delivery after 2 s (a test hook): the outputs in flight
+    # when the broker went away failed, and were sent again once it was back.
+    assert notes["resent_lines"] >= 1, notes
 
 
 def test_redis_outage_mid_stream_blocks_then_resumes(kafka_bootstrap: str, redis_url: str, tmp_path: Path) -> None:
@@ -260,6 +274,96 @@ def test_hostile_input_through_kafka(kafka_bootstrap: str, redis_url: str, index
         entry = next(k for k in rs.namespace_keys(redis_url, prefix) if k.endswith(b":e:n7"))
         assert client.strlen(entry) < 4096  # the 10 MiB text: a fingerprint, not the text
     assert MAX_OUTPUT_BYTES > 16 * 1024 * 1024  # what the codec accepts, the producer can pass through
+
+
+async def _create_topics_with(settings: Settings, limits: dict[str, int]) -> None:
+    """The scenario's topics, those in `limits` with that max.message.bytes."""
+    admin = AIOKafkaAdminClient(**client_options(settings))
+    await admin.start()
+    try:
+        await admin.create_topics([
+            NewTopic(t, 1, 1, topic_configs={"max.message.bytes": str(limits[t])} if t in limits else {})
+            for t in (*settings.input_topics, *settings.output_topics)])
+    finally:
+        await admin.close()
+
+
+async def _committed(settings: Settings) -> int | None:
+    admin = AIOKafkaAdminClient(**client_options(settings))
+    await admin.start()
+    try:
+        offsets = await admin.list_consumer_group_offsets(settings.group_id)
+    finally:
+        await admin.close()
+    return next((meta.offset for tp, meta in offsets.items() if tp.topic == settings.input_topics[0]), None)
+
+
+def _small(i: int) -> bytes:
+    return orjson.dumps({"id": f"s{i}", "text": rs.cluster_text(i, 0)})
+
+
+def test_output_refused_as_too_large_is_dead_lettered_and_the_batch_commits(kafka_bootstrap: str,
+                                                                           index_url: str) -> None:
+    """unique and duplicate topics with max.message.bytes 2000: a 5 KB record that passes the codec is
+    refused by the broker. It goes to the dead-letter topic (reason output_too_large, without its value);
+    the small records batched with it (refused with it) reach their topics; the batch is committed, so a
+    restarted worker routes only what came after."""
+    settings = rs.scenario_settings(kafka_bootstrap, index_url, create_topics=False, linger=0.05, max_batch=100)
+    big = orjson.dumps({"id": "big", "text": " ".join(rs.cluster_text(900 + i, 0) for i in range(25))})
+    assert 5000 <= len(big) < 16 * 1024 * 1024
+    records: list[tuple[int | None, bytes | None, bytes | None]] = [(0, b"k", _small(i)) for i in range(4)]
+    records += [(0, b"big-key", big), (0, None, orjson.dumps({"id": "dup", "text": rs.cluster_text(0, 1)})),
+                (0, None, b"not json")]
+    records += [(0, None, _small(i)) for i in range(10, 13)]
+    records.append((0, None, big.replace(b'"big"', b'"big2"')))  # no key, no value: still a record
+    later = orjson.dumps({"id": "later", "text": rs.cluster_text(50, 0)})
+
+    async def scenario() -> tuple[list[KafkaRecord], int | None, int]:
+        await _create_topics_with(settings, {settings.unique_topic: 2000, settings.duplicate_topic: 2000})
+        await rs.produce_to(settings, records)
+        await run_until(make_worker(settings), lambda s: s.seen >= len(records), timeout=60)
+        first = await _committed(settings)
+        await rs.produce_to(settings, [(0, None, later)])
+        restarted = await run_until(make_worker(settings), lambda s: s.seen >= 1, timeout=60)
+        got = await rs.read_outputs(settings, sources=len(records) + 1, timeout=30, settle=1.0)
+        return got, first, restarted.seen
+
+    got, first_commit, seen_after_restart = asyncio.run(scenario())
+    assert first_commit == len(records)  # the batch with the refused record was committed
+    assert seen_after_restart == 1  # nothing replayed: the restart routed only the later record
+    out = {o.source: o for o in rs.outs(got, settings)}
+    assert len(got) == len(out) == len(records) + 1  # every input in exactly one place
+    topic = settings.input_topics[0]
+    by_offset = [out[f"{topic}/0/{n}"] for n in range(len(records) + 1)]
+    for n, message_id, key in ((4, "big", b"big-key"), (10, "big2", None)):
+        refused = by_offset[n]
+        assert (refused.kind, refused.reason, refused.id) == ("rejected", "output_too_large", message_id)
+        (raw,) = [r for r in got if r.header(rs.H_SOURCE) == f"{topic}/0/{n}".encode()]
+        assert raw.value is None and raw.key == key  # without its value; the key passes through
+        assert b"refused" in (raw.header("neardup-error") or b"")
+    assert by_offset[5].kind == "duplicate" and by_offset[5].duplicate_of == "s0"
+    assert (by_offset[6].kind, by_offset[6].reason) == ("rejected", "invalid_json")
+    assert {o.kind for n, o in enumerate(by_offset) if n not in (4, 5, 6, 10)} == {"unique"}
+    values = {r.header(rs.H_SOURCE): r.value for r in got}
+    for n, (_, _, value) in enumerate([*records, (0, None, later)]):
+        if n not in (4, 10):
+            assert values[f"{topic}/0/{n}".encode()] == value  # passed through unchanged
+
+
+def test_dead_letter_topic_refusing_a_record_stops_without_committing(kafka_bootstrap: str, index_url: str) -> None:
+    """If even the dead-letter topic refuses the record as too large, it cannot be routed anywhere: the
+    worker stops with an error and commits nothing of the batch."""
+    settings = rs.scenario_settings(kafka_bootstrap, index_url, create_topics=False)
+    big = orjson.dumps({"id": "big", "text": " ".join(rs.cluster_text(900 + i, 0) for i in range(25))})
+
+    async def scenario() -> int | None:
+        await _create_topics_with(settings, {settings.unique_topic: 2000, settings.dead_letter_topic: 100})
+        await rs.produce_to(settings, [(0, None, _small(1)), (0, None, big)])
+        with pytest.raises(ServiceError, match="dead-letter topic .* refused"):
+            await run_until(make_worker(settings), lambda s: False, timeout=60)
+        return await _committed(settings)
+
+    assert asyncio.run(scenario()) in (None, -1)
 
 
 # -- 6. bounded memory ---------------------------------------------------------------------------
