@@ -89,13 +89,7 @@ def main() -> int:
         figures.append(rs.Figure("long stream of unique messages, window 2 s, 1,000/s for 12 s", sent,
                                  f"keys {middle:,} (4-8 s) → {max(s.keys for s in late):,} (8-12 s), "
                                  f"{max(s.bytes for s in late) // 1024:,} KiB; largest bucket {largest}"))
-    print(rs.TABLE_HEAD)
-    for tally in tallies:
-        print(tally.row())
-    if figures:
-        print("\n" + rs.MEMORY_HEAD)
-        for figure in figures:
-            print(figure.row())
+    rs.print_tables(tallies, figures)
     print(f"\nworker logs: {logs}", file=sys.stderr)
     return 0
 

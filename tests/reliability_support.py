@@ -373,6 +373,18 @@ class Figure:
         return f"| {self.scenario} | {self.messages:,} | {self.measured} |"
 
 
+def print_tables(tallies: Sequence[Tally], figures: Sequence[Figure]) -> None:
+    """The README's two tables: faults, then memory (each only when it has rows)."""
+    if tallies:
+        print("\n" + TABLE_HEAD)
+        for tally in tallies:
+            print(tally.row())
+    if figures:
+        print("\n" + MEMORY_HEAD)
+        for figure in figures:
+            print(figure.row())
+
+
 def tally_sources(tally: Tally, got: Sequence[Out], sources: set[str]) -> Counter[str]:
     copies = Counter(o.source for o in got)
     tally.lost = len(sources - set(copies))

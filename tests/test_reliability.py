@@ -40,14 +40,7 @@ MEMORY: list[rs.Figure] = []
 def figures() -> Iterator[None]:
     """Prints the scenarios' figures at the end of the module (visible with `pytest -s`)."""
     yield
-    if TABLE:
-        print("\n" + rs.TABLE_HEAD)
-        for tally in TABLE:
-            print(tally.row())
-    if MEMORY:
-        print("\n" + rs.MEMORY_HEAD)
-        for figure in MEMORY:
-            print(figure.row())
+    rs.print_tables(TABLE, MEMORY)
 
 
 @pytest.fixture
