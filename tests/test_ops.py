@@ -83,9 +83,20 @@ def campaign_lines(ts: float = 1_700_000_000.0) -> list[bytes]:
 
 
 def stream_lines(limit: int) -> list[bytes]:
+    """Up to `limit` good records (the sample shipped in the repository has two bad ones on purpose:
+    only BAD's lines may be dead-lettered here)."""
     path = EVAL_STREAM if EVAL_STREAM.is_file() else SAMPLE
     with open(path, "rb") as f:
-        return [line.rstrip(b"\r\n") for line, _ in zip(f, range(limit)) if line.strip()]
+        lines = [line.rstrip(b"\r\n") for line, _ in zip(f, range(limit)) if line.strip()]
+    return [line for line in lines if _is_good(line)]
+
+
+def _is_good(line: bytes) -> bool:
+    try:
+        record = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(record, dict) and isinstance(record.get("text"), str) and bool(record["text"].strip())
 
 
 BAD = [b"\xff\xfe not UTF-8", b'{"id": "no-text-here"}', b"[1, 2, 3]"]
