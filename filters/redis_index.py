@@ -61,7 +61,7 @@ import re
 import struct
 import uuid
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -91,8 +91,17 @@ from redis.retry import Retry
 from filters.errors import ConfigError, IndexCorrupt, IndexUnavailable, NeardupError, ServiceError
 from filters.index import Candidate, Entry, Query
 
-__all__ = ["ENCODING_VERSION", "INSERT_LUA", "LOOKUP_LUA", "RedisIndex", "decode_entry", "encode_entry",
-           "map_redis_error", "redact_url"]
+__all__ = [
+    "ENCODING_VERSION",
+    "INSERT_LUA",
+    "LOOKUP_LUA",
+    "RedisIndex",
+    "decode_entry",
+    "encode_entry",
+    "map_redis_error",
+    "redact_url",
+    "redis_errors",
+]
 
 DEFAULT_PREFIX = "neardup"
 DEFAULT_GRACE = 3600.0  # seconds of wall clock that keys outlive the window
@@ -488,6 +497,15 @@ def map_redis_error(exc: BaseException, where: str) -> NeardupError:
     return ServiceError(detail)
 
 
+@contextmanager
+def redis_errors(where: str) -> Iterator[None]:
+    """Maps redis-py's errors inside the block to the exception tree (`map_redis_error`), at the boundary."""
+    try:
+        yield
+    except (RedisError, RedisClusterException) as exc:
+        raise map_redis_error(exc, where) from exc
+
+
 class RedisIndex:
     """`CandidateIndex` on Redis (standalone, TLS or Cluster), shared by any number of workers.
 
@@ -672,12 +690,8 @@ class RedisIndex:
             pipe.execute_command("EVALSHA", script.sha, 1, self._meta, *args)
         return pipe.execute(raise_on_error=False)
 
-    @contextmanager
-    def _errors(self) -> Iterator[None]:
-        try:
-            yield
-        except (RedisError, RedisClusterException) as exc:
-            raise map_redis_error(exc, self._where) from exc
+    def _errors(self) -> AbstractContextManager[None]:
+        return redis_errors(self._where)
 
     def __repr__(self) -> str:
         return f"RedisIndex({self._where!r}, namespace={self.namespace!r}, window={self.window})"

@@ -24,8 +24,8 @@ import math
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 from urllib.parse import urlparse
@@ -33,11 +33,10 @@ from urllib.parse import urlparse
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
-from redis.exceptions import RedisClusterException, RedisError
 from redis.retry import Retry
 
 from filters.errors import ConfigError, IndexCorrupt
-from filters.redis_index import RedisTarget, map_redis_error, redact_url
+from filters.redis_index import RedisTarget, redact_url, redis_errors
 
 SORTS = ("size", "growth", "last")
 DEFAULT_MINUTES = 10
@@ -379,12 +378,8 @@ class RedisCampaigns:
     def close(self) -> None:
         self._client.close()
 
-    @contextmanager
-    def _errors(self) -> Iterator[None]:
-        try:
-            yield
-        except (RedisError, RedisClusterException) as exc:
-            raise map_redis_error(exc, self._where) from exc
+    def _errors(self) -> AbstractContextManager[None]:
+        return redis_errors(self._where)
 
 
 def open_campaigns(index_url: str, *, namespace: str, window: float, minutes: int = DEFAULT_MINUTES) -> CampaignStore:

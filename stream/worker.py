@@ -687,11 +687,16 @@ class AiokafkaWorker(_WorkerCore):
         try:
             return await prod.send(out.topic, value=out.value, key=out.key, headers=list(out.headers))
         except KafkaError as exc:
-            if self._transactional or not (transient(exc) or isinstance(exc, _TOO_LARGE)):
-                raise
-            failed: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-            failed.set_exception(exc)
-            return failed
+            return self._failed_delivery(exc)
+
+    def _failed_delivery(self, exc: KafkaError) -> asyncio.Future[Any]:
+        """At-least-once, an outage or a too-large refusal while handing a record over becomes that delivery's
+        error, settled in `_delivered`; anything else (and anything in a transaction) is raised."""
+        if self._transactional or not (transient(exc) or isinstance(exc, _TOO_LARGE)):
+            raise exc
+        failed: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        failed.set_exception(exc)
+        return failed
 
     async def _send_alone(self, prod: Any, out: OutRecord) -> asyncio.Future[Any]:
         """`out` in a record batch of its own, to the partition `send` would choose: the broker refuses a
@@ -703,11 +708,7 @@ class AiokafkaWorker(_WorkerCore):
             return await prod.send_batch(batch, out.topic, partition=DefaultPartitioner()(out.key, partitions,
                                                                                           partitions))
         except KafkaError as exc:
-            if self._transactional or not (transient(exc) or isinstance(exc, _TOO_LARGE)):
-                raise
-            failed: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-            failed.set_exception(exc)
-            return failed
+            return self._failed_delivery(exc)
 
     async def _delivered(self, batch: _InFlight) -> list[OutRecord]:
         """At-least-once: waits until every output of `batch` was acknowledged, and returns the outputs as
