@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import importlib.metadata
 import json
+import re
 import sys
 import unicodedata
 from pathlib import Path
@@ -122,10 +123,41 @@ def _strip_marks(s: str) -> str:
     return s.replace("\u200e", "").replace("\u200f", "")
 
 
-def _ascii_target(t: str) -> str | None:
+def _ascii_target(t: str, marks: bool = False) -> str | None:
     t = unicodedata.normalize("NFKC", t).casefold()
+    if marks:  # "n̩" for η, "d̔" for ɗ: the letter under the marks
+        t = "".join(c for c in unicodedata.normalize("NFD", t) if not unicodedata.combining(c))
     if len(t) == 1 and t.isascii() and t.isalnum():
         return t
+    return None
+
+
+# Latin letters confusables.txt leaves out that spammers use for the plain letter: small capitals (ꜰʀᴇᴇ)
+# and letters with a stroke, hook, bar ... that have no decomposition (ɗ, ƈ, ł, ø, ħ, ƙ).
+_LATIN_LOOKALIKE_NAMES = (
+    re.compile(r"LATIN (?:SMALL|CAPITAL) LETTER ([A-Z]) WITH (?!.*\bAND\b)"),
+    re.compile(r"LATIN LETTER SMALL CAPITAL ([A-Z])$"),
+)
+
+
+def _borrowed_letter(ch: str) -> bool:
+    name = unicodedata.name(ch, "")
+    return unicodedata.category(ch).startswith("L") and name.startswith(
+        ("LATIN ", "GREEK ", "CYRILLIC ", "ARMENIAN ", "CHEROKEE ", "COPTIC ")
+    )
+
+
+def _accented_ascii(ch: str) -> bool:
+    """strip_accents already makes it ASCII (À, ç)."""
+    return "".join(c for c in unicodedata.normalize("NFKD", ch) if not unicodedata.combining(c)).isascii()
+
+
+def _named_target(ch: str) -> str | None:
+    name = unicodedata.name(ch, "")
+    for pattern in _LATIN_LOOKALIKE_NAMES:
+        m = pattern.match(name)
+        if m:
+            return m.group(1).lower()
     return None
 
 
@@ -146,14 +178,29 @@ def confusables() -> tuple[list[tuple[str, str]], dict[str, int]]:
     path = Path(confusable_homoglyphs.__file__).parent / "confusables.json"
     data = json.loads(path.read_text(encoding="utf-8"))
     direct: dict[str, set[str]] = {}
-    for key, entries in data.items():
-        src = _strip_marks(key)
-        if len(src) != 1:
-            continue
-        for e in entries:
-            t = _ascii_target(_strip_marks(e["c"]))
-            if t is not None:
-                direct.setdefault(src, set()).add(t)
+    for marks in (False, True):
+        # A target under marks only for a small letter of the scripts spammers borrow from that has no
+        # plain one and that strip_accents leaves alone: η (n̩) → n, ɗ (d̔) → d. Capitals keep their
+        # case class's (Б as б), like Η → h: the capital is the look-alike of another letter.
+        for key, entries in data.items():
+            src = _strip_marks(key)
+            if len(src) != 1:
+                continue
+            if marks and (src in direct or src.casefold() != src or not _borrowed_letter(src)
+                          or _accented_ascii(src)):
+                continue
+            for e in entries:
+                t = _ascii_target(_strip_marks(e["c"]), marks)
+                if t is not None:
+                    direct.setdefault(src, set()).add(t)
+    named = 0
+    for cp in range(0x20000):
+        ch = chr(cp)
+        t = _named_target(ch)
+        # Not where the lower case has a target already: Ʋ follows ʋ (→ u) like Б follows б.
+        if t is not None and ch not in direct and ch.casefold() not in direct and not _accented_ascii(ch):
+            direct[ch] = {t}
+            named += 1
     # The table runs before case folding, so a character without a target of its own takes the target of
     # its case class (the characters with the same one-character casefold: Г/г, Σ/σ/ς, В/в), or 'ГОРОД'
     # and 'город' would normalize differently: the folded (lower-case) form's target, else the one
@@ -188,7 +235,37 @@ def confusables() -> tuple[list[tuple[str, str]], dict[str, int]]:
         table[src] = t
     stats["direct"] = sum(1 for s in table if s in direct)
     stats["derived"] = sum(1 for s in table if s in derived)
+    stats["named"] = named
     return sorted(table.items(), key=lambda kv: (kv[1], ord(kv[0]))), stats
+
+
+# ----------------------------------------------------------------------------- before NFKC
+
+# Emoji (Emoji=Yes in emoji-data.txt) that NFKC turns into letters: 🈶 → 有, 🉐 → 得, ㊙ → 秘, ℹ → i, Ⓜ → M.
+# Inserted into a word they are decoration like any other emoji, not a syllable or a letter.
+LETTER_EMOJI = (0x2139, 0x24C2, 0x3297, 0x3299, 0x1F201, 0x1F202, 0x1F21A, 0x1F22F,
+                *range(0x1F232, 0x1F23B), 0x1F250, 0x1F251)
+EMOJI_MARK_BASE = 0xF1000  # placeholders: private use (so separators), after the pinyin codes
+
+
+def before_nfkc(conf: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Characters NFKC would turn into something that no longer looks like them: look-alikes whose NFKC
+    form has another target (lunate sigma ϲ looks like c, its NFKC form ς does not) become a look-alike
+    of theirs that NFKC keeps (ƈ); letter emoji become placeholders of their own."""
+    table = dict(conf)
+    stable: dict[str, str] = {}
+    for src, t in conf:
+        if unicodedata.normalize("NFKC", src) == src and src.casefold() == src and src.isalpha():
+            stable.setdefault(t, src)
+    pairs = []
+    for src, t in conf:
+        folded = unicodedata.normalize("NFKC", src)
+        if folded != src and len(folded) == 1 and table.get(folded, table.get(folded.casefold())) != t:
+            pairs.append((src, stable[t]))
+    for i, cp in enumerate(LETTER_EMOJI):
+        assert unicodedata.normalize("NFKC", chr(cp)) != chr(cp)
+        pairs.append((chr(cp), chr(EMOJI_MARK_BASE + i)))
+    return sorted(pairs)
 
 
 # ----------------------------------------------------------------------------- emit
@@ -231,12 +308,13 @@ def _chunks(items: list[str], width: int) -> list[list[str]]:
     return runs
 
 
-def emit_parallel(names: tuple[str, str], pairs: list[tuple[str, str]], per_line: int) -> list[str]:
+def emit_parallel(names: tuple[str, str], pairs: list[tuple[str, str]], per_line: int,
+                  escape_all: bool = False) -> list[str]:
     a_lines, b_lines = [f"{names[0]}: str = ("], [f"{names[1]}: str = ("]
     for i in range(0, len(pairs), per_line):
         part = pairs[i : i + per_line]
-        a_lines.append(f"    {_lit(''.join(p[0] for p in part))}")
-        b_lines.append(f"    {_lit(''.join(p[1] for p in part))}")
+        a_lines.append(f"    {_lit(''.join(p[0] for p in part), escape_all)}")
+        b_lines.append(f"    {_lit(''.join(p[1] for p in part), escape_all)}")
     return [*a_lines, ")", "", *b_lines, ")"]
 
 
@@ -266,6 +344,7 @@ def main() -> None:
     ts = traditional_to_simplified()
     syllables, initials, codes = pinyin_tables()
     conf, stats = confusables()
+    pre = before_nfkc(conf)
     b64 = encode_codes(codes, len(syllables))
     n_read = sum(1 for c in codes if c != NO_READING)
 
@@ -320,6 +399,13 @@ def main() -> None:
         "# homoglyph text give the same result; one with its own keeps it (Υ → y, υ → u).",
         "# Use: str.maketrans(CONFUSABLE_FROM, CONFUSABLE_TO).",
         *emit_confusables(conf),
+        "",
+        f"# Applied before NFKC: {len(pre)} characters NFKC would make something they do not look like. A",
+        "# look-alike whose NFKC form has another target becomes one NFKC keeps (lunate sigma ϲ: NFKC gives ς,",
+        "# whose case class is σ → o; it becomes ƈ → c). Emoji that NFKC turns into letters (🈶 → 有,",
+        "# ℹ → i) become placeholders of their own in the Supplementary Private Use Area-A: separators.",
+        "# Use: str.maketrans(BEFORE_NFKC_FROM, BEFORE_NFKC_TO).",
+        *emit_parallel(("BEFORE_NFKC_FROM", "BEFORE_NFKC_TO"), pre, 8, escape_all=True),
         "",
     ]
     text = "\n".join(out)

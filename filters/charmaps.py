@@ -1071,7 +1071,7 @@ PINYIN_CODES: str = (
 )
 del _PINYIN_CODES_B64, _a2b_base64
 
-# Confusable -> ASCII lower-case letter/digit: 688 entries (564 from confusables.txt, 124 from their case class).
+# Confusable -> ASCII lower-case letter/digit: 952 entries (768 from confusables.txt, 184 from their case class).
 # Never maps ASCII, CJK, characters NFKC already folds to ASCII, or other-script digits.
 # A character with no target of its own has its case class's (Г as г), so case changes of
 # homoglyph text give the same result; one with its own keeps it (Υ → y, υ → u).
@@ -1079,7 +1079,7 @@ del _PINYIN_CODES_B64, _a2b_base64
 CONFUSABLE_FROM: str = (
     "\U0001f10d"  # -> 0
     "\u2780"  # -> 1
-    "\u01a7\u01a8\u03e8\u03e9\u14bf\u2781\ua644\ua645\ua6ef\ua75a\ua75b"  # -> 2
+    "\u01a7\u01a8\u01bb\u03e8\u03e9\u14bf\u2781\ua644\ua645\ua6ef\ua75a\ua75b"  # -> 2
     "\u01b7\u021c\u021d\u025c\u0292\u0417\u0437\u04e0\u04e1\u2782\u2ccc\u2ccd\ua76a\ua76b"  # -> 3
     "\ua7ab\U000118aa\U000118ca\U00016f3b\U0001d206"  # -> 3
     "\u13ce\u2783\uab9e\U000118af\U000118cf"  # -> 4
@@ -1088,78 +1088,97 @@ CONFUSABLE_FROM: str = (
     "\u2786\U000104d2\U000104fa\U000118c6\U0001d212"  # -> 7
     "\u0222\u0223\u0b03\u2787\U0001031a\U0001e8cb"  # -> 8
     "\u2788\u2cca\u2ccb\ua76e\ua76f\ua770\U000118ac\U000118b6\U000118cc\U000118d6"  # -> 9
-    "\u0251\u0391\u03b1\u0410\u0430\u13aa\u15c5\u237a\u2c6d\ua4ee\uab7a\U000102a0"  # -> a
-    "\U00016f40\U0001d6a8\U0001d6c2\U0001d6e2\U0001d6fc\U0001d71c\U0001d736\U0001d756"  # -> a
-    "\U0001d770\U0001d790\U0001d7aa"  # -> a
-    "\u0184\u0185\u0392\u03b2\u03d0\u0412\u042c\u0432\u044c\u13cf\u13f4\u13fc\u1472\u15af"  # -> b
-    "\u15f7\u1c80\ua4d0\ua7b4\ua7b5\uab9f\U00010282\U000102a1\U00010301\U0001d6a9"  # -> b
-    "\U0001d6e3\U0001d71d\U0001d757\U0001d791"  # -> b
-    "\u00a9\u03f2\u03f9\u0421\u0441\u13df\u1c83\u1d04\u2ca4\u2ca5\ua4da\uabaf\U000102a2"  # -> c
-    "\U00010302\U00010415\U0001043d\U0001051c\U000118f2\U0001f74c"  # -> c
-    "\u0500\u0501\u13a0\u13e7\u146f\u15de\u15ea\ua4d2\ua4d3\uab70\uabb7"  # -> d
-    "\u0395\u03b5\u03f5\u0415\u0435\u04bc\u04bd\u13ac\u212e\u22ff\u2d39\ua4f0\uab32\uab7c"  # -> e
-    "\U00010286\U000118a6\U000118ae\U000118ce\U0001d6ac\U0001d6e6\U0001d720\U0001d75a"  # -> e
-    "\U0001d794"  # -> e
-    "\u03dc\u03dd\u0554\u0584\u15b4\u1e9d\ua4dd\ua798\ua799\uab35\U00010287\U000102a5"  # -> f
-    "\U00010525\U000118a2\U000118c2\U0001d213\U0001d7ca"  # -> f
-    "\u018d\u0261\u050c\u050d\u0551\u0581\u13c0\u13f3\u13fb\u1d83\u1da2\ua4d6\ua7ac\uab90"  # -> g
-    "\u0397\u03b7\u041d\u043d\u04ba\u04bb\u0540\u0570\u13bb\u13c2\u157c\u1d78\u2c8e\u2c8f"  # -> h
-    "\ua4e7\uab8b\uab92\U000102cf\U0001d6ae\U0001d6e8\U0001d722\U0001d75c\U0001d796"  # -> h
-    "\u0131\u0269\u026a\u02db\u0345\u037a\u03b9\u0456\u04cf\u13a5\u1fbe\u2373\ua646\ua647"  # -> i
-    "\ua7ae\uab75\U000118c3\U0001d6a4\U0001d6ca\U0001d704\U0001d73e\U0001d778\U0001d7b2"  # -> i
-    "\u029d\u037f\u03f3\u0408\u0458\u13ab\u148d\ua4d9\ua7b2\uab7b"  # -> j
-    "\u039a\u03ba\u03f0\u041a\u043a\u13e6\u16d5\u2c94\u2c95\ua4d7\uabb6\U00010518"  # -> k
-    "\U0001d6b1\U0001d6eb\U0001d725\U0001d75f\U0001d799"  # -> k
-    "\u0196\u01c0\u0399\u0406\u04c0\u05c0\u05d5\u05df\u0627\u07ca\u13de\u14aa\u16c1\u18f3"  # -> l
-    "\u2223\u23fd\u2c92\u2c93\u2cd0\u2cd1\u2d4f\ua4e1\ua4f2\uabae\ufe8d\ufe8e\U0001028a"  # -> l
-    "\U00010309\U00010320\U0001041b\U00010443\U00010526\U000118a3\U000118b2\U000118d2"  # -> l
-    "\U00016f16\U00016f28\U0001d22a\U0001d6b0\U0001d6ea\U0001d724\U0001d75e\U0001d798"  # -> l
-    "\U0001e8c7\U0001ee00\U0001ee80"  # -> l
-    "\u00b5\u039c\u03bc\u03fa\u03fb\u041c\u043c\u13b7\u15f0\u16d6\u2c98\u2c99\ua4df\uab87"  # -> m
-    "\U000102b0\U00010311\U0001d6b3\U0001d6ed\U0001d727\U0001d761\U0001d79b"  # -> m
-    "\u039d\u0548\u054c\u0578\u057c\u2c9a\u2c9b\ua4e0\U00010513\U0001d6b4\U0001d6ee"  # -> n
+    "\u023a\u0251\u0391\u03b1\u0410\u0430\u13aa\u15c5\u1d00\u1d8f\u1e9a\u237a\u2c65\u2c6d"  # -> a
+    "\ua4ee\uab7a\U000102a0\U00016f40\U0001d6a8\U0001d6c2\U0001d6e2\U0001d6fc\U0001d71c"  # -> a
+    "\U0001d736\U0001d756\U0001d770\U0001d790\U0001d7aa"  # -> a
+    "\u0180\u0181\u0182\u0183\u0184\u0185\u0243\u0253\u0299\u0392\u03b2\u03d0\u0412\u042c"  # -> b
+    "\u0432\u044c\u0462\u0463\u048c\u048d\u13cf\u13f4\u13fc\u1472\u15af\u15f7\u1c80\u1c87"  # -> b
+    "\u1d6c\u1d80\ua4d0\ua796\ua797\ua7b4\ua7b5\uab9f\U00010282\U000102a1\U00010301"  # -> b
+    "\U0001d6a9\U0001d6e3\U0001d71d\U0001d757\U0001d791"  # -> b
+    "\u00a9\u0187\u0188\u023b\u023c\u0255\u03f2\u03f9\u0421\u0441\u04aa\u04ab\u13df\u1c83"  # -> c
+    "\u1d04\u2ca4\u2ca5\ua4da\ua792\ua793\ua794\ua7c4\uabaf\U000102a2\U00010302\U00010415"  # -> c
+    "\U0001043d\U0001051c\U000118f2\U0001df1d\U0001f74c"  # -> c
+    "\u0110\u0111\u0189\u018a\u018b\u018c\u0221\u0256\u0257\u0500\u0501\u13a0\u13e7\u146f"  # -> d
+    "\u15de\u15ea\u1d05\u1d6d\u1d81\ua4d2\ua4d3\ua7c7\ua7c8\uab70\uabb7"  # -> d
+    "\u0246\u0247\u0395\u03b5\u03f5\u0415\u0435\u04bc\u04bd\u04be\u04bf\u13ac\u1d07\u1d92"  # -> e
+    "\u212e\u22ff\u2c78\u2d39\ua4f0\uab32\uab34\uab7c\U00010286\U000118a6\U000118ae"  # -> e
+    "\U000118ce\U0001d6ac\U0001d6e6\U0001d720\U0001d75a\U0001d794"  # -> e
+    "\u0191\u0192\u03dc\u03dd\u0554\u0584\u15b4\u1d6e\u1d82\u1e9d\ua4dd\ua730\ua798\ua799"  # -> f
+    "\uab35\U00010287\U000102a5\U00010525\U000118a2\U000118c2\U0001d213\U0001d7ca"  # -> f
+    "\u018d\u0193\u01e4\u01e5\u0260\u0261\u0262\u050c\u050d\u0551\u0581\u13c0\u13f3\u13fb"  # -> g
+    "\u1d83\u1da2\ua4d6\ua7a0\ua7a1\ua7ac\uab90"  # -> g
+    "\u0126\u0127\u0266\u029c\u0397\u040b\u041d\u043d\u045b\u04ba\u04bb\u0540\u0570\u13bb"  # -> h
+    "\u13c2\u13f2\u13fa\u157c\u1d78\u2c67\u2c68\u2c8e\u2c8f\ua4e7\ua694\ua695\ua795\ua7aa"  # -> h
+    "\uab8b\uab92\U000102cf\U0001d6ae\U0001d6e8\U0001d722\U0001d75c\U0001d796"  # -> h
+    "\u0131\u0197\u0268\u0269\u026a\u02db\u0345\u037a\u03b9\u0456\u04cf\u13a5\u1d7b\u1d7c"  # -> i
+    "\u1d96\u1fbe\u2373\ua646\ua647\ua7ae\uab75\U000118c3\U0001d6a4\U0001d6ca\U0001d704"  # -> i
+    "\U0001d73e\U0001d778\U0001d7b2"  # -> i
+    "\u0248\u0249\u029d\u037f\u03f3\u0408\u0458\u13ab\u148d\u1d0a\ua4d9\ua7b2\uab7b"  # -> j
+    "\u0198\u0199\u039a\u03ba\u03f0\u041a\u043a\u13e6\u16d5\u1d0b\u1d84\u2c69\u2c6a\u2c94"  # -> k
+    "\u2c95\ua4d7\ua740\ua741\ua742\ua743\ua7a2\ua7a3\uabb6\U00010518\U0001d6b1\U0001d6eb"  # -> k
+    "\U0001d725\U0001d75f\U0001d799"  # -> k
+    "\u013f\u0140\u0141\u0142\u0196\u019a\u01c0\u0234\u023d\u026b\u026c\u026d\u029f\u0399"  # -> l
+    "\u0406\u04c0\u05c0\u05d5\u05df\u0627\u07ca\u13de\u14aa\u16c1\u18f3\u1d85\u2223\u23fd"  # -> l
+    "\u2c60\u2c61\u2c62\u2c92\u2c93\u2cd0\u2cd1\u2d4f\ua4e1\ua4f2\ua748\ua749\ua7ad\uab37"  # -> l
+    "\uab38\uab39\uabae\ufe8d\ufe8e\U0001028a\U00010309\U00010320\U0001041b\U00010443"  # -> l
+    "\U00010526\U000118a3\U000118b2\U000118d2\U00016f16\U00016f28\U0001d22a\U0001d6b0"  # -> l
+    "\U0001d6ea\U0001d724\U0001d75e\U0001d798\U0001df11\U0001e8c7\U0001ee00\U0001ee80"  # -> l
+    "\u00b5\u0271\u039c\u03bc\u03fa\u03fb\u041c\u043c\u13b7\u15f0\u16d6\u1d0d\u1d6f\u1d86"  # -> m
+    "\u2c6e\u2c98\u2c99\ua4df\uab3a\uab51\uab87\U000102b0\U00010311\U0001d6b3\U0001d6ed"  # -> m
+    "\U0001d727\U0001d761\U0001d79b"  # -> m
+    "\u019d\u019e\u0220\u0235\u0272\u0273\u0274\u039d\u03b7\u0548\u054c\u0578\u057c\u1d70"  # -> n
+    "\u1d87\u2c9a\u2c9b\ua4e0\ua790\ua791\ua7a4\ua7a5\uab3b\U00010513\U0001d6b4\U0001d6ee"  # -> n
     "\U0001d728\U0001d762\U0001d79c"  # -> n
-    "\u039f\u03a3\u03bf\u03c2\u03c3\u041e\u043e\u0555\u0585\u05e1\u0647\u06be\u06c1\u06d5"  # -> o
-    "\u0b20\u0c02\u0c82\u0d02\u0d20\u0d82\u101d\u10ff\u12d0\u1c82\u1cbf\u1d0f\u1d11\u2c9e"  # -> o
-    "\u2c9f\u2d54\ua4f3\uab3d\ufba6\ufba7\ufba8\ufba9\ufbaa\ufbab\ufbac\ufbad\ufee9\ufeea"  # -> o
-    "\ufeeb\ufeec\U00010292\U000102ab\U00010404\U0001042c\U000104c2\U000104ea\U00010516"  # -> o
-    "\U000118a8\U000118b5\U000118b7\U000118c8\U000118d7\U0001d6b6\U0001d6d0\U0001d6d4"  # -> o
-    "\U0001d6f0\U0001d70a\U0001d70e\U0001d72a\U0001d744\U0001d748\U0001d764\U0001d77e"  # -> o
-    "\U0001d782\U0001d79e\U0001d7b8\U0001d7bc\U0001ee24\U0001ee64\U0001ee84"  # -> o
-    "\u03a1\u03c1\u03f1\u0420\u0440\u13e2\u146d\u18d6\u2117\u2374\u2ca2\u2ca3\ua4d1\uabb2"  # -> p
+    "\u00d8\u00f8\u019f\u0275\u0398\u039f\u03a3\u03b8\u03bf\u03c2\u03c3\u03d1\u03f4\u041e"  # -> o
+    "\u043e\u0472\u0473\u04e8\u04e9\u0555\u0585\u05e1\u0647\u06be\u06c1\u06d5\u0b20\u0c02"  # -> o
+    "\u0c82\u0d02\u0d20\u0d82\u101d\u10ff\u12d0\u13be\u13eb\u1c82\u1cbf\u1d0f\u1d11\u2c7a"  # -> o
+    "\u2c9e\u2c9f\u2d54\ua4f3\ua74a\ua74b\ua74c\ua74d\uab3d\uab3e\uab8e\uabbb\ufba6\ufba7"  # -> o
+    "\ufba8\ufba9\ufbaa\ufbab\ufbac\ufbad\ufee9\ufeea\ufeeb\ufeec\U00010292\U000102ab"  # -> o
+    "\U00010404\U0001042c\U000104c2\U000104ea\U00010516\U000118a8\U000118b5\U000118b7"  # -> o
+    "\U000118c8\U000118d7\U0001d6b6\U0001d6d0\U0001d6d4\U0001d6f0\U0001d70a\U0001d70e"  # -> o
+    "\U0001d72a\U0001d744\U0001d748\U0001d764\U0001d77e\U0001d782\U0001d79e\U0001d7b8"  # -> o
+    "\U0001d7bc\U0001df1b\U0001ee24\U0001ee64\U0001ee84"  # -> o
+    "\u01a4\u01a5\u03a1\u03c1\u03f1\u0420\u0440\u13e2\u146d\u18d6\u1d18\u1d71\u1d7d\u1d88"  # -> p
+    "\u2117\u2374\u2c63\u2ca2\u2ca3\ua4d1\ua750\ua751\ua752\ua753\ua754\ua755\uabb2"  # -> p
     "\U00010295\U0001d6b8\U0001d6d2\U0001d6e0\U0001d6f2\U0001d70c\U0001d71a\U0001d72c"  # -> p
     "\U0001d746\U0001d754\U0001d766\U0001d780\U0001d78e\U0001d7a0\U0001d7ba\U0001d7c8"  # -> p
-    "\u051a\u051b\u0533\u0536\u0563\u0566\u2d55"  # -> q
-    "\u00ae\u01a6\u0280\u0413\u0433\u13a1\u13b1\u13d2\u1587\u18f4\u1d26\u2c84\u2c85\ua4e3"  # -> r
-    "\uab47\uab48\uab71\uab81\uaba2\U000104b4\U000104dc\U00016f35\U0001d216"  # -> r
-    "\u01bd\u0405\u0455\u054f\u057f\u13d5\u13da\u18f5\ua4e2\ua731\uaba5\uabaa\U00010296"  # -> s
-    "\U00010420\U00010448\U000118a1\U000118c1\U00016f3a"  # -> s
-    "\u03a4\u03c4\u0422\u0442\u13a2\u1c84\u1c85\u22a4\u27d9\u2ca6\u2ca7\ua4d4\uab72"  # -> t
-    "\U00010297\U000102b1\U00010315\U000118bc\U00016f0a\U0001d6bb\U0001d6f5\U0001d72f"  # -> t
-    "\U0001d769\U0001d7a3\U0001f768"  # -> t
-    "\u01b2\u028b\u03c5\u054d\u057d\u1200\u144c\u1d1c\u222a\u22c3\ua4f4\ua79e\ua79f\uab4e"  # -> u
-    "\uab52\U000104ce\U000104f6\U000118b8\U000118d8\U00016f42\U0001d6d6\U0001d710"  # -> u
-    "\U0001d74a\U0001d784\U0001d7be"  # -> u
-    "\u03bd\u0474\u0475\u05d8\u13d9\u142f\u1d20\u2228\u22c1\u2d38\ua4e6\ua6df\uaba9"  # -> v
-    "\U0001051d\U00011706\U000118a0\U000118c0\U00016f08\U0001d20d\U0001d6ce\U0001d708"  # -> v
-    "\U0001d742\U0001d77c\U0001d7b6"  # -> v
-    "\u019c\u026f\u0460\u0461\u051c\u051d\u0531\u0561\u13b3\u13d4\u1d21\ua4ea\uab83\uaba4"  # -> w
-    "\U0001170a\U0001170e\U0001170f\U000118ef"  # -> w
-    "\u00d7\u03a7\u03c7\u0425\u0445\u1541\u157d\u166d\u166e\u16b7\u2573\u292b\u292c\u2a2f"  # -> x
-    "\u2cac\u2cad\u2d5d\ua4eb\ua7b3\uab53\U00010290\U000102b4\U00010317\U00010322"  # -> x
-    "\U00010527\U000118ec\U0001d6be\U0001d6f8\U0001d732\U0001d76c\U0001d7a6"  # -> x
-    "\u0194\u0263\u028f\u0393\u03a5\u03b3\u03d2\u0423\u0443\u04ae\u04af\u10e7\u13a9\u13bd"  # -> y
-    "\u1ca7\u1d8c\u1efe\u1eff\u213d\u2ca8\u2ca9\ua4ec\uab5a\uab79\uab8d\U000102b2"  # -> y
-    "\U000118a4\U000118dc\U00016f43\U0001d6bc\U0001d6c4\U0001d6f6\U0001d6fe\U0001d730"  # -> y
-    "\U0001d738\U0001d76a\U0001d772\U0001d7a4\U0001d7ac"  # -> y
-    "\u0396\u03b6\u13c3\u1646\u1d22\ua4dc\uab93\U000102f5\U000118a9\U000118c4\U000118c9"  # -> z
+    "\u024a\u024b\u02a0\u051a\u051b\u0533\u0536\u0563\u0566\u2d55\ua756\ua757\ua758\ua759"  # -> q
+    "\ua7af"  # -> q
+    "\u00ae\u01a6\u024c\u024d\u027c\u027d\u027e\u0280\u0413\u0433\u0492\u0493\u13a1\u13b1"  # -> r
+    "\u13d2\u1587\u18f4\u1d26\u1d72\u1d89\u2c64\u2c84\u2c85\ua4e3\ua7a6\ua7a7\uab47\uab48"  # -> r
+    "\uab49\uab71\uab81\uaba2\U000104b4\U000104dc\U00016f35\U0001d216"  # -> r
+    "\u01bd\u023f\u0282\u0405\u0455\u054f\u057f\u13d5\u13da\u18f5\u1d74\u1d8a\u2c7e\ua4e2"  # -> s
+    "\ua731\ua7a8\ua7a9\ua7c5\ua7c9\ua7ca\uaba5\uabaa\U00010296\U00010420\U00010448"  # -> s
+    "\U000118a1\U000118c1\U00016f3a\U0001df1e"  # -> s
+    "\u0166\u0167\u01ab\u01ac\u01ad\u01ae\u0236\u023e\u0288\u03a4\u03c4\u0422\u0442\u13a2"  # -> t
+    "\u1c84\u1c85\u1d1b\u1d75\u22a4\u27d9\u2c66\u2ca6\u2ca7\ua4d4\uab72\U00010297"  # -> t
+    "\U000102b1\U00010315\U000118bc\U00016f0a\U0001d6bb\U0001d6f5\U0001d72f\U0001d769"  # -> t
+    "\U0001d7a3\U0001f768"  # -> t
+    "\u01b2\u028b\u03c5\u054d\u057d\u1200\u13cc\u144c\u1d1c\u1d7e\u1d99\u222a\u22c3\ua4f4"  # -> u
+    "\ua79e\ua79f\ua7b8\ua7b9\uab4e\uab52\uab9c\U000104ce\U000104f6\U000118b8\U000118d8"  # -> u
+    "\U00016f42\U0001d6d6\U0001d710\U0001d74a\U0001d784\U0001d7be"  # -> u
+    "\u03bd\u0474\u0475\u05d8\u13d9\u142f\u1d20\u2228\u22c1\u2c71\u2c74\u2d38\ua4e6\ua6df"  # -> v
+    "\ua75e\ua75f\uaba9\U0001051d\U00011706\U000118a0\U000118c0\U00016f08\U0001d20d"  # -> v
+    "\U0001d6ce\U0001d708\U0001d742\U0001d77c\U0001d7b6"  # -> v
+    "\u019c\u026f\u0460\u0461\u047c\u047d\u051c\u051d\u0531\u0561\u13b3\u13d4\u1d21\u2c72"  # -> w
+    "\u2c73\ua4ea\ua760\ua761\uab83\uaba4\U0001170a\U0001170e\U0001170f\U000118ef"  # -> w
+    "\u00d7\u03a7\u03c7\u0425\u0445\u1541\u157d\u166d\u166e\u16b7\u1d8d\u2573\u292b\u292c"  # -> x
+    "\u2a2f\u2cac\u2cad\u2d5d\ua4eb\ua7b3\uab53\uab56\uab57\uab59\U00010290\U000102b4"  # -> x
+    "\U00010317\U00010322\U00010527\U000118ec\U0001d6be\U0001d6f8\U0001d732\U0001d76c"  # -> x
+    "\U0001d7a6"  # -> x
+    "\u0194\u01b3\u01b4\u024e\u024f\u0263\u028f\u0393\u03a5\u03b3\u03d2\u0423\u0443\u04ae"  # -> y
+    "\u04af\u04b0\u04b1\u10e7\u13a9\u13bd\u1ca7\u1d8c\u1efe\u1eff\u213d\u2ca8\u2ca9\ua4ec"  # -> y
+    "\uab5a\uab79\uab8d\U000102b2\U000118a4\U000118dc\U00016f43\U0001d6bc\U0001d6c4"  # -> y
+    "\U0001d6f6\U0001d6fe\U0001d730\U0001d738\U0001d76a\U0001d772\U0001d7a4\U0001d7ac"  # -> y
+    "\u01b5\u01b6\u0224\u0225\u0240\u0290\u0291\u0396\u03b6\u13c3\u1646\u1d22\u1d76\u1d8e"  # -> z
+    "\u2c6b\u2c6c\u2c7f\ua4dc\ua7c6\uab93\U000102f5\U000118a9\U000118c4\U000118c9"  # -> z
     "\U0001d6ad\U0001d6e7\U0001d721\U0001d75b\U0001d795"  # -> z
 )
 
 CONFUSABLE_TO: str = (
     "0"
     "1"
-    "22222222222"
+    "222222222222"
     "33333333333333"
     "33333"
     "44444"
@@ -1168,70 +1187,106 @@ CONFUSABLE_TO: str = (
     "77777"
     "888888"
     "9999999999"
-    "aaaaaaaaaaaa"
-    "aaaaaaaa"
-    "aaa"
+    "aaaaaaaaaaaaaa"
+    "aaaaaaaaa"
+    "aaaaa"
     "bbbbbbbbbbbbbb"
-    "bbbbbbbbbb"
-    "bbbb"
-    "ccccccccccccc"
-    "cccccc"
+    "bbbbbbbbbbbbbb"
+    "bbbbbbbbbbb"
+    "bbbbb"
+    "cccccccccccccc"
+    "cccccccccccc"
+    "ccccc"
+    "dddddddddddddd"
     "ddddddddddd"
     "eeeeeeeeeeeeee"
-    "eeeeeeee"
-    "e"
-    "ffffffffffff"
-    "fffff"
+    "eeeeeeeeeee"
+    "eeeeee"
+    "ffffffffffffff"
+    "ffffffff"
     "gggggggggggggg"
+    "ggggggg"
     "hhhhhhhhhhhhhh"
-    "hhhhhhhhh"
+    "hhhhhhhhhhhhhh"
+    "hhhhhhhh"
     "iiiiiiiiiiiiii"
-    "iiiiiiiii"
-    "jjjjjjjjjj"
+    "iiiiiiiiiii"
+    "iii"
+    "jjjjjjjjjjjjj"
+    "kkkkkkkkkkkkkk"
     "kkkkkkkkkkkk"
-    "kkkkk"
+    "kkk"
     "llllllllllllll"
-    "lllllllllllll"
+    "llllllllllllll"
+    "llllllllllllll"
+    "llllllllll"
     "llllllll"
     "llllllll"
-    "lll"
     "mmmmmmmmmmmmmm"
-    "mmmmmmm"
-    "nnnnnnnnnnn"
+    "mmmmmmmmmmm"
+    "mmm"
+    "nnnnnnnnnnnnnn"
+    "nnnnnnnnnnnn"
     "nnn"
     "oooooooooooooo"
     "oooooooooooooo"
     "oooooooooooooo"
-    "ooooooooo"
+    "oooooooooooooo"
+    "oooooooooooo"
     "oooooooo"
     "oooooooo"
-    "ooooooo"
+    "oooooooo"
+    "ooooo"
     "pppppppppppppp"
+    "ppppppppppppp"
     "pppppppp"
     "pppppppp"
-    "qqqqqqq"
+    "qqqqqqqqqqqqqq"
+    "q"
     "rrrrrrrrrrrrrr"
-    "rrrrrrrrr"
-    "sssssssssssss"
-    "sssss"
-    "ttttttttttttt"
+    "rrrrrrrrrrrrrr"
+    "rrrrrrrr"
+    "ssssssssssssss"
+    "sssssssssss"
+    "ssss"
+    "tttttttttttttt"
+    "tttttttttttt"
     "tttttttt"
-    "ttt"
+    "tt"
     "uuuuuuuuuuuuuu"
-    "uuuuuuuu"
-    "uuu"
-    "vvvvvvvvvvvvv"
-    "vvvvvvvv"
-    "vvv"
+    "uuuuuuuuuuu"
+    "uuuuuu"
+    "vvvvvvvvvvvvvv"
+    "vvvvvvvvv"
+    "vvvvv"
     "wwwwwwwwwwwwww"
-    "wwww"
+    "wwwwwwwwww"
     "xxxxxxxxxxxxxx"
-    "xxxxxxxxxx"
-    "xxxxxxx"
+    "xxxxxxxxxxxx"
+    "xxxxxxxx"
+    "x"
     "yyyyyyyyyyyyyy"
-    "yyyyyyyyyyyy"
+    "yyyyyyyyyyyyyy"
+    "yyyyyyyyy"
     "yyyyyyyy"
-    "yyyyy"
-    "zzzzzzzzzzz"
+    "zzzzzzzzzzzzzz"
+    "zzzzzzzzzz"
     "zzzzz"
+)
+
+# Applied before NFKC: 21 characters NFKC would make something they do not look like. A
+# look-alike whose NFKC form has another target becomes one NFKC keeps (lunate sigma ϲ: NFKC gives ς,
+# whose case class is σ → o; it becomes ƈ → c). Emoji that NFKC turns into letters (🈶 → 有,
+# ℹ → i) become placeholders of their own in the Supplementary Private Use Area-A: separators.
+# Use: str.maketrans(BEFORE_NFKC_FROM, BEFORE_NFKC_TO).
+BEFORE_NFKC_FROM: str = (
+    "\u03f2\u03f9\u2139\u24c2\u3297\u3299\U0001f201\U0001f202"
+    "\U0001f21a\U0001f22f\U0001f232\U0001f233\U0001f234\U0001f235\U0001f236\U0001f237"
+    "\U0001f238\U0001f239\U0001f23a\U0001f250\U0001f251"
+)
+
+BEFORE_NFKC_TO: str = (
+    "\u0188\u0188\U000f1000\U000f1001\U000f1002\U000f1003\U000f1004\U000f1005"
+    "\U000f1006\U000f1007\U000f1008\U000f1009\U000f100a\U000f100b\U000f100c\U000f100d"
+    "\U000f100e\U000f100f\U000f1010\U000f1011\U000f1012"
 )

@@ -11,15 +11,23 @@ did. The order matters and is fixed:
 - `confusables` maps Cyrillic/Greek/... look-alikes to ASCII. It runs before `casefold`, so a
   character without a target of its own takes its lower case's (Г as г → r, Σ as σ → o); one with
   its own keeps it (Υ → y, υ → u: capitals are what spammers put in Latin words).
+- `nfkc` first maps the few characters NFKC would turn into something they do not look like
+  (`charmaps.BEFORE_NFKC_FROM`): lunate sigma ϲ stays a c look-alike (NFKC gives ς, read as o), and
+  emoji that NFKC makes letters (🈶 → 有, 🉐 → 得, ℹ → i) become placeholders that are separators, so an
+  emoji inserted into a word is decoration like any other.
 - A number is a run of digits joined only by separators (`555-0100`, `+1 (555) 010 0100`).
-- `leet` reads digits, `@` and `$` as letters only where they are part of a word, decided while the
-  separators are still there: `@` between two letters (`p@ypal`), then `$` before a letter (`$ale`,
-  `ca$h`), then a number of one or two digits that is part of a word: right after a letter and
-  followed (after any separators) by a letter or the end of the text (`fr33 c4sh` → `free cash`,
-  `he11o`); right before a letter with a letter up to three separators before it (`h 3llo`,
-  `at 10pm`); or in spaced-out text between one-letter tokens (`C 0 n g r a t s`). A number that
-  stands alone among words (`meet at 10 pm`, `save 50% now`, `$100`, `room 101a`) stays a number.
-  `l`, `1` and `I` are one visual class: `l` is folded to `i`.
+- `leet` reads digits, `@`, `$` and `!` as letters only where they are part of a word, decided while the
+  separators are still there. First, spaced-out text (three or more one-character tokens, `f r 3 3`,
+  `p @ y`) is joined into its words. Then `!` inside a word (`pr!ze`, `1!k3`), `@` after a letter or
+  between a digit and a letter (`p@ypal`, `w@17`, `5@nt@`; never a word-initial mention), `$` before a
+  letter or ending a word (`$ale`, `ca$h`, `0n3$`; never before a digit: a price). Then a number of one
+  or two digits that is part of a word: right after a letter and followed (after any separators) by a
+  letter or the end of the text (`fr33 c4sh` → `free cash`, `he11o`); starting a word, after a letter up
+  to three separators before (`h 3llo`) or after no word character at all (`7rump`, `48ou7`), unless
+  it is a number with its unit (`10pm`, `3mins`, `2nd`, `5kg`); or in spaced-out text between one-letter
+  tokens. Three or four look-alike digits (no 2 or 6) between letters are leet too (`p011cy`). A number
+  that stands alone among words (`meet at 10 pm`, `save 50% now`, `$100`, `room 101a`) or follows a Han
+  character (`2月22日`) stays a number. `l`, `1` and `I` are one visual class: `l` is folded to `i`.
 - `mask_numbers` replaces each number by one placeholder; `mask_urls` does the same for URLs and
   e-mail addresses.
 - After `strip_separators` the text has no spaces, punctuation, symbols or emoji at all, so inserting
@@ -29,6 +37,11 @@ did. The order matters and is fixed:
   `strip_separators` removes only the whitespace ("😀 🎉!" → "😀🎉!"; the earlier steps already did
   NFKC and removed invisible characters). Such a form is all separators, so it never equals the form
   of a text with words; only texts of whitespace and invisible characters still normalize to "".
+- `pinyin` codes each Han character as its toneless syllable (homophones meet), and a Latin run next to
+  a syllable code that splits into pinyin syllables as the same codes (`转fa微博` = `转发微博`): the split
+  with the fewest syllables that uses the whole run (`minguo` is min|guo, `xian` one syllable), with the
+  `l` that leet folded into `i` read back (`chiii` is chi|li). A run with letters that are no pinyin
+  (`LEDping`, `XPjicheng`) stays as it is.
 
 Placeholders for masked URLs and numbers are letters of a script never seen in messages, so they can
 never collide with real text; pinyin syllables are coded in the Supplementary Private Use Area-A.
@@ -57,7 +70,7 @@ from filters import charmaps
 
 # Bumped whenever a step changes its output: stored fingerprints carry it (FilterConfig.digest), so a
 # shared index never mixes fingerprints of two normalizations.
-NORMALIZE_VERSION = 2
+NORMALIZE_VERSION = 3
 
 # Placeholders are letters of the Mende Kikakui script: word characters (so separator stripping
 # keeps them), untouched by NFKC, and never seen in the messages neardup filters.
@@ -81,8 +94,19 @@ _DOMAIN_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789.-")
 _SEPARATORS = re.compile(r"[\W_]+")
 _SEP = r"(?:[^\w\x1e]|_)"  # one separator character, never the batch joiner
 _END = r"(?:[a-z]|\x1e|\Z)"  # a letter, or the end of the text
-_LEET_AT = re.compile(r"@(?<=[a-z]@)(?=[a-z])")
-_LEET_DOLLAR = re.compile(r"\$(?=[a-z])")
+# Symbols read as letters: `@` after a letter (`c@sh`, `w@17`, `sant@`) or between a digit and a letter
+# (`5@nt@`), never at the start of a word (a mention); `$` before a letter (`$ale`) or ending a word after
+# a letter, or a letter and a digit (`ca$`, `0n3$`), never before a digit (a price); `!` inside a word
+# (`pr!ze`, `1!k3`, `hour!5h`), not ending one (an exclamation).
+_LEET_AT = re.compile(r"@(?:(?<=[a-z]@)|(?<=[0-9]@)(?=[a-z]))")
+_LEET_DOLLAR = re.compile(r"\$(?:(?=[a-z])|(?:(?<=[a-z]\$)|(?<=[a-z][0-9]\$))(?![0-9a-z]))")
+_LEET_BANG = re.compile(r"!(?:(?<=[a-z0-9]!)(?=[a-z@$])|(?<=[a-z]!)(?=[0-9]))")
+# Spaced-out text ("f r 3 3  c 4 $ h", "p @ y"): three or more one-character tokens at most three spaces
+# apart, starting after a space, a line break or the batch joiner; joined when they hold a letter, two
+# letters or @ $ !, and a digit or symbol, so that the rules for words apply to them.
+_SPACED = re.compile(r"[ \n\x1e][a-z0-9@$!](?: {1,3}[a-z0-9@$!]){2,}(?![\w@$!])")
+_SPACED_LEET = frozenset("0123456789@$!")
+_WORD_GAP = re.compile(" {2,}")
 _LEET_DIGITS = str.maketrans("0123456789", "oizeasgtbg")
 _NUMBER = re.compile(rf"[0-9]++(?:{_SEP}*+[0-9]++)*+")
 # Every number, the leet ones in the group `leet`: at most two digits, and right after a letter and
@@ -93,14 +117,19 @@ _AFTER_ONE_LETTER_TOKEN = "|".join(
     rf"(?<=[a-z]{_SEP}{{{k}}}[0-9])(?<!\w[a-z]{_SEP}{{{k}}}[0-9])" for k in (1, 2, 3)
 )
 _AFTER_A_LETTER = "|".join(rf"(?<=[a-z]{_SEP}{{{k}}}[0-9])" for k in (1, 2, 3))
+# A number followed by a unit (10pm, 3mins, 2nd, 4g, 5kg) is a number even where it starts a word.
+_UNIT = (r"(?:am|pm|s|st|nd|rd|th|k|m|b|bn|g|gb|mb|kb|tb|kg|km|mg|ml|cm|mm|min|mins|h|hr|hrs|x|d|p|ppm|yo|yr"
+         r"|yrs|mph|ft|lb|lbs|oz|px|v|w|hz|ghz|mhz|fps|mp|pc|pcs|pct)(?![a-z0-9])")
 _NUMBER_OR_LEET = re.compile(  # starts with [0-9] so the regex engine skips to digits quickly
     rf"[0-9](?:(?P<leet>(?<=[a-z][0-9]){_TWO_DIGITS_AT_MOST}(?={_SEP}*+{_END})"
-    rf"|(?:{_AFTER_A_LETTER}){_TWO_DIGITS_AT_MOST}(?=[a-z])"
+    rf"|(?<=[a-z][013457-9])[013457-9]{{2,3}}(?=[a-z])"  # three or four look-alike digits inside a word
+    rf"|(?:{_AFTER_A_LETTER}){_TWO_DIGITS_AT_MOST}(?=[a-z])(?!{_UNIT})"
+    rf"|(?<![^\W_][0-9])(?<!\$[0-9])[0-9]?+(?![0-9])(?=[a-z])(?!{_UNIT})"  # one or two digits starting a word
     rf"|(?:{_AFTER_ONE_LETTER_TOKEN}){_TWO_DIGITS_AT_MOST}"
     rf"(?={_SEP}{{1,3}}[a-z](?!\w)|{_SEP}*+(?:\x1e|\Z)))"
     rf"|[0-9]*+(?:{_SEP}*+[0-9]++)*+)"
 )
-_LATIN_RUN = re.compile(r"[a-z]{1,12}")
+_LATIN_RUN = re.compile(r"[a-z]{1,40}")
 _HAN = re.compile(r"[\u3400-\u9fff]")
 _PINYIN_CODE = 0xF0000
 _COMBINING_RANGES = ((0x300, 0x36F), (0x1AB0, 0x1AFF), (0x1DC0, 0x1DFF), (0x20D0, 0x20FF), (0xFE20, 0xFE2F))
@@ -151,6 +180,16 @@ def _marks_pattern() -> re.Pattern[str]:
     return re.compile(f"[{_char_class(marks)}]+")
 
 
+# Characters NFKC would make something they do not look like (see `charmaps.BEFORE_NFKC_FROM`): the nfkc
+# step maps them first.
+_BEFORE_NFKC = re.compile(f"[{_char_class(charmaps.BEFORE_NFKC_FROM)}]")
+_BEFORE_NFKC_TABLE = str.maketrans(charmaps.BEFORE_NFKC_FROM, charmaps.BEFORE_NFKC_TO)
+
+
+def _keep_look(text: str) -> str:
+    return text.translate(_BEFORE_NFKC_TABLE) if _BEFORE_NFKC.search(text) else text
+
+
 @functools.cache
 def _translation_tables() -> tuple[dict[int, str], dict[int, int], dict[int, str], dict[str, str]]:
     """Built once per process from the constant tables in `filters.charmaps` (they never change)."""
@@ -159,6 +198,9 @@ def _translation_tables() -> tuple[dict[int, str], dict[int, int], dict[int, str
     base = charmaps.PINYIN_BASE
     pinyin = {base + i: c for i, c in enumerate(charmaps.PINYIN_CODES) if c != "\x00"}
     syllables = {syl: chr(_PINYIN_CODE + i) for i, syl in enumerate(charmaps.PINYIN_SYLLABLES)}
+    # The leet step folds l into i before the pinyin step: "lai" arrives as "iai". No syllable starts
+    # with i, so the folded spellings never collide with another syllable.
+    syllables.update({syl.replace("l", "i"): code for syl, code in syllables.items() if "l" in syl})
     return confusables, t2s, pinyin, syllables
 
 
@@ -283,6 +325,8 @@ class Normalizer:
             text = self._words_stage(text, st)
             return text.encode("utf-8").translate(st.ascii_words, st.ascii_words_drop).decode("utf-8")
         if st.decompose:
+            if self.options.nfkc:
+                text = _keep_look(text)
             text = unicodedata.normalize(st.decompose, text)
         text = self._words_stage(text.translate(st.chars), st)
         han = self.options.pinyin and _HAN.search(text) is not None
@@ -293,6 +337,8 @@ class Normalizer:
 
     def _chars_batch(self, joined: str, st: _Stages) -> str:
         if st.decompose:
+            if self.options.nfkc:
+                joined = _keep_look(joined)
             joined = unicodedata.normalize(st.decompose, joined)
         codes = np.frombuffer(joined.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
         mapped = st.chars_lut[codes]
@@ -340,7 +386,7 @@ class Normalizer:
     # -- steps -----------------------------------------------------------------------------
     @staticmethod
     def _nfkc(text: str) -> str:
-        return text if text.isascii() else unicodedata.normalize("NFKC", text)
+        return text if text.isascii() else unicodedata.normalize("NFKC", _keep_look(text))
 
     def _strip_invisible(self, text: str) -> str:
         return text if text.isascii() and text.isprintable() else self._invisible.sub("", text)
@@ -400,18 +446,28 @@ class Normalizer:
         return self._segment_pinyin(m.group()) or m.group()
 
     def _segment_pinyin(self, run: str) -> str | None:
-        """Split a Latin run into pinyin syllables (longest match first); None if it is not pinyin."""
+        """Split a Latin run into pinyin syllables, None if it is not pinyin. Of the ways to split it, the
+        one with the fewest syllables, then the longest first ("xian" is one syllable, "fangan" fang|an),
+        but never a dead end: "minguo" is min|guo, not ming + "uo"."""
+        n = len(run)
+        codes = self._syllable_code
+        # best[i]: (syllables, size of the first one) of the best split of run[i:], None if there is none
+        best: list[tuple[int, int] | None] = [None] * n + [(0, 0)]
+        for i in range(n - 1, -1, -1):
+            for size in range(min(self._max_syllable, n - i), 0, -1):
+                rest = best[i + size]
+                if rest is not None and run[i : i + size] in codes:
+                    here = best[i]
+                    if here is None or rest[0] + 1 < here[0]:
+                        best[i] = (rest[0] + 1, size)
+        if best[0] is None:
+            return None
         out = []
         i = 0
-        while i < len(run):
-            for size in range(min(self._max_syllable, len(run) - i), 0, -1):
-                code = self._syllable_code.get(run[i : i + size])
-                if code is not None:
-                    out.append(code)
-                    i += size
-                    break
-            else:
-                return None
+        while i < n:
+            size = best[i][1]  # type: ignore[index]
+            out.append(codes[run[i : i + size]])
+            i += size
         return "".join(out)
 
 
@@ -475,7 +531,20 @@ def _domain_starts(text: str) -> list[int]:
     return sorted(starts)
 
 
+def _join_spaced(m: re.Match[str]) -> str:
+    run = m.group()
+    letters = sum(c.isalpha() for c in run)
+    if not letters or letters + sum(c in "@$!" for c in run) < 2 or not _SPACED_LEET.intersection(run):
+        return run
+    # One space between the letters of a word, more between words (" ".join("y0u won") → "y 0 u   w o n").
+    return run[0] + " ".join(word.replace(" ", "") for word in _WORD_GAP.split(run[1:]))
+
+
 def _leet_symbols(text: str) -> str:
+    if " " in text:
+        text = _SPACED.sub(_join_spaced, " " + text)[1:]
+    if "!" in text:
+        text = _sub_at(_LEET_BANG, text, "i", _find_all(text, "!"))
     if "@" in text:
         text = _sub_at(_LEET_AT, text, "a", _find_all(text, "@"))
     if "$" in text:

@@ -178,3 +178,22 @@ def test_only_constants() -> None:
     for name, value in public.items():
         if name.isupper():
             assert isinstance(value, str | int | tuple), name
+
+
+# -- before NFKC ------------------------------------------------------------------------------
+
+
+def test_before_nfkc_table() -> None:
+    frm, to = charmaps.BEFORE_NFKC_FROM, charmaps.BEFORE_NFKC_TO
+    assert len(frm) == len(to) == len(set(frm))
+    for src, dst in zip(frm, to, strict=True):
+        assert unicodedata.normalize("NFKC", src) != src, repr(src)  # only what NFKC would change
+        assert unicodedata.normalize("NFKC", dst) == dst, repr(dst)  # into what it keeps
+    keep = str.maketrans(frm, to)
+    assert "ϲϹ".translate(keep).translate(CONFUSABLES) == "cc"  # lunate sigma stays a c look-alike
+    assert all(0xF1000 <= ord(dst) < 0xF2000 for src, dst in zip(frm, to, strict=True) if ord(src) > 0x2000)
+
+
+def test_confusables_beyond_confusables_txt() -> None:
+    assert "ηɗƈꜰʀᴇᴇłøđħ".translate(CONFUSABLES) == "ndcfreelodh"
+    assert "Η".translate(CONFUSABLES) == "h"  # the capital looks like H

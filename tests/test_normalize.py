@@ -280,9 +280,9 @@ def test_leet_reads_digits_inside_words_only() -> None:
     assert n("he11o w0rld") == "heiio worid"  # l folds to i
     assert n("call me 4 fr33") == "caii me 4 free"  # word-final at the end of the text
     assert n("10am: meet at 10 pm, room 101a") == "10am: meet at 10 pm, room 101a"  # numbers stay numbers
-    assert n("h 3llo, at 10pm") == "h eiio, at iopm"  # a word that starts with digits after a letter
-    assert n("c 0 n g r a t s, w 1 n a 1 0 0 0") == "c o n g r a t s, w i n a 1 0 0 0"  # spaced-out text
-    assert n("a 10 pack, i 4 u") == "a 10 pack, i a u"
+    assert n("h 3llo, at 10pm") == "h eiio, at 10pm"  # a word that starts with digits; a number and its unit
+    assert n("c 0 n g r a t s, w 1 n   a   1 0 0 0") == "congrats, win a 1000"  # spaced-out text is joined
+    assert n("a 10 pack, i 4 u") == "a 10 pack, iau"
     assert n("abc123def") == "abc123def"  # three digits are a number
     assert n("p@ypal $ale ca$h") == "paypai saie cash"
     assert n("@john pays $5 to me@home") == "@john pays $5 to meahome"  # a mention and a price are not leet
@@ -355,3 +355,64 @@ def test_batch_equals_single_equals_trace(texts: list[str], options: NormalizeOp
     for text, value in zip(texts, single, strict=True):
         trace = n.trace(text)
         assert (trace[-1][1] if trace else text) == value
+
+
+# -- robustness tricks (bench/robustness.py): homoglyphs, leetspeak, pinyin, letter emoji ----------------
+
+
+@pytest.mark.parametrize(("trick", "plain"), [
+    ("Ϲhҽnηai Ѕtiӏⅼ", "chennai still"),  # lunate sigma ϲ (NFKC would make it ς → o), eta η as n
+    ("ɗσing ƈash", "doing cash"),  # letters with a hook, no decomposition
+    ("ꜰʀᴇᴇ ᴍᴏɴᴇʏ", "free money"),  # small capitals
+    ("Łøɍđ ħɇłp", "lord help"),  # letters with a stroke
+])
+def test_homoglyphs_outside_confusables_txt(trick: str, plain: str) -> None:
+    assert same(trick, plain)
+
+
+def test_greek_eta_reads_as_n_and_its_capital_as_h() -> None:
+    assert same("ηοw", "now") and same("ΗΟW", "how")
+
+
+@pytest.mark.parametrize(("leet", "plain"), [
+    ("pr!ze", "prize"), ("1!k3", "like"), ("hour!5h", "hourish"),  # ! inside a word
+    ("5@nt@ calling", "santa calling"), ("w@17", "wait"),  # @ after a letter, or a digit before a letter
+    ("0n3$ only", "ones only"), ("xma$ sale", "xmas sale"),  # $ ending a word
+    ("p011cy", "policy"),  # three look-alike digits inside a word
+    ("7rump 48ou7", "trump about"), ("3v3ry", "every"),  # digits starting a word
+    ("f 1 n @ n c ! @ l group", "financial group"), ("7 h @ 7 is", "that is"),  # spaced out, with symbols
+    ("l 0 v 3   y 0 u", "love you"),  # spaced-out words
+])
+def test_leet_forms_spammers_use(leet: str, plain: str) -> None:
+    assert same(leet, plain)
+
+
+def test_leet_keeps_exclamations_mentions_prices_numbers_and_units() -> None:
+    n = only("leet")
+    assert n("win! now") == "win! now"  # an exclamation ends a word
+    assert n("@john pays $5 at 10pm") == "@john pays $5 at 10pm"  # mention, price, number with its unit
+    assert n("room 101a, 3mins, 2nd, 4g, 5kg") == "room 101a, 3mins, 2nd, 4g, 5kg"
+    assert n("2月22ri") == "2月22ri"  # digits after a Han character are a number
+    assert n("a 1 year, i have 2 a day") == "a 1 year, i have 2 a day"  # fewer than three one-letter tokens
+    assert same("meet at 10pm", "meet at 11pm")
+    assert not same("win10", "win11")
+
+
+@pytest.mark.parametrize(("sub", "han"), [
+    ("能力youdianchili。", "能力有点吃力。"),  # l is folded to i by leet before pinyin: "chiii" is chi|li
+    ("反正 xia ci lai 蚌埠", "反正下次来蚌埠"),
+    ("MinGuo楼的大床房", "民国楼的大床房"),  # min|guo, not the dead end ming + "uo"
+    ("再次guanglin本binguan", "再次光临本宾馆"),
+    ("降低到了zuidishuiping，", "降低到了最低水平，"),  # a run longer than 12 letters
+])
+def test_pinyin_substitution_segmentation(sub: str, han: str) -> None:
+    assert same(sub, han)
+
+
+def test_letter_emoji_are_separators_not_letters() -> None:
+    assert same("Ne🉐ed to talk", "Need to talk")  # NFKC alone makes 🉐 得
+    assert same("gat🈶eway", "gateway")
+    assert same("ℹ️ info Ⓜ️", "info")  # NFKC alone makes ℹ an i and Ⓜ an m
+    assert FULL("🈶🉐") != FULL("🈚🈯")  # an emoji-only text keeps its own emoji
+    assert FULL("有得") == FULL("有得")
+    assert only("nfkc")("🈶") != only("nfkc")("有")
