@@ -11,10 +11,11 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 import redis
+from aiokafka.admin import AIOKafkaAdminClient
 
 from filters.engine import NearDupFilter
 from stream.config import Settings
-from stream.kafka_tools import Headers, KafkaRecord, collect, producer, read_topics
+from stream.kafka_tools import Headers, KafkaRecord, client_options, collect, producer, read_topics
 from stream.runner import RawRecord, Routed, route_batch
 from stream.worker import AiokafkaWorker, FaustWorker, WorkerStats
 
@@ -163,3 +164,15 @@ def redis_namespace(redis_url: str) -> Iterator[str]:
         yield url
     finally:
         drop_index(url)
+
+
+async def committed(settings: Settings) -> dict[int, int | None]:
+    """The group's committed offsets on the first input topic, by partition."""
+    admin = AIOKafkaAdminClient(**client_options(settings))
+    await admin.start()
+    try:
+        offsets = await admin.list_consumer_group_offsets(settings.group_id)
+    finally:
+        await admin.close()
+    topic = settings.input_topics[0]
+    return {tp.partition: meta.offset for tp, meta in offsets.items() if tp.topic == topic}

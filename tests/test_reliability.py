@@ -28,7 +28,7 @@ from stream.config import Settings, load_settings, settings_from_args
 from stream.kafka_tools import KafkaRecord, client_options
 from stream.worker import MAX_OUTPUT_BYTES, make_worker
 from tests import reliability_support as rs
-from tests.kafka_support import redis_namespace, run_until
+from tests.kafka_support import committed, redis_namespace, run_until
 
 pytestmark = [pytest.mark.services, pytest.mark.timeout(240)]
 
@@ -282,13 +282,7 @@ async def _create_topics_with(settings: Settings, limits: dict[str, int]) -> Non
 
 
 async def _committed(settings: Settings) -> int | None:
-    admin = AIOKafkaAdminClient(**client_options(settings))
-    await admin.start()
-    try:
-        offsets = await admin.list_consumer_group_offsets(settings.group_id)
-    finally:
-        await admin.close()
-    return next((meta.offset for tp, meta in offsets.items() if tp.topic == settings.input_topics[0]), None)
+    return next(iter((await committed(settings)).values()), None)
 
 
 def _small(i: int) -> bytes:

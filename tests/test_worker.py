@@ -11,15 +11,14 @@ from pathlib import Path
 
 import orjson
 import pytest
-from aiokafka.admin import AIOKafkaAdminClient
 
 from filters.errors import ConfigError
 from stream import commands
-from stream.config import Settings
-from stream.kafka_tools import KafkaRecord, client_options, ensure_topics
+from stream.kafka_tools import KafkaRecord, ensure_topics
 from stream.worker import AiokafkaWorker, OutRecord, make_worker, raw_record
 from tests.kafka_support import (
     TcpProxy,
+    committed,
     free_port,
     outputs,
     produce,
@@ -54,17 +53,6 @@ def verdict(r: KafkaRecord) -> tuple[str, str | None]:
     """(output kind, duplicate_of) of an output record."""
     dup_of = r.header("neardup-duplicate-of")
     return (r.header("neardup-verdict") or b"").decode(), dup_of.decode() if dup_of is not None else None
-
-
-async def committed(settings: Settings) -> dict[int, int | None]:
-    admin = AIOKafkaAdminClient(**client_options(settings))
-    await admin.start()
-    try:
-        offsets = await admin.list_consumer_group_offsets(settings.group_id)
-    finally:
-        await admin.close()
-    topic = settings.input_topics[0]
-    return {tp.partition: meta.offset for tp, meta in offsets.items() if tp.topic == topic}
 
 
 GOOD = [
