@@ -77,6 +77,7 @@ class NearDupFilter:
         self.index = index
         self.clock = clock
         self._auto_id = 0
+        self._floors: dict[int, int] = {}
 
     # -- public API --------------------------------------------------------------------------
     def check(self, text: str, id: str | None = None, ts: float | None = None) -> Verdict:
@@ -99,19 +100,32 @@ class NearDupFilter:
             return [self._decide_local(m, fp) for m, fp in zip(messages, fps)]
         return self._decide_shared(messages, fps)
 
+    def _floor(self, n_keys: int) -> int:
+        """The fewest of a message's `n_keys` bucket keys a candidate must share (`min_shared`)."""
+        floor = self._floors.get(n_keys)
+        if floor is None:
+            floor = self._floors[n_keys] = max(1, math.ceil(self.config.min_shared * n_keys))
+        return floor
+
     def _query(self, msg: Message, fp: Fingerprint) -> Query:
-        floor = max(1, math.ceil(self.config.min_shared * len(fp.keys)))
-        return Query(msg.id, msg.ts, fp.keys, floor)
+        return Query(msg.id, msg.ts, fp.keys, self._floor(len(fp.keys)))
 
     def _decide_local(self, msg: Message, fp: Fingerprint) -> Verdict:
         """Embedded index: nothing else writes to it, so look up, verify and insert one by one."""
-        assert isinstance(self.index, MemoryIndex)
-        own, candidates = self.index.lookup_one(self._query(msg, fp), self.config.max_candidates)
+        index = self.index
+        assert isinstance(index, MemoryIndex)
+        keys = fp.keys
+        own, candidates = index.lookup_keys(msg.id, msg.ts, keys, self._floor(len(keys)),
+                                            self.config.max_candidates)
         if own is not None:
             return Verdict(msg.id, False, method="replay")
-        verdict = self._first_match(msg, fp, candidates)
-        if not verdict.duplicate:
-            self.index.insert([(Entry.of(msg.id, msg.ts, fp), fp.keys)])
+        if candidates:
+            verdict = self._first_match(msg, fp, candidates)
+            if verdict.duplicate:
+                return verdict
+        else:
+            verdict = Verdict(msg.id, False)
+        index.insert_one(Entry.of(msg.id, msg.ts, fp), keys)
         return verdict
 
     def _decide_shared(self, messages: Sequence[Message], fps: Sequence[Fingerprint]) -> list[Verdict]:
@@ -142,7 +156,7 @@ class NearDupFilter:
     # -- verification ------------------------------------------------------------------------
     def _first_match(self, msg: Message, fp: Fingerprint, candidates: Sequence[Candidate]) -> Verdict:
         probe: Probe | None = None
-        floor = max(1, math.ceil(self.config.min_shared * len(fp.keys)))
+        floor = self._floor(len(fp.keys))
         for cand in candidates:
             if cand.entry.exact == fp.exact:
                 return Verdict(msg.id, True, cand.entry.id, 1.0, "exact")
@@ -198,16 +212,16 @@ class NearDupFilter:
 
     def _sketch_match(self, fp: Fingerprint, entry: Entry, method: str, probe: Probe | None) -> Match:
         cfg = self.config
-        ov = (probe or Probe(fp.sketch, fp.size)).overlap(entry.sketch, entry.size)
-        if ov.jaccard >= cfg.threshold:
-            return Match(True, ov.jaccard, method)
-        if (
-            ov.containment >= cfg.containment
-            and ov.size_ratio >= cfg.containment_min_ratio
-            and min(ov.size_a, ov.size_b) >= cfg.containment_min_size
-        ):
-            return Match(True, ov.containment, method)
-        return Match(False, max(ov.jaccard, ov.containment), method)
+        size_a, size_b = fp.size, entry.size
+        jaccard, containment_a, containment_b = (probe or Probe(fp.sketch, size_a)).estimates(entry.sketch, size_b)
+        if jaccard >= cfg.threshold:
+            return Match(True, jaccard, method)
+        containment = max(containment_a, containment_b)  # of the smaller text in the larger
+        small, large = min(size_a, size_b), max(size_a, size_b, 1)
+        if containment >= cfg.containment and small / large >= cfg.containment_min_ratio \
+                and small >= cfg.containment_min_size:
+            return Match(True, containment, method)
+        return Match(False, max(jaccard, containment), method)
 
     # -- insertion with race resolution ------------------------------------------------------
     def _insert(

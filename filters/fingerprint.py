@@ -30,6 +30,7 @@ TAG_SHIFT = 60
 TAGS = {"exact": 1, "mgram": 2, "simhash": 3, "minhash": 4, "sentences": 5}
 METHOD_OF_TAG = {v: k for k, v in TAGS.items()}
 _LOW60 = (1 << TAG_SHIFT) - 1
+_EXACT_TAG = TAGS["exact"] << TAG_SHIFT
 _TAG_ROOM = np.uint64(64 - TAG_SHIFT)
 _MGRAM_TAG = np.uint64(2 << TAG_SHIFT)
 _SENTENCE_END = re.compile(r"[.!?;。！？；\n]+")
@@ -96,15 +97,17 @@ class Fingerprinter:
             bounds = np.concatenate(([0], np.cumsum(counts)))
             features = [values[bounds[j] : bounds[j + 1]] for j in range(len(normalized))]
         out = []
+        seed32 = c.seed & 0xFFFFFFFF
+        hash128 = mmh3.hash128
+        all_hashes, sizes = sketches.hashes, sketches.sizes
         for i, norm in enumerate(normalized):
-            hashes = sketches.hashes[i]
-            exact = mmh3.hash128(norm.encode("utf-8", "surrogatepass"), seed=c.seed & 0xFFFFFFFF)
+            exact = hash128(norm.encode("utf-8", "surrogatepass"), seed=seed32)
             keys: list[int] = []
             simhash = minhash = None
             sentences: frozenset[int] = frozenset()
             for method in c.methods:
                 if method == "exact":
-                    keys.append(_tagged("exact", exact ^ (exact >> 64)))
+                    keys.append(_EXACT_TAG | ((exact ^ (exact >> 64)) & _LOW60))
                 elif method == "mgram":
                     keys.extend(mgram_keys[mgram_bounds[i] : mgram_bounds[i + 1]])
                 elif method == "simhash":
@@ -116,18 +119,9 @@ class Fingerprinter:
                 elif method == "sentences":
                     sentences = self._sentences(texts[i][: c.max_chars])
                     keys.extend(_tagged("sentences", s) for s in sentences)
-            out.append(
-                Fingerprint(
-                    normalized=norm,
-                    exact=exact,
-                    size=sketches.sizes[i],
-                    sketch=hashes.copy(),
-                    keys=tuple(dict.fromkeys(keys)),
-                    simhash=simhash,
-                    minhash=minhash,
-                    sentences=sentences,
-                )
-            )
+            # Positional: this runs once per message, and keywords cost a dataclass __init__ more.
+            out.append(Fingerprint(norm, exact, sizes[i], all_hashes[i].copy(), tuple(dict.fromkeys(keys)),
+                                   simhash, minhash, sentences))
         return out
 
     # -- methods ---------------------------------------------------------------------------

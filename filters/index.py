@@ -119,12 +119,17 @@ class MemoryIndex:
         return [self.lookup_one(q, limit) for q in queries]
 
     def lookup_one(self, q: Query, limit: int) -> tuple[Entry | None, list[Candidate]]:
-        self._advance(q.ts)
-        own = self._by_id.get(q.id)
+        return self.lookup_keys(q.id, q.ts, q.keys, q.min_shared, limit)
+
+    def lookup_keys(self, id: str, ts: float, keys: tuple[int, ...], floor: int,
+                    limit: int) -> tuple[Entry | None, list[Candidate]]:
+        """`lookup_one` without the `Query` record: the embedded engine's hot path."""
+        if ts > self._watermark:
+            self._advance(ts)
+        own = self._by_id.get(id)
         entries = self._entries
         own_entry = entries[own] if own is not None else None
-        hits = list(filter(None, map(self._buckets.get, q.keys)))  # buckets are never empty (nor seq 0)
-        floor = q.min_shared
+        hits = list(filter(None, map(self._buckets.get, keys)))  # buckets are never empty (nor seq 0)
         if len(hits) < floor:
             return own_entry, []  # nothing can share `floor` keys with it
         flat: list[int] = []
@@ -145,13 +150,13 @@ class MemoryIndex:
         if not items:
             return own_entry, []
         items.sort(key=_BY_SHARED_THEN_NEWEST, reverse=True)  # most shared keys first, then the newest
-        oldest = q.ts - self.window
+        oldest = ts - self.window
         out = []
         for seq, shared in items:
             entry = entries[seq]
             if entry.ts < oldest:
                 continue
-            out.append(Candidate(entry, shared, self._first_key(q.keys, seq)))
+            out.append(Candidate(entry, shared, self._first_key(keys, seq)))
             if len(out) >= limit:
                 break
         return own_entry, out
@@ -166,43 +171,49 @@ class MemoryIndex:
         raise AssertionError(f"entry {seq} was counted but is in none of the query's buckets")
 
     def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]:
-        buckets = self._buckets
-        cap = self.bucket_cap
         for entry, keys in entries:
-            if entry.id in self._by_id:
-                continue
-            self._advance(entry.ts)
-            if entry.ts < self._watermark - self.window:
-                continue  # already outside the window: it could never match anything
-            self._seq += 1
-            seq = self._seq
-            self._entries[seq] = entry
-            self._keys[seq] = keys
-            self._by_id[entry.id] = seq
-            heapq.heappush(self._expiry, (entry.ts, seq))
-            in_order = entry.ts >= self._newest
-            if in_order:
-                self._newest = entry.ts
-            # One C-level pass claims every new key; only keys that already had a bucket need Python.
-            held = list(map(buckets.setdefault, keys, repeat(seq)))
-            if held.count(seq) == len(keys):
-                continue
-            for key, bucket in zip(keys, held):
-                if bucket is seq:
-                    continue
-                if bucket.__class__ is int:
-                    bucket = buckets[key] = [bucket]  # type: ignore[list-item]
-                # Buckets stay sorted by (event time, seq), so bucket[0] is the oldest one the cap evicts.
-                if in_order or self._entries[bucket[-1]].ts <= entry.ts:  # type: ignore[index]
-                    bucket.append(seq)  # type: ignore[union-attr]
-                else:
-                    bisect.insort(bucket, seq, key=self._age)  # type: ignore[arg-type]
-                if len(bucket) > cap:  # type: ignore[arg-type]
-                    del bucket[0]  # type: ignore[union-attr]
-                    self.evicted_by_cap += 1
-                    if len(bucket) == 1:  # type: ignore[arg-type]
-                        buckets[key] = bucket[0]  # type: ignore[index]
+            self.insert_one(entry, keys)
         return [None] * len(entries)
+
+    def insert_one(self, entry: Entry, keys: tuple[int, ...]) -> None:
+        """`insert` of one entry (never a conflict here): the embedded engine's hot path."""
+        if entry.id in self._by_id:
+            return
+        ts = entry.ts
+        if ts > self._watermark:
+            self._advance(ts)
+        if ts < self._watermark - self.window:
+            return  # already outside the window: it could never match anything
+        self._seq += 1
+        seq = self._seq
+        self._entries[seq] = entry
+        self._keys[seq] = keys
+        self._by_id[entry.id] = seq
+        heapq.heappush(self._expiry, (ts, seq))
+        in_order = ts >= self._newest
+        if in_order:
+            self._newest = ts
+        # One C-level pass claims every new key; only keys that already had a bucket need Python.
+        buckets = self._buckets
+        held = list(map(buckets.setdefault, keys, repeat(seq)))
+        if held.count(seq) == len(keys):
+            return
+        cap = self.bucket_cap
+        for key, bucket in zip(keys, held):
+            if bucket is seq:
+                continue
+            if bucket.__class__ is int:
+                bucket = buckets[key] = [bucket]  # type: ignore[list-item]
+            # Buckets stay sorted by (event time, seq), so bucket[0] is the oldest one the cap evicts.
+            if in_order or self._entries[bucket[-1]].ts <= ts:  # type: ignore[index]
+                bucket.append(seq)  # type: ignore[union-attr]
+            else:
+                bisect.insort(bucket, seq, key=self._age)  # type: ignore[arg-type]
+            if len(bucket) > cap:  # type: ignore[arg-type]
+                del bucket[0]  # type: ignore[union-attr]
+                self.evicted_by_cap += 1
+                if len(bucket) == 1:  # type: ignore[arg-type]
+                    buckets[key] = bucket[0]  # type: ignore[index]
 
     def _age(self, seq: int) -> tuple[float, int]:
         return self._entries[seq].ts, seq

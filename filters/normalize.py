@@ -183,11 +183,20 @@ def _marks_pattern() -> re.Pattern[str]:
 # Characters NFKC would make something they do not look like (see `charmaps.BEFORE_NFKC_FROM`): the nfkc
 # step maps them first.
 _BEFORE_NFKC = re.compile(f"[{_char_class(charmaps.BEFORE_NFKC_FROM)}]")
-_BEFORE_NFKC_TABLE = str.maketrans(charmaps.BEFORE_NFKC_FROM, charmaps.BEFORE_NFKC_TO)
+_BEFORE_NFKC_MAP = dict(zip(charmaps.BEFORE_NFKC_FROM, charmaps.BEFORE_NFKC_TO, strict=True))
+
+
+_UNSEEN = object()
+_SEGMENTED_MAX = 1 << 16  # remembered pinyin splits per Normalizer (a bound on its memory)
 
 
 def _keep_look(text: str) -> str:
-    return text.translate(_BEFORE_NFKC_TABLE) if _BEFORE_NFKC.search(text) else text
+    # A substitution, not str.translate: they are rare, and translate looks up every character (5x slower).
+    return _BEFORE_NFKC.sub(_keep_look_char, text)
+
+
+def _keep_look_char(m: re.Match[str]) -> str:
+    return _BEFORE_NFKC_MAP[m.group()]
 
 
 @functools.cache
@@ -262,6 +271,8 @@ class Normalizer:
         self._invisible = _invisible_pattern()
         self._tab_confusables, self._tab_t2s, self._tab_pinyin, self._syllable_code = _translation_tables()
         self._max_syllable = max(len(s) for s in charmaps.PINYIN_SYLLABLES)
+        # Latin runs between Han characters repeat ("app", "ok", "hao"): their splits are remembered.
+        self._segmented: dict[str, str | None] = {}
         order = NormalizeOptions.step_names()
         self._steps: list[tuple[str, Callable[[str], str]]] = [
             (name, getattr(self, f"_{name}")) for name in order if getattr(self.options, name)
@@ -379,8 +390,10 @@ class Normalizer:
                 text_ends = np.flatnonzero(mapped == ord(_JOIN))
                 touched = np.searchsorted(text_ends, touching, side="right")
                 han = np.flatnonzero((codes >= 0x3400) & (codes <= 0x9FFF))
-                with_han = np.searchsorted(np.flatnonzero(codes == ord(_JOIN)), han, side="right")
-                latin_next_to_pinyin = set(touched.tolist()) & set(with_han.tolist())
+                has_han = np.zeros(len(text_ends) + 1, dtype=bool)
+                has_han[np.searchsorted(np.flatnonzero(codes == ord(_JOIN)), han, side="right")] = True
+                touched = np.unique(touched)
+                latin_next_to_pinyin = set(touched[has_han[touched]].tolist())
         return mapped.tobytes().decode("utf-32-le", "surrogatepass"), latin_next_to_pinyin
 
     # -- steps -----------------------------------------------------------------------------
@@ -443,7 +456,13 @@ class Normalizer:
         after = s[end] if end < len(s) else ""
         if not (_is_syllable_code(before) or _is_syllable_code(after)):
             return m.group()
-        return self._segment_pinyin(m.group()) or m.group()
+        run = m.group()
+        done = self._segmented.get(run, _UNSEEN)
+        if done is _UNSEEN:
+            if len(self._segmented) >= _SEGMENTED_MAX:
+                self._segmented.clear()
+            done = self._segmented[run] = self._segment_pinyin(run)
+        return done or run  # type: ignore[return-value]
 
     def _segment_pinyin(self, run: str) -> str | None:
         """Split a Latin run into pinyin syllables, None if it is not pinyin. Of the ways to split it, the

@@ -51,14 +51,18 @@ class Probe:
         self.size = size
 
     def overlap(self, other: np.ndarray, size_b: int) -> Overlap:
+        jaccard, containment_a, containment_b = self.estimates(other, size_b)
+        return Overlap(jaccard, containment_a, containment_b, self.size, size_b)
+
+    def estimates(self, other: np.ndarray, size_b: int) -> tuple[float, float, float]:
+        """(Jaccard, |A∩B|/|A|, |A∩B|/|B|): `overlap` without the record, for the engine's hot path."""
         la, lb = self.hashes, other.tolist()
         na, nb = len(la), len(lb)
-        size_a = self.size
         if not na or not nb:
-            return Overlap(0.0, 0.0, 0.0, size_a, size_b)
+            return 0.0, 0.0, 0.0
         common = self.members.intersection(lb)
         # A sketch that holds fewer hashes than its text has shingles is complete only up to its largest.
-        tau_a = la[-1] if size_a > na else None
+        tau_a = la[-1] if self.size > na else None
         tau_b = lb[-1] if size_b > nb else None
         if tau_a is not None or tau_b is not None:
             tau = min(t for t in (tau_a, tau_b) if t is not None)
@@ -69,9 +73,9 @@ class Probe:
             if common and max(common) > tau:
                 common = [h for h in common if h <= tau]
             if not na or not nb:
-                return Overlap(0.0, 0.0, 0.0, size_a, size_b)
+                return 0.0, 0.0, 0.0
         inter = len(common)
-        return Overlap(inter / (na + nb - inter), inter / na, inter / nb, size_a, size_b)
+        return inter / (na + nb - inter), inter / na, inter / nb
 
 
 def overlap(a: np.ndarray, size_a: int, b: np.ndarray, size_b: int) -> Overlap:

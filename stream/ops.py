@@ -120,9 +120,10 @@ class Ops:
             self._routed_at.clear()
         verdicts = [(_header(o, H_VERDICT) or b"").decode() for o in outs]
         reasons = [(_header(o, H_REASON) or b"").decode() or None for o in outs]
-        self.metrics.count([r.topic for r in records], verdicts, reasons)
+        # The campaign view first: once /metrics counts a batch, the view includes it too.
         if self.settings.campaigns:
             await self._record_campaigns(outs, verdicts)
+        self.metrics.count([r.topic for r in records], verdicts, reasons)
         self._refresh_index_stats()
         self._log_batch(verdicts)
 
