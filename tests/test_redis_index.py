@@ -7,6 +7,7 @@ import socket
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -19,12 +20,16 @@ from hypothesis.extra.numpy import arrays
 from filters.config import FilterConfig
 from filters.engine import NearDupFilter, Verdict
 from filters.errors import ConfigError, IndexCorrupt, IndexUnavailable, NeardupError
+from filters.fingerprint import Fingerprint
 from filters.index import Candidate, Entry, MemoryIndex, Query, open_index
 from filters.redis_index import INSERT_CHUNK, LOOKUP_CHUNK, RedisIndex, decode_entry, encode_entry
+from stream.codec import RecordFormat
+from stream.runner import DUPLICATE, OVERLAP_CHUNK, RawRecord, route_batch
 from tests.test_index_contract import _view, assert_same_entry, drop_namespace, with_query
 
 U64 = (1 << 64) - 1
 WINDOW = 3600.0
+SAMPLE = Path(__file__).parent / "data" / "sample.jsonl"
 
 
 def cluster_url(url: str) -> str:
@@ -461,3 +466,29 @@ def test_the_race_test_catches_a_non_atomic_index(race_url: str) -> None:
     uniques = race(race_url, racy=True, paused=True, clusters=50)
     assert all(u >= 1 for u in uniques)
     assert sum(u > 1 for u in uniques) >= 25, uniques
+
+
+# --- the route step on a shared index ---------------------------------------------------------------------
+
+
+def test_overlapped_fingerprinting_decides_like_the_memory_index(make: Callable[..., RedisIndex]) -> None:
+    """`route_batch` on Redis fingerprints the next chunk in a helper thread while the current one waits for
+    its round trips: the verdicts are still those of the memory index (and of one message at a time)."""
+    lines = SAMPLE.read_bytes().splitlines()
+    batch = [RawRecord(line, str(i), float(i)) for i, line in enumerate(lines)]
+    assert len(batch) > 2 * OVERLAP_CHUNK
+    threads: set[str] = set()
+    config = FilterConfig()
+    shared = NearDupFilter(config, index=make(window=config.window, bucket_cap=config.bucket_cap))
+    fingerprint = shared.fingerprinter.fingerprint_batch
+
+    def watched(texts: Sequence[str]) -> list[Fingerprint]:
+        threads.add(threading.current_thread().name)
+        return fingerprint(texts)
+
+    shared.fingerprinter.fingerprint_batch = watched  # type: ignore[method-assign]
+    on_redis = [(r.kind, r.verdict) for r in route_batch(shared, batch, RecordFormat())]
+    in_memory = [(r.kind, r.verdict) for r in route_batch(NearDupFilter(config), batch, RecordFormat())]
+    assert on_redis == in_memory
+    assert sum(kind == DUPLICATE for kind, _ in on_redis) > 10
+    assert threads and all(name.startswith("neardup-fingerprint") for name in threads)
