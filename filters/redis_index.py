@@ -34,10 +34,14 @@ itself, as with `MemoryIndex`): seqs a chunk assigns itself are above the seq it
 chunk appends its range to the caller's `own:` record, which later chunks and retry rounds read. When
 nobody else inserted since the watermark, the script does not even look at the buckets.
 
-Cost (bench/redis_bench.py; INFO commandstats): with ~16 bucket keys per message, a lookup is ~16
-ZRANGEBYSCORE calls inside the script plus ~0.2 µs per bucket member returned, an insert ~16 ZADD and
-PEXPIRE calls; most of that is Redis's per-call cost of `redis.call`, not Lua work, and it is the
-floor of this layout. The client side (hiredis parsing and packing, one command per chunk) is small.
+Cost (bench/redis_bench.py; INFO commandstats; perf on redis-server): a lookup is one EXISTS over the
+query's bucket keys (fewer existing buckets than the query's `min_shared` floor cannot yield a
+candidate: the pigeonhole exit of `MemoryIndex`, which skips most queries) and otherwise one
+ZRANGEBYSCORE per key plus ~0.2 µs per bucket member returned; the chunk's own-entry checks are one
+MGET. An insert is ~16 ZADD and PEXPIRE calls: creating a key with a TTL is the dearest thing Redis
+does here, and one key per bucket is this layout's floor. Per short message Redis spends ≈ 50-60 µs
+of CPU (key creation and dict lookups ≈ 1/3, the Lua VM ≈ 1/3, allocation); the client side
+(hiredis parsing and packing, one command per chunk) is small.
 
 Cluster. `redis+cluster://` / `rediss+cluster://` use `RedisCluster`. Because every script touches
 keys of one namespace only, and all of them carry the same hash tag, each script runs on one slot:
@@ -201,14 +205,19 @@ local function lower_bound(horizon)  -- ZRANGEBYSCORE's min for "inside the wind
   if horizon < MIN_TS then horizon = MIN_TS end
   return string.format('%.17g', horizon)
 end
+-- The bucket key names of `keys` (16 hex digits each, concatenated).
+local function bucket_names(bpre, keys)
+  local names = {}
+  for p = 1, #keys, 16 do names[#names + 1] = bpre .. string.sub(keys, p, p + 15) end
+  return names
+end
 -- `bucket_ok(key)` may skip a whole bucket and `member_ok(member)` a member; nil skips nothing.
-local function gather(bpre, keys, lo, bucket_ok, member_ok)
+local function gather(names, lo, bucket_ok, member_ok)
   local count, first, members, n = {}, {}, {}, 0
-  for p = 1, #keys, 16 do
-    local bkey = bpre .. string.sub(keys, p, p + 15)
+  for k = 1, #names do
+    local bkey = names[k]
     if not bucket_ok or bucket_ok(bkey) then
       local rows = redis.call('ZRANGEBYSCORE', bkey, lo, '+inf')
-      local k = (p + 15) / 16
       for j = 1, #rows do
         local m = rows[j]
         local c = count[m]
@@ -279,6 +288,9 @@ local state = redis.call('HMGET', KEYS[1], 'seq', 'hwm')
 if state[2] and tonumber(state[2]) > hwm then hwm = tonumber(state[2]) end
 local out = {state[1] or '0'}
 local horizon, lo = nil, nil
+local entry_names = {}  -- the queries' own entries (a replay), read with one MGET
+for i = 6, #ARGV, 4 do entry_names[#entry_names + 1] = epre .. ARGV[i] end
+local owns = #entry_names > 0 and redis.call('MGET', unpack(entry_names)) or {}
 for i = 6, #ARGV, 4 do
   local id = ARGV[i]
   local ts = tonumber(ARGV[i + 1])
@@ -288,10 +300,16 @@ for i = 6, #ARGV, 4 do
     lo = lower_bound(horizon)
   end
   local reply = {false}
-  local own = redis.call('GET', epre .. id)
+  local own = owns[(i - 2) / 4]
   if own and struct.unpack('<d', own, 2) >= horizon then reply[1] = own end
-  local members, count, first = gather(bpre, ARGV[i + 3], lo)
-  out[#out + 1] = emit(reply, members, count, first, tonumber(ARGV[i + 2]), ':' .. id, limit, epre)
+  local names = bucket_names(bpre, ARGV[i + 3])
+  local min_shared = tonumber(ARGV[i + 2])
+  local members, count, first = {}, {}, {}
+  -- Pigeonhole, as MemoryIndex: fewer existing buckets than the floor, no candidate (most queries).
+  if #names > 0 and redis.call('EXISTS', unpack(names)) >= min_shared then
+    members, count, first = gather(names, lo)
+  end
+  out[#out + 1] = emit(reply, members, count, first, min_shared, ':' .. id, limit, epre)
 end
 return out
 """
@@ -363,7 +381,7 @@ for i = 9, #ARGV, 5 do
           local s = tonumber(string.sub(m, 1, 16), 16)
           return s > mark and not is_own(s)
         end
-        local members, count, first = gather(bpre, keys, lower_bound(horizon), bucket_ok, member_ok)
+        local members, count, first = gather(bucket_names(bpre, keys), lower_bound(horizon), bucket_ok, member_ok)
         emit(conflicts, members, count, first, 1, ':' .. id, #members, epre)
       end
       if #conflicts > 0 then
@@ -374,8 +392,7 @@ for i = 9, #ARGV, 5 do
         local sentinel = string.format('%d', MIN_TS - seq)
         local floor = '(' .. string.format('%.17g', horizon)
         redis.call('SET', ekey, blob, 'PX', ttl)
-        for p = 1, #keys, 16 do
-          local bkey = bpre .. string.sub(keys, p, p + 15)
+        for _, bkey in ipairs(bucket_names(bpre, keys)) do
           -- 2 new members: the bucket is new, and has nothing to trim. Else drop what left the window
           -- and keep the sentinel (rank 0) and the `cap` newest entries.
           if redis.call('ZADD', bkey, sentinel, SENTINEL, ts_arg, member) < 2 then
