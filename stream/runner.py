@@ -1,7 +1,9 @@
 """Batch routing: decode raw records, ask the filter, and say where each record goes; plus the file/stdin loop.
 
 `route_batch` is the pure "process a batch" step shared by `neardup filter` and the Kafka worker: every
-input record comes back as exactly one `Routed` (unique, duplicate or rejected), in input order.
+input record comes back as exactly one `Routed` (unique, duplicate or rejected), in input order. On a
+shared index it overlaps fingerprinting with the index's round trips (`check_overlapped`), with the
+same verdicts.
 """
 
 from __future__ import annotations
