@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from filters.config import FilterConfig
 from filters.fingerprint import Fingerprint, Fingerprinter, hamming, key_method, minhash_jaccard
 from filters.index import Candidate, CandidateIndex, Entry, MemoryIndex, Query, open_index
-from filters.sketch import Probe
+from filters.sketch import Probe, size_ratio
 
 _MAX_INSERT_ROUNDS = 8
 
@@ -216,10 +216,9 @@ class NearDupFilter:
         jaccard, containment_a, containment_b = (probe or Probe(fp.sketch, size_a)).estimates(entry.sketch, size_b)
         if jaccard >= cfg.threshold:
             return Match(True, jaccard, method)
-        containment = max(containment_a, containment_b)  # of the smaller text in the larger
-        small, large = min(size_a, size_b), max(size_a, size_b, 1)
-        if containment >= cfg.containment and small / large >= cfg.containment_min_ratio \
-                and small >= cfg.containment_min_size:
+        containment = max(containment_a, containment_b)  # of the smaller text in the larger (Overlap's)
+        if containment >= cfg.containment and size_ratio(size_a, size_b) >= cfg.containment_min_ratio \
+                and min(size_a, size_b) >= cfg.containment_min_size:
             return Match(True, containment, method)
         return Match(False, max(jaccard, containment), method)
 

@@ -369,6 +369,7 @@ for i = 9, #ARGV, 5 do
     local horizon = hwm - window
     if ts >= horizon then  -- else it is already outside the window and could never match
       local conflicts = {}
+      local names = bucket_names(bpre, keys)
       if mark ~= '' and foreign_since(tonumber(mark)) then
         -- Look into the buckets whose last insert (the sentinel) is newer than the watermark, at the
         -- members that others inserted after it.
@@ -381,7 +382,7 @@ for i = 9, #ARGV, 5 do
           local s = tonumber(string.sub(m, 1, 16), 16)
           return s > mark and not is_own(s)
         end
-        local members, count, first = gather(bucket_names(bpre, keys), lower_bound(horizon), bucket_ok, member_ok)
+        local members, count, first = gather(names, lower_bound(horizon), bucket_ok, member_ok)
         emit(conflicts, members, count, first, 1, ':' .. id, #members, epre)
       end
       if #conflicts > 0 then
@@ -392,7 +393,7 @@ for i = 9, #ARGV, 5 do
         local sentinel = string.format('%d', MIN_TS - seq)
         local floor = '(' .. string.format('%.17g', horizon)
         redis.call('SET', ekey, blob, 'PX', ttl)
-        for _, bkey in ipairs(bucket_names(bpre, keys)) do
+        for _, bkey in ipairs(names) do
           -- 2 new members: the bucket is new, and has nothing to trim. Else drop what left the window
           -- and keep the sentinel (rank 0) and the `cap` newest entries.
           if redis.call('ZADD', bkey, sentinel, SENTINEL, ts_arg, member) < 2 then

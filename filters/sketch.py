@@ -36,7 +36,12 @@ class Overlap:
 
     @property
     def size_ratio(self) -> float:
-        return min(self.size_a, self.size_b) / max(self.size_a, self.size_b, 1)
+        return size_ratio(self.size_a, self.size_b)
+
+
+def size_ratio(size_a: int, size_b: int) -> float:
+    """The smaller shingle count over the larger (0 when both are empty)."""
+    return min(size_a, size_b) / max(size_a, size_b, 1)
 
 
 class Probe:

@@ -141,10 +141,13 @@ class TimedFilter:
 
     def __init__(self, nd: NearDupFilter) -> None:
         self.nd = nd
-        self.index = nd.index
         self.fingerprinter = self  # `fingerprint_batch` below, timed
         self.fingerprint = 0.0
         self.decided = 0.0  # seconds in `decide`: the index stage
+
+    @property
+    def index(self) -> CandidateIndex:
+        return self.nd.index
 
     def fingerprint_batch(self, texts: Sequence[str]) -> list[Fingerprint]:
         t0 = time.perf_counter()

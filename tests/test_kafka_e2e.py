@@ -87,6 +87,18 @@ async def until_every_source(settings: Settings, count: int, timeout: float) -> 
     return got
 
 
+def serve_until_every_source(settings: Settings, count: int) -> tuple[list[KafkaRecord], int | None, str]:
+    """A fresh `neardup serve` until every source record has an output, then stopped: (outputs, exit code,
+    stderr)."""
+    proc = start_serve(settings)
+    try:
+        got = asyncio.run(until_every_source(settings, count, timeout=30))
+        alive(proc)
+    finally:
+        err = stop(proc)
+    return got, proc.returncode, err
+
+
 def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> str:
     proc.send_signal(sig)
     try:
@@ -181,13 +193,8 @@ def test_killed_mid_run_and_restarted_routes_everything(kafka_bootstrap: str, in
     first = asyncio.run(outputs(settings, len(lines), timeout=1))
     assert 0 < len(first) < len(lines), "the worker was not killed mid-run"
 
-    proc = start_serve(settings)
-    try:
-        got = asyncio.run(until_every_source(settings, len(lines), timeout=30))
-        alive(proc)
-    finally:
-        err = stop(proc)
-    assert proc.returncode == 0, err[-3000:]
+    got, returncode, err = serve_until_every_source(settings, len(lines))
+    assert returncode == 0, err[-3000:]
     check_against_reference(got, lines, settings, exactly_once=False)
 
 
@@ -207,10 +214,5 @@ def test_sigterm_mid_run_finishes_the_batch_and_commits(kafka_bootstrap: str, in
     first = asyncio.run(outputs(settings, len(lines), timeout=1))
     assert 0 < len(first) < len(lines), "the worker was not stopped mid-run"
 
-    proc = start_serve(settings)
-    try:
-        got = asyncio.run(until_every_source(settings, len(lines), timeout=30))
-        alive(proc)
-    finally:
-        stop(proc)
+    got, _, _ = serve_until_every_source(settings, len(lines))
     check_against_reference(got, lines, settings, exactly_once=True)
