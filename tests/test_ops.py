@@ -643,6 +643,15 @@ def ranked_ids(screen: str) -> list[str]:
     return [line.split()[6] for line in screen.splitlines() if re.match(r"\s+\d+ ", line)]
 
 
+def drawn(count: int) -> Callable[[list[str]], bool]:
+    """Until `count` screens are on the terminal, the last one whole: as many ranked rows as its header
+    counts clusters (a read can end in the middle of a redraw)."""
+    def whole(screens: list[str]) -> bool:
+        clusters = re.search(r"(\d+) duplicate clusters", screens[-1]) if len(screens) >= count else None
+        return clusters is not None and len(ranked_ids(screens[-1])) == int(clusters[1])
+    return whole
+
+
 @contextlib.contextmanager
 def top_in_terminal(*args: str) -> Iterator[tuple[Terminal, subprocess.Popen[bytes]]]:
     term = Terminal()
@@ -664,7 +673,7 @@ def test_top_keys_change_the_sort_under_a_terminal_and_q_restores_it() -> None:
     redraws at once (the interval is a minute) by growth; `q` exits 0 and the terminal's settings are
     the ones it had before (echo and line mode back), the cursor shown again."""
     with serving(wave_store()) as base, top_in_terminal("--from", base, "--interval", "60") as (term, proc):
-        first = term.read_until(lambda screens: any(ranked_ids(s) for s in screens))[-1]
+        first = term.read_until(drawn(1))[-1]
         header = first.splitlines()[0]
         assert "sorted by size" in header and "2 duplicate clusters" in header
         assert "[s]ize [g]rowth [l]ast seen [r]efresh [q]uit" in header
@@ -675,7 +684,7 @@ def test_top_keys_change_the_sort_under_a_terminal_and_q_restores_it() -> None:
         assert term.saved[3] & termios.ICANON and term.saved[3] & termios.ECHO
 
         os.write(term.master, b"g")
-        screens = term.read_until(lambda screens: len(screens) > 1)
+        screens = term.read_until(drawn(2))
         assert len(screens) == 2  # one redraw, from the key
         second = screens[-1]
         assert "sorted by growth" in second.splitlines()[0]
@@ -695,7 +704,7 @@ def test_top_keys_change_the_sort_under_a_terminal_and_q_restores_it() -> None:
 @pytest.mark.parametrize(("signum", "status"), [(signal.SIGINT, 0), (signal.SIGTERM, 128 + signal.SIGTERM)])
 def test_top_restores_the_terminal_on_ctrl_c_and_sigterm(signum: int, status: int) -> None:
     with serving(wave_store()) as base, top_in_terminal("--from", base, "--sort", "last") as (term, proc):
-        screen = term.read_until(lambda screens: any(ranked_ids(s) for s in screens))[-1]
+        screen = term.read_until(drawn(1))[-1]
         assert "sorted by last seen" in screen and ranked_ids(screen) == ["fast", "big"]
         assert not term.lflags() & termios.ICANON
         proc.send_signal(signum)
