@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from filters.config import FilterConfig
-from filters.fingerprint import Fingerprint, Fingerprinter, hamming, key_method, minhash_jaccard
+from filters.fingerprint import METHOD_NAMES, Fingerprint, Fingerprinter, hamming, key_method, minhash_jaccard
 from filters.index import Candidate, CandidateIndex, Entry, MemoryIndex, Query, open_index
 from filters.sketch import Probe, size_ratio
 
@@ -66,18 +66,28 @@ class NearDupFilter:
         config: FilterConfig | None = None,
         index: CandidateIndex | str = "memory://",
         clock: Callable[[], float] = time.time,
+        native: bool | None = None,
     ) -> None:
+        """`native`: use the compiled core (`filters._native`) if it was built (None), require it (True),
+        or run the numpy/Python reference (False). The verdicts are the same."""
         self.config = config or FilterConfig()
-        self.fingerprinter = Fingerprinter(self.config)
+        self.fingerprinter = Fingerprinter(self.config, native)
         if isinstance(index, str):
             index = open_index(
                 index, window=self.config.window, bucket_cap=self.config.bucket_cap,
-                namespace=self.config.digest(),
+                namespace=self.config.digest(), native=native,
             )
         self.index = index
         self.clock = clock
         self._auto_id = 0
         self._floors: dict[int, int] = {}
+        cfg = self.config
+        # The whole batch in the compiled table (`Table.decide`): what `_decide_local` does, message by
+        # message, for an embedded compiled index, sketch verification and exact/mgram bucket keys.
+        self._batch_in_table = (
+            isinstance(index, MemoryIndex) and index.native and self.fingerprinter.native
+            and cfg.verify == "sketch" and set(cfg.methods) <= {"exact", "mgram"}
+        )
 
     # -- public API --------------------------------------------------------------------------
     def check(self, text: str, id: str | None = None, ts: float | None = None) -> Verdict:
@@ -92,6 +102,13 @@ class NearDupFilter:
     def check_batch(self, messages: Sequence[Message]) -> list[Verdict]:
         if not messages:
             return []
+        if self._batch_in_table:
+            cfg = self.config
+            hashed = self.fingerprinter.shingle([m.text for m in messages])
+            return self.index.table.decide(  # type: ignore[attr-defined, no-any-return]
+                [m.id for m in messages], [m.ts for m in messages], hashed, cfg.min_shared,
+                cfg.max_candidates, cfg.threshold, cfg.containment, cfg.containment_min_ratio,
+                cfg.containment_min_size, METHOD_NAMES, Verdict)
         fps = self.fingerprinter.fingerprint_batch([m.text for m in messages])
         return self.decide(messages, fps)
 
@@ -136,7 +153,7 @@ class NearDupFilter:
         queries = [self._query(m, fp) for m, fp in zip(messages, fps)]
         looked = self.index.lookup(queries, cfg.max_candidates)
         verdicts: list[Verdict] = []
-        batch_local = MemoryIndex(cfg.window, cfg.bucket_cap)
+        batch_local = MemoryIndex(cfg.window, cfg.bucket_cap, native=self.fingerprinter.native)
         pending: dict[int, Entry] = {}
         for i, (msg, fp) in enumerate(zip(messages, fps)):
             own, remote = looked[i]

@@ -18,17 +18,25 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import mmh3
 import numpy as np
 
 from filters.config import FilterConfig
+from filters.errors import ConfigError
 from filters.normalize import Normalizer
 from filters.shingles import Batch, mix64
+
+try:  # the compiled core; absent when it could not be built at install time (no C++ compiler)
+    from filters import _native
+except ImportError:  # pragma: no cover - exercised on machines without a compiler
+    _native = None  # type: ignore[assignment]
 
 TAG_SHIFT = 60
 TAGS = {"exact": 1, "mgram": 2, "simhash": 3, "minhash": 4, "sentences": 5}
 METHOD_OF_TAG = {v: k for k, v in TAGS.items()}
+METHOD_NAMES = tuple(METHOD_OF_TAG.get(tag, "?") for tag in range(16))  # by tag: what `key_method` says
 _LOW60 = (1 << TAG_SHIFT) - 1
 _EXACT_TAG = TAGS["exact"] << TAG_SHIFT
 _TAG_ROOM = np.uint64(64 - TAG_SHIFT)
@@ -51,7 +59,7 @@ class Fingerprint:
 
 
 def key_method(key: int) -> str:
-    return METHOD_OF_TAG.get(key >> TAG_SHIFT, "?")
+    return METHOD_NAMES[key >> TAG_SHIFT] if 0 <= key < 1 << 64 else "?"
 
 
 def _tagged(tag: str, value: int) -> int:
@@ -63,25 +71,49 @@ def hamming(a: int, b: int) -> int:
 
 
 class Fingerprinter:
-    """Turns raw texts into `Fingerprint`s for one `FilterConfig`; pure and deterministic."""
+    """Turns raw texts into `Fingerprint`s for one `FilterConfig`; pure and deterministic.
 
-    def __init__(self, config: FilterConfig) -> None:
+    The n-gram stage (exact hash, sketch, m-gram sample) runs in the compiled core when it was built
+    (`native=None`: if available; `True`: required), else in numpy: the same values either way."""
+
+    def __init__(self, config: FilterConfig, native: bool | None = None) -> None:
         self.config = config
         self.normalizer = Normalizer(config.normalize)
         c = config
         self._methods = frozenset(c.methods)
+        if native and _native is None:
+            raise ConfigError("the compiled core filters._native was not built: reinstall with a C++ compiler")
+        self.native = _native is not None if native is None else native
         if "minhash" in self._methods:
             rng = np.random.Generator(np.random.PCG64(c.seed))
             self._perm_a = rng.integers(1, 2**63, size=c.minhash_perm, dtype=np.uint64) | np.uint64(1)
             self._perm_b = rng.integers(0, 2**63, size=c.minhash_perm, dtype=np.uint64)
         self._simhash_bits = np.arange(64, dtype=np.uint64)
+        methods = [m for m in c.methods if m in ("exact", "mgram")]
+        self._exact_at = methods.index("exact") if "exact" in methods else -1
 
     def fingerprint(self, text: str) -> Fingerprint:
         return self.fingerprint_batch([text])[0]
 
-    def fingerprint_batch(self, texts: Sequence[str]) -> list[Fingerprint]:
+    def shingle(self, texts: Sequence[str]) -> Any:
+        """The compiled core's hashed batch (`filters._native.Shingled`) of raw texts: what the compiled
+        table's `decide` reads, with no `Fingerprint` per message. Needs `native`."""
         c = self.config
         normalized = self.normalizer.normalize_batch([t[: c.max_chars] for t in texts])
+        return self._shingled(normalized)
+
+    def _shingled(self, normalized: list[str]) -> Any:
+        c = self.config
+        target = c.mgram_keys if "mgram" in self._methods else 0
+        return _native.shingle(normalized, c.shingle, c.sketch_size, c.mgram, target, c.seed,
+                               self._exact_at, "mgram" in self._methods)
+
+    def _hashed(self, normalized: list[str]) -> tuple[list[int], list[int], list[np.ndarray], list[int], list[int]]:
+        """Per text: exact hash, shingle count, sketch; and the m-gram keys end to end with their bounds."""
+        c = self.config
+        if self.native:
+            done = self._shingled(normalized)
+            return (done.exacts(), done.sizes(), done.sketches(), *done.mgram_keys())
         batch = Batch(normalized, max(c.shingle, c.mgram), c.seed)
         sketches = batch.sketches(c.shingle, c.sketch_size)
         mgram_keys: list[int] = []
@@ -90,18 +122,23 @@ class Fingerprinter:
             grams, bounds = batch.samples(c.mgram, c.mgram_keys)
             mgram_keys = ((grams >> _TAG_ROOM) | _MGRAM_TAG).tolist()
             mgram_bounds = bounds.tolist()
+        seed32 = c.seed & 0xFFFFFFFF
+        exacts = [mmh3.hash128(norm.encode("utf-8", "surrogatepass"), seed=seed32) for norm in normalized]
+        return exacts, sketches.sizes, [h.copy() for h in sketches.hashes], mgram_keys, mgram_bounds
+
+    def fingerprint_batch(self, texts: Sequence[str]) -> list[Fingerprint]:
+        c = self.config
+        normalized = self.normalizer.normalize_batch([t[: c.max_chars] for t in texts])
+        exacts, sizes, sketches, mgram_keys, mgram_bounds = self._hashed(normalized)
         features: list[np.ndarray] = []
         if "simhash" in self._methods or "minhash" in self._methods:
             # simhash and minhash see every shingle (weighted by its count), not only the sketch.
-            values, _, counts = batch.ngrams(c.shingle)
+            values, _, counts = Batch(normalized, c.shingle, c.seed).ngrams(c.shingle)
             bounds = np.concatenate(([0], np.cumsum(counts)))
             features = [values[bounds[j] : bounds[j + 1]] for j in range(len(normalized))]
         out = []
-        seed32 = c.seed & 0xFFFFFFFF
-        hash128 = mmh3.hash128
-        all_hashes, sizes = sketches.hashes, sketches.sizes
         for i, norm in enumerate(normalized):
-            exact = hash128(norm.encode("utf-8", "surrogatepass"), seed=seed32)
+            exact = exacts[i]
             keys: list[int] = []
             simhash = minhash = None
             sentences: frozenset[int] = frozenset()
@@ -120,7 +157,7 @@ class Fingerprinter:
                     sentences = self._sentences(texts[i][: c.max_chars])
                     keys.extend(_tagged("sentences", s) for s in sentences)
             # Positional: this runs once per message, and keywords cost a dataclass __init__ more.
-            out.append(Fingerprint(norm, exact, sizes[i], all_hashes[i].copy(), tuple(dict.fromkeys(keys)),
+            out.append(Fingerprint(norm, exact, sizes[i], sketches[i], tuple(dict.fromkeys(keys)),
                                    simhash, minhash, sentences))
         return out
 

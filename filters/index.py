@@ -25,6 +25,11 @@ import numpy as np
 from filters.errors import ConfigError
 from filters.fingerprint import Fingerprint
 
+try:  # the compiled core; absent when it could not be built at install time (no C++ compiler)
+    from filters import _native
+except ImportError:  # pragma: no cover - exercised on machines without a compiler
+    _native = None  # type: ignore[assignment]
+
 
 @dataclass(frozen=True, slots=True, eq=False)
 class Entry:
@@ -90,8 +95,35 @@ class CandidateIndex(Protocol):
 _BY_SHARED_THEN_NEWEST = itemgetter(1, 0)
 
 
-class MemoryIndex:
-    """Dict-of-buckets index for one process. Memory is freed as the window slides.
+class Table(Protocol):
+    """The storage under `MemoryIndex`, by sequence number (the order of insertion). Two implementations
+    behave identically: `PyTable` below (the reference) and `filters._native.Table` (compiled, used
+    when it was built; tests/test_native.py holds them to the same answers)."""
+
+    window: float
+    bucket_cap: int
+    evicted_by_cap: int
+
+    def __len__(self) -> int: ...
+
+    def lookup(self, id: str, ts: float, keys: tuple[int, ...], floor: int,
+               limit: int) -> tuple[int, list[tuple[int, int, int]]]:
+        """(seq of the live entry stored under `id`, or 0; [(seq, shared keys, first key)] as `MemoryIndex.lookup_keys`)."""
+        ...
+
+    def insert(self, entry: Entry, keys: tuple[int, ...]) -> bool: ...
+
+    def get(self, seq: int) -> Entry: ...
+
+    def seqs(self) -> list[int]: ...
+
+    def expire(self, now: float) -> int: ...
+
+    def stats(self) -> dict[str, int]: ...
+
+
+class PyTable:
+    """The memory index's storage in Python: dict of buckets, entries by seq, an expiry heap.
 
     Most buckets hold one representative (m-gram keys of unique texts rarely repeat), so a bucket is a
     bare sequence number until a second entry arrives, and a list sorted by (event time, seq) after.
@@ -115,23 +147,20 @@ class MemoryIndex:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | None, list[Candidate]]]:
-        return [self.lookup_one(q, limit) for q in queries]
+    def get(self, seq: int) -> Entry:
+        return self._entries[seq]
 
-    def lookup_one(self, q: Query, limit: int) -> tuple[Entry | None, list[Candidate]]:
-        return self.lookup_keys(q.id, q.ts, q.keys, q.min_shared, limit)
+    def seqs(self) -> list[int]:
+        return list(self._entries)
 
-    def lookup_keys(self, id: str, ts: float, keys: tuple[int, ...], floor: int,
-                    limit: int) -> tuple[Entry | None, list[Candidate]]:
-        """`lookup_one` without the `Query` record: the embedded engine's hot path."""
+    def lookup(self, id: str, ts: float, keys: tuple[int, ...], floor: int,
+               limit: int) -> tuple[int, list[tuple[int, int, int]]]:
         if ts > self._watermark:
             self._advance(ts)
-        own = self._by_id.get(id)
-        entries = self._entries
-        own_entry = entries[own] if own is not None else None
+        own = self._by_id.get(id, 0)
         hits = list(filter(None, map(self._buckets.get, keys)))  # buckets are never empty (nor seq 0)
         if len(hits) < floor:
-            return own_entry, []  # nothing can share `floor` keys with it
+            return own, []  # nothing can share `floor` keys with it
         flat: list[int] = []
         for bucket in hits:
             if bucket.__class__ is int:
@@ -139,27 +168,27 @@ class MemoryIndex:
             else:
                 flat.extend(bucket)  # type: ignore[arg-type]
         counts = Counter(flat)
-        if own is not None:
+        if own:
             counts.pop(own, None)
         if floor <= 1:
             items = list(counts.items())
         elif len(counts) == len(flat):
-            return own_entry, []  # every entry was in one bucket only
+            return own, []  # every entry was in one bucket only
         else:
             items = [i for i in counts.items() if i[1] >= floor]
         if not items:
-            return own_entry, []
+            return own, []
         items.sort(key=_BY_SHARED_THEN_NEWEST, reverse=True)  # most shared keys first, then the newest
         oldest = ts - self.window
+        entries = self._entries
         out = []
         for seq, shared in items:
-            entry = entries[seq]
-            if entry.ts < oldest:
+            if entries[seq].ts < oldest:
                 continue
-            out.append(Candidate(entry, shared, self._first_key(keys, seq)))
+            out.append((seq, shared, self._first_key(keys, seq)))
             if len(out) >= limit:
                 break
-        return own_entry, out
+        return own, out
 
     def _first_key(self, keys: tuple[int, ...], seq: int) -> int:
         """The first key whose bucket holds `seq` (not merely one of its keys: the cap may have evicted it)."""
@@ -170,20 +199,14 @@ class MemoryIndex:
                 return key
         raise AssertionError(f"entry {seq} was counted but is in none of the query's buckets")
 
-    def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]:
-        for entry, keys in entries:
-            self.insert_one(entry, keys)
-        return [None] * len(entries)
-
-    def insert_one(self, entry: Entry, keys: tuple[int, ...]) -> None:
-        """`insert` of one entry (never a conflict here): the embedded engine's hot path."""
+    def insert(self, entry: Entry, keys: tuple[int, ...]) -> bool:
         if entry.id in self._by_id:
-            return
+            return False
         ts = entry.ts
         if ts > self._watermark:
             self._advance(ts)
         if ts < self._watermark - self.window:
-            return  # already outside the window: it could never match anything
+            return False  # already outside the window: it could never match anything
         self._seq += 1
         seq = self._seq
         self._entries[seq] = entry
@@ -197,7 +220,7 @@ class MemoryIndex:
         buckets = self._buckets
         held = list(map(buckets.setdefault, keys, repeat(seq)))
         if held.count(seq) == len(keys):
-            return
+            return True
         cap = self.bucket_cap
         for key, bucket in zip(keys, held):
             if bucket is seq:
@@ -214,6 +237,7 @@ class MemoryIndex:
                 self.evicted_by_cap += 1
                 if len(bucket) == 1:  # type: ignore[arg-type]
                     buckets[key] = bucket[0]  # type: ignore[index]
+        return True
 
     def _age(self, seq: int) -> tuple[float, int]:
         return self._entries[seq].ts, seq
@@ -262,18 +286,94 @@ class MemoryIndex:
             "evicted_by_cap": self.evicted_by_cap,
         }
 
+
+def _made_entry(id: str, ts: float, exact: int, size: int, sketch: np.ndarray) -> Entry:
+    """An `Entry` of what the compiled table stored for a message its `decide` indexed."""
+    return Entry(id, ts, exact, size, sketch)
+
+
+def native_available() -> bool:
+    """Whether the compiled core (`filters._native`) was built at install time."""
+    return _native is not None
+
+
+def make_table(window: float, bucket_cap: int, native: bool | None = None) -> Table:
+    """The compiled table when it was built (or `native=True`, which requires it), else `PyTable`."""
+    if native is None:
+        native = _native is not None
+    if native:
+        if _native is None:
+            raise ConfigError("the compiled core filters._native was not built: reinstall with a C++ compiler")
+        return _native.Table(float(window), int(bucket_cap), _made_entry)  # type: ignore[no-any-return]
+    return PyTable(window, bucket_cap)
+
+
+class MemoryIndex:
+    """The embedded index: one process, nothing else writes to it. Memory is freed as the window slides.
+
+    Its storage is a `Table`: the compiled one when it was built, else `PyTable`; both answer alike.
+    """
+
+    def __init__(self, window: float, bucket_cap: int = 64, *, native: bool | None = None) -> None:
+        self.window = window
+        self.bucket_cap = bucket_cap
+        self.table = make_table(window, bucket_cap, native)
+
+    @property
+    def native(self) -> bool:
+        return not isinstance(self.table, PyTable)
+
+    @property
+    def evicted_by_cap(self) -> int:
+        return self.table.evicted_by_cap
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | None, list[Candidate]]]:
+        return [self.lookup_one(q, limit) for q in queries]
+
+    def lookup_one(self, q: Query, limit: int) -> tuple[Entry | None, list[Candidate]]:
+        return self.lookup_keys(q.id, q.ts, q.keys, q.min_shared, limit)
+
+    def lookup_keys(self, id: str, ts: float, keys: tuple[int, ...], floor: int,
+                    limit: int) -> tuple[Entry | None, list[Candidate]]:
+        """`lookup_one` without the `Query` record: the engine's per-message path."""
+        own, found = self.table.lookup(id, ts, keys, floor, limit)
+        get = self.table.get
+        return (get(own) if own else None), [Candidate(get(seq), shared, key) for seq, shared, key in found]
+
+    def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]:
+        for entry, keys in entries:
+            self.insert_one(entry, keys)
+        return [None] * len(entries)
+
+    def insert_one(self, entry: Entry, keys: tuple[int, ...]) -> None:
+        """`insert` of one entry (never a conflict here). A key given twice counts once."""
+        self.table.insert(entry, tuple(dict.fromkeys(keys)))
+
+    def expire(self, now: float) -> int:
+        return self.table.expire(now)
+
+    def stats(self) -> dict[str, int]:
+        return self.table.stats()
+
     def entries(self) -> Iterable[Entry]:
-        return iter(self._entries.values())
+        get = self.table.get
+        return (get(seq) for seq in self.table.seqs())
 
     def close(self) -> None:
         pass
 
 
-def open_index(url: str, *, window: float, bucket_cap: int, namespace: str) -> CandidateIndex:
-    """`memory://` or `redis://[:password@]host:port/db` / `rediss://...` (TLS) / `redis+cluster://`."""
+def open_index(url: str, *, window: float, bucket_cap: int, namespace: str,
+               native: bool | None = None) -> CandidateIndex:
+    """`memory://` or `redis://[:password@]host:port/db` / `rediss://...` (TLS) / `redis+cluster://`.
+
+    `native` picks the memory index's table (see `make_table`)."""
     scheme = urlparse(url).scheme
     if scheme == "memory":
-        return MemoryIndex(window, bucket_cap)
+        return MemoryIndex(window, bucket_cap, native=native)
     if scheme in ("redis", "rediss", "redis+cluster", "rediss+cluster", "unix"):
         from filters.redis_index import RedisIndex  # the one backend that does I/O; loaded on demand
 

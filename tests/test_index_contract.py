@@ -35,16 +35,17 @@ def drop_namespace(url: str, prefix: str) -> None:
             client.delete(*keys[at : at + 500])
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "memory-python", "redis"])
 def make_index(request: pytest.FixtureRequest) -> Iterator[MakeIndex]:
-    """A factory of fresh, empty indexes of one backend (Redis: a fresh prefix, cleaned up after)."""
+    """A factory of fresh, empty indexes of one backend (Redis: a fresh prefix, cleaned up after).
+    `memory` is the embedded index on its compiled table, `memory-python` on the reference `PyTable`."""
     made: list[CandidateIndex] = []
     prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
     url = request.getfixturevalue("redis_url") if request.param == "redis" else ""
 
     def make(window: float = 100.0, bucket_cap: int = 4) -> CandidateIndex:
-        if request.param == "memory":
-            return MemoryIndex(window, bucket_cap)
+        if request.param.startswith("memory"):
+            return MemoryIndex(window, bucket_cap, native=request.param == "memory")
         from filters.redis_index import RedisIndex
 
         index = RedisIndex(with_query(url, prefix=prefix), window=window, bucket_cap=bucket_cap,

@@ -1,0 +1,1039 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+# distutils: language = c++
+"""The compiled hot path of the embedded filter: n-gram sketches, m-gram samples, the exact hash, and the
+memory index's table with its look up → verify → insert loop.
+
+Everything here computes bit for bit what the numpy/Python reference computes (`filters/shingles.py`,
+`filters/index.py` `PyTable`, `filters/engine.py` verification); `tests/test_native.py` proves it on
+the development stream and with hypothesis. The reference stays the specification and the fallback
+where no compiler was available at install time.
+
+Why compiled: per short message the reference spends ≈ 30 µs in Python bookkeeping (a `Fingerprint`, a
+`Counter`, `Candidate` and `Entry` records, dict probes); the work itself is ≈ 2 µs of hashing and a
+few hundred memory reads. Memory comes from `PyMem_Malloc`, so tracemalloc (bench/filter_bench.py) sees it.
+"""
+
+from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
+from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
+from libc.math cimport ceil, rint
+from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
+from libc.string cimport memcpy, memmove, memset
+from libcpp.algorithm cimport sort as cpp_sort
+
+import builtins
+
+import numpy as np
+
+py_round = builtins.round  # verdicts carry Python's round(similarity, 4), digit for digit
+
+cdef extern from "Python.h":
+    const char *PyUnicode_AsUTF8AndSize(object unicode, Py_ssize_t *size) except NULL
+
+
+# --- hashing --------------------------------------------------------------------------------------
+
+cdef uint64_t MUL = 0x9E3779B97F4A7C15ULL
+cdef uint32_t PAD = 0x100000  # the pad code point of shingles.Batch: texts shorter than n still give one n-gram
+cdef int HASH_BITS = 44  # shingles._HASH_BITS: sketch precision before the top 32 bits are kept
+cdef uint64_t MGRAM_TAG = 2ULL << 60
+cdef uint64_t EXACT_TAG = 1ULL << 60
+cdef uint64_t LOW60 = (1ULL << 60) - 1
+
+
+cdef inline uint64_t mix64(uint64_t x) noexcept nogil:
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL
+    return x ^ (x >> 31)
+
+
+cdef inline uint64_t rotl64(uint64_t x, int r) noexcept nogil:
+    return (x << r) | (x >> (64 - r))
+
+
+cdef inline uint64_t fmix64(uint64_t k) noexcept nogil:
+    k ^= k >> 33
+    k *= 0xff51afd7ed558ccdULL
+    k ^= k >> 33
+    k *= 0xc4ceb9fe1a85ec53ULL
+    k ^= k >> 33
+    return k
+
+
+cdef void murmur3_128(const uint8_t *data, Py_ssize_t n, uint32_t seed, uint64_t *lo, uint64_t *hi) noexcept nogil:
+    """MurmurHash3_x64_128, as `mmh3.hash128(data, seed)`: that int is `hi << 64 | lo`."""
+    cdef uint64_t h1 = seed, h2 = seed, k1, k2
+    cdef uint64_t c1 = 0x87c37b91114253d5ULL, c2 = 0x4cf5ad432745937fULL
+    cdef Py_ssize_t nblocks = n // 16, i
+    cdef const uint8_t *tail
+    for i in range(nblocks):
+        memcpy(&k1, data + 16 * i, 8)
+        memcpy(&k2, data + 16 * i + 8, 8)
+        k1 *= c1; k1 = rotl64(k1, 31); k1 *= c2; h1 ^= k1
+        h1 = rotl64(h1, 27); h1 += h2; h1 = h1 * 5 + 0x52dce729
+        k2 *= c2; k2 = rotl64(k2, 33); k2 *= c1; h2 ^= k2
+        h2 = rotl64(h2, 31); h2 += h1; h2 = h2 * 5 + 0x38495ab5
+    tail = data + nblocks * 16
+    k1 = 0
+    k2 = 0
+    cdef int rest = n & 15
+    if rest >= 9:
+        for i in range(rest - 1, 7, -1):
+            k2 ^= (<uint64_t>tail[i]) << (8 * (i - 8))
+        k2 *= c2; k2 = rotl64(k2, 33); k2 *= c1; h2 ^= k2
+    if rest >= 1:
+        for i in range(min(rest, 8) - 1, -1, -1):
+            k1 ^= (<uint64_t>tail[i]) << (8 * i)
+        k1 *= c1; k1 = rotl64(k1, 31); k1 *= c2; h1 ^= k1
+    h1 ^= <uint64_t>n
+    h2 ^= <uint64_t>n
+    h1 += h2
+    h2 += h1
+    h1 = fmix64(h1)
+    h2 = fmix64(h2)
+    h1 += h2
+    h2 += h1
+    lo[0] = h1
+    hi[0] = h2
+
+
+def hash128(bytes data, uint32_t seed):
+    """`mmh3.hash128(data, seed)`, for the tests."""
+    cdef uint64_t lo, hi
+    murmur3_128(<const uint8_t *>(<char *>data), len(data), seed, &lo, &hi)
+    return (<object>hi) << 64 | lo
+
+
+cdef inline void ngram_hashes(const uint32_t *cps, Py_ssize_t length, int n, uint64_t seedc,
+                              uint64_t *out, Py_ssize_t count) noexcept nogil:
+    """The hash of every n-gram position of one text (`Batch.ngrams`): `cps` is followed by ≥ n - 1 pads."""
+    cdef Py_ssize_t p
+    cdef int j
+    cdef uint64_t h
+    for p in range(count):
+        h = seedc
+        for j in range(n):
+            h = (h ^ cps[p + j]) * MUL
+        out[p] = mix64(h)
+
+
+# --- the batch kernel -------------------------------------------------------------------------------
+
+cdef class Shingled:
+    """One batch of normalized texts, hashed: per text the 128-bit exact hash, the bottom-k sketch
+    (top 32 bits, sorted), the estimated number of distinct shingles, the sampled m-gram keys, and the
+    bucket keys in the configured order (exact and m-gram keys, without repeats)."""
+
+    cdef Py_ssize_t n
+    cdef uint64_t *exact_lo
+    cdef uint64_t *exact_hi
+    cdef int64_t *size
+    cdef uint32_t *sketch
+    cdef Py_ssize_t *sk_start
+    cdef uint64_t *mgram
+    cdef Py_ssize_t *mg_start
+    cdef uint64_t *keys
+    cdef Py_ssize_t *key_start
+
+    def __cinit__(self):
+        self.n = 0
+
+    def __dealloc__(self):
+        PyMem_Free(self.exact_lo); PyMem_Free(self.exact_hi); PyMem_Free(self.size)
+        PyMem_Free(self.sketch); PyMem_Free(self.sk_start); PyMem_Free(self.mgram)
+        PyMem_Free(self.mg_start); PyMem_Free(self.keys); PyMem_Free(self.key_start)
+
+    def __len__(self):
+        return self.n
+
+    def exacts(self) -> list:
+        return [(<object>self.exact_hi[i]) << 64 | self.exact_lo[i] for i in range(self.n)]
+
+    def sizes(self) -> list:
+        return [self.size[i] for i in range(self.n)]
+
+    def sketches(self) -> list:
+        """One sorted uint32 array per text (a copy each: an entry keeps only its own)."""
+        total = self.sk_start[self.n]
+        pool = np.empty(total, dtype=np.uint32)
+        cdef uint32_t[::1] view = pool
+        if total:
+            memcpy(&view[0], self.sketch, total * sizeof(uint32_t))
+        bounds = [self.sk_start[i] for i in range(self.n + 1)]
+        return [pool[bounds[i] : bounds[i + 1]].copy() for i in range(self.n)]
+
+    def mgram_keys(self) -> tuple:
+        """(every text's sampled m-gram keys end to end, bounds): text i has [bounds[i], bounds[i+1])."""
+        flat = [self.mgram[j] for j in range(self.mg_start[self.n])]
+        return flat, [self.mg_start[i] for i in range(self.n + 1)]
+
+    def bucket_keys(self) -> list:
+        return [tuple([self.keys[j] for j in range(self.key_start[i], self.key_start[i + 1])])
+                for i in range(self.n)]
+
+
+def shingle(list texts, int n, int k, int m, int target, uint64_t seed, int exact_at, bint with_mgram):
+    """Hash a batch of normalized texts (see `Shingled`): n-grams of `n` for the bottom-`k` sketch,
+    m-grams of `m` sampled to about `target` keys (none when `target` is 0), the exact hash with the
+    low 32 bits of `seed`. Bucket keys: the exact key at position `exact_at` (0 first, 1 after the
+    m-gram keys, -1 none), the m-gram keys when `with_mgram`."""
+    cdef Py_ssize_t count = len(texts), i, total_cps = 0, length, max_len = 1, mg_cap = 0, p, j, c
+    cdef Py_ssize_t width = max(n, m)
+    cdef Shingled out = Shingled()
+    cdef Py_ssize_t *cp_start = <Py_ssize_t *>PyMem_Malloc((count + 1) * sizeof(Py_ssize_t))
+    cdef Py_ssize_t *lengths = <Py_ssize_t *>PyMem_Malloc((count + 1) * sizeof(Py_ssize_t))
+    cdef const char **utf8 = <const char **>PyMem_Malloc((count + 1) * sizeof(char *))
+    cdef Py_ssize_t *utf8_len = <Py_ssize_t *>PyMem_Malloc((count + 1) * sizeof(Py_ssize_t))
+    cdef uint32_t *cps = NULL
+    cdef uint64_t *hashes = NULL
+    cdef uint64_t *kept = NULL
+    cdef Py_UCS4 ch
+    cdef str text
+    keep_alive = []  # surrogate-carrying texts' UTF-8 (surrogatepass), alive until the hashing is done
+    try:
+        if not cp_start or not lengths or not utf8 or not utf8_len:
+            raise MemoryError()
+        for i in range(count):
+            text = texts[i]
+            length = len(text)
+            lengths[i] = length
+            cp_start[i] = total_cps
+            total_cps += length + width
+            if length > max_len:
+                max_len = length
+            mg_cap += max(length - m + 1, 1)
+        cps = <uint32_t *>PyMem_Malloc((total_cps + 1) * sizeof(uint32_t))
+        hashes = <uint64_t *>PyMem_Malloc((max_len + 1) * sizeof(uint64_t))
+        kept = <uint64_t *>PyMem_Malloc((max_len + 1) * sizeof(uint64_t))
+        out.exact_lo = <uint64_t *>PyMem_Malloc((count + 1) * sizeof(uint64_t))
+        out.exact_hi = <uint64_t *>PyMem_Malloc((count + 1) * sizeof(uint64_t))
+        out.size = <int64_t *>PyMem_Malloc((count + 1) * sizeof(int64_t))
+        out.sketch = <uint32_t *>PyMem_Malloc((count * k + 1) * sizeof(uint32_t))
+        out.sk_start = <Py_ssize_t *>PyMem_Malloc((count + 1) * sizeof(Py_ssize_t))
+        out.mgram = <uint64_t *>PyMem_Malloc((mg_cap + 1) * sizeof(uint64_t))
+        out.mg_start = <Py_ssize_t *>PyMem_Malloc((count + 1) * sizeof(Py_ssize_t))
+        out.keys = <uint64_t *>PyMem_Malloc((mg_cap + count + 1) * sizeof(uint64_t))
+        out.key_start = <Py_ssize_t *>PyMem_Malloc((count + 1) * sizeof(Py_ssize_t))
+        if (not cps or not hashes or not kept or not out.exact_lo or not out.exact_hi or not out.size
+                or not out.sketch or not out.sk_start or not out.mgram or not out.mg_start or not out.keys
+                or not out.key_start):
+            raise MemoryError()
+        out.n = count
+        for i in range(count):
+            text = texts[i]
+            p = cp_start[i]
+            for ch in text:
+                cps[p] = ch
+                p += 1
+            for j in range(width):
+                cps[p + j] = PAD
+            try:
+                utf8[i] = PyUnicode_AsUTF8AndSize(text, &utf8_len[i])
+            except UnicodeEncodeError:  # lone surrogates: hashed as "surrogatepass" encodes them
+                data = text.encode("utf-8", "surrogatepass")
+                keep_alive.append(data)
+                utf8[i] = <const char *>(<bytes>data)
+                utf8_len[i] = len(<bytes>data)
+        with nogil:
+            _hash_batch(out, cps, cp_start, lengths, utf8, utf8_len, hashes, kept, n, k, m, target, seed,
+                        exact_at, with_mgram)
+        return out
+    finally:
+        PyMem_Free(cp_start); PyMem_Free(lengths); PyMem_Free(utf8); PyMem_Free(utf8_len)
+        PyMem_Free(cps); PyMem_Free(hashes); PyMem_Free(kept)
+
+
+cdef void _hash_batch(Shingled out, const uint32_t *cps, const Py_ssize_t *cp_start, const Py_ssize_t *lengths,
+                      const char **utf8, const Py_ssize_t *utf8_len, uint64_t *hashes, uint64_t *kept,
+                      int n, int k, int m, int target, uint64_t seed, int exact_at, bint with_mgram) noexcept nogil:
+    cdef uint64_t seed_n = mix64(seed + <uint64_t>n) | 1
+    cdef uint64_t seed_m = mix64(seed + <uint64_t>m) | 1
+    cdef uint32_t seed32 = <uint32_t>(seed & 0xFFFFFFFFULL)
+    cdef Py_ssize_t i, count, p, distinct, sk = 0, mg = 0, kk = 0, start, j, q
+    cdef double keep, fraction
+    cdef uint64_t limit, rate, v, exact_key
+    cdef const uint32_t *text
+    for i in range(out.n):
+        text = cps + cp_start[i]
+        # The exact fast path: 128-bit hash of the normalized text's UTF-8.
+        murmur3_128(<const uint8_t *>utf8[i], utf8_len[i], seed32, &out.exact_lo[i], &out.exact_hi[i])
+        # Bottom-k sketch (`Batch.sketches`): only hashes under a per-text limit are sorted at all.
+        count = lengths[i] - n + 1 if lengths[i] - n + 1 > 1 else 1
+        ngram_hashes(text, lengths[i], n, seed_n, hashes, count)
+        keep = (3.0 * k) / <double>count
+        if keep > 1.0:
+            keep = 1.0
+        if keep >= 1.0:
+            limit = 0xFFFFFFFFFFFFFFFFULL
+        else:
+            fraction = keep if keep < 0.999 else 0.999
+            limit = <uint64_t>(fraction * 18446744073709551616.0)
+        q = 0
+        for p in range(count):
+            if hashes[p] <= limit:
+                kept[q] = hashes[p] >> (64 - HASH_BITS)
+                q += 1
+        cpp_sort(kept, kept + q)
+        distinct = 0
+        out.sk_start[i] = sk
+        for p in range(q):
+            if p == 0 or kept[p] != kept[p - 1]:
+                if distinct < k:
+                    out.sketch[sk] = <uint32_t>(kept[p] >> (HASH_BITS - 32))
+                    sk += 1
+                distinct += 1
+        if keep >= 1.0:
+            out.size[i] = distinct
+        else:
+            out.size[i] = <int64_t>rint(<double>distinct / keep)
+        # m-gram keys (`Batch.samples`): rate 1/2^j, the smallest that leaves < 2 * target of them.
+        out.mg_start[i] = mg
+        if target > 0:
+            count = lengths[i] - m + 1 if lengths[i] - m + 1 > 1 else 1
+            ngram_hashes(text, lengths[i], m, seed_m, hashes, count)
+            rate = 1
+            while <uint64_t>count >= 2 * rate * <uint64_t>target:
+                rate *= 2
+            for p in range(count):
+                v = hashes[p]
+                if (v & (rate - 1)) == 0:
+                    out.mgram[mg] = (v >> 4) | MGRAM_TAG
+                    mg += 1
+        # Bucket keys in the configured order, first occurrence kept (`tuple(dict.fromkeys(keys))`).
+        out.key_start[i] = kk
+        start = kk
+        exact_key = EXACT_TAG | ((out.exact_lo[i] ^ out.exact_hi[i]) & LOW60)
+        if exact_at == 0:
+            out.keys[kk] = exact_key
+            kk += 1
+        if with_mgram:
+            for p in range(out.mg_start[i], mg):
+                v = out.mgram[p]
+                for j in range(start, kk):
+                    if out.keys[j] == v:
+                        break
+                else:
+                    out.keys[kk] = v
+                    kk += 1
+        if exact_at == 1:
+            for j in range(start, kk):
+                if out.keys[j] == exact_key:
+                    break
+            else:
+                out.keys[kk] = exact_key
+                kk += 1
+    out.sk_start[out.n] = sk
+    out.mg_start[out.n] = mg
+    out.key_start[out.n] = kk
+
+
+# --- sketch comparison -----------------------------------------------------------------------------
+
+cdef struct Estimates:
+    double jaccard
+    double containment_a
+    double containment_b
+
+
+cdef inline Py_ssize_t bisect_right(const uint64_t *a, Py_ssize_t n, uint64_t x) noexcept nogil:
+    cdef Py_ssize_t lo = 0, hi = n, mid
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if x < a[mid]:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+cdef Estimates estimates(const uint64_t *a, Py_ssize_t na, int64_t size_a,
+                         const uint64_t *b, Py_ssize_t nb, int64_t size_b) noexcept nogil:
+    """`sketch.Probe.estimates` on two sorted sketches: Jaccard, |A∩B|/|A| and |A∩B|/|B| counted below
+    the smaller of the largest kept hashes of the sketches that do not hold their whole text."""
+    cdef Estimates r
+    r.jaccard = 0.0; r.containment_a = 0.0; r.containment_b = 0.0
+    if na == 0 or nb == 0:
+        return r
+    cdef bint has_tau = False
+    cdef uint64_t tau = 0xFFFFFFFFFFFFFFFFULL
+    if size_a > na:
+        tau = a[na - 1]; has_tau = True
+    if size_b > nb and (not has_tau or b[nb - 1] < tau):
+        tau = b[nb - 1]; has_tau = True
+    if has_tau:
+        if a[na - 1] > tau:
+            na = bisect_right(a, na, tau)
+        if b[nb - 1] > tau:
+            nb = bisect_right(b, nb, tau)
+        if na == 0 or nb == 0:
+            return r
+    # Distinct common values (a set intersection: a sketch may repeat a 32-bit value), all <= tau now.
+    cdef Py_ssize_t i = 0, j = 0, inter = 0
+    cdef uint64_t v
+    while i < na and j < nb:
+        if a[i] < b[j]:
+            i += 1
+        elif b[j] < a[i]:
+            j += 1
+        else:
+            v = a[i]
+            inter += 1
+            while i < na and a[i] == v:
+                i += 1
+            while j < nb and b[j] == v:
+                j += 1
+    r.jaccard = <double>inter / <double>(na + nb - inter)
+    r.containment_a = <double>inter / <double>na
+    r.containment_b = <double>inter / <double>nb
+    return r
+
+
+# --- the table of the memory index ----------------------------------------------------------------------
+
+cdef struct CEntry:
+    uint64_t seq
+    double ts
+    uint64_t exact_lo
+    uint64_t exact_hi
+    int64_t size
+    PyObject *id  # owned
+    PyObject *payload  # owned, or NULL: the Entry the Python API inserted (else it is built on demand)
+    uint32_t nkeys
+    uint32_t nsk
+    uint64_t *keys  # inside this allocation
+    uint64_t *sketch  # inside this allocation, widened to 64 bits
+
+
+cdef union BucketData:
+    uint64_t one  # the seq of a bucket's only entry (most buckets: m-gram keys of unique texts rarely repeat)
+    uint64_t *many  # seqs sorted by (event time, seq)
+
+
+cdef struct Bucket:
+    uint64_t key
+    uint32_t n  # 0: an empty slot
+    uint32_t alloc
+    BucketData d
+
+
+cdef struct Due:
+    double ts
+    uint64_t seq
+
+
+cdef struct Hit:  # one candidate while counting: how many of the query's buckets hold it, and the first
+    uint64_t seq
+    uint32_t shared
+    uint32_t first
+    uint32_t stamp
+
+
+cdef inline bint due_before(Due a, Due b) noexcept nogil:
+    return a.ts < b.ts or (a.ts == b.ts and a.seq < b.seq)
+
+
+cdef inline bint ranks_before(Hit *a, Hit *b) noexcept nogil:
+    return a.shared > b.shared or (a.shared == b.shared and a.seq > b.seq)
+
+
+cdef class Table:
+    """The memory index's storage: buckets (key → seqs sorted by event time, then seq), entries by seq,
+    an expiry heap on (event time, seq), and ids → seq. The same behaviour as `filters.index.PyTable`.
+
+    `lookup`, `insert` and `get` serve `MemoryIndex`'s Python API; `decide` runs the embedded engine's
+    whole per-message loop (look up, verify by sketch, insert the unique) without a Python object per
+    message but its verdict.
+    """
+
+    cdef readonly double window
+    cdef readonly int bucket_cap
+    cdef object make_entry
+    cdef Bucket *slots
+    cdef uint64_t mask
+    cdef Py_ssize_t used
+    cdef CEntry **ents
+    cdef uint64_t ebase
+    cdef Py_ssize_t ecap
+    cdef uint64_t seq
+    cdef Py_ssize_t live
+    cdef Due *heap
+    cdef Py_ssize_t hlen, hcap
+    cdef dict by_id
+    cdef double watermark, newest
+    cdef public Py_ssize_t evicted_by_cap
+    # scratch of one lookup
+    cdef Hit *hits
+    cdef uint64_t hmask
+    cdef uint32_t stamp
+    cdef Hit **ranked
+    cdef Py_ssize_t ranked_cap
+    cdef Bucket **found
+    cdef Py_ssize_t found_cap
+    cdef uint64_t *probe
+    cdef uint64_t *other
+    cdef Py_ssize_t probe_cap, other_cap
+
+    def __cinit__(self, double window, int bucket_cap, make_entry):
+        self.window = window
+        self.bucket_cap = bucket_cap
+        self.make_entry = make_entry
+        self.mask = 1023
+        self.slots = <Bucket *>PyMem_Malloc((self.mask + 1) * sizeof(Bucket))
+        self.ecap = 1024
+        self.ents = <CEntry **>PyMem_Malloc(self.ecap * sizeof(CEntry *))
+        self.ebase = 1
+        self.hcap = 1024
+        self.heap = <Due *>PyMem_Malloc(self.hcap * sizeof(Due))
+        self.hmask = 255
+        self.hits = <Hit *>PyMem_Malloc((self.hmask + 1) * sizeof(Hit))
+        self.ranked_cap = 256
+        self.ranked = <Hit **>PyMem_Malloc(self.ranked_cap * sizeof(Hit *))
+        self.found_cap = 64
+        self.found = <Bucket **>PyMem_Malloc(self.found_cap * sizeof(Bucket *))
+        self.probe_cap = self.other_cap = 256
+        self.probe = <uint64_t *>PyMem_Malloc(self.probe_cap * sizeof(uint64_t))
+        self.other = <uint64_t *>PyMem_Malloc(self.other_cap * sizeof(uint64_t))
+        if (not self.slots or not self.ents or not self.heap or not self.hits or not self.ranked
+                or not self.found or not self.probe or not self.other):
+            raise MemoryError()
+        memset(self.slots, 0, (self.mask + 1) * sizeof(Bucket))
+        memset(self.ents, 0, self.ecap * sizeof(CEntry *))
+        memset(self.hits, 0, (self.hmask + 1) * sizeof(Hit))
+        self.by_id = {}
+        self.watermark = -float("inf")
+        self.newest = -float("inf")
+
+    def __dealloc__(self):
+        cdef Py_ssize_t i
+        if self.slots:
+            for i in range(<Py_ssize_t>self.mask + 1):
+                if self.slots[i].n > 1:
+                    PyMem_Free(self.slots[i].d.many)
+            PyMem_Free(self.slots)
+        if self.ents:
+            for i in range(self.ecap):
+                if self.ents[i]:
+                    self._free_entry(self.ents[i])
+            PyMem_Free(self.ents)
+        PyMem_Free(self.heap); PyMem_Free(self.hits); PyMem_Free(self.ranked); PyMem_Free(self.found)
+        PyMem_Free(self.probe); PyMem_Free(self.other)
+
+    def __len__(self):
+        return self.live
+
+    # -- buckets -----------------------------------------------------------------------------------
+    cdef inline Bucket *_find(self, uint64_t key) noexcept:
+        cdef uint64_t i = mix64(key) & self.mask
+        cdef Bucket *b
+        while True:
+            b = &self.slots[i]
+            if b.n == 0:
+                return NULL
+            if b.key == key:
+                return b
+            i = (i + 1) & self.mask
+
+    cdef Bucket *_claim(self, uint64_t key) except NULL:
+        """The bucket of `key`, made (empty: n == 0 until the caller fills it) if there was none."""
+        if (self.used + 1) * 10 > (<Py_ssize_t>self.mask + 1) * 7:
+            self._grow_slots()
+        cdef uint64_t i = mix64(key) & self.mask
+        cdef Bucket *b
+        while True:
+            b = &self.slots[i]
+            if b.n == 0:
+                b.key = key
+                b.alloc = 0
+                self.used += 1
+                return b
+            if b.key == key:
+                return b
+            i = (i + 1) & self.mask
+
+    cdef int _grow_slots(self) except -1:
+        cdef uint64_t old_mask = self.mask, i, j
+        cdef Bucket *old = self.slots
+        cdef uint64_t mask = old_mask * 2 + 1
+        cdef Bucket *slots = <Bucket *>PyMem_Malloc((mask + 1) * sizeof(Bucket))
+        if not slots:
+            raise MemoryError()
+        memset(slots, 0, (mask + 1) * sizeof(Bucket))
+        for i in range(old_mask + 1):
+            if old[i].n:
+                j = mix64(old[i].key) & mask
+                while slots[j].n:
+                    j = (j + 1) & mask
+                slots[j] = old[i]
+        self.slots = slots
+        self.mask = mask
+        PyMem_Free(old)
+        return 0
+
+    cdef void _drop_slot(self, Bucket *b) noexcept:
+        """Empties a slot; later slots of its probe run move up (backward-shift deletion, no tombstones)."""
+        cdef uint64_t i = b - self.slots, j = i, home
+        self.used -= 1
+        while True:
+            j = (j + 1) & self.mask
+            if self.slots[j].n == 0:
+                break
+            home = mix64(self.slots[j].key) & self.mask
+            # Move j into the hole at i unless its home lies cyclically in (i, j].
+            if (j > i and (home <= i or home > j)) or (j < i and (home <= i and home > j)):
+                self.slots[i] = self.slots[j]
+                i = j
+        self.slots[i].n = 0
+        self.slots[i].alloc = 0
+
+    cdef inline uint64_t *_members(self, Bucket *b) noexcept:
+        return &b.d.one if b.n == 1 else b.d.many
+
+    # -- entries -----------------------------------------------------------------------------------
+    cdef inline CEntry *_entry(self, uint64_t seq) noexcept:
+        if seq < self.ebase or seq - self.ebase >= <uint64_t>self.ecap:
+            return NULL
+        return self.ents[seq - self.ebase]
+
+    cdef int _place(self, CEntry *e) except -1:
+        """Stores `e` under its seq (the newest), moving or growing the seq-indexed array as needed."""
+        cdef Py_ssize_t lead = 0, live_span, new_cap
+        cdef CEntry **grown
+        if e.seq - self.ebase >= <uint64_t>self.ecap:
+            while lead < self.ecap and self.ents[lead] == NULL:
+                lead += 1
+            if lead:
+                memmove(self.ents, self.ents + lead, (self.ecap - lead) * sizeof(CEntry *))
+                memset(self.ents + self.ecap - lead, 0, lead * sizeof(CEntry *))
+                self.ebase += lead
+            live_span = <Py_ssize_t>(e.seq - self.ebase)
+            if live_span >= self.ecap:
+                new_cap = self.ecap
+                while live_span >= new_cap:
+                    new_cap *= 2
+                grown = <CEntry **>PyMem_Realloc(self.ents, new_cap * sizeof(CEntry *))
+                if not grown:
+                    raise MemoryError()
+                memset(grown + self.ecap, 0, (new_cap - self.ecap) * sizeof(CEntry *))
+                self.ents = grown
+                self.ecap = new_cap
+        self.ents[e.seq - self.ebase] = e
+        return 0
+
+    cdef void _free_entry(self, CEntry *e) noexcept:
+        Py_DECREF(<object>e.id)
+        if e.payload:
+            Py_DECREF(<object>e.payload)
+        PyMem_Free(e)
+
+    cdef inline double _ts(self, uint64_t seq) noexcept:
+        return self._entry(seq).ts
+
+    # -- the window --------------------------------------------------------------------------------
+    cdef int _advance(self, double ts) except -1:
+        if ts > self.watermark:
+            self.watermark = ts
+            if self.hlen and self.heap[0].ts < ts - self.window:
+                self._expire(ts)
+        return 0
+
+    cdef int _push_due(self, double ts, uint64_t seq) except -1:
+        cdef Due *grown
+        cdef Due item, parent
+        cdef Py_ssize_t pos, up
+        if self.hlen == self.hcap:
+            grown = <Due *>PyMem_Realloc(self.heap, self.hcap * 2 * sizeof(Due))
+            if not grown:
+                raise MemoryError()
+            self.heap = grown
+            self.hcap *= 2
+        item.ts = ts
+        item.seq = seq
+        pos = self.hlen
+        self.hlen += 1
+        while pos > 0:
+            up = (pos - 1) // 2
+            parent = self.heap[up]
+            if not due_before(item, parent):
+                break
+            self.heap[pos] = parent
+            pos = up
+        self.heap[pos] = item
+        return 0
+
+    cdef Due _pop_due(self) noexcept:
+        cdef Due top = self.heap[0], last
+        cdef Py_ssize_t pos = 0, child
+        self.hlen -= 1
+        if self.hlen == 0:
+            return top
+        last = self.heap[self.hlen]
+        while True:
+            child = 2 * pos + 1
+            if child >= self.hlen:
+                break
+            if child + 1 < self.hlen and due_before(self.heap[child + 1], self.heap[child]):
+                child += 1
+            if not due_before(self.heap[child], last):
+                break
+            self.heap[pos] = self.heap[child]
+            pos = child
+        self.heap[pos] = last
+        return top
+
+    cdef Py_ssize_t _expire(self, double now) except -1:
+        cdef double horizon = now - self.window
+        cdef Py_ssize_t gone = 0, j, at
+        cdef uint32_t k
+        cdef Due due
+        cdef CEntry *e
+        cdef Bucket *b
+        cdef uint64_t *seqs
+        while self.hlen and self.heap[0].ts < horizon:
+            due = self._pop_due()
+            e = self._entry(due.seq)
+            if e == NULL:
+                continue
+            self.ents[due.seq - self.ebase] = NULL
+            self.live -= 1
+            gone += 1
+            held = self.by_id.get(<object>e.id)
+            if held is not None and <uint64_t>held == e.seq:
+                del self.by_id[<object>e.id]
+            for k in range(e.nkeys):
+                b = self._find(e.keys[k])
+                if b == NULL:
+                    continue
+                if b.n == 1:
+                    if b.d.one == e.seq:
+                        self._drop_slot(b)
+                    continue  # else the bucket cap evicted it earlier
+                seqs = b.d.many
+                at = -1
+                for j in range(b.n):
+                    if seqs[j] == e.seq:
+                        at = j
+                        break
+                if at < 0:
+                    continue  # evicted earlier by the bucket cap
+                memmove(seqs + at, seqs + at + 1, (b.n - at - 1) * sizeof(uint64_t))
+                b.n -= 1
+                if b.n == 1:
+                    b.d.one = seqs[0]
+                    b.alloc = 0
+                    PyMem_Free(seqs)
+            self._free_entry(e)
+        return gone
+
+    def expire(self, double now) -> int:
+        return self._expire(now)
+
+    # -- insert ------------------------------------------------------------------------------------
+    cdef int _insert(self, object id, double ts, uint64_t exact_lo, uint64_t exact_hi, int64_t size,
+                     const uint64_t *sketch, Py_ssize_t nsk, const uint64_t *keys, Py_ssize_t nkeys,
+                     object payload) except -1:
+        """`MemoryIndex.insert_one`: nothing when the id is live or the event time already left the window."""
+        if id in self.by_id:
+            return 0
+        if ts > self.watermark:
+            self._advance(ts)
+        if ts < self.watermark - self.window:
+            return 0
+        cdef CEntry *e = <CEntry *>PyMem_Malloc(sizeof(CEntry) + (nkeys + nsk) * sizeof(uint64_t))
+        if not e:
+            raise MemoryError()
+        self.seq += 1
+        e.seq = self.seq
+        e.ts = ts
+        e.exact_lo = exact_lo
+        e.exact_hi = exact_hi
+        e.size = size
+        e.id = <PyObject *>id
+        Py_INCREF(id)
+        e.payload = NULL
+        if payload is not None:
+            e.payload = <PyObject *>payload
+            Py_INCREF(payload)
+        e.nkeys = <uint32_t>nkeys
+        e.nsk = <uint32_t>nsk
+        e.keys = <uint64_t *>(<char *>e + sizeof(CEntry))
+        e.sketch = e.keys + nkeys
+        if nkeys:
+            memcpy(e.keys, keys, nkeys * sizeof(uint64_t))
+        if nsk:
+            memcpy(e.sketch, sketch, nsk * sizeof(uint64_t))
+        try:
+            self._place(e)
+        except MemoryError:
+            self._free_entry(e)
+            raise
+        self.live += 1
+        self.by_id[id] = e.seq
+        self._push_due(ts, e.seq)
+        cdef bint in_order = ts >= self.newest
+        if in_order:
+            self.newest = ts
+        cdef Py_ssize_t k, pos
+        cdef Bucket *b
+        cdef uint64_t *seqs
+        cdef uint64_t seq = e.seq
+        cdef uint32_t alloc
+        for k in range(nkeys):
+            b = self._claim(keys[k])
+            if b.n == 0:
+                b.n = 1
+                b.d.one = seq
+                continue
+            if b.n == 1:
+                seqs = <uint64_t *>PyMem_Malloc(4 * sizeof(uint64_t))
+                if not seqs:
+                    raise MemoryError()
+                seqs[0] = b.d.one
+                b.d.many = seqs
+                b.alloc = 4
+            if b.n == b.alloc:
+                alloc = b.alloc * 2
+                seqs = <uint64_t *>PyMem_Realloc(b.d.many, alloc * sizeof(uint64_t))
+                if not seqs:
+                    raise MemoryError()
+                b.d.many = seqs
+                b.alloc = alloc
+            seqs = b.d.many
+            # Buckets stay sorted by (event time, seq): seqs[0] is the oldest, the one the cap evicts.
+            pos = b.n
+            if not in_order:
+                while pos > 0 and self._ts(seqs[pos - 1]) > ts:
+                    pos -= 1
+                memmove(seqs + pos + 1, seqs + pos, (b.n - pos) * sizeof(uint64_t))
+            seqs[pos] = seq
+            b.n += 1
+            if b.n > <uint32_t>self.bucket_cap:
+                memmove(seqs, seqs + 1, (b.n - 1) * sizeof(uint64_t))
+                b.n -= 1
+                self.evicted_by_cap += 1
+                if b.n == 1:
+                    b.d.one = seqs[0]
+                    b.alloc = 0
+                    PyMem_Free(seqs)
+        return 1
+
+    def insert(self, entry, tuple keys) -> bool:
+        """Inserts an `Entry` (kept as is, and returned by `get`) under `keys`; False when it was not."""
+        cdef Py_ssize_t nkeys = len(keys), i
+        sketch = np.ascontiguousarray(entry.sketch, dtype=np.uint64)
+        cdef uint64_t[::1] sk = sketch
+        key_array = np.array(keys, dtype=np.uint64) if nkeys else np.zeros(1, dtype=np.uint64)
+        cdef uint64_t[::1] kv = key_array
+        exact = entry.exact
+        return bool(self._insert(entry.id, entry.ts, exact & 0xFFFFFFFFFFFFFFFF, exact >> 64, entry.size,
+                                 &sk[0] if len(sk) else NULL, len(sk), &kv[0], nkeys, entry))
+
+    # -- lookup ------------------------------------------------------------------------------------
+    cdef Py_ssize_t _gather(self, const uint64_t *keys, Py_ssize_t nkeys, Py_ssize_t floor, double ts,
+                            Py_ssize_t limit, uint64_t own) except -1:
+        """`MemoryIndex.lookup_keys` after the own-entry check: fills `self.ranked` with the candidates
+        that share ≥ `floor` of `keys`, most shared first, then newest, inside the window of `ts`;
+        returns how many (at most `limit`, but at least one found is kept even when limit < 1)."""
+        cdef Py_ssize_t k, j, present = 0, total = 0, n_ranked = 0, out, pos
+        cdef Bucket *b
+        cdef uint64_t *seqs
+        cdef uint64_t s, h
+        cdef Hit *hit
+        cdef Hit *x
+        cdef double oldest
+        if nkeys > self.found_cap:
+            PyMem_Free(self.found)
+            self.found_cap = nkeys * 2
+            self.found = <Bucket **>PyMem_Malloc(self.found_cap * sizeof(Bucket *))
+            if not self.found:
+                raise MemoryError()
+        for k in range(nkeys):
+            b = self._find(keys[k])
+            self.found[k] = b
+            if b != NULL:
+                present += 1
+                total += b.n
+        if present < floor or present == 0:
+            return 0  # pigeonhole: nothing can share `floor` keys with it
+        # Count the members of the query's buckets (a stamped open-addressing map, never cleared).
+        if <uint64_t>(total * 2) > self.hmask:
+            h = self.hmask
+            while <uint64_t>(total * 2) > h:
+                h = h * 2 + 1
+            PyMem_Free(self.hits)
+            self.hits = <Hit *>PyMem_Malloc((h + 1) * sizeof(Hit))
+            if not self.hits:
+                raise MemoryError()
+            memset(self.hits, 0, (h + 1) * sizeof(Hit))
+            self.hmask = h
+            self.stamp = 0
+        self.stamp += 1
+        if self.stamp == 0:
+            memset(self.hits, 0, (self.hmask + 1) * sizeof(Hit))
+            self.stamp = 1
+        if total > self.ranked_cap:
+            PyMem_Free(self.ranked)
+            self.ranked_cap = total * 2
+            self.ranked = <Hit **>PyMem_Malloc(self.ranked_cap * sizeof(Hit *))
+            if not self.ranked:
+                raise MemoryError()
+        cdef Py_ssize_t distinct = 0
+        for k in range(nkeys):
+            b = self.found[k]
+            if b == NULL:
+                continue
+            seqs = self._members(b)
+            for j in range(b.n):
+                s = seqs[j]
+                h = mix64(s) & self.hmask
+                while True:
+                    hit = &self.hits[h]
+                    if hit.stamp != self.stamp:
+                        hit.stamp = self.stamp
+                        hit.seq = s
+                        hit.shared = 1
+                        hit.first = <uint32_t>k
+                        distinct += 1
+                        if s != own:
+                            self.ranked[n_ranked] = hit
+                            n_ranked += 1
+                        break
+                    if hit.seq == s:
+                        hit.shared += 1
+                        break
+                    h = (h + 1) & self.hmask
+        if floor > 1 and distinct == total:
+            return 0  # every entry was in one bucket only
+        # Keep those with enough shared keys, then rank (insertion sort: a handful, nearly always).
+        out = 0
+        for j in range(n_ranked):
+            if <Py_ssize_t>self.ranked[j].shared >= floor:
+                self.ranked[out] = self.ranked[j]
+                out += 1
+        for j in range(1, out):
+            x = self.ranked[j]
+            pos = j
+            while pos > 0 and ranks_before(x, self.ranked[pos - 1]):
+                self.ranked[pos] = self.ranked[pos - 1]
+                pos -= 1
+            self.ranked[pos] = x
+        oldest = ts - self.window
+        n_ranked = 0
+        for j in range(out):
+            if self._ts(self.ranked[j].seq) < oldest:
+                continue
+            self.ranked[n_ranked] = self.ranked[j]
+            n_ranked += 1
+            if n_ranked >= limit:
+                break
+        return n_ranked
+
+    def lookup(self, object id, double ts, tuple keys, Py_ssize_t floor, Py_ssize_t limit) -> tuple:
+        """(own seq or 0, [(seq, shared, first key)]): `MemoryIndex.lookup_keys` by seq."""
+        self._advance(ts)
+        own = self.by_id.get(id)
+        cdef uint64_t own_seq = 0 if own is None else <uint64_t>own
+        cdef Py_ssize_t nkeys = len(keys), n, j
+        key_array = np.array(keys, dtype=np.uint64) if nkeys else np.zeros(1, dtype=np.uint64)
+        cdef uint64_t[::1] kv = key_array
+        n = self._gather(&kv[0], nkeys, floor, ts, limit, own_seq)
+        return own_seq, [(self.ranked[j].seq, self.ranked[j].shared, keys[self.ranked[j].first]) for j in range(n)]
+
+    def get(self, uint64_t seq):
+        """The entry of `seq`: the `Entry` inserted through `insert`, or one made from what `decide` stored."""
+        cdef CEntry *e = self._entry(seq)
+        if e == NULL:
+            raise KeyError(seq)
+        if e.payload:
+            return <object>e.payload
+        sketch = np.empty(e.nsk, dtype=np.uint32)
+        cdef uint32_t[::1] view = sketch
+        cdef uint32_t i
+        for i in range(e.nsk):
+            view[i] = <uint32_t>e.sketch[i]
+        return self.make_entry(<object>e.id, e.ts, (<object>e.exact_hi) << 64 | e.exact_lo, e.size, sketch)
+
+    def seqs(self) -> list:
+        """The live entries' seqs, oldest insert first."""
+        return [self.ebase + i for i in range(self.ecap) if self.ents[i] != NULL]
+
+    def stats(self) -> dict:
+        cdef Py_ssize_t i, buckets = 0, biggest = 0
+        for i in range(<Py_ssize_t>self.mask + 1):
+            if self.slots[i].n:
+                buckets += 1
+                if self.slots[i].n > biggest:
+                    biggest = self.slots[i].n
+        return {"entries": self.live, "buckets": buckets, "max_bucket": biggest,
+                "evicted_by_cap": self.evicted_by_cap}
+
+    # -- the embedded engine's loop -----------------------------------------------------------------
+    def decide(self, list ids, list tss, Shingled batch, double min_shared, Py_ssize_t limit, double threshold,
+               double containment, double min_ratio, int64_t min_size, tuple method_names, verdict) -> list:
+        """`NearDupFilter._decide_local` for every message of a hashed batch, in order: the verdicts,
+        made by calling `verdict(id, duplicate, duplicate_of, similarity, method)`. Verification is by
+        sketch (`verify="sketch"`), exactly as `NearDupFilter._sketch_match`."""
+        cdef Py_ssize_t i, nkeys, floor, n, c, j, nsk
+        cdef double ts, sim
+        cdef const uint64_t *keys
+        cdef CEntry *e
+        cdef Estimates est
+        cdef int64_t size_a, small, big
+        cdef double best
+        cdef bint matched
+        if len(ids) != batch.n or len(tss) != batch.n:
+            raise ValueError("ids, event times and the hashed batch differ in length")
+        out = []
+        for i in range(batch.n):
+            id = ids[i]
+            ts = tss[i]
+            self._advance(ts)
+            if id in self.by_id:
+                out.append(verdict(id, False, None, 0.0, "replay"))
+                continue
+            keys = batch.keys + batch.key_start[i]
+            nkeys = batch.key_start[i + 1] - batch.key_start[i]
+            floor = <Py_ssize_t>ceil(min_shared * nkeys)
+            if floor < 1:
+                floor = 1
+            n = self._gather(keys, nkeys, floor, ts, limit, 0)
+            nsk = batch.sk_start[i + 1] - batch.sk_start[i]
+            size_a = batch.size[i]
+            matched = False
+            if nsk > self.probe_cap:
+                self._grow_scratch(&self.probe, &self.probe_cap, nsk)
+            for j in range(nsk):
+                self.probe[j] = batch.sketch[batch.sk_start[i] + j]
+            for c in range(n):
+                e = self._entry(self.ranked[c].seq)
+                if e.exact_lo == batch.exact_lo[i] and e.exact_hi == batch.exact_hi[i]:
+                    out.append(verdict(id, True, <object>e.id, 1.0, "exact"))
+                    matched = True
+                    break
+                est = estimates(self.probe, nsk, size_a, e.sketch, e.nsk, e.size)
+                sim = -1.0
+                if est.jaccard >= threshold:
+                    sim = est.jaccard
+                else:
+                    best = est.containment_a if est.containment_a > est.containment_b else est.containment_b
+                    small = size_a if size_a < e.size else e.size
+                    big = size_a if size_a > e.size else e.size
+                    if big < 1:
+                        big = 1
+                    if best >= containment and <double>small / <double>big >= min_ratio and small >= min_size:
+                        sim = best
+                if sim >= 0.0:
+                    out.append(verdict(id, True, <object>e.id, py_round(sim, 4),
+                                       method_names[keys[self.ranked[c].first] >> 60]))
+                    matched = True
+                    break
+            if not matched:
+                self._insert(id, ts, batch.exact_lo[i], batch.exact_hi[i], size_a, self.probe, nsk, keys, nkeys, None)
+                out.append(verdict(id, False, None, 0.0, None))
+        return out
+
+    cdef int _grow_scratch(self, uint64_t **buf, Py_ssize_t *cap, Py_ssize_t need) except -1:
+        PyMem_Free(buf[0])
+        cap[0] = need * 2
+        buf[0] = <uint64_t *>PyMem_Malloc(cap[0] * sizeof(uint64_t))
+        if not buf[0]:
+            raise MemoryError()
+        return 0

@@ -1,0 +1,213 @@
+"""The compiled core (`filters._native`) against its numpy/Python reference: the same hashes, the same
+table answers, the same verdicts, and memory that tracemalloc (the benchmark's meter) can see."""
+
+from __future__ import annotations
+
+import random
+import tracemalloc
+from pathlib import Path
+
+import mmh3
+import numpy as np
+import orjson
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from filters import _native
+from filters.config import FilterConfig
+from filters.engine import Message, NearDupFilter
+from filters.fingerprint import _MGRAM_TAG, _TAG_ROOM, Fingerprinter
+from filters.index import Entry, MemoryIndex, PyTable, make_table, native_available
+from filters.shingles import Batch
+
+SAMPLE = Path(__file__).parent / "data" / "sample.jsonl"
+
+# Texts as normalization leaves them, and worse: empty, shorter than an n-gram, astral, lone surrogates.
+_TEXT = st.one_of(
+    st.text(max_size=40),
+    st.text(alphabet="abcdefgh", max_size=400),
+    st.text(alphabet=st.characters(blacklist_categories=()), max_size=30),
+    st.sampled_from(["", "a", "\ud800", "x\udfff\ud800y", "😀😀", "a" * 3000]),
+)
+
+
+def test_the_compiled_core_is_built() -> None:
+    """`pip install` builds it wherever a C++ compiler is (the README's test command has one): a
+    build that silently fell back to the reference would make every figure in the README wrong."""
+    assert native_available()
+    assert NearDupFilter().fingerprinter.native and NearDupFilter().index.native  # type: ignore[attr-defined]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(texts=st.lists(_TEXT, max_size=12), n=st.integers(1, 7), k=st.integers(1, 64), m=st.integers(1, 9),
+       target=st.integers(0, 20), seed=st.integers(0, 2**63 - 1))
+def test_kernel_hashes_as_the_numpy_reference(texts: list[str], n: int, k: int, m: int, target: int,
+                                              seed: int) -> None:
+    done = _native.shingle(texts, n, k, m, target, seed, 0, target > 0)
+    batch = Batch(texts, max(n, m), seed)
+    sketches = batch.sketches(n, k)
+    assert done.sizes() == sketches.sizes
+    for got, want in zip(done.sketches(), sketches.hashes, strict=True):
+        assert got.dtype == np.uint32 and np.array_equal(got, want)
+    assert done.exacts() == [mmh3.hash128(t.encode("utf-8", "surrogatepass"), seed=seed & 0xFFFFFFFF)
+                             for t in texts]
+    flat, bounds = done.mgram_keys()
+    if target:
+        grams, want_bounds = batch.samples(m, target)
+        assert flat == ((grams >> _TAG_ROOM) | _MGRAM_TAG).tolist() and bounds == want_bounds.tolist()
+    else:
+        assert flat == [] and bounds == [0] * (len(texts) + 1)
+
+
+@pytest.mark.parametrize("methods", [("exact", "mgram"), ("mgram", "exact"), ("mgram",), ("exact",),
+                                     ("exact", "simhash", "mgram", "minhash", "sentences")])
+def test_fingerprints_are_the_same_either_way(methods: tuple[str, ...]) -> None:
+    texts = [orjson.loads(line).get("text", "") for line in SAMPLE.read_bytes().splitlines() if line.startswith(b"{")]
+    texts = [t for t in texts if isinstance(t, str)] + ["", "ab", "x\ud800y"]
+    config = FilterConfig(methods=methods)
+    compiled = Fingerprinter(config, native=True).fingerprint_batch(texts)
+    reference = Fingerprinter(config, native=False).fingerprint_batch(texts)
+    for a, b in zip(compiled, reference, strict=True):
+        assert (a.normalized, a.exact, a.size, a.keys, a.simhash, a.sentences) == \
+            (b.normalized, b.exact, b.size, b.keys, b.simhash, b.sentences)
+        assert a.sketch.dtype == b.sketch.dtype and np.array_equal(a.sketch, b.sketch)
+        assert (a.minhash is None) == (b.minhash is None)
+    if set(methods) <= {"exact", "mgram"}:
+        hashed = Fingerprinter(config, native=True).shingle(texts)
+        assert hashed.bucket_keys() == [fp.keys for fp in reference]
+
+
+def test_hash128_is_mmh3() -> None:
+    rng = random.Random(3)
+    for size in [*range(40), 100, 1000]:
+        data = rng.randbytes(size)
+        for seed in (0, 1, 0x6E656172, 2**32 - 1):
+            assert _native.hash128(data, seed) == mmh3.hash128(data, seed=seed)
+
+
+# --- the table ----------------------------------------------------------------------------------------
+
+_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["insert", "lookup", "lookup", "expire"]),
+        st.integers(0, 11),  # id
+        st.floats(0, 60, allow_nan=False).map(lambda x: round(x, 1)),  # event time
+        st.lists(st.integers(0, 14), min_size=0, max_size=6),  # keys (a few shared by many entries)
+        st.integers(-1, 4),  # lookup floor
+        st.integers(0, 5),  # lookup limit
+        st.integers(0, 3),  # sketch
+    ),
+    max_size=60,
+)
+
+
+def _entry(id: str, ts: float, which: int) -> Entry:
+    rng = np.random.default_rng(which)
+    sketch = np.sort(rng.integers(0, 2**32 if which % 2 else 2**63, size=5 + which, dtype=np.uint64))
+    return Entry(id, ts, which * 7919, 20 + which, sketch.astype(np.uint32) if which % 2 else sketch)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=_OPS, window=st.sampled_from([5.0, 20.0, 1e9]), cap=st.integers(1, 4))
+def test_compiled_table_answers_as_the_reference(ops: list[tuple], window: float, cap: int) -> None:
+    """Random inserts, lookups and expiries, out of order in event time, over few keys (so buckets fill
+    and the cap evicts): the compiled table and `PyTable` agree on every answer and every count."""
+    tables = [make_table(window, cap, native=True), PyTable(window, cap)]
+    for op, ident, ts, keys, floor, limit, which in ops:
+        id = f"m{ident}"
+        answers = []
+        for table in tables:
+            if op == "insert":
+                answers.append(table.insert(_entry(id, ts, which), tuple(dict.fromkeys(keys))))
+            elif op == "lookup":
+                own, found = table.lookup(id, ts, tuple(keys), floor, limit)
+                answers.append((table.get(own).id if own else None,
+                                [(table.get(seq).id, shared, key) for seq, shared, key in found]))
+            else:
+                answers.append(table.expire(ts))
+        assert answers[0] == answers[1], (op, id, ts, keys)
+    assert tables[0].stats() == tables[1].stats()
+    assert [tables[0].get(s).id for s in tables[0].seqs()] == [tables[1].get(s).id for s in tables[1].seqs()]
+
+
+def test_entries_made_by_decide_read_back_as_their_fingerprint() -> None:
+    nd = NearDupFilter(native=True)
+    text = "WIN a FREE iPhone now!!! call 555-0100"
+    nd.check(text, id="a", ts=5.0)
+    [entry] = nd.index.entries()  # type: ignore[attr-defined]
+    fp = Fingerprinter(nd.config, native=False).fingerprint(text)
+    assert (entry.id, entry.ts, entry.exact, entry.size) == ("a", 5.0, fp.exact, fp.size)
+    assert entry.sketch.dtype == np.uint32 and np.array_equal(entry.sketch, fp.sketch)
+
+
+# --- the engine ---------------------------------------------------------------------------------------
+
+
+def _perturbed_stream(seed: int, n: int) -> list[Message]:
+    """The shipped sample's texts and edited copies of them (cut, added, replaced characters), shuffled
+    a little in event time: duplicates, near misses and unrelated messages."""
+    rng = random.Random(seed)
+    texts = [orjson.loads(line)["text"] for line in SAMPLE.read_bytes().splitlines()
+             if line.startswith(b"{") and isinstance(orjson.loads(line).get("text"), str)]
+    out = []
+    for i in range(n):
+        t = rng.choice(texts)
+        for _ in range(rng.randrange(4)):
+            at = rng.randrange(len(t) + 1)
+            t = rng.choice([t[:at] + rng.choice("xyz 12!") + t[at:], t[:at] + t[at + 3 :], t[: max(at, 8)]])
+        ident = i - 1 if i % 50 == 49 else i  # a redelivery of the message before
+        out.append(Message(f"m{ident}", t, float(i + rng.choice([0, 0, 0, -30, 15]))))
+    return out
+
+
+@pytest.mark.parametrize(("window", "cap"), [(1e9, 64), (40.0, 64), (1e9, 2)])
+def test_batch_in_the_table_decides_as_the_reference(window: float, cap: int) -> None:
+    """The whole-batch path (`Table.decide`) against the reference engine (numpy fingerprints, PyTable,
+    Python verification), over replays, late messages, a short window and a tiny bucket cap."""
+    msgs = _perturbed_stream(11, 1500)
+    config = FilterConfig(window=window, bucket_cap=cap)
+    compiled, reference = NearDupFilter(config, native=True), NearDupFilter(config, native=False)
+    assert compiled._batch_in_table and not reference._batch_in_table
+    got = [v for at in range(0, len(msgs), 200) for v in compiled.check_batch(msgs[at : at + 200])]
+    want = [v for at in range(0, len(msgs), 200) for v in reference.check_batch(msgs[at : at + 200])]
+    assert got == want
+    assert sum(v.duplicate for v in got) > 150 and sum(v.method == "replay" for v in got) > 0
+    assert compiled.index.stats() == reference.index.stats()
+
+
+@pytest.mark.parametrize("verify", ["sketch", "native"])
+def test_compiled_table_under_the_python_engine(verify: str) -> None:
+    """Configurations the whole-batch path does not take (other methods, native verification) still use
+    the compiled table through the Python engine, with the reference's verdicts."""
+    msgs = _perturbed_stream(5, 600)
+    config = FilterConfig(methods=("exact", "mgram", "simhash", "minhash"), verify=verify)
+    compiled, reference = NearDupFilter(config, native=True), NearDupFilter(config, native=False)
+    assert not compiled._batch_in_table
+    assert compiled.check_batch(msgs) == reference.check_batch(msgs)
+
+
+def test_memory_is_visible_to_tracemalloc_and_freed_by_the_window() -> None:
+    """bench/filter_bench.py meters memory with tracemalloc: the compiled table allocates where it looks.
+    Expired entries give their memory back; the bucket table keeps its size for the next ones (as a
+    dict does), so a second window's worth of entries costs nothing more than the first."""
+    index = MemoryIndex(10.0, native=True)
+    sketch = np.arange(128, dtype=np.uint32)
+
+    def fill(ts: float, tag: str) -> None:
+        for i in range(2000):
+            index.insert_one(Entry(f"{tag}{i}", ts, i, 128, sketch), tuple(range(i * 16, i * 16 + 16)))
+
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        fill(0.0, "a")
+        first = tracemalloc.get_traced_memory()[0] - before
+        index.expire(100.0)
+        emptied = tracemalloc.get_traced_memory()[0] - before
+        fill(200.0, "b")
+        second = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert first > 2000 * (128 * 8 + 16 * 8)  # at least the sketches and keys themselves
+    assert len(index) == 2000 and emptied < first / 2 and second <= first * 1.05
