@@ -17,7 +17,7 @@ from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
 from libc.math cimport ceil, rint
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
-from libc.string cimport memcpy, memmove, memset
+from libc.string cimport memcmp, memcpy, memmove, memset
 from libcpp.algorithm cimport sort as cpp_sort
 
 import builtins
@@ -28,6 +28,8 @@ py_round = builtins.round  # verdicts carry Python's round(similarity, 4), digit
 
 cdef extern from "Python.h":
     const char *PyUnicode_AsUTF8AndSize(object unicode, Py_ssize_t *size) except NULL
+    object PyBytes_FromStringAndSize(const char *v, Py_ssize_t len)
+    char *PyBytes_AS_STRING(object o)
 
 
 # --- hashing --------------------------------------------------------------------------------------
@@ -817,14 +819,38 @@ cdef class Table:
 
     def insert(self, entry, tuple keys) -> bool:
         """Inserts an `Entry` (kept as is, and returned by `get`) under `keys`; False when it was not."""
-        cdef Py_ssize_t nkeys = len(keys), i
-        sketch = np.ascontiguousarray(entry.sketch, dtype=np.uint64)
-        cdef uint64_t[::1] sk = sketch
-        key_array = np.array(keys, dtype=np.uint64) if nkeys else np.zeros(1, dtype=np.uint64)
-        cdef uint64_t[::1] kv = key_array
+        cdef Py_ssize_t nkeys = len(keys), nsk, i
+        sketch = entry.sketch
+        cdef uint32_t[::1] narrow
+        cdef uint64_t[::1] wide
+        if sketch.dtype == np.uint32 and sketch.flags.c_contiguous:
+            narrow = sketch
+            nsk = narrow.shape[0]
+            self._grow_scratch(&self.other, &self.other_cap, nsk + 1) if nsk >= self.other_cap else 0
+            for i in range(nsk):
+                self.other[i] = narrow[i]
+        else:
+            wide = np.ascontiguousarray(sketch, dtype=np.uint64)
+            nsk = wide.shape[0]
+            self._grow_scratch(&self.other, &self.other_cap, nsk + 1) if nsk >= self.other_cap else 0
+            for i in range(nsk):
+                self.other[i] = wide[i]
+        if nkeys >= self.probe_cap:
+            self._grow_scratch(&self.probe, &self.probe_cap, nkeys + 1)
+        cdef Py_ssize_t kept = 0, j
+        cdef uint64_t key
+        for i in range(nkeys):  # a key given twice counts once
+            key = keys[i]
+            for j in range(kept):
+                if self.probe[j] == key:
+                    break
+            else:
+                self.probe[kept] = key
+                kept += 1
+        nkeys = kept
         exact = entry.exact
         return bool(self._insert(entry.id, entry.ts, exact & 0xFFFFFFFFFFFFFFFF, exact >> 64, entry.size,
-                                 &sk[0] if len(sk) else NULL, len(sk), &kv[0], nkeys, entry))
+                                 self.other, nsk, self.probe, nkeys, entry))
 
     # -- lookup ------------------------------------------------------------------------------------
     cdef Py_ssize_t _gather(self, const uint64_t *keys, Py_ssize_t nkeys, Py_ssize_t floor, double ts,
@@ -932,9 +958,11 @@ cdef class Table:
         own = self.by_id.get(id)
         cdef uint64_t own_seq = 0 if own is None else <uint64_t>own
         cdef Py_ssize_t nkeys = len(keys), n, j
-        key_array = np.array(keys, dtype=np.uint64) if nkeys else np.zeros(1, dtype=np.uint64)
-        cdef uint64_t[::1] kv = key_array
-        n = self._gather(&kv[0], nkeys, floor, ts, limit, own_seq)
+        if nkeys >= self.other_cap:
+            self._grow_scratch(&self.other, &self.other_cap, nkeys + 1)
+        for j in range(nkeys):
+            self.other[j] = keys[j]
+        n = self._gather(self.other, nkeys, floor, ts, limit, own_seq)
         return own_seq, [(self.ranked[j].seq, self.ranked[j].shared, keys[self.ranked[j].first]) for j in range(n)]
 
     def get(self, uint64_t seq):
@@ -1037,3 +1065,260 @@ cdef class Table:
         if not buf[0]:
             raise MemoryError()
         return 0
+
+
+# --- ranking the records of a Redis lookup -----------------------------------------------------------
+
+cdef struct Tally:  # one candidate id: its buckets, first bucket, newest seq and that record's event time
+    uint64_t hash
+    const char *id
+    uint32_t n
+    uint32_t shared
+    uint32_t first
+    uint32_t last_key  # 1 + the last bucket that counted it: an id counts once per bucket
+    uint64_t seq
+    double ts
+    uint32_t stamp
+
+
+cdef inline uint64_t id_hash(const char *p, uint32_t n) noexcept nogil:
+    cdef uint64_t h = 0xcbf29ce484222325ULL
+    cdef uint32_t i
+    for i in range(n):
+        h = (h ^ <uint8_t>p[i]) * 0x100000001b3ULL
+    return mix64(h)
+
+
+cdef extern from * nogil:
+    """
+    #include <algorithm>
+    #include <stdint.h>
+    struct nd_record { double ts; uint64_t seq; const char *id; uint32_t n; };
+    static void nd_sort_newest_first(nd_record *first, nd_record *last) {
+        std::sort(first, last, [](const nd_record &a, const nd_record &b) {
+            return a.ts > b.ts || (a.ts == b.ts && a.seq > b.seq);
+        });
+    }
+    """
+    struct nd_record:  # one bucket record of a Redis lookup
+        double ts
+        uint64_t seq
+        const char *id
+        uint32_t n
+    void nd_sort_newest_first(nd_record *first, nd_record *last)
+
+
+cdef inline uint64_t be64(const char *p) noexcept nogil:
+    cdef uint64_t v = 0
+    cdef int j
+    for j in range(8):
+        v = (v << 8) | <uint8_t>p[j]
+    return v
+
+
+def rank_records(list values, list positions, str id, Py_ssize_t floor, Py_ssize_t limit, double horizon,
+                 Py_ssize_t cap, long long since, object own) -> list:
+    """`filters.redis_index.rank_records`, compiled: the ranked candidates of one lookup, given the bucket
+    values read per slice (`values[s][positions[k]]`: bucket k's value in slice s, bytes or None)."""
+    cdef Py_ssize_t nkeys = len(positions), nslices = len(values), k, s, present = 0, total = 0, nrec, j, t
+    cdef Py_ssize_t pos, end, size
+    cdef object v
+    cdef const char *buf
+    cdef bytes own_id = id.encode("utf-8", "surrogatepass")
+    cdef const char *own_p = own_id
+    cdef uint32_t own_n = <uint32_t>len(own_id)
+    cdef uint32_t n
+    cdef nd_record *recs = NULL
+    cdef Tally *table = NULL
+    cdef Tally **hits = NULL
+    cdef Tally *tally
+    cdef uint64_t mask, h, seq
+    cdef Py_ssize_t nhits = 0, cap_recs = 0
+    cdef double ts
+    cdef bint bad = False
+    for k in range(nkeys):
+        t = positions[k]
+        for s in range(nslices):
+            v = (<list>values[s])[t]
+            if v is not None:
+                present += 1
+                break
+    if present < floor or present == 0:
+        return []  # pigeonhole: nothing can share `floor` keys with it
+    for k in range(nkeys):  # the most records any bucket holds, and all of them
+        t = positions[k]
+        size = 0
+        for s in range(nslices):
+            v = (<list>values[s])[t]
+            if v is not None:
+                size += len(<bytes>v) // 20 + 1
+        total += size
+        if size > cap_recs:
+            cap_recs = size
+    mask = 15
+    while mask < <uint64_t>(2 * total):
+        mask = mask * 2 + 1
+    recs = <nd_record *>PyMem_Malloc((cap_recs + 1) * sizeof(nd_record))
+    table = <Tally *>PyMem_Malloc((mask + 1) * sizeof(Tally))
+    hits = <Tally **>PyMem_Malloc((total + 1) * sizeof(Tally *))
+    try:
+        if not recs or not table or not hits:
+            raise MemoryError()
+        memset(table, 0, (mask + 1) * sizeof(Tally))
+        for k in range(nkeys):
+            t = positions[k]
+            nrec = 0
+            for s in range(nslices):
+                v = (<list>values[s])[t]
+                if v is None:
+                    continue
+                buf = <const char *>(<bytes>v)
+                end = len(<bytes>v)
+                pos = 0
+                while pos < end:
+                    if pos + 12 > end:
+                        bad = True
+                        break
+                    memcpy(&ts, buf + pos, 8)
+                    memcpy(&n, buf + pos + 8, 4)
+                    if pos + 12 + <Py_ssize_t>n + 8 > end:
+                        bad = True
+                        break
+                    if ts >= horizon:
+                        recs[nrec].ts = ts
+                        recs[nrec].id = buf + pos + 12
+                        recs[nrec].n = n
+                        recs[nrec].seq = be64(buf + pos + 12 + n)
+                        nrec += 1
+                    pos += 12 + n + 8
+                if bad:
+                    break
+            if bad:
+                break
+            if nrec > cap:
+                nd_sort_newest_first(recs, recs + nrec)
+                nrec = cap
+            for j in range(nrec):
+                if recs[j].n == own_n and memcmp(recs[j].id, own_p, own_n) == 0:
+                    continue
+                h = id_hash(recs[j].id, recs[j].n)
+                tally = &table[h & mask]
+                while tally.stamp and not (tally.hash == h and tally.n == recs[j].n
+                                           and memcmp(tally.id, recs[j].id, recs[j].n) == 0):
+                    tally = &table[((tally - table) + 1) & mask]
+                if tally.stamp and tally.last_key == k + 1:
+                    continue  # the same id twice in one bucket
+                if since >= 0 and (recs[j].seq <= <uint64_t>since or (own is not None and recs[j].seq in own)):
+                    continue
+                if not tally.stamp:
+                    tally.stamp = 1
+                    tally.hash = h
+                    tally.id = recs[j].id
+                    tally.n = recs[j].n
+                    tally.shared = 1
+                    tally.first = <uint32_t>k
+                    tally.seq = recs[j].seq
+                    tally.ts = recs[j].ts
+                    hits[nhits] = tally
+                    nhits += 1
+                else:
+                    tally.shared += 1
+                    if recs[j].seq > tally.seq:
+                        tally.seq = recs[j].seq
+                        tally.ts = recs[j].ts
+                tally.last_key = <uint32_t>(k + 1)
+        if bad:
+            from filters.errors import IndexCorrupt
+            raise IndexCorrupt("a bucket holds bytes that are not bucket records")
+        # Most shared first, then the newest insert (insertion sort: a handful, nearly always).
+        kept = 0
+        for j in range(nhits):
+            if <Py_ssize_t>hits[j].shared >= floor:
+                hits[kept] = hits[j]
+                kept += 1
+        for j in range(1, kept):
+            tally = hits[j]
+            t = j
+            while t > 0 and (tally.shared > hits[t - 1].shared
+                             or (tally.shared == hits[t - 1].shared and tally.seq > hits[t - 1].seq)):
+                hits[t] = hits[t - 1]
+                t -= 1
+            hits[t] = tally
+        out = []
+        for j in range(kept):
+            out.append((hits[j].id[:hits[j].n].decode("utf-8", "surrogatepass"), hits[j].shared, hits[j].first,
+                        hits[j].ts))
+            if len(out) >= limit:
+                break
+        return out
+    finally:
+        PyMem_Free(recs)
+        PyMem_Free(table)
+        PyMem_Free(hits)
+
+
+# --- the Redis protocol -----------------------------------------------------------------------------
+
+cdef inline Py_ssize_t decimal_size(Py_ssize_t n) noexcept:
+    cdef Py_ssize_t size = 1
+    while n >= 10:
+        n //= 10
+        size += 1
+    return size
+
+
+cdef inline char *put_header(char *p, char mark, Py_ssize_t n) noexcept:
+    """Writes `<mark><n>\\r\\n` (n >= 0)."""
+    cdef Py_ssize_t size = decimal_size(n), j
+    p[0] = mark
+    for j in range(size, 0, -1):
+        p[j] = <char>(48 + n % 10)
+        n //= 10
+    p[size + 1] = 13
+    p[size + 2] = 10
+    return p + size + 3
+
+
+def pack_commands(list commands) -> bytes:
+    """Redis commands (sequences of bytes, str or int arguments) as one RESP request: the bytes
+    `hiredis.pack_command` gives for each, joined, without Python work per argument."""
+    cdef Py_ssize_t size = 0, n, j, length
+    cdef const char *data
+    cdef list flat = []  # every argument as bytes or str, in order
+    cdef object arg
+    for command in commands:
+        n = len(command)
+        size += 3 + decimal_size(n)
+        flat.append(n)
+        for j in range(n):
+            arg = command[j]
+            if type(arg) is bytes:
+                length = len(<bytes>arg)
+            elif type(arg) is str:
+                PyUnicode_AsUTF8AndSize(arg, &length)
+            elif type(arg) is int:
+                arg = str(arg)
+                length = len(<str>arg)
+            else:
+                raise TypeError(f"a Redis argument must be bytes, str or int, got {type(arg).__name__}")
+            flat.append(arg)
+            size += 3 + decimal_size(length) + length + 2
+    out = PyBytes_FromStringAndSize(NULL, size)
+    cdef char *p = PyBytes_AS_STRING(out)
+    j = 0
+    while j < len(flat):
+        n = flat[j]
+        p = put_header(p, 42, n)
+        for arg in flat[j + 1 : j + 1 + n]:
+            if type(arg) is bytes:
+                data = <const char *>(<bytes>arg)
+                length = len(<bytes>arg)
+            else:
+                data = PyUnicode_AsUTF8AndSize(arg, &length)
+            p = put_header(p, 36, length)
+            memcpy(p, data, length)
+            p[length] = 13
+            p[length + 1] = 10
+            p += length + 2
+        j += 1 + n
+    return out

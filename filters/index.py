@@ -200,8 +200,11 @@ class PyTable:
         raise AssertionError(f"entry {seq} was counted but is in none of the query's buckets")
 
     def insert(self, entry: Entry, keys: tuple[int, ...]) -> bool:
+        """Inserts `entry` under `keys` (a key given twice counts once); False when it was not."""
         if entry.id in self._by_id:
             return False
+        if len(set(keys)) < len(keys):
+            keys = tuple(dict.fromkeys(keys))
         ts = entry.ts
         if ts > self._watermark:
             self._advance(ts)
@@ -350,7 +353,7 @@ class MemoryIndex:
 
     def insert_one(self, entry: Entry, keys: tuple[int, ...]) -> None:
         """`insert` of one entry (never a conflict here). A key given twice counts once."""
-        self.table.insert(entry, tuple(dict.fromkeys(keys)))
+        self.table.insert(entry, keys)
 
     def expire(self, now: float) -> int:
         return self.table.expire(now)

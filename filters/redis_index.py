@@ -1,54 +1,48 @@
 """The Redis candidate index: buckets and entries shared by many workers, with atomic check-and-insert.
 
-Key layout (all keys of one namespace share the hash tag `{<prefix>:<namespace>}`):
+Key layout (every key of one namespace carries the hash tag `{<prefix>:<namespace>}`):
 
-    {p:ns}:meta        hash   seq = last insert sequence number, hwm = highest event time inserted
-    {p:ns}:b:<hex>     zset   one bucket: member `<seq as 16 hex>:<entry id>`, score = event time;
-                              plus the sentinel member `#` with score -(2^52 + seq of the bucket's
-                              last insert): below every event time (they must be > -2^52), exact as
-                              a double, and it tells a writer in O(1) whether the bucket changed
-                              since a lookup
-    {p:ns}:e:<id>      string the entry, `encode_entry` (version byte, then little-endian fields)
-    {p:ns}:own:<uuid>  string the seq ranges one caller inserted since its last lookup (see below)
+    {p:ns}:meta     hash  seq = the last insert's sequence number, hwm = the highest event time inserted
+    {p:ns}:s:<n>    hash  event-time slice n = floor(ts / window): the entries and bucket records whose
+                          event time falls in it
+                            e<id>   the entry, `encode_entry`
+                            b<key>  bucket records, <key> the 64-bit bucket key as 8 bytes big-endian:
+                                    <ts: f64 LE><id length: u32 LE><id: UTF-8><seq: u64 BE> each, in
+                                    insertion order, so the value's last 8 bytes are its newest seq
 
-Bucket keys (64-bit fingerprints) live in key names as hex, never in scores: a score is a double and
-loses integer precision above 2^53. Scores are event times (and the sentinel's seq, below 2^52). A
-bucket is trimmed to the window and to the `bucket_cap` newest (event time, then seq) whenever an
-insert adds to it (a new bucket has nothing to trim, which saves most of the work: most buckets of a
-unique message are new). Lookups filter by event time, so what a trim has not removed yet is never
-seen; members that left the window are also the first the cap evicts. Every key gets a TTL of
-window + grace (wall clock) on each write, so idle buckets and entries disappear on their own. The
-TTL is a safety net only: what matches is decided by event time. (If a consumer stalls for longer
-than the grace, entries whose event time is still inside the window may be gone when it resumes.)
+Bucket keys (64-bit fingerprints) are field names, never scores or numbers: nothing here goes through a
+double but event times. A lookup at event time T reads the slices from (T - window) to T: two. A slice
+key's TTL is window + grace (wall clock) from its last write, and the insert script unlinks the slice
+that fell wholly out of the window, so the index holds at most two windows of entries. What matches is
+decided by event time: records older than the window are filtered out on reading.
 
-Atomicity. `lookup` runs `LOOKUP_LUA` per chunk of `LOOKUP_CHUNK` queries (pipelined: one round trip
-per batch), which also returns the namespace's `seq` at that moment: the watermark of the chunk's
-queries. `insert` runs `INSERT_LUA` per chunk of `INSERT_CHUNK` entries (pipelined: one round trip per
-insert round; chunks bound how long one script blocks the server). For each entry the script looks
-at the sentinels of the entry's buckets; if any bucket received an entry with seq > watermark that
-another caller inserted, it returns those entries (ranked like a lookup) and inserts nothing;
-otherwise it assigns the next seq and writes. Redis runs a script atomically, so of two workers that
-looked up near-duplicates at the same moment, the second to insert always sees the first. The
-caller's own inserts since its lookup never count (the engine already checked its batch against
-itself, as with `MemoryIndex`): seqs a chunk assigns itself are above the seq it started at, and each
-chunk appends its range to the caller's `own:` record, which later chunks and retry rounds read. When
-nobody else inserted since the watermark, the script does not even look at the buckets.
+Why this layout (bench/redis_bench.py, and measurements of the layouts that were tried; see README):
+the earlier one, a sorted set per bucket, cost Redis ≈ 140 µs of CPU per short message, nearly all of
+it `redis.call`s inside Lua (2–3 µs each, whatever they do: ZADD and PEXPIRE per bucket, ZRANGEBYSCORE
+per bucket) and the Lua VM counting members. Here a lookup is no script at all: per slice, one HMGET of
+every field the chunk's queries name (pipelined: one round trip), and the client counts, ranks and
+caps; a second round trip reads the winners' entries. An insert round is one script whose calls do not
+grow with the number of buckets: one HMGET and one HSET per slice.
 
-Cost (bench/redis_bench.py; INFO commandstats; perf on redis-server): a lookup is one EXISTS over the
-query's bucket keys (fewer existing buckets than the query's `min_shared` floor cannot yield a
-candidate: the pigeonhole exit of `MemoryIndex`, which skips most queries) and otherwise one
-ZRANGEBYSCORE per key plus ~0.2 µs per bucket member returned; the chunk's own-entry checks are one
-MGET. An insert is ~16 ZADD and PEXPIRE calls: creating a key with a TTL is the dearest thing Redis
-does here, and one key per bucket is this layout's floor. Per short message Redis spends ≈ 50-60 µs
-of CPU (key creation and dict lookups ≈ 1/3, the Lua VM ≈ 1/3, allocation); the client side
-(hiredis parsing and packing, one command per chunk) is small.
+Atomicity. The lookup is not one moment: it reads `seq` first, then the slices. What makes the index
+safe is the insert: for each entry, the script compares the last 8 bytes (the newest seq) of each of
+the entry's bucket fields, in every live slice, with what the caller saw at its lookup (plus what the
+caller itself inserted since: its own inserts never conflict). Any difference means somebody else
+inserted into one of its buckets since: the entry is not inserted and the caller gets it back as a
+conflict; it then reads those buckets again (`RedisIndex.insert` does), verifies the new records'
+entries, and either calls the message a duplicate or inserts again with what it saw now. Redis runs a
+script to the end alone, so of two workers that looked up near-duplicates at the same moment, the
+second to insert always sees the first. Optimistic concurrency per bucket, like WATCH, without a retry
+of the whole transaction.
 
-Cluster. `redis+cluster://` / `rediss+cluster://` use `RedisCluster`. Because every script touches
-keys of one namespace only, and all of them carry the same hash tag, each script runs on one slot:
-one namespace (one filter configuration) therefore lives on one master; different namespaces spread
-over the cluster. Standalone Redis uses the same hash tag, so both behave the same. The scripts
-declare only the meta key and build the other names from the prefixes they are given (as BullMQ
-does): the names share the declared key's hash tag, hence its slot.
+Bucket cap: a lookup keeps, per bucket, the `bucket_cap` newest records by (event time, seq) inside the
+window (across slices: the newest of the union are among the newest of each); the insert script trims
+a bucket field back to the cap once it holds about twice as many, so storage stays bounded.
+
+Cluster. `redis+cluster://` / `rediss+cluster://` use `RedisCluster`. All keys of a namespace carry
+the same hash tag, so each command and script runs on one slot: one namespace (one filter
+configuration) lives on one master; different namespaces spread over the cluster. The insert script
+declares only the meta key and builds the slice names from the prefix it is given (as BullMQ does).
 
 Errors are mapped where they enter: unreachable, timed out, loading, failing over, out of memory →
 `IndexUnavailable` (retriable); wrong password or missing permission → `ConfigError` (retrying cannot
@@ -63,10 +57,10 @@ import hashlib
 import math
 import re
 import struct
-import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -92,51 +86,78 @@ from redis.exceptions import (
 )
 from redis.retry import Retry
 
+try:  # redis-py's C protocol parser (the `redis` extra); packs commands too
+    import hiredis
+except ImportError:  # pragma: no cover - redis-py works without it, slower
+    hiredis = None  # type: ignore[assignment]
+
 from filters.errors import ConfigError, IndexCorrupt, IndexUnavailable, NeardupError, ServiceError
 from filters.index import Candidate, Entry, Query
 
+try:  # the compiled core; absent when it could not be built at install time (no C++ compiler)
+    from filters import _native
+except ImportError:  # pragma: no cover - exercised on machines without a compiler
+    _native = None  # type: ignore[assignment]
+
 __all__ = [
     "ENCODING_VERSION",
+    "INSERT_ALONE_LUA",
     "INSERT_LUA",
-    "LOOKUP_LUA",
     "RedisIndex",
     "decode_entry",
     "encode_entry",
     "map_redis_error",
+    "parse_records",
+    "rank_records",
     "redact_url",
     "redis_errors",
+    "trim_records",
 ]
 
 DEFAULT_PREFIX = "neardup"
 DEFAULT_GRACE = 3600.0  # seconds of wall clock that keys outlive the window
-INSERT_CHUNK = 64  # entries per insert script: bounds how long one script blocks the server
-LOOKUP_CHUNK = 128  # queries per lookup script: the same, for lookups (which cost less each)
-# A caller's record of its own inserts is needed only until its batch's insert rounds are over. Should
-# it expire earlier, the caller's own batch-mates come back as conflicts: extra verification, no harm.
-OWN_RECORD_TTL_MS = 600_000
+INSERT_CHUNK = 512  # entries per insert script: bounds how long one script blocks the server
+LOOKUP_CHUNK = 256  # queries whose fields one HMGET reads: bounds one command's size
+FIELDS_PER_CALL = 2000  # fields per HMGET, pairs per HSET, inside the script (Lua's unpack stops near 8,000 values)
 DEFAULT_SOCKET_TIMEOUT = 5.0  # without one, a stalled server would hang a worker forever
-_MIN_TS = -float(2**52)  # event times must be above it (MIN_TS in the scripts)
+_MIN_TS = -float(2**52)  # event times must be above it
 _NAME = re.compile(r"[A-Za-z0-9_.:-]+")  # prefix and namespace: no glob or hash-tag characters
 
-# --- the stored form of an Entry ------------------------------------------------------------------
+# --- the stored forms ------------------------------------------------------------------------------
 
-ENCODING_VERSION = 1
+ENCODING_VERSION = 2
 # version, ts, exact (low, high 64 bits), size, flags, lengths of sketch, minhash and sentences.
-# The Lua scripts read ts at byte 2 (1-based) as '<d': keep it right after the version byte.
+# The insert script reads ts at byte 2 (1-based) as '<d': keep it right after the version byte.
 _HEAD = struct.Struct("<BdQQIBIII")
 _HAS_SIMHASH = 1
 _HAS_MINHASH = 2
+_NARROW_SKETCH = 4  # the sketch is uint32 (a fingerprint's), stored in 4 bytes a value; else uint64
+_FLAGS = _HAS_SIMHASH | _HAS_MINHASH | _NARROW_SKETCH
 _U64 = np.dtype("<u8")
 _U32 = np.dtype("<u4")
+_NATIVE_U32 = np.dtype(np.uint32)
 _MASK64 = (1 << 64) - 1
+_RECORD = struct.Struct("<dI")  # a bucket record's event time and id length; then the id and the seq
+_SEQ = struct.Struct(">Q")
+_FIELD = struct.Struct(">cQ").pack  # a bucket's field name: b"b" and the key, 8 bytes big-endian
+_ABSENT = bytes(8)  # the tail of a field that does not exist (seqs start at 1)
+_TS_SEQ = itemgetter(0, 1)
 
 
 def encode_entry(entry: Entry) -> bytes:
-    """The compact binary form of `entry` (its id is not included: it is the key's name)."""
+    """The compact binary form of `entry` (its id is not included: it is the field's name)."""
     if not 0 <= entry.exact < 1 << 128:
         raise ValueError(f"exact must be an unsigned 128-bit int, got {entry.exact!r}")
-    sketch = np.ascontiguousarray(entry.sketch, dtype=_U64)
+    if entry.simhash is None and entry.minhash is None and not entry.sentences and entry.sketch.dtype == _NATIVE_U32:
+        # A fingerprint's entry with the default methods: the common case, without numpy's general path.
+        return _HEAD.pack(ENCODING_VERSION, entry.ts, entry.exact & _MASK64, entry.exact >> 64, entry.size,
+                          _NARROW_SKETCH, len(entry.sketch), 0, 0) + entry.sketch.astype(_U32, copy=False).tobytes()
     flags = 0
+    if entry.sketch.dtype == np.uint32:  # a fingerprint's sketch: half the bytes, read back as it was
+        flags |= _NARROW_SKETCH
+        sketch = np.ascontiguousarray(entry.sketch, dtype=_U32)
+    else:
+        sketch = np.ascontiguousarray(entry.sketch, dtype=_U64)
     tail = [sketch.tobytes()]
     if entry.simhash is not None:
         flags |= _HAS_SIMHASH
@@ -162,19 +183,20 @@ def decode_entry(data: bytes, id: str) -> Entry:
         raise IndexCorrupt(f"entry {id!r}: {len(data)} bytes are too short for an entry") from exc
     if version != ENCODING_VERSION:
         raise IndexCorrupt(f"entry {id!r}: encoding version {version}, this neardup reads {ENCODING_VERSION}")
-    if flags & ~(_HAS_SIMHASH | _HAS_MINHASH):
+    if flags & ~_FLAGS:
         raise IndexCorrupt(f"entry {id!r}: unknown flags {flags:#x}")
     has_simhash = bool(flags & _HAS_SIMHASH)
     has_minhash = bool(flags & _HAS_MINHASH)
+    sketch_type, width = (_U32, 4) if flags & _NARROW_SKETCH else (_U64, 8)
     if not has_minhash and n_minhash:
         raise IndexCorrupt(f"entry {id!r}: minhash length without minhash")
-    expected = _HEAD.size + 8 * n_sketch + 8 * has_simhash + 4 * n_minhash + 8 * n_sentences
+    expected = _HEAD.size + width * n_sketch + 8 * has_simhash + 4 * n_minhash + 8 * n_sentences
     if len(data) != expected:
         raise IndexCorrupt(f"entry {id!r}: {len(data)} bytes where the header promises {expected}")
     pos = _HEAD.size
     # Read-only views of the reply's bytes: no copy, and nobody can change a stored entry by accident.
-    sketch = np.frombuffer(data, _U64, n_sketch, pos).astype(np.uint64, copy=False)
-    pos += 8 * n_sketch
+    sketch = np.frombuffer(data, sketch_type, n_sketch, pos).astype(sketch_type.newbyteorder("="), copy=False)
+    pos += width * n_sketch
     simhash = None
     if has_simhash:
         (simhash,) = struct.unpack_from("<Q", data, pos)
@@ -187,238 +209,296 @@ def decode_entry(data: bytes, id: str) -> Entry:
     return Entry(id, ts, lo | hi << 64, size, sketch, simhash, minhash, sentences)
 
 
-# --- server-side scripts -------------------------------------------------------------------------
+def parse_records(value: bytes) -> list[tuple[float, int, str]]:
+    """A bucket field's records as (event time, seq, id), in insertion order."""
+    out = []
+    pos, end = 0, len(value)
+    unpack = _RECORD.unpack_from
+    try:
+        while pos < end:
+            ts, n = unpack(value, pos)
+            start = pos + 12
+            pos = start + n + 8
+            if pos > end:
+                raise ValueError("a record runs past the end")
+            out.append((ts, _SEQ.unpack_from(value, pos - 8)[0],
+                        value[start : start + n].decode("utf-8", "surrogatepass")))
+    except (struct.error, ValueError) as exc:
+        raise IndexCorrupt(f"a bucket holds {len(value)} bytes that are not bucket records: {exc}") from exc
+    return out
 
-# Shared by both scripts. `gather` is the member-counting loop: for the buckets `keys` it counts how many
-# hold each member inside the window, and remembers the first that does; `emit` ranks candidates like
-# MemoryIndex (most shared keys, then the most recently inserted: members start with the seq in
-# fixed-width hex, so that is the larger member), keeps the best `limit`, and appends (id, shared,
-# first key index, entry) to `out`. Beyond `limit` members, an insertion sort into `limit` slots: most
-# members fail the first comparison. A query's buckets can hold hundreds of members, so the work per
-# member is kept to a few table operations: no scores (the range query already applied the window),
-# no own-id check until ranking, and the lookup passes no filters.
-_LUA_COMMON = """
--- Event times are > MIN_TS; sentinel scores are below it (see the module docstring).
-local MIN_TS = -4503599627370496
-local SENTINEL = '#'
-local function lower_bound(horizon)  -- ZRANGEBYSCORE's min for "inside the window", never a sentinel
-  if horizon < MIN_TS then horizon = MIN_TS end
-  return string.format('%.17g', horizon)
-end
--- The bucket key names of `keys` (16 hex digits each, concatenated).
-local function bucket_names(bpre, keys)
-  local names = {}
-  for p = 1, #keys, 16 do names[#names + 1] = bpre .. string.sub(keys, p, p + 15) end
-  return names
-end
--- `bucket_ok(key)` may skip a whole bucket and `member_ok(member)` a member; nil skips nothing.
-local function gather(names, lo, bucket_ok, member_ok)
-  local count, first, members, n = {}, {}, {}, 0
-  for k = 1, #names do
-    local bkey = names[k]
-    if not bucket_ok or bucket_ok(bkey) then
-      local rows = redis.call('ZRANGEBYSCORE', bkey, lo, '+inf')
-      for j = 1, #rows do
-        local m = rows[j]
-        local c = count[m]
-        if c then
-          count[m] = c + 1
-        elseif not member_ok or member_ok(m) then
-          count[m] = 1; first[m] = k; n = n + 1; members[n] = m
-        end
-      end
-    end
-  end
-  return members, count, first
-end
-local function emit(out, members, count, first, min_shared, own_suffix, limit, epre)
-  local ranked, n = {}, 0
-  local own_length = 16 + #own_suffix
-  for _, m in ipairs(members) do
-    if count[m] >= min_shared and not (#m == own_length and string.sub(m, 17) == own_suffix) then
-      n = n + 1; ranked[n] = m
-    end
-  end
-  local function before(a, b)
-    if count[a] ~= count[b] then return count[a] > count[b] end
-    return a > b
-  end
-  local top = {}
-  if n <= limit then
-    top = ranked
-    if n > 1 then table.sort(top, before) end
-  elseif limit > 0 then
-    for _, m in ipairs(ranked) do
-      local t = #top
-      if t < limit or before(m, top[t]) then
-        if t == limit then top[t] = nil; t = t - 1 end
-        local pos = t + 1
-        while pos > 1 and before(m, top[pos - 1]) do top[pos] = top[pos - 1]; pos = pos - 1 end
-        top[pos] = m
-      end
-    end
-  end
-  for _, m in ipairs(top) do
-    local id = string.sub(m, 18)
-    local blob = redis.call('GET', epre .. id)
-    -- A missing entry outlived its TTL (see the module docstring): it no longer exists.
-    if blob then
-      out[#out + 1] = id; out[#out + 1] = count[m]; out[#out + 1] = first[m]; out[#out + 1] = blob
-    end
-  end
-  return out
-end
-"""
 
-# A script per chunk of queries rather than ZRANGEBYSCORE per bucket and MGET of the winners: one reply
-# per query instead of one per bucket, and no second round trip (measured 3-4x more lookups per second
-# over the eval stream); and a chunk of queries per script rather than one: most of the cost of a
-# short query was the client's encoding and parsing of its own command (see bench/redis_bench.py).
-LOOKUP_LUA = _LUA_COMMON + """
--- A chunk of queries, read-only. KEYS[1]: the namespace's meta hash.
--- ARGV: bucket key prefix, entry key prefix, window, limit, the caller's high-water mark of event time
---       (its previous lookups and inserts), then per query: id, event time, the fewest shared keys a
---       candidate needs, the bucket keys (16 hex digits each, concatenated).
--- Returns {seq, per query: {own entry or false, (id, shared, first key index, entry) * up to limit}}.
--- Each query's horizon is the high-water mark including it and the queries before it.
-local bpre, epre = ARGV[1], ARGV[2]
-local window, limit = tonumber(ARGV[3]), tonumber(ARGV[4])
-local hwm = tonumber(ARGV[5])
-local state = redis.call('HMGET', KEYS[1], 'seq', 'hwm')
-if state[2] and tonumber(state[2]) > hwm then hwm = tonumber(state[2]) end
-local out = {state[1] or '0'}
-local horizon, lo = nil, nil
-local entry_names = {}  -- the queries' own entries (a replay), read with one MGET
-for i = 6, #ARGV, 4 do entry_names[#entry_names + 1] = epre .. ARGV[i] end
-local owns = #entry_names > 0 and redis.call('MGET', unpack(entry_names)) or {}
-for i = 6, #ARGV, 4 do
-  local id = ARGV[i]
-  local ts = tonumber(ARGV[i + 1])
-  if ts > hwm or not lo then
-    if ts > hwm then hwm = ts end
-    horizon = hwm - window
-    lo = lower_bound(horizon)
-  end
-  local reply = {false}
-  local own = owns[(i - 2) / 4]
-  if own and struct.unpack('<d', own, 2) >= horizon then reply[1] = own end
-  local names = bucket_names(bpre, ARGV[i + 3])
-  local min_shared = tonumber(ARGV[i + 2])
-  local members, count, first = {}, {}, {}
-  -- Pigeonhole, as MemoryIndex: fewer existing buckets than the floor, no candidate (most queries).
-  if #names > 0 and redis.call('EXISTS', unpack(names)) >= min_shared then
-    members, count, first = gather(names, lo)
-  end
-  out[#out + 1] = emit(reply, members, count, first, min_shared, ':' .. id, limit, epre)
-end
-return out
-"""
+def rank_records(values: Sequence[Sequence[bytes | None]], positions: Sequence[int], id: str, floor: int,
+                 limit: int, horizon: float, cap: int, since: int = -1,
+                 own: set[int] | None = None) -> list[tuple[str, int, int, float]]:
+    """The candidates in one query's buckets, ranked as `MemoryIndex` ranks them. `values[s][positions[k]]`
+    is bucket k's value in slice s (None: absent). Only records inside the window (event time >=
+    `horizon`) and the `cap` newest of each bucket count, never `id`'s own; with `since` >= 0, only
+    records with a greater seq that are not in `own`. Returns [(id, shared buckets, first bucket, event
+    time of its newest record)] of those sharing at least `floor`, most shared first, then the newest
+    insert, at most `limit` (but at least one found). The compiled core has the same function."""
+    present = sum(1 for t in positions if any(column[t] is not None for column in values))
+    if present < floor or not present:
+        return []  # pigeonhole: nothing can share `floor` keys with it
+    counts: dict[str, list[Any]] = {}  # id -> [shared, first, newest seq, its event time]
+    for k, t in enumerate(positions):
+        records = [r for column in values if (v := column[t]) is not None for r in parse_records(v) if r[0] >= horizon]
+        if len(records) > cap:
+            records = sorted(records, key=_TS_SEQ, reverse=True)[:cap]  # the newest by (event time, seq)
+        held = set()
+        for ts, seq, rid in records:
+            if rid == id or rid in held:
+                continue
+            if since >= 0 and (seq <= since or (own is not None and seq in own)):
+                continue
+            held.add(rid)
+            c = counts.get(rid)
+            if c is None:
+                counts[rid] = [1, k, seq, ts]
+            else:
+                c[0] += 1
+                if seq > c[2]:
+                    c[2], c[3] = seq, ts
+    items = [(rid, c) for rid, c in counts.items() if c[0] >= floor]
+    items.sort(key=lambda item: (item[1][0], item[1][2]), reverse=True)
+    out = []
+    for rid, (shared, first, _, ts) in items:
+        out.append((rid, shared, first, ts))
+        if len(out) >= limit:
+            break
+    return out
 
-INSERT_LUA = _LUA_COMMON + """
--- A chunk of one caller's inserts, atomically. KEYS[1]: the namespace's meta hash.
--- ARGV: bucket key prefix, entry key prefix, window, bucket cap, TTL (ms), the caller's high-water
---       mark of event time, the key of the caller's own-inserts record for its current lookup ('' if
---       none) and that record's TTL (ms), then per entry: id, ts, watermark ('' when it was not
---       looked up), encoded entry, its bucket keys (16 hex digits each, concatenated).
--- Returns {seq, high-water mark, per entry: 0 (inserted, or kept the first of a replayed id, or too
---          old for the window) or the flat list of candidates that entered its buckets after its
---          watermark (then it was not inserted)}.
-local meta, own_key, own_ttl = KEYS[1], ARGV[7], ARGV[8]
-local bpre, epre = ARGV[1], ARGV[2]
-local window, cap, ttl = tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
+
+def trim_records(value: bytes, cap: int) -> bytes:
+    """The `cap` newest records (event time, then seq) of a bucket value, in insertion order: what the
+    insert script's `trim` keeps."""
+    spans = []
+    pos, end = 0, len(value)
+    while pos < end:
+        ts, n = _RECORD.unpack_from(value, pos)
+        stop = pos + 12 + n + 8
+        spans.append((ts, value[stop - 8 : stop], pos, stop))
+        pos = stop
+    if len(spans) <= cap:
+        return value
+    newest = sorted(range(len(spans)), key=lambda j: spans[j][:2], reverse=True)[:cap]
+    return b"".join(value[spans[j][2] : spans[j][3]] for j in sorted(newest))
+
+
+def _field_of(key: int) -> bytes:
+    try:
+        return _FIELD(b"b", key)
+    except struct.error:
+        raise ValueError(f"bucket keys must be unsigned 64-bit ints, got {key!r}") from None
+
+
+# --- the insert script -----------------------------------------------------------------------------
+
+INSERT_LUA = """
+-- One caller's insert round, atomically. KEYS[1]: the namespace's meta hash.
+-- ARGV: slice key prefix, window, slice length, bucket cap, TTL (ms), the caller's high-water mark of
+--       event time, the slices the caller read (comma-separated, in the order of its tails), the seq
+--       at its lookup and how many it inserted since, then per entry: id, event time, encoded entry,
+--       the number n of its buckets, what the caller saw of them (per slice it read, the last 8 bytes
+--       of each bucket field, zeros if absent; '' for no check), and its n bucket field names.
+-- Returns {seq, high-water mark, per entry: its seq (inserted), 0 (its id is live, or it is outside
+--          the window: nothing to do) or -1 (a bucket changed since the caller saw it: not inserted)}.
+local meta, spre = KEYS[1], ARGV[1]
+local window, slice_len, cap, ttl = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
 local hwm = tonumber(ARGV[6])
+local ABSENT = string.rep('\\0', 8)
+local FIRST, PER_CALL = 10, FIELDS_PER_CALL
 local state = redis.call('HMGET', meta, 'seq', 'hwm')
 local stored_hwm = tonumber(state[2] or '-inf')
 if stored_hwm > hwm then hwm = stored_hwm end
 local start = tonumber(state[1] or '0')
 local seq = start
--- The caller's own inserts since its lookup never conflict (it checked its batch against itself):
--- seqs above `start` (this chunk) and the ranges (a, b] its other chunks recorded.
-local own = {}
-if own_key ~= '' then
-  local text = redis.call('GET', own_key)
-  if text then
-    for a, b in string.gmatch(text, '(%d+) (%d+)') do own[#own + 1] = {tonumber(a), tonumber(b)} end
-    table.sort(own, function(x, y) return x[1] < y[1] end)
+-- Nobody else inserted since the caller's lookup: no bucket can differ from what it saw.
+local alone = start == tonumber(ARGV[8]) + tonumber(ARGV[9])
+-- Entries, and the slices a record that can still match may be in: from the lowest horizon of this
+-- call to the highest event time.
+local entries = {}
+local low, top = math.huge, hwm
+local i = FIRST
+while i <= #ARGV do
+  local n = tonumber(ARGV[i + 3])
+  local ts = tonumber(ARGV[i + 1])
+  entries[#entries + 1] = {i, ts, n}
+  if ts < low then low = ts end
+  if ts > top then top = ts end
+  i = i + 5 + n
+end
+if hwm > low then low = hwm end
+local slices = {}
+for s = math.floor((low - window) / slice_len), math.floor(top / slice_len) do slices[#slices + 1] = s end
+local seen_at = {}  -- slice -> its place among the caller's
+local k = 0
+for s in string.gmatch(ARGV[7], '[^,]+') do seen_at[tonumber(s)] = k; k = k + 1 end
+-- What each slice holds of the fields this call needs: every id and, to compare with what the caller
+-- saw, every bucket field (when alone, only those of the slices written to).
+local wanted = {}
+for _, s in ipairs(slices) do wanted[s] = {{}, {}} end
+for _, e in ipairs(entries) do
+  local at, n = e[1], e[3]
+  local target = math.floor(e[2] / slice_len)
+  for _, s in ipairs(slices) do
+    local w = wanted[s]
+    local f = 'e' .. ARGV[at]
+    if not w[2][f] then w[2][f] = true; w[1][#w[1] + 1] = f end
+    if not alone or s == target then
+      for j = at + 5, at + 4 + n do
+        f = ARGV[j]
+        if not w[2][f] then w[2][f] = true; w[1][#w[1] + 1] = f end
+      end
+    end
   end
 end
-local function is_own(s)
-  if s > start then return true end
-  for _, r in ipairs(own) do
-    if s > r[1] and s <= r[2] then return true end
+local orig, cur, dirty = {}, {}, {}
+for _, s in ipairs(slices) do
+  local o, key, names = {}, spre .. string.format('%d', s), wanted[s][1]
+  for a = 1, #names, PER_CALL do
+    local part = {unpack(names, a, math.min(a + PER_CALL - 1, #names))}
+    local values = redis.call('HMGET', key, unpack(part))
+    for j = 1, #part do o[part[j]] = values[j] end
   end
-  return false
+  orig[s], cur[s], dirty[s] = o, {}, {}
 end
-local function foreign_since(mark)  -- did anybody else insert anything after `mark`?
-  local pos = mark
-  for _, r in ipairs(own) do
-    if r[1] <= pos and r[2] > pos then pos = r[2] end
+local function now(s, f)  -- a field as this call left it so far
+  local v = cur[s][f]
+  if v == nil then v = orig[s][f] end
+  return v
+end
+-- Keeps the `cap` newest records (event time, then seq) of a bucket value, in insertion order.
+local function trim(v)
+  local recs, p = {}, 1
+  while p <= #v do
+    local ts, n = struct.unpack('<dI4', v, p)
+    local stop = p + 12 + n + 7
+    recs[#recs + 1] = {ts, string.sub(v, stop - 7, stop), p, stop}
+    p = stop + 1
   end
-  return pos < start
+  if #recs <= cap then return v end
+  local order = {}
+  for j = 1, #recs do order[j] = recs[j] end
+  table.sort(order, function(a, b) if a[1] ~= b[1] then return a[1] > b[1] end return a[2] > b[2] end)
+  local keep = {}
+  for j = 1, cap do keep[order[j]] = true end
+  local out = {}
+  for _, r in ipairs(recs) do
+    if keep[r] then out[#out + 1] = string.sub(v, r[3], r[4]) end
+  end
+  return table.concat(out)
 end
 local results = {}
-for i = 9, #ARGV, 5 do
-  local id, ts_arg, mark, blob, keys = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4]
-  local ts = tonumber(ts_arg)
-  local ekey = epre .. id
+for _, e in ipairs(entries) do
+  local at, ts, n = e[1], e[2], e[3]
+  local id, blob, tails = ARGV[at], ARGV[at + 2], ARGV[at + 4]
+  local efield = 'e' .. id
   local result = 0
-  local old = redis.call('GET', ekey)
-  -- As in MemoryIndex, a live id keeps its first entry and does not move the high-water mark.
-  if not (old and struct.unpack('<d', old, 2) >= hwm - window) then
+  local live = false  -- as in MemoryIndex, a live id keeps its first entry and moves nothing
+  for _, s in ipairs(slices) do
+    local old = now(s, efield)
+    if old and struct.unpack('<d', old, 2) >= hwm - window then live = true; break end
+  end
+  if not live then
     if ts > hwm then hwm = ts end
-    local horizon = hwm - window
-    if ts >= horizon then  -- else it is already outside the window and could never match
-      local conflicts = {}
-      local names = bucket_names(bpre, keys)
-      if mark ~= '' and foreign_since(tonumber(mark)) then
-        -- Look into the buckets whose last insert (the sentinel) is newer than the watermark, at the
-        -- members that others inserted after it.
-        mark = tonumber(mark)
-        local function bucket_ok(bkey)
-          local head = redis.call('ZRANGE', bkey, 0, 0, 'WITHSCORES')
-          return head[1] == SENTINEL and MIN_TS - tonumber(head[2]) > mark
-        end
-        local function member_ok(m)
-          local s = tonumber(string.sub(m, 1, 16), 16)
-          return s > mark and not is_own(s)
-        end
-        local members, count, first = gather(names, lower_bound(horizon), bucket_ok, member_ok)
-        emit(conflicts, members, count, first, 1, ':' .. id, #members, epre)
-      end
-      if #conflicts > 0 then
-        result = conflicts
-      else
-        seq = seq + 1
-        local member = string.format('%016x', seq) .. ':' .. id
-        local sentinel = string.format('%d', MIN_TS - seq)
-        local floor = '(' .. string.format('%.17g', horizon)
-        redis.call('SET', ekey, blob, 'PX', ttl)
-        for _, bkey in ipairs(names) do
-          -- 2 new members: the bucket is new, and has nothing to trim. Else drop what left the window
-          -- and keep the sentinel (rank 0) and the `cap` newest entries.
-          if redis.call('ZADD', bkey, sentinel, SENTINEL, ts_arg, member) < 2 then
-            redis.call('ZREMRANGEBYSCORE', bkey, MIN_TS, floor)
-            redis.call('ZREMRANGEBYRANK', bkey, 1, -(cap + 1))
+    if ts >= hwm - window then  -- else it is outside the window already and could never match
+      if tails ~= '' and not alone then
+        for _, s in ipairs(slices) do
+          local o, seen = orig[s], {}
+          for j = 1, n do
+            local v = o[ARGV[at + 4 + j]]
+            seen[j] = v and string.sub(v, -8) or ABSENT
           end
-          redis.call('PEXPIRE', bkey, ttl)
+          local base = seen_at[s]
+          local want = base and string.sub(tails, base * n * 8 + 1, (base + 1) * n * 8) or string.rep(ABSENT, n)
+          if table.concat(seen) ~= want then result = -1; break end
         end
+      end
+      if result == 0 then
+        seq = seq + 1
+        local rec = struct.pack('<dI4', ts, #id) .. id .. struct.pack('>I8', seq)
+        local s = math.floor(ts / slice_len)
+        local c, d = cur[s], dirty[s]
+        for j = at + 5, at + 4 + n do
+          local f = ARGV[j]
+          local v = now(s, f)
+          if v then
+            if #v > 2 * cap * #rec then v = trim(v) end
+            v = v .. rec
+          else
+            v = rec
+          end
+          c[f] = v
+          d[f] = true
+        end
+        c[efield] = blob
+        d[efield] = true
+        result = seq
       end
     end
   end
   results[#results + 1] = result
 end
+for _, s in ipairs(slices) do
+  local args = {}
+  for f in pairs(dirty[s]) do args[#args + 1] = f; args[#args + 1] = cur[s][f] end
+  if #args > 0 then
+    local key = spre .. string.format('%d', s)
+    for a = 1, #args, 2 * PER_CALL do
+      redis.call('HSET', key, unpack(args, a, math.min(a + 2 * PER_CALL - 1, #args)))
+    end
+    redis.call('PEXPIRE', key, ttl)
+  end
+end
 local hwm_s = string.format('%.17g', hwm)
 if seq > start then
   redis.call('HSET', meta, 'seq', seq)
-  if own_key ~= '' then
-    redis.call('APPEND', own_key, string.format(' %d %d', start, seq))
-    redis.call('PEXPIRE', own_key, own_ttl)
-  end
+  -- The slice below the oldest live one holds nothing that can match any more.
+  redis.call('UNLINK', spre .. string.format('%d', slices[1] - 1))
 end
 if hwm > stored_hwm then redis.call('HSET', meta, 'hwm', hwm_s) end
 if seq > start or hwm > stored_hwm then redis.call('PEXPIRE', meta, ttl) end
 return {seq, hwm_s, results}
-"""
+""".replace("FIELDS_PER_CALL", str(FIELDS_PER_CALL))
+
+# The insert of a caller that nobody else inserted anything since its lookup: it read every field its
+# batch writes, so it computed the script's writes itself (`RedisIndex._alone`), and this only checks
+# that the namespace's seq and high-water mark are still what it saw, and writes. Same result as
+# INSERT_LUA (tests/test_redis_index.py compares the stored bytes), a fraction of the server's work.
+INSERT_ALONE_LUA = """
+-- KEYS[1]: the namespace's meta hash. ARGV: seq and high-water mark expected ('' for none), the new
+-- seq and high-water mark (written when different), TTL (ms), a slice key to unlink ('' for none),
+-- then per slice written: its key, the number of entries, and per entry: its bucket record, the
+-- number a of new fields and b of others, the a new fields' names (their value is the record), and
+-- b field, value pairs (the entry itself, and buckets that had records: their new value).
+-- Returns 1 (written) or 0 (somebody else wrote meanwhile: nothing was written).
+local meta, ttl = KEYS[1], ARGV[5]
+local state = redis.call('HMGET', meta, 'seq', 'hwm')
+if (state[1] or '0') ~= ARGV[1] or (state[2] or '') ~= ARGV[2] then return 0 end
+local i = 7
+while i <= #ARGV do
+  local key, entries = ARGV[i], tonumber(ARGV[i + 1])
+  i = i + 2
+  local args, n = {}, 0
+  for _ = 1, entries do
+    local rec, new, other = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
+    i = i + 3
+    for j = i, i + new - 1 do args[n + 1] = ARGV[j]; args[n + 2] = rec; n = n + 2 end
+    i = i + new
+    for j = i, i + 2 * other - 1 do n = n + 1; args[n] = ARGV[j] end
+    i = i + 2 * other
+    if n >= 2 * FIELDS_PER_CALL then redis.call('HSET', key, unpack(args, 1, n)); args, n = {}, 0 end
+  end
+  if n > 0 then redis.call('HSET', key, unpack(args, 1, n)) end
+  redis.call('PEXPIRE', key, ttl)
+end
+if ARGV[3] ~= ARGV[1] then redis.call('HSET', meta, 'seq', ARGV[3]) end
+if ARGV[4] ~= ARGV[2] then redis.call('HSET', meta, 'hwm', ARGV[4]) end
+if ARGV[3] ~= ARGV[1] or ARGV[4] ~= ARGV[2] then redis.call('PEXPIRE', meta, ttl) end
+if ARGV[6] ~= '' then redis.call('UNLINK', ARGV[6]) end
+return 1
+""".replace("FIELDS_PER_CALL", str(FIELDS_PER_CALL))
 
 
 @dataclass(frozen=True, slots=True)
@@ -433,8 +513,8 @@ class _Script:
         return cls(source, hashlib.sha1(source.encode()).hexdigest())
 
 
-_LOOKUP = _Script.of(LOOKUP_LUA)
 _INSERT = _Script.of(INSERT_LUA)
+_INSERT_ALONE = _Script.of(INSERT_ALONE_LUA)
 
 
 # --- connection -------------------------------------------------------------------------------------
@@ -524,12 +604,68 @@ def redis_errors(where: str) -> Iterator[None]:
         raise map_redis_error(exc, where) from exc
 
 
+@dataclass(slots=True)
+class _View:
+    """What the caller's last lookup read, and what it inserted since: what its inserts are checked against.
+
+    An entry's expected bucket tails (the newest seq of each bucket field, per slice read) are those its
+    verification covered, plus the caller's own inserts since: an own insert succeeded only if nothing
+    foreign had arrived in its buckets, so its seq is the exact new tail. Entries looked up together
+    share the read; one whose insert conflicted was verified again against a later read and carries its
+    own (`reread`), so the others are not excused from records they never verified.
+    """
+
+    slices: tuple[int, ...] = ()
+    columns: list[list[bytes | None]] = field(default_factory=list)  # per slice: the value of each field read
+    at: dict[bytes, int] = field(default_factory=dict)  # field -> its place in a column
+    ids: set[str] = field(default_factory=set)  # the ids the lookup covered
+    mark: int = 0  # the namespace's seq when the lookup began: records above it may be unseen
+    hwm: bytes = b""  # the namespace's high-water mark as stored then ('' if none)
+    inserted: int = 0  # how many the caller inserted since: seq is mark + inserted while it is alone
+    written: dict[int, dict[bytes, bytes]] = field(default_factory=dict)  # slice -> field -> value (or tail)
+    fields: dict[str, tuple[tuple[int, ...], list[bytes]]] = field(default_factory=dict)  # id -> keys, fields
+    own: set[int] = field(default_factory=set)  # seqs the caller inserted since
+    reread: dict[str, tuple[int, dict[tuple[int, bytes], bytes]]] = field(default_factory=dict)  # id -> (seq, tails)
+    exact: bool = True  # `written` holds whole values (no insert went through INSERT_LUA since)
+
+    def value(self, s: int, f: bytes) -> bytes | None:
+        """A field as this caller knows it: its own write, else what the lookup read."""
+        v = self.written.get(s, {}).get(f)
+        if v is None and s in self.slices and f in self.at:
+            v = self.columns[self.slices.index(s)][self.at[f]]
+        return v
+
+    def fields_of(self, id: str, keys: tuple[int, ...]) -> list[bytes]:
+        known = self.fields.get(id)
+        return known[1] if known is not None and known[0] is keys else [_FIELD(b"b", key) for key in keys]
+
+    def expected(self, id: str, fields: Sequence[bytes]) -> bytes:
+        """The tails `id`'s insert expects, per slice read, per field: b"" for an id never looked up."""
+        if id not in self.ids:
+            return b""
+        reread = self.reread.get(id)
+        parts = []
+        for s in self.slices:
+            written = self.written.get(s, {})
+            for f in fields:
+                mine = written.get(f)
+                if reread is not None:
+                    tail = reread[1].get((s, f), _ABSENT)
+                    if mine is not None and _SEQ.unpack_from(mine, len(mine) - 8)[0] > reread[0]:
+                        tail = mine[-8:]
+                else:
+                    v = mine if mine is not None else self.value(s, f)
+                    tail = v[-8:] if v else _ABSENT
+                parts.append(tail)
+        return b"".join(parts)
+
+
 class RedisIndex:
     """`CandidateIndex` on Redis (standalone, TLS or Cluster), shared by any number of workers.
 
-    One instance is used by one thread at a time (the engine's contract). It remembers, per query id,
-    the watermark its last lookups returned, until the next-but-one `lookup` call; `insert` of an id
-    it did not look up is a plain insert (like `MemoryIndex`: nothing to compare against).
+    One instance is used by one thread at a time (the engine's contract). It remembers what its last
+    `lookup` read until the next one; `insert` of an id that lookup did not cover is a plain insert (like
+    `MemoryIndex`: nothing to compare against).
     """
 
     def __init__(self, url: str, *, window: float, bucket_cap: int, namespace: str) -> None:
@@ -539,22 +675,20 @@ class RedisIndex:
             raise ConfigError(f"namespace must match {_NAME.pattern}, got {namespace!r}")
         target = RedisTarget.parse(url)
         self.window = float(window)
+        self.slice_length = self.window
         self.bucket_cap = bucket_cap
         self.namespace = namespace
         self.prefix = target.prefix
         self._where = redact_url(url)
         tag = f"{{{target.prefix}:{namespace}}}"
         self._meta = f"{tag}:meta"
-        self._bpre = f"{tag}:b:"
-        self._epre = f"{tag}:e:"
-        self._opre = f"{tag}:own:"
-        self._own_key = ""  # where the inserts since the last lookup record their seq ranges
+        self._spre = f"{tag}:s:"
         self._pattern = f"{tag}:*"
         self._ttl_ms = max(1, round((self.window + target.grace) * 1000))
-        self._static_args = (self._bpre, self._epre, repr(self.window))
         self._hwm = -math.inf  # highest event time this instance has seen (MemoryIndex's watermark)
-        self._marks: dict[str, int] = {}  # query id -> namespace seq at its lookup (this batch)
-        self._marks_before: dict[str, int] = {}  # ... and the batch before
+        self._view = _View()
+        self._rank = _native.rank_records if _native is not None else rank_records
+        self.alone_inserts = True  # INSERT_ALONE_LUA when nobody else inserted since the lookup
         options: dict[str, Any] = {
             "decode_responses": False,  # entries are bytes
             "retry": Retry(NoBackoff(), 0),  # no hidden retry loop: the worker decides
@@ -579,107 +713,302 @@ class RedisIndex:
     def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | None, list[Candidate]]]:
         if not queries:
             return []
-        calls = []
+        marks = []  # each query's high-water mark: its own event time and those before it count
         hwm = self._hwm
-        for at in range(0, len(queries), LOOKUP_CHUNK):
-            args: list[str | int] = [*self._static_args, limit, repr(hwm)]
-            for q in queries[at : at + LOOKUP_CHUNK]:
-                ts = _event_time(q.ts, q.id)
-                hwm = max(hwm, ts)
-                args += (q.id, repr(ts), q.min_shared, _hex(q.keys))
-            calls.append(args)
-        replies = self._eval_pipelined(_LOOKUP, calls)
-        self._hwm = hwm
-        self._marks_before, self._marks = self._marks, {}
-        self._own_key = f"{self._opre}{uuid.uuid4().hex}"  # a new batch: a new record of own inserts
-        decoded: dict[bytes, Entry] = {}  # a wave's representative is a candidate of many queries
-        out: list[tuple[Entry | None, list[Candidate]]] = []
-        marks = self._marks
-        pairs = iter(queries)
-        for reply in replies:
-            mark = int(reply[0])
-            for result in reply[1:]:
-                q = next(pairs)
-                marks.setdefault(q.id, mark)  # an id twice in a batch: the earlier mark
-                own = None if not result[0] else self._decode(result[0], q.id, decoded)
-                out.append((own, self._candidates(result, 1, q.keys, decoded)))
+        for q in queries:
+            hwm = max(hwm, _event_time(q.ts, q.id))
+            marks.append(hwm)
+        at: dict[bytes, int] = {}  # every field name the batch reads -> its place in a column
+        place = at.setdefault
+        try:
+            key_fields = [[_FIELD(b"b", key) for key in q.keys] for q in queries]
+        except struct.error:
+            raise ValueError(f"bucket keys must be unsigned 64-bit ints: {[q.keys for q in queries]!r}") from None
+        positions = [[place(f, len(at)) for f in fields] for fields in key_fields]
+        id_places = [place(_id_field(q.id), len(at)) for q in queries]
+        names = list(at)
+        slices = self._slices(marks[0], hwm)
+        seq, stored, columns = self._read(names, slices)
+        top = _stored_time(stored)
+        if top > hwm and self._slices(max(marks[0], top), top) != slices:
+            # Another worker is ahead in event time, in slices this read did not cover: read those too.
+            slices = self._slices(max(marks[0], top), max(hwm, top))
+            seq, stored, columns = self._read(names, slices)
+            top = _stored_time(stored)
+        self._hwm = max(hwm, top)
+        self._view = _View(slices, columns, at, {q.id for q in queries}, seq, stored,
+                           fields={q.id: (q.keys, fields) for q, fields in zip(queries, key_fields)})
+        found: list[tuple[bytes | None, list[tuple[str, int, int, float]]]] = []
+        rank, cap = self._rank, self.bucket_cap
+        for q, where, e, mark in zip(queries, positions, id_places, marks):
+            horizon = max(mark, top) - self.window
+            own = None
+            for column in columns:
+                blob = column[e]
+                if blob is not None and _entry_time(blob, q.id) >= horizon:
+                    own = blob
+                    break
+            found.append((own, rank(columns, where, q.id, q.min_shared, limit, horizon, cap, -1, None)))
+        entries = self._entries({(self._slice(ts), id) for _, ranked in found for id, _, _, ts in ranked})
+        out = []
+        for q, (own, ranked) in zip(queries, found):
+            cands = [Candidate(entries[id], shared, q.keys[first]) for id, shared, first, _ in ranked if id in entries]
+            out.append((None if own is None else decode_entry(own, q.id), cands))
         return out
 
     def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]:
-        """See `CandidateIndex.insert`. If it raises, some chunks may have been written: inserting is
+        """See `CandidateIndex.insert`. If it raises, some entries may have been written: inserting is
         idempotent by id, so the worker retries the batch and finds those as replays."""
         if not entries:
             return []
-        calls = []
-        for at in range(0, len(entries), INSERT_CHUNK):
-            args: list[str | int | bytes] = [*self._static_args, self.bucket_cap, self._ttl_ms,
-                                             repr(self._hwm), self._own_key, OWN_RECORD_TTL_MS]
-            for entry, keys in entries[at : at + INSERT_CHUNK]:
-                mark = self._marks.get(entry.id, self._marks_before.get(entry.id))
-                args += [entry.id, repr(_event_time(entry.ts, entry.id)), "" if mark is None else mark,
-                         encode_entry(entry), _hex(keys)]
-            calls.append(args)
-        decoded: dict[bytes, Entry] = {}
         out: list[list[Candidate] | None] = []
-        pairs = iter(entries)
-        for seq, hwm, results in self._eval_pipelined(_INSERT, calls):
-            self._hwm = max(self._hwm, float(hwm))
-            for result in results:
-                entry, keys = next(pairs)
-                if isinstance(result, list):
-                    # The caller has now seen everything up to `seq`: a retry conflicts only with newer.
-                    self._marks[entry.id] = int(seq)
-                    out.append(self._candidates(result, 0, keys, decoded))
-                else:
-                    self._marks.pop(entry.id, None)
-                    self._marks_before.pop(entry.id, None)
-                    out.append(None)
+        for at in range(0, len(entries), INSERT_CHUNK):
+            out.extend(self._insert_chunk(entries[at : at + INSERT_CHUNK]))
         return out
 
     def expire(self, now: float) -> int:
         """Moves this instance's horizon to `now - window` (as `MemoryIndex.expire` forgets up to it).
 
-        Redis itself forgets by trimming buckets inside the insert script and by key TTLs, so there
-        is nothing to delete here, and the count of what went is unknown: returns 0.
+        Redis itself forgets by slice: the insert script unlinks the slice that left the window, and key
+        TTLs do the rest, so there is nothing to delete here, and the count of what went is unknown: 0.
         """
         self._hwm = max(self._hwm, now)
         return 0
 
     def stats(self) -> dict[str, int]:
-        """`entries` and `buckets`: keys of this namespace, counted by SCAN on its node.
-
-        O(keys of the namespace) and approximate: keys stay until their TTL, so entries that left the
-        window by event time still count. For monitoring and tests, not for the hot path.
-        `inserted`: entries inserted since the namespace was created (the seq counter).
-        """
-        entries = buckets = 0
-        entry_prefix, bucket_prefix = self._epre.encode(), self._bpre.encode()
+        """`entries` and `buckets` of this namespace (a bucket in two slices counts once), by scanning
+        its slices: O(namespace), for monitoring and tests, not the hot path. Entries and records that
+        left the window by event time count until their slice goes. `inserted`: the seq counter."""
+        entries = 0
+        buckets: set[bytes] = set()
         with self._errors():
             for key in self._scan():
-                entries += key.startswith(entry_prefix)
-                buckets += key.startswith(bucket_prefix)
+                if not key.startswith(self._spre.encode()):
+                    continue
+                for name in self._hscan_fields(key):
+                    if name.startswith(b"e"):
+                        entries += 1
+                    else:
+                        buckets.add(name)
             inserted = int(self._client.hget(self._meta, "seq") or 0)
-        return {"entries": entries, "buckets": buckets, "inserted": inserted}
+        return {"entries": entries, "buckets": len(buckets), "inserted": inserted}
 
     def close(self) -> None:
         self._client.close()
 
-    # -- helpers -------------------------------------------------------------------------------
-    def _candidates(self, flat: list[Any], start: int, keys: Sequence[int],
-                    decoded: dict[bytes, Entry]) -> list[Candidate]:
-        if len(flat) <= start:
-            return []
-        decode = self._decode
-        return [Candidate(decode(blob, id.decode(), decoded), shared, keys[first - 1])
-                for id, shared, first, blob in zip(*(iter(flat[start:]),) * 4, strict=True)]
+    # -- reading ---------------------------------------------------------------------------------
+    def _slice(self, ts: float) -> int:
+        return math.floor(ts / self.slice_length)
 
-    @staticmethod
-    def _decode(blob: bytes, id: str, decoded: dict[bytes, Entry]) -> Entry:
-        entry = decoded.get(blob)
-        if entry is None or entry.id != id:
-            entry = decoded[blob] = decode_entry(blob, id)
-        return entry
+    def _slices(self, low_mark: float, high_mark: float) -> tuple[int, ...]:
+        """The slices that can hold a record inside the window of event times from `low_mark` to
+        `high_mark` (high-water marks): from the slice of low_mark - window to that of high_mark."""
+        if not math.isfinite(high_mark):
+            return ()
+        low = low_mark if math.isfinite(low_mark) else high_mark
+        return tuple(range(self._slice(low - self.window), self._slice(high_mark) + 1))
 
+    def _read(self, names: Sequence[bytes], slices: Sequence[int]) -> tuple[int, bytes, list[list[bytes | None]]]:
+        """(seq, stored high-water mark as stored, per slice the values of `names`): one round trip,
+        the seq read first."""
+        step = LOOKUP_CHUNK * 16
+        commands: list[Sequence[str | int | bytes]] = [("HMGET", self._meta, "seq", "hwm")]
+        for s in slices:
+            key = f"{self._spre}{s}"
+            commands += [("HMGET", key, *names[a : a + step]) for a in range(0, len(names), step)]
+        with self._errors():
+            replies = self._execute(commands)
+            _raise_any(replies)
+        (seq, stored), parts = replies[0], iter(replies[1:])
+        columns = []
+        for _ in slices:
+            column: list[bytes | None] = []
+            for _ in range(0, len(names), step):
+                column.extend(next(parts))
+            columns.append(column)
+        return int(seq or 0), stored or b"", columns
+
+    def _entries(self, wanted: set[tuple[int, str]]) -> dict[str, Entry]:
+        """The stored entries of (slice, id) pairs; one that is gone (its slice expired) is left out."""
+        if not wanted:
+            return {}
+        by_slice: dict[int, list[str]] = {}
+        for s, id in sorted(wanted):
+            by_slice.setdefault(s, []).append(id)
+        with self._errors():
+            replies = self._execute([("HMGET", f"{self._spre}{s}", *map(_id_field, ids)) for s, ids in by_slice.items()])
+            _raise_any(replies)
+        out: dict[str, Entry] = {}
+        for ids, blobs in zip(by_slice.values(), replies):
+            for id, blob in zip(ids, blobs):
+                if blob is not None:
+                    out[id] = decode_entry(blob, id)
+        return out
+
+    # -- inserting -------------------------------------------------------------------------------
+    def _insert_chunk(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]:
+        try:
+            fields_of = [self._view.fields_of(entry.id, keys) for entry, keys in entries]
+        except struct.error:
+            raise ValueError(f"bucket keys must be unsigned 64-bit ints: {[k for _, k in entries]!r}") from None
+        results = self._alone(entries, fields_of) if self.alone_inserts else None
+        if results is None:
+            results = self._checked(entries, fields_of)
+        out: list[list[Candidate] | None] = [None] * len(entries)
+        again = [i for i, result in enumerate(results) if result < 0]
+        if again:
+            conflicts = self._reread([entries[i] for i in again], [fields_of[i] for i in again])
+            for i, cands in zip(again, conflicts):
+                out[i] = cands
+        return out
+
+    def _checked(self, entries: Sequence[tuple[Entry, tuple[int, ...]]],
+                 fields_of: Sequence[list[bytes]]) -> list[int]:
+        """One INSERT_LUA call: the script compares each entry's buckets with what the caller saw."""
+        view = self._view
+        args: list[str | int | bytes] = [self._spre, repr(self.window), repr(self.slice_length), self.bucket_cap,
+                                         self._ttl_ms, repr(self._hwm), ",".join(map(str, view.slices)),
+                                         view.mark, view.inserted]
+        for (entry, _), fields in zip(entries, fields_of):
+            args += [entry.id.encode("utf-8", "surrogatepass"), repr(_event_time(entry.ts, entry.id)),
+                     encode_entry(entry), len(fields), view.expected(entry.id, fields), *fields]
+        [(_, hwm, results)] = self._eval_pipelined(_INSERT, [args])
+        self._hwm = max(self._hwm, float(hwm))
+        view.hwm = hwm
+        view.exact = False  # the script wrote values this caller did not compute
+        for (entry, _), fields, result in zip(entries, fields_of, results):
+            if result > 0:
+                self._inserted(result, self._slice(float(entry.ts)), fields, _SEQ.pack(result))
+        return list(results)
+
+    def _inserted(self, seq: int, s: int, fields: Sequence[bytes], value_or_tail: bytes | None) -> None:
+        view = self._view
+        view.own.add(seq)
+        view.inserted += 1
+        if value_or_tail is not None:
+            written = view.written.setdefault(s, {})
+            for f in fields:
+                written[f] = value_or_tail
+        for reread_seq, tails in view.reread.values():
+            if seq > reread_seq:
+                for f in fields:
+                    tails[(s, f)] = _SEQ.pack(seq)
+
+    def _alone(self, entries: Sequence[tuple[Entry, tuple[int, ...]]],
+               fields_of: Sequence[list[bytes]]) -> list[int] | None:
+        """What INSERT_LUA would do if nobody else inserted since the lookup, computed here from what
+        the lookup read and written with INSERT_ALONE_LUA; None if it cannot be (an id not looked up,
+        a slice not read, an earlier INSERT_LUA call, or somebody else wrote after all)."""
+        view = self._view
+        if not view.exact or not view.slices or any(e.id not in view.ids for e, _ in entries):
+            return None
+        window, cap = self.window, self.bucket_cap
+        hwm = max(self._hwm, _stored_time(view.hwm))
+        times = [_event_time(e.ts, e.id) for e, _ in entries]
+        low, top = max(hwm, min(times)), max(hwm, max(times))
+        slices = range(self._slice(low - window), self._slice(top) + 1)
+        if slices[0] < view.slices[0] or slices[-1] > view.slices[-1]:
+            return None
+        start = seq = view.mark + view.inserted
+        stored_hwm = hwm_before = _stored_time(view.hwm)
+        hwm = max(self._hwm, stored_hwm)
+        writes: dict[int, dict[bytes, bytes]] = {}  # slice -> field -> value, as this call leaves them
+        groups: dict[int, list[Any]] = {}  # slice -> [entries, INSERT_ALONE_LUA's arguments for them]
+        results = []
+        pending: list[tuple[int, int, list[bytes]]] = []
+        at, columns = view.at, dict(zip(view.slices, view.columns))
+        for (entry, _), fields, ts in zip(entries, fields_of, times):
+            id_bytes = entry.id.encode("utf-8", "surrogatepass")
+            e_field = b"e" + id_bytes
+            result = 0
+            live = False
+            for s in slices:
+                old = writes.get(s, {}).get(e_field) or view.value(s, e_field)
+                if old and _entry_time(old, entry.id) >= hwm - window:
+                    live = True
+                    break
+            if not live:
+                hwm = max(hwm, ts)
+                if ts >= hwm - window:
+                    seq += 1
+                    record = _RECORD.pack(ts, len(id_bytes)) + id_bytes + _SEQ.pack(seq)
+                    too_long = 2 * cap * len(record)
+                    s = self._slice(ts)
+                    mine = writes.setdefault(s, {})
+                    earlier = view.written.get(s, {})
+                    column = columns[s]
+                    new: list[bytes] = []
+                    other: list[bytes] = [e_field, encode_entry(entry)]
+                    for f in fields:
+                        v = mine.get(f)
+                        if v is None:
+                            v = earlier.get(f)
+                            if v is None:
+                                place = at.get(f)
+                                if place is None:
+                                    return None  # keys other than those looked up: the script decides
+                                v = column[place]
+                        if v:
+                            if len(v) > too_long:
+                                v = trim_records(v, cap)
+                            v += record
+                            other += (f, v)
+                            mine[f] = v
+                        else:
+                            new.append(f)
+                            mine[f] = record
+                    mine[e_field] = other[1]
+                    group = groups.setdefault(s, [0, []])
+                    group[0] += 1
+                    group[1] += (record, len(new), len(other) // 2, *new, *other)
+                    pending.append((seq, s, fields))
+                    result = seq
+            results.append(result)
+        hwm_bytes = view.hwm if hwm <= hwm_before else (b"%.17g" % hwm)
+        args: list[str | int | bytes] = [str(start), view.hwm, str(seq), hwm_bytes, self._ttl_ms,
+                                         f"{self._spre}{slices[0] - 1}" if seq > start else ""]
+        for s, (count, group) in groups.items():
+            args += [f"{self._spre}{s}", count, *group]
+        [written] = self._eval_pipelined(_INSERT_ALONE, [args])
+        if not written:
+            return None
+        self._hwm = max(self._hwm, hwm)
+        view.hwm = hwm_bytes
+        for seq_i, s, fields in pending:
+            self._inserted(seq_i, s, fields, None)
+        for s, values in writes.items():
+            view.written.setdefault(s, {}).update(values)
+        return results
+
+    def _reread(self, entries: Sequence[tuple[Entry, tuple[int, ...]]],
+                fields_of: Sequence[list[bytes]]) -> list[list[Candidate]]:
+        """After a conflict: read the entries' buckets again and return, per entry, the records others
+        inserted since it was last verified; its retry is checked against this read."""
+        view = self._view
+        names = list(dict.fromkeys(f for fields in fields_of for f in fields))
+        slices = tuple(sorted(set(view.slices) | set(self._slices(self._hwm, self._hwm))))
+        seq, _, columns = self._read(names, slices)
+        horizon = self._hwm - self.window
+        at = {name: i for i, name in enumerate(names)}
+        if slices != view.slices:  # the lookup's read does not cover the new slices: nothing is known there
+            view.columns = [view.columns[view.slices.index(s)] if s in view.slices else [None] * len(view.at)
+                            for s in slices]
+            view.slices = slices
+        own = view.own
+        ranked = []
+        for (entry, _), fields in zip(entries, fields_of):
+            since = view.reread[entry.id][0] if entry.id in view.reread else view.mark
+            positions = [at[f] for f in fields]
+            ranked.append(self._rank(columns, positions, entry.id, 1, len(fields) * self.bucket_cap + 1, horizon,
+                                     self.bucket_cap, since, own))
+            view.ids.add(entry.id)
+            view.reread[entry.id] = (seq, {(s, f): (column[at[f]] or b"")[-8:] or _ABSENT
+                                           for s, column in zip(slices, columns) for f in fields})
+        found = self._entries({(self._slice(ts), id) for cands in ranked for id, _, _, ts in cands})
+        return [[Candidate(found[id], shared, keys[first]) for id, shared, first, _ in cands if id in found]
+                for (_, keys), cands in zip(entries, ranked)]
+
+    # -- plumbing ----------------------------------------------------------------------------------
     def _scan(self) -> Iterator[bytes]:
         if isinstance(self._client, RedisCluster):
             node = self._client.get_node_from_key(self._meta)  # the whole namespace is on this node
@@ -687,26 +1016,55 @@ class RedisIndex:
         else:
             yield from self._client.scan_iter(match=self._pattern, count=1000)
 
+    def _hscan_fields(self, key: bytes) -> Iterator[bytes]:
+        for name, _ in self._client.hscan_iter(key, count=1000):
+            yield name
+
     def _eval_pipelined(self, script: _Script, calls: Sequence[Sequence[str | int | bytes]]) -> list[Any]:
         """Runs `script` once per call in one round trip; reloads it once if the server forgot it."""
         with self._errors():
-            replies = self._pipeline(script, calls)
+            replies = self._execute([("EVALSHA", script.sha, 1, self._meta, *args) for args in calls])
             missing = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
             if missing:
                 self._client.script_load(script.source)
-                again = self._pipeline(script, [calls[i] for i in missing])
+                again = self._execute([("EVALSHA", script.sha, 1, self._meta, *calls[i]) for i in missing])
                 for i, reply in zip(missing, again, strict=True):
                     replies[i] = reply
-            for reply in replies:
-                if isinstance(reply, Exception):
-                    raise reply
+            _raise_any(replies)
             return replies
 
-    def _pipeline(self, script: _Script, calls: Sequence[Sequence[str | int | bytes]]) -> list[Any]:
-        pipe = self._client.pipeline(transaction=False)
-        for args in calls:
-            pipe.execute_command("EVALSHA", script.sha, 1, self._meta, *args)
-        return pipe.execute(raise_on_error=False)
+    def _execute(self, commands: Sequence[Sequence[str | int | bytes]]) -> list[Any]:
+        """Runs `commands` in one round trip; an error reply comes back in its place (`_raise_any`).
+
+        On standalone Redis the commands are packed in C (the compiled core's `pack_commands`, else
+        hiredis) and sent on one pooled connection: redis-py's own pipeline inspects every argument in
+        Python first, which cost more than the rest of a lookup (tens of thousands of field names a
+        batch). A cluster client keeps redis-py's pipeline, which knows where a slot lives (a namespace
+        is one slot, so one node)."""
+        if isinstance(self._client, RedisCluster) or (hiredis is None and _native is None):
+            pipe = self._client.pipeline(transaction=False)
+            for command in commands:
+                pipe.execute_command(*command)
+            return pipe.execute(raise_on_error=False)
+        pool = self._client.connection_pool
+        conn = pool.get_connection()
+        try:
+            if _native is not None:
+                conn.send_packed_command([_native.pack_commands(list(commands))])
+            else:
+                conn.send_packed_command([hiredis.pack_command(tuple(command)) for command in commands])
+            replies: list[Any] = []
+            for _ in commands:
+                try:
+                    replies.append(conn.read_response())
+                except ResponseError as exc:  # read whole: the connection stays in step
+                    replies.append(exc)
+            return replies
+        except BaseException:
+            conn.disconnect()  # replies may still be on their way: never reuse it
+            raise
+        finally:
+            pool.release(conn)
 
     def _errors(self) -> AbstractContextManager[None]:
         return redis_errors(self._where)
@@ -715,16 +1073,29 @@ class RedisIndex:
         return f"RedisIndex({self._where!r}, namespace={self.namespace!r}, window={self.window})"
 
 
-def _hex(keys: Sequence[int]) -> str:
-    """Bucket keys as one string of 16 hex digits each: one argument, split by the scripts."""
+def _raise_any(replies: Sequence[Any]) -> None:
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+
+
+def _id_field(id: str) -> bytes:
+    return b"e" + id.encode("utf-8", "surrogatepass")
+
+
+def _stored_time(stored: bytes) -> float:
+    return float(stored) if stored else -math.inf
+
+
+def _entry_time(blob: bytes, id: str) -> float:
     try:
-        return struct.pack(f">{len(keys)}Q", *keys).hex()
+        return float(_HEAD.unpack_from(blob)[1])
     except struct.error as exc:
-        raise ValueError(f"bucket keys must be unsigned 64-bit ints: {exc}") from None
+        raise IndexCorrupt(f"entry {id!r}: {len(blob)} bytes are too short for an entry") from exc
 
 
 def _event_time(ts: float, id: str) -> float:
     ts = float(ts)
-    if not _MIN_TS < ts < math.inf:  # also rejects NaN; below _MIN_TS are the buckets' sentinels
+    if not _MIN_TS < ts < math.inf:  # also rejects NaN
         raise ValueError(f"event time of {id!r} must be finite and > -2^52, got {ts!r}")
     return ts

@@ -42,6 +42,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from filters.config import FilterConfig
 from filters.engine import NearDupFilter
+from filters.redis_index import parse_records
 from stream.config import Settings, setting_fields
 from stream.kafka_tools import KafkaRecord, client_options, ensure_topics, producer
 from stream.runner import RawRecord, route_batch
@@ -179,10 +180,9 @@ def _install_hook(spec: str) -> None:
             insert = RedisIndex.insert
 
             def racy_insert(self: RedisIndex, entries: Any, _insert: Any = insert) -> Any:
-                # Forget the lookup watermarks: the script then inserts without checking what others
+                # Forget what the lookup saw: the script then inserts without checking what others
                 # inserted since the lookup (check-then-insert).
-                self._marks.clear()
-                self._marks_before.clear()
+                self._view.ids.clear()
                 return _insert(self, entries)
 
             RedisIndex.insert = racy_insert  # type: ignore[method-assign]
@@ -735,12 +735,15 @@ def namespace_usage(redis_url: str, prefix: str) -> tuple[int, int]:
 
 
 def largest_bucket(redis_url: str, prefix: str) -> int:
-    buckets = [k for k in namespace_keys(redis_url, prefix) if b":b:" in k]
+    """The most records any bucket field of any slice holds."""
+    slices = [k for k in namespace_keys(redis_url, prefix) if b":s:" in k]
+    largest = 0
     with redis.Redis.from_url(redis_url) as client:
-        pipe = client.pipeline(transaction=False)
-        for key in buckets:
-            pipe.zcard(key)
-        return max(pipe.execute(), default=0)
+        for key in slices:
+            for name, value in client.hscan_iter(key, count=1000):
+                if name.startswith(b"b"):
+                    largest = max(largest, len(parse_records(value)))
+    return largest
 
 
 def drop_prefix(redis_url: str, prefix: str) -> None:

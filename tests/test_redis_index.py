@@ -22,10 +22,18 @@ from filters.engine import NearDupFilter, Verdict
 from filters.errors import ConfigError, IndexCorrupt, IndexUnavailable, NeardupError
 from filters.fingerprint import Fingerprint
 from filters.index import Candidate, Entry, MemoryIndex, Query, open_index
-from filters.redis_index import INSERT_CHUNK, LOOKUP_CHUNK, RedisIndex, decode_entry, encode_entry
+from filters.redis_index import (
+    ENCODING_VERSION,
+    INSERT_CHUNK,
+    LOOKUP_CHUNK,
+    RedisIndex,
+    decode_entry,
+    encode_entry,
+    parse_records,
+)
 from stream.codec import RecordFormat
 from stream.runner import DUPLICATE, OVERLAP_CHUNK, RawRecord, route_batch
-from tests.test_index_contract import _view, assert_same_entry, drop_namespace, with_query
+from tests.test_index_contract import _view, assert_same_entry, drop_namespace, generated_messages, with_query
 
 U64 = (1 << 64) - 1
 WINDOW = 3600.0
@@ -80,7 +88,7 @@ _entries = st.builds(
     ts=st.floats(allow_nan=False, allow_infinity=False),
     exact=st.integers(0, (1 << 128) - 1),
     size=st.integers(0, 2**32 - 1),
-    sketch=arrays(np.uint64, st.integers(0, 200)),
+    sketch=arrays(np.uint64, st.integers(0, 200)) | arrays(np.uint32, st.integers(0, 200)),
     simhash=st.none() | _u64,
     minhash=st.none() | arrays(np.uint32, st.integers(0, 256)),
     sentences=st.frozensets(_u64, max_size=5),
@@ -90,7 +98,7 @@ _entries = st.builds(
 @given(_entries)
 def test_encoding_round_trips(e: Entry) -> None:
     data = encode_entry(e)
-    assert data[0] == 1  # the version byte
+    assert data[0] == ENCODING_VERSION == 2
     assert_same_entry(decode_entry(data, "x"), e)
 
 
@@ -106,7 +114,8 @@ def test_garbage_never_decodes_silently(data: bytes) -> None:
 
 def test_damaged_encodings_are_corrupt() -> None:
     data = encode_entry(entry("x"))
-    for bad in (b"", data[:5], data[:-1], data + b"\0", b"\x02" + data[1:], data[:29] + b"\x80" + data[30:]):
+    for bad in (b"", data[:5], data[:-1], data + b"\0", b"\x01" + data[1:], b"\x03" + data[1:],
+                data[:29] + b"\x80" + data[30:]):
         with pytest.raises(IndexCorrupt):
             decode_entry(bad, "x")
     with pytest.raises(ValueError):
@@ -117,15 +126,20 @@ def test_stored_garbage_is_index_corrupt(make: Callable[..., RedisIndex], redis_
     index = make()
     index.lookup([Query("a", 1000, (1,))], 8)
     index.insert([(entry("a"), (1,))])
+    key = f"{{{prefix}:ns}}:s:0"
     with redis.Redis.from_url(redis_url) as client:
-        client.set(f"{{{prefix}:ns}}:e:a", b"\x09garbage-of-another-version")
-        client.set(f"{{{prefix}:ns}}:b:{2:016x}", b"not a sorted set")
-    with pytest.raises(IndexCorrupt) as caught:
-        index.lookup([Query("q", 1000, (1,))], 8)
-    assert not caught.value.retriable
-    with pytest.raises(IndexCorrupt) as caught:  # the server refuses: WRONGTYPE
-        index.lookup([Query("q", 1000, (2,))], 8)
-    assert isinstance(caught.value.__cause__, redis.ResponseError)
+        client.hset(key, "ea", b"\x09garbage-of-another-version-and-long-enough-for-a-header-....")
+        client.hset(key, b"b" + (2).to_bytes(8, "big"), b"not records")
+        with pytest.raises(IndexCorrupt) as caught:  # its own entry does not decode
+            index.lookup([Query("a", 1000, (1,))], 8)
+        assert not caught.value.retriable
+        with pytest.raises(IndexCorrupt):  # a bucket that holds no records
+            index.lookup([Query("q", 1000, (2,))], 8)
+        client.delete(key)
+        client.set(key, b"not a hash")
+        with pytest.raises(IndexCorrupt) as caught:  # the server refuses: WRONGTYPE
+            index.lookup([Query("q", 1000, (1,))], 8)
+        assert isinstance(caught.value.__cause__, redis.ResponseError)
 
 
 # --- keys -----------------------------------------------------------------------------------------------
@@ -140,31 +154,32 @@ def test_keys_carry_prefix_and_namespace_and_all_have_ttls(
     assert index.insert([(entry(q.id, q.ts, i), q.keys) for i, q in enumerate(queries)]) == [None] * 5
     with redis.Redis.from_url(redis_url) as client:
         keys = sorted(k.decode() for k in client.scan_iter(match=f"{{{prefix}:*"))
-        assert keys and all(k.startswith(f"{{{prefix}:ns}}:") for k in keys)
-        assert f"{{{prefix}:ns}}:b:{U64:016x}" in keys  # fingerprints are in key names, as hex
-        assert f"{{{prefix}:ns}}:e:m0" in keys
+        assert keys == [f"{{{prefix}:ns}}:meta", f"{{{prefix}:ns}}:s:0"]  # event time 1000, window 3600: slice 0
+        fields = set(client.hkeys(f"{{{prefix}:ns}}:s:0"))
+        assert fields == {b"em0", b"em1", b"em2", b"em3", b"em4"} | {
+            b"b" + key.to_bytes(8, "big") for key in (U64, 2**53 + 1, 0, 1, 2, 3, 4)}
         for key in keys:
             assert 0 < client.pttl(key) <= (WINDOW + 60) * 1000, key
 
 
-def test_no_score_is_a_fingerprint(make: Callable[..., RedisIndex], redis_url: str, prefix: str) -> None:
+def test_fingerprints_and_seqs_never_pass_through_a_double(make: Callable[..., RedisIndex], redis_url: str,
+                                                           prefix: str) -> None:
+    """Bucket keys above 2^53 are field names, bit for bit; records carry their seq as 8 bytes."""
     index = make()
     rng = random.Random(1)
+    wanted = set()
     for round in range(4):
         queries = [Query(f"r{round}m{i}", 1000 + round, tuple(rng.randrange(2**60, U64) for _ in range(8)))
                    for i in range(50)]
+        wanted.update(key for q in queries for key in q.keys)
         index.lookup(queries, 8)
         index.insert([(entry(q.id, q.ts), q.keys) for q in queries])
     with redis.Redis.from_url(redis_url) as client:
-        buckets = list(client.scan_iter(match=f"{{{prefix}:ns}}:b:*"))
-        assert len(buckets) == 1600
-        for key in buckets:
-            for member, score in client.zrange(key, 0, -1, withscores=True):
-                assert abs(score) <= 2**53, (key, member, score)
-                if member == b"#":  # the sentinel: -(2^52 + the seq of the bucket's last insert)
-                    assert score.is_integer() and 1 <= -score - 2**52 <= 200
-                else:
-                    assert 1000 <= score <= 1003
+        stored = client.hgetall(f"{{{prefix}:ns}}:s:0")
+    buckets = {name: value for name, value in stored.items() if name.startswith(b"b")}
+    assert {int.from_bytes(name[1:], "big") for name in buckets} == wanted
+    records = [r for value in buckets.values() for r in parse_records(value)]
+    assert {seq for _, seq, _ in records} == set(range(1, 201)) and {ts for ts, _, _ in records} == {1000, 1001, 1002, 1003}
 
 
 def test_namespaces_and_prefixes_are_isolated(make: Callable[..., RedisIndex]) -> None:
@@ -356,6 +371,64 @@ def test_replay_of_an_id_never_conflicts_with_itself(make: Callable[..., RedisIn
     assert own is not None and own.exact == entry("a", seed=2).exact
 
 
+def test_a_reread_excuses_only_the_entry_it_was_for(make: Callable[..., RedisIndex]) -> None:
+    """a and b were looked up together and share bucket 2; another worker inserts x into it. a's insert
+    conflicts and a is verified against x; b, inserted later in the same batch, never saw x: it must
+    conflict too, not pass on what a's re-read learned."""
+    one, other = make(), make()
+    one.lookup([Query("a", 1000, (1, 2)), Query("b", 1000, (2, 3))], 8)
+    other.lookup([Query("x", 1000, (2,))], 8)
+    assert other.insert([(entry("x"), (2,))]) == [None]
+    assert [ids(c) for c in one.insert([(entry("a"), (1, 2))])] == [["x"]]
+    assert [ids(c) for c in one.insert([(entry("b"), (2, 3))])] == [["x"]]
+    assert one.insert([(entry("a"), (1, 2)), (entry("b"), (2, 3))]) == [None, None]  # both verified x now
+
+
+def _namespace_dump(redis_url: str, prefix: str, namespace: str) -> dict[bytes, object]:
+    with redis.Redis.from_url(redis_url) as client:
+        keys = sorted(client.scan_iter(match=f"{{{prefix}:{namespace}}}:*"))
+        return {key.split(b"}", 1)[1]: client.hgetall(key) for key in keys}
+
+
+@pytest.mark.parametrize(("window", "cap"), [(3600.0, 8), (30.0, 2)])
+def test_uncontended_inserts_store_what_the_checking_script_stores(make: Callable[..., RedisIndex], redis_url: str,
+                                                                   prefix: str, window: float, cap: int) -> None:
+    """An insert round that nobody raced is computed by the caller and written by INSERT_ALONE_LUA; the
+    same batches through INSERT_LUA alone must leave the very same bytes: records, trims (a cap of 2
+    trims often), entries, seq and high-water mark, and slices (a window of 30 s makes several, and
+    unlinks the old ones)."""
+    config = FilterConfig(window=window, bucket_cap=cap)
+    fast, checked = make("fast", window=window, bucket_cap=cap), make("checked", window=window, bucket_cap=cap)
+    checked.alone_inserts = False
+    calls = {"fast": 0}
+    alone = fast._alone
+
+    def counted(*args: object) -> object:
+        result = alone(*args)  # type: ignore[arg-type]
+        calls["fast"] += result is not None
+        return result
+
+    fast._alone = counted  # type: ignore[method-assign]
+    messages = generated_messages(600, seed=3)
+    verdicts = []
+    for index in (fast, checked):
+        engine = NearDupFilter(config, index=index)
+        verdicts.append([v for at in range(0, len(messages), 50) for v in engine.check_batch(messages[at : at + 50])])
+    assert verdicts[0] == verdicts[1]
+    assert calls["fast"] >= 10  # the uncontended path did the work
+    assert _namespace_dump(redis_url, prefix, "fast") == _namespace_dump(redis_url, prefix, "checked")
+
+
+def test_a_slice_that_left_the_window_is_unlinked(make: Callable[..., RedisIndex], redis_url: str, prefix: str) -> None:
+    index = make(window=100.0)
+    for id, ts in (("a", 10.0), ("b", 150.0), ("c", 250.0)):  # slices 0, 1, 2
+        index.lookup([Query(id, ts, (1,))], 8)
+        assert index.insert([(entry(id, ts), (1,))]) == [None]
+    with redis.Redis.from_url(redis_url) as client:
+        keys = sorted(k.decode().rsplit(":", 1)[1] for k in client.scan_iter(match=f"{{{prefix}:ns}}:s:*"))
+    assert keys == ["1", "2"]  # at 250 the window starts at 150: slice 0 can hold nothing that matches
+
+
 # --- workers racing on near-duplicates -----------------------------------------------------------------
 
 _VOCABULARY = ["".join(random.Random(i).choices("abcdefghijklmnopqrstuvwxyz", k=6)) for i in range(400)]
@@ -378,8 +451,7 @@ class _RacyIndex(_PausedIndex):
     """The non-atomic design: look up, verify, then insert without checking what arrived meanwhile."""
 
     def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]:
-        self._marks.clear()
-        self._marks_before.clear()
+        self._view.ids.clear()  # no id was looked up, as far as the insert knows: nothing is compared
         return super().insert(entries)
 
 
