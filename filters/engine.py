@@ -13,6 +13,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from filters.config import FilterConfig
 from filters.fingerprint import METHOD_NAMES, Fingerprint, Fingerprinter, hamming, key_method, minhash_jaccard
@@ -20,6 +21,10 @@ from filters.index import Candidate, CandidateIndex, Entry, MemoryIndex, Query, 
 from filters.sketch import Probe, size_ratio
 
 _MAX_INSERT_ROUNDS = 8
+
+# What `NearDupFilter.prepare` gives `decide`: the batch's fingerprints, or the compiled core's hashed
+# batch (`filters._native.Shingled`) on the whole-batch path.
+Prepared = Sequence[Fingerprint] | Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,20 +107,27 @@ class NearDupFilter:
     def check_batch(self, messages: Sequence[Message]) -> list[Verdict]:
         if not messages:
             return []
+        return self.decide(messages, self.prepare([m.text for m in messages]))
+
+    def prepare(self, texts: Sequence[str]) -> Prepared:
+        """The first step of `check_batch`, which needs no index: what `decide` needs of the texts (their
+        `Fingerprint`s, or on the compiled whole-batch path the hashed batch alone)."""
         if self._batch_in_table:
+            return self.fingerprinter.shingle(texts)
+        return self.fingerprinter.fingerprint_batch(texts)
+
+    def decide(self, messages: Sequence[Message], prepared: Prepared) -> list[Verdict]:
+        """The second step: look up, verify and insert, in order (`prepared` from `prepare`, or a list of
+        `Fingerprint`s)."""
+        if not isinstance(prepared, list | tuple):
             cfg = self.config
-            hashed = self.fingerprinter.shingle([m.text for m in messages])
             return self.index.table.decide(  # type: ignore[attr-defined, no-any-return]
-                [m.id for m in messages], [m.ts for m in messages], hashed, cfg.min_shared,
+                [m.id for m in messages], [m.ts for m in messages], prepared, cfg.min_shared,
                 cfg.max_candidates, cfg.threshold, cfg.containment, cfg.containment_min_ratio,
                 cfg.containment_min_size, METHOD_NAMES, Verdict)
-        fps = self.fingerprinter.fingerprint_batch([m.text for m in messages])
-        return self.decide(messages, fps)
-
-    def decide(self, messages: Sequence[Message], fps: Sequence[Fingerprint]) -> list[Verdict]:
         if isinstance(self.index, MemoryIndex):
-            return [self._decide_local(m, fp) for m, fp in zip(messages, fps)]
-        return self._decide_shared(messages, fps)
+            return [self._decide_local(m, fp) for m, fp in zip(messages, prepared)]
+        return self._decide_shared(messages, prepared)
 
     def _floor(self, n_keys: int) -> int:
         """The fewest of a message's `n_keys` bucket keys a candidate must share (`min_shared`)."""

@@ -9,6 +9,7 @@ Key layout (every key of one namespace carries the hash tag `{<prefix>:<namespac
                             b<key>  bucket records, <key> the 64-bit bucket key as 8 bytes big-endian:
                                     <ts: f64 LE><id length: u32 LE><id: UTF-8><seq: u64 BE> each, in
                                     insertion order, so the value's last 8 bytes are its newest seq
+                            n       how many entries were inserted into the slice (for `stats`)
 
 Bucket keys (64-bit fingerprints) are field names, never scores or numbers: nothing here goes through a
 double but event times. A lookup at event time T reads the slices from (T - window) to T: two. A slice
@@ -389,7 +390,7 @@ local function trim(v)
   end
   return table.concat(out)
 end
-local results = {}
+local results, added = {}, {}
 for _, e in ipairs(entries) do
   local at, ts, n = e[1], e[2], e[3]
   local id, blob, tails = ARGV[at], ARGV[at + 2], ARGV[at + 4]
@@ -434,6 +435,7 @@ for _, e in ipairs(entries) do
         end
         c[efield] = blob
         d[efield] = true
+        added[s] = (added[s] or 0) + 1
         result = seq
       end
     end
@@ -448,6 +450,7 @@ for _, s in ipairs(slices) do
     for a = 1, #args, 2 * PER_CALL do
       redis.call('HSET', key, unpack(args, a, math.min(a + 2 * PER_CALL - 1, #args)))
     end
+    redis.call('HINCRBY', key, 'n', added[s])
     redis.call('PEXPIRE', key, ttl)
   end
 end
@@ -491,6 +494,7 @@ while i <= #ARGV do
     if n >= 2 * FIELDS_PER_CALL then redis.call('HSET', key, unpack(args, 1, n)); args, n = {}, 0 end
   end
   if n > 0 then redis.call('HSET', key, unpack(args, 1, n)) end
+  redis.call('HINCRBY', key, 'n', entries)
   redis.call('PEXPIRE', key, ttl)
 end
 if ARGV[3] ~= ARGV[1] then redis.call('HSET', meta, 'seq', ARGV[3]) end
@@ -683,7 +687,6 @@ class RedisIndex:
         tag = f"{{{target.prefix}:{namespace}}}"
         self._meta = f"{tag}:meta"
         self._spre = f"{tag}:s:"
-        self._pattern = f"{tag}:*"
         self._ttl_ms = max(1, round((self.window + target.grace) * 1000))
         self._hwm = -math.inf  # highest event time this instance has seen (MemoryIndex's watermark)
         self._view = _View()
@@ -776,22 +779,20 @@ class RedisIndex:
         return 0
 
     def stats(self) -> dict[str, int]:
-        """`entries` and `buckets` of this namespace (a bucket in two slices counts once), by scanning
-        its slices: O(namespace), for monitoring and tests, not the hot path. Entries and records that
-        left the window by event time count until their slice goes. `inserted`: the seq counter."""
-        entries = 0
-        buckets: set[bytes] = set()
+        """`entries` and `buckets` in the slices of the window (a bucket with records in two slices counts
+        twice), and `inserted`, the seq counter: a few O(1) commands, whatever the namespace holds.
+        Entries and records that left the window by event time count until their slice goes."""
         with self._errors():
-            for key in self._scan():
-                if not key.startswith(self._spre.encode()):
-                    continue
-                for name in self._hscan_fields(key):
-                    if name.startswith(b"e"):
-                        entries += 1
-                    else:
-                        buckets.add(name)
-            inserted = int(self._client.hget(self._meta, "seq") or 0)
-        return {"entries": entries, "buckets": len(buckets), "inserted": inserted}
+            seq, stored = self._client.hmget(self._meta, "seq", "hwm")
+            top = _stored_time(stored or b"")
+            slices = self._slices(top, top)
+            replies = self._execute([c for s in slices for c in (("HLEN", f"{self._spre}{s}"),
+                                                                  ("HGET", f"{self._spre}{s}", "n"))])
+            _raise_any(replies)
+        fields = sum(replies[0::2])
+        entries = sum(int(n) for n in replies[1::2] if n is not None)
+        counters = sum(n is not None for n in replies[1::2])
+        return {"entries": entries, "buckets": fields - entries - counters, "inserted": int(seq or 0)}
 
     def close(self) -> None:
         self._client.close()
@@ -1009,17 +1010,6 @@ class RedisIndex:
                 for (_, keys), cands in zip(entries, ranked)]
 
     # -- plumbing ----------------------------------------------------------------------------------
-    def _scan(self) -> Iterator[bytes]:
-        if isinstance(self._client, RedisCluster):
-            node = self._client.get_node_from_key(self._meta)  # the whole namespace is on this node
-            yield from self._client.scan_iter(match=self._pattern, count=1000, target_nodes=node)
-        else:
-            yield from self._client.scan_iter(match=self._pattern, count=1000)
-
-    def _hscan_fields(self, key: bytes) -> Iterator[bytes]:
-        for name, _ in self._client.hscan_iter(key, count=1000):
-            yield name
-
     def _eval_pipelined(self, script: _Script, calls: Sequence[Sequence[str | int | bytes]]) -> list[Any]:
         """Runs `script` once per call in one round trip; reloads it once if the server forgot it."""
         with self._errors():

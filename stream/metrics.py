@@ -16,8 +16,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from filters.engine import Message, NearDupFilter, Verdict
-from filters.fingerprint import Fingerprint
+from filters.engine import Message, NearDupFilter, Prepared, Verdict
 from filters.index import Candidate, CandidateIndex, Entry, Query
 
 STAGES = ("decode", "fingerprint", "index", "produce")
@@ -135,38 +134,36 @@ class WorkerMetrics:
 
 
 class TimedFilter:
-    """Stands in for a `NearDupFilter` in `route_batch`: its two steps (fingerprint, decide), timed; the
-    rest is the filter's. One instance per batch. The steps may overlap (`check_overlapped`): each
-    time is the sum of that step's own durations."""
+    """Stands in for a `NearDupFilter` in `route_batch`: its two steps (`prepare`: normalize and
+    fingerprint; `decide`: the index stage), timed; the rest is the filter's. One instance per batch."""
 
     def __init__(self, nd: NearDupFilter) -> None:
         self.nd = nd
-        self.fingerprinter = self  # `fingerprint_batch` below, timed
-        self.fingerprint = 0.0
+        self.fingerprint = 0.0  # seconds in `prepare`
         self.decided = 0.0  # seconds in `decide`: the index stage
 
     @property
     def index(self) -> CandidateIndex:
         return self.nd.index
 
-    def fingerprint_batch(self, texts: Sequence[str]) -> list[Fingerprint]:
+    def prepare(self, texts: Sequence[str]) -> Prepared:
         t0 = time.perf_counter()
         try:
-            return self.nd.fingerprinter.fingerprint_batch(texts)
+            return self.nd.prepare(texts)
         finally:
             self.fingerprint += time.perf_counter() - t0
 
-    def decide(self, messages: Sequence[Message], fps: Sequence[Fingerprint]) -> list[Verdict]:
+    def decide(self, messages: Sequence[Message], prepared: Prepared) -> list[Verdict]:
         t0 = time.perf_counter()
         try:
-            return self.nd.decide(messages, fps)
+            return self.nd.decide(messages, prepared)
         finally:
             self.decided += time.perf_counter() - t0
 
     def check_batch(self, messages: Sequence[Message]) -> list[Verdict]:
         if not messages:
             return []
-        return self.decide(messages, self.fingerprint_batch([m.text for m in messages]))
+        return self.decide(messages, self.prepare([m.text for m in messages]))
 
 
 class TimedIndex:
@@ -218,7 +215,7 @@ def timed_route_runner(metrics: WorkerMetrics, routed: Callable[[Sequence[Any]],
         total = time.perf_counter() - t0
         metrics.stage("fingerprint", timed.fingerprint)
         metrics.stage("index", timed.decided)
-        # What is left of the wall time (≥ 0: the fingerprints of one chunk overlap the index's work).
+        # What is left of the wall time: decoding the records, and routing them.
         metrics.stage("decode", max(0.0, total - timed.fingerprint - timed.decided))
         routed(records)
         return result

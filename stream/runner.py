@@ -1,9 +1,7 @@
 """Batch routing: decode raw records, ask the filter, and say where each record goes; plus the file/stdin loop.
 
 `route_batch` is the pure "process a batch" step shared by `neardup filter` and the Kafka worker: every
-input record comes back as exactly one `Routed` (unique, duplicate or rejected), in input order. On a
-shared index it overlaps fingerprinting with the index's round trips (`check_overlapped`), with the
-same verdicts.
+input record comes back as exactly one `Routed` (unique, duplicate or rejected), in input order.
 """
 
 from __future__ import annotations
@@ -11,13 +9,11 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from filters.engine import Message, NearDupFilter, Verdict
+from filters.engine import NearDupFilter, Verdict
 from filters.errors import RejectedInput
-from filters.index import MemoryIndex
 from stream.codec import Decoded, RecordFormat, decode, duplicate_record, rejected_record
 
 UNIQUE, DUPLICATE, REJECTED = "unique", "duplicate", "rejected"
@@ -47,34 +43,11 @@ def route_batch(nd: NearDupFilter, batch: Sequence[RawRecord], fmt: RecordFormat
             decoded.append((i, decode(raw.value, fmt, fallback_id=raw.fallback_id, fallback_ts=raw.fallback_ts)))
         except RejectedInput as exc:
             routed[i] = Routed(REJECTED, raw, error=exc)
-    verdicts = check_overlapped(nd, [d.message for _, d in decoded])
+    verdicts = nd.check_batch([d.message for _, d in decoded])
     for (i, d), v in zip(decoded, verdicts):
         routed[i] = Routed(DUPLICATE if v.duplicate else UNIQUE, batch[i], d, v)
     assert all(r is not None for r in routed)
     return routed  # type: ignore[return-value]
-
-
-OVERLAP_CHUNK = 128  # messages per step when fingerprinting overlaps the index's round trips
-
-
-def check_overlapped(nd: NearDupFilter, messages: Sequence[Message], chunk: int = OVERLAP_CHUNK) -> list[Verdict]:
-    """`nd.check_batch(messages)`, but on a shared index (Redis) the fingerprints of the next `chunk`
-    messages are computed in a helper thread while the current chunk waits for its round trips: the
-    CPU work and the network overlap. The verdicts are the same: the engine decides chunk after chunk
-    exactly as it would decide the whole batch (or message after message)."""
-    if isinstance(nd.index, MemoryIndex) or len(messages) <= chunk:
-        return nd.check_batch(messages)  # nothing to wait for: a thread would only share the GIL
-    parts = [messages[i : i + chunk] for i in range(0, len(messages), chunk)]
-    fingerprint = nd.fingerprinter.fingerprint_batch
-    verdicts: list[Verdict] = []
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="neardup-fingerprint") as pool:
-        pending = pool.submit(fingerprint, [m.text for m in parts[0]])
-        for k, part in enumerate(parts):
-            fps = pending.result()
-            if k + 1 < len(parts):
-                pending = pool.submit(fingerprint, [m.text for m in parts[k + 1]])
-            verdicts.extend(nd.decide(part, fps))
-    return verdicts
 
 
 class Sink(Protocol):

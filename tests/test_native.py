@@ -4,9 +4,11 @@ table answers, the same verdicts, and memory that tracemalloc (the benchmark's m
 from __future__ import annotations
 
 import random
+import struct
 import tracemalloc
 from pathlib import Path
 
+import hiredis
 import mmh3
 import numpy as np
 import orjson
@@ -17,8 +19,10 @@ from hypothesis import strategies as st
 from filters import _native
 from filters.config import FilterConfig
 from filters.engine import Message, NearDupFilter
+from filters.errors import IndexCorrupt
 from filters.fingerprint import _MGRAM_TAG, _TAG_ROOM, Fingerprinter
 from filters.index import Entry, MemoryIndex, PyTable, make_table, native_available
+from filters.redis_index import rank_records
 from filters.shingles import Batch
 
 SAMPLE = Path(__file__).parent / "data" / "sample.jsonl"
@@ -211,3 +215,45 @@ def test_memory_is_visible_to_tracemalloc_and_freed_by_the_window() -> None:
         tracemalloc.stop()
     assert first > 2000 * (128 * 8 + 16 * 8)  # at least the sketches and keys themselves
     assert len(index) == 2000 and emptied < first / 2 and second <= first * 1.05
+
+
+# --- the Redis client's hot loops --------------------------------------------------------------------
+
+_record = st.tuples(st.sampled_from([990.0, 995.0, 1000.0, 1000.0, 1005.0]), st.integers(1, 60),
+                    st.sampled_from(["a", "b", "c", "ünï", "q", "x\udc80"]))
+
+
+def _bucket(records: list[tuple[float, int, str]]) -> bytes | None:
+    if not records:
+        return None
+    return b"".join(struct.pack("<dI", ts, len(b := id.encode("utf-8", "surrogatepass"))) + b + seq.to_bytes(8, "big")
+                    for ts, seq, id in records)
+
+
+@settings(max_examples=400, deadline=None)
+@given(buckets=st.lists(st.lists(st.lists(_record, max_size=6), min_size=1, max_size=3), max_size=8),
+       floor=st.integers(-1, 4), limit=st.integers(0, 5), horizon=st.sampled_from([-1e9, 994.0, 1000.0]),
+       cap=st.integers(1, 4), since=st.sampled_from([-1, 0, 20, 40]), own=st.sets(st.integers(1, 60), max_size=5))
+def test_rank_records_as_the_reference(buckets: list[list[list[tuple[float, int, str]]]], floor: int, limit: int,
+                                       horizon: float, cap: int, since: int, own: set[int]) -> None:
+    """The compiled ranking of a Redis lookup's buckets (two slices read, records in and out of the
+    window, over the cap, an id twice in a bucket, the query's own id) against `rank_records`."""
+    slices = max((len(b) for b in buckets), default=1)
+    values = [[_bucket(b[s]) if s < len(b) else None for b in buckets] for s in range(slices)]
+    positions = list(range(len(buckets)))
+    args = (values, positions, "q", floor, limit, horizon, cap, since, own if since >= 0 else None)
+    assert _native.rank_records(*args) == rank_records(*args)
+
+
+def test_rank_records_refuses_what_is_not_records() -> None:
+    for bad in (b"short", _bucket([(1.0, 1, "a")])[:-1]):  # type: ignore[index]
+        for rank in (_native.rank_records, rank_records):
+            with pytest.raises(IndexCorrupt):
+                rank([[bad]], [0], "q", 1, 8, -1e9, 8, -1, None)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.one_of(st.binary(max_size=40), st.text(max_size=10), st.integers(0, 2**63)),
+                         min_size=1, max_size=12), min_size=1, max_size=5))
+def test_pack_commands_as_hiredis(commands: list[list[object]]) -> None:
+    assert _native.pack_commands(commands) == b"".join(hiredis.pack_command(tuple(c)) for c in commands)

@@ -20,7 +20,6 @@ from hypothesis.extra.numpy import arrays
 from filters.config import FilterConfig
 from filters.engine import NearDupFilter, Verdict
 from filters.errors import ConfigError, IndexCorrupt, IndexUnavailable, NeardupError
-from filters.fingerprint import Fingerprint
 from filters.index import Candidate, Entry, MemoryIndex, Query, open_index
 from filters.redis_index import (
     ENCODING_VERSION,
@@ -32,7 +31,7 @@ from filters.redis_index import (
     parse_records,
 )
 from stream.codec import RecordFormat
-from stream.runner import DUPLICATE, OVERLAP_CHUNK, RawRecord, route_batch
+from stream.runner import DUPLICATE, RawRecord, route_batch
 from tests.test_index_contract import _view, assert_same_entry, drop_namespace, generated_messages, with_query
 
 U64 = (1 << 64) - 1
@@ -156,7 +155,7 @@ def test_keys_carry_prefix_and_namespace_and_all_have_ttls(
         keys = sorted(k.decode() for k in client.scan_iter(match=f"{{{prefix}:*"))
         assert keys == [f"{{{prefix}:ns}}:meta", f"{{{prefix}:ns}}:s:0"]  # event time 1000, window 3600: slice 0
         fields = set(client.hkeys(f"{{{prefix}:ns}}:s:0"))
-        assert fields == {b"em0", b"em1", b"em2", b"em3", b"em4"} | {
+        assert fields == {b"n", b"em0", b"em1", b"em2", b"em3", b"em4"} | {
             b"b" + key.to_bytes(8, "big") for key in (U64, 2**53 + 1, 0, 1, 2, 3, 4)}
         for key in keys:
             assert 0 < client.pttl(key) <= (WINDOW + 60) * 1000, key
@@ -176,6 +175,7 @@ def test_fingerprints_and_seqs_never_pass_through_a_double(make: Callable[..., R
         index.insert([(entry(q.id, q.ts), q.keys) for q in queries])
     with redis.Redis.from_url(redis_url) as client:
         stored = client.hgetall(f"{{{prefix}:ns}}:s:0")
+    assert stored.pop(b"n") == b"200"  # the slice's count of entries
     buckets = {name: value for name, value in stored.items() if name.startswith(b"b")}
     assert {int.from_bytes(name[1:], "big") for name in buckets} == wanted
     records = [r for value in buckets.values() for r in parse_records(value)]
@@ -543,24 +543,17 @@ def test_the_race_test_catches_a_non_atomic_index(race_url: str) -> None:
 # --- the route step on a shared index ---------------------------------------------------------------------
 
 
-def test_overlapped_fingerprinting_decides_like_the_memory_index(make: Callable[..., RedisIndex]) -> None:
-    """`route_batch` on Redis fingerprints the next chunk in a helper thread while the current one waits for
-    its round trips: the verdicts are still those of the memory index (and of one message at a time)."""
+def test_route_batch_on_redis_decides_like_the_memory_index(make: Callable[..., RedisIndex]) -> None:
+    """`route_batch` over the shipped sample, with bad records among good ones: on Redis the verdicts are
+    those of the compiled memory index, of the reference one, and of one record at a time."""
     lines = SAMPLE.read_bytes().splitlines()
     batch = [RawRecord(line, str(i), float(i)) for i, line in enumerate(lines)]
-    assert len(batch) > 2 * OVERLAP_CHUNK
-    threads: set[str] = set()
     config = FilterConfig()
     shared = NearDupFilter(config, index=make(window=config.window, bucket_cap=config.bucket_cap))
-    fingerprint = shared.fingerprinter.fingerprint_batch
-
-    def watched(texts: Sequence[str]) -> list[Fingerprint]:
-        threads.add(threading.current_thread().name)
-        return fingerprint(texts)
-
-    shared.fingerprinter.fingerprint_batch = watched  # type: ignore[method-assign]
     on_redis = [(r.kind, r.verdict) for r in route_batch(shared, batch, RecordFormat())]
     in_memory = [(r.kind, r.verdict) for r in route_batch(NearDupFilter(config), batch, RecordFormat())]
-    assert on_redis == in_memory
+    reference = [(r.kind, r.verdict) for r in route_batch(NearDupFilter(config, native=False), batch, RecordFormat())]
+    one_by_one = NearDupFilter(config, index=make("single", window=config.window, bucket_cap=config.bucket_cap))
+    alone = [(r.kind, r.verdict) for raw in batch for r in route_batch(one_by_one, [raw], RecordFormat())]
+    assert on_redis == in_memory == reference == alone
     assert sum(kind == DUPLICATE for kind, _ in on_redis) > 10
-    assert threads and all(name.startswith("neardup-fingerprint") for name in threads)
