@@ -28,6 +28,10 @@ py_round = builtins.round  # verdicts carry Python's round(similarity, 4), digit
 
 cdef extern from "Python.h":
     const char *PyUnicode_AsUTF8AndSize(object unicode, Py_ssize_t *size) except NULL
+    object PyTuple_New(Py_ssize_t n)
+    void PyTuple_SET_ITEM(object p, Py_ssize_t pos, object o)
+    object PyLong_FromUnsignedLongLong(unsigned long long v)
+
     object PyBytes_FromStringAndSize(const char *v, Py_ssize_t len)
     char *PyBytes_AS_STRING(object o)
 
@@ -171,6 +175,29 @@ cdef class Shingled:
     def bucket_keys(self) -> list:
         return [tuple([self.keys[j] for j in range(self.key_start[i], self.key_start[i + 1])])
                 for i in range(self.n)]
+
+    def fingerprints(self, list normalized, make) -> list:
+        """`make(normalized, exact, size, sketch, keys)` per text: the `Fingerprint`s of exact and m-gram
+        bucket keys, without a Python step per text (each sketch its own copy, as an entry keeps it)."""
+        if len(normalized) != self.n:
+            raise ValueError("normalized texts and the hashed batch differ in length")
+        cdef Py_ssize_t i, j, a, b
+        cdef uint32_t[::1] view
+        out = []
+        for i in range(self.n):
+            a, b = self.sk_start[i], self.sk_start[i + 1]
+            sketch = np.empty(b - a, dtype=np.uint32)
+            if b > a:
+                view = sketch
+                memcpy(&view[0], self.sketch + a, (b - a) * sizeof(uint32_t))
+            keys = PyTuple_New(self.key_start[i + 1] - self.key_start[i])
+            for j in range(self.key_start[i], self.key_start[i + 1]):
+                value = PyLong_FromUnsignedLongLong(self.keys[j])
+                Py_INCREF(value)
+                PyTuple_SET_ITEM(keys, j - self.key_start[i], value)
+            out.append(make(normalized[i], (<object>self.exact_hi[i]) << 64 | self.exact_lo[i], self.size[i],
+                            sketch, keys))
+        return out
 
 
 def shingle(list texts, int n, int k, int m, int target, uint64_t seed, int exact_at, bint with_mgram):

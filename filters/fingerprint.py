@@ -129,6 +129,8 @@ class Fingerprinter:
     def fingerprint_batch(self, texts: Sequence[str]) -> list[Fingerprint]:
         c = self.config
         normalized = self.normalizer.normalize_batch([t[: c.max_chars] for t in texts])
+        if self.native and self._methods <= {"exact", "mgram"}:
+            return self._shingled(normalized).fingerprints(normalized, Fingerprint)  # type: ignore[no-any-return]
         exacts, sizes, sketches, mgram_keys, mgram_bounds = self._hashed(normalized)
         features: list[np.ndarray] = []
         if "simhash" in self._methods or "minhash" in self._methods:

@@ -616,52 +616,69 @@ class _View:
     verification covered, plus the caller's own inserts since: an own insert succeeded only if nothing
     foreign had arrived in its buckets, so its seq is the exact new tail. Entries looked up together
     share the read; one whose insert conflicted was verified again against a later read and carries its
-    own (`reread`), so the others are not excused from records they never verified.
+    own (`reread`), so the others are not excused from records they never verified. Fields are known by
+    their place in the read's columns.
     """
 
     slices: tuple[int, ...] = ()
-    columns: list[list[bytes | None]] = field(default_factory=list)  # per slice: the value of each field read
+    columns: dict[int, list[bytes | None]] = field(default_factory=dict)  # slice -> the value of each field read
     at: dict[bytes, int] = field(default_factory=dict)  # field -> its place in a column
-    ids: set[str] = field(default_factory=set)  # the ids the lookup covered
     mark: int = 0  # the namespace's seq when the lookup began: records above it may be unseen
     hwm: bytes = b""  # the namespace's high-water mark as stored then ('' if none)
+    looked: dict[str, _Looked] = field(default_factory=dict)  # the ids the lookup covered
     inserted: int = 0  # how many the caller inserted since: seq is mark + inserted while it is alone
-    written: dict[int, dict[bytes, bytes]] = field(default_factory=dict)  # slice -> field -> value (or tail)
-    fields: dict[str, tuple[tuple[int, ...], list[bytes]]] = field(default_factory=dict)  # id -> keys, fields
+    written: dict[int, dict[int, bytes]] = field(default_factory=dict)  # slice -> place -> value (or its tail)
     own: set[int] = field(default_factory=set)  # seqs the caller inserted since
-    reread: dict[str, tuple[int, dict[tuple[int, bytes], bytes]]] = field(default_factory=dict)  # id -> (seq, tails)
+    reread: dict[str, tuple[int, dict[int, list[bytes]]]] = field(default_factory=dict)  # id -> (seq, slice -> tails)
     exact: bool = True  # `written` holds whole values (no insert went through INSERT_LUA since)
+    _present: dict[int, set[int]] = field(default_factory=dict)
 
-    def value(self, s: int, f: bytes) -> bytes | None:
-        """A field as this caller knows it: its own write, else what the lookup read."""
-        v = self.written.get(s, {}).get(f)
-        if v is None and s in self.slices and f in self.at:
-            v = self.columns[self.slices.index(s)][self.at[f]]
+    def value(self, s: int, p: int) -> bytes | None:
+        """The field at place `p` of slice `s` as this caller knows it: its own write, else what it read."""
+        v = self.written.get(s, {}).get(p)
+        if v is None:
+            column = self.columns.get(s)
+            v = column[p] if column is not None else None
         return v
 
-    def fields_of(self, id: str, keys: tuple[int, ...]) -> list[bytes]:
-        known = self.fields.get(id)
-        return known[1] if known is not None and known[0] is keys else [_FIELD(b"b", key) for key in keys]
+    def present(self, s: int) -> set[int]:
+        """The places that held a value in slice `s` when it was read."""
+        known = self._present.get(s)
+        if known is None:
+            column = self.columns.get(s, [])
+            known = self._present[s] = {p for p, v in enumerate(column) if v is not None}
+        return known
 
-    def expected(self, id: str, fields: Sequence[bytes]) -> bytes:
+    def expected(self, id: str, places: Sequence[int]) -> bytes:
         """The tails `id`'s insert expects, per slice read, per field: b"" for an id never looked up."""
-        if id not in self.ids:
+        if id not in self.looked:
             return b""
         reread = self.reread.get(id)
         parts = []
         for s in self.slices:
             written = self.written.get(s, {})
-            for f in fields:
-                mine = written.get(f)
+            for j, p in enumerate(places):
+                mine = written.get(p)
                 if reread is not None:
-                    tail = reread[1].get((s, f), _ABSENT)
+                    tails = reread[1].get(s)
+                    tail = tails[j] if tails is not None else _ABSENT
                     if mine is not None and _SEQ.unpack_from(mine, len(mine) - 8)[0] > reread[0]:
                         tail = mine[-8:]
                 else:
-                    v = mine if mine is not None else self.value(s, f)
+                    v = mine if mine is not None else self.value(s, p)
                     tail = v[-8:] if v else _ABSENT
                 parts.append(tail)
         return b"".join(parts)
+
+
+@dataclass(frozen=True, slots=True)
+class _Looked:
+    """One query of the lookup: its keys (the very tuple), their field names and places, its entry's place."""
+
+    keys: tuple[int, ...]
+    fields: list[bytes]
+    places: list[int]
+    entry_place: int
 
 
 class RedisIndex:
@@ -739,8 +756,9 @@ class RedisIndex:
             seq, stored, columns = self._read(names, slices)
             top = _stored_time(stored)
         self._hwm = max(hwm, top)
-        self._view = _View(slices, columns, at, {q.id for q in queries}, seq, stored,
-                           fields={q.id: (q.keys, fields) for q, fields in zip(queries, key_fields)})
+        self._view = _View(slices, dict(zip(slices, columns)), at, seq, stored,
+                           {q.id: _Looked(q.keys, fields, places, e)
+                            for q, fields, places, e in zip(queries, key_fields, positions, id_places)})
         found: list[tuple[bytes | None, list[tuple[str, int, int, float]]]] = []
         rank, cap = self._rank, self.bucket_cap
         for q, where, e, mark in zip(queries, positions, id_places, marks):
@@ -848,11 +866,17 @@ class RedisIndex:
 
     # -- inserting -------------------------------------------------------------------------------
     def _insert_chunk(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]:
-        try:
-            fields_of = [self._view.fields_of(entry.id, keys) for entry, keys in entries]
-        except struct.error:
-            raise ValueError(f"bucket keys must be unsigned 64-bit ints: {[k for _, k in entries]!r}") from None
-        results = self._alone(entries, fields_of) if self.alone_inserts else None
+        looked = self._view.looked
+        fields_of, places_of = [], []
+        for entry, keys in entries:
+            known = looked.get(entry.id)
+            if known is not None and (known.keys is keys or known.keys == keys):
+                fields_of.append(known.fields)
+                places_of.append(known.places)
+            else:
+                fields_of.append([_field_of(key) for key in keys])
+                places_of.append(None)
+        results = self._alone(entries, fields_of, places_of) if self.alone_inserts else None
         if results is None:
             results = self._checked(entries, fields_of)
         out: list[list[Candidate] | None] = [None] * len(entries)
@@ -863,6 +887,11 @@ class RedisIndex:
                 out[i] = cands
         return out
 
+    def _places(self, id: str, fields: Sequence[bytes]) -> list[int | None]:
+        looked = self._view.looked.get(id)
+        at = self._view.at
+        return looked.places if looked is not None and looked.fields is fields else [at.get(f) for f in fields]
+
     def _checked(self, entries: Sequence[tuple[Entry, tuple[int, ...]]],
                  fields_of: Sequence[list[bytes]]) -> list[int]:
         """One INSERT_LUA call: the script compares each entry's buckets with what the caller saw."""
@@ -870,61 +899,62 @@ class RedisIndex:
         args: list[str | int | bytes] = [self._spre, repr(self.window), repr(self.slice_length), self.bucket_cap,
                                          self._ttl_ms, repr(self._hwm), ",".join(map(str, view.slices)),
                                          view.mark, view.inserted]
-        for (entry, _), fields in zip(entries, fields_of):
+        places_of = [self._places(entry.id, fields) for (entry, _), fields in zip(entries, fields_of)]
+        for (entry, _), fields, places in zip(entries, fields_of, places_of):
+            expected = b"" if None in places else view.expected(entry.id, places)  # type: ignore[arg-type]
             args += [entry.id.encode("utf-8", "surrogatepass"), repr(_event_time(entry.ts, entry.id)),
-                     encode_entry(entry), len(fields), view.expected(entry.id, fields), *fields]
+                     encode_entry(entry), len(fields), expected, *fields]
         [(_, hwm, results)] = self._eval_pipelined(_INSERT, [args])
         self._hwm = max(self._hwm, float(hwm))
         view.hwm = hwm
         view.exact = False  # the script wrote values this caller did not compute
-        for (entry, _), fields, result in zip(entries, fields_of, results):
+        for (entry, _), places, result in zip(entries, places_of, results):
             if result > 0:
-                self._inserted(result, self._slice(float(entry.ts)), fields, _SEQ.pack(result))
+                self._inserted(result, self._slice(float(entry.ts)), places, _SEQ.pack(result))
         return list(results)
 
-    def _inserted(self, seq: int, s: int, fields: Sequence[bytes], value_or_tail: bytes | None) -> None:
+    def _inserted(self, seq: int, s: int, places: Sequence[int | None], value_or_tail: bytes | None) -> None:
         view = self._view
         view.own.add(seq)
         view.inserted += 1
         if value_or_tail is not None:
             written = view.written.setdefault(s, {})
-            for f in fields:
-                written[f] = value_or_tail
-        for reread_seq, tails in view.reread.values():
-            if seq > reread_seq:
-                for f in fields:
-                    tails[(s, f)] = _SEQ.pack(seq)
+            for p in places:
+                if p is not None:  # a field no lookup read: no later insert of this batch is checked on it
+                    written[p] = value_or_tail
 
-    def _alone(self, entries: Sequence[tuple[Entry, tuple[int, ...]]],
-               fields_of: Sequence[list[bytes]]) -> list[int] | None:
+    def _alone(self, entries: Sequence[tuple[Entry, tuple[int, ...]]], fields_of: Sequence[list[bytes]],
+               places_of: Sequence[list[int] | None]) -> list[int] | None:
         """What INSERT_LUA would do if nobody else inserted since the lookup, computed here from what
         the lookup read and written with INSERT_ALONE_LUA; None if it cannot be (an id not looked up,
         a slice not read, an earlier INSERT_LUA call, or somebody else wrote after all)."""
         view = self._view
-        if not view.exact or not view.slices or any(e.id not in view.ids for e, _ in entries):
+        if not view.exact or not view.slices or any(p is None for p in places_of):
             return None
         window, cap = self.window, self.bucket_cap
-        hwm = max(self._hwm, _stored_time(view.hwm))
         times = [_event_time(e.ts, e.id) for e, _ in entries]
-        low, top = max(hwm, min(times)), max(hwm, max(times))
-        slices = range(self._slice(low - window), self._slice(top) + 1)
+        stored_hwm = _stored_time(view.hwm)
+        hwm = max(self._hwm, stored_hwm)
+        slices = range(self._slice(max(hwm, min(times)) - window), self._slice(max(hwm, max(times))) + 1)
         if slices[0] < view.slices[0] or slices[-1] > view.slices[-1]:
             return None
         start = seq = view.mark + view.inserted
-        stored_hwm = hwm_before = _stored_time(view.hwm)
-        hwm = max(self._hwm, stored_hwm)
-        writes: dict[int, dict[bytes, bytes]] = {}  # slice -> field -> value, as this call leaves them
+        # This call's writes, slice -> place -> value, over what the caller wrote before (kept apart:
+        # if the script finds that somebody else wrote, they never happened).
+        writes: dict[int, dict[int, bytes]] = {s: dict(view.written.get(s, {})) for s in slices}
         groups: dict[int, list[Any]] = {}  # slice -> [entries, INSERT_ALONE_LUA's arguments for them]
         results = []
-        pending: list[tuple[int, int, list[bytes]]] = []
-        at, columns = view.at, dict(zip(view.slices, view.columns))
-        for (entry, _), fields, ts in zip(entries, fields_of, times):
-            id_bytes = entry.id.encode("utf-8", "surrogatepass")
-            e_field = b"e" + id_bytes
+        pending: list[tuple[int, int, list[int]]] = []
+        looked = view.looked
+        for (entry, _), fields, places, ts in zip(entries, fields_of, places_of, times):
+            e = looked[entry.id].entry_place
             result = 0
             live = False
             for s in slices:
-                old = writes.get(s, {}).get(e_field) or view.value(s, e_field)
+                old = writes[s].get(e)
+                if old is None:
+                    column = view.columns.get(s)
+                    old = column[e] if column is not None else None
                 if old and _entry_time(old, entry.id) >= hwm - window:
                     live = True
                     break
@@ -932,40 +962,37 @@ class RedisIndex:
                 hwm = max(hwm, ts)
                 if ts >= hwm - window:
                     seq += 1
+                    id_bytes = entry.id.encode("utf-8", "surrogatepass")
                     record = _RECORD.pack(ts, len(id_bytes)) + id_bytes + _SEQ.pack(seq)
                     too_long = 2 * cap * len(record)
                     s = self._slice(ts)
-                    mine = writes.setdefault(s, {})
-                    earlier = view.written.get(s, {})
-                    column = columns[s]
+                    mine = writes[s]
+                    present = view.present(s)
+                    column = view.columns[s]
                     new: list[bytes] = []
-                    other: list[bytes] = [e_field, encode_entry(entry)]
-                    for f in fields:
-                        v = mine.get(f)
+                    blob = encode_entry(entry)
+                    other: list[bytes] = [b"e" + id_bytes, blob]
+                    for f, p in zip(fields, places):  # type: ignore[arg-type]
+                        v = mine.get(p)
+                        if v is None and p in present:
+                            v = column[p]
                         if v is None:
-                            v = earlier.get(f)
-                            if v is None:
-                                place = at.get(f)
-                                if place is None:
-                                    return None  # keys other than those looked up: the script decides
-                                v = column[place]
-                        if v:
+                            new.append(f)
+                            mine[p] = record
+                        else:
                             if len(v) > too_long:
                                 v = trim_records(v, cap)
                             v += record
                             other += (f, v)
-                            mine[f] = v
-                        else:
-                            new.append(f)
-                            mine[f] = record
-                    mine[e_field] = other[1]
+                            mine[p] = v
+                    mine[e] = blob
                     group = groups.setdefault(s, [0, []])
                     group[0] += 1
                     group[1] += (record, len(new), len(other) // 2, *new, *other)
-                    pending.append((seq, s, fields))
+                    pending.append((seq, s, places))  # type: ignore[arg-type]
                     result = seq
             results.append(result)
-        hwm_bytes = view.hwm if hwm <= hwm_before else (b"%.17g" % hwm)
+        hwm_bytes = view.hwm if hwm <= stored_hwm else (b"%.17g" % hwm)
         args: list[str | int | bytes] = [str(start), view.hwm, str(seq), hwm_bytes, self._ttl_ms,
                                          f"{self._spre}{slices[0] - 1}" if seq > start else ""]
         for s, (count, group) in groups.items():
@@ -975,10 +1002,10 @@ class RedisIndex:
             return None
         self._hwm = max(self._hwm, hwm)
         view.hwm = hwm_bytes
-        for seq_i, s, fields in pending:
-            self._inserted(seq_i, s, fields, None)
-        for s, values in writes.items():
-            view.written.setdefault(s, {}).update(values)
+        for seq_i, s, places in pending:
+            self._inserted(seq_i, s, places, None)
+        for s in groups:
+            view.written[s] = writes[s]
         return results
 
     def _reread(self, entries: Sequence[tuple[Entry, tuple[int, ...]]],
@@ -991,20 +1018,16 @@ class RedisIndex:
         seq, _, columns = self._read(names, slices)
         horizon = self._hwm - self.window
         at = {name: i for i, name in enumerate(names)}
-        if slices != view.slices:  # the lookup's read does not cover the new slices: nothing is known there
-            view.columns = [view.columns[view.slices.index(s)] if s in view.slices else [None] * len(view.at)
-                            for s in slices]
-            view.slices = slices
-        own = view.own
+        view.slices = slices  # a slice the lookup did not read: what it holds is unknown, absent there
         ranked = []
         for (entry, _), fields in zip(entries, fields_of):
+            # Only a looked-up entry can conflict: the others were inserted without a comparison.
             since = view.reread[entry.id][0] if entry.id in view.reread else view.mark
-            positions = [at[f] for f in fields]
-            ranked.append(self._rank(columns, positions, entry.id, 1, len(fields) * self.bucket_cap + 1, horizon,
-                                     self.bucket_cap, since, own))
-            view.ids.add(entry.id)
-            view.reread[entry.id] = (seq, {(s, f): (column[at[f]] or b"")[-8:] or _ABSENT
-                                           for s, column in zip(slices, columns) for f in fields})
+            places = [at[f] for f in fields]
+            ranked.append(self._rank(columns, places, entry.id, 1, len(fields) * self.bucket_cap + 1, horizon,
+                                     self.bucket_cap, since, view.own))
+            view.reread[entry.id] = (seq, {s: [(column[p] or b"")[-8:] or _ABSENT for p in places]
+                                           for s, column in zip(slices, columns)})
         found = self._entries({(self._slice(ts), id) for cands in ranked for id, _, _, ts in cands})
         return [[Candidate(found[id], shared, keys[first]) for id, shared, first, _ in cands if id in found]
                 for (_, keys), cands in zip(entries, ranked)]

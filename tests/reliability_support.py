@@ -182,7 +182,7 @@ def _install_hook(spec: str) -> None:
             def racy_insert(self: RedisIndex, entries: Any, _insert: Any = insert) -> Any:
                 # Forget what the lookup saw: the script then inserts without checking what others
                 # inserted since the lookup (check-then-insert).
-                self._view.ids.clear()
+                self._view.looked.clear()
                 return _insert(self, entries)
 
             RedisIndex.insert = racy_insert  # type: ignore[method-assign]

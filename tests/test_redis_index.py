@@ -451,7 +451,7 @@ class _RacyIndex(_PausedIndex):
     """The non-atomic design: look up, verify, then insert without checking what arrived meanwhile."""
 
     def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]:
-        self._view.ids.clear()  # no id was looked up, as far as the insert knows: nothing is compared
+        self._view.looked.clear()  # no id was looked up, as far as the insert knows: nothing is compared
         return super().insert(entries)
 
 
