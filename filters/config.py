@@ -32,7 +32,7 @@ class FilterConfig:
     containment_min_ratio: float = 0.35  # ... when the smaller has at least this share of the larger's size
     containment_min_size: int = 12  # ... and at least this many shingles (short texts need Jaccard)
     mgram: int = 6  # m-gram size of the substring-index bucket keys
-    mgram_keys: int = 12  # sampled m-gram keys per message (all of them for short texts)
+    mgram_keys: int = 10  # sampled m-gram keys per message (all of them for short texts); 12 found no more (README)
     simhash_k: int = 3  # Hamming distance bound; the 64 bits split into k + 1 blocks
     minhash_perm: int = 128
     minhash_bands: int = 32
