@@ -3,8 +3,11 @@
 `NearDupFilter.check_batch` is the pure "process a batch" function that the file runner and the Kafka
 worker both wrap. Verification is greedy per message: candidates come ranked (most shared bucket keys
 first, then newest), and the message is a duplicate of the first one whose verified similarity passes.
-Messages of the same batch are checked against each other in order, so a batch decides exactly what
-the same messages would decide one at a time.
+Messages of the same batch are checked against each other in order, so a batch decides what the same
+messages would decide one at a time. On a shared index there is one exception: the whole batch is
+looked up before its inserts, so a message still sees a representative that an earlier message of the
+same batch pushed out of a full bucket (the newest `bucket_cap` stay). Measured: 1 of 16,946 short
+messages of the development stream, where the shared index finds a true copy the memory index lost.
 """
 
 from __future__ import annotations
