@@ -18,7 +18,7 @@ from filters.errors import NeardupError
 from filters.normalize import NormalizeOptions
 from stream.codec import FORMATS, RecordFormat
 from stream.config import parse_duration
-from stream.logs import LOG_FORMATS, setup_logging
+from stream.logs import LOG_FORMATS, setup_logging, warn_if_interpreted
 from stream.runner import DUPLICATE, UNIQUE, RawRecord, Summary, route_batch, run_filter
 
 
@@ -109,6 +109,7 @@ def _log_summary(summary: Summary) -> None:
 
 def cmd_filter(args: argparse.Namespace) -> int:
     setup_logging("info", args.log_format)
+    warn_if_interpreted()
     nd = NearDupFilter(_config(args), index=args.index)
     with ExitStack() as stack:
         def out(path: str | None, default: IO[bytes] | None) -> FileSink:

@@ -10,7 +10,7 @@ from typing import Any
 
 from filters.errors import NeardupError
 from stream.config import KAFKA, WORKER, add_settings_arguments, settings_from_args
-from stream.logs import setup_logging
+from stream.logs import setup_logging, warn_if_interpreted
 
 
 def _logging(level: str, fmt: str = "plain") -> None:
@@ -22,6 +22,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     settings = settings_from_args(args)
     _logging(settings.log_level, settings.log_format)
+    warn_if_interpreted()
     asyncio.run(serve(settings))
     return 0
 

@@ -57,3 +57,14 @@ def setup_logging(level: str = "info", fmt: str = "plain", stream: IO[str] | Non
     # aiokafka logs every retried connection at ERROR; ours say what matters.
     logging.getLogger("aiokafka").setLevel(max(logging.WARNING, root.level))
     return handler
+
+
+def warn_if_interpreted() -> None:
+    """One warning when the compiled core was not built at install time (no C++ compiler): neardup
+    works the same, on the numpy/Python reference of the same algorithms, but a few times slower."""
+    from filters.index import native_available
+
+    if not native_available():
+        logging.getLogger("neardup").warning(
+            "the compiled core filters._native was not built at install time: running the numpy/Python "
+            "reference of the same algorithms (same verdicts, about 3x slower); reinstall with a C++ compiler")

@@ -257,3 +257,16 @@ def test_rank_records_refuses_what_is_not_records() -> None:
                          min_size=1, max_size=12), min_size=1, max_size=5))
 def test_pack_commands_as_hiredis(commands: list[list[object]]) -> None:
     assert _native.pack_commands(commands) == b"".join(hiredis.pack_command(tuple(c)) for c in commands)
+
+
+def test_the_cli_says_when_it_runs_without_the_compiled_core(monkeypatch: pytest.MonkeyPatch,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    import filters.index
+    from stream.logs import warn_if_interpreted
+
+    warn_if_interpreted()
+    assert not caplog.records
+    monkeypatch.setattr(filters.index, "_native", None)
+    warn_if_interpreted()
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
+    assert "reinstall with a C++ compiler" in caplog.records[0].getMessage()
