@@ -1273,8 +1273,12 @@ def rank_records(list values, list positions, str id, Py_ssize_t floor, Py_ssize
             hits[t] = tally
         out = []
         for j in range(kept):
-            out.append((hits[j].id[:hits[j].n].decode("utf-8", "surrogatepass"), hits[j].shared, hits[j].first,
-                        hits[j].ts))
+            try:
+                rid = hits[j].id[:hits[j].n].decode("utf-8", "surrogatepass")
+            except UnicodeDecodeError as exc:
+                from filters.errors import IndexCorrupt
+                raise IndexCorrupt(f"a bucket record's id is not UTF-8: {exc}") from exc
+            out.append((rid, hits[j].shared, hits[j].first, hits[j].ts))
             if len(out) >= limit:
                 break
         return out

@@ -122,6 +122,7 @@ LOOKUP_CHUNK = 256  # queries whose fields one HMGET reads: bounds one command's
 FIELDS_PER_CALL = 2000  # fields per HMGET, pairs per HSET, inside the script (Lua's unpack stops near 8,000 values)
 DEFAULT_SOCKET_TIMEOUT = 5.0  # without one, a stalled server would hang a worker forever
 _MIN_TS = -float(2**52)  # event times must be above it
+_MAX_SLICE = float(2**50)  # ... and less than this many slices (windows) from 0
 _NAME = re.compile(r"[A-Za-z0-9_.:-]+")  # prefix and namespace: no glob or hash-tag characters
 
 # --- the stored forms ------------------------------------------------------------------------------
@@ -314,7 +315,8 @@ local stored_hwm = tonumber(state[2] or '-inf')
 if stored_hwm > hwm then hwm = stored_hwm end
 local start = tonumber(state[1] or '0')
 local seq = start
--- Nobody else inserted since the caller's lookup: no bucket can differ from what it saw.
+-- Nobody else inserted since the caller's lookup (and it read every slice, below): no bucket can
+-- differ from what it saw.
 local alone = start == tonumber(ARGV[8]) + tonumber(ARGV[9])
 -- Entries, and the slices a record that can still match may be in: from the lowest horizon of this
 -- call to the highest event time.
@@ -335,6 +337,9 @@ for s = math.floor((low - window) / slice_len), math.floor(top / slice_len) do s
 local seen_at = {}  -- slice -> its place among the caller's
 local k = 0
 for s in string.gmatch(ARGV[7], '[^,]+') do seen_at[tonumber(s)] = k; k = k + 1 end
+for _, s in ipairs(slices) do
+  if not seen_at[s] then alone = false end
+end
 -- What each slice holds of the fields this call needs: every id and, to compare with what the caller
 -- saw, every bucket field (when alone, only those of the slices written to).
 local wanted = {}
@@ -456,7 +461,7 @@ for _, s in ipairs(slices) do
 end
 local hwm_s = string.format('%.17g', hwm)
 if seq > start then
-  redis.call('HSET', meta, 'seq', seq)
+  redis.call('HSET', meta, 'seq', string.format('%d', seq))
   -- The slice below the oldest live one holds nothing that can match any more.
   redis.call('UNLINK', spre .. string.format('%d', slices[1] - 1))
 end
@@ -487,11 +492,16 @@ while i <= #ARGV do
   for _ = 1, entries do
     local rec, new, other = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
     i = i + 3
-    for j = i, i + new - 1 do args[n + 1] = ARGV[j]; args[n + 2] = rec; n = n + 2 end
+    for j = i, i + new - 1 do
+      args[n + 1] = ARGV[j]; args[n + 2] = rec; n = n + 2
+      if n >= 2 * FIELDS_PER_CALL then redis.call('HSET', key, unpack(args, 1, n)); args, n = {}, 0 end
+    end
     i = i + new
-    for j = i, i + 2 * other - 1 do n = n + 1; args[n] = ARGV[j] end
+    for j = i, i + 2 * other - 1 do
+      n = n + 1; args[n] = ARGV[j]
+      if n >= 2 * FIELDS_PER_CALL and n % 2 == 0 then redis.call('HSET', key, unpack(args, 1, n)); args, n = {}, 0 end
+    end
     i = i + 2 * other
-    if n >= 2 * FIELDS_PER_CALL then redis.call('HSET', key, unpack(args, 1, n)); args, n = {}, 0 end
   end
   if n > 0 then redis.call('HSET', key, unpack(args, 1, n)) end
   redis.call('HINCRBY', key, 'n', entries)
@@ -613,11 +623,13 @@ class _View:
     """What the caller's last lookup read, and what it inserted since: what its inserts are checked against.
 
     An entry's expected bucket tails (the newest seq of each bucket field, per slice read) are those its
-    verification covered, plus the caller's own inserts since: an own insert succeeded only if nothing
-    foreign had arrived in its buckets, so its seq is the exact new tail. Entries looked up together
-    share the read; one whose insert conflicted was verified again against a later read and carries its
-    own (`reread`), so the others are not excused from records they never verified. Fields are known by
-    their place in the read's columns.
+    verification covered, plus the caller's own inserts since that were verified against the same read:
+    such an insert succeeded only if nothing foreign had arrived in its buckets, so its seq is the
+    exact new tail. Entries looked up together share the lookup's read (basis 0); one whose insert
+    conflicted was verified again against a later read (basis: that read's seq, its tails in `reread`).
+    An own insert of another basis may have let in what this entry never verified, so where one
+    happened the entry expects its own read's tail: the check fails and it is verified again. Fields
+    are known by their place in the read's columns.
     """
 
     slices: tuple[int, ...] = ()
@@ -628,6 +640,7 @@ class _View:
     looked: dict[str, _Looked] = field(default_factory=dict)  # the ids the lookup covered
     inserted: int = 0  # how many the caller inserted since: seq is mark + inserted while it is alone
     written: dict[int, dict[int, bytes]] = field(default_factory=dict)  # slice -> place -> value (or its tail)
+    bases: dict[int, dict[int, int]] = field(default_factory=dict)  # slice -> place -> basis of its writer
     own: set[int] = field(default_factory=set)  # seqs the caller inserted since
     reread: dict[str, tuple[int, dict[int, list[bytes]]]] = field(default_factory=dict)  # id -> (seq, slice -> tails)
     exact: bool = True  # `written` holds whole values (no insert went through INSERT_LUA since)
@@ -649,23 +662,30 @@ class _View:
             known = self._present[s] = {p for p, v in enumerate(column) if v is not None}
         return known
 
+    def basis(self, id: str) -> int:
+        """What `id` was verified against: 0 the lookup, a seq a re-read, -1 nothing (not looked up)."""
+        reread = self.reread.get(id)
+        return reread[0] if reread is not None else 0 if id in self.looked else -1
+
     def expected(self, id: str, places: Sequence[int]) -> bytes:
         """The tails `id`'s insert expects, per slice read, per field: b"" for an id never looked up."""
         if id not in self.looked:
             return b""
         reread = self.reread.get(id)
+        basis = self.basis(id)
         parts = []
         for s in self.slices:
-            written = self.written.get(s, {})
+            written, bases = self.written.get(s, {}), self.bases.get(s, {})
+            column = self.columns.get(s)
+            tails = reread[1].get(s) if reread is not None else None
             for j, p in enumerate(places):
                 mine = written.get(p)
-                if reread is not None:
-                    tails = reread[1].get(s)
+                if mine is not None and bases[p] == basis:
+                    tail = mine[-8:]
+                elif reread is not None:
                     tail = tails[j] if tails is not None else _ABSENT
-                    if mine is not None and _SEQ.unpack_from(mine, len(mine) - 8)[0] > reread[0]:
-                        tail = mine[-8:]
                 else:
-                    v = mine if mine is not None else self.value(s, p)
+                    v = column[p] if column is not None else None
                     tail = v[-8:] if v else _ABSENT
                 parts.append(tail)
         return b"".join(parts)
@@ -736,7 +756,7 @@ class RedisIndex:
         marks = []  # each query's high-water mark: its own event time and those before it count
         hwm = self._hwm
         for q in queries:
-            hwm = max(hwm, _event_time(q.ts, q.id))
+            hwm = max(hwm, _event_time(q.ts, q.id, self.slice_length))
             marks.append(hwm)
         at: dict[bytes, int] = {}  # every field name the batch reads -> its place in a column
         place = at.setdefault
@@ -747,14 +767,8 @@ class RedisIndex:
         positions = [[place(f, len(at)) for f in fields] for fields in key_fields]
         id_places = [place(_id_field(q.id), len(at)) for q in queries]
         names = list(at)
-        slices = self._slices(marks[0], hwm)
-        seq, stored, columns = self._read(names, slices)
+        seq, stored, slices, columns = self._read_covering(names, self._slices(marks[0], hwm), marks[0], hwm)
         top = _stored_time(stored)
-        if top > hwm and self._slices(max(marks[0], top), top) != slices:
-            # Another worker is ahead in event time, in slices this read did not cover: read those too.
-            slices = self._slices(max(marks[0], top), max(hwm, top))
-            seq, stored, columns = self._read(names, slices)
-            top = _stored_time(stored)
         self._hwm = max(hwm, top)
         self._view = _View(slices, dict(zip(slices, columns)), at, seq, stored,
                            {q.id: _Looked(q.keys, fields, places, e)
@@ -826,6 +840,23 @@ class RedisIndex:
             return ()
         low = low_mark if math.isfinite(low_mark) else high_mark
         return tuple(range(self._slice(low - self.window), self._slice(high_mark) + 1))
+
+    def _read_covering(self, names: Sequence[bytes], slices: Sequence[int], low_mark: float,
+                       high_mark: float) -> tuple[int, bytes, tuple[int, ...], list[list[bytes | None]]]:
+        """`_read` of `names` in `slices` and whatever more it takes for the seq read to be a mark: every
+        record with a seq up to it that can still match (`low_mark`'s window and on) is in the columns.
+
+        A record's event time is at most the high-water mark stored with its seq, so the slices must
+        reach the slice of the mark read together with the seq. If another worker moved it beyond
+        `slices` already, one more read covers that slice too; the seq and mark stay those of the first
+        read (records inserted after it count as unseen, which is safe: they are checked at insert)."""
+        slices = tuple(slices)
+        seq, stored, columns = self._read(names, slices)
+        need = self._slices(low_mark, max(high_mark, _stored_time(stored)))
+        if not set(need) <= set(slices):
+            slices = tuple(sorted(set(slices) | set(need)))
+            _, _, columns = self._read(names, slices)
+        return seq, stored, slices, columns
 
     def _read(self, names: Sequence[bytes], slices: Sequence[int]) -> tuple[int, bytes, list[list[bytes | None]]]:
         """(seq, stored high-water mark as stored, per slice the values of `names`): one round trip,
@@ -902,7 +933,7 @@ class RedisIndex:
         places_of = [self._places(entry.id, fields) for (entry, _), fields in zip(entries, fields_of)]
         for (entry, _), fields, places in zip(entries, fields_of, places_of):
             expected = b"" if None in places else view.expected(entry.id, places)  # type: ignore[arg-type]
-            args += [entry.id.encode("utf-8", "surrogatepass"), repr(_event_time(entry.ts, entry.id)),
+            args += [entry.id.encode("utf-8", "surrogatepass"), repr(_event_time(entry.ts, entry.id, self.slice_length)),
                      encode_entry(entry), len(fields), expected, *fields]
         [(_, hwm, results)] = self._eval_pipelined(_INSERT, [args])
         self._hwm = max(self._hwm, float(hwm))
@@ -910,18 +941,20 @@ class RedisIndex:
         view.exact = False  # the script wrote values this caller did not compute
         for (entry, _), places, result in zip(entries, places_of, results):
             if result > 0:
-                self._inserted(result, self._slice(float(entry.ts)), places, _SEQ.pack(result))
+                self._inserted(result, self._slice(float(entry.ts)), places, _SEQ.pack(result), view.basis(entry.id))
         return list(results)
 
-    def _inserted(self, seq: int, s: int, places: Sequence[int | None], value_or_tail: bytes | None) -> None:
+    def _inserted(self, seq: int, s: int, places: Sequence[int | None], value_or_tail: bytes | None,
+                  basis: int) -> None:
         view = self._view
         view.own.add(seq)
         view.inserted += 1
-        if value_or_tail is not None:
-            written = view.written.setdefault(s, {})
-            for p in places:
-                if p is not None:  # a field no lookup read: no later insert of this batch is checked on it
+        written, bases = view.written.setdefault(s, {}), view.bases.setdefault(s, {})
+        for p in places:
+            if p is not None:  # a field no lookup read: no later insert of this batch is checked on it
+                if value_or_tail is not None:
                     written[p] = value_or_tail
+                bases[p] = basis
 
     def _alone(self, entries: Sequence[tuple[Entry, tuple[int, ...]]], fields_of: Sequence[list[bytes]],
                places_of: Sequence[list[int] | None]) -> list[int] | None:
@@ -932,7 +965,7 @@ class RedisIndex:
         if not view.exact or not view.slices or any(p is None for p in places_of):
             return None
         window, cap = self.window, self.bucket_cap
-        times = [_event_time(e.ts, e.id) for e, _ in entries]
+        times = [_event_time(e.ts, e.id, self.slice_length) for e, _ in entries]
         stored_hwm = _stored_time(view.hwm)
         hwm = max(self._hwm, stored_hwm)
         slices = range(self._slice(max(hwm, min(times)) - window), self._slice(max(hwm, max(times))) + 1)
@@ -1003,7 +1036,7 @@ class RedisIndex:
         self._hwm = max(self._hwm, hwm)
         view.hwm = hwm_bytes
         for seq_i, s, places in pending:
-            self._inserted(seq_i, s, places, None)
+            self._inserted(seq_i, s, places, None, 0)
         for s in groups:
             view.written[s] = writes[s]
         return results
@@ -1014,8 +1047,9 @@ class RedisIndex:
         inserted since it was last verified; its retry is checked against this read."""
         view = self._view
         names = list(dict.fromkeys(f for fields in fields_of for f in fields))
-        slices = tuple(sorted(set(view.slices) | set(self._slices(self._hwm, self._hwm))))
-        seq, _, columns = self._read(names, slices)
+        wanted = tuple(sorted(set(view.slices) | set(self._slices(self._hwm, self._hwm))))
+        seq, stored, slices, columns = self._read_covering(names, wanted, self._hwm, self._hwm)
+        self._hwm = max(self._hwm, _stored_time(stored))
         horizon = self._hwm - self.window
         at = {name: i for i, name in enumerate(names)}
         view.slices = slices  # a slice the lookup did not read: what it holds is unknown, absent there
@@ -1107,8 +1141,9 @@ def _entry_time(blob: bytes, id: str) -> float:
         raise IndexCorrupt(f"entry {id!r}: {len(blob)} bytes are too short for an entry") from exc
 
 
-def _event_time(ts: float, id: str) -> float:
+def _event_time(ts: float, id: str, slice_length: float) -> float:
     ts = float(ts)
-    if not _MIN_TS < ts < math.inf:  # also rejects NaN
-        raise ValueError(f"event time of {id!r} must be finite and > -2^52, got {ts!r}")
+    # Slice numbers must stay exact integers, in Lua (doubles) as in Python: |ts / slice| < 2^50.
+    if not (_MIN_TS < ts < math.inf and abs(ts / slice_length) < _MAX_SLICE):  # also rejects NaN
+        raise ValueError(f"event time of {id!r} must be finite, > -2^52 and below 2^50 windows, got {ts!r}")
     return ts

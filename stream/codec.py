@@ -3,8 +3,8 @@
 Decoding rules (the README states them): a record must be UTF-8; in JSON format it must be a JSON
 object with a string text field whose content is not empty or whitespace only. The id field may be a
 string or a number (absent: the caller's fallback, e.g. line number or topic/partition/offset). The
-timestamp field is seconds since the epoch as a number or numeric string (absent: the caller's
-fallback, e.g. arrival time or the Kafka record timestamp). Anything else raises a `RejectedInput`
+timestamp field is seconds since the epoch (0 to 1e11) as a number or numeric string (absent: the
+caller's fallback, e.g. arrival time or the Kafka record timestamp). Anything else raises a `RejectedInput`
 subclass whose `reason` goes to the dead-letter output.
 """
 
@@ -18,6 +18,9 @@ import orjson
 
 from filters.engine import Message, Verdict
 from filters.errors import DecodeError, MissingText, RejectedInput
+
+# Event times above it are units mistaken for seconds (ms, µs, ns): refused, not let loose on the window.
+MAX_EVENT_TIME = 1e11
 
 FORMATS = ("json", "text")
 
@@ -98,6 +101,9 @@ def _ts(record: dict[str, Any], field: str, fallback: float) -> float:
             raise RejectedInput(f"{field!r} is not a number: {value[:40]!r}", "bad_timestamp") from None
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
         raise RejectedInput(f"{field!r} must be seconds since the epoch (>= 0)", "bad_timestamp")
+    if value > MAX_EVENT_TIME:
+        raise RejectedInput(f"{field!r} must be seconds since the epoch, at most {MAX_EVENT_TIME:.0e} (year 5138); "
+                            f"got {value:.4g}: milliseconds or nanoseconds?", "bad_timestamp")
     return float(value)
 
 

@@ -106,6 +106,8 @@ BAD = [
     (b"{\"text\": \"bad ts four\", \"ts\": true}", "bad_timestamp"),
     (b"{\"text\": \"bad ts five\", \"ts\": [1]}", "bad_timestamp"),
     (b"{\"text\": \"bad ts six\", \"ts\": \"inf\"}", "bad_timestamp"),
+    (b"{\"text\": \"bad ts nano\", \"ts\": 1700000000000000000}", "bad_timestamp"),  # nanoseconds
+    (b"{\"text\": \"bad ts milli\", \"ts\": 1.7e12}", "bad_timestamp"),  # milliseconds
     (b"{\"text\": \"bad ts seven\", \"ts\": NaN}", "invalid_json"),
     (b"{\"text\": \"bad id one\", \"id\": true}", "bad_id"),
     (b"{\"text\": \"bad id two\", \"id\": \"\"}", "bad_id"),
