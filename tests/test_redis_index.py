@@ -471,6 +471,58 @@ def test_an_entry_with_thousands_of_keys(make: Callable[..., RedisIndex]) -> Non
         assert ids(index.lookup([Query("q", 1000.0, keys[:10])], 8)[0][1]) == ["big"]
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_random_interleavings_never_make_two_near_duplicates_unique(make: Callable[..., RedisIndex], seed: int) -> None:
+    """Three workers and 40 spam waves: each wave has fresh keys, three copies of two of its three keys
+    (any two copies share one), arriving within a second of each other, waves 2 s apart, in slices of
+    5 s inside a 100 s window (far shorter slices than the default, the window: many boundaries to
+    race across). Before any Redis round trip of a worker, another worker may process a whole message:
+    every interleaving of lookups, inserts and re-reads at round-trip granularity gets its chance. A
+    message is a duplicate when its lookup or its insert finds anything (sharing a key is being a
+    near-duplicate here); the invariant: no two unique messages share a key, one unique per wave."""
+    rng = random.Random(seed)
+    workers = [make(window=100.0, bucket_cap=1000) for _ in range(3)]
+    for index in workers:
+        index.slice_length = 5.0
+    waves = [(f"w{c}c{k}", 50.0 + 2 * c + rng.uniform(0, 1), tuple(rng.sample(range(3 * c + 1, 3 * c + 4), 2)))
+             for c in range(40) for k in range(3)]
+    pending = sorted(waves, key=lambda m: -m[1])  # pop() takes the earliest
+    unique: dict[str, tuple[int, ...]] = {}
+    busy = [False]
+
+    def process(index: RedisIndex, id: str, ts: float, keys: tuple[int, ...]) -> None:
+        [(own, cands)] = index.lookup([Query(id, ts, keys)], 100)
+        if own is not None or cands:
+            return
+        for _ in range(8):
+            [result] = index.insert([(entry(id, ts), keys)])
+            if result is None:
+                unique[id] = keys
+                return
+            if result:
+                return
+
+    def interleaving(index: RedisIndex) -> None:
+        execute = index._execute
+
+        def hooked(commands: Sequence[Sequence[str | int | bytes]]) -> list[object]:
+            if not busy[0] and pending and rng.random() < 0.6:
+                busy[0] = True
+                try:
+                    process(rng.choice([w for w in workers if w is not index]), *pending.pop())
+                finally:
+                    busy[0] = False
+            return execute(commands)
+
+        index._execute = hooked  # type: ignore[method-assign]
+
+    for index in workers:
+        interleaving(index)
+    while pending:
+        process(rng.choice(workers), *pending.pop())
+    assert sorted(int(id[1:].split("c")[0]) for id in unique) == list(range(40))  # one unique per wave
+
+
 def _namespace_dump(redis_url: str, prefix: str, namespace: str) -> dict[bytes, object]:
     with redis.Redis.from_url(redis_url) as client:
         keys = sorted(client.scan_iter(match=f"{{{prefix}:{namespace}}}:*"))
