@@ -428,8 +428,9 @@ cdef struct CEntry:
     PyObject *payload  # owned, or NULL: the Entry the Python API inserted (else it is built on demand)
     uint32_t nkeys
     uint32_t nsk
+    bint narrow  # the sketch's values fit 32 bits (a fingerprint's): stored as uint32, else uint64
     uint64_t *keys  # inside this allocation
-    uint64_t *sketch  # inside this allocation, widened to 64 bits
+    void *sketch  # inside this allocation, after the keys
 
 
 cdef union BucketData:
@@ -766,7 +767,14 @@ cdef class Table:
             self._advance(ts)
         if ts < self.watermark - self.window:
             return 0
-        cdef CEntry *e = <CEntry *>PyMem_Malloc(sizeof(CEntry) + (nkeys + nsk) * sizeof(uint64_t))
+        cdef bint narrow = True
+        cdef Py_ssize_t j
+        for j in range(nsk):
+            if sketch[j] > 0xFFFFFFFFULL:
+                narrow = False
+                break
+        cdef CEntry *e = <CEntry *>PyMem_Malloc(sizeof(CEntry) + nkeys * sizeof(uint64_t)
+                                                + nsk * (sizeof(uint32_t) if narrow else sizeof(uint64_t)))
         if not e:
             raise MemoryError()
         self.seq += 1
@@ -783,11 +791,15 @@ cdef class Table:
             Py_INCREF(payload)
         e.nkeys = <uint32_t>nkeys
         e.nsk = <uint32_t>nsk
+        e.narrow = narrow
         e.keys = <uint64_t *>(<char *>e + sizeof(CEntry))
-        e.sketch = e.keys + nkeys
+        e.sketch = <void *>(e.keys + nkeys)
         if nkeys:
             memcpy(e.keys, keys, nkeys * sizeof(uint64_t))
-        if nsk:
+        if narrow:
+            for j in range(nsk):
+                (<uint32_t *>e.sketch)[j] = <uint32_t>sketch[j]
+        elif nsk:
             memcpy(e.sketch, sketch, nsk * sizeof(uint64_t))
         try:
             self._place(e)
@@ -1003,7 +1015,7 @@ cdef class Table:
         cdef uint32_t[::1] view = sketch
         cdef uint32_t i
         for i in range(e.nsk):
-            view[i] = <uint32_t>e.sketch[i]
+            view[i] = (<uint32_t *>e.sketch)[i] if e.narrow else <uint32_t>(<uint64_t *>e.sketch)[i]
         return self.make_entry(<object>e.id, e.ts, (<object>e.exact_hi) << 64 | e.exact_lo, e.size, sketch)
 
     def seqs(self) -> list:
@@ -1063,7 +1075,7 @@ cdef class Table:
                     out.append(verdict(id, True, <object>e.id, 1.0, "exact"))
                     matched = True
                     break
-                est = estimates(self.probe, nsk, size_a, e.sketch, e.nsk, e.size)
+                est = estimates(self.probe, nsk, size_a, self._wide(e), e.nsk, e.size)
                 sim = -1.0
                 if est.jaccard >= threshold:
                     sim = est.jaccard
@@ -1084,6 +1096,17 @@ cdef class Table:
                 self._insert(id, ts, batch.exact_lo[i], batch.exact_hi[i], size_a, self.probe, nsk, keys, nkeys, None)
                 out.append(verdict(id, False, None, 0.0, None))
         return out
+
+    cdef const uint64_t *_wide(self, CEntry *e) except NULL:
+        """An entry's sketch as uint64 values: itself, or widened into the scratch buffer `other`."""
+        cdef uint32_t j
+        if not e.narrow:
+            return <uint64_t *>e.sketch
+        if e.nsk >= self.other_cap:
+            self._grow_scratch(&self.other, &self.other_cap, e.nsk + 1)
+        for j in range(e.nsk):
+            self.other[j] = (<uint32_t *>e.sketch)[j]
+        return self.other
 
     cdef int _grow_scratch(self, uint64_t **buf, Py_ssize_t *cap, Py_ssize_t need) except -1:
         PyMem_Free(buf[0])

@@ -30,7 +30,7 @@ from stream.worker import H_DUPLICATE_OF, H_REASON, H_VERDICT, AiokafkaWorker, F
 log = logging.getLogger("neardup.ops")
 
 INFO_EVERY = 10.0  # seconds between INFO batch lines (every batch gets a DEBUG line otherwise)
-INDEX_STATS_EVERY = 30.0  # seconds between index size refreshes (a Redis SCAN of the namespace)
+INDEX_STATS_EVERY = 30.0  # seconds between index size refreshes (a few O(1) Redis commands)
 PROBE_TIMEOUT = 3.0  # seconds a readiness check may take
 
 

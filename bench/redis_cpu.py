@@ -1,0 +1,82 @@
+"""Benchmark: what one message costs the Redis server (CPU µs, commands) and the client, for this checkout.
+
+    eval "$(bash docker/services.sh env)"
+    python bench/redis_cpu.py [--redis URL] [--corpora sms_en,tweets_en,reviews_zh] [--runs 3]
+
+Runs `NearDupFilter.check_batch` over the messages (batches of 512, a fresh namespace each run) on
+the Redis index and reads the server's `INFO cpu` (user + sys) and `INFO commandstats` before and
+after: nothing else should use that Redis meanwhile. Prints the median per message of the server's
+CPU, the client's CPU (this process), the wall time, and the server's busiest commands. It imports
+the `filters` package of the checkout it lives in, so copying it into an older checkout measures that
+release the same way (README: "What Redis spends").
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import orjson
+import redis
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from filters.config import FilterConfig  # noqa: E402
+from filters.engine import Message, NearDupFilter  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--redis", default=os.environ.get("NEARDUP_TEST_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    p.add_argument("--stream", default=str(ROOT.parent / "shared" / "eval" / "stream.jsonl"))
+    p.add_argument("--truth", default=str(ROOT.parent / "shared" / "eval" / "truth.jsonl"))
+    p.add_argument("--corpora", default="sms_en,tweets_en,reviews_zh")
+    p.add_argument("--runs", type=int, default=3)
+    args = p.parse_args()
+    wanted = set(args.corpora.split(","))
+    with open(args.stream, "rb") as s, open(args.truth, "rb") as t:
+        msgs = [Message(r["id"], r["text"], r["ts"]) for r, label in zip(map(orjson.loads, s), map(orjson.loads, t))
+                if label["corpus"] in wanted]
+    server = redis.Redis.from_url(args.redis)
+    rows: dict[str, list[float]] = {"server CPU µs": [], "client CPU µs": [], "wall µs": []}
+    commands: dict[str, list[float]] = {}
+    for _ in range(args.runs):
+        prefix = f"cpu-{uuid.uuid4().hex[:10]}"
+        nd = NearDupFilter(FilterConfig(window=1e9), index=f"{args.redis.split('?')[0]}?prefix={prefix}")
+        server.config_resetstat()
+        cpu = server.info("cpu")
+        c0, p0, t0 = cpu["used_cpu_user"] + cpu["used_cpu_sys"], time.process_time(), time.perf_counter()
+        for at in range(0, len(msgs), 512):
+            nd.check_batch(msgs[at : at + 512])
+        wall, client = time.perf_counter() - t0, time.process_time() - p0
+        cpu = server.info("cpu")
+        n = len(msgs)
+        rows["server CPU µs"].append((cpu["used_cpu_user"] + cpu["used_cpu_sys"] - c0) / n * 1e6)
+        rows["client CPU µs"].append(client / n * 1e6)
+        rows["wall µs"].append(wall / n * 1e6)
+        for name, stat in server.info("commandstats").items():
+            commands.setdefault(name.removeprefix("cmdstat_"), []).append(stat["usec"] / n)
+        nd.index.close()
+        keys = list(server.scan_iter(match=f"{{{prefix}:*", count=1000))
+        for at in range(0, len(keys), 500):
+            server.delete(*keys[at : at + 500])
+    print(f"{len(msgs)} messages of {args.corpora}, {args.runs} runs (median per message)\n")
+    print("| measure | per message |\n|---|---|")
+    for name, values in rows.items():
+        print(f"| {name} | {statistics.median(values):.1f} |")
+    print(f"| messages/s | {1e6 / statistics.median(rows['wall µs']):,.0f} |")
+    busiest = sorted(commands.items(), key=lambda kv: -statistics.median(kv[1]))[:5]
+    print("\n| server command (incl. those run by scripts) | µs per message |\n|---|---|")
+    for name, values in busiest:
+        print(f"| {name} | {statistics.median(values):.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
