@@ -271,6 +271,16 @@ def shingle(list texts, int n, int k, int m, int target, uint64_t seed, int exac
         PyMem_Free(cps); PyMem_Free(hashes); PyMem_Free(kept)
 
 
+cdef inline Py_ssize_t add_new(uint64_t *keys, Py_ssize_t start, Py_ssize_t end, uint64_t v) noexcept nogil:
+    """Appends `v` to keys[start:end] unless it is there already; returns the new end."""
+    cdef Py_ssize_t j
+    for j in range(start, end):
+        if keys[j] == v:
+            return end
+    keys[end] = v
+    return end + 1
+
+
 cdef void _hash_batch(Shingled out, const uint32_t *cps, const Py_ssize_t *cp_start, const Py_ssize_t *lengths,
                       const char **utf8, const Py_ssize_t *utf8_len, uint64_t *hashes, uint64_t *kept,
                       int n, int k, int m, int target, uint64_t seed, int exact_at, bint with_mgram) noexcept nogil:
@@ -332,24 +342,12 @@ cdef void _hash_batch(Shingled out, const uint32_t *cps, const Py_ssize_t *cp_st
         start = kk
         exact_key = EXACT_TAG | ((out.exact_lo[i] ^ out.exact_hi[i]) & LOW60)
         if exact_at == 0:
-            out.keys[kk] = exact_key
-            kk += 1
+            kk = add_new(out.keys, start, kk, exact_key)
         if with_mgram:
             for p in range(out.mg_start[i], mg):
-                v = out.mgram[p]
-                for j in range(start, kk):
-                    if out.keys[j] == v:
-                        break
-                else:
-                    out.keys[kk] = v
-                    kk += 1
+                kk = add_new(out.keys, start, kk, out.mgram[p])
         if exact_at == 1:
-            for j in range(start, kk):
-                if out.keys[j] == exact_key:
-                    break
-            else:
-                out.keys[kk] = exact_key
-                kk += 1
+            kk = add_new(out.keys, start, kk, exact_key)
     out.sk_start[out.n] = sk
     out.mg_start[out.n] = mg
     out.key_start[out.n] = kk
