@@ -58,9 +58,11 @@ import hashlib
 import math
 import re
 import struct
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
+from itertools import chain
 from operator import itemgetter
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -949,12 +951,11 @@ class RedisIndex:
         view = self._view
         view.own.add(seq)
         view.inserted += 1
-        written, bases = view.written.setdefault(s, {}), view.bases.setdefault(s, {})
-        for p in places:
-            if p is not None:  # a field no lookup read: no later insert of this batch is checked on it
-                if value_or_tail is not None:
-                    written[p] = value_or_tail
-                bases[p] = basis
+        # A field no lookup read (place None) is not needed: no later insert of this batch names it.
+        known = [p for p in places if p is not None]
+        if value_or_tail is not None:
+            view.written.setdefault(s, {}).update(dict.fromkeys(known, value_or_tail))
+        view.bases.setdefault(s, {}).update(dict.fromkeys(known, basis))
 
     def _alone(self, entries: Sequence[tuple[Entry, tuple[int, ...]]], fields_of: Sequence[list[bytes]],
                places_of: Sequence[list[int] | None]) -> list[int] | None:
@@ -975,6 +976,11 @@ class RedisIndex:
         # This call's writes, slice -> place -> value, over what the caller wrote before (kept apart:
         # if the script finds that somebody else wrote, they never happened).
         writes: dict[int, dict[int, bytes]] = {s: dict(view.written.get(s, {})) for s in slices}
+        # A field is cold where it had no value when read, the caller has not written it, and no other
+        # entry of this call names it: its value is the entry's record. Only the hot ones (a few an
+        # entry) need their value looked at, so cold ones go by in C-level comprehensions.
+        shared = {p for p, n in Counter(chain.from_iterable(places_of)).items() if n > 1}  # type: ignore[arg-type]
+        hot = {s: view.present(s) | shared | writes[s].keys() for s in slices}
         groups: dict[int, list[Any]] = {}  # slice -> [entries, INSERT_ALONE_LUA's arguments for them]
         results = []
         pending: list[tuple[int, int, list[int]]] = []
@@ -997,17 +1003,19 @@ class RedisIndex:
                     seq += 1
                     id_bytes = entry.id.encode("utf-8", "surrogatepass")
                     record = _RECORD.pack(ts, len(id_bytes)) + id_bytes + _SEQ.pack(seq)
-                    too_long = 2 * cap * len(record)
                     s = self._slice(ts)
-                    mine = writes[s]
-                    present = view.present(s)
-                    column = view.columns[s]
-                    new: list[bytes] = []
+                    mine, warm = writes[s], hot[s]
+                    new = [f for f, p in zip(fields, places) if p not in warm]  # type: ignore[arg-type]
+                    mine.update(dict.fromkeys([p for p in places if p not in warm], record))  # type: ignore[union-attr]
                     blob = encode_entry(entry)
                     other: list[bytes] = [b"e" + id_bytes, blob]
+                    too_long = 2 * cap * len(record)
+                    column = view.columns[s]
                     for f, p in zip(fields, places):  # type: ignore[arg-type]
+                        if p not in warm:
+                            continue
                         v = mine.get(p)
-                        if v is None and p in present:
+                        if v is None:
                             v = column[p]
                         if v is None:
                             new.append(f)
