@@ -455,6 +455,17 @@ cdef struct Hit:  # one candidate while counting: how many of the query's bucket
     uint32_t stamp
 
 
+cdef int regrow(void **buf, Py_ssize_t *cap, Py_ssize_t need, size_t item) except -1:
+    """Makes `buf` a scratch buffer of at least `need` items of `item` bytes (twice that, for the next
+    time); what it held is not kept."""
+    PyMem_Free(buf[0])
+    buf[0] = PyMem_Malloc(need * 2 * item)
+    cap[0] = need * 2 if buf[0] else 0
+    if not buf[0]:
+        raise MemoryError()
+    return 0
+
+
 cdef inline bint due_before(Due a, Due b) noexcept nogil:
     return a.ts < b.ts or (a.ts == b.ts and a.seq < b.seq)
 
@@ -903,11 +914,7 @@ cdef class Table:
         cdef Hit *x
         cdef double oldest
         if nkeys > self.found_cap:
-            PyMem_Free(self.found)
-            self.found_cap = nkeys * 2
-            self.found = <Bucket **>PyMem_Malloc(self.found_cap * sizeof(Bucket *))
-            if not self.found:
-                raise MemoryError()
+            regrow(<void **>&self.found, &self.found_cap, nkeys, sizeof(Bucket *))
         for k in range(nkeys):
             b = self._find(keys[k])
             self.found[k] = b
@@ -933,11 +940,7 @@ cdef class Table:
             memset(self.hits, 0, (self.hmask + 1) * sizeof(Hit))
             self.stamp = 1
         if total > self.ranked_cap:
-            PyMem_Free(self.ranked)
-            self.ranked_cap = total * 2
-            self.ranked = <Hit **>PyMem_Malloc(self.ranked_cap * sizeof(Hit *))
-            if not self.ranked:
-                raise MemoryError()
+            regrow(<void **>&self.ranked, &self.ranked_cap, total, sizeof(Hit *))
         cdef Py_ssize_t distinct = 0
         for k in range(nkeys):
             b = self.found[k]
@@ -1107,12 +1110,7 @@ cdef class Table:
         return self.other
 
     cdef int _grow_scratch(self, uint64_t **buf, Py_ssize_t *cap, Py_ssize_t need) except -1:
-        PyMem_Free(buf[0])
-        cap[0] = need * 2
-        buf[0] = <uint64_t *>PyMem_Malloc(cap[0] * sizeof(uint64_t))
-        if not buf[0]:
-            raise MemoryError()
-        return 0
+        return regrow(<void **>buf, cap, need, sizeof(uint64_t))
 
 
 # --- ranking the records of a Redis lookup -----------------------------------------------------------

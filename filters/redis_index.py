@@ -648,14 +648,6 @@ class _View:
     exact: bool = True  # `written` holds whole values (no insert went through INSERT_LUA since)
     _present: dict[int, set[int]] = field(default_factory=dict)
 
-    def value(self, s: int, p: int) -> bytes | None:
-        """The field at place `p` of slice `s` as this caller knows it: its own write, else what it read."""
-        v = self.written.get(s, {}).get(p)
-        if v is None:
-            column = self.columns.get(s)
-            v = column[p] if column is not None else None
-        return v
-
     def present(self, s: int) -> set[int]:
         """The places that held a value in slice `s` when it was read."""
         known = self._present.get(s)
