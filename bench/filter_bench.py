@@ -38,8 +38,8 @@ def _norm(text: str) -> str:
     return _PUNCT.sub("", unicodedata.normalize("NFKC", text).lower())
 
 
-def run_neardup(msgs: Sequence[Message], batch: int = 512) -> tuple[list[Verdict], object]:
-    nd = NearDupFilter(FilterConfig(window=1e9))
+def run_neardup(msgs: Sequence[Message], batch: int = 512, native: bool | None = None) -> tuple[list[Verdict], object]:
+    nd = NearDupFilter(FilterConfig(window=1e9), native=native)
     out: list[Verdict] = []
     for i in range(0, len(msgs), batch):
         out.extend(nd.check_batch(msgs[i : i + batch]))
@@ -84,11 +84,17 @@ def run_simhash(msgs: Sequence[Message]) -> tuple[list[Verdict], object]:
     return out, index
 
 
+def run_neardup_reference(msgs: Sequence[Message]) -> tuple[list[Verdict], object]:
+    """neardup on its numpy/Python reference (what installs without a C++ compiler): same verdicts."""
+    return run_neardup(msgs, native=False)
+
+
 TOOLS: dict[str, Callable[[Sequence[Message]], tuple[list[Verdict], object]]] = {
     "neardup": run_neardup,
     "datasketch MinHashLSH": run_datasketch,
     "simhash SimhashIndex": run_simhash,
 }
+OPTIONAL_TOOLS = {"neardup reference": run_neardup_reference}  # only with --tools
 
 
 def memory_per_million(fn: Callable[[Sequence[Message]], tuple[list[Verdict], object]],
@@ -110,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--limit", type=int, default=0)
     p.add_argument("--corpora", default="", help="only these corpora, e.g. sms_en,tweets_en,reviews_zh")
-    p.add_argument("--tools", default=",".join(TOOLS))
+    p.add_argument("--tools", default=",".join(TOOLS), help=f"of {', '.join([*TOOLS, *OPTIONAL_TOOLS])}")
     args = p.parse_args(argv)
 
     stream = [orjson.loads(x) for x in open(args.stream, "rb") if x.strip()]
@@ -127,7 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     rows = []
     for name in args.tools.split(","):
-        fn = TOOLS[name]
+        fn = TOOLS.get(name) or OPTIONAL_TOOLS[name]
         rates = []
         verdicts: list[Verdict] = []
         for _ in range(args.runs):

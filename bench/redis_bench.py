@@ -284,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 mem = "– | –"
             print(f"| {b.name} | {med:,.0f} | {min(rates[b.name]):,.0f}–{max(rates[b.name]):,.0f} | "
-                  f"{med / base:.2f} | {same / max(len(reference), 1):.1%} | {f1:.3f} | {mem} |")
+                  f"{med / base:.2f} | {same / max(len(reference), 1):.1%} ({same:,} of {len(reference):,}) | {f1:.3f} | {mem} |")
     return 0
 
 

@@ -159,13 +159,17 @@ cdef class Shingled:
 
     def sketches(self) -> list:
         """One sorted uint32 array per text (a copy each: an entry keeps only its own)."""
-        total = self.sk_start[self.n]
-        pool = np.empty(total, dtype=np.uint32)
-        cdef uint32_t[::1] view = pool
-        if total:
-            memcpy(&view[0], self.sketch, total * sizeof(uint32_t))
-        bounds = [self.sk_start[i] for i in range(self.n + 1)]
-        return [pool[bounds[i] : bounds[i + 1]].copy() for i in range(self.n)]
+        return [self._sketch(i) for i in range(self.n)]
+
+    cdef object _sketch(self, Py_ssize_t i):
+        """Text i's sketch as its own uint32 array."""
+        cdef Py_ssize_t a = self.sk_start[i], b = self.sk_start[i + 1]
+        cdef uint32_t[::1] view
+        sketch = np.empty(b - a, dtype=np.uint32)
+        if b > a:
+            view = sketch
+            memcpy(&view[0], self.sketch + a, (b - a) * sizeof(uint32_t))
+        return sketch
 
     def mgram_keys(self) -> tuple:
         """(every text's sampled m-gram keys end to end, bounds): text i has [bounds[i], bounds[i+1])."""
@@ -181,15 +185,10 @@ cdef class Shingled:
         bucket keys, without a Python step per text (each sketch its own copy, as an entry keeps it)."""
         if len(normalized) != self.n:
             raise ValueError("normalized texts and the hashed batch differ in length")
-        cdef Py_ssize_t i, j, a, b
-        cdef uint32_t[::1] view
+        cdef Py_ssize_t i, j
         out = []
         for i in range(self.n):
-            a, b = self.sk_start[i], self.sk_start[i + 1]
-            sketch = np.empty(b - a, dtype=np.uint32)
-            if b > a:
-                view = sketch
-                memcpy(&view[0], self.sketch + a, (b - a) * sizeof(uint32_t))
+            sketch = self._sketch(i)
             keys = PyTuple_New(self.key_start[i + 1] - self.key_start[i])
             for j in range(self.key_start[i], self.key_start[i + 1]):
                 value = PyLong_FromUnsignedLongLong(self.keys[j])
@@ -874,13 +873,15 @@ cdef class Table:
         if sketch.dtype == np.uint32 and sketch.flags.c_contiguous:
             narrow = sketch
             nsk = narrow.shape[0]
-            self._grow_scratch(&self.other, &self.other_cap, nsk + 1) if nsk >= self.other_cap else 0
+            if nsk >= self.other_cap:
+                self._grow_scratch(&self.other, &self.other_cap, nsk + 1)
             for i in range(nsk):
                 self.other[i] = narrow[i]
         else:
             wide = np.ascontiguousarray(sketch, dtype=np.uint64)
             nsk = wide.shape[0]
-            self._grow_scratch(&self.other, &self.other_cap, nsk + 1) if nsk >= self.other_cap else 0
+            if nsk >= self.other_cap:
+                self._grow_scratch(&self.other, &self.other_cap, nsk + 1)
             for i in range(nsk):
                 self.other[i] = wide[i]
         if nkeys >= self.probe_cap:

@@ -7,7 +7,8 @@ Messages of the same batch are checked against each other in order, so a batch d
 messages would decide one at a time. On a shared index there is one exception: the whole batch is
 looked up before its inserts, so a message still sees a representative that an earlier message of the
 same batch pushed out of a full bucket (the newest `bucket_cap` stay). Measured: 1 of 16,946 short
-messages of the development stream, where the shared index finds a true copy the memory index lost.
+messages of the development stream (`bench/redis_bench.py --sets short`), where the shared index finds
+a true copy that the memory index lost.
 """
 
 from __future__ import annotations

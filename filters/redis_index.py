@@ -120,7 +120,8 @@ __all__ = [
 DEFAULT_PREFIX = "neardup"
 DEFAULT_GRACE = 3600.0  # seconds of wall clock that keys outlive the window
 INSERT_CHUNK = 512  # entries per insert script: bounds how long one script blocks the server
-LOOKUP_CHUNK = 256  # queries whose fields one HMGET reads: bounds one command's size
+LOOKUP_CHUNK = 256  # queries' worth of field names (up to 16 each) one HMGET reads: bounds a command's size
+FIELDS_PER_HMGET = 16 * LOOKUP_CHUNK
 FIELDS_PER_CALL = 2000  # fields per HMGET, pairs per HSET, inside the script (Lua's unpack stops near 8,000 values)
 DEFAULT_SOCKET_TIMEOUT = 5.0  # without one, a stalled server would hang a worker forever
 _MIN_TS = -float(2**52)  # event times must be above it
@@ -855,7 +856,7 @@ class RedisIndex:
     def _read(self, names: Sequence[bytes], slices: Sequence[int]) -> tuple[int, bytes, list[list[bytes | None]]]:
         """(seq, stored high-water mark as stored, per slice the values of `names`): one round trip,
         the seq read first."""
-        step = LOOKUP_CHUNK * 16
+        step = FIELDS_PER_HMGET
         commands: list[Sequence[str | int | bytes]] = [("HMGET", self._meta, "seq", "hwm")]
         for s in slices:
             key = f"{self._spre}{s}"

@@ -45,6 +45,8 @@ def _add_filter_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threshold", type=float, default=FilterConfig().threshold, help="Jaccard threshold")
     g.add_argument("--containment", type=float, default=FilterConfig().containment,
                    help="containment threshold (truncated copies, added ad lines)")
+    g.add_argument("--mgram-keys", type=int, default=FilterConfig().mgram_keys,
+                   help="m-gram keys sampled a message (all of them for short texts)")
     g.add_argument("--normalize", default="",
                    help="turn normalization steps off/on, e.g. '-pinyin,-mask_numbers' (or no-pinyin, !pinyin; "
                         "+step turns one on) "
@@ -65,6 +67,7 @@ def _config(args: argparse.Namespace) -> FilterConfig:
         verify=args.verify,
         threshold=args.threshold,
         containment=args.containment,
+        mgram_keys=args.mgram_keys,
         window=parse_duration(args.window),
     )
 
