@@ -34,7 +34,11 @@ conflict; it then reads those buckets again (`RedisIndex.insert` does), verifies
 entries, and either calls the message a duplicate or inserts again with what it saw now. Redis runs a
 script to the end alone, so of two workers that looked up near-duplicates at the same moment, the
 second to insert always sees the first. Optimistic concurrency per bucket, like WATCH, without a retry
-of the whole transaction.
+of the whole transaction. The common round, where nobody else inserted since the lookup, needs no
+comparison: the caller computes the writes from what it read and sends them as a MULTI/EXEC transaction
+on its own connection, guarded by a WATCH of the meta hash set just before the lookup read `seq` (any
+insert by anybody writes the meta hash, so Redis refuses the transaction then, and the round goes
+through the script). On Redis Cluster the same writes go through a script that compares `seq` instead.
 
 Bucket cap: a lookup keeps, per bucket, the `bucket_cap` newest records by (event time, seq) inside the
 window (across slices: the newest of the union are among the newest of each); the insert script trims
@@ -474,39 +478,27 @@ return {seq, hwm_s, results}
 """.replace("FIELDS_PER_CALL", str(FIELDS_PER_CALL))
 
 # The insert of a caller that nobody else inserted anything since its lookup: it read every field its
-# batch writes, so it computed the script's writes itself (`RedisIndex._alone`), and this only checks
-# that the namespace's seq and high-water mark are still what it saw, and writes. Same result as
-# INSERT_LUA (tests/test_redis_index.py compares the stored bytes), a fraction of the server's work.
+# batch writes, so it computed the writes itself (`RedisIndex._alone`), and this only checks that the
+# namespace's seq and high-water mark are still what it saw, and writes. Same result as INSERT_LUA
+# (tests/test_redis_index.py compares the stored bytes), a fraction of the server's work. On standalone
+# Redis the same writes go as a MULTI/EXEC transaction guarded by WATCH instead (no Lua at all: about a
+# third of the server's time per message went into moving arguments in and out of the Lua VM).
 INSERT_ALONE_LUA = """
 -- KEYS[1]: the namespace's meta hash. ARGV: seq and high-water mark expected ('' for none), the new
 -- seq and high-water mark (written when different), TTL (ms), a slice key to unlink ('' for none),
--- then per slice written: its key, the number of entries, and per entry: its bucket record, the
--- number a of new fields and b of others, the a new fields' names (their value is the record), and
--- b field, value pairs (the entry itself, and buckets that had records: their new value).
+-- then per slice written: its key, the number of entries, the number of field-value pairs, the pairs.
 -- Returns 1 (written) or 0 (somebody else wrote meanwhile: nothing was written).
 local meta, ttl = KEYS[1], ARGV[5]
 local state = redis.call('HMGET', meta, 'seq', 'hwm')
 if (state[1] or '0') ~= ARGV[1] or (state[2] or '') ~= ARGV[2] then return 0 end
 local i = 7
 while i <= #ARGV do
-  local key, entries = ARGV[i], tonumber(ARGV[i + 1])
-  i = i + 2
-  local args, n = {}, 0
-  for _ = 1, entries do
-    local rec, new, other = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
-    i = i + 3
-    for j = i, i + new - 1 do
-      args[n + 1] = ARGV[j]; args[n + 2] = rec; n = n + 2
-      if n >= 2 * FIELDS_PER_CALL then redis.call('HSET', key, unpack(args, 1, n)); args, n = {}, 0 end
-    end
-    i = i + new
-    for j = i, i + 2 * other - 1 do
-      n = n + 1; args[n] = ARGV[j]
-      if n >= 2 * FIELDS_PER_CALL and n % 2 == 0 then redis.call('HSET', key, unpack(args, 1, n)); args, n = {}, 0 end
-    end
-    i = i + 2 * other
+  local key, entries, pairs = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
+  i = i + 3
+  for a = i, i + 2 * pairs - 1, 2 * FIELDS_PER_CALL do
+    redis.call('HSET', key, unpack(ARGV, a, math.min(a + 2 * FIELDS_PER_CALL, i + 2 * pairs) - 1))
   end
-  if n > 0 then redis.call('HSET', key, unpack(args, 1, n)) end
+  i = i + 2 * pairs
   redis.call('HINCRBY', key, 'n', entries)
   redis.call('PEXPIRE', key, ttl)
 end
@@ -647,6 +639,7 @@ class _View:
     own: set[int] = field(default_factory=set)  # seqs the caller inserted since
     reread: dict[str, tuple[int, dict[int, list[bytes]]]] = field(default_factory=dict)  # id -> (seq, slice -> tails)
     exact: bool = True  # `written` holds whole values (no insert went through INSERT_LUA since)
+    watch: int = -1  # the pinned connection's epoch in which the read's WATCH of meta guards the view, or -1
     _present: dict[int, set[int]] = field(default_factory=dict)
 
     def present(self, s: int) -> set[int]:
@@ -699,8 +692,9 @@ class _Looked:
 class RedisIndex:
     """`CandidateIndex` on Redis (standalone, TLS or Cluster), shared by any number of workers.
 
-    One instance is used by one thread at a time (the engine's contract). It remembers what its last
-    `lookup` read until the next one; `insert` of an id that lookup did not cover is a plain insert (like
+    One instance is used by one thread at a time (the engine's contract), except `stats`, which any
+    thread may call meanwhile (it uses a pooled connection). It remembers what its last `lookup` read
+    until the next one; `insert` of an id that lookup did not cover is a plain insert (like
     `MemoryIndex`: nothing to compare against).
     """
 
@@ -724,6 +718,11 @@ class RedisIndex:
         self._view = _View()
         self._rank = _native.rank_records if _native is not None else rank_records
         self.alone_inserts = True  # INSERT_ALONE_LUA when nobody else inserted since the lookup
+        # Standalone Redis: one connection for the instance's round trips, so that the lookup's WATCH
+        # still guards the insert's MULTI/EXEC; a reconnect drops the WATCH, so it moves the epoch.
+        self._conn: Any = None
+        self._epoch = 0
+        self._guarded = False  # a transaction is being sent: a reconnect now would lose its WATCH
         options: dict[str, Any] = {
             "decode_responses": False,  # entries are bytes
             "retry": Retry(NoBackoff(), 0),  # no hidden retry loop: the worker decides
@@ -762,12 +761,15 @@ class RedisIndex:
         positions = [[place(f, len(at)) for f in fields] for fields in key_fields]
         id_places = [place(_id_field(q.id), len(at)) for q in queries]
         names = list(at)
-        seq, stored, slices, columns = self._read_covering(names, self._slices(marks[0], hwm), marks[0], hwm)
+        watch = self._watchable()
+        seq, stored, slices, columns = self._read_covering(names, self._slices(marks[0], hwm), marks[0], hwm,
+                                                           watch=watch)
         top = _stored_time(stored)
         self._hwm = max(hwm, top)
         self._view = _View(slices, dict(zip(slices, columns)), at, seq, stored,
                            {q.id: _Looked(q.keys, fields, places, e)
-                            for q, fields, places, e in zip(queries, key_fields, positions, id_places)})
+                            for q, fields, places, e in zip(queries, key_fields, positions, id_places)},
+                           watch=self._epoch if watch else -1)
         found: list[tuple[bytes | None, list[tuple[str, int, int, float]]]] = []
         rank, cap = self._rank, self.bucket_cap
         for q, where, e, mark in zip(queries, positions, id_places, marks):
@@ -814,7 +816,8 @@ class RedisIndex:
             top = _stored_time(stored or b"")
             slices = self._slices(top, top)
             replies = self._execute([c for s in slices for c in (("HLEN", f"{self._spre}{s}"),
-                                                                  ("HGET", f"{self._spre}{s}", "n"))])
+                                                                  ("HGET", f"{self._spre}{s}", "n"))],
+                                    pinned=False)
             _raise_any(replies)
         fields = sum(replies[0::2])
         entries = sum(int(n) for n in replies[1::2] if n is not None)
@@ -822,6 +825,11 @@ class RedisIndex:
         return {"entries": entries, "buckets": fields - entries - counters, "inserted": int(seq or 0)}
 
     def close(self) -> None:
+        if self._conn is not None:
+            self._conn.deregister_connect_callback(self._connected)
+            self._conn.disconnect()
+            self._client.connection_pool.release(self._conn)
+            self._conn = None
         self._client.close()
 
     # -- reading ---------------------------------------------------------------------------------
@@ -837,7 +845,8 @@ class RedisIndex:
         return tuple(range(self._slice(low - self.window), self._slice(high_mark) + 1))
 
     def _read_covering(self, names: Sequence[bytes], slices: Sequence[int], low_mark: float,
-                       high_mark: float) -> tuple[int, bytes, tuple[int, ...], list[list[bytes | None]]]:
+                       high_mark: float, *, watch: bool = False) -> tuple[int, bytes, tuple[int, ...],
+                                                                          list[list[bytes | None]]]:
         """`_read` of `names` in `slices` and whatever more it takes for the seq read to be a mark: every
         record with a seq up to it that can still match (`low_mark`'s window and on) is in the columns.
 
@@ -846,24 +855,29 @@ class RedisIndex:
         `slices` already, one more read covers that slice too; the seq and mark stay those of the first
         read (records inserted after it count as unseen, which is safe: they are checked at insert)."""
         slices = tuple(slices)
-        seq, stored, columns = self._read(names, slices)
+        seq, stored, columns = self._read(names, slices, watch=watch)
         need = self._slices(low_mark, max(high_mark, _stored_time(stored)))
         if not set(need) <= set(slices):
             slices = tuple(sorted(set(slices) | set(need)))
             _, _, columns = self._read(names, slices)
         return seq, stored, slices, columns
 
-    def _read(self, names: Sequence[bytes], slices: Sequence[int]) -> tuple[int, bytes, list[list[bytes | None]]]:
+    def _read(self, names: Sequence[bytes], slices: Sequence[int], *,
+              watch: bool = False) -> tuple[int, bytes, list[list[bytes | None]]]:
         """(seq, stored high-water mark as stored, per slice the values of `names`): one round trip,
-        the seq read first."""
+        the seq read first; `watch`: WATCH the meta hash afresh just before (`_write_watched`)."""
         step = FIELDS_PER_HMGET
         commands: list[Sequence[str | int | bytes]] = [("HMGET", self._meta, "seq", "hwm")]
+        if watch:  # UNWATCH first: a WATCH of a key already watched would keep its old dirty flag
+            commands[:0] = [("UNWATCH",), ("WATCH", self._meta)]
         for s in slices:
             key = f"{self._spre}{s}"
             commands += [("HMGET", key, *names[a : a + step]) for a in range(0, len(names), step)]
         with self._errors():
             replies = self._execute(commands)
             _raise_any(replies)
+        if watch:
+            replies = replies[2:]
         (seq, stored), parts = replies[0], iter(replies[1:])
         columns = []
         for _ in slices:
@@ -1022,18 +1036,26 @@ class RedisIndex:
                     mine[e] = blob
                     group = groups.setdefault(s, [0, []])
                     group[0] += 1
-                    group[1] += (record, len(new), len(other) // 2, *new, *other)
+                    group[1] += [x for f in new for x in (f, record)]
+                    group[1] += other
                     pending.append((seq, s, places))  # type: ignore[arg-type]
                     result = seq
             results.append(result)
         hwm_bytes = view.hwm if hwm <= stored_hwm else (b"%.17g" % hwm)
-        args: list[str | int | bytes] = [str(start), view.hwm, str(seq), hwm_bytes, self._ttl_ms,
-                                         f"{self._spre}{slices[0] - 1}" if seq > start else ""]
-        for s, (count, group) in groups.items():
-            args += [f"{self._spre}{s}", count, *group]
-        [written] = self._eval_pipelined(_INSERT_ALONE, [args])
-        if not written:
-            return None
+        gone = f"{self._spre}{slices[0] - 1}" if seq > start else ""
+        if view.watch >= 0 and view.watch == self._epoch:
+            written = self._write_watched(start, seq, view.hwm, hwm_bytes, gone, groups)
+            if written is None:
+                return None
+            if not written:
+                view.watch = -1  # somebody wrote right after: later rounds go through the script's check
+        else:
+            args: list[str | int | bytes] = [str(start), view.hwm, str(seq), hwm_bytes, self._ttl_ms, gone]
+            for s, (count, pairs) in groups.items():
+                args += [f"{self._spre}{s}", count, len(pairs) // 2, *pairs]
+            [done] = self._eval_pipelined(_INSERT_ALONE, [args])
+            if not done:
+                return None
         self._hwm = max(self._hwm, hwm)
         view.hwm = hwm_bytes
         for seq_i, s, places in pending:
@@ -1041,6 +1063,45 @@ class RedisIndex:
         for s in groups:
             view.written[s] = writes[s]
         return results
+
+    def _write_watched(self, start: int, seq: int, stored_hwm: bytes, hwm: bytes, gone: str,
+                       groups: dict[int, list[Any]]) -> bool | None:
+        """INSERT_ALONE_LUA's writes as a MULTI/EXEC transaction on the pinned connection, whose WATCH of
+        the meta hash (armed by the lookup's read, or re-armed by the previous call) makes Redis refuse it
+        if anybody else wrote since. None: refused, nothing written. Else written, and WATCH re-armed:
+        True if the meta hash then still held what this wrote (the next round may go the same way)."""
+        meta, ttl = self._meta, self._ttl_ms
+        step = 2 * FIELDS_PER_CALL
+        commands: list[Sequence[str | int | bytes]] = [("MULTI",)]
+        for s, (count, pairs) in groups.items():
+            key = f"{self._spre}{s}"
+            commands += [("HSET", key, *pairs[a : a + step]) for a in range(0, len(pairs), step)]
+            commands += [("HINCRBY", key, "n", count), ("PEXPIRE", key, ttl)]
+        if seq != start:
+            commands.append(("HSET", meta, "seq", seq))
+        if hwm != stored_hwm:
+            commands.append(("HSET", meta, "hwm", hwm))
+        if seq != start or hwm != stored_hwm:
+            commands.append(("PEXPIRE", meta, ttl))
+        if gone:
+            commands.append(("UNLINK", gone))
+        commands += [("EXEC",), ("WATCH", meta), ("HMGET", meta, "seq", "hwm")]
+        self._guarded = True
+        try:
+            with self._errors():
+                replies = self._execute(commands)
+        except _WatchLost:
+            return None  # nothing was sent
+        finally:
+            self._guarded = False
+        with self._errors():
+            _raise_any(replies)
+            done = replies[-3]
+            if done is None:
+                return None
+            _raise_any(done)  # a command that failed inside the transaction (the others did run)
+        now_seq, now_hwm = replies[-1]
+        return int(now_seq or 0) == seq and (now_hwm or b"") == hwm
 
     def _reread(self, entries: Sequence[tuple[Entry, tuple[int, ...]]],
                 fields_of: Sequence[list[bytes]]) -> list[list[Candidate]]:
@@ -1081,21 +1142,34 @@ class RedisIndex:
             _raise_any(replies)
             return replies
 
-    def _execute(self, commands: Sequence[Sequence[str | int | bytes]]) -> list[Any]:
+    def _execute(self, commands: Sequence[Sequence[str | int | bytes]], *, pinned: bool = True) -> list[Any]:
         """Runs `commands` in one round trip; an error reply comes back in its place (`_raise_any`).
 
         On standalone Redis the commands are packed in C (the compiled core's `pack_commands`, else
-        hiredis) and sent on one pooled connection: redis-py's own pipeline inspects every argument in
-        Python first, which cost more than the rest of a lookup (tens of thousands of field names a
-        batch). A cluster client keeps redis-py's pipeline, which knows where a slot lives (a namespace
-        is one slot, so one node)."""
+        hiredis) and sent on one connection: redis-py's own pipeline inspects every argument in Python
+        first, which cost more than the rest of a lookup (tens of thousands of field names a batch). The
+        lookups and inserts (`pinned`) all go on the instance's own connection, whose WATCH guards the
+        uncontended insert; anything else (`stats`, which a metrics thread may call while a batch is
+        routed) on one from the pool. A cluster client keeps redis-py's pipeline, which knows where a
+        slot lives (a namespace is one slot, so one node)."""
         if isinstance(self._client, RedisCluster) or (hiredis is None and _native is None):
             pipe = self._client.pipeline(transaction=False)
             for command in commands:
                 pipe.execute_command(*command)
             return pipe.execute(raise_on_error=False)
         pool = self._client.connection_pool
-        conn = pool.get_connection()
+        if not pinned:
+            conn = pool.get_connection()
+            try:
+                return self._send(conn, commands)
+            finally:
+                pool.release(conn)
+        if self._conn is None:
+            self._conn = pool.get_connection()
+            self._conn.register_connect_callback(self._connected)
+        return self._send(self._conn, commands)
+
+    def _send(self, conn: Any, commands: Sequence[Sequence[str | int | bytes]]) -> list[Any]:
         try:
             if _native is not None:
                 conn.send_packed_command([_native.pack_commands(list(commands))])
@@ -1109,16 +1183,28 @@ class RedisIndex:
                     replies.append(exc)
             return replies
         except BaseException:
-            conn.disconnect()  # replies may still be on their way: never reuse it
+            conn.disconnect()  # replies may still be on their way: never reuse it (it reconnects)
             raise
-        finally:
-            pool.release(conn)
+
+    def _watchable(self) -> bool:
+        """Can the uncontended insert go as a transaction guarded by WATCH (`_write_watched`)?"""
+        return self.alone_inserts and not isinstance(self._client, RedisCluster) and (
+            hiredis is not None or _native is not None)
+
+    def _connected(self, conn: Any) -> None:
+        self._epoch += 1  # a new connection watches nothing
+        if self._guarded:  # refuse to send the transaction unguarded (redis-py reconnects on send)
+            raise _WatchLost()
 
     def _errors(self) -> AbstractContextManager[None]:
         return redis_errors(self._where)
 
     def __repr__(self) -> str:
         return f"RedisIndex({self._where!r}, namespace={self.namespace!r}, window={self.window})"
+
+
+class _WatchLost(Exception):
+    """The pinned connection reconnected while a WATCH-guarded transaction was being sent."""
 
 
 def _raise_any(replies: Sequence[Any]) -> None:

@@ -400,9 +400,9 @@ def test_a_near_duplicate_inserted_during_a_lookup_is_seen(make: Callable[..., R
     _put(setup, "p", 310.0, (99,))
     read, calls = a._read, []
 
-    def racing_read(names: Sequence[bytes], slices: Sequence[int]) -> object:
+    def racing_read(names: Sequence[bytes], slices: Sequence[int], **options: bool) -> object:
         calls.append(tuple(slices))
-        result = read(names, slices)
+        result = read(names, slices, **options)
         if len(calls) == after_read:
             _put(b, "z", 300.0, (1, 2, 3))
         return result
@@ -521,6 +521,79 @@ def test_random_interleavings_never_make_two_near_duplicates_unique(make: Callab
     while pending:
         process(rng.choice(workers), *pending.pop())
     assert sorted(int(id[1:].split("c")[0]) for id in unique) == list(range(40))  # one unique per wave
+
+
+def _counting_watched(index: RedisIndex) -> list[bool | None]:
+    """Records what each WATCH-guarded transaction of `index` gave (None: Redis refused it)."""
+    results: list[bool | None] = []
+    write = index._write_watched
+
+    def counted(*args: object) -> bool | None:
+        result = write(*args)  # type: ignore[arg-type]
+        results.append(result)
+        return result
+
+    index._write_watched = counted  # type: ignore[method-assign]
+    return results
+
+
+def test_an_uncontended_insert_is_a_watched_transaction_that_a_foreign_write_refuses(
+        make: Callable[..., RedisIndex]) -> None:
+    """Alone, the round goes as MULTI/EXEC under the lookup's WATCH, and the next round of the same lookup
+    too (re-armed); a foreign insert after the lookup makes Redis refuse the transaction: nothing of it is
+    written and the script path reports the conflict."""
+    a, b = make(), make()
+    results = _counting_watched(a)
+    a.lookup([Query("a", 1000.0, (1, 2)), Query("c", 1000.0, (5, 6))], 8)
+    assert a.insert([(entry("a"), (1, 2))]) == [None]
+    assert a.insert([(entry("c"), (5, 6))]) == [None]
+    assert results == [True, True]
+    a.lookup([Query("d", 1000.0, (1, 3))], 8)
+    _put(b, "x", 1000.0, (3,))
+    assert [ids(c) for c in a.insert([(entry("d"), (1, 3))])] == [["x"]]
+    assert results == [True, True, None]
+    assert sorted(ids(b.lookup([Query("q", 1000.0, (1, 3, 5))], 8)[0][1])) == ["a", "c", "x"]
+
+
+def test_a_reconnect_between_lookup_and_insert_never_sends_the_transaction_unguarded(
+        make: Callable[..., RedisIndex]) -> None:
+    """A new connection watches nothing: were the transaction sent on it, it would pass whatever arrived
+    since the lookup. redis-py reconnects when it sends, so the reconnect itself must stop it."""
+    a, b = make(), make()
+    results = _counting_watched(a)
+    a.lookup([Query("a", 1000.0, (1, 2))], 8)
+    _put(b, "x", 1000.0, (2,))
+    a._conn.disconnect()  # as after an error of another command: the next send reconnects
+    assert [ids(c) for c in a.insert([(entry("a"), (1, 2))])] == [["x"]]
+    assert results == [None]
+
+
+def test_stats_from_another_thread_while_batches_are_routed(make: Callable[..., RedisIndex]) -> None:
+    """The worker's metrics read `stats` on the event loop while a batch is routed in a thread: it must
+    not share the connection whose replies the lookups and inserts are reading (found when it did)."""
+    index = make()
+    engine = NearDupFilter(FilterConfig(), index=index)
+    messages = generated_messages(400, seed=5)
+    stop, errors, polls = threading.Event(), [], [0]
+
+    def poll() -> None:
+        while not stop.is_set():
+            try:
+                index.stats()
+                polls[0] += 1
+            except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+                errors.append(exc)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        verdicts = [v for at in range(0, len(messages), 20) for v in engine.check_batch(messages[at : at + 20])]
+    finally:
+        stop.set()
+        poller.join()
+    assert errors == [] and polls[0] > 10
+    quiet = NearDupFilter(FilterConfig(), index=make("quiet"))
+    assert verdicts == [v for at in range(0, len(messages), 20) for v in quiet.check_batch(messages[at : at + 20])]
 
 
 def _namespace_dump(redis_url: str, prefix: str, namespace: str) -> dict[bytes, object]:
