@@ -1373,3 +1373,51 @@ def pack_commands(list commands) -> bytes:
             p += length + 2
         j += 1 + n
     return out
+
+
+# --- naming the fields of a Redis lookup ------------------------------------------------------------------
+
+cdef inline bytes bucket_field(uint64_t key):
+    """`redis_index._FIELD(b"b", key)`: b"b" and the key, 8 bytes big-endian."""
+    cdef char buf[9]
+    cdef int j
+    buf[0] = 98  # b"b"
+    for j in range(8):
+        buf[1 + j] = <char>((key >> (56 - 8 * j)) & 0xFF)
+    return PyBytes_FromStringAndSize(buf, 9)
+
+
+def plan_fields(list keys_of, list id_fields) -> tuple:
+    """`RedisIndex.lookup`'s naming of what a batch reads: per query its bucket keys' field names and their
+    places, then per query its entry field's place, every distinct name placed once in first-seen order.
+    Returns (names, {name: place}, fields per query, places per query, entry places)."""
+    cdef dict at = {}
+    cdef list names = [], fields_of = [], places_of = [], id_places = []
+    cdef list fields, places
+    cdef object place
+    cdef uint64_t key
+    for keys in keys_of:
+        fields = []
+        places = []
+        for k in keys:
+            key = k  # OverflowError for a key outside 0..2^64-1, as struct.pack would refuse it
+            name = bucket_field(key)
+            place = at.get(name)
+            if place is None:
+                place = len(names)
+                at[name] = place
+                names.append(name)
+            else:
+                name = names[<Py_ssize_t>place]  # one bytes object a name: the read's columns key on it
+            fields.append(name)
+            places.append(place)
+        fields_of.append(fields)
+        places_of.append(places)
+    for name in id_fields:
+        place = at.get(name)
+        if place is None:
+            place = len(names)
+            at[name] = place
+            names.append(name)
+        id_places.append(place)
+    return names, at, fields_of, places_of, id_places

@@ -278,6 +278,19 @@ def rank_records(values: Sequence[Sequence[bytes | None]], positions: Sequence[i
     return out
 
 
+def plan_fields(keys_of: Sequence[Sequence[int]], id_fields: Sequence[bytes]) -> tuple[
+        list[bytes], dict[bytes, int], list[list[bytes]], list[list[int]], list[int]]:
+    """What a lookup reads: every distinct field name once, in first-seen order, and its place; per query
+    its bucket keys' field names and places; per query its entry field's place (`_native.plan_fields`
+    is the compiled twin)."""
+    at: dict[bytes, int] = {}
+    place = at.setdefault
+    fields_of = [[_FIELD(b"b", key) for key in keys] for keys in keys_of]
+    places_of = [[place(f, len(at)) for f in fields] for fields in fields_of]
+    id_places = [place(f, len(at)) for f in id_fields]
+    return list(at), at, fields_of, places_of, id_places
+
+
 def trim_records(value: bytes, cap: int) -> bytes:
     """The `cap` newest records (event time, then seq) of a bucket value, in insertion order: what the
     insert script's `trim` keeps."""
@@ -717,6 +730,7 @@ class RedisIndex:
         self._hwm = -math.inf  # highest event time this instance has seen (MemoryIndex's watermark)
         self._view = _View()
         self._rank = _native.rank_records if _native is not None else rank_records
+        self._plan = _native.plan_fields if _native is not None else plan_fields
         self.alone_inserts = True  # INSERT_ALONE_LUA when nobody else inserted since the lookup
         # Standalone Redis: one connection for the instance's round trips, so that the lookup's WATCH
         # still guards the insert's MULTI/EXEC; a reconnect drops the WATCH, so it moves the epoch.
@@ -752,15 +766,11 @@ class RedisIndex:
         for q in queries:
             hwm = max(hwm, _event_time(q.ts, q.id, self.slice_length))
             marks.append(hwm)
-        at: dict[bytes, int] = {}  # every field name the batch reads -> its place in a column
-        place = at.setdefault
-        try:
-            key_fields = [[_FIELD(b"b", key) for key in q.keys] for q in queries]
-        except struct.error:
+        try:  # every field name the batch reads, and its place in a column
+            names, at, key_fields, positions, id_places = self._plan([q.keys for q in queries],
+                                                                     [_id_field(q.id) for q in queries])
+        except (struct.error, OverflowError):
             raise ValueError(f"bucket keys must be unsigned 64-bit ints: {[q.keys for q in queries]!r}") from None
-        positions = [[place(f, len(at)) for f in fields] for fields in key_fields]
-        id_places = [place(_id_field(q.id), len(at)) for q in queries]
-        names = list(at)
         watch = self._watchable()
         seq, stored, slices, columns = self._read_covering(names, self._slices(marks[0], hwm), marks[0], hwm,
                                                            watch=watch)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import orjson
 import pytest
+from aiokafka.partitioner import DefaultPartitioner
 
 from filters.errors import ConfigError
 from stream import commands
@@ -295,6 +296,35 @@ def test_committed_offsets_after_a_run(kafka_bootstrap: str, index_url: str) -> 
 
     offsets = asyncio.run(scenario())
     assert sum(o or 0 for o in offsets.values()) == 40 and set(offsets) == {0, 1}
+
+
+def test_outputs_land_on_the_partition_send_would_choose(kafka_bootstrap: str, index_url: str) -> None:
+    """The worker builds its own record batches: a keyed output still lands on the partition of its key
+    (the default murmur2 partitioner, as `send` would place it), in input order per key; unkeyed ones
+    anywhere. Two topics, three partitions each, several batches."""
+    settings = settings_for(kafka_bootstrap, index_url, max_batch=25)
+    keys = [f"user-{i % 7}".encode() for i in range(90)]
+    records = [(keys[i], b'{"text": "message %d about topic %d"}' % (i, i % 3), ()) for i in range(90)]
+    records += [(None, b'{"text": "unkeyed %d"}' % i, ()) for i in range(10)]
+
+    async def scenario() -> list[KafkaRecord]:
+        await ensure_topics(settings, [*settings.input_topics, *settings.output_topics], partitions=3)
+        await produce(settings, settings.input_topics[0], records)
+        await run_until(make_worker(settings), lambda s: s.seen >= len(records))
+        return await outputs(settings, len(records))
+
+    got = asyncio.run(scenario())
+    assert len(got) == len(records)
+    partitioner = DefaultPartitioner()
+    for record in got:
+        if record.key is not None:
+            assert record.partition == partitioner(record.key, [0, 1, 2], [0, 1, 2]), record
+    by_key: dict[tuple[str, bytes], list[int]] = {}  # input offsets, in output order per topic and key
+    for record in sorted(got, key=lambda r: (r.topic, r.partition, r.offset)):
+        if record.key is not None:
+            source = record.header("neardup-source") or b""
+            by_key.setdefault((record.topic, record.key), []).append(int(source.rsplit(b"/", 1)[1]))
+    assert len(by_key) > 7 and all(offsets == sorted(offsets) for offsets in by_key.values())
 
 
 def test_event_time_is_the_kafka_timestamp_unless_a_field_is_configured(kafka_bootstrap: str, index_url: str) -> None:
