@@ -469,6 +469,33 @@ cdef inline bint due_before(Due a, Due b) noexcept nogil:
     return a.ts < b.ts or (a.ts == b.ts and a.seq < b.seq)
 
 
+cdef struct Merged:  # one candidate of decide_shared: from the batch's own table (seq) or the shared index
+    uint32_t shared
+    double ts
+    bint local
+    uint64_t seq  # local: the entry's seq
+    Py_ssize_t at  # shared: its place in the message's candidate list
+    uint64_t first_key
+
+
+cdef Py_ssize_t widen_sketch(object sketch, uint64_t **buf, Py_ssize_t *cap) except -1:
+    """A stored entry's sketch (a uint32 or uint64 array) as uint64 values in `buf`; returns how many."""
+    cdef const uint32_t[::1] narrow
+    cdef const uint64_t[::1] wide
+    cdef Py_ssize_t n = len(sketch), j
+    if n >= cap[0]:
+        regrow(<void **>buf, cap, n + 1, sizeof(uint64_t))
+    if sketch.dtype.itemsize == 4:
+        narrow = sketch
+        for j in range(n):
+            buf[0][j] = narrow[j]
+    else:
+        wide = sketch
+        for j in range(n):
+            buf[0][j] = wide[j]
+    return n
+
+
 cdef inline bint ranks_before(Hit *a, Hit *b) noexcept nogil:
     return a.shared > b.shared or (a.shared == b.shared and a.seq > b.seq)
 
@@ -509,6 +536,10 @@ cdef class Table:
     cdef uint64_t *probe
     cdef uint64_t *other
     cdef Py_ssize_t probe_cap, other_cap
+    cdef uint64_t *qkeys  # decide_shared: the message's keys (`other` holds a candidate's sketch meanwhile)
+    cdef Py_ssize_t qkeys_cap
+    cdef Merged *merged
+    cdef Py_ssize_t merged_cap
 
     def __cinit__(self, double window, int bucket_cap, make_entry):
         self.window = window
@@ -553,7 +584,7 @@ cdef class Table:
                     self._free_entry(self.ents[i])
             PyMem_Free(self.ents)
         PyMem_Free(self.heap); PyMem_Free(self.hits); PyMem_Free(self.ranked); PyMem_Free(self.found)
-        PyMem_Free(self.probe); PyMem_Free(self.other)
+        PyMem_Free(self.probe); PyMem_Free(self.other); PyMem_Free(self.qkeys); PyMem_Free(self.merged)
 
     def __len__(self):
         return self.live
@@ -1098,6 +1129,138 @@ cdef class Table:
                 self._insert(id, ts, batch.exact_lo[i], batch.exact_hi[i], size_a, self.probe, nsk, keys, nkeys, None)
                 out.append(verdict(id, False, None, 0.0, None))
         return out
+
+    def decide_shared(self, list ids, list tss, list fps, list looked, double min_shared, Py_ssize_t limit,
+                      double threshold, double containment, double min_ratio, int64_t min_size,
+                      tuple method_names, verdict) -> tuple:
+        """`NearDupFilter._decide_shared`'s loop on this (fresh, batch-local) table, for a batch whose
+        shared-index lookup gave `looked` (per message: its stored entry or None, and its ranked
+        `Candidate`s): replays, the batch's own earlier messages merged with the shared candidates
+        (most shared keys first, then newest; the batch's first on ties), verification by sketch exactly
+        as `NearDupFilter._first_match`, and the unique ones inserted here. Returns (the verdicts, made
+        by `verdict(id, duplicate, duplicate_of, similarity, method)`, and the places of the unique)."""
+        cdef Py_ssize_t count = len(ids), i, j, c, nkeys, floor, n_local, n_remote, n, nsk, nsk_b, pos
+        cdef double ts, sim, best
+        cdef int64_t size_a, size_b, small, big
+        cdef uint64_t lo, hi
+        cdef const uint32_t[::1] sk
+        cdef Estimates est
+        cdef CEntry *e
+        cdef Merged item
+        cdef bint matched
+        cdef const uint64_t *other
+        cdef list cands
+        if len(tss) != count or len(fps) != count or len(looked) != count:
+            raise ValueError("ids, event times, fingerprints and lookups differ in length")
+        out = []
+        unique = []
+        for i in range(count):
+            id = ids[i]
+            ts = tss[i]
+            self._advance(ts)
+            own, cands = looked[i]
+            if own is not None or id in self.by_id:
+                out.append(verdict(id, False, None, 0.0, "replay"))
+                continue
+            fp = fps[i]
+            keys = fp.keys
+            nkeys = len(keys)
+            if nkeys >= self.qkeys_cap:
+                regrow(<void **>&self.qkeys, &self.qkeys_cap, nkeys + 1, sizeof(uint64_t))
+            for j in range(nkeys):
+                self.qkeys[j] = keys[j]
+            floor = <Py_ssize_t>ceil(min_shared * nkeys)
+            if floor < 1:
+                floor = 1
+            n_local = self._gather(self.qkeys, nkeys, floor, ts, limit, 0)
+            n_remote = len(cands)
+            if n_local + n_remote > self.merged_cap:
+                regrow(<void **>&self.merged, &self.merged_cap, n_local + n_remote, sizeof(Merged))
+            for j in range(n_local):
+                item.shared = self.ranked[j].shared
+                item.ts = self._ts(self.ranked[j].seq)
+                item.local = True
+                item.seq = self.ranked[j].seq
+                item.at = -1
+                item.first_key = self.qkeys[self.ranked[j].first]
+                self.merged[j] = item
+            for j in range(n_remote):
+                cand = cands[j]
+                item.shared = cand.shared
+                item.ts = cand.entry.ts
+                item.local = False
+                item.seq = 0
+                item.at = j
+                item.first_key = cand.first_key
+                self.merged[n_local + j] = item
+            n = n_local + n_remote
+            if n_local and n_remote:  # `_merge`: a stable sort on (most shared, newest), then the limit
+                for j in range(1, n):
+                    item = self.merged[j]
+                    pos = j
+                    while pos > 0 and (item.shared > self.merged[pos - 1].shared or (
+                            item.shared == self.merged[pos - 1].shared and item.ts > self.merged[pos - 1].ts)):
+                        self.merged[pos] = self.merged[pos - 1]
+                        pos -= 1
+                    self.merged[pos] = item
+                if n > limit:
+                    n = limit
+            exact = fp.exact
+            lo = <uint64_t>(exact & 0xFFFFFFFFFFFFFFFF)
+            hi = <uint64_t>(exact >> 64)
+            size_a = fp.size
+            sk = fp.sketch
+            nsk = sk.shape[0]
+            if nsk > self.probe_cap:
+                self._grow_scratch(&self.probe, &self.probe_cap, nsk)
+            for j in range(nsk):
+                self.probe[j] = sk[j]
+            matched = False
+            for c in range(n):
+                item = self.merged[c]
+                if item.local:
+                    e = self._entry(item.seq)
+                    if e.exact_lo == lo and e.exact_hi == hi:
+                        out.append(verdict(id, True, <object>e.id, 1.0, "exact"))
+                        matched = True
+                        break
+                    other = self._wide(e)
+                    nsk_b = e.nsk
+                    size_b = e.size
+                    match_id = <object>e.id
+                else:
+                    entry = (<object>cands[item.at]).entry
+                    if entry.exact == exact:
+                        out.append(verdict(id, True, entry.id, 1.0, "exact"))
+                        matched = True
+                        break
+                    if <Py_ssize_t>item.shared < floor:
+                        continue
+                    nsk_b = widen_sketch(entry.sketch, &self.other, &self.other_cap)
+                    other = self.other
+                    size_b = entry.size
+                    match_id = entry.id
+                est = estimates(self.probe, nsk, size_a, other, nsk_b, size_b)
+                sim = -1.0
+                if est.jaccard >= threshold:
+                    sim = est.jaccard
+                else:
+                    best = est.containment_a if est.containment_a > est.containment_b else est.containment_b
+                    small = size_a if size_a < size_b else size_b
+                    big = size_a if size_a > size_b else size_b
+                    if big < 1:
+                        big = 1
+                    if best >= containment and <double>small / <double>big >= min_ratio and small >= min_size:
+                        sim = best
+                if sim >= 0.0:
+                    out.append(verdict(id, True, match_id, py_round(sim, 4), method_names[item.first_key >> 60]))
+                    matched = True
+                    break
+            if not matched:
+                self._insert(id, ts, lo, hi, size_a, self.probe, nsk, self.qkeys, nkeys, None)
+                out.append(verdict(id, False, None, 0.0, None))
+                unique.append(i)
+        return out, unique
 
     cdef const uint64_t *_wide(self, CEntry *e) except NULL:
         """An entry's sketch as uint64 values: itself, or widened into the scratch buffer `other`."""

@@ -93,10 +93,10 @@ class NearDupFilter:
         cfg = self.config
         # The whole batch in the compiled table (`Table.decide`): what `_decide_local` does, message by
         # message, for an embedded compiled index, sketch verification and exact/mgram bucket keys.
-        self._batch_in_table = (
-            isinstance(index, MemoryIndex) and index.native and self.fingerprinter.native
-            and cfg.verify == "sketch" and set(cfg.methods) <= {"exact", "mgram"}
-        )
+        compiled = self.fingerprinter.native and cfg.verify == "sketch" and set(cfg.methods) <= {"exact", "mgram"}
+        self._batch_in_table = compiled and isinstance(index, MemoryIndex) and index.native
+        # A shared index: `_decide_shared`'s loop in a compiled batch-local table (`Table.decide_shared`).
+        self._shared_in_table = compiled and not isinstance(index, MemoryIndex)
 
     # -- public API --------------------------------------------------------------------------
     def check(self, text: str, id: str | None = None, ts: float | None = None) -> Verdict:
@@ -165,15 +165,35 @@ class NearDupFilter:
         """Shared index: one lookup and one insert round for the whole batch; messages of the batch
         are checked against each other through a batch-local index, and insert conflicts (another
         worker indexed a near-duplicate meanwhile) are verified before anything is called unique."""
-        cfg = self.config
         queries = [self._query(m, fp) for m, fp in zip(messages, fps)]
-        looked = self.index.lookup(queries, cfg.max_candidates)
-        verdicts: list[Verdict] = []
+        looked = self.index.lookup(queries, self.config.max_candidates)
+        verdicts, pending = self._against(messages, fps, looked)
+        self._insert(pending, messages, fps, verdicts)
+        return verdicts
+
+    def _against(self, messages: Sequence[Message], fps: Sequence[Fingerprint],
+                 looked: Sequence[tuple[Entry | None, list[Candidate]]]) -> tuple[list[Verdict], dict[int, Entry]]:
+        """The verdicts of a batch against what the shared index's lookup found (`looked`) and the batch's
+        own earlier messages, in order, and the entries of the unique ones (by place) to insert. A replay
+        (the id stored, or earlier in the batch) is unique; else the first of the candidates, the batch's
+        and the index's merged (most shared keys, then newest; the batch's first on ties), that
+        verifies. Compiled (`Table.decide_shared`) when the fingerprints are the compiled core's."""
+        cfg = self.config
         batch_local = MemoryIndex(cfg.window, cfg.bucket_cap, native=self.fingerprinter.native)
         pending: dict[int, Entry] = {}
+        if self._shared_in_table:
+            verdicts, unique = batch_local.table.decide_shared(
+                [m.id for m in messages], [m.ts for m in messages], list(fps), list(looked), cfg.min_shared,
+                cfg.max_candidates, cfg.threshold, cfg.containment, cfg.containment_min_ratio,
+                cfg.containment_min_size, METHOD_NAMES, Verdict)
+            for i in unique:
+                pending[i] = Entry.of(messages[i].id, messages[i].ts, fps[i])
+            return verdicts, pending
+        verdicts = []
         for i, (msg, fp) in enumerate(zip(messages, fps)):
             own, remote = looked[i]
-            local_own, local = batch_local.lookup_one(queries[i], cfg.max_candidates)
+            local_own, local = batch_local.lookup_keys(msg.id, msg.ts, fp.keys, self._floor(len(fp.keys)),
+                                                       cfg.max_candidates)
             if own is not None or local_own is not None:
                 verdicts.append(Verdict(msg.id, False, method="replay"))
                 continue
@@ -182,9 +202,8 @@ class NearDupFilter:
             if not verdict.duplicate:
                 entry = Entry.of(msg.id, msg.ts, fp)
                 pending[i] = entry
-                batch_local.insert([(entry, fp.keys)])
-        self._insert(pending, messages, fps, verdicts)
-        return verdicts
+                batch_local.insert_one(entry, fp.keys)
+        return verdicts, pending
 
     # -- verification ------------------------------------------------------------------------
     def _first_match(self, msg: Message, fp: Fingerprint, candidates: Sequence[Candidate]) -> Verdict:

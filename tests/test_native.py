@@ -21,7 +21,7 @@ from filters.config import FilterConfig
 from filters.engine import Message, NearDupFilter
 from filters.errors import IndexCorrupt
 from filters.fingerprint import _MGRAM_TAG, _TAG_ROOM, Fingerprinter
-from filters.index import Entry, MemoryIndex, PyTable, make_table, native_available
+from filters.index import Candidate, Entry, MemoryIndex, PyTable, make_table, native_available
 from filters.redis_index import rank_records
 from filters.shingles import Batch
 
@@ -270,3 +270,46 @@ def test_the_cli_says_when_it_runs_without_the_compiled_core(monkeypatch: pytest
     warn_if_interpreted()
     assert [r.levelname for r in caplog.records] == ["WARNING"]
     assert "reinstall with a C++ compiler" in caplog.records[0].getMessage()
+
+
+_SPAM = ["win a free cruise call now", "your parcel waits confirm the fee", "cheap loans approved today",
+         "meet singles near you tonight", "claim the prize code before noon"]
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), count=st.integers(1, 40), limit=st.integers(1, 6),
+       threshold=st.sampled_from([0.5, 0.8]))
+def test_the_shared_loop_decides_as_the_python_reference(seed: int, count: int, limit: int, threshold: float) -> None:
+    """`Table.decide_shared` against `NearDupFilter._against`'s Python loop on made-up lookups: stored
+    entries that are near-duplicates of the message or not, exact copies, random shared counts, first
+    keys and event times (ties), replays stored or earlier in the batch, and candidate limits that
+    truncate the merge of the batch's own candidates with the shared index's."""
+    rng = random.Random(seed)
+
+    def text() -> str:
+        base = rng.choice(_SPAM).split()
+        for _ in range(rng.randint(0, 3)):
+            base.insert(rng.randrange(len(base) + 1), rng.choice(["now", "sms", "promo", "stop", "today"]))
+        return " ".join(base) + f" {rng.randint(0, 99)}"
+
+    config = FilterConfig(window=1000.0, threshold=threshold, max_candidates=limit)
+    engine = NearDupFilter(config, index="redis://127.0.0.1:1/0")  # never connected: only _against runs
+    assert engine._shared_in_table
+    ids = [f"m{rng.randint(0, count + 5)}" for _ in range(count)]
+    messages = [Message(id, text(), 1000.0 + rng.choice([0.0, 1.0, 2.0])) for id in ids]
+    fps = engine.fingerprinter.fingerprint_batch([m.text for m in messages])
+    stored_texts = [text() for _ in range(8)] + [m.text for m in rng.sample(messages, min(2, count))]
+    stored = [Entry.of(f"s{j}", 1000.0 - rng.choice([0.0, 5.0]), fp)
+              for j, fp in enumerate(engine.fingerprinter.fingerprint_batch(stored_texts))]
+    looked = []
+    for fp in fps:
+        own = rng.choice(stored) if rng.random() < 0.05 else None
+        cands = [Candidate(entry, rng.randint(0, len(fp.keys)), rng.choice(fp.keys))
+                 for entry in rng.sample(stored, rng.randint(0, 4))]
+        looked.append((own, cands))
+    results = []
+    for compiled in (True, False):
+        engine._shared_in_table = compiled
+        verdicts, pending = engine._against(messages, fps, looked)
+        results.append((verdicts, sorted(pending), [e.id for _, e in sorted(pending.items())]))
+    assert results[0] == results[1]

@@ -6,6 +6,7 @@ import random
 import socket
 import threading
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -594,6 +595,25 @@ def test_stats_from_another_thread_while_batches_are_routed(make: Callable[..., 
     assert errors == [] and polls[0] > 10
     quiet = NearDupFilter(FilterConfig(), index=make("quiet"))
     assert verdicts == [v for at in range(0, len(messages), 20) for v in quiet.check_batch(messages[at : at + 20])]
+
+
+@pytest.mark.parametrize(("seed", "batch", "cap", "limit"), [(11, 50, 8, 16), (12, 200, 2, 3), (13, 7, 8, 1)])
+def test_the_compiled_shared_loop_decides_as_the_python_one(make: Callable[..., RedisIndex], seed: int, batch: int,
+                                                             cap: int, limit: int) -> None:
+    """`Table.decide_shared` (replays, the batch's own messages merged with the shared candidates,
+    verification, the unique inserted) against `NearDupFilter._decide_shared`'s Python loop: the same
+    verdicts, message for message, with tiny caps and candidate limits (ties and truncation matter)."""
+    config = FilterConfig(window=WINDOW, bucket_cap=cap, max_candidates=limit)
+    messages = generated_messages(900, seed=seed)
+    verdicts = []
+    for name in ("compiled", "python"):
+        engine = NearDupFilter(config, index=make(name, bucket_cap=cap))
+        assert engine._shared_in_table
+        engine._shared_in_table = name == "compiled"
+        verdicts.append([v for at in range(0, len(messages), batch) for v in engine.check_batch(messages[at : at + batch])])
+    assert verdicts[0] == verdicts[1]
+    kinds = Counter("replay" if v.method == "replay" else v.duplicate for v in verdicts[0])
+    assert kinds["replay"] > 5 and kinds[True] > 100 and kinds[False] > 100, kinds
 
 
 def _namespace_dump(redis_url: str, prefix: str, namespace: str) -> dict[bytes, object]:
