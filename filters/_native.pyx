@@ -15,7 +15,7 @@ few hundred memory reads. Memory comes from `PyMem_Malloc`, so tracemalloc (benc
 
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
-from libc.math cimport ceil, rint
+from libc.math cimport ceil, floor, rint
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcmp, memcpy, memmove, memset
 from libcpp.algorithm cimport sort as cpp_sort
@@ -1584,3 +1584,156 @@ def plan_fields(list keys_of, list id_fields) -> tuple:
             names.append(name)
         id_places.append(place)
     return names, at, fields_of, places_of, id_places
+
+
+# --- the uncontended insert of the Redis index ------------------------------------------------------------
+
+cdef inline void put_be64(char *p, uint64_t v) noexcept nogil:
+    cdef int j
+    for j in range(8):
+        p[j] = <char>((v >> (56 - 8 * j)) & 0xFF)
+
+
+def alone_round(list ids, list tss, list blobs, list fields_of, list places_of, list entry_places, tuple slices,
+                dict columns, dict writes, double hwm, double window, double slice_length,
+                Py_ssize_t cap, uint64_t seq, entry_time, trim) -> tuple:
+    """The loop of `RedisIndex._alone` (which it documents), compiled: per entry, live already (0), out
+    of the window (0) or its seq; the writes per slice (`groups`: slice -> [entries, field-value pairs]);
+    `writes` (slice -> place -> value) updated; (seq, slice, places) per entry written. Returns
+    (results, groups, written, hwm, seq)."""
+    cdef Py_ssize_t count = len(ids), i, j, nf, n_id
+    cdef double ts, old_ts
+    cdef bint live
+    cdef object e, old, column, mine, p, v, f
+    cdef list fields, places, new, other, results = [], written = []
+    cdef dict groups = {}
+    cdef bytes id_bytes, record, blob
+    cdef char *rp
+    cdef Py_ssize_t too_long
+    cdef long long s, sl
+    for i in range(count):
+        e = entry_places[i]
+        id_bytes = (<str>ids[i]).encode("utf-8", "surrogatepass")
+        live = False
+        for s in slices:
+            old = (<dict>writes[s]).get(e)
+            if old is None:
+                column = columns.get(s)
+                old = (<list>column)[e] if column is not None else None
+            if old:
+                if len(<bytes>old) >= 9:
+                    memcpy(&old_ts, <const char *>(<bytes>old) + 1, 8)
+                else:
+                    old_ts = entry_time(old, ids[i])  # raises: too short for an entry
+                if old_ts >= hwm - window:
+                    live = True
+                    break
+        if live:
+            results.append(0)
+            continue
+        ts = tss[i]
+        if ts > hwm:
+            hwm = ts
+        if not ts >= hwm - window:
+            results.append(0)
+            continue
+        seq += 1
+        n_id = len(id_bytes)
+        record = PyBytes_FromStringAndSize(NULL, 12 + n_id + 8)
+        rp = PyBytes_AS_STRING(record)
+        memcpy(rp, &ts, 8)
+        (<uint32_t *>(rp + 8))[0] = <uint32_t>n_id  # little-endian machines only (x86-64, arm64)
+        memcpy(rp + 12, <const char *>id_bytes, n_id)
+        put_be64(rp + 12 + n_id, seq)
+        sl = <long long>floor_div(ts, slice_length)
+        mine = writes[sl]
+        column = columns[sl]
+        fields = fields_of[i]
+        places = places_of[i]
+        nf = len(fields)
+        blob = blobs[i]
+        new = []
+        other = [b"e" + id_bytes, blob]
+        too_long = 2 * cap * len(record)
+        for j in range(nf):
+            f = fields[j]
+            p = places[j]
+            v = (<dict>mine).get(p)
+            if v is None:
+                v = (<list>column)[p]
+            if v is None:
+                new.append(f)
+                (<dict>mine)[p] = record
+            else:
+                if len(<bytes>v) > too_long:
+                    v = trim(v, cap)
+                v = <bytes>v + record
+                other.append(f)
+                other.append(v)
+                (<dict>mine)[p] = v
+        (<dict>mine)[e] = blob
+        group = groups.get(sl)
+        if group is None:
+            group = groups[sl] = [0, []]
+        group[0] += 1
+        pairs = <list>group[1]
+        for f in new:
+            pairs.append(f)
+            pairs.append(record)
+        pairs.extend(other)
+        written.append((seq, sl, places))
+        results.append(seq)
+    return results, groups, written, hwm, seq
+
+
+cdef inline double floor_div(double ts, double length) noexcept:
+    return floor(ts / length)
+
+
+# --- reading stored entries -------------------------------------------------------------------------------
+
+cdef frozenset NO_SENTENCES = frozenset()
+
+
+def decode_entries(list ids, list blobs, make, fallback) -> dict:
+    """{id: entry} of the stored entries `blobs` (None: gone, left out), decoded as
+    `redis_index.decode_entry` decodes them. The common form (version 2, a uint32 sketch and nothing
+    else) is read here, into `make(id, ts, exact, size, sketch, None, None, frozenset())`; any other,
+    and anything malformed, goes to `fallback(blob, id)`, which decodes it or raises."""
+    cdef dict out = {}
+    cdef Py_ssize_t i, n, length
+    cdef const char *p
+    cdef double ts
+    cdef uint64_t lo, hi
+    cdef uint32_t size, n_sketch, n_minhash, n_sentences
+    cdef uint8_t version, flags
+    cdef uint32_t[::1] view
+    if len(ids) != len(blobs):
+        raise ValueError("ids and blobs differ in length")
+    for i in range(len(ids)):
+        blob = blobs[i]
+        if blob is None:
+            continue
+        id = ids[i]
+        length = len(<bytes>blob)
+        p = <const char *>(<bytes>blob)
+        if length >= 42:
+            version = <uint8_t>p[0]
+            memcpy(&ts, p + 1, 8)
+            memcpy(&lo, p + 9, 8)
+            memcpy(&hi, p + 17, 8)
+            memcpy(&size, p + 25, 4)
+            flags = <uint8_t>p[29]
+            memcpy(&n_sketch, p + 30, 4)
+            memcpy(&n_minhash, p + 34, 4)
+            memcpy(&n_sentences, p + 38, 4)
+            if (version == 2 and flags == 4 and n_minhash == 0 and n_sentences == 0
+                    and length == 42 + 4 * <Py_ssize_t>n_sketch):
+                sketch = np.empty(n_sketch, dtype=np.uint32)
+                if n_sketch:
+                    view = sketch
+                    memcpy(&view[0], p + 42, 4 * <size_t>n_sketch)
+                out[id] = make(id, ts, (<object>hi) << 64 | lo, size, sketch, None, None, NO_SENTENCES)
+                continue
+        out[id] = fallback(blob, id)
+    return out

@@ -62,11 +62,9 @@ import hashlib
 import math
 import re
 import struct
-from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
-from itertools import chain
 from operator import itemgetter
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -218,6 +216,13 @@ def decode_entry(data: bytes, id: str) -> Entry:
     return Entry(id, ts, lo | hi << 64, size, sketch, simhash, minhash, sentences)
 
 
+def decode_entries(ids: Sequence[str], blobs: Sequence[bytes | None], make: Any = Entry,
+                   fallback: Any = None) -> dict[str, Entry]:
+    """{id: `decode_entry(blob, id)`} of the blobs that are not None (`_native.decode_entries` is the
+    compiled twin, which decodes the common form itself and hands the rest to `fallback`)."""
+    return {id: decode_entry(blob, id) for id, blob in zip(ids, blobs, strict=True) if blob is not None}
+
+
 def parse_records(value: bytes) -> list[tuple[float, int, str]]:
     """A bucket field's records as (event time, seq, id), in insertion order."""
     out = []
@@ -276,6 +281,70 @@ def rank_records(values: Sequence[Sequence[bytes | None]], positions: Sequence[i
         if len(out) >= limit:
             break
     return out
+
+
+def alone_round(ids: list[str], times: list[float], blobs: list[bytes], fields_of: list[list[bytes]],
+                places_of: list[list[int]], entry_places: list[int], slices: tuple[int, ...],
+                columns: dict[int, list[bytes | None]], writes: dict[int, dict[int, bytes]], hwm: float,
+                window: float, slice_length: float, cap: int, seq: int, entry_time: Any,
+                trim: Any) -> tuple[list[int], dict[int, list[Any]], list[tuple[int, int, list[int]]], float, int]:
+    """The loop of `RedisIndex._alone` (`_native.alone_round` is the compiled twin): per entry, in order,
+    what INSERT_LUA would do when nobody else wrote since the lookup. An entry whose id is live (its
+    entry stored inside the window, read or written) or whose event time left the window gets 0; else
+    the next seq, its record appended to each of its bucket fields (trimmed back to the cap first when a
+    value holds about twice as many) and its entry written. `writes` (slice -> place -> value, what the
+    caller wrote since the lookup) is updated. Returns (results, per slice [entries, field-value pairs],
+    (seq, slice, places) per entry written, high-water mark, seq)."""
+    results: list[int] = []
+    groups: dict[int, list[Any]] = {}
+    written: list[tuple[int, int, list[int]]] = []
+    for id, ts, blob, fields, places, e in zip(ids, times, blobs, fields_of, places_of, entry_places):
+        live = False
+        for s in slices:
+            old = writes[s].get(e)
+            if old is None:
+                column = columns.get(s)
+                old = column[e] if column is not None else None
+            if old and entry_time(old, id) >= hwm - window:
+                live = True
+                break
+        if live:
+            results.append(0)
+            continue
+        hwm = max(hwm, ts)
+        if not ts >= hwm - window:
+            results.append(0)
+            continue
+        seq += 1
+        id_bytes = id.encode("utf-8", "surrogatepass")
+        record = _RECORD.pack(ts, len(id_bytes)) + id_bytes + _SEQ.pack(seq)
+        s = math.floor(ts / slice_length)
+        mine, column = writes[s], columns[s]
+        # A field without a value when read, nobody wrote since: its value is the record.
+        new: list[bytes] = []
+        other: list[bytes] = [b"e" + id_bytes, blob]
+        too_long = 2 * cap * len(record)
+        for f, p in zip(fields, places):
+            v = mine.get(p)
+            if v is None:
+                v = column[p]
+            if v is None:
+                new.append(f)
+                mine[p] = record
+            else:
+                if len(v) > too_long:
+                    v = trim(v, cap)
+                v += record
+                other += (f, v)
+                mine[p] = v
+        mine[e] = blob
+        group = groups.setdefault(s, [0, []])
+        group[0] += 1
+        group[1] += [x for f in new for x in (f, record)]
+        group[1] += other
+        written.append((seq, s, places))
+        results.append(seq)
+    return results, groups, written, hwm, seq
 
 
 def plan_fields(keys_of: Sequence[Sequence[int]], id_fields: Sequence[bytes]) -> tuple[
@@ -731,6 +800,8 @@ class RedisIndex:
         self._view = _View()
         self._rank = _native.rank_records if _native is not None else rank_records
         self._plan = _native.plan_fields if _native is not None else plan_fields
+        self._round = _native.alone_round if _native is not None else alone_round
+        self._decode = _native.decode_entries if _native is not None else decode_entries
         self.alone_inserts = True  # INSERT_ALONE_LUA when nobody else inserted since the lookup
         # Standalone Redis: one connection for the instance's round trips, so that the lookup's WATCH
         # still guards the insert's MULTI/EXEC; a reconnect drops the WATCH, so it moves the epoch.
@@ -909,9 +980,7 @@ class RedisIndex:
             _raise_any(replies)
         out: dict[str, Entry] = {}
         for ids, blobs in zip(by_slice.values(), replies):
-            for id, blob in zip(ids, blobs):
-                if blob is not None:
-                    out[id] = decode_entry(blob, id)
+            out.update(self._decode(ids, blobs, Entry, decode_entry))
         return out
 
     # -- inserting -------------------------------------------------------------------------------
@@ -993,64 +1062,11 @@ class RedisIndex:
         # This call's writes, slice -> place -> value, over what the caller wrote before (kept apart:
         # if the script finds that somebody else wrote, they never happened).
         writes: dict[int, dict[int, bytes]] = {s: dict(view.written.get(s, {})) for s in slices}
-        # A field is cold where it had no value when read, the caller has not written it, and no other
-        # entry of this call names it: its value is the entry's record. Only the hot ones (a few an
-        # entry) need their value looked at, so cold ones go by in C-level comprehensions.
-        shared = {p for p, n in Counter(chain.from_iterable(places_of)).items() if n > 1}  # type: ignore[arg-type]
-        hot = {s: view.present(s) | shared | writes[s].keys() for s in slices}
-        groups: dict[int, list[Any]] = {}  # slice -> [entries, INSERT_ALONE_LUA's arguments for them]
-        results = []
-        pending: list[tuple[int, int, list[int]]] = []
         looked = view.looked
-        for (entry, _), fields, places, ts in zip(entries, fields_of, places_of, times):
-            e = looked[entry.id].entry_place
-            result = 0
-            live = False
-            for s in slices:
-                old = writes[s].get(e)
-                if old is None:
-                    column = view.columns.get(s)
-                    old = column[e] if column is not None else None
-                if old and _entry_time(old, entry.id) >= hwm - window:
-                    live = True
-                    break
-            if not live:
-                hwm = max(hwm, ts)
-                if ts >= hwm - window:
-                    seq += 1
-                    id_bytes = entry.id.encode("utf-8", "surrogatepass")
-                    record = _RECORD.pack(ts, len(id_bytes)) + id_bytes + _SEQ.pack(seq)
-                    s = self._slice(ts)
-                    mine, warm = writes[s], hot[s]
-                    new = [f for f, p in zip(fields, places) if p not in warm]  # type: ignore[arg-type]
-                    mine.update(dict.fromkeys([p for p in places if p not in warm], record))  # type: ignore[union-attr]
-                    blob = encode_entry(entry)
-                    other: list[bytes] = [b"e" + id_bytes, blob]
-                    too_long = 2 * cap * len(record)
-                    column = view.columns[s]
-                    for f, p in zip(fields, places):  # type: ignore[arg-type]
-                        if p not in warm:
-                            continue
-                        v = mine.get(p)
-                        if v is None:
-                            v = column[p]
-                        if v is None:
-                            new.append(f)
-                            mine[p] = record
-                        else:
-                            if len(v) > too_long:
-                                v = trim_records(v, cap)
-                            v += record
-                            other += (f, v)
-                            mine[p] = v
-                    mine[e] = blob
-                    group = groups.setdefault(s, [0, []])
-                    group[0] += 1
-                    group[1] += [x for f in new for x in (f, record)]
-                    group[1] += other
-                    pending.append((seq, s, places))  # type: ignore[arg-type]
-                    result = seq
-            results.append(result)
+        results, groups, pending, hwm, seq = self._round(
+            [e.id for e, _ in entries], times, [encode_entry(e) for e, _ in entries], list(fields_of),
+            list(places_of), [looked[e.id].entry_place for e, _ in entries], tuple(slices), view.columns, writes,
+            hwm, window, self.slice_length, cap, seq, _entry_time, trim_records)
         hwm_bytes = view.hwm if hwm <= stored_hwm else (b"%.17g" % hwm)
         gone = f"{self._spre}{slices[0] - 1}" if seq > start else ""
         if view.watch >= 0 and view.watch == self._epoch:

@@ -22,8 +22,9 @@ from filters.engine import Message, NearDupFilter
 from filters.errors import IndexCorrupt
 from filters.fingerprint import _MGRAM_TAG, _TAG_ROOM, Fingerprinter
 from filters.index import Candidate, Entry, MemoryIndex, PyTable, make_table, native_available
-from filters.redis_index import rank_records
+from filters.redis_index import decode_entry, encode_entry, rank_records
 from filters.shingles import Batch
+from tests.test_index_contract import assert_same_entry
 
 SAMPLE = Path(__file__).parent / "data" / "sample.jsonl"
 
@@ -313,3 +314,34 @@ def test_the_shared_loop_decides_as_the_python_reference(seed: int, count: int, 
         verdicts, pending = engine._against(messages, fps, looked)
         results.append((verdicts, sorted(pending), [e.id for _, e in sorted(pending.items())]))
     assert results[0] == results[1]
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(0, 40), wide=st.booleans(), simhash=st.none() | st.integers(0, 2**64 - 1),
+       minhash=st.none() | st.integers(0, 8), sentences=st.lists(st.integers(0, 2**64 - 1), max_size=3),
+       exact=st.integers(0, 2**128 - 1), size=st.integers(0, 2**32 - 1), ts=st.floats(-1e9, 1e11),
+       cut=st.integers(0, 60), version=st.integers(0, 3), flags=st.integers(0, 255), mangle=st.booleans())
+def test_stored_entries_decode_as_the_python_reference(n: int, wide: bool, simhash: int | None, minhash: int | None,
+                                                       sentences: list[int], exact: int, size: int, ts: float,
+                                                       cut: int, version: int, flags: int, mangle: bool) -> None:
+    """`decode_entries` reads the common form (a uint32 sketch and nothing else) itself and hands every
+    other form, and anything malformed (short, other version or flags, wrong length), to the Python
+    decoder: the same entries, or the same `IndexCorrupt`."""
+    rng = np.random.default_rng(n)
+    sketch = np.sort(rng.integers(0, 2**32 if not wide else 2**63, n, dtype=np.uint64))
+    entry = Entry("e-1", ts, exact, size, sketch if wide else sketch.astype(np.uint32), simhash,
+                  None if minhash is None else rng.integers(0, 2**32, minhash, dtype=np.uint64).astype(np.uint32),
+                  frozenset(sentences))
+    blob = encode_entry(entry)
+    if mangle:  # a header or length that this neardup did not write
+        blob = bytes([version]) + blob[1:29] + bytes([flags]) + blob[30:]
+        blob = blob[: max(0, len(blob) - cut)] if cut % 2 else blob + bytes(cut)
+    try:
+        want = decode_entry(blob, "e-1")
+    except IndexCorrupt:
+        with pytest.raises(IndexCorrupt):
+            _native.decode_entries(["e-1"], [blob], Entry, decode_entry)
+        return
+    got = _native.decode_entries(["e-1", "gone"], [blob, None], Entry, decode_entry)
+    assert list(got) == ["e-1"]
+    assert_same_entry(got["e-1"], want)
