@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
+from filters import redis_index
 from filters.config import FilterConfig
 from filters.engine import NearDupFilter, Verdict
 from filters.errors import ConfigError, IndexCorrupt, IndexUnavailable, NeardupError
@@ -632,6 +633,9 @@ def test_uncontended_inserts_store_what_the_checking_script_stores(make: Callabl
     config = FilterConfig(window=window, bucket_cap=cap)
     fast, checked = make("fast", window=window, bucket_cap=cap), make("checked", window=window, bucket_cap=cap)
     checked.alone_inserts = False
+    reference = make("reference", window=window, bucket_cap=cap)  # the Python twins of the compiled helpers
+    reference._plan, reference._rank, reference._round, reference._decode = (
+        redis_index.plan_fields, redis_index.rank_records, redis_index.alone_round, redis_index.decode_entries)
     calls = {"fast": 0}
     alone = fast._alone
 
@@ -643,12 +647,13 @@ def test_uncontended_inserts_store_what_the_checking_script_stores(make: Callabl
     fast._alone = counted  # type: ignore[method-assign]
     messages = generated_messages(600, seed=3)
     verdicts = []
-    for index in (fast, checked):
+    for index in (fast, checked, reference):
         engine = NearDupFilter(config, index=index)
         verdicts.append([v for at in range(0, len(messages), 50) for v in engine.check_batch(messages[at : at + 50])])
-    assert verdicts[0] == verdicts[1]
+    assert verdicts[0] == verdicts[1] == verdicts[2]
     assert calls["fast"] >= 10  # the uncontended path did the work
     assert _namespace_dump(redis_url, prefix, "fast") == _namespace_dump(redis_url, prefix, "checked")
+    assert _namespace_dump(redis_url, prefix, "reference") == _namespace_dump(redis_url, prefix, "checked")
 
 
 def test_a_slice_that_left_the_window_is_unlinked(make: Callable[..., RedisIndex], redis_url: str, prefix: str) -> None:
