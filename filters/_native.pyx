@@ -1737,3 +1737,30 @@ def decode_entries(list ids, list blobs, make, fallback) -> dict:
                 continue
         out[id] = fallback(blob, id)
     return out
+
+
+def rank_lookup(list columns, list positions_of, list id_places, list ids, list floors, Py_ssize_t limit,
+                list horizons, Py_ssize_t cap, entry_time) -> list:
+    """`redis_index.rank_lookup`, compiled: per query of a lookup, (its stored entry's bytes if live, else
+    None; `rank_records` of its buckets)."""
+    cdef Py_ssize_t i, n = len(ids)
+    cdef double horizon, ts
+    cdef object own, blob
+    out = []
+    for i in range(n):
+        e = id_places[i]
+        horizon = horizons[i]
+        own = None
+        for column in columns:
+            blob = (<list>column)[e]
+            if blob is None:
+                continue
+            if len(<bytes>blob) >= 9:
+                memcpy(&ts, <const char *>(<bytes>blob) + 1, 8)
+            else:
+                ts = entry_time(blob, ids[i])  # raises: too short for an entry
+            if ts >= horizon:
+                own = blob
+                break
+        out.append((own, rank_records(columns, positions_of[i], ids[i], floors[i], limit, horizon, cap, -1, None)))
+    return out

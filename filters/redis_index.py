@@ -347,6 +347,23 @@ def alone_round(ids: list[str], times: list[float], blobs: list[bytes], fields_o
     return results, groups, written, hwm, seq
 
 
+def rank_lookup(columns: list[list[bytes | None]], positions_of: list[list[int]], id_places: list[int], ids: list[str],
+                floors: list[int], limit: int, horizons: list[float], cap: int,
+                entry_time: Any) -> list[tuple[bytes | None, list[tuple[str, int, int, float]]]]:
+    """Per query of a lookup: its stored entry's bytes if one is live (event time >= its horizon) in a
+    slice read, else None; and `rank_records` of its buckets (`_native.rank_lookup` is the compiled twin)."""
+    out = []
+    for where, e, id, floor, horizon in zip(positions_of, id_places, ids, floors, horizons, strict=True):
+        own = None
+        for column in columns:
+            blob = column[e]
+            if blob is not None and entry_time(blob, id) >= horizon:
+                own = blob
+                break
+        out.append((own, rank_records(columns, where, id, floor, limit, horizon, cap)))
+    return out
+
+
 def plan_fields(keys_of: Sequence[Sequence[int]], id_fields: Sequence[bytes]) -> tuple[
         list[bytes], dict[bytes, int], list[list[bytes]], list[list[int]], list[int]]:
     """What a lookup reads: every distinct field name once, in first-seen order, and its place; per query
@@ -714,7 +731,11 @@ class _View:
     at: dict[bytes, int] = field(default_factory=dict)  # field -> its place in a column
     mark: int = 0  # the namespace's seq when the lookup began: records above it may be unseen
     hwm: bytes = b""  # the namespace's high-water mark as stored then ('' if none)
-    looked: dict[str, _Looked] = field(default_factory=dict)  # the ids the lookup covered
+    looked: dict[str, int] = field(default_factory=dict)  # the ids the lookup covered -> their query's number
+    keys_of: list[tuple[int, ...]] = field(default_factory=list)  # per query: its keys (the very tuple)
+    fields_of: list[list[bytes]] = field(default_factory=list)  # ... their field names
+    places_of: list[list[int]] = field(default_factory=list)  # ... and places
+    entry_places: list[int] = field(default_factory=list)  # ... and its entry field's place
     inserted: int = 0  # how many the caller inserted since: seq is mark + inserted while it is alone
     written: dict[int, dict[int, bytes]] = field(default_factory=dict)  # slice -> place -> value (or its tail)
     bases: dict[int, dict[int, int]] = field(default_factory=dict)  # slice -> place -> basis of its writer
@@ -722,15 +743,6 @@ class _View:
     reread: dict[str, tuple[int, dict[int, list[bytes]]]] = field(default_factory=dict)  # id -> (seq, slice -> tails)
     exact: bool = True  # `written` holds whole values (no insert went through INSERT_LUA since)
     watch: int = -1  # the pinned connection's epoch in which the read's WATCH of meta guards the view, or -1
-    _present: dict[int, set[int]] = field(default_factory=dict)
-
-    def present(self, s: int) -> set[int]:
-        """The places that held a value in slice `s` when it was read."""
-        known = self._present.get(s)
-        if known is None:
-            column = self.columns.get(s, [])
-            known = self._present[s] = {p for p, v in enumerate(column) if v is not None}
-        return known
 
     def basis(self, id: str) -> int:
         """What `id` was verified against: 0 the lookup, a seq a re-read, -1 nothing (not looked up)."""
@@ -759,16 +771,6 @@ class _View:
                     tail = v[-8:] if v else _ABSENT
                 parts.append(tail)
         return b"".join(parts)
-
-
-@dataclass(frozen=True, slots=True)
-class _Looked:
-    """One query of the lookup: its keys (the very tuple), their field names and places, its entry's place."""
-
-    keys: tuple[int, ...]
-    fields: list[bytes]
-    places: list[int]
-    entry_place: int
 
 
 class RedisIndex:
@@ -802,6 +804,7 @@ class RedisIndex:
         self._plan = _native.plan_fields if _native is not None else plan_fields
         self._round = _native.alone_round if _native is not None else alone_round
         self._decode = _native.decode_entries if _native is not None else decode_entries
+        self._rank_all = _native.rank_lookup if _native is not None else rank_lookup
         self.alone_inserts = True  # INSERT_ALONE_LUA when nobody else inserted since the lookup
         # Standalone Redis: one connection for the instance's round trips, so that the lookup's WATCH
         # still guards the insert's MULTI/EXEC; a reconnect drops the WATCH, so it moves the epoch.
@@ -847,21 +850,13 @@ class RedisIndex:
                                                            watch=watch)
         top = _stored_time(stored)
         self._hwm = max(hwm, top)
-        self._view = _View(slices, dict(zip(slices, columns)), at, seq, stored,
-                           {q.id: _Looked(q.keys, fields, places, e)
-                            for q, fields, places, e in zip(queries, key_fields, positions, id_places)},
-                           watch=self._epoch if watch else -1)
-        found: list[tuple[bytes | None, list[tuple[str, int, int, float]]]] = []
-        rank, cap = self._rank, self.bucket_cap
-        for q, where, e, mark in zip(queries, positions, id_places, marks):
-            horizon = max(mark, top) - self.window
-            own = None
-            for column in columns:
-                blob = column[e]
-                if blob is not None and _entry_time(blob, q.id) >= horizon:
-                    own = blob
-                    break
-            found.append((own, rank(columns, where, q.id, q.min_shared, limit, horizon, cap, -1, None)))
+        ids = [q.id for q in queries]
+        keys_of = [q.keys for q in queries]
+        self._view = _View(slices, dict(zip(slices, columns)), at, seq, stored, dict(zip(ids, range(len(ids)))),
+                           keys_of, key_fields, positions, id_places, watch=self._epoch if watch else -1)
+        window = self.window
+        found = self._rank_all(columns, positions, id_places, ids, [q.min_shared for q in queries], limit,
+                               [max(mark, top) - window for mark in marks], self.bucket_cap, _entry_time)
         entries = self._entries({(self._slice(ts), id) for _, ranked in found for id, _, _, ts in ranked})
         out = []
         for q, (own, ranked) in zip(queries, found):
@@ -985,13 +980,14 @@ class RedisIndex:
 
     # -- inserting -------------------------------------------------------------------------------
     def _insert_chunk(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]:
-        looked = self._view.looked
+        view = self._view
+        looked = view.looked
         fields_of, places_of = [], []
         for entry, keys in entries:
-            known = looked.get(entry.id)
-            if known is not None and (known.keys is keys or known.keys == keys):
-                fields_of.append(known.fields)
-                places_of.append(known.places)
+            q = looked.get(entry.id)
+            if q is not None and (view.keys_of[q] is keys or view.keys_of[q] == keys):
+                fields_of.append(view.fields_of[q])
+                places_of.append(view.places_of[q])
             else:
                 fields_of.append([_field_of(key) for key in keys])
                 places_of.append(None)
@@ -1007,9 +1003,9 @@ class RedisIndex:
         return out
 
     def _places(self, id: str, fields: Sequence[bytes]) -> list[int | None]:
-        looked = self._view.looked.get(id)
-        at = self._view.at
-        return looked.places if looked is not None and looked.fields is fields else [at.get(f) for f in fields]
+        view = self._view
+        q = view.looked.get(id)
+        return view.places_of[q] if q is not None and view.fields_of[q] is fields else [view.at.get(f) for f in fields]
 
     def _checked(self, entries: Sequence[tuple[Entry, tuple[int, ...]]],
                  fields_of: Sequence[list[bytes]]) -> list[int]:
@@ -1065,7 +1061,7 @@ class RedisIndex:
         looked = view.looked
         results, groups, pending, hwm, seq = self._round(
             [e.id for e, _ in entries], times, [encode_entry(e) for e, _ in entries], list(fields_of),
-            list(places_of), [looked[e.id].entry_place for e, _ in entries], tuple(slices), view.columns, writes,
+            list(places_of), [view.entry_places[looked[e.id]] for e, _ in entries], tuple(slices), view.columns, writes,
             hwm, window, self.slice_length, cap, seq, _entry_time, trim_records)
         hwm_bytes = view.hwm if hwm <= stored_hwm else (b"%.17g" % hwm)
         gone = f"{self._spre}{slices[0] - 1}" if seq > start else ""

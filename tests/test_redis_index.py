@@ -634,8 +634,9 @@ def test_uncontended_inserts_store_what_the_checking_script_stores(make: Callabl
     fast, checked = make("fast", window=window, bucket_cap=cap), make("checked", window=window, bucket_cap=cap)
     checked.alone_inserts = False
     reference = make("reference", window=window, bucket_cap=cap)  # the Python twins of the compiled helpers
-    reference._plan, reference._rank, reference._round, reference._decode = (
-        redis_index.plan_fields, redis_index.rank_records, redis_index.alone_round, redis_index.decode_entries)
+    reference._plan, reference._rank, reference._round, reference._decode, reference._rank_all = (
+        redis_index.plan_fields, redis_index.rank_records, redis_index.alone_round, redis_index.decode_entries,
+        redis_index.rank_lookup)
     calls = {"fast": 0}
     alone = fast._alone
 
