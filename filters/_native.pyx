@@ -19,6 +19,8 @@ from libc.math cimport ceil, floor, rint
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcmp, memcpy, memmove, memset
 from libcpp.algorithm cimport sort as cpp_sort
+from libcpp.unordered_map cimport unordered_map
+from cython.operator cimport dereference as deref
 
 import builtins
 
@@ -34,6 +36,8 @@ cdef extern from "Python.h":
 
     object PyBytes_FromStringAndSize(const char *v, Py_ssize_t len)
     char *PyBytes_AS_STRING(object o)
+    object PyList_New(Py_ssize_t n)
+    void PyList_SET_ITEM(object p, Py_ssize_t pos, object o)
 
 
 # --- hashing --------------------------------------------------------------------------------------
@@ -1553,37 +1557,47 @@ cdef inline bytes bucket_field(uint64_t key):
 def plan_fields(list keys_of, list id_fields) -> tuple:
     """`RedisIndex.lookup`'s naming of what a batch reads: per query its bucket keys' field names and their
     places, then per query its entry field's place, every distinct name placed once in first-seen order.
-    Returns (names, {name: place}, fields per query, places per query, entry places)."""
-    cdef dict at = {}
+    Returns (names, fields per query, places per query, entry places)."""
+    cdef unordered_map[uint64_t, Py_ssize_t] seen
+    cdef unordered_map[uint64_t, Py_ssize_t].iterator found
+    cdef dict id_at = {}
     cdef list names = [], fields_of = [], places_of = [], id_places = []
     cdef list fields, places
-    cdef object place
+    cdef object place, name
     cdef uint64_t key
+    cdef Py_ssize_t at, j, n
+    cdef tuple keys
+    seen.reserve(16 * len(keys_of))
     for keys in keys_of:
-        fields = []
-        places = []
-        for k in keys:
-            key = k  # OverflowError for a key outside 0..2^64-1, as struct.pack would refuse it
-            name = bucket_field(key)
-            place = at.get(name)
-            if place is None:
-                place = len(names)
-                at[name] = place
+        n = len(keys)
+        fields = PyList_New(n)
+        places = PyList_New(n)
+        for j in range(n):
+            key = keys[j]  # OverflowError for a key outside 0..2^64-1, as struct.pack would refuse it
+            found = seen.find(key)
+            if found == seen.end():
+                at = len(names)
+                seen[key] = at
+                name = bucket_field(key)
                 names.append(name)
             else:
-                name = names[<Py_ssize_t>place]  # one bytes object a name: the read's columns key on it
-            fields.append(name)
-            places.append(place)
+                at = deref(found).second
+                name = names[at]
+            Py_INCREF(name)
+            PyList_SET_ITEM(fields, j, name)
+            place = at
+            Py_INCREF(place)
+            PyList_SET_ITEM(places, j, place)
         fields_of.append(fields)
         places_of.append(places)
     for name in id_fields:
-        place = at.get(name)
+        place = id_at.get(name)
         if place is None:
             place = len(names)
-            at[name] = place
+            id_at[name] = place
             names.append(name)
         id_places.append(place)
-    return names, at, fields_of, places_of, id_places
+    return names, fields_of, places_of, id_places
 
 
 # --- the uncontended insert of the Redis index ------------------------------------------------------------

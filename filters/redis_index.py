@@ -365,7 +365,7 @@ def rank_lookup(columns: list[list[bytes | None]], positions_of: list[list[int]]
 
 
 def plan_fields(keys_of: Sequence[Sequence[int]], id_fields: Sequence[bytes]) -> tuple[
-        list[bytes], dict[bytes, int], list[list[bytes]], list[list[int]], list[int]]:
+        list[bytes], list[list[bytes]], list[list[int]], list[int]]:
     """What a lookup reads: every distinct field name once, in first-seen order, and its place; per query
     its bucket keys' field names and places; per query its entry field's place (`_native.plan_fields`
     is the compiled twin)."""
@@ -374,7 +374,7 @@ def plan_fields(keys_of: Sequence[Sequence[int]], id_fields: Sequence[bytes]) ->
     fields_of = [[_FIELD(b"b", key) for key in keys] for keys in keys_of]
     places_of = [[place(f, len(at)) for f in fields] for fields in fields_of]
     id_places = [place(f, len(at)) for f in id_fields]
-    return list(at), at, fields_of, places_of, id_places
+    return list(at), fields_of, places_of, id_places
 
 
 def trim_records(value: bytes, cap: int) -> bytes:
@@ -728,7 +728,7 @@ class _View:
 
     slices: tuple[int, ...] = ()
     columns: dict[int, list[bytes | None]] = field(default_factory=dict)  # slice -> the value of each field read
-    at: dict[bytes, int] = field(default_factory=dict)  # field -> its place in a column
+    names: list[bytes] = field(default_factory=list)  # the fields read, in their places in a column
     mark: int = 0  # the namespace's seq when the lookup began: records above it may be unseen
     hwm: bytes = b""  # the namespace's high-water mark as stored then ('' if none)
     looked: dict[str, int] = field(default_factory=dict)  # the ids the lookup covered -> their query's number
@@ -743,6 +743,14 @@ class _View:
     reread: dict[str, tuple[int, dict[int, list[bytes]]]] = field(default_factory=dict)  # id -> (seq, slice -> tails)
     exact: bool = True  # `written` holds whole values (no insert went through INSERT_LUA since)
     watch: int = -1  # the pinned connection's epoch in which the read's WATCH of meta guards the view, or -1
+    _at: dict[bytes, int] | None = None
+
+    @property
+    def at(self) -> dict[bytes, int]:
+        """Field -> its place in a column (made when first needed: an insert of an id not looked up)."""
+        if self._at is None:
+            self._at = {name: place for place, name in enumerate(self.names)}
+        return self._at
 
     def basis(self, id: str) -> int:
         """What `id` was verified against: 0 the lookup, a seq a re-read, -1 nothing (not looked up)."""
@@ -841,7 +849,7 @@ class RedisIndex:
             hwm = max(hwm, _event_time(q.ts, q.id, self.slice_length))
             marks.append(hwm)
         try:  # every field name the batch reads, and its place in a column
-            names, at, key_fields, positions, id_places = self._plan([q.keys for q in queries],
+            names, key_fields, positions, id_places = self._plan([q.keys for q in queries],
                                                                      [_id_field(q.id) for q in queries])
         except (struct.error, OverflowError):
             raise ValueError(f"bucket keys must be unsigned 64-bit ints: {[q.keys for q in queries]!r}") from None
@@ -852,7 +860,7 @@ class RedisIndex:
         self._hwm = max(hwm, top)
         ids = [q.id for q in queries]
         keys_of = [q.keys for q in queries]
-        self._view = _View(slices, dict(zip(slices, columns)), at, seq, stored, dict(zip(ids, range(len(ids)))),
+        self._view = _View(slices, dict(zip(slices, columns)), names, seq, stored, dict(zip(ids, range(len(ids)))),
                            keys_of, key_fields, positions, id_places, watch=self._epoch if watch else -1)
         window = self.window
         found = self._rank_all(columns, positions, id_places, ids, [q.min_shared for q in queries], limit,
