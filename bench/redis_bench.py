@@ -2,13 +2,13 @@
 
     eval "$(bash docker/services.sh env)"       # or pass the URLs below
     python bench/redis_bench.py [--limit 20000] [--runs 3] [--batch 512] [--sets all,short]
-                                [--backends memory,redis,rediss,cluster,datasketch] [--db 9]
+                                [--backends memory,redis,redis-serial,rediss,cluster,datasketch] [--db 9]
                                 [--redis URL --tls URL --cluster URL]
 
 Each set of messages is run through each backend in stream order, starting empty, `--runs` times,
 interleaved (run 1 of every backend, then run 2, ...) so that drift of the shared machine hits all of
 them alike; the table shows the median messages/s and the ratio to the memory index. neardup is timed
-as `neardup filter` works: `route_batch` over the raw JSONL records in batches of `--batch` (decode,
+as `neardup filter FILE` works: `route_batches` over the raw JSONL records in batches of `--batch` (decode,
 fingerprint, look up, verify, insert). datasketch is used as bench/filter_bench.py uses it (MinHashLSH,
 128 permutations, threshold 0.5, character 5-grams of normalized text; query, then insert if there is
 no match), on its Redis storage (`storage_config={'type': 'redis', ...}`) on the same server.
@@ -49,7 +49,7 @@ from filters.config import FilterConfig  # noqa: E402
 from filters.engine import NearDupFilter, Verdict  # noqa: E402
 from stream.codec import RecordFormat  # noqa: E402
 from stream.evaluate import score  # noqa: E402
-from stream.runner import RawRecord, route_batch  # noqa: E402
+from stream.runner import RawRecord, route_batch, route_batches  # noqa: E402
 
 SHORT = "sms_en,tweets_en,reviews_zh"
 FMT = RecordFormat()
@@ -121,15 +121,17 @@ def drop(url: str, pattern: str) -> int:
 # --- the runners ----------------------------------------------------------------------------------------
 
 
-def run_neardup(index_url: str, corpus: Corpus, batch: int) -> Run:
-    """`route_batch` over the raw records, in batches, as `neardup filter --index URL` does."""
+def run_neardup(index_url: str, corpus: Corpus, batch: int, serial: bool = False) -> Run:
+    """`route_batches` over the raw records, in batches, as `neardup filter --index URL FILE` does (reading
+    one batch ahead); `serial`: `route_batch` of one batch after the other, as the Kafka worker does."""
     nd = NearDupFilter(FilterConfig(window=1e9), index=index_url)
     records = [RawRecord(line, str(i), 0.0) for i, line in enumerate(corpus.lines)]
     verdicts: list[Verdict] = []
     gc.collect()
     t0 = time.perf_counter()
-    for i in range(0, len(records), batch):
-        for routed in route_batch(nd, records[i : i + batch], FMT):
+    chunks = [records[i : i + batch] for i in range(0, len(records), batch)]
+    for rows in (route_batch(nd, chunk, FMT) for chunk in chunks) if serial else route_batches(nd, chunks, FMT):
+        for routed in rows:
             assert routed.verdict is not None, routed.error
             verdicts.append(routed.verdict)
     seconds = time.perf_counter() - t0
@@ -177,15 +179,17 @@ def backends(args: argparse.Namespace) -> list[Backend]:
         if name == "memory":
             out.append(Backend("neardup, memory://", "", lambda c, tag: run_neardup("memory://", c, args.batch),
                                lambda tag: ""))
-        elif name in ("redis", "rediss", "cluster"):
-            url = {"redis": plain, "rediss": with_db(args.tls, args.db) if args.tls else "",
+        elif name in ("redis", "redis-serial", "rediss", "cluster"):
+            url = {"redis": plain, "redis-serial": plain, "rediss": with_db(args.tls, args.db) if args.tls else "",
                    "cluster": args.cluster}[name]
             if not url:
                 print(f"  (no URL for {name}: skipped)", file=sys.stderr)
                 continue
-            label = {"redis": "redis:// (plain)", "rediss": "rediss:// (TLS)", "cluster": "Redis Cluster"}[name]
+            label = {"redis": "redis:// (plain)", "redis-serial": "redis:// (plain), batch after batch",
+                     "rediss": "rediss:// (TLS)", "cluster": "Redis Cluster"}[name]
             out.append(Backend(f"neardup, {label}", url,
-                               lambda c, tag, url=url: run_neardup(with_prefix(url, tag), c, args.batch),
+                               lambda c, tag, url=url, serial=name == "redis-serial": run_neardup(
+                                   with_prefix(url, tag), c, args.batch, serial),
                                lambda tag: f"{{{tag}:*"))
         elif name == "datasketch":
             out.append(Backend("datasketch MinHashLSH, Redis", plain,

@@ -97,6 +97,8 @@ class NearDupFilter:
         self._batch_in_table = compiled and isinstance(index, MemoryIndex) and index.native
         # A shared index: `_decide_shared`'s loop in a compiled batch-local table (`Table.decide_shared`).
         self._shared_in_table = compiled and not isinstance(index, MemoryIndex)
+        # `prepare` of a batch in parts gives, joined, what it gives at once: a list of `Fingerprint`s.
+        self.prepares_in_parts = not self._batch_in_table
 
     # -- public API --------------------------------------------------------------------------
     def check(self, text: str, id: str | None = None, ts: float | None = None) -> Verdict:
@@ -120,9 +122,27 @@ class NearDupFilter:
             return self.fingerprinter.shingle(texts)
         return self.fingerprinter.fingerprint_batch(texts)
 
-    def decide(self, messages: Sequence[Message], prepared: Prepared) -> list[Verdict]:
+    def decide(self, messages: Sequence[Message], prepared: Prepared,
+               meanwhile: Callable[[], bool] | None = None) -> list[Verdict]:
         """The second step: look up, verify and insert, in order (`prepared` from `prepare`, or a list of
-        `Fingerprint`s)."""
+        `Fingerprint`s). `meanwhile` is work that needs no index (the next batch's `prepare`), in shares:
+        each call does one and says whether that was the last; it must not raise. A shared index runs a
+        share while it waits for each of this batch's round trips, so that the client's CPU and the
+        server's overlap; what is left runs after the batch."""
+        if meanwhile is not None and hasattr(self.index, "meanwhile"):
+            self.index.meanwhile = meanwhile
+            try:
+                verdicts = self._decide(messages, prepared)
+            finally:
+                left, self.index.meanwhile = self.index.meanwhile, None
+        else:
+            verdicts = self._decide(messages, prepared)
+            left = meanwhile
+        while left is not None and left() is False:
+            pass
+        return verdicts
+
+    def _decide(self, messages: Sequence[Message], prepared: Prepared) -> list[Verdict]:
         if not isinstance(prepared, list | tuple):
             cfg = self.config
             return self.index.table.decide(  # type: ignore[attr-defined, no-any-return]

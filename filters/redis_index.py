@@ -62,7 +62,7 @@ import hashlib
 import math
 import re
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from operator import itemgetter
@@ -819,6 +819,10 @@ class RedisIndex:
         self._conn: Any = None
         self._epoch = 0
         self._guarded = False  # a transaction is being sent: a reconnect now would lose its WATCH
+        # Set by the engine (`NearDupFilter.decide`): a share of other work to run after each request went
+        # out and before its replies are read (the next batch's fingerprints, while Redis works on this
+        # one); it returns True when nothing is left.
+        self.meanwhile: Callable[[], bool] | None = None
         options: dict[str, Any] = {
             "decode_responses": False,  # entries are bytes
             "retry": Retry(NoBackoff(), 0),  # no hidden retry loop: the worker decides
@@ -1197,14 +1201,16 @@ class RedisIndex:
         if self._conn is None:
             self._conn = pool.get_connection()
             self._conn.register_connect_callback(self._connected)
-        return self._send(self._conn, commands)
+        return self._send(self._conn, commands, pinned=True)
 
-    def _send(self, conn: Any, commands: Sequence[Sequence[str | int | bytes]]) -> list[Any]:
+    def _send(self, conn: Any, commands: Sequence[Sequence[str | int | bytes]], *, pinned: bool = False) -> list[Any]:
         try:
             if _native is not None:
                 conn.send_packed_command([_native.pack_commands(list(commands))])
             else:
                 conn.send_packed_command([hiredis.pack_command(tuple(command)) for command in commands])
+            if pinned and self.meanwhile is not None and self.meanwhile():  # the engine's thread: its work
+                self.meanwhile = None
             replies: list[Any] = []
             for _ in commands:
                 try:

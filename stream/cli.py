@@ -132,6 +132,7 @@ def cmd_filter(args: argparse.Namespace) -> int:
             fmt=_record_format(args),
             batch_size=args.batch_size,
             progress=show,  # type: ignore[arg-type]
+            read_ahead="-" not in (args.inputs or ["-"]),  # stdin may be a live stream: no waiting for more
         )
         done()  # type: ignore[operator]
     nd.index.close()

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from filters.engine import NearDupFilter, Verdict
 from filters.errors import RejectedInput
@@ -36,18 +36,96 @@ class Routed:
 
 
 def route_batch(nd: NearDupFilter, batch: Sequence[RawRecord], fmt: RecordFormat) -> list[Routed]:
-    routed: list[Routed | None] = [None] * len(batch)
-    decoded: list[tuple[int, Decoded]] = []
-    for i, raw in enumerate(batch):
+    step = _Step(batch, fmt)
+    return step.routed(nd.check_batch(step.messages))
+
+
+def route_batches(nd: NearDupFilter, batches: Iterable[Sequence[RawRecord]], fmt: RecordFormat) -> Iterator[list[Routed]]:
+    """`route_batch` of each batch in turn, reading one batch ahead: the next batch is decoded and
+    fingerprinted while a shared index works on the current one's first round trip (`NearDupFilter.decide`'s
+    `meanwhile`), so the client's CPU and Redis's overlap. The same results as `route_batch` one by one."""
+    it = iter(batches)
+    batch = next(it, None)
+    if batch is None:
+        return
+    step = _Step(batch, fmt)
+    prepared = nd.prepare([m.text for m in step.messages]) if step.messages else None
+    while True:
+        ahead = _Ahead(nd, next(it, None), fmt)
+        verdicts = nd.decide(step.messages, prepared, meanwhile=ahead.run) if step.messages else []
+        yield step.routed(verdicts)
+        if ahead.batch is None:
+            return
+        step, prepared = ahead.result()
+
+
+class _Step:
+    """One batch between decoding and routing: the rejected in place, the messages to decide."""
+
+    def __init__(self, batch: Sequence[RawRecord], fmt: RecordFormat) -> None:
+        self.batch = batch
+        self.out: list[Routed | None] = [None] * len(batch)
+        self.places: list[int] = []
+        self.decoded: list[Decoded] = []
+        for i, raw in enumerate(batch):
+            try:
+                self.decoded.append(decode(raw.value, fmt, fallback_id=raw.fallback_id, fallback_ts=raw.fallback_ts))
+                self.places.append(i)
+            except RejectedInput as exc:
+                self.out[i] = Routed(REJECTED, raw, error=exc)
+        self.messages = [d.message for d in self.decoded]
+
+    def routed(self, verdicts: Sequence[Verdict]) -> list[Routed]:
+        for i, d, v in zip(self.places, self.decoded, verdicts, strict=True):
+            self.out[i] = Routed(DUPLICATE if v.duplicate else UNIQUE, self.batch[i], d, v)
+        assert all(r is not None for r in self.out)
+        return self.out  # type: ignore[return-value]
+
+
+class _Ahead:
+    """The next batch's decoding and `prepare`, as `decide`'s `meanwhile`: in two shares when the filter
+    prepares in parts (one while Redis answers the lookup, one while it writes), else in one. An error
+    is raised when the result is asked for: the batch in flight is not failed by its successor."""
+
+    def __init__(self, nd: NearDupFilter, batch: Sequence[RawRecord] | None, fmt: RecordFormat) -> None:
+        self.nd, self.batch, self.fmt = nd, batch, fmt
+        self._step: _Step | None = None
+        self._prepared: list[Any] = []
+        self._texts: list[str] = []
+        self._done = batch is None
+        self._error: Exception | None = None
+
+    def run(self) -> bool:
+        """Does the next share; True when all is done."""
+        if self._done:
+            return True
         try:
-            decoded.append((i, decode(raw.value, fmt, fallback_id=raw.fallback_id, fallback_ts=raw.fallback_ts)))
-        except RejectedInput as exc:
-            routed[i] = Routed(REJECTED, raw, error=exc)
-    verdicts = nd.check_batch([d.message for _, d in decoded])
-    for (i, d), v in zip(decoded, verdicts):
-        routed[i] = Routed(DUPLICATE if v.duplicate else UNIQUE, batch[i], d, v)
-    assert all(r is not None for r in routed)
-    return routed  # type: ignore[return-value]
+            if self._step is None:
+                self._step = _Step(self.batch, self.fmt)  # type: ignore[arg-type]
+                self._texts = [m.text for m in self._step.messages]
+                if not self.nd.prepares_in_parts or len(self._texts) < 64:
+                    self._prepared = [self.nd.prepare(self._texts)] if self._texts else []
+                    self._done = True
+                    return True
+                half = len(self._texts) // 2
+                self._prepared = [self.nd.prepare(self._texts[:half])]
+                self._texts = self._texts[half:]
+                return False
+            self._prepared.append(self.nd.prepare(self._texts))
+        except Exception as exc:
+            self._error = exc  # raised by `result`, in the next batch's turn
+        self._done = True
+        return True
+
+    def result(self) -> tuple[_Step, Any]:
+        while not self.run():
+            pass
+        if self._error is not None:
+            raise self._error
+        assert self._step is not None
+        parts = self._prepared
+        prepared = None if not parts else parts[0] if len(parts) == 1 else [*parts[0], *parts[1]]
+        return self._step, prepared
 
 
 class Sink(Protocol):
@@ -110,14 +188,30 @@ def run_filter(
     batch_size: int = 512,
     clock: Callable[[], float] = time.time,
     progress: Callable[[Summary], None] | None = None,
+    read_ahead: bool = True,
 ) -> Summary:
-    """Route every line to exactly one sink; returns the counts."""
+    """Route every line to exactly one sink; returns the counts. `read_ahead` (for files): batches go
+    through `route_batches`, which reads one batch ahead; off for a live stream (stdin), whose batch
+    would otherwise wait for the next one to fill."""
     summary = Summary()
     started = time.perf_counter()
-    batch: list[RawRecord] = []
 
-    def flush_batch() -> None:
-        for r in route_batch(nd, batch, fmt):
+    def batches() -> Iterator[list[RawRecord]]:
+        batch: list[RawRecord] = []
+        for number, line in enumerate(lines, start=1):
+            if fmt.format == "json" and not line.strip():
+                summary.blank += 1
+                continue
+            batch.append(RawRecord(line, str(number), clock()))
+            if len(batch) >= batch_size:
+                yield batch
+                batch = []
+        if batch:
+            yield batch
+
+    routed = route_batches(nd, batches(), fmt) if read_ahead else (route_batch(nd, b, fmt) for b in batches())
+    for rows in routed:
+        for r in rows:
             summary.add(r)
             if r.kind == UNIQUE:
                 unique.write(r.raw.value.rstrip(b"\r\n"))
@@ -127,20 +221,9 @@ def run_filter(
             else:
                 assert r.error is not None
                 rejected.write(rejected_record(r.raw.value.rstrip(b"\r\n"), r.error, r.raw.fallback_id))
-        batch.clear()
         summary.seconds = time.perf_counter() - started
         if progress is not None:
             progress(summary)
-
-    for number, line in enumerate(lines, start=1):
-        if fmt.format == "json" and not line.strip():
-            summary.blank += 1
-            continue
-        batch.append(RawRecord(line, str(number), clock()))
-        if len(batch) >= batch_size:
-            flush_batch()
-    if batch:
-        flush_batch()
     for sink in (unique, duplicates, rejected):
         sink.flush()
     summary.seconds = time.perf_counter() - started

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import orjson
 import pytest
 
 from filters.config import FilterConfig
-from filters.engine import NearDupFilter
+from filters.engine import NearDupFilter, Prepared
 from stream.codec import RecordFormat
 from stream.evaluate import score
-from stream.runner import RawRecord, route_batch, run_filter
+from stream.runner import RawRecord, route_batch, route_batches, run_filter
 from stream.testing import ListSink, ListSource, ManualClock
 
 SAMPLE = Path(__file__).parent / "data" / "sample.jsonl"
@@ -84,3 +85,38 @@ def test_quality_on_a_labelled_slice() -> None:
         verdicts += nd.check_batch([nd.message(r["text"], r["id"], r["ts"]) for r in stream[i : i + 512]])
     o = score(truth, verdicts).overall
     assert o.precision >= 0.97 and o.recall >= 0.95, (o.precision, o.recall)
+
+
+def _chunks(lines: list[bytes], size: int) -> list[list[RawRecord]]:
+    batch = [RawRecord(line, str(i), float(i)) for i, line in enumerate(lines)]
+    return [batch[i : i + size] for i in range(0, len(batch), size)]
+
+
+@pytest.mark.parametrize("size", [7, 100, 1000])
+def test_reading_ahead_routes_as_batch_after_batch(size: int) -> None:
+    """`route_batches` (the next batch decoded and fingerprinted during the current one) gives what
+    `route_batch` gives batch after batch: batches of all rejected records, small ones (prepared in one
+    share) and large ones (in two)."""
+    lines = SAMPLE.read_bytes().splitlines() * 3
+    lines[10:20] = [b"not json"] * 10
+    chunks = _chunks(lines, size)
+    ahead = [(r.kind, r.verdict) for rows in route_batches(NearDupFilter(), chunks, RecordFormat()) for r in rows]
+    nd = NearDupFilter()
+    serial = [(r.kind, r.verdict) for chunk in chunks for r in route_batch(nd, chunk, RecordFormat())]
+    assert ahead == serial and len(ahead) == len(lines)
+
+
+class _FailsOn(NearDupFilter):
+    def prepare(self, texts: Sequence[str]) -> Prepared:
+        if any("boom" in t for t in texts):
+            raise RuntimeError("boom")
+        return super().prepare(texts)
+
+
+def test_an_error_while_reading_ahead_fails_the_next_batch_not_the_current() -> None:
+    good = [b'{"id": "%d", "text": "message number %d"}' % (i, i) for i in range(80)]
+    bad = [b'{"id": "x", "text": "boom"}', *good[:79]]
+    routed = route_batches(_FailsOn(), _chunks(good, 80) + _chunks(bad, 80), RecordFormat())
+    assert len(next(routed)) == 80
+    with pytest.raises(RuntimeError, match="boom"):
+        next(routed)

@@ -12,6 +12,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import numpy as np
+import orjson
 import pytest
 import redis
 from hypothesis import given, settings
@@ -33,7 +34,7 @@ from filters.redis_index import (
     parse_records,
 )
 from stream.codec import RecordFormat
-from stream.runner import DUPLICATE, RawRecord, route_batch
+from stream.runner import DUPLICATE, RawRecord, route_batch, route_batches
 from tests.test_index_contract import _view, assert_same_entry, drop_namespace, generated_messages, with_query
 
 U64 = (1 << 64) - 1
@@ -615,6 +616,52 @@ def test_the_compiled_shared_loop_decides_as_the_python_one(make: Callable[..., 
     assert verdicts[0] == verdicts[1]
     kinds = Counter("replay" if v.method == "replay" else v.duplicate for v in verdicts[0])
     assert kinds["replay"] > 5 and kinds[True] > 100 and kinds[False] > 100, kinds
+
+
+def test_work_given_to_decide_runs_while_redis_answers(make: Callable[..., RedisIndex]) -> None:
+    """`decide(..., meanwhile=...)`: a share of the work runs after each request of the batch went out
+    and before its replies are read, until the work says it is done; what is left after the batch runs
+    then. Routing a file reads one batch ahead this way (`route_batches`)."""
+    index = make()
+    engine = NearDupFilter(FilterConfig(), index=index)
+    messages = generated_messages(60, seed=9)
+    events: list[str] = []
+    index.lookup([Query("warm", 1.7e9, (1,))], 8)  # connects the pinned connection
+    conn = index._conn
+    read = conn.read_response
+
+    def reading(*args: object, **kwargs: object) -> object:
+        events.append("read")
+        return read(*args, **kwargs)
+
+    conn.read_response = reading
+
+    def shares(total: int) -> Callable[[], bool]:
+        def share() -> bool:
+            events.append("work")
+            return events.count("work") >= total
+        return share
+
+    try:
+        engine.decide(messages[:30], engine.prepare([m.text for m in messages[:30]]), meanwhile=shares(2))
+        assert events[0] == "work" and events.count("work") == 2
+        second = events.index("work", 1)
+        assert events[second - 1] == "read" and events[second + 1] == "read"  # inside the next round trip
+        events.clear()
+        engine.decide(messages[30:], engine.prepare([m.text for m in messages[30:]]), meanwhile=shares(9))
+        assert events.count("work") == 9 and events[-1] == "work"  # the rest after the batch
+    finally:
+        del conn.read_response
+
+
+def test_reading_ahead_on_redis_routes_as_batch_after_batch(make: Callable[..., RedisIndex]) -> None:
+    lines = [orjson.dumps({"id": m.id, "text": m.text, "ts": m.ts}) for m in generated_messages(700, seed=4)]
+    batch = [RawRecord(line, str(i), 0.0) for i, line in enumerate(lines)]
+    chunks = [batch[i : i + 150] for i in range(0, len(batch), 150)]
+    fmt = RecordFormat()
+    ahead = [r.verdict for rows in route_batches(NearDupFilter(index=make("ahead")), chunks, fmt) for r in rows]
+    nd = NearDupFilter(index=make("serial"))
+    assert ahead == [r.verdict for chunk in chunks for r in route_batch(nd, chunk, fmt)]
 
 
 def _namespace_dump(redis_url: str, prefix: str, namespace: str) -> dict[bytes, object]:
