@@ -1778,3 +1778,44 @@ def rank_lookup(list columns, list positions_of, list id_places, list ids, list 
                 break
         out.append((own, rank_records(columns, positions_of[i], ids[i], floors[i], limit, horizon, cap, -1, None)))
     return out
+
+
+def encode_entries(list entries, fallback) -> list:
+    """`redis_index.encode_entry` of each entry of `entries` ((Entry, keys) pairs): the common form (a
+    uint32 sketch, no simhash, minhash or sentences) written here, any other by `fallback(entry)`."""
+    cdef list out = []
+    cdef const uint32_t[::1] sketch
+    cdef Py_ssize_t n
+    cdef char *p
+    cdef double ts
+    cdef uint64_t lo, hi
+    cdef uint32_t size, count
+    for item in entries:
+        entry = (<tuple>item)[0]
+        sk = entry.sketch
+        exact = entry.exact
+        if (entry.simhash is None and entry.minhash is None and not entry.sentences and sk.dtype == np.uint32
+                and 0 <= exact < (1 << 128) and 0 <= entry.size < (1 << 32)):
+            sketch = sk
+            n = sketch.shape[0]
+            blob = PyBytes_FromStringAndSize(NULL, 42 + 4 * n)
+            p = PyBytes_AS_STRING(blob)
+            ts = entry.ts
+            lo = <uint64_t>(exact & 0xFFFFFFFFFFFFFFFF)
+            hi = <uint64_t>(exact >> 64)
+            size = entry.size
+            count = <uint32_t>n
+            p[0] = 2  # ENCODING_VERSION
+            memcpy(p + 1, &ts, 8)
+            memcpy(p + 9, &lo, 8)
+            memcpy(p + 17, &hi, 8)
+            memcpy(p + 25, &size, 4)
+            p[29] = 4  # the sketch is uint32
+            memcpy(p + 30, &count, 4)
+            memset(p + 34, 0, 8)  # no minhash, no sentences
+            if n:
+                memcpy(p + 42, &sketch[0], 4 * n)
+            out.append(blob)
+        else:
+            out.append(fallback(entry))
+    return out

@@ -182,6 +182,11 @@ def encode_entry(entry: Entry) -> bytes:
     return b"".join([head, *tail])
 
 
+def encode_entries(entries: Sequence[tuple[Entry, Any]], fallback: Any = None) -> list[bytes]:
+    """`encode_entry` of each (entry, keys) pair (`_native.encode_entries` is the compiled twin)."""
+    return [encode_entry(entry) for entry, _ in entries]
+
+
 def decode_entry(data: bytes, id: str) -> Entry:
     """The inverse of `encode_entry`; raises `IndexCorrupt` on anything it did not write."""
     try:
@@ -744,6 +749,16 @@ class _View:
     exact: bool = True  # `written` holds whole values (no insert went through INSERT_LUA since)
     watch: int = -1  # the pinned connection's epoch in which the read's WATCH of meta guards the view, or -1
     _at: dict[bytes, int] | None = None
+    # Uncontended rounds' (seq, slice, places), whose places' basis (0) is recorded in `bases` when
+    # first needed: only a later round of the same lookup reads it (a conflict, or another chunk).
+    _unsettled: list[list[tuple[int, int, list[int]]]] = field(default_factory=list)
+
+    def settled_bases(self) -> dict[int, dict[int, int]]:
+        for written in self._unsettled:
+            for _, s, places in written:
+                self.bases.setdefault(s, {}).update(dict.fromkeys(places, 0))
+        self._unsettled.clear()
+        return self.bases
 
     @property
     def at(self) -> dict[bytes, int]:
@@ -765,7 +780,7 @@ class _View:
         basis = self.basis(id)
         parts = []
         for s in self.slices:
-            written, bases = self.written.get(s, {}), self.bases.get(s, {})
+            written, bases = self.written.get(s, {}), self.settled_bases().get(s, {})
             column = self.columns.get(s)
             tails = reread[1].get(s) if reread is not None else None
             for j, p in enumerate(places):
@@ -813,6 +828,7 @@ class RedisIndex:
         self._round = _native.alone_round if _native is not None else alone_round
         self._decode = _native.decode_entries if _native is not None else decode_entries
         self._rank_all = _native.rank_lookup if _native is not None else rank_lookup
+        self._encode = _native.encode_entries if _native is not None else encode_entries
         self.alone_inserts = True  # INSERT_ALONE_LUA when nobody else inserted since the lookup
         # Standalone Redis: one connection for the instance's round trips, so that the lookup's WATCH
         # still guards the insert's MULTI/EXEC; a reconnect drops the WATCH, so it moves the epoch.
@@ -1049,7 +1065,7 @@ class RedisIndex:
         known = [p for p in places if p is not None]
         if value_or_tail is not None:
             view.written.setdefault(s, {}).update(dict.fromkeys(known, value_or_tail))
-        view.bases.setdefault(s, {}).update(dict.fromkeys(known, basis))
+        view.settled_bases().setdefault(s, {}).update(dict.fromkeys(known, basis))
 
     def _alone(self, entries: Sequence[tuple[Entry, tuple[int, ...]]], fields_of: Sequence[list[bytes]],
                places_of: Sequence[list[int] | None]) -> list[int] | None:
@@ -1072,7 +1088,7 @@ class RedisIndex:
         writes: dict[int, dict[int, bytes]] = {s: dict(view.written.get(s, {})) for s in slices}
         looked = view.looked
         results, groups, pending, hwm, seq = self._round(
-            [e.id for e, _ in entries], times, [encode_entry(e) for e, _ in entries], list(fields_of),
+            [e.id for e, _ in entries], times, self._encode(list(entries), encode_entry), list(fields_of),
             list(places_of), [view.entry_places[looked[e.id]] for e, _ in entries], tuple(slices), view.columns, writes,
             hwm, window, self.slice_length, cap, seq, _entry_time, trim_records)
         hwm_bytes = view.hwm if hwm <= stored_hwm else (b"%.17g" % hwm)
@@ -1092,8 +1108,9 @@ class RedisIndex:
                 return None
         self._hwm = max(self._hwm, hwm)
         view.hwm = hwm_bytes
-        for seq_i, s, places in pending:
-            self._inserted(seq_i, s, places, None, 0)
+        view.own.update([seq_i for seq_i, _, _ in pending])
+        view.inserted += len(pending)
+        view._unsettled.append(pending)
         for s in groups:
             view.written[s] = writes[s]
         return results

@@ -345,3 +345,24 @@ def test_stored_entries_decode_as_the_python_reference(n: int, wide: bool, simha
     got = _native.decode_entries(["e-1", "gone"], [blob, None], Entry, decode_entry)
     assert list(got) == ["e-1"]
     assert_same_entry(got["e-1"], want)
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(0, 40), wide=st.booleans(), simhash=st.none() | st.integers(0, 2**64 - 1),
+       minhash=st.none() | st.integers(0, 8), sentences=st.lists(st.integers(0, 2**64 - 1), max_size=3),
+       exact=st.integers(0, 2**128 - 1), size=st.integers(0, 2**32 - 1), ts=st.floats(allow_nan=False))
+def test_entries_encode_as_the_python_reference(n: int, wide: bool, simhash: int | None, minhash: int | None,
+                                                sentences: list[int], exact: int, size: int, ts: float) -> None:
+    rng = np.random.default_rng(n)
+    sketch = np.sort(rng.integers(0, 2**32 if not wide else 2**63, n, dtype=np.uint64))
+    entry = Entry("e-1", ts, exact, size, sketch if wide else sketch.astype(np.uint32), simhash,
+                  None if minhash is None else rng.integers(0, 2**32, minhash, dtype=np.uint64).astype(np.uint32),
+                  frozenset(sentences))
+    assert _native.encode_entries([(entry, ()), (entry, (1,))], encode_entry) == [encode_entry(entry)] * 2
+
+
+def test_an_entry_outside_the_stored_ranges_is_refused_as_by_the_python_reference() -> None:
+    for exact, size in ((-1, 3), (1 << 128, 3)):
+        entry = Entry("e", 1.0, exact, size, np.zeros(2, dtype=np.uint32))
+        with pytest.raises(ValueError):
+            _native.encode_entries([(entry, ())], encode_entry)

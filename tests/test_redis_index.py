@@ -684,6 +684,7 @@ def test_uncontended_inserts_store_what_the_checking_script_stores(make: Callabl
     reference._plan, reference._rank, reference._round, reference._decode, reference._rank_all = (
         redis_index.plan_fields, redis_index.rank_records, redis_index.alone_round, redis_index.decode_entries,
         redis_index.rank_lookup)
+    reference._encode = redis_index.encode_entries
     calls = {"fast": 0}
     alone = fast._alone
 
