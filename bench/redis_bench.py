@@ -48,6 +48,7 @@ from bench.filter_bench import _norm  # noqa: E402
 from filters.config import FilterConfig  # noqa: E402
 from filters.engine import NearDupFilter, Verdict  # noqa: E402
 from stream.codec import RecordFormat  # noqa: E402
+from stream.collector import tune_collector  # noqa: E402
 from stream.evaluate import score  # noqa: E402
 from stream.runner import RawRecord, route_batch, route_batches  # noqa: E402
 
@@ -240,6 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--db", type=int, default=9, help="the database this benchmark owns (FLUSHed)")
     p.add_argument("--no-memory", action="store_true", help="skip the Redis memory pass")
     args = p.parse_args(argv)
+    tune_collector()  # as `neardup filter` runs (stream/collector.py), for every backend alike
     if args.cluster:
         parts = urlsplit(args.cluster)
         args.cluster = urlunsplit(parts._replace(scheme=parts.scheme.removesuffix("+cluster") + "+cluster",

@@ -2,6 +2,7 @@
 
     eval "$(bash docker/services.sh env)"
     python bench/redis_cpu.py [--redis URL] [--corpora sms_en,tweets_en,reviews_zh] [--runs 3]
+                              [--collector default|tuned]
 
 Runs `NearDupFilter.check_batch` over the messages (batches of 512, a fresh namespace each run) on
 the Redis index and reads the server's `INFO cpu` (user + sys) and `INFO commandstats` before and
@@ -14,6 +15,7 @@ release the same way (README: "What Redis spends").
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -38,19 +40,37 @@ def main() -> int:
     p.add_argument("--truth", default=str(ROOT.parent / "shared" / "eval" / "truth.jsonl"))
     p.add_argument("--corpora", default="sms_en,tweets_en,reviews_zh")
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--collector", choices=("default", "tuned"), default="default",
+                   help="tuned: the garbage collector as `neardup filter` and `serve` run it (stream/collector.py)")
     args = p.parse_args()
     wanted = set(args.corpora.split(","))
     with open(args.stream, "rb") as s, open(args.truth, "rb") as t:
         msgs = [Message(r["id"], r["text"], r["ts"]) for r, label in zip(map(orjson.loads, s), map(orjson.loads, t))
                 if label["corpus"] in wanted]
     server = redis.Redis.from_url(args.redis)
-    rows: dict[str, list[float]] = {"server CPU µs": [], "client CPU µs": [], "wall µs": []}
+    if args.collector == "tuned":
+        from stream.collector import tune_collector
+
+        tune_collector()
+    collections = [0.0]
+    started = [0.0]
+
+    def collecting(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            collections[0] += time.perf_counter() - started[0]
+
+    gc.callbacks.append(collecting)
+    rows: dict[str, list[float]] = {"server CPU µs": [], "client CPU µs": [], "of it garbage collection µs": [],
+                                    "wall µs": []}
     commands: dict[str, list[float]] = {}
     for _ in range(args.runs):
         prefix = f"cpu-{uuid.uuid4().hex[:10]}"
         nd = NearDupFilter(FilterConfig(window=1e9), index=f"{args.redis.split('?')[0]}?prefix={prefix}")
         server.config_resetstat()
         cpu = server.info("cpu")
+        collections[0] = 0.0
         c0, p0, t0 = cpu["used_cpu_user"] + cpu["used_cpu_sys"], time.process_time(), time.perf_counter()
         for at in range(0, len(msgs), 512):
             nd.check_batch(msgs[at : at + 512])
@@ -59,6 +79,7 @@ def main() -> int:
         n = len(msgs)
         rows["server CPU µs"].append((cpu["used_cpu_user"] + cpu["used_cpu_sys"] - c0) / n * 1e6)
         rows["client CPU µs"].append(client / n * 1e6)
+        rows["of it garbage collection µs"].append(collections[0] / n * 1e6)
         rows["wall µs"].append(wall / n * 1e6)
         for name, stat in server.info("commandstats").items():
             commands.setdefault(name.removeprefix("cmdstat_"), []).append(stat["usec"] / n)

@@ -17,6 +17,7 @@ from filters.engine import NearDupFilter, Verdict
 from filters.errors import NeardupError
 from filters.normalize import NormalizeOptions
 from stream.codec import FORMATS, RecordFormat
+from stream.collector import tune_collector
 from stream.config import parse_duration
 from stream.logs import LOG_FORMATS, setup_logging, warn_if_interpreted
 from stream.runner import DUPLICATE, UNIQUE, RawRecord, Summary, route_batch, run_filter
@@ -114,6 +115,7 @@ def cmd_filter(args: argparse.Namespace) -> int:
     setup_logging("info", args.log_format)
     warn_if_interpreted()
     nd = NearDupFilter(_config(args), index=args.index)
+    tune_collector()
     with ExitStack() as stack:
         def out(path: str | None, default: IO[bytes] | None) -> FileSink:
             if path is None:

@@ -60,6 +60,7 @@ from aiokafka.partitioner import DefaultPartitioner
 from filters.engine import NearDupFilter
 from filters.errors import ConfigError, IndexUnavailable, RejectedInput, ServiceError
 from stream.codec import RecordFormat, decode
+from stream.collector import tune_collector
 from stream.config import Settings
 from stream.kafka_tools import (
     Headers,
@@ -944,6 +945,7 @@ async def serve(settings: Settings) -> WorkerStats:
     ops = Ops(settings, worker)
     ops.attach()
     await ops.start()
+    tune_collector()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, worker.stop)

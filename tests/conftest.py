@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -122,3 +123,13 @@ def fresh_redis(redis_url: str) -> Iterator[redis.Redis]:
         yield client
     finally:
         client.close()
+
+
+@pytest.fixture(autouse=True)
+def _collector_restored() -> Iterator[None]:
+    """`neardup filter` run in-process tunes the garbage collector for the whole process
+    (`stream.collector`): put it back, so that each test sees CPython's defaults."""
+    thresholds = gc.get_threshold()
+    yield
+    gc.set_threshold(*thresholds)
+    gc.unfreeze()

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 import os
@@ -19,6 +20,7 @@ from filters.config import FilterConfig
 from filters.engine import NearDupFilter
 from stream.cli import main
 from stream.codec import RecordFormat
+from stream.collector import OLDER_THRESHOLDS, YOUNG_THRESHOLD
 from stream.runner import DUPLICATE, REJECTED, UNIQUE, RawRecord, route_batch, run_filter
 from stream.testing import ListSink, ListSource, ManualClock
 
@@ -497,3 +499,12 @@ def test_console_script_end_to_end(tmp_path: Path) -> None:
                          timeout=60, check=False)
     assert bad.returncode == 2
     assert b"not a duration: 'banana'" in bad.stderr
+
+
+def test_filter_tunes_the_garbage_collector(tmp_path: Path) -> None:
+    """A routing process spaces the collector's runs out and freezes what start-up made (`stream.collector`)."""
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(b'{"id": "1", "text": "hello there"}\n')
+    assert main(["filter", str(src), "--unique", str(tmp_path / "u"), "-q"]) == 0
+    assert gc.get_threshold() == (YOUNG_THRESHOLD, *OLDER_THRESHOLDS)
+    assert gc.get_freeze_count() > 1000
