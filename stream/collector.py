@@ -3,10 +3,11 @@
 Routing allocates many short-lived containers a message (the lookup's field lists, fingerprints,
 verdicts, Kafka records), nearly all freed by reference counting at once. With CPython's default
 thresholds (a young collection every 700 net allocations) the collector still ran about 250 young and
-2 full collections for 17,000 short messages, ≈ 5–6 µs of CPU a message, ≈ 10 % of the client's time on
-the Redis index (measured with `gc.callbacks`; `python bench/redis_cpu.py` shows the effect). The
-objects made at start-up (normalization tables, modules) live for the whole run: frozen, full
-collections no longer walk them. Cycles still get collected, after 50,000 net allocations.
+2 full collections for 17,000 short messages: 4–5 µs of CPU a message, 8–10 % of the client's time on
+the Redis index (`python bench/redis_cpu.py` prints it, measured with `gc.callbacks`; with
+`--collector tuned`, none). The objects made at start-up (normalization tables, modules) live for
+the whole run: frozen, full collections no longer walk them. Cycles still get collected, after 50,000
+net allocations.
 """
 
 from __future__ import annotations
