@@ -23,7 +23,8 @@ it `redis.call`s inside Lua (2–3 µs each, whatever they do: ZADD and PEXPIRE 
 per bucket) and the Lua VM counting members. Here a lookup is no script at all: per slice, one HMGET of
 every field the chunk's queries name (pipelined: one round trip), and the client counts, ranks and
 caps; a second round trip reads the winners' entries. An insert round is one script whose calls do not
-grow with the number of buckets: one HMGET and one HSET per slice.
+grow with the number of buckets: one HMGET and one HSET per slice; the uncontended round (below) no
+script at all, ≈ 25 µs of Redis CPU a short message in all (bench/redis_cpu.py).
 
 Atomicity. The lookup is not one moment: it reads `seq` first, then the slices. What makes the index
 safe is the insert: for each entry, the script compares the last 8 bytes (the newest seq) of each of
