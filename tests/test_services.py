@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from typing import Any
 
@@ -89,6 +90,11 @@ async def _roundtrip(bootstrap: str, n: int = 10, **security: Any) -> list[Recor
     await admin.start()
     try:
         await admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1)])
+        # A new topic reaches the broker's metadata a moment after CreateTopics returns (KRaft
+        # propagates it asynchronously): under load, the first listing may miss it.
+        deadline = time.monotonic() + 15
+        while topic not in await admin.list_topics() and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
         assert topic in await admin.list_topics()
     finally:
         await admin.close()
