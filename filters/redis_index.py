@@ -875,14 +875,19 @@ class RedisIndex:
         except (struct.error, OverflowError):
             raise ValueError(f"bucket keys must be unsigned 64-bit ints: {[q.keys for q in queries]!r}") from None
         watch = self._watchable()
+        if watch:
+            with self._errors():
+                self._pinned()  # the epoch below must be that of the connection the reads go on
+        epoch = self._epoch
         seq, stored, slices, columns = self._read_covering(names, self._slices(marks[0], hwm), marks[0], hwm,
                                                            watch=watch)
+        watch = watch and self._epoch == epoch  # both reads on the connection whose WATCH guards the view
         top = _stored_time(stored)
         self._hwm = max(hwm, top)
         ids = [q.id for q in queries]
         keys_of = [q.keys for q in queries]
         self._view = _View(slices, dict(zip(slices, columns)), names, seq, stored, dict(zip(ids, range(len(ids)))),
-                           keys_of, key_fields, positions, id_places, watch=self._epoch if watch else -1)
+                           keys_of, key_fields, positions, id_places, watch=epoch if watch else -1)
         window = self.window
         found = self._rank_all(columns, positions, id_places, ids, [q.min_shared for q in queries], limit,
                                [max(mark, top) - window for mark in marks], self.bucket_cap, _entry_time)
@@ -935,6 +940,7 @@ class RedisIndex:
             self._conn.disconnect()
             self._client.connection_pool.release(self._conn)
             self._conn = None
+            self._epoch += 1  # its WATCH is gone: a lookup's view from before guards nothing now
         self._client.close()
 
     # -- reading ---------------------------------------------------------------------------------
@@ -1146,12 +1152,18 @@ class RedisIndex:
             return None  # nothing was sent
         finally:
             self._guarded = False
-        with self._errors():
-            _raise_any(replies)
-            done = replies[-3]
-            if done is None:
-                return None
-            _raise_any(done)  # a command that failed inside the transaction (the others did run)
+        try:
+            with self._errors():
+                _raise_any(replies)
+                done = replies[-3]
+                if done is None:
+                    return None
+                _raise_any(done)  # a command that failed inside the transaction (the others did run)
+        except BaseException:
+            # Redis before 6.2 stays in MULTI after refusing EXEC itself: start afresh, whatever happened.
+            if self._conn is not None:
+                self._conn.disconnect()
+            raise
         now_seq, now_hwm = replies[-1]
         return int(now_seq or 0) == seq and (now_hwm or b"") == hwm
 
@@ -1216,10 +1228,16 @@ class RedisIndex:
                 return self._send(conn, commands)
             finally:
                 pool.release(conn)
+        return self._send(self._pinned(), commands, pinned=True)
+
+    def _pinned(self) -> Any:
+        """The instance's own connection (made on first use: a new connection is a new epoch)."""
         if self._conn is None:
-            self._conn = pool.get_connection()
-            self._conn.register_connect_callback(self._connected)
-        return self._send(self._conn, commands, pinned=True)
+            conn = self._client.connection_pool.get_connection()  # connected already: no callback for it
+            conn.register_connect_callback(self._connected)
+            self._conn = conn
+            self._epoch += 1
+        return self._conn
 
     def _send(self, conn: Any, commands: Sequence[Sequence[str | int | bytes]], *, pinned: bool = False) -> list[Any]:
         try:

@@ -571,6 +571,19 @@ def test_a_reconnect_between_lookup_and_insert_never_sends_the_transaction_ungua
     assert results == [None]
 
 
+def test_an_insert_after_close_is_checked_by_the_script(make: Callable[..., RedisIndex]) -> None:
+    """`close` drops the connection and its WATCH; an insert of the lookup's view after it (a routing
+    thread still finishing at shutdown) opens a new one, which must not count as watched (found by
+    review: the new connection was made without moving the epoch)."""
+    a, b = make(), make()
+    results = _counting_watched(a)
+    a.lookup([Query("a", 1000.0, (1, 2))], 8)
+    _put(b, "x", 1000.0, (2,))
+    a.close()
+    assert [ids(c) for c in a.insert([(entry("a"), (1, 2))])] == [["x"]]
+    assert results == []
+
+
 def test_stats_from_another_thread_while_batches_are_routed(make: Callable[..., RedisIndex]) -> None:
     """The worker's metrics read `stats` on the event loop while a batch is routed in a thread: it must
     not share the connection whose replies the lookups and inserts are reading (found when it did)."""
