@@ -417,6 +417,22 @@ cdef Estimates estimates(const uint64_t *a, Py_ssize_t na, int64_t size_a,
     return r
 
 
+cdef inline double similarity(Estimates est, int64_t size_a, int64_t size_b, double threshold,
+                              double containment, double min_ratio, int64_t min_size) noexcept nogil:
+    """`NearDupFilter._sketch_match` on the estimates: the Jaccard if it passes `threshold`, else the
+    containment of the smaller text if it passes (with the size ratio and minimum size), else -1."""
+    if est.jaccard >= threshold:
+        return est.jaccard
+    cdef double best = est.containment_a if est.containment_a > est.containment_b else est.containment_b
+    cdef int64_t small = size_a if size_a < size_b else size_b
+    cdef int64_t big = size_a if size_a > size_b else size_b
+    if big < 1:
+        big = 1
+    if best >= containment and <double>small / <double>big >= min_ratio and small >= min_size:
+        return best
+    return -1.0
+
+
 # --- the table of the memory index ----------------------------------------------------------------------
 
 cdef struct CEntry:
@@ -1079,9 +1095,7 @@ cdef class Table:
         cdef double ts, sim
         cdef const uint64_t *keys
         cdef CEntry *e
-        cdef Estimates est
-        cdef int64_t size_a, small, big
-        cdef double best
+        cdef int64_t size_a
         cdef bint matched
         if len(ids) != batch.n or len(tss) != batch.n:
             raise ValueError("ids, event times and the hashed batch differ in length")
@@ -1112,18 +1126,8 @@ cdef class Table:
                     out.append(verdict(id, True, <object>e.id, 1.0, "exact"))
                     matched = True
                     break
-                est = estimates(self.probe, nsk, size_a, self._wide(e), e.nsk, e.size)
-                sim = -1.0
-                if est.jaccard >= threshold:
-                    sim = est.jaccard
-                else:
-                    best = est.containment_a if est.containment_a > est.containment_b else est.containment_b
-                    small = size_a if size_a < e.size else e.size
-                    big = size_a if size_a > e.size else e.size
-                    if big < 1:
-                        big = 1
-                    if best >= containment and <double>small / <double>big >= min_ratio and small >= min_size:
-                        sim = best
+                sim = similarity(estimates(self.probe, nsk, size_a, self._wide(e), e.nsk, e.size), size_a, e.size,
+                                 threshold, containment, min_ratio, min_size)
                 if sim >= 0.0:
                     out.append(verdict(id, True, <object>e.id, py_round(sim, 4),
                                        method_names[keys[self.ranked[c].first] >> 60]))
@@ -1144,8 +1148,8 @@ cdef class Table:
         as `NearDupFilter._first_match`, and the unique ones inserted here. Returns (the verdicts, made
         by `verdict(id, duplicate, duplicate_of, similarity, method)`, and the places of the unique)."""
         cdef Py_ssize_t count = len(ids), i, j, c, nkeys, floor, n_local, n_remote, n, nsk, nsk_b, pos
-        cdef double ts, sim, best
-        cdef int64_t size_a, size_b, small, big
+        cdef double ts, sim
+        cdef int64_t size_a, size_b
         cdef uint64_t lo, hi
         cdef const uint32_t[::1] sk
         cdef Estimates est
@@ -1244,18 +1248,8 @@ cdef class Table:
                     other = self.other
                     size_b = entry.size
                     match_id = entry.id
-                est = estimates(self.probe, nsk, size_a, other, nsk_b, size_b)
-                sim = -1.0
-                if est.jaccard >= threshold:
-                    sim = est.jaccard
-                else:
-                    best = est.containment_a if est.containment_a > est.containment_b else est.containment_b
-                    small = size_a if size_a < size_b else size_b
-                    big = size_a if size_a > size_b else size_b
-                    if big < 1:
-                        big = 1
-                    if best >= containment and <double>small / <double>big >= min_ratio and small >= min_size:
-                        sim = best
+                sim = similarity(estimates(self.probe, nsk, size_a, other, nsk_b, size_b), size_a, size_b,
+                                 threshold, containment, min_ratio, min_size)
                 if sim >= 0.0:
                     out.append(verdict(id, True, match_id, py_round(sim, 4), method_names[item.first_key >> 60]))
                     matched = True

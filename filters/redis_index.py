@@ -1100,7 +1100,7 @@ class RedisIndex:
             hwm, window, self.slice_length, cap, seq, _entry_time, trim_records)
         hwm_bytes = view.hwm if hwm <= stored_hwm else (b"%.17g" % hwm)
         gone = f"{self._spre}{slices[0] - 1}" if seq > start else ""
-        if view.watch >= 0 and view.watch == self._epoch:
+        if view.watch == self._epoch:  # -1 never is: epochs start at 1 with the first connection
             written = self._write_watched(start, seq, view.hwm, hwm_bytes, gone, groups)
             if written is None:
                 return None
