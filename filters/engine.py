@@ -21,7 +21,8 @@ from typing import Any
 
 from filters.config import FilterConfig
 from filters.fingerprint import METHOD_NAMES, Fingerprint, Fingerprinter, hamming, key_method, minhash_jaccard
-from filters.index import Candidate, CandidateIndex, Entry, MemoryIndex, Query, open_index
+from filters.index import Candidate, CandidateIndex, Entry, MemoryIndex, Query, new_query, open_index
+from filters.records import maker
 from filters.sketch import Probe, size_ratio
 
 _MAX_INSERT_ROUNDS = 8
@@ -51,6 +52,10 @@ class Verdict:
     @property
     def label(self) -> str:
         return "duplicate" if self.duplicate else "unique"
+
+
+# The compiled loops make a verdict per message: from all its field values, without the __init__'s cost.
+_new_verdict = maker(Verdict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,7 +153,7 @@ class NearDupFilter:
             return self.index.table.decide(  # type: ignore[attr-defined, no-any-return]
                 [m.id for m in messages], [m.ts for m in messages], prepared, cfg.min_shared,
                 cfg.max_candidates, cfg.threshold, cfg.containment, cfg.containment_min_ratio,
-                cfg.containment_min_size, METHOD_NAMES, Verdict)
+                cfg.containment_min_size, METHOD_NAMES, _new_verdict)
         if isinstance(self.index, MemoryIndex):
             return [self._decide_local(m, fp) for m, fp in zip(messages, prepared)]
         return self._decide_shared(messages, prepared)
@@ -161,7 +166,7 @@ class NearDupFilter:
         return floor
 
     def _query(self, msg: Message, fp: Fingerprint) -> Query:
-        return Query(msg.id, msg.ts, fp.keys, self._floor(len(fp.keys)))
+        return new_query(msg.id, msg.ts, fp.keys, self._floor(len(fp.keys)))
 
     def _decide_local(self, msg: Message, fp: Fingerprint) -> Verdict:
         """Embedded index: nothing else writes to it, so look up, verify and insert one by one."""
@@ -205,7 +210,7 @@ class NearDupFilter:
             verdicts, unique = batch_local.table.decide_shared(
                 [m.id for m in messages], [m.ts for m in messages], list(fps), list(looked), cfg.min_shared,
                 cfg.max_candidates, cfg.threshold, cfg.containment, cfg.containment_min_ratio,
-                cfg.containment_min_size, METHOD_NAMES, Verdict)
+                cfg.containment_min_size, METHOD_NAMES, _new_verdict)
             for i in unique:
                 pending[i] = Entry.of(messages[i].id, messages[i].ts, fps[i])
             return verdicts, pending

@@ -26,6 +26,7 @@ import numpy as np
 from filters.config import FilterConfig
 from filters.errors import ConfigError
 from filters.normalize import Normalizer
+from filters.records import maker
 from filters.shingles import Batch, mix64
 
 try:  # the compiled core; absent when it could not be built at install time (no C++ compiler)
@@ -56,6 +57,9 @@ class Fingerprint:
     simhash: int | None = None
     minhash: np.ndarray | None = None
     sentences: frozenset[int] = frozenset()
+
+
+_new_fingerprint = maker(Fingerprint)  # one per message: from all field values, without the __init__'s cost
 
 
 def key_method(key: int) -> str:
@@ -130,7 +134,7 @@ class Fingerprinter:
         c = self.config
         normalized = self.normalizer.normalize_batch([t[: c.max_chars] for t in texts])
         if self.native and self._methods <= {"exact", "mgram"}:
-            return self._shingled(normalized).fingerprints(normalized, Fingerprint)  # type: ignore[no-any-return]
+            return self._shingled(normalized).fingerprints(normalized, _new_fingerprint)  # type: ignore[no-any-return]
         exacts, sizes, sketches, mgram_keys, mgram_bounds = self._hashed(normalized)
         features: list[np.ndarray] = []
         if "simhash" in self._methods or "minhash" in self._methods:

@@ -24,6 +24,7 @@ import numpy as np
 
 from filters.errors import ConfigError
 from filters.fingerprint import Fingerprint
+from filters.records import maker
 
 try:  # the compiled core; absent when it could not be built at install time (no C++ compiler)
     from filters import _native
@@ -44,9 +45,9 @@ class Entry:
     minhash: np.ndarray | None = None
     sentences: frozenset[int] = frozenset()
 
-    @classmethod
-    def of(cls, id: str, ts: float, fp: Fingerprint) -> Entry:
-        return cls(id, ts, fp.exact, fp.size, fp.sketch, fp.simhash, fp.minhash, fp.sentences)
+    @staticmethod
+    def of(id: str, ts: float, fp: Fingerprint) -> Entry:
+        return new_entry(id, ts, fp.exact, fp.size, fp.sketch, fp.simhash, fp.minhash, fp.sentences)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +63,12 @@ class Query:
     ts: float
     keys: tuple[int, ...]
     min_shared: int = 1  # candidates sharing fewer keys need not be returned
+
+
+# Made once or more per message: from all field values in order, without the dataclass __init__'s cost.
+new_entry = maker(Entry)
+new_candidate = maker(Candidate)
+new_query = maker(Query)
 
 
 @runtime_checkable

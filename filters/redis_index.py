@@ -98,7 +98,7 @@ except ImportError:  # pragma: no cover - redis-py works without it, slower
     hiredis = None  # type: ignore[assignment]
 
 from filters.errors import ConfigError, IndexCorrupt, IndexUnavailable, NeardupError, ServiceError
-from filters.index import Candidate, Entry, Query
+from filters.index import Candidate, Entry, Query, new_candidate, new_entry
 
 try:  # the compiled core; absent when it could not be built at install time (no C++ compiler)
     from filters import _native
@@ -894,7 +894,7 @@ class RedisIndex:
         entries = self._entries({(self._slice(ts), id) for _, ranked in found for id, _, _, ts in ranked})
         out = []
         for q, (own, ranked) in zip(queries, found):
-            cands = [Candidate(entries[id], shared, q.keys[first]) for id, shared, first, _ in ranked if id in entries]
+            cands = [new_candidate(entries[id], shared, q.keys[first]) for id, shared, first, _ in ranked if id in entries]
             out.append((None if own is None else decode_entry(own, q.id), cands))
         return out
 
@@ -1010,7 +1010,7 @@ class RedisIndex:
             _raise_any(replies)
         out: dict[str, Entry] = {}
         for ids, blobs in zip(by_slice.values(), replies):
-            out.update(self._decode(ids, blobs, Entry, decode_entry))
+            out.update(self._decode(ids, blobs, new_entry, decode_entry))
         return out
 
     # -- inserting -------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import orjson
 
 from filters.engine import Message, Verdict
 from filters.errors import DecodeError, MissingText, RejectedInput
+from filters.records import maker
 
 # Event times above it are units mistaken for seconds (ms, µs, ns): refused, not let loose on the window.
 MAX_EVENT_TIME = 1e11
@@ -41,6 +42,9 @@ class Decoded:
 
 
 _BOM = b"\xef\xbb\xbf"
+# One of each per record: from all field values, without the dataclass __init__'s cost.
+_new_message = maker(Message)
+_new_decoded = maker(Decoded)
 
 
 def decode(raw: bytes, fmt: RecordFormat, *, fallback_id: str, fallback_ts: float) -> Decoded:
@@ -48,17 +52,14 @@ def decode(raw: bytes, fmt: RecordFormat, *, fallback_id: str, fallback_ts: floa
         raise DecodeError(f"record of {len(raw)} bytes exceeds {fmt.max_record_bytes}", "too_large")
     if raw.startswith(_BOM):
         raw = raw[len(_BOM):]  # a byte-order mark (first line of a file saved by some editors) is not content
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise DecodeError(f"not UTF-8: {exc.reason} at byte {exc.start}", "invalid_utf8") from exc
     if fmt.format == "text":
-        text = text.rstrip("\r\n")
+        text = _utf8(raw).rstrip("\r\n")
         _require_content(text)
         return Decoded(Message(fallback_id, text, fallback_ts), None)
-    try:
+    try:  # orjson validates UTF-8 itself: the input is decoded once, unless it is refused
         record = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
+        _utf8(raw)  # undecodable bytes are the reason to give, before any JSON error
         raise DecodeError(f"not JSON: {exc}", "invalid_json") from exc
     if not isinstance(record, dict):
         raise DecodeError(f"JSON {type(record).__name__} is not an object", "not_an_object")
@@ -68,14 +69,21 @@ def decode(raw: bytes, fmt: RecordFormat, *, fallback_id: str, fallback_ts: floa
     if not isinstance(value, str):
         raise MissingText(f"{fmt.text_field!r} is {type(value).__name__}, not a string", "text_not_string")
     _require_content(value)
-    return Decoded(
-        Message(_id(record, fmt.id_field, fallback_id), value, _ts(record, fmt.ts_field, fallback_ts)),
+    return _new_decoded(
+        _new_message(_id(record, fmt.id_field, fallback_id), value, _ts(record, fmt.ts_field, fallback_ts)),
         record,
     )
 
 
+def _utf8(raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DecodeError(f"not UTF-8: {exc.reason} at byte {exc.start}", "invalid_utf8") from exc
+
+
 def _require_content(text: str) -> None:
-    if not text.strip():
+    if not text or text.isspace():  # no copy of the text, as strip() would make
         raise MissingText("text is empty or whitespace only", "empty_text")
 
 

@@ -3,6 +3,7 @@ table answers, the same verdicts, and memory that tracemalloc (the benchmark's m
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import struct
 import tracemalloc
@@ -366,3 +367,85 @@ def test_an_entry_outside_the_stored_ranges_is_refused_as_by_the_python_referenc
         entry = Entry("e", 1.0, exact, size, np.zeros(2, dtype=np.uint32))
         with pytest.raises(ValueError):
             _native.encode_entries([(entry, ())], encode_entry)
+
+
+# Keys from a few values (so queries share fields), the extremes, and values that differ only in the low
+# bits (the top bits pick the table slot: they collide there).
+_KEY = st.one_of(st.integers(0, 7), st.sampled_from([0, 2**64 - 1, 2**63]), st.integers(0, 2**64 - 1),
+                 st.integers(0, 255).map(lambda low: (2 << 60) | low))
+
+
+@settings(max_examples=300, deadline=None)
+@given(keys_of=st.lists(st.lists(_KEY, max_size=30).map(tuple), max_size=40),
+       ids=st.lists(st.sampled_from([b"ea", b"eb", b"ec", b"b\x00"]), max_size=40))
+def test_plan_fields_as_the_python_reference(keys_of: list[tuple[int, ...]], ids: list[bytes]) -> None:
+    from filters.redis_index import plan_fields
+
+    assert _native.plan_fields(keys_of, ids) == plan_fields(keys_of, ids)
+
+
+def test_plan_fields_refuses_a_key_outside_64_bits() -> None:
+    with pytest.raises(OverflowError):
+        _native.plan_fields([(1, 2**64)], [b"ea"])
+    with pytest.raises(OverflowError):
+        _native.plan_fields([(-1,)], [b"ea"])
+
+
+def test_frozen_makes_what_the_class_makes() -> None:
+    """`_native.Frozen(cls)(*values)` is `cls(*values)`: equal, same repr and hash, still frozen."""
+    from filters.engine import Message, Verdict
+    from filters.fingerprint import Fingerprint
+    from filters.index import Query
+    from stream.codec import Decoded
+    from stream.runner import RawRecord, Routed
+
+    sketch = np.array([3, 9], dtype=np.uint32)
+    cases = [
+        (Verdict, ("a", True, "b", 0.75, "mgram")), (Query, ("a", 1.5, (1, 2), 2)), (Message, ("a", "text", 2.0)),
+        (Candidate, (Entry("e", 1.0, 7, 2, sketch, None, None, frozenset()), 3, 1 << 61)),
+        (Decoded, (Message("a", "t", 1.0), {"text": "t"})), (RawRecord, (b"{}", "7", 1.0)),
+        (Routed, ("unique", RawRecord(b"{}", "7", 1.0), None, Verdict("a", False), None)),
+    ]
+    for cls, values in cases:
+        made, reference = _native.Frozen(cls)(*values), cls(*values)
+        assert type(made) is cls and made == reference and repr(made) == repr(reference)
+        if cls.__hash__ is not None and cls is not Decoded:
+            assert hash(made) == hash(reference)
+        for obj in (made, reference):  # (Python 3.11's slotted frozen __setattr__ raises a TypeError of its own)
+            with pytest.raises((dataclasses.FrozenInstanceError, TypeError)):
+                obj.id = "other"  # type: ignore[misc, union-attr]
+    made = _native.Frozen(Fingerprint)("n", 1 << 100, 2, sketch, (1,), None, None, frozenset())
+    assert [getattr(made, f.name) is not None for f in dataclasses.fields(Fingerprint)][:5] == [True] * 5
+    with pytest.raises(TypeError):
+        _native.Frozen(Verdict)("a", True)  # defaults are not filled in: every value, in order
+
+
+def test_frozen_refuses_what_its_init_does_more_for() -> None:
+    @dataclasses.dataclass(frozen=True)
+    class NoSlots:
+        a: int
+
+    @dataclasses.dataclass(slots=True)
+    class NotFrozen:
+        a: int
+
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class Checked:
+        a: int
+
+        def __post_init__(self) -> None:
+            raise AssertionError
+
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class WithInitVar:
+        a: int
+        b: dataclasses.InitVar[int] = 0
+
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class NotInInit:
+        a: int
+        b: int = dataclasses.field(init=False, default=0)
+
+    for cls in (NoSlots, NotFrozen, Checked, WithInitVar, NotInInit, int, tuple):
+        with pytest.raises(TypeError):
+            _native.Frozen(cls)

@@ -258,3 +258,26 @@ def test_decode_returns_decoded_or_raises_rejected_input(raw: bytes, fmt: str) -
         assert isinstance(d.record, dict)
     else:
         assert d.record is None and d.message.id == "7" and d.message.ts == 1.5
+
+
+# Valid JSON around bytes that may not be UTF-8: a text field of raw bytes (overlong forms, surrogates,
+# stray continuation bytes, code points above U+10FFFF) spliced in after the JSON was encoded.
+SPLICED = st.tuples(RECORDS, st.binary(max_size=8) | st.sampled_from(
+    [b"\xc0\xaf", b"\xed\xa0\x80", b"\xf4\x90\x80\x80", b"\x80", b"\xef\xbb\xbf", b"\xe2\x82"])).map(
+    lambda p: p[0][:-1] + (b"," if len(p[0]) > 2 else b"") + b'"x":"' + p[1] + b'"}')
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.one_of(st.binary(), SPLICED), st.sampled_from(["json", "text"]))
+def test_decode_says_invalid_utf8_exactly_when_the_bytes_are_not_utf8(raw: bytes, fmt: str) -> None:
+    try:
+        raw.decode("utf-8")
+        valid = True
+    except UnicodeDecodeError:
+        valid = False
+    try:
+        decode(raw, RecordFormat(format=fmt), fallback_id="7", fallback_ts=1.5)
+        reason = None
+    except RejectedInput as exc:
+        reason = exc.reason
+    assert (reason == "invalid_utf8") == (not valid)
