@@ -1529,6 +1529,8 @@ def pack_commands(list commands) -> bytes:
     cdef Py_ssize_t size = 0, n, j, length
     cdef const char *data
     cdef object arg
+    cdef tuple command
+    commands = [c if type(c) is tuple else tuple(c) for c in commands]  # tuples: indexed without a call
     for command in commands:
         n = len(command)
         size += 3 + decimal_size(n)

@@ -389,10 +389,11 @@ class Normalizer:
                 # Like the pinyin step: only in texts with a Han character.
                 text_ends = np.flatnonzero(mapped == ord(_JOIN))
                 touched = np.searchsorted(text_ends, touching, side="right")
-                han = np.flatnonzero((codes >= 0x3400) & (codes <= 0x9FFF))
+                # The text of each position is the number of joiners before it (one pass, no search per Han).
+                text_of = np.cumsum(codes == ord(_JOIN))
                 has_han = np.zeros(len(text_ends) + 1, dtype=bool)
-                has_han[np.searchsorted(np.flatnonzero(codes == ord(_JOIN)), han, side="right")] = True
-                touched = np.unique(touched)
+                has_han[text_of[(codes >= 0x3400) & (codes <= 0x9FFF)]] = True
+                touched = touched[np.flatnonzero(np.diff(touched, prepend=-1))]  # sorted: drop repeats
                 latin_next_to_pinyin = set(touched[has_han[touched]].tolist())
         return mapped.tobytes().decode("utf-32-le", "surrogatepass"), latin_next_to_pinyin
 

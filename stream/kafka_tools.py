@@ -36,6 +36,7 @@ from aiokafka.errors import (
 from aiokafka.helpers import create_ssl_context
 
 from filters.errors import BrokerUnavailable, ConfigError, NeardupError, ServiceError
+from filters.records import maker
 from stream.config import Settings
 
 log = logging.getLogger("neardup.kafka")
@@ -75,11 +76,15 @@ class KafkaRecord:
                 found = value
         return found
 
-    @classmethod
-    def of(cls, msg: Any) -> KafkaRecord:
+    @staticmethod
+    def of(msg: Any) -> KafkaRecord:
         """From an aiokafka ConsumerRecord."""
-        return cls(msg.topic, msg.partition, msg.offset, msg.timestamp, msg.key, msg.value,
-                   tuple((k, bytes(v)) for k, v in (msg.headers or ())))
+        headers = msg.headers
+        return _new_kafka_record(msg.topic, msg.partition, msg.offset, msg.timestamp, msg.key, msg.value,
+                                 tuple([(k, bytes(v)) for k, v in headers]) if headers else ())
+
+
+_new_kafka_record = maker(KafkaRecord)  # one per record consumed: without the dataclass __init__'s cost
 
 
 def map_kafka_error(exc: BaseException, where: str) -> NeardupError:

@@ -59,6 +59,7 @@ from aiokafka.partitioner import DefaultPartitioner
 
 from filters.engine import NearDupFilter
 from filters.errors import ConfigError, IndexUnavailable, RejectedInput, ServiceError
+from filters.records import maker
 from stream.codec import RecordFormat, decode
 from stream.collector import tune_collector
 from stream.config import Settings
@@ -118,6 +119,11 @@ class OutRecord:
     headers: Headers
 
 
+# One of each per record routed: from all field values, without the dataclass __init__'s cost.
+_new_out_record = maker(OutRecord)
+_new_raw_record = maker(RawRecord)
+
+
 @dataclass
 class WorkerStats:
     """Counters of one worker run (mutable: updated per batch)."""
@@ -164,7 +170,7 @@ class BatchObserver(Protocol):
 
 def raw_record(record: KafkaRecord) -> RawRecord:
     # A tombstone (value None) is routed as empty bytes: it is rejected and dead-lettered as such.
-    return RawRecord(record.value or b"", record.coordinates, record.timestamp / 1000.0)
+    return _new_raw_record(record.value or b"", record.coordinates, record.timestamp / 1000.0)
 
 
 def _float(value: float) -> bytes:
@@ -194,8 +200,8 @@ def output_of(record: KafkaRecord, routed: Routed, settings: Settings) -> OutRec
     if routed.kind == REJECTED and routed.error is not None and routed.error.reason == "too_large":
         # Too large for the codec is too large for the producer: dead-lettered without its value
         # (neardup-source says where to find it), so one huge record cannot stop the worker.
-        return OutRecord(topic, record.key, None, tuple(headers))
-    return OutRecord(topic, record.key, record.value, tuple(headers))
+        return _new_out_record(topic, record.key, None, tuple(headers))
+    return _new_out_record(topic, record.key, record.value, tuple(headers))
 
 
 def refused_output(record: KafkaRecord, refused: OutRecord, exc: BaseException, settings: Settings) -> OutRecord:
