@@ -397,7 +397,9 @@ def test_frozen_makes_what_the_class_makes() -> None:
     from filters.fingerprint import Fingerprint
     from filters.index import Query
     from stream.codec import Decoded
+    from stream.kafka_tools import KafkaRecord
     from stream.runner import RawRecord, Routed
+    from stream.worker import OutRecord
 
     sketch = np.array([3, 9], dtype=np.uint32)
     cases = [
@@ -405,6 +407,8 @@ def test_frozen_makes_what_the_class_makes() -> None:
         (Candidate, (Entry("e", 1.0, 7, 2, sketch, None, None, frozenset()), 3, 1 << 61)),
         (Decoded, (Message("a", "t", 1.0), {"text": "t"})), (RawRecord, (b"{}", "7", 1.0)),
         (Routed, ("unique", RawRecord(b"{}", "7", 1.0), None, Verdict("a", False), None)),
+        (KafkaRecord, ("in", 0, 5, 1_700_000_000_000, b"k", b"v", (("h", b"x"),))),
+        (OutRecord, ("unique", None, b"v", (("neardup-verdict", b"unique"),))),
     ]
     for cls, values in cases:
         made, reference = _native.Frozen(cls)(*values), cls(*values)
@@ -449,3 +453,33 @@ def test_frozen_refuses_what_its_init_does_more_for() -> None:
     for cls in (NoSlots, NotFrozen, Checked, WithInitVar, NotInInit, int, tuple):
         with pytest.raises(TypeError):
             _native.Frozen(cls)
+
+
+def test_without_the_compiled_core_the_pipeline_routes_as_with_it() -> None:
+    """An install without a C++ compiler has no `filters._native`: every record maker falls back to its
+    class and the engine to its reference. Run in a fresh interpreter where the import fails, the sample
+    routes exactly as here."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, json; sys.modules['filters._native'] = None\n"
+        "from filters import records, index; assert records.maker(index.Entry) is index.Entry\n"
+        "from filters.engine import NearDupFilter; from stream.codec import RecordFormat\n"
+        "from stream.runner import RawRecord, route_batch\n"
+        f"lines = open({str(SAMPLE)!r}, 'rb').read().splitlines()\n"
+        "nd = NearDupFilter(); assert not nd.fingerprinter.native\n"
+        "rows = route_batch(nd, [RawRecord(l, str(i), 0.0) for i, l in enumerate(lines)], RecordFormat())\n"
+        "print(json.dumps([[r.kind, r.verdict and r.verdict.duplicate_of] for r in rows]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False,
+                          cwd=Path(__file__).parents[1])
+    assert done.returncode == 0, done.stderr[-2000:]
+    from stream.codec import RecordFormat
+    from stream.runner import RawRecord, route_batch
+
+    lines = SAMPLE.read_bytes().splitlines()
+    nd = NearDupFilter()
+    assert nd.fingerprinter.native
+    rows = route_batch(nd, [RawRecord(line, str(i), 0.0) for i, line in enumerate(lines)], RecordFormat())
+    assert orjson.loads(done.stdout) == [[r.kind, r.verdict and r.verdict.duplicate_of] for r in rows]
