@@ -24,7 +24,8 @@ batch is committed. An output that its topic refuses as too large is dead-letter
 (reason `output_too_large`) instead of stopping the worker.
 
 Two runtimes share everything but the loop: `aiokafka` (default: a plain consume → route → produce →
-commit loop, pipelined one batch deep) and `faust` (a faust-streaming agent over `stream.noack_take`,
+commit loop, pipelined: the next batch is routed while the last one is handed over and the one before
+committed) and `faust` (a faust-streaming agent over `stream.noack_take`,
 acking a batch after its outputs were acknowledged). aiokafka is the default: faster, lower latency,
 and its commits are explicit (see bench/kafka_e2e.py and the FaustWorker docstring).
 """
@@ -509,10 +510,13 @@ class _WorkerCore:
 class AiokafkaWorker(_WorkerCore):
     """consume (getmany) → route (a thread) → produce → await acks → commit.
 
-    Pipelined one batch deep: while batch N+1 is routed (in a thread), the event loop collects batch N's
-    acknowledgements; N is committed after they all arrived, and always before N+1. So a batch's offsets
-    are committed only after every output of it and of all batches before it was acknowledged; a crash
-    may leave up to two routed batches uncommitted, to be re-read (replayed) after a restart.
+    Pipelined: as soon as batch N is routed, the next batch is fetched and routed (in a thread) while
+    the event loop hands N's outputs to the producer and commits N-1 once its acknowledgements arrived
+    (`_deliver`, a task; the next batch's hand-over waits for it). Routing never waits for Kafka
+    round trips, and Kafka's work is never held up by routing. N is committed after all its outputs were
+    acknowledged, and always before N+1. So a batch's offsets are committed only after every output of
+    it and of all batches before it was acknowledged; a crash may leave up to three routed batches
+    uncommitted, to be re-read (replayed, same verdicts) after a restart.
     """
 
     def __init__(self, settings: Settings, nd: NearDupFilter | None = None, *,
@@ -520,6 +524,7 @@ class AiokafkaWorker(_WorkerCore):
         super().__init__(settings, nd, observer=observer)
         self._lock = asyncio.Lock()  # one batch step at a time: the loop, or a rebalance's flush
         self._in_flight: _InFlight | None = None
+        self._delivering: asyncio.Future[None] | None = None  # `_deliver` of the batch routed last
         self._consumer: AIOKafkaConsumer | None = None
         self._producer: Any = None
         self._transactional = settings.processing_guarantee == "exactly_once"
@@ -568,6 +573,11 @@ class AiokafkaWorker(_WorkerCore):
                 # Stopping (not failing): deliver and commit the batch in flight.
                 await self._flush_locked()
         finally:
+            delivering, self._delivering = self._delivering, None
+            if delivering is not None and not delivering.done():
+                delivering.cancel()  # failing: what it had not committed is re-read after a restart
+            elif delivering is not None and not delivering.cancelled():
+                delivering.exception()  # retrieved: the error that stopped the loop is the one raised
             self._in_flight = None
             watch.cancel()
             with broker_errors(s):
@@ -585,7 +595,7 @@ class AiokafkaWorker(_WorkerCore):
             while not self.stop_event.is_set():
                 # With a batch in flight, look for more without waiting: if there is none, finish the
                 # batch in flight first (latency), then wait for records.
-                wait_ms = 0 if self._in_flight is not None else timeout_ms
+                wait_ms = 0 if self._in_flight is not None or self._delivering is not None else timeout_ms
                 fetch = asyncio.ensure_future(consumer.getmany(timeout_ms=wait_ms, max_records=s.max_batch))
                 await asyncio.wait([fetch, stop_wait], return_when=asyncio.FIRST_COMPLETED)
                 if not fetch.done():
@@ -607,14 +617,12 @@ class AiokafkaWorker(_WorkerCore):
                     if records:
                         await self._batch(consumer, prod, records, assignment)
                     else:
-                        await self._flush()
+                        await self._drain()
         finally:
             stop_wait.cancel()
 
     async def _batch(self, consumer: AIOKafkaConsumer, prod: Any, records: list[KafkaRecord],
                      assignment: int = 0) -> None:
-        s = self.settings
-
         def pause() -> None:
             consumer.pause(*consumer.assignment())
 
@@ -622,7 +630,7 @@ class AiokafkaWorker(_WorkerCore):
             consumer.resume(*consumer.assignment())
 
         async def keepalive() -> None:
-            await self._flush()  # what was routed before the outage need not wait for the index
+            await self._drain()  # what was routed before the outage need not wait for the index
             # Paused partitions return nothing; polling keeps the consumer in its group.
             await consumer.getmany(timeout_ms=0)
 
@@ -630,6 +638,13 @@ class AiokafkaWorker(_WorkerCore):
                                        stopping=self.stop_event.is_set)
         if outs is None:
             return  # stopping during an index outage: nothing of this batch produced or committed
+        await self._settle()  # the previous batch's hand-over: outputs stay in input order
+        self._delivering = asyncio.ensure_future(self._deliver(prod, records, outs, assignment))
+
+    async def _deliver(self, prod: Any, records: list[KafkaRecord], outs: list[OutRecord], assignment: int) -> None:
+        """Hands a routed batch's outputs to the producer and commits the batch before it (whose acks
+        arrived meanwhile); the batch is then in flight. Runs while the next batch is routed."""
+        s = self.settings
         if self._transactional:
             await self._flush()  # one transaction at a time: commit the previous batch's first
             with broker_errors(s):
@@ -639,9 +654,20 @@ class AiokafkaWorker(_WorkerCore):
         await self._flush()  # the previous batch: its acks arrived while this one was routed
         self._in_flight = _InFlight(records, outs, deliveries, assignment)
 
+    async def _settle(self) -> None:
+        """Waits for the last routed batch's `_deliver` (and raises what it raised)."""
+        delivering, self._delivering = self._delivering, None
+        if delivering is not None:
+            await delivering
+
+    async def _drain(self) -> None:
+        """Everything routed so far handed over, acknowledged and committed."""
+        await self._settle()
+        await self._flush()
+
     async def _flush_locked(self) -> None:
         async with self._lock:
-            await self._flush()
+            await self._drain()
 
     async def _flush(self) -> None:
         """Await the acks of the batch in flight, then commit its offsets."""
