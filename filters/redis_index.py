@@ -836,9 +836,10 @@ class RedisIndex:
         self._conn: Any = None
         self._epoch = 0
         self._guarded = False  # a transaction is being sent: a reconnect now would lose its WATCH
-        # Set by the engine (`NearDupFilter.decide`): a share of other work to run after each request went
-        # out and before its replies are read (the next batch's fingerprints, while Redis works on this
-        # one); it returns True when nothing is left.
+        # Set by the engine (`NearDupFilter.decide`): a share of other work to run after a request went out
+        # and before its replies are read (the next batch's fingerprints, while Redis works on this one):
+        # during the lookup's read and the insert's write, not the short read of entries between them.
+        # It returns True when nothing is left.
         self.meanwhile: Callable[[], bool] | None = None
         options: dict[str, Any] = {
             "decode_responses": False,  # entries are bytes
@@ -1006,7 +1007,10 @@ class RedisIndex:
         for s, id in sorted(wanted):
             by_slice.setdefault(s, []).append(id)
         with self._errors():
-            replies = self._execute([("HMGET", f"{self._spre}{s}", *map(_id_field, ids)) for s, ids in by_slice.items()])
+            # No share of other work here: Redis answers this short read sooner than a share takes, and the
+            # insert's transaction, the longest wait, comes next.
+            replies = self._execute([("HMGET", f"{self._spre}{s}", *map(_id_field, ids)) for s, ids in by_slice.items()],
+                                    share=False)
             _raise_any(replies)
         out: dict[str, Entry] = {}
         for ids, blobs in zip(by_slice.values(), replies):
@@ -1206,7 +1210,8 @@ class RedisIndex:
             _raise_any(replies)
             return replies
 
-    def _execute(self, commands: Sequence[Sequence[str | int | bytes]], *, pinned: bool = True) -> list[Any]:
+    def _execute(self, commands: Sequence[Sequence[str | int | bytes]], *, pinned: bool = True,
+                 share: bool = True) -> list[Any]:
         """Runs `commands` in one round trip; an error reply comes back in its place (`_raise_any`).
 
         On standalone Redis the commands are packed in C (the compiled core's `pack_commands`, else
@@ -1228,7 +1233,7 @@ class RedisIndex:
                 return self._send(conn, commands)
             finally:
                 pool.release(conn)
-        return self._send(self._pinned(), commands, pinned=True)
+        return self._send(self._pinned(), commands, pinned=True, share=share)
 
     def _pinned(self) -> Any:
         """The instance's own connection (made on first use: a new connection is a new epoch)."""
@@ -1239,13 +1244,14 @@ class RedisIndex:
             self._epoch += 1
         return self._conn
 
-    def _send(self, conn: Any, commands: Sequence[Sequence[str | int | bytes]], *, pinned: bool = False) -> list[Any]:
+    def _send(self, conn: Any, commands: Sequence[Sequence[str | int | bytes]], *, pinned: bool = False,
+              share: bool = True) -> list[Any]:
         try:
             if _native is not None:
                 conn.send_packed_command([_native.pack_commands(list(commands))])
             else:
                 conn.send_packed_command([hiredis.pack_command(tuple(command)) for command in commands])
-            if pinned and self.meanwhile is not None and self.meanwhile():  # the engine's thread: its work
+            if pinned and share and self.meanwhile is not None and self.meanwhile():  # the engine's thread: its work
                 self.meanwhile = None
             replies: list[Any] = []
             for _ in commands:
