@@ -21,7 +21,7 @@ from hypothesis.extra.numpy import arrays
 
 from filters import redis_index
 from filters.config import FilterConfig
-from filters.engine import NearDupFilter, Verdict
+from filters.engine import Message, NearDupFilter, Verdict
 from filters.errors import ConfigError, IndexCorrupt, IndexUnavailable, NeardupError
 from filters.index import Candidate, Entry, MemoryIndex, Query, open_index
 from filters.redis_index import (
@@ -508,14 +508,14 @@ def test_random_interleavings_never_make_two_near_duplicates_unique(make: Callab
     def interleaving(index: RedisIndex) -> None:
         execute = index._execute
 
-        def hooked(commands: Sequence[Sequence[str | int | bytes]]) -> list[object]:
+        def hooked(commands: Sequence[Sequence[str | int | bytes]], **options: bool) -> list[object]:
             if not busy[0] and pending and rng.random() < 0.6:
                 busy[0] = True
                 try:
                     process(rng.choice([w for w in workers if w is not index]), *pending.pop())
                 finally:
                     busy[0] = False
-            return execute(commands)
+            return execute(commands, **options)
 
         index._execute = hooked  # type: ignore[method-assign]
 
@@ -632,9 +632,10 @@ def test_the_compiled_shared_loop_decides_as_the_python_one(make: Callable[..., 
 
 
 def test_work_given_to_decide_runs_while_redis_answers(make: Callable[..., RedisIndex]) -> None:
-    """`decide(..., meanwhile=...)`: a share of the work runs after each request of the batch went out
-    and before its replies are read, until the work says it is done; what is left after the batch runs
-    then. Routing a file reads one batch ahead this way (`route_batches`)."""
+    """`decide(..., meanwhile=...)`: a share of the work runs after a request of the batch went out and
+    before its replies are read, until the work says it is done: during the lookup's read and the
+    insert's transaction, not the short read of entries between them; what is left after the batch
+    runs then. Routing a file reads one batch ahead this way (`route_batches`)."""
     index = make()
     engine = NearDupFilter(FilterConfig(), index=index)
     messages = generated_messages(60, seed=9)
@@ -648,6 +649,14 @@ def test_work_given_to_decide_runs_while_redis_answers(make: Callable[..., Redis
         return read(*args, **kwargs)
 
     conn.read_response = reading
+    send = conn.send_packed_command
+
+    def sending(packed: list[bytes], *args: object, **kwargs: object) -> object:
+        data = b"".join(packed)
+        events.append("send insert" if b"MULTI" in data else "send lookup" if b"UNWATCH" in data else "send")
+        return send(packed, *args, **kwargs)
+
+    conn.send_packed_command = sending
 
     def shares(total: int) -> Callable[[], bool]:
         def share() -> bool:
@@ -657,14 +666,20 @@ def test_work_given_to_decide_runs_while_redis_answers(make: Callable[..., Redis
 
     try:
         engine.decide(messages[:30], engine.prepare([m.text for m in messages[:30]]), meanwhile=shares(2))
-        assert events[0] == "work" and events.count("work") == 2
-        second = events.index("work", 1)
-        assert events[second - 1] == "read" and events[second + 1] == "read"  # inside the next round trip
+        assert events[:2] == ["send lookup", "work"] and events.count("work") == 2  # the lookup's read
+        second = events.index("work", 2)
+        assert events[second - 1] == "send insert" and events[second + 1] == "read"  # the insert's
         events.clear()
-        engine.decide(messages[30:], engine.prepare([m.text for m in messages[30:]]), meanwhile=shares(9))
+        # Copies of stored messages (their entries are read) and new ones (inserted).
+        second = [Message(f"copy-{m.id}", m.text, m.ts + 1) for m in messages[:15]] + messages[30:45]
+        engine.decide(second, engine.prepare([m.text for m in second]), meanwhile=shares(9))
         assert events.count("work") == 9 and events[-1] == "work"  # the rest after the batch
+        assert "send" in events  # this batch read stored entries: no share ran in that round trip
+        inside = [events[i - 1] for i, e in enumerate(events) if e == "work" and events[i - 1] != "work"]
+        assert inside[:-1] == ["send lookup", "send insert"] and inside[-1] == "read"
     finally:
         del conn.read_response
+        del conn.send_packed_command
 
 
 def test_reading_ahead_on_redis_routes_as_batch_after_batch(make: Callable[..., RedisIndex]) -> None:
