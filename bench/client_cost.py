@@ -3,8 +3,9 @@
     eval "$(bash docker/services.sh env)"
     python bench/client_cost.py [--redis URL] [--messages 8192] [--batch 512]
 
-Wall and CPU time drift by up to 2× within minutes on a shared machine; an instruction count does not,
-so two versions of the client can be compared one run each. The script runs itself under valgrind's
+Wall and CPU time drift by up to 2× within minutes on a shared machine; an instruction count does not
+(runs differ by under 0.2 %: Python's per-process string hashing changes set and dict orders), so two
+versions of the client can be compared with a run or two each. The script runs itself under valgrind's
 callgrind (`apt-get install valgrind`), routes the first `--messages` short messages of the eval stream
 (`route_batch`, as the Kafka worker does, on a fresh Redis namespace) and counts only the instructions
 executed inside that loop (callgrind's `--toggle-collect` on the one C function that wraps it): the
