@@ -350,3 +350,34 @@ def test_raw_record_fallbacks() -> None:
     raw = raw_record(rec)
     assert (raw.value, raw.fallback_id, raw.fallback_ts) == (b"v", "in/3/42", 1_700_000_000.123)
     assert raw_record(KafkaRecord("in", 0, 1, 0, None, None)).value == b""  # a tombstone is rejected
+
+
+def test_the_next_batch_is_routed_while_the_last_one_is_handed_over(kafka_bootstrap: str, index_url: str) -> None:
+    """Pipelining: while a batch's outputs are acknowledged and it is committed (the observer runs then,
+    slowly here), the batch after the next is already being routed: routing does not wait for Kafka."""
+    settings = settings_for(kafka_bootstrap, index_url, id_field="id", max_batch=40)
+    lines = SAMPLE.read_bytes().splitlines()
+    events: list[str] = []
+
+    async def slow(records: Sequence[KafkaRecord], outs: Sequence[OutRecord]) -> None:
+        events.append("commit starts")
+        await asyncio.sleep(0.3)
+        events.append("commit ends")
+
+    worker = AiokafkaWorker(settings, observer=slow)
+    run = worker.router._run
+
+    async def routing(*args: object) -> object:
+        events.append("route")
+        return await run(*args)
+
+    worker.router._run = routing
+
+    async def scenario() -> None:
+        await produce(settings, settings.input_topics[0], [(None, line, ()) for line in lines])
+        await run_until(worker, lambda s: s.seen >= len(lines), timeout=60)
+
+    asyncio.run(scenario())
+    assert events.count("route") >= 8 and events.count("commit starts") >= 7
+    during = [events[i + 1] for i, e in enumerate(events[:-1]) if e == "commit starts"]
+    assert during.count("route") >= 3, events  # a batch was being routed while the one before committed
