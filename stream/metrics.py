@@ -146,6 +146,10 @@ class TimedFilter:
     def index(self) -> CandidateIndex:
         return self.nd.index
 
+    @property
+    def prepares_in_parts(self) -> bool:
+        return self.nd.prepares_in_parts
+
     def prepare(self, texts: Sequence[str]) -> Prepared:
         t0 = time.perf_counter()
         try:
@@ -153,12 +157,23 @@ class TimedFilter:
         finally:
             self.fingerprint += time.perf_counter() - t0
 
-    def decide(self, messages: Sequence[Message], prepared: Prepared) -> list[Verdict]:
+    def decide(self, messages: Sequence[Message], prepared: Prepared,
+               meanwhile: Callable[[], bool] | None = None) -> list[Verdict]:
+        aside = [0.0]  # in `meanwhile`: the next batch's decoding and `prepare` (reading ahead), not the index's
+
+        def share() -> bool:
+            assert meanwhile is not None
+            t = time.perf_counter()
+            try:
+                return meanwhile()
+            finally:
+                aside[0] += time.perf_counter() - t
+
         t0 = time.perf_counter()
         try:
-            return self.nd.decide(messages, prepared)
+            return self.nd.decide(messages, prepared, meanwhile=share if meanwhile is not None else None)
         finally:
-            self.decided += time.perf_counter() - t0
+            self.decided += time.perf_counter() - t0 - aside[0]
 
     def check_batch(self, messages: Sequence[Message]) -> list[Verdict]:
         if not messages:

@@ -45,22 +45,43 @@ def route_batch(nd: NearDupFilter, batch: Sequence[RawRecord], fmt: RecordFormat
 
 
 def route_batches(nd: NearDupFilter, batches: Iterable[Sequence[RawRecord]], fmt: RecordFormat) -> Iterator[list[Routed]]:
-    """`route_batch` of each batch in turn, reading one batch ahead: the next batch is decoded and
-    fingerprinted while a shared index works on the current one's first round trip (`NearDupFilter.decide`'s
-    `meanwhile`), so the client's CPU and Redis's overlap. The same results as `route_batch` one by one."""
+    """`route_batch` of each batch in turn, reading one batch ahead (`ReadAhead`). The same results as
+    `route_batch` one by one."""
+    ahead = ReadAhead(fmt)
     it = iter(batches)
     batch = next(it, None)
-    if batch is None:
-        return
-    step = _Step(batch, fmt)
-    prepared = nd.prepare([m.text for m in step.messages]) if step.messages else None
-    while True:
-        ahead = _Ahead(nd, next(it, None), fmt)
+    while batch is not None:
+        following = next(it, None)
+        yield ahead.route(nd, batch, following)
+        batch = following
+
+
+class ReadAhead:
+    """`route_batch` that decodes and fingerprints the following batch, when there is one already, while a
+    shared index works on the current one's round trips (`NearDupFilter.decide`'s `meanwhile`), so that
+    the client's CPU and Redis's overlap. Used by `route_batches` (files) and the Kafka worker (the batch
+    it fetched meanwhile). One batch's routing at a time."""
+
+    def __init__(self, fmt: RecordFormat) -> None:
+        self.fmt = fmt
+        self._ahead: _Ahead | None = None  # the following batch's decoding and fingerprints
+
+    def route(self, nd: NearDupFilter, batch: Sequence[RawRecord],
+              following: Sequence[RawRecord] | None = None) -> list[Routed]:
+        """The routing of `batch` by `nd` (as `route_batch`); `following`, if given, is prepared meanwhile
+        and used when it is routed next (by the same filter). An error preparing it is raised then."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead.batch is batch:
+            step, prepared = ahead.result()
+        else:
+            step = _Step(batch, self.fmt)
+            prepared = nd.prepare([m.text for m in step.messages]) if step.messages else None
+        if not following:
+            return step.routed(nd.decide(step.messages, prepared) if step.messages else [])
+        ahead = _Ahead(nd, following, self.fmt)
         verdicts = nd.decide(step.messages, prepared, meanwhile=ahead.run) if step.messages else []
-        yield step.routed(verdicts)
-        if ahead.batch is None:
-            return
-        step, prepared = ahead.result()
+        self._ahead = ahead
+        return step.routed(verdicts)
 
 
 class _Step:

@@ -73,7 +73,7 @@ from stream.kafka_tools import (
     map_kafka_error,
     producer,
 )
-from stream.runner import DUPLICATE, UNIQUE, RawRecord, Routed, route_batch
+from stream.runner import DUPLICATE, UNIQUE, RawRecord, ReadAhead, Routed, route_batch
 
 log = logging.getLogger("neardup.worker")
 
@@ -221,10 +221,33 @@ def refused_output(record: KafkaRecord, refused: OutRecord, exc: BaseException, 
     return OutRecord(settings.dead_letter_topic, record.key, None, tuple(headers))
 
 
-def route_records(nd: NearDupFilter, records: Sequence[KafkaRecord], settings: Settings) -> list[OutRecord]:
-    """One output per input, in input order. Raises `IndexUnavailable` (nothing routed) on an outage."""
-    routed = route_batch(nd, [raw_record(r) for r in records], settings.record_format())
+def route_records(nd: NearDupFilter, records: Sequence[KafkaRecord], settings: Settings,
+                  ahead: Lookahead | None = None, following: Sequence[KafkaRecord] = ()) -> list[OutRecord]:
+    """One output per input, in input order. Raises `IndexUnavailable` (nothing routed) on an outage.
+    With `ahead`, the `following` records (fetched already) are decoded and fingerprinted meanwhile."""
+    if ahead is None:
+        routed = route_batch(nd, [raw_record(r) for r in records], settings.record_format())
+    else:
+        routed = ahead.route(nd, records, following)
     return [output_of(rec, r, settings) for rec, r in zip(records, routed, strict=True)]
+
+
+class Lookahead:
+    """The worker's `ReadAhead`: Kafka records in, the following batch's raw records kept so that the
+    batch prepared ahead is recognised when it is routed."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._read_ahead = ReadAhead(settings.record_format())
+        self._following: tuple[Sequence[KafkaRecord], list[RawRecord]] | None = None
+
+    def route(self, nd: NearDupFilter, records: Sequence[KafkaRecord], following: Sequence[KafkaRecord]) -> list[Routed]:
+        known, self._following = self._following, None
+        raw = known[1] if known is not None and known[0] is records else [raw_record(r) for r in records]
+        after = [raw_record(r) for r in following] if following else None
+        routed = self._read_ahead.route(nd, raw, after)
+        if after is not None:
+            self._following = (following, after)
+        return routed
 
 
 def unchecked_records(records: Sequence[KafkaRecord], settings: Settings) -> list[OutRecord]:
@@ -285,22 +308,25 @@ class Router:
         # How the CPU-bound, blocking routing step runs: in a worker thread by default, so that the
         # event loop keeps fetching, heartbeating and delivering the previous batch meanwhile.
         self._run = run or asyncio.to_thread
+        self.lookahead = Lookahead(settings)  # prepares the following batch while Redis works
 
     async def route(
         self,
         records: Sequence[KafkaRecord],
         *,
+        following: Sequence[KafkaRecord] = (),
         pause: Callable[[], None] = lambda: None,
         resume: Callable[[], None] = lambda: None,
         keepalive: Callable[[], Awaitable[None]] | None = None,
         stopping: Callable[[], bool] = lambda: False,
     ) -> list[OutRecord] | None:
-        """The outputs of `records`, or None when stopping before they could be routed."""
+        """The outputs of `records`, or None when stopping before they could be routed. `following`: the
+        records to be routed next, if fetched already (prepared meanwhile)."""
         if self.settings.on_index_error == "unchecked":
             return await self._route_unchecked(records)
         while True:
             try:
-                outs = await self._run(route_records, self.nd, records, self.settings)
+                outs = await self._run(route_records, self.nd, records, self.settings, self.lookahead, following)
             except IndexUnavailable as exc:
                 self.stats.index_errors += 1
                 self._attempts += 1
@@ -591,8 +617,18 @@ class AiokafkaWorker(_WorkerCore):
         s = self.settings
         timeout_ms = max(1, round(s.batch_within * 1000))
         stop_wait = asyncio.ensure_future(self.stop_event.wait())
+        pending: list[KafkaRecord] = []  # fetched with the last batch, to be routed next
+        pending_assignment = 0
         try:
             while not self.stop_event.is_set():
+                if pending:
+                    records, assignment, pending = pending, pending_assignment, []
+                    following = await self._fetch_ahead(consumer)
+                    pending_assignment = self._rebalance.assignments
+                    async with self._lock:
+                        await self._batch(consumer, prod, records, assignment, following)
+                    pending = following
+                    continue
                 # With a batch in flight, look for more without waiting: if there is none, finish the
                 # batch in flight first (latency), then wait for records.
                 wait_ms = 0 if self._in_flight is not None or self._delivering is not None else timeout_ms
@@ -613,16 +649,29 @@ class AiokafkaWorker(_WorkerCore):
                         continue
                 assignment = self._rebalance.assignments
                 records = [KafkaRecord.of(m) for msgs in fetched.values() for m in msgs]
+                following = await self._fetch_ahead(consumer) if records else []
+                pending_assignment = self._rebalance.assignments
                 async with self._lock:
                     if records:
-                        await self._batch(consumer, prod, records, assignment)
+                        await self._batch(consumer, prod, records, assignment, following)
                     else:
                         await self._drain()
+                pending = following
         finally:
             stop_wait.cancel()
 
+    async def _fetch_ahead(self, consumer: AIOKafkaConsumer) -> list[KafkaRecord]:
+        """The records the consumer holds already (no waiting), to be decoded and fingerprinted while the
+        batch before them is routed (`Router.route`'s `following`); none if fetching fails now: the next
+        regular fetch reports that."""
+        try:
+            fetched = await consumer.getmany(timeout_ms=0, max_records=self.settings.max_batch)
+        except KafkaError:
+            return []
+        return [KafkaRecord.of(m) for msgs in fetched.values() for m in msgs]
+
     async def _batch(self, consumer: AIOKafkaConsumer, prod: Any, records: list[KafkaRecord],
-                     assignment: int = 0) -> None:
+                     assignment: int = 0, following: Sequence[KafkaRecord] = ()) -> None:
         def pause() -> None:
             consumer.pause(*consumer.assignment())
 
@@ -634,8 +683,8 @@ class AiokafkaWorker(_WorkerCore):
             # Paused partitions return nothing; polling keeps the consumer in its group.
             await consumer.getmany(timeout_ms=0)
 
-        outs = await self.router.route(records, pause=pause, resume=resume, keepalive=keepalive,
-                                       stopping=self.stop_event.is_set)
+        outs = await self.router.route(records, following=following, pause=pause, resume=resume,
+                                       keepalive=keepalive, stopping=self.stop_event.is_set)
         if outs is None:
             return  # stopping during an index outage: nothing of this batch produced or committed
         await self._settle()  # the previous batch's hand-over: outputs stay in input order

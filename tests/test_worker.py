@@ -16,10 +16,11 @@ from aiokafka.partitioner import DefaultPartitioner
 from filters.errors import ConfigError
 from stream import commands
 from stream.kafka_tools import KafkaRecord, ensure_topics
-from stream.worker import AiokafkaWorker, OutRecord, make_worker, raw_record
+from stream.worker import AiokafkaWorker, Lookahead, OutRecord, make_worker, raw_record, route_records
 from tests.kafka_support import (
     TcpProxy,
     committed,
+    drop_index,
     free_port,
     outputs,
     produce,
@@ -354,30 +355,76 @@ def test_raw_record_fallbacks() -> None:
 
 def test_the_next_batch_is_routed_while_the_last_one_is_handed_over(kafka_bootstrap: str, index_url: str) -> None:
     """Pipelining: while a batch's outputs are acknowledged and it is committed (the observer runs then,
-    slowly here), the batch after the next is already being routed: routing does not wait for Kafka."""
+    slowly here), a later batch is being routed (slowly too): routing does not wait for Kafka."""
     settings = settings_for(kafka_bootstrap, index_url, id_field="id", max_batch=40)
     lines = SAMPLE.read_bytes().splitlines()
-    events: list[str] = []
+    routing = [0]  # routes in progress
+    overlapped: list[bool] = []  # per commit: did a route run during it?
 
     async def slow(records: Sequence[KafkaRecord], outs: Sequence[OutRecord]) -> None:
-        events.append("commit starts")
-        await asyncio.sleep(0.3)
-        events.append("commit ends")
+        busy = routing[0] > 0
+        started = routes[0]
+        await asyncio.sleep(0.2)
+        overlapped.append(busy or routing[0] > 0 or routes[0] > started)
 
     worker = AiokafkaWorker(settings, observer=slow)
     run = worker.router._run
+    routes = [0]
 
-    async def routing(*args: object) -> object:
-        events.append("route")
-        return await run(*args)
+    async def routed_slowly(*args: object) -> object:
+        routing[0] += 1
+        routes[0] += 1
+        try:
+            await asyncio.sleep(0.1)
+            return await run(*args)
+        finally:
+            routing[0] -= 1
 
-    worker.router._run = routing
+    worker.router._run = routed_slowly
 
     async def scenario() -> None:
         await produce(settings, settings.input_topics[0], [(None, line, ()) for line in lines])
         await run_until(worker, lambda s: s.seen >= len(lines), timeout=60)
 
     asyncio.run(scenario())
-    assert events.count("route") >= 8 and events.count("commit starts") >= 7
-    during = [events[i + 1] for i, e in enumerate(events[:-1]) if e == "commit starts"]
-    assert during.count("route") >= 3, events  # a batch was being routed while the one before committed
+    assert routes[0] >= 8 and len(overlapped) >= 6
+    assert overlapped.count(True) >= 3, overlapped
+
+
+@pytest.mark.parametrize("index", ["memory", "redis"])
+def test_the_following_batch_is_prepared_once_while_one_is_routed(index: str, index_url: str) -> None:
+    """`route_records` with a `Lookahead` and the records that come next: the same outputs as batch after
+    batch, and each batch decoded and fingerprinted once (the following one meanwhile, then reused)."""
+    from filters.config import FilterConfig
+    from filters.engine import NearDupFilter
+
+    lines = SAMPLE.read_bytes().splitlines()
+    records = [KafkaRecord("in", 0, i, 1_700_000_000_000 + i, None, line) for i, line in enumerate(lines)]
+    batches = [records[i : i + 70] for i in range(0, len(records), 70)]
+    settings = settings_for("127.0.0.1:1", index_url if index == "redis" else "memory://", id_field="id")
+
+    urls = {name: "memory://" if index == "memory" else index_url.replace("prefix=", f"prefix={name}-")
+            for name in ("plain", "ahead")}
+    prepared: list[int] = []
+    try:
+        plain = NearDupFilter(FilterConfig(window=settings.window), index=urls["plain"])
+        expected = [out for batch in batches for out in route_records(plain, batch, settings)]
+        ahead_nd = NearDupFilter(FilterConfig(window=settings.window), index=urls["ahead"])
+        prepare = ahead_nd.prepare
+
+        def counted(texts: Sequence[str]) -> object:
+            prepared.append(len(texts))
+            return prepare(texts)
+
+        ahead_nd.prepare = counted  # type: ignore[method-assign]
+        ahead = Lookahead(settings)
+        got = []
+        for i, batch in enumerate(batches):
+            following = batches[i + 1] if i + 1 < len(batches) else ()
+            got += route_records(ahead_nd, batch, settings, ahead, following)
+    finally:
+        if index == "redis":
+            for url in urls.values():
+                drop_index(url)
+    assert got == expected
+    assert sum(prepared) == sum(1 for out in expected if dict(out.headers)["neardup-verdict"] != b"rejected")

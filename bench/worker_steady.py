@@ -1,0 +1,88 @@
+"""Benchmark: the aiokafka worker's steady throughput in this process (Kafka → Redis index → Kafka).
+
+    eval "$(bash docker/services.sh env)"
+    python bench/worker_steady.py [--bootstrap HOST:PORT] [--redis URL] [--messages 16946] [--runs 3]
+
+`bench/kafka_e2e.py` times a `neardup serve` process from its start, and its steady window on 10,000
+messages is about a second: start-up and the first batches weigh in. Here the worker runs in this
+process (as `serve` runs it, with the garbage collector tuned the same way) over the short messages of
+the eval stream preloaded into a fresh single-partition topic, and the clock runs from the first batch
+committed to the last: messages/s, and this process's CPU per message (the worker's threads: the
+event loop and the routing thread). Each run uses its own topics and Redis namespace (deleted
+afterwards). It imports the packages of the checkout it lives in, so copying it into an older checkout
+(next to its bench/kafka_e2e.py) measures that release the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import kafka_e2e  # noqa: E402
+
+from stream.collector import tune_collector  # noqa: E402
+from stream.worker import make_worker  # noqa: E402
+
+
+async def steady(settings: object, count: int) -> tuple[float, float]:
+    """(messages/s, CPU µs a message) from the first committed batch to the last."""
+    worker = make_worker(settings)  # type: ignore[arg-type]
+    task = asyncio.ensure_future(worker.run())
+    while worker.stats.seen == 0:
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.005)
+    seen, t0, c0 = worker.stats.seen, time.perf_counter(), time.process_time()
+    while worker.stats.seen < count:
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.005)
+    wall, cpu, n = time.perf_counter() - t0, time.process_time() - c0, worker.stats.seen - seen
+    worker.stop()
+    await task
+    return n / wall, cpu / n * 1e6
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bootstrap", default=os.environ.get("NEARDUP_TEST_KAFKA", "127.0.0.1:9092"))
+    p.add_argument("--redis", default=os.environ.get("NEARDUP_TEST_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    p.add_argument("--stream", type=Path, default=ROOT.parent / "shared" / "eval" / "stream.jsonl")
+    p.add_argument("--truth", type=Path, default=ROOT.parent / "shared" / "eval" / "truth.jsonl")
+    p.add_argument("--corpora", default="sms_en,tweets_en,reviews_zh")
+    p.add_argument("--messages", type=int, default=16_946)
+    p.add_argument("--max-batch", type=int, default=500)
+    p.add_argument("--runs", type=int, default=3)
+    args = p.parse_args()
+    lines = kafka_e2e.short_messages(args.stream, args.truth, args.corpora.split(","), args.messages)
+    tune_collector()
+    rates, cpus = [], []
+    for run in range(args.runs):
+        settings = kafka_e2e.settings(args, "aiokafka")
+        try:
+            asyncio.run(kafka_e2e.preload(settings, lines))
+            rate, cpu = asyncio.run(steady(settings, len(lines)))
+        finally:
+            kafka_e2e.cleanup(settings)
+        rates.append(rate)
+        cpus.append(cpu)
+        print(f"  run {run + 1}: {rate:,.0f} msg/s, {cpu:.1f} µs CPU a message", file=sys.stderr)
+    print(f"{len(lines)} short messages, max_batch {args.max_batch}, {args.runs} runs\n")
+    print("| worker (in process) | msg/s steady (median) | min–max | CPU µs a message (median) |")
+    print("|---|---|---|---|")
+    print(f"| aiokafka | {statistics.median(rates):,.0f} | {min(rates):,.0f}–{max(rates):,.0f} | "
+          f"{statistics.median(cpus):.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
