@@ -540,10 +540,11 @@ class AiokafkaWorker(_WorkerCore):
     the event loop hands N's outputs to the producer and commits N-1 once its acknowledgements arrived
     (`_deliver`, a task; the next batch's hand-over waits for it). Routing never waits for Kafka
     round trips, and Kafka's work is never held up by routing. The records the consumer holds already
-    are fetched with each batch and prepared while it is routed (`Lookahead`); they are the next batch. N is committed after all its outputs were
-    acknowledged, and always before N+1. So a batch's offsets are committed only after every output of
-    it and of all batches before it was acknowledged; a crash may leave up to three routed batches
-    uncommitted, to be re-read (replayed, same verdicts) after a restart.
+    are fetched with each batch and prepared while it is routed (`Lookahead`); they are the next batch.
+    N is committed after all its outputs were acknowledged, and always before N+1. So a batch's offsets
+    are committed only after every output of it and of all batches before it was acknowledged; a crash
+    may leave up to three routed batches uncommitted, to be re-read (replayed, same verdicts) after a
+    restart.
     """
 
     def __init__(self, settings: Settings, nd: NearDupFilter | None = None, *,
