@@ -251,18 +251,23 @@ def baseline(args: argparse.Namespace, lines: Sequence[bytes]) -> float:
     return len(lines) / seconds
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_service_arguments(p: argparse.ArgumentParser, messages: int) -> None:
+    """The services, the messages and the batch size (shared with bench/worker_steady.py)."""
     p.add_argument("--bootstrap", default=os.environ.get("NEARDUP_TEST_KAFKA", "127.0.0.1:9092"))
     p.add_argument("--redis", default=os.environ.get("NEARDUP_TEST_REDIS_URL", "redis://127.0.0.1:6379/0"))
     p.add_argument("--stream", type=Path, default=ROOT.parent / "shared" / "eval" / "stream.jsonl")
     p.add_argument("--truth", type=Path, default=ROOT.parent / "shared" / "eval" / "truth.jsonl")
     p.add_argument("--corpora", default="sms_en,tweets_en,reviews_zh")
-    p.add_argument("--messages", type=int, default=10_000)
+    p.add_argument("--messages", type=int, default=messages)
+    p.add_argument("--max-batch", type=int, default=500)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_service_arguments(p, messages=10_000)
     p.add_argument("--rate", type=float, default=2000.0)
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--runtime", default="aiokafka,faust")
-    p.add_argument("--max-batch", type=int, default=500)
     p.add_argument("--skip-latency", action="store_true")
     args = p.parse_args(argv)
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import sys
 import time
@@ -54,13 +53,7 @@ async def steady(settings: object, count: int) -> tuple[float, float]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--bootstrap", default=os.environ.get("NEARDUP_TEST_KAFKA", "127.0.0.1:9092"))
-    p.add_argument("--redis", default=os.environ.get("NEARDUP_TEST_REDIS_URL", "redis://127.0.0.1:6379/0"))
-    p.add_argument("--stream", type=Path, default=ROOT.parent / "shared" / "eval" / "stream.jsonl")
-    p.add_argument("--truth", type=Path, default=ROOT.parent / "shared" / "eval" / "truth.jsonl")
-    p.add_argument("--corpora", default="sms_en,tweets_en,reviews_zh")
-    p.add_argument("--messages", type=int, default=16_946)
-    p.add_argument("--max-batch", type=int, default=500)
+    kafka_e2e.add_service_arguments(p, messages=16_946)
     p.add_argument("--runs", type=int, default=3)
     args = p.parse_args()
     lines = kafka_e2e.short_messages(args.stream, args.truth, args.corpora.split(","), args.messages)
