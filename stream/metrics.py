@@ -175,11 +175,6 @@ class TimedFilter:
         finally:
             self.decided += time.perf_counter() - t0 - aside[0]
 
-    def check_batch(self, messages: Sequence[Message]) -> list[Verdict]:
-        if not messages:
-            return []
-        return self.decide(messages, self.prepare([m.text for m in messages]))
-
 
 class TimedIndex:
     """A `CandidateIndex` that times the round trips of another (a shared one: Redis)."""

@@ -40,8 +40,7 @@ _new_routed = maker(Routed)  # one per record: from all field values, without th
 
 
 def route_batch(nd: NearDupFilter, batch: Sequence[RawRecord], fmt: RecordFormat) -> list[Routed]:
-    step = _Step(batch, fmt)
-    return step.routed(nd.check_batch(step.messages))
+    return ReadAhead(fmt).route(nd, batch)
 
 
 def route_batches(nd: NearDupFilter, batches: Iterable[Sequence[RawRecord]], fmt: RecordFormat) -> Iterator[list[Routed]]:

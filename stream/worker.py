@@ -625,32 +625,27 @@ class AiokafkaWorker(_WorkerCore):
             while not self.stop_event.is_set():
                 if pending:
                     records, assignment, pending = pending, pending_assignment, []
-                    following = await self._fetch_ahead(consumer)
-                    pending_assignment = self._rebalance.assignments
-                    async with self._lock:
-                        await self._batch(consumer, prod, records, assignment, following)
-                    pending = following
-                    continue
-                # With a batch in flight, look for more without waiting: if there is none, finish the
-                # batch in flight first (latency), then wait for records.
-                wait_ms = 0 if self._in_flight is not None or self._delivering is not None else timeout_ms
-                fetch = asyncio.ensure_future(consumer.getmany(timeout_ms=wait_ms, max_records=s.max_batch))
-                await asyncio.wait([fetch, stop_wait], return_when=asyncio.FIRST_COMPLETED)
-                if not fetch.done():
-                    fetch.cancel()
-                    break
-                with broker_errors(s):
-                    try:
-                        fetched = fetch.result()
-                    except KafkaError as exc:
-                        if not transient(exc):
-                            raise
-                        self.kafka.failed(exc, "fetch")
-                        await asyncio.sleep(0.1)  # a leader election does not mark the broker down
-                        await self.kafka.wait_up(self.stop_event.is_set)
-                        continue
-                assignment = self._rebalance.assignments
-                records = [KafkaRecord.of(m) for msgs in fetched.values() for m in msgs]
+                else:
+                    # With a batch in flight, look for more without waiting: if there is none, finish the
+                    # batch in flight first (latency), then wait for records.
+                    wait_ms = 0 if self._in_flight is not None or self._delivering is not None else timeout_ms
+                    fetch = asyncio.ensure_future(consumer.getmany(timeout_ms=wait_ms, max_records=s.max_batch))
+                    await asyncio.wait([fetch, stop_wait], return_when=asyncio.FIRST_COMPLETED)
+                    if not fetch.done():
+                        fetch.cancel()
+                        break
+                    with broker_errors(s):
+                        try:
+                            fetched = fetch.result()
+                        except KafkaError as exc:
+                            if not transient(exc):
+                                raise
+                            self.kafka.failed(exc, "fetch")
+                            await asyncio.sleep(0.1)  # a leader election does not mark the broker down
+                            await self.kafka.wait_up(self.stop_event.is_set)
+                            continue
+                    assignment = self._rebalance.assignments
+                    records = [KafkaRecord.of(m) for msgs in fetched.values() for m in msgs]
                 following = await self._fetch_ahead(consumer) if records else []
                 pending_assignment = self._rebalance.assignments
                 async with self._lock:
