@@ -1,4 +1,4 @@
-"""The Kafka worker: consume input topics in batches, route each batch with `route_batch`, produce, commit after acks.
+"""The Kafka worker: consume input topics in batches, route each batch (`runner.ReadAhead`), produce, commit after acks.
 
 Delivery is at-least-once: a batch's offsets are committed only after every output record of the batch
 has been acknowledged by the broker (acks=all). A worker that dies between the two re-reads the batch
@@ -73,7 +73,7 @@ from stream.kafka_tools import (
     map_kafka_error,
     producer,
 )
-from stream.runner import DUPLICATE, UNIQUE, RawRecord, ReadAhead, Routed, route_batch
+from stream.runner import DUPLICATE, UNIQUE, RawRecord, ReadAhead, Routed
 
 log = logging.getLogger("neardup.worker")
 
@@ -225,10 +225,7 @@ def route_records(nd: NearDupFilter, records: Sequence[KafkaRecord], settings: S
                   ahead: Lookahead | None = None, following: Sequence[KafkaRecord] = ()) -> list[OutRecord]:
     """One output per input, in input order. Raises `IndexUnavailable` (nothing routed) on an outage.
     With `ahead`, the `following` records (fetched already) are decoded and fingerprinted meanwhile."""
-    if ahead is None:
-        routed = route_batch(nd, [raw_record(r) for r in records], settings.record_format())
-    else:
-        routed = ahead.route(nd, records, following)
+    routed = (ahead or Lookahead(settings)).route(nd, records, following)
     return [output_of(rec, r, settings) for rec, r in zip(records, routed, strict=True)]
 
 
