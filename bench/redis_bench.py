@@ -47,6 +47,7 @@ sys.path.insert(0, str(ROOT))
 from bench.filter_bench import _norm  # noqa: E402
 from filters.config import FilterConfig  # noqa: E402
 from filters.engine import NearDupFilter, Verdict  # noqa: E402
+from filters.redis_index import RedisTarget  # noqa: E402
 from stream.codec import RecordFormat  # noqa: E402
 from stream.collector import tune_collector  # noqa: E402
 from stream.evaluate import score  # noqa: E402
@@ -93,13 +94,10 @@ def with_prefix(url: str, prefix: str) -> str:
 
 def client_for(url: str) -> redis.Redis | redis.RedisCluster:
     """A plain redis-py client for cleanup and INFO (our own query options removed)."""
-    parts = urlsplit(url)
-    scheme = parts.scheme.removesuffix("+cluster")
-    clean = urlunsplit(parts._replace(scheme=scheme, query="&".join(
-        q for q in parts.query.split("&") if q and not q.startswith(("prefix=", "grace=")))))
-    if parts.scheme.endswith("+cluster"):
-        return redis.RedisCluster.from_url(clean)
-    return redis.Redis.from_url(clean)
+    target = RedisTarget.parse(url)
+    if target.cluster:
+        return redis.RedisCluster.from_url(target.client_url)
+    return redis.Redis.from_url(target.client_url)
 
 
 def drop(url: str, pattern: str) -> int:

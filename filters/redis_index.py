@@ -63,7 +63,8 @@ import hashlib
 import math
 import re
 import struct
-from collections.abc import Callable, Iterator, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from operator import itemgetter
@@ -122,6 +123,7 @@ __all__ = [
 
 DEFAULT_PREFIX = "neardup"
 DEFAULT_GRACE = 3600.0  # seconds of wall clock that keys outlive the window
+DEFAULT_ENTRY_CACHE = 16384  # entries (≈ 0.7 KB each) a client keeps decoded: see `RedisIndex._entries`
 INSERT_CHUNK = 512  # entries per insert script: bounds how long one script blocks the server
 LOOKUP_CHUNK = 256  # queries' worth of field names (up to 16 each) one HMGET reads: bounds a command's size
 FIELDS_PER_HMGET = 16 * LOOKUP_CHUNK
@@ -642,6 +644,7 @@ class RedisTarget:
     cluster: bool
     prefix: str
     grace: float
+    entry_cache: int = DEFAULT_ENTRY_CACHE
 
     @classmethod
     def parse(cls, url: str) -> RedisTarget:
@@ -653,10 +656,17 @@ class RedisTarget:
         if scheme not in ("redis", "rediss", "unix"):
             raise ConfigError(f"not a Redis URL: {redact_url(url)}")
         query: list[tuple[str, str]] = []
-        prefix, grace = DEFAULT_PREFIX, DEFAULT_GRACE
+        prefix, grace, entry_cache = DEFAULT_PREFIX, DEFAULT_GRACE, DEFAULT_ENTRY_CACHE
         for name, value in parse_qsl(parts.query, keep_blank_values=True):
             if name == "prefix":
                 prefix = value
+            elif name == "entry_cache":
+                try:
+                    entry_cache = int(value)
+                except ValueError:
+                    raise ConfigError(f"entry_cache must be a number of entries, got {value!r}") from None
+                if entry_cache < 0:
+                    raise ConfigError(f"entry_cache must be >= 0, got {value!r}")
             elif name == "grace":
                 try:
                     grace = float(value)
@@ -674,7 +684,7 @@ class RedisTarget:
                 raise ConfigError(f"Redis Cluster has only database 0: {redact_url(url)}")
             path = ""
         client_url = urlunsplit((scheme, parts.netloc, path, urlencode(query), ""))
-        return cls(client_url, cluster, prefix, grace)
+        return cls(client_url, cluster, prefix, grace, entry_cache)
 
 
 def redact_url(url: str) -> str:
@@ -824,6 +834,9 @@ class RedisIndex:
         self._ttl_ms = max(1, round((self.window + target.grace) * 1000))
         self._hwm = -math.inf  # highest event time this instance has seen (MemoryIndex's watermark)
         self._view = _View()
+        # Entries this instance wrote or read lately, by (id, event time): what a bucket record names.
+        self._known: OrderedDict[tuple[str, float], Entry] = OrderedDict()
+        self._known_cap = target.entry_cache
         self._rank = _native.rank_records if _native is not None else rank_records
         self._plan = _native.plan_fields if _native is not None else plan_fields
         self._round = _native.alone_round if _native is not None else alone_round
@@ -892,7 +905,7 @@ class RedisIndex:
         window = self.window
         found = self._rank_all(columns, positions, id_places, ids, [q.min_shared for q in queries], limit,
                                [max(mark, top) - window for mark in marks], self.bucket_cap, _entry_time)
-        entries = self._entries({(self._slice(ts), id) for _, ranked in found for id, _, _, ts in ranked})
+        entries = self._entries({(id, ts) for _, ranked in found for id, _, _, ts in ranked})
         out = []
         for q, (own, ranked) in zip(queries, found):
             cands = [new_candidate(entries[id], shared, q.keys[first]) for id, shared, first, _ in ranked if id in entries]
@@ -999,23 +1012,50 @@ class RedisIndex:
             columns.append(column)
         return int(seq or 0), stored or b"", columns
 
-    def _entries(self, wanted: set[tuple[int, str]]) -> dict[str, Entry]:
-        """The stored entries of (slice, id) pairs; one that is gone (its slice expired) is left out."""
+    def _entries(self, wanted: set[tuple[str, float]]) -> dict[str, Entry]:
+        """The stored entries named by (id, event time) pairs, as bucket records name them; one that is
+        gone (its slice expired) is left out.
+
+        An id's entry at one event time never changes: it is written once, and an id is written again
+        only after its entry left the window, so at a later event time. So the entries this instance
+        wrote or read lately are kept (`entry_cache` of them, the newest) and only the others are read:
+        with one worker, or a wave of near-duplicates, a lookup's candidates are mostly recent entries,
+        and the round trip, Redis's HMGET and the decoding go."""
+        out: dict[str, Entry] = {}
         if not wanted:
-            return {}
+            return out
+        known = self._known
         by_slice: dict[int, list[str]] = {}
-        for s, id in sorted(wanted):
-            by_slice.setdefault(s, []).append(id)
+        for id, ts in sorted(wanted):
+            entry = known.get((id, ts))
+            if entry is not None:
+                out[id] = entry
+            else:
+                by_slice.setdefault(self._slice(ts), []).append(id)
+        if not by_slice:
+            return out
         with self._errors():
             # No share of other work here: Redis answers this short read sooner than a share takes, and the
             # insert's transaction, the longest wait, comes next.
             replies = self._execute([("HMGET", f"{self._spre}{s}", *map(_id_field, ids)) for s, ids in by_slice.items()],
                                     share=False)
             _raise_any(replies)
-        out: dict[str, Entry] = {}
         for ids, blobs in zip(by_slice.values(), replies):
-            out.update(self._decode(ids, blobs, new_entry, decode_entry))
+            read = self._decode(ids, blobs, new_entry, decode_entry)
+            out.update(read)
+            self._remember(read.values())
         return out
+
+    def _remember(self, entries: Iterable[Entry]) -> None:
+        """Keeps `entries` for `_entries`, dropping the oldest kept beyond `entry_cache`."""
+        cap = self._known_cap
+        if not cap:
+            return
+        known = self._known
+        for entry in entries:
+            known[entry.id, float(entry.ts)] = entry
+        while len(known) > cap:
+            known.popitem(last=False)
 
     # -- inserting -------------------------------------------------------------------------------
     def _insert_chunk(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]:
@@ -1033,6 +1073,7 @@ class RedisIndex:
         results = self._alone(entries, fields_of, places_of) if self.alone_inserts else None
         if results is None:
             results = self._checked(entries, fields_of)
+        self._remember([entry for (entry, _), result in zip(entries, results) if result > 0])
         out: list[list[Candidate] | None] = [None] * len(entries)
         again = [i for i, result in enumerate(results) if result < 0]
         if again:
@@ -1192,7 +1233,7 @@ class RedisIndex:
                                      self.bucket_cap, since, view.own))
             view.reread[entry.id] = (seq, {s: [(column[p] or b"")[-8:] or _ABSENT for p in places]
                                            for s, column in zip(slices, columns)})
-        found = self._entries({(self._slice(ts), id) for cands in ranked for id, _, _, ts in cands})
+        found = self._entries({(id, ts) for cands in ranked for id, _, _, ts in cands})
         return [[Candidate(found[id], shared, keys[first]) for id, shared, first, _ in cands if id in found]
                 for (_, keys), cands in zip(entries, ranked)]
 

@@ -219,6 +219,8 @@ def test_open_index_by_url(redis_url: str, prefix: str) -> None:
     "redis://localhost:6379/0?prefix=bad*prefix",
     "redis://localhost:6379/0?grace=soon",
     "redis://localhost:6379/0?grace=-1",
+    "redis://localhost:6379/0?entry_cache=-1",
+    "redis://localhost:6379/0?entry_cache=many",
     "redis+cluster://localhost:7001/3",
     "http://localhost:6379",
 ])
@@ -345,6 +347,47 @@ def test_insert_returns_what_entered_the_buckets_since_the_lookup(make: Callable
     # The engine verified b and found a unique after all: the retry conflicts only with newer inserts.
     assert one.insert([(entry("a"), (1, 2, 3))]) == [None]
     assert ids(reader.lookup([Query("q", 1000, (1, 2, 3))], 8)[0][1]) == ["a", "b"]
+
+
+def _forget_entries_in_redis(redis_url: str, prefix: str, *ids: str) -> None:
+    """Deletes the stored entries of `ids` (not their bucket records): what reads them finds them gone."""
+    with redis.Redis.from_url(redis_url) as client:
+        for key in client.scan_iter(match=f"{{{prefix}:ns}}:s:*"):
+            client.hdel(key, *[f"e{id}" for id in ids])
+
+
+def test_entries_written_or_read_lately_are_not_read_again(make: Callable[..., RedisIndex], redis_url: str,
+                                                           prefix: str) -> None:
+    """A candidate's entry that this instance wrote or read lately is kept (`entry_cache`, the newest
+    that many): the lookup does not read it again. Shown by deleting the stored entries: what was
+    kept is still a candidate, what was not is gone (a lookup leaves out entries it cannot read)."""
+    writer, reader, forgetful, small = make(), make(), make(entry_cache="0"), make(entry_cache="2")
+    batch = [(entry(f"m{i}", seed=i), (7, 100 + i)) for i in range(4)]
+    writer.lookup([Query(e.id, e.ts, keys) for e, keys in batch], 8)
+    assert writer.insert(batch) == [None] * 4
+    assert ids(reader.lookup([Query("q", 1000, (7,))], 8)[0][1]) == ["m3", "m2", "m1", "m0"]  # read: kept
+    assert ids(small.lookup([Query("q", 1000, (7,))], 8)[0][1]) == ["m3", "m2", "m1", "m0"]  # the last two kept
+    _forget_entries_in_redis(redis_url, prefix, "m0", "m1", "m2", "m3")
+    [(_, found)] = writer.lookup([Query("q", 1000, (7,))], 8)
+    assert [(c.entry.id, c.entry.exact) for c in found] == [(e.id, e.exact) for e, _ in reversed(batch)]
+    assert ids(reader.lookup([Query("q", 1000, (7,))], 8)[0][1]) == ["m3", "m2", "m1", "m0"]
+    assert ids(small.lookup([Query("q", 1000, (7,))], 8)[0][1]) == ["m3", "m2"]  # read last (in id order)
+    assert ids(forgetful.lookup([Query("q", 1000, (7,))], 8)[0][1]) == []
+
+
+def test_an_id_written_again_at_a_later_event_time_is_read_not_taken_from_what_was_kept(
+        make: Callable[..., RedisIndex]) -> None:
+    """An id's entry is kept by (id, event time): once the id left the window and another worker wrote
+    it again, at a later event time and with other content, a lookup returns the new entry."""
+    one, other = make(window=100), make(window=100)
+    one.lookup([Query("a", 1000, (1,))], 8)
+    assert one.insert([(entry("a", 1000, seed=1), (1,))]) == [None]
+    assert ids(one.lookup([Query("q", 1050, (1,))], 8)[0][1]) == ["a"]
+    later = entry("a", 1200, seed=2)
+    other.lookup([Query("a", 1200, (1,))], 8)
+    assert other.insert([(later, (1,))]) == [None]  # the first a left the window: a is written again
+    [(_, found)] = one.lookup([Query("q", 1250, (1,))], 8)
+    assert [(c.entry.id, c.entry.ts, c.entry.exact) for c in found] == [("a", 1200, later.exact)]
 
 
 def test_own_inserts_never_conflict(make: Callable[..., RedisIndex]) -> None:
@@ -636,7 +679,7 @@ def test_work_given_to_decide_runs_while_redis_answers(make: Callable[..., Redis
     before its replies are read, until the work says it is done: during the lookup's read and the
     insert's transaction, not the short read of entries between them; what is left after the batch
     runs then. Routing a file reads one batch ahead this way (`route_batches`)."""
-    index = make()
+    index = make(entry_cache="0")  # the second batch's stored entries are read from Redis, not kept
     engine = NearDupFilter(FilterConfig(), index=index)
     messages = generated_messages(60, seed=9)
     events: list[str] = []
