@@ -95,6 +95,9 @@ class NearDupFilter:
         self.clock = clock
         self._auto_id = 0
         self._floors: dict[int, int] = {}
+        # The next batch's queries, whose read a shared index sent ahead (`decide`'s `upcoming`), with the
+        # very message and fingerprint lists they were made from.
+        self._upcoming: tuple[Sequence[Message], Sequence[Fingerprint], list[Query]] | None = None
         cfg = self.config
         # The whole batch in the compiled table (`Table.decide`): what `_decide_local` does, message by
         # message, for an embedded compiled index, sketch verification and exact/mgram bucket keys.
@@ -128,26 +131,30 @@ class NearDupFilter:
         return self.fingerprinter.fingerprint_batch(texts)
 
     def decide(self, messages: Sequence[Message], prepared: Prepared,
-               meanwhile: Callable[[], bool] | None = None) -> list[Verdict]:
+               meanwhile: Callable[[], bool] | None = None,
+               upcoming: tuple[Sequence[Message], Prepared] | None = None) -> list[Verdict]:
         """The second step: look up, verify and insert, in order (`prepared` from `prepare`, or a list of
         `Fingerprint`s). `meanwhile` is work that needs no index (the next batch's `prepare`), in shares:
         each call does one and says whether that was the last; it must not raise. A shared index runs a
         share while it waits for each of this batch's round trips, so that the client's CPU and the
-        server's overlap; what is left runs after the batch."""
+        server's overlap; what is left runs after the batch. `upcoming`, the next batch to be decided
+        (its messages and prepared fingerprints, the very objects that will be passed then): a shared
+        index reads its buckets while this batch is verified and inserted (`RedisIndex.prefetch`)."""
         if meanwhile is not None and hasattr(self.index, "meanwhile"):
             self.index.meanwhile = meanwhile
             try:
-                verdicts = self._decide(messages, prepared)
+                verdicts = self._decide(messages, prepared, upcoming)
             finally:
                 left, self.index.meanwhile = self.index.meanwhile, None
         else:
-            verdicts = self._decide(messages, prepared)
+            verdicts = self._decide(messages, prepared, upcoming)
             left = meanwhile
         while left is not None and left() is False:
             pass
         return verdicts
 
-    def _decide(self, messages: Sequence[Message], prepared: Prepared) -> list[Verdict]:
+    def _decide(self, messages: Sequence[Message], prepared: Prepared,
+                upcoming: tuple[Sequence[Message], Prepared] | None = None) -> list[Verdict]:
         if not isinstance(prepared, list | tuple):
             cfg = self.config
             return self.index.table.decide(  # type: ignore[attr-defined, no-any-return]
@@ -156,7 +163,7 @@ class NearDupFilter:
                 cfg.containment_min_size, METHOD_NAMES, _new_verdict)
         if isinstance(self.index, MemoryIndex):
             return [self._decide_local(m, fp) for m, fp in zip(messages, prepared)]
-        return self._decide_shared(messages, prepared)
+        return self._decide_shared(messages, prepared, upcoming)
 
     def _floor(self, n_keys: int) -> int:
         """The fewest of a message's `n_keys` bucket keys a candidate must share (`min_shared`)."""
@@ -186,12 +193,22 @@ class NearDupFilter:
         index.insert_one(Entry.of(msg.id, msg.ts, fp), keys)
         return verdict
 
-    def _decide_shared(self, messages: Sequence[Message], fps: Sequence[Fingerprint]) -> list[Verdict]:
+    def _decide_shared(self, messages: Sequence[Message], fps: Sequence[Fingerprint],
+                       upcoming: tuple[Sequence[Message], Prepared] | None = None) -> list[Verdict]:
         """Shared index: one lookup and one insert round for the whole batch; messages of the batch
         are checked against each other through a batch-local index, and insert conflicts (another
         worker indexed a near-duplicate meanwhile) are verified before anything is called unique."""
-        queries = [self._query(m, fp) for m, fp in zip(messages, fps)]
+        sent, self._upcoming = self._upcoming, None
+        if sent is not None and sent[0] is messages and sent[1] is fps:
+            queries = sent[2]
+        else:
+            queries = [self._query(m, fp) for m, fp in zip(messages, fps)]
         looked = self.index.lookup(queries, self.config.max_candidates)
+        if upcoming is not None and upcoming[0] and isinstance(upcoming[1], list | tuple) \
+                and hasattr(self.index, "prefetch"):
+            following = [self._query(m, fp) for m, fp in zip(*upcoming)]
+            self._upcoming = (upcoming[0], upcoming[1], following)
+            self.index.prefetch(following)
         verdicts, pending = self._against(messages, fps, looked)
         self._insert(pending, messages, fps, verdicts)
         return verdicts

@@ -807,6 +807,23 @@ class _View:
         return b"".join(parts)
 
 
+@dataclass(slots=True)
+class _Ahead:
+    """A lookup's read sent ahead (`RedisIndex.prefetch`): the next batch's buckets, read while the client
+    still verifies and inserts the batch in hand (`view`), whose writes it then lacks."""
+
+    queries: Sequence[Query]  # the very list the lookup will be given
+    names: list[bytes]
+    key_fields: list[list[bytes]]
+    positions: list[list[int]]
+    id_places: list[int]
+    slices: tuple[int, ...]
+    epoch: int  # the pinned connection's epoch it was sent on: its replies are lost with it
+    view: _View  # the batch in hand's view, which its inserts update
+    pending: int  # replies not read yet (the next round trip reads them first)
+    replies: list[Any] = field(default_factory=list)
+
+
 class RedisIndex:
     """`CandidateIndex` on Redis (standalone, TLS or Cluster), shared by any number of workers.
 
@@ -834,6 +851,7 @@ class RedisIndex:
         self._ttl_ms = max(1, round((self.window + target.grace) * 1000))
         self._hwm = -math.inf  # highest event time this instance has seen (MemoryIndex's watermark)
         self._view = _View()
+        self._ahead: _Ahead | None = None  # the next lookup's read, sent ahead (`prefetch`)
         # Entries this instance wrote or read lately, by (id, event time): what a bucket record names.
         self._known: OrderedDict[tuple[str, float], Entry] = OrderedDict()
         self._known_cap = target.entry_cache
@@ -876,6 +894,11 @@ class RedisIndex:
 
     # -- CandidateIndex ------------------------------------------------------------------------
     def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | None, list[Candidate]]]:
+        ahead = self._ahead
+        if ahead is not None:
+            with self._errors():
+                self._drain()  # its replies come first on the connection
+            self._ahead = None
         if not queries:
             return []
         marks = []  # each query's high-water mark: its own event time and those before it count
@@ -883,19 +906,22 @@ class RedisIndex:
         for q in queries:
             hwm = max(hwm, _event_time(q.ts, q.id, self.slice_length))
             marks.append(hwm)
-        try:  # every field name the batch reads, and its place in a column
-            names, key_fields, positions, id_places = self._plan([q.keys for q in queries],
-                                                                     [_id_field(q.id) for q in queries])
-        except (struct.error, OverflowError):
-            raise ValueError(f"bucket keys must be unsigned 64-bit ints: {[q.keys for q in queries]!r}") from None
-        watch = self._watchable()
-        if watch:
-            with self._errors():
-                self._pinned()  # the epoch below must be that of the connection the reads go on
-        epoch = self._epoch
-        seq, stored, slices, columns = self._read_covering(names, self._slices(marks[0], hwm), marks[0], hwm,
-                                                           watch=watch)
-        watch = watch and self._epoch == epoch  # both reads on the connection whose WATCH guards the view
+        read = self._taken(ahead, marks[0], hwm) if ahead is not None and ahead.queries is queries else None
+        if read is not None:
+            assert ahead is not None
+            names, key_fields, positions, id_places = ahead.names, ahead.key_fields, ahead.positions, ahead.id_places
+            seq, stored, slices, columns = read
+            epoch, watch = self._epoch, True
+        else:
+            names, key_fields, positions, id_places = self._planned(queries)
+            watch = self._watchable()
+            if watch:
+                with self._errors():
+                    self._pinned()  # the epoch below must be that of the connection the reads go on
+            epoch = self._epoch
+            seq, stored, slices, columns = self._read_covering(names, self._slices(marks[0], hwm), marks[0], hwm,
+                                                               watch=watch)
+            watch = watch and self._epoch == epoch  # both reads on the connection whose WATCH guards the view
         top = _stored_time(stored)
         self._hwm = max(hwm, top)
         ids = [q.id for q in queries]
@@ -911,6 +937,75 @@ class RedisIndex:
             cands = [new_candidate(entries[id], shared, q.keys[first]) for id, shared, first, _ in ranked if id in entries]
             out.append((None if own is None else decode_entry(own, q.id), cands))
         return out
+
+    def prefetch(self, queries: Sequence[Query]) -> None:
+        """Sends the read of `lookup(queries)` now, without waiting for it: Redis reads the next batch's
+        buckets while this client still verifies and inserts the batch it looked up last, and that
+        `lookup` (given the very same list) takes the read instead of making one.
+
+        The read then lacks what that batch inserts; the lookup adds those writes (known here: the
+        uncontended round computed them) and is as if it had read after them. That holds only if
+        nobody else wrote meanwhile, which the WATCH of the meta hash armed before this read tells: the
+        batch's transaction is refused if anybody wrote since, and anything else than an uncontended,
+        still guarded round (a refused transaction, the checking script, a re-read, a reconnect, an
+        error) makes the lookup read afresh. Standalone Redis only (Cluster has no WATCH here)."""
+        self._ahead = None
+        view = self._view
+        if not queries or not self._watchable() or view.watch != self._epoch or not view.exact or view.inserted \
+                or view.reread:
+            return
+        hwm = self._hwm
+        try:
+            low = max(hwm, _event_time(queries[0].ts, queries[0].id, self.slice_length))
+            for q in queries:
+                hwm = max(hwm, _event_time(q.ts, q.id, self.slice_length))
+            names, key_fields, positions, id_places = self._planned(queries)
+        except ValueError:
+            return  # the lookup raises it
+        slices = self._slices(low, hwm)
+        commands = self._read_commands(names, slices, watch=False)
+        with self._errors():
+            conn = self._pinned()
+            self._drain()
+            self._pack_and_send(conn, commands)
+            epoch = self._epoch  # after sending: a reconnect on the way sent it on the new connection
+        self._ahead = _Ahead(queries, names, key_fields, positions, id_places, slices, epoch, view, len(commands))
+
+    def _planned(self, queries: Sequence[Query]) -> tuple[list[bytes], list[list[bytes]], list[list[int]], list[int]]:
+        """Every field name the batch reads, and its place in a column (`plan_fields`)."""
+        try:
+            return self._plan([q.keys for q in queries], [_id_field(q.id) for q in queries])  # type: ignore[no-any-return]
+        except (struct.error, OverflowError):
+            raise ValueError(f"bucket keys must be unsigned 64-bit ints: {[q.keys for q in queries]!r}") from None
+
+    def _taken(self, ahead: _Ahead, low_mark: float, high_mark: float) -> tuple[int, bytes, tuple[int, ...],
+                                                                              list[list[bytes | None]]] | None:
+        """The read sent ahead, with the writes of the batch inserted since (see `prefetch`), as `_read_covering`
+        would have read it now; None if it cannot stand for that (then the lookup reads afresh)."""
+        view = ahead.view
+        if (ahead.epoch != self._epoch or view is not self._view or view.watch != self._epoch or not view.exact
+                or view.reread or len(ahead.replies) != 1 + len(ahead.slices) * _parts(len(ahead.names))):
+            return None
+        with self._errors():
+            _raise_any(ahead.replies)
+        (seq_read, stored), columns = ahead.replies[0], _columns(ahead.replies[1:], len(ahead.slices), len(ahead.names))
+        if int(seq_read or 0) != view.mark:
+            return None  # somebody inserted between the last lookup and this read: read afresh
+        seq, stored = view.mark + view.inserted, view.hwm if view.inserted else (stored or b"")
+        # The slices `_read_covering` would read now: some read ahead may be gone by now (they left the window).
+        need = set(self._slices(low_mark, high_mark)) | set(self._slices(low_mark, max(high_mark, _stored_time(stored))))
+        if not need <= set(ahead.slices):
+            return None
+        kept = [(s, column) for s, column in zip(ahead.slices, columns) if s in need]
+        if view.written:
+            at = {name: place for place, name in enumerate(ahead.names)}
+            names = view.names
+            for s, column in kept:
+                for p, value in view.written.get(s, {}).items():
+                    place = at.get(names[p])
+                    if place is not None:
+                        column[place] = value
+        return seq, stored, tuple(s for s, _ in kept), [column for _, column in kept]
 
     def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]:
         """See `CandidateIndex.insert`. If it raises, some entries may have been written: inserting is
@@ -949,6 +1044,7 @@ class RedisIndex:
         return {"entries": entries, "buckets": fields - entries - counters, "inserted": int(seq or 0)}
 
     def close(self) -> None:
+        self._ahead = None
         if self._conn is not None:
             self._conn.deregister_connect_callback(self._connected)
             self._conn.disconnect()
@@ -991,6 +1087,16 @@ class RedisIndex:
               watch: bool = False) -> tuple[int, bytes, list[list[bytes | None]]]:
         """(seq, stored high-water mark as stored, per slice the values of `names`): one round trip,
         the seq read first; `watch`: WATCH the meta hash afresh just before (`_write_watched`)."""
+        with self._errors():
+            replies = self._execute(self._read_commands(names, slices, watch=watch))
+            _raise_any(replies)
+        if watch:
+            replies = replies[2:]
+        (seq, stored) = replies[0]
+        return int(seq or 0), stored or b"", _columns(replies[1:], len(slices), len(names))
+
+    def _read_commands(self, names: Sequence[bytes], slices: Sequence[int], *,
+                       watch: bool) -> list[Sequence[str | int | bytes]]:
         step = FIELDS_PER_HMGET
         commands: list[Sequence[str | int | bytes]] = [("HMGET", self._meta, "seq", "hwm")]
         if watch:  # UNWATCH first: a WATCH of a key already watched would keep its old dirty flag
@@ -998,19 +1104,7 @@ class RedisIndex:
         for s in slices:
             key = f"{self._spre}{s}"
             commands += [("HMGET", key, *names[a : a + step]) for a in range(0, len(names), step)]
-        with self._errors():
-            replies = self._execute(commands)
-            _raise_any(replies)
-        if watch:
-            replies = replies[2:]
-        (seq, stored), parts = replies[0], iter(replies[1:])
-        columns = []
-        for _ in slices:
-            column: list[bytes | None] = []
-            for _ in range(0, len(names), step):
-                column.extend(next(parts))
-            columns.append(column)
-        return int(seq or 0), stored or b"", columns
+        return commands
 
     def _entries(self, wanted: set[tuple[str, float]]) -> dict[str, Entry]:
         """The stored entries named by (id, event time) pairs, as bucket records name them; one that is
@@ -1288,12 +1382,11 @@ class RedisIndex:
     def _send(self, conn: Any, commands: Sequence[Sequence[str | int | bytes]], *, pinned: bool = False,
               share: bool = True) -> list[Any]:
         try:
-            if _native is not None:
-                conn.send_packed_command([_native.pack_commands(list(commands))])
-            else:
-                conn.send_packed_command([hiredis.pack_command(tuple(command)) for command in commands])
+            self._pack_and_send(conn, commands)
             if pinned and share and self.meanwhile is not None and self.meanwhile():  # the engine's thread: its work
                 self.meanwhile = None
+            if pinned:
+                self._drain()  # a read sent ahead on this connection: its replies come first
             replies: list[Any] = []
             for _ in commands:
                 try:
@@ -1303,6 +1396,34 @@ class RedisIndex:
             return replies
         except BaseException:
             conn.disconnect()  # replies may still be on their way: never reuse it (it reconnects)
+            raise
+
+    @staticmethod
+    def _pack_and_send(conn: Any, commands: Sequence[Sequence[str | int | bytes]]) -> None:
+        if _native is not None:
+            conn.send_packed_command([_native.pack_commands(list(commands))])
+        else:
+            conn.send_packed_command([hiredis.pack_command(tuple(command)) for command in commands])
+
+    def _drain(self) -> None:
+        """Reads the replies of the read sent ahead (`prefetch`), if not read yet, and keeps them for the
+        lookup; forgets it if the connection it went on is gone (its replies went with it)."""
+        ahead = self._ahead
+        if ahead is None or not ahead.pending:
+            return
+        if ahead.epoch != self._epoch or self._conn is None:
+            self._ahead = None
+            return
+        conn, n, ahead.pending = self._conn, ahead.pending, 0
+        try:
+            for _ in range(n):
+                try:
+                    ahead.replies.append(conn.read_response())
+                except ResponseError as exc:
+                    ahead.replies.append(exc)
+        except BaseException:
+            self._ahead = None
+            conn.disconnect()
             raise
 
     def _watchable(self) -> bool:
@@ -1330,6 +1451,22 @@ def _raise_any(replies: Sequence[Any]) -> None:
     for reply in replies:
         if isinstance(reply, Exception):
             raise reply
+
+
+def _parts(n_names: int) -> int:
+    """How many HMGETs read `n_names` fields of one slice."""
+    return -(-n_names // FIELDS_PER_HMGET)
+
+
+def _columns(replies: Sequence[Any], n_slices: int, n_names: int) -> list[list[bytes | None]]:
+    """The HMGET replies of a read (`_read_commands`, after the meta hash's) as one column per slice."""
+    parts, columns = iter(replies), []
+    for _ in range(n_slices):
+        column: list[bytes | None] = []
+        for _ in range(_parts(n_names)):
+            column.extend(next(parts))
+        columns.append(column)
+    return columns
 
 
 def _id_field(id: str) -> bytes:

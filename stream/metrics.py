@@ -157,8 +157,8 @@ class TimedFilter:
         finally:
             self.fingerprint += time.perf_counter() - t0
 
-    def decide(self, messages: Sequence[Message], prepared: Prepared,
-               meanwhile: Callable[[], bool] | None = None) -> list[Verdict]:
+    def decide(self, messages: Sequence[Message], prepared: Prepared, meanwhile: Callable[[], bool] | None = None,
+               upcoming: tuple[Sequence[Message], Prepared] | None = None) -> list[Verdict]:
         aside = [0.0]  # in `meanwhile`: the next batch's decoding and `prepare` (reading ahead), not the index's
 
         def share() -> bool:
@@ -171,7 +171,8 @@ class TimedFilter:
 
         t0 = time.perf_counter()
         try:
-            return self.nd.decide(messages, prepared, meanwhile=share if meanwhile is not None else None)
+            return self.nd.decide(messages, prepared, meanwhile=share if meanwhile is not None else None,
+                                  upcoming=upcoming)
         finally:
             self.decided += time.perf_counter() - t0 - aside[0]
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from filters.engine import NearDupFilter, Verdict
+from filters.engine import Message, NearDupFilter, Verdict
 from filters.errors import RejectedInput
 from filters.records import maker
 from stream.codec import Decoded, RecordFormat, decode, duplicate_record, rejected_record
@@ -44,43 +44,61 @@ def route_batch(nd: NearDupFilter, batch: Sequence[RawRecord], fmt: RecordFormat
 
 
 def route_batches(nd: NearDupFilter, batches: Iterable[Sequence[RawRecord]], fmt: RecordFormat) -> Iterator[list[Routed]]:
-    """`route_batch` of each batch in turn, reading one batch ahead (`ReadAhead`). The same results as
+    """`route_batch` of each batch in turn, reading two batches ahead (`ReadAhead`). The same results as
     `route_batch` one by one."""
     ahead = ReadAhead(fmt)
     it = iter(batches)
-    batch = next(it, None)
+    batch, following = next(it, None), next(it, None)
     while batch is not None:
-        following = next(it, None)
-        yield ahead.route(nd, batch, following)
-        batch = following
+        then = next(it, None)
+        yield ahead.route(nd, batch, following, then)
+        batch, following = following, then
 
 
 class ReadAhead:
     """`route_batch` that decodes and fingerprints the following batch, when there is one already, while a
     shared index works on the current one's round trips (`NearDupFilter.decide`'s `meanwhile`), so that
-    the client's CPU and Redis's overlap. Used by `route_batches` (files) and the Kafka worker (the batch
-    it fetched meanwhile). One batch's routing at a time."""
+    the client's CPU and Redis's overlap. Given the batch after that too (`then`), it reads two ahead: the
+    following batch is prepared already, so the index reads its buckets while this one is verified and
+    inserted (`decide`'s `upcoming`), and `then` is prepared meanwhile. Used by `route_batches` (files)
+    and the Kafka worker (the batch it fetched meanwhile). One batch's routing at a time."""
 
     def __init__(self, fmt: RecordFormat) -> None:
         self.fmt = fmt
-        self._ahead: _Ahead | None = None  # the following batch's decoding and fingerprints
+        self._ahead: list[_Ahead] = []  # the following batches' decoding and fingerprints, in order
 
-    def route(self, nd: NearDupFilter, batch: Sequence[RawRecord],
-              following: Sequence[RawRecord] | None = None) -> list[Routed]:
-        """The routing of `batch` by `nd` (as `route_batch`); `following`, if given, is prepared meanwhile
-        and used when it is routed next (by the same filter). An error preparing it is raised then."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None and ahead.batch is batch:
-            step, prepared = ahead.result()
-        else:
-            step = _Step(batch, self.fmt)
-            prepared = nd.prepare([m.text for m in step.messages]) if step.messages else None
+    def route(self, nd: NearDupFilter, batch: Sequence[RawRecord], following: Sequence[RawRecord] | None = None,
+              then: Sequence[RawRecord] | None = None) -> list[Routed]:
+        """The routing of `batch` by `nd` (as `route_batch`); `following` (and `then`), if given, are prepared
+        meanwhile and used when they are routed next (by the same filter). An error preparing one is raised
+        when it is routed."""
+        kept, self._ahead = self._ahead, []
+        step, prepared = self._taken(kept, nd, batch).result()
+        if not step.messages:
+            prepared = None
         if not following:
             return step.routed(nd.decide(step.messages, prepared) if step.messages else [])
-        ahead = _Ahead(nd, following, self.fmt)
-        verdicts = nd.decide(step.messages, prepared, meanwhile=ahead.run) if step.messages else []
-        self._ahead = ahead
+        upcoming = None
+        if then:
+            ready = self._taken(kept, nd, following)  # prepared during the last batch, or now
+            while not ready.run():
+                pass
+            self._ahead.append(ready)
+            upcoming = ready.upcoming()
+            share = _Ahead(nd, then, self.fmt)
+        else:
+            share = _Ahead(nd, following, self.fmt)
+        verdicts = nd.decide(step.messages, prepared, meanwhile=share.run, upcoming=upcoming) if step.messages else []
+        self._ahead.append(share)
         return step.routed(verdicts)
+
+    def _taken(self, kept: list[_Ahead], nd: NearDupFilter, batch: Sequence[RawRecord]) -> _Ahead:
+        """The preparation of `batch` kept from before (by the same filter: the worker times each batch's
+        routing with a stand-in of it), or a new one by `nd` (not run yet)."""
+        for ahead in kept:
+            if ahead.batch is batch:
+                return ahead
+        return _Ahead(nd, batch, self.fmt)
 
 
 class _Step:
@@ -142,14 +160,22 @@ class _Ahead:
         return True
 
     def result(self) -> tuple[_Step, Any]:
+        """The decoded batch and its prepared fingerprints (the same objects each time), once all is done."""
         while not self.run():
             pass
         if self._error is not None:
             raise self._error
         assert self._step is not None
         parts = self._prepared
-        prepared = None if not parts else parts[0] if len(parts) == 1 else [*parts[0], *parts[1]]
-        return self._step, prepared
+        if len(parts) > 1:
+            self._prepared = parts = [[*parts[0], *parts[1]]]
+        return self._step, parts[0] if parts else None
+
+    def upcoming(self) -> tuple[Sequence[Message], Any] | None:
+        """`decide`'s `upcoming` for this batch (done), or None if it has no messages or failed."""
+        if self._error is not None or self._step is None or not self._step.messages:
+            return None
+        return self.result()[0].messages, self.result()[1]
 
 
 class Sink(Protocol):

@@ -569,6 +569,84 @@ def test_random_interleavings_never_make_two_near_duplicates_unique(make: Callab
     assert sorted(int(id[1:].split("c")[0]) for id in unique) == list(range(40))  # one unique per wave
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_random_interleavings_of_workers_reading_ahead_never_make_two_near_duplicates_unique(
+        make: Callable[..., RedisIndex], seed: int) -> None:
+    """The waves of the test above, each worker sending the read of its next message ahead (`prefetch`)
+    before it inserts the one in hand. Another worker may process a whole message before any of a
+    worker's round trips, before it sends a read ahead, and before a lookup takes one."""
+    rng = random.Random(seed)
+    workers = [make(window=100.0, bucket_cap=1000) for _ in range(3)]
+    for index in workers:
+        index.slice_length = 5.0
+    waves = [(f"w{c}c{k}", 50.0 + 2 * c + rng.uniform(0, 1), tuple(rng.sample(range(3 * c + 1, 3 * c + 4), 2)))
+             for c in range(40) for k in range(3)]
+    pending = sorted(waves, key=lambda m: -m[1])  # pop() takes the earliest
+    unique: dict[str, tuple[int, ...]] = {}
+    busy = [False]
+    sent: dict[int, tuple[tuple[str, float, tuple[int, ...]], list[Query]]] = {}  # worker -> its next, read ahead
+    taken: list[bool] = []
+
+    def process(index: RedisIndex) -> None:
+        message, queries = sent.pop(id(index), None) or (pending.pop(), None)
+        queries = queries or [Query(*message)]
+        [(own, cands)] = index.lookup(queries, 100)
+        if pending:
+            following = pending.pop()
+            sent[id(index)] = (following, [Query(*following)])
+            index.prefetch(sent[id(index)][1])
+        if own is not None or cands:
+            return
+        id_, ts, keys = message
+        for _ in range(8):
+            [result] = index.insert([(entry(id_, ts), keys)])
+            if result is None:
+                unique[id_] = keys
+                return
+            if result:
+                return
+
+    def maybe_another(index: RedisIndex) -> None:
+        if not busy[0] and (pending or sent) and rng.random() < 0.6:
+            busy[0] = True
+            try:
+                others = [w for w in workers if w is not index and (pending or id(w) in sent)]
+                if others:
+                    process(rng.choice(others))
+            finally:
+                busy[0] = False
+
+    def interleaving(index: RedisIndex) -> None:
+        execute, prefetch, lookup, took = index._execute, index.prefetch, index.lookup, index._taken
+
+        def hooked(commands: Sequence[Sequence[str | int | bytes]], **options: bool) -> list[object]:
+            maybe_another(index)
+            return execute(commands, **options)
+
+        def hooked_prefetch(queries: Sequence[Query]) -> None:
+            maybe_another(index)
+            prefetch(queries)
+
+        def hooked_lookup(queries: Sequence[Query], limit: int) -> list[tuple[Entry | None, list[Candidate]]]:
+            maybe_another(index)
+            return lookup(queries, limit)
+
+        def counted(*args: object) -> object:
+            result = took(*args)  # type: ignore[arg-type]
+            taken.append(result is not None)
+            return result
+
+        index._execute, index.prefetch, index.lookup = hooked, hooked_prefetch, hooked_lookup  # type: ignore[method-assign]
+        index._taken = counted  # type: ignore[method-assign]
+
+    for index in workers:
+        interleaving(index)
+    while pending or sent:
+        process(rng.choice([w for w in workers if pending or id(w) in sent]))
+    assert sorted(int(id[1:].split("c")[0]) for id in unique) == list(range(40))  # one unique per wave
+    assert True in taken and False in taken  # reads ahead were taken, and some had to be read afresh
+
+
 def _counting_watched(index: RedisIndex) -> list[bool | None]:
     """Records what each WATCH-guarded transaction of `index` gave (None: Redis refused it)."""
     results: list[bool | None] = []
@@ -774,6 +852,109 @@ def test_uncontended_inserts_store_what_the_checking_script_stores(make: Callabl
     assert calls["fast"] >= 10  # the uncontended path did the work
     assert _namespace_dump(redis_url, prefix, "fast") == _namespace_dump(redis_url, prefix, "checked")
     assert _namespace_dump(redis_url, prefix, "reference") == _namespace_dump(redis_url, prefix, "checked")
+
+
+def _counting_taken(index: RedisIndex) -> list[bool]:
+    """Records, for each lookup of `index` given a read sent ahead, whether it took that read."""
+    results: list[bool] = []
+    taken = index._taken
+
+    def counted(*args: object) -> object:
+        result = taken(*args)  # type: ignore[arg-type]
+        results.append(result is not None)
+        return result
+
+    index._taken = counted  # type: ignore[method-assign]
+    return results
+
+
+def _decide_reading_ahead(engine: NearDupFilter, messages: Sequence[Message], size: int) -> list[Verdict]:
+    """`decide` of each batch of `size`, the next one given as `upcoming` (its read sent ahead)."""
+    batches = [messages[at : at + size] for at in range(0, len(messages), size)]
+    prepared = [engine.prepare([m.text for m in batch]) for batch in batches]
+    verdicts = []
+    for i, batch in enumerate(batches):
+        upcoming = (batches[i + 1], prepared[i + 1]) if i + 1 < len(batches) else None
+        verdicts += engine.decide(batch, prepared[i], upcoming=upcoming)
+    return verdicts
+
+
+@pytest.mark.parametrize(("window", "cap"), [(3600.0, 8), (30.0, 2)])
+def test_a_read_sent_ahead_stores_and_decides_as_reading_after_the_insert(
+        make: Callable[..., RedisIndex], redis_url: str, prefix: str, window: float, cap: int) -> None:
+    """The next batch's read goes out before this batch's insert (`prefetch`), and its lookup adds what
+    that insert wrote. The verdicts and every stored byte (records, trims, entries, seq, high-water mark,
+    slices, unlinks) must be those of batches looked up one after the other's insert."""
+    config = FilterConfig(window=window, bucket_cap=cap)
+    ahead, serial = make("ahead", window=window, bucket_cap=cap), make("serial", window=window, bucket_cap=cap)
+    taken = _counting_taken(ahead)
+    messages = generated_messages(600, seed=3)
+    verdicts = _decide_reading_ahead(NearDupFilter(config, index=ahead), messages, 50)
+    engine = NearDupFilter(config, index=serial)
+    assert verdicts == [v for at in range(0, len(messages), 50) for v in engine.check_batch(messages[at : at + 50])]
+    assert taken.count(True) >= 10  # the reads sent ahead did the work
+    assert _namespace_dump(redis_url, prefix, "ahead") == _namespace_dump(redis_url, prefix, "serial")
+
+
+def test_a_foreign_insert_while_a_read_is_ahead_is_seen(make: Callable[..., RedisIndex]) -> None:
+    """Another worker inserts into the next batch's bucket after its read went out, at any moment: before
+    this batch's insert (whose transaction Redis then refuses: the next lookup reads afresh and sees
+    it), after that insert, or with nothing inserted (the read sent ahead stands for a read at its
+    moment, as any lookup's read does, and what came after it is seen by the insert's check)."""
+    for moment in ("before the insert", "after the insert", "no insert"):
+        namespace = moment.replace(" ", "-")
+        index, other = make(namespace), make(namespace)
+        taken = _counting_taken(index)
+        index.lookup([Query("a", 1000, (1,))], 8)
+        following = [Query("b", 1001, (2,))]
+        index.prefetch(following)
+        if moment == "before the insert":
+            other.lookup([Query("x", 1000, (2,))], 8)
+            assert other.insert([(entry("x"), (2,))]) == [None]
+        if moment != "no insert":
+            assert index.insert([(entry("a"), (1,))]) == [None]
+        if moment != "before the insert":
+            other.lookup([Query("x", 1000, (2,))], 8)
+            assert other.insert([(entry("x"), (2,))]) == [None]
+        [(_, found)] = index.lookup(following, 8)
+        assert taken == [moment != "before the insert"], moment
+        if moment == "before the insert":
+            assert ids(found) == ["x"]
+        else:
+            assert ids(found) == []
+            [conflicts] = index.insert([(entry("b", 1001), (2,))])
+            assert ids(conflicts) == ["x"], moment
+
+
+def test_the_next_lookup_sees_what_the_batch_inserted_after_the_read_went_out(make: Callable[..., RedisIndex]) -> None:
+    index = make()
+    taken = _counting_taken(index)
+    index.lookup([Query("a", 1000, (1, 2)), Query("b", 1000, (3,))], 8)
+    following = [Query("c", 1001, (2, 9)), Query("a", 1001, (1,)), Query("d", 1001, (3,))]
+    index.prefetch(following)
+    assert index.insert([(entry("a"), (1, 2)), (entry("b"), (3,))]) == [None, None]
+    found = index.lookup(following, 8)
+    assert taken == [True]
+    assert [ids(cands) for _, cands in found] == [["a"], [], ["b"]]
+    assert found[1][0] is not None and found[1][0].exact == entry("a").exact  # a replay of a: its entry
+    # And the records the next batch writes keep those the first one wrote (whole values, not stale ones).
+    assert index.insert([(entry("c", 1001), (2, 9)), (entry("d", 1001), (3,))]) == [None, None]
+    assert [ids(cands) for _, cands in make().lookup([Query("q", 1002, (2, 3))], 8)[:1]] == [["d", "c", "b", "a"]]
+
+
+def test_a_read_ahead_lost_with_its_connection_is_read_again(make: Callable[..., RedisIndex], redis_url: str) -> None:
+    index = make()
+    index.lookup([Query("a", 1000, (1,))], 8)
+    index.insert([(entry("a"), (1,))])
+    [client_id] = index._execute([("CLIENT", "ID")])
+    following = [Query("b", 1001, (1,))]
+    index.prefetch(following)
+    with redis.Redis.from_url(redis_url) as client:
+        assert client.client_kill_filter(_id=client_id) == 1
+    with pytest.raises(IndexUnavailable):
+        index.lookup(following, 8)  # its replies went with the connection: a retriable error, never wrong ones
+    [(_, found)] = index.lookup(following, 8)  # the worker's retry reads afresh, on a new connection
+    assert ids(found) == ["a"]
 
 
 def test_a_slice_that_left_the_window_is_unlinked(make: Callable[..., RedisIndex], redis_url: str, prefix: str) -> None:
