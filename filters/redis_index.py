@@ -22,7 +22,8 @@ the earlier one, a sorted set per bucket, cost Redis ≈ 140 µs of CPU per shor
 it `redis.call`s inside Lua (2–3 µs each, whatever they do: ZADD and PEXPIRE per bucket, ZRANGEBYSCORE
 per bucket) and the Lua VM counting members. Here a lookup is no script at all: per slice, one HMGET of
 every field the chunk's queries name (pipelined: one round trip), and the client counts, ranks and
-caps; a second round trip reads the winners' entries. An insert round is one script whose calls do not
+caps; a second round trip reads the winners' entries (those the client did not keep: an entry never
+changes once written, see `_entries`). An insert round is one script whose calls do not
 grow with the number of buckets: one HMGET and one HSET per slice; the uncontended round (below) no
 script at all, ≈ 25 µs of Redis CPU a short message in all (bench/redis_cpu.py).
 
@@ -40,6 +41,11 @@ comparison: the caller computes the writes from what it read and sends them as a
 on its own connection, guarded by a WATCH of the meta hash set just before the lookup read `seq` (any
 insert by anybody writes the meta hash, so Redis refuses the transaction then, and the round goes
 through the script). On Redis Cluster the same writes go through a script that compares `seq` instead.
+
+Reading ahead (`prefetch`): the next batch's read can go out before this batch's transaction, so that
+Redis reads while the client verifies. Its lookup then adds this batch's writes (computed here) to what
+it read, which stands for a read right after the transaction as long as that transaction went through
+under the WATCH armed before the read: nobody inserted in between. Anything else reads afresh.
 
 Bucket cap: a lookup keeps, per bucket, the `bucket_cap` newest records by (event time, seq) inside the
 window (across slices: the newest of the union are among the newest of each); the insert script trims
