@@ -69,10 +69,10 @@ import hashlib
 import math
 import re
 import struct
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
+from itertools import islice
 from operator import itemgetter
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -859,7 +859,7 @@ class RedisIndex:
         self._view = _View()
         self._ahead: _Ahead | None = None  # the next lookup's read, sent ahead (`prefetch`)
         # Entries this instance wrote or read lately, by (id, event time): what a bucket record names.
-        self._known: OrderedDict[tuple[str, float], Entry] = OrderedDict()
+        self._known: dict[tuple[str, float], Entry] = {}
         self._known_cap = target.entry_cache
         self._rank = _native.rank_records if _native is not None else rank_records
         self._plan = _native.plan_fields if _native is not None else plan_fields
@@ -1147,15 +1147,15 @@ class RedisIndex:
         return out
 
     def _remember(self, entries: Iterable[Entry]) -> None:
-        """Keeps `entries` for `_entries`, dropping the oldest kept beyond `entry_cache`."""
+        """Keeps `entries` for `_entries`: the newest `entry_cache` at least (the oldest go in bulk, once a
+        quarter more are kept)."""
         cap = self._known_cap
         if not cap:
             return
         known = self._known
-        for entry in entries:
-            known[entry.id, float(entry.ts)] = entry
-        while len(known) > cap:
-            known.popitem(last=False)
+        known.update({(entry.id, float(entry.ts)): entry for entry in entries})
+        if len(known) > cap + cap // 4:
+            self._known = dict(islice(known.items(), len(known) - cap, None))
 
     # -- inserting -------------------------------------------------------------------------------
     def _insert_chunk(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]:
