@@ -2,14 +2,16 @@
 
     eval "$(bash docker/services.sh env)"       # or pass the URLs below
     python bench/redis_bench.py [--limit 20000] [--runs 3] [--batch 512] [--sets all,short]
-                                [--backends memory,redis,redis-serial,rediss,cluster,datasketch] [--db 9]
+                                [--backends memory,redis,redis-serial,redis-unaided,rediss,cluster,datasketch] [--db 9]
                                 [--redis URL --tls URL --cluster URL]
 
 Each set of messages is run through each backend in stream order, starting empty, `--runs` times,
 interleaved (run 1 of every backend, then run 2, ...) so that drift of the shared machine hits all of
 them alike; the table shows the median messages/s and the ratio to the memory index. neardup is timed
 as `neardup filter FILE` works: `route_batches` over the raw JSONL records in batches of `--batch` (decode,
-fingerprint, look up, verify, insert). datasketch is used as bench/filter_bench.py uses it (MinHashLSH,
+fingerprint, look up, verify, insert); `redis-serial` routes batch after batch as the Kafka worker does,
+`redis-unaided` as `redis` without the next batch's read sent ahead and without the entries the client
+keeps (every lookup reads when it is made, and every candidate's entry). datasketch is used as bench/filter_bench.py uses it (MinHashLSH,
 128 permutations, threshold 0.5, character 5-grams of normalized text; query, then insert if there is
 no match), on its Redis storage (`storage_config={'type': 'redis', ...}`) on the same server.
 
@@ -120,10 +122,14 @@ def drop(url: str, pattern: str) -> int:
 # --- the runners ----------------------------------------------------------------------------------------
 
 
-def run_neardup(index_url: str, corpus: Corpus, batch: int, serial: bool = False) -> Run:
+def run_neardup(index_url: str, corpus: Corpus, batch: int, serial: bool = False, unaided: bool = False) -> Run:
     """`route_batches` over the raw records, in batches, as `neardup filter --index URL FILE` does (reading
-    one batch ahead); `serial`: `route_batch` of one batch after the other, as the Kafka worker does."""
-    nd = NearDupFilter(FilterConfig(window=1e9), index=index_url)
+    two batches ahead); `serial`: `route_batch` of one batch after the other, as the Kafka worker does;
+    `unaided`: `route_batches` with no lookup read sent ahead and no entries kept by the client (every
+    lookup reads its buckets when it is made, and every candidate's entry), for comparison."""
+    nd = NearDupFilter(FilterConfig(window=1e9), index=f"{index_url}&entry_cache=0" if unaided else index_url)
+    if unaided:
+        nd.index.read_ahead = False  # type: ignore[attr-defined]
     records = [RawRecord(line, str(i), 0.0) for i, line in enumerate(corpus.lines)]
     verdicts: list[Verdict] = []
     gc.collect()
@@ -178,17 +184,19 @@ def backends(args: argparse.Namespace) -> list[Backend]:
         if name == "memory":
             out.append(Backend("neardup, memory://", "", lambda c, tag: run_neardup("memory://", c, args.batch),
                                lambda tag: ""))
-        elif name in ("redis", "redis-serial", "rediss", "cluster"):
-            url = {"redis": plain, "redis-serial": plain, "rediss": with_db(args.tls, args.db) if args.tls else "",
-                   "cluster": args.cluster}[name]
+        elif name in ("redis", "redis-serial", "redis-unaided", "rediss", "cluster"):
+            url = {"redis": plain, "redis-serial": plain, "redis-unaided": plain,
+                   "rediss": with_db(args.tls, args.db) if args.tls else "", "cluster": args.cluster}[name]
             if not url:
                 print(f"  (no URL for {name}: skipped)", file=sys.stderr)
                 continue
             label = {"redis": "redis:// (plain)", "redis-serial": "redis:// (plain), batch after batch",
+                     "redis-unaided": "redis:// (plain), no read sent ahead, no entries kept",
                      "rediss": "rediss:// (TLS)", "cluster": "Redis Cluster"}[name]
             out.append(Backend(f"neardup, {label}", url,
-                               lambda c, tag, url=url, serial=name == "redis-serial": run_neardup(
-                                   with_prefix(url, tag), c, args.batch, serial),
+                               lambda c, tag, url=url, name=name: run_neardup(
+                                   with_prefix(url, tag), c, args.batch, name == "redis-serial",
+                                   unaided=name == "redis-unaided"),
                                lambda tag: f"{{{tag}:*"))
         elif name == "datasketch":
             out.append(Backend("datasketch MinHashLSH, Redis", plain,

@@ -868,6 +868,7 @@ class RedisIndex:
         self._rank_all = _native.rank_lookup if _native is not None else rank_lookup
         self._encode = _native.encode_entries if _native is not None else encode_entries
         self.alone_inserts = True  # INSERT_ALONE_LUA when nobody else inserted since the lookup
+        self.read_ahead = True  # `prefetch` sends the read (off: every lookup reads when it is made)
         # Standalone Redis: one connection for the instance's round trips, so that the lookup's WATCH
         # still guards the insert's MULTI/EXEC; a reconnect drops the WATCH, so it moves the epoch.
         self._conn: Any = None
@@ -957,8 +958,8 @@ class RedisIndex:
         error) makes the lookup read afresh. Standalone Redis only (Cluster has no WATCH here)."""
         self._ahead = None
         view = self._view
-        if not queries or not self._watchable() or view.watch != self._epoch or not view.exact or view.inserted \
-                or view.reread:
+        if not self.read_ahead or not queries or not self._watchable() or view.watch != self._epoch \
+                or not view.exact or view.inserted or view.reread:
             return
         hwm = self._hwm
         try:

@@ -942,6 +942,18 @@ def test_the_next_lookup_sees_what_the_batch_inserted_after_the_read_went_out(ma
     assert [ids(cands) for _, cands in make().lookup([Query("q", 1002, (2, 3))], 8)[:1]] == [["d", "c", "b", "a"]]
 
 
+def test_reading_ahead_can_be_switched_off(make: Callable[..., RedisIndex]) -> None:
+    index = make()
+    index.read_ahead = False  # bench/redis_bench.py's comparison: every lookup reads when it is made
+    taken = _counting_taken(index)
+    index.lookup([Query("a", 1000, (1,))], 8)
+    following = [Query("b", 1001, (1,))]
+    index.prefetch(following)
+    assert index.insert([(entry("a"), (1,))]) == [None]
+    assert ids(index.lookup(following, 8)[0][1]) == ["a"]
+    assert taken == []  # nothing was sent ahead
+
+
 def test_a_read_ahead_lost_with_its_connection_is_read_again(make: Callable[..., RedisIndex], redis_url: str) -> None:
     index = make()
     index.lookup([Query("a", 1000, (1,))], 8)
