@@ -11,9 +11,10 @@ them alike; the table shows the median messages/s and the ratio to the memory in
 as `neardup filter FILE` works: `route_batches` over the raw JSONL records in batches of `--batch` (decode,
 fingerprint, look up, verify, insert); `redis-serial` routes batch after batch as the Kafka worker does,
 `redis-unaided` as `redis` without the next batch's read sent ahead and without the entries the client
-keeps (every lookup reads when it is made, and every candidate's entry). datasketch is used as bench/filter_bench.py uses it (MinHashLSH,
-128 permutations, threshold 0.5, character 5-grams of normalized text; query, then insert if there is
-no match), on its Redis storage (`storage_config={'type': 'redis', ...}`) on the same server.
+keeps (every lookup reads when it is made, and every candidate's entry). datasketch is used as
+bench/filter_bench.py uses it (MinHashLSH, 128 permutations, threshold 0.5, character 5-grams of
+normalized text; query, then insert if there is no match), on its Redis storage
+(`storage_config={'type': 'redis', ...}`) on the same server.
 
 Sets: `all` = the first `--limit` messages of the stream; `short` = the first `--limit` messages of
 the short-message corpora (`--short-corpora`, as bench/kafka_e2e.py uses).
