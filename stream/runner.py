@@ -81,8 +81,6 @@ class ReadAhead:
         upcoming = None
         if then:
             ready = self._taken(kept, nd, following)  # prepared during the last batch, or now
-            while not ready.run():
-                pass
             self._ahead.append(ready)
             upcoming = ready.upcoming()
             share = _Ahead(nd, then, self.fmt)
@@ -173,9 +171,11 @@ class _Ahead:
 
     def upcoming(self) -> tuple[Sequence[Message], Any] | None:
         """`decide`'s `upcoming` for this batch (done), or None if it has no messages or failed."""
-        if self._error is not None or self._step is None or not self._step.messages:
-            return None
-        return self.result()[0].messages, self.result()[1]
+        try:
+            step, prepared = self.result()
+        except Exception:
+            return None  # raised again when the batch is routed
+        return (step.messages, prepared) if step.messages else None
 
 
 class Sink(Protocol):
