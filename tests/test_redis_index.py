@@ -517,6 +517,32 @@ def test_an_entry_with_thousands_of_keys(make: Callable[..., RedisIndex]) -> Non
         assert ids(index.lookup([Query("q", 1000.0, keys[:10])], 8)[0][1]) == ["big"]
 
 
+def _race(make: Callable[..., RedisIndex], seed: int) -> tuple[random.Random, list[RedisIndex],
+                                                               list[tuple[str, float, tuple[int, ...]]]]:
+    """The random interleaving tests' three workers (slices of 5 s in a 100 s window) and 40 waves of
+    three messages, (id, event time, keys), the earliest last (`pop()` takes it)."""
+    rng = random.Random(seed)
+    workers = [make(window=100.0, bucket_cap=1000) for _ in range(3)]
+    for index in workers:
+        index.slice_length = 5.0
+    waves = [(f"w{c}c{k}", 50.0 + 2 * c + rng.uniform(0, 1), tuple(rng.sample(range(3 * c + 1, 3 * c + 4), 2)))
+             for c in range(40) for k in range(3)]
+    return rng, workers, sorted(waves, key=lambda m: -m[1])
+
+
+def _insert_unless_found(index: RedisIndex, id: str, ts: float, keys: tuple[int, ...],
+                         unique: dict[str, tuple[int, ...]]) -> None:
+    """Inserts a message its lookup found nothing for, retrying conflicts (the engine's rounds): unique
+    if an insert goes through, a duplicate as soon as one finds anything."""
+    for _ in range(8):
+        [result] = index.insert([(entry(id, ts), keys)])
+        if result is None:
+            unique[id] = keys
+            return
+        if result:
+            return
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_random_interleavings_never_make_two_near_duplicates_unique(make: Callable[..., RedisIndex], seed: int) -> None:
     """Three workers and 40 spam waves: each wave has fresh keys, three copies of two of its three keys
@@ -526,27 +552,14 @@ def test_random_interleavings_never_make_two_near_duplicates_unique(make: Callab
     every interleaving of lookups, inserts and re-reads at round-trip granularity gets its chance. A
     message is a duplicate when its lookup or its insert finds anything (sharing a key is being a
     near-duplicate here); the invariant: no two unique messages share a key, one unique per wave."""
-    rng = random.Random(seed)
-    workers = [make(window=100.0, bucket_cap=1000) for _ in range(3)]
-    for index in workers:
-        index.slice_length = 5.0
-    waves = [(f"w{c}c{k}", 50.0 + 2 * c + rng.uniform(0, 1), tuple(rng.sample(range(3 * c + 1, 3 * c + 4), 2)))
-             for c in range(40) for k in range(3)]
-    pending = sorted(waves, key=lambda m: -m[1])  # pop() takes the earliest
+    rng, workers, pending = _race(make, seed)
     unique: dict[str, tuple[int, ...]] = {}
     busy = [False]
 
     def process(index: RedisIndex, id: str, ts: float, keys: tuple[int, ...]) -> None:
         [(own, cands)] = index.lookup([Query(id, ts, keys)], 100)
-        if own is not None or cands:
-            return
-        for _ in range(8):
-            [result] = index.insert([(entry(id, ts), keys)])
-            if result is None:
-                unique[id] = keys
-                return
-            if result:
-                return
+        if own is None and not cands:
+            _insert_unless_found(index, id, ts, keys, unique)
 
     def interleaving(index: RedisIndex) -> None:
         execute = index._execute
@@ -575,13 +588,7 @@ def test_random_interleavings_of_workers_reading_ahead_never_make_two_near_dupli
     """The waves of the test above, each worker sending the read of its next message ahead (`prefetch`)
     before it inserts the one in hand. Another worker may process a whole message before any of a
     worker's round trips, before it sends a read ahead, and before a lookup takes one."""
-    rng = random.Random(seed)
-    workers = [make(window=100.0, bucket_cap=1000) for _ in range(3)]
-    for index in workers:
-        index.slice_length = 5.0
-    waves = [(f"w{c}c{k}", 50.0 + 2 * c + rng.uniform(0, 1), tuple(rng.sample(range(3 * c + 1, 3 * c + 4), 2)))
-             for c in range(40) for k in range(3)]
-    pending = sorted(waves, key=lambda m: -m[1])  # pop() takes the earliest
+    rng, workers, pending = _race(make, seed)
     unique: dict[str, tuple[int, ...]] = {}
     busy = [False]
     sent: dict[int, tuple[tuple[str, float, tuple[int, ...]], list[Query]]] = {}  # worker -> its next, read ahead
@@ -595,16 +602,8 @@ def test_random_interleavings_of_workers_reading_ahead_never_make_two_near_dupli
             following = pending.pop()
             sent[id(index)] = (following, [Query(*following)])
             index.prefetch(sent[id(index)][1])
-        if own is not None or cands:
-            return
-        id_, ts, keys = message
-        for _ in range(8):
-            [result] = index.insert([(entry(id_, ts), keys)])
-            if result is None:
-                unique[id_] = keys
-                return
-            if result:
-                return
+        if own is None and not cands:
+            _insert_unless_found(index, *message, unique)
 
     def maybe_another(index: RedisIndex) -> None:
         if not busy[0] and (pending or sent) and rng.random() < 0.6:
