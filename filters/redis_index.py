@@ -814,7 +814,7 @@ class _View:
 
 
 @dataclass(slots=True)
-class _Ahead:
+class _SentRead:
     """A lookup's read sent ahead (`RedisIndex.prefetch`): the next batch's buckets, read while the client
     still verifies and inserts the batch in hand (`view`), whose writes it then lacks."""
 
@@ -857,7 +857,7 @@ class RedisIndex:
         self._ttl_ms = max(1, round((self.window + target.grace) * 1000))
         self._hwm = -math.inf  # highest event time this instance has seen (MemoryIndex's watermark)
         self._view = _View()
-        self._ahead: _Ahead | None = None  # the next lookup's read, sent ahead (`prefetch`)
+        self._ahead: _SentRead | None = None  # the next lookup's read, sent ahead (`prefetch`)
         # Entries this instance wrote or read lately, by (id, event time): what a bucket record names.
         self._known: dict[tuple[str, float], Entry] = {}
         self._known_cap = target.entry_cache
@@ -976,7 +976,7 @@ class RedisIndex:
             self._drain()
             self._pack_and_send(conn, commands)
             epoch = self._epoch  # after sending: a reconnect on the way sent it on the new connection
-        self._ahead = _Ahead(queries, names, key_fields, positions, id_places, slices, epoch, view, len(commands))
+        self._ahead = _SentRead(queries, names, key_fields, positions, id_places, slices, epoch, view, len(commands))
 
     def _planned(self, queries: Sequence[Query]) -> tuple[list[bytes], list[list[bytes]], list[list[int]], list[int]]:
         """Every field name the batch reads, and its place in a column (`plan_fields`)."""
@@ -985,7 +985,7 @@ class RedisIndex:
         except (struct.error, OverflowError):
             raise ValueError(f"bucket keys must be unsigned 64-bit ints: {[q.keys for q in queries]!r}") from None
 
-    def _taken(self, ahead: _Ahead, low_mark: float, high_mark: float) -> tuple[int, bytes, tuple[int, ...],
+    def _taken(self, ahead: _SentRead, low_mark: float, high_mark: float) -> tuple[int, bytes, tuple[int, ...],
                                                                               list[list[bytes | None]]] | None:
         """The read sent ahead, with the writes of the batch inserted since (see `prefetch`), as `_read_covering`
         would have read it now; None if it cannot stand for that (then the lookup reads afresh)."""
