@@ -129,7 +129,7 @@ __all__ = [
 
 DEFAULT_PREFIX = "neardup"
 DEFAULT_GRACE = 3600.0  # seconds of wall clock that keys outlive the window
-DEFAULT_ENTRY_CACHE = 16384  # entries (≈ 0.7 KB each) a client keeps decoded: see `RedisIndex._entries`
+DEFAULT_ENTRY_CACHE = 16384  # entries (≈ 1 KB each, Python objects) a client keeps decoded: see `RedisIndex._entries`
 INSERT_CHUNK = 512  # entries per insert script: bounds how long one script blocks the server
 LOOKUP_CHUNK = 256  # queries' worth of field names (up to 16 each) one HMGET reads: bounds a command's size
 FIELDS_PER_HMGET = 16 * LOOKUP_CHUNK
