@@ -735,9 +735,11 @@ class AiokafkaWorker(_WorkerCore):
         while True:
             tps = list(pending)
             try:
-                shown = await asyncio.gather(*(consumer.committed(tp) for tp in tps))
-            except KafkaError as exc:
-                log.warning("could not read the group's committed offsets before letting partitions go: %s; "
+                # aiokafka retries a fetch while the coordinator is unreachable: bounded here.
+                shown = await asyncio.wait_for(asyncio.gather(*(consumer.committed(tp) for tp in tps)),
+                                               max(0.05, deadline - time.monotonic()))
+            except (TimeoutError, KafkaError) as exc:
+                log.warning("could not read the group's committed offsets before letting partitions go: %r; "
                             "their next owner may route the last batch again", exc)
                 pending.clear()
                 return

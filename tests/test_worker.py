@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
@@ -339,6 +340,37 @@ def test_exactly_once_partitions_go_only_once_the_group_shows_the_last_commit(ka
         return [await once() for _ in range(8)]
 
     assert asyncio.run(scenario()) == [count] * 8
+
+
+def test_a_commit_the_group_never_shows_holds_partitions_for_half_the_session_timeout_at_most(
+        kafka_bootstrap: str, index_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    """The wait before letting partitions go is bounded (the rebalance waits for this member only so
+    long): an offset the group never shows is given up on after half the session timeout, with a
+    warning, and the callback returns."""
+    settings = settings_for(kafka_bootstrap, index_url, processing_guarantee="exactly_once", session_timeout=6.0)
+    topic = settings.input_topics[0]
+    worker = AiokafkaWorker(settings)
+
+    async def scenario() -> float:
+        await ensure_topics(settings, [topic])
+        await produce(settings, topic, [(None, b'{"text": "message %d"}' % i, ()) for i in range(5)])
+        task = asyncio.ensure_future(worker.run())
+        try:
+            while worker.stats.seen < 5:
+                assert not task.done()
+                await asyncio.sleep(0.02)
+            worker._unconfirmed[TopicPartition(topic, 0)] = 10**9  # an offset no commit made
+            started = time.monotonic()
+            await worker._rebalance.on_partitions_revoked(set())
+            return time.monotonic() - started
+        finally:
+            worker.stop()
+            await asyncio.wait_for(task, 30)
+
+    with caplog.at_level(logging.WARNING, logger="neardup.worker"):
+        took = asyncio.run(scenario())
+    assert 2.9 <= took < 5.0, took
+    assert any("did not show the last transaction's offsets" in r.getMessage() for r in caplog.records)
 
 
 def test_outputs_land_on_the_partition_send_would_choose(kafka_bootstrap: str, index_url: str) -> None:
