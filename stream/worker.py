@@ -726,8 +726,9 @@ class AiokafkaWorker(_WorkerCore):
         A transaction's offsets reach the group when the transaction coordinator writes its commit marker,
         after `commit_transaction` returned; until then aiokafka's OffsetFetch (below v7: no require_stable)
         answers the offset before. The partitions' next owner starts from that answer, so letting them go
-        earlier would have it route the last batch again (measured: 179 of 200 reads right after a commit
-        were stale, for up to 82 ms). Bounded by half the session timeout, the rebalance's own deadline."""
+        earlier would have it route the last batch again (`bench/txn_offsets.py`: about half or more of the
+        reads right after a commit are stale, for a few ms). Bounded by half the session timeout: the
+        rebalance waits for this member only so long."""
         pending, consumer = self._unconfirmed, self._consumer
         if not pending or consumer is None:
             return
