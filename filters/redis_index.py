@@ -307,10 +307,11 @@ def alone_round(ids: list[str], times: list[float], blobs: list[bytes], fields_o
     entry stored inside the window, read or written) or whose event time left the window gets 0; else
     the next seq, its record appended to each of its bucket fields (trimmed back to the cap first when a
     value holds about twice as many) and its entry written. `writes` (slice -> place -> value, what the
-    caller wrote since the lookup) is updated. Returns (results, per slice [entries, field-value pairs],
-    (seq, slice, places) per entry written, high-water mark, seq)."""
+    caller wrote since the lookup) is updated. Returns (results, per slice [entries, field-value pairs:
+    each field once, with its last value], (seq, slice, places) per entry written, high-water mark, seq)."""
     results: list[int] = []
     groups: dict[int, list[Any]] = {}
+    at_of: dict[int, dict[int, int]] = {}  # slice -> place -> where its value is in the slice's pairs
     written: list[tuple[int, int, list[int]]] = []
     for id, ts, blob, fields, places, e in zip(ids, times, blobs, fields_of, places_of, entry_places):
         live = False
@@ -334,28 +335,27 @@ def alone_round(ids: list[str], times: list[float], blobs: list[bytes], fields_o
         record = _RECORD.pack(ts, len(id_bytes)) + id_bytes + _SEQ.pack(seq)
         s = math.floor(ts / slice_length)
         mine, column = writes[s], columns[s]
-        # A field without a value when read, nobody wrote since: its value is the record.
-        new: list[bytes] = []
-        other: list[bytes] = [b"e" + id_bytes, blob]
+        group = groups.setdefault(s, [0, []])
+        group[0] += 1
+        pairs, at = group[1], at_of.setdefault(s, {})
         too_long = 2 * cap * len(record)
         for f, p in zip(fields, places):
             v = mine.get(p)
             if v is None:
                 v = column[p]
-            if v is None:
-                new.append(f)
-                mine[p] = record
+            # A field without a value when read, nobody wrote since: its value is the record.
+            v = record if v is None else (trim(v, cap) if len(v) > too_long else v) + record
+            mine[p] = v
+            # Each field once in the slice's pairs, with its last value: a bucket several entries of the
+            # batch share is sent once, not once per entry with every record again.
+            k = at.get(p)
+            if k is None:
+                at[p] = len(pairs) + 1
+                pairs += (f, v)
             else:
-                if len(v) > too_long:
-                    v = trim(v, cap)
-                v += record
-                other += (f, v)
-                mine[p] = v
+                pairs[k] = v
         mine[e] = blob
-        group = groups.setdefault(s, [0, []])
-        group[0] += 1
-        group[1] += [x for f in new for x in (f, record)]
-        group[1] += other
+        pairs += (b"e" + id_bytes, blob)
         written.append((seq, s, places))
         results.append(seq)
     return results, groups, written, hwm, seq
