@@ -5,9 +5,10 @@
                               [--collector default|tuned]
 
 Runs `NearDupFilter.check_batch` over the messages (batches of 512, a fresh namespace each run) on
-the Redis index and reads the server's `INFO cpu` (user + sys) and `INFO commandstats` before and
-after: nothing else should use that Redis meanwhile. Prints the median per message of the server's
-CPU, the client's CPU (this process), the wall time, and the server's busiest commands. It imports
+the Redis index and reads the server's `INFO cpu` (user + sys), `INFO stats` (bytes in and out) and
+`INFO commandstats` before and after: nothing else should use that Redis meanwhile. Prints the median
+per message of the server's CPU, the client's CPU (this process), the wall time, the bytes Redis
+received and sent, and the server's busiest commands. It imports
 the `filters` package of the checkout it lives in, so copying it into an older checkout measures that
 release the same way (README: "What Redis spends").
 """
@@ -63,20 +64,22 @@ def main() -> int:
 
     gc.callbacks.append(collecting)
     rows: dict[str, list[float]] = {"server CPU µs": [], "client CPU µs": [], "of it garbage collection µs": [],
-                                    "wall µs": []}
+                                    "wall µs": [], "bytes Redis received": [], "bytes Redis sent": []}
     commands: dict[str, list[float]] = {}
     for _ in range(args.runs):
         prefix = f"cpu-{uuid.uuid4().hex[:10]}"
         nd = NearDupFilter(FilterConfig(window=1e9), index=f"{args.redis.split('?')[0]}?prefix={prefix}")
         server.config_resetstat()
-        cpu = server.info("cpu")
+        cpu, net = server.info("cpu"), server.info("stats")
         collections[0] = 0.0
         c0, p0, t0 = cpu["used_cpu_user"] + cpu["used_cpu_sys"], time.process_time(), time.perf_counter()
         for at in range(0, len(msgs), 512):
             nd.check_batch(msgs[at : at + 512])
         wall, client = time.perf_counter() - t0, time.process_time() - p0
-        cpu = server.info("cpu")
+        cpu, after = server.info("cpu"), server.info("stats")
         n = len(msgs)
+        rows["bytes Redis received"].append((after["total_net_input_bytes"] - net["total_net_input_bytes"]) / n)
+        rows["bytes Redis sent"].append((after["total_net_output_bytes"] - net["total_net_output_bytes"]) / n)
         rows["server CPU µs"].append((cpu["used_cpu_user"] + cpu["used_cpu_sys"] - c0) / n * 1e6)
         rows["client CPU µs"].append(client / n * 1e6)
         rows["of it garbage collection µs"].append(collections[0] / n * 1e6)
