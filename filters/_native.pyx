@@ -15,6 +15,7 @@ few hundred memory reads. Memory comes from `PyMem_Malloc`, so tracemalloc (benc
 
 from cpython.bytearray cimport PyByteArray_AS_STRING
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
+from cpython.object cimport PyObject_Hash
 from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
 from libc.math cimport ceil, floor, rint
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
@@ -1804,6 +1805,58 @@ def decode_entries(list ids, list blobs, make, fallback) -> dict:
                 continue
         out[id] = fallback(blob, id)
     return out
+
+
+def overlay_writes(list names, list written_names, list kept, dict written) -> None:
+    """`redis_index.overlay_writes`, compiled: `names` in an open-addressing table of their (cached)
+    hashes, then each written field looked up by hash and compared only on a hash match."""
+    cdef Py_ssize_t n = len(names), cap = 16, mask, slot, i
+    cdef Py_hash_t h
+    cdef Py_hash_t *slot_hash
+    cdef Py_ssize_t *slot_at
+    cdef object name, other, p, value, w, column
+    cdef tuple pair
+    if not written or not kept:
+        return
+    while cap < 2 * n:  # at most half full
+        cap *= 2
+    mask = cap - 1
+    slot_hash = <Py_hash_t *>PyMem_Malloc(cap * sizeof(Py_hash_t))
+    slot_at = <Py_ssize_t *>PyMem_Malloc(cap * sizeof(Py_ssize_t))
+    if slot_hash == NULL or slot_at == NULL:
+        PyMem_Free(slot_hash); PyMem_Free(slot_at)
+        raise MemoryError()
+    try:
+        memset(slot_at, 0xFF, cap * sizeof(Py_ssize_t))  # -1: empty
+        for i in range(n):
+            h = PyObject_Hash(names[i])
+            slot = <Py_ssize_t>(<size_t>h & <size_t>mask)
+            while slot_at[slot] >= 0:  # the names are distinct: no comparison needed to place one
+                slot = (slot + 1) & mask
+            slot_at[slot] = i
+            slot_hash[slot] = h
+        for pair in kept:
+            w = written.get(pair[0])
+            if not w:
+                continue
+            column = pair[1]
+            for p, value in (<dict>w).items():
+                name = written_names[p]
+                h = PyObject_Hash(name)
+                slot = <Py_ssize_t>(<size_t>h & <size_t>mask)
+                while True:
+                    i = slot_at[slot]
+                    if i < 0:
+                        break
+                    if slot_hash[slot] == h:
+                        other = names[i]
+                        if other is name or other == name:
+                            (<list>column)[i] = value
+                            break
+                    slot = (slot + 1) & mask
+    finally:
+        PyMem_Free(slot_hash)
+        PyMem_Free(slot_at)
 
 
 def rank_lookup(list columns, list positions_of, list id_places, list ids, list floors, Py_ssize_t limit,

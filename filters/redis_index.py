@@ -361,6 +361,19 @@ def alone_round(ids: list[str], times: list[float], blobs: list[bytes], fields_o
     return results, groups, written, hwm, seq
 
 
+def overlay_writes(names: list[bytes], written_names: list[bytes], kept: list[tuple[int, list[bytes | None]]],
+                   written: dict[int, dict[int, bytes]]) -> None:
+    """Puts `written` (slice -> place in `written_names` -> value) into the columns of `kept` ((slice,
+    column of `names`) pairs), by field name; a field `names` does not hold is left out. `names` are
+    distinct (`plan_fields`). (`_native.overlay_writes` is the compiled twin.)"""
+    at = {name: place for place, name in enumerate(names)}
+    for s, column in kept:
+        for p, value in written.get(s, {}).items():
+            place = at.get(written_names[p])
+            if place is not None:
+                column[place] = value
+
+
 def rank_lookup(columns: list[list[bytes | None]], positions_of: list[list[int]], id_places: list[int], ids: list[str],
                 floors: list[int], limit: int, horizons: list[float], cap: int,
                 entry_time: Any) -> list[tuple[bytes | None, list[tuple[str, int, int, float]]]]:
@@ -867,6 +880,7 @@ class RedisIndex:
         self._decode = _native.decode_entries if _native is not None else decode_entries
         self._rank_all = _native.rank_lookup if _native is not None else rank_lookup
         self._encode = _native.encode_entries if _native is not None else encode_entries
+        self._overlay = _native.overlay_writes if _native is not None else overlay_writes
         self.alone_inserts = True  # INSERT_ALONE_LUA when nobody else inserted since the lookup
         self.read_ahead = True  # `prefetch` sends the read (off: every lookup reads when it is made)
         # Standalone Redis: one connection for the instance's round trips, so that the lookup's WATCH
@@ -1005,13 +1019,7 @@ class RedisIndex:
             return None
         kept = [(s, column) for s, column in zip(ahead.slices, columns) if s in need]
         if view.written:
-            at = {name: place for place, name in enumerate(ahead.names)}
-            names = view.names
-            for s, column in kept:
-                for p, value in view.written.get(s, {}).items():
-                    place = at.get(names[p])
-                    if place is not None:
-                        column[place] = value
+            self._overlay(ahead.names, view.names, kept, view.written)
         return seq, stored, tuple(s for s, _ in kept), [column for _, column in kept]
 
     def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]:

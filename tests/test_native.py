@@ -384,6 +384,34 @@ def test_plan_fields_as_the_python_reference(keys_of: list[tuple[int, ...]], ids
     assert _native.plan_fields(keys_of, ids) == plan_fields(keys_of, ids)
 
 
+# Field names from a small pool (so the batches share some), with equal names as distinct objects too.
+_NAME_POOL = [b"b" + bytes([i]) * 8 for i in range(24)] + [b"ea", b"eb", b"ec"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(names=st.lists(st.sampled_from(_NAME_POOL), unique=True, max_size=27),
+       written_names=st.lists(st.sampled_from(_NAME_POOL), unique=True, min_size=1, max_size=27),
+       data=st.data())
+def test_overlay_writes_as_the_python_reference(names: list[bytes], written_names: list[bytes],
+                                                data: st.DataObject) -> None:
+    """The next batch's columns read ahead get the last batch's written values by field name, in the
+    slices kept: the compiled overlay puts exactly what the Python one puts, and nothing else."""
+    from filters.redis_index import overlay_writes
+
+    slices = data.draw(st.lists(st.integers(0, 3), unique=True, min_size=1, max_size=3))
+    written = {s: data.draw(st.dictionaries(st.integers(0, len(written_names) - 1),
+                                            st.binary(min_size=1, max_size=4), max_size=len(written_names)))
+               for s in data.draw(st.lists(st.integers(0, 3), unique=True, max_size=4))}
+    columns = {s: data.draw(st.lists(st.one_of(st.none(), st.binary(max_size=4)), min_size=len(names),
+                                     max_size=len(names))) for s in slices}
+    copies = [bytes(bytearray(name)) for name in written_names]  # equal, not the same objects
+    compiled = [(s, list(columns[s])) for s in slices]
+    reference = [(s, list(columns[s])) for s in slices]
+    _native.overlay_writes(list(names), copies, compiled, written)
+    overlay_writes(list(names), list(written_names), reference, written)
+    assert compiled == reference
+
+
 def test_plan_fields_refuses_a_key_outside_64_bits() -> None:
     with pytest.raises(OverflowError):
         _native.plan_fields([(1, 2**64)], [b"ea"])
