@@ -172,11 +172,8 @@ def _invisible_pattern() -> re.Pattern[str]:
 def _marks_pattern() -> re.Pattern[str]:
     """Combining marks strip_accents drops: the combining diacritic blocks and every character with a
     nonzero combining class (the only ones canonical ordering moves, so none is left to reorder)."""
-    marks = [
-        chr(cp)
-        for cp in _SCANNED
-        if unicodedata.combining(chr(cp)) or any(lo <= cp <= hi for lo, hi in _COMBINING_RANGES)
-    ]
+    blocks = {cp for lo, hi in _COMBINING_RANGES for cp in range(lo, hi + 1)}
+    marks = [ch for ch in map(chr, _SCANNED) if unicodedata.combining(ch) or ord(ch) in blocks]
     return re.compile(f"[{_char_class(marks)}]+")
 
 
