@@ -1581,6 +1581,22 @@ cdef inline bytes bucket_field(uint64_t key):
     return PyBytes_FromStringAndSize(buf, 9)
 
 
+cdef Py_ssize_t open_table(Py_ssize_t n, uint64_t **slot_key, Py_ssize_t **slot_at) except -1:
+    """An open-addressing table for `n` distinct keys, at most half full: returns its size (a power of
+    two, at least 16) and allocates its key slots and its place slots (all -1: empty). The caller frees
+    both with PyMem_Free."""
+    cdef Py_ssize_t cap = 16
+    while cap < 2 * n:
+        cap *= 2
+    slot_key[0] = <uint64_t *>PyMem_Malloc(cap * sizeof(uint64_t))
+    slot_at[0] = <Py_ssize_t *>PyMem_Malloc(cap * sizeof(Py_ssize_t))
+    if slot_key[0] == NULL or slot_at[0] == NULL:
+        PyMem_Free(slot_key[0]); PyMem_Free(slot_at[0])
+        raise MemoryError()
+    memset(slot_at[0], 0xFF, cap * sizeof(Py_ssize_t))
+    return cap
+
+
 def plan_fields(list keys_of, list id_fields) -> tuple:
     """`RedisIndex.lookup`'s naming of what a batch reads: per query its bucket keys' field names and their
     places, then per query its entry field's place, every distinct name placed once in first-seen order.
@@ -1590,25 +1606,21 @@ def plan_fields(list keys_of, list id_fields) -> tuple:
     cdef list fields, places, place_objs = []
     cdef object place, name
     cdef uint64_t key
-    cdef Py_ssize_t at, j, n, total = 0, slot, mask, cap = 16
-    cdef int shift = 60
+    cdef Py_ssize_t at, j, n, total = 0, slot, mask, cap, size
+    cdef int shift = 64
     cdef tuple keys
     cdef uint64_t *slot_key
     cdef Py_ssize_t *slot_at
     for keys in keys_of:
         total += len(keys)
-    while cap < 2 * total:  # at most half full
-        cap *= 2
-        shift -= 1
-    mask = cap - 1
     # Open addressing, power-of-two size, Fibonacci hashing: no allocation per key, no division.
-    slot_key = <uint64_t *>PyMem_Malloc(cap * sizeof(uint64_t))
-    slot_at = <Py_ssize_t *>PyMem_Malloc(cap * sizeof(Py_ssize_t))
-    if slot_key == NULL or slot_at == NULL:
-        PyMem_Free(slot_key); PyMem_Free(slot_at)
-        raise MemoryError()
+    cap = open_table(total, &slot_key, &slot_at)
+    mask = cap - 1
+    size = cap
+    while size > 1:
+        size >>= 1
+        shift -= 1
     try:
-        memset(slot_at, 0xFF, cap * sizeof(Py_ssize_t))  # -1: empty
         for keys in keys_of:
             n = len(keys)
             fields = PyList_New(n)
@@ -1810,27 +1822,19 @@ def decode_entries(list ids, list blobs, make, fallback) -> dict:
 def overlay_writes(list names, list written_names, list kept, dict written) -> None:
     """`redis_index.overlay_writes`, compiled: `names` in an open-addressing table of their (cached)
     hashes, then each written field looked up by hash and compared only on a hash match."""
-    cdef Py_ssize_t n = len(names), cap = 16, mask, slot, i
-    cdef Py_hash_t h
-    cdef Py_hash_t *slot_hash
+    cdef Py_ssize_t n = len(names), mask, slot, i
+    cdef uint64_t h
+    cdef uint64_t *slot_hash
     cdef Py_ssize_t *slot_at
     cdef object name, other, p, value, w, column
     cdef tuple pair
     if not written or not kept:
         return
-    while cap < 2 * n:  # at most half full
-        cap *= 2
-    mask = cap - 1
-    slot_hash = <Py_hash_t *>PyMem_Malloc(cap * sizeof(Py_hash_t))
-    slot_at = <Py_ssize_t *>PyMem_Malloc(cap * sizeof(Py_ssize_t))
-    if slot_hash == NULL or slot_at == NULL:
-        PyMem_Free(slot_hash); PyMem_Free(slot_at)
-        raise MemoryError()
+    mask = open_table(n, &slot_hash, &slot_at) - 1
     try:
-        memset(slot_at, 0xFF, cap * sizeof(Py_ssize_t))  # -1: empty
         for i in range(n):
-            h = PyObject_Hash(names[i])
-            slot = <Py_ssize_t>(<size_t>h & <size_t>mask)
+            h = <uint64_t>PyObject_Hash(names[i])
+            slot = <Py_ssize_t>(h & <uint64_t>mask)
             while slot_at[slot] >= 0:  # the names are distinct: no comparison needed to place one
                 slot = (slot + 1) & mask
             slot_at[slot] = i
@@ -1842,8 +1846,8 @@ def overlay_writes(list names, list written_names, list kept, dict written) -> N
             column = pair[1]
             for p, value in (<dict>w).items():
                 name = written_names[p]
-                h = PyObject_Hash(name)
-                slot = <Py_ssize_t>(<size_t>h & <size_t>mask)
+                h = <uint64_t>PyObject_Hash(name)
+                slot = <Py_ssize_t>(h & <uint64_t>mask)
                 while True:
                     i = slot_at[slot]
                     if i < 0:
