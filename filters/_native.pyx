@@ -1751,6 +1751,8 @@ def alone_round(list ids, list tss, list blobs, list fields_of, list places_of, 
             # Each field once in the slice's pairs, with its last value: a bucket several entries of the
             # batch share is sent once, not once per entry with every record again.
             place = p
+            if place < 0 or place >= len(<list>column):  # `at` is a C array: no place outside it
+                raise IndexError(f"field place {place} outside the {len(<list>column)} read")
             k = at[place]
             if k < 0:
                 at[place] = len(pairs) + 1
