@@ -571,6 +571,10 @@ def rebalance(bootstrap: str, index: str, log_dir: Path, *, exactly_once: bool, 
         assert procs[1].stop() == 0, procs[1].log()[-2000:]
         tally.notes["aborted_batches"] = sum(p.log().count("its transaction is aborted") for p in procs)
         tally.notes["commit_failed"] = sum(p.log().count("commit failed") for p in procs)
+        # For a failure's message: what the workers warned of, and their rebalances.
+        tally.notes["worker_lines"] = [line for name, p in zip("ab", procs) for line in
+                                       (f"{name}: {text}" for text in p.log().splitlines())
+                                       if " WARNING " in line or " ERROR " in line or "assigned" in line][-40:]
     tally_sources(tally, got, sources)
     tally_clusters(tally, got)
     return tally

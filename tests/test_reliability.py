@@ -133,10 +133,10 @@ def test_worker_added_and_removed_mid_run(kafka_bootstrap: str, index_url: str, 
                                           exactly_once: bool) -> None:
     tally = rs.rebalance(kafka_bootstrap, index_url, tmp_path, exactly_once=exactly_once)
     TABLE.append(tally)
-    assert tally.lost == 0
-    assert tally.let_through == tally.wrong_verdicts == 0
+    assert tally.lost == 0, tally.notes
+    assert tally.let_through == tally.wrong_verdicts == 0, tally.notes
     if exactly_once:
-        assert tally.repeated == 0
+        assert tally.repeated == 0, tally.notes
 
 
 # -- 4. broker restart ---------------------------------------------------------------------------
