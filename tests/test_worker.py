@@ -326,15 +326,18 @@ def test_exactly_once_partitions_go_only_once_the_group_shows_the_last_commit(ka
         reader = AIOKafkaConsumer(group_id=settings.group_id, enable_auto_commit=False, **client_options(settings))
         await reader.start()
         assert await reader.committed(TopicPartition(topic, 0)) is None  # and the reader knows the coordinator
-        task = asyncio.ensure_future(worker.run())
+        shown: list[int | None] = []
+
+        async def revoke_after_last() -> None:
+            if last_batch.is_set() and not shown:
+                await worker._rebalance.on_partitions_revoked(set())
+                shown.append(await reader.committed(TopicPartition(topic, 0)))
+
         try:
-            await asyncio.wait_for(last_batch.wait(), 60)
-            await worker._rebalance.on_partitions_revoked(set())
-            return await reader.committed(TopicPartition(topic, 0))
+            await run_until(worker, lambda s: bool(shown), timeout=60, during=revoke_after_last)
         finally:
-            worker.stop()
-            await asyncio.wait_for(task, 30)
             await reader.stop()
+        return shown[0]
 
     async def scenario() -> list[int | None]:
         return [await once() for _ in range(8)]
@@ -354,18 +357,17 @@ def test_a_commit_the_group_never_shows_holds_partitions_for_half_the_session_ti
     async def scenario() -> float:
         await ensure_topics(settings, [topic])
         await produce(settings, topic, [(None, b'{"text": "message %d"}' % i, ()) for i in range(5)])
-        task = asyncio.ensure_future(worker.run())
-        try:
-            while worker.stats.seen < 5:
-                assert not task.done()
-                await asyncio.sleep(0.02)
-            worker._unconfirmed[TopicPartition(topic, 0)] = 10**9  # an offset no commit made
-            started = time.monotonic()
-            await worker._rebalance.on_partitions_revoked(set())
-            return time.monotonic() - started
-        finally:
-            worker.stop()
-            await asyncio.wait_for(task, 30)
+        took: list[float] = []
+
+        async def revoke_once_all_routed() -> None:
+            if worker.stats.seen >= 5 and not took:
+                worker._unconfirmed[TopicPartition(topic, 0)] = 10**9  # an offset no commit made
+                started = time.monotonic()
+                await worker._rebalance.on_partitions_revoked(set())
+                took.append(time.monotonic() - started)
+
+        await run_until(worker, lambda s: bool(took), during=revoke_once_all_routed)
+        return took[0]
 
     with caplog.at_level(logging.WARNING, logger="neardup.worker"):
         took = asyncio.run(scenario())
