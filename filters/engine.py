@@ -210,7 +210,8 @@ class NearDupFilter:
             self._upcoming = (upcoming[0], upcoming[1], following)
             self.index.prefetch(following)
         verdicts, pending = self._against(messages, fps, looked)
-        self._insert(pending, messages, fps, verdicts)
+        if self._insert(pending, messages, fps, verdicts):
+            _point_at_representatives(messages, verdicts)
         return verdicts
 
     def _against(self, messages: Sequence[Message], fps: Sequence[Fingerprint],
@@ -323,10 +324,13 @@ class NearDupFilter:
         messages: Sequence[Message],
         fps: Sequence[Fingerprint],
         verdicts: list[Verdict],
-    ) -> None:
+    ) -> bool:
+        """Inserts the batch's unique messages; one whose buckets another worker wrote to meanwhile is
+        verified against what arrived and may become a duplicate. Returns whether any did."""
+        changed = False
         for _ in range(_MAX_INSERT_ROUNDS):
             if not pending:
-                return
+                return changed
             order = list(pending)
             results = self.index.insert([(pending[i], fps[i].keys) for i in order])
             retry: dict[int, Entry] = {}
@@ -335,10 +339,26 @@ class NearDupFilter:
                     continue
                 verdict = self._first_match(messages[i], fps[i], conflicts)
                 verdicts[i] = verdict
+                changed = changed or verdict.duplicate
                 if not verdict.duplicate:
                     retry[i] = pending[i]
             pending = retry
         # A bucket this contended is a spam wave; the message stays unique but is not indexed.
+        return changed
+
+
+def _point_at_representatives(messages: Sequence[Message], verdicts: list[Verdict]) -> None:
+    """A duplicate names a message that went to unique: one that matched an earlier message of its batch
+    which then lost an insert race (and became a duplicate itself) names what that one matched."""
+    place = {m.id: i for i, m in enumerate(messages)}
+    for i, v in enumerate(verdicts):
+        target = v.duplicate_of
+        hops = 0
+        while target in place and verdicts[place[target]].duplicate and hops < len(verdicts):
+            target = verdicts[place[target]].duplicate_of
+            hops += 1
+        if target != v.duplicate_of:
+            verdicts[i] = Verdict(v.id, True, target, v.similarity, v.method)
 
 
 def _merge(local: list[Candidate], remote: list[Candidate], limit: int) -> list[Candidate]:

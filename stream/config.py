@@ -110,6 +110,14 @@ class Settings:
     max_batch: int = field(default=500, metadata=_meta("records routed per batch, at most", kind="int"))
     batch_within: float = field(default=0.05, metadata=_meta(
         "wait at most this long to fill a batch: 50ms, 1s", kind="duration"))
+    align: bool = field(default=True, metadata=_meta(
+        "decide records in event-time order across partitions and workers (off: in the order fetched)", kind="bool"))
+    max_skew: float = field(default=5.0, metadata=_meta(
+        "event time a partition or worker may run ahead of the slowest: 5s, 1m (bigger: faster backlogs)",
+        kind="duration"))
+    idle_timeout: float = field(default=1.0, metadata=_meta(
+        "a partition with nothing to fetch holds the others back at most this long: 1s, 500ms",
+        kind="duration"))
     on_index_error: str = field(default="block", metadata=_meta(
         "index unavailable: block (pause, retry with backoff) or unchecked (pass to unique, "
         "header neardup-verdict: unchecked)"))

@@ -62,6 +62,16 @@ class WorkerMetrics:
         self.consumer_lag = Gauge("neardup_consumer_lag",
                                   "records not yet fetched: highwater - position, per assigned partition",
                                   ["topic", "partition"], registry=r)
+        self.late = Counter("neardup_late_records",
+                            "records decided more than max_skew behind the group's event time (header neardup-late)",
+                            registry=r)
+        self.held = Counter("neardup_alignment_held_seconds",
+                            "seconds the worker waited for a partition or the group to catch up in event time",
+                            registry=r)
+        self.low_mark = Gauge("neardup_event_time_low_mark_seconds",
+                              "event time of the next record this worker decides (its low watermark; NaN: none)",
+                              registry=r)
+        self.paused = Gauge("neardup_partitions_paused", "partitions paused because their buffer is full", registry=r)
         self.index_size = Gauge("neardup_index_size", "the candidate index's stats(): entries, buckets, ...",
                                 ["stat"], registry=r)
         self.index_up.set(1)
@@ -74,6 +84,8 @@ class WorkerMetrics:
         self._retries_seen = 0
         self._kafka_errors_seen = 0
         self._lag_labels: set[tuple[str, str]] = set()
+        self._late_seen = 0
+        self._held_seen = 0.0
 
     # -- per batch -------------------------------------------------------------------------------
     def count(self, topics: Sequence[str], verdicts: Sequence[str], reasons: Sequence[str | None]) -> None:
@@ -116,6 +128,17 @@ class WorkerMetrics:
             self.kafka_errors.inc(errors - self._kafka_errors_seen)
             self._kafka_errors_seen = errors
         self.kafka_up.set(0 if down else 1)
+
+    def alignment_state(self, late: int, held: float, low: float | None, paused: int) -> None:
+        """The worker's event-time alignment (stream/align.py): totals and the current marks."""
+        if late > self._late_seen:
+            self.late.inc(late - self._late_seen)
+            self._late_seen = late
+        if held > self._held_seen:
+            self.held.inc(held - self._held_seen)
+            self._held_seen = held
+        self.low_mark.set(float("nan") if low is None else low)
+        self.paused.set(paused)
 
     def lag(self, lags: Mapping[tuple[str, int], int]) -> None:
         labels = {(topic, str(partition)) for topic, partition in lags}

@@ -203,6 +203,9 @@ class Ops:
         consumer = self.worker.consumer if isinstance(self.worker, AiokafkaWorker) else None
         if consumer is not None:
             self.metrics.lag(await _lag(consumer))
+            w = self.worker
+            assert isinstance(w, AiokafkaWorker)
+            self.metrics.alignment_state(w.aligner.late, w.held_seconds, w.aligner.low_mark(), len(w.aligner.paused()))
         return self.metrics.render()
 
     async def health(self) -> tuple[bool, dict[str, Any]]:

@@ -1,5 +1,11 @@
 """The Kafka worker: consume input topics in batches, route each batch (`runner.ReadAhead`), produce, commit after acks.
 
+Order (aiokafka runtime, `align`, the default): fetched records wait in per-partition buffers and are
+decided in event-time order across the assigned partitions, and no more than `max_skew` ahead of the
+other workers of the group (`stream.align`: the partition with the lowest head first, empty partitions
+waited for unless idle, the group's marks in the index's Redis). So a verdict does not depend on how
+many partitions or workers there are, or on which partition the consumer happened to drain first.
+
 Delivery is at-least-once: a batch's offsets are committed only after every output record of the batch
 has been acknowledged by the broker (acks=all). A worker that dies between the two re-reads the batch
 after a restart; with a shared index (Redis) the engine gives a replayed message the verdict it got
@@ -37,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import shutil
 import signal
 import tempfile
@@ -64,7 +71,8 @@ from aiokafka.partitioner import DefaultPartitioner
 from filters.engine import NearDupFilter
 from filters.errors import ConfigError, IndexUnavailable, RejectedInput, ServiceError
 from filters.records import maker
-from stream.codec import RecordFormat, decode
+from stream.align import Aligner, GroupMarks, GroupView, SoloMarks, Taken, lanes_of, open_marks
+from stream.codec import RecordFormat, decode, event_time
 from stream.collector import tune_collector
 from stream.config import Settings
 from stream.kafka_tools import (
@@ -89,7 +97,9 @@ H_ID = "neardup-id"
 H_SOURCE = "neardup-source"  # topic/partition/offset of the input record
 H_REASON = "neardup-reason"
 H_ERROR = "neardup-error"
+H_LATE = "neardup-late"  # seconds of event time the record came behind the group's (stream/align.py)
 UNCHECKED = "unchecked"
+REPLAY = "replay"  # the engine's method for a unique message found under its own id (decided before)
 REJECTED = "rejected"
 # The reason of a record that an output topic refused as larger than its max.message.bytes.
 OUTPUT_TOO_LARGE = "output_too_large"
@@ -191,7 +201,7 @@ def output_of(record: KafkaRecord, routed: Routed, settings: Settings) -> OutRec
         if v.duplicate:
             headers.append((H_DUPLICATE_OF, (v.duplicate_of or "").encode()))
             headers.append((H_SIMILARITY, _float(v.similarity)))
-        if v.method:
+        if v.method and v.method != REPLAY:  # a replay carries the headers of its first decision
             headers.append((H_METHOD, v.method.encode()))
         headers.append((H_ID, v.id.encode()))
         topic = settings.duplicate_topic if v.duplicate else settings.unique_topic
@@ -222,6 +232,11 @@ def refused_output(record: KafkaRecord, refused: OutRecord, exc: BaseException, 
         headers.append((H_ID, message_id))
     headers.append((H_SOURCE, record.coordinates.encode()))
     return OutRecord(settings.dead_letter_topic, record.key, None, tuple(headers))
+
+
+def late_output(out: OutRecord, behind: float) -> OutRecord:
+    """`out` with the `neardup-late` header: decided more than max_skew behind the group's event time."""
+    return _new_out_record(out.topic, out.key, out.value, (*out.headers, (H_LATE, _float(round(behind, 3)))))
 
 
 def route_records(nd: NearDupFilter, records: Sequence[KafkaRecord], settings: Settings,
@@ -495,8 +510,9 @@ def open_filter(settings: Settings) -> NearDupFilter:
 class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
     """Before partitions are taken away, deliver and commit what was routed from them."""
 
-    def __init__(self, let_go: Callable[[], Awaitable[None]]) -> None:
+    def __init__(self, let_go: Callable[[], Awaitable[None]], assigned: Callable[[Any], Awaitable[None]]) -> None:
         self.let_go = let_go
+        self.assigned = assigned
         # Counts assignments; aiokafka fetches nothing of a new assignment before this callback runs.
         self.assignments = 0
 
@@ -505,6 +521,7 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
 
     async def on_partitions_assigned(self, assigned: Any) -> None:
         self.assignments += 1
+        await self.assigned(assigned)
         if assigned:
             log.info("assigned %s", ", ".join(f"{tp.topic}/{tp.partition}" for tp in sorted(assigned)))
 
@@ -556,7 +573,17 @@ class AiokafkaWorker(_WorkerCore):
         self._consumer: AIOKafkaConsumer | None = None
         self._producer: Any = None
         self._transactional = settings.processing_guarantee == "exactly_once"
-        self._rebalance = _Rebalance(self._let_go)
+        fmt = settings.record_format()
+        # Event-time order across the assigned partitions (stream/align.py); off: the order fetched.
+        self.aligner = Aligner(lambda r: event_time(r.value or b"", fmt, r.timestamp / 1000.0),
+                               max_skew=settings.max_skew, idle_timeout=settings.idle_timeout,
+                               buffer=2 * settings.max_batch, ordered=settings.align)
+        self.marks: GroupMarks = SoloMarks()  # the group's marks: opened by `run` (in the index's Redis)
+        self.group = GroupView()  # what the group's marks said last
+        self._marked_at = -math.inf
+        self.held_seconds = 0.0  # waited for a partition or the group (a metric)
+        self._member = settings.group_instance_id or uuid.uuid4().hex[:12]
+        self._rebalance = _Rebalance(self._let_go, self._assigned)
         # Exactly-once: offsets committed in transactions that the group coordinator may not show yet.
         self._unconfirmed: dict[TopicPartition, int] = {}
         self._partitioner = DefaultPartitioner()  # what `send` uses: keyed records land where they would
@@ -586,6 +613,9 @@ class AiokafkaWorker(_WorkerCore):
             **client_options(s),
         )
         self._consumer = consumer
+        if s.align:
+            self.marks = open_marks(s.index, namespace=self.nd.config.digest(), group=s.group_id,
+                                    member=self._member, ttl=s.session_timeout)
         with broker_errors(s):
             await consumer.start()
         self.kafka.probe = consumer.topics  # a metadata request
@@ -614,6 +644,7 @@ class AiokafkaWorker(_WorkerCore):
                 await consumer.stop()
             for logger in filtered:
                 logger.removeFilter(self.kafka)
+            await self.marks.close()
         log.info("stopped: %s", self.stats.line())
         return self.stats
 
@@ -621,71 +652,140 @@ class AiokafkaWorker(_WorkerCore):
         s = self.settings
         timeout_ms = max(1, round(s.batch_within * 1000))
         stop_wait = asyncio.ensure_future(self.stop_event.wait())
-        pending: list[KafkaRecord] = []  # fetched with the last batch, to be routed next
+        pending: Taken | None = None  # taken with the last batch (its records prepared meanwhile): next
         pending_assignment = 0
+        held_since: float | None = None  # since when the aligner holds records back (waiting)
         try:
             while not self.stop_event.is_set():
-                if pending:
-                    records, assignment, pending = pending, pending_assignment, []
+                if pending is not None and pending_assignment != self._rebalance.assignments:
+                    # Taken before a rebalance: aiokafka fetches every assigned partition again from its
+                    # committed offset, so whoever owns these records now reads them again.
+                    self.aligner.dropped(pending)
+                    pending = None
+                if pending is not None:
+                    batch, assignment, pending = pending, pending_assignment, None
                 else:
-                    # With a batch in flight, look for more without waiting: if there is none, finish the
-                    # batch in flight first (latency), then wait for records.
-                    wait_ms = 0 if self._in_flight is not None or self._delivering is not None else timeout_ms
-                    fetch = asyncio.ensure_future(consumer.getmany(timeout_ms=wait_ms, max_records=s.max_batch))
-                    await asyncio.wait([fetch, stop_wait], return_when=asyncio.FIRST_COMPLETED)
-                    if not fetch.done():
-                        fetch.cancel()
+                    if not await self._fetch(consumer, 0, stop_wait):
                         break
-                    with broker_errors(s):
-                        try:
-                            fetched = fetch.result()
-                        except KafkaError as exc:
-                            if not transient(exc):
-                                raise
-                            self.kafka.failed(exc, "fetch")
-                            await asyncio.sleep(0.1)  # a leader election does not mark the broker down
-                            await self.kafka.wait_up(self.stop_event.is_set)
-                            continue
                     assignment = self._rebalance.assignments
-                    records = [KafkaRecord.of(m) for msgs in fetched.values() for m in msgs]
-                following = await self._fetch_ahead(consumer) if records else []
+                    batch = await self._take(consumer, refresh=held_since is not None)
+                    if not batch:
+                        busy = self._in_flight is not None or self._delivering is not None
+                        if batch.waiting:
+                            # Held back (a partition or the group behind): look again shortly; what is in
+                            # flight is finished if the wait goes on, so that outputs are not held up.
+                            now = time.monotonic()
+                            held_since = now if held_since is None else held_since
+                            if busy and now - held_since >= s.batch_within:
+                                async with self._lock:
+                                    await self._drain()
+                            elif not await self._fetch(consumer, 2, stop_wait):
+                                break
+                        elif busy:
+                            async with self._lock:
+                                await self._drain()  # nothing more now: finish the batch in flight first
+                        elif not await self._fetch(consumer, timeout_ms, stop_wait):
+                            break
+                        continue
+                if held_since is not None:
+                    self.held_seconds += time.monotonic() - held_since
+                    held_since = None
+                await self._fetch(consumer, 0, stop_wait)
+                following = self.aligner.take(s.max_batch, self.group)
                 pending_assignment = self._rebalance.assignments
                 async with self._lock:
-                    if records:
-                        await self._batch(consumer, prod, records, assignment, following)
-                    else:
-                        await self._drain()
-                pending = following
+                    await self._batch(consumer, prod, batch, assignment, following.records)
+                pending = following if following else None
         finally:
             stop_wait.cancel()
 
-    async def _fetch_ahead(self, consumer: AIOKafkaConsumer) -> list[KafkaRecord]:
-        """The records the consumer holds already (no waiting), to be decoded and fingerprinted while the
-        batch before them is routed (`Router.route`'s `following`); none if fetching fails now: the next
-        regular fetch reports that."""
-        try:
-            fetched = await consumer.getmany(timeout_ms=0, max_records=self.settings.max_batch)
-        except KafkaError:
-            return []
-        return [KafkaRecord.of(m) for msgs in fetched.values() for m in msgs]
+    async def _fetch(self, consumer: AIOKafkaConsumer, wait_ms: int, stop_wait: asyncio.Future[Any]) -> bool:
+        """What the consumer holds (waiting up to `wait_ms` for records) into the aligner; False when stopping
+        meanwhile. A transient broker error is noted (`KafkaHealth`) and waited out."""
+        s = self.settings
+        fetch = asyncio.ensure_future(consumer.getmany(timeout_ms=wait_ms, max_records=4 * s.max_batch))
+        await asyncio.wait([fetch, stop_wait], return_when=asyncio.FIRST_COMPLETED)
+        if not fetch.done():
+            fetch.cancel()
+            return False
+        with broker_errors(s):
+            try:
+                fetched = fetch.result()
+            except KafkaError as exc:
+                if not transient(exc):
+                    raise
+                self.kafka.failed(exc, "fetch")
+                await asyncio.sleep(0.1)  # a leader election does not mark the broker down
+                return await self.kafka.wait_up(self.stop_event.is_set)
+        for msgs in fetched.values():
+            self.aligner.add(KafkaRecord.of(m) for m in msgs)
+        return True
 
-    async def _batch(self, consumer: AIOKafkaConsumer, prod: Any, records: list[KafkaRecord],
+    async def _take(self, consumer: AIOKafkaConsumer, refresh: bool) -> Taken:
+        """The next batch in event-time order (`Aligner.take`), after pausing the partitions whose buffer is
+        full and resuming the drained ones; the group's marks are read again when `refresh` or due."""
+        lags = await _lags(consumer, self._transactional)
+        pause, resume = self.aligner.flow(lags.get)
+        if pause:
+            consumer.pause(*(TopicPartition(*lane) for lane in pause))
+        if resume:
+            consumer.resume(*(TopicPartition(*lane) for lane in resume))
+        if refresh or time.monotonic() - self._marked_at > self.settings.session_timeout / 4:
+            await self._publish_marks()
+        return self.aligner.take(self.settings.max_batch, self.group)
+
+    async def _publish_marks(self) -> None:
+        """This worker's marks and partitions to the group, and the group's view back (`GroupMarks`). While the
+        index's Redis is down the worker goes on alone: routing waits for the index anyway (block), or
+        passes records unchecked."""
+        try:
+            self.group = await self.marks.publish(self.aligner.low_mark(), self.aligner.high, self.aligner.lanes(),
+                                                  self._every())
+        except IndexUnavailable as exc:
+            if self.group.low is not None:
+                log.debug("event-time marks not shared while the index is unavailable: %s", exc)
+            self.group = GroupView(None, self.aligner.high)
+        self._marked_at = time.monotonic()
+
+    def _every(self) -> list[tuple[str, int]]:
+        """Every partition of the input topics (as the consumer's metadata knows them)."""
+        consumer = self._consumer
+        if consumer is None:
+            return []
+        return [(topic, p) for topic in self.settings.input_topics
+                for p in sorted(consumer.partitions_for_topic(topic) or ())]
+
+    async def _assigned(self, tps: Any) -> None:
+        """A new assignment: the aligner starts afresh and the group hears of it at once (until every
+        member has said what it owns, nobody takes anything: `GroupView.complete`)."""
+        self.aligner.assign(lanes_of(tps))
+        if self.settings.align:
+            await self._publish_marks()
+
+    async def _batch(self, consumer: AIOKafkaConsumer, prod: Any, taken: Taken,
                      assignment: int = 0, following: Sequence[KafkaRecord] = ()) -> None:
         def pause() -> None:
             consumer.pause(*consumer.assignment())
 
         def resume() -> None:
             consumer.resume(*consumer.assignment())
+            consumer.pause(*(TopicPartition(*lane) for lane in self.aligner.paused()))
 
         async def keepalive() -> None:
             await self._drain()  # what was routed before the outage need not wait for the index
             # Paused partitions return nothing; polling keeps the consumer in its group.
             await consumer.getmany(timeout_ms=0)
 
+        records = taken.records
         outs = await self.router.route(records, following=following, pause=pause, resume=resume,
                                        keepalive=keepalive, stopping=self.stop_event.is_set)
         if outs is None:
             return  # stopping during an index outage: nothing of this batch produced or committed
+        self.aligner.decided(taken)
+        if self.aligner.ordered:
+            await self._publish_marks()  # decided: the group may move past these records
+        if any(taken.late):
+            outs = [late_output(o, behind) if behind else o for o, behind in zip(outs, taken.late, strict=True)]
         await self._settle()  # the previous batch's hand-over: outputs stay in input order
         self._delivering = asyncio.ensure_future(self._deliver(prod, records, outs, assignment))
 
@@ -926,6 +1026,23 @@ class AiokafkaWorker(_WorkerCore):
         return outs
 
 
+async def _lags(consumer: AIOKafkaConsumer, committed_only: bool) -> dict[tuple[str, int], int]:
+    """Records left to fetch per assigned partition whose end is known (the last stable offset when reading
+    committed records only); a partition fetched nothing of yet is missing."""
+    out: dict[tuple[str, int], int] = {}
+    for tp in consumer.assignment():
+        try:
+            end = consumer.last_stable_offset(tp) if committed_only else None
+            if end is None or end < 0:
+                end = consumer.highwater(tp)
+            if end is None:
+                continue
+            out[(tp.topic, tp.partition)] = max(0, end - await consumer.position(tp))
+        except (IllegalStateError, AssertionError):
+            continue  # revoked meanwhile
+    return out
+
+
 # -- the faust runtime ---------------------------------------------------------------------------
 
 
@@ -1025,6 +1142,9 @@ class FaustWorker(_WorkerCore):
 
     async def run(self) -> WorkerStats:
         s = self.settings
+        if s.align:
+            log.info("faust runtime: records are decided in the order fetched (event-time alignment needs the "
+                     "aiokafka runtime)")
         if s.create_topics:
             await ensure_topics(s, [*s.input_topics, *s.output_topics])
         await self.app.start()

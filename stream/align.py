@@ -1,0 +1,358 @@
+"""Event-time alignment: which fetched records a worker decides next, lowest event time first, within a skew of its group.
+
+Why: a consumer drains its partitions in whatever order the fetcher returns them, so with a backlog one
+partition runs hours of event time ahead of another, the later copy of a message is decided first
+(unique) and its true original, decided later, becomes its duplicate. Verdicts would depend on
+scheduling. Kafka Streams orders a task's partitions by the timestamp of their head records and waits
+`max.task.idle.ms` for empty ones; Flink pauses splits that run more than a drift ahead of their group's
+watermark. `Aligner` does both for one worker, and `GroupMarks` extends it to the consumer group:
+
+- Inside a worker, records are taken from the partition whose head record has the lowest event time
+  (a merge: exact order, whatever the skew). A partition with nothing buffered holds the others back
+  to its last event time + `max_skew` (its next record is at least that old, partitions being in
+  order), unless it is idle: nothing to fetch (no lag) for `idle_timeout`. So a quiet partition delays
+  live traffic once by at most `idle_timeout`, and a lagging one (a backlog being fetched) is waited for.
+- Across workers, each publishes its low mark (the event time of the next record it will decide) and
+  its high mark (the highest it decided since its last assignment) through `GroupMarks`; a worker takes only records at most
+  `max_skew` ahead of the lowest mark of the others. The worker holding the lowest mark can always go on, so
+  the group cannot deadlock; a dead worker's mark expires (its time to live), and a worker that owns
+  nothing or only idle partitions publishes no low mark and holds nobody back.
+- A record taken more than `max_skew` behind the highest event time the group decided since its
+  partitions were last assigned is late (a quiet partition woke up with old records, or a
+  producer stamped it late): it is decided all the same, and the worker marks it (`neardup-late`
+  header, a metric). Records read again after a rebalance (from the committed offsets) are not late:
+  every worker's high mark restarts with its assignment, as its reading restarts from its offsets.
+
+Pure and synchronous (the worker's loop feeds it and publishes its marks): no I/O but `RedisMarks`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Protocol
+
+from stream.kafka_tools import KafkaRecord
+
+Lane = tuple[str, int]  # topic, partition
+
+
+@dataclass(frozen=True, slots=True)
+class GroupView:
+    """What the group's marks say to one worker: the lowest next event time another live worker holds
+    (None: nobody holds this one back; its own partitions it orders exactly) and the highest event time
+    the group decided since the last assignment (None: nothing yet)."""
+
+    low: float | None = None
+    high: float | None = None
+    # Whether the live workers' claims cover the input's partitions once: if not, a worker's mark is
+    # missing (it has just been assigned partitions and not said so yet) or stale, and nobody may go on.
+    complete: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Taken:
+    """A batch the aligner let go: its records in decision order, their event times and, for each, how far
+    (seconds) it is behind the group's highest event time, when more than `max_skew` (see the module doc)."""
+
+    records: list[KafkaRecord]
+    times: list[float]
+    late: list[float]  # 0.0 where not late
+    waiting: str = ""  # why nothing (more) was taken: "" (nothing buffered), "partition", "group"
+
+    def __bool__(self) -> bool:
+        return bool(self.records)
+
+
+# How long a partition whose fetch position or end is not known yet (no fetch answered for it since it
+# was assigned) is waited for before it counts as idle: a first fetch after an assignment takes a while.
+UNKNOWN_GRACE = 10.0
+
+
+@dataclass(slots=True)
+class _Lane:
+    records: deque[tuple[float, KafkaRecord]] = field(default_factory=deque)
+    last: float | None = None  # event time of the last record buffered (the next is at least that)
+    quiet_since: float | None = None  # since when it is empty with nothing left to fetch (or not known)
+    known: bool = False  # whether its lag was ever known
+    paused: bool = False
+
+
+class Aligner:
+    """The buffered records of a worker's partitions and the order it decides them in (see module doc).
+
+    `lag(lane)` says how many records of a partition are left to fetch (None: not known yet); a lane is
+    idle when it is empty, has no known lag and has been so for `idle_timeout` seconds. `ordered=False`
+    takes records in arrival order and never waits (alignment off: for comparison).
+    """
+
+    def __init__(self, event_time: Callable[[KafkaRecord], float], *, max_skew: float, idle_timeout: float,
+                 buffer: int, ordered: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
+        self.event_time = event_time
+        self.max_skew = max_skew
+        self.idle_timeout = idle_timeout
+        self.buffer = buffer  # records buffered per partition before it is paused
+        self.ordered = ordered
+        self.clock = clock
+        self._lanes: dict[Lane, _Lane] = {}
+        self._arrival: deque[tuple[Lane, float, KafkaRecord]] = deque()  # ordered=False only
+        self._open: dict[int, float] = {}  # batches taken, not yet decided: id → lowest event time
+        self.high: float | None = None  # the highest event time taken since the last assignment
+        self.late = 0  # records taken late
+
+    # -- feeding ---------------------------------------------------------------------------------
+    def assign(self, lanes: Iterable[Lane]) -> None:
+        """The partitions owned now, all starting empty: on every assignment the consumer fetches each
+        partition again from its committed offset, so what was buffered would come twice (and whatever
+        this worker no longer owns, its next owner reads)."""
+        now = self.clock()
+        self._lanes = {lane: _Lane(quiet_since=now) for lane in sorted(set(lanes))}
+        self._arrival.clear()
+        self.high = None
+
+    def add(self, records: Iterable[KafkaRecord]) -> None:
+        for r in records:
+            key = (r.topic, r.partition)
+            lane = self._lanes.get(key)
+            if lane is None:  # fetched just before a rebalance took the partition: not ours
+                continue
+            ts = self.event_time(r)
+            if self.ordered:
+                lane.records.append((ts, r))
+            else:
+                self._arrival.append((key, ts, r))
+            lane.last = ts if lane.last is None else max(lane.last, ts)
+            lane.quiet_since = None
+
+    def buffered(self) -> int:
+        return sum(len(lane.records) for lane in self._lanes.values()) + len(self._arrival)
+
+    def flow(self, lag: Callable[[Lane], int | None]) -> tuple[list[Lane], list[Lane]]:
+        """Partitions to pause (their buffer is full) and to resume (drained to half); also notes which
+        empty partitions have nothing left to fetch (quiet, towards idle). Call on every loop."""
+        now = self.clock()
+        pause, resume = [], []
+        total = len(self._arrival)  # unordered: one buffer for all, paused and resumed together
+        for key, lane in self._lanes.items():
+            n = len(lane.records) if self.ordered else total * (lane.paused or total >= self.buffer)
+            if not lane.paused and n >= self.buffer:
+                lane.paused = True
+                pause.append(key)
+            elif lane.paused and n <= self.buffer // 2:
+                lane.paused = False
+                resume.append(key)
+            if n == 0 and not lane.paused:
+                left = lag(key)
+                lane.known = lane.known or left is not None
+                if not left:  # 0, or not known
+                    if lane.quiet_since is None:
+                        lane.quiet_since = now
+                else:
+                    lane.quiet_since = None  # a backlog being fetched: wait for it
+        return pause, resume
+
+    def lanes(self) -> list[Lane]:
+        """The partitions owned now."""
+        return list(self._lanes)
+
+    def paused(self) -> list[Lane]:
+        return [key for key, lane in self._lanes.items() if lane.paused]
+
+    # -- taking ----------------------------------------------------------------------------------
+    def _idle(self, lane: _Lane, now: float) -> bool:
+        if lane.quiet_since is None or lane.records:
+            return False
+        return now - lane.quiet_since >= (self.idle_timeout if lane.known else max(self.idle_timeout, UNKNOWN_GRACE))
+
+    def _lane_bound(self, now: float) -> float:
+        """How far records may go: an empty, not idle partition's last event time + max_skew."""
+        bound = math.inf
+        for lane in self._lanes.values():
+            if not lane.records and not self._idle(lane, now):
+                bound = min(bound, -math.inf if lane.last is None else lane.last + self.max_skew)
+        return bound
+
+    def take(self, n: int, group: GroupView | None = None) -> Taken:
+        """Up to `n` records in decision order: the lowest head event time first, none beyond the empty
+        partitions' bound nor more than `max_skew` ahead of the group's low mark."""
+        if not self.ordered:
+            return self._take_arrival(n)
+        if group is not None and not group.complete:
+            return Taken([], [], [], "group")
+        now = self.clock()
+        lane_bound = self._lane_bound(now)
+        group_bound = math.inf if group is None or group.low is None else group.low + self.max_skew
+        heads = [(lane.records[0][0], i, lane) for i, lane in enumerate(self._lanes.values()) if lane.records]
+        heapq.heapify(heads)
+        records: list[KafkaRecord] = []
+        times: list[float] = []
+        late: list[float] = []
+        high = self.high if group is None or group.high is None else max(self.high or -math.inf, group.high)
+        waiting = ""
+        while heads and len(records) < n:
+            ts, i, lane = heads[0]
+            if ts > lane_bound:
+                waiting = "partition"
+                break
+            if ts > group_bound:
+                waiting = "group"
+                break
+            _, record = lane.records.popleft()
+            if lane.records:
+                heapq.heapreplace(heads, (lane.records[0][0], i, lane))
+            else:
+                heapq.heappop(heads)
+                if not self._idle(lane, now):
+                    lane_bound = min(lane_bound, (lane.last if lane.last is not None else ts) + self.max_skew)
+            records.append(record)
+            times.append(ts)
+            behind = (high - ts) if high is not None else 0.0
+            late.append(behind if behind > self.max_skew else 0.0)
+            high = ts if high is None else max(high, ts)
+            self.high = ts if self.high is None else max(self.high, ts)
+        return self._taken(records, times, late, waiting)
+
+    def _take_arrival(self, n: int) -> Taken:
+        records, times, late = [], [], []
+        while self._arrival and len(records) < n:
+            _, ts, record = self._arrival.popleft()
+            records.append(record)
+            times.append(ts)
+            late.append(0.0)
+        return self._taken(records, times, late, "")
+
+    def _taken(self, records: list[KafkaRecord], times: list[float], late: list[float], waiting: str) -> Taken:
+        taken = Taken(records, times, late, waiting)
+        if records:
+            self.late += sum(1 for x in late if x)
+            self._open[id(taken.records)] = min(times)
+        return taken
+
+    def decided(self, taken: Taken) -> None:
+        """`taken` was decided (its verdicts are in the index): the low mark may pass it."""
+        self._open.pop(id(taken.records), None)
+
+    def dropped(self, taken: Taken) -> None:
+        """`taken` will not be decided here (a rebalance took its partitions): forget it."""
+        self._open.pop(id(taken.records), None)
+
+    def low_mark(self) -> float | None:
+        """The event time of the next record this worker will decide: its undecided batches, the heads of
+        its partitions and the last event time of those waited for; 0 while one of those has not shown a
+        record yet (just assigned: it may hold anything, so the group waits for it, `UNKNOWN_GRACE` at
+        most). None when it holds nothing back."""
+        now = self.clock()
+        marks = list(self._open.values())
+        for lane in self._lanes.values():
+            if lane.records:
+                marks.append(lane.records[0][0])
+            elif not self._idle(lane, now):
+                marks.append(0.0 if lane.last is None else lane.last)
+        marks.extend(ts for _, ts, _ in self._arrival)
+        return min(marks) if marks else None
+
+
+# -- the group's marks ---------------------------------------------------------------------------
+
+
+class GroupMarks(Protocol):
+    """Where a worker publishes its marks and reads the group's (`GroupView`)."""
+
+    async def publish(self, low: float | None, high: float | None, owned: Iterable[Lane],
+                      every: Iterable[Lane]) -> GroupView:
+        """This worker's marks and the partitions it owns (of `every`, the input's); the group's view."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class SoloMarks:
+    """One worker alone (a memory:// index has no group): nobody else holds it back."""
+
+    async def publish(self, low: float | None, high: float | None, owned: Iterable[Lane],
+                      every: Iterable[Lane]) -> GroupView:
+        return GroupView(None, high)
+
+    async def close(self) -> None:
+        pass
+
+
+MARKS_LUA = resources.files("stream").joinpath("lua/marks.lua").read_text(encoding="utf-8")
+
+
+def _number(value: bytes | str | None) -> float | None:
+    if value in (None, b"", ""):
+        return None
+    return float(value)  # type: ignore[arg-type]
+
+
+def _text(value: float | None) -> str:
+    return "" if value is None else repr(float(value))
+
+
+class RedisMarks:
+    """The group's marks in a Redis hash beside the index (one key: `{prefix:namespace}:marks:<group>`),
+    written and read in one script call (stream/lua/marks.lua), with the server's clock for expiry."""
+
+    def __init__(self, url: str, *, namespace: str, group: str, member: str = "", ttl: float = 10.0) -> None:
+        import redis.asyncio as aioredis
+        from redis.asyncio.cluster import RedisCluster
+
+        from filters.redis_index import RedisTarget, redact_url
+
+        target = RedisTarget.parse(url)
+        self.where = redact_url(url)
+        self.key = f"{{{target.prefix}:{namespace}}}:marks:{group}"
+        self.member = member or uuid.uuid4().hex[:12]
+        self.ttl_ms = max(1, round(ttl * 1000))
+        options = {"decode_responses": False, "socket_timeout": 5.0, "socket_connect_timeout": 5.0}
+        self._client = (RedisCluster.from_url(target.client_url, **options) if target.cluster
+                        else aioredis.Redis.from_url(target.client_url, **options))
+        self._script = self._client.register_script(MARKS_LUA)
+
+    async def publish(self, low: float | None, high: float | None, owned: Iterable[Lane],
+                      every: Iterable[Lane]) -> GroupView:
+        from filters.redis_index import redis_errors
+
+        claims = " ".join(f"{topic}/{partition}" for topic, partition in sorted(owned))
+        with redis_errors(self.where):
+            got = await self._script(keys=[self.key], args=[self.member, _text(low), _text(high), self.ttl_ms,
+                                                            claims])
+        return GroupView(_number(got[0]), _number(got[1]), covers(got[2], every))
+
+    async def close(self) -> None:
+        from filters.errors import NeardupError
+        from filters.redis_index import redis_errors
+
+        try:
+            with redis_errors(self.where):
+                await self._script(keys=[self.key], args=[self.member, "", "", self.ttl_ms, ""])  # leave
+        except NeardupError:
+            pass  # leaving is best effort: the mark expires anyway
+        await self._client.aclose()
+
+
+def covers(claims: Sequence[bytes | str], every: Iterable[Lane]) -> bool:
+    """Whether the workers' claims ("topic/partition ...", one per worker) cover `every` partition once."""
+    seen: list[str] = []
+    for claim in claims:
+        seen.extend((claim.decode() if isinstance(claim, bytes) else claim).split())
+    return len(seen) == len(set(seen)) and set(seen) == {f"{topic}/{partition}" for topic, partition in every}
+
+
+def open_marks(index_url: str, *, namespace: str, group: str, member: str, ttl: float) -> GroupMarks:
+    """Marks shared through the index's Redis (`redis://…`), or this worker's own (`memory://`)."""
+    if index_url.startswith("memory:"):
+        return SoloMarks()
+    return RedisMarks(index_url, namespace=namespace, group=group, member=member, ttl=ttl)
+
+
+def lanes_of(tps: Sequence[object]) -> list[Lane]:
+    """aiokafka's TopicPartitions as lanes."""
+    return [(tp.topic, tp.partition) for tp in tps]  # type: ignore[attr-defined]

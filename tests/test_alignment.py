@@ -1,0 +1,343 @@
+"""Event-time alignment: the aligner's order and waiting rules, the group's marks in Redis, and the worker on a
+real broker, whose routing of a backlog on four partitions must equal the filter's on the same records."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+from filters.engine import NearDupFilter
+from stream.align import Aligner, GroupView, RedisMarks
+from stream.backlog import Item, backlog, differences, f1, reference
+from stream.kafka_tools import KafkaRecord
+from stream.worker import AiokafkaWorker
+from tests.kafka_support import redis_namespace
+from tests.reliability_support import (
+    Serve,
+    create_topics,
+    produce_to,
+    read_outputs,
+    scenario_settings,
+    serving,
+    wait_assigned,
+)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def rec(partition: int, ts: float, offset: int = 0) -> KafkaRecord:
+    return KafkaRecord("in", partition, offset, round(ts * 1000), None, f"{partition}@{ts}".encode(), ())
+
+
+def aligner(clock: Clock, skew: float = 5.0, idle: float = 1.0, buffer: int = 100) -> Aligner:
+    return Aligner(lambda r: r.timestamp / 1000.0, max_skew=skew, idle_timeout=idle, buffer=buffer, clock=clock)
+
+
+def times(taken: Sequence[KafkaRecord]) -> list[float]:
+    return [r.timestamp / 1000.0 for r in taken]
+
+
+# -- the aligner ---------------------------------------------------------------------------------
+
+
+def test_partitions_are_merged_by_event_time_whatever_the_fetch_order() -> None:
+    clock = Clock()
+    a = aligner(clock)
+    a.assign([("in", 0), ("in", 1), ("in", 2)])
+    a.add([rec(0, t) for t in (10, 20, 30, 40)])  # fetched first, but later than most of the others
+    a.add([rec(1, t) for t in (1, 2, 25, 50)])
+    a.add([rec(2, t) for t in (3, 4, 5, 60)])
+    a.flow(lambda lane: 0)
+    taken = a.take(100)
+    # Partition 0 ran dry at 40: nothing beyond 40 + max_skew until it has more or is idle.
+    assert times(taken.records) == [1, 2, 3, 4, 5, 10, 20, 25, 30, 40]
+    assert taken.waiting == "partition" and a.low_mark() == 1  # the batch is not decided yet
+    a.decided(taken)
+    assert a.low_mark() == 40  # partition 0's last event time: its next record is at least that
+    a.flow(lambda lane: 0)  # partition 0 has nothing left to fetch: quiet from now
+    assert not a.take(100)
+    clock.now += 1.0  # ... for idle_timeout: idle, and partition 1 runs dry at 50 in turn
+    assert times(a.take(100).records) == [50]
+    a.flow(lambda lane: 0)
+    clock.now += 1.0
+    assert times(a.take(100).records) == [60]
+    assert a.low_mark() is not None
+
+
+def test_an_empty_partition_with_records_left_to_fetch_is_waited_for() -> None:
+    clock = Clock()
+    a = aligner(clock)
+    a.assign([("in", 0), ("in", 1)])
+    a.add([rec(0, t) for t in (1, 2, 100)])
+    a.flow(lambda lane: 500 if lane == ("in", 1) else 0)  # partition 1: a backlog not fetched yet
+    clock.now += 60
+    assert a.take(100).waiting == "partition" and not a.take(100)
+    a.add([rec(1, 1.5), rec(1, 99)])
+    a.flow(lambda lane: 0)
+    assert times(a.take(100).records) == [1, 1.5, 2, 99, 100]
+
+
+def test_a_partition_never_fetched_is_waited_for_only_so_long() -> None:
+    clock = Clock()
+    a = aligner(clock, idle=1.0)
+    a.assign([("in", 0), ("in", 1)])
+    a.add([rec(0, 1)])
+    a.flow(lambda lane: None if lane == ("in", 1) else 0)  # no fetch answered for partition 1 yet
+    clock.now += 2.0
+    assert not a.take(10)  # not known: waited for longer than idle_timeout
+    clock.now += 10.0
+    assert times(a.take(10).records) == [1]
+
+
+def test_nothing_is_taken_until_the_group_has_said_who_owns_what() -> None:
+    clock = Clock()
+    a = aligner(clock)
+    a.assign([("in", 0)])
+    a.add([rec(0, 1)])
+    a.flow(lambda lane: 0)
+    assert a.take(10, GroupView(None, None, complete=False)).waiting == "group"
+    assert times(a.take(10, GroupView(None, None)).records) == [1]
+
+
+def test_the_group_holds_a_worker_back_to_its_low_mark_plus_the_skew() -> None:
+    clock = Clock()
+    a = aligner(clock, skew=5.0)
+    a.assign([("in", 0)])
+    a.add([rec(0, t) for t in (100, 104, 105, 106, 200)])
+    a.flow(lambda lane: 0)
+    taken = a.take(100, GroupView(low=100.0, high=None))
+    assert times(taken.records) == [100, 104, 105] and taken.waiting == "group"
+    a.decided(taken)
+    assert a.low_mark() == 106
+    assert times(a.take(100, GroupView(low=106.0, high=None)).records) == [106]
+
+
+def test_a_record_far_behind_what_the_group_decided_is_late() -> None:
+    clock = Clock()
+    a = aligner(clock, skew=5.0)
+    a.assign([("in", 0)])
+    a.add([rec(0, 50), rec(0, 96), rec(0, 120)])
+    a.flow(lambda lane: 0)
+    taken = a.take(100, GroupView(low=50.0, high=100.0))
+    assert times(taken.records) == [50]  # 96 is more than the skew ahead of the group's low mark
+    assert taken.late == [50.0] and a.late == 1
+    taken = a.take(100, GroupView(low=96.0, high=100.0))
+    assert times(taken.records) == [96] and taken.late == [0.0]  # 4 s behind: within the skew
+
+
+def test_full_partitions_are_paused_and_resumed_when_drained() -> None:
+    clock = Clock()
+    a = aligner(clock, buffer=4)
+    a.assign([("in", 0), ("in", 1)])
+    a.add([rec(0, t) for t in range(1, 6)])
+    a.add([rec(1, t) for t in range(1, 3)])
+    assert a.flow(lambda lane: 0) == ([("in", 0)], [])
+    a.take(5)
+    assert a.flow(lambda lane: 0) == ([], [("in", 0)])
+
+
+def test_a_rebalance_drops_what_was_buffered() -> None:
+    """The consumer fetches every partition again from its committed offset after an assignment: records
+    buffered before it would be decided twice."""
+    clock = Clock()
+    a = aligner(clock)
+    a.assign([("in", 0), ("in", 1)])
+    a.add([rec(0, 1), rec(1, 2)])
+    a.assign([("in", 1), ("in", 2)])
+    a.add([rec(0, 3)])  # fetched just before the rebalance: not ours any more
+    a.add([rec(1, 2), rec(2, 4)])  # fetched again from the committed offsets
+    a.flow(lambda lane: 0)
+    clock.now += 2
+    assert times(a.take(10).records) == [2, 4]
+
+
+def test_alignment_off_takes_records_as_fetched() -> None:
+    a = Aligner(lambda r: r.timestamp / 1000.0, max_skew=5.0, idle_timeout=1.0, buffer=100, ordered=False)
+    a.assign([("in", 0), ("in", 1)])
+    a.add([rec(0, 10), rec(0, 20)])
+    a.add([rec(1, 1)])
+    assert times(a.take(10).records) == [10, 20, 1]
+
+
+# -- the group's marks in Redis ------------------------------------------------------------------
+
+
+@pytest.fixture
+def index_url(redis_url: str) -> Iterator[str]:
+    with redis_namespace(redis_url) as url:
+        yield url
+
+
+def test_marks_in_redis_give_the_groups_low_and_high_and_expire(index_url: str) -> None:
+    async def scenario() -> None:
+        every = [("in", 0), ("in", 1)]
+        a = RedisMarks(index_url, namespace="ns", group="g", member="a", ttl=0.5)
+        b = RedisMarks(index_url, namespace="ns", group="g", member="b", ttl=60)
+        try:
+            # a alone, owning half: b has not said what it owns yet, so nobody may go on.
+            assert await a.publish(10.0, 20.0, [("in", 0)], every) == GroupView(None, 20.0, complete=False)
+            assert await b.publish(15.5, 30.25, [("in", 1)], every) == GroupView(10.0, 30.25)
+            assert await a.publish(12.0, 21.0, [("in", 0)], every) == GroupView(15.5, 30.25)
+            assert await b.publish(None, 31.0, [("in", 1)], every) == GroupView(12.0, 31.0)  # b idle
+            assert await a.publish(13.0, 22.0, [("in", 0)], every) == GroupView(None, 31.0)
+            # A rebalance: b now owns both, a has not said it lost its partition: a stale claim.
+            assert (await b.publish(30.0, 31.0, every, every)).complete is False
+            await asyncio.sleep(0.7)  # a died: its mark expires, and so does its claim
+            assert await b.publish(40.0, 41.0, every, every) == GroupView(None, 41.0)
+            other = RedisMarks(index_url, namespace="ns", group="other", member="c", ttl=60)
+            assert await other.publish(1.0, 2.0, every, every) == GroupView(None, 2.0)  # a group of its own
+            await other.close()
+        finally:
+            await a.close()
+            await b.close()
+        c = RedisMarks(index_url, namespace="ns", group="g", member="c", ttl=60)
+        assert await c.publish(50.0, None, every, every) == GroupView(None, None)  # b left, and its mark
+        await c.close()
+
+    asyncio.run(scenario())
+
+
+# -- the worker on a real broker -----------------------------------------------------------------
+
+
+def _produce(settings, items: Sequence[Item]) -> None:  # type: ignore[no-untyped-def]
+    async def go() -> None:
+        await create_topics(settings, 4)
+        await produce_to(settings, [(i.partition, i.id.encode(), i.value) for i in items])
+    asyncio.run(go())
+
+
+def _routed(records: Sequence[KafkaRecord]) -> dict[str, str]:
+    out = {}
+    for r in records:
+        ident = r.header("neardup-id")
+        assert ident is not None, r
+        out[ident.decode()] = (r.header("neardup-verdict") or b"").decode()
+    return out
+
+
+def _run_workers(settings, count: int, total: int) -> dict[str, str]:  # type: ignore[no-untyped-def]
+    async def go() -> list[KafkaRecord]:
+        workers = [AiokafkaWorker(settings) for _ in range(count)]
+        tasks = [asyncio.ensure_future(w.run()) for w in workers]
+        deadline = time.monotonic() + 120
+        try:
+            while sum(w.stats.seen for w in workers) < total:
+                for t in tasks:
+                    if t.done():
+                        t.result()
+                assert time.monotonic() < deadline, [w.stats.line() for w in workers]
+                await asyncio.sleep(0.05)
+        finally:
+            for w in workers:
+                w.stop()
+            await asyncio.gather(*tasks)
+        return await read_outputs(settings, sources=total, settle=0.5)
+
+    return _routed(asyncio.run(go()))
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_backlog_on_four_partitions_is_routed_as_the_filter_routes_it(kafka_bootstrap: str, index_url: str,
+                                                                        workers: int) -> None:
+    """Copies hours apart in event time sit in other partitions than their originals; the workers start on
+    the whole backlog. Aligned, the routing is the filter's on the same records in event-time order."""
+    items = backlog()
+    want = reference(items, NearDupFilter())
+    settings = scenario_settings(kafka_bootstrap, index_url, ts_field="ts", max_batch=100, max_skew=1800.0,
+                                 session_timeout=10.0)
+    _produce(settings, items)
+    got = _run_workers(settings, workers, len(items))
+    assert len(got) == len(items)
+    # Within a worker the order is exact; across two, copies less than max_skew apart may be decided in
+    # either order: this backlog's are an hour apart at least.
+    assert differences(got, want) == []
+    assert f1(got, items) == f1(want, items) == 1.0
+
+
+def test_without_alignment_the_same_backlog_is_routed_otherwise(kafka_bootstrap: str, index_url: str) -> None:
+    """The test above can fail: drained in fetch order, the later copies are decided first."""
+    items = backlog()
+    want = reference(items, NearDupFilter())
+    settings = scenario_settings(kafka_bootstrap, index_url, ts_field="ts", max_batch=100, align=False)
+    _produce(settings, items)
+    got = _run_workers(settings, 1, len(items))
+    assert len(got) == len(items)
+    assert len(differences(got, want)) > 20
+
+
+def test_a_quiet_partition_does_not_stall_live_traffic(kafka_bootstrap: str, index_url: str) -> None:
+    """Live records on three partitions, none on the fourth: each is routed within a fraction of a second
+    (the quiet partition counts as idle after idle_timeout, once)."""
+    settings = scenario_settings(kafka_bootstrap, index_url, max_batch=50, idle_timeout=0.5)
+    latencies: list[float] = []
+
+    async def go() -> None:
+        await create_topics(settings, 4)
+        worker = AiokafkaWorker(settings)
+        task = asyncio.ensure_future(worker.run())
+        try:
+            await asyncio.sleep(3.0)  # joined and assigned
+            for n in range(60):
+                sent = time.monotonic()
+                value = f'{{"id": "live-{n}", "text": "live message number {n} {"x" * (n % 7)} {n * 7919}"}}'
+                await produce_to(settings, [(n % 3, None, value.encode())])
+                while worker.stats.seen < n + 1:
+                    assert time.monotonic() - sent < 5, worker.stats.line()
+                    await asyncio.sleep(0.005)
+                latencies.append(time.monotonic() - sent)
+        finally:
+            worker.stop()
+            await task
+
+    asyncio.run(go())
+    latencies.sort()
+    assert latencies[len(latencies) // 2] < 0.3, latencies
+    assert latencies[-3] < 1.0, latencies  # at most the first records waited for the idle partition
+
+
+def test_two_serve_workers_with_a_kill_9_route_a_backlog_as_the_filter(kafka_bootstrap: str, index_url: str,
+                                                                       tmp_path: Path) -> None:
+    """Exactly-once, two `neardup serve` processes on a 4-partition backlog; one is killed with kill -9
+    mid-run and started again. Read committed: every record exactly once, routed as the filter routes it."""
+    items = backlog(clusters=400, copies=3)
+    want = reference(items, NearDupFilter())
+    settings = scenario_settings(kafka_bootstrap, index_url, ts_field="ts", max_batch=100, max_skew=1800.0,
+                                 processing_guarantee="exactly_once", session_timeout=6.0)
+    _produce(settings, items)
+    with serving() as started:
+        a = Serve(settings, tmp_path, "a", args=["--group-instance-id", "a"])
+        b = Serve(settings, tmp_path, "b", args=["--group-instance-id", "b"])
+        started += [a, b]
+        wait_assigned([a, b], 4)
+        reader = asyncio.new_event_loop()
+        try:
+            # Kill b once part of the backlog is out, start it again under the same instance id.
+            reader.run_until_complete(read_outputs(settings, committed=True, sources=len(items) // 4, settle=0.0,
+                                                   timeout=60))
+            b.kill()
+            b2 = Serve(settings, tmp_path, "b2", args=["--group-instance-id", "b"])
+            started.append(b2)
+            got = reader.run_until_complete(read_outputs(settings, committed=True, sources=len(items), settle=2.0,
+                                                         timeout=120))
+        finally:
+            reader.close()
+        for w in (a, b2):
+            w.alive()
+    sources = [r.header("neardup-source") for r in got]
+    assert len(sources) == len(set(sources)) == len(items)  # lost 0, doubled 0
+    routed = _routed(got)
+    diff = differences(routed, want)
+    assert len(diff) <= 2, diff  # a copy decided in the moment the group waited for the dead worker's mark
+    assert abs(f1(routed, items) - f1(want, items)) <= 0.005
+    assert not any(r.header("neardup-method") == b"replay" for r in got)
