@@ -1,0 +1,65 @@
+"""Verdicts a consumer can trust on a shared index: a duplicate always names a message that went to unique."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import pytest
+
+from filters.engine import Message, NearDupFilter
+from filters.index import Candidate, Entry, Query
+from filters.redis_index import RedisIndex
+from tests.kafka_support import redis_namespace
+
+ORIGINAL = "Congratulations! You have won a 1000 dollar gift card, call 555-0100 now to claim your prize today"
+COPY_A = "Congratulations!! You have won a 1000 dollar gift card, call 555-0177 now to claim your prize today"
+COPY_B = "Congratulations! You have won a 1000 dollar gift card, call 555-0199 now to claim your prize today!!"
+
+
+class Racing:
+    """The Redis index of one worker, with another worker's batch decided between its lookup and its insert:
+    what two workers racing on near-duplicates do, on cue."""
+
+    def __init__(self, index: RedisIndex, other: NearDupFilter, batch: Sequence[Message]) -> None:
+        self.index = index
+        self.other = other
+        self.batch = batch
+
+    def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | None, list[Candidate]]]:
+        return self.index.lookup(queries, limit)
+
+    def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]:
+        if self.batch:
+            self.other.check_batch(self.batch)  # the other worker wins the race
+            self.batch = ()
+        return self.index.insert(entries)
+
+    def expire(self, now: float) -> int:
+        return self.index.expire(now)
+
+    def stats(self) -> dict[str, int]:
+        return self.index.stats()
+
+    def close(self) -> None:
+        self.index.close()
+
+
+@pytest.fixture
+def url(redis_url: str) -> Iterator[str]:
+    with redis_namespace(redis_url) as url:
+        yield url
+
+
+def test_a_duplicate_of_a_message_that_lost_its_insert_race_names_the_winner(url: str) -> None:
+    """Worker 1 decides [a, b]: a unique, b a copy of a (in the batch). Before a is inserted, worker 2
+    indexes the original o. a's insert conflicts, a becomes a duplicate of o, and b, which matched a, must
+    name o: a is not in `unique`."""
+    other = NearDupFilter(index=url)
+    racing = Racing(RedisIndex(url, window=3600, bucket_cap=64, namespace=other.config.digest()), other,
+                    [Message("o", ORIGINAL, 100.0)])
+    nd = NearDupFilter(index=racing)  # type: ignore[arg-type]
+    a, b = nd.check_batch([Message("a", COPY_A, 101.0), Message("b", COPY_B, 102.0)])
+    assert (a.duplicate, a.duplicate_of) == (True, "o")
+    assert (b.duplicate, b.duplicate_of) == (True, "o")
+    other.index.close()
+    racing.close()
