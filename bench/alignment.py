@@ -69,13 +69,14 @@ def load(path: Path | None, limit: int) -> list[Item]:
     return items
 
 
-def settings(redis_url: str, bootstrap: str, *, align: bool, max_skew: float, max_batch: int) -> Settings:
+def settings(redis_url: str, bootstrap: str, *, align: bool, max_skew: float, max_batch: int,
+             guarantee: str = "at_least_once") -> Settings:
     name = f"align-{uuid.uuid4().hex[:8]}"
     return Settings(
         kafka_bootstrap=bootstrap, input_topics=(f"{name}-in",), unique_topic=f"{name}-unique",
         duplicate_topic=f"{name}-duplicate", dead_letter_topic=f"{name}-dead", group_id=f"{name}-group",
         index=f"{redis_url}{'&' if '?' in redis_url else '?'}prefix={name}", id_field="id", ts_field="ts",
-        max_batch=max_batch, align=align, max_skew=max_skew, partitions=PARTITIONS,
+        max_batch=max_batch, align=align, max_skew=max_skew, partitions=PARTITIONS, processing_guarantee=guarantee,
     )
 
 
@@ -88,7 +89,7 @@ def start_worker(s: Settings, n: int) -> subprocess.Popen[bytes]:
         "NEARDUP_GROUP_ID": s.group_id, "NEARDUP_ID_FIELD": s.id_field, "NEARDUP_TS_FIELD": s.ts_field,
         "NEARDUP_MAX_BATCH": str(s.max_batch), "NEARDUP_ALIGN": "true" if s.align else "false",
         "NEARDUP_MAX_SKEW": f"{s.max_skew}s", "NEARDUP_LOG_LEVEL": "warning", "NEARDUP_METRICS_PORT": "0",
-        "NEARDUP_GROUP_INSTANCE_ID": f"w{n}",
+        "NEARDUP_GROUP_INSTANCE_ID": f"w{n}", "NEARDUP_PROCESSING_GUARANTEE": s.processing_guarantee,
     })
     return subprocess.Popen([sys.executable, "-m", "stream.cli", "serve"], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -143,7 +144,8 @@ async def read_all(s: Settings, expected: int, timeout: float) -> tuple[list[Kaf
 
 def run(args: argparse.Namespace, items: Sequence[Item], want: dict[str, str], *, align: bool,
         workers: int) -> Row:
-    s = settings(args.redis, args.bootstrap, align=align, max_skew=args.max_skew, max_batch=args.max_batch)
+    s = settings(args.redis, args.bootstrap, align=align, max_skew=args.max_skew, max_batch=args.max_batch,
+                 guarantee=args.guarantee)
     asyncio.run(preload(s, items))
     started = time.monotonic()
     procs = [start_worker(s, n) for n in range(workers)]
@@ -169,6 +171,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-skew", type=float, default=60.0, help="seconds of event time (the setting max_skew)")
     p.add_argument("--max-batch", type=int, default=500)
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--guarantee", default="at_least_once", choices=("at_least_once", "exactly_once"))
+    p.add_argument("--workers", default="1,2", help="worker counts to run, comma-separated")
     p.add_argument("--timeout", type=float, default=300.0)
     args = p.parse_args(argv)
     try:
@@ -180,10 +184,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     items = load(None if args.generated else args.stream, args.limit)
     want = reference(items, NearDupFilter())
     print(f"{len(items)} records on {PARTITIONS} partitions; filter F1 {f1(want, items):.4f}; max_skew "
-          f"{args.max_skew:g}s; max_batch {args.max_batch}", flush=True)
+          f"{args.max_skew:g}s; max_batch {args.max_batch}; {args.guarantee}", flush=True)
+    counts = [int(n) for n in args.workers.split(",")]
     rows: list[Row] = []
     for _ in range(args.runs):
-        for workers in (1, 2):
+        for workers in counts:
             for align in (True, False):
                 row = run(args, items, want, align=align, workers=workers)
                 print(f"  align={'on ' if align else 'off'} workers={workers}: {row.records / row.steady_s:8,.0f} msg/s "
@@ -192,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 rows.append(row)
     print("\n| alignment | workers | msg/s first→last output (median) | s from start (median) | routed otherwise "
           "than `neardup filter` (median) | F1 (median) |\n|---|---|---|---|---|---|")
-    for workers in (1, 2):
+    for workers in counts:
         for align in (True, False):
             mine = [r for r in rows if r.align == align and r.workers == workers]
             print(f"| {'on' if align else 'off'} | {workers} | "

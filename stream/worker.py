@@ -534,6 +534,7 @@ class _InFlight:
     outs: list[OutRecord]
     deliveries: list[asyncio.Future[Any]]
     assignment: int = 0  # `_Rebalance.assignments` when the records were fetched
+    parts: list[list[KafkaRecord]] = field(default_factory=list)  # the routed batches it joins (empty: one)
 
 
 class _WorkerCore:
@@ -570,6 +571,8 @@ class AiokafkaWorker(_WorkerCore):
         self._lock = asyncio.Lock()  # one batch step at a time: the loop, or a rebalance's flush
         self._in_flight: _InFlight | None = None
         self._delivering: asyncio.Future[None] | None = None  # `_deliver` of the batch routed last
+        # Routed batches waiting for the hand-over going on to finish (`_hand_over`): records, outputs, assignment.
+        self._queued: list[tuple[list[KafkaRecord], list[OutRecord], int]] = []
         self._consumer: AIOKafkaConsumer | None = None
         self._producer: Any = None
         self._transactional = settings.processing_guarantee == "exactly_once"
@@ -639,6 +642,7 @@ class AiokafkaWorker(_WorkerCore):
             elif delivering is not None and not delivering.cancelled():
                 delivering.exception()  # retrieved: the error that stopped the loop is the one raised
             self._in_flight = None
+            self._queued = []  # not handed over: re-read after a restart
             watch.cancel()
             with broker_errors(s):
                 await consumer.stop()
@@ -670,7 +674,7 @@ class AiokafkaWorker(_WorkerCore):
                     assignment = self._rebalance.assignments
                     batch = await self._take(consumer, refresh=held_since is not None)
                     if not batch:
-                        busy = self._in_flight is not None or self._delivering is not None
+                        busy = self._in_flight is not None or self._delivering is not None or bool(self._queued)
                         if batch.waiting:
                             # Held back (a partition or the group behind): look again shortly; what is in
                             # flight is finished if the wait goes on, so that outputs are not held up.
@@ -786,10 +790,39 @@ class AiokafkaWorker(_WorkerCore):
             await self._publish_marks()  # decided: the group may move past these records
         if any(taken.late):
             outs = [late_output(o, behind) if behind else o for o, behind in zip(outs, taken.late, strict=True)]
-        await self._settle()  # the previous batch's hand-over: outputs stay in input order
-        self._delivering = asyncio.ensure_future(self._deliver(prod, records, outs, assignment))
+        await self._hand_over(prod, records, outs, assignment)
 
-    async def _deliver(self, prod: Any, records: list[KafkaRecord], outs: list[OutRecord], assignment: int) -> None:
+    async def _hand_over(self, prod: Any, records: list[KafkaRecord], outs: list[OutRecord], assignment: int) -> None:
+        """Queues a routed batch for delivery. While the previous hand-over is still going on (its acks, or
+        under exactly-once its commit), routed batches queue up and go together in the next one (one
+        transaction for all): small batches, as the group moves in lockstep under event-time alignment,
+        do not each pay a commit. Outputs stay in input order."""
+        if self._queued and self._queued[0][2] != assignment:
+            await self._send_queued(prod)  # fetched under another assignment: a transaction of its own
+        self._queued.append((records, outs, assignment))
+        going = self._delivering is not None and not self._delivering.done()
+        if going and sum(len(q[0]) for q in self._queued) < self.settings.max_batch:
+            return
+        await self._send_queued(prod)
+
+    async def _send_queued(self, prod: Any) -> None:
+        """The queued batches handed to the producer as one (after the hand-over before them)."""
+        await self._settle()
+        queued, self._queued = self._queued, []
+        if not queued:
+            return
+        if len(queued) == 1:
+            records, outs, assignment = queued[0]
+            parts: list[list[KafkaRecord]] = []
+        else:
+            records = [r for q in queued for r in q[0]]
+            outs = [o for q in queued for o in q[1]]
+            assignment = queued[0][2]
+            parts = [q[0] for q in queued]
+        self._delivering = asyncio.ensure_future(self._deliver(prod, records, outs, assignment, parts))
+
+    async def _deliver(self, prod: Any, records: list[KafkaRecord], outs: list[OutRecord], assignment: int,
+                       parts: list[list[KafkaRecord]]) -> None:
         """Hands a routed batch's outputs to the producer and commits the batch before it (whose acks
         arrived meanwhile); the batch is then in flight. Runs while the next batch is routed."""
         s = self.settings
@@ -800,7 +833,7 @@ class AiokafkaWorker(_WorkerCore):
         with broker_errors(s):
             deliveries = await self._send_all(prod, outs)
         await self._flush()  # the previous batch: its acks arrived while this one was routed
-        self._in_flight = _InFlight(records, outs, deliveries, assignment)
+        self._in_flight = _InFlight(records, outs, deliveries, assignment, parts)
 
     async def _settle(self) -> None:
         """Waits for the last routed batch's `_deliver` (and raises what it raised)."""
@@ -810,6 +843,7 @@ class AiokafkaWorker(_WorkerCore):
 
     async def _drain(self) -> None:
         """Everything routed so far handed over, acknowledged and committed."""
+        await self._send_queued(self._producer)
         await self._settle()
         await self._flush()
 
@@ -876,11 +910,15 @@ class AiokafkaWorker(_WorkerCore):
             with broker_errors(s):
                 await self._producer.abort_transaction()
             return
-        self.stats.add(batch.outs)
-        if self.observer is not None:
-            maybe = self.observer(batch.records, batch.outs)
-            if maybe is not None:
-                await maybe
+        start = 0
+        for part in batch.parts or [batch.records]:  # per routed batch: the very list that was routed
+            outs = batch.outs[start:start + len(part)]
+            self.stats.add(outs)
+            if self.observer is not None:
+                maybe = self.observer(part, outs)
+                if maybe is not None:
+                    await maybe
+            start += len(part)
         offsets: dict[TopicPartition, int] = {}
         for r in batch.records:
             tp = TopicPartition(r.topic, r.partition)
