@@ -347,3 +347,17 @@ def test_two_serve_workers_with_a_kill_9_and_a_redis_outage_route_a_backlog_as_t
     assert len(diff) <= 2, diff
     assert abs(f1(routed, items) - f1(want, items)) <= 0.005
     assert not any(r.header("neardup-method") == b"replay" or r.header("neardup-late") for r in got)
+
+
+def test_the_event_time_is_the_one_the_filter_decides_with() -> None:
+    """The aligner orders by the time `decode` gives a record: its timestamp field, else the Kafka timestamp."""
+    from stream.codec import RecordFormat, decode, event_time
+
+    fmt = RecordFormat("json", "text", "id", "ts")
+    for raw in (b'{"text": "hello there", "ts": 1700000123.5}', b'{"text": "hello there", "ts": "17.25"}',
+                b'{"text": "hello there"}', b'\xef\xbb\xbf{"text": "bom", "ts": 42}'):
+        assert event_time(raw, fmt, 99.0) == decode(raw, fmt, fallback_id="x", fallback_ts=99.0).message.ts
+    for rejected in (b"not json", b'{"text": "x", "ts": -1}', b"[1, 2]", b'{"text": "x", "ts": "soon"}'):
+        assert event_time(rejected, fmt, 99.0) == 99.0  # dead-lettered: placed by its Kafka timestamp
+    assert event_time(b'{"text": "x", "ts": 5}', RecordFormat("text"), 7.0) == 7.0
+    assert event_time(b'{"text": "x", "ts": 5}', RecordFormat("json", ts_field=""), 7.0) == 7.0
