@@ -1,16 +1,17 @@
-"""Benchmark: event-time alignment on and off, a backlog on 4 partitions, 1 and 2 `neardup serve` workers.
+"""Benchmark: event-time alignment on and off, 4 partitions, 1 and 2 `neardup serve` workers: backlog and live.
 
     eval "$(bash docker/services.sh env)"
     python bench/alignment.py [--stream ../shared/eval/stream.jsonl] [--max-skew 60] [--runs 3]
+                              [--guarantee at_least_once|exactly_once] [--workers 1,2] [--rate 2000]
 
-The backlog: the eval stream (`--stream`, JSON lines with id, text, ts; absent: a generated backlog of
-near-duplicate clusters whose copies sit hours apart, `stream.backlog`), each record in a random
-partition of 4 (seeded; every partition in event-time order), produced before the workers start. Per
-row: throughput from the first output to the last, and from the workers' start; the routing compared
-with `neardup filter`'s (memory index, same records in event-time order): records routed otherwise, and
-F1 of each against the clusters when the stream has them. Rows alternate, `--runs` times; medians.
-Also a live row per setting: records produced at `--rate` per second to all partitions, p50/p99 of
-produce → output.
+Backlog: the workers join the group first (all assigned), then the stream is produced at once, faster
+than they route it: the eval stream (`--stream`: JSON lines with id, text, ts; absent, a generated backlog
+whose copies sit hours apart, `stream.backlog`), each record in a random partition of 4 (seeded; every
+partition in event-time order). Per row: throughput from the first output to the last; the routing
+compared with the filter's (memory index, same records in event-time order): records routed otherwise,
+and F1 of each against the stream's clusters. Live: records produced at `--rate` per second for
+`--seconds` to all 4 partitions, event time = send time; p50 and p99 of produce to output. Rows
+alternate, `--runs` times; medians.
 """
 
 from __future__ import annotations
@@ -26,10 +27,12 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from math import nan
 from pathlib import Path
 
 import orjson
 import redis
+from aiokafka.admin import AIOKafkaAdminClient
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -37,7 +40,14 @@ sys.path.insert(0, str(ROOT))
 from filters.engine import NearDupFilter  # noqa: E402
 from stream.backlog import Item, backlog, differences, f1, reference  # noqa: E402
 from stream.config import Settings  # noqa: E402
-from stream.kafka_tools import KafkaRecord, delete_topics, ensure_topics, producer, read_topics  # noqa: E402
+from stream.kafka_tools import (  # noqa: E402
+    KafkaRecord,
+    client_options,
+    delete_topics,
+    ensure_topics,
+    producer,
+    read_topics,
+)
 
 PARTITIONS = 4
 DEFAULT_STREAM = ROOT.parent / "shared" / "eval" / "stream.jsonl"
@@ -52,6 +62,8 @@ class Row:
     total_s: float
     differences: int
     f1: float
+    p50_ms: float
+    p99_ms: float
 
 
 def load(path: Path | None, limit: int) -> list[Item]:
@@ -88,7 +100,8 @@ def start_worker(s: Settings, n: int) -> subprocess.Popen[bytes]:
         "NEARDUP_DUPLICATE_TOPIC": s.duplicate_topic, "NEARDUP_DEAD_LETTER_TOPIC": s.dead_letter_topic,
         "NEARDUP_GROUP_ID": s.group_id, "NEARDUP_ID_FIELD": s.id_field, "NEARDUP_TS_FIELD": s.ts_field,
         "NEARDUP_MAX_BATCH": str(s.max_batch), "NEARDUP_ALIGN": "true" if s.align else "false",
-        "NEARDUP_MAX_SKEW": f"{s.max_skew}s", "NEARDUP_LOG_LEVEL": "warning", "NEARDUP_METRICS_PORT": "0",
+        "NEARDUP_MAX_SKEW": f"{s.max_skew}s", "NEARDUP_METRICS_PORT": "0",
+        "NEARDUP_LOG_LEVEL": os.environ.get("BENCH_LOG_LEVEL", "warning"),
         "NEARDUP_GROUP_INSTANCE_ID": f"w{n}", "NEARDUP_PROCESSING_GUARANTEE": s.processing_guarantee,
     })
     return subprocess.Popen([sys.executable, "-m", "stream.cli", "serve"], cwd=ROOT, env=env,
@@ -120,10 +133,21 @@ def cleanup(s: Settings) -> None:
 
 
 async def preload(s: Settings, items: Sequence[Item]) -> None:
-    await ensure_topics(s, [*s.input_topics, *s.output_topics], partitions=PARTITIONS)
+    """Every item to its partition, in record batches of our own (a few hundred thousand records a second:
+    produced at once, the stream is a backlog for the workers)."""
     async with producer(s, linger_ms=20) as p:
-        futures = [await p.send(s.input_topics[0], value=i.value, key=i.id.encode(), partition=i.partition,
-                                timestamp_ms=round(i.ts * 1000)) for i in items]
+        futures = []
+        open_batches: dict[int, object] = {}
+        for i in items:
+            batch = open_batches.get(i.partition)
+            if batch is None:
+                batch = open_batches[i.partition] = p.create_batch()
+            if batch.append(key=i.id.encode(), value=i.value, timestamp=round(i.ts * 1000)) is None:  # type: ignore[attr-defined]
+                futures.append(await p.send_batch(batch, s.input_topics[0], partition=i.partition))
+                batch = open_batches[i.partition] = p.create_batch()
+                batch.append(key=i.id.encode(), value=i.value, timestamp=round(i.ts * 1000))  # type: ignore[attr-defined]
+        for partition, batch in open_batches.items():
+            futures.append(await p.send_batch(batch, s.input_topics[0], partition=partition))
         await asyncio.gather(*futures)
 
 
@@ -142,22 +166,79 @@ async def read_all(s: Settings, expected: int, timeout: float) -> tuple[list[Kaf
     return got, first, last
 
 
+async def members(s: Settings) -> int:
+    """How many members of the group have partitions assigned, once the group is stable (else 0)."""
+    admin = AIOKafkaAdminClient(**client_options(s))
+    await admin.start()
+    try:
+        (response,) = await admin.describe_consumer_groups([s.group_id])
+        (group,) = response.groups
+        state, assigned = group[2], [m for m in group[5] if m[-1]]
+        return len(assigned) if state == "Stable" else 0
+    finally:
+        await admin.close()
+
+
 def run(args: argparse.Namespace, items: Sequence[Item], want: dict[str, str], *, align: bool,
         workers: int) -> Row:
+    """The workers join the group first (all assigned), then the backlog is produced at once (faster than
+    they route it), so that what is measured is the group at work, not one worker alone before the others
+    joined."""
     s = settings(args.redis, args.bootstrap, align=align, max_skew=args.max_skew, max_batch=args.max_batch,
                  guarantee=args.guarantee)
-    asyncio.run(preload(s, items))
-    started = time.monotonic()
+    asyncio.run(ensure_topics(s, [*s.input_topics, *s.output_topics], partitions=PARTITIONS))
     procs = [start_worker(s, n) for n in range(workers)]
     try:
+        deadline = time.monotonic() + 60
+        while asyncio.run(members(s)) < workers:
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                raise SystemExit(f"the {workers} workers did not join the group within 60 s")
+            time.sleep(0.5)
+        started = time.monotonic()
+        asyncio.run(preload(s, items))
         got, first, last = asyncio.run(read_all(s, len(items), args.timeout))
+        latencies = asyncio.run(live(s, items, args.rate, args.seconds))
     finally:
         stop(procs)
         cleanup(s)
     routed = {r.header("neardup-id").decode(): (r.header("neardup-verdict") or b"").decode()  # type: ignore[union-attr]
               for r in got}
+    latencies.sort()
+    p50, p99 = (latencies[len(latencies) // 2], latencies[int(len(latencies) * 0.99)]) if latencies else (nan, nan)
     return Row(align, workers, len(routed), last - first, last - started, len(differences(routed, want)),
-               f1(routed, items))
+               f1(routed, items), p50, p99)
+
+
+SENT = "bench-sent-ns"
+
+
+async def live(s: Settings, items: Sequence[Item], rate: float, seconds: float) -> list[float]:
+    """Milliseconds from produce to output of records produced at `rate` a second for `seconds`, round robin
+    over the partitions, event time = send time (the texts of `items` again, under new ids)."""
+    latencies: list[float] = []
+    total = int(rate * seconds)
+
+    async def reader() -> None:  # from the beginning: the backlog's outputs are skipped (no send time)
+        async for record in read_topics(s, s.output_topics, deadline=time.monotonic() + seconds + 60):
+            sent = record.header(SENT)
+            if sent is not None:
+                latencies.append((time.time_ns() - int(sent)) / 1e6)
+                if len(latencies) >= total:
+                    return
+
+    task = asyncio.ensure_future(reader())
+    async with producer(s, linger_ms=1) as p:
+        start = time.monotonic()
+        for n in range(total):
+            await asyncio.sleep(max(0.0, start + n / rate - time.monotonic()))
+            item = items[n % len(items)]
+            text = orjson.loads(item.value)["text"]
+            value = orjson.dumps({"id": f"live-{n}", "text": text, "ts": time.time()})
+            await p.send(s.input_topics[0], value=value, partition=n % PARTITIONS,
+                         headers=[(SENT, str(time.time_ns()).encode())])
+        await p.flush()
+    await task
+    return latencies
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -174,6 +255,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--guarantee", default="at_least_once", choices=("at_least_once", "exactly_once"))
     p.add_argument("--workers", default="1,2", help="worker counts to run, comma-separated")
     p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--rate", type=float, default=2000.0, help="live records a second")
+    p.add_argument("--seconds", type=float, default=5.0, help="of live traffic")
     args = p.parse_args(argv)
     try:
         redis.Redis.from_url(args.redis).ping()
@@ -192,18 +275,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             for align in (True, False):
                 row = run(args, items, want, align=align, workers=workers)
                 print(f"  align={'on ' if align else 'off'} workers={workers}: {row.records / row.steady_s:8,.0f} msg/s "
-                      f"steady, {row.total_s:6.1f} s in all, {row.differences} routed otherwise, F1 {row.f1:.4f}",
-                      flush=True)
+                      f"steady, {row.total_s:6.1f} s in all, {row.differences} routed otherwise, F1 {row.f1:.4f}; "
+                      f"live p50 {row.p50_ms:.1f} ms, p99 {row.p99_ms:.1f} ms", flush=True)
                 rows.append(row)
-    print("\n| alignment | workers | msg/s first→last output (median) | s from start (median) | routed otherwise "
-          "than `neardup filter` (median) | F1 (median) |\n|---|---|---|---|---|---|")
+    print(f"\n| alignment | workers | backlog msg/s, first→last output | routed otherwise than the filter | F1 | "
+          f"live p50 ms at {args.rate:g}/s | live p99 ms |\n|---|---|---|---|---|---|---|")
     for workers in counts:
         for align in (True, False):
             mine = [r for r in rows if r.align == align and r.workers == workers]
             print(f"| {'on' if align else 'off'} | {workers} | "
                   f"{statistics.median(r.records / r.steady_s for r in mine):,.0f} | "
-                  f"{statistics.median(r.total_s for r in mine):.1f} | "
-                  f"{statistics.median(r.differences for r in mine):.0f} | {statistics.median(r.f1 for r in mine):.4f} |")
+                  f"{statistics.median(r.differences for r in mine):.0f} | {statistics.median(r.f1 for r in mine):.4f} | "
+                  f"{statistics.median(r.p50_ms for r in mine):.1f} | {statistics.median(r.p99_ms for r in mine):.1f} |")
     return 0
 
 

@@ -116,6 +116,8 @@ def transient(exc: BaseException) -> bool:
     return isinstance(exc, KAFKA_UNAVAILABLE) or (isinstance(exc, KafkaError) and exc.retriable)
 
 
+# How often a worker held back by the group reads the others' marks again (one Redis round trip each).
+_GROUP_POLL = 0.001
 KAFKA_PROBE_EVERY = 1.0  # seconds between reachability probes while the broker is unavailable
 _KAFKA_PROBE_TIMEOUT = 5.0
 _MAX_ERROR_CHARS = 500
@@ -650,6 +652,9 @@ class AiokafkaWorker(_WorkerCore):
                 logger.removeFilter(self.kafka)
             await self.marks.close()
         log.info("stopped: %s", self.stats.line())
+        if self.settings.align:
+            log.info("event-time alignment: held back %.1fs in all, %d late records", self.held_seconds,
+                     self.aligner.late)
         return self.stats
 
     async def _loop(self, consumer: AIOKafkaConsumer, prod: Any) -> None:
@@ -683,6 +688,8 @@ class AiokafkaWorker(_WorkerCore):
                             if busy and now - held_since >= s.batch_within:
                                 async with self._lock:
                                     await self._drain()
+                            elif batch.waiting == "group":
+                                await asyncio.sleep(_GROUP_POLL)  # the others' marks: read again next round
                             elif not await self._fetch(consumer, 2, stop_wait):
                                 break
                         elif busy:
