@@ -15,7 +15,9 @@ Bucket keys (64-bit fingerprints) are field names, never scores or numbers: noth
 double but event times. A lookup at event time T reads the slices from (T - window) to T: two. A slice
 key's TTL is window + grace (wall clock) from its last write, and the insert script unlinks the slice
 that fell wholly out of the window, so the index holds at most two windows of entries. What matches is
-decided by event time: records older than the window are filtered out on reading.
+decided by event time: records older than the window are filtered out on reading. The window's clock is
+the newest event time stored (`hwm`) less `margin`: workers aligned in event time run up to max_skew
+apart (stream/align.py), and one that far behind the newest still finds the entries its window holds.
 
 Why this layout (bench/redis_bench.py, and measurements of the layouts that were tried; see README):
 the earlier one, a sorted set per bucket, cost Redis ≈ 140 µs of CPU per short message, nearly all of
@@ -433,7 +435,8 @@ INSERT_LUA = """
 -- One caller's insert round, atomically. KEYS[1]: the namespace's meta hash.
 -- ARGV: slice key prefix, window, slice length, bucket cap, TTL (ms), the caller's high-water mark of
 --       event time, the slices the caller read (comma-separated, in the order of its tails), the seq
---       at its lookup and how many it inserted since, then per entry: id, event time, encoded entry,
+--       at its lookup and how many it inserted since, the margin (event time behind the window that a
+--       slice is kept for callers running behind), then per entry: id, event time, encoded entry,
 --       the number n of its buckets, what the caller saw of them (per slice it read, the last 8 bytes
 --       of each bucket field, zeros if absent; '' for no check), and its n bucket field names.
 -- Returns {seq, high-water mark, per entry: its seq (inserted), 0 (its id is live, or it is outside
@@ -442,7 +445,8 @@ local meta, spre = KEYS[1], ARGV[1]
 local window, slice_len, cap, ttl = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
 local hwm = tonumber(ARGV[6])
 local ABSENT = string.rep('\\0', 8)
-local FIRST, PER_CALL = 10, FIELDS_PER_CALL
+local FIRST, PER_CALL = 11, FIELDS_PER_CALL
+local margin = tonumber(ARGV[10])
 local state = redis.call('HMGET', meta, 'seq', 'hwm')
 local stored_hwm = tonumber(state[2] or '-inf')
 if stored_hwm > hwm then hwm = stored_hwm end
@@ -595,8 +599,9 @@ end
 local hwm_s = string.format('%.17g', hwm)
 if seq > start then
   redis.call('HSET', meta, 'seq', string.format('%d', seq))
-  -- The slice below the oldest live one holds nothing that can match any more.
-  redis.call('UNLINK', spre .. string.format('%d', slices[1] - 1))
+  -- The slice wholly older than the window and the margin holds nothing that can match any more,
+  -- even for a caller `margin` behind in event time (the window's clock is the slowest worker's).
+  redis.call('UNLINK', spre .. string.format('%d', math.floor((hwm - window - margin) / slice_len) - 1))
 end
 if hwm > stored_hwm then redis.call('HSET', meta, 'hwm', hwm_s) end
 if seq > start or hwm > stored_hwm then redis.call('PEXPIRE', meta, ttl) end
@@ -852,14 +857,18 @@ class RedisIndex:
     `MemoryIndex`: nothing to compare against).
     """
 
-    def __init__(self, url: str, *, window: float, bucket_cap: int, namespace: str) -> None:
-        if not window > 0 or bucket_cap < 1:
-            raise ConfigError("window must be > 0 seconds and bucket_cap >= 1")
+    def __init__(self, url: str, *, window: float, bucket_cap: int, namespace: str, margin: float = 0.0) -> None:
+        """`margin`: event time behind the newest one that the window's slices are kept for, on top of the
+        window, so that a worker that far behind the others (event-time alignment's max_skew) never
+        finds entries it still needs gone."""
+        if not window > 0 or bucket_cap < 1 or not margin >= 0:
+            raise ConfigError("window must be > 0 seconds, bucket_cap >= 1 and margin >= 0")
         if not _NAME.fullmatch(namespace):
             raise ConfigError(f"namespace must match {_NAME.pattern}, got {namespace!r}")
         target = RedisTarget.parse(url)
         self.window = float(window)
         self.slice_length = self.window
+        self.margin = float(margin)
         self.bucket_cap = bucket_cap
         self.namespace = namespace
         self.prefix = target.prefix
@@ -951,7 +960,8 @@ class RedisIndex:
                            keys_of, key_fields, positions, id_places, watch=epoch if watch else -1)
         window = self.window
         found = self._rank_all(columns, positions, id_places, ids, [q.min_shared for q in queries], limit,
-                               [max(mark, top) - window for mark in marks], self.bucket_cap, _entry_time)
+                               [max(mark, top - self.margin) - window for mark in marks], self.bucket_cap,
+                               _entry_time)
         entries = self._entries({(id, ts) for _, ranked in found for id, _, _, ts in ranked})
         out = []
         for q, (own, ranked) in zip(queries, found):
@@ -1202,7 +1212,7 @@ class RedisIndex:
         view = self._view
         args: list[str | int | bytes] = [self._spre, repr(self.window), repr(self.slice_length), self.bucket_cap,
                                          self._ttl_ms, repr(self._hwm), ",".join(map(str, view.slices)),
-                                         view.mark, view.inserted]
+                                         view.mark, view.inserted, repr(self.margin)]
         places_of = [self._places(entry.id, fields) for (entry, _), fields in zip(entries, fields_of)]
         for (entry, _), fields, places in zip(entries, fields_of, places_of):
             expected = b"" if None in places else view.expected(entry.id, places)  # type: ignore[arg-type]
@@ -1253,7 +1263,7 @@ class RedisIndex:
             list(places_of), [view.entry_places[looked[e.id]] for e, _ in entries], tuple(slices), view.columns, writes,
             hwm, window, self.slice_length, cap, seq, _entry_time, trim_records)
         hwm_bytes = view.hwm if hwm <= stored_hwm else (b"%.17g" % hwm)
-        gone = f"{self._spre}{slices[0] - 1}" if seq > start else ""
+        gone = f"{self._spre}{self._slice(hwm - window - self.margin) - 1}" if seq > start else ""
         if view.watch == self._epoch:  # -1 never is: epochs start at 1 with the first connection
             written = self._write_watched(start, seq, view.hwm, hwm_bytes, gone, groups)
             if written is None:
@@ -1330,7 +1340,7 @@ class RedisIndex:
         wanted = tuple(sorted(set(view.slices) | set(self._slices(self._hwm, self._hwm))))
         seq, stored, slices, columns = self._read_covering(names, wanted, self._hwm, self._hwm)
         self._hwm = max(self._hwm, _stored_time(stored))
-        horizon = self._hwm - self.window
+        horizon = self._hwm - self.margin - self.window
         at = {name: i for i, name in enumerate(names)}
         view.slices = slices  # a slice the lookup did not read: what it holds is unknown, absent there
         ranked = []

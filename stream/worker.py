@@ -70,6 +70,7 @@ from aiokafka.partitioner import DefaultPartitioner
 
 from filters.engine import NearDupFilter
 from filters.errors import ConfigError, IndexUnavailable, RejectedInput, ServiceError
+from filters.index import open_index
 from filters.records import maker
 from stream.align import Aligner, GroupMarks, GroupView, SoloMarks, Taken, lanes_of, open_marks
 from stream.codec import RecordFormat, decode, event_time
@@ -503,7 +504,12 @@ def open_filter(settings: Settings) -> NearDupFilter:
     if settings.index.startswith("memory:"):
         log.warning("index %s lives in this process only: verdicts are not shared with other workers and "
                     "replays after a restart are not recognised; use redis:// for serve", settings.index)
-    return NearDupFilter(settings.filter_config(), index=settings.index)
+    config = settings.filter_config()
+    # The window's clock is the slowest worker's: a worker may run max_skew ahead of another in event time,
+    # so the shared index keeps what the one behind still needs that much longer.
+    index = open_index(settings.index, window=config.window, bucket_cap=config.bucket_cap, namespace=config.digest(),
+                       margin=settings.max_skew if settings.align else 0.0)
+    return NearDupFilter(config, index=index)
 
 
 # -- the aiokafka runtime ------------------------------------------------------------------------
