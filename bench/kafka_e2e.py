@@ -89,7 +89,7 @@ def start_worker(s: Settings) -> subprocess.Popen[bytes]:
         "NEARDUP_INPUT_TOPICS": ",".join(s.input_topics), "NEARDUP_UNIQUE_TOPIC": s.unique_topic,
         "NEARDUP_DUPLICATE_TOPIC": s.duplicate_topic, "NEARDUP_DEAD_LETTER_TOPIC": s.dead_letter_topic,
         "NEARDUP_GROUP_ID": s.group_id, "NEARDUP_ID_FIELD": s.id_field, "NEARDUP_RUNTIME": s.runtime,
-        "NEARDUP_MAX_BATCH": str(s.max_batch), "NEARDUP_WINDOW": str(s.window), "NEARDUP_LOG_LEVEL": "warning",
+        "NEARDUP_MAX_BATCH": str(s.max_batch), "NEARDUP_WINDOW": f"{s.window}s", "NEARDUP_LOG_LEVEL": "warning",
     })
     return subprocess.Popen([sys.executable, "-m", "stream.commands", "serve"], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import gzip
 import logging
+import os
+import select
+import signal
 import sys
+import threading
 import time
+import zlib
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
-from typing import IO
+from importlib import metadata
+from typing import IO, BinaryIO
 
 import orjson
 
@@ -20,7 +27,7 @@ from stream.codec import FORMATS, RecordFormat
 from stream.collector import tune_collector
 from stream.config import parse_duration
 from stream.logs import LOG_FORMATS, setup_logging, warn_if_interpreted
-from stream.runner import DUPLICATE, UNIQUE, RawRecord, Summary, route_batch, run_filter
+from stream.runner import DUPLICATE, UNIQUE, RawRecord, Summary, Terminated, route_batch, run_filter
 
 
 class FileSink:
@@ -42,7 +49,8 @@ def _add_filter_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--index", default="memory://", help="candidate index: memory:// (default) or redis://host:port/db")
     g.add_argument("--methods", default=",".join(FilterConfig().methods),
                    help=f"candidate generators, comma-separated, of {', '.join(METHODS)}")
-    g.add_argument("--verify", choices=VERIFY_MODES, default="sketch")
+    g.add_argument("--verify", choices=VERIFY_MODES, default="sketch",
+                   help="sketch (default: every candidate by the shingle sketch) or native (each method its own measure)")
     g.add_argument("--threshold", type=float, default=FilterConfig().threshold, help="Jaccard threshold")
     g.add_argument("--containment", type=float, default=FilterConfig().containment,
                    help="containment threshold (truncated copies, added ad lines)")
@@ -77,22 +85,114 @@ def _record_format(args: argparse.Namespace) -> RecordFormat:
     return RecordFormat(args.format, args.text_field, args.id_field, args.ts_field)
 
 
-def _lines(paths: Sequence[str], stack: ExitStack) -> Iterator[bytes]:
+_GZIP_MAGIC = b"\x1f\x8b"
+# Bytes looked at for NUL bytes: text (JSON lines or one message a line) has none, binary files do.
+_SNIFF = 8192
+
+
+class _Read:
+    """Bytes read so far of the input files (for the progress line's percent)."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+
+
+def _check_inputs(paths: Sequence[str]) -> int | None:
+    """One clear error for an input that cannot be read, before anything is routed; the total size of
+    the files when all are files (None with stdin)."""
+    total: int | None = 0
     for path in paths or ["-"]:
-        stream = sys.stdin.buffer if path == "-" else stack.enter_context(open(path, "rb"))
-        yield from stream
+        if path == "-":
+            total = None
+            continue
+        if not os.path.exists(path):
+            raise NeardupError(f"{path}: no such file")
+        if os.path.isdir(path):
+            raise NeardupError(f"{path}: is a directory, not a file of records")
+        if not os.access(path, os.R_OK):
+            raise NeardupError(f"{path}: permission denied")
+        if total is not None:
+            total += os.path.getsize(path)
+    return total
 
 
-def _progress(enabled: bool) -> tuple[object, object]:
-    last = [0.0]
+def _opened(raw: BinaryIO, name: str) -> BinaryIO:
+    """`raw`, or what it holds if it is gzip (by its magic bytes, whatever its name); refused if binary."""
+    head = raw.peek(len(_GZIP_MAGIC))[: len(_GZIP_MAGIC)] if hasattr(raw, "peek") else b""
+    stream: BinaryIO = raw
+    if head == _GZIP_MAGIC:
+        stream = gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[assignment]
+    sniff = stream.peek(_SNIFF)[:_SNIFF] if hasattr(stream, "peek") else b""
+    if b"\x00" in sniff:
+        raise NeardupError(f"{name}: binary input (NUL bytes): neardup reads JSON lines or text, plain or gzip")
+    return stream
+
+
+def _stdin_lines(fd: int, stopped: threading.Event) -> Iterator[bytes]:
+    """Lines of the standard input read from its file descriptor as they come (gzip too, by its magic
+    bytes): never blocked for long in a read, so that a run stopped by a signal can end while a reader
+    thread waits for input."""
+    pending = b""
+    first = True
+    inflate = None
+    while not stopped.is_set():
+        if not select.select([fd], [], [], 0.1)[0]:
+            continue
+        chunk = os.read(fd, 1 << 16)
+        if first and chunk:
+            first = False
+            if chunk.startswith(_GZIP_MAGIC):
+                inflate = zlib.decompressobj(wbits=31)
+            elif b"\x00" in chunk[:_SNIFF]:
+                raise NeardupError("stdin: binary input (NUL bytes): neardup reads JSON lines or text, plain or gzip")
+        data = chunk if inflate is None else inflate.decompress(chunk)
+        if not chunk:
+            break
+        pending += data
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            yield line + b"\n"
+    if pending and not stopped.is_set():
+        yield pending
+
+
+def _lines(paths: Sequence[str], stack: ExitStack, read: _Read, stopped: threading.Event) -> Iterator[bytes]:
+    for path in paths or ["-"]:
+        if path == "-":
+            try:
+                fd = sys.stdin.fileno()
+            except (AttributeError, OSError, ValueError):  # not a real descriptor (an embedding, a test)
+                stream = _opened(sys.stdin.buffer, "stdin")
+            else:
+                for line in _stdin_lines(fd, stopped):
+                    read.bytes += len(line)
+                    yield line
+                continue
+        else:
+            stream = _opened(stack.enter_context(open(path, "rb")), path)
+        try:
+            for line in stream:
+                read.bytes += len(line)
+                yield line
+        except (OSError, EOFError) as exc:  # a gzip stream cut short, or corrupt
+            raise NeardupError(f"{'stdin' if path == '-' else path}: {exc}") from exc
+
+
+def _progress(enabled: bool, total: int | None, read: _Read) -> tuple[object, object]:
+    """On a terminal: messages, duplicates, rejected, the current rate and, for files, percent and ETA."""
+    last = [0.0, 0.0]  # time and messages at the last line
 
     def show(s: Summary) -> None:
         now = time.monotonic()
         if enabled and now - last[0] > 0.2:
-            last[0] = now
-            rate = s.seen / s.seconds if s.seconds else 0
-            sys.stderr.write(f"\r{s.seen:,} messages  {s.duplicate:,} duplicates  "
-                             f"{s.rejected:,} rejected  {rate:,.0f}/s ")
+            rate = (s.seen - last[1]) / (now - last[0]) if last[0] else (s.seen / s.seconds if s.seconds else 0.0)
+            last[0], last[1] = now, s.seen
+            line = f"\r{s.seen:,} messages  {s.duplicate:,} duplicates  {s.rejected:,} rejected  {rate:,.0f}/s"
+            if total and read.bytes:
+                done_share = min(1.0, read.bytes / total)
+                eta = s.seconds * (1 - done_share) / done_share if done_share else 0.0
+                line += f"  {done_share:.0%}  ETA {eta:,.0f}s"
+            sys.stderr.write(line + " ")
             sys.stderr.flush()
 
     def done() -> None:
@@ -100,6 +200,24 @@ def _progress(enabled: bool) -> tuple[object, object]:
             sys.stderr.write("\r\033[K")
 
     return show, done
+
+
+class BriefRejects:
+    """Rejected records on stderr when no --rejected file is given: the reason and the first 200
+    characters with the record's length, one line each (the whole record goes to --rejected)."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self._stream = stream
+
+    def write(self, record: bytes) -> None:
+        r = orjson.loads(record)
+        line = r["line"]
+        shown = line[:200].replace("\n", " ") + ("…" if len(line) > 200 else "")
+        self._stream.write(f"rejected {r['position']} ({r['reason']}: {r['error'][:200]}): {shown} "
+                           f"[{len(line):,} characters]\n")
+
+    def flush(self) -> None:
+        self._stream.flush()
 
 
 def _log_summary(summary: Summary) -> None:
@@ -111,40 +229,61 @@ def _log_summary(summary: Summary) -> None:
                "seconds": round(summary.seconds, 3), "reasons": dict(summary.reasons), "methods": dict(summary.methods)})
 
 
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated
+
+
+# A live stream (stdin) routes what has arrived after this long without a new line, even if fewer than
+# a batch: a line piped in is answered promptly.
+STDIN_FLUSH_AFTER = 0.05
+
+
 def cmd_filter(args: argparse.Namespace) -> int:
     setup_logging("info", args.log_format)
     warn_if_interpreted()
+    total = _check_inputs(args.inputs)
     nd = NearDupFilter(_config(args), index=args.index)
     tune_collector()
-    with ExitStack() as stack:
-        def out(path: str | None, default: IO[bytes] | None) -> FileSink:
-            if path is None:
-                return FileSink(default)
-            if path == "-":
-                return FileSink(sys.stdout.buffer)
-            return FileSink(stack.enter_context(open(path, "wb")))
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    live = "-" in (args.inputs or ["-"])
+    stopped = threading.Event()  # tells a reader thread on stdin that the run is over
+    try:
+        with ExitStack() as stack:
+            def out(path: str | None, default: IO[bytes] | None) -> FileSink:
+                if path is None:
+                    return FileSink(default)
+                if path == "-":
+                    return FileSink(sys.stdout.buffer)
+                return FileSink(stack.enter_context(open(path, "wb")))
 
-        show, done = _progress(sys.stderr.isatty() and not args.quiet and args.log_format == "plain")
-        summary = run_filter(
-            nd,
-            _lines(args.inputs, stack),
-            unique=out(args.unique, sys.stdout.buffer),
-            duplicates=out(args.duplicates, None),
-            rejected=out(args.rejected, sys.stderr.buffer),
-            fmt=_record_format(args),
-            batch_size=args.batch_size,
-            progress=show,  # type: ignore[arg-type]
-            read_ahead="-" not in (args.inputs or ["-"]),  # stdin may be a live stream: no waiting for more
-        )
-        done()  # type: ignore[operator]
+            read = _Read()
+            show, done = _progress(sys.stderr.isatty() and not args.quiet and args.log_format == "plain", total, read)
+            summary = run_filter(
+                nd,
+                _lines(args.inputs, stack, read, stopped),
+                unique=out(args.unique, sys.stdout.buffer),
+                duplicates=out(args.duplicates, None),
+                rejected=BriefRejects(sys.stderr) if args.rejected is None else out(args.rejected, None),
+                fmt=_record_format(args),
+                batch_size=args.batch_size,
+                progress=show,  # type: ignore[arg-type]
+                read_ahead=not live,  # stdin may be a live stream: no waiting for more
+                flush_after=STDIN_FLUSH_AFTER if live else None,
+            )
+            done()  # type: ignore[operator]
+    finally:
+        stopped.set()
+        signal.signal(signal.SIGTERM, previous)
     nd.index.close()
     if args.quiet:
         pass
     elif args.log_format == "json":
         _log_summary(summary)  # one JSON line
     else:
+        if summary.interrupted:
+            print(f"interrupted ({summary.interrupted}): what was routed so far is written", file=sys.stderr)
         print(summary.text(), file=sys.stderr)
-    return 0
+    return {"": 0, "SIGINT": 130, "SIGTERM": 143}[summary.interrupted]
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
@@ -178,6 +317,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="neardup", description="Streaming near-duplicate text filter.")
+    parser.add_argument("--version", action="version", version=f"neardup {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("filter", help="route JSONL/text records from files or stdin to unique/duplicates/rejected")
@@ -187,10 +327,10 @@ def build_parser() -> argparse.ArgumentParser:
                                         "(default: counted, not written)")
     p.add_argument("--rejected", help="where undecodable records go, with the error (default stderr)")
     p.add_argument("--format", choices=FORMATS, default="json", help="json (JSONL, default) or text (one per line)")
-    p.add_argument("--text-field", default="text")
+    p.add_argument("--text-field", default="text", help="JSON field holding the text (default text)")
     p.add_argument("--id-field", default="id", help="absent in a record: its line number")
     p.add_argument("--ts-field", default="ts", help="seconds since the epoch; absent: arrival time")
-    p.add_argument("--batch-size", type=int, default=512)
+    p.add_argument("--batch-size", type=int, default=512, help="records routed together (default 512)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
     p.add_argument("--log-format", choices=LOG_FORMATS, default="plain",
                    help="plain (default: progress bar and summary as text) or json (the summary as one JSON line, "
@@ -199,25 +339,43 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_filter)
 
     p = sub.add_parser("explain", help="show normalization, fingerprints, shared buckets and the verdict for A, B")
-    p.add_argument("a")
-    p.add_argument("b")
+    p.add_argument("a", help="a message")
+    p.add_argument("b", help="another message")
     _add_filter_options(p)
     p.set_defaults(func=cmd_explain)
 
     p = sub.add_parser("eval", help="precision/recall/F1 on a labelled stream (see shared/eval/README.md)")
-    p.add_argument("stream")
-    p.add_argument("truth")
-    p.add_argument("--batch-size", type=int, default=512)
+    p.add_argument("stream", help="JSON lines: id, text, ts (shared/eval/stream.jsonl)")
+    p.add_argument("truth", help="JSON lines, one a stream line: id, cluster, ptype, gray (shared/eval/truth.jsonl)")
+    p.add_argument("--batch-size", type=int, default=512, help="records routed together (default 512)")
     _add_filter_options(p)
     p.set_defaults(func=cmd_eval)
 
     try:
         from stream.commands import add_commands
     except ImportError:  # the Kafka extra is not installed: filter/explain/eval still work
-        pass
+        for name in KAFKA_COMMANDS:
+            p = sub.add_parser(name, help=f"(needs the Kafka extra: pip install '{KAFKA_EXTRA}')", add_help=False)
+            p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+            p.set_defaults(func=_needs_extra)
     else:
         add_commands(sub)
     return parser
+
+
+KAFKA_COMMANDS = ("serve", "produce", "tail", "top", "config")
+KAFKA_EXTRA = "neardup[kafka]"
+
+
+def _needs_extra(args: argparse.Namespace) -> int:
+    raise NeardupError(f"'neardup {args.command}' needs the Kafka extra: pip install '{KAFKA_EXTRA}'")
+
+
+def _version() -> str:
+    try:
+        return metadata.version("neardup")
+    except metadata.PackageNotFoundError:  # run from a checkout without installing
+        return "unknown (not installed)"
 
 
 def _glue_normalize_value(argv: Sequence[str]) -> list[str]:
@@ -247,6 +405,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             print(f"neardup: {exc}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as exc:  # an optional dependency (redis for --index redis://, ...)
+        if exc.name and exc.name.split(".")[0] in ("redis", "hiredis", "aiokafka", "faust", "prometheus_client",
+                                                   "aiohttp"):
+            index = str(getattr(args, "index", "") or "")
+            what = f"{args.command} --index {index.split(':', 1)[0]}://" if args.command in ("filter", "eval") \
+                else args.command
+            print(f"neardup: 'neardup {what}' needs the Kafka extra ({exc.name} is missing): "
+                  f"pip install '{KAFKA_EXTRA}'", file=sys.stderr)
+            return 2
+        raise
+    except KeyboardInterrupt:  # Ctrl-C outside the routing loop (which stops cleanly by itself)
+        print("neardup: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:
         return 0
 

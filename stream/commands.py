@@ -118,14 +118,14 @@ def add_commands(subparsers: Any) -> None:
 
     p = subparsers.add_parser("produce", help="load a JSONL file into a topic, one record per line")
     p.add_argument("file", help="JSONL file ('-': stdin)")
-    p.add_argument("--topic", required=True)
+    p.add_argument("--topic", required=True, help="the topic to load the records into")
     p.add_argument("--key-field", default="", help="JSON field whose value becomes the record key")
     p.add_argument("--limit", type=int, default=None, help="produce at most this many lines")
     add_settings_arguments(p, (KAFKA,))
     p.set_defaults(func=cmd_produce)
 
     p = subparsers.add_parser("tail", help="print records of topics as JSON lines")
-    p.add_argument("topics", nargs="+", metavar="TOPIC")
+    p.add_argument("topics", nargs="+", metavar="TOPIC", help="topics to print")
     p.add_argument("--from-beginning", action="store_true", help="start at the earliest offset (default: new records)")
     p.add_argument("--max", type=int, default=None, help="stop after this many records")
     p.add_argument("--timeout", type=float, default=None, help="stop after this many seconds without a record")

@@ -22,13 +22,16 @@ _UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 60480
 
 
 def parse_duration(text: str | float | int) -> float:
-    """'90s', '30m', '12h', '7d', '1.5h' or plain seconds → seconds."""
+    """'90s', '30m', '12h', '7d', '1.5h', '50ms' → seconds. Text needs its unit (`--window 24` is refused, not
+    taken for 24 seconds); a number (a TOML number, a value set in code) is seconds."""
     if isinstance(text, int | float) and not isinstance(text, bool):
         seconds = float(text)
     else:
         m = _DURATION.match(str(text))
         if not m:
             raise ConfigError(f"not a duration: {text!r} (use e.g. 90s, 30m, 12h, 7d)")
+        if m.group(2) is None:
+            raise ConfigError(f"{str(text).strip()!r}: a duration needs a unit: 30s, 15m, 24h, 7d (or 50ms, 2w)")
         seconds = float(m.group(1)) * _UNIT[m.group(2)]
     if seconds <= 0:
         raise ConfigError(f"duration must be positive: {text!r}")
@@ -223,6 +226,24 @@ def setting_fields() -> tuple[Any, ...]:
 
 def env_name(name: str) -> str:
     return ENV_PREFIX + name.upper()
+
+
+def settings_env(settings: Settings) -> dict[str, str]:
+    """Every setting as the NEARDUP_* variable that gives it back (durations with their unit, lists
+    comma-separated, booleans as true/false), secrets included: the environment is how to pass them."""
+    env = {}
+    for f in setting_fields():
+        value = getattr(settings, f.name)
+        if isinstance(value, tuple):
+            text = ",".join(value)
+        elif isinstance(value, bool):
+            text = "true" if value else "false"
+        elif f.metadata.get("kind") == "duration":
+            text = f"{value!r}s"
+        else:
+            text = str(value)
+        env[env_name(f.name)] = text
+    return env
 
 
 def flag_name(name: str) -> str:

@@ -58,6 +58,7 @@ class Ops:
         self._last_index_stats = -INDEX_STATS_EVERY
         self._index_stats_task: asyncio.Future[Any] | None = None
         self._campaign_failing = False
+        self._rate_from: dict[int, tuple[float, int]] = {}  # per log level: when, and the count, it last logged
 
     # -- wiring ------------------------------------------------------------------------------------
     def attach(self) -> None:
@@ -188,10 +189,13 @@ class Ops:
             level, self._last_info = logging.INFO, now
         if not log.isEnabledFor(level):
             return
-        seconds = now - s.started
+        # The rate since the last line logged at this level (the current rate, not the average since start).
+        since, seen_then = self._rate_from.get(level, (s.started, 0))
+        self._rate_from[level] = (now, s.seen)
+        seconds = now - since
         log.log(level, "batch %d: %d records = unique %d + duplicate %d + rejected %d + unchecked %d; total %d, "
                 "%.0f msg/s", s.batches, len(verdicts), counts["unique"], counts["duplicate"], counts["rejected"],
-                counts["unchecked"], s.seen, s.seen / seconds if seconds > 0 else 0.0,
+                counts["unchecked"], s.seen, (s.seen - seen_then) / seconds if seconds > 0 else 0.0,
                 extra={"batch": s.batches, "records": len(verdicts), **counts, "total": s.seen,
                        "index_errors": s.index_errors})
 

@@ -43,7 +43,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from filters.config import FilterConfig
 from filters.engine import NearDupFilter
 from filters.redis_index import parse_records
-from stream.config import Settings, setting_fields
+from stream.config import Settings, setting_fields, settings_env
 from stream.kafka_tools import KafkaRecord, client_options, ensure_topics, producer
 from stream.runner import RawRecord, route_batch
 from tests.kafka_support import TcpProxy, free_port, redis_namespace, settings_for
@@ -64,13 +64,7 @@ def serve_env(settings: Settings, hook: str = "") -> dict[str, str]:
     """Every setting as a NEARDUP_* variable (secrets included: the environment is how they should be
     passed), the rest of the environment without other NEARDUP_* settings."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("NEARDUP_") or k.startswith("NEARDUP_TEST_")}
-    for f in setting_fields():
-        value = getattr(settings, f.name)
-        if isinstance(value, tuple):
-            value = ",".join(value)
-        elif isinstance(value, bool):
-            value = "true" if value else "false"
-        env[f"NEARDUP_{f.name.upper()}"] = str(value)
+    env.update(settings_env(settings))
     env["PYTHONPATH"] = str(REPO)
     env[HOOK_ENV] = hook
     return env

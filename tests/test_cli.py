@@ -290,8 +290,9 @@ def test_default_sinks_stdin_stdout_stderr(monkeypatch: pytest.MonkeyPatch, caps
     assert main(["filter", "-"]) == 0
     out, err = capsysbinary.readouterr()
     assert out == jl({"id": "a", "text": SPAM}) + b"\n"  # unique to stdout; duplicates only counted
-    rejected = [json.loads(line) for line in err.splitlines() if line.startswith(b"{")]
-    assert [(r["position"], r["reason"]) for r in rejected] == [("2", "not_an_object")]
+    # Without --rejected, stderr says which record was rejected and why, in one line.
+    assert [line for line in err.splitlines() if line.startswith(b"rejected ")] == [
+        b"rejected 2 (not_an_object: JSON list is not an object): [1] [3 characters]"]
     assert counts(err.decode()) == (3, 1, 1, 1)
 
 
@@ -315,7 +316,7 @@ def test_several_input_files_continue_line_numbers(tmp_path: Path, capsys: pytes
 
 @pytest.mark.parametrize(("window", "gap", "duplicate"), [
     ("90s", 80, True), ("90s", 100, False), ("1.5m", 80, True), ("1.5m", 100, False),
-    ("24h", 100, True), ("90", 100, False),
+    ("24h", 100, True), ("50ms", 1, False),
 ])
 def test_window_option_is_parsed_and_applied(tmp_path: Path, capsys: pytest.CaptureFixture[str], window: str,
                                              gap: int, duplicate: bool) -> None:
@@ -327,6 +328,7 @@ def test_window_option_is_parsed_and_applied(tmp_path: Path, capsys: pytest.Capt
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--window", "banana"], "not a duration: 'banana'"),
+    (["--window", "24"], "'24': a duration needs a unit: 30s, 15m, 24h, 7d"),
     (["--window", "0s"], "duration must be positive"),
     (["--window=-5m"], "not a duration"),
     (["--methods", "exact,bogus"], "methods must be"),
@@ -385,9 +387,9 @@ def test_normalize_option_value_is_not_glued_after_double_dash(capsys: pytest.Ca
     assert "== B: '-pinyin'" in capsys.readouterr().out
 
 
-def test_unreadable_input_file_is_an_error_not_a_crash(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError):
-        main(["filter", str(tmp_path / "missing.jsonl"), "-q"])
+def test_unreadable_input_file_is_an_error_not_a_crash(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["filter", str(tmp_path / "missing.jsonl"), "-q"]) == 2
+    assert capsys.readouterr().err == f"neardup: {tmp_path / 'missing.jsonl'}: no such file\n"
 
 
 # -- explain and eval -----------------------------------------------------------------------------

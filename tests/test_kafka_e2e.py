@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from stream.config import Settings
+from stream.config import Settings, settings_env
 from stream.kafka_tools import KafkaRecord, ensure_topics, read_topics
 from stream.runner import Routed
 from tests.kafka_support import outputs, produce, redis_namespace, reference_verdicts, settings_for
@@ -54,11 +54,7 @@ def index_url(redis_url: str) -> Iterator[str]:
 def serve_env(settings: Settings) -> dict[str, str]:
     """The worker's settings as NEARDUP_* variables (the subprocess also proves the env layer)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("NEARDUP_") or k.startswith("NEARDUP_TEST_")}
-    for name, value in settings.masked().items():
-        if name.endswith("password"):
-            continue
-        env[f"NEARDUP_{name.upper()}"] = ",".join(value) if isinstance(value, tuple) else str(value)
-    env["NEARDUP_INDEX"] = settings.index
+    env.update({k: v for k, v in settings_env(settings).items() if not k.endswith("PASSWORD")})
     env["PYTHONPATH"] = str(REPO)
     return env
 

@@ -298,7 +298,7 @@ def test_serve_metrics_and_campaigns_equal_the_routed_outputs(kafka_bootstrap: s
     finally:
         store.close()
     top = subprocess.run([sys.executable, "-m", "stream.cli", "top", "--once", "--index", settings.index,
-                          "--window", str(settings.window), "--limit", "2"], cwd=REPO, capture_output=True,
+                          "--window", f"{settings.window}s", "--limit", "2"], cwd=REPO, capture_output=True,
                          text=True, timeout=30)
     assert top.returncode == 0, top.stderr
     biggest = per_rep.most_common(1)[0]
