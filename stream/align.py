@@ -82,6 +82,7 @@ class _Lane:
     quiet_since: float | None = None  # since when it is empty with nothing left to fetch (or not known)
     known: bool = False  # whether its lag was ever known
     paused: bool = False
+    next_offset: int | None = None  # the offset after the last record buffered: one before it is a re-fetch
 
 
 class Aligner:
@@ -108,20 +109,42 @@ class Aligner:
 
     # -- feeding ---------------------------------------------------------------------------------
     def assign(self, lanes: Iterable[Lane]) -> None:
-        """The partitions owned now, all starting empty: on every assignment the consumer fetches each
-        partition again from its committed offset, so what was buffered would come twice (and whatever
-        this worker no longer owns, its next owner reads)."""
+        """The partitions owned now. Those kept keep their buffered records: after an assignment the
+        consumer fetches each partition again from its committed offset, and what comes again is known
+        by its offset (`add`); what this worker no longer owns is dropped (its next owner reads it from
+        the committed offset: everything routed before was committed before the partitions went)."""
         now = self.clock()
-        self._lanes = {lane: _Lane(quiet_since=now) for lane in sorted(set(lanes))}
-        self._arrival.clear()
+        owned = set(lanes)
+        self._lanes = {lane: self._lanes.get(lane) or _Lane(quiet_since=now) for lane in sorted(owned)}
+        self._arrival = deque(a for a in self._arrival if a[0] in owned)
         self.high = None
 
+    def owns(self, lane: Lane) -> bool:
+        return lane in self._lanes
+
+    def rewind(self, lanes: Iterable[Lane]) -> None:
+        """The consumer was sent back (a seek) on these partitions: what was buffered of them is dropped
+        and comes again."""
+        for key in lanes:
+            lane = self._lanes.get(key)
+            if lane is not None:
+                lane.records.clear()
+                lane.next_offset = None
+        gone = set(lanes)
+        self._arrival = deque(a for a in self._arrival if a[0] not in gone)
+
     def add(self, records: Iterable[KafkaRecord]) -> None:
+        """Records the consumer returned (of its current assignment, whether or not the rebalance callback
+        has told `assign` yet: the consumer may return records of a new assignment before it): each is
+        kept once, a record fetched again (an offset already buffered) is not."""
         for r in records:
             key = (r.topic, r.partition)
             lane = self._lanes.get(key)
-            if lane is None:  # fetched just before a rebalance took the partition: not ours
+            if lane is None:
+                lane = self._lanes[key] = _Lane()
+            if lane.next_offset is not None and r.offset < lane.next_offset:
                 continue
+            lane.next_offset = r.offset + 1
             ts = self.event_time(r)
             if self.ordered:
                 lane.records.append((ts, r))
@@ -239,8 +262,13 @@ class Aligner:
         self._open.pop(id(taken.records), None)
 
     def dropped(self, taken: Taken) -> None:
-        """`taken` will not be decided here (a rebalance took its partitions): forget it."""
+        """`taken` will not be decided as it is (a rebalance took some of its partitions): forget it."""
         self._open.pop(id(taken.records), None)
+
+    def retake(self, taken: Taken) -> Taken:
+        """`taken` (what is left of a batch after `dropped`) counts as undecided again."""
+        self._open[id(taken.records)] = min(taken.times)
+        return taken
 
     def low_mark(self) -> float | None:
         """The event time of the next record this worker will decide: its undecided batches, the heads of

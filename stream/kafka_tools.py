@@ -227,7 +227,9 @@ async def produce_lines(
     """Each non-blank line of `lines` (without its line break) becomes one record's value, in order;
     the key is the JSON field `key_field` when given and present. Returns how many were acknowledged."""
     sent = 0
-    async with producer(settings) as p:
+    # Idempotent: a record batch retried after a leader election (a topic just created) is not appended
+    # twice, so every line is one input record.
+    async with producer(settings, enable_idempotence=True) as p:
         pending: list[asyncio.Future[Any]] = []
         with broker_errors(settings):
             for line in lines:

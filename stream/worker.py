@@ -42,6 +42,7 @@ and its commits are explicit (see bench/kafka_e2e.py and the FaustWorker docstri
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import shutil
@@ -593,6 +594,7 @@ class AiokafkaWorker(_WorkerCore):
         self.group = GroupView()  # what the group's marks said last
         self._marked_at = -math.inf
         self.held_seconds = 0.0  # waited for a partition or the group (a metric)
+        self._rewound: set[tuple[str, int]] = set()  # partitions sent back since the loop last looked (`_reread`)
         self._member = settings.group_instance_id or uuid.uuid4().hex[:12]
         self._rebalance = _Rebalance(self._let_go, self._assigned)
         # Exactly-once: offsets committed in transactions that the group coordinator may not show yet.
@@ -672,11 +674,9 @@ class AiokafkaWorker(_WorkerCore):
         held_since: float | None = None  # since when the aligner holds records back (waiting)
         try:
             while not self.stop_event.is_set():
-                if pending is not None and pending_assignment != self._rebalance.assignments:
-                    # Taken before a rebalance: aiokafka fetches every assigned partition again from its
-                    # committed offset, so whoever owns these records now reads them again.
-                    self.aligner.dropped(pending)
-                    pending = None
+                if pending is not None and (pending_assignment != self._rebalance.assignments or self._rewound):
+                    pending, pending_assignment = self._still_owned(pending), self._rebalance.assignments
+                self._rewound.clear()
                 if pending is not None:
                     batch, assignment, pending = pending, pending_assignment, None
                 else:
@@ -711,10 +711,25 @@ class AiokafkaWorker(_WorkerCore):
                 following = self.aligner.take(s.max_batch, self.group)
                 pending_assignment = self._rebalance.assignments
                 async with self._lock:
-                    await self._batch(consumer, prod, batch, assignment, following.records)
+                    if assignment != self._rebalance.assignments or self._rewound:  # a rebalance meanwhile
+                        batch, assignment = self._still_owned(batch), self._rebalance.assignments
+                    if batch is not None:
+                        await self._batch(consumer, prod, batch, assignment, following.records)
                 pending = following if following else None
         finally:
             stop_wait.cancel()
+
+    def _still_owned(self, taken: Taken) -> Taken | None:
+        """`taken`, taken before a rebalance, without the records of partitions this worker no longer owns
+        (their next owner reads them from the committed offset); None if nothing is left. The others are
+        decided here: the consumer fetches them again, and the aligner knows them by their offsets."""
+        self.aligner.dropped(taken)
+        keep = [i for i, r in enumerate(taken.records)
+                if self.aligner.owns((r.topic, r.partition)) and (r.topic, r.partition) not in self._rewound]
+        if not keep:
+            return None
+        return self.aligner.retake(Taken([taken.records[i] for i in keep], [taken.times[i] for i in keep],
+                                         [taken.late[i] for i in keep]))
 
     async def _fetch(self, consumer: AIOKafkaConsumer, wait_ms: int, stop_wait: asyncio.Future[Any]) -> bool:
         """What the consumer holds (waiting up to `wait_ms` for records) into the aligner; False when stopping
@@ -922,6 +937,7 @@ class AiokafkaWorker(_WorkerCore):
                         "aborted, the records are re-read by their owner", len(batch.records))
             with broker_errors(s):
                 await self._producer.abort_transaction()
+            self._reread(batch.records)
             return
         start = 0
         for part in batch.parts or [batch.records]:  # per routed batch: the very list that was routed
@@ -951,6 +967,24 @@ class AiokafkaWorker(_WorkerCore):
             log.warning("commit failed, the batch will be re-read by the partitions' new owner: %s", exc)
         except KafkaError as exc:
             raise map_kafka_error(exc, s.kafka_bootstrap) from exc
+
+    def _reread(self, records: Sequence[KafkaRecord]) -> None:
+        """Records whose outputs were aborted: where this worker still owns their partitions, the consumer
+        is sent back to them (and what the aligner buffered, and the batches queued behind them, of those
+        partitions, are dropped: they come again); the others' owner reads them from the committed offsets."""
+        queued = [r for q in self._queued for r in q[0]]
+        first: dict[tuple[str, int], int] = {}
+        for r in (*records, *queued):
+            lane = (r.topic, r.partition)
+            if self.aligner.owns(lane):
+                first[lane] = min(first.get(lane, r.offset), r.offset)
+        self._queued = [q for q in self._queued if not any((r.topic, r.partition) in first for r in q[0])]
+        for lane, offset in first.items():
+            with contextlib.suppress(IllegalStateError):
+                assert self._consumer is not None
+                self._consumer.seek(TopicPartition(*lane), offset)
+        self.aligner.rewind(first)
+        self._rewound |= set(first)
 
     async def _send_all(self, prod: Any, outs: Sequence[OutRecord]) -> list[asyncio.Future[Any]]:
         """Hands `outs` to the producer in record batches of our own, one open per topic partition (as
