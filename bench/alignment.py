@@ -100,7 +100,7 @@ def start_worker(s: Settings, n: int) -> subprocess.Popen[bytes]:
         "NEARDUP_DUPLICATE_TOPIC": s.duplicate_topic, "NEARDUP_DEAD_LETTER_TOPIC": s.dead_letter_topic,
         "NEARDUP_GROUP_ID": s.group_id, "NEARDUP_ID_FIELD": s.id_field, "NEARDUP_TS_FIELD": s.ts_field,
         "NEARDUP_MAX_BATCH": str(s.max_batch), "NEARDUP_ALIGN": "true" if s.align else "false",
-        "NEARDUP_MAX_SKEW": f"{s.max_skew}s", "NEARDUP_METRICS_PORT": os.environ.get("NEARDUP_METRICS_PORT_OVERRIDE", "0"),
+        "NEARDUP_MAX_SKEW": f"{s.max_skew}s", "NEARDUP_METRICS_PORT": "0",
         "NEARDUP_LOG_LEVEL": os.environ.get("BENCH_LOG_LEVEL", "warning"),
         "NEARDUP_GROUP_INSTANCE_ID": f"w{n}", "NEARDUP_PROCESSING_GUARANTEE": s.processing_guarantee,
     })
