@@ -19,7 +19,7 @@ number of keys does not grow with the number of clusters: five keys plus one per
     {p:ns}:c:text      hash   representative id -> a snippet of the first copy seen
     {p:ns}:c:samples   hash   representative id -> JSON list of the latest `SAMPLES` copies' snippets
     {p:ns}:c:m:<min>   zset   member = representative id, score = copies in that minute since the epoch;
-                              2 x `minutes` of them, each expiring once it has left both growth windows
+                              at most 2 x `minutes` + 1 of them, each expiring once it has left both growth windows
 
 One Lua script per batch updates every cluster the batch touched (atomic; one round trip) and drops
 up to 256 clusters not seen for a window. Every key gets a TTL on each write (window + grace; a minute
@@ -493,6 +493,11 @@ class RedisCampaigns:
     def where(self) -> str:
         """The Redis URL, its password hidden."""
         return self._where
+
+    def exists(self) -> bool:
+        """Whether this namespace has a campaign view in Redis (a cluster in the window or expired)."""
+        with self._errors():
+            return bool(self._client.exists(self.size_key))
 
     def prefixes(self) -> list[str]:
         """The `prefix:namespace` of every campaign view in this Redis (all nodes of a cluster)."""

@@ -67,6 +67,8 @@ def unknown_view(store: RedisCampaigns) -> str | None:
     """One line saying that Redis holds campaign views, none of them this store's (a wrong `prefix=`
     or other filter settings than the workers'), and which it holds; None when that is not so. An
     empty Redis is no error: the view is empty until a worker records a duplicate."""
+    if store.exists():  # the usual case, without scanning the keyspace
+        return None
     found = store.prefixes()
     mine = f"{store.prefix}:{store.namespace}"
     if not found or mine in found:

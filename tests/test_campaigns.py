@@ -11,12 +11,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import redis
 
 from stream.campaigns import SAMPLES, CampaignDetail, MemoryCampaigns, RedisCampaigns, Sighting, growth_score
 from stream.ops_http import FONT_STACK
 from tests.kafka_support import redis_namespace
-from tests.test_campaign_page import browse, chromium
+from tests.test_campaign_page import browse, campaign_keys, chromium
 from tests.test_ops import REPO, Clock, get, serving, sightings, store  # noqa: F401 (store: the fixture)
 
 
@@ -91,16 +90,6 @@ def test_detail_endpoint_and_page_escape_and_link() -> None:
 
 
 # -- Redis keys ---------------------------------------------------------------------------------------------
-
-
-def campaign_keys(url: str) -> dict[str, int]:
-    """Every key of the campaign views under the URL's prefix, with its TTL in ms (-1: none)."""
-    prefix = url.partition("prefix=")[2]
-    client = redis.Redis.from_url(url.partition("?")[0])
-    try:
-        return {k.decode(): client.pttl(k) for k in client.scan_iter(match=f"{{{prefix}:*}}:c:*", count=1000)}
-    finally:
-        client.close()
 
 
 @pytest.mark.services
