@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 
 from stream.campaigns import SAMPLES, CampaignDetail, MemoryCampaigns, RedisCampaigns, Sighting, growth_score
 from stream.ops_http import FONT_STACK
@@ -179,3 +180,30 @@ def test_chinese_renders_with_a_cjk_font_not_boxes(cjk_store: MemoryCampaigns, t
     cjk = ("WenQuanYi", "NotoSansCJK", "NotoSerifCJK", "SourceHan", "Droid", "AR PL", "UMing", "UKai")
     for name, used in fonts.items():
         assert any(any(c.lower() in f.lower() for c in cjk) for f in used), (name, used)
+
+
+@pytest.mark.services
+def test_redis_growth_reads_the_minutes_before_the_recent_ones(redis_url: str) -> None:
+    """The Redis view's clock is the server's: the earlier minutes of `old` are written as a worker
+    would have written them 15 minutes ago, then both rank as in the memory test."""
+    with redis_namespace(redis_url) as url:
+        rs = RedisCampaigns(url, namespace="ns", window=3600, minutes=10)
+        client = redis.Redis.from_url(url.partition("?")[0])
+        try:
+            rs.record([Sighting("old", f"old {i}") for i in range(5)] + [Sighting("new", f"new {i}") for i in range(30)])
+            now_minute = int(client.time()[0]) // 60
+            earlier = rs.size_key.replace(":c:size", f":c:m:{now_minute - 15}")
+            client.zincrby(earlier, 60, "old")
+            client.pexpire(earlier, 60_000)
+            client.zincrby(rs.size_key, 60, "old")
+            by_id = {c.id: c for c in rs.top().campaigns}
+            assert (by_id["old"].size, by_id["old"].recent, by_id["old"].before) == (65, 5, 60)
+            assert (by_id["new"].size, by_id["new"].recent, by_id["new"].before) == (30, 30, 0)
+            assert [c.id for c in rs.top(sort="size").campaigns] == ["old", "new"]
+            assert [c.id for c in rs.top(sort="growth").campaigns] == ["new", "old"]
+            detail = rs.detail("old")
+            assert detail is not None and sum(detail.series) == 65
+            assert detail.series[now_minute - 15 - int(detail.series_start) // 60] == 60
+        finally:
+            client.close()
+            rs.close()
