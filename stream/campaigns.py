@@ -1,29 +1,39 @@
-"""The campaign view: duplicate clusters of the current window (size, first/last seen, per-minute growth), in Redis or memory.
+"""The campaign view: duplicate clusters of the current window (size, first/last seen, growth, samples), in Redis or memory.
 
 A campaign is everything routed as a duplicate of one representative (the unique message the copies
 matched). Workers report what each batch found (`record`, one call per batch); `top` answers the view
 that `neardup top` and the HTTP server show. Times are wall-clock seconds: the Redis store takes them
 from the Redis server (`TIME` inside its scripts), so every worker writes on one clock.
 
-Redis key layout, under the index's hash tag (so a cluster keeps all of it on the index's slot):
+A campaign's id is its representative's id, so it stays the same for as long as the campaign lives
+(until no copy has been seen for a window). Growth compares the copies of the last `minutes` minutes
+with those of the `minutes` before, smoothed (`growth_score`): a new wave ranks above an old big
+campaign that merely keeps going.
+
+Redis key layout, under the index's hash tag (so a cluster keeps all of it on the index's slot). The
+number of keys does not grow with the number of clusters: five keys plus one per minute kept.
 
     {p:ns}:c:size      zset   member = representative id, score = copies seen (ZINCRBY)
     {p:ns}:c:last      zset   member = representative id, score = last seen
-    {p:ns}:c:h:<id>    hash   first, last, text (a snippet of the first copy seen), minute (the last
-                              minute counted), m<minute since the epoch> = copies in that minute
+    {p:ns}:c:first     hash   representative id -> first seen
+    {p:ns}:c:text      hash   representative id -> a snippet of the first copy seen
+    {p:ns}:c:samples   hash   representative id -> JSON list of the latest `SAMPLES` copies' snippets
+    {p:ns}:c:m:<min>   zset   member = representative id, score = copies in that minute since the epoch;
+                              at most 2 x `minutes` + 1 of them, each expiring once it has left both growth windows
 
 One Lua script per batch updates every cluster the batch touched (atomic; one round trip) and drops
-up to 256 clusters not seen for a window. Every key gets a TTL of window + grace on each write, so a
-namespace that nobody writes to any more disappears on its own.
+up to 256 clusters not seen for a window. Every key gets a TTL on each write (window + grace; a minute
+key, the minutes it is read for), so a namespace that nobody writes to any more disappears on its own.
 """
 
 from __future__ import annotations
 
 import heapq
+import json
 import math
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -42,6 +52,8 @@ SORTS = ("size", "growth", "last")
 DEFAULT_MINUTES = 10
 SNIPPET = 160  # characters of the first copy's text kept per cluster
 GROWTH_CANDIDATES = 5000  # clusters seen in the last minutes that `top --sort growth` ranks, at most
+SAMPLES = 8  # latest copies kept per cluster for its detail view
+GROWTH_SMOOTHING = 5.0  # copies added to both windows of the growth ratio, so a handful of copies is no wave
 _STALE_PER_BATCH = 256  # clusters out of the window that one write drops, at most
 
 
@@ -63,20 +75,52 @@ class Campaign:
     first_seen: float  # unix seconds
     last_seen: float
     per_minute: tuple[int, ...]  # copies per minute, oldest first; the last is the current minute
+    before: int = 0  # copies in the as many minutes before `per_minute`
 
     @property
-    def growth(self) -> int:
+    def recent(self) -> int:
         """Copies in the minutes of `per_minute`."""
         return sum(self.per_minute)
 
+    @property
+    def growth(self) -> float:
+        """How much faster the campaign runs now than before: `growth_score(recent, before)`."""
+        return growth_score(self.recent, self.before)
+
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.id, "text": self.text, "size": self.size, "first_seen": self.first_seen,
-                "last_seen": self.last_seen, "growth": self.growth, "per_minute": list(self.per_minute)}
+                "last_seen": self.last_seen, "recent": self.recent, "before": self.before,
+                "growth": round(self.growth, 3), "per_minute": list(self.per_minute)}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Campaign:
         return cls(str(d["id"]), str(d["text"]), int(d["size"]), float(d["first_seen"]), float(d["last_seen"]),
-                   tuple(int(n) for n in d["per_minute"]))
+                   tuple(int(n) for n in d["per_minute"]), int(d.get("before", 0)))
+
+
+def growth_score(recent: int, before: int) -> float:
+    """The rate of the last window against the rate of the window before, smoothed: 1 for a steady
+    campaign, above 1 for one speeding up (a new wave: before = 0), below 1 for one dying down."""
+    return (recent + GROWTH_SMOOTHING) / (before + GROWTH_SMOOTHING)
+
+
+@dataclass(frozen=True, slots=True)
+class CampaignDetail:
+    """One campaign opened: its row, the latest copies' snippets, and its copies per minute."""
+
+    campaign: Campaign
+    samples: tuple[str, ...]  # snippets of the latest copies, oldest first (hostile input: escape them)
+    series: tuple[int, ...]  # copies per minute over both growth windows, oldest first
+    series_start: float  # unix seconds of the first minute of `series`
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"campaign": self.campaign.to_dict(), "samples": list(self.samples), "series": list(self.series),
+                "series_start": self.series_start}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> CampaignDetail:
+        return cls(Campaign.from_dict(d["campaign"]), tuple(str(t) for t in d["samples"]),
+                   tuple(int(n) for n in d["series"]), float(d["series_start"]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +158,10 @@ class CampaignStore(Protocol):
         """The `limit` largest (`size`), fastest-growing (`growth`) or latest (`last`) clusters."""
         ...
 
+    def detail(self, campaign_id: str) -> CampaignDetail | None:
+        """One cluster of the window opened, or None when there is none with that id."""
+        ...
+
     def ping(self) -> None:
         """Raise `IndexUnavailable` when the store cannot be reached."""
         ...
@@ -121,13 +169,22 @@ class CampaignStore(Protocol):
     def close(self) -> None: ...
 
 
-def summarize(sightings: Sequence[Sighting], snippet: int = SNIPPET) -> list[tuple[str, int, str]]:
-    """(representative, copies, text of its first copy) per representative, in order of first appearance."""
+def _snippet(text: str, snippet: int) -> str:
+    return " ".join(text[: snippet * 2].split())[:snippet]
+
+
+def summarize(sightings: Sequence[Sighting], snippet: int = SNIPPET,
+              samples: int = SAMPLES) -> list[tuple[str, int, str, list[str]]]:
+    """(representative, copies, text of its first copy, texts of its last `samples` copies) per
+    representative, in order of first appearance."""
     counts = Counter(s.representative for s in sightings)
     texts: dict[str, str] = {}
+    latest: dict[str, deque[str]] = {}
     for s in sightings:
-        texts.setdefault(s.representative, " ".join(s.text[: snippet * 2].split())[:snippet])
-    return [(rep, counts[rep], text) for rep, text in texts.items()]
+        text = _snippet(s.text, snippet)
+        texts.setdefault(s.representative, text)
+        latest.setdefault(s.representative, deque(maxlen=samples)).append(text)
+    return [(rep, counts[rep], text, list(latest[rep])) for rep, text in texts.items()]
 
 
 def _check_sort(sort: str) -> None:
@@ -138,7 +195,7 @@ def _check_sort(sort: str) -> None:
 def _ranked(campaigns: list[Campaign], sort: str, limit: int) -> tuple[Campaign, ...]:
     key: Callable[[Campaign], tuple[float, ...]] = {
         "size": lambda c: (c.size, c.last_seen),
-        "growth": lambda c: (c.growth, c.per_minute[-1] if c.per_minute else 0, c.last_seen),
+        "growth": lambda c: (c.growth, c.recent, c.last_seen),
         "last": lambda c: (c.last_seen, c.size),
     }[sort]
     return tuple(heapq.nlargest(max(0, limit), campaigns, key=key))
@@ -156,6 +213,7 @@ class _Cluster:
     last: float = 0.0
     size: int = 0
     minutes: dict[int, int] = field(default_factory=dict)
+    samples: deque[str] = field(default_factory=lambda: deque(maxlen=SAMPLES))
 
 
 class MemoryCampaigns:
@@ -180,14 +238,15 @@ class MemoryCampaigns:
             now = self.clock()
             minute = math.floor(now / 60)
             self._expire(now)
-            for rep, count, text in summarize(sightings, self.snippet):
+            for rep, count, text, latest in summarize(sightings, self.snippet):
                 c = self._clusters.get(rep)
                 if c is None:
                     c = self._clusters[rep] = _Cluster(text, now)
                 c.size += count
                 c.last = max(c.last, now)
                 c.minutes[minute] = c.minutes.get(minute, 0) + count
-                for m in [m for m in c.minutes if m <= minute - self.minutes]:
+                c.samples.extend(latest)
+                for m in [m for m in c.minutes if m <= minute - 2 * self.minutes]:
                     del c.minutes[m]
                 self._clusters.move_to_end(rep)
 
@@ -197,10 +256,24 @@ class MemoryCampaigns:
             now = self.clock()
             self._expire(now)
             minute = math.floor(now / 60)
-            window = range(minute - self.minutes + 1, minute + 1)
-            campaigns = [Campaign(rep, c.text, c.size, c.first, c.last, tuple(c.minutes.get(m, 0) for m in window))
-                         for rep, c in self._clusters.items()]
+            campaigns = [self._campaign(rep, c, minute) for rep, c in self._clusters.items()]
         return CampaignView(now, self.window, self.minutes, sort, len(campaigns), _ranked(campaigns, sort, limit))
+
+    def detail(self, campaign_id: str) -> CampaignDetail | None:
+        with self._lock:
+            now = self.clock()
+            self._expire(now)
+            c = self._clusters.get(campaign_id)
+            if c is None:
+                return None
+            minute = math.floor(now / 60)
+            start = minute - 2 * self.minutes + 1
+            series = tuple(c.minutes.get(m, 0) for m in range(start, minute + 1))
+            return CampaignDetail(self._campaign(campaign_id, c, minute), tuple(c.samples), series, start * 60.0)
+
+    def _campaign(self, rep: str, c: _Cluster, minute: int) -> Campaign:
+        series = [c.minutes.get(m, 0) for m in range(minute - 2 * self.minutes + 1, minute + 1)]
+        return Campaign(rep, c.text, c.size, c.first, c.last, tuple(series[self.minutes:]), sum(series[: self.minutes]))
 
     def _expire(self, now: float) -> None:
         horizon = now - self.window
@@ -219,57 +292,75 @@ class MemoryCampaigns:
 
 # -- Redis -----------------------------------------------------------------------------------------
 
-# KEYS[1]: the size zset. ARGV: the last-seen zset, the cluster hash prefix, window (s), minutes of
-# per-minute counts kept, TTL (ms), then (representative, copies, text) per cluster of the batch.
+# KEYS[1]: the size zset. ARGV: the key prefix of the view ({p:ns}:c:), window (s), minutes kept
+# (both growth windows), TTL (ms), samples kept, then (representative, copies, text, JSON list of the
+# batch's latest copies) per cluster of the batch.
 RECORD_LUA = """
 if redis.replicate_commands then redis.replicate_commands() end  -- TIME before writes (Redis < 7)
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local minute = math.floor(now / 60)
-local size_key, last_key, hpre = KEYS[1], ARGV[1], ARGV[2]
-local window, keep, ttl = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local size_key, pre = KEYS[1], ARGV[1]
+local window, keep, ttl, nsamples = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local last_key, first_key, text_key, samples_key = pre .. 'last', pre .. 'first', pre .. 'text', pre .. 'samples'
+local minute_key = pre .. 'm:' .. string.format('%d', minute)
 local stale = redis.call('ZRANGEBYSCORE', last_key, '-inf', '(' .. (now - window), 'LIMIT', 0, STALE_PER_BATCH)
 for _, id in ipairs(stale) do
   redis.call('ZREM', size_key, id)
   redis.call('ZREM', last_key, id)
-  redis.call('DEL', hpre .. id)
+  redis.call('HDEL', first_key, id)
+  redis.call('HDEL', text_key, id)
+  redis.call('HDEL', samples_key, id)
 end
 local stamp = string.format('%.3f', now)
-local mfield = string.format('m%d', minute)
-local mtext = string.format('%d', minute)
-for i = 6, #ARGV, 3 do
-  local id, n, text = ARGV[i], tonumber(ARGV[i + 1]), ARGV[i + 2]
-  local h = hpre .. id
+for i = 6, #ARGV, 4 do
+  local id, n, text, fresh = ARGV[i], tonumber(ARGV[i + 1]), ARGV[i + 2], cjson.decode(ARGV[i + 3])
   redis.call('ZINCRBY', size_key, n, id)
   redis.call('ZADD', last_key, now, id)
-  redis.call('HSETNX', h, 'first', stamp)
-  redis.call('HSETNX', h, 'text', text)
-  redis.call('HSET', h, 'last', stamp)
-  redis.call('HINCRBY', h, mfield, n)
-  -- Once per minute per cluster: forget the minutes that left the view.
-  if redis.call('HGET', h, 'minute') ~= mtext then
-    redis.call('HSET', h, 'minute', mtext)
-    for _, f in ipairs(redis.call('HKEYS', h)) do
-      local m = string.match(f, '^m(%d+)$')
-      if m and tonumber(m) <= minute - keep then redis.call('HDEL', h, f) end
-    end
-  end
-  redis.call('PEXPIRE', h, ttl)
+  redis.call('HSETNX', first_key, id, stamp)
+  redis.call('HSETNX', text_key, id, text)
+  redis.call('ZINCRBY', minute_key, n, id)
+  local old = redis.call('HGET', samples_key, id)
+  local samples = old and cjson.decode(old) or {}
+  for _, s in ipairs(fresh) do samples[#samples + 1] = s end
+  local from = math.max(1, #samples - nsamples + 1)
+  local kept = {}
+  for j = from, #samples do kept[#kept + 1] = samples[j] end
+  redis.call('HSET', samples_key, id, cjson.encode(kept))
 end
-redis.call('PEXPIRE', size_key, ttl)
-redis.call('PEXPIRE', last_key, ttl)
+for _, k in ipairs({size_key, last_key, first_key, text_key, samples_key}) do redis.call('PEXPIRE', k, ttl) end
+-- A minute is read while it is in one of the two growth windows: then it can go.
+redis.call('PEXPIRE', minute_key, math.min(ttl, (keep + 1) * 60000))
 return #stale
 """.replace("STALE_PER_BATCH", str(_STALE_PER_BATCH))
 
-# Read-only. KEYS[1]: the size zset. ARGV: the last-seen zset, the cluster hash prefix, window (s),
-# sort, limit, minutes, growth candidates. Returns now, the clusters in the window, then per cluster
-# shown: id, its hash as a flat array, its size.
-TOP_LUA = """
+# Shared by the read scripts: one cluster as id, first, last, text, size, then its copies per minute
+# over the `keep` minutes up to `minute`, oldest first.
+_ENTRY_LUA = """
+local function entry(pre, size_key, id, minute, keep)
+  local first = redis.call('HGET', pre .. 'first', id)
+  local last = redis.call('ZSCORE', pre .. 'last', id)
+  if not first or not last then return nil end
+  local counts = {}
+  for m = minute - keep + 1, minute do
+    counts[#counts + 1] = redis.call('ZSCORE', pre .. 'm:' .. string.format('%d', m), id) or '0'
+  end
+  return {id, first, last, redis.call('HGET', pre .. 'text', id) or '', redis.call('ZSCORE', size_key, id) or '0',
+          counts}
+end
+"""
+
+# Read-only. KEYS[1]: the size zset. ARGV: the view's key prefix, window (s), sort, limit, minutes kept,
+# growth candidates. Returns now, the clusters in the window, then one `entry` per cluster shown.
+TOP_LUA = _ENTRY_LUA + """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local size_key, last_key, hpre = KEYS[1], ARGV[1], ARGV[2]
-local cutoff = string.format('(%.6f', now - tonumber(ARGV[3]))
-local sort, limit = ARGV[4], tonumber(ARGV[5])
+local size_key, pre = KEYS[1], ARGV[1]
+local last_key = pre .. 'last'
+local window = tonumber(ARGV[2])
+local cutoff = string.format('(%.6f', now - window)
+local sort, limit, keep = ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
+local minute = math.floor(now / 60)
 local total = redis.call('ZCOUNT', last_key, cutoff, '+inf')
 local ids = {}
 if sort == 'size' then
@@ -280,23 +371,37 @@ if sort == 'size' then
     if #page == 0 then break end
     for _, id in ipairs(page) do
       local last = redis.call('ZSCORE', last_key, id)
-      if last and tonumber(last) > now - tonumber(ARGV[3]) and #ids < limit then ids[#ids + 1] = id end
+      if last and tonumber(last) > now - window and #ids < limit then ids[#ids + 1] = id end
     end
     start = start + limit
   end
 elseif sort == 'last' then
   ids = redis.call('ZREVRANGEBYSCORE', last_key, '+inf', cutoff, 'LIMIT', 0, limit)
 else
-  local since = (math.floor(now / 60) - tonumber(ARGV[6]) + 1) * 60
-  ids = redis.call('ZREVRANGEBYSCORE', last_key, '+inf', since, 'LIMIT', 0, tonumber(ARGV[7]))
+  local since = math.max(now - window, (minute - keep + 1) * 60)
+  ids = redis.call('ZREVRANGEBYSCORE', last_key, '+inf', since, 'LIMIT', 0, tonumber(ARGV[6]))
 end
 local out = {string.format('%.6f', now), total}
 for _, id in ipairs(ids) do
-  local h = redis.call('HGETALL', hpre .. id)
-  if #h > 0 then
-    out[#out + 1] = id
-    out[#out + 1] = h
-    out[#out + 1] = redis.call('ZSCORE', size_key, id) or '0'
+  local e = entry(pre, size_key, id, minute, keep)
+  if e then out[#out + 1] = e end
+end
+return out
+"""
+
+# Read-only. KEYS[1]: the size zset. ARGV: the view's key prefix, window (s), minutes kept, the id.
+# Returns now, then (when the cluster is in the window) its `entry` and its samples as JSON.
+DETAIL_LUA = _ENTRY_LUA + """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local size_key, pre, id = KEYS[1], ARGV[1], ARGV[4]
+local out = {string.format('%.6f', now)}
+local last = redis.call('ZSCORE', pre .. 'last', id)
+if last and tonumber(last) > now - tonumber(ARGV[2]) then
+  local e = entry(pre, size_key, id, math.floor(now / 60), tonumber(ARGV[3]))
+  if e then
+    out[2] = e
+    out[3] = redis.call('HGET', pre .. 'samples', id) or '[]'
   end
 end
 return out
@@ -319,10 +424,11 @@ class RedisCampaigns:
         self.minutes = minutes
         self.snippet = snippet
         self._where = redact_url(url)
+        self.prefix = target.prefix
+        self.namespace = namespace
         tag = f"{{{target.prefix}:{namespace}}}"
-        self.size_key = f"{tag}:c:size"
-        self._last_key = f"{tag}:c:last"
-        self._hpre = f"{tag}:c:h:"
+        self._pre = f"{tag}:c:"
+        self.size_key = f"{self._pre}size"
         self._ttl_ms = max(1, round((self.window + target.grace) * 1000))
         options: dict[str, Any] = {"decode_responses": False, "retry": Retry(NoBackoff(), 0),
                                    "socket_timeout": DEFAULT_SOCKET_TIMEOUT,
@@ -337,13 +443,14 @@ class RedisCampaigns:
             raise ConfigError(f"Redis URL {self._where}: {exc}") from exc
         self._record = self._client.register_script(RECORD_LUA)
         self._top = self._client.register_script(TOP_LUA)
+        self._detail = self._client.register_script(DETAIL_LUA)
 
     def record(self, sightings: Sequence[Sighting]) -> None:
         if not sightings:
             return
-        args: list[str | int | float] = [self._last_key, self._hpre, repr(self.window), self.minutes, self._ttl_ms]
-        for rep, count, text in summarize(sightings, self.snippet):
-            args += [rep, count, text]
+        args: list[str | int | float] = [self._pre, repr(self.window), 2 * self.minutes, self._ttl_ms, SAMPLES]
+        for rep, count, text, latest in summarize(sightings, self.snippet):
+            args += [rep, count, text, json.dumps(latest, ensure_ascii=False)]
         with self._errors():
             self._record(keys=[self.size_key], args=args)
 
@@ -352,21 +459,57 @@ class RedisCampaigns:
         # Growth needs every recently seen cluster; the script returns them and they are ranked here.
         shown = GROWTH_CANDIDATES if sort == "growth" else limit
         with self._errors():
-            reply = self._top(keys=[self.size_key], args=[self._last_key, self._hpre, repr(self.window), sort,
-                                                          max(1, shown), self.minutes, GROWTH_CANDIDATES])
+            reply = self._top(keys=[self.size_key], args=[self._pre, repr(self.window), sort, max(1, shown),
+                                                          2 * self.minutes, GROWTH_CANDIDATES])
         try:
             now, total = float(reply[0]), int(reply[1])
-            minute = math.floor(now / 60)
-            campaigns = []
-            for i in range(2, len(reply), 3):
-                h = dict(zip(reply[i + 1][::2], reply[i + 1][1::2]))
-                per_minute = tuple(int(h.get(b"m%d" % m, 0)) for m in range(minute - self.minutes + 1, minute + 1))
-                campaigns.append(Campaign(reply[i].decode(errors="replace"), h.get(b"text", b"").decode(errors="replace"),
-                                          round(float(reply[i + 2])), float(h[b"first"]), float(h[b"last"]),
-                                          per_minute))
+            campaigns = [self._campaign(e)[0] for e in reply[2:]]
         except (KeyError, ValueError, IndexError, TypeError) as exc:
             raise IndexCorrupt(f"campaign view at {self._where}: unreadable reply: {exc!r}") from exc
         return CampaignView(now, self.window, self.minutes, sort, total, _ranked(campaigns, sort, limit))
+
+    def detail(self, campaign_id: str) -> CampaignDetail | None:
+        with self._errors():
+            reply = self._detail(keys=[self.size_key], args=[self._pre, repr(self.window), 2 * self.minutes,
+                                                             campaign_id])
+        if len(reply) < 3:
+            return None
+        try:
+            campaign, series = self._campaign(reply[1])
+            samples = tuple(str(t) for t in json.loads(reply[2]))
+            start = (math.floor(float(reply[0]) / 60) - 2 * self.minutes + 1) * 60.0
+        except (KeyError, ValueError, IndexError, TypeError) as exc:
+            raise IndexCorrupt(f"campaign view at {self._where}: unreadable reply: {exc!r}") from exc
+        return CampaignDetail(campaign, samples, series, start)
+
+    def _campaign(self, e: Sequence[Any]) -> tuple[Campaign, tuple[int, ...]]:
+        """A cluster from a script's `entry`, and its copies per minute over both growth windows."""
+        series = tuple(round(float(n)) for n in e[5])
+        campaign = Campaign(e[0].decode(errors="replace"), e[3].decode(errors="replace"), round(float(e[4])),
+                            float(e[1]), float(e[2]), series[self.minutes:], sum(series[: self.minutes]))
+        return campaign, series
+
+    @property
+    def where(self) -> str:
+        """The Redis URL, its password hidden."""
+        return self._where
+
+    def exists(self) -> bool:
+        """Whether this namespace has a campaign view in Redis (a cluster in the window or expired)."""
+        with self._errors():
+            return bool(self._client.exists(self.size_key))
+
+    def prefixes(self) -> list[str]:
+        """The `prefix:namespace` of every campaign view in this Redis (all nodes of a cluster)."""
+        found: set[str] = set()
+        with self._errors():
+            if isinstance(self._client, RedisCluster):
+                keys = self._client.scan_iter(match="{*}:c:size", count=1000, target_nodes=RedisCluster.PRIMARIES)
+            else:
+                keys = self._client.scan_iter(match="{*}:c:size", count=1000)
+            for key in keys:
+                found.add(key.decode(errors="replace").partition("}")[0].lstrip("{"))
+        return sorted(found)
 
     def ping(self) -> None:
         with self._errors():

@@ -79,8 +79,8 @@ def _seconds(text: str) -> float:
 
 
 def cmd_top(args: argparse.Namespace) -> int:
-    from stream.campaigns import open_campaigns
-    from stream.top import from_http, from_store, run_top
+    from stream.campaigns import RedisCampaigns, open_campaigns
+    from stream.top import from_http, from_store, run_top, unknown_view
 
     settings = settings_from_args(args)
     _logging(settings.log_level, settings.log_format)
@@ -93,6 +93,9 @@ def cmd_top(args: argparse.Namespace) -> int:
     store = open_campaigns(settings.index, namespace=settings.filter_config().digest(), window=settings.window,
                            minutes=settings.campaign_minutes)
     try:
+        if isinstance(store, RedisCampaigns) and (wrong := unknown_view(store)):
+            print(wrong, file=sys.stderr)
+            return 1
         return run_top(from_store(store), limit=args.limit, sort=args.sort, interval=args.interval, once=args.once)
     finally:
         store.close()

@@ -20,7 +20,7 @@ from aiokafka.errors import IllegalStateError, KafkaError
 
 from filters.errors import NeardupError, RejectedInput
 from filters.index import MemoryIndex
-from stream.campaigns import CampaignStore, CampaignView, MemoryCampaigns, Sighting, open_campaigns
+from stream.campaigns import CampaignDetail, CampaignStore, CampaignView, MemoryCampaigns, Sighting, open_campaigns
 from stream.codec import decode
 from stream.config import Settings
 from stream.kafka_tools import KafkaRecord, client_options
@@ -235,6 +235,11 @@ class Ops:
         if isinstance(self.store, MemoryCampaigns):
             return self.store.top(limit, sort)
         return await asyncio.to_thread(self.store.top, limit, sort)
+
+    async def campaign(self, campaign_id: str) -> CampaignDetail | None:
+        if isinstance(self.store, MemoryCampaigns):
+            return self.store.detail(campaign_id)
+        return await asyncio.to_thread(self.store.detail, campaign_id)
 
     async def _kafka_check(self) -> str:
         try:

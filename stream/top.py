@@ -25,7 +25,7 @@ from urllib.parse import urlencode
 import orjson
 
 from filters.errors import ConfigError, NeardupError, ServiceError
-from stream.campaigns import CampaignStore, CampaignView
+from stream.campaigns import CampaignStore, CampaignView, RedisCampaigns
 from stream.ops_http import ago, sparkline
 
 CLEAR = "\x1b[H\x1b[2J"
@@ -61,6 +61,25 @@ def from_http(base: str, timeout: float = 5.0) -> Fetch:
             raise ServiceError(f"{url}: not a campaign view: {exc}") from exc
 
     return fetch
+
+
+def unknown_view(store: RedisCampaigns) -> str | None:
+    """One line saying that Redis holds campaign views, none of them this store's (a wrong `prefix=`
+    or other filter settings than the workers'), and which it holds; None when that is not so. An
+    empty Redis is no error: the view is empty until a worker records a duplicate."""
+    if store.exists():  # the usual case, without scanning the keyspace
+        return None
+    found = store.prefixes()
+    mine = f"{store.prefix}:{store.namespace}"
+    if not found or mine in found:
+        return None
+    prefixes = sorted({f.partition(":")[0] for f in found})
+    if store.prefix in prefixes:
+        what = f"no campaign view for these filter settings (namespace {store.namespace}) under prefix {store.prefix!r}"
+    else:
+        what = f"unknown prefix {store.prefix!r}: no campaign view under it"
+    return (f"neardup top: {what} at {store.where}; found prefix:namespace "
+            f"{', '.join(found[:10])}{' …' if len(found) > 10 else ''}")
 
 
 def _cells(ch: str) -> int:
@@ -128,12 +147,14 @@ def render(view: CampaignView, width: int, color: bool, keys: bool = False) -> s
     lines = [header(view, width, color, keys)]
     m = view.minutes
     spark = max(m, len("per minute"))
-    head = f"{'#':>3} {'size':>7} {f'{m}min':>6} {'per minute':<{spark}} {'first':>8} {'last':>8}  {'representative':<16}  text"
+    head = (f"{'#':>3} {'size':>7} {f'{m}min':>6} {'growth':>6} {'per minute':<{spark}} {'first':>8} {'last':>8}  "
+            f"{'representative':<16}  text")
     lines.append(f"{d}{fit(head, width)}{z}")
-    fixed = 3 + 1 + 7 + 1 + 6 + 1 + spark + 1 + 8 + 1 + 8 + 2 + 16 + 2
+    fixed = 3 + 1 + 7 + 1 + 6 + 1 + 6 + 1 + spark + 1 + 8 + 1 + 8 + 2 + 16 + 2
     for rank, c in enumerate(view.campaigns, 1):
         text = fit(safe(c.text), max(10, width - fixed)).rstrip()
-        lines.append(f"{rank:>3} {b}{c.size:>7}{z} {c.growth:>6} {r}{sparkline(c.per_minute):<{spark}}{z} "
+        growth = f"×{c.growth:.1f}"
+        lines.append(f"{rank:>3} {b}{c.size:>7}{z} {c.recent:>6} {growth:>6} {r}{sparkline(c.per_minute):<{spark}}{z} "
                      f"{ago(view.now - c.first_seen).removesuffix(' ago'):>8} "
                      f"{ago(view.now - c.last_seen).removesuffix(' ago'):>8}  {fit(safe(c.id), 16)}  {text}")
     if not view.campaigns:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import html
 import os
+import re
 import shutil
 import struct
 from collections.abc import Iterator
@@ -11,7 +13,9 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+import redis
 
+from stream.campaigns import GROWTH_SMOOTHING
 from stream.kafka_tools import KafkaRecord
 from tests.kafka_support import free_port, outputs, produce, redis_namespace, settings_for
 from tests.test_ops import CAMPAIGNS, COPIES, campaign_lines, duplicates_per_representative, running, until
@@ -94,6 +98,16 @@ class Table(HTMLParser):
             self._heading.append(data)
 
 
+def campaign_keys(url: str) -> dict[str, int]:
+    """Every key of the campaign views under the URL's prefix, with its TTL in ms (-1: none)."""
+    prefix = url.partition("prefix=")[2]
+    client = redis.Redis.from_url(url.partition("?")[0])
+    try:
+        return {k.decode(): client.pttl(k) for k in client.scan_iter(match=f"{{{prefix}:*}}:c:*", count=1000)}
+    finally:
+        client.close()
+
+
 @pytest.fixture
 def index_url(redis_url: str) -> Iterator[str]:
     with redis_namespace(redis_url) as url:
@@ -108,7 +122,7 @@ def test_campaign_page_in_headless_chromium(kafka_bootstrap: str, index_url: str
     shot = shots / "campaigns.png"
     shot.unlink(missing_ok=True)
 
-    async def scenario() -> tuple[bytes, list[KafkaRecord]]:
+    async def scenario() -> tuple[bytes, bytes, list[KafkaRecord]]:
         await produce(settings, settings.input_topics[0], [(None, line, ()) for line in lines])
         async with running(settings) as (worker, _, base):
             await until(lambda: worker.stats.seen >= len(lines), 30, "routed")
@@ -116,9 +130,13 @@ def test_campaign_page_in_headless_chromium(kafka_bootstrap: str, index_url: str
             dom, _ = await browse(browser, f"{base}/?refresh=30", tmp_path / "profile", "--dump-dom")
             await browse(browser, f"{base}/campaigns.html?refresh=0", tmp_path / "profile",
                          f"--screenshot={shot}", "--window-size=1280,420")
-        return dom, got
+            link = re.search(r'href="(campaign\.html\?id=spam-b-0)"', dom.decode())
+            assert link, "no link from the table to a campaign"
+            detail, _ = await browse(browser, f"{base}/{html.unescape(link.group(1))}", tmp_path / "profile",
+                                     "--dump-dom")
+        return dom, detail, got
 
-    dom, got = asyncio.run(scenario())
+    dom, detail, got = asyncio.run(scenario())
     table = Table()
     table.feed(dom.decode())
     sizes = {row["data-id"]: int(row["data-size"]) for row in table.rows}
@@ -133,16 +151,25 @@ def test_campaign_page_in_headless_chromium(kafka_bootstrap: str, index_url: str
     assert texts["spam-c-0"].startswith("<img src=x onerror=alert(1)> Work from home & earn")
     assert texts["spam-a-0"] == CAMPAIGNS["spam-a"]  # the first copy, its doubled spaces collapsed
     assert [cells[1] for cells in table.cells] == [str(n) for n in sorted(COPIES.values(), reverse=True)]
-    # Growth: copies in the last 10 minutes (all of them, the run took seconds) and a sparkline of the
-    # copies per minute, oldest first, whose busiest minute is a full bar; its title lists the counts.
-    assert table.headings[2:4] == ["growth, 10 min", "per minute"]
+    # Copies in the last 10 minutes (all of them, the run took seconds), growth against the 10 minutes
+    # before (none: a new wave), and a sparkline of the copies per minute, oldest first, whose busiest
+    # minute is a full bar; its title lists the counts.
+    assert table.headings[2:5] == ["10 min", "growth", "per minute"]
     for row, cells, title in zip(table.rows, table.cells, table.spark_titles, strict=True):
         size = int(row["data-size"])
-        assert cells[2] == row["data-growth"] == str(size)
+        assert cells[2] == row["data-recent"] == str(size)
+        assert float(row["data-growth"]) == pytest.approx((size + GROWTH_SMOOTHING) / GROWTH_SMOOTHING, abs=1e-3)
         per_minute = [int(n) for n in title.removeprefix("copies per minute, oldest first: ").split(", ")]
         assert len(per_minute) == 10 and sum(per_minute) == size
-        assert len(cells[3]) == 10 and set(cells[3]) <= set("·▁▂▃▄▅▆▇█") and "█" in cells[3]
-        assert [ch == "·" for ch in cells[3]] == [n == 0 for n in per_minute]
+        assert len(cells[4]) == 10 and set(cells[4]) <= set("·▁▂▃▄▅▆▇█") and "█" in cells[4]
+        assert [ch == "·" for ch in cells[4]] == [n == 0 for n in per_minute]
+    # The campaign opened from its link: its latest copies, escaped, and its count.
+    opened = detail.decode()
+    assert 'data-id="spam-b-0"' in opened and f'data-size="{COPIES["spam-b"]}"' in opened
+    assert opened.count("&lt;script&gt;") >= COPIES["spam-b"] and "<script" not in opened
+    # Redis holds a handful of campaign keys, each expiring.
+    keys = campaign_keys(index_url)
+    assert 0 < len(keys) <= 5 + 2 and all(ttl > 0 for ttl in keys.values()), keys
 
     data = shot.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"

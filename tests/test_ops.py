@@ -34,7 +34,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from filters.errors import ConfigError
-from stream.campaigns import Campaign, CampaignView, MemoryCampaigns, RedisCampaigns, Sighting, open_campaigns
+from stream.campaigns import Campaign, CampaignDetail, CampaignView, MemoryCampaigns, RedisCampaigns, Sighting, open_campaigns
 from stream.cli import main as cli_main
 from stream.config import Settings
 from stream.kafka_tools import KafkaRecord, ensure_topics
@@ -507,7 +507,7 @@ def test_redis_store_is_shared_by_workers_and_expires_with_the_window(redis_url:
             one.record(sightings(c=1))  # a write drops the clusters that left the window
             assert {c.id for c in two.top().campaigns} == {"c"}
             assert client.zcard(one.size_key) == 1
-            assert client.exists(one.size_key.replace(":c:size", ":c:h:a")) == 0
+            assert client.hexists(one.size_key.replace(":c:size", ":c:first"), "a") == 0
             client.close()
         finally:
             for s in (one, two, other):
@@ -577,6 +577,9 @@ class StoreEndpoints:
     async def campaigns(self, limit: int, sort: str) -> CampaignView:
         return self.store.top(limit, sort)
 
+    async def campaign(self, campaign_id: str) -> CampaignDetail | None:
+        return self.store.detail(campaign_id)
+
 
 @contextlib.contextmanager
 def serving(store: MemoryCampaigns) -> Iterator[str]:
@@ -642,7 +645,7 @@ class Terminal:
 
 
 def ranked_ids(screen: str) -> list[str]:
-    return [line.split()[6] for line in screen.splitlines() if re.match(r"\s+\d+ ", line)]
+    return [line.split()[7] for line in screen.splitlines() if re.match(r"\s+\d+ ", line)]
 
 
 def drawn(count: int) -> Callable[[list[str]], bool]:
