@@ -1,0 +1,212 @@
+"""Where the filter misses on a labelled stream: recall per perturbation kind and text length, worst misses and false positives.
+
+Runs the measure of shared/eval/README.md (through `stream.evaluate.score`) and adds what tuning needs:
+recall per perturbation kind (ptype) and per length band of the message (characters of the raw text:
+<= 30, 31-70, 71-200, > 200), and the worst misses and false positives, each with `explain`-style detail
+against the message it should (or should not) have matched: shared bucket keys, sketch Jaccard and
+containment, and which rule refused.
+
+    python -m stream.eval_report STREAM TRUTH [--index memory://|redis://...] [--misses 10] [--fps 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from filters.config import FilterConfig
+from filters.engine import Message, NearDupFilter, Verdict
+from filters.fingerprint import key_method
+from filters.index import Candidate, Entry
+from filters.sketch import overlap, size_ratio
+from stream.evaluate import Report, Tally, _count, score
+
+LENGTH_BANDS: tuple[tuple[str, int], ...] = (("<=30", 30), ("31-70", 70), ("71-200", 200), (">200", 1 << 62))
+
+
+def length_band(text: str) -> str:
+    n = len(text)
+    for name, upper in LENGTH_BANDS:
+        if n <= upper:
+            return name
+    return LENGTH_BANDS[-1][0]
+
+
+@dataclass(frozen=True, slots=True)
+class PairDetail:
+    """Why a pair was (not) matched: what `neardup explain` prints, on one line."""
+
+    shared_keys: int
+    keys: int
+    floor: int
+    jaccard: float
+    containment: float
+    size_a: int
+    size_b: int
+    verified: bool
+    rule: str
+
+    def line(self) -> str:
+        return (f"shared keys {self.shared_keys}/{self.keys} (floor {self.floor}); jaccard {self.jaccard:.2f}, "
+                f"containment {self.containment:.2f}; shingles {self.size_a}/{self.size_b}; "
+                f"verified {self.verified}; {self.rule}")
+
+
+def pair_detail(nd: NearDupFilter, earlier: str, later: str) -> PairDetail:
+    """The decision of `later` against `earlier` alone, and the first rule that refuses it."""
+    cfg = nd.config
+    fa, fb = nd.fingerprinter.fingerprint_batch([earlier, later])
+    shared = [k for k in fb.keys if k in set(fa.keys)]
+    floor = nd._floor(len(fb.keys)) if fb.keys else 1
+    ov = overlap(fb.sketch, fb.size, fa.sketch, fa.size)
+    containment = max(ov.containment_a, ov.containment_b)
+    match = nd.verify(fb, Candidate(Entry.of("A", 0.0, fa), len(shared), shared[0] if shared else 0))
+    if not shared:
+        rule = "no shared bucket key (candidate never found)"
+    elif len(shared) < floor:
+        rule = f"too few shared keys ({dict(Counter(key_method(k) for k in shared))} < min_shared floor)"
+    elif match.ok:
+        rule = f"matches alone via {match.method} (lost to ranking, bucket cap or another candidate)"
+    elif containment >= cfg.containment and size_ratio(fa.size, fb.size) < cfg.containment_min_ratio:
+        rule = "containment passes but size ratio below containment_min_ratio"
+    elif containment >= cfg.containment and min(fa.size, fb.size) < cfg.containment_min_size:
+        rule = "containment passes but text below containment_min_size shingles"
+    else:
+        rule = f"similarity below threshold {cfg.threshold} / containment {cfg.containment}"
+    return PairDetail(len(shared), len(fb.keys), floor, ov.jaccard, containment, fa.size, fb.size,
+                      match.ok, rule)
+
+
+@dataclass
+class LengthReport:
+    by_length: dict[str, Tally]
+    by_ptype_length: dict[tuple[str, str], Tally]
+
+
+def score_lengths(truth: Sequence[dict[str, Any]], texts: Sequence[str],
+                  verdicts: Sequence[Verdict | None]) -> LengthReport:
+    by_length: dict[str, Tally] = defaultdict(Tally)
+    by_pl: dict[tuple[str, str], Tally] = defaultdict(Tally)
+    seen: set[str] = set()
+    for row, text, verdict in zip(truth, texts, verdicts, strict=True):
+        truly = row["cluster"] in seen
+        seen.add(row["cluster"])
+        said = verdict is not None and verdict.duplicate
+        band = length_band(text)
+        _count(by_length[band], said, truly, row.get("gray", False))
+        if truly or said:
+            _count(by_pl[(row["ptype"], band)], said, truly, row.get("gray", False))
+    return LengthReport(by_length, by_pl)
+
+
+def run(stream: Sequence[dict[str, Any]], config: FilterConfig, index: str = "memory://",
+        batch_size: int = 512) -> tuple[NearDupFilter, list[Verdict], float]:
+    nd = NearDupFilter(config, index=index)
+    verdicts: list[Verdict] = []
+    started = time.perf_counter()
+    for i in range(0, len(stream), batch_size):
+        batch = [Message(r["id"], r["text"], float(r.get("ts", 0.0))) for r in stream[i : i + batch_size]]
+        verdicts.extend(nd.check_batch(batch))
+    return nd, verdicts, time.perf_counter() - started
+
+
+def length_table(lengths: LengthReport) -> str:
+    lines = ["| length (chars) | duplicates | recall | precision |", "|---|---|---|---|"]
+    for name, _ in LENGTH_BANDS:
+        t = lengths.by_length.get(name, Tally())
+        lines.append(f"| {name} | {t.tp + t.fn} | {t.recall:.3f} | {t.precision:.4f} |")
+    return "\n".join(lines)
+
+
+def worst(stream: Sequence[dict[str, Any]], truth: Sequence[dict[str, Any]], verdicts: Sequence[Verdict],
+          config: FilterConfig, n_misses: int, n_fps: int) -> str:
+    """Misses (against the first message of their cluster) and false positives (against what they matched)."""
+    first_of: dict[str, int] = {}
+    by_id = {r["id"]: i for i, r in enumerate(stream)}
+    misses: list[int] = []
+    fps: list[int] = []
+    for i, (row, v) in enumerate(zip(truth, verdicts, strict=True)):
+        truly = row["cluster"] in first_of
+        first_of.setdefault(row["cluster"], i)
+        if truly and not v.duplicate:
+            misses.append(i)
+        elif v.duplicate and not truly and not row.get("gray", False):
+            fps.append(i)
+    probe = NearDupFilter(config)
+    out: list[str] = [f"## Misses ({len(misses)})"]
+    rules: Counter[str] = Counter()
+    details: list[tuple[float, int, PairDetail]] = []
+    for i in misses:
+        d = pair_detail(probe, stream[first_of[truth[i]["cluster"]]]["text"], stream[i]["text"])
+        rules[d.rule.split(" (")[0]] += 1
+        details.append((max(d.jaccard, d.containment), i, d))
+    out.append("| refusing rule | misses |")
+    out.append("|---|---|")
+    out += [f"| {r} | {c} |" for r, c in rules.most_common()]
+    out.append("")
+    details.sort(key=lambda t: -t[0])  # the nearest misses first: the cheapest to win back
+    for _, i, d in details[:n_misses]:
+        a = stream[first_of[truth[i]["cluster"]]]["text"]
+        out.append(f"- [{truth[i]['ptype']}, {truth[i]['corpus']}, {len(stream[i]['text'])} chars] {d.line()}")
+        out.append(f"  A: {a[:160]!r}")
+        out.append(f"  B: {stream[i]['text'][:160]!r}")
+    out += ["", f"## False positives ({len(fps)})"]
+    fp_details = []
+    for i in fps:
+        j = by_id.get(verdicts[i].duplicate_of or "", i)
+        fp_details.append((verdicts[i].similarity, i, j, pair_detail(probe, stream[j]["text"], stream[i]["text"])))
+    fp_details.sort(key=lambda t: t[0])  # the weakest wrong matches first: the cheapest to refuse
+    for sim, i, j, d in fp_details[:n_fps]:
+        out.append(f"- [{truth[i]['corpus']}, {len(stream[i]['text'])} chars, similarity {sim:.2f} via "
+                   f"{verdicts[i].method}] {d.line()}")
+        out.append(f"  A: {stream[j]['text'][:160]!r}")
+        out.append(f"  B: {stream[i]['text'][:160]!r}")
+    return "\n".join(out)
+
+
+def report(stream: Sequence[dict[str, Any]], truth: Sequence[dict[str, Any]], config: FilterConfig,
+           index: str = "memory://", n_misses: int = 10, n_fps: int = 10) -> tuple[Report, LengthReport, str]:
+    nd, verdicts, seconds = run(stream, config, index)
+    nd.index.close()
+    rep = score(truth, verdicts)
+    rep.seconds = seconds
+    lengths = score_lengths(truth, [r["text"] for r in stream], verdicts)
+    text = "\n\n".join([rep.table(), length_table(lengths),
+                        worst(stream, truth, verdicts, config, n_misses, n_fps)])
+    return rep, lengths, text
+
+
+def load(path: str) -> list[dict[str, Any]]:
+    with open(path, "rb") as f:
+        return [orjson.loads(line) for line in f if line.strip()]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m stream.eval_report", description=__doc__.splitlines()[0])
+    p.add_argument("stream")
+    p.add_argument("truth")
+    p.add_argument("--index", default="memory://")
+    p.add_argument("--misses", type=int, default=10)
+    p.add_argument("--fps", type=int, default=10)
+    args = p.parse_args(argv)
+    try:
+        stream, truth = load(args.stream), load(args.truth)
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if len(stream) != len(truth):
+        print(f"error: {args.stream} has {len(stream)} messages, {args.truth} {len(truth)}", file=sys.stderr)
+        return 2
+    print(report(stream, truth, FilterConfig(), args.index, args.misses, args.fps)[2])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,104 @@
+"""The recall measures: length bands, the refusing rule of a miss, and the evasion generators of bench.perturb."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from filters.config import FilterConfig
+from filters.engine import NearDupFilter, Verdict
+from stream.eval_report import length_band, pair_detail, report, score_lengths
+
+SPAM = "Congratulations! You have won a 1000 pound prize. Call 09061701461 now to claim, T&Cs apply."
+
+
+def test_length_bands_split_at_30_70_200() -> None:
+    assert [length_band("x" * n) for n in (1, 30, 31, 70, 71, 200, 201)] == \
+        ["<=30", "<=30", "31-70", "31-70", "71-200", "71-200", ">200"]
+
+
+def test_score_lengths_counts_a_short_miss_in_its_band() -> None:
+    truth = [{"id": "a", "cluster": 1, "ptype": "base"}, {"id": "b", "cluster": 1, "ptype": "word_edit"},
+             {"id": "c", "cluster": 2, "ptype": "base"}, {"id": "d", "cluster": 2, "ptype": "base"}]
+    texts = ["short one", "short 1", "x" * 100, "x" * 99]
+    verdicts = [Verdict("a", False), Verdict("b", False), Verdict("c", False), Verdict("d", True, "c")]
+    lengths = score_lengths(truth, texts, verdicts)
+    assert (lengths.by_length["<=30"].fn, lengths.by_length["<=30"].tp) == (1, 0)
+    assert (lengths.by_length["71-200"].tp, lengths.by_length["71-200"].fn) == (1, 0)
+    assert lengths.by_ptype_length[("word_edit", "<=30")].recall == 0.0
+
+
+def test_pair_detail_names_the_rule_that_refuses() -> None:
+    nd = NearDupFilter(FilterConfig())
+    assert pair_detail(nd, SPAM, SPAM.replace("09061701461", "09061709999")).verified
+    unrelated = pair_detail(nd, SPAM, "The committee will meet again on Thursday to review the budget.")
+    assert not unrelated.verified and unrelated.rule.startswith(("no shared", "too few", "similarity below"))
+    # A short text inside a long one: containment holds but the text has too few shingles for it.
+    inside = pair_detail(nd, "Watching tv lor...", "Dear Customer, Watching tv lor... see you at the mall today")
+    assert not inside.verified and "containment" in inside.rule
+
+
+def test_report_lists_misses_and_false_positives() -> None:
+    stream = [{"id": "1", "text": SPAM, "ts": 0.0}, {"id": "2", "text": SPAM + " Reply STOP", "ts": 1.0},
+              {"id": "3", "text": "see you at noon", "ts": 2.0}, {"id": "4", "text": "lunch at 12 then?", "ts": 3.0}]
+    truth = [{"id": "1", "cluster": 1, "corpus": "c", "ptype": "base"},
+             {"id": "2", "cluster": 1, "corpus": "c", "ptype": "ad_prefix_suffix"},
+             {"id": "3", "cluster": 2, "corpus": "c", "ptype": "base"},
+             {"id": "4", "cluster": 2, "corpus": "c", "ptype": "word_edit"}]
+    rep, lengths, text = report(stream, truth, FilterConfig())
+    assert (rep.overall.tp, rep.overall.fn, rep.overall.fp) == (1, 1, 0)
+    assert "## Misses (1)" in text and "lunch at 12 then?" in text
+    assert lengths.by_length["<=30"].fn == 1
+
+
+@pytest.fixture(scope="module")
+def generators():  # type: ignore[no-untyped-def]
+    pytest.importorskip("pypinyin")
+    pytest.importorskip("jieba")
+    from bench.perturb import Generators
+
+    return Generators(["This is one donor sentence for padding.", "另一个用来添加的句子在这里。"])
+
+
+@pytest.mark.parametrize("kind", ["word_insert", "word_delete", "word_swap", "emoji_pad", "sentence_prefix",
+                                  "sentence_suffix", "name_sub", "number_sub", "url_sub", "price_sub",
+                                  "sentence_reorder"])
+def test_each_latin_generator_changes_the_text_and_keeps_it_a_duplicate(generators, kind: str) -> None:
+    text = ("Dear Kevin, your parcel 48213 is waiting at the depot. Pay $25 at http://bit.ly/abc123 today. "
+            "Reply STOP to opt out of these messages from our delivery team.")
+    assert kind in generators.applicable(text)
+    out = generators.apply(kind, text, random.Random(3))
+    assert out is not None and out != text
+    nd = NearDupFilter()
+    nd.check(text, id="a", ts=0)
+    assert nd.check(out, id="b", ts=1).duplicate_of == "a"
+
+
+def test_mixed_pinyin_writes_some_han_in_pinyin(generators) -> None:
+    text = "本店今天全场八折优惠，欢迎加微信咨询详情，名额有限先到先得。"
+    assert "mixed_pinyin" in generators.applicable(text)
+    out = generators.apply("mixed_pinyin", text, random.Random(5))
+    assert out is not None and any("a" <= ch <= "z" for ch in out) and any("\u4e00" <= ch <= "\u9fff" for ch in out)
+
+
+def test_hard_negatives_are_clusters_of_their_own() -> None:
+    from bench.perturb import NEGATIVES, negatives
+
+    negs = negatives(random.Random(1), 5, ["first donor sentence here ok", "second donor sentence here"])
+    assert {k for k, _ in negs} == set(NEGATIVES) and len(negs) == 15
+
+
+def test_short_edit_probe_accepts_a_short_text_one_character_apart() -> None:
+    from bench.short_edit import ShortEditFilter, levenshtein
+
+    assert levenshtein("kitten", "sitting") == 3 and levenshtein("", "abc") == 3
+    assert levenshtein("钢琴烤漆容易磨花", "钢琴烤漆易磨花") == 1
+    sketch_only = NearDupFilter(FilterConfig(min_shared=0.01), native=False)
+    probe = ShortEditFilter(FilterConfig(min_shared=0.01), short=70, ratio=0.8)
+    for nd in (sketch_only, probe):
+        nd.check("房间很旧，有霉味，居然还有蟑螂！！！！！", id="a", ts=0)
+    edited = "房间很旧也，有霉味，居然还都有蟑螂！！！！！"  # two characters inserted: Jaccard 0.22
+    assert not sketch_only.check(edited, id="b", ts=1).duplicate
+    verdict = probe.check(edited, id="b", ts=1)
+    assert (verdict.duplicate_of, verdict.method) == ("a", "edit")
