@@ -38,7 +38,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
-import signal
 import tempfile
 import time
 import uuid
@@ -65,7 +64,6 @@ from filters.engine import NearDupFilter
 from filters.errors import ConfigError, IndexUnavailable, RejectedInput, ServiceError
 from filters.records import maker
 from stream.codec import RecordFormat, decode
-from stream.collector import tune_collector
 from stream.config import Settings
 from stream.kafka_tools import (
     Headers,
@@ -1057,27 +1055,3 @@ def make_worker(settings: Settings, nd: NearDupFilter | None = None, *,
     if settings.runtime == "faust":
         return FaustWorker(settings, nd, observer=observer)
     raise ConfigError(f"unknown runtime {settings.runtime!r}")
-
-
-async def serve(settings: Settings) -> WorkerStats:
-    """Run a worker until SIGINT/SIGTERM; the batch in progress is finished and committed first."""
-    from stream.ops import Ops  # metrics, campaign view, HTTP endpoints
-
-    worker = make_worker(settings)
-    ops = Ops(settings, worker)
-    ops.attach()
-    await ops.start()
-    tune_collector()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, worker.stop)
-    log.info("serving %s → %s / %s / %s (runtime %s, index %s)", ",".join(settings.input_topics),
-             settings.unique_topic, settings.duplicate_topic, settings.dead_letter_topic, settings.runtime,
-             settings.masked()["index"])
-    try:
-        return await worker.run()
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
-        await ops.stop()
-        worker.nd.index.close()

@@ -13,7 +13,8 @@ import pytest
 from filters.config import METHODS, FilterConfig
 from filters.engine import Match, Message, NearDupFilter, Verdict
 from filters.fingerprint import hamming, key_method, minhash_jaccard
-from filters.index import Candidate, CandidateIndex, Entry, MemoryIndex, Query
+from filters.index import Batch, Candidate, CandidateIndex, Entry, MemoryIndex, Query, Verifier, finish
+from filters.shared import SharedDecider
 from stream.testing import ManualClock
 
 LETTERS = "abcdefghjkmnpqrstuvwxyz"
@@ -35,10 +36,21 @@ class ProxyIndex:
     """A `CandidateIndex` that is not a `MemoryIndex`: makes the engine take its shared-index path
     (one lookup and one insert round per batch), backed by a MemoryIndex."""
 
+    compiled_table = False
+
     def __init__(self, window: float, bucket_cap: int = 64) -> None:
         self.inner = MemoryIndex(window, bucket_cap)
         self.lookups = 0
         self.inserts = 0
+        self._decider = SharedDecider()
+
+    def decide(self, batch: Batch, verifier: Verifier) -> list[Verdict]:
+        verdicts = self._decider.decide(self, batch, verifier)
+        finish(batch.meanwhile)
+        return verdicts
+
+    def prefetch(self, queries: Sequence[Query]) -> None:
+        pass  # nothing to read ahead in memory
 
     def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | None, list[Candidate]]]:
         self.lookups += 1
@@ -60,7 +72,7 @@ class ProxyIndex:
 
 def test_proxy_index_satisfies_the_protocol() -> None:
     assert isinstance(ProxyIndex(10.0), CandidateIndex)
-    assert isinstance(MemoryIndex(10.0), CandidateIndex)
+    assert isinstance(MemoryIndex(10.0, 64), CandidateIndex)
 
 
 # -- basic verdicts -------------------------------------------------------------------------------

@@ -20,10 +20,11 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from filters import redis_index
+from filters.backends import open_index
 from filters.config import FilterConfig
 from filters.engine import Message, NearDupFilter, Verdict
 from filters.errors import ConfigError, IndexCorrupt, IndexUnavailable, NeardupError
-from filters.index import Candidate, Entry, MemoryIndex, Query, open_index
+from filters.index import Candidate, Entry, MemoryIndex, Query
 from filters.redis_index import (
     ENCODING_VERSION,
     INSERT_CHUNK,
@@ -34,6 +35,7 @@ from filters.redis_index import (
     parse_records,
 )
 from stream.codec import RecordFormat
+from stream.metrics import TimedIndex
 from stream.runner import DUPLICATE, RawRecord, route_batch, route_batches
 from tests.test_index_contract import _view, assert_same_entry, drop_namespace, generated_messages, with_query
 
@@ -736,15 +738,15 @@ def test_stats_from_another_thread_while_batches_are_routed(make: Callable[..., 
 def test_the_compiled_shared_loop_decides_as_the_python_one(make: Callable[..., RedisIndex], seed: int, batch: int,
                                                              cap: int, limit: int) -> None:
     """`Table.decide_shared` (replays, the batch's own messages merged with the shared candidates,
-    verification, the unique inserted) against `NearDupFilter._decide_shared`'s Python loop: the same
+    verification, the unique inserted) against `filters.shared.against`'s Python loop: the same
     verdicts, message for message, with tiny caps and candidate limits (ties and truncation matter)."""
     config = FilterConfig(window=WINDOW, bucket_cap=cap, max_candidates=limit)
     messages = generated_messages(900, seed=seed)
     verdicts = []
     for name in ("compiled", "python"):
         engine = NearDupFilter(config, index=make(name, bucket_cap=cap))
-        assert engine._shared_in_table
-        engine._shared_in_table = name == "compiled"
+        assert engine.compiled
+        engine.compiled = name == "compiled"
         verdicts.append([v for at in range(0, len(messages), batch) for v in engine.check_batch(messages[at : at + batch])])
     assert verdicts[0] == verdicts[1]
     kinds = Counter("replay" if v.method == "replay" else v.duplicate for v in verdicts[0])
@@ -800,6 +802,45 @@ def test_work_given_to_decide_runs_while_redis_answers(make: Callable[..., Redis
     finally:
         del conn.read_response
         del conn.send_packed_command
+
+
+def test_a_wrapped_index_keeps_the_overlap_and_the_read_ahead(make: Callable[..., RedisIndex]) -> None:
+    """Through a wrapper (`TimedIndex`, as `neardup serve` wraps the index), the batch's `meanwhile` work still
+    runs while Redis answers the lookup, the next batch's read still goes ahead, and each round is timed."""
+    index = make(bucket_cap=64)
+    config = FilterConfig(window=WINDOW)
+    timed: list[str] = []
+    engine = NearDupFilter(config, index=TimedIndex(index, lambda op, s: timed.append(op)))
+    messages = generated_messages(60, seed=10)
+    index.lookup([Query("warm", 1.7e9, (1,))], 8)  # connects the pinned connection
+    conn = index._conn
+    events: list[str] = []
+    read, send = conn.read_response, conn.send_packed_command
+
+    def reading(*args: object, **kwargs: object) -> object:
+        events.append("read")
+        return read(*args, **kwargs)
+
+    def sending(packed: list[bytes], *args: object, **kwargs: object) -> object:
+        events.append("send lookup" if b"UNWATCH" in b"".join(packed) else "send")
+        return send(packed, *args, **kwargs)
+
+    def share() -> bool:
+        events.append("work")
+        return events.count("work") >= 2
+
+    conn.read_response, conn.send_packed_command = reading, sending
+    try:
+        first, following = messages[:30], messages[30:]
+        later = engine.prepare([m.text for m in following])
+        engine.decide(first, engine.prepare([m.text for m in first]), meanwhile=share, upcoming=(following, later))
+        assert events[:2] == ["send lookup", "work"] and events.count("work") == 2
+        assert index._ahead is not None  # the following batch's read went out
+    finally:
+        del conn.read_response
+        del conn.send_packed_command
+    assert timed[:2] == ["lookup", "insert"]
+    assert engine.decide(following, later) == NearDupFilter(config).check_batch(messages)[30:]
 
 
 def test_reading_ahead_on_redis_routes_as_batch_after_batch(make: Callable[..., RedisIndex]) -> None:
