@@ -149,9 +149,10 @@ class NearDupFilter:
                 sketched = True
                 m = self._sketch_match(fp, entry, method, probe)
             else:
-                m = self._native_match(name, fp, entry)
-                if m is None:
+                native = self._native_match(name, fp, entry)
+                if native is None:
                     continue
+                m = native
             if m.ok:
                 return m
             if m.similarity > best.similarity:

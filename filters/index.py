@@ -29,9 +29,9 @@ from filters.fingerprint import METHOD_NAMES, Fingerprint
 from filters.records import Message, Verdict, maker, new_verdict
 
 try:  # the compiled core; absent when it could not be built at install time (no C++ compiler)
-    from filters import _native
+    import filters._native as _native
 except ImportError:  # pragma: no cover - exercised on machines without a compiler
-    _native = None  # type: ignore[assignment]
+    _native = None
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -234,7 +234,7 @@ class PyTable:
         flat: list[int] = []
         for bucket in hits:
             if bucket.__class__ is int:
-                flat.append(bucket)  # type: ignore[arg-type]
+                flat.append(bucket)
             else:
                 flat.extend(bucket)  # type: ignore[arg-type]
         counts = Counter(flat)
@@ -265,7 +265,7 @@ class PyTable:
         get = self._buckets.get
         for key in keys:
             bucket = get(key)
-            if bucket == seq or (bucket.__class__ is list and seq in bucket):  # type: ignore[operator]
+            if bucket == seq or (bucket.__class__ is list and seq in bucket):
                 return key
         raise AssertionError(f"entry {seq} was counted but is in none of the query's buckets")
 
@@ -299,7 +299,7 @@ class PyTable:
             if bucket is seq:
                 continue
             if bucket.__class__ is int:
-                bucket = buckets[key] = [bucket]  # type: ignore[list-item]
+                bucket = buckets[key] = [bucket]
             # Buckets stay sorted by (event time, seq), so bucket[0] is the oldest one the cap evicts.
             if in_order or self._entries[bucket[-1]].ts <= ts:  # type: ignore[index]
                 bucket.append(seq)  # type: ignore[union-attr]
@@ -420,7 +420,7 @@ class MemoryIndex:
                 cfg.max_candidates, cfg.threshold, cfg.containment, cfg.containment_min_ratio,
                 cfg.containment_min_size, METHOD_NAMES, new_verdict)
         finish(batch.meanwhile)
-        return verdicts  # type: ignore[no-any-return]
+        return verdicts
 
     def _decide_one(self, msg: Message, fp: Fingerprint, verifier: Verifier) -> Verdict:
         keys = fp.keys

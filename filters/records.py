@@ -15,7 +15,7 @@ def maker(cls: type[T]) -> Callable[..., T]:
     compiled core's `Frozen(cls)`, which makes the very objects `cls(*values)` makes at a quarter of the
     cost, or `cls` itself where the core was not built. For frozen, slotted dataclasses only."""
     try:
-        from filters import _native
+        import filters._native as _native
     except ImportError:  # pragma: no cover - exercised on machines without a compiler
         return cls
     made: Any = _native.Frozen(cls)

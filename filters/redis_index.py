@@ -75,7 +75,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from itertools import islice
 from operator import itemgetter
-from typing import Any
+from typing import Any, cast
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import numpy as np
@@ -111,9 +111,9 @@ from filters.records import Verdict
 from filters.shared import SharedDecider
 
 try:  # the compiled core; absent when it could not be built at install time (no C++ compiler)
-    from filters import _native
+    import filters._native as _native
 except ImportError:  # pragma: no cover - exercised on machines without a compiler
-    _native = None  # type: ignore[assignment]
+    _native = None
 
 __all__ = [
     "ENCODING_VERSION",
@@ -824,7 +824,7 @@ class RedisIndex:
     def _planned(self, queries: Sequence[Query]) -> tuple[list[bytes], list[list[bytes]], list[list[int]], list[int]]:
         """Every field name the batch reads, and its place in a column (`plan_fields`)."""
         try:
-            return self._plan([q.keys for q in queries], [_id_field(q.id) for q in queries])  # type: ignore[no-any-return]
+            return self._plan([q.keys for q in queries], [_id_field(q.id) for q in queries])
         except (struct.error, OverflowError):
             raise ValueError(f"bucket keys must be unsigned 64-bit ints: {[q.keys for q in queries]!r}") from None
 
@@ -876,7 +876,7 @@ class RedisIndex:
         Entries and records that left the window by event time count until their slice goes."""
         with self._errors():
             seq, stored = self._client.hmget(self._meta, "seq", "hwm")
-            top = _stored_time(stored or b"")
+            top = _stored_time(cast("bytes | None", stored) or b"")
             slices = self._slices(top, top)
             replies = self._execute([c for s in slices for c in (("HLEN", f"{self._spre}{s}"),
                                                                   ("HGET", f"{self._spre}{s}", "n"))],
@@ -892,7 +892,7 @@ class RedisIndex:
         if self._conn is not None:
             self._conn.deregister_connect_callback(self._connected)
             self._conn.disconnect()
-            self._client.connection_pool.release(self._conn)
+            cast(redis.Redis, self._client).connection_pool.release(self._conn)
             self._conn = None
             self._epoch += 1  # its WATCH is gone: a lookup's view from before guards nothing now
         self._client.close()
@@ -999,7 +999,8 @@ class RedisIndex:
     def _insert_chunk(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]:
         view = self._view
         looked = view.looked
-        fields_of, places_of = [], []
+        fields_of: list[list[bytes]] = []
+        places_of: list[list[int] | None] = []
         for entry, keys in entries:
             q = looked.get(entry.id)
             if q is not None and (view.keys_of[q] is keys or view.keys_of[q] == keys):
@@ -1020,7 +1021,7 @@ class RedisIndex:
                 out[i] = cands
         return out
 
-    def _places(self, id: str, fields: Sequence[bytes]) -> list[int | None]:
+    def _places(self, id: str, fields: Sequence[bytes]) -> Sequence[int | None]:
         view = self._view
         q = view.looked.get(id)
         return view.places_of[q] if q is not None and view.fields_of[q] is fields else [view.at.get(f) for f in fields]
@@ -1079,7 +1080,8 @@ class RedisIndex:
         looked = view.looked
         results, groups, pending, hwm, seq = self._round(
             [e.id for e, _ in entries], times, self._encode(list(entries), encode_entry), list(fields_of),
-            list(places_of), [view.entry_places[looked[e.id]] for e, _ in entries], tuple(slices), view.columns, writes,
+            cast("list[list[int]]", list(places_of)), [view.entry_places[looked[e.id]] for e, _ in entries],
+            tuple(slices), view.columns, writes,
             hwm, window, self.slice_length, cap, seq, _entry_time, trim_records)
         hwm_bytes = view.hwm if hwm <= stored_hwm else (b"%.17g" % hwm)
         gone = f"{self._spre}{slices[0] - 1}" if seq > start else ""
@@ -1201,10 +1203,11 @@ class RedisIndex:
         routed) on one from the pool. A cluster client keeps redis-py's pipeline, which knows where a
         slot lives (a namespace is one slot, so one node)."""
         if isinstance(self._client, RedisCluster) or (hiredis is None and _native is None):
-            pipe = self._client.pipeline(transaction=False)
+            pipe = self._client.pipeline(transaction=False)  # type: ignore[no-untyped-call]
             for command in commands:
                 pipe.execute_command(*command)
-            return pipe.execute(raise_on_error=False)
+            replies: list[Any] = pipe.execute(raise_on_error=False)
+            return replies
         pool = self._client.connection_pool
         if not pinned:
             conn = pool.get_connection()
@@ -1217,8 +1220,8 @@ class RedisIndex:
     def _pinned(self) -> Any:
         """The instance's own connection (made on first use: a new connection is a new epoch)."""
         if self._conn is None:
-            conn = self._client.connection_pool.get_connection()  # connected already: no callback for it
-            conn.register_connect_callback(self._connected)
+            conn = cast(redis.Redis, self._client).connection_pool.get_connection()  # connected already: no callback for it
+            conn.register_connect_callback(self._connected)  # type: ignore[no-untyped-call]
             self._conn = conn
             self._epoch += 1
         return self._conn
@@ -1247,7 +1250,8 @@ class RedisIndex:
         if _native is not None:
             conn.send_packed_command([_native.pack_commands(list(commands))])
         else:
-            conn.send_packed_command([hiredis.pack_command(tuple(command)) for command in commands])
+            conn.send_packed_command([hiredis.pack_command(tuple(command))  # type: ignore[arg-type]
+                                      for command in commands])
 
     def _drain(self) -> None:
         """Reads the replies of the read sent ahead (`prefetch`), if not read yet, and keeps them for the

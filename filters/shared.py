@@ -86,7 +86,7 @@ class SharedDecider:
 
 
 def _query(verifier: Verifier, msg: Message, fp: Fingerprint) -> Query:
-    return new_query(msg.id, msg.ts, fp.keys, verifier.floor(len(fp.keys)))  # type: ignore[no-any-return]
+    return new_query(msg.id, msg.ts, fp.keys, verifier.floor(len(fp.keys)))
 
 
 def against(verifier: Verifier, messages: Sequence[Message], fps: Sequence[Fingerprint],
