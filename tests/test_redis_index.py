@@ -15,7 +15,7 @@ import numpy as np
 import orjson
 import pytest
 import redis
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
@@ -892,6 +892,43 @@ def test_uncontended_inserts_store_what_the_checking_script_stores(make: Callabl
     assert calls["fast"] >= 10  # the uncontended path did the work
     assert _namespace_dump(redis_url, prefix, "fast") == _namespace_dump(redis_url, prefix, "checked")
     assert _namespace_dump(redis_url, prefix, "reference") == _namespace_dump(redis_url, prefix, "checked")
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**16), cap=st.integers(1, 4), window=st.sampled_from([20.0, 3600.0]),
+       turns=st.lists(st.tuples(st.booleans(), st.integers(1, 40)), min_size=1, max_size=8))
+def test_the_claim_rule_is_one_rule_in_lua_compiled_and_python(redis_url: str, prefix: str, seed: int, cap: int,
+                                                               window: float, turns: list[tuple[bool, int]]) -> None:
+    """The insert/claim rule written three times: in Lua (filters/lua/insert.lua, every insert checked by the
+    server), compiled (`_native.alone_round`) and in Python (`redis_index.alone_round`), both of which compute
+    an uncontended round on the client. Two workers share a namespace and take random turns with random
+    batches (a turn after the other's is contended: the checked script decides it): the three variants leave
+    the same verdicts and the very same bytes."""
+    messages = generated_messages(sum(n for _, n in turns), seed=seed)
+    config = FilterConfig(window=window, bucket_cap=cap)
+    run = uuid.uuid4().hex[:8]
+    dumps, verdicts = [], []
+    for variant in ("lua", "compiled", "python"):
+        namespace = f"{variant}-{run}"
+        workers = [RedisIndex(with_query(redis_url, prefix=prefix), window=window, bucket_cap=cap, namespace=namespace)
+                   for _ in range(2)]
+        for index in workers:
+            index.alone_inserts = variant != "lua"
+            if variant == "python":
+                index._plan, index._rank, index._round, index._decode, index._rank_all, index._encode = (
+                    redis_index.plan_fields, redis_index.rank_records, redis_index.alone_round,
+                    redis_index.decode_entries, redis_index.rank_lookup, redis_index.encode_entries)
+        engines = [NearDupFilter(config, index=index) for index in workers]
+        got, at = [], 0
+        for second, n in turns:
+            got += engines[second].check_batch(messages[at : at + n])
+            at += n
+        verdicts.append(got)
+        dumps.append(_namespace_dump(redis_url, prefix, namespace))
+        for index in workers:
+            index.close()
+    assert verdicts[0] == verdicts[1] == verdicts[2]
+    assert dumps[0] == dumps[1] == dumps[2]
 
 
 def _counting_taken(index: RedisIndex) -> list[bool]:

@@ -9,7 +9,7 @@
 local meta, spre = KEYS[1], ARGV[1]
 local window, slice_len, cap, ttl = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
 local hwm = tonumber(ARGV[6])
-local ABSENT = string.rep('\\0', 8)
+local ABSENT = string.rep('\0', 8)
 local FIRST, PER_CALL = 10, FIELDS_PER_CALL
 local state = redis.call('HMGET', meta, 'seq', 'hwm')
 local stored_hwm = tonumber(state[2] or '-inf')
