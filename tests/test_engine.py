@@ -75,6 +75,24 @@ def test_proxy_index_satisfies_the_protocol() -> None:
     assert isinstance(MemoryIndex(10.0, 64), CandidateIndex)
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_every_share_of_the_work_given_to_decide_runs_before_it_returns(shared: bool) -> None:
+    """`decide(..., meanwhile=...)` through the door: whatever the backend, every share has run when the
+    verdicts come back, and none runs after the one that said it was the last."""
+    cfg = FilterConfig(window=3600.0)
+    nd = NearDupFilter(cfg, index=ProxyIndex(cfg.window) if shared else "memory://")
+    calls = []
+
+    def share() -> bool:
+        calls.append(1)
+        return len(calls) >= 3
+
+    messages = [nd.message(f"message number {i} about nothing in particular", id=str(i), ts=i) for i in range(5)]
+    assert nd.decide(messages, nd.prepare([m.text for m in messages]), meanwhile=share) == \
+        NearDupFilter(cfg).check_batch(messages)
+    assert len(calls) == 3
+
+
 # -- basic verdicts -------------------------------------------------------------------------------
 
 

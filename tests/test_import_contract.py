@@ -129,3 +129,16 @@ def test_no_import_cycles() -> None:
 ])
 def test_the_cycle_finder_finds_cycles(graph: dict[str, set[str]], cycles: list[list[str]]) -> None:
     assert _cycles(graph) == cycles
+
+
+def test_the_engine_never_asks_which_backend_it_has() -> None:
+    """The index is the engine's one door (`CandidateIndex.decide`): no isinstance/hasattr on it, no reach into
+    a backend's table, no backend class named in filters/engine.py (an index given as a URL string is opened)."""
+    tree = SOURCES["filters.engine"]
+    asked = [f"line {n.lineno}" for n in ast.walk(tree)
+             if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("hasattr", "isinstance")
+             and "index" in ast.unparse(n.args[0]) and ast.unparse(n.args[1]) != "str"]  # a URL is opened
+    asked += [f"line {n.lineno}: .{n.attr}" for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "table"]
+    asked += [f"line {n.lineno}: {n.id}" for n in ast.walk(tree)
+              if isinstance(n, ast.Name) and n.id in ("MemoryIndex", "RedisIndex", "PyTable")]
+    assert not asked
