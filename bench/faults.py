@@ -3,7 +3,7 @@
     eval "$(bash docker/services.sh env)"
     python bench/faults.py [--skip broker-restart,redis-outage] [--runs 1]
 
-Runs the scenarios of tests/reliability_support.py against the real broker and Redis of
+Runs the scenarios of bench/reliability.py against the real broker and Redis of
 docker/services.sh (NEARDUP_TEST_* variables): three and four `neardup serve` processes racing on
 near-duplicates (standalone Redis and Redis Cluster), the same against a check-then-insert index,
 kill -9 and restart (at-least-once and exactly-once), a worker added and one removed mid-run, a
@@ -23,8 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests import reliability_support as rs
-from tests.kafka_support import redis_namespace
+from bench import reliability as rs
+from bench.kafka_support import redis_namespace
 
 SCENARIOS = ("concurrency", "check-then-insert", "cluster", "crash", "rebalance", "broker-restart",
              "redis-outage", "memory")

@@ -30,9 +30,9 @@ from filters.records import maker
 from filters.shingles import Batch, mix64
 
 try:  # the compiled core; absent when it could not be built at install time (no C++ compiler)
-    from filters import _native
+    import filters._native as _native
 except ImportError:  # pragma: no cover - exercised on machines without a compiler
-    _native = None  # type: ignore[assignment]
+    _native = None
 
 TAG_SHIFT = 60
 TAGS = {"exact": 1, "mgram": 2, "simhash": 3, "minhash": 4, "sentences": 5}
@@ -190,7 +190,8 @@ class Fingerprinter:
         if not len(hashes):
             return np.full(self.config.minhash_perm, np.uint32(0xFFFFFFFF), dtype=np.uint32)
         permuted = (self._perm_a[:, None] * hashes[None, :] + self._perm_b[:, None]) >> np.uint64(32)
-        return permuted.min(axis=1).astype(np.uint32)
+        signature: np.ndarray = permuted.min(axis=1).astype(np.uint32)
+        return signature
 
     def _band_keys(self, sig: np.ndarray) -> list[int]:
         bands = self.config.minhash_bands

@@ -1,11 +1,13 @@
-"""The candidate index seam: the `CandidateIndex` protocol, the in-memory backend, and `open_index(url)`.
+"""The candidate index seam: the `CandidateIndex` protocol (the engine's one door, `decide`) and the in-memory backend.
 
 An index maps bucket keys to the representatives (unique messages) indexed under them, within a
-sliding window of event time. The engine asks it for candidates, verifies them itself, and inserts
-only messages it found unique, so buckets hold representatives, not every copy of a spam wave.
+sliding window of event time. The engine hands it a prepared batch and its verifier (`decide`); the
+index looks up candidates, has the verifier verify them, and inserts only messages found unique, so
+buckets hold representatives, not every copy of a spam wave. Each backend decides a batch its own best
+way: the memory index in its (compiled) table, the Redis index in a few pipelined round trips.
 
-Backends are chosen by URL, as faust chooses stores: `memory://` (the embedded mode; a product
-feature, not a test double) and `redis://` / `rediss://` (shared by many workers).
+Backends are chosen by URL (`filters.backends.open_index`), as faust chooses stores: `memory://` (the
+embedded mode; a product feature, not a test double) and `redis://` / `rediss://` (shared by many workers).
 """
 
 from __future__ import annotations
@@ -13,23 +15,23 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from operator import itemgetter
-from typing import Protocol, runtime_checkable
-from urllib.parse import urlparse
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from filters.config import FilterConfig
 from filters.errors import ConfigError
-from filters.fingerprint import Fingerprint
-from filters.records import maker
+from filters.fingerprint import METHOD_NAMES, Fingerprint
+from filters.records import Message, Verdict, maker, new_verdict
 
 try:  # the compiled core; absent when it could not be built at install time (no C++ compiler)
-    from filters import _native
+    import filters._native as _native
 except ImportError:  # pragma: no cover - exercised on machines without a compiler
-    _native = None  # type: ignore[assignment]
+    _native = None
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -71,9 +73,70 @@ new_candidate = maker(Candidate)
 new_query = maker(Query)
 
 
+# What `NearDupFilter.prepare` gives `decide`: the batch's fingerprints, or the compiled core's hashed
+# batch (`filters._native.Shingled`) when the index decides whole batches in its compiled table.
+Prepared = Sequence[Fingerprint] | Any
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """A batch to decide, as the engine hands it to the index (`CandidateIndex.decide`).
+
+    `meanwhile` is work that needs no index (the next batch's `prepare`), in shares: each call does one
+    and says whether that was the last; it must not raise. A shared index runs a share while it waits for
+    each of the batch's round trips, so that the client's CPU and the server's overlap; every backend runs
+    what is left before `decide` returns (`finish`). `upcoming`, the next batch to be decided (its messages
+    and prepared fingerprints, the very objects that will be passed then): a shared index may read its
+    buckets while this batch is verified and inserted. `observe(op, seconds)`, if given, is told the time
+    of each lookup and insert round (a wrapper's timing: `stream.metrics.TimedIndex`)."""
+
+    messages: Sequence[Message]
+    prepared: Prepared
+    meanwhile: Callable[[], bool] | None = None
+    upcoming: tuple[Sequence[Message], Prepared] | None = None
+    observe: Callable[[str, float], None] | None = None
+
+
+class Verifier(Protocol):
+    """What an index needs of the engine to decide a batch: the configuration, the key floor and the
+    verification of a message against ranked candidates (`NearDupFilter`)."""
+
+    config: FilterConfig
+    # The fingerprints are the compiled core's and the configuration is one the compiled loops decide
+    # (sketch verification, exact/mgram keys): `Table.decide` / `Table.decide_shared` may be used.
+    compiled: bool
+    native: bool  # the compiled core is in use (a batch-local table is the compiled one)
+
+    def floor(self, n_keys: int) -> int:
+        """The fewest of a message's `n_keys` bucket keys a candidate must share (`min_shared`)."""
+        ...
+
+    def first_match(self, msg: Message, fp: Fingerprint, candidates: Sequence[Candidate]) -> Verdict:
+        """The verdict of `msg` against ranked candidates: a duplicate of the first that verifies."""
+        ...
+
+
+def finish(meanwhile: Callable[[], bool] | None) -> None:
+    """Runs what is left of a batch's `meanwhile` work (every backend does before `decide` returns)."""
+    while meanwhile is not None and meanwhile() is False:
+        pass
+
+
 @runtime_checkable
 class CandidateIndex(Protocol):
-    """What the engine needs of an index. All calls for one batch come from one thread."""
+    """What the engine needs of an index: `decide` is its only door; the rest serves tests, operations
+    and wrappers. All calls for one batch come from one thread."""
+
+    @property
+    def compiled_table(self) -> bool:
+        """Whether `decide` takes the compiled core's hashed batch (`Fingerprinter.shingle`) when the
+        verifier is `compiled`, rather than a list of `Fingerprint`s."""
+        ...
+
+    def decide(self, batch: Batch, verifier: Verifier) -> list[Verdict]:
+        """The verdicts of the batch's messages, in order, as if decided one at a time: look up, verify
+        (by `verifier`), insert the unique ones. Runs all of `batch.meanwhile` before it returns."""
+        ...
 
     def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | None, list[Candidate]]]:
         """For each query: the entry already stored under its id (a replay), and up to `limit`
@@ -138,7 +201,7 @@ class PyTable:
     time does (Redis): a late copy of an old message does not push out recent ones.
     """
 
-    def __init__(self, window: float, bucket_cap: int = 64) -> None:
+    def __init__(self, window: float, bucket_cap: int) -> None:
         self.window = window
         self.bucket_cap = bucket_cap
         self._buckets: dict[int, int | list[int]] = {}
@@ -171,7 +234,7 @@ class PyTable:
         flat: list[int] = []
         for bucket in hits:
             if bucket.__class__ is int:
-                flat.append(bucket)  # type: ignore[arg-type]
+                flat.append(bucket)
             else:
                 flat.extend(bucket)  # type: ignore[arg-type]
         counts = Counter(flat)
@@ -202,7 +265,7 @@ class PyTable:
         get = self._buckets.get
         for key in keys:
             bucket = get(key)
-            if bucket == seq or (bucket.__class__ is list and seq in bucket):  # type: ignore[operator]
+            if bucket == seq or (bucket.__class__ is list and seq in bucket):
                 return key
         raise AssertionError(f"entry {seq} was counted but is in none of the query's buckets")
 
@@ -236,7 +299,7 @@ class PyTable:
             if bucket is seq:
                 continue
             if bucket.__class__ is int:
-                bucket = buckets[key] = [bucket]  # type: ignore[list-item]
+                bucket = buckets[key] = [bucket]
             # Buckets stay sorted by (event time, seq), so bucket[0] is the oldest one the cap evicts.
             if in_order or self._entries[bucket[-1]].ts <= ts:  # type: ignore[index]
                 bucket.append(seq)  # type: ignore[union-attr]
@@ -324,7 +387,7 @@ class MemoryIndex:
     Its storage is a `Table`: the compiled one when it was built, else `PyTable`; both answer alike.
     """
 
-    def __init__(self, window: float, bucket_cap: int = 64, *, native: bool | None = None) -> None:
+    def __init__(self, window: float, bucket_cap: int, *, native: bool | None = None) -> None:
         self.window = window
         self.bucket_cap = bucket_cap
         self.table = make_table(window, bucket_cap, native)
@@ -339,6 +402,40 @@ class MemoryIndex:
 
     def __len__(self) -> int:
         return len(self.table)
+
+    @property
+    def compiled_table(self) -> bool:
+        return self.native
+
+    def decide(self, batch: Batch, verifier: Verifier) -> list[Verdict]:
+        """Nothing else writes to this index: look up, verify and insert message by message, or the whole
+        batch in the compiled table (`Table.decide`) when the engine prepared it so."""
+        messages, prepared = batch.messages, batch.prepared
+        if isinstance(prepared, list | tuple):
+            verdicts = [self._decide_one(m, fp, verifier) for m, fp in zip(messages, prepared)]
+        else:
+            cfg = verifier.config
+            verdicts = self.table.decide(  # type: ignore[attr-defined]
+                [m.id for m in messages], [m.ts for m in messages], prepared, cfg.min_shared,
+                cfg.max_candidates, cfg.threshold, cfg.containment, cfg.containment_min_ratio,
+                cfg.containment_min_size, METHOD_NAMES, new_verdict)
+        finish(batch.meanwhile)
+        return verdicts
+
+    def _decide_one(self, msg: Message, fp: Fingerprint, verifier: Verifier) -> Verdict:
+        keys = fp.keys
+        own, candidates = self.lookup_keys(msg.id, msg.ts, keys, verifier.floor(len(keys)),
+                                           verifier.config.max_candidates)
+        if own is not None:
+            return Verdict(msg.id, False, method="replay")
+        if candidates:
+            verdict = verifier.first_match(msg, fp, candidates)
+            if verdict.duplicate:
+                return verdict
+        else:
+            verdict = Verdict(msg.id, False)
+        self.insert_one(Entry.of(msg.id, msg.ts, fp), keys)
+        return verdict
 
     def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | None, list[Candidate]]]:
         return [self.lookup_one(q, limit) for q in queries]
@@ -375,18 +472,3 @@ class MemoryIndex:
     def close(self) -> None:
         pass
 
-
-def open_index(url: str, *, window: float, bucket_cap: int, namespace: str,
-               native: bool | None = None, margin: float = 0.0) -> CandidateIndex:
-    """`memory://` or `redis://[:password@]host:port/db` / `rediss://...` (TLS) / `redis+cluster://`.
-
-    `native` picks the memory index's table (see `make_table`); `margin`, event time that a shared index
-    keeps beyond the window for the workers running behind the newest (see `RedisIndex`)."""
-    scheme = urlparse(url).scheme
-    if scheme == "memory":
-        return MemoryIndex(window, bucket_cap, native=native)
-    if scheme in ("redis", "rediss", "redis+cluster", "rediss+cluster", "unix"):
-        from filters.redis_index import RedisIndex  # the one backend that does I/O; loaded on demand
-
-        return RedisIndex(url, window=window, bucket_cap=bucket_cap, namespace=namespace, margin=margin)
-    raise ConfigError(f"unknown index URL scheme {scheme!r} in {url!r}: use memory:// or redis://")

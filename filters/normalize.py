@@ -63,6 +63,7 @@ import re
 import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
+from typing import Literal
 
 import numpy as np
 
@@ -197,7 +198,7 @@ def _keep_look_char(m: re.Match[str]) -> str:
 
 
 @functools.cache
-def _translation_tables() -> tuple[dict[int, str], dict[int, int], dict[int, str], dict[str, str]]:
+def _translation_tables() -> tuple[dict[int, int], dict[int, int], dict[int, str], dict[str, str]]:
     """Built once per process from the constant tables in `filters.charmaps` (they never change)."""
     confusables = str.maketrans(charmaps.CONFUSABLE_FROM, charmaps.CONFUSABLE_TO)
     t2s = str.maketrans(charmaps.TRADITIONAL, charmaps.SIMPLIFIED)
@@ -247,7 +248,7 @@ class NormalizeOptions:
 class _Stages:
     """The fused per-character tables of one `NormalizeOptions` (see the module docstring)."""
 
-    decompose: str | None  # NFKD (nfkc + strip_accents), NFD (strip_accents alone) or nothing
+    decompose: Literal["NFKD", "NFD"] | None  # NFKD (nfkc + strip_accents), NFD (strip_accents alone) or nothing
     chars: dict[int, str]  # stage 1 for str.translate: decomposed character → its form after casefold
     chars_lut: np.ndarray  # the same as uint32 code points, _DROP or _MULTI (see `multi`)
     multi: dict[str, str]  # stage 1 characters that become several (ß → ss)

@@ -74,9 +74,10 @@ import struct
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
+from importlib import resources
 from itertools import islice
 from operator import itemgetter
-from typing import Any
+from typing import Any, cast
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import numpy as np
@@ -107,12 +108,14 @@ except ImportError:  # pragma: no cover - redis-py works without it, slower
     hiredis = None  # type: ignore[assignment]
 
 from filters.errors import ConfigError, IndexCorrupt, IndexUnavailable, NeardupError, ServiceError
-from filters.index import Candidate, Entry, Query, new_candidate, new_entry
+from filters.index import Batch, Candidate, Entry, Query, Verifier, finish, new_candidate, new_entry
+from filters.records import Verdict
+from filters.shared import SharedDecider
 
 try:  # the compiled core; absent when it could not be built at install time (no C++ compiler)
-    from filters import _native
+    import filters._native as _native
 except ImportError:  # pragma: no cover - exercised on machines without a compiler
-    _native = None  # type: ignore[assignment]
+    _native = None
 
 __all__ = [
     "ENCODING_VERSION",
@@ -429,184 +432,16 @@ def _field_of(key: int) -> bytes:
         raise ValueError(f"bucket keys must be unsigned 64-bit ints, got {key!r}") from None
 
 
-# --- the insert script -----------------------------------------------------------------------------
+# --- the insert scripts ----------------------------------------------------------------------------
 
-INSERT_LUA = """
--- One caller's insert round, atomically. KEYS[1]: the namespace's meta hash.
--- ARGV: slice key prefix, window, slice length, bucket cap, TTL (ms), the caller's high-water mark of
---       event time, the slices the caller read (comma-separated, in the order of its tails), the seq
---       at its lookup and how many it inserted since, the margin (event time behind the window that a
---       slice is kept for callers running behind), then per entry: id, event time, encoded entry,
---       the number n of its buckets, what the caller saw of them (per slice it read, the last 8 bytes
---       of each bucket field, zeros if absent; '' for no check), and its n bucket field names.
--- Returns {seq, high-water mark, per entry: its seq (inserted), 0 (its id is live, or it is outside
---          the window: nothing to do) or -1 (a bucket changed since the caller saw it: not inserted)}.
-local meta, spre = KEYS[1], ARGV[1]
-local window, slice_len, cap, ttl = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
-local hwm = tonumber(ARGV[6])
-local ABSENT = string.rep('\\0', 8)
-local FIRST, PER_CALL = 11, FIELDS_PER_CALL
-local margin = tonumber(ARGV[10])
-local state = redis.call('HMGET', meta, 'seq', 'hwm')
-local stored_hwm = tonumber(state[2] or '-inf')
-if stored_hwm > hwm then hwm = stored_hwm end
-local start = tonumber(state[1] or '0')
-local seq = start
--- Nobody else inserted since the caller's lookup (and it read every slice, below): no bucket can
--- differ from what it saw.
-local alone = start == tonumber(ARGV[8]) + tonumber(ARGV[9])
--- Entries, and the slices a record that can still match may be in: from the lowest horizon of this
--- call to the highest event time.
-local entries = {}
-local low, top = math.huge, hwm
-local i = FIRST
-while i <= #ARGV do
-  local n = tonumber(ARGV[i + 3])
-  local ts = tonumber(ARGV[i + 1])
-  entries[#entries + 1] = {i, ts, n}
-  if ts < low then low = ts end
-  if ts > top then top = ts end
-  i = i + 5 + n
-end
-if hwm > low then low = hwm end
-local slices = {}
-for s = math.floor((low - window) / slice_len), math.floor(top / slice_len) do slices[#slices + 1] = s end
-local seen_at = {}  -- slice -> its place among the caller's
-local k = 0
-for s in string.gmatch(ARGV[7], '[^,]+') do seen_at[tonumber(s)] = k; k = k + 1 end
-for _, s in ipairs(slices) do
-  if not seen_at[s] then alone = false end
-end
--- What each slice holds of the fields this call needs: every id and, to compare with what the caller
--- saw, every bucket field (when alone, only those of the slices written to).
-local wanted = {}
-for _, s in ipairs(slices) do wanted[s] = {{}, {}} end
-for _, e in ipairs(entries) do
-  local at, n = e[1], e[3]
-  local target = math.floor(e[2] / slice_len)
-  for _, s in ipairs(slices) do
-    local w = wanted[s]
-    local f = 'e' .. ARGV[at]
-    if not w[2][f] then w[2][f] = true; w[1][#w[1] + 1] = f end
-    if not alone or s == target then
-      for j = at + 5, at + 4 + n do
-        f = ARGV[j]
-        if not w[2][f] then w[2][f] = true; w[1][#w[1] + 1] = f end
-      end
-    end
-  end
-end
-local orig, cur, dirty = {}, {}, {}
-for _, s in ipairs(slices) do
-  local o, key, names = {}, spre .. string.format('%d', s), wanted[s][1]
-  for a = 1, #names, PER_CALL do
-    local part = {unpack(names, a, math.min(a + PER_CALL - 1, #names))}
-    local values = redis.call('HMGET', key, unpack(part))
-    for j = 1, #part do o[part[j]] = values[j] end
-  end
-  orig[s], cur[s], dirty[s] = o, {}, {}
-end
-local function now(s, f)  -- a field as this call left it so far
-  local v = cur[s][f]
-  if v == nil then v = orig[s][f] end
-  return v
-end
--- Keeps the `cap` newest records (event time, then seq) of a bucket value, in insertion order.
-local function trim(v)
-  local recs, p = {}, 1
-  while p <= #v do
-    local ts, n = struct.unpack('<dI4', v, p)
-    local stop = p + 12 + n + 7
-    recs[#recs + 1] = {ts, string.sub(v, stop - 7, stop), p, stop}
-    p = stop + 1
-  end
-  if #recs <= cap then return v end
-  local order = {}
-  for j = 1, #recs do order[j] = recs[j] end
-  table.sort(order, function(a, b) if a[1] ~= b[1] then return a[1] > b[1] end return a[2] > b[2] end)
-  local keep = {}
-  for j = 1, cap do keep[order[j]] = true end
-  local out = {}
-  for _, r in ipairs(recs) do
-    if keep[r] then out[#out + 1] = string.sub(v, r[3], r[4]) end
-  end
-  return table.concat(out)
-end
-local results, added = {}, {}
-for _, e in ipairs(entries) do
-  local at, ts, n = e[1], e[2], e[3]
-  local id, blob, tails = ARGV[at], ARGV[at + 2], ARGV[at + 4]
-  local efield = 'e' .. id
-  local result = 0
-  local live = false  -- as in MemoryIndex, a live id keeps its first entry and moves nothing
-  for _, s in ipairs(slices) do
-    local old = now(s, efield)
-    if old and struct.unpack('<d', old, 2) >= hwm - window then live = true; break end
-  end
-  if not live then
-    if ts > hwm then hwm = ts end
-    if ts >= hwm - window then  -- else it is outside the window already and could never match
-      if tails ~= '' and not alone then
-        for _, s in ipairs(slices) do
-          local o, seen = orig[s], {}
-          for j = 1, n do
-            local v = o[ARGV[at + 4 + j]]
-            seen[j] = v and string.sub(v, -8) or ABSENT
-          end
-          local base = seen_at[s]
-          local want = base and string.sub(tails, base * n * 8 + 1, (base + 1) * n * 8) or string.rep(ABSENT, n)
-          if table.concat(seen) ~= want then result = -1; break end
-        end
-      end
-      if result == 0 then
-        seq = seq + 1
-        local rec = struct.pack('<dI4', ts, #id) .. id .. struct.pack('>I8', seq)
-        local s = math.floor(ts / slice_len)
-        local c, d = cur[s], dirty[s]
-        for j = at + 5, at + 4 + n do
-          local f = ARGV[j]
-          local v = now(s, f)
-          if v then
-            if #v > 2 * cap * #rec then v = trim(v) end
-            v = v .. rec
-          else
-            v = rec
-          end
-          c[f] = v
-          d[f] = true
-        end
-        c[efield] = blob
-        d[efield] = true
-        added[s] = (added[s] or 0) + 1
-        result = seq
-      end
-    end
-  end
-  results[#results + 1] = result
-end
-for _, s in ipairs(slices) do
-  local args = {}
-  for f in pairs(dirty[s]) do args[#args + 1] = f; args[#args + 1] = cur[s][f] end
-  if #args > 0 then
-    local key = spre .. string.format('%d', s)
-    for a = 1, #args, 2 * PER_CALL do
-      redis.call('HSET', key, unpack(args, a, math.min(a + 2 * PER_CALL - 1, #args)))
-    end
-    redis.call('HINCRBY', key, 'n', added[s])
-    redis.call('PEXPIRE', key, ttl)
-  end
-end
-local hwm_s = string.format('%.17g', hwm)
-if seq > start then
-  redis.call('HSET', meta, 'seq', string.format('%d', seq))
-  -- The slice wholly older than the window and the margin holds nothing that can match any more,
-  -- even for a caller `margin` behind in event time (the window's clock is the slowest worker's).
-  redis.call('UNLINK', spre .. string.format('%d', math.floor((hwm - window - margin) / slice_len) - 1))
-end
-if hwm > stored_hwm then redis.call('HSET', meta, 'hwm', hwm_s) end
-if seq > start or hwm > stored_hwm then redis.call('PEXPIRE', meta, ttl) end
-return {seq, hwm_s, results}
-""".replace("FIELDS_PER_CALL", str(FIELDS_PER_CALL))
+
+def _lua(name: str) -> str:
+    """A script of filters/lua/ (package data), with its FIELDS_PER_CALL filled in."""
+    source = resources.files("filters").joinpath("lua", name).read_text(encoding="utf-8")
+    return source.replace("FIELDS_PER_CALL", str(FIELDS_PER_CALL))
+
+
+INSERT_LUA = _lua("insert.lua")
 
 # The insert of a caller that nobody else inserted anything since its lookup: it read every field its
 # batch writes, so it computed the writes itself (`RedisIndex._alone`), and this only checks that the
@@ -614,31 +449,7 @@ return {seq, hwm_s, results}
 # (tests/test_redis_index.py compares the stored bytes), a fraction of the server's work. On standalone
 # Redis the same writes go as a MULTI/EXEC transaction guarded by WATCH instead (no Lua at all: about a
 # third of the server's time per message went into moving arguments in and out of the Lua VM).
-INSERT_ALONE_LUA = """
--- KEYS[1]: the namespace's meta hash. ARGV: seq and high-water mark expected ('' for none), the new
--- seq and high-water mark (written when different), TTL (ms), a slice key to unlink ('' for none),
--- then per slice written: its key, the number of entries, the number of field-value pairs, the pairs.
--- Returns 1 (written) or 0 (somebody else wrote meanwhile: nothing was written).
-local meta, ttl = KEYS[1], ARGV[5]
-local state = redis.call('HMGET', meta, 'seq', 'hwm')
-if (state[1] or '0') ~= ARGV[1] or (state[2] or '') ~= ARGV[2] then return 0 end
-local i = 7
-while i <= #ARGV do
-  local key, entries, pairs = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
-  i = i + 3
-  for a = i, i + 2 * pairs - 1, 2 * FIELDS_PER_CALL do
-    redis.call('HSET', key, unpack(ARGV, a, math.min(a + 2 * FIELDS_PER_CALL, i + 2 * pairs) - 1))
-  end
-  i = i + 2 * pairs
-  redis.call('HINCRBY', key, 'n', entries)
-  redis.call('PEXPIRE', key, ttl)
-end
-if ARGV[3] ~= ARGV[1] then redis.call('HSET', meta, 'seq', ARGV[3]) end
-if ARGV[4] ~= ARGV[2] then redis.call('HSET', meta, 'hwm', ARGV[4]) end
-if ARGV[3] ~= ARGV[1] or ARGV[4] ~= ARGV[2] then redis.call('PEXPIRE', meta, ttl) end
-if ARGV[6] ~= '' then redis.call('UNLINK', ARGV[6]) end
-return 1
-""".replace("FIELDS_PER_CALL", str(FIELDS_PER_CALL))
+INSERT_ALONE_LUA = _lua("insert_alone.lua")
 
 
 @dataclass(frozen=True, slots=True)
@@ -897,11 +708,12 @@ class RedisIndex:
         self._conn: Any = None
         self._epoch = 0
         self._guarded = False  # a transaction is being sent: a reconnect now would lose its WATCH
-        # Set by the engine (`NearDupFilter.decide`): a share of other work to run after a request went out
+        # Set by `decide` from its batch (`Batch.meanwhile`): a share of other work to run after a request went out
         # and before its replies are read (the next batch's fingerprints, while Redis works on this one):
         # during the lookup's read and the insert's write, not the short read of entries between them.
         # It returns True when nothing is left.
         self.meanwhile: Callable[[], bool] | None = None
+        self._decider = SharedDecider()
         options: dict[str, Any] = {
             "decode_responses": False,  # entries are bytes
             "retry": Retry(NoBackoff(), 0),  # no hidden retry loop: the worker decides
@@ -923,6 +735,20 @@ class RedisIndex:
             raise ConfigError(f"Redis index URL {self._where}: {exc}") from exc
 
     # -- CandidateIndex ------------------------------------------------------------------------
+    compiled_table = False  # a batch is decided from fingerprints (`filters.shared`), never the hashed batch
+
+    def decide(self, batch: Batch, verifier: Verifier) -> list[Verdict]:
+        """One lookup round for the batch, verification against it and the batch itself, insert rounds
+        (`SharedDecider`); the batch's `meanwhile` shares run during the round trips, the next batch's read
+        goes ahead (`prefetch`)."""
+        self.meanwhile = batch.meanwhile
+        try:
+            verdicts = self._decider.decide(self, batch, verifier)
+        finally:
+            left, self.meanwhile = self.meanwhile, None
+        finish(left)
+        return verdicts
+
     def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | None, list[Candidate]]]:
         ahead = self._ahead
         if ahead is not None:
@@ -1005,7 +831,7 @@ class RedisIndex:
     def _planned(self, queries: Sequence[Query]) -> tuple[list[bytes], list[list[bytes]], list[list[int]], list[int]]:
         """Every field name the batch reads, and its place in a column (`plan_fields`)."""
         try:
-            return self._plan([q.keys for q in queries], [_id_field(q.id) for q in queries])  # type: ignore[no-any-return]
+            return self._plan([q.keys for q in queries], [_id_field(q.id) for q in queries])
         except (struct.error, OverflowError):
             raise ValueError(f"bucket keys must be unsigned 64-bit ints: {[q.keys for q in queries]!r}") from None
 
@@ -1057,7 +883,7 @@ class RedisIndex:
         Entries and records that left the window by event time count until their slice goes."""
         with self._errors():
             seq, stored = self._client.hmget(self._meta, "seq", "hwm")
-            top = _stored_time(stored or b"")
+            top = _stored_time(cast("bytes | None", stored) or b"")
             slices = self._slices(top, top)
             replies = self._execute([c for s in slices for c in (("HLEN", f"{self._spre}{s}"),
                                                                   ("HGET", f"{self._spre}{s}", "n"))],
@@ -1073,7 +899,7 @@ class RedisIndex:
         if self._conn is not None:
             self._conn.deregister_connect_callback(self._connected)
             self._conn.disconnect()
-            self._client.connection_pool.release(self._conn)
+            cast(redis.Redis, self._client).connection_pool.release(self._conn)
             self._conn = None
             self._epoch += 1  # its WATCH is gone: a lookup's view from before guards nothing now
         self._client.close()
@@ -1180,7 +1006,8 @@ class RedisIndex:
     def _insert_chunk(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]:
         view = self._view
         looked = view.looked
-        fields_of, places_of = [], []
+        fields_of: list[list[bytes]] = []
+        places_of: list[list[int] | None] = []
         for entry, keys in entries:
             q = looked.get(entry.id)
             if q is not None and (view.keys_of[q] is keys or view.keys_of[q] == keys):
@@ -1201,7 +1028,7 @@ class RedisIndex:
                 out[i] = cands
         return out
 
-    def _places(self, id: str, fields: Sequence[bytes]) -> list[int | None]:
+    def _places(self, id: str, fields: Sequence[bytes]) -> Sequence[int | None]:
         view = self._view
         q = view.looked.get(id)
         return view.places_of[q] if q is not None and view.fields_of[q] is fields else [view.at.get(f) for f in fields]
@@ -1260,7 +1087,8 @@ class RedisIndex:
         looked = view.looked
         results, groups, pending, hwm, seq = self._round(
             [e.id for e, _ in entries], times, self._encode(list(entries), encode_entry), list(fields_of),
-            list(places_of), [view.entry_places[looked[e.id]] for e, _ in entries], tuple(slices), view.columns, writes,
+            cast("list[list[int]]", list(places_of)), [view.entry_places[looked[e.id]] for e, _ in entries],
+            tuple(slices), view.columns, writes,
             hwm, window, self.slice_length, cap, seq, _entry_time, trim_records)
         hwm_bytes = view.hwm if hwm <= stored_hwm else (b"%.17g" % hwm)
         gone = f"{self._spre}{self._slice(hwm - window - self.margin) - 1}" if seq > start else ""
@@ -1382,10 +1210,11 @@ class RedisIndex:
         routed) on one from the pool. A cluster client keeps redis-py's pipeline, which knows where a
         slot lives (a namespace is one slot, so one node)."""
         if isinstance(self._client, RedisCluster) or (hiredis is None and _native is None):
-            pipe = self._client.pipeline(transaction=False)
+            pipe = self._client.pipeline(transaction=False)  # type: ignore[no-untyped-call]
             for command in commands:
                 pipe.execute_command(*command)
-            return pipe.execute(raise_on_error=False)
+            replies: list[Any] = pipe.execute(raise_on_error=False)
+            return replies
         pool = self._client.connection_pool
         if not pinned:
             conn = pool.get_connection()
@@ -1398,8 +1227,8 @@ class RedisIndex:
     def _pinned(self) -> Any:
         """The instance's own connection (made on first use: a new connection is a new epoch)."""
         if self._conn is None:
-            conn = self._client.connection_pool.get_connection()  # connected already: no callback for it
-            conn.register_connect_callback(self._connected)
+            conn = cast(redis.Redis, self._client).connection_pool.get_connection()  # connected already: no callback for it
+            conn.register_connect_callback(self._connected)  # type: ignore[no-untyped-call]
             self._conn = conn
             self._epoch += 1
         return self._conn
@@ -1428,7 +1257,8 @@ class RedisIndex:
         if _native is not None:
             conn.send_packed_command([_native.pack_commands(list(commands))])
         else:
-            conn.send_packed_command([hiredis.pack_command(tuple(command)) for command in commands])
+            conn.send_packed_command([hiredis.pack_command(tuple(command))  # type: ignore[arg-type]
+                                      for command in commands])
 
     def _drain(self) -> None:
         """Reads the replies of the read sent ahead (`prefetch`), if not read yet, and keeps them for the

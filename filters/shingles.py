@@ -23,7 +23,8 @@ def mix64(x: np.ndarray) -> np.ndarray:
     """splitmix64 finalizer: a bijection on uint64 that spreads every input bit over the output."""
     x = (x ^ (x >> _S30)) * _M1
     x = (x ^ (x >> _S27)) * _M2
-    return x ^ (x >> _S31)
+    mixed: np.ndarray = x ^ (x >> _S31)
+    return mixed
 
 
 def seed_constant(seed: int) -> np.uint64:

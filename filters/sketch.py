@@ -15,10 +15,6 @@ from dataclasses import dataclass
 import numpy as np
 
 
-def bottom_k(sorted_hashes: np.ndarray, k: int) -> np.ndarray:
-    return sorted_hashes[:k]
-
-
 @dataclass(frozen=True, slots=True)
 class Overlap:
     """Estimated overlap of two shingle sets A (the new message) and B (a candidate)."""
@@ -65,7 +61,7 @@ class Probe:
         na, nb = len(la), len(lb)
         if not na or not nb:
             return 0.0, 0.0, 0.0
-        common = self.members.intersection(lb)
+        common: frozenset[int] | list[int] = self.members.intersection(lb)
         # A sketch that holds fewer hashes than its text has shingles is complete only up to its largest.
         tau_a = la[-1] if self.size > na else None
         tau_b = lb[-1] if size_b > nb else None

@@ -36,7 +36,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Protocol
+from typing import Any, Protocol
 
 from stream.kafka_tools import KafkaRecord
 
@@ -242,7 +242,9 @@ class Aligner:
         return self._taken(records, times, late, waiting)
 
     def _take_arrival(self, n: int) -> Taken:
-        records, times, late = [], [], []
+        records: list[KafkaRecord] = []
+        times: list[float] = []
+        late: list[float] = []
         while self._arrival and len(records) < n:
             _, ts, record = self._arrival.popleft()
             records.append(record)
@@ -339,7 +341,7 @@ class RedisMarks:
         self.key = f"{{{target.prefix}:{namespace}}}:marks:{group}"
         self.member = member or uuid.uuid4().hex[:12]
         self.ttl_ms = max(1, round(ttl * 1000))
-        options = {"decode_responses": False, "socket_timeout": 5.0, "socket_connect_timeout": 5.0}
+        options: dict[str, Any] = {"decode_responses": False, "socket_timeout": 5.0, "socket_connect_timeout": 5.0}
         self._client = (RedisCluster.from_url(target.client_url, **options) if target.cluster
                         else aioredis.Redis.from_url(target.client_url, **options))
         self._script = self._client.register_script(MARKS_LUA)

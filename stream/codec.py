@@ -119,7 +119,7 @@ def _ts(record: dict[str, Any], field: str, fallback: float) -> float:
         try:
             value = float(value)
         except ValueError:
-            raise RejectedInput(f"{field!r} is not a number: {value[:40]!r}", "bad_timestamp") from None
+            raise RejectedInput(f"{field!r} is not a number: {record[field][:40]!r}", "bad_timestamp") from None
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
         raise RejectedInput(f"{field!r} must be seconds since the epoch (>= 0)", "bad_timestamp")
     if value > MAX_EVENT_TIME:
@@ -130,7 +130,7 @@ def _ts(record: dict[str, Any], field: str, fallback: float) -> float:
 
 def duplicate_record(decoded: Decoded, verdict: Verdict, fmt: RecordFormat) -> bytes:
     """The original record plus `duplicate_of`, `similarity` and `method`, as one JSON line."""
-    record = dict(decoded.record) if decoded.record is not None else {
+    record: dict[str, Any] = dict(decoded.record) if decoded.record is not None else {
         fmt.id_field: decoded.message.id, fmt.text_field: decoded.message.text,
     }
     record["duplicate_of"] = verdict.duplicate_of

@@ -18,7 +18,7 @@ def _logging(level: str, fmt: str = "plain") -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from stream.worker import serve
+    from stream.ops import serve
 
     settings = settings_from_args(args)
     _logging(settings.log_level, settings.log_format)

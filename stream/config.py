@@ -270,7 +270,7 @@ def mask_url(text: str) -> str:
 
 
 def mask_value(name: str, value: Any) -> Any:
-    meta = next((f.metadata for f in setting_fields() if f.name == name), {})
+    meta: Mapping[str, Any] = next((f.metadata for f in setting_fields() if f.name == name), {})
     if meta.get("secret") or name.endswith("password"):
         return MASK if value else value
     if isinstance(value, str):

@@ -64,7 +64,7 @@ def pair_detail(nd: NearDupFilter, earlier: str, later: str) -> PairDetail:
     cfg = nd.config
     fa, fb = nd.fingerprinter.fingerprint_batch([earlier, later])
     shared = [k for k in fb.keys if k in set(fa.keys)]
-    floor = nd._floor(len(fb.keys)) if fb.keys else 1
+    floor = nd.floor(len(fb.keys)) if fb.keys else 1
     ov = overlap(fb.sketch, fb.size, fa.sketch, fa.size)
     containment = max(ov.containment_a, ov.containment_b)
     match = nd.verify(fb, Candidate(Entry.of("A", 0.0, fa), len(shared), shared[0] if shared else 0))

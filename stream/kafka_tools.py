@@ -9,7 +9,6 @@ import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, BinaryIO
 
 import orjson
@@ -246,12 +245,6 @@ async def produce_lines(
                     break
             await asyncio.gather(*pending)
     return sent
-
-
-async def produce_file(settings: Settings, path: str | Path, topic: str, *, key_field: str = "",
-                       limit: int | None = None) -> int:
-    with open(path, "rb") as f:
-        return await produce_lines(settings, f, topic, key_field=key_field, limit=limit)
 
 
 # -- read ----------------------------------------------------------------------------------------

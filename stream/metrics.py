@@ -12,12 +12,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from filters.engine import Message, NearDupFilter, Prepared, Verdict
-from filters.index import Candidate, CandidateIndex, Entry, Query
+from filters.index import Batch, Candidate, CandidateIndex, Entry, Query, Verifier
 
 STAGES = ("decode", "fingerprint", "index", "produce")
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -201,11 +202,20 @@ class TimedFilter:
 
 
 class TimedIndex:
-    """A `CandidateIndex` that times the round trips of another (a shared one: Redis)."""
+    """A `CandidateIndex` that times the round trips of another (a shared one: Redis). It wraps the door
+    (`decide`): the batch goes to the inner index whole (its overlap and read-ahead with it), with the
+    timing as the batch's `observe`."""
 
     def __init__(self, inner: CandidateIndex, observe: Callable[[str, float], None]) -> None:
         self.inner = inner
         self._observe = observe
+
+    @property
+    def compiled_table(self) -> bool:
+        return self.inner.compiled_table
+
+    def decide(self, batch: Batch, verifier: Verifier) -> list[Verdict]:
+        return self.inner.decide(replace(batch, observe=self._observe), verifier)
 
     def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | None, list[Candidate]]]:
         t0 = time.perf_counter()

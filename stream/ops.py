@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -22,10 +23,24 @@ from filters.errors import NeardupError, RejectedInput
 from filters.index import MemoryIndex
 from stream.campaigns import CampaignDetail, CampaignStore, CampaignView, MemoryCampaigns, Sighting, open_campaigns
 from stream.codec import decode
+from stream.collector import tune_collector
 from stream.config import Settings
 from stream.kafka_tools import KafkaRecord, client_options
 from stream.metrics import TimedIndex, WorkerMetrics, timed_route_runner
-from stream.worker import H_DUPLICATE_OF, H_REASON, H_VERDICT, AiokafkaWorker, FaustWorker, OutRecord, Router
+from stream.worker import (
+    H_DUPLICATE_OF,
+    H_REASON,
+    H_VERDICT,
+    AiokafkaWorker,
+    FaustWorker,
+    OutRecord,
+    Router,
+    WorkerStats,
+    make_worker,
+)
+from stream.worker import (
+    log as worker_log,
+)
 
 log = logging.getLogger("neardup.ops")
 
@@ -283,3 +298,25 @@ async def _lag(consumer: Any) -> dict[tuple[str, int], int]:
             continue  # revoked meanwhile, or no position yet
         out[(tp.topic, tp.partition)] = max(0, highwater - position)
     return out
+
+
+async def serve(settings: Settings) -> WorkerStats:
+    """Run a worker until SIGINT/SIGTERM; the batch in progress is finished and committed first."""
+    worker = make_worker(settings)
+    ops = Ops(settings, worker)
+    ops.attach()
+    await ops.start()
+    tune_collector()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, worker.stop)
+    worker_log.info("serving %s → %s / %s / %s (runtime %s, index %s)", ",".join(settings.input_topics),
+             settings.unique_topic, settings.duplicate_topic, settings.dead_letter_topic, settings.runtime,
+             settings.masked()["index"])
+    try:
+        return await worker.run()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        await ops.stop()
+        worker.nd.index.close()

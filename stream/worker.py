@@ -46,7 +46,6 @@ import contextlib
 import logging
 import math
 import shutil
-import signal
 import tempfile
 import time
 import uuid
@@ -69,13 +68,12 @@ from aiokafka.errors import (
 )
 from aiokafka.partitioner import DefaultPartitioner
 
+from filters.backends import open_index
 from filters.engine import NearDupFilter
 from filters.errors import ConfigError, IndexUnavailable, RejectedInput, ServiceError
-from filters.index import open_index
 from filters.records import maker
 from stream.align import Aligner, GroupMarks, GroupView, SoloMarks, Taken, lanes_of, open_marks
 from stream.codec import RecordFormat, decode, event_time
-from stream.collector import tune_collector
 from stream.config import Settings
 from stream.kafka_tools import (
     Headers,
@@ -711,10 +709,11 @@ class AiokafkaWorker(_WorkerCore):
                 following = self.aligner.take(s.max_batch, self.group)
                 pending_assignment = self._rebalance.assignments
                 async with self._lock:
+                    owned: Taken | None = batch
                     if assignment != self._rebalance.assignments or self._rewound:  # a rebalance meanwhile
-                        batch, assignment = self._still_owned(batch), self._rebalance.assignments
-                    if batch is not None:
-                        await self._batch(consumer, prod, batch, assignment, following.records)
+                        owned, assignment = self._still_owned(batch), self._rebalance.assignments
+                    if owned is not None:
+                        await self._batch(consumer, prod, owned, assignment, following.records)
                 pending = following if following else None
         finally:
             stop_wait.cancel()
@@ -1262,27 +1261,3 @@ def make_worker(settings: Settings, nd: NearDupFilter | None = None, *,
     if settings.runtime == "faust":
         return FaustWorker(settings, nd, observer=observer)
     raise ConfigError(f"unknown runtime {settings.runtime!r}")
-
-
-async def serve(settings: Settings) -> WorkerStats:
-    """Run a worker until SIGINT/SIGTERM; the batch in progress is finished and committed first."""
-    from stream.ops import Ops  # metrics, campaign view, HTTP endpoints
-
-    worker = make_worker(settings)
-    ops = Ops(settings, worker)
-    ops.attach()
-    await ops.start()
-    tune_collector()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, worker.stop)
-    log.info("serving %s → %s / %s / %s (runtime %s, index %s)", ",".join(settings.input_topics),
-             settings.unique_topic, settings.duplicate_topic, settings.dead_letter_topic, settings.runtime,
-             settings.masked()["index"])
-    try:
-        return await worker.run()
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
-        await ops.stop()
-        worker.nd.index.close()

@@ -11,13 +11,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from filters.engine import NearDupFilter
-from stream.align import Aligner, GroupView, RedisMarks
-from stream.backlog import Item, backlog, differences, f1, reference
-from stream.kafka_tools import KafkaRecord
-from stream.worker import AiokafkaWorker
-from tests.kafka_support import redis_namespace
-from tests.reliability_support import (
+from bench.kafka_support import redis_namespace
+from bench.reliability import (
     ProxyThread,
     Serve,
     create_topics,
@@ -28,6 +23,11 @@ from tests.reliability_support import (
     serving,
     wait_assigned,
 )
+from filters.engine import NearDupFilter
+from stream.align import Aligner, GroupView, RedisMarks
+from stream.backlog import Item, backlog, differences, f1, reference
+from stream.kafka_tools import KafkaRecord
+from stream.worker import AiokafkaWorker
 
 
 class Clock:

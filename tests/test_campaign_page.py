@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import redis
 
+from bench.kafka_support import free_port, outputs, produce, redis_namespace, settings_for
 from stream.campaigns import GROWTH_SMOOTHING
 from stream.kafka_tools import KafkaRecord
-from tests.kafka_support import free_port, outputs, produce, redis_namespace, settings_for
 from tests.test_ops import CAMPAIGNS, COPIES, campaign_lines, duplicates_per_representative, running, until
 
 pytestmark = [pytest.mark.services, pytest.mark.timeout(120)]

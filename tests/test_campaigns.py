@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import redis
 
+from bench.kafka_support import redis_namespace
 from stream.campaigns import SAMPLES, CampaignDetail, MemoryCampaigns, RedisCampaigns, Sighting, growth_score
 from stream.ops_http import FONT_STACK
-from tests.kafka_support import redis_namespace
 from tests.test_campaign_page import browse, campaign_keys, chromium
 from tests.test_ops import REPO, Clock, get, serving, sightings, store  # noqa: F401 (store: the fixture)
 

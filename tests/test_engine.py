@@ -13,7 +13,8 @@ import pytest
 from filters.config import METHODS, FilterConfig
 from filters.engine import Match, Message, NearDupFilter, Verdict
 from filters.fingerprint import hamming, key_method, minhash_jaccard
-from filters.index import Candidate, CandidateIndex, Entry, MemoryIndex, Query
+from filters.index import Batch, Candidate, CandidateIndex, Entry, MemoryIndex, Query, Verifier, finish
+from filters.shared import SharedDecider
 from stream.testing import ManualClock
 
 LETTERS = "abcdefghjkmnpqrstuvwxyz"
@@ -35,10 +36,21 @@ class ProxyIndex:
     """A `CandidateIndex` that is not a `MemoryIndex`: makes the engine take its shared-index path
     (one lookup and one insert round per batch), backed by a MemoryIndex."""
 
+    compiled_table = False
+
     def __init__(self, window: float, bucket_cap: int = 64) -> None:
         self.inner = MemoryIndex(window, bucket_cap)
         self.lookups = 0
         self.inserts = 0
+        self._decider = SharedDecider()
+
+    def decide(self, batch: Batch, verifier: Verifier) -> list[Verdict]:
+        verdicts = self._decider.decide(self, batch, verifier)
+        finish(batch.meanwhile)
+        return verdicts
+
+    def prefetch(self, queries: Sequence[Query]) -> None:
+        pass  # nothing to read ahead in memory
 
     def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | None, list[Candidate]]]:
         self.lookups += 1
@@ -60,7 +72,25 @@ class ProxyIndex:
 
 def test_proxy_index_satisfies_the_protocol() -> None:
     assert isinstance(ProxyIndex(10.0), CandidateIndex)
-    assert isinstance(MemoryIndex(10.0), CandidateIndex)
+    assert isinstance(MemoryIndex(10.0, 64), CandidateIndex)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_every_share_of_the_work_given_to_decide_runs_before_it_returns(shared: bool) -> None:
+    """`decide(..., meanwhile=...)` through the door: whatever the backend, every share has run when the
+    verdicts come back, and none runs after the one that said it was the last."""
+    cfg = FilterConfig(window=3600.0)
+    nd = NearDupFilter(cfg, index=ProxyIndex(cfg.window) if shared else "memory://")
+    calls = []
+
+    def share() -> bool:
+        calls.append(1)
+        return len(calls) >= 3
+
+    messages = [nd.message(f"message number {i} about nothing in particular", id=str(i), ts=i) for i in range(5)]
+    assert nd.decide(messages, nd.prepare([m.text for m in messages]), meanwhile=share) == \
+        NearDupFilter(cfg).check_batch(messages)
+    assert len(calls) == 3
 
 
 # -- basic verdicts -------------------------------------------------------------------------------

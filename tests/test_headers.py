@@ -6,10 +6,11 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 
-from filters.engine import Message, NearDupFilter
-from filters.index import Candidate, Entry, Query
+from bench.kafka_support import redis_namespace
+from filters.engine import Message, NearDupFilter, Verdict
+from filters.index import Batch, Candidate, Entry, Query, Verifier, finish
 from filters.redis_index import RedisIndex
-from tests.kafka_support import redis_namespace
+from filters.shared import SharedDecider
 
 ORIGINAL = "Congratulations! You have won a 1000 dollar gift card, call 555-0100 now to claim your prize today"
 COPY_A = "Congratulations!! You have won a 1000 dollar gift card, call 555-0177 now to claim your prize today"
@@ -18,12 +19,23 @@ COPY_B = "Congratulations! You have won a 1000 dollar gift card, call 555-0199 n
 
 class Racing:
     """The Redis index of one worker, with another worker's batch decided between its lookup and its insert:
-    what two workers racing on near-duplicates do, on cue."""
+    what two workers racing on near-duplicates do, on cue (the shared decision over its own rounds)."""
+
+    compiled_table = False
 
     def __init__(self, index: RedisIndex, other: NearDupFilter, batch: Sequence[Message]) -> None:
         self.index = index
         self.other = other
         self.batch = batch
+        self._decider = SharedDecider()
+
+    def decide(self, batch: Batch, verifier: Verifier) -> list[Verdict]:
+        verdicts = self._decider.decide(self, batch, verifier)
+        finish(batch.meanwhile)
+        return verdicts
+
+    def prefetch(self, queries: Sequence[Query]) -> None:
+        pass  # every lookup reads when it is made
 
     def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | None, list[Candidate]]]:
         return self.index.lookup(queries, limit)

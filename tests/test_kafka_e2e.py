@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from bench.kafka_support import outputs, produce, redis_namespace, reference_verdicts, settings_for
 from stream.config import Settings, settings_env
 from stream.kafka_tools import KafkaRecord, ensure_topics, read_topics
 from stream.runner import Routed
-from tests.kafka_support import outputs, produce, redis_namespace, reference_verdicts, settings_for
 
 pytestmark = [pytest.mark.services, pytest.mark.timeout(180)]
 

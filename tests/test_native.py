@@ -24,6 +24,7 @@ from filters.errors import IndexCorrupt
 from filters.fingerprint import _MGRAM_TAG, _TAG_ROOM, Fingerprinter
 from filters.index import Candidate, Entry, MemoryIndex, PyTable, make_table, native_available
 from filters.redis_index import decode_entry, encode_entry, rank_records
+from filters.shared import against
 from filters.shingles import Batch
 from tests.test_index_contract import assert_same_entry
 
@@ -197,7 +198,7 @@ def test_memory_is_visible_to_tracemalloc_and_freed_by_the_window() -> None:
     """bench/filter_bench.py meters memory with tracemalloc: the compiled table allocates where it looks.
     Expired entries give their memory back; the bucket table keeps its size for the next ones (as a
     dict does), so a second window's worth of entries costs nothing more than the first."""
-    index = MemoryIndex(10.0, native=True)
+    index = MemoryIndex(10.0, 64, native=True)
     sketch = np.arange(128, dtype=np.uint32)
 
     def fill(ts: float, tag: str) -> None:
@@ -282,7 +283,7 @@ _SPAM = ["win a free cruise call now", "your parcel waits confirm the fee", "che
 @given(seed=st.integers(0, 2**32 - 1), count=st.integers(1, 40), limit=st.integers(1, 6),
        threshold=st.sampled_from([0.5, 0.8]))
 def test_the_shared_loop_decides_as_the_python_reference(seed: int, count: int, limit: int, threshold: float) -> None:
-    """`Table.decide_shared` against `NearDupFilter._against`'s Python loop on made-up lookups: stored
+    """`Table.decide_shared` against `filters.shared.against`'s Python loop on made-up lookups: stored
     entries that are near-duplicates of the message or not, exact copies, random shared counts, first
     keys and event times (ties), replays stored or earlier in the batch, and candidate limits that
     truncate the merge of the batch's own candidates with the shared index's."""
@@ -295,8 +296,8 @@ def test_the_shared_loop_decides_as_the_python_reference(seed: int, count: int, 
         return " ".join(base) + f" {rng.randint(0, 99)}"
 
     config = FilterConfig(window=1000.0, threshold=threshold, max_candidates=limit)
-    engine = NearDupFilter(config, index="redis://127.0.0.1:1/0")  # never connected: only _against runs
-    assert engine._shared_in_table
+    engine = NearDupFilter(config, index="redis://127.0.0.1:1/0")  # never connected: only `against` runs
+    assert engine.compiled
     ids = [f"m{rng.randint(0, count + 5)}" for _ in range(count)]
     messages = [Message(id, text(), 1000.0 + rng.choice([0.0, 1.0, 2.0])) for id in ids]
     fps = engine.fingerprinter.fingerprint_batch([m.text for m in messages])
@@ -311,8 +312,8 @@ def test_the_shared_loop_decides_as_the_python_reference(seed: int, count: int, 
         looked.append((own, cands))
     results = []
     for compiled in (True, False):
-        engine._shared_in_table = compiled
-        verdicts, pending = engine._against(messages, fps, looked)
+        engine.compiled = compiled
+        verdicts, pending = against(engine, messages, fps, looked)
         results.append((verdicts, sorted(pending), [e.id for _, e in sorted(pending.items())]))
     assert results[0] == results[1]
 

@@ -33,6 +33,15 @@ import redis
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.kafka_support import (
+    TcpProxy,
+    free_port,
+    outputs,
+    produce,
+    redis_namespace,
+    settings_for,
+    unique_name,
+)
 from filters.errors import ConfigError
 from stream.campaigns import Campaign, CampaignDetail, CampaignView, MemoryCampaigns, RedisCampaigns, Sighting, open_campaigns
 from stream.cli import main as cli_main
@@ -44,15 +53,6 @@ from stream.ops import Ops
 from stream.ops_http import render_page, sparkline, start_server
 from stream.top import CLEAR, SHOW_CURSOR, fit, render, run_top, safe
 from stream.worker import AiokafkaWorker, FaustWorker, make_worker
-from tests.kafka_support import (
-    TcpProxy,
-    free_port,
-    outputs,
-    produce,
-    redis_namespace,
-    settings_for,
-    unique_name,
-)
 from tests.test_kafka_e2e import REPO, alive, serve_env, stop
 
 DOCKER = REPO / "docker"

@@ -15,15 +15,16 @@ import numpy as np
 import orjson
 import pytest
 import redis
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from filters import redis_index
+from filters.backends import open_index
 from filters.config import FilterConfig
 from filters.engine import Message, NearDupFilter, Verdict
 from filters.errors import ConfigError, IndexCorrupt, IndexUnavailable, NeardupError
-from filters.index import Candidate, Entry, MemoryIndex, Query, open_index
+from filters.index import Candidate, Entry, MemoryIndex, Query
 from filters.redis_index import (
     ENCODING_VERSION,
     INSERT_CHUNK,
@@ -34,6 +35,7 @@ from filters.redis_index import (
     parse_records,
 )
 from stream.codec import RecordFormat
+from stream.metrics import TimedIndex
 from stream.runner import DUPLICATE, RawRecord, route_batch, route_batches
 from tests.test_index_contract import _view, assert_same_entry, drop_namespace, generated_messages, with_query
 
@@ -736,15 +738,15 @@ def test_stats_from_another_thread_while_batches_are_routed(make: Callable[..., 
 def test_the_compiled_shared_loop_decides_as_the_python_one(make: Callable[..., RedisIndex], seed: int, batch: int,
                                                              cap: int, limit: int) -> None:
     """`Table.decide_shared` (replays, the batch's own messages merged with the shared candidates,
-    verification, the unique inserted) against `NearDupFilter._decide_shared`'s Python loop: the same
+    verification, the unique inserted) against `filters.shared.against`'s Python loop: the same
     verdicts, message for message, with tiny caps and candidate limits (ties and truncation matter)."""
     config = FilterConfig(window=WINDOW, bucket_cap=cap, max_candidates=limit)
     messages = generated_messages(900, seed=seed)
     verdicts = []
     for name in ("compiled", "python"):
         engine = NearDupFilter(config, index=make(name, bucket_cap=cap))
-        assert engine._shared_in_table
-        engine._shared_in_table = name == "compiled"
+        assert engine.compiled
+        engine.compiled = name == "compiled"
         verdicts.append([v for at in range(0, len(messages), batch) for v in engine.check_batch(messages[at : at + batch])])
     assert verdicts[0] == verdicts[1]
     kinds = Counter("replay" if v.method == "replay" else v.duplicate for v in verdicts[0])
@@ -802,6 +804,45 @@ def test_work_given_to_decide_runs_while_redis_answers(make: Callable[..., Redis
         del conn.send_packed_command
 
 
+def test_a_wrapped_index_keeps_the_overlap_and_the_read_ahead(make: Callable[..., RedisIndex]) -> None:
+    """Through a wrapper (`TimedIndex`, as `neardup serve` wraps the index), the batch's `meanwhile` work still
+    runs while Redis answers the lookup, the next batch's read still goes ahead, and each round is timed."""
+    index = make(bucket_cap=64)
+    config = FilterConfig(window=WINDOW)
+    timed: list[str] = []
+    engine = NearDupFilter(config, index=TimedIndex(index, lambda op, s: timed.append(op)))
+    messages = generated_messages(60, seed=10)
+    index.lookup([Query("warm", 1.7e9, (1,))], 8)  # connects the pinned connection
+    conn = index._conn
+    events: list[str] = []
+    read, send = conn.read_response, conn.send_packed_command
+
+    def reading(*args: object, **kwargs: object) -> object:
+        events.append("read")
+        return read(*args, **kwargs)
+
+    def sending(packed: list[bytes], *args: object, **kwargs: object) -> object:
+        events.append("send lookup" if b"UNWATCH" in b"".join(packed) else "send")
+        return send(packed, *args, **kwargs)
+
+    def share() -> bool:
+        events.append("work")
+        return events.count("work") >= 2
+
+    conn.read_response, conn.send_packed_command = reading, sending
+    try:
+        first, following = messages[:30], messages[30:]
+        later = engine.prepare([m.text for m in following])
+        engine.decide(first, engine.prepare([m.text for m in first]), meanwhile=share, upcoming=(following, later))
+        assert events[:2] == ["send lookup", "work"] and events.count("work") == 2
+        assert index._ahead is not None  # the following batch's read went out
+    finally:
+        del conn.read_response
+        del conn.send_packed_command
+    assert timed[:2] == ["lookup", "insert"]
+    assert engine.decide(following, later) == NearDupFilter(config).check_batch(messages)[30:]
+
+
 def test_reading_ahead_on_redis_routes_as_batch_after_batch(make: Callable[..., RedisIndex]) -> None:
     lines = [orjson.dumps({"id": m.id, "text": m.text, "ts": m.ts}) for m in generated_messages(700, seed=4)]
     batch = [RawRecord(line, str(i), 0.0) for i, line in enumerate(lines)]
@@ -851,6 +892,43 @@ def test_uncontended_inserts_store_what_the_checking_script_stores(make: Callabl
     assert calls["fast"] >= 10  # the uncontended path did the work
     assert _namespace_dump(redis_url, prefix, "fast") == _namespace_dump(redis_url, prefix, "checked")
     assert _namespace_dump(redis_url, prefix, "reference") == _namespace_dump(redis_url, prefix, "checked")
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**16), cap=st.integers(1, 4), window=st.sampled_from([20.0, 3600.0]),
+       turns=st.lists(st.tuples(st.booleans(), st.integers(1, 40)), min_size=1, max_size=8))
+def test_the_claim_rule_is_one_rule_in_lua_compiled_and_python(redis_url: str, prefix: str, seed: int, cap: int,
+                                                               window: float, turns: list[tuple[bool, int]]) -> None:
+    """The insert/claim rule written three times: in Lua (filters/lua/insert.lua, every insert checked by the
+    server), compiled (`_native.alone_round`) and in Python (`redis_index.alone_round`), both of which compute
+    an uncontended round on the client. Two workers share a namespace and take random turns with random
+    batches (a turn after the other's is contended: the checked script decides it): the three variants leave
+    the same verdicts and the very same bytes."""
+    messages = generated_messages(sum(n for _, n in turns), seed=seed)
+    config = FilterConfig(window=window, bucket_cap=cap)
+    run = uuid.uuid4().hex[:8]
+    dumps, verdicts = [], []
+    for variant in ("lua", "compiled", "python"):
+        namespace = f"{variant}-{run}"
+        workers = [RedisIndex(with_query(redis_url, prefix=prefix), window=window, bucket_cap=cap, namespace=namespace)
+                   for _ in range(2)]
+        for index in workers:
+            index.alone_inserts = variant != "lua"
+            if variant == "python":
+                index._plan, index._rank, index._round, index._decode, index._rank_all, index._encode = (
+                    redis_index.plan_fields, redis_index.rank_records, redis_index.alone_round,
+                    redis_index.decode_entries, redis_index.rank_lookup, redis_index.encode_entries)
+        engines = [NearDupFilter(config, index=index) for index in workers]
+        got, at = [], 0
+        for second, n in turns:
+            got += engines[second].check_batch(messages[at : at + n])
+            at += n
+        verdicts.append(got)
+        dumps.append(_namespace_dump(redis_url, prefix, namespace))
+        for index in workers:
+            index.close()
+    assert verdicts[0] == verdicts[1] == verdicts[2]
+    assert dumps[0] == dumps[1] == dumps[2]
 
 
 def _counting_taken(index: RedisIndex) -> list[bool]:

@@ -1,6 +1,6 @@
 """Reliability on the real broker and Redis: races, kill -9, rebalances, broker restart, hostile input, memory, secrets.
 
-Every scenario uses `neardup serve` processes (tests/reliability_support.py) unless it needs to look
+Every scenario uses `neardup serve` processes (bench/reliability.py) unless it needs to look
 inside the worker; `pytest -s` prints the table of figures that the README's "Guarantees" section shows.
 """
 
@@ -21,14 +21,14 @@ import pytest
 import redis
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
+from bench import reliability as rs
+from bench.kafka_support import committed, redis_namespace, run_until
 from filters.config import FilterConfig
 from filters.errors import ConfigError, ServiceError
 from stream import commands
 from stream.config import Settings, load_settings, settings_from_args
 from stream.kafka_tools import KafkaRecord, client_options
 from stream.worker import MAX_OUTPUT_BYTES, make_worker
-from tests import reliability_support as rs
-from tests.kafka_support import committed, redis_namespace, run_until
 
 pytestmark = [pytest.mark.services, pytest.mark.timeout(240)]
 

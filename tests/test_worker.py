@@ -15,11 +15,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.partitioner import DefaultPartitioner
 
-from filters.errors import ConfigError
-from stream import commands
-from stream.kafka_tools import KafkaRecord, client_options, ensure_topics
-from stream.worker import AiokafkaWorker, Lookahead, OutRecord, make_worker, raw_record, route_records
-from tests.kafka_support import (
+from bench.kafka_support import (
     TcpProxy,
     committed,
     drop_index,
@@ -32,6 +28,10 @@ from tests.kafka_support import (
     settings_for,
     unique_name,
 )
+from filters.errors import ConfigError
+from stream import commands
+from stream.kafka_tools import KafkaRecord, client_options, ensure_topics
+from stream.worker import AiokafkaWorker, Lookahead, OutRecord, make_worker, raw_record, route_records
 
 pytestmark = [pytest.mark.services, pytest.mark.timeout(120)]
 

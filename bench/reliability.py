@@ -4,7 +4,7 @@ Shared by tests/test_reliability.py (which asserts on the results) and bench/fau
 them as the README table). Each scenario runs real `neardup serve` processes against the real broker
 and Redis, with topics, consumer group and Redis namespace of its own.
 
-Run as `python -m tests.reliability_support serve [flags]`, it is `neardup serve` with an optional test
+Run as `python -m bench.reliability serve [flags]`, it is `neardup serve` with an optional test
 hook on the Redis index, chosen by $RELIABILITY_INDEX_HOOK (comma-separated):
 `pause=SECONDS` sleeps after every lookup (widens the window in which two workers race, or slows a
 worker down so that a fault lands mid-stream); `racy` turns the atomic check-and-insert into a plain
@@ -40,13 +40,13 @@ import redis
 from aiokafka import AIOKafkaConsumer
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.kafka_support import TcpProxy, free_port, redis_namespace, settings_for
 from filters.config import FilterConfig
 from filters.engine import NearDupFilter
 from filters.redis_index import parse_records
 from stream.config import Settings, setting_fields, settings_env
 from stream.kafka_tools import KafkaRecord, client_options, ensure_topics, producer
 from stream.runner import RawRecord, route_batch
-from tests.kafka_support import TcpProxy, free_port, redis_namespace, settings_for
 
 REPO = Path(__file__).resolve().parents[1]
 HOOK_ENV = "RELIABILITY_INDEX_HOOK"
@@ -78,7 +78,7 @@ class Serve:
         self.name = name
         self.log_path = log_dir / f"{name}-{uuid.uuid4().hex[:6]}.log"
         self._log = open(self.log_path, "wb")  # closed in stop()
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.reliability_support", "serve", *args],
+        self.proc = subprocess.Popen([sys.executable, "-m", "bench.reliability", "serve", *args],
                                      cwd=REPO, env=serve_env(settings, hook), stdout=subprocess.DEVNULL,
                                      stderr=self._log)
 
@@ -834,7 +834,7 @@ def longest_gap(records: Sequence[KafkaRecord]) -> float:
 def main(argv: Sequence[str]) -> int:
     """`serve [flags]`: neardup serve, with the index hook of $RELIABILITY_INDEX_HOOK installed."""
     if not argv or argv[0] != "serve":
-        raise SystemExit("usage: python -m tests.reliability_support serve [neardup serve flags]")
+        raise SystemExit("usage: python -m bench.reliability serve [neardup serve flags]")
     _install_hook(os.environ.get(HOOK_ENV, ""))
     from stream.commands import main as neardup
 

@@ -1,0 +1,23 @@
+-- KEYS[1]: the namespace's meta hash. ARGV: seq and high-water mark expected ('' for none), the new
+-- seq and high-water mark (written when different), TTL (ms), a slice key to unlink ('' for none),
+-- then per slice written: its key, the number of entries, the number of field-value pairs, the pairs.
+-- Returns 1 (written) or 0 (somebody else wrote meanwhile: nothing was written).
+local meta, ttl = KEYS[1], ARGV[5]
+local state = redis.call('HMGET', meta, 'seq', 'hwm')
+if (state[1] or '0') ~= ARGV[1] or (state[2] or '') ~= ARGV[2] then return 0 end
+local i = 7
+while i <= #ARGV do
+  local key, entries, pairs = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
+  i = i + 3
+  for a = i, i + 2 * pairs - 1, 2 * FIELDS_PER_CALL do
+    redis.call('HSET', key, unpack(ARGV, a, math.min(a + 2 * FIELDS_PER_CALL, i + 2 * pairs) - 1))
+  end
+  i = i + 2 * pairs
+  redis.call('HINCRBY', key, 'n', entries)
+  redis.call('PEXPIRE', key, ttl)
+end
+if ARGV[3] ~= ARGV[1] then redis.call('HSET', meta, 'seq', ARGV[3]) end
+if ARGV[4] ~= ARGV[2] then redis.call('HSET', meta, 'hwm', ARGV[4]) end
+if ARGV[3] ~= ARGV[1] or ARGV[4] ~= ARGV[2] then redis.call('PEXPIRE', meta, ttl) end
+if ARGV[6] ~= '' then redis.call('UNLINK', ARGV[6]) end
+return 1

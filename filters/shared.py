@@ -1,0 +1,151 @@
+"""Deciding a batch on a shared index: one lookup round, the batch checked against itself, insert rounds that resolve races.
+
+A shared index (Redis) is written by many workers. The whole batch is looked up before its inserts, so a
+message still sees a representative that an earlier message of the same batch pushed out of a full bucket
+(the newest `bucket_cap` stay). Measured: 1 of 16,946 short messages of the development stream
+(`bench/redis_bench.py --sets short`), where the shared index finds a true copy that the memory index lost.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from filters.fingerprint import METHOD_NAMES, Fingerprint
+from filters.index import Batch, Candidate, Entry, MemoryIndex, Query, Verifier, new_query
+from filters.records import Message, Verdict, new_verdict
+
+_MAX_INSERT_ROUNDS = 8
+
+Looked = Sequence[tuple[Entry | None, list[Candidate]]]
+
+
+class Rounds(Protocol):
+    """The round trips of a shared index that `SharedDecider` drives."""
+
+    def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | None, list[Candidate]]]: ...
+
+    def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]: ...
+
+    def prefetch(self, queries: Sequence[Query]) -> None:
+        """Sends the read of the next lookup (of these queries) ahead; it is used if that lookup comes."""
+        ...
+
+
+def _timed(observe: Callable[[str, float], None] | None, op: str, call: Callable[[], list]) -> list:  # type: ignore[type-arg]
+    if observe is None:
+        return call()
+    t0 = time.perf_counter()
+    try:
+        return call()
+    finally:
+        observe(op, time.perf_counter() - t0)
+
+
+class SharedDecider:
+    """A shared index's `decide`, with the queries of the next batch whose read went ahead."""
+
+    def __init__(self) -> None:
+        # The next batch's queries, whose read was sent ahead (`Batch.upcoming`), with the very message and
+        # fingerprint lists they were made from.
+        self._upcoming: tuple[Sequence[Message], Sequence[Fingerprint], list[Query]] | None = None
+
+    def decide(self, rounds: Rounds, batch: Batch, verifier: Verifier) -> list[Verdict]:
+        messages, fps = batch.messages, batch.prepared
+        limit = verifier.config.max_candidates
+        sent, self._upcoming = self._upcoming, None
+        if sent is not None and sent[0] is messages and sent[1] is fps:
+            queries = sent[2]
+        else:
+            queries = [_query(verifier, m, fp) for m, fp in zip(messages, fps)]
+        looked = _timed(batch.observe, "lookup", lambda: rounds.lookup(queries, limit))
+        upcoming = batch.upcoming
+        if upcoming is not None and upcoming[0] and isinstance(upcoming[1], list | tuple):
+            following = [_query(verifier, m, fp) for m, fp in zip(*upcoming)]
+            self._upcoming = (upcoming[0], upcoming[1], following)
+            rounds.prefetch(following)
+        verdicts, pending = against(verifier, messages, fps, looked)
+        lost_race = False
+        for _ in range(_MAX_INSERT_ROUNDS):
+            if not pending:
+                break
+            order = list(pending)
+            entries = [(pending[i], fps[i].keys) for i in order]
+            results = _timed(batch.observe, "insert", lambda: rounds.insert(entries))  # noqa: B023
+            retry: dict[int, Entry] = {}
+            for i, conflicts in zip(order, results):
+                if conflicts is None:
+                    continue
+                verdict = verifier.first_match(messages[i], fps[i], conflicts)
+                verdicts[i] = verdict
+                lost_race = lost_race or verdict.duplicate
+                if not verdict.duplicate:
+                    retry[i] = pending[i]
+            pending = retry
+        # A bucket this contended is a spam wave; the message stays unique but is not indexed.
+        if lost_race:
+            _point_at_representatives(messages, verdicts)
+        return verdicts
+
+
+def _point_at_representatives(messages: Sequence[Message], verdicts: list[Verdict]) -> None:
+    """A duplicate names a message that went to unique: one that matched an earlier message of its batch
+    which then lost an insert race (and became a duplicate itself) names what that one matched."""
+    place = {m.id: i for i, m in enumerate(messages)}
+    for i, v in enumerate(verdicts):
+        target = v.duplicate_of
+        hops = 0
+        while target in place and verdicts[place[target]].duplicate and hops < len(verdicts):
+            target = verdicts[place[target]].duplicate_of
+            hops += 1
+        if target != v.duplicate_of:
+            verdicts[i] = Verdict(v.id, True, target, v.similarity, v.method)
+
+
+def _query(verifier: Verifier, msg: Message, fp: Fingerprint) -> Query:
+    return new_query(msg.id, msg.ts, fp.keys, verifier.floor(len(fp.keys)))
+
+
+def against(verifier: Verifier, messages: Sequence[Message], fps: Sequence[Fingerprint],
+            looked: Looked) -> tuple[list[Verdict], dict[int, Entry]]:
+    """The verdicts of a batch against what the shared index's lookup found (`looked`) and the batch's
+    own earlier messages, in order, and the entries of the unique ones (by place) to insert. A replay
+    (the id stored, or earlier in the batch) is unique; else the first of the candidates, the batch's
+    and the index's merged (most shared keys, then newest; the batch's first on ties), that
+    verifies. Compiled (`Table.decide_shared`) when the verifier is `compiled`."""
+    cfg = verifier.config
+    batch_local = MemoryIndex(cfg.window, cfg.bucket_cap, native=verifier.native)
+    pending: dict[int, Entry] = {}
+    if verifier.compiled:
+        verdicts, unique = batch_local.table.decide_shared(  # type: ignore[attr-defined]
+            [m.id for m in messages], [m.ts for m in messages], list(fps), list(looked), cfg.min_shared,
+            cfg.max_candidates, cfg.threshold, cfg.containment, cfg.containment_min_ratio,
+            cfg.containment_min_size, METHOD_NAMES, new_verdict)
+        for i in unique:
+            pending[i] = Entry.of(messages[i].id, messages[i].ts, fps[i])
+        return verdicts, pending
+    verdicts = []
+    for i, (msg, fp) in enumerate(zip(messages, fps)):
+        own, remote = looked[i]
+        local_own, local = batch_local.lookup_keys(msg.id, msg.ts, fp.keys, verifier.floor(len(fp.keys)),
+                                                   cfg.max_candidates)
+        if own is not None or local_own is not None:
+            verdicts.append(Verdict(msg.id, False, method="replay"))
+            continue
+        verdict = verifier.first_match(msg, fp, _merge(local, remote, cfg.max_candidates))
+        verdicts.append(verdict)
+        if not verdict.duplicate:
+            entry = Entry.of(msg.id, msg.ts, fp)
+            pending[i] = entry
+            batch_local.insert_one(entry, fp.keys)
+    return verdicts, pending
+
+
+def _merge(local: list[Candidate], remote: list[Candidate], limit: int) -> list[Candidate]:
+    if not local:
+        return remote
+    if not remote:
+        return local
+    merged = sorted([*local, *remote], key=lambda c: (-c.shared, -c.entry.ts))
+    return merged[:limit]
