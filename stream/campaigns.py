@@ -485,8 +485,11 @@ class RedisCampaigns:
     def _campaign(self, e: Sequence[Any]) -> tuple[Campaign, tuple[int, ...]]:
         """A cluster from a script's `entry`, and its copies per minute over both growth windows."""
         series = tuple(round(float(n)) for n in e[5])
+        last = float(e[2])
+        # first seen is a hash value (Lua writes 14 significant digits: milliseconds), last seen a sorted
+        # set's score (a double): the same moment can read a little later as first than as last.
         campaign = Campaign(e[0].decode(errors="replace"), e[3].decode(errors="replace"), round(float(e[4])),
-                            float(e[1]), float(e[2]), series[self.minutes:], sum(series[: self.minutes]))
+                            min(float(e[1]), last), last, series[self.minutes:], sum(series[: self.minutes]))
         return campaign, series
 
     @property
