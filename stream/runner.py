@@ -239,16 +239,25 @@ def run_filter(
     clock: Callable[[], float] = time.time,
     progress: Callable[[Summary], None] | None = None,
     read_ahead: bool = True,
+    on_rejected: Callable[[Routed], None] | None = None,
 ) -> Summary:
     """Route every line to exactly one sink; returns the counts. `read_ahead` (for files): batches go
     through `route_batches`, which reads one batch ahead; off for a live stream (stdin), whose batch
-    would otherwise wait for the next one to fill."""
+    would otherwise wait for the next one to fill. An empty line (`IDLE`: a live input paused; real lines
+    have their newline) routes the partial batch at once. `on_rejected` sees each rejected record."""
     summary = Summary()
     started = time.perf_counter()
 
     def batches() -> Iterator[list[RawRecord]]:
         batch: list[RawRecord] = []
-        for number, line in enumerate(lines, start=1):
+        number = 0
+        for line in lines:
+            if not line:  # IDLE
+                if batch:
+                    yield batch
+                    batch = []
+                continue
+            number += 1
             if fmt.format == "json" and not line.strip():
                 summary.blank += 1
                 continue
@@ -271,9 +280,14 @@ def run_filter(
             else:
                 assert r.error is not None
                 rejected.write(rejected_record(r.raw.value.rstrip(b"\r\n"), r.error, r.raw.fallback_id))
+                if on_rejected is not None:
+                    on_rejected(r)
         summary.seconds = time.perf_counter() - started
         if progress is not None:
             progress(summary)
+        if read_ahead is False:  # a live stream: what was routed is seen at once
+            for sink in (unique, duplicates, rejected):
+                sink.flush()
     for sink in (unique, duplicates, rejected):
         sink.flush()
     summary.seconds = time.perf_counter() - started
