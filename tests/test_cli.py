@@ -290,8 +290,7 @@ def test_default_sinks_stdin_stdout_stderr(monkeypatch: pytest.MonkeyPatch, caps
     assert main(["filter", "-"]) == 0
     out, err = capsysbinary.readouterr()
     assert out == jl({"id": "a", "text": SPAM}) + b"\n"  # unique to stdout; duplicates only counted
-    rejected = [json.loads(line) for line in err.splitlines() if line.startswith(b"{")]
-    assert [(r["position"], r["reason"]) for r in rejected] == [("2", "not_an_object")]
+    assert b"neardup: rejected record 2 (not_an_object): [1]\n" in err  # a notice; the record is not written
     assert counts(err.decode()) == (3, 1, 1, 1)
 
 
@@ -315,7 +314,7 @@ def test_several_input_files_continue_line_numbers(tmp_path: Path, capsys: pytes
 
 @pytest.mark.parametrize(("window", "gap", "duplicate"), [
     ("90s", 80, True), ("90s", 100, False), ("1.5m", 80, True), ("1.5m", 100, False),
-    ("24h", 100, True), ("90", 100, False),
+    ("24h", 100, True), ("100ms", 0, True),
 ])
 def test_window_option_is_parsed_and_applied(tmp_path: Path, capsys: pytest.CaptureFixture[str], window: str,
                                              gap: int, duplicate: bool) -> None:
@@ -329,6 +328,9 @@ def test_window_option_is_parsed_and_applied(tmp_path: Path, capsys: pytest.Capt
     (["--window", "banana"], "not a duration: 'banana'"),
     (["--window", "0s"], "duration must be positive"),
     (["--window=-5m"], "not a duration"),
+    (["--window", "24"], "24: a duration needs a unit: 30s, 15m, 24h, 7d"),
+    (["--mgram-keys", "many"], "mgram_keys from flag --mgram-keys: not a number"),
+    (["--bucket-cap", "0"], "bucket_cap must be >= 1"),
     (["--methods", "exact,bogus"], "methods must be"),
     (["--normalize=-nonsense"], "unknown normalization step 'nonsense'"),
     (["--normalize", "+nonsense"], "unknown normalization step 'nonsense'"),
@@ -385,9 +387,9 @@ def test_normalize_option_value_is_not_glued_after_double_dash(capsys: pytest.Ca
     assert "== B: '-pinyin'" in capsys.readouterr().out
 
 
-def test_unreadable_input_file_is_an_error_not_a_crash(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError):
-        main(["filter", str(tmp_path / "missing.jsonl"), "-q"])
+def test_unreadable_input_file_is_an_error_not_a_crash(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["filter", str(tmp_path / "missing.jsonl"), "-q"]) == 2
+    assert capsys.readouterr().err == f"neardup: {tmp_path / 'missing.jsonl'}: no such file\n"
 
 
 # -- explain and eval -----------------------------------------------------------------------------

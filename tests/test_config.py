@@ -13,6 +13,7 @@ from stream.config import (
     MASK,
     Settings,
     add_settings_arguments,
+    format_duration,
     load_settings,
     mask_url,
     parse_duration,
@@ -110,9 +111,14 @@ def test_unknown_or_broken_config_file(tmp_path: Path) -> None:
 def test_durations() -> None:
     assert parse_duration("50ms") == 0.05
     assert parse_duration("1.5h") == 5400.0
-    assert parse_duration(7) == 7.0
+    assert parse_duration("7d") == 7 * 86400.0
     with pytest.raises(ConfigError):
         parse_duration("0s")
+    for bare in ("24", 24, 1.5, " 90 "):  # from a flag or env (text) or TOML (a number): never plain seconds
+        with pytest.raises(ConfigError, match=r"a duration needs a unit: 30s, 15m, 24h, 7d"):
+            parse_duration(bare)  # type: ignore[arg-type]
+    assert [format_duration(s) for s in (86400.0, 7 * 86400.0, 0.05, 90.0, 1.5)] == ["24h", "7d", "50ms", "90s",
+                                                                                     "1500ms"]
 
 
 def test_secrets_are_masked_everywhere(tmp_path: Path) -> None:
@@ -162,7 +168,7 @@ def test_config_command_prints_effective_settings(monkeypatch: pytest.MonkeyPatc
     out = capsys.readouterr().out
     assert "hunter2" not in out
     assert f'index = "redis://:{MASK}@127.0.0.1:6379/0"  # env NEARDUP_INDEX' in out
-    assert "window = 43200.0  # flag --window" in out
+    assert 'window = "12h"  # flag --window' in out
     assert 'ts_field = "ts"  # flag --ts-field' in out
     assert 'runtime = "aiokafka"  # default' in out
 
