@@ -64,13 +64,7 @@ def serve_env(settings: Settings, hook: str = "") -> dict[str, str]:
     """Every setting as a NEARDUP_* variable (secrets included: the environment is how they should be
     passed), the rest of the environment without other NEARDUP_* settings."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("NEARDUP_") or k.startswith("NEARDUP_TEST_")}
-    for f in setting_fields():
-        value = getattr(settings, f.name)
-        if isinstance(value, tuple):
-            value = ",".join(value)
-        elif isinstance(value, bool):
-            value = "true" if value else "false"
-        env[f"NEARDUP_{f.name.upper()}"] = str(value)
+    env.update(settings.env())  # durations with their unit: a bare number is refused
     env["PYTHONPATH"] = str(REPO)
     env[HOOK_ENV] = hook
     return env

@@ -54,10 +54,7 @@ def index_url(redis_url: str) -> Iterator[str]:
 def serve_env(settings: Settings) -> dict[str, str]:
     """The worker's settings as NEARDUP_* variables (the subprocess also proves the env layer)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("NEARDUP_") or k.startswith("NEARDUP_TEST_")}
-    for name, value in settings.masked().items():
-        if name.endswith("password"):
-            continue
-        env[f"NEARDUP_{name.upper()}"] = ",".join(value) if isinstance(value, tuple) else str(value)
+    env.update({k: v for k, v in settings.env().items() if not k.endswith("PASSWORD")})
     env["NEARDUP_INDEX"] = settings.index
     env["PYTHONPATH"] = str(REPO)
     return env

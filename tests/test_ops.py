@@ -36,7 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from filters.errors import ConfigError
 from stream.campaigns import Campaign, CampaignView, MemoryCampaigns, RedisCampaigns, Sighting, open_campaigns
 from stream.cli import main as cli_main
-from stream.config import Settings
+from stream.config import Settings, format_duration
 from stream.kafka_tools import KafkaRecord, ensure_topics
 from stream.logs import setup_logging
 from stream.metrics import STAGES, WorkerMetrics
@@ -296,7 +296,7 @@ def test_serve_metrics_and_campaigns_equal_the_routed_outputs(kafka_bootstrap: s
     finally:
         store.close()
     top = subprocess.run([sys.executable, "-m", "stream.cli", "top", "--once", "--index", settings.index,
-                          "--window", str(settings.window), "--limit", "2"], cwd=REPO, capture_output=True,
+                          "--window", format_duration(settings.window), "--limit", "2"], cwd=REPO, capture_output=True,
                          text=True, timeout=30)
     assert top.returncode == 0, top.stderr
     biggest = per_rep.most_common(1)[0]
@@ -672,7 +672,7 @@ def test_top_keys_change_the_sort_under_a_terminal_and_q_restores_it() -> None:
     """`neardup top` in a pseudo-terminal: the first screen is by size with the keys in the header; `g`
     redraws at once (the interval is a minute) by growth; `q` exits 0 and the terminal's settings are
     the ones it had before (echo and line mode back), the cursor shown again."""
-    with serving(wave_store()) as base, top_in_terminal("--from", base, "--interval", "60") as (term, proc):
+    with serving(wave_store()) as base, top_in_terminal("--from", base, "--interval", "60s") as (term, proc):
         first = term.read_until(drawn(1))[-1]
         header = first.splitlines()[0]
         assert "sorted by size" in header and "2 duplicate clusters" in header
