@@ -621,8 +621,12 @@ def test_interrupt_flushes_whole_lines_prints_the_summary_and_exits_128_plus_sig
         sent += 1
     proc.stdin.flush()
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and (not unique.exists() or unique.read_bytes().count(b"\n") < 100):
+    def routed() -> int:
+        return sum(p.read_bytes().count(b"\n") for p in (unique, duplicates) if p.exists())
+
+    while time.monotonic() < deadline and routed() < 600:  # the first batches are out, the rest waits in the pipe
         time.sleep(0.05)
+    assert routed() >= 600
     proc.send_signal(sig)
     assert proc.wait(timeout=20) == code
     err = proc.stderr.read().decode()
