@@ -8,13 +8,40 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from filters.errors import NeardupError
-from stream.config import FILTER, KAFKA, WORKER, add_settings_arguments, parse_duration, settings_from_args
+from filters.errors import NeardupError, ServiceError
+from stream.config import (
+    FILTER,
+    KAFKA,
+    WORKER,
+    Settings,
+    add_settings_arguments,
+    parse_duration,
+    settings_from_args,
+)
 from stream.logs import setup_logging, warn_if_interpreted
 
 
 def _logging(level: str, fmt: str = "plain") -> None:
     setup_logging(level, fmt)
+
+
+def check_index(settings: Settings) -> None:
+    """A shared index that cannot be reached at start is an error within seconds, with its URL: the worker
+    would otherwise consume nothing and wait, blocked, on the first batch."""
+    if settings.index.startswith("memory:"):
+        return
+    from filters.index import open_index
+
+    config = settings.filter_config()
+    try:
+        index = open_index(settings.index, window=config.window, bucket_cap=config.bucket_cap,
+                           namespace=config.digest())
+        try:
+            index.stats()
+        finally:
+            index.close()
+    except ServiceError as exc:
+        raise NeardupError(f"cannot reach the index: {exc}") from None
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -23,6 +50,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     _logging(settings.log_level, settings.log_format)
     warn_if_interpreted()
+    check_index(settings)
     asyncio.run(serve(settings))
     return 0
 

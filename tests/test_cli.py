@@ -721,3 +721,49 @@ def test_every_option_of_every_command_has_a_help_line() -> None:
     assert walk(build_parser(), "neardup") == []
     commands = {name for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction) for name in a.choices}
     assert {"filter", "explain", "eval", "serve", "produce", "tail", "top", "config"} <= commands
+
+
+# -- serve against real services ------------------------------------------------------------------
+
+
+@pytest.mark.services
+@pytest.mark.parametrize(("flags", "says"), [
+    (["--index", "redis://127.0.0.1:1/0"], "redis://127.0.0.1:1/0"),
+    (["--kafka-bootstrap", "127.0.0.1:1"], "Kafka at 127.0.0.1:1"),
+])
+def test_serve_with_an_unreachable_service_says_so_within_seconds(kafka_bootstrap: str, flags: list[str],
+                                                                  says: str) -> None:
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "stream.cli", "serve", "--kafka-bootstrap", kafka_bootstrap,
+                           "--metrics-port", "0", *flags], capture_output=True, cwd=REPO, env=cli_env(), timeout=30,
+                          check=False)
+    assert time.monotonic() - started <= 10
+    assert done.returncode != 0
+    last = done.stderr.decode().strip().splitlines()[-1]
+    assert last.startswith("neardup: ") and says in last and "Traceback" not in done.stderr.decode()
+
+
+@pytest.mark.services
+def test_serve_starting_a_new_group_logs_no_errors(kafka_bootstrap: str) -> None:
+    name = f"cli-start-{os.getpid()}-{time.monotonic_ns()}"
+    proc = subprocess.Popen([sys.executable, "-m", "stream.cli", "serve", "--kafka-bootstrap", kafka_bootstrap,
+                             "--group-id", name, "--input-topics", f"{name}-in", "--unique-topic", f"{name}-u",
+                             "--duplicate-topic", f"{name}-d", "--dead-letter-topic", f"{name}-x",
+                             "--metrics-port", "0"], stderr=subprocess.PIPE, cwd=REPO, env=cli_env())
+    assert proc.stderr is not None
+    lines = []
+    deadline = time.monotonic() + 30
+    try:
+        while time.monotonic() < deadline:
+            line = proc.stderr.readline().decode()
+            if not line:
+                break
+            lines.append(line)
+            if "assigned" in line:
+                break
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.communicate(timeout=30)[1].decode()
+    assert any("assigned" in line for line in lines), "".join(lines) + rest
+    assert not [line for line in [*lines, *rest.splitlines()] if " ERROR " in line], "".join(lines) + rest
+    assert proc.returncode == 0

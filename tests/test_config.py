@@ -273,3 +273,22 @@ def test_settings_env_round_trips() -> None:
     s = load_settings({"window": "90m", "normalize": "-pinyin", "mgram_keys": "11", "linger": "5ms"}, env={})
     again = load_settings({}, env=s.env())
     assert again == s and again.filter_config() == s.filter_config()
+
+
+def test_transient_kafka_errors_at_start_are_not_logged_as_errors() -> None:
+    import io
+    import logging
+
+    from stream.logs import setup_logging
+
+    out = io.StringIO()
+    handler = setup_logging("info", "plain", stream=out)
+    try:
+        log = logging.getLogger("aiokafka.consumer.group_coordinator")
+        log.error("Group Coordinator Request failed: %s", "[Error 15] GroupCoordinatorNotAvailableError")
+        logging.getLogger("aiokafka.client").error("Unable to request metadata: NodeNotReadyError: 1")
+        log.error("Heartbeat session expired - marking coordinator dead")
+    finally:
+        logging.getLogger().removeHandler(handler)
+    lines = out.getvalue().splitlines()
+    assert [line.split(" ", 3)[2] for line in lines] == ["INFO", "INFO", "ERROR"], lines
