@@ -767,3 +767,21 @@ def test_serve_starting_a_new_group_logs_no_errors(kafka_bootstrap: str) -> None
     assert any("assigned" in line for line in lines), "".join(lines) + rest
     assert not [line for line in [*lines, *rest.splitlines()] if " ERROR " in line], "".join(lines) + rest
     assert proc.returncode == 0
+
+
+BENCHES = sorted(p.name for p in (REPO / "bench").glob("*.py") if p.name not in ("__init__.py", "needs.py"))
+
+
+@pytest.mark.parametrize("script", BENCHES)
+def test_every_benchmark_says_in_one_line_what_it_needs(tmp_path: Path, script: str) -> None:
+    """Run from a clone without the eval data or the services: exit 2 and one line, never a traceback."""
+    env = {k: v for k, v in cli_env().items() if not k.startswith("NEARDUP_TEST_")}
+    env["NEARDUP_TEST_KAFKA"] = "127.0.0.1:1"  # nothing listens there
+    missing = ["--stream", str(tmp_path / "none.jsonl"), "--truth", str(tmp_path / "none.jsonl")]
+    help_text = subprocess.run([sys.executable, f"bench/{script}", "--help"], capture_output=True, cwd=REPO, env=env,
+                               timeout=60, check=False).stdout
+    args = missing if b"--stream" in help_text else []
+    done = subprocess.run([sys.executable, f"bench/{script}", *args], capture_output=True, cwd=REPO, env=env,
+                          timeout=60, check=False)
+    assert done.returncode == 2
+    assert one_line(done).startswith(f"{script} needs ")
