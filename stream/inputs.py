@@ -113,17 +113,18 @@ class Inputs:
         except (AttributeError, OSError, io.UnsupportedOperation):
             fd = None
         if fd is None:  # an in-memory stdin (tests): nothing live about it
-            yield from _decoded_lines(iter(lambda: self._stdin.read(65536), b""), "stdin")
+            for lines in _decoded_lines(iter(lambda: self._stdin.read(65536), b""), "stdin"):
+                yield from lines
             return
         # A live pipe: a reader thread, so that a pause in the input routes what has arrived (IDLE), and a
         # signal is noticed while nothing arrives. os.read on the descriptor holds no lock of the buffered
         # stdin object, so the thread left blocked at exit cannot hang the interpreter's shutdown.
-        chunks: queue.Queue[bytes | BaseException | None] = queue.Queue(maxsize=64)
+        chunks: queue.Queue[list[bytes] | BaseException | None] = queue.Queue(maxsize=64)
 
         def read() -> None:
             try:
-                for line in _decoded_lines(iter(lambda: os.read(fd, 65536), b""), "stdin"):
-                    chunks.put(line)
+                for lines in _decoded_lines(iter(lambda: os.read(fd, 65536), b""), "stdin"):
+                    chunks.put(lines)  # the lines of one read: one queue hand-over each, not one per line
             except BaseException as exc:  # handed to the main thread
                 chunks.put(exc)
             chunks.put(None)
@@ -139,11 +140,12 @@ class Inputs:
                 return
             if isinstance(item, BaseException):
                 raise item
-            yield item
+            yield from item
 
 
-def _decoded_lines(chunks: Iterator[bytes], name: str) -> Iterator[bytes]:
-    """Lines from byte chunks: gzip (by its magic bytes) decompressed as it streams, binary refused."""
+def _decoded_lines(chunks: Iterator[bytes], name: str) -> Iterator[list[bytes]]:
+    """The lines of byte chunks, a list per chunk: gzip (by its magic bytes) decompressed as it streams, binary
+    refused."""
     first = b""
     for chunk in chunks:
         first += chunk
@@ -174,10 +176,9 @@ def _decoded_lines(chunks: Iterator[bytes], name: str) -> Iterator[bytes]:
         if b"\n" not in chunk:
             continue
         *whole, pending = pending.split(b"\n")
-        for line in whole:
-            yield line + b"\n"
+        yield [line + b"\n" for line in whole]
     if pending:
-        yield pending
+        yield [pending]
 
 
 def _chain(first: bytes, rest: Iterator[bytes]) -> Iterator[bytes]:
