@@ -781,7 +781,9 @@ def test_filter_summary_as_text_or_one_json_line(tmp_path: Path, capsys: pytest.
     try:
         assert cli_main(["filter", str(path), *sinks]) == 0
         plain = capsys.readouterr().err
-        assert plain.startswith("in 17 = unique 3 + duplicate 13 + rejected 1\n")
+        notice, summary_text = plain.split("\n", 1)  # a rejected record's notice, then the summary
+        assert notice == "neardup: rejected record 17 (not_an_object): [1]"
+        assert summary_text.startswith("in 17 = unique 3 + duplicate 13 + rejected 1\n")
         assert cli_main(["filter", str(path), *sinks, "--log-format", "json"]) == 0
         (line,) = capsys.readouterr().err.splitlines()
         summary = json.loads(line)
