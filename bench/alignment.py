@@ -37,6 +37,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import needs  # noqa: E402
 from filters.engine import NearDupFilter  # noqa: E402
 from stream.backlog import Item, backlog, differences, f1, reference  # noqa: E402
 from stream.config import Settings  # noqa: E402
@@ -66,10 +67,10 @@ class Row:
     p99_ms: float
 
 
-def load(path: Path | None, limit: int) -> list[Item]:
+def load(path: Path | None, limit: int, truth: Path | None = None) -> list[Item]:
     if path is None:
         return backlog(clusters=limit // 4, copies=3, partitions=PARTITIONS)
-    truth = path.with_name("truth.jsonl")
+    truth = truth or path.with_name("truth.jsonl")
     names = [str(orjson.loads(line)["cluster"]) for line in truth.read_bytes().splitlines()] if truth.is_file() else []
     number: dict[str, int] = {}
     rng = random.Random(11)
@@ -248,6 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--redis", default=os.environ.get("NEARDUP_TEST_REDIS_URL", "redis://127.0.0.1:6379/0"))
     p.add_argument("--stream", type=Path, default=DEFAULT_STREAM if DEFAULT_STREAM.is_file() else None,
                    help="JSON lines with id, text, ts (default: shared/eval's stream when present, else generated)")
+    p.add_argument("--truth", type=Path, default=None, help="its truth (default: truth.jsonl beside the stream)")
     p.add_argument("--generated", action="store_true", help="the generated backlog even when --stream exists")
     p.add_argument("--limit", type=int, default=40_000, help="records of the stream at most")
     p.add_argument("--max-skew", type=float, default=60.0, help="seconds of event time (the setting max_skew)")
@@ -259,13 +261,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=2000.0, help="live records a second")
     p.add_argument("--seconds", type=float, default=5.0, help="of live traffic")
     args = p.parse_args(argv)
-    try:
-        redis.Redis.from_url(args.redis).ping()
-    except redis.RedisError as exc:
-        print(f"bench/alignment.py needs Redis at {args.redis} and Kafka at {args.bootstrap} "
-              f"(docker/services.sh start): {exc}", file=sys.stderr)
-        return 2
-    items = load(None if args.generated else args.stream, args.limit)
+    if args.stream is not None and not args.generated:
+        needs.files(__file__, args.stream, args.truth or args.stream.with_name("truth.jsonl"))
+    needs.redis(__file__, args.redis)
+    needs.kafka(__file__, args.bootstrap)
+    items = load(None if args.generated else args.stream, args.limit, args.truth)
     want = reference(items, NearDupFilter())
     print(f"{len(items)} records on {PARTITIONS} partitions; filter F1 {f1(want, items):.4f}; max_skew "
           f"{args.max_skew:g}s; max_batch {args.max_batch}; {args.guarantee}", flush=True)

@@ -67,6 +67,14 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=512)
     p.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if not args.inside:
+        sys.path.insert(0, str(ROOT))
+        from bench import needs
+
+        needs.tool(__file__, "valgrind", "apt-get install valgrind")
+        needs.modules(__file__, "redis", install="neardup[kafka]")
+        needs.files(__file__, args.stream, args.truth)
+        needs.redis(__file__, args.redis)
     if args.inside:
         measure(args)
         return 0

@@ -23,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import needs
 from bench import reliability as rs
 from bench.kafka_support import redis_namespace
 
@@ -40,7 +41,11 @@ def main() -> int:
     redis_url = os.environ.get("NEARDUP_TEST_REDIS_URL")
     cluster_url = os.environ.get("NEARDUP_TEST_REDIS_CLUSTER_URL")
     if not bootstrap or not redis_url:
-        parser.error('run `eval "$(bash docker/services.sh env)"` first (needs NEARDUP_TEST_KAFKA, _REDIS_URL)')
+        print('faults.py needs Kafka and Redis: run `eval "$(bash docker/services.sh env)"` first '
+              '(NEARDUP_TEST_KAFKA, NEARDUP_TEST_REDIS_URL)', file=sys.stderr)
+        return 2
+    needs.kafka(__file__, bootstrap)
+    needs.redis(__file__, redis_url)
     tallies: list[rs.Tally] = []
     figures: list[rs.Figure] = []
     logs = Path(tempfile.mkdtemp(prefix="neardup-faults-"))

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import orjson
 
+from bench import needs
 from filters.config import FilterConfig
 from filters.engine import Message, NearDupFilter, Verdict
 from stream.evaluate import score
@@ -118,6 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--corpora", default="", help="only these corpora, e.g. sms_en,tweets_en,reviews_zh")
     p.add_argument("--tools", default=",".join(TOOLS), help=f"of {', '.join([*TOOLS, *OPTIONAL_TOOLS])}")
     args = p.parse_args(argv)
+    needs.files(__file__, args.stream, args.truth)
 
     stream = [orjson.loads(x) for x in open(args.stream, "rb") if x.strip()]
     truth = [orjson.loads(x) for x in open(args.truth, "rb") if x.strip()]

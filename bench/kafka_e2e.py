@@ -29,12 +29,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
-import psutil
-import redis
+
+try:
+    import aiokafka  # noqa: F401 (stream.kafka_tools needs it)
+    import psutil
+    import redis
+except ModuleNotFoundError as exc:  # one line naming what to install, not a traceback
+    print(f"kafka_e2e.py needs the Python package {exc.name}: pip install 'neardup[kafka,bench]'", file=sys.stderr)
+    raise SystemExit(2) from None
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import needs  # noqa: E402
 from stream.config import Settings  # noqa: E402
 from stream.kafka_tools import delete_topics, ensure_topics, producer, read_topics  # noqa: E402
 
@@ -251,6 +258,13 @@ def baseline(args: argparse.Namespace, lines: Sequence[bytes]) -> float:
     return len(lines) / seconds
 
 
+def check_needs(args: argparse.Namespace) -> None:
+    """The eval stream, Kafka and Redis (shared with bench/worker_steady.py)."""
+    needs.files(__file__, args.stream, args.truth)
+    needs.kafka(__file__, args.bootstrap)
+    needs.redis(__file__, args.redis)
+
+
 def add_service_arguments(p: argparse.ArgumentParser, messages: int) -> None:
     """The services, the messages and the batch size (shared with bench/worker_steady.py)."""
     p.add_argument("--bootstrap", default=os.environ.get("NEARDUP_TEST_KAFKA", "127.0.0.1:9092"))
@@ -270,6 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--runtime", default="aiokafka,faust")
     p.add_argument("--skip-latency", action="store_true")
     args = p.parse_args(argv)
+    check_needs(args)
 
     lines = short_messages(args.stream, args.truth, args.corpora.split(","), args.messages)
     chars = statistics.median(len(orjson.loads(line)["text"]) for line in lines)

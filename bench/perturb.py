@@ -35,12 +35,15 @@ from typing import Any
 
 import orjson
 
-from bench.filter_bench import run_datasketch, run_neardup
-from bench.robustness import Tricks
-from filters.engine import Message, Verdict
-from stream.evaluate import score
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script from a clone
+
+from bench import needs  # noqa: E402
+from bench.filter_bench import run_datasketch, run_neardup  # noqa: E402
+from bench.robustness import Tricks  # noqa: E402
+from filters.engine import Message, Verdict  # noqa: E402
+from stream.evaluate import score  # noqa: E402
+
 OLD_KINDS = ("homoglyph", "leet", "traditional", "pinyin_substitution", "homophone")
 NEW_KINDS = ("word_insert", "word_delete", "word_swap", "name_sub", "number_sub", "url_sub", "price_sub",
              "sentence_reorder", "emoji_pad", "mixed_pinyin", "sentence_prefix", "sentence_suffix")
@@ -275,6 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tools", default=",".join(TOOLS))
     p.add_argument("--dump", default="", help="write PATH.stream.jsonl and PATH.truth.jsonl")
     args = p.parse_args(argv)
+    needs.files(__file__, args.stream, args.truth)
     try:
         stream = [orjson.loads(x) for x in open(args.stream, "rb") if x.strip()]
         truth = [orjson.loads(x) for x in open(args.truth, "rb") if x.strip()]

@@ -42,11 +42,17 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import orjson
-import redis
+
+try:
+    import redis
+except ModuleNotFoundError as exc:  # one line naming what to install, not a traceback
+    print(f"redis_bench.py needs the Python package {exc.name}: pip install 'neardup[kafka]'", file=sys.stderr)
+    raise SystemExit(2) from None
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import needs  # noqa: E402
 from bench.filter_bench import _norm  # noqa: E402
 from filters.config import FilterConfig  # noqa: E402
 from filters.engine import NearDupFilter, Verdict  # noqa: E402
@@ -248,6 +254,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--db", type=int, default=9, help="the database this benchmark owns (FLUSHed)")
     p.add_argument("--no-memory", action="store_true", help="skip the Redis memory pass")
     args = p.parse_args(argv)
+    needs.files(__file__, args.stream, args.truth)
+    needs.redis(__file__, args.redis)
     tune_collector()  # as `neardup filter` runs (stream/collector.py), for every backend alike
     if args.cluster:
         parts = urlsplit(args.cluster)

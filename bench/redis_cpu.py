@@ -25,11 +25,17 @@ import uuid
 from pathlib import Path
 
 import orjson
-import redis
+
+try:
+    import redis
+except ModuleNotFoundError as exc:  # one line naming what to install, not a traceback
+    print(f"redis_cpu.py needs the Python package {exc.name}: pip install 'neardup[kafka]'", file=sys.stderr)
+    raise SystemExit(2) from None
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import needs  # noqa: E402
 from filters.config import FilterConfig  # noqa: E402
 from filters.engine import Message, NearDupFilter  # noqa: E402
 
@@ -44,6 +50,8 @@ def main() -> int:
     p.add_argument("--collector", choices=("default", "tuned"), default="default",
                    help="tuned: the garbage collector as `neardup filter` and `serve` run it (stream/collector.py)")
     args = p.parse_args()
+    needs.files(__file__, args.stream, args.truth)
+    needs.redis(__file__, args.redis)
     wanted = set(args.corpora.split(","))
     with open(args.stream, "rb") as s, open(args.truth, "rb") as t:
         msgs = [Message(r["id"], r["text"], r["ts"]) for r, label in zip(map(orjson.loads, s), map(orjson.loads, t))

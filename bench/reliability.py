@@ -44,7 +44,7 @@ from bench.kafka_support import TcpProxy, free_port, redis_namespace, settings_f
 from filters.config import FilterConfig
 from filters.engine import NearDupFilter
 from filters.redis_index import parse_records
-from stream.config import Settings, setting_fields, settings_env
+from stream.config import Settings, setting_fields
 from stream.kafka_tools import KafkaRecord, client_options, ensure_topics, producer
 from stream.runner import RawRecord, route_batch
 
@@ -64,7 +64,7 @@ def serve_env(settings: Settings, hook: str = "") -> dict[str, str]:
     """Every setting as a NEARDUP_* variable (secrets included: the environment is how they should be
     passed), the rest of the environment without other NEARDUP_* settings."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("NEARDUP_") or k.startswith("NEARDUP_TEST_")}
-    env.update(settings_env(settings))
+    env.update(settings.env())  # durations with their unit: a bare number is refused
     env["PYTHONPATH"] = str(REPO)
     env[HOOK_ENV] = hook
     return env

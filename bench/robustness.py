@@ -41,6 +41,7 @@ from typing import Any
 
 import orjson
 
+from bench import needs
 from bench.filter_bench import run_datasketch, run_neardup
 from filters import charmaps
 from filters.engine import Message, Verdict
@@ -329,6 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--dump", default="", help="write PATH.stream.jsonl and PATH.truth.jsonl")
     p.add_argument("--misses", type=int, default=0, help="show this many missed variants per trick")
     args = p.parse_args(argv)
+    needs.files(__file__, args.stream, args.truth)
 
     stream = [orjson.loads(x) for x in open(args.stream, "rb") if x.strip()]
     truth = [orjson.loads(x) for x in open(args.truth, "rb") if x.strip()]

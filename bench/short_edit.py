@@ -14,16 +14,21 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
-from filters.config import FilterConfig
-from filters.engine import Match, Message, NearDupFilter, Verdict
-from filters.fingerprint import Fingerprint
-from filters.index import Entry
-from filters.sketch import Probe
-from stream.eval_report import load, score_lengths
-from stream.evaluate import score
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script from a clone
+
+from bench import needs  # noqa: E402
+from filters.config import FilterConfig  # noqa: E402
+from filters.engine import Match, Message, NearDupFilter, Verdict  # noqa: E402
+from filters.fingerprint import Fingerprint  # noqa: E402
+from filters.index import Entry  # noqa: E402
+from filters.sketch import Probe  # noqa: E402
+from stream.eval_report import load, score_lengths  # noqa: E402
+from stream.evaluate import score  # noqa: E402
 
 
 def levenshtein(a: str, b: str) -> int:
@@ -64,12 +69,13 @@ class ShortEditFilter(NearDupFilter):
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("stream")
-    p.add_argument("truth")
+    p.add_argument("--stream", default=str(ROOT.parent / "shared" / "eval" / "stream.jsonl"))
+    p.add_argument("--truth", default=str(ROOT.parent / "shared" / "eval" / "truth.jsonl"))
     p.add_argument("--short", type=int, default=70, help="0: the sketch rule alone")
     p.add_argument("--ratio", type=float, default=0.8)
     p.add_argument("--min-shared", type=float, default=FilterConfig().min_shared)
     args = p.parse_args(argv)
+    needs.files(__file__, args.stream, args.truth)
     stream, truth = load(args.stream), load(args.truth)
     nd = ShortEditFilter(FilterConfig(min_shared=args.min_shared), args.short, args.ratio)
     verdicts: list[Verdict] = []

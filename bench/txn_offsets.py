@@ -20,12 +20,22 @@ import argparse
 import asyncio
 import os
 import statistics
+import sys
 import time
 import uuid
 from collections.abc import Sequence
+from pathlib import Path
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+try:
+    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+except ModuleNotFoundError as exc:  # one line naming what to install, not a traceback
+    print(f"txn_offsets.py needs the Python package {exc.name}: pip install 'neardup[kafka]'", file=sys.stderr)
+    raise SystemExit(2) from None
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import needs
 
 
 async def probe(bootstrap: str, commits: int) -> tuple[int, list[float]]:
@@ -68,6 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--bootstrap", default=os.environ.get("NEARDUP_TEST_KAFKA", "127.0.0.1:9092"))
     p.add_argument("--commits", type=int, default=200)
     args = p.parse_args(argv)
+    needs.kafka(__file__, args.bootstrap)
     stale, waits = asyncio.run(probe(args.bootstrap, args.commits))
     ms = sorted(w * 1000 for w in waits)
     print("| commits | first read stale | ms until shown: median | p99 | max |")

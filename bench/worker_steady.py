@@ -56,6 +56,7 @@ def main() -> int:
     kafka_e2e.add_service_arguments(p, messages=16_946)
     p.add_argument("--runs", type=int, default=3)
     args = p.parse_args()
+    kafka_e2e.check_needs(args)
     lines = kafka_e2e.short_messages(args.stream, args.truth, args.corpora.split(","), args.messages)
     tune_collector()
     rates, cpus = [], []

@@ -8,13 +8,40 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from filters.errors import NeardupError
-from stream.config import KAFKA, WORKER, add_settings_arguments, settings_from_args
+from filters.errors import NeardupError, ServiceError
+from stream.config import (
+    FILTER,
+    KAFKA,
+    WORKER,
+    Settings,
+    add_settings_arguments,
+    parse_duration,
+    settings_from_args,
+)
 from stream.logs import setup_logging, warn_if_interpreted
 
 
 def _logging(level: str, fmt: str = "plain") -> None:
     setup_logging(level, fmt)
+
+
+def check_index(settings: Settings) -> None:
+    """A shared index that cannot be reached at start is an error within seconds, with its URL: the worker
+    would otherwise consume nothing and wait, blocked, on the first batch."""
+    if settings.index.startswith("memory:"):
+        return
+    from filters.backends import open_index
+
+    config = settings.filter_config()
+    try:
+        index = open_index(settings.index, window=config.window, bucket_cap=config.bucket_cap,
+                           namespace=config.digest())
+        try:
+            index.stats()
+        finally:
+            index.close()
+    except ServiceError as exc:
+        raise NeardupError(f"cannot reach the index: {exc}") from None
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -23,6 +50,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     _logging(settings.log_level, settings.log_format)
     warn_if_interpreted()
+    check_index(settings)
     asyncio.run(serve(settings))
     return 0
 
@@ -67,15 +95,12 @@ def cmd_tail(args: argparse.Namespace) -> int:
     return 0
 
 
-def _seconds(text: str) -> float:
-    """An argparse type: a finite number of seconds > 0."""
+def _duration(text: str) -> float:
+    """An argparse type: a duration with its unit (2s, 500ms, 1m)."""
     try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text!r}")
-    return value
+        return parse_duration(text)
+    except NeardupError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def cmd_top(args: argparse.Namespace) -> int:
@@ -114,24 +139,24 @@ def add_commands(subparsers: Any) -> None:
                                           "duplicate or dead-letter topic (verdict in headers), commit after the "
                                           "outputs are acknowledged. Use a redis:// index (shared, survives "
                                           "restarts); memory:// is for trying out.")
-    add_settings_arguments(p, (KAFKA, WORKER))
+    add_settings_arguments(p, (KAFKA, WORKER, FILTER))
     p.add_argument("--exactly-once", dest="processing_guarantee", action="store_const", const="exactly_once",
                    default=None, help="same as --processing-guarantee exactly_once")
     p.set_defaults(func=cmd_serve)
 
     p = subparsers.add_parser("produce", help="load a JSONL file into a topic, one record per line")
     p.add_argument("file", help="JSONL file ('-': stdin)")
-    p.add_argument("--topic", required=True, help="the topic to load the records into")
+    p.add_argument("--topic", required=True, help="the topic to write to")
     p.add_argument("--key-field", default="", help="JSON field whose value becomes the record key")
     p.add_argument("--limit", type=int, default=None, help="produce at most this many lines")
     add_settings_arguments(p, (KAFKA,))
     p.set_defaults(func=cmd_produce)
 
     p = subparsers.add_parser("tail", help="print records of topics as JSON lines")
-    p.add_argument("topics", nargs="+", metavar="TOPIC", help="topics to print")
+    p.add_argument("topics", nargs="+", metavar="TOPIC", help="topics to read")
     p.add_argument("--from-beginning", action="store_true", help="start at the earliest offset (default: new records)")
     p.add_argument("--max", type=int, default=None, help="stop after this many records")
-    p.add_argument("--timeout", type=float, default=None, help="stop after this many seconds without a record")
+    p.add_argument("--timeout", type=_duration, default=None, help="stop after this long without a record, e.g. 30s")
     add_settings_arguments(p, (KAFKA,))
     p.set_defaults(func=cmd_tail)
 
@@ -145,15 +170,15 @@ def add_commands(subparsers: Any) -> None:
     p.add_argument("--sort", default="size", choices=("size", "growth", "last"),
                    help="size (default), growth (copies in the last minutes) or last (last seen)")
     p.add_argument("--limit", type=int, default=20, help="clusters shown (default 20)")
-    p.add_argument("--interval", type=_seconds, default=2.0, help="seconds between refreshes (default 2)")
+    p.add_argument("--interval", type=_duration, default=2.0, help="time between refreshes, e.g. 2s, 500ms (default 2s)")
     p.add_argument("--once", action="store_true", help="print the view once and exit")
     p.add_argument("--from", dest="source", metavar="URL", default=None,
                    help="read a worker's /campaigns, e.g. http://127.0.0.1:9464 (needed for a memory:// index)")
-    add_settings_arguments(p, (WORKER,))
+    add_settings_arguments(p, (WORKER, FILTER))
     p.set_defaults(func=cmd_top)
 
     p = subparsers.add_parser("config", help="print the effective settings, their sources, secrets masked")
-    add_settings_arguments(p, (KAFKA, WORKER))
+    add_settings_arguments(p, (KAFKA, WORKER, FILTER))
     p.set_defaults(func=cmd_config)
 
 
@@ -166,6 +191,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except NeardupError as exc:
         print(f"neardup: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] not in ("aiokafka", "faust", "redis", "hiredis", "prometheus_client",
+                                                    "aiohttp"):
+            raise
+        print(f"neardup {args.command} needs the Kafka extra: pip install 'neardup[kafka]'", file=sys.stderr)
         return 2
 
 

@@ -14,28 +14,43 @@ from urllib.parse import urlsplit, urlunsplit
 
 from filters.config import METHODS, VERIFY_MODES, FilterConfig
 from filters.errors import ConfigError
+from filters.normalize import NormalizeOptions
 from stream.codec import FORMATS, RecordFormat
 from stream.logs import LOG_FORMATS
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$")
-_UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0, None: 1.0}
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)\s*$")
+_UNIT = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
+DURATION_FORMS = "30s, 15m, 24h, 7d"
 
 
-def parse_duration(text: str | float | int) -> float:
-    """'90s', '30m', '12h', '7d', '1.5h', '50ms' → seconds. Text needs its unit (`--window 24` is refused, not
-    taken for 24 seconds); a number (a TOML number, a value set in code) is seconds."""
+def parse_duration(text: str) -> float:
+    """'90s', '30m', '12h', '7d', '1.5h', '50ms' → seconds. A bare number is refused wherever a duration is
+    read (flag, environment, TOML): `--window 24` would otherwise silently mean 24 seconds."""
     if isinstance(text, int | float) and not isinstance(text, bool):
-        seconds = float(text)
-    else:
-        m = _DURATION.match(str(text))
-        if not m:
-            raise ConfigError(f"not a duration: {text!r} (use e.g. 90s, 30m, 12h, 7d)")
-        if m.group(2) is None:
-            raise ConfigError(f"{str(text).strip()!r}: a duration needs a unit: 30s, 15m, 24h, 7d (or 50ms, 2w)")
-        seconds = float(m.group(1)) * _UNIT[m.group(2)]
+        raise ConfigError(f"{text}: a duration needs a unit: {DURATION_FORMS}")
+    if not isinstance(text, str):
+        raise ConfigError(f"not a duration: {text!r} (use e.g. {DURATION_FORMS})")
+    m = _DURATION.match(text)
+    if not m:
+        if re.fullmatch(r"\s*\d+(?:\.\d+)?\s*", text):
+            raise ConfigError(f"{text.strip()}: a duration needs a unit: {DURATION_FORMS}")
+        raise ConfigError(f"not a duration: {text!r} (use e.g. {DURATION_FORMS})")
+    seconds = float(m.group(1)) * _UNIT[m.group(2)]
     if seconds <= 0:
         raise ConfigError(f"duration must be positive: {text!r}")
     return seconds
+
+
+def format_duration(seconds: float) -> str:
+    """The shortest spelling `parse_duration` reads back exactly: 86400.0 → '1d', 0.05 → '50ms'."""
+    for unit in ("d", "h", "m", "s"):
+        count = seconds / _UNIT[unit]
+        if count >= (2 if unit == "d" else 1) and count == int(count):  # 24h, not 1d
+            return f"{int(count)}{unit}"
+    ms = seconds * 1000
+    if ms == int(ms):
+        return f"{int(ms)}ms"
+    return f"{seconds!r}s"
 
 
 ENV_PREFIX = "NEARDUP_"
@@ -49,7 +64,7 @@ MASK = "***"
 _TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")  # Kafka's own rule for topic names
 
 # Groups of settings, so that `produce` and `tail` show only the connection options.
-KAFKA, WORKER = "kafka", "worker"
+KAFKA, WORKER, FILTER = "kafka", "worker", "filter"
 
 
 def _meta(help: str, group: str = WORKER, kind: str = "str", secret: bool = False) -> dict[str, Any]:
@@ -96,17 +111,58 @@ class Settings:
         "JSON field holding a unique message id (empty: topic/partition/offset)"))
     ts_field: str = field(default="", metadata=_meta(
         "JSON field holding the event time in seconds (empty: the Kafka record timestamp)"))
-    # -- filter ----------------------------------------------------------------------------------
+    # -- filter: every FilterConfig field under its own name, its default taken from FilterConfig -----
     index: str = field(default="memory://", metadata=_meta(
-        "candidate index: redis://host:6379/0 (shared, survives restarts) or memory:// (trying out only)"))
+        "candidate index: redis://host:6379/0 (shared, survives restarts) or memory:// (trying out only)", FILTER))
     window: float = field(default=_DEFAULT_FILTER.window, metadata=_meta(
-        "sliding window of event time: 90s, 30m, 12h, 7d", kind="duration"))
+        f"sliding window of event time, with a unit: {DURATION_FORMS}", FILTER, kind="duration"))
+    normalize: str = field(default="", metadata=_meta(
+        "normalization steps turned off/on, e.g. '-pinyin,-mask_numbers' (+step turns one on; also no-step, !step) "
+        f"of {', '.join(NormalizeOptions.step_names())}", FILTER, kind="steps"))
     methods: tuple[str, ...] = field(default=_DEFAULT_FILTER.methods, metadata=_meta(
-        f"candidate generators, comma-separated, of {', '.join(METHODS)}", kind="list"))
-    verify: str = field(default=_DEFAULT_FILTER.verify, metadata=_meta(f"one of {', '.join(VERIFY_MODES)}"))
-    threshold: float = field(default=_DEFAULT_FILTER.threshold, metadata=_meta("Jaccard threshold", kind="float"))
+        f"candidate generators, comma-separated, of {', '.join(METHODS)}", FILTER, kind="list"))
+    verify: str = field(default=_DEFAULT_FILTER.verify, metadata=_meta(
+        f"one of {', '.join(VERIFY_MODES)}: sketch verifies every candidate by shingle overlap, native by each "
+        "method's own measure", FILTER))
+    threshold: float = field(default=_DEFAULT_FILTER.threshold, metadata=_meta(
+        "Jaccard at or above which a candidate is a duplicate", FILTER, kind="float"))
     containment: float = field(default=_DEFAULT_FILTER.containment, metadata=_meta(
-        "containment threshold", kind="float"))
+        "... or containment of the smaller text in the larger at or above this (truncated copies, added lines)",
+        FILTER, kind="float"))
+    containment_min_ratio: float = field(default=_DEFAULT_FILTER.containment_min_ratio, metadata=_meta(
+        "containment counts when the smaller text has at least this share of the larger's size", FILTER,
+        kind="float"))
+    containment_min_size: int = field(default=_DEFAULT_FILTER.containment_min_size, metadata=_meta(
+        "... and at least this many shingles (short texts need Jaccard)", FILTER, kind="int"))
+    shingle: int = field(default=_DEFAULT_FILTER.shingle, metadata=_meta(
+        "character n-gram size of the verification shingles", FILTER, kind="int"))
+    sketch_size: int = field(default=_DEFAULT_FILTER.sketch_size, metadata=_meta(
+        "bottom-k sketch size kept per indexed message", FILTER, kind="int"))
+    mgram: int = field(default=_DEFAULT_FILTER.mgram, metadata=_meta(
+        "m-gram size of the substring-index bucket keys", FILTER, kind="int"))
+    mgram_keys: int = field(default=_DEFAULT_FILTER.mgram_keys, metadata=_meta(
+        "m-gram keys sampled per message (all of them for short texts)", FILTER, kind="int"))
+    simhash_k: int = field(default=_DEFAULT_FILTER.simhash_k, metadata=_meta(
+        "simhash Hamming distance bound (0-15)", FILTER, kind="int"))
+    minhash_perm: int = field(default=_DEFAULT_FILTER.minhash_perm, metadata=_meta(
+        "minhash permutations (a multiple of minhash_bands)", FILTER, kind="int"))
+    minhash_bands: int = field(default=_DEFAULT_FILTER.minhash_bands, metadata=_meta(
+        "minhash LSH bands", FILTER, kind="int"))
+    sentences_top: int = field(default=_DEFAULT_FILTER.sentences_top, metadata=_meta(
+        "sentences method: this many longest sentences make the signature", FILTER, kind="int"))
+    sentences_min_chars: int = field(default=_DEFAULT_FILTER.sentences_min_chars, metadata=_meta(
+        "sentences method: shortest sentence counted, in characters", FILTER, kind="int"))
+    max_candidates: int = field(default=_DEFAULT_FILTER.max_candidates, metadata=_meta(
+        "candidates verified per message, best-ranked first", FILTER, kind="int"))
+    min_shared: float = field(default=_DEFAULT_FILTER.min_shared, metadata=_meta(
+        "a candidate is verified only if it shares this fraction of the message's bucket keys", FILTER,
+        kind="float"))
+    bucket_cap: int = field(default=_DEFAULT_FILTER.bucket_cap, metadata=_meta(
+        "representatives kept per bucket (newest win)", FILTER, kind="int"))
+    max_chars: int = field(default=_DEFAULT_FILTER.max_chars, metadata=_meta(
+        "longer texts are truncated to this many characters before fingerprinting", FILTER, kind="int"))
+    seed: int = field(default=_DEFAULT_FILTER.seed, metadata=_meta(
+        "hash seed of the fingerprints (a shared index needs the same seed everywhere)", FILTER, kind="int"))
     # -- worker ----------------------------------------------------------------------------------
     runtime: str = field(default="aiokafka", metadata=_meta(
         "consume/produce/commit loop: aiokafka (default, faster) or faust"))
@@ -192,8 +248,9 @@ class Settings:
 
     # -- derived ---------------------------------------------------------------------------------
     def filter_config(self) -> FilterConfig:
-        return FilterConfig(methods=self.methods, verify=self.verify, threshold=self.threshold,
-                            containment=self.containment, window=self.window)
+        """The FilterConfig of these settings: every one of its fields has a setting of the same name."""
+        values = {name: getattr(self, name) for name in filter_setting_names() if name != "normalize"}
+        return FilterConfig(normalize=parse_steps(self.normalize), **values)
 
     def record_format(self) -> RecordFormat:
         # An empty field name is never looked up by any real record, so the codec uses the fallback
@@ -216,34 +273,59 @@ class Settings:
         """TOML-like lines `name = value  # source`, secrets masked: what `neardup config` prints."""
         lines = []
         for name, value in self.masked().items():
-            lines.append(f"{name} = {_toml_value(value)}  # {self.sources.get(name, 'default')}")
+            lines.append(f"{name} = {_toml_value(shown_value(name, value))}  # {self.sources.get(name, 'default')}")
         return "\n".join(lines)
+
+    def env(self) -> dict[str, str]:
+        """Every setting as the `NEARDUP_*` variable that gives it (secrets included: the environment is how
+        they should be passed), e.g. to start a `neardup serve` subprocess with exactly these settings."""
+        out = {}
+        for f in setting_fields():
+            value = shown_value(f.name, getattr(self, f.name))
+            if isinstance(value, tuple):
+                value = ",".join(value)
+            elif isinstance(value, bool):
+                value = "true" if value else "false"
+            out[env_name(f.name)] = str(value)
+        return out
 
 
 def setting_fields() -> tuple[Any, ...]:
     return tuple(f for f in fields(Settings) if f.name != "sources")
 
 
+def filter_setting_names() -> tuple[str, ...]:
+    """The settings that make the FilterConfig: its fields, by the same names."""
+    return tuple(f.name for f in fields(FilterConfig))
+
+
+def shown_value(name: str, value: Any) -> Any:
+    """A value as flags, the environment and TOML spell it: durations with their unit."""
+    kind = next((f.metadata["kind"] for f in setting_fields() if f.name == name), "str")
+    return format_duration(value) if kind == "duration" else value
+
+
+def parse_steps(spec: str) -> NormalizeOptions:
+    """'-pinyin,+leet' (also 'no-pinyin', '!pinyin') → the default NormalizeOptions with those steps off/on."""
+    steps: dict[str, bool] = {}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        off = item.startswith(("-", "!", "no-"))
+        name = item.removeprefix("no-").lstrip("+-!")
+        if name not in NormalizeOptions.step_names():
+            raise ConfigError(f"unknown normalization step {name!r} (steps: {', '.join(NormalizeOptions.step_names())})")
+        steps[name] = not off
+    return NormalizeOptions().with_steps(**steps)
+
+
+def steps_spec(options: NormalizeOptions) -> str:
+    """The canonical spelling of `options`: the steps that differ from the defaults, '-step' or '+step'."""
+    default = NormalizeOptions()
+    return ",".join(("+" if getattr(options, n) else "-") + n for n in NormalizeOptions.step_names()
+                    if getattr(options, n) != getattr(default, n))
+
+
 def env_name(name: str) -> str:
     return ENV_PREFIX + name.upper()
-
-
-def settings_env(settings: Settings) -> dict[str, str]:
-    """Every setting as the NEARDUP_* variable that gives it back (durations with their unit, lists
-    comma-separated, booleans as true/false), secrets included: the environment is how to pass them."""
-    env = {}
-    for f in setting_fields():
-        value = getattr(settings, f.name)
-        if isinstance(value, tuple):
-            text = ",".join(value)
-        elif isinstance(value, bool):
-            text = "true" if value else "false"
-        elif f.metadata.get("kind") == "duration":
-            text = f"{value!r}s"
-        else:
-            text = str(value)
-        env[env_name(f.name)] = text
-    return env
 
 
 def flag_name(name: str) -> str:
@@ -312,6 +394,8 @@ def _to_number(kind: Callable[[Any], Any]) -> Callable[[Any], Any]:
         if isinstance(value, bool):
             raise ConfigError(f"not a number: {value!r}")
         try:
+            if kind is int and isinstance(value, str):
+                return int(value.strip(), 0)  # 0x6E656172 for the seed
             return kind(value)
         except (TypeError, ValueError):
             raise ConfigError(f"not a number: {value!r}") from None
@@ -332,7 +416,17 @@ _CONVERT: dict[str, Callable[[Any], Any]] = {
     "bool": _to_bool,
     "list": _to_list,
     "duration": parse_duration,
+    "steps": lambda value: steps_spec(parse_steps(_steps_text(value))),
 }
+
+
+def _steps_text(value: Any) -> str:
+    """TOML may give the steps as a string, a list of '-step' items or a table {pinyin = false}."""
+    if isinstance(value, dict):
+        return ",".join(("+" if _to_bool(on) else "-") + str(name) for name, on in value.items())
+    if isinstance(value, list | tuple):
+        return ",".join(str(v) for v in value)
+    return _to_str(value)
 
 
 def _convert(name: str, value: Any, source: str) -> Any:
@@ -363,7 +457,7 @@ def read_toml(path: str | Path) -> dict[str, Any]:
     def walk(table: dict[str, Any], prefix: str) -> None:
         for key, value in table.items():
             name = f"{prefix}{key}".replace("-", "_")
-            if isinstance(value, dict):
+            if isinstance(value, dict) and name != "normalize":
                 walk(value, name + "_")
             elif name in known:
                 out[name] = value
@@ -412,20 +506,25 @@ def add_settings_arguments(parser: argparse.ArgumentParser, groups: tuple[str, .
     ("not given"), so `load_settings` can tell a flag from a default."""
     parser.add_argument("--config", metavar="FILE", default=None,
                         help=f"TOML file of settings (default ${CONFIG_ENV}); flags and {ENV_PREFIX}* override it")
-    titles = {KAFKA: "Kafka connection", WORKER: "worker"}
+    titles = {KAFKA: "Kafka connection", WORKER: "worker", FILTER: "filter parameters (also FilterConfig's)"}
+    names: list[str] = list(parser.get_default("setting_names") or ())
     for group in groups:
         g = parser.add_argument_group(titles[group])
         for f in setting_fields():
             if f.metadata["group"] != group:
                 continue
-            default = f.default if not isinstance(f.default, tuple) else ",".join(f.default)
+            default = shown_value(f.name, f.default)
+            default = ",".join(default) if isinstance(default, tuple) else default
             shown = MASK if f.metadata["secret"] else default
-            help_text = f"{f.metadata['help']} [{env_name(f.name)}; default {shown!r}]"
+            help_text = f"{f.metadata['help']} [{env_name(f.name)}; default {shown!r}]".replace("%", "%%")
             g.add_argument(flag_name(f.name), dest=f.name, default=None, help=help_text,
                            metavar=f.metadata["kind"].upper())
+            names.append(f.name)
+    # Only these dests are settings: a command's own option of the same name (filter's --format) is not.
+    parser.set_defaults(setting_names=tuple(names))
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
-    known = {f.name for f in setting_fields()}
+    known = set(getattr(args, "setting_names", ())) or {f.name for f in setting_fields()}
     flags = {k: v for k, v in vars(args).items() if k in known}
     return load_settings(flags, config_file=getattr(args, "config", None))

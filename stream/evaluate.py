@@ -11,7 +11,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 from filters.engine import Verdict
+from filters.errors import ConfigError
 
 
 @dataclass
@@ -71,6 +74,24 @@ class Report:
         for name, t in sorted(self.by_corpus.items()):
             lines.append(f"| {name} | {t.precision:.4f} | {t.recall:.4f} | {t.f1:.4f} |")
         return "\n".join(lines)
+
+
+TRUTH_FIELDS = ("id", "cluster", "corpus", "ptype")
+
+
+def read_truth(lines: Iterable[bytes], name: str) -> list[dict[str, Any]]:
+    """Truth rows (JSONL, one per stream record, in stream order): id, cluster, corpus, ptype, optional gray."""
+    rows = []
+    for number, line in enumerate((line for line in lines if line.strip()), start=1):
+        try:
+            row = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            raise ConfigError(f"{name}: row {number} is not JSON") from None
+        if not isinstance(row, dict) or (missing := [f for f in TRUTH_FIELDS if f not in row]):
+            raise ConfigError(f"{name}: row {number} needs the fields {', '.join(TRUTH_FIELDS)} (and optionally gray)"
+                              + (f"; missing {', '.join(missing)}" if isinstance(row, dict) else ""))
+        rows.append(row)
+    return rows
 
 
 def score(truth: Sequence[dict[str, Any]], verdicts: Iterable[Verdict | None]) -> Report:

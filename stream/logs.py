@@ -38,6 +38,29 @@ class JsonFormatter(logging.Formatter):
         return orjson.dumps(out, default=str).decode()
 
 
+# aiokafka logs these at ERROR while a group forms or a broker starts (the coordinator is being elected, a
+# connection is not ready yet) and retries them itself: at a healthy start they are not errors.
+TRANSIENT_KAFKA = ("GroupCoordinatorNotAvailable", "CoordinatorNotAvailable", "CoordinatorLoadInProgress",
+                   "NotCoordinator", "NodeNotReady")
+
+
+class TransientKafkaFilter(logging.Filter):
+    """Lowers aiokafka's ERROR lines about transient, retried conditions to INFO (on our handler, so it sees
+    every aiokafka logger's records)."""
+
+    def __init__(self, level: int) -> None:
+        super().__init__()
+        self.level = level
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.WARNING and record.name.startswith("aiokafka"):
+            text = record.getMessage()
+            if any(name in text for name in TRANSIENT_KAFKA):
+                record.levelno, record.levelname = logging.INFO, "INFO"
+                return record.levelno >= self.level
+        return True
+
+
 def setup_logging(level: str = "info", fmt: str = "plain", stream: IO[str] | None = None) -> logging.Handler:
     """Configure the root logger: level, and one handler of the given format (replacing the one an
     earlier call installed); returns that handler."""
@@ -54,6 +77,7 @@ def setup_logging(level: str = "info", fmt: str = "plain", stream: IO[str] | Non
     root.setLevel(getattr(logging, level.upper(), logging.INFO))
     # Libraries that lower their own loggers' levels (jieba logs at DEBUG) must not reach us below ours.
     handler.setLevel(root.level)
+    handler.addFilter(TransientKafkaFilter(root.level))
     # aiokafka logs every retried connection at ERROR; ours say what matters.
     logging.getLogger("aiokafka").setLevel(max(logging.WARNING, root.level))
     return handler

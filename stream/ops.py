@@ -70,10 +70,10 @@ class Ops:
         self._admin: AIOKafkaAdminClient | None = None
         self._routed_at: dict[int, tuple[Sequence[KafkaRecord], float]] = {}
         self._last_info = 0.0
+        self._interval_start = (time.monotonic(), 0)  # (when, records seen then): the rate of the last interval
         self._last_index_stats = -INDEX_STATS_EVERY
         self._index_stats_task: asyncio.Future[Any] | None = None
         self._campaign_failing = False
-        self._rate_from: dict[int, tuple[float, int]] = {}  # per log level: when, and the count, it last logged
 
     # -- wiring ------------------------------------------------------------------------------------
     def attach(self) -> None:
@@ -200,19 +200,21 @@ class Ops:
         counts = {k: verdicts.count(k) for k in ("unique", "duplicate", "rejected", "unchecked")}
         now = time.monotonic()
         level = logging.DEBUG
+        since, seen_then = self._interval_start
         if now - self._last_info >= INFO_EVERY:
             level, self._last_info = logging.INFO, now
+            self._interval_start = (now, s.seen)  # the next INFO line's rate is over the interval from here
         if not log.isEnabledFor(level):
             return
-        # The rate since the last line logged at this level (the current rate, not the average since start).
-        since, seen_then = self._rate_from.get(level, (s.started, 0))
-        self._rate_from[level] = (now, s.seen)
+        # The rate over the last interval, not the average since start: a worker that idled for an hour and
+        # now routes a burst shows the burst's rate.
         seconds = now - since
+        rate = (s.seen - seen_then) / seconds if seconds > 0 else 0.0
         log.log(level, "batch %d: %d records = unique %d + duplicate %d + rejected %d + unchecked %d; total %d, "
-                "%.0f msg/s", s.batches, len(verdicts), counts["unique"], counts["duplicate"], counts["rejected"],
-                counts["unchecked"], s.seen, (s.seen - seen_then) / seconds if seconds > 0 else 0.0,
+                "%.0f msg/s over the last %.0fs", s.batches, len(verdicts), counts["unique"], counts["duplicate"],
+                counts["rejected"], counts["unchecked"], s.seen, rate, seconds,
                 extra={"batch": s.batches, "records": len(verdicts), **counts, "total": s.seen,
-                       "index_errors": s.index_errors})
+                       "index_errors": s.index_errors, "rate": round(rate, 1)})
 
     # -- endpoints -----------------------------------------------------------------------------------
     async def metrics_text(self) -> bytes:

@@ -10,8 +10,6 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from queue import Empty, Queue
-from threading import Thread
 from typing import Any, Protocol
 
 from filters.engine import Message, NearDupFilter, Verdict
@@ -180,10 +178,6 @@ class _Ahead:
         return (step.messages, prepared) if step.messages else None
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised by the CLI's handler: the run stops as on Ctrl-C (outputs flushed, summary so far)."""
-
-
 class Sink(Protocol):
     def write(self, record: bytes) -> None: ...
 
@@ -202,7 +196,6 @@ class Summary:
     reasons: Counter[str] = field(default_factory=Counter)
     methods: Counter[str] = field(default_factory=Counter)
     seconds: float = 0.0
-    interrupted: str = ""  # "SIGINT" or "SIGTERM" when the run was stopped before the end of its input
 
     def add(self, r: Routed) -> None:
         self.seen += 1
@@ -246,22 +239,20 @@ def run_filter(
     clock: Callable[[], float] = time.time,
     progress: Callable[[Summary], None] | None = None,
     read_ahead: bool = True,
-    flush_after: float | None = None,
+    on_rejected: Callable[[Routed], None] | None = None,
 ) -> Summary:
     """Route every line to exactly one sink; returns the counts. `read_ahead` (for files): batches go
     through `route_batches`, which reads one batch ahead; off for a live stream (stdin), whose batch
-    would otherwise wait for the next one to fill. `flush_after` (a live stream): a batch is routed once
-    no line came for that many seconds, however few it holds. Ctrl-C (KeyboardInterrupt) stops the run
-    between batches: what was routed is written whole and flushed, and the summary says so."""
+    would otherwise wait for the next one to fill. An empty line (`IDLE`: a live input paused; real lines
+    have their newline) routes the partial batch at once. `on_rejected` sees each rejected record."""
     summary = Summary()
     started = time.perf_counter()
-    source: Iterable[bytes | None] = lines if flush_after is None else _with_pauses(lines, flush_after)
 
     def batches() -> Iterator[list[RawRecord]]:
         batch: list[RawRecord] = []
         number = 0
-        for line in source:
-            if line is None:  # nothing new for `flush_after`: route what has arrived
+        for line in lines:
+            if not line:  # IDLE
                 if batch:
                     yield batch
                     batch = []
@@ -278,47 +269,9 @@ def run_filter(
             yield batch
 
     routed = route_batches(nd, batches(), fmt) if read_ahead else (route_batch(nd, b, fmt) for b in batches())
-    try:
-        _write_all(routed, summary, unique, duplicates, rejected, fmt, started, progress)
-    except KeyboardInterrupt as exc:
-        summary.interrupted = "SIGTERM" if isinstance(exc, Terminated) else "SIGINT"
-    for sink in (unique, duplicates, rejected):
-        sink.flush()
-    summary.seconds = time.perf_counter() - started
-    return summary
-
-
-def _with_pauses(lines: Iterable[bytes], pause: float) -> Iterator[bytes | None]:
-    """`lines` as read by a thread of their own, with a None whenever none came for `pause` seconds."""
-    queue: Queue[bytes | BaseException | None] = Queue(maxsize=10_000)
-
-    def read() -> None:
-        try:
-            for line in lines:
-                queue.put(line)
-        except BaseException as exc:  # raised again in the reading thread's consumer
-            queue.put(exc)
-            return
-        queue.put(None)
-
-    Thread(target=read, name="neardup-stdin", daemon=True).start()
-    while True:
-        try:
-            item = queue.get(timeout=pause)
-        except Empty:
-            yield None
-            continue
-        if item is None:
-            return
-        if isinstance(item, BaseException):
-            raise item
-        yield item
-
-
-def _write_all(routed: Iterable[list[Routed]], summary: Summary, unique: Sink, duplicates: Sink, rejected: Sink,
-               fmt: RecordFormat, started: float, progress: Callable[[Summary], None] | None) -> None:
     for rows in routed:
         for r in rows:
+            summary.add(r)
             if r.kind == UNIQUE:
                 unique.write(r.raw.value.rstrip(b"\r\n"))
             elif r.kind == DUPLICATE:
@@ -327,7 +280,15 @@ def _write_all(routed: Iterable[list[Routed]], summary: Summary, unique: Sink, d
             else:
                 assert r.error is not None
                 rejected.write(rejected_record(r.raw.value.rstrip(b"\r\n"), r.error, r.raw.fallback_id))
-            summary.add(r)  # counted once written: an interrupted run's summary is what its outputs hold
+                if on_rejected is not None:
+                    on_rejected(r)
         summary.seconds = time.perf_counter() - started
         if progress is not None:
             progress(summary)
+        if read_ahead is False:  # a live stream: what was routed is seen at once
+            for sink in (unique, duplicates, rejected):
+                sink.flush()
+    for sink in (unique, duplicates, rejected):
+        sink.flush()
+    summary.seconds = time.perf_counter() - started
+    return summary

@@ -8,8 +8,10 @@ import io
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -290,9 +292,7 @@ def test_default_sinks_stdin_stdout_stderr(monkeypatch: pytest.MonkeyPatch, caps
     assert main(["filter", "-"]) == 0
     out, err = capsysbinary.readouterr()
     assert out == jl({"id": "a", "text": SPAM}) + b"\n"  # unique to stdout; duplicates only counted
-    # Without --rejected, stderr says which record was rejected and why, in one line.
-    assert [line for line in err.splitlines() if line.startswith(b"rejected ")] == [
-        b"rejected 2 (not_an_object: JSON list is not an object): [1] [3 characters]"]
+    assert b"neardup: rejected record 2 (not_an_object): [1]\n" in err  # a notice; the record is not written
     assert counts(err.decode()) == (3, 1, 1, 1)
 
 
@@ -316,7 +316,7 @@ def test_several_input_files_continue_line_numbers(tmp_path: Path, capsys: pytes
 
 @pytest.mark.parametrize(("window", "gap", "duplicate"), [
     ("90s", 80, True), ("90s", 100, False), ("1.5m", 80, True), ("1.5m", 100, False),
-    ("24h", 100, True), ("50ms", 1, False),
+    ("24h", 100, True), ("100ms", 0, True),
 ])
 def test_window_option_is_parsed_and_applied(tmp_path: Path, capsys: pytest.CaptureFixture[str], window: str,
                                              gap: int, duplicate: bool) -> None:
@@ -328,9 +328,11 @@ def test_window_option_is_parsed_and_applied(tmp_path: Path, capsys: pytest.Capt
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--window", "banana"], "not a duration: 'banana'"),
-    (["--window", "24"], "'24': a duration needs a unit: 30s, 15m, 24h, 7d"),
     (["--window", "0s"], "duration must be positive"),
     (["--window=-5m"], "not a duration"),
+    (["--window", "24"], "24: a duration needs a unit: 30s, 15m, 24h, 7d"),
+    (["--mgram-keys", "many"], "mgram_keys from flag --mgram-keys: not a number"),
+    (["--bucket-cap", "0"], "bucket_cap must be >= 1"),
     (["--methods", "exact,bogus"], "methods must be"),
     (["--normalize=-nonsense"], "unknown normalization step 'nonsense'"),
     (["--normalize", "+nonsense"], "unknown normalization step 'nonsense'"),
@@ -510,3 +512,278 @@ def test_filter_tunes_the_garbage_collector(tmp_path: Path) -> None:
     assert main(["filter", str(src), "--unique", str(tmp_path / "u"), "-q"]) == 0
     assert gc.get_threshold() == (YOUNG_THRESHOLD, *OLDER_THRESHOLDS)
     assert gc.get_freeze_count() > 1000
+
+
+# -- the command line as a user meets it (subprocesses of `python -m stream.cli`) ------------------------
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEARDUP_") or k.startswith("NEARDUP_TEST_")}
+    return {**env, "PYTHONPATH": str(REPO), **extra}
+
+
+def neardup(*args: str, stdin: bytes = b"", timeout: float = 60) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run([sys.executable, "-m", "stream.cli", *args], input=stdin, capture_output=True, cwd=REPO,
+                          env=cli_env(), timeout=timeout, check=False)
+
+
+def one_line(done: subprocess.CompletedProcess[bytes]) -> str:
+    err = done.stderr.decode()
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err.strip()
+
+
+def test_version() -> None:
+    done = neardup("--version")
+    assert done.returncode == 0 and re.fullmatch(rb"neardup \S+\n", done.stdout), done
+
+
+# Runs the CLI with the Kafka extra's modules unimportable, as in an install without neardup[kafka].
+BLOCK_EXTRA = """
+import signal
+import sys
+import time
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("aiokafka", "redis", "faust", "aiohttp", "prometheus_client"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, Block())
+from stream.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize(("args", "command"), [
+    (["serve"], "neardup serve"),
+    (["produce", "-", "--topic", "t"], "neardup produce"),
+    (["tail", "t"], "neardup tail"),
+    (["filter", "--index", "redis://127.0.0.1:1/0"], "neardup filter --index redis://"),
+])
+def test_commands_without_the_kafka_extra_say_so_in_one_line(args: list[str], command: str) -> None:
+    done = subprocess.run([sys.executable, "-c", BLOCK_EXTRA, *args], input=b"", capture_output=True, cwd=REPO,
+                          env=cli_env(), timeout=60, check=False)
+    assert done.returncode == 2
+    assert one_line(done) == f"{command} needs the Kafka extra: pip install 'neardup[kafka]'"
+    ok = subprocess.run([sys.executable, "-c", BLOCK_EXTRA, "filter", "-q"], input=jl({"text": SPAM}) + b"\n",
+                        capture_output=True, cwd=REPO, env=cli_env(), timeout=60, check=False)
+    assert ok.returncode == 0 and ok.stdout == jl({"text": SPAM}) + b"\n"  # the core needs no extra
+
+
+def test_input_errors_are_one_line_and_exit_2(tmp_path: Path) -> None:
+    unreadable = tmp_path / "secret.jsonl"
+    unreadable.write_bytes(b"{}\n")
+    unreadable.chmod(0)
+    binary = tmp_path / "blob.bin"
+    binary.write_bytes(b"\x7fELF\x02\x01\x01\x00" + bytes(range(256)) * 8)
+    cases = [
+        ([str(tmp_path / "missing.jsonl")], "no such file"),
+        ([str(tmp_path)], "is a directory"),
+        ([str(binary)], "binary input, not text or JSON lines"),
+    ]
+    if os.geteuid() != 0:  # root reads any file
+        cases.append(([str(unreadable)], "cannot read: Permission denied"))
+    for args, message in cases:
+        done = neardup("filter", *args)
+        assert done.returncode == 2 and done.stdout == b""
+        line = one_line(done)
+        assert line.startswith(f"neardup: {args[0]}: ") and message in line
+    done = neardup("filter", "-", stdin=b"\x00\x01\x02 binary \x00" * 100)
+    assert done.returncode == 2 and "stdin: binary input" in one_line(done)
+
+
+def test_gzip_input_is_read_transparently(tmp_path: Path) -> None:
+    import gzip
+
+    data = b"".join(jl({"id": str(i), "text": t}) + b"\n" for i, t in enumerate([SPAM, SPAM_COPY, OTHER]))
+    plain = neardup("filter", "-", stdin=data)
+    named = tmp_path / "in.jsonl.gz"
+    named.write_bytes(gzip.compress(data))
+    unnamed = tmp_path / "in.jsonl"  # gzip recognised by its magic bytes, not its name
+    unnamed.write_bytes(gzip.compress(data))
+    for done in (neardup("filter", str(named)), neardup("filter", str(unnamed)),
+                 neardup("filter", "-", stdin=gzip.compress(data))):
+        assert done.returncode == 0, done.stderr
+        assert done.stdout == plain.stdout == jl({"id": "0", "text": SPAM}) + b"\n" + jl({"id": "2", "text": OTHER}) + b"\n"
+        assert counts(done.stderr.decode()) == (3, 2, 1, 0)
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_interrupt_flushes_whole_lines_prints_the_summary_and_exits_128_plus_signal(
+        tmp_path: Path, sig: signal.Signals, code: int) -> None:
+    unique, duplicates = tmp_path / "u.jsonl", tmp_path / "d.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "stream.cli", "filter", "-", "--unique", str(unique),
+                             "--duplicates", str(duplicates)], stdin=subprocess.PIPE, stderr=subprocess.PIPE,
+                            cwd=REPO, env=cli_env())
+    assert proc.stdin is not None and proc.stderr is not None
+    sent = 0
+    for i in range(3000):  # more than a batch, then the pipe stays open
+        proc.stdin.write(jl({"id": str(i), "text": f"{OTHER} number {i} " + "x" * (i % 50)}) + b"\n")
+        sent += 1
+    proc.stdin.flush()
+    deadline = time.monotonic() + 30
+    def routed() -> int:
+        return sum(p.read_bytes().count(b"\n") for p in (unique, duplicates) if p.exists())
+
+    while time.monotonic() < deadline and routed() < 600:  # the first batches are out, the rest waits in the pipe
+        time.sleep(0.05)
+    assert routed() >= 600
+    proc.send_signal(sig)
+    assert proc.wait(timeout=20) == code
+    err = proc.stderr.read().decode()
+    proc.stdin.close()
+    total, u, d, _ = counts(err)
+    assert f"interrupted by {sig.name}" in err
+    lines = unique.read_bytes()
+    assert lines.endswith(b"\n")
+    assert all(json.loads(line) for line in lines.splitlines())  # whole records only
+    assert lines.count(b"\n") == u and 0 < total <= sent
+    assert duplicates.read_bytes().count(b"\n") == d
+
+
+def test_a_line_piped_in_is_routed_at_once_while_the_pipe_stays_open() -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "stream.cli", "filter", "-", "-q"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO, env=cli_env())
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        time.sleep(1.0)  # started up (imports, index)
+        for record in (jl({"id": "1", "text": SPAM}), jl({"id": "2", "text": OTHER})):
+            started = time.monotonic()
+            proc.stdin.write(record + b"\n")
+            proc.stdin.flush()
+            line = proc.stdout.readline()  # blocks until routed: the pipe is still open
+            assert line == record + b"\n"
+            assert time.monotonic() - started < 1.0
+    finally:
+        proc.stdin.close()
+        assert proc.wait(timeout=20) == 0
+
+
+def test_rejected_records_show_reason_and_start_on_stderr_whole_in_the_rejected_output(tmp_path: Path) -> None:
+    long_bad = b"not json " + b"y" * 5000
+    done = neardup("filter", "-", "--rejected", str(tmp_path / "r.jsonl"),
+                   stdin=jl({"text": SPAM}) + b"\n" + long_bad + b"\n")
+    assert done.returncode == 0
+    notices = [line for line in done.stderr.decode().splitlines() if line.startswith("neardup: rejected")]
+    assert notices == [f"neardup: rejected record 2 (invalid_json): {long_bad[:200].decode()}... (5,009 bytes)"]
+    assert [r["line"].encode() for r in read_jsonl(tmp_path / "r.jsonl")] == [long_bad]
+
+
+def test_progress_shows_percent_rate_and_eta(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from contextlib import ExitStack
+
+    from stream.cli import Progress
+    from stream.inputs import Inputs
+    from stream.runner import Summary
+
+    src = write_lines(tmp_path / "in.jsonl", [jl({"text": f"{OTHER} {i}"}) for i in range(1000)])
+    with ExitStack() as stack:
+        inputs = Inputs([str(src)], stack)
+        progress = Progress(True, inputs)
+        lines = inputs.lines()
+        for _ in range(500):
+            next(lines)
+        progress.show(Summary(seen=1))
+        time.sleep(0.25)
+        for _ in range(200):
+            next(lines)
+        progress.show(Summary(seen=700))
+    err = capsys.readouterr().err.split("\r\033[K")[-1]
+    assert re.match(r"^\s*\d\d\.\d% {2}700 messages {2}0 duplicates {2}0 rejected {2}[\d,]+/s {2}ETA 0:00:0\d$", err), err
+    quiet = neardup("filter", str(src), "--unique", str(tmp_path / "u"))  # stderr a pipe: no progress line
+    assert "\r" not in quiet.stderr.decode()
+
+
+def test_eval_of_the_shipped_sample_and_without_data() -> None:
+    done = neardup("eval", "--sample")
+    assert done.returncode == 0, done.stderr
+    assert "messages 302  routed 300  rejected 2  lost 0" in done.stdout.decode()
+    assert re.search(r"\| F1 \| 0\.9\d+|\| F1 \| 1\.0000", done.stdout.decode())
+    bare = neardup("eval")
+    assert bare.returncode == 2
+    assert "eval needs a labelled stream" in one_line(bare)
+
+
+def test_every_option_of_every_command_has_a_help_line() -> None:
+    import argparse
+
+    from stream.cli import build_parser
+
+    def walk(parser: argparse.ArgumentParser, path: str) -> list[str]:
+        missing = []
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    missing += walk(sub, f"{path} {name}")
+            elif action.help in (None, "") and not isinstance(action, argparse._HelpAction):
+                missing.append(f"{path} {'/'.join(action.option_strings) or action.dest}")
+        return missing
+
+    assert walk(build_parser(), "neardup") == []
+    commands = {name for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction) for name in a.choices}
+    assert {"filter", "explain", "eval", "serve", "produce", "tail", "top", "config"} <= commands
+
+
+# -- serve against real services ------------------------------------------------------------------
+
+
+@pytest.mark.services
+@pytest.mark.parametrize(("flags", "says"), [
+    (["--index", "redis://127.0.0.1:1/0"], "redis://127.0.0.1:1/0"),
+    (["--kafka-bootstrap", "127.0.0.1:1"], "Kafka at 127.0.0.1:1"),
+])
+def test_serve_with_an_unreachable_service_says_so_within_seconds(kafka_bootstrap: str, flags: list[str],
+                                                                  says: str) -> None:
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "stream.cli", "serve", "--kafka-bootstrap", kafka_bootstrap,
+                           "--metrics-port", "0", *flags], capture_output=True, cwd=REPO, env=cli_env(), timeout=30,
+                          check=False)
+    assert time.monotonic() - started <= 10
+    assert done.returncode != 0
+    last = done.stderr.decode().strip().splitlines()[-1]
+    assert last.startswith("neardup: ") and says in last and "Traceback" not in done.stderr.decode()
+
+
+@pytest.mark.services
+def test_serve_starting_a_new_group_logs_no_errors(kafka_bootstrap: str) -> None:
+    name = f"cli-start-{os.getpid()}-{time.monotonic_ns()}"
+    proc = subprocess.Popen([sys.executable, "-m", "stream.cli", "serve", "--kafka-bootstrap", kafka_bootstrap,
+                             "--group-id", name, "--input-topics", f"{name}-in", "--unique-topic", f"{name}-u",
+                             "--duplicate-topic", f"{name}-d", "--dead-letter-topic", f"{name}-x",
+                             "--metrics-port", "0"], stderr=subprocess.PIPE, cwd=REPO, env=cli_env())
+    assert proc.stderr is not None
+    lines = []
+    deadline = time.monotonic() + 30
+    try:
+        while time.monotonic() < deadline:
+            line = proc.stderr.readline().decode()
+            if not line:
+                break
+            lines.append(line)
+            if "assigned" in line:
+                break
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.communicate(timeout=30)[1].decode()
+    assert any("assigned" in line for line in lines), "".join(lines) + rest
+    assert not [line for line in [*lines, *rest.splitlines()] if " ERROR " in line], "".join(lines) + rest
+    assert proc.returncode == 0
+
+
+# Not benchmarks: what they share (needs), and the support of the Kafka and fault tests (imported, not run).
+BENCHES = sorted(p.name for p in (REPO / "bench").glob("*.py")
+                 if p.name not in ("__init__.py", "needs.py", "kafka_support.py", "reliability.py"))
+
+
+@pytest.mark.parametrize("script", BENCHES)
+def test_every_benchmark_says_in_one_line_what_it_needs(tmp_path: Path, script: str) -> None:
+    """Run from a clone without the eval data or the services: exit 2 and one line, never a traceback."""
+    env = {k: v for k, v in cli_env().items() if not k.startswith("NEARDUP_TEST_")}
+    env["NEARDUP_TEST_KAFKA"] = "127.0.0.1:1"  # nothing listens there
+    missing = ["--stream", str(tmp_path / "none.jsonl"), "--truth", str(tmp_path / "none.jsonl")]
+    help_text = subprocess.run([sys.executable, f"bench/{script}", "--help"], capture_output=True, cwd=REPO, env=env,
+                               timeout=60, check=False).stdout
+    args = missing if b"--stream" in help_text else []
+    done = subprocess.run([sys.executable, f"bench/{script}", *args], capture_output=True, cwd=REPO, env=env,
+                          timeout=60, check=False)
+    assert done.returncode == 2
+    assert one_line(done).startswith(f"{script} needs ")

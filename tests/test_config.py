@@ -13,6 +13,7 @@ from stream.config import (
     MASK,
     Settings,
     add_settings_arguments,
+    format_duration,
     load_settings,
     mask_url,
     parse_duration,
@@ -110,9 +111,14 @@ def test_unknown_or_broken_config_file(tmp_path: Path) -> None:
 def test_durations() -> None:
     assert parse_duration("50ms") == 0.05
     assert parse_duration("1.5h") == 5400.0
-    assert parse_duration(7) == 7.0
+    assert parse_duration("7d") == 7 * 86400.0
     with pytest.raises(ConfigError):
         parse_duration("0s")
+    for bare in ("24", 24, 1.5, " 90 "):  # from a flag or env (text) or TOML (a number): never plain seconds
+        with pytest.raises(ConfigError, match=r"a duration needs a unit: 30s, 15m, 24h, 7d"):
+            parse_duration(bare)  # type: ignore[arg-type]
+    assert [format_duration(s) for s in (86400.0, 7 * 86400.0, 0.05, 90.0, 1.5)] == ["24h", "7d", "50ms", "90s",
+                                                                                     "1500ms"]
 
 
 def test_secrets_are_masked_everywhere(tmp_path: Path) -> None:
@@ -162,7 +168,7 @@ def test_config_command_prints_effective_settings(monkeypatch: pytest.MonkeyPatc
     out = capsys.readouterr().out
     assert "hunter2" not in out
     assert f'index = "redis://:{MASK}@127.0.0.1:6379/0"  # env NEARDUP_INDEX' in out
-    assert "window = 43200.0  # flag --window" in out
+    assert 'window = "12h"  # flag --window' in out
     assert 'ts_field = "ts"  # flag --ts-field' in out
     assert 'runtime = "aiokafka"  # default' in out
 
@@ -170,3 +176,119 @@ def test_config_command_prints_effective_settings(monkeypatch: pytest.MonkeyPatc
 def test_bad_setting_is_a_clean_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert commands.main(["config", "--runtime", "spark"]) == 2
     assert "runtime must be one of" in capsys.readouterr().err
+
+
+# -- one configuration: every FilterConfig field by the same name from flag, env and TOML ------------------
+
+# (field, the text given, the value FilterConfig gets, as `neardup config` prints it)
+FILTER_FIELDS = [
+    ("window", "2h", 7200.0, '"2h"'),
+    ("methods", "exact,simhash", ("exact", "simhash"), '["exact", "simhash"]'),
+    ("verify", "native", "native", '"native"'),
+    ("threshold", "0.6", 0.6, "0.6"),
+    ("containment", "0.9", 0.9, "0.9"),
+    ("containment_min_ratio", "0.4", 0.4, "0.4"),
+    ("containment_min_size", "15", 15, "15"),
+    ("shingle", "5", 5, "5"),
+    ("sketch_size", "64", 64, "64"),
+    ("mgram", "7", 7, "7"),
+    ("mgram_keys", "12", 12, "12"),
+    ("simhash_k", "4", 4, "4"),
+    ("minhash_perm", "64", 64, "64"),
+    ("minhash_bands", "16", 16, "16"),
+    ("sentences_top", "4", 4, "4"),
+    ("sentences_min_chars", "12", 12, "12"),
+    ("max_candidates", "6", 6, "6"),
+    ("min_shared", "0.3", 0.3, "0.3"),
+    ("bucket_cap", "32", 32, "32"),
+    ("max_chars", "10000", 10000, "10000"),
+    ("seed", "0x1234", 0x1234, "4660"),
+    ("normalize", "-pinyin,no-leet", None, '"-leet,-pinyin"'),
+]
+
+
+def test_every_filter_config_field_is_a_setting_with_its_default() -> None:
+    from dataclasses import fields
+
+    from filters.config import FilterConfig
+
+    names = [f.name for f in fields(FilterConfig)]
+    assert sorted(names) == sorted(name for name, *_ in FILTER_FIELDS)
+    assert Settings().filter_config() == FilterConfig()  # defaults defined once: FilterConfig's
+    for f in fields(FilterConfig):
+        if f.name != "normalize":
+            assert getattr(Settings(), f.name) == getattr(FilterConfig(), f.name), f.name
+
+
+def _toml(value: str) -> str:
+    return value if value.replace(".", "").isdigit() and "x" not in value else f'"{value}"'
+
+
+@pytest.mark.parametrize("layer", ["flag", "env", "file"])
+@pytest.mark.parametrize(("name", "given", "expected", "shown"), FILTER_FIELDS, ids=[f[0] for f in FILTER_FIELDS])
+def test_each_filter_field_reaches_config_and_the_filter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str], layer: str, name: str,
+                                                         given: str, expected: object, shown: str) -> None:
+    from stream import cli
+
+    for var in [n for n in __import__("os").environ if n.startswith("NEARDUP_")]:
+        monkeypatch.delenv(var)
+    if name == "seed" and layer == "file":
+        given = "4660"  # TOML has its own hex literal; a plain integer here
+    # minhash_perm must stay a multiple of minhash_bands (64 % 32 == 0, 128 % 16 == 0)
+    argv: list[str] = []
+    source = {"flag": f"flag --{name.replace('_', '-')}", "env": f"env NEARDUP_{name.upper()}"}.get(layer, "")
+    if layer == "flag":
+        argv = [f"--{name.replace('_', '-')}={given}"]
+    elif layer == "env":
+        monkeypatch.setenv(f"NEARDUP_{name.upper()}", given)
+    else:
+        path = write(tmp_path, f"{name} = {_toml(given)}\n")
+        argv = ["--config", str(path)]
+        source = f"file {path}"
+    assert cli.main(["config", *argv]) == 0
+    assert f"{name} = {shown}  # {source}" in capsys.readouterr().out.splitlines()
+    for command in (["filter"], ["explain", "a", "b"], ["eval"], ["serve"]):
+        args = cli.build_parser().parse_args(cli._glue_normalize_value([*command, *argv]))
+        got = settings_from_args(args).filter_config()
+        if name == "normalize":
+            assert (got.normalize.pinyin, got.normalize.leet, got.normalize.casefold) == (False, False, True)
+        else:
+            assert getattr(got, name) == expected, command
+
+
+def test_toml_normalize_as_a_table_or_list_and_durations_need_units(tmp_path: Path) -> None:
+    s = load_settings({}, env={}, config_file=write(tmp_path, "[normalize]\npinyin = false\nleet = false\n"))
+    assert s.normalize == "-leet,-pinyin" and not s.filter_config().normalize.pinyin
+    s = load_settings({}, env={}, config_file=write(tmp_path, 'normalize = ["-mask_numbers"]\n'))
+    assert not s.filter_config().normalize.mask_numbers
+    for text in ("window = 86400\n", 'window = "24"\n', "session_timeout = 10\n"):
+        with pytest.raises(ConfigError, match="a duration needs a unit: 30s, 15m, 24h, 7d"):
+            load_settings({}, env={}, config_file=write(tmp_path, text))
+    with pytest.raises(ConfigError, match="NEARDUP_BATCH_WITHIN: 50: a duration needs a unit"):
+        load_settings({}, env={"NEARDUP_BATCH_WITHIN": "50"})
+
+
+def test_settings_env_round_trips() -> None:
+    s = load_settings({"window": "90m", "normalize": "-pinyin", "mgram_keys": "11", "linger": "5ms"}, env={})
+    again = load_settings({}, env=s.env())
+    assert again == s and again.filter_config() == s.filter_config()
+
+
+def test_transient_kafka_errors_at_start_are_not_logged_as_errors() -> None:
+    import io
+    import logging
+
+    from stream.logs import setup_logging
+
+    out = io.StringIO()
+    handler = setup_logging("info", "plain", stream=out)
+    try:
+        log = logging.getLogger("aiokafka.consumer.group_coordinator")
+        log.error("Group Coordinator Request failed: %s", "[Error 15] GroupCoordinatorNotAvailableError")
+        logging.getLogger("aiokafka.client").error("Unable to request metadata: NodeNotReadyError: 1")
+        log.error("Heartbeat session expired - marking coordinator dead")
+    finally:
+        logging.getLogger().removeHandler(handler)
+    lines = out.getvalue().splitlines()
+    assert [line.split(" ", 3)[2] for line in lines] == ["INFO", "INFO", "ERROR"], lines

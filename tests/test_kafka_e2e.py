@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from bench.kafka_support import outputs, produce, redis_namespace, reference_verdicts, settings_for
-from stream.config import Settings, settings_env
+from stream.config import Settings
 from stream.kafka_tools import KafkaRecord, ensure_topics, read_topics
 from stream.runner import Routed
 
@@ -54,7 +54,8 @@ def index_url(redis_url: str) -> Iterator[str]:
 def serve_env(settings: Settings) -> dict[str, str]:
     """The worker's settings as NEARDUP_* variables (the subprocess also proves the env layer)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("NEARDUP_") or k.startswith("NEARDUP_TEST_")}
-    env.update({k: v for k, v in settings_env(settings).items() if not k.endswith("PASSWORD")})
+    env.update({k: v for k, v in settings.env().items() if not k.endswith("PASSWORD")})
+    env["NEARDUP_INDEX"] = settings.index
     env["PYTHONPATH"] = str(REPO)
     return env
 

@@ -45,7 +45,7 @@ from bench.kafka_support import (
 from filters.errors import ConfigError
 from stream.campaigns import Campaign, CampaignDetail, CampaignView, MemoryCampaigns, RedisCampaigns, Sighting, open_campaigns
 from stream.cli import main as cli_main
-from stream.config import Settings
+from stream.config import Settings, format_duration
 from stream.kafka_tools import KafkaRecord, ensure_topics
 from stream.logs import setup_logging
 from stream.metrics import STAGES, WorkerMetrics
@@ -298,7 +298,7 @@ def test_serve_metrics_and_campaigns_equal_the_routed_outputs(kafka_bootstrap: s
     finally:
         store.close()
     top = subprocess.run([sys.executable, "-m", "stream.cli", "top", "--once", "--index", settings.index,
-                          "--window", f"{settings.window}s", "--limit", "2"], cwd=REPO, capture_output=True,
+                          "--window", format_duration(settings.window), "--limit", "2"], cwd=REPO, capture_output=True,
                          text=True, timeout=30)
     assert top.returncode == 0, top.stderr
     biggest = per_rep.most_common(1)[0]
@@ -677,7 +677,7 @@ def test_top_keys_change_the_sort_under_a_terminal_and_q_restores_it() -> None:
     """`neardup top` in a pseudo-terminal: the first screen is by size with the keys in the header; `g`
     redraws at once (the interval is a minute) by growth; `q` exits 0 and the terminal's settings are
     the ones it had before (echo and line mode back), the cursor shown again."""
-    with serving(wave_store()) as base, top_in_terminal("--from", base, "--interval", "60") as (term, proc):
+    with serving(wave_store()) as base, top_in_terminal("--from", base, "--interval", "60s") as (term, proc):
         first = term.read_until(drawn(1))[-1]
         header = first.splitlines()[0]
         assert "sorted by size" in header and "2 duplicate clusters" in header
@@ -786,7 +786,9 @@ def test_filter_summary_as_text_or_one_json_line(tmp_path: Path, capsys: pytest.
     try:
         assert cli_main(["filter", str(path), *sinks]) == 0
         plain = capsys.readouterr().err
-        assert plain.startswith("in 17 = unique 3 + duplicate 13 + rejected 1\n")
+        notice, summary_text = plain.split("\n", 1)  # a rejected record's notice, then the summary
+        assert notice == "neardup: rejected record 17 (not_an_object): [1]"
+        assert summary_text.startswith("in 17 = unique 3 + duplicate 13 + rejected 1\n")
         assert cli_main(["filter", str(path), *sinks, "--log-format", "json"]) == 0
         (line,) = capsys.readouterr().err.splitlines()
         summary = json.loads(line)

@@ -268,7 +268,7 @@ def test_produce_and_tail_commands(kafka_bootstrap: str, capsys: pytest.CaptureF
     assert commands.main(["produce", str(path), "--topic", topic, "--key-field", "id",
                           "--kafka-bootstrap", kafka_bootstrap]) == 0
     assert "produced 2 records" in capsys.readouterr().err
-    assert commands.main(["tail", topic, "--from-beginning", "--max", "2", "--timeout", "10",
+    assert commands.main(["tail", topic, "--from-beginning", "--max", "2", "--timeout", "10s",
                           "--kafka-bootstrap", kafka_bootstrap]) == 0
     rows = [orjson.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [(r["key"], r["offset"], r["partition"]) for r in rows] == [("x1", 0, 0), ("7", 1, 0)]
@@ -280,7 +280,7 @@ def test_tail_shows_binary_as_base64(kafka_bootstrap: str, capsys: pytest.Captur
     settings = settings_for(kafka_bootstrap, "memory://")
     topic = settings.input_topics[0]
     asyncio.run(produce(settings, topic, [(b"\xff", b"\x00\xfe", (("h", b"\xff"), ("ok", b"yes")))]))
-    assert commands.main(["tail", topic, "--from-beginning", "--max", "1", "--timeout", "10",
+    assert commands.main(["tail", topic, "--from-beginning", "--max", "1", "--timeout", "10s",
                           "--kafka-bootstrap", kafka_bootstrap]) == 0
     (row,) = [orjson.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert row["key"] == {"base64": "/w=="} and row["value"] == {"base64": "AP4="}

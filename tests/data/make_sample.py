@@ -1,4 +1,8 @@
-"""Writes tests/data/sample.jsonl: a small synthetic stream with near-duplicates, for the README and tests."""
+"""Writes tests/data/sample.jsonl and its labels sample_truth.jsonl: a small synthetic stream with near-duplicates.
+
+Sources and license: see tests/data/README.md (the first three bases are adapted from the UCI SMS Spam
+Collection, CC BY 4.0; the other texts were written for this project; the edits are the generators below).
+"""
 
 from __future__ import annotations
 
@@ -18,6 +22,9 @@ BASES = [
     "妈妈喊你回家吃饭啦，今天做了你最爱吃的红烧肉。",
     "Don't forget to bring your laptop to the meeting, we will review the quarterly numbers.",
 ]
+SMS_BASES = 3  # BASES[:3] are adapted from the UCI SMS Spam Collection
+EDIT_NAMES = ["space_insertion", "case_change", "zero_width_insertion", "leet", "truncation", "ad_prefix_suffix",
+              "width_swap", "number_substitution", "confusables", "emoji_insertion"]
 EDITS = [
     lambda t, r: " ".join(t),                                   # spaces between letters
     lambda t, r: t.upper(),
@@ -35,6 +42,7 @@ EDITS = [
 def main() -> None:
     r = random.Random(7)
     rows = []
+    truth = []
     vocab = ("apple river budget green window rocket silent music paper garden orange coffee winter "
              "number travel yellow bridge planet cotton market shadow pencil summer castle forest "
              "engine lemon island camera silver doctor valley rabbit thunder basket mirror ticket").split()
@@ -42,17 +50,28 @@ def main() -> None:
                for _ in range(300)]
     for i in range(300):
         if r.random() < 0.45:
-            base = r.choice(BASES)
-            text = r.choice(EDITS)(base, r) if r.random() < 0.8 else base
+            k = r.choice(range(len(BASES)))  # the same draw as r.choice(BASES)
+            base, cluster, corpus = BASES[k], f"base{k}", "sms_en" if k < SMS_BASES else "written"
+            if r.random() < 0.8:
+                e = r.choice(range(len(EDITS)))
+                text, ptype = EDITS[e](base, r), EDIT_NAMES[e]
+            else:
+                text, ptype = base, "base"
         else:
-            text = fillers[i]
+            text, cluster, corpus, ptype = fillers[i], f"filler{i}", "filler", "base"
         rows.append({"id": f"m{i:04d}", "text": text, "ts": 1_700_000_000 + i})
+        truth.append({"id": f"m{i:04d}", "cluster": cluster, "corpus": corpus, "ptype": ptype, "gray": False})
     rows.insert(150, {"id": "bad-1", "txt": "no text field here"})
+    truth.insert(150, {"id": "bad-1", "cluster": "bad-1", "corpus": "invalid", "ptype": "base", "gray": False})
+    truth.append({"id": "line-302", "cluster": "line-302", "corpus": "invalid", "ptype": "base", "gray": False})
     out = Path(__file__).with_name("sample.jsonl")
     with out.open("w", encoding="utf-8") as f:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
         f.write("this line is not JSON\n")
+    with out.with_name("sample_truth.jsonl").open("w", encoding="utf-8") as f:
+        for row in truth:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
 if __name__ == "__main__":
