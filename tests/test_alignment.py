@@ -348,6 +348,7 @@ def test_two_serve_workers_with_a_kill_9_and_a_redis_outage_route_a_backlog_as_t
             b.kill()
             b2 = Serve(settings, tmp_path, "b2", hook=hook, args=["--group-instance-id", "b"])
             started.append(b2)
+            wait_assigned([a, b2], 4)  # started: serve refuses an index it cannot reach at start
             read(settings, committed=True, sources=len(items) // 2, settle=0.0, timeout=60)
             proxy.down()
             time.sleep(3.0)
