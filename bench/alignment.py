@@ -31,20 +31,19 @@ from math import nan
 from pathlib import Path
 
 import orjson
-import redis
 from aiokafka.admin import AIOKafkaAdminClient
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import needs  # noqa: E402
+from bench.kafka_e2e import cleanup  # noqa: E402 (the same topics and key prefix per run)
 from filters.engine import NearDupFilter  # noqa: E402
 from stream.backlog import Item, backlog, differences, f1, reference  # noqa: E402
 from stream.config import Settings  # noqa: E402
 from stream.kafka_tools import (  # noqa: E402
     KafkaRecord,
     client_options,
-    delete_topics,
     ensure_topics,
     producer,
     read_topics,
@@ -120,17 +119,6 @@ def stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
             _, err = p.communicate()
         if p.returncode not in (0, -15):
             print(err.decode()[-2000:], file=sys.stderr)
-
-
-def cleanup(s: Settings) -> None:
-    asyncio.run(delete_topics(s, [*s.input_topics, *s.output_topics]))
-    base, _, query = s.index.partition("?")
-    prefix = query.split("prefix=", 1)[1]
-    client = redis.Redis.from_url(base)
-    keys = list(client.scan_iter(match=f"{{{prefix}:*", count=1000))
-    for i in range(0, len(keys), 500):
-        client.delete(*keys[i:i + 500])
-    client.close()
 
 
 async def preload(s: Settings, items: Sequence[Item]) -> None:
