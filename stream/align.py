@@ -17,7 +17,7 @@ watermark. `Aligner` does both for one worker, and `GroupMarks` extends it to th
   `max_skew` ahead of the lowest mark of the others. The worker holding the lowest mark can always go on, so
   the group cannot deadlock; a dead worker's mark expires (its time to live), and a worker that owns
   nothing or only idle partitions publishes no low mark and holds nobody back.
-- A record taken more than `max_skew` behind the highest event time the group decided since its
+- A record taken more than `max_skew` behind the highest event time its worker decided since its
   partitions were last assigned is late (a quiet partition woke up with old records, or a
   producer stamped it late): it is decided all the same, and the worker marks it (`neardup-late`
   header, a metric). Records read again after a rebalance (from the committed offsets) are not late:
@@ -59,7 +59,7 @@ class GroupView:
 @dataclass(frozen=True, slots=True)
 class Taken:
     """A batch the aligner let go: its records in decision order, their event times and, for each, how far
-    (seconds) it is behind the group's highest event time, when more than `max_skew` (see the module doc)."""
+    (seconds) it is behind the worker's highest event time, when more than `max_skew` (see the module doc)."""
 
     records: list[KafkaRecord]
     times: list[float]
@@ -216,7 +216,9 @@ class Aligner:
         records: list[KafkaRecord] = []
         times: list[float] = []
         late: list[float] = []
-        high = self.high if group is None or group.high is None else max(self.high or -math.inf, group.high)
+        # Against what this worker decided since its assignment: the group's high mark would also count records
+        # read again after a crash (their transaction aborted) as late, and a replay must look like the first time.
+        high = self.high
         waiting = ""
         while heads and len(records) < n:
             ts, i, lane = heads[0]
