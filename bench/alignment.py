@@ -32,6 +32,7 @@ from pathlib import Path
 
 import orjson
 from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import KafkaError
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -165,6 +166,8 @@ async def members(s: Settings) -> int:
         (group,) = response.groups
         state, assigned = group[2], [m for m in group[5] if m[-1]]
         return len(assigned) if state == "Stable" else 0
+    except KafkaError:  # the group's coordinator is not known yet (a broker just started): not yet
+        return 0
     finally:
         await admin.close()
 
