@@ -13,15 +13,16 @@ watermark. `Aligner` does both for one worker, and `GroupMarks` extends it to th
   order), unless it is idle: nothing to fetch (no lag) for `idle_timeout`. So a quiet partition delays
   live traffic once by at most `idle_timeout`, and a lagging one (a backlog being fetched) is waited for.
 - Across workers, each publishes its low mark (the event time of the next record it will decide) and
-  its high mark (the highest it decided since its last assignment) through `GroupMarks`; a worker takes only records at most
-  `max_skew` ahead of the lowest mark of the others. The worker holding the lowest mark can always go on, so
+  the partitions it owns through `GroupMarks`; a worker takes only records at most `max_skew` ahead of
+  the lowest mark of the others, and none until the live workers' claims cover the input once. The
+  worker holding the lowest mark can always go on, so
   the group cannot deadlock; a dead worker's mark expires (its time to live), and a worker that owns
   nothing or only idle partitions publishes no low mark and holds nobody back.
 - A record taken more than `max_skew` behind the highest event time its worker decided since its
   partitions were last assigned is late (a quiet partition woke up with old records, or a
   producer stamped it late): it is decided all the same, and the worker marks it (`neardup-late`
   header, a metric). Records read again after a rebalance (from the committed offsets) are not late:
-  every worker's high mark restarts with its assignment, as its reading restarts from its offsets.
+  a worker's high mark restarts with its assignment, as its reading restarts from its offsets.
 
 Pure and synchronous (the worker's loop feeds it and publishes its marks): no I/O but `RedisMarks`.
 """
@@ -46,11 +47,9 @@ Lane = tuple[str, int]  # topic, partition
 @dataclass(frozen=True, slots=True)
 class GroupView:
     """What the group's marks say to one worker: the lowest next event time another live worker holds
-    (None: nobody holds this one back; its own partitions it orders exactly) and the highest event time
-    the group decided since the last assignment (None: nothing yet)."""
+    (None: nobody holds this one back; its own partitions it orders exactly)."""
 
     low: float | None = None
-    high: float | None = None
     # Whether the live workers' claims cover the input's partitions once: if not, a worker's mark is
     # missing (it has just been assigned partitions and not said so yet) or stale, and nobody may go on.
     complete: bool = True
@@ -216,7 +215,7 @@ class Aligner:
         records: list[KafkaRecord] = []
         times: list[float] = []
         late: list[float] = []
-        # Against what this worker decided since its assignment: the group's high mark would also count records
+        # Against what this worker decided since its assignment: what the group decided would also count records
         # read again after a crash (their transaction aborted) as late, and a replay must look like the first time.
         high = self.high
         waiting = ""
@@ -296,9 +295,8 @@ class Aligner:
 class GroupMarks(Protocol):
     """Where a worker publishes its marks and reads the group's (`GroupView`)."""
 
-    async def publish(self, low: float | None, high: float | None, owned: Iterable[Lane],
-                      every: Iterable[Lane]) -> GroupView:
-        """This worker's marks and the partitions it owns (of `every`, the input's); the group's view."""
+    async def publish(self, low: float | None, owned: Iterable[Lane], every: Iterable[Lane]) -> GroupView:
+        """This worker's low mark and the partitions it owns (of `every`, the input's); the group's view."""
         ...
 
     async def close(self) -> None: ...
@@ -307,9 +305,8 @@ class GroupMarks(Protocol):
 class SoloMarks:
     """One worker alone (a memory:// index has no group): nobody else holds it back."""
 
-    async def publish(self, low: float | None, high: float | None, owned: Iterable[Lane],
-                      every: Iterable[Lane]) -> GroupView:
-        return GroupView(None, high)
+    async def publish(self, low: float | None, owned: Iterable[Lane], every: Iterable[Lane]) -> GroupView:
+        return GroupView(None)
 
     async def close(self) -> None:
         pass
@@ -348,15 +345,13 @@ class RedisMarks:
                         else aioredis.Redis.from_url(target.client_url, **options))
         self._script = self._client.register_script(MARKS_LUA)
 
-    async def publish(self, low: float | None, high: float | None, owned: Iterable[Lane],
-                      every: Iterable[Lane]) -> GroupView:
+    async def publish(self, low: float | None, owned: Iterable[Lane], every: Iterable[Lane]) -> GroupView:
         from filters.redis_index import redis_errors
 
         claims = " ".join(f"{topic}/{partition}" for topic, partition in sorted(owned))
         with redis_errors(self.where):
-            got = await self._script(keys=[self.key], args=[self.member, _text(low), _text(high), self.ttl_ms,
-                                                            claims])
-        return GroupView(_number(got[0]), _number(got[1]), covers(got[2], every))
+            got = await self._script(keys=[self.key], args=[self.member, _text(low), self.ttl_ms, claims])
+        return GroupView(_number(got[0]), covers(got[1], every))
 
     async def close(self) -> None:
         from filters.errors import NeardupError
@@ -364,7 +359,7 @@ class RedisMarks:
 
         try:
             with redis_errors(self.where):
-                await self._script(keys=[self.key], args=[self.member, "", "", self.ttl_ms, ""])  # leave
+                await self._script(keys=[self.key], args=[self.member, "", self.ttl_ms, ""])  # leave
         except NeardupError:
             pass  # leaving is best effort: the mark expires anyway
         await self._client.aclose()

@@ -766,16 +766,15 @@ class AiokafkaWorker(_WorkerCore):
         return self.aligner.take(self.settings.max_batch, self.group)
 
     async def _publish_marks(self) -> None:
-        """This worker's marks and partitions to the group, and the group's view back (`GroupMarks`). While the
+        """This worker's low mark and partitions to the group, and the group's view back (`GroupMarks`). While the
         index's Redis is down the worker goes on alone: routing waits for the index anyway (block), or
         passes records unchecked."""
         try:
-            self.group = await self.marks.publish(self.aligner.low_mark(), self.aligner.high, self.aligner.lanes(),
-                                                  self._every())
+            self.group = await self.marks.publish(self.aligner.low_mark(), self.aligner.lanes(), self._every())
         except IndexUnavailable as exc:
             if self.group.low is not None:
                 log.debug("event-time marks not shared while the index is unavailable: %s", exc)
-            self.group = GroupView(None, self.aligner.high)
+            self.group = GroupView(None)
         self._marked_at = time.monotonic()
 
     def _every(self) -> list[tuple[str, int]]:

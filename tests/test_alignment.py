@@ -110,8 +110,8 @@ def test_nothing_is_taken_until_the_group_has_said_who_owns_what() -> None:
     a.assign([("in", 0)])
     a.add([rec(0, 1)])
     a.flow(lambda lane: 0)
-    assert a.take(10, GroupView(None, None, complete=False)).waiting == "group"
-    assert times(a.take(10, GroupView(None, None)).records) == [1]
+    assert a.take(10, GroupView(None, complete=False)).waiting == "group"
+    assert times(a.take(10, GroupView(None)).records) == [1]
 
 
 def test_the_group_holds_a_worker_back_to_its_low_mark_plus_the_skew() -> None:
@@ -120,11 +120,11 @@ def test_the_group_holds_a_worker_back_to_its_low_mark_plus_the_skew() -> None:
     a.assign([("in", 0)])
     a.add([rec(0, t) for t in (100, 104, 105, 106, 200)])
     a.flow(lambda lane: 0)
-    taken = a.take(100, GroupView(low=100.0, high=None))
+    taken = a.take(100, GroupView(low=100.0))
     assert times(taken.records) == [100, 104, 105] and taken.waiting == "group"
     a.decided(taken)
     assert a.low_mark() == 106
-    assert times(a.take(100, GroupView(low=106.0, high=None)).records) == [106]
+    assert times(a.take(100, GroupView(low=106.0)).records) == [106]
 
 
 def test_a_record_far_behind_what_the_worker_decided_is_late() -> None:
@@ -137,7 +137,7 @@ def test_a_record_far_behind_what_the_worker_decided_is_late() -> None:
     a.add([rec(0, 100), rec(0, 120)])
     a.flow(lambda lane: 0)
     clock.now += 2  # partition 1: idle
-    assert times(a.take(100, GroupView(None, 500.0)).records) == [100, 120]  # the group's high does not count
+    assert times(a.take(100).records) == [100, 120]
     a.add([rec(1, 50), rec(1, 116)])
     taken = a.take(100)
     assert times(taken.records) == [50, 116]
@@ -206,23 +206,23 @@ def test_marks_in_redis_give_the_groups_low_and_high_and_expire(index_url: str) 
         b = RedisMarks(index_url, namespace="ns", group="g", member="b", ttl=60)
         try:
             # a alone, owning half: b has not said what it owns yet, so nobody may go on.
-            assert await a.publish(10.0, 20.0, [("in", 0)], every) == GroupView(None, 20.0, complete=False)
-            assert await b.publish(15.5, 30.25, [("in", 1)], every) == GroupView(10.0, 30.25)
-            assert await a.publish(12.0, 21.0, [("in", 0)], every) == GroupView(15.5, 30.25)
-            assert await b.publish(None, 31.0, [("in", 1)], every) == GroupView(12.0, 31.0)  # b idle
-            assert await a.publish(13.0, 22.0, [("in", 0)], every) == GroupView(None, 31.0)
+            assert await a.publish(10.0, [("in", 0)], every) == GroupView(None, complete=False)
+            assert await b.publish(15.5, [("in", 1)], every) == GroupView(10.0)
+            assert await a.publish(12.0, [("in", 0)], every) == GroupView(15.5)
+            assert await b.publish(None, [("in", 1)], every) == GroupView(12.0)  # b idle: holds nobody back
+            assert await a.publish(13.0, [("in", 0)], every) == GroupView(None)
             # A rebalance: b now owns both, a has not said it lost its partition: a stale claim.
-            assert (await b.publish(30.0, 31.0, every, every)).complete is False
+            assert (await b.publish(30.0, every, every)).complete is False
             await asyncio.sleep(0.7)  # a died: its mark expires, and so does its claim
-            assert await b.publish(40.0, 41.0, every, every) == GroupView(None, 41.0)
+            assert await b.publish(40.0, every, every) == GroupView(None)
             other = RedisMarks(index_url, namespace="ns", group="other", member="c", ttl=60)
-            assert await other.publish(1.0, 2.0, every, every) == GroupView(None, 2.0)  # a group of its own
+            assert await other.publish(1.0, every, every) == GroupView(None)  # a group of its own
             await other.close()
         finally:
             await a.close()
             await b.close()
         c = RedisMarks(index_url, namespace="ns", group="g", member="c", ttl=60)
-        assert await c.publish(50.0, None, every, every) == GroupView(None, None)  # b left, and its mark
+        assert await c.publish(50.0, every, every) == GroupView(None)  # b left, and its claim with it
         await c.close()
 
     asyncio.run(scenario())

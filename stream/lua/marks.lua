@@ -1,34 +1,32 @@
--- A worker's event-time marks, and the group's, in one round trip (stream/align.py, RedisMarks).
--- KEYS[1]: the group's marks hash, field = worker id, value = "<low>|<high>|<expires at, ms>|<claims>".
+-- A worker's event-time mark, and the group's, in one round trip (stream/align.py, RedisMarks).
+-- KEYS[1]: the group's marks hash, field = worker id, value = "<low mark>|<expires at, ms>|<claims>".
 -- ARGV: worker id, its low mark (the event time of the next record it will decide; '' when it holds
---       nothing back: idle, or no partitions), its high mark (the highest event time it decided since
---       its partitions were assigned; '' for none), the marks' time to live in ms, the partitions it
---       owns ("topic/partition" joined by spaces; '' for none). Low mark and partitions empty: it leaves.
--- Returns {the others' low ('' for none), the group's high ('' for none), every live worker's claims}:
--- the lowest low mark of the other workers (a worker orders its own partitions exactly: only the others
--- hold it back), the highest high mark of all, and the partitions each live worker says it owns (the
--- caller checks that they cover the input once: until then somebody's mark is missing or stale).
--- Expired marks (a worker that died) are removed. Server time, so workers' clocks never matter.
-local key, me, low, high, ttl, claims = KEYS[1], ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
+--       nothing back: idle, or no partitions), the mark's time to live in ms, the partitions it owns
+--       ("topic/partition" joined by spaces; '' for none). Low mark and partitions both empty: it leaves.
+-- Returns {the others' low mark ('' for none), every live worker's claims}: the lowest low mark of the
+-- other workers (a worker orders its own partitions exactly: only the others hold it back), and the
+-- partitions each live worker says it owns (the caller checks that they cover the input once: until
+-- then somebody's mark is missing or stale). Expired marks (a worker that died) are removed. Server
+-- time, so workers' clocks never matter.
+local key, me, low, ttl, claims = KEYS[1], ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 if low == '' and claims == '' then
   redis.call('HDEL', key, me)
 else
-  redis.call('HSET', key, me, low .. '|' .. high .. '|' .. string.format('%d', now + ttl) .. '|' .. claims)
+  redis.call('HSET', key, me, low .. '|' .. string.format('%d', now + ttl) .. '|' .. claims)
 end
 local all = redis.call('HGETALL', key)
-local group_low, group_high, low_s, high_s, owned = math.huge, -math.huge, '', '', {}
+local group_low, low_s, owned = math.huge, '', {}
 for i = 1, #all, 2 do
-  local l, h, e, c = string.match(all[i + 1], '^([^|]*)|([^|]*)|(%d+)|(.*)$')
+  local l, e, c = string.match(all[i + 1], '^([^|]*)|(%d+)|(.*)$')
   if e == nil or tonumber(e) < now then
     redis.call('HDEL', key, all[i])
   else
     if all[i] ~= me and l ~= '' and tonumber(l) < group_low then group_low = tonumber(l); low_s = l end
-    if h ~= '' and tonumber(h) > group_high then group_high = tonumber(h); high_s = h end
     owned[#owned + 1] = c
   end
 end
 -- The hash goes when no worker has written it for ten lifetimes of a mark.
 redis.call('PEXPIRE', key, 10 * ttl)
-return {low_s, high_s, owned}
+return {low_s, owned}
