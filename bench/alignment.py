@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import needs  # noqa: E402
-from bench.kafka_e2e import cleanup  # noqa: E402 (the same topics and key prefix per run)
+from bench.kafka_e2e import cleanup, stop_worker  # noqa: E402 (the same topics, key prefix and stop)
 from filters.engine import NearDupFilter  # noqa: E402
 from stream.backlog import Item, backlog, differences, f1, reference  # noqa: E402
 from stream.config import Settings  # noqa: E402
@@ -107,19 +107,6 @@ def start_worker(s: Settings, n: int) -> subprocess.Popen[bytes]:
     })
     return subprocess.Popen([sys.executable, "-m", "stream.cli", "serve"], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-
-
-def stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
-    for p in procs:
-        p.terminate()
-    for p in procs:
-        try:
-            _, err = p.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            _, err = p.communicate()
-        if p.returncode not in (0, -15):
-            print(err.decode()[-2000:], file=sys.stderr)
 
 
 async def preload(s: Settings, items: Sequence[Item]) -> None:
@@ -192,7 +179,8 @@ def run(args: argparse.Namespace, items: Sequence[Item], want: dict[str, str], *
         got, first, last = asyncio.run(read_all(s, len(items), args.timeout))
         latencies = asyncio.run(live(s, items, args.rate, args.seconds))
     finally:
-        stop(procs)
+        for proc in procs:
+            stop_worker(proc)
         cleanup(s)
     routed = {r.header("neardup-id").decode(): (r.header("neardup-verdict") or b"").decode()  # type: ignore[union-attr]
               for r in got}

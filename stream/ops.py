@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from aiokafka.admin import AIOKafkaAdminClient
-from aiokafka.errors import IllegalStateError, KafkaError
+from aiokafka.errors import KafkaError
 
 from filters.errors import NeardupError, RejectedInput
 from filters.index import MemoryIndex
@@ -37,6 +37,7 @@ from stream.worker import (
     Router,
     WorkerStats,
     make_worker,
+    partition_lags,
 )
 from stream.worker import (
     log as worker_log,
@@ -223,7 +224,7 @@ class Ops:
         self.metrics.kafka_state(self.worker.kafka.errors, self.worker.kafka.down)
         consumer = self.worker.consumer if isinstance(self.worker, AiokafkaWorker) else None
         if consumer is not None:
-            self.metrics.lag(await _lag(consumer))
+            self.metrics.lag(await partition_lags(consumer))
             w = self.worker
             assert isinstance(w, AiokafkaWorker)
             self.metrics.alignment_state(w.aligner.late, w.held_seconds, w.aligner.low_mark(), len(w.aligner.paused()))
@@ -281,25 +282,6 @@ class Ops:
             return "ok"
         except (NeardupError, TimeoutError) as exc:
             return f"unreachable: {exc}"[:300]
-
-
-async def _lag(consumer: Any) -> dict[tuple[str, int], int]:
-    """highwater - position of each assigned partition whose highwater is known (it comes with fetches)."""
-    out: dict[tuple[str, int], int] = {}
-    try:
-        assigned = consumer.assignment()
-    except IllegalStateError:
-        return out
-    for tp in assigned:
-        try:
-            highwater = consumer.highwater(tp)
-            if highwater is None:
-                continue
-            position = await asyncio.wait_for(consumer.position(tp), 1.0)
-        except (IllegalStateError, AssertionError, TimeoutError, KafkaError):
-            continue  # revoked meanwhile, or no position yet
-        out[(tp.topic, tp.partition)] = max(0, highwater - position)
-    return out
 
 
 async def serve(settings: Settings) -> WorkerStats:

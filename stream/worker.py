@@ -755,7 +755,7 @@ class AiokafkaWorker(_WorkerCore):
     async def _take(self, consumer: AIOKafkaConsumer, refresh: bool) -> Taken:
         """The next batch in event-time order (`Aligner.take`), after pausing the partitions whose buffer is
         full and resuming the drained ones; the group's marks are read again when `refresh` or due."""
-        lags = await _lags(consumer, self._transactional)
+        lags = await partition_lags(consumer, self._transactional)
         pause, resume = self.aligner.flow(lags.get)
         if pause:
             consumer.pause(*(TopicPartition(*lane) for lane in pause))
@@ -1109,20 +1109,27 @@ class AiokafkaWorker(_WorkerCore):
         return outs
 
 
-async def _lags(consumer: AIOKafkaConsumer, committed_only: bool) -> dict[tuple[str, int], int]:
-    """Records left to fetch per assigned partition whose end is known (the last stable offset when reading
-    committed records only); a partition fetched nothing of yet is missing."""
+async def partition_lags(consumer: AIOKafkaConsumer, committed_only: bool = False) -> dict[tuple[str, int], int]:
+    """Records left to fetch per assigned partition whose end is known (it comes with fetches; the last
+    stable offset when reading committed records only); a partition fetched nothing of yet, revoked
+    meanwhile, or without a position within a second is missing. The aligner's idleness and the
+    `neardup_consumer_lag` metric."""
     out: dict[tuple[str, int], int] = {}
-    for tp in consumer.assignment():
+    try:
+        assigned = consumer.assignment()
+    except IllegalStateError:
+        return out
+    for tp in assigned:
         try:
             end = consumer.last_stable_offset(tp) if committed_only else None
             if end is None or end < 0:
                 end = consumer.highwater(tp)
             if end is None:
                 continue
-            out[(tp.topic, tp.partition)] = max(0, end - await consumer.position(tp))
-        except (IllegalStateError, AssertionError):
-            continue  # revoked meanwhile
+            position = await asyncio.wait_for(consumer.position(tp), 1.0)
+        except (IllegalStateError, AssertionError, TimeoutError, KafkaError):
+            continue
+        out[(tp.topic, tp.partition)] = max(0, end - position)
     return out
 
 
