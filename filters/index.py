@@ -151,6 +151,12 @@ class CandidateIndex(Protocol):
         inserted, and the engine verifies those and either calls it a duplicate or inserts again."""
         ...
 
+    def restore(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> int:
+        """Write representatives that were decided unique before (an index changelog's entries) under their
+        keys, with no lookup and no check: a lost index is rebuilt so. An id that is live already is kept
+        as it is, and an entry outside the window is skipped; returns how many were written."""
+        ...
+
     def expire(self, now: float) -> int:
         """Forget entries older than `now - window`; returns how many went."""
         ...
@@ -454,6 +460,10 @@ class MemoryIndex:
         for entry, keys in entries:
             self.insert_one(entry, keys)
         return [None] * len(entries)
+
+    def restore(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> int:
+        insert = self.table.insert
+        return sum(insert(entry, keys) for entry, keys in entries)
 
     def insert_one(self, entry: Entry, keys: tuple[int, ...]) -> None:
         """`insert` of one entry (never a conflict here). A key given twice counts once."""

@@ -183,6 +183,14 @@ class Settings:
     processing_guarantee: str = field(default="at_least_once", metadata=_meta(
         "at_least_once (default: a crash may repeat the last batches) or exactly_once (aiokafka runtime: "
         "outputs and consumed offsets in one Kafka transaction; readers use isolation.level=read_committed)"))
+    changelog: bool = field(default=True, metadata=_meta(
+        "write the shared index's entries to a changelog topic and rebuild the index from it when Redis loses "
+        "its data (aiokafka runtime, redis:// index)", kind="bool"))
+    changelog_topic: str = field(default="", metadata=_meta(
+        "the index changelog topic (empty: <group_id>-index-changelog)"))
+    index_check: float = field(default=0.2, metadata=_meta(
+        "how often a worker checks that the shared index still holds its window (its marker key): 200ms, 1s",
+        kind="duration"))
     retry_initial: float = field(default=0.5, metadata=_meta("first backoff after an index error", kind="duration"))
     retry_max: float = field(default=30.0, metadata=_meta("longest backoff after index errors", kind="duration"))
     linger: float = field(default=0.005, metadata=_meta("producer linger: batch output records this long",
@@ -233,7 +241,7 @@ class Settings:
         if not self.input_topics:
             raise ConfigError("input_topics is empty")
         outputs = (self.unique_topic, self.duplicate_topic, self.dead_letter_topic)
-        for topic in (*self.input_topics, *outputs):
+        for topic in (*self.input_topics, *outputs, self.changelog_name):
             if not _TOPIC.match(topic):
                 raise ConfigError(f"not a valid Kafka topic name: {topic!r}")
         if loop := set(outputs) & set(self.input_topics):
@@ -251,6 +259,17 @@ class Settings:
         """The FilterConfig of these settings: every one of its fields has a setting of the same name."""
         values = {name: getattr(self, name) for name in filter_setting_names() if name != "normalize"}
         return FilterConfig(normalize=parse_steps(self.normalize), **values)
+
+    @property
+    def changelog_name(self) -> str:
+        """The index changelog topic: `changelog_topic`, else `<group_id>-index-changelog` (as Kafka Streams
+        names a store's changelog after its application)."""
+        return self.changelog_topic or f"{self.group_id}-index-changelog"
+
+    @property
+    def changelogged(self) -> bool:
+        """Whether the worker keeps an index changelog: asked for, on a shared index, in the aiokafka runtime."""
+        return self.changelog and not self.index.startswith("memory:") and self.runtime == "aiokafka"
 
     def record_format(self) -> RecordFormat:
         # An empty field name is never looked up by any real record, so the codec uses the fallback

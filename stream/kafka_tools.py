@@ -147,8 +147,9 @@ def client_options(settings: Settings) -> dict[str, Any]:
 # -- admin ---------------------------------------------------------------------------------------
 
 
-async def ensure_topics(settings: Settings, topics: Sequence[str], partitions: int | None = None) -> list[str]:
-    """Create those of `topics` that do not exist; returns the ones created."""
+async def ensure_topics(settings: Settings, topics: Sequence[str], partitions: int | None = None,
+                        configs: dict[str, str] | None = None) -> list[str]:
+    """Create those of `topics` that do not exist (with the topic `configs` given); returns the ones created."""
     admin = AIOKafkaAdminClient(**client_options(settings))
     with broker_errors(settings):
         await admin.start()
@@ -158,7 +159,8 @@ async def ensure_topics(settings: Settings, topics: Sequence[str], partitions: i
             if not missing:
                 return []
             n = partitions or settings.partitions
-            new = [NewTopic(t, num_partitions=n, replication_factor=settings.replication_factor) for t in missing]
+            new = [NewTopic(t, num_partitions=n, replication_factor=settings.replication_factor,
+                            topic_configs=configs or {}) for t in missing]
             try:
                 response = await admin.create_topics(new)
             except TopicAlreadyExistsError:

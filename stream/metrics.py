@@ -231,6 +231,9 @@ class TimedIndex:
         finally:
             self._observe("insert", time.perf_counter() - t0)
 
+    def restore(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> int:
+        return self.inner.restore(entries)
+
     def expire(self, now: float) -> int:
         return self.inner.expire(now)
 

@@ -73,6 +73,7 @@ from filters.engine import NearDupFilter
 from filters.errors import ConfigError, IndexUnavailable, RejectedInput, ServiceError
 from filters.records import maker
 from stream.align import Aligner, GroupMarks, GroupView, SoloMarks, Taken, lanes_of, open_marks
+from stream.changelog import NAMESPACE_HEADER, IndexGuard, Journal, encode_record, read_changelog, retention
 from stream.codec import RecordFormat, decode, event_time
 from stream.config import Settings
 from stream.kafka_tools import (
@@ -336,9 +337,11 @@ class Router:
         resume: Callable[[], None] = lambda: None,
         keepalive: Callable[[], Awaitable[None]] | None = None,
         stopping: Callable[[], bool] = lambda: False,
+        before_retry: Callable[[], Awaitable[None]] | None = None,
     ) -> list[OutRecord] | None:
         """The outputs of `records`, or None when stopping before they could be routed. `following`: the
-        records to be routed next, if fetched already (prepared meanwhile)."""
+        records to be routed next, if fetched already (prepared meanwhile). `before_retry` runs before the
+        batch is routed again after an index error (the index may be back without its data)."""
         if self.settings.on_index_error == "unchecked":
             return await self._route_unchecked(records)
         while True:
@@ -360,6 +363,8 @@ class Router:
                     if keepalive is not None:
                         await keepalive()
                     await asyncio.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+                if before_retry is not None:
+                    await before_retry()
                 self.retries += 1
                 continue
             if self._down_since is not None:
@@ -542,6 +547,8 @@ class _InFlight:
     deliveries: list[asyncio.Future[Any]]
     assignment: int = 0  # `_Rebalance.assignments` when the records were fetched
     parts: list[list[KafkaRecord]] = field(default_factory=list)  # the routed batches it joins (empty: one)
+    logged: list[OutRecord] = field(default_factory=list)  # the index changelog's records of the batch
+    log_deliveries: list[asyncio.Future[Any]] = field(default_factory=list)
 
 
 class _WorkerCore:
@@ -578,8 +585,9 @@ class AiokafkaWorker(_WorkerCore):
         self._lock = asyncio.Lock()  # one batch step at a time: the loop, or a rebalance's flush
         self._in_flight: _InFlight | None = None
         self._delivering: asyncio.Future[None] | None = None  # `_deliver` of the batch routed last
-        # Routed batches waiting for the hand-over going on to finish (`_hand_over`): records, outputs, assignment.
-        self._queued: list[tuple[list[KafkaRecord], list[OutRecord], int]] = []
+        # Routed batches waiting for the hand-over going on to finish (`_hand_over`): records, outputs,
+        # assignment, the index changelog's records.
+        self._queued: list[tuple[list[KafkaRecord], list[OutRecord], int, list[OutRecord]]] = []
         self._consumer: AIOKafkaConsumer | None = None
         self._producer: Any = None
         self._transactional = settings.processing_guarantee == "exactly_once"
@@ -598,6 +606,14 @@ class AiokafkaWorker(_WorkerCore):
         # Exactly-once: offsets committed in transactions that the group coordinator may not show yet.
         self._unconfirmed: dict[TopicPartition, int] = {}
         self._partitioner = DefaultPartitioner()  # what `send` uses: keyed records land where they would
+        # The index changelog (stream/changelog.py): what each batch made unique, and the guard that rebuilds
+        # a shared index that lost its data.
+        self.journal: Journal | None = None
+        if settings.changelogged:
+            self.journal = Journal(self.nd.index)
+            self.nd.index = self.journal
+        self.guard: IndexGuard | None = None
+        self._checked_at = -math.inf
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -611,6 +627,8 @@ class AiokafkaWorker(_WorkerCore):
         s = self.settings
         if s.create_topics:
             await ensure_topics(s, [*s.input_topics, *s.output_topics])
+        if self.journal is not None:
+            await self._open_changelog()
         consumer = AIOKafkaConsumer(
             group_id=s.group_id,
             enable_auto_commit=False,
@@ -640,6 +658,7 @@ class AiokafkaWorker(_WorkerCore):
                                                f"{s.group_instance_id or uuid.uuid4().hex[:12]}")
             async with producer(s, **options) as prod:
                 self._producer = prod
+                await self._check_index()  # before the first batch: a lost index is rebuilt first
                 await self._loop(consumer, prod)
                 # Stopping (not failing): deliver and commit the batch in flight before leaving the group.
                 await self._let_go()
@@ -657,6 +676,8 @@ class AiokafkaWorker(_WorkerCore):
             for logger in filtered:
                 logger.removeFilter(self.kafka)
             await self.marks.close()
+            if self.guard is not None:
+                await self.guard.close()
         log.info("stopped: %s", self.stats.line())
         if self.settings.align:
             log.info("event-time alignment: held back %.1fs in all, %d late records", self.held_seconds,
@@ -807,25 +828,90 @@ class AiokafkaWorker(_WorkerCore):
             await consumer.getmany(timeout_ms=0)
 
         records = taken.records
+        if self.guard is not None and (time.monotonic() - self._checked_at >= self.settings.index_check
+                                       or self.router.index_down):
+            await self._check_index()
+        if self.journal is not None:
+            self.journal.take()  # what a failed attempt left (its entries come again as replays)
         outs = await self.router.route(records, following=following, pause=pause, resume=resume,
-                                       keepalive=keepalive, stopping=self.stop_event.is_set)
+                                       keepalive=keepalive, stopping=self.stop_event.is_set,
+                                       before_retry=self._check_index if self.guard is not None else None)
         if outs is None:
             return  # stopping during an index outage: nothing of this batch produced or committed
+        logged = self._logged()
         self.aligner.decided(taken)
         if self.aligner.ordered:
             await self._publish_marks()  # decided: the group may move past these records
         if any(taken.late):
             outs = [late_output(o, behind) if behind else o for o, behind in zip(outs, taken.late, strict=True)]
-        await self._hand_over(prod, records, outs, assignment)
+        await self._hand_over(prod, records, outs, assignment, logged)
 
-    async def _hand_over(self, prod: Any, records: list[KafkaRecord], outs: list[OutRecord], assignment: int) -> None:
+    async def _open_changelog(self) -> None:
+        """The changelog topic (created with time retention: the window plus a margin), and the index's guard."""
+        s = self.settings
+        keep_ms = str(round(retention(s.window) * 1000))
+        if s.create_topics:
+            await ensure_topics(s, [s.changelog_name], configs={
+                "cleanup.policy": "delete", "retention.ms": keep_ms,
+                "segment.ms": str(max(60_000, round(s.window * 1000 / 4))),
+                # Its records are read back only by a restore, which needs every one a commit covers.
+                "min.insync.replicas": "1" if s.replication_factor < 3 else "2"})
+        self.guard = IndexGuard(s.index, namespace=self.nd.config.digest(), window=s.window, member=self._member)
+
+    async def _check_index(self) -> None:
+        """A shared index that lost its window (its marker is gone) is rebuilt from the changelog before the
+        next batch is routed: what was routed is delivered first (its changelog records are then readable),
+        then one worker of the group restores and the others wait for it."""
+        guard = self.guard
+        if guard is None:
+            return
+        self._checked_at = time.monotonic()
+        s = self.settings
+
+        async def read(write: Callable[[list[Any]], Awaitable[int]]) -> int:
+            reader = AIOKafkaConsumer(enable_auto_commit=False, isolation_level="read_committed",
+                                      auto_offset_reset="earliest", **client_options(s))
+            with broker_errors(s):
+                await reader.start()
+                try:
+                    since = round((time.time() - retention(s.window)) * 1000)
+                    partitions = sorted(await self._producer.partitions_for(s.changelog_name))
+                    return await read_changelog(reader, s.changelog_name, partitions, self.nd.config.digest(), since,
+                                                write)
+                finally:
+                    await reader.stop()
+
+        index = self.nd.index
+        backoff = Backoff(s.retry_initial, s.retry_max)
+        while not self.stop_event.is_set():
+            try:
+                await guard.ensure(read, index.restore, self._drain)
+                break
+            except IndexUnavailable as exc:
+                # Routing against an index that may come back empty would decide against nothing: wait.
+                pause = backoff.step()
+                log.warning("the index's marker cannot be read (%s): routing waits, again in %.1fs", exc, pause)
+                await asyncio.sleep(pause)
+        self._checked_at = time.monotonic()
+
+    def _logged(self) -> list[OutRecord]:
+        """The changelog's records of the entries the batch just routed made unique."""
+        if self.journal is None:
+            return []
+        topic = self.settings.changelog_name
+        headers = ((NAMESPACE_HEADER, self.nd.config.digest().encode()),)
+        return [OutRecord(topic, entry.id.encode("utf-8", "surrogatepass"), encode_record(entry, keys), headers)
+                for entry, keys in self.journal.take()]
+
+    async def _hand_over(self, prod: Any, records: list[KafkaRecord], outs: list[OutRecord], assignment: int,
+                         logged: list[OutRecord] | None = None) -> None:
         """Queues a routed batch for delivery. While the previous hand-over is still going on (its acks, or
         under exactly-once its commit), routed batches queue up and go together in the next one (one
         transaction for all): small batches, as the group moves in lockstep under event-time alignment,
         do not each pay a commit. Outputs stay in input order."""
         if self._queued and self._queued[0][2] != assignment:
             await self._send_queued(prod)  # fetched under another assignment: a transaction of its own
-        self._queued.append((records, outs, assignment))
+        self._queued.append((records, outs, assignment, logged or []))
         going = self._delivering is not None and not self._delivering.done()
         if going and sum(len(q[0]) for q in self._queued) < self.settings.max_batch:
             return
@@ -838,17 +924,18 @@ class AiokafkaWorker(_WorkerCore):
         if not queued:
             return
         if len(queued) == 1:
-            records, outs, assignment = queued[0]
+            records, outs, assignment, logged = queued[0]
             parts: list[list[KafkaRecord]] = []
         else:
             records = [r for q in queued for r in q[0]]
             outs = [o for q in queued for o in q[1]]
             assignment = queued[0][2]
             parts = [q[0] for q in queued]
-        self._delivering = asyncio.ensure_future(self._deliver(prod, records, outs, assignment, parts))
+            logged = [o for q in queued for o in q[3]]
+        self._delivering = asyncio.ensure_future(self._deliver(prod, records, outs, assignment, parts, logged))
 
     async def _deliver(self, prod: Any, records: list[KafkaRecord], outs: list[OutRecord], assignment: int,
-                       parts: list[list[KafkaRecord]]) -> None:
+                       parts: list[list[KafkaRecord]], logged: list[OutRecord]) -> None:
         """Hands a routed batch's outputs to the producer and commits the batch before it (whose acks
         arrived meanwhile); the batch is then in flight. Runs while the next batch is routed."""
         s = self.settings
@@ -857,9 +944,10 @@ class AiokafkaWorker(_WorkerCore):
             with broker_errors(s):
                 await prod.begin_transaction()
         with broker_errors(s):
-            deliveries = await self._send_all(prod, outs)
+            deliveries = await self._send_all(prod, [*outs, *logged])
         await self._flush()  # the previous batch: its acks arrived while this one was routed
-        self._in_flight = _InFlight(records, outs, deliveries, assignment, parts)
+        n = len(outs)
+        self._in_flight = _InFlight(records, outs, deliveries[:n], assignment, parts, logged, deliveries[n:])
 
     async def _settle(self) -> None:
         """Waits for the last routed batch's `_deliver` (and raises what it raised)."""
@@ -925,9 +1013,11 @@ class AiokafkaWorker(_WorkerCore):
         s = self.settings
         with broker_errors(s):
             if self._transactional:
-                await asyncio.gather(*batch.deliveries)  # any failure: the transaction is not committed
+                # Any failure: the transaction is not committed.
+                await asyncio.gather(*batch.deliveries, *batch.log_deliveries)
             else:
                 batch.outs = await self._delivered(batch)
+                await self._logs_delivered(batch)
         if self._transactional and batch.assignment != self._rebalance.assignments:
             # The partitions were reassigned since the batch was fetched: their owner now (maybe this
             # worker) re-reads it from the committed offsets, so committing it too would repeat it.
@@ -1064,6 +1154,25 @@ class AiokafkaWorker(_WorkerCore):
             return await prod.send_batch(batch, out.topic, partition=partition)
         except KafkaError as exc:
             return self._failed_delivery(exc)
+
+    async def _logs_delivered(self, batch: _InFlight) -> None:
+        """At-least-once: waits until the batch's changelog records were acknowledged (before its commit), sending
+        again what failed during a broker outage; another error stops the worker (nothing committed: the
+        batch is routed again after a restart, and its entries journaled again)."""
+        pending = dict(enumerate(batch.log_deliveries))
+        while pending:
+            results = await asyncio.gather(*pending.values(), return_exceptions=True)
+            again: dict[int, asyncio.Future[Any]] = {}
+            for i, result in zip(list(pending), results, strict=True):
+                if not isinstance(result, BaseException):
+                    continue
+                if not transient(result):
+                    raise result
+                self.kafka.failed(result, f"delivery to {batch.logged[i].topic}")
+                if not await self.kafka.wait_up(self.stop_event.is_set):
+                    raise result
+                again[i] = await self._send(self._producer, batch.logged[i])
+            pending = again
 
     async def _delivered(self, batch: _InFlight) -> list[OutRecord]:
         """At-least-once: waits until every output of `batch` was acknowledged, and returns the outputs as

@@ -60,6 +60,9 @@ class ProxyIndex:
         self.inserts += 1
         return self.inner.insert(entries)
 
+    def restore(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> int:
+        return self.inner.restore(entries)
+
     def expire(self, now: float) -> int:
         return self.inner.expire(now)
 

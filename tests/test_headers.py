@@ -46,6 +46,9 @@ class Racing:
             self.batch = ()
         return self.index.insert(entries)
 
+    def restore(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> int:
+        return self.index.restore(entries)
+
     def expire(self, now: float) -> int:
         return self.index.expire(now)
 
