@@ -136,7 +136,6 @@ DEFAULT_PREFIX = "neardup"
 DEFAULT_GRACE = 3600.0  # seconds of wall clock that keys outlive the window
 DEFAULT_ENTRY_CACHE = 16384  # entries (≈ 1 KB each, Python objects) a client keeps decoded: see `RedisIndex._entries`
 INSERT_CHUNK = 512  # entries per insert script: bounds how long one script blocks the server
-_RESTORE_CALLS = 8  # insert scripts a restore sends in one round trip
 LOOKUP_CHUNK = 256  # queries' worth of field names (up to 16 each) one HMGET reads: bounds a command's size
 FIELDS_PER_HMGET = 16 * LOOKUP_CHUNK
 FIELDS_PER_CALL = 2000  # fields per HMGET, pairs per HSET, inside the script (Lua's unpack stops near 8,000 values)
@@ -870,29 +869,35 @@ class RedisIndex:
         return out
 
     def restore(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> int:
-        """See `CandidateIndex.restore`: the insert script with no check of what the caller saw (every
-        tail empty), several chunks a round trip, so a restore runs at pipelined speed."""
-        if self._ahead is not None:
-            with self._errors():
-                self._drain()  # a read sent ahead: its replies come first on the connection
-            self._ahead = None
-        chunks = []
-        for at in range(0, len(entries), INSERT_CHUNK):
-            args: list[str | int | bytes] = [self._spre, repr(self.window), repr(self.slice_length), self.bucket_cap,
-                                             self._ttl_ms, repr(self._hwm), "", 0, 0, repr(self.margin)]
-            for entry, keys in entries[at : at + INSERT_CHUNK]:
-                fields = [_field_of(key) for key in keys]
-                args += [entry.id.encode("utf-8", "surrogatepass"),
-                         repr(_event_time(entry.ts, entry.id, self.slice_length)), encode_entry(entry), len(fields),
-                         b"", *fields]
-            chunks.append(args)
+        """See `CandidateIndex.restore`. Per chunk, the rounds of an insert without verification: a lookup
+        read that asks for no candidates (it arms the WATCH and reads what the writes are computed from),
+        then the uncontended insert round (MULTI/EXEC, computed by the compiled core); what somebody else's
+        write made conflict goes through the insert script with no check of what was seen."""
         written = 0
-        for at in range(0, len(chunks), _RESTORE_CALLS):
-            for _, hwm, results in self._eval_pipelined(_INSERT, chunks[at : at + _RESTORE_CALLS]):
-                self._hwm = max(self._hwm, float(hwm))
-                written += sum(1 for r in results if r > 0)
-        self._view.exact = False  # the script wrote values no lookup of this instance read
+        for at in range(0, len(entries), INSERT_CHUNK):
+            chunk = entries[at : at + INSERT_CHUNK]
+            # A floor above every entry's key count: nothing is a candidate, no entry is read back.
+            self.lookup([Query(e.id, e.ts, keys, len(keys) + 1) for e, keys in chunk], 0)
+            before = self._view.inserted
+            conflicts = self.insert(chunk)
+            written += self._view.inserted - before
+            forced = [pair for pair, got in zip(chunk, conflicts, strict=True) if got is not None]
+            if forced:
+                written += self._insert_unchecked(forced)
         return written
+
+    def _insert_unchecked(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> int:
+        """The insert script with every tail empty: no comparison with what a lookup saw."""
+        args: list[str | int | bytes] = [self._spre, repr(self.window), repr(self.slice_length), self.bucket_cap,
+                                         self._ttl_ms, repr(self._hwm), "", 0, 0, repr(self.margin)]
+        for entry, keys in entries:
+            fields = [_field_of(key) for key in keys]
+            args += [entry.id.encode("utf-8", "surrogatepass"), repr(_event_time(entry.ts, entry.id, self.slice_length)),
+                     encode_entry(entry), len(fields), b"", *fields]
+        [(_, hwm, results)] = self._eval_pipelined(_INSERT, [args])
+        self._hwm = max(self._hwm, float(hwm))
+        self._view.exact = False  # the script wrote values no lookup of this instance read
+        return sum(1 for r in results if r > 0)
 
     def expire(self, now: float) -> int:
         """Moves this instance's horizon to `now - window` (as `MemoryIndex.expire` forgets up to it).

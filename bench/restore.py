@@ -1,0 +1,154 @@
+"""Benchmark: how long rebuilding a lost Redis index from its changelog takes, per million entries.
+
+    eval "$(bash docker/services.sh env)"
+    python bench/restore.py [--entries 1000000] [--partitions 4] [--bootstrap HOST:PORT] [--redis URL]
+
+Writes `--entries` changelog records (distinct generated short messages, fingerprinted with the default
+filter configuration, as the worker journals them) to a fresh topic of `--partitions` partitions, then
+times what a worker does when it finds its index lost: read the changelog (`read_committed`) and write
+every entry into an empty Redis namespace (`CandidateIndex.restore`, pipelined insert scripts), reading
+and writing overlapped. Prints entries read and written, seconds, entries per second, seconds per
+million, and the index's memory per entry (Redis `MEMORY USAGE` over the namespace's keys). The topic
+and the namespace are deleted afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+
+try:
+    import redis
+    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+except ModuleNotFoundError as exc:  # one line naming what to install, not a traceback
+    print(f"restore.py needs the Python package {exc.name}: pip install 'neardup[kafka]'", file=sys.stderr)
+    raise SystemExit(2) from None
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import needs
+from filters.backends import open_index
+from filters.config import FilterConfig
+from filters.engine import NearDupFilter
+from filters.index import Entry
+from stream.changelog import NAMESPACE_HEADER, encode_record, read_changelog
+
+_WORDS = ["".join(random.Random(i).choices("abcdefghijklmnopqrstuvwxyz", k=random.Random(-i).randint(3, 9)))
+          for i in range(5000)]
+
+
+def texts(n: int, seed: int = 11) -> list[str]:
+    """Distinct short messages (8-20 words and a number), SMS-sized."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choices(_WORDS, k=rng.randint(8, 20))) + f" {i}" for i in range(n)]
+
+
+async def write_changelog(bootstrap: str, topic: str, partitions: int, namespace: str, nd: NearDupFilter,
+                          entries: int) -> None:
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(topic, partitions, 1)])
+    finally:
+        await admin.close()
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, linger_ms=20, max_batch_size=512 * 1024, acks=1)
+    await producer.start()
+    headers = [(NAMESPACE_HEADER, namespace.encode())]
+    try:
+        step = 20_000
+        start = time.time() - 3600  # an hour of event time before now, one entry after another
+        for at in range(0, entries, step):
+            chunk = texts(min(step, entries - at), seed=at)
+            fps = nd.fingerprinter.fingerprint_batch(chunk)
+            futures = []
+            for i, fp in enumerate(fps):
+                ident = f"r{at + i:08d}"
+                value = encode_record(Entry.of(ident, start + (at + i) * 3600 / entries, fp), fp.keys)
+                futures.append(await producer.send(topic, value, key=ident.encode(), headers=headers))
+            await asyncio.gather(*futures)
+    finally:
+        await producer.stop()
+
+
+async def restore(bootstrap: str, topic: str, partitions: int, namespace: str, url: str,
+                  cfg: FilterConfig) -> tuple[int, int, float]:
+    index = open_index(url, window=cfg.window, bucket_cap=cfg.bucket_cap, namespace=namespace)
+    reader = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False,
+                              isolation_level="read_committed", auto_offset_reset="earliest")
+    await reader.start()
+    written = 0
+
+    async def write(chunk: list[tuple[Entry, tuple[int, ...]]]) -> int:
+        nonlocal written
+        n = await asyncio.to_thread(index.restore, chunk)
+        written += n
+        return n
+
+    try:
+        t0 = time.perf_counter()
+        read = await read_changelog(reader, topic, list(range(partitions)), namespace,
+                                    round((time.time() - 2 * 86400) * 1000), write)
+        seconds = time.perf_counter() - t0
+    finally:
+        await reader.stop()
+        index.close()
+    return read, written, seconds
+
+
+def memory_per_entry(url: str, prefix: str, entries: int) -> float:
+    client = redis.Redis.from_url(url.partition("?")[0])
+    try:
+        total = sum(client.memory_usage(k) or 0 for k in client.scan_iter(match=f"{{{prefix}:*", count=1000))
+        for key in list(client.scan_iter(match=f"{{{prefix}:*", count=1000)):
+            client.unlink(key)
+    finally:
+        client.close()
+    return total / max(1, entries)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--entries", type=int, default=1_000_000)
+    p.add_argument("--partitions", type=int, default=4)
+    p.add_argument("--bootstrap", default=os.environ.get("NEARDUP_TEST_KAFKA", "127.0.0.1:9092"))
+    p.add_argument("--redis", default=os.environ.get("NEARDUP_TEST_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    args = p.parse_args(argv)
+    needs.kafka(__file__, args.bootstrap)
+    needs.redis(__file__, args.redis)
+    cfg = FilterConfig()
+    nd = NearDupFilter(cfg)
+    name = f"restore-{uuid.uuid4().hex[:8]}"
+    namespace = cfg.digest()
+    url = f"{args.redis}{'&' if '?' in args.redis else '?'}prefix={name}"
+    t0 = time.perf_counter()
+    asyncio.run(write_changelog(args.bootstrap, name, args.partitions, namespace, nd, args.entries))
+    print(f"changelog of {args.entries:,} entries written in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    try:
+        read, written, seconds = asyncio.run(restore(args.bootstrap, name, args.partitions, namespace, url, cfg))
+    finally:
+        async def drop() -> None:
+            admin = AIOKafkaAdminClient(bootstrap_servers=args.bootstrap)
+            await admin.start()
+            try:
+                await admin.delete_topics([name])
+            finally:
+                await admin.close()
+        asyncio.run(drop())
+    per_entry = memory_per_entry(url, name, written)
+    print("| entries read | written | seconds | entries/s | s per million | Redis bytes per entry |")
+    print("|---|---|---|---|---|---|")
+    print(f"| {read:,} | {written:,} | {seconds:.1f} | {read / seconds:,.0f} | {seconds * 1e6 / max(1, read):.1f} "
+          f"| {per_entry:,.0f} |")
+    return 0 if written == read == args.entries else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
