@@ -73,6 +73,13 @@ class WorkerMetrics:
                               "event time of the next record this worker decides (its low watermark; NaN: none)",
                               registry=r)
         self.paused = Gauge("neardup_partitions_paused", "partitions paused because their buffer is full", registry=r)
+        self.index_losses = Counter("neardup_index_losses",
+                                    "times the shared index was found without its marker (data lost, or never built)",
+                                    registry=r)
+        self.restored = Counter("neardup_index_restored_entries",
+                                "entries this worker wrote back into the shared index from the changelog", registry=r)
+        self.restoring = Gauge("neardup_index_restoring",
+                               "1 while the index is being rebuilt from the changelog (routing waits)", registry=r)
         self.index_size = Gauge("neardup_index_size", "the candidate index's stats(): entries, buckets, ...",
                                 ["stat"], registry=r)
         self.index_up.set(1)
@@ -87,6 +94,8 @@ class WorkerMetrics:
         self._lag_labels: set[tuple[str, str]] = set()
         self._late_seen = 0
         self._held_seen = 0.0
+        self._losses_seen = 0
+        self._restored_seen = 0
 
     # -- per batch -------------------------------------------------------------------------------
     def count(self, topics: Sequence[str], verdicts: Sequence[str], reasons: Sequence[str | None]) -> None:
@@ -129,6 +138,16 @@ class WorkerMetrics:
             self.kafka_errors.inc(errors - self._kafka_errors_seen)
             self._kafka_errors_seen = errors
         self.kafka_up.set(0 if down else 1)
+
+    def changelog_state(self, losses: int, restored: int, restoring: bool) -> None:
+        """The index changelog's guard (stream/changelog.py): losses found, entries restored, a restore going on."""
+        if losses > self._losses_seen:
+            self.index_losses.inc(losses - self._losses_seen)
+            self._losses_seen = losses
+        if restored > self._restored_seen:
+            self.restored.inc(restored - self._restored_seen)
+            self._restored_seen = restored
+        self.restoring.set(1 if restoring else 0)
 
     def alignment_state(self, late: int, held: float, low: float | None, paused: int) -> None:
         """The worker's event-time alignment (stream/align.py): totals and the current marks."""

@@ -228,6 +228,8 @@ class Ops:
             w = self.worker
             assert isinstance(w, AiokafkaWorker)
             self.metrics.alignment_state(w.aligner.late, w.held_seconds, w.aligner.low_mark(), len(w.aligner.paused()))
+            if w.guard is not None:
+                self.metrics.changelog_state(w.guard.losses, w.guard.restored_entries, w.guard.restoring)
         return self.metrics.render()
 
     async def health(self) -> tuple[bool, dict[str, Any]]:
@@ -245,6 +247,9 @@ class Ops:
         checks["kafka"] = kafka
         checks["redis"] = redis_check
         checks["index"] = "outage: routing paused" if self.worker.router.index_down else "ok"
+        w = self.worker
+        if isinstance(w, AiokafkaWorker) and w.guard is not None and w.guard.restoring:
+            checks["index"] = "restoring from the changelog: routing waits"
         checks["worker"] = "stopping" if self.worker.stop_event.is_set() else "ok"
         ok = all(v in ("ok", "not used") for v in checks.values())
         return ok, {"status": "ready" if ok else "not ready", "checks": checks}

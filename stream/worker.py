@@ -865,7 +865,6 @@ class AiokafkaWorker(_WorkerCore):
         guard = self.guard
         if guard is None:
             return
-        self._checked_at = time.monotonic()
         s = self.settings
 
         async def read(write: Callable[[list[Any]], Awaitable[int]]) -> int:
@@ -881,17 +880,13 @@ class AiokafkaWorker(_WorkerCore):
                 finally:
                     await reader.stop()
 
-        index = self.nd.index
-        backoff = Backoff(s.retry_initial, s.retry_max)
-        while not self.stop_event.is_set():
-            try:
-                await guard.ensure(read, index.restore, self._drain)
-                break
-            except IndexUnavailable as exc:
-                # Routing against an index that may come back empty would decide against nothing: wait.
-                pause = backoff.step()
-                log.warning("the index's marker cannot be read (%s): routing waits, again in %.1fs", exc, pause)
-                await asyncio.sleep(pause)
+        try:
+            await guard.ensure(read, self.nd.index.restore, self._drain)
+        except IndexUnavailable as exc:
+            # The router meets the outage itself (its policy: block, or pass unchecked) and checks again
+            # before it retries a batch: the index may come back without its data.
+            log.debug("the index's marker could not be read: %s", exc)
+            return
         self._checked_at = time.monotonic()
 
     def _logged(self) -> list[OutRecord]:
