@@ -11,7 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("filters", "stream", "bench", "tests")
 # The one module of filters/ that talks to the outside world (Redis), and the chooser that loads it on demand.
-IO_MODULES = {"filters.redis_index"}
+IO_MODULES = {"filters.index.redis"}
 IO_IMPORTS = ("socket", "redis", "asyncio", "aiokafka", "aiohttp", "urllib.request", "http", "subprocess", "faust")
 
 
