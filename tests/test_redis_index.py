@@ -892,7 +892,7 @@ def test_uncontended_inserts_store_what_the_checking_script_stores(make: Callabl
        turns=st.lists(st.tuples(st.booleans(), st.integers(1, 40)), min_size=1, max_size=8))
 def test_the_claim_rule_is_one_rule_in_lua_compiled_and_python(redis_url: str, prefix: str, seed: int, cap: int,
                                                                window: float, turns: list[tuple[bool, int]]) -> None:
-    """The insert/claim rule written three times: in Lua (filters/lua/insert.lua, every insert checked by the
+    """The insert/claim rule written three times: in Lua (filters/index/lua/insert.lua, every insert checked by the
     server), compiled (`_native.alone_round`) and in Python (`redis_codec.alone_round`), both of which compute
     an uncontended round on the client. Two workers share a namespace and take random turns with random
     batches (a turn after the other's is contended: the checked script decides it): the three variants leave
