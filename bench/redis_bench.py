@@ -56,7 +56,7 @@ from bench import needs  # noqa: E402
 from bench.filter_bench import _norm  # noqa: E402
 from filters.config import FilterConfig  # noqa: E402
 from filters.engine import NearDupFilter, Verdict  # noqa: E402
-from filters.redis_index import RedisTarget  # noqa: E402
+from filters.index.redis import RedisTarget  # noqa: E402
 from stream.codec import RecordFormat  # noqa: E402
 from stream.collector import tune_collector  # noqa: E402
 from stream.evaluate import score  # noqa: E402

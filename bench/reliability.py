@@ -43,7 +43,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.kafka_support import TcpProxy, free_port, redis_namespace, settings_for
 from filters.config import FilterConfig
 from filters.engine import NearDupFilter
-from filters.redis_index import parse_records
+from filters.index.redis_codec import parse_records
 from stream.config import Settings, setting_fields
 from stream.kafka_tools import KafkaRecord, client_options, ensure_topics, producer
 from stream.runner import RawRecord, route_batch
@@ -156,7 +156,7 @@ def wait_assigned(workers: Sequence[Serve], partitions: int, timeout: float = 60
 
 
 def _install_hook(spec: str) -> None:
-    from filters.redis_index import RedisIndex
+    from filters.index.redis import RedisIndex
 
     for part in filter(None, spec.split(",")):
         if part.startswith("pause="):

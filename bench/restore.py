@@ -35,10 +35,10 @@ except ModuleNotFoundError as exc:  # one line naming what to install, not a tra
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import needs
-from filters.backends import open_index
 from filters.config import FilterConfig
 from filters.engine import NearDupFilter
 from filters.index import Entry
+from filters.index.backends import open_index
 from stream.changelog import NAMESPACE_HEADER, encode_record, read_changelog
 
 _WORDS = ["".join(random.Random(i).choices("abcdefghijklmnopqrstuvwxyz", k=random.Random(-i).randint(3, 9)))

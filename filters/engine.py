@@ -6,7 +6,7 @@ first, then newest), and the message is a duplicate of the first one whose verif
 Messages of the same batch are checked against each other in order, so a batch decides what the same
 messages would decide one at a time. On a shared index there is one exception: the whole batch is
 looked up before its inserts, so a message still sees a representative that an earlier message of the
-same batch pushed out of a full bucket (the newest `bucket_cap` stay): see `filters.shared`.
+same batch pushed out of a full bucket (the newest `bucket_cap` stay): see `filters.index.shared`.
 
 The engine prepares a batch and hands it, with itself as the verifier, to the index (`CandidateIndex.decide`):
 the index is its only door, and each backend decides a batch its own best way.
@@ -19,10 +19,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from filters.backends import open_index
 from filters.config import FilterConfig
 from filters.fingerprint import Fingerprint, Fingerprinter, hamming, key_method, minhash_jaccard
 from filters.index import Batch, Candidate, CandidateIndex, Entry, Prepared
+from filters.index.backends import open_index
 from filters.records import Message, Verdict
 from filters.sketch import Probe, size_ratio
 

@@ -333,7 +333,7 @@ class RedisMarks:
         import redis.asyncio as aioredis
         from redis.asyncio.cluster import RedisCluster
 
-        from filters.redis_index import RedisTarget, redact_url
+        from filters.index.redis import RedisTarget, redact_url
 
         target = RedisTarget.parse(url)
         self.where = redact_url(url)
@@ -346,7 +346,7 @@ class RedisMarks:
         self._script = self._client.register_script(MARKS_LUA)
 
     async def publish(self, low: float | None, owned: Iterable[Lane], every: Iterable[Lane]) -> GroupView:
-        from filters.redis_index import redis_errors
+        from filters.index.redis import redis_errors
 
         claims = " ".join(f"{topic}/{partition}" for topic, partition in sorted(owned))
         with redis_errors(self.where):
@@ -355,7 +355,7 @@ class RedisMarks:
 
     async def close(self) -> None:
         from filters.errors import NeardupError
-        from filters.redis_index import redis_errors
+        from filters.index.redis import redis_errors
 
         try:
             with redis_errors(self.where):

@@ -46,7 +46,7 @@ from redis.cluster import RedisCluster
 from redis.retry import Retry
 
 from filters.errors import ConfigError, IndexCorrupt
-from filters.redis_index import RedisTarget, redact_url, redis_errors
+from filters.index.redis import RedisTarget, redact_url, redis_errors
 
 SORTS = ("size", "growth", "last")
 DEFAULT_MINUTES = 10

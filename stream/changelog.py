@@ -35,8 +35,8 @@ import numpy as np
 
 from filters.errors import IndexCorrupt
 from filters.index import Batch, Candidate, CandidateIndex, Entry, Query, Verifier
+from filters.index.redis_codec import decode_entry, encode_entry
 from filters.records import Verdict
-from filters.redis_index import decode_entry, encode_entry
 
 log = logging.getLogger("neardup.changelog")
 
@@ -141,7 +141,7 @@ class IndexGuard:
         import redis.asyncio as aioredis
         from redis.asyncio.cluster import RedisCluster
 
-        from filters.redis_index import RedisTarget, redact_url
+        from filters.index.redis import RedisTarget, redact_url
 
         target = RedisTarget.parse(url)
         self.where = redact_url(url)
@@ -160,7 +160,7 @@ class IndexGuard:
 
     async def intact(self) -> bool:
         """Whether the marker is there (its TTL renewed: it lives as long as the index's keys)."""
-        from filters.redis_index import redis_errors
+        from filters.index.redis import redis_errors
 
         with redis_errors(self.where):
             return bool(await self._client.pexpire(self.marker, self.ttl_ms))
@@ -185,7 +185,7 @@ class IndexGuard:
 
     async def _restore_or_wait(self, read: ChangelogReader,
                                write: Callable[[list[tuple[Entry, tuple[int, ...]]]], int]) -> Restored | None:
-        from filters.redis_index import redis_errors
+        from filters.index.redis import redis_errors
 
         lock_ms = round(LOCK_TTL * 1000)
         while True:

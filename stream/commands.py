@@ -30,7 +30,7 @@ def check_index(settings: Settings) -> None:
     would otherwise consume nothing and wait, blocked, on the first batch."""
     if settings.index.startswith("memory:"):
         return
-    from filters.backends import open_index
+    from filters.index.backends import open_index
 
     config = settings.filter_config()
     try:

@@ -86,7 +86,7 @@ def setup_logging(level: str = "info", fmt: str = "plain", stream: IO[str] | Non
 def warn_if_interpreted() -> None:
     """One warning when the compiled core was not built at install time (no C++ compiler): neardup
     works the same, on the numpy/Python reference of the same algorithms, but a few times slower."""
-    from filters.index import native_available
+    from filters.index.memory import native_available
 
     if not native_available():
         logging.getLogger("neardup").warning(

@@ -20,7 +20,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 
 from filters.errors import NeardupError, RejectedInput
-from filters.index import MemoryIndex
+from filters.index.memory import MemoryIndex
 from stream.campaigns import CampaignDetail, CampaignStore, CampaignView, MemoryCampaigns, Sighting, open_campaigns
 from stream.codec import decode
 from stream.collector import tune_collector

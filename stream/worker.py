@@ -68,9 +68,9 @@ from aiokafka.errors import (
 )
 from aiokafka.partitioner import DefaultPartitioner
 
-from filters.backends import open_index
 from filters.engine import NearDupFilter
 from filters.errors import ConfigError, IndexUnavailable, RejectedInput, ServiceError
+from filters.index.backends import open_index
 from filters.records import maker
 from stream.align import Aligner, GroupMarks, GroupView, SoloMarks, Taken, lanes_of, open_marks
 from stream.changelog import NAMESPACE_HEADER, IndexGuard, Journal, encode_record, read_changelog, retention

@@ -18,11 +18,12 @@ import redis
 
 from bench.kafka_support import redis_namespace
 from bench.reliability import Serve, create_topics, produce_to, read, scenario_settings, serving, wait_assigned
-from filters.backends import open_index
 from filters.config import FilterConfig
 from filters.engine import NearDupFilter
 from filters.errors import IndexCorrupt
-from filters.index import Entry, MemoryIndex
+from filters.index import Entry
+from filters.index.backends import open_index
+from filters.index.memory import MemoryIndex
 from filters.records import Message
 from stream.backlog import backlog, differences, f1, reference
 from stream.changelog import IndexGuard, Journal, decode_record, encode_record

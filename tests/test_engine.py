@@ -13,8 +13,9 @@ import pytest
 from filters.config import METHODS, FilterConfig
 from filters.engine import Match, Message, NearDupFilter, Verdict
 from filters.fingerprint import hamming, key_method, minhash_jaccard
-from filters.index import Batch, Candidate, CandidateIndex, Entry, MemoryIndex, Query, Verifier, finish
-from filters.shared import SharedDecider
+from filters.index import Batch, Candidate, CandidateIndex, Entry, Query, Verifier, finish
+from filters.index.memory import MemoryIndex
+from filters.index.shared import SharedDecider
 from stream.testing import ManualClock
 
 LETTERS = "abcdefghjkmnpqrstuvwxyz"

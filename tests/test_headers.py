@@ -9,8 +9,8 @@ import pytest
 from bench.kafka_support import redis_namespace
 from filters.engine import Message, NearDupFilter, Verdict
 from filters.index import Batch, Candidate, Entry, Query, Verifier, finish
-from filters.redis_index import RedisIndex
-from filters.shared import SharedDecider
+from filters.index.redis import RedisIndex
+from filters.index.shared import SharedDecider
 
 ORIGINAL = "Congratulations! You have won a 1000 dollar gift card, call 555-0100 now to claim your prize today"
 COPY_A = "Congratulations!! You have won a 1000 dollar gift card, call 555-0177 now to claim your prize today"

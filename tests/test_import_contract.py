@@ -4,6 +4,8 @@ no package has an import cycle, and bench/ never imports tests/."""
 from __future__ import annotations
 
 import ast
+import re
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -11,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("filters", "stream", "bench", "tests")
 # The one module of filters/ that talks to the outside world (Redis), and the chooser that loads it on demand.
-IO_MODULES = {"filters.redis_index"}
+IO_MODULES = {"filters.index.redis"}
 IO_IMPORTS = ("socket", "redis", "asyncio", "aiokafka", "aiohttp", "urllib.request", "http", "subprocess", "faust")
 
 
@@ -142,3 +144,31 @@ def test_the_engine_never_asks_which_backend_it_has() -> None:
     asked += [f"line {n.lineno}: {n.id}" for n in ast.walk(tree)
               if isinstance(n, ast.Name) and n.id in ("MemoryIndex", "RedisIndex", "PyTable")]
     assert not asked
+
+
+def test_the_index_protocol_imports_none_of_its_backends() -> None:
+    """`filters.index` is the protocol and the shared types; its backends import it, never the reverse."""
+    assert not {m for m in GRAPH["filters.index"] if m.startswith("filters.index.")}
+
+
+# Each part of the compiled core's source sits beside the Python reference it is tested against.
+COMPILED_PARTS = {
+    "filters/_shingles.pxi": "filters/shingles.py",
+    "filters/_sketch.pxi": "filters/sketch.py",
+    "filters/index/_table.pxi": "filters/index/memory.py",
+    "filters/index/_redis_codec.pxi": "filters/index/redis_codec.py",
+    "filters/_records.pxi": "filters/records.py",
+}
+
+
+def test_each_compiled_part_sits_beside_its_reference_and_is_built() -> None:
+    """`_native.pyx` includes exactly these parts, each in its reference's directory, and pyproject lists
+    them as the extension's `depends` (so that a change rebuilds it and the sdist carries them)."""
+    pyx = (ROOT / "filters" / "_native.pyx").read_text(encoding="utf-8")
+    included = {f"filters/{name}" for name in re.findall(r'^include "([^"]+)"$', pyx, re.M)}
+    assert included == set(COMPILED_PARTS)
+    for part, reference in COMPILED_PARTS.items():
+        assert (ROOT / part).is_file() and (ROOT / reference).is_file()
+        assert Path(part).parent == Path(reference).parent
+    [native] = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]["ext-modules"]
+    assert set(native["depends"]) == set(COMPILED_PARTS)

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from filters.config import FilterConfig
 from filters.engine import Message, NearDupFilter, Verdict
-from filters.index import Candidate, CandidateIndex, Entry, MemoryIndex, Query
+from filters.index import Candidate, CandidateIndex, Entry, Query
+from filters.index.memory import MemoryIndex
 
 MakeIndex = Callable[..., CandidateIndex]
 U64 = (1 << 64) - 1
@@ -46,7 +47,7 @@ def make_index(request: pytest.FixtureRequest) -> Iterator[MakeIndex]:
     def make(window: float = 100.0, bucket_cap: int = 4) -> CandidateIndex:
         if request.param.startswith("memory"):
             return MemoryIndex(window, bucket_cap, native=request.param == "memory")
-        from filters.redis_index import RedisIndex
+        from filters.index.redis import RedisIndex
 
         index = RedisIndex(with_query(url, prefix=prefix), window=window, bucket_cap=bucket_cap,
                            namespace=uuid.uuid4().hex[:12])

@@ -22,9 +22,10 @@ from filters.config import FilterConfig
 from filters.engine import Message, NearDupFilter
 from filters.errors import IndexCorrupt
 from filters.fingerprint import _MGRAM_TAG, _TAG_ROOM, Fingerprinter
-from filters.index import Candidate, Entry, MemoryIndex, PyTable, make_table, native_available
-from filters.redis_index import decode_entry, encode_entry, rank_records
-from filters.shared import against
+from filters.index import Candidate, Entry
+from filters.index.memory import MemoryIndex, PyTable, make_table, native_available
+from filters.index.redis_codec import decode_entry, encode_entry, rank_records
+from filters.index.shared import against
 from filters.shingles import Batch
 from tests.test_index_contract import assert_same_entry
 
@@ -264,12 +265,12 @@ def test_pack_commands_as_hiredis(commands: list[list[object]]) -> None:
 
 def test_the_cli_says_when_it_runs_without_the_compiled_core(monkeypatch: pytest.MonkeyPatch,
                                                               caplog: pytest.LogCaptureFixture) -> None:
-    import filters.index
+    import filters.index.memory
     from stream.logs import warn_if_interpreted
 
     warn_if_interpreted()
     assert not caplog.records
-    monkeypatch.setattr(filters.index, "_native", None)
+    monkeypatch.setattr(filters.index.memory, "_native", None)
     warn_if_interpreted()
     assert [r.levelname for r in caplog.records] == ["WARNING"]
     assert "reinstall with a C++ compiler" in caplog.records[0].getMessage()
@@ -283,7 +284,7 @@ _SPAM = ["win a free cruise call now", "your parcel waits confirm the fee", "che
 @given(seed=st.integers(0, 2**32 - 1), count=st.integers(1, 40), limit=st.integers(1, 6),
        threshold=st.sampled_from([0.5, 0.8]))
 def test_the_shared_loop_decides_as_the_python_reference(seed: int, count: int, limit: int, threshold: float) -> None:
-    """`Table.decide_shared` against `filters.shared.against`'s Python loop on made-up lookups: stored
+    """`Table.decide_shared` against `filters.index.shared.against`'s Python loop on made-up lookups: stored
     entries that are near-duplicates of the message or not, exact copies, random shared counts, first
     keys and event times (ties), replays stored or earlier in the batch, and candidate limits that
     truncate the merge of the batch's own candidates with the shared index's."""
@@ -380,7 +381,7 @@ _KEY = st.one_of(st.integers(0, 7), st.sampled_from([0, 2**64 - 1, 2**63]), st.i
 @given(keys_of=st.lists(st.lists(_KEY, max_size=30).map(tuple), max_size=40),
        ids=st.lists(st.sampled_from([b"ea", b"eb", b"ec", b"b\x00"]), max_size=40))
 def test_plan_fields_as_the_python_reference(keys_of: list[tuple[int, ...]], ids: list[bytes]) -> None:
-    from filters.redis_index import plan_fields
+    from filters.index.redis_codec import plan_fields
 
     assert _native.plan_fields(keys_of, ids) == plan_fields(keys_of, ids)
 
@@ -397,7 +398,7 @@ def test_overlay_writes_as_the_python_reference(names: list[bytes], written_name
                                                 data: st.DataObject) -> None:
     """The next batch's columns read ahead get the last batch's written values by field name, in the
     slices kept: the compiled overlay puts exactly what the Python one puts, and nothing else."""
-    from filters.redis_index import overlay_writes
+    from filters.index.redis_codec import overlay_writes
 
     slices = data.draw(st.lists(st.integers(0, 3), unique=True, min_size=1, max_size=3))
     written = {s: data.draw(st.dictionaries(st.integers(0, len(written_names) - 1),

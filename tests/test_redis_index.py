@@ -19,21 +19,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from filters import redis_index
-from filters.backends import open_index
 from filters.config import FilterConfig
 from filters.engine import Message, NearDupFilter, Verdict
 from filters.errors import ConfigError, IndexCorrupt, IndexUnavailable, NeardupError
-from filters.index import Candidate, Entry, MemoryIndex, Query
-from filters.redis_index import (
-    ENCODING_VERSION,
-    INSERT_CHUNK,
-    LOOKUP_CHUNK,
-    RedisIndex,
-    decode_entry,
-    encode_entry,
-    parse_records,
-)
+from filters.index import Candidate, Entry, Query, redis_codec
+from filters.index.backends import open_index
+from filters.index.memory import MemoryIndex
+from filters.index.redis import INSERT_CHUNK, LOOKUP_CHUNK, RedisIndex
+from filters.index.redis_codec import ENCODING_VERSION, decode_entry, encode_entry, parse_records
 from stream.codec import RecordFormat
 from stream.metrics import TimedIndex
 from stream.runner import DUPLICATE, RawRecord, route_batch, route_batches
@@ -871,9 +864,9 @@ def test_uncontended_inserts_store_what_the_checking_script_stores(make: Callabl
     checked.alone_inserts = False
     reference = make("reference", window=window, bucket_cap=cap)  # the Python twins of the compiled helpers
     reference._plan, reference._rank, reference._round, reference._decode, reference._rank_all = (
-        redis_index.plan_fields, redis_index.rank_records, redis_index.alone_round, redis_index.decode_entries,
-        redis_index.rank_lookup)
-    reference._encode = redis_index.encode_entries
+        redis_codec.plan_fields, redis_codec.rank_records, redis_codec.alone_round, redis_codec.decode_entries,
+        redis_codec.rank_lookup)
+    reference._encode = redis_codec.encode_entries
     calls = {"fast": 0}
     alone = fast._alone
 
@@ -899,8 +892,8 @@ def test_uncontended_inserts_store_what_the_checking_script_stores(make: Callabl
        turns=st.lists(st.tuples(st.booleans(), st.integers(1, 40)), min_size=1, max_size=8))
 def test_the_claim_rule_is_one_rule_in_lua_compiled_and_python(redis_url: str, prefix: str, seed: int, cap: int,
                                                                window: float, turns: list[tuple[bool, int]]) -> None:
-    """The insert/claim rule written three times: in Lua (filters/lua/insert.lua, every insert checked by the
-    server), compiled (`_native.alone_round`) and in Python (`redis_index.alone_round`), both of which compute
+    """The insert/claim rule written three times: in Lua (filters/index/lua/insert.lua, every insert checked by the
+    server), compiled (`_native.alone_round`) and in Python (`redis_codec.alone_round`), both of which compute
     an uncontended round on the client. Two workers share a namespace and take random turns with random
     batches (a turn after the other's is contended: the checked script decides it): the three variants leave
     the same verdicts and the very same bytes."""
@@ -916,8 +909,8 @@ def test_the_claim_rule_is_one_rule_in_lua_compiled_and_python(redis_url: str, p
             index.alone_inserts = variant != "lua"
             if variant == "python":
                 index._plan, index._rank, index._round, index._decode, index._rank_all, index._encode = (
-                    redis_index.plan_fields, redis_index.rank_records, redis_index.alone_round,
-                    redis_index.decode_entries, redis_index.rank_lookup, redis_index.encode_entries)
+                    redis_codec.plan_fields, redis_codec.rank_records, redis_codec.alone_round,
+                    redis_codec.decode_entries, redis_codec.rank_lookup, redis_codec.encode_entries)
         engines = [NearDupFilter(config, index=index) for index in workers]
         got, at = [], 0
         for second, n in turns:

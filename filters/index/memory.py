@@ -1,13 +1,7 @@
-"""The candidate index seam: the `CandidateIndex` protocol (the engine's one door, `decide`) and the in-memory backend.
+"""The embedded candidate index: `MemoryIndex` over its `Table`, the compiled one (`filters/index/_table.pxi`)
+or `PyTable`, the Python reference it is held to (tests/test_native.py).
 
-An index maps bucket keys to the representatives (unique messages) indexed under them, within a
-sliding window of event time. The engine hands it a prepared batch and its verifier (`decide`); the
-index looks up candidates, has the verifier verify them, and inserts only messages found unique, so
-buckets hold representatives, not every copy of a spam wave. Each backend decides a batch its own best
-way: the memory index in its (compiled) table, the Redis index in a few pipelined round trips.
-
-Backends are chosen by URL (`filters.backends.open_index`), as faust chooses stores: `memory://` (the
-embedded mode; a product feature, not a test double) and `redis://` / `rediss://` (shared by many workers).
+One process, nothing else writes to it (`memory://`, the embedded mode: a product feature, not a test double).
 """
 
 from __future__ import annotations
@@ -15,157 +9,22 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
 from itertools import repeat
 from operator import itemgetter
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol
 
 import numpy as np
 
-from filters.config import FilterConfig
 from filters.errors import ConfigError
 from filters.fingerprint import METHOD_NAMES, Fingerprint
-from filters.records import Message, Verdict, maker, new_verdict
+from filters.index import Batch, Candidate, Entry, Query, Verifier, finish
+from filters.records import Message, Verdict, new_verdict
 
 try:  # the compiled core; absent when it could not be built at install time (no C++ compiler)
     import filters._native as _native
 except ImportError:  # pragma: no cover - exercised on machines without a compiler
     _native = None
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class Entry:
-    """An indexed representative: its id, event time and what verification needs of it."""
-
-    id: str
-    ts: float
-    exact: int
-    size: int
-    sketch: np.ndarray
-    simhash: int | None = None
-    minhash: np.ndarray | None = None
-    sentences: frozenset[int] = frozenset()
-
-    @staticmethod
-    def of(id: str, ts: float, fp: Fingerprint) -> Entry:
-        return new_entry(id, ts, fp.exact, fp.size, fp.sketch, fp.simhash, fp.minhash, fp.sentences)
-
-
-@dataclass(frozen=True, slots=True)
-class Candidate:
-    entry: Entry
-    shared: int  # how many of the message's bucket keys hold this entry
-    first_key: int  # the first of the message's keys (in method order) that found it
-
-
-@dataclass(frozen=True, slots=True)
-class Query:
-    id: str
-    ts: float
-    keys: tuple[int, ...]
-    min_shared: int = 1  # candidates sharing fewer keys need not be returned
-
-
-# Made once or more per message: from all field values in order, without the dataclass __init__'s cost.
-new_entry = maker(Entry)
-new_candidate = maker(Candidate)
-new_query = maker(Query)
-
-
-# What `NearDupFilter.prepare` gives `decide`: the batch's fingerprints, or the compiled core's hashed
-# batch (`filters._native.Shingled`) when the index decides whole batches in its compiled table.
-Prepared = Sequence[Fingerprint] | Any
-
-
-@dataclass(frozen=True, slots=True)
-class Batch:
-    """A batch to decide, as the engine hands it to the index (`CandidateIndex.decide`).
-
-    `meanwhile` is work that needs no index (the next batch's `prepare`), in shares: each call does one
-    and says whether that was the last; it must not raise. A shared index runs a share while it waits for
-    each of the batch's round trips, so that the client's CPU and the server's overlap; every backend runs
-    what is left before `decide` returns (`finish`). `upcoming`, the next batch to be decided (its messages
-    and prepared fingerprints, the very objects that will be passed then): a shared index may read its
-    buckets while this batch is verified and inserted. `observe(op, seconds)`, if given, is told the time
-    of each lookup and insert round (a wrapper's timing: `stream.metrics.TimedIndex`)."""
-
-    messages: Sequence[Message]
-    prepared: Prepared
-    meanwhile: Callable[[], bool] | None = None
-    upcoming: tuple[Sequence[Message], Prepared] | None = None
-    observe: Callable[[str, float], None] | None = None
-
-
-class Verifier(Protocol):
-    """What an index needs of the engine to decide a batch: the configuration, the key floor and the
-    verification of a message against ranked candidates (`NearDupFilter`)."""
-
-    config: FilterConfig
-    # The fingerprints are the compiled core's and the configuration is one the compiled loops decide
-    # (sketch verification, exact/mgram keys): `Table.decide` / `Table.decide_shared` may be used.
-    compiled: bool
-    native: bool  # the compiled core is in use (a batch-local table is the compiled one)
-
-    def floor(self, n_keys: int) -> int:
-        """The fewest of a message's `n_keys` bucket keys a candidate must share (`min_shared`)."""
-        ...
-
-    def first_match(self, msg: Message, fp: Fingerprint, candidates: Sequence[Candidate]) -> Verdict:
-        """The verdict of `msg` against ranked candidates: a duplicate of the first that verifies."""
-        ...
-
-
-def finish(meanwhile: Callable[[], bool] | None) -> None:
-    """Runs what is left of a batch's `meanwhile` work (every backend does before `decide` returns)."""
-    while meanwhile is not None and meanwhile() is False:
-        pass
-
-
-@runtime_checkable
-class CandidateIndex(Protocol):
-    """What the engine needs of an index: `decide` is its only door; the rest serves tests, operations
-    and wrappers. All calls for one batch come from one thread."""
-
-    @property
-    def compiled_table(self) -> bool:
-        """Whether `decide` takes the compiled core's hashed batch (`Fingerprinter.shingle`) when the
-        verifier is `compiled`, rather than a list of `Fingerprint`s."""
-        ...
-
-    def decide(self, batch: Batch, verifier: Verifier) -> list[Verdict]:
-        """The verdicts of the batch's messages, in order, as if decided one at a time: look up, verify
-        (by `verifier`), insert the unique ones. Runs all of `batch.meanwhile` before it returns."""
-        ...
-
-    def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | None, list[Candidate]]]:
-        """For each query: the entry already stored under its id (a replay), and up to `limit`
-        candidates that share a key with it and are inside the window of its event time, ranked by
-        shared keys, then by recency (the most recently inserted first). An entry never is its own
-        candidate."""
-        ...
-
-    def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]:
-        """Insert representatives under their keys. For each: None when inserted, or the candidates
-        that entered its buckets since its lookup (another worker won the race): then nothing was
-        inserted, and the engine verifies those and either calls it a duplicate or inserts again."""
-        ...
-
-    def restore(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> int:
-        """Write representatives that were decided unique before (an index changelog's entries) under their
-        keys, with no lookup and no check: a lost index is rebuilt so. An id that is live already is kept
-        as it is, and an entry outside the window is skipped; returns how many were written."""
-        ...
-
-    def expire(self, now: float) -> int:
-        """Forget entries older than `now - window`; returns how many went."""
-        ...
-
-    def stats(self) -> dict[str, int]:
-        ...
-
-    def close(self) -> None:
-        ...
 
 
 _BY_SHARED_THEN_NEWEST = itemgetter(1, 0)

@@ -76,11 +76,9 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from importlib import resources
 from itertools import islice
-from operator import itemgetter
 from typing import Any, cast
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-import numpy as np
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
@@ -109,8 +107,25 @@ except ImportError:  # pragma: no cover - redis-py works without it, slower
 
 from filters.errors import ConfigError, IndexCorrupt, IndexUnavailable, NeardupError, ServiceError
 from filters.index import Batch, Candidate, Entry, Query, Verifier, finish, new_candidate, new_entry
+from filters.index.redis_codec import (
+    ABSENT,
+    SEQ,
+    alone_round,
+    decode_entries,
+    decode_entry,
+    encode_entries,
+    encode_entry,
+    entry_time,
+    field_of,
+    id_field,
+    overlay_writes,
+    plan_fields,
+    rank_lookup,
+    rank_records,
+    trim_records,
+)
+from filters.index.shared import SharedDecider
 from filters.records import Verdict
-from filters.shared import SharedDecider
 
 try:  # the compiled core; absent when it could not be built at install time (no C++ compiler)
     import filters._native as _native
@@ -118,18 +133,13 @@ except ImportError:  # pragma: no cover - exercised on machines without a compil
     _native = None
 
 __all__ = [
-    "ENCODING_VERSION",
     "INSERT_ALONE_LUA",
     "INSERT_LUA",
     "RedisIndex",
-    "decode_entry",
-    "encode_entry",
+    "RedisTarget",
     "map_redis_error",
-    "parse_records",
-    "rank_records",
     "redact_url",
     "redis_errors",
-    "trim_records",
 ]
 
 DEFAULT_PREFIX = "neardup"
@@ -144,300 +154,12 @@ _MIN_TS = -float(2**52)  # event times must be above it
 _MAX_SLICE = float(2**50)  # ... and less than this many slices (windows) from 0
 _NAME = re.compile(r"[A-Za-z0-9_.:-]+")  # prefix and namespace: no glob or hash-tag characters
 
-# --- the stored forms ------------------------------------------------------------------------------
-
-ENCODING_VERSION = 2
-# version, ts, exact (low, high 64 bits), size, flags, lengths of sketch, minhash and sentences.
-# The insert script reads ts at byte 2 (1-based) as '<d': keep it right after the version byte.
-_HEAD = struct.Struct("<BdQQIBIII")
-_HAS_SIMHASH = 1
-_HAS_MINHASH = 2
-_NARROW_SKETCH = 4  # the sketch is uint32 (a fingerprint's), stored in 4 bytes a value; else uint64
-_FLAGS = _HAS_SIMHASH | _HAS_MINHASH | _NARROW_SKETCH
-_U64 = np.dtype("<u8")
-_U32 = np.dtype("<u4")
-_NATIVE_U32 = np.dtype(np.uint32)
-_MASK64 = (1 << 64) - 1
-_RECORD = struct.Struct("<dI")  # a bucket record's event time and id length; then the id and the seq
-_SEQ = struct.Struct(">Q")
-_FIELD = struct.Struct(">cQ").pack  # a bucket's field name: b"b" and the key, 8 bytes big-endian
-_ABSENT = bytes(8)  # the tail of a field that does not exist (seqs start at 1)
-_TS_SEQ = itemgetter(0, 1)
-
-
-def encode_entry(entry: Entry) -> bytes:
-    """The compact binary form of `entry` (its id is not included: it is the field's name)."""
-    if not 0 <= entry.exact < 1 << 128:
-        raise ValueError(f"exact must be an unsigned 128-bit int, got {entry.exact!r}")
-    if entry.simhash is None and entry.minhash is None and not entry.sentences and entry.sketch.dtype == _NATIVE_U32:
-        # A fingerprint's entry with the default methods: the common case, without numpy's general path.
-        return _HEAD.pack(ENCODING_VERSION, entry.ts, entry.exact & _MASK64, entry.exact >> 64, entry.size,
-                          _NARROW_SKETCH, len(entry.sketch), 0, 0) + entry.sketch.astype(_U32, copy=False).tobytes()
-    flags = 0
-    if entry.sketch.dtype == np.uint32:  # a fingerprint's sketch: half the bytes, read back as it was
-        flags |= _NARROW_SKETCH
-        sketch = np.ascontiguousarray(entry.sketch, dtype=_U32)
-    else:
-        sketch = np.ascontiguousarray(entry.sketch, dtype=_U64)
-    tail = [sketch.tobytes()]
-    if entry.simhash is not None:
-        flags |= _HAS_SIMHASH
-        tail.append(struct.pack("<Q", entry.simhash))
-    n_minhash = 0
-    if entry.minhash is not None:
-        flags |= _HAS_MINHASH
-        minhash = np.ascontiguousarray(entry.minhash, dtype=_U32)
-        n_minhash = len(minhash)
-        tail.append(minhash.tobytes())
-    sentences = np.array(sorted(entry.sentences), dtype=_U64)  # sorted: one entry, one encoding
-    tail.append(sentences.tobytes())
-    head = _HEAD.pack(ENCODING_VERSION, entry.ts, entry.exact & _MASK64, entry.exact >> 64, entry.size,
-                      flags, len(sketch), n_minhash, len(sentences))
-    return b"".join([head, *tail])
-
-
-def encode_entries(entries: Sequence[tuple[Entry, Any]], fallback: Any = None) -> list[bytes]:
-    """`encode_entry` of each (entry, keys) pair (`_native.encode_entries` is the compiled twin)."""
-    return [encode_entry(entry) for entry, _ in entries]
-
-
-def decode_entry(data: bytes, id: str) -> Entry:
-    """The inverse of `encode_entry`; raises `IndexCorrupt` on anything it did not write."""
-    try:
-        version, ts, lo, hi, size, flags, n_sketch, n_minhash, n_sentences = _HEAD.unpack_from(data)
-    except struct.error as exc:
-        raise IndexCorrupt(f"entry {id!r}: {len(data)} bytes are too short for an entry") from exc
-    if version != ENCODING_VERSION:
-        raise IndexCorrupt(f"entry {id!r}: encoding version {version}, this neardup reads {ENCODING_VERSION}")
-    if flags & ~_FLAGS:
-        raise IndexCorrupt(f"entry {id!r}: unknown flags {flags:#x}")
-    has_simhash = bool(flags & _HAS_SIMHASH)
-    has_minhash = bool(flags & _HAS_MINHASH)
-    sketch_type, width = (_U32, 4) if flags & _NARROW_SKETCH else (_U64, 8)
-    if not has_minhash and n_minhash:
-        raise IndexCorrupt(f"entry {id!r}: minhash length without minhash")
-    expected = _HEAD.size + width * n_sketch + 8 * has_simhash + 4 * n_minhash + 8 * n_sentences
-    if len(data) != expected:
-        raise IndexCorrupt(f"entry {id!r}: {len(data)} bytes where the header promises {expected}")
-    pos = _HEAD.size
-    # Read-only views of the reply's bytes: no copy, and nobody can change a stored entry by accident.
-    sketch = np.frombuffer(data, sketch_type, n_sketch, pos).astype(sketch_type.newbyteorder("="), copy=False)
-    pos += width * n_sketch
-    simhash = None
-    if has_simhash:
-        (simhash,) = struct.unpack_from("<Q", data, pos)
-        pos += 8
-    minhash = None
-    if has_minhash:
-        minhash = np.frombuffer(data, _U32, n_minhash, pos).astype(np.uint32, copy=False)
-        pos += 4 * n_minhash
-    sentences = frozenset(np.frombuffer(data, _U64, n_sentences, pos).tolist())
-    return Entry(id, ts, lo | hi << 64, size, sketch, simhash, minhash, sentences)
-
-
-def decode_entries(ids: Sequence[str], blobs: Sequence[bytes | None], make: Any = Entry,
-                   fallback: Any = None) -> dict[str, Entry]:
-    """{id: `decode_entry(blob, id)`} of the blobs that are not None (`_native.decode_entries` is the
-    compiled twin, which decodes the common form itself and hands the rest to `fallback`)."""
-    return {id: decode_entry(blob, id) for id, blob in zip(ids, blobs, strict=True) if blob is not None}
-
-
-def parse_records(value: bytes) -> list[tuple[float, int, str]]:
-    """A bucket field's records as (event time, seq, id), in insertion order."""
-    out = []
-    pos, end = 0, len(value)
-    unpack = _RECORD.unpack_from
-    try:
-        while pos < end:
-            ts, n = unpack(value, pos)
-            start = pos + 12
-            pos = start + n + 8
-            if pos > end:
-                raise ValueError("a record runs past the end")
-            out.append((ts, _SEQ.unpack_from(value, pos - 8)[0],
-                        value[start : start + n].decode("utf-8", "surrogatepass")))
-    except (struct.error, ValueError) as exc:
-        raise IndexCorrupt(f"a bucket holds {len(value)} bytes that are not bucket records: {exc}") from exc
-    return out
-
-
-def rank_records(values: Sequence[Sequence[bytes | None]], positions: Sequence[int], id: str, floor: int,
-                 limit: int, horizon: float, cap: int, since: int = -1,
-                 own: set[int] | None = None) -> list[tuple[str, int, int, float]]:
-    """The candidates in one query's buckets, ranked as `MemoryIndex` ranks them. `values[s][positions[k]]`
-    is bucket k's value in slice s (None: absent). Only records inside the window (event time >=
-    `horizon`) and the `cap` newest of each bucket count, never `id`'s own; with `since` >= 0, only
-    records with a greater seq that are not in `own`. Returns [(id, shared buckets, first bucket, event
-    time of its newest record)] of those sharing at least `floor`, most shared first, then the newest
-    insert, at most `limit` (but at least one found). The compiled core has the same function."""
-    present = sum(1 for t in positions if any(column[t] is not None for column in values))
-    if present < floor or not present:
-        return []  # pigeonhole: nothing can share `floor` keys with it
-    counts: dict[str, list[Any]] = {}  # id -> [shared, first, newest seq, its event time]
-    for k, t in enumerate(positions):
-        records = [r for column in values if (v := column[t]) is not None for r in parse_records(v) if r[0] >= horizon]
-        if len(records) > cap:
-            records = sorted(records, key=_TS_SEQ, reverse=True)[:cap]  # the newest by (event time, seq)
-        held = set()
-        for ts, seq, rid in records:
-            if rid == id or rid in held:
-                continue
-            if since >= 0 and (seq <= since or (own is not None and seq in own)):
-                continue
-            held.add(rid)
-            c = counts.get(rid)
-            if c is None:
-                counts[rid] = [1, k, seq, ts]
-            else:
-                c[0] += 1
-                if seq > c[2]:
-                    c[2], c[3] = seq, ts
-    items = [(rid, c) for rid, c in counts.items() if c[0] >= floor]
-    items.sort(key=lambda item: (item[1][0], item[1][2]), reverse=True)
-    out = []
-    for rid, (shared, first, _, ts) in items:
-        out.append((rid, shared, first, ts))
-        if len(out) >= limit:
-            break
-    return out
-
-
-def alone_round(ids: list[str], times: list[float], blobs: list[bytes], fields_of: list[list[bytes]],
-                places_of: list[list[int]], entry_places: list[int], slices: tuple[int, ...],
-                columns: dict[int, list[bytes | None]], writes: dict[int, dict[int, bytes]], hwm: float,
-                window: float, slice_length: float, cap: int, seq: int, entry_time: Any,
-                trim: Any) -> tuple[list[int], dict[int, list[Any]], list[tuple[int, int, list[int]]], float, int]:
-    """The loop of `RedisIndex._alone` (`_native.alone_round` is the compiled twin): per entry, in order,
-    what INSERT_LUA would do when nobody else wrote since the lookup. An entry whose id is live (its
-    entry stored inside the window, read or written) or whose event time left the window gets 0; else
-    the next seq, its record appended to each of its bucket fields (trimmed back to the cap first when a
-    value holds about twice as many) and its entry written. `writes` (slice -> place -> value, what the
-    caller wrote since the lookup) is updated. Returns (results, per slice [entries, field-value pairs:
-    each field once, with its last value], (seq, slice, places) per entry written, high-water mark, seq)."""
-    results: list[int] = []
-    groups: dict[int, list[Any]] = {}
-    at_of: dict[int, dict[int, int]] = {}  # slice -> place -> where its value is in the slice's pairs
-    written: list[tuple[int, int, list[int]]] = []
-    for id, ts, blob, fields, places, e in zip(ids, times, blobs, fields_of, places_of, entry_places):
-        live = False
-        for s in slices:
-            old = writes[s].get(e)
-            if old is None:
-                column = columns.get(s)
-                old = column[e] if column is not None else None
-            if old and entry_time(old, id) >= hwm - window:
-                live = True
-                break
-        if live:
-            results.append(0)
-            continue
-        hwm = max(hwm, ts)
-        if not ts >= hwm - window:
-            results.append(0)
-            continue
-        seq += 1
-        id_bytes = id.encode("utf-8", "surrogatepass")
-        record = _RECORD.pack(ts, len(id_bytes)) + id_bytes + _SEQ.pack(seq)
-        s = math.floor(ts / slice_length)
-        mine, column = writes[s], columns[s]
-        group = groups.setdefault(s, [0, []])
-        group[0] += 1
-        pairs, at = group[1], at_of.setdefault(s, {})
-        too_long = 2 * cap * len(record)
-        for f, p in zip(fields, places):
-            v = mine.get(p)
-            if v is None:
-                v = column[p]
-            # A field without a value when read, nobody wrote since: its value is the record.
-            v = record if v is None else (trim(v, cap) if len(v) > too_long else v) + record
-            mine[p] = v
-            # Each field once in the slice's pairs, with its last value: a bucket several entries of the
-            # batch share is sent once, not once per entry with every record again.
-            k = at.get(p)
-            if k is None:
-                at[p] = len(pairs) + 1
-                pairs += (f, v)
-            else:
-                pairs[k] = v
-        mine[e] = blob
-        pairs += (b"e" + id_bytes, blob)
-        written.append((seq, s, places))
-        results.append(seq)
-    return results, groups, written, hwm, seq
-
-
-def overlay_writes(names: list[bytes], written_names: list[bytes], kept: list[tuple[int, list[bytes | None]]],
-                   written: dict[int, dict[int, bytes]]) -> None:
-    """Puts `written` (slice -> place in `written_names` -> value) into the columns of `kept` ((slice,
-    column of `names`) pairs), by field name; a field `names` does not hold is left out. `names` are
-    distinct (`plan_fields`). (`_native.overlay_writes` is the compiled twin.)"""
-    at = {name: place for place, name in enumerate(names)}
-    for s, column in kept:
-        for p, value in written.get(s, {}).items():
-            place = at.get(written_names[p])
-            if place is not None:
-                column[place] = value
-
-
-def rank_lookup(columns: list[list[bytes | None]], positions_of: list[list[int]], id_places: list[int], ids: list[str],
-                floors: list[int], limit: int, horizons: list[float], cap: int,
-                entry_time: Any) -> list[tuple[bytes | None, list[tuple[str, int, int, float]]]]:
-    """Per query of a lookup: its stored entry's bytes if one is live (event time >= its horizon) in a
-    slice read, else None; and `rank_records` of its buckets (`_native.rank_lookup` is the compiled twin)."""
-    out = []
-    for where, e, id, floor, horizon in zip(positions_of, id_places, ids, floors, horizons, strict=True):
-        own = None
-        for column in columns:
-            blob = column[e]
-            if blob is not None and entry_time(blob, id) >= horizon:
-                own = blob
-                break
-        out.append((own, rank_records(columns, where, id, floor, limit, horizon, cap)))
-    return out
-
-
-def plan_fields(keys_of: Sequence[Sequence[int]], id_fields: Sequence[bytes]) -> tuple[
-        list[bytes], list[list[bytes]], list[list[int]], list[int]]:
-    """What a lookup reads: every distinct field name once, in first-seen order, and its place; per query
-    its bucket keys' field names and places; per query its entry field's place (`_native.plan_fields`
-    is the compiled twin)."""
-    at: dict[bytes, int] = {}
-    place = at.setdefault
-    fields_of = [[_FIELD(b"b", key) for key in keys] for keys in keys_of]
-    places_of = [[place(f, len(at)) for f in fields] for fields in fields_of]
-    id_places = [place(f, len(at)) for f in id_fields]
-    return list(at), fields_of, places_of, id_places
-
-
-def trim_records(value: bytes, cap: int) -> bytes:
-    """The `cap` newest records (event time, then seq) of a bucket value, in insertion order: what the
-    insert script's `trim` keeps."""
-    spans = []
-    pos, end = 0, len(value)
-    while pos < end:
-        ts, n = _RECORD.unpack_from(value, pos)
-        stop = pos + 12 + n + 8
-        spans.append((ts, value[stop - 8 : stop], pos, stop))
-        pos = stop
-    if len(spans) <= cap:
-        return value
-    newest = sorted(range(len(spans)), key=lambda j: spans[j][:2], reverse=True)[:cap]
-    return b"".join(value[spans[j][2] : spans[j][3]] for j in sorted(newest))
-
-
-def _field_of(key: int) -> bytes:
-    try:
-        return _FIELD(b"b", key)
-    except struct.error:
-        raise ValueError(f"bucket keys must be unsigned 64-bit ints, got {key!r}") from None
-
-
 # --- the insert scripts ----------------------------------------------------------------------------
 
 
 def _lua(name: str) -> str:
-    """A script of filters/lua/ (package data), with its FIELDS_PER_CALL filled in."""
-    source = resources.files("filters").joinpath("lua", name).read_text(encoding="utf-8")
+    """A script of filters/index/lua/ (package data), with its FIELDS_PER_CALL filled in."""
+    source = resources.files("filters.index").joinpath("lua", name).read_text(encoding="utf-8")
     return source.replace("FIELDS_PER_CALL", str(FIELDS_PER_CALL))
 
 
@@ -634,10 +356,10 @@ class _View:
                 if mine is not None and bases[p] == basis:
                     tail = mine[-8:]
                 elif reread is not None:
-                    tail = tails[j] if tails is not None else _ABSENT
+                    tail = tails[j] if tails is not None else ABSENT
                 else:
                     v = column[p] if column is not None else None
-                    tail = v[-8:] if v else _ABSENT
+                    tail = v[-8:] if v else ABSENT
                 parts.append(tail)
         return b"".join(parts)
 
@@ -735,7 +457,7 @@ class RedisIndex:
             raise ConfigError(f"Redis index URL {self._where}: {exc}") from exc
 
     # -- CandidateIndex ------------------------------------------------------------------------
-    compiled_table = False  # a batch is decided from fingerprints (`filters.shared`), never the hashed batch
+    compiled_table = False  # a batch is decided from fingerprints (`filters.index.shared`), never the hashed batch
 
     def decide(self, batch: Batch, verifier: Verifier) -> list[Verdict]:
         """One lookup round for the batch, verification against it and the batch itself, insert rounds
@@ -787,7 +509,7 @@ class RedisIndex:
         window = self.window
         found = self._rank_all(columns, positions, id_places, ids, [q.min_shared for q in queries], limit,
                                [max(mark, top - self.margin) - window for mark in marks], self.bucket_cap,
-                               _entry_time)
+                               entry_time)
         entries = self._entries({(id, ts) for _, ranked in found for id, _, _, ts in ranked})
         out = []
         for q, (own, ranked) in zip(queries, found):
@@ -831,7 +553,7 @@ class RedisIndex:
     def _planned(self, queries: Sequence[Query]) -> tuple[list[bytes], list[list[bytes]], list[list[int]], list[int]]:
         """Every field name the batch reads, and its place in a column (`plan_fields`)."""
         try:
-            return self._plan([q.keys for q in queries], [_id_field(q.id) for q in queries])
+            return self._plan([q.keys for q in queries], [id_field(q.id) for q in queries])
         except (struct.error, OverflowError):
             raise ValueError(f"bucket keys must be unsigned 64-bit ints: {[q.keys for q in queries]!r}") from None
 
@@ -891,7 +613,7 @@ class RedisIndex:
         args: list[str | int | bytes] = [self._spre, repr(self.window), repr(self.slice_length), self.bucket_cap,
                                          self._ttl_ms, repr(self._hwm), "", 0, 0, repr(self.margin)]
         for entry, keys in entries:
-            fields = [_field_of(key) for key in keys]
+            fields = [field_of(key) for key in keys]
             args += [entry.id.encode("utf-8", "surrogatepass"), repr(_event_time(entry.ts, entry.id, self.slice_length)),
                      encode_entry(entry), len(fields), b"", *fields]
         [(_, hwm, results)] = self._eval_pipelined(_INSERT, [args])
@@ -1013,7 +735,7 @@ class RedisIndex:
         with self._errors():
             # No share of other work here: Redis answers this short read sooner than a share takes, and the
             # insert's transaction, the longest wait, comes next.
-            replies = self._execute([("HMGET", f"{self._spre}{s}", *map(_id_field, ids)) for s, ids in by_slice.items()],
+            replies = self._execute([("HMGET", f"{self._spre}{s}", *map(id_field, ids)) for s, ids in by_slice.items()],
                                     share=False)
             _raise_any(replies)
         for ids, blobs in zip(by_slice.values(), replies):
@@ -1045,7 +767,7 @@ class RedisIndex:
                 fields_of.append(view.fields_of[q])
                 places_of.append(view.places_of[q])
             else:
-                fields_of.append([_field_of(key) for key in keys])
+                fields_of.append([field_of(key) for key in keys])
                 places_of.append(None)
         results = self._alone(entries, fields_of, places_of) if self.alone_inserts else None
         if results is None:
@@ -1082,7 +804,7 @@ class RedisIndex:
         view.exact = False  # the script wrote values this caller did not compute
         for (entry, _), places, result in zip(entries, places_of, results):
             if result > 0:
-                self._inserted(result, self._slice(float(entry.ts)), places, _SEQ.pack(result), view.basis(entry.id))
+                self._inserted(result, self._slice(float(entry.ts)), places, SEQ.pack(result), view.basis(entry.id))
         return list(results)
 
     def _inserted(self, seq: int, s: int, places: Sequence[int | None], value_or_tail: bytes | None,
@@ -1120,7 +842,7 @@ class RedisIndex:
             [e.id for e, _ in entries], times, self._encode(list(entries), encode_entry), list(fields_of),
             cast("list[list[int]]", list(places_of)), [view.entry_places[looked[e.id]] for e, _ in entries],
             tuple(slices), view.columns, writes,
-            hwm, window, self.slice_length, cap, seq, _entry_time, trim_records)
+            hwm, window, self.slice_length, cap, seq, entry_time, trim_records)
         hwm_bytes = view.hwm if hwm <= stored_hwm else (b"%.17g" % hwm)
         gone = f"{self._spre}{self._slice(hwm - window - self.margin) - 1}" if seq > start else ""
         if view.watch == self._epoch:  # -1 never is: epochs start at 1 with the first connection
@@ -1209,7 +931,7 @@ class RedisIndex:
             places = [at[f] for f in fields]
             ranked.append(self._rank(columns, places, entry.id, 1, len(fields) * self.bucket_cap + 1, horizon,
                                      self.bucket_cap, since, view.own))
-            view.reread[entry.id] = (seq, {s: [(column[p] or b"")[-8:] or _ABSENT for p in places]
+            view.reread[entry.id] = (seq, {s: [(column[p] or b"")[-8:] or ABSENT for p in places]
                                            for s, column in zip(slices, columns)})
         found = self._entries({(id, ts) for cands in ranked for id, _, _, ts in cands})
         return [[Candidate(found[id], shared, keys[first]) for id, shared, first, _ in cands if id in found]
@@ -1355,19 +1077,10 @@ def _columns(replies: Sequence[Any], n_slices: int, n_names: int) -> list[list[b
     return columns
 
 
-def _id_field(id: str) -> bytes:
-    return b"e" + id.encode("utf-8", "surrogatepass")
-
 
 def _stored_time(stored: bytes) -> float:
     return float(stored) if stored else -math.inf
 
-
-def _entry_time(blob: bytes, id: str) -> float:
-    try:
-        return float(_HEAD.unpack_from(blob)[1])
-    except struct.error as exc:
-        raise IndexCorrupt(f"entry {id!r}: {len(blob)} bytes are too short for an entry") from exc
 
 
 def _event_time(ts: float, id: str, slice_length: float) -> float:

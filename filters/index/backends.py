@@ -5,20 +5,21 @@ from __future__ import annotations
 from urllib.parse import urlparse
 
 from filters.errors import ConfigError
-from filters.index import CandidateIndex, MemoryIndex
+from filters.index import CandidateIndex
+from filters.index.memory import MemoryIndex
 
 
 def open_index(url: str, *, window: float, bucket_cap: int, namespace: str,
                native: bool | None = None, margin: float = 0.0) -> CandidateIndex:
     """`memory://` or `redis://[:password@]host:port/db` / `rediss://...` (TLS) / `redis+cluster://`.
 
-    `native` picks the memory index's table (see `filters.index.make_table`); `margin`, event time that a
+    `native` picks the memory index's table (see `filters.index.memory.make_table`); `margin`, event time that a
     shared index keeps beyond the window for the workers running behind the newest (see `RedisIndex`)."""
     scheme = urlparse(url).scheme
     if scheme == "memory":
         return MemoryIndex(window, bucket_cap, native=native)
     if scheme in ("redis", "rediss", "redis+cluster", "rediss+cluster", "unix"):
-        from filters.redis_index import RedisIndex  # the one backend that does I/O; loaded on demand (redis is optional)
+        from filters.index.redis import RedisIndex  # the one backend that does I/O; loaded on demand (redis is optional)
 
         return RedisIndex(url, window=window, bucket_cap=bucket_cap, namespace=namespace, margin=margin)
     raise ConfigError(f"unknown index URL scheme {scheme!r} in {url!r}: use memory:// or redis://")

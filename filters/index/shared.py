@@ -13,7 +13,8 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from filters.fingerprint import METHOD_NAMES, Fingerprint
-from filters.index import Batch, Candidate, Entry, MemoryIndex, Query, Verifier, new_query
+from filters.index import Batch, Candidate, Entry, Query, Verifier, new_query
+from filters.index.memory import MemoryIndex
 from filters.records import Message, Verdict, new_verdict
 
 _MAX_INSERT_ROUNDS = 8

@@ -1,0 +1,318 @@
+# The compiled n-gram kernel (included by filters/_native.pyx): the batch's exact hashes, bottom-k sketches
+# and m-gram keys, as the reference filters/shingles.py and filters/fingerprint.py compute them.
+
+# --- hashing --------------------------------------------------------------------------------------
+
+cdef uint64_t MUL = 0x9E3779B97F4A7C15ULL
+cdef uint32_t PAD = 0x100000  # the pad code point of shingles.Batch: texts shorter than n still give one n-gram
+cdef int HASH_BITS = 44  # shingles._HASH_BITS: sketch precision before the top 32 bits are kept
+cdef uint64_t MGRAM_TAG = 2ULL << 60
+cdef uint64_t EXACT_TAG = 1ULL << 60
+cdef uint64_t LOW60 = (1ULL << 60) - 1
+
+
+cdef inline uint64_t mix64(uint64_t x) noexcept nogil:
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL
+    return x ^ (x >> 31)
+
+
+cdef inline uint64_t rotl64(uint64_t x, int r) noexcept nogil:
+    return (x << r) | (x >> (64 - r))
+
+
+cdef inline uint64_t fmix64(uint64_t k) noexcept nogil:
+    k ^= k >> 33
+    k *= 0xff51afd7ed558ccdULL
+    k ^= k >> 33
+    k *= 0xc4ceb9fe1a85ec53ULL
+    k ^= k >> 33
+    return k
+
+
+cdef void murmur3_128(const uint8_t *data, Py_ssize_t n, uint32_t seed, uint64_t *lo, uint64_t *hi) noexcept nogil:
+    """MurmurHash3_x64_128, as `mmh3.hash128(data, seed)`: that int is `hi << 64 | lo`."""
+    cdef uint64_t h1 = seed, h2 = seed, k1, k2
+    cdef uint64_t c1 = 0x87c37b91114253d5ULL, c2 = 0x4cf5ad432745937fULL
+    cdef Py_ssize_t nblocks = n // 16, i
+    cdef const uint8_t *tail
+    for i in range(nblocks):
+        memcpy(&k1, data + 16 * i, 8)
+        memcpy(&k2, data + 16 * i + 8, 8)
+        k1 *= c1; k1 = rotl64(k1, 31); k1 *= c2; h1 ^= k1
+        h1 = rotl64(h1, 27); h1 += h2; h1 = h1 * 5 + 0x52dce729
+        k2 *= c2; k2 = rotl64(k2, 33); k2 *= c1; h2 ^= k2
+        h2 = rotl64(h2, 31); h2 += h1; h2 = h2 * 5 + 0x38495ab5
+    tail = data + nblocks * 16
+    k1 = 0
+    k2 = 0
+    cdef int rest = n & 15
+    if rest >= 9:
+        for i in range(rest - 1, 7, -1):
+            k2 ^= (<uint64_t>tail[i]) << (8 * (i - 8))
+        k2 *= c2; k2 = rotl64(k2, 33); k2 *= c1; h2 ^= k2
+    if rest >= 1:
+        for i in range(min(rest, 8) - 1, -1, -1):
+            k1 ^= (<uint64_t>tail[i]) << (8 * i)
+        k1 *= c1; k1 = rotl64(k1, 31); k1 *= c2; h1 ^= k1
+    h1 ^= <uint64_t>n
+    h2 ^= <uint64_t>n
+    h1 += h2
+    h2 += h1
+    h1 = fmix64(h1)
+    h2 = fmix64(h2)
+    h1 += h2
+    h2 += h1
+    lo[0] = h1
+    hi[0] = h2
+
+
+def hash128(bytes data, uint32_t seed):
+    """`mmh3.hash128(data, seed)`, for the tests."""
+    cdef uint64_t lo, hi
+    murmur3_128(<const uint8_t *>(<char *>data), len(data), seed, &lo, &hi)
+    return (<object>hi) << 64 | lo
+
+
+cdef inline void ngram_hashes(const uint32_t *cps, Py_ssize_t length, int n, uint64_t seedc,
+                              uint64_t *out, Py_ssize_t count) noexcept nogil:
+    """The hash of every n-gram position of one text (`Batch.ngrams`): `cps` is followed by ≥ n - 1 pads."""
+    cdef Py_ssize_t p
+    cdef int j
+    cdef uint64_t h
+    for p in range(count):
+        h = seedc
+        for j in range(n):
+            h = (h ^ cps[p + j]) * MUL
+        out[p] = mix64(h)
+
+
+# --- the batch kernel -------------------------------------------------------------------------------
+
+cdef class Shingled:
+    """One batch of normalized texts, hashed: per text the 128-bit exact hash, the bottom-k sketch
+    (top 32 bits, sorted), the estimated number of distinct shingles, the sampled m-gram keys, and the
+    bucket keys in the configured order (exact and m-gram keys, without repeats)."""
+
+    cdef Py_ssize_t n
+    cdef uint64_t *exact_lo
+    cdef uint64_t *exact_hi
+    cdef int64_t *size
+    cdef uint32_t *sketch
+    cdef Py_ssize_t *sk_start
+    cdef uint64_t *mgram
+    cdef Py_ssize_t *mg_start
+    cdef uint64_t *keys
+    cdef Py_ssize_t *key_start
+
+    def __cinit__(self):
+        self.n = 0
+
+    def __dealloc__(self):
+        PyMem_Free(self.exact_lo); PyMem_Free(self.exact_hi); PyMem_Free(self.size)
+        PyMem_Free(self.sketch); PyMem_Free(self.sk_start); PyMem_Free(self.mgram)
+        PyMem_Free(self.mg_start); PyMem_Free(self.keys); PyMem_Free(self.key_start)
+
+    def __len__(self):
+        return self.n
+
+    def exacts(self) -> list:
+        return [(<object>self.exact_hi[i]) << 64 | self.exact_lo[i] for i in range(self.n)]
+
+    def sizes(self) -> list:
+        return [self.size[i] for i in range(self.n)]
+
+    def sketches(self) -> list:
+        """One sorted uint32 array per text (a copy each: an entry keeps only its own)."""
+        return [self._sketch(i) for i in range(self.n)]
+
+    cdef object _sketch(self, Py_ssize_t i):
+        """Text i's sketch as its own uint32 array."""
+        cdef Py_ssize_t a = self.sk_start[i], b = self.sk_start[i + 1]
+        cdef uint32_t[::1] view
+        sketch = np.empty(b - a, dtype=np.uint32)
+        if b > a:
+            view = sketch
+            memcpy(&view[0], self.sketch + a, (b - a) * sizeof(uint32_t))
+        return sketch
+
+    def mgram_keys(self) -> tuple:
+        """(every text's sampled m-gram keys end to end, bounds): text i has [bounds[i], bounds[i+1])."""
+        flat = [self.mgram[j] for j in range(self.mg_start[self.n])]
+        return flat, [self.mg_start[i] for i in range(self.n + 1)]
+
+    def bucket_keys(self) -> list:
+        return [tuple([self.keys[j] for j in range(self.key_start[i], self.key_start[i + 1])])
+                for i in range(self.n)]
+
+    def fingerprints(self, list normalized, make) -> list:
+        """`make(normalized, exact, size, sketch, keys, None, None, frozenset())` per text: the `Fingerprint`s
+        of exact and m-gram bucket keys, without a Python step per text (each sketch its own copy, as an entry keeps it)."""
+        if len(normalized) != self.n:
+            raise ValueError("normalized texts and the hashed batch differ in length")
+        cdef Py_ssize_t i, j
+        out = []
+        for i in range(self.n):
+            sketch = self._sketch(i)
+            keys = PyTuple_New(self.key_start[i + 1] - self.key_start[i])
+            for j in range(self.key_start[i], self.key_start[i + 1]):
+                value = PyLong_FromUnsignedLongLong(self.keys[j])
+                Py_INCREF(value)
+                PyTuple_SET_ITEM(keys, j - self.key_start[i], value)
+            out.append(make(normalized[i], (<object>self.exact_hi[i]) << 64 | self.exact_lo[i], self.size[i],
+                            sketch, keys, None, None, NO_SENTENCES))
+        return out
+
+
+def shingle(list texts, int n, int k, int m, int target, uint64_t seed, int exact_at, bint with_mgram):
+    """Hash a batch of normalized texts (see `Shingled`): n-grams of `n` for the bottom-`k` sketch,
+    m-grams of `m` sampled to about `target` keys (none when `target` is 0), the exact hash with the
+    low 32 bits of `seed`. Bucket keys: the exact key at position `exact_at` (0 first, 1 after the
+    m-gram keys, -1 none), the m-gram keys when `with_mgram`."""
+    cdef Py_ssize_t count = len(texts), i, total_cps = 0, length, max_len = 1, mg_cap = 0, p, j, c
+    cdef Py_ssize_t width = max(n, m)
+    cdef Shingled out = Shingled()
+    cdef Py_ssize_t *cp_start = <Py_ssize_t *>PyMem_Malloc((count + 1) * sizeof(Py_ssize_t))
+    cdef Py_ssize_t *lengths = <Py_ssize_t *>PyMem_Malloc((count + 1) * sizeof(Py_ssize_t))
+    cdef const char **utf8 = <const char **>PyMem_Malloc((count + 1) * sizeof(char *))
+    cdef Py_ssize_t *utf8_len = <Py_ssize_t *>PyMem_Malloc((count + 1) * sizeof(Py_ssize_t))
+    cdef uint32_t *cps = NULL
+    cdef uint64_t *hashes = NULL
+    cdef uint64_t *kept = NULL
+    cdef Py_UCS4 ch
+    cdef str text
+    keep_alive = []  # surrogate-carrying texts' UTF-8 (surrogatepass), alive until the hashing is done
+    try:
+        if not cp_start or not lengths or not utf8 or not utf8_len:
+            raise MemoryError()
+        for i in range(count):
+            text = texts[i]
+            length = len(text)
+            lengths[i] = length
+            cp_start[i] = total_cps
+            total_cps += length + width
+            if length > max_len:
+                max_len = length
+            mg_cap += max(length - m + 1, 1)
+        cps = <uint32_t *>PyMem_Malloc((total_cps + 1) * sizeof(uint32_t))
+        hashes = <uint64_t *>PyMem_Malloc((max_len + 1) * sizeof(uint64_t))
+        kept = <uint64_t *>PyMem_Malloc((max_len + 1) * sizeof(uint64_t))
+        out.exact_lo = <uint64_t *>PyMem_Malloc((count + 1) * sizeof(uint64_t))
+        out.exact_hi = <uint64_t *>PyMem_Malloc((count + 1) * sizeof(uint64_t))
+        out.size = <int64_t *>PyMem_Malloc((count + 1) * sizeof(int64_t))
+        out.sketch = <uint32_t *>PyMem_Malloc((count * k + 1) * sizeof(uint32_t))
+        out.sk_start = <Py_ssize_t *>PyMem_Malloc((count + 1) * sizeof(Py_ssize_t))
+        out.mgram = <uint64_t *>PyMem_Malloc((mg_cap + 1) * sizeof(uint64_t))
+        out.mg_start = <Py_ssize_t *>PyMem_Malloc((count + 1) * sizeof(Py_ssize_t))
+        out.keys = <uint64_t *>PyMem_Malloc((mg_cap + count + 1) * sizeof(uint64_t))
+        out.key_start = <Py_ssize_t *>PyMem_Malloc((count + 1) * sizeof(Py_ssize_t))
+        if (not cps or not hashes or not kept or not out.exact_lo or not out.exact_hi or not out.size
+                or not out.sketch or not out.sk_start or not out.mgram or not out.mg_start or not out.keys
+                or not out.key_start):
+            raise MemoryError()
+        out.n = count
+        for i in range(count):
+            text = texts[i]
+            p = cp_start[i]
+            for ch in text:
+                cps[p] = ch
+                p += 1
+            for j in range(width):
+                cps[p + j] = PAD
+            try:
+                utf8[i] = PyUnicode_AsUTF8AndSize(text, &utf8_len[i])
+            except UnicodeEncodeError:  # lone surrogates: hashed as "surrogatepass" encodes them
+                data = text.encode("utf-8", "surrogatepass")
+                keep_alive.append(data)
+                utf8[i] = <const char *>(<bytes>data)
+                utf8_len[i] = len(<bytes>data)
+        with nogil:
+            _hash_batch(out, cps, cp_start, lengths, utf8, utf8_len, hashes, kept, n, k, m, target, seed,
+                        exact_at, with_mgram)
+        return out
+    finally:
+        PyMem_Free(cp_start); PyMem_Free(lengths); PyMem_Free(utf8); PyMem_Free(utf8_len)
+        PyMem_Free(cps); PyMem_Free(hashes); PyMem_Free(kept)
+
+
+cdef inline Py_ssize_t add_new(uint64_t *keys, Py_ssize_t start, Py_ssize_t end, uint64_t v) noexcept nogil:
+    """Appends `v` to keys[start:end] unless it is there already; returns the new end."""
+    cdef Py_ssize_t j
+    for j in range(start, end):
+        if keys[j] == v:
+            return end
+    keys[end] = v
+    return end + 1
+
+
+cdef void _hash_batch(Shingled out, const uint32_t *cps, const Py_ssize_t *cp_start, const Py_ssize_t *lengths,
+                      const char **utf8, const Py_ssize_t *utf8_len, uint64_t *hashes, uint64_t *kept,
+                      int n, int k, int m, int target, uint64_t seed, int exact_at, bint with_mgram) noexcept nogil:
+    cdef uint64_t seed_n = mix64(seed + <uint64_t>n) | 1
+    cdef uint64_t seed_m = mix64(seed + <uint64_t>m) | 1
+    cdef uint32_t seed32 = <uint32_t>(seed & 0xFFFFFFFFULL)
+    cdef Py_ssize_t i, count, p, distinct, sk = 0, mg = 0, kk = 0, start, j, q
+    cdef double keep, fraction
+    cdef uint64_t limit, rate, v, exact_key
+    cdef const uint32_t *text
+    for i in range(out.n):
+        text = cps + cp_start[i]
+        # The exact fast path: 128-bit hash of the normalized text's UTF-8.
+        murmur3_128(<const uint8_t *>utf8[i], utf8_len[i], seed32, &out.exact_lo[i], &out.exact_hi[i])
+        # Bottom-k sketch (`Batch.sketches`): only hashes under a per-text limit are sorted at all.
+        count = lengths[i] - n + 1 if lengths[i] - n + 1 > 1 else 1
+        ngram_hashes(text, lengths[i], n, seed_n, hashes, count)
+        keep = (3.0 * k) / <double>count
+        if keep > 1.0:
+            keep = 1.0
+        if keep >= 1.0:
+            limit = 0xFFFFFFFFFFFFFFFFULL
+        else:
+            fraction = keep if keep < 0.999 else 0.999
+            limit = <uint64_t>(fraction * 18446744073709551616.0)
+        q = 0
+        for p in range(count):
+            if hashes[p] <= limit:
+                kept[q] = hashes[p] >> (64 - HASH_BITS)
+                q += 1
+        cpp_sort(kept, kept + q)
+        distinct = 0
+        out.sk_start[i] = sk
+        for p in range(q):
+            if p == 0 or kept[p] != kept[p - 1]:
+                if distinct < k:
+                    out.sketch[sk] = <uint32_t>(kept[p] >> (HASH_BITS - 32))
+                    sk += 1
+                distinct += 1
+        if keep >= 1.0:
+            out.size[i] = distinct
+        else:
+            out.size[i] = <int64_t>rint(<double>distinct / keep)
+        # m-gram keys (`Batch.samples`): rate 1/2^j, the smallest that leaves < 2 * target of them.
+        out.mg_start[i] = mg
+        if target > 0:
+            count = lengths[i] - m + 1 if lengths[i] - m + 1 > 1 else 1
+            ngram_hashes(text, lengths[i], m, seed_m, hashes, count)
+            rate = 1
+            while <uint64_t>count >= 2 * rate * <uint64_t>target:
+                rate *= 2
+            for p in range(count):
+                v = hashes[p]
+                if (v & (rate - 1)) == 0:
+                    out.mgram[mg] = (v >> 4) | MGRAM_TAG
+                    mg += 1
+        # Bucket keys in the configured order, first occurrence kept (`tuple(dict.fromkeys(keys))`).
+        out.key_start[i] = kk
+        start = kk
+        exact_key = EXACT_TAG | ((out.exact_lo[i] ^ out.exact_hi[i]) & LOW60)
+        if exact_at == 0:
+            kk = add_new(out.keys, start, kk, exact_key)
+        if with_mgram:
+            for p in range(out.mg_start[i], mg):
+                kk = add_new(out.keys, start, kk, out.mgram[p])
+        if exact_at == 1:
+            kk = add_new(out.keys, start, kk, exact_key)
+    out.sk_start[out.n] = sk
+    out.mg_start[out.n] = mg
+    out.key_start[out.n] = kk
+

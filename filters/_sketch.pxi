@@ -1,0 +1,79 @@
+# Compiled sketch comparison (included by filters/_native.pyx): `filters/sketch.py` `Probe.estimates` and the
+# engine's sketch verdict, on two sorted sketches.
+
+# --- sketch comparison -----------------------------------------------------------------------------
+
+cdef struct Estimates:
+    double jaccard
+    double containment_a
+    double containment_b
+
+
+cdef inline Py_ssize_t bisect_right(const uint64_t *a, Py_ssize_t n, uint64_t x) noexcept nogil:
+    cdef Py_ssize_t lo = 0, hi = n, mid
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if x < a[mid]:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+cdef Estimates estimates(const uint64_t *a, Py_ssize_t na, int64_t size_a,
+                         const uint64_t *b, Py_ssize_t nb, int64_t size_b) noexcept nogil:
+    """`sketch.Probe.estimates` on two sorted sketches: Jaccard, |A∩B|/|A| and |A∩B|/|B| counted below
+    the smaller of the largest kept hashes of the sketches that do not hold their whole text."""
+    cdef Estimates r
+    r.jaccard = 0.0; r.containment_a = 0.0; r.containment_b = 0.0
+    if na == 0 or nb == 0:
+        return r
+    cdef bint has_tau = False
+    cdef uint64_t tau = 0xFFFFFFFFFFFFFFFFULL
+    if size_a > na:
+        tau = a[na - 1]; has_tau = True
+    if size_b > nb and (not has_tau or b[nb - 1] < tau):
+        tau = b[nb - 1]; has_tau = True
+    if has_tau:
+        if a[na - 1] > tau:
+            na = bisect_right(a, na, tau)
+        if b[nb - 1] > tau:
+            nb = bisect_right(b, nb, tau)
+        if na == 0 or nb == 0:
+            return r
+    # Distinct common values (a set intersection: a sketch may repeat a 32-bit value), all <= tau now.
+    cdef Py_ssize_t i = 0, j = 0, inter = 0
+    cdef uint64_t v
+    while i < na and j < nb:
+        if a[i] < b[j]:
+            i += 1
+        elif b[j] < a[i]:
+            j += 1
+        else:
+            v = a[i]
+            inter += 1
+            while i < na and a[i] == v:
+                i += 1
+            while j < nb and b[j] == v:
+                j += 1
+    r.jaccard = <double>inter / <double>(na + nb - inter)
+    r.containment_a = <double>inter / <double>na
+    r.containment_b = <double>inter / <double>nb
+    return r
+
+
+cdef inline double similarity(Estimates est, int64_t size_a, int64_t size_b, double threshold,
+                              double containment, double min_ratio, int64_t min_size) noexcept nogil:
+    """`NearDupFilter._sketch_match` on the estimates: the Jaccard if it passes `threshold`, else the
+    containment of the smaller text if it passes (with the size ratio and minimum size), else -1."""
+    if est.jaccard >= threshold:
+        return est.jaccard
+    cdef double best = est.containment_a if est.containment_a > est.containment_b else est.containment_b
+    cdef int64_t small = size_a if size_a < size_b else size_b
+    cdef int64_t big = size_a if size_a > size_b else size_b
+    if big < 1:
+        big = 1
+    if best >= containment and <double>small / <double>big >= min_ratio and small >= min_size:
+        return best
+    return -1.0
+

@@ -1,0 +1,659 @@
+# The Redis index client's compiled per-message work (included by filters/_native.pyx): the twins of
+# filters/index/redis_codec.py (ranking, field plans, the uncontended insert, entries) and command packing.
+
+# --- ranking the records of a Redis lookup -----------------------------------------------------------
+
+cdef struct Tally:  # one candidate id: its buckets, first bucket, newest seq and that record's event time
+    uint64_t hash
+    const char *id
+    uint32_t n
+    uint32_t shared
+    uint32_t first
+    uint32_t last_key  # 1 + the last bucket that counted it: an id counts once per bucket
+    uint64_t seq
+    double ts
+    uint32_t stamp
+
+
+cdef inline uint64_t id_hash(const char *p, uint32_t n) noexcept nogil:
+    cdef uint64_t h = 0xcbf29ce484222325ULL
+    cdef uint32_t i
+    for i in range(n):
+        h = (h ^ <uint8_t>p[i]) * 0x100000001b3ULL
+    return mix64(h)
+
+
+cdef extern from * nogil:
+    """
+    #include <algorithm>
+    #include <stdint.h>
+    struct nd_record { double ts; uint64_t seq; const char *id; uint32_t n; };
+    static void nd_sort_newest_first(nd_record *first, nd_record *last) {
+        std::sort(first, last, [](const nd_record &a, const nd_record &b) {
+            return a.ts > b.ts || (a.ts == b.ts && a.seq > b.seq);
+        });
+    }
+    """
+    struct nd_record:  # one bucket record of a Redis lookup
+        double ts
+        uint64_t seq
+        const char *id
+        uint32_t n
+    void nd_sort_newest_first(nd_record *first, nd_record *last)
+
+
+cdef inline uint64_t be64(const char *p) noexcept nogil:
+    cdef uint64_t v = 0
+    cdef int j
+    for j in range(8):
+        v = (v << 8) | <uint8_t>p[j]
+    return v
+
+
+cdef class _RankScratch:
+    """Buffers `rank_records` reuses from query to query of one lookup: the records of a bucket, the tally
+    table (a slot is taken when its stamp is this query's: no clearing between queries) and the hits."""
+
+    cdef nd_record *recs
+    cdef Py_ssize_t recs_cap
+    cdef Tally *table
+    cdef Py_ssize_t table_cap
+    cdef Tally **hits
+    cdef Py_ssize_t hits_cap
+    cdef uint32_t stamp
+
+    def __dealloc__(self):
+        PyMem_Free(self.recs); PyMem_Free(self.table); PyMem_Free(self.hits)
+
+    cdef int reserve(self, Py_ssize_t records, Py_ssize_t slots, Py_ssize_t hits) except -1:
+        if records > self.recs_cap:
+            regrow(<void **>&self.recs, &self.recs_cap, records, sizeof(nd_record))
+        if hits > self.hits_cap:
+            regrow(<void **>&self.hits, &self.hits_cap, hits, sizeof(Tally *))
+        if slots > self.table_cap or self.stamp == 0xFFFFFFFF:
+            if slots > self.table_cap:
+                PyMem_Free(self.table)
+                self.table = <Tally *>PyMem_Malloc(slots * sizeof(Tally))
+                if self.table == NULL:
+                    self.table_cap = 0
+                    raise MemoryError()
+                self.table_cap = slots
+            memset(self.table, 0, self.table_cap * sizeof(Tally))
+            self.stamp = 0
+        self.stamp += 1
+        return 0
+
+
+def rank_records(list values, list positions, str id, Py_ssize_t floor, Py_ssize_t limit, double horizon,
+                 Py_ssize_t cap, long long since, object own) -> list:
+    """`filters.index.redis_codec.rank_records`, compiled: the ranked candidates of one lookup, given the bucket
+    values read per slice (`values[s][positions[k]]`: bucket k's value in slice s, bytes or None)."""
+    return _rank_records(values, positions, id, floor, limit, horizon, cap, since, own, _RankScratch())
+
+
+cdef list _rank_records(list values, list positions, str id, Py_ssize_t floor, Py_ssize_t limit, double horizon,
+                        Py_ssize_t cap, long long since, object own, _RankScratch scratch):
+    cdef Py_ssize_t nkeys = len(positions), nslices = len(values), k, s, present = 0, total = 0, nrec, j, t
+    cdef Py_ssize_t pos, end, size
+    cdef object v
+    cdef const char *buf
+    cdef bytes own_id = id.encode("utf-8", "surrogatepass")
+    cdef const char *own_p = own_id
+    cdef uint32_t own_n = <uint32_t>len(own_id)
+    cdef uint32_t n, stamp
+    cdef nd_record *recs
+    cdef Tally *table
+    cdef Tally **hits
+    cdef Tally *tally
+    cdef uint64_t mask, h, seq
+    cdef Py_ssize_t nhits = 0, cap_recs = 0
+    cdef double ts
+    cdef bint bad = False
+    for k in range(nkeys):
+        t = positions[k]
+        for s in range(nslices):
+            v = (<list>values[s])[t]
+            if v is not None:
+                present += 1
+                break
+    if present < floor or present == 0:
+        return []  # pigeonhole: nothing can share `floor` keys with it
+    for k in range(nkeys):  # the most records any bucket holds, and all of them
+        t = positions[k]
+        size = 0
+        for s in range(nslices):
+            v = (<list>values[s])[t]
+            if v is not None:
+                size += len(<bytes>v) // 20 + 1
+        total += size
+        if size > cap_recs:
+            cap_recs = size
+    mask = 15
+    while mask < <uint64_t>(2 * total):
+        mask = mask * 2 + 1
+    scratch.reserve(cap_recs + 1, <Py_ssize_t>mask + 1, total + 1)
+    recs, table, hits, stamp = scratch.recs, scratch.table, scratch.hits, scratch.stamp
+    for k in range(nkeys):
+        t = positions[k]
+        nrec = 0
+        for s in range(nslices):
+            v = (<list>values[s])[t]
+            if v is None:
+                continue
+            buf = <const char *>(<bytes>v)
+            end = len(<bytes>v)
+            pos = 0
+            while pos < end:
+                if pos + 12 > end:
+                    bad = True
+                    break
+                memcpy(&ts, buf + pos, 8)
+                memcpy(&n, buf + pos + 8, 4)
+                if pos + 12 + <Py_ssize_t>n + 8 > end:
+                    bad = True
+                    break
+                if ts >= horizon:
+                    recs[nrec].ts = ts
+                    recs[nrec].id = buf + pos + 12
+                    recs[nrec].n = n
+                    recs[nrec].seq = be64(buf + pos + 12 + n)
+                    nrec += 1
+                pos += 12 + n + 8
+            if bad:
+                break
+        if bad:
+            break
+        if nrec > cap:
+            nd_sort_newest_first(recs, recs + nrec)
+            nrec = cap
+        for j in range(nrec):
+            if recs[j].n == own_n and memcmp(recs[j].id, own_p, own_n) == 0:
+                continue
+            h = id_hash(recs[j].id, recs[j].n)
+            tally = &table[h & mask]
+            while tally.stamp == stamp and not (tally.hash == h and tally.n == recs[j].n
+                                                and memcmp(tally.id, recs[j].id, recs[j].n) == 0):
+                tally = &table[((tally - table) + 1) & mask]
+            if tally.stamp == stamp and tally.last_key == k + 1:
+                continue  # the same id twice in one bucket
+            if since >= 0 and (recs[j].seq <= <uint64_t>since or (own is not None and recs[j].seq in own)):
+                continue
+            if tally.stamp != stamp:
+                tally.stamp = stamp
+                tally.hash = h
+                tally.id = recs[j].id
+                tally.n = recs[j].n
+                tally.shared = 1
+                tally.first = <uint32_t>k
+                tally.seq = recs[j].seq
+                tally.ts = recs[j].ts
+                hits[nhits] = tally
+                nhits += 1
+            else:
+                tally.shared += 1
+                if recs[j].seq > tally.seq:
+                    tally.seq = recs[j].seq
+                    tally.ts = recs[j].ts
+            tally.last_key = <uint32_t>(k + 1)
+    if bad:
+        from filters.errors import IndexCorrupt
+        raise IndexCorrupt("a bucket holds bytes that are not bucket records")
+    # Most shared first, then the newest insert (insertion sort: a handful, nearly always).
+    kept = 0
+    for j in range(nhits):
+        if <Py_ssize_t>hits[j].shared >= floor:
+            hits[kept] = hits[j]
+            kept += 1
+    for j in range(1, kept):
+        tally = hits[j]
+        t = j
+        while t > 0 and (tally.shared > hits[t - 1].shared
+                         or (tally.shared == hits[t - 1].shared and tally.seq > hits[t - 1].seq)):
+            hits[t] = hits[t - 1]
+            t -= 1
+        hits[t] = tally
+    out = []
+    for j in range(kept):
+        try:
+            rid = hits[j].id[:hits[j].n].decode("utf-8", "surrogatepass")
+        except UnicodeDecodeError as exc:
+            from filters.errors import IndexCorrupt
+            raise IndexCorrupt(f"a bucket record's id is not UTF-8: {exc}") from exc
+        out.append((rid, hits[j].shared, hits[j].first, hits[j].ts))
+        if len(out) >= limit:
+            break
+    return out
+
+
+# --- the Redis protocol -----------------------------------------------------------------------------
+
+cdef inline Py_ssize_t decimal_size(Py_ssize_t n) noexcept:
+    cdef Py_ssize_t size = 1
+    while n >= 10:
+        n //= 10
+        size += 1
+    return size
+
+
+cdef inline char *put_header(char *p, char mark, Py_ssize_t n) noexcept:
+    """Writes `<mark><n>\\r\\n` (n >= 0)."""
+    cdef Py_ssize_t size = decimal_size(n), j
+    p[0] = mark
+    for j in range(size, 0, -1):
+        p[j] = <char>(48 + n % 10)
+        n //= 10
+    p[size + 1] = 13
+    p[size + 2] = 10
+    return p + size + 3
+
+
+def pack_commands(list commands) -> bytes:
+    """Redis commands (sequences of bytes, str or int arguments) as one RESP request: the bytes
+    `hiredis.pack_command` gives for each, joined, without Python work per argument. Two passes over
+    the commands: the size, then the bytes (an int is written out twice; they are few: counts, TTLs)."""
+    cdef Py_ssize_t size = 0, n, j, length
+    cdef const char *data
+    cdef object arg
+    cdef tuple command
+    commands = [c if type(c) is tuple else tuple(c) for c in commands]  # tuples: indexed without a call
+    for command in commands:
+        n = len(command)
+        size += 3 + decimal_size(n)
+        for j in range(n):
+            arg = command[j]
+            if type(arg) is bytes:
+                length = len(<bytes>arg)
+            elif type(arg) is str:
+                PyUnicode_AsUTF8AndSize(arg, &length)
+            elif type(arg) is int:
+                length = len(<str>str(arg))
+            else:
+                raise TypeError(f"a Redis argument must be bytes, str or int, got {type(arg).__name__}")
+            size += 3 + decimal_size(length) + length + 2
+    out = PyBytes_FromStringAndSize(NULL, size)
+    cdef char *p = PyBytes_AS_STRING(out)
+    for command in commands:
+        n = len(command)
+        p = put_header(p, 42, n)
+        for j in range(n):
+            arg = command[j]
+            if type(arg) is bytes:
+                data = <const char *>(<bytes>arg)
+                length = len(<bytes>arg)
+            else:
+                if type(arg) is int:
+                    arg = str(arg)
+                data = PyUnicode_AsUTF8AndSize(arg, &length)
+            p = put_header(p, 36, length)
+            memcpy(p, data, length)
+            p[length] = 13
+            p[length + 1] = 10
+            p += length + 2
+    return out
+
+
+# --- naming the fields of a Redis lookup ------------------------------------------------------------------
+
+cdef inline bytes bucket_field(uint64_t key):
+    """`redis_codec._FIELD(b"b", key)`: b"b" and the key, 8 bytes big-endian."""
+    cdef char buf[9]
+    cdef int j
+    buf[0] = 98  # b"b"
+    for j in range(8):
+        buf[1 + j] = <char>((key >> (56 - 8 * j)) & 0xFF)
+    return PyBytes_FromStringAndSize(buf, 9)
+
+
+cdef Py_ssize_t open_table(Py_ssize_t n, uint64_t **slot_key, Py_ssize_t **slot_at) except -1:
+    """An open-addressing table for `n` distinct keys, at most half full: returns its size (a power of
+    two, at least 16) and allocates its key slots and its place slots (all -1: empty). The caller frees
+    both with PyMem_Free."""
+    cdef Py_ssize_t cap = 16
+    while cap < 2 * n:
+        cap *= 2
+    slot_key[0] = <uint64_t *>PyMem_Malloc(cap * sizeof(uint64_t))
+    slot_at[0] = <Py_ssize_t *>PyMem_Malloc(cap * sizeof(Py_ssize_t))
+    if slot_key[0] == NULL or slot_at[0] == NULL:
+        PyMem_Free(slot_key[0]); PyMem_Free(slot_at[0])
+        raise MemoryError()
+    memset(slot_at[0], 0xFF, cap * sizeof(Py_ssize_t))
+    return cap
+
+
+def plan_fields(list keys_of, list id_fields) -> tuple:
+    """`RedisIndex.lookup`'s naming of what a batch reads: per query its bucket keys' field names and their
+    places, then per query its entry field's place, every distinct name placed once in first-seen order.
+    Returns (names, fields per query, places per query, entry places)."""
+    cdef dict id_at = {}
+    cdef list names = [], fields_of = [], places_of = [], id_places = []
+    cdef list fields, places, place_objs = []
+    cdef object place, name
+    cdef uint64_t key
+    cdef Py_ssize_t at, j, n, total = 0, slot, mask, cap, size
+    cdef int shift = 64
+    cdef tuple keys
+    cdef uint64_t *slot_key
+    cdef Py_ssize_t *slot_at
+    for keys in keys_of:
+        total += len(keys)
+    # Open addressing, power-of-two size, Fibonacci hashing: no allocation per key, no division.
+    cap = open_table(total, &slot_key, &slot_at)
+    mask = cap - 1
+    size = cap
+    while size > 1:
+        size >>= 1
+        shift -= 1
+    try:
+        for keys in keys_of:
+            n = len(keys)
+            fields = PyList_New(n)
+            places = PyList_New(n)
+            for j in range(n):
+                key = keys[j]  # OverflowError for a key outside 0..2^64-1, as struct.pack would refuse it
+                slot = <Py_ssize_t>((key * MUL) >> shift)
+                while slot_at[slot] >= 0 and slot_key[slot] != key:
+                    slot = (slot + 1) & mask
+                at = slot_at[slot]
+                if at < 0:
+                    at = len(names)
+                    slot_at[slot] = at
+                    slot_key[slot] = key
+                    names.append(bucket_field(key))
+                    place_objs.append(at)
+                name = names[at]
+                place = place_objs[at]  # one int object per place, shared by every query naming it
+                Py_INCREF(name)
+                PyList_SET_ITEM(fields, j, name)
+                Py_INCREF(place)
+                PyList_SET_ITEM(places, j, place)
+            fields_of.append(fields)
+            places_of.append(places)
+    finally:
+        PyMem_Free(slot_key)
+        PyMem_Free(slot_at)
+    for name in id_fields:
+        place = id_at.get(name)
+        if place is None:
+            place = len(names)
+            id_at[name] = place
+            names.append(name)
+        id_places.append(place)
+    return names, fields_of, places_of, id_places
+
+
+# --- the uncontended insert of the Redis index ------------------------------------------------------------
+
+cdef inline void put_be64(char *p, uint64_t v) noexcept nogil:
+    cdef int j
+    for j in range(8):
+        p[j] = <char>((v >> (56 - 8 * j)) & 0xFF)
+
+
+def alone_round(list ids, list tss, list blobs, list fields_of, list places_of, list entry_places, tuple slices,
+                dict columns, dict writes, double hwm, double window, double slice_length,
+                Py_ssize_t cap, uint64_t seq, entry_time, trim) -> tuple:
+    """The loop of `RedisIndex._alone` (which it documents), compiled: per entry, live already (0), out
+    of the window (0) or its seq; the writes per slice (`groups`: slice -> [entries, field-value pairs]);
+    `writes` (slice -> place -> value) updated; (seq, slice, places) per entry written. Returns
+    (results, groups, written, hwm, seq)."""
+    cdef Py_ssize_t count = len(ids), i, j, nf, n_id
+    cdef double ts, old_ts
+    cdef bint live
+    cdef object e, old, column, mine, p, v, f
+    cdef list fields, places, pairs, results = [], written = []
+    cdef dict groups = {}, at_of = {}
+    cdef bytearray at_buf
+    cdef Py_ssize_t *at  # per place of the slice: where its value is in the slice's pairs, or -1
+    cdef Py_ssize_t place, k
+    cdef bytes id_bytes, record, blob
+    cdef char *rp
+    cdef Py_ssize_t too_long
+    cdef long long s, sl
+    for i in range(count):
+        e = entry_places[i]
+        id_bytes = (<str>ids[i]).encode("utf-8", "surrogatepass")
+        live = False
+        for s in slices:
+            old = (<dict>writes[s]).get(e)
+            if old is None:
+                column = columns.get(s)
+                old = (<list>column)[e] if column is not None else None
+            if old:
+                if len(<bytes>old) >= 9:
+                    memcpy(&old_ts, <const char *>(<bytes>old) + 1, 8)
+                else:
+                    old_ts = entry_time(old, ids[i])  # raises: too short for an entry
+                if old_ts >= hwm - window:
+                    live = True
+                    break
+        if live:
+            results.append(0)
+            continue
+        ts = tss[i]
+        if ts > hwm:
+            hwm = ts
+        if not ts >= hwm - window:
+            results.append(0)
+            continue
+        seq += 1
+        n_id = len(id_bytes)
+        record = PyBytes_FromStringAndSize(NULL, 12 + n_id + 8)
+        rp = PyBytes_AS_STRING(record)
+        memcpy(rp, &ts, 8)
+        (<uint32_t *>(rp + 8))[0] = <uint32_t>n_id  # little-endian machines only (x86-64, arm64)
+        memcpy(rp + 12, <const char *>id_bytes, n_id)
+        put_be64(rp + 12 + n_id, seq)
+        sl = <long long>floor_div(ts, slice_length)
+        mine = writes[sl]
+        column = columns[sl]
+        fields = fields_of[i]
+        places = places_of[i]
+        nf = len(fields)
+        group = groups.get(sl)
+        if group is None:
+            group = groups[sl] = [0, []]
+            at_of[sl] = bytearray(b"\xff" * (len(<list>column) * sizeof(Py_ssize_t)))
+        group[0] += 1
+        pairs = <list>group[1]
+        at_buf = <bytearray>at_of[sl]
+        at = <Py_ssize_t *>PyByteArray_AS_STRING(at_buf)
+        too_long = 2 * cap * len(record)
+        for j in range(nf):
+            f = fields[j]
+            p = places[j]
+            v = (<dict>mine).get(p)
+            if v is None:
+                v = (<list>column)[p]
+            if v is None:
+                v = record
+            else:
+                if len(<bytes>v) > too_long:
+                    v = trim(v, cap)
+                v = <bytes>v + record
+            (<dict>mine)[p] = v
+            # Each field once in the slice's pairs, with its last value: a bucket several entries of the
+            # batch share is sent once, not once per entry with every record again.
+            place = p
+            if place < 0 or place >= len(<list>column):  # `at` is a C array: no place outside it
+                raise IndexError(f"field place {place} outside the {len(<list>column)} read")
+            k = at[place]
+            if k < 0:
+                at[place] = len(pairs) + 1
+                pairs.append(f)
+                pairs.append(v)
+            else:
+                pairs[k] = v
+        blob = blobs[i]
+        (<dict>mine)[e] = blob
+        pairs.append(b"e" + id_bytes)
+        pairs.append(blob)
+        written.append((seq, sl, places))
+        results.append(seq)
+    return results, groups, written, hwm, seq
+
+
+cdef inline double floor_div(double ts, double length) noexcept:
+    return floor(ts / length)
+
+
+# --- reading stored entries -------------------------------------------------------------------------------
+
+
+
+def decode_entries(list ids, list blobs, make, fallback) -> dict:
+    """{id: entry} of the stored entries `blobs` (None: gone, left out), decoded as
+    `redis_codec.decode_entry` decodes them. The common form (version 2, a uint32 sketch and nothing
+    else) is read here, into `make(id, ts, exact, size, sketch, None, None, frozenset())`; any other,
+    and anything malformed, goes to `fallback(blob, id)`, which decodes it or raises."""
+    cdef dict out = {}
+    cdef Py_ssize_t i, n, length
+    cdef const char *p
+    cdef double ts
+    cdef uint64_t lo, hi
+    cdef uint32_t size, n_sketch, n_minhash, n_sentences
+    cdef uint8_t version, flags
+    cdef uint32_t[::1] view
+    if len(ids) != len(blobs):
+        raise ValueError("ids and blobs differ in length")
+    for i in range(len(ids)):
+        blob = blobs[i]
+        if blob is None:
+            continue
+        id = ids[i]
+        length = len(<bytes>blob)
+        p = <const char *>(<bytes>blob)
+        if length >= 42:
+            version = <uint8_t>p[0]
+            memcpy(&ts, p + 1, 8)
+            memcpy(&lo, p + 9, 8)
+            memcpy(&hi, p + 17, 8)
+            memcpy(&size, p + 25, 4)
+            flags = <uint8_t>p[29]
+            memcpy(&n_sketch, p + 30, 4)
+            memcpy(&n_minhash, p + 34, 4)
+            memcpy(&n_sentences, p + 38, 4)
+            if (version == 2 and flags == 4 and n_minhash == 0 and n_sentences == 0
+                    and length == 42 + 4 * <Py_ssize_t>n_sketch):
+                sketch = np.empty(n_sketch, dtype=np.uint32)
+                if n_sketch:
+                    view = sketch
+                    memcpy(&view[0], p + 42, 4 * <size_t>n_sketch)
+                out[id] = make(id, ts, (<object>hi) << 64 | lo, size, sketch, None, None, NO_SENTENCES)
+                continue
+        out[id] = fallback(blob, id)
+    return out
+
+
+def overlay_writes(list names, list written_names, list kept, dict written) -> None:
+    """`redis_codec.overlay_writes`, compiled: `names` in an open-addressing table of their (cached)
+    hashes, then each written field looked up by hash and compared only on a hash match."""
+    cdef Py_ssize_t n = len(names), mask, slot, i
+    cdef uint64_t h
+    cdef uint64_t *slot_hash
+    cdef Py_ssize_t *slot_at
+    cdef object name, other, p, value, w, column
+    cdef tuple pair
+    if not written or not kept:
+        return
+    mask = open_table(n, &slot_hash, &slot_at) - 1
+    try:
+        for i in range(n):
+            h = <uint64_t>PyObject_Hash(names[i])
+            slot = <Py_ssize_t>(h & <uint64_t>mask)
+            while slot_at[slot] >= 0:  # the names are distinct: no comparison needed to place one
+                slot = (slot + 1) & mask
+            slot_at[slot] = i
+            slot_hash[slot] = h
+        for pair in kept:
+            w = written.get(pair[0])
+            if not w:
+                continue
+            column = pair[1]
+            for p, value in (<dict>w).items():
+                name = written_names[p]
+                h = <uint64_t>PyObject_Hash(name)
+                slot = <Py_ssize_t>(h & <uint64_t>mask)
+                while True:
+                    i = slot_at[slot]
+                    if i < 0:
+                        break
+                    if slot_hash[slot] == h:
+                        other = names[i]
+                        if other is name or other == name:
+                            (<list>column)[i] = value
+                            break
+                    slot = (slot + 1) & mask
+    finally:
+        PyMem_Free(slot_hash)
+        PyMem_Free(slot_at)
+
+
+def rank_lookup(list columns, list positions_of, list id_places, list ids, list floors, Py_ssize_t limit,
+                list horizons, Py_ssize_t cap, entry_time) -> list:
+    """`redis_codec.rank_lookup`, compiled: per query of a lookup, (its stored entry's bytes if live, else
+    None; `rank_records` of its buckets)."""
+    cdef Py_ssize_t i, n = len(ids)
+    cdef double horizon, ts
+    cdef object own, blob
+    cdef _RankScratch scratch = _RankScratch()
+    out = []
+    for i in range(n):
+        e = id_places[i]
+        horizon = horizons[i]
+        own = None
+        for column in columns:
+            blob = (<list>column)[e]
+            if blob is None:
+                continue
+            if len(<bytes>blob) >= 9:
+                memcpy(&ts, <const char *>(<bytes>blob) + 1, 8)
+            else:
+                ts = entry_time(blob, ids[i])  # raises: too short for an entry
+            if ts >= horizon:
+                own = blob
+                break
+        out.append((own, _rank_records(columns, positions_of[i], ids[i], floors[i], limit, horizon, cap, -1, None,
+                                       scratch)))
+    return out
+
+
+def encode_entries(list entries, fallback) -> list:
+    """`redis_codec.encode_entry` of each entry of `entries` ((Entry, keys) pairs): the common form (a
+    uint32 sketch, no simhash, minhash or sentences) written here, any other by `fallback(entry)`."""
+    cdef list out = []
+    cdef const uint32_t[::1] sketch
+    cdef Py_ssize_t n
+    cdef char *p
+    cdef double ts
+    cdef uint64_t lo, hi
+    cdef uint32_t size, count
+    for item in entries:
+        entry = (<tuple>item)[0]
+        sk = entry.sketch
+        exact = entry.exact
+        if (entry.simhash is None and entry.minhash is None and not entry.sentences and sk.dtype == np.uint32
+                and 0 <= exact < (1 << 128) and 0 <= entry.size < (1 << 32)):
+            sketch = sk
+            n = sketch.shape[0]
+            blob = PyBytes_FromStringAndSize(NULL, 42 + 4 * n)
+            p = PyBytes_AS_STRING(blob)
+            ts = entry.ts
+            lo = <uint64_t>(exact & 0xFFFFFFFFFFFFFFFF)
+            hi = <uint64_t>(exact >> 64)
+            size = entry.size
+            count = <uint32_t>n
+            p[0] = 2  # ENCODING_VERSION
+            memcpy(p + 1, &ts, 8)
+            memcpy(p + 9, &lo, 8)
+            memcpy(p + 17, &hi, 8)
+            memcpy(p + 25, &size, 4)
+            p[29] = 4  # the sketch is uint32
+            memcpy(p + 30, &count, 4)
+            memset(p + 34, 0, 8)  # no minhash, no sentences
+            if n:
+                memcpy(p + 42, &sketch[0], 4 * n)
+            out.append(blob)
+        else:
+            out.append(fallback(entry))
+    return out
+

@@ -1,0 +1,844 @@
+# The memory index's compiled table (included by filters/_native.pyx): `PyTable` of filters/index/memory.py,
+# with the engine's look up → verify → insert loop over a whole batch (`decide`, `decide_shared`).
+
+# --- the table of the memory index ----------------------------------------------------------------------
+
+cdef struct CEntry:
+    uint64_t seq
+    double ts
+    uint64_t exact_lo
+    uint64_t exact_hi
+    int64_t size
+    PyObject *id  # owned
+    PyObject *payload  # owned, or NULL: the Entry the Python API inserted (else it is built on demand)
+    uint32_t nkeys
+    uint32_t nsk
+    bint narrow  # the sketch's values fit 32 bits (a fingerprint's): stored as uint32, else uint64
+    uint64_t *keys  # inside this allocation
+    void *sketch  # inside this allocation, after the keys
+
+
+cdef union BucketData:
+    uint64_t one  # the seq of a bucket's only entry (most buckets: m-gram keys of unique texts rarely repeat)
+    uint64_t *many  # seqs sorted by (event time, seq)
+
+
+cdef struct Bucket:
+    uint64_t key
+    uint32_t n  # 0: an empty slot
+    uint32_t alloc
+    BucketData d
+
+
+cdef struct Due:
+    double ts
+    uint64_t seq
+
+
+cdef struct Hit:  # one candidate while counting: how many of the query's buckets hold it, and the first
+    uint64_t seq
+    uint32_t shared
+    uint32_t first
+    uint32_t stamp
+
+
+cdef int regrow(void **buf, Py_ssize_t *cap, Py_ssize_t need, size_t item) except -1:
+    """Makes `buf` a scratch buffer of at least `need` items of `item` bytes (twice that, for the next
+    time); what it held is not kept."""
+    PyMem_Free(buf[0])
+    buf[0] = PyMem_Malloc(need * 2 * item)
+    cap[0] = need * 2 if buf[0] else 0
+    if not buf[0]:
+        raise MemoryError()
+    return 0
+
+
+cdef inline bint due_before(Due a, Due b) noexcept nogil:
+    return a.ts < b.ts or (a.ts == b.ts and a.seq < b.seq)
+
+
+cdef struct Merged:  # one candidate of decide_shared: from the batch's own table (seq) or the shared index
+    uint32_t shared
+    double ts
+    bint local
+    uint64_t seq  # local: the entry's seq
+    Py_ssize_t at  # shared: its place in the message's candidate list
+    uint64_t first_key
+
+
+cdef Py_ssize_t widen_sketch(object sketch, uint64_t **buf, Py_ssize_t *cap) except -1:
+    """A stored entry's sketch (a uint32 or uint64 array) as uint64 values in `buf`; returns how many."""
+    cdef const uint32_t[::1] narrow
+    cdef const uint64_t[::1] wide
+    cdef Py_ssize_t n = len(sketch), j
+    if n >= cap[0]:
+        regrow(<void **>buf, cap, n + 1, sizeof(uint64_t))
+    if sketch.dtype.itemsize == 4:
+        narrow = sketch
+        for j in range(n):
+            buf[0][j] = narrow[j]
+    else:
+        wide = sketch
+        for j in range(n):
+            buf[0][j] = wide[j]
+    return n
+
+
+cdef inline bint ranks_before(Hit *a, Hit *b) noexcept nogil:
+    return a.shared > b.shared or (a.shared == b.shared and a.seq > b.seq)
+
+
+cdef class Table:
+    """The memory index's storage: buckets (key → seqs sorted by event time, then seq), entries by seq,
+    an expiry heap on (event time, seq), and ids → seq. The same behaviour as `filters.index.memory.PyTable`.
+
+    `lookup`, `insert` and `get` serve `MemoryIndex`'s Python API; `decide` runs the embedded engine's
+    whole per-message loop (look up, verify by sketch, insert the unique) without a Python object per
+    message but its verdict.
+    """
+
+    cdef readonly double window
+    cdef readonly int bucket_cap
+    cdef object make_entry
+    cdef Bucket *slots
+    cdef uint64_t mask
+    cdef Py_ssize_t used
+    cdef CEntry **ents
+    cdef uint64_t ebase
+    cdef Py_ssize_t ecap
+    cdef uint64_t seq
+    cdef Py_ssize_t live
+    cdef Due *heap
+    cdef Py_ssize_t hlen, hcap
+    cdef dict by_id
+    cdef double watermark, newest
+    cdef public Py_ssize_t evicted_by_cap
+    # scratch of one lookup
+    cdef Hit *hits
+    cdef uint64_t hmask
+    cdef uint32_t stamp
+    cdef Hit **ranked
+    cdef Py_ssize_t ranked_cap
+    cdef Bucket **found
+    cdef Py_ssize_t found_cap
+    cdef uint64_t *probe
+    cdef uint64_t *other
+    cdef Py_ssize_t probe_cap, other_cap
+    cdef uint64_t *qkeys  # decide_shared: the message's keys (`other` holds a candidate's sketch meanwhile)
+    cdef Py_ssize_t qkeys_cap
+    cdef Merged *merged
+    cdef Py_ssize_t merged_cap
+
+    def __cinit__(self, double window, int bucket_cap, make_entry):
+        self.window = window
+        self.bucket_cap = bucket_cap
+        self.make_entry = make_entry
+        self.mask = 1023
+        self.slots = <Bucket *>PyMem_Malloc((self.mask + 1) * sizeof(Bucket))
+        self.ecap = 1024
+        self.ents = <CEntry **>PyMem_Malloc(self.ecap * sizeof(CEntry *))
+        self.ebase = 1
+        self.hcap = 1024
+        self.heap = <Due *>PyMem_Malloc(self.hcap * sizeof(Due))
+        self.hmask = 255
+        self.hits = <Hit *>PyMem_Malloc((self.hmask + 1) * sizeof(Hit))
+        self.ranked_cap = 256
+        self.ranked = <Hit **>PyMem_Malloc(self.ranked_cap * sizeof(Hit *))
+        self.found_cap = 64
+        self.found = <Bucket **>PyMem_Malloc(self.found_cap * sizeof(Bucket *))
+        self.probe_cap = self.other_cap = 256
+        self.probe = <uint64_t *>PyMem_Malloc(self.probe_cap * sizeof(uint64_t))
+        self.other = <uint64_t *>PyMem_Malloc(self.other_cap * sizeof(uint64_t))
+        if (not self.slots or not self.ents or not self.heap or not self.hits or not self.ranked
+                or not self.found or not self.probe or not self.other):
+            raise MemoryError()
+        memset(self.slots, 0, (self.mask + 1) * sizeof(Bucket))
+        memset(self.ents, 0, self.ecap * sizeof(CEntry *))
+        memset(self.hits, 0, (self.hmask + 1) * sizeof(Hit))
+        self.by_id = {}
+        self.watermark = -float("inf")
+        self.newest = -float("inf")
+
+    def __dealloc__(self):
+        cdef Py_ssize_t i
+        if self.slots:
+            for i in range(<Py_ssize_t>self.mask + 1):
+                if self.slots[i].n > 1:
+                    PyMem_Free(self.slots[i].d.many)
+            PyMem_Free(self.slots)
+        if self.ents:
+            for i in range(self.ecap):
+                if self.ents[i]:
+                    self._free_entry(self.ents[i])
+            PyMem_Free(self.ents)
+        PyMem_Free(self.heap); PyMem_Free(self.hits); PyMem_Free(self.ranked); PyMem_Free(self.found)
+        PyMem_Free(self.probe); PyMem_Free(self.other); PyMem_Free(self.qkeys); PyMem_Free(self.merged)
+
+    def __len__(self):
+        return self.live
+
+    # -- buckets -----------------------------------------------------------------------------------
+    cdef inline Bucket *_find(self, uint64_t key) noexcept:
+        cdef uint64_t i = mix64(key) & self.mask
+        cdef Bucket *b
+        while True:
+            b = &self.slots[i]
+            if b.n == 0:
+                return NULL
+            if b.key == key:
+                return b
+            i = (i + 1) & self.mask
+
+    cdef Bucket *_claim(self, uint64_t key) except NULL:
+        """The bucket of `key`, made (empty: n == 0 until the caller fills it) if there was none."""
+        if (self.used + 1) * 10 > (<Py_ssize_t>self.mask + 1) * 7:
+            self._grow_slots()
+        cdef uint64_t i = mix64(key) & self.mask
+        cdef Bucket *b
+        while True:
+            b = &self.slots[i]
+            if b.n == 0:
+                b.key = key
+                b.alloc = 0
+                self.used += 1
+                return b
+            if b.key == key:
+                return b
+            i = (i + 1) & self.mask
+
+    cdef int _grow_slots(self) except -1:
+        cdef uint64_t old_mask = self.mask, i, j
+        cdef Bucket *old = self.slots
+        cdef uint64_t mask = old_mask * 2 + 1
+        cdef Bucket *slots = <Bucket *>PyMem_Malloc((mask + 1) * sizeof(Bucket))
+        if not slots:
+            raise MemoryError()
+        memset(slots, 0, (mask + 1) * sizeof(Bucket))
+        for i in range(old_mask + 1):
+            if old[i].n:
+                j = mix64(old[i].key) & mask
+                while slots[j].n:
+                    j = (j + 1) & mask
+                slots[j] = old[i]
+        self.slots = slots
+        self.mask = mask
+        PyMem_Free(old)
+        return 0
+
+    cdef void _drop_slot(self, Bucket *b) noexcept:
+        """Empties a slot; later slots of its probe run move up (backward-shift deletion, no tombstones)."""
+        cdef uint64_t i = b - self.slots, j = i, home
+        self.used -= 1
+        while True:
+            j = (j + 1) & self.mask
+            if self.slots[j].n == 0:
+                break
+            home = mix64(self.slots[j].key) & self.mask
+            # Move j into the hole at i unless its home lies cyclically in (i, j].
+            if (j > i and (home <= i or home > j)) or (j < i and (home <= i and home > j)):
+                self.slots[i] = self.slots[j]
+                i = j
+        self.slots[i].n = 0
+        self.slots[i].alloc = 0
+
+    cdef inline uint64_t *_members(self, Bucket *b) noexcept:
+        return &b.d.one if b.n == 1 else b.d.many
+
+    # -- entries -----------------------------------------------------------------------------------
+    cdef inline CEntry *_entry(self, uint64_t seq) noexcept:
+        if seq < self.ebase or seq - self.ebase >= <uint64_t>self.ecap:
+            return NULL
+        return self.ents[seq - self.ebase]
+
+    cdef int _place(self, CEntry *e) except -1:
+        """Stores `e` under its seq (the newest), moving or growing the seq-indexed array as needed."""
+        cdef Py_ssize_t lead = 0, live_span, new_cap
+        cdef CEntry **grown
+        if e.seq - self.ebase >= <uint64_t>self.ecap:
+            while lead < self.ecap and self.ents[lead] == NULL:
+                lead += 1
+            if lead:
+                memmove(self.ents, self.ents + lead, (self.ecap - lead) * sizeof(CEntry *))
+                memset(self.ents + self.ecap - lead, 0, lead * sizeof(CEntry *))
+                self.ebase += lead
+            live_span = <Py_ssize_t>(e.seq - self.ebase)
+            if live_span >= self.ecap:
+                new_cap = self.ecap
+                while live_span >= new_cap:
+                    new_cap *= 2
+                grown = <CEntry **>PyMem_Realloc(self.ents, new_cap * sizeof(CEntry *))
+                if not grown:
+                    raise MemoryError()
+                memset(grown + self.ecap, 0, (new_cap - self.ecap) * sizeof(CEntry *))
+                self.ents = grown
+                self.ecap = new_cap
+        self.ents[e.seq - self.ebase] = e
+        return 0
+
+    cdef void _free_entry(self, CEntry *e) noexcept:
+        Py_DECREF(<object>e.id)
+        if e.payload:
+            Py_DECREF(<object>e.payload)
+        PyMem_Free(e)
+
+    cdef inline double _ts(self, uint64_t seq) noexcept:
+        return self._entry(seq).ts
+
+    # -- the window --------------------------------------------------------------------------------
+    cdef int _advance(self, double ts) except -1:
+        if ts > self.watermark:
+            self.watermark = ts
+            if self.hlen and self.heap[0].ts < ts - self.window:
+                self._expire(ts)
+        return 0
+
+    cdef int _push_due(self, double ts, uint64_t seq) except -1:
+        cdef Due *grown
+        cdef Due item, parent
+        cdef Py_ssize_t pos, up
+        if self.hlen == self.hcap:
+            grown = <Due *>PyMem_Realloc(self.heap, self.hcap * 2 * sizeof(Due))
+            if not grown:
+                raise MemoryError()
+            self.heap = grown
+            self.hcap *= 2
+        item.ts = ts
+        item.seq = seq
+        pos = self.hlen
+        self.hlen += 1
+        while pos > 0:
+            up = (pos - 1) // 2
+            parent = self.heap[up]
+            if not due_before(item, parent):
+                break
+            self.heap[pos] = parent
+            pos = up
+        self.heap[pos] = item
+        return 0
+
+    cdef Due _pop_due(self) noexcept:
+        cdef Due top = self.heap[0], last
+        cdef Py_ssize_t pos = 0, child
+        self.hlen -= 1
+        if self.hlen == 0:
+            return top
+        last = self.heap[self.hlen]
+        while True:
+            child = 2 * pos + 1
+            if child >= self.hlen:
+                break
+            if child + 1 < self.hlen and due_before(self.heap[child + 1], self.heap[child]):
+                child += 1
+            if not due_before(self.heap[child], last):
+                break
+            self.heap[pos] = self.heap[child]
+            pos = child
+        self.heap[pos] = last
+        return top
+
+    cdef Py_ssize_t _expire(self, double now) except -1:
+        cdef double horizon = now - self.window
+        cdef Py_ssize_t gone = 0, j, at
+        cdef uint32_t k
+        cdef Due due
+        cdef CEntry *e
+        cdef Bucket *b
+        cdef uint64_t *seqs
+        while self.hlen and self.heap[0].ts < horizon:
+            due = self._pop_due()
+            e = self._entry(due.seq)
+            if e == NULL:
+                continue
+            self.ents[due.seq - self.ebase] = NULL
+            self.live -= 1
+            gone += 1
+            held = self.by_id.get(<object>e.id)
+            if held is not None and <uint64_t>held == e.seq:
+                del self.by_id[<object>e.id]
+            for k in range(e.nkeys):
+                b = self._find(e.keys[k])
+                if b == NULL:
+                    continue
+                if b.n == 1:
+                    if b.d.one == e.seq:
+                        self._drop_slot(b)
+                    continue  # else the bucket cap evicted it earlier
+                seqs = b.d.many
+                at = -1
+                for j in range(b.n):
+                    if seqs[j] == e.seq:
+                        at = j
+                        break
+                if at < 0:
+                    continue  # evicted earlier by the bucket cap
+                memmove(seqs + at, seqs + at + 1, (b.n - at - 1) * sizeof(uint64_t))
+                b.n -= 1
+                if b.n == 1:
+                    b.d.one = seqs[0]
+                    b.alloc = 0
+                    PyMem_Free(seqs)
+            self._free_entry(e)
+        return gone
+
+    def expire(self, double now) -> int:
+        return self._expire(now)
+
+    # -- insert ------------------------------------------------------------------------------------
+    cdef int _insert(self, object id, double ts, uint64_t exact_lo, uint64_t exact_hi, int64_t size,
+                     const uint64_t *sketch, Py_ssize_t nsk, const uint64_t *keys, Py_ssize_t nkeys,
+                     object payload) except -1:
+        """`MemoryIndex.insert_one`: nothing when the id is live or the event time already left the window."""
+        if id in self.by_id:
+            return 0
+        if ts > self.watermark:
+            self._advance(ts)
+        if ts < self.watermark - self.window:
+            return 0
+        cdef bint narrow = True
+        cdef Py_ssize_t j
+        for j in range(nsk):
+            if sketch[j] > 0xFFFFFFFFULL:
+                narrow = False
+                break
+        cdef CEntry *e = <CEntry *>PyMem_Malloc(sizeof(CEntry) + nkeys * sizeof(uint64_t)
+                                                + nsk * (sizeof(uint32_t) if narrow else sizeof(uint64_t)))
+        if not e:
+            raise MemoryError()
+        self.seq += 1
+        e.seq = self.seq
+        e.ts = ts
+        e.exact_lo = exact_lo
+        e.exact_hi = exact_hi
+        e.size = size
+        e.id = <PyObject *>id
+        Py_INCREF(id)
+        e.payload = NULL
+        if payload is not None:
+            e.payload = <PyObject *>payload
+            Py_INCREF(payload)
+        e.nkeys = <uint32_t>nkeys
+        e.nsk = <uint32_t>nsk
+        e.narrow = narrow
+        e.keys = <uint64_t *>(<char *>e + sizeof(CEntry))
+        e.sketch = <void *>(e.keys + nkeys)
+        if nkeys:
+            memcpy(e.keys, keys, nkeys * sizeof(uint64_t))
+        if narrow:
+            for j in range(nsk):
+                (<uint32_t *>e.sketch)[j] = <uint32_t>sketch[j]
+        elif nsk:
+            memcpy(e.sketch, sketch, nsk * sizeof(uint64_t))
+        try:
+            self._place(e)
+        except MemoryError:
+            self._free_entry(e)
+            raise
+        self.live += 1
+        self.by_id[id] = e.seq
+        self._push_due(ts, e.seq)
+        cdef bint in_order = ts >= self.newest
+        if in_order:
+            self.newest = ts
+        cdef Py_ssize_t k, pos
+        cdef Bucket *b
+        cdef uint64_t *seqs
+        cdef uint64_t seq = e.seq
+        cdef uint32_t alloc
+        for k in range(nkeys):
+            b = self._claim(keys[k])
+            if b.n == 0:
+                b.n = 1
+                b.d.one = seq
+                continue
+            if b.n == 1:
+                seqs = <uint64_t *>PyMem_Malloc(4 * sizeof(uint64_t))
+                if not seqs:
+                    raise MemoryError()
+                seqs[0] = b.d.one
+                b.d.many = seqs
+                b.alloc = 4
+            if b.n == b.alloc:
+                alloc = b.alloc * 2
+                seqs = <uint64_t *>PyMem_Realloc(b.d.many, alloc * sizeof(uint64_t))
+                if not seqs:
+                    raise MemoryError()
+                b.d.many = seqs
+                b.alloc = alloc
+            seqs = b.d.many
+            # Buckets stay sorted by (event time, seq): seqs[0] is the oldest, the one the cap evicts.
+            pos = b.n
+            if not in_order:
+                while pos > 0 and self._ts(seqs[pos - 1]) > ts:
+                    pos -= 1
+                memmove(seqs + pos + 1, seqs + pos, (b.n - pos) * sizeof(uint64_t))
+            seqs[pos] = seq
+            b.n += 1
+            if b.n > <uint32_t>self.bucket_cap:
+                memmove(seqs, seqs + 1, (b.n - 1) * sizeof(uint64_t))
+                b.n -= 1
+                self.evicted_by_cap += 1
+                if b.n == 1:
+                    b.d.one = seqs[0]
+                    b.alloc = 0
+                    PyMem_Free(seqs)
+        return 1
+
+    def insert(self, entry, tuple keys) -> bool:
+        """Inserts an `Entry` (kept as is, and returned by `get`) under `keys`; False when it was not."""
+        cdef Py_ssize_t nkeys = len(keys), nsk, i
+        sketch = entry.sketch
+        cdef uint32_t[::1] narrow
+        cdef uint64_t[::1] wide
+        if sketch.dtype == np.uint32 and sketch.flags.c_contiguous:
+            narrow = sketch
+            nsk = narrow.shape[0]
+            if nsk >= self.other_cap:
+                self._grow_scratch(&self.other, &self.other_cap, nsk + 1)
+            for i in range(nsk):
+                self.other[i] = narrow[i]
+        else:
+            wide = np.ascontiguousarray(sketch, dtype=np.uint64)
+            nsk = wide.shape[0]
+            if nsk >= self.other_cap:
+                self._grow_scratch(&self.other, &self.other_cap, nsk + 1)
+            for i in range(nsk):
+                self.other[i] = wide[i]
+        if nkeys >= self.probe_cap:
+            self._grow_scratch(&self.probe, &self.probe_cap, nkeys + 1)
+        cdef Py_ssize_t kept = 0, j
+        cdef uint64_t key
+        for i in range(nkeys):  # a key given twice counts once
+            key = keys[i]
+            for j in range(kept):
+                if self.probe[j] == key:
+                    break
+            else:
+                self.probe[kept] = key
+                kept += 1
+        nkeys = kept
+        exact = entry.exact
+        return bool(self._insert(entry.id, entry.ts, exact & 0xFFFFFFFFFFFFFFFF, exact >> 64, entry.size,
+                                 self.other, nsk, self.probe, nkeys, entry))
+
+    # -- lookup ------------------------------------------------------------------------------------
+    cdef Py_ssize_t _gather(self, const uint64_t *keys, Py_ssize_t nkeys, Py_ssize_t floor, double ts,
+                            Py_ssize_t limit, uint64_t own) except -1:
+        """`MemoryIndex.lookup_keys` after the own-entry check: fills `self.ranked` with the candidates
+        that share ≥ `floor` of `keys`, most shared first, then newest, inside the window of `ts`;
+        returns how many (at most `limit`, but at least one found is kept even when limit < 1)."""
+        cdef Py_ssize_t k, j, present = 0, total = 0, n_ranked = 0, out, pos
+        cdef Bucket *b
+        cdef uint64_t *seqs
+        cdef uint64_t s, h
+        cdef Hit *hit
+        cdef Hit *x
+        cdef double oldest
+        if nkeys > self.found_cap:
+            regrow(<void **>&self.found, &self.found_cap, nkeys, sizeof(Bucket *))
+        for k in range(nkeys):
+            b = self._find(keys[k])
+            self.found[k] = b
+            if b != NULL:
+                present += 1
+                total += b.n
+        if present < floor or present == 0:
+            return 0  # pigeonhole: nothing can share `floor` keys with it
+        # Count the members of the query's buckets (a stamped open-addressing map, never cleared).
+        if <uint64_t>(total * 2) > self.hmask:
+            h = self.hmask
+            while <uint64_t>(total * 2) > h:
+                h = h * 2 + 1
+            PyMem_Free(self.hits)
+            self.hits = <Hit *>PyMem_Malloc((h + 1) * sizeof(Hit))
+            if not self.hits:
+                raise MemoryError()
+            memset(self.hits, 0, (h + 1) * sizeof(Hit))
+            self.hmask = h
+            self.stamp = 0
+        self.stamp += 1
+        if self.stamp == 0:
+            memset(self.hits, 0, (self.hmask + 1) * sizeof(Hit))
+            self.stamp = 1
+        if total > self.ranked_cap:
+            regrow(<void **>&self.ranked, &self.ranked_cap, total, sizeof(Hit *))
+        cdef Py_ssize_t distinct = 0
+        for k in range(nkeys):
+            b = self.found[k]
+            if b == NULL:
+                continue
+            seqs = self._members(b)
+            for j in range(b.n):
+                s = seqs[j]
+                h = mix64(s) & self.hmask
+                while True:
+                    hit = &self.hits[h]
+                    if hit.stamp != self.stamp:
+                        hit.stamp = self.stamp
+                        hit.seq = s
+                        hit.shared = 1
+                        hit.first = <uint32_t>k
+                        distinct += 1
+                        if s != own:
+                            self.ranked[n_ranked] = hit
+                            n_ranked += 1
+                        break
+                    if hit.seq == s:
+                        hit.shared += 1
+                        break
+                    h = (h + 1) & self.hmask
+        if floor > 1 and distinct == total:
+            return 0  # every entry was in one bucket only
+        # Keep those with enough shared keys, then rank (insertion sort: a handful, nearly always).
+        out = 0
+        for j in range(n_ranked):
+            if <Py_ssize_t>self.ranked[j].shared >= floor:
+                self.ranked[out] = self.ranked[j]
+                out += 1
+        for j in range(1, out):
+            x = self.ranked[j]
+            pos = j
+            while pos > 0 and ranks_before(x, self.ranked[pos - 1]):
+                self.ranked[pos] = self.ranked[pos - 1]
+                pos -= 1
+            self.ranked[pos] = x
+        oldest = ts - self.window
+        n_ranked = 0
+        for j in range(out):
+            if self._ts(self.ranked[j].seq) < oldest:
+                continue
+            self.ranked[n_ranked] = self.ranked[j]
+            n_ranked += 1
+            if n_ranked >= limit:
+                break
+        return n_ranked
+
+    def lookup(self, object id, double ts, tuple keys, Py_ssize_t floor, Py_ssize_t limit) -> tuple:
+        """(own seq or 0, [(seq, shared, first key)]): `MemoryIndex.lookup_keys` by seq."""
+        self._advance(ts)
+        own = self.by_id.get(id)
+        cdef uint64_t own_seq = 0 if own is None else <uint64_t>own
+        cdef Py_ssize_t nkeys = len(keys), n, j
+        if nkeys >= self.other_cap:
+            self._grow_scratch(&self.other, &self.other_cap, nkeys + 1)
+        for j in range(nkeys):
+            self.other[j] = keys[j]
+        n = self._gather(self.other, nkeys, floor, ts, limit, own_seq)
+        return own_seq, [(self.ranked[j].seq, self.ranked[j].shared, keys[self.ranked[j].first]) for j in range(n)]
+
+    def get(self, uint64_t seq):
+        """The entry of `seq`: the `Entry` inserted through `insert`, or one made from what `decide` stored."""
+        cdef CEntry *e = self._entry(seq)
+        if e == NULL:
+            raise KeyError(seq)
+        if e.payload:
+            return <object>e.payload
+        sketch = np.empty(e.nsk, dtype=np.uint32)
+        cdef uint32_t[::1] view = sketch
+        cdef uint32_t i
+        for i in range(e.nsk):
+            view[i] = (<uint32_t *>e.sketch)[i] if e.narrow else <uint32_t>(<uint64_t *>e.sketch)[i]
+        return self.make_entry(<object>e.id, e.ts, (<object>e.exact_hi) << 64 | e.exact_lo, e.size, sketch)
+
+    def seqs(self) -> list:
+        """The live entries' seqs, oldest insert first."""
+        return [self.ebase + i for i in range(self.ecap) if self.ents[i] != NULL]
+
+    def stats(self) -> dict:
+        cdef Py_ssize_t i, buckets = 0, biggest = 0
+        for i in range(<Py_ssize_t>self.mask + 1):
+            if self.slots[i].n:
+                buckets += 1
+                if self.slots[i].n > biggest:
+                    biggest = self.slots[i].n
+        return {"entries": self.live, "buckets": buckets, "max_bucket": biggest,
+                "evicted_by_cap": self.evicted_by_cap}
+
+    # -- the embedded engine's loop -----------------------------------------------------------------
+    def decide(self, list ids, list tss, Shingled batch, double min_shared, Py_ssize_t limit, double threshold,
+               double containment, double min_ratio, int64_t min_size, tuple method_names, verdict) -> list:
+        """`NearDupFilter._decide_local` for every message of a hashed batch, in order: the verdicts,
+        made by calling `verdict(id, duplicate, duplicate_of, similarity, method)`. Verification is by
+        sketch (`verify="sketch"`), exactly as `NearDupFilter._sketch_match`."""
+        cdef Py_ssize_t i, nkeys, floor, n, c, j, nsk
+        cdef double ts, sim
+        cdef const uint64_t *keys
+        cdef CEntry *e
+        cdef int64_t size_a
+        cdef bint matched
+        if len(ids) != batch.n or len(tss) != batch.n:
+            raise ValueError("ids, event times and the hashed batch differ in length")
+        out = []
+        for i in range(batch.n):
+            id = ids[i]
+            ts = tss[i]
+            self._advance(ts)
+            if id in self.by_id:
+                out.append(verdict(id, False, None, 0.0, "replay"))
+                continue
+            keys = batch.keys + batch.key_start[i]
+            nkeys = batch.key_start[i + 1] - batch.key_start[i]
+            floor = <Py_ssize_t>ceil(min_shared * nkeys)
+            if floor < 1:
+                floor = 1
+            n = self._gather(keys, nkeys, floor, ts, limit, 0)
+            nsk = batch.sk_start[i + 1] - batch.sk_start[i]
+            size_a = batch.size[i]
+            matched = False
+            if nsk > self.probe_cap:
+                self._grow_scratch(&self.probe, &self.probe_cap, nsk)
+            for j in range(nsk):
+                self.probe[j] = batch.sketch[batch.sk_start[i] + j]
+            for c in range(n):
+                e = self._entry(self.ranked[c].seq)
+                if e.exact_lo == batch.exact_lo[i] and e.exact_hi == batch.exact_hi[i]:
+                    out.append(verdict(id, True, <object>e.id, 1.0, "exact"))
+                    matched = True
+                    break
+                sim = similarity(estimates(self.probe, nsk, size_a, self._wide(e), e.nsk, e.size), size_a, e.size,
+                                 threshold, containment, min_ratio, min_size)
+                if sim >= 0.0:
+                    out.append(verdict(id, True, <object>e.id, py_round(sim, 4),
+                                       method_names[keys[self.ranked[c].first] >> 60]))
+                    matched = True
+                    break
+            if not matched:
+                self._insert(id, ts, batch.exact_lo[i], batch.exact_hi[i], size_a, self.probe, nsk, keys, nkeys, None)
+                out.append(verdict(id, False, None, 0.0, None))
+        return out
+
+    def decide_shared(self, list ids, list tss, list fps, list looked, double min_shared, Py_ssize_t limit,
+                      double threshold, double containment, double min_ratio, int64_t min_size,
+                      tuple method_names, verdict) -> tuple:
+        """`NearDupFilter._decide_shared`'s loop on this (fresh, batch-local) table, for a batch whose
+        shared-index lookup gave `looked` (per message: its stored entry or None, and its ranked
+        `Candidate`s): replays, the batch's own earlier messages merged with the shared candidates
+        (most shared keys first, then newest; the batch's first on ties), verification by sketch exactly
+        as `NearDupFilter._first_match`, and the unique ones inserted here. Returns (the verdicts, made
+        by `verdict(id, duplicate, duplicate_of, similarity, method)`, and the places of the unique)."""
+        cdef Py_ssize_t count = len(ids), i, j, c, nkeys, floor, n_local, n_remote, n, nsk, nsk_b, pos
+        cdef double ts, sim
+        cdef int64_t size_a, size_b
+        cdef uint64_t lo, hi
+        cdef const uint32_t[::1] sk
+        cdef Estimates est
+        cdef CEntry *e
+        cdef Merged item
+        cdef bint matched
+        cdef const uint64_t *other
+        cdef list cands
+        if len(tss) != count or len(fps) != count or len(looked) != count:
+            raise ValueError("ids, event times, fingerprints and lookups differ in length")
+        out = []
+        unique = []
+        for i in range(count):
+            id = ids[i]
+            ts = tss[i]
+            self._advance(ts)
+            own, cands = looked[i]
+            if own is not None or id in self.by_id:
+                out.append(verdict(id, False, None, 0.0, "replay"))
+                continue
+            fp = fps[i]
+            keys = fp.keys
+            nkeys = len(keys)
+            if nkeys >= self.qkeys_cap:
+                regrow(<void **>&self.qkeys, &self.qkeys_cap, nkeys + 1, sizeof(uint64_t))
+            for j in range(nkeys):
+                self.qkeys[j] = keys[j]
+            floor = <Py_ssize_t>ceil(min_shared * nkeys)
+            if floor < 1:
+                floor = 1
+            n_local = self._gather(self.qkeys, nkeys, floor, ts, limit, 0)
+            n_remote = len(cands)
+            if n_local + n_remote > self.merged_cap:
+                regrow(<void **>&self.merged, &self.merged_cap, n_local + n_remote, sizeof(Merged))
+            for j in range(n_local):
+                item.shared = self.ranked[j].shared
+                item.ts = self._ts(self.ranked[j].seq)
+                item.local = True
+                item.seq = self.ranked[j].seq
+                item.at = -1
+                item.first_key = self.qkeys[self.ranked[j].first]
+                self.merged[j] = item
+            for j in range(n_remote):
+                cand = cands[j]
+                item.shared = cand.shared
+                item.ts = cand.entry.ts
+                item.local = False
+                item.seq = 0
+                item.at = j
+                item.first_key = cand.first_key
+                self.merged[n_local + j] = item
+            n = n_local + n_remote
+            if n_local and n_remote:  # `_merge`: a stable sort on (most shared, newest), then the limit
+                for j in range(1, n):
+                    item = self.merged[j]
+                    pos = j
+                    while pos > 0 and (item.shared > self.merged[pos - 1].shared or (
+                            item.shared == self.merged[pos - 1].shared and item.ts > self.merged[pos - 1].ts)):
+                        self.merged[pos] = self.merged[pos - 1]
+                        pos -= 1
+                    self.merged[pos] = item
+                if n > limit:
+                    n = limit
+            exact = fp.exact
+            lo = <uint64_t>(exact & 0xFFFFFFFFFFFFFFFF)
+            hi = <uint64_t>(exact >> 64)
+            size_a = fp.size
+            sk = fp.sketch
+            nsk = sk.shape[0]
+            if nsk > self.probe_cap:
+                self._grow_scratch(&self.probe, &self.probe_cap, nsk)
+            for j in range(nsk):
+                self.probe[j] = sk[j]
+            matched = False
+            for c in range(n):
+                item = self.merged[c]
+                if item.local:
+                    e = self._entry(item.seq)
+                    if e.exact_lo == lo and e.exact_hi == hi:
+                        out.append(verdict(id, True, <object>e.id, 1.0, "exact"))
+                        matched = True
+                        break
+                    other = self._wide(e)
+                    nsk_b = e.nsk
+                    size_b = e.size
+                    match_id = <object>e.id
+                else:
+                    entry = (<object>cands[item.at]).entry
+                    if entry.exact == exact:
+                        out.append(verdict(id, True, entry.id, 1.0, "exact"))
+                        matched = True
+                        break
+                    if <Py_ssize_t>item.shared < floor:
+                        continue
+                    nsk_b = widen_sketch(entry.sketch, &self.other, &self.other_cap)
+                    other = self.other
+                    size_b = entry.size
+                    match_id = entry.id
+                sim = similarity(estimates(self.probe, nsk, size_a, other, nsk_b, size_b), size_a, size_b,
+                                 threshold, containment, min_ratio, min_size)
+                if sim >= 0.0:
+                    out.append(verdict(id, True, match_id, py_round(sim, 4), method_names[item.first_key >> 60]))
+                    matched = True
+                    break
+            if not matched:
+                self._insert(id, ts, lo, hi, size_a, self.probe, nsk, self.qkeys, nkeys, None)
+                out.append(verdict(id, False, None, 0.0, None))
+                unique.append(i)
+        return out, unique
+
+    cdef const uint64_t *_wide(self, CEntry *e) except NULL:
+        """An entry's sketch as uint64 values: itself, or widened into the scratch buffer `other`."""
+        cdef uint32_t j
+        if not e.narrow:
+            return <uint64_t *>e.sketch
+        if e.nsk >= self.other_cap:
+            self._grow_scratch(&self.other, &self.other_cap, e.nsk + 1)
+        for j in range(e.nsk):
+            self.other[j] = (<uint32_t *>e.sketch)[j]
+        return self.other
+
+    cdef int _grow_scratch(self, uint64_t **buf, Py_ssize_t *cap, Py_ssize_t need) except -1:
+        return regrow(<void **>buf, cap, need, sizeof(uint64_t))
+

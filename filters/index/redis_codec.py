@@ -1,0 +1,316 @@
+"""The Redis index's stored forms: an entry's bytes (`encode_entry` / `decode_entry`), a bucket field's
+records, and the pure loops over what a lookup read (ranking, the uncontended insert round, the field
+plan). No I/O: `filters/index/redis.py` sends and receives; the compiled twins are in
+`filters/index/_redis_codec.pxi`, held to these by tests/test_native.py and tests/test_redis_index.py.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Sequence
+from operator import itemgetter
+from typing import Any
+
+import numpy as np
+
+from filters.errors import IndexCorrupt
+from filters.index import Entry
+
+# --- the stored forms ------------------------------------------------------------------------------
+
+ENCODING_VERSION = 2
+# version, ts, exact (low, high 64 bits), size, flags, lengths of sketch, minhash and sentences.
+# The insert script reads ts at byte 2 (1-based) as '<d': keep it right after the version byte.
+_HEAD = struct.Struct("<BdQQIBIII")
+_HAS_SIMHASH = 1
+_HAS_MINHASH = 2
+_NARROW_SKETCH = 4  # the sketch is uint32 (a fingerprint's), stored in 4 bytes a value; else uint64
+_FLAGS = _HAS_SIMHASH | _HAS_MINHASH | _NARROW_SKETCH
+_U64 = np.dtype("<u8")
+_U32 = np.dtype("<u4")
+_NATIVE_U32 = np.dtype(np.uint32)
+_MASK64 = (1 << 64) - 1
+_RECORD = struct.Struct("<dI")  # a bucket record's event time and id length; then the id and the seq
+SEQ = struct.Struct(">Q")
+_FIELD = struct.Struct(">cQ").pack  # a bucket's field name: b"b" and the key, 8 bytes big-endian
+ABSENT = bytes(8)  # the tail of a field that does not exist (seqs start at 1)
+_TS_SEQ = itemgetter(0, 1)
+
+
+def encode_entry(entry: Entry) -> bytes:
+    """The compact binary form of `entry` (its id is not included: it is the field's name)."""
+    if not 0 <= entry.exact < 1 << 128:
+        raise ValueError(f"exact must be an unsigned 128-bit int, got {entry.exact!r}")
+    if entry.simhash is None and entry.minhash is None and not entry.sentences and entry.sketch.dtype == _NATIVE_U32:
+        # A fingerprint's entry with the default methods: the common case, without numpy's general path.
+        return _HEAD.pack(ENCODING_VERSION, entry.ts, entry.exact & _MASK64, entry.exact >> 64, entry.size,
+                          _NARROW_SKETCH, len(entry.sketch), 0, 0) + entry.sketch.astype(_U32, copy=False).tobytes()
+    flags = 0
+    if entry.sketch.dtype == np.uint32:  # a fingerprint's sketch: half the bytes, read back as it was
+        flags |= _NARROW_SKETCH
+        sketch = np.ascontiguousarray(entry.sketch, dtype=_U32)
+    else:
+        sketch = np.ascontiguousarray(entry.sketch, dtype=_U64)
+    tail = [sketch.tobytes()]
+    if entry.simhash is not None:
+        flags |= _HAS_SIMHASH
+        tail.append(struct.pack("<Q", entry.simhash))
+    n_minhash = 0
+    if entry.minhash is not None:
+        flags |= _HAS_MINHASH
+        minhash = np.ascontiguousarray(entry.minhash, dtype=_U32)
+        n_minhash = len(minhash)
+        tail.append(minhash.tobytes())
+    sentences = np.array(sorted(entry.sentences), dtype=_U64)  # sorted: one entry, one encoding
+    tail.append(sentences.tobytes())
+    head = _HEAD.pack(ENCODING_VERSION, entry.ts, entry.exact & _MASK64, entry.exact >> 64, entry.size,
+                      flags, len(sketch), n_minhash, len(sentences))
+    return b"".join([head, *tail])
+
+
+def encode_entries(entries: Sequence[tuple[Entry, Any]], fallback: Any = None) -> list[bytes]:
+    """`encode_entry` of each (entry, keys) pair (`_native.encode_entries` is the compiled twin)."""
+    return [encode_entry(entry) for entry, _ in entries]
+
+
+def decode_entry(data: bytes, id: str) -> Entry:
+    """The inverse of `encode_entry`; raises `IndexCorrupt` on anything it did not write."""
+    try:
+        version, ts, lo, hi, size, flags, n_sketch, n_minhash, n_sentences = _HEAD.unpack_from(data)
+    except struct.error as exc:
+        raise IndexCorrupt(f"entry {id!r}: {len(data)} bytes are too short for an entry") from exc
+    if version != ENCODING_VERSION:
+        raise IndexCorrupt(f"entry {id!r}: encoding version {version}, this neardup reads {ENCODING_VERSION}")
+    if flags & ~_FLAGS:
+        raise IndexCorrupt(f"entry {id!r}: unknown flags {flags:#x}")
+    has_simhash = bool(flags & _HAS_SIMHASH)
+    has_minhash = bool(flags & _HAS_MINHASH)
+    sketch_type, width = (_U32, 4) if flags & _NARROW_SKETCH else (_U64, 8)
+    if not has_minhash and n_minhash:
+        raise IndexCorrupt(f"entry {id!r}: minhash length without minhash")
+    expected = _HEAD.size + width * n_sketch + 8 * has_simhash + 4 * n_minhash + 8 * n_sentences
+    if len(data) != expected:
+        raise IndexCorrupt(f"entry {id!r}: {len(data)} bytes where the header promises {expected}")
+    pos = _HEAD.size
+    # Read-only views of the reply's bytes: no copy, and nobody can change a stored entry by accident.
+    sketch = np.frombuffer(data, sketch_type, n_sketch, pos).astype(sketch_type.newbyteorder("="), copy=False)
+    pos += width * n_sketch
+    simhash = None
+    if has_simhash:
+        (simhash,) = struct.unpack_from("<Q", data, pos)
+        pos += 8
+    minhash = None
+    if has_minhash:
+        minhash = np.frombuffer(data, _U32, n_minhash, pos).astype(np.uint32, copy=False)
+        pos += 4 * n_minhash
+    sentences = frozenset(np.frombuffer(data, _U64, n_sentences, pos).tolist())
+    return Entry(id, ts, lo | hi << 64, size, sketch, simhash, minhash, sentences)
+
+
+def decode_entries(ids: Sequence[str], blobs: Sequence[bytes | None], make: Any = Entry,
+                   fallback: Any = None) -> dict[str, Entry]:
+    """{id: `decode_entry(blob, id)`} of the blobs that are not None (`_native.decode_entries` is the
+    compiled twin, which decodes the common form itself and hands the rest to `fallback`)."""
+    return {id: decode_entry(blob, id) for id, blob in zip(ids, blobs, strict=True) if blob is not None}
+
+
+def parse_records(value: bytes) -> list[tuple[float, int, str]]:
+    """A bucket field's records as (event time, seq, id), in insertion order."""
+    out = []
+    pos, end = 0, len(value)
+    unpack = _RECORD.unpack_from
+    try:
+        while pos < end:
+            ts, n = unpack(value, pos)
+            start = pos + 12
+            pos = start + n + 8
+            if pos > end:
+                raise ValueError("a record runs past the end")
+            out.append((ts, SEQ.unpack_from(value, pos - 8)[0],
+                        value[start : start + n].decode("utf-8", "surrogatepass")))
+    except (struct.error, ValueError) as exc:
+        raise IndexCorrupt(f"a bucket holds {len(value)} bytes that are not bucket records: {exc}") from exc
+    return out
+
+
+def rank_records(values: Sequence[Sequence[bytes | None]], positions: Sequence[int], id: str, floor: int,
+                 limit: int, horizon: float, cap: int, since: int = -1,
+                 own: set[int] | None = None) -> list[tuple[str, int, int, float]]:
+    """The candidates in one query's buckets, ranked as `MemoryIndex` ranks them. `values[s][positions[k]]`
+    is bucket k's value in slice s (None: absent). Only records inside the window (event time >=
+    `horizon`) and the `cap` newest of each bucket count, never `id`'s own; with `since` >= 0, only
+    records with a greater seq that are not in `own`. Returns [(id, shared buckets, first bucket, event
+    time of its newest record)] of those sharing at least `floor`, most shared first, then the newest
+    insert, at most `limit` (but at least one found). The compiled core has the same function."""
+    present = sum(1 for t in positions if any(column[t] is not None for column in values))
+    if present < floor or not present:
+        return []  # pigeonhole: nothing can share `floor` keys with it
+    counts: dict[str, list[Any]] = {}  # id -> [shared, first, newest seq, its event time]
+    for k, t in enumerate(positions):
+        records = [r for column in values if (v := column[t]) is not None for r in parse_records(v) if r[0] >= horizon]
+        if len(records) > cap:
+            records = sorted(records, key=_TS_SEQ, reverse=True)[:cap]  # the newest by (event time, seq)
+        held = set()
+        for ts, seq, rid in records:
+            if rid == id or rid in held:
+                continue
+            if since >= 0 and (seq <= since or (own is not None and seq in own)):
+                continue
+            held.add(rid)
+            c = counts.get(rid)
+            if c is None:
+                counts[rid] = [1, k, seq, ts]
+            else:
+                c[0] += 1
+                if seq > c[2]:
+                    c[2], c[3] = seq, ts
+    items = [(rid, c) for rid, c in counts.items() if c[0] >= floor]
+    items.sort(key=lambda item: (item[1][0], item[1][2]), reverse=True)
+    out = []
+    for rid, (shared, first, _, ts) in items:
+        out.append((rid, shared, first, ts))
+        if len(out) >= limit:
+            break
+    return out
+
+
+def alone_round(ids: list[str], times: list[float], blobs: list[bytes], fields_of: list[list[bytes]],
+                places_of: list[list[int]], entry_places: list[int], slices: tuple[int, ...],
+                columns: dict[int, list[bytes | None]], writes: dict[int, dict[int, bytes]], hwm: float,
+                window: float, slice_length: float, cap: int, seq: int, entry_time: Any,
+                trim: Any) -> tuple[list[int], dict[int, list[Any]], list[tuple[int, int, list[int]]], float, int]:
+    """The loop of `RedisIndex._alone` (`_native.alone_round` is the compiled twin): per entry, in order,
+    what INSERT_LUA would do when nobody else wrote since the lookup. An entry whose id is live (its
+    entry stored inside the window, read or written) or whose event time left the window gets 0; else
+    the next seq, its record appended to each of its bucket fields (trimmed back to the cap first when a
+    value holds about twice as many) and its entry written. `writes` (slice -> place -> value, what the
+    caller wrote since the lookup) is updated. Returns (results, per slice [entries, field-value pairs:
+    each field once, with its last value], (seq, slice, places) per entry written, high-water mark, seq)."""
+    results: list[int] = []
+    groups: dict[int, list[Any]] = {}
+    at_of: dict[int, dict[int, int]] = {}  # slice -> place -> where its value is in the slice's pairs
+    written: list[tuple[int, int, list[int]]] = []
+    for id, ts, blob, fields, places, e in zip(ids, times, blobs, fields_of, places_of, entry_places):
+        live = False
+        for s in slices:
+            old = writes[s].get(e)
+            if old is None:
+                column = columns.get(s)
+                old = column[e] if column is not None else None
+            if old and entry_time(old, id) >= hwm - window:
+                live = True
+                break
+        if live:
+            results.append(0)
+            continue
+        hwm = max(hwm, ts)
+        if not ts >= hwm - window:
+            results.append(0)
+            continue
+        seq += 1
+        id_bytes = id.encode("utf-8", "surrogatepass")
+        record = _RECORD.pack(ts, len(id_bytes)) + id_bytes + SEQ.pack(seq)
+        s = math.floor(ts / slice_length)
+        mine, column = writes[s], columns[s]
+        group = groups.setdefault(s, [0, []])
+        group[0] += 1
+        pairs, at = group[1], at_of.setdefault(s, {})
+        too_long = 2 * cap * len(record)
+        for f, p in zip(fields, places):
+            v = mine.get(p)
+            if v is None:
+                v = column[p]
+            # A field without a value when read, nobody wrote since: its value is the record.
+            v = record if v is None else (trim(v, cap) if len(v) > too_long else v) + record
+            mine[p] = v
+            # Each field once in the slice's pairs, with its last value: a bucket several entries of the
+            # batch share is sent once, not once per entry with every record again.
+            k = at.get(p)
+            if k is None:
+                at[p] = len(pairs) + 1
+                pairs += (f, v)
+            else:
+                pairs[k] = v
+        mine[e] = blob
+        pairs += (b"e" + id_bytes, blob)
+        written.append((seq, s, places))
+        results.append(seq)
+    return results, groups, written, hwm, seq
+
+
+def overlay_writes(names: list[bytes], written_names: list[bytes], kept: list[tuple[int, list[bytes | None]]],
+                   written: dict[int, dict[int, bytes]]) -> None:
+    """Puts `written` (slice -> place in `written_names` -> value) into the columns of `kept` ((slice,
+    column of `names`) pairs), by field name; a field `names` does not hold is left out. `names` are
+    distinct (`plan_fields`). (`_native.overlay_writes` is the compiled twin.)"""
+    at = {name: place for place, name in enumerate(names)}
+    for s, column in kept:
+        for p, value in written.get(s, {}).items():
+            place = at.get(written_names[p])
+            if place is not None:
+                column[place] = value
+
+
+def rank_lookup(columns: list[list[bytes | None]], positions_of: list[list[int]], id_places: list[int], ids: list[str],
+                floors: list[int], limit: int, horizons: list[float], cap: int,
+                entry_time: Any) -> list[tuple[bytes | None, list[tuple[str, int, int, float]]]]:
+    """Per query of a lookup: its stored entry's bytes if one is live (event time >= its horizon) in a
+    slice read, else None; and `rank_records` of its buckets (`_native.rank_lookup` is the compiled twin)."""
+    out = []
+    for where, e, id, floor, horizon in zip(positions_of, id_places, ids, floors, horizons, strict=True):
+        own = None
+        for column in columns:
+            blob = column[e]
+            if blob is not None and entry_time(blob, id) >= horizon:
+                own = blob
+                break
+        out.append((own, rank_records(columns, where, id, floor, limit, horizon, cap)))
+    return out
+
+
+def plan_fields(keys_of: Sequence[Sequence[int]], id_fields: Sequence[bytes]) -> tuple[
+        list[bytes], list[list[bytes]], list[list[int]], list[int]]:
+    """What a lookup reads: every distinct field name once, in first-seen order, and its place; per query
+    its bucket keys' field names and places; per query its entry field's place (`_native.plan_fields`
+    is the compiled twin)."""
+    at: dict[bytes, int] = {}
+    place = at.setdefault
+    fields_of = [[_FIELD(b"b", key) for key in keys] for keys in keys_of]
+    places_of = [[place(f, len(at)) for f in fields] for fields in fields_of]
+    id_places = [place(f, len(at)) for f in id_fields]
+    return list(at), fields_of, places_of, id_places
+
+
+def trim_records(value: bytes, cap: int) -> bytes:
+    """The `cap` newest records (event time, then seq) of a bucket value, in insertion order: what the
+    insert script's `trim` keeps."""
+    spans = []
+    pos, end = 0, len(value)
+    while pos < end:
+        ts, n = _RECORD.unpack_from(value, pos)
+        stop = pos + 12 + n + 8
+        spans.append((ts, value[stop - 8 : stop], pos, stop))
+        pos = stop
+    if len(spans) <= cap:
+        return value
+    newest = sorted(range(len(spans)), key=lambda j: spans[j][:2], reverse=True)[:cap]
+    return b"".join(value[spans[j][2] : spans[j][3]] for j in sorted(newest))
+
+
+def field_of(key: int) -> bytes:
+    try:
+        return _FIELD(b"b", key)
+    except struct.error:
+        raise ValueError(f"bucket keys must be unsigned 64-bit ints, got {key!r}") from None
+
+
+def id_field(id: str) -> bytes:
+    return b"e" + id.encode("utf-8", "surrogatepass")
+
+
+def entry_time(blob: bytes, id: str) -> float:
+    try:
+        return float(_HEAD.unpack_from(blob)[1])
+    except struct.error as exc:
+        raise IndexCorrupt(f"entry {id!r}: {len(blob)} bytes are too short for an entry") from exc
