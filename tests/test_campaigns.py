@@ -6,7 +6,6 @@ import asyncio
 import json
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from bench.kafka_support import redis_namespace
 from stream.campaigns import SAMPLES, CampaignDetail, MemoryCampaigns, RedisCampaigns, Sighting, growth_score
 from stream.ops_http import FONT_STACK
 from tests.test_campaign_page import browse, campaign_keys, chromium
+from tests.test_cli import installed_neardup
 from tests.test_ops import REPO, Clock, get, serving, sightings, store  # noqa: F401 (store: the fixture)
 
 
@@ -115,7 +115,7 @@ def test_redis_campaign_keys_do_not_grow_with_the_clusters_and_all_expire(redis_
 def top_once(index: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("NEARDUP_")}
     env.update(PYTHONPATH=str(REPO))
-    return subprocess.run([sys.executable, "-m", "stream.cli", "top", "--once", "--index", index],
+    return subprocess.run([installed_neardup(), "top", "--once", "--index", index],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
 
 

@@ -53,6 +53,7 @@ from stream.ops import Ops
 from stream.ops_http import render_page, sparkline, start_server
 from stream.top import CLEAR, SHOW_CURSOR, fit, render, run_top, safe
 from stream.worker import AiokafkaWorker, FaustWorker, make_worker
+from tests.test_cli import installed_neardup
 from tests.test_kafka_e2e import REPO, alive, serve_env, stop
 
 DOCKER = REPO / "docker"
@@ -239,7 +240,7 @@ def test_serve_metrics_and_campaigns_equal_the_routed_outputs(kafka_bootstrap: s
         ready = get(f"{base}/ready")
         campaigns = get(f"{base}/campaigns?limit=1000")
         page = get(f"{base}/?refresh=7")
-        top_http = subprocess.run([sys.executable, "-m", "stream.cli", "top", "--once", "--from", base, "--limit", "3"],
+        top_http = subprocess.run([installed_neardup(), "top", "--once", "--from", base, "--limit", "3"],
                                   cwd=REPO, capture_output=True, text=True, timeout=30)
     finally:
         err = stop(proc)
@@ -297,7 +298,7 @@ def test_serve_metrics_and_campaigns_equal_the_routed_outputs(kafka_bootstrap: s
         assert {c.id: c.size for c in store.top(1000).campaigns} == dict(per_rep)
     finally:
         store.close()
-    top = subprocess.run([sys.executable, "-m", "stream.cli", "top", "--once", "--index", settings.index,
+    top = subprocess.run([installed_neardup(), "top", "--once", "--index", settings.index,
                           "--window", format_duration(settings.window), "--limit", "2"], cwd=REPO, capture_output=True,
                          text=True, timeout=30)
     assert top.returncode == 0, top.stderr
@@ -662,7 +663,7 @@ def top_in_terminal(*args: str) -> Iterator[tuple[Terminal, subprocess.Popen[byt
     term = Terminal()
     env = {k: v for k, v in os.environ.items() if not k.startswith("NEARDUP_") and k != "NO_COLOR"}
     env.update(PYTHONPATH=str(REPO), TERM="xterm")
-    proc = subprocess.Popen([sys.executable, "-m", "stream.cli", "top", *args], cwd=REPO, env=env,
+    proc = subprocess.Popen([installed_neardup(), "top", *args], cwd=REPO, env=env,
                             stdin=term.slave, stdout=term.slave, stderr=term.slave)
     try:
         yield term, proc
