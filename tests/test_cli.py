@@ -779,6 +779,38 @@ def test_serve_starting_a_new_group_logs_no_errors(kafka_bootstrap: str) -> None
     assert proc.returncode == 0
 
 
+@pytest.mark.services
+def test_tail_waits_for_a_topic_and_names_one_that_never_comes_without_creating_it(kafka_bootstrap: str) -> None:
+    import asyncio
+
+    from bench.kafka_support import produce, settings_for
+    from stream.kafka_tools import ensure_topics, missing_topics
+
+    settings = settings_for(kafka_bootstrap, "memory://")
+    never, later = f"{settings.unique_topic}-typo", settings.unique_topic
+    started = time.monotonic()
+    done = subprocess.run([installed_neardup(), "tail", never, "--from-beginning", "--timeout", "2s",
+                           "--kafka-bootstrap", kafka_bootstrap], capture_output=True, cwd=REPO, env=cli_env(),
+                          timeout=60, check=False)
+    assert done.returncode == 2 and done.stdout == b"" and time.monotonic() - started < 15
+    assert one_line(done) == f"neardup: no topic {never} on Kafka at {kafka_bootstrap}"
+    assert asyncio.run(missing_topics(settings, [never])) == [never]  # not auto-created by subscribing
+    # The README's order: `neardup serve &` then `neardup tail` at once: the topic comes a moment later.
+    proc = subprocess.Popen([installed_neardup(), "tail", later, "--from-beginning", "--timeout", "3s",
+                             "--kafka-bootstrap", kafka_bootstrap], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            cwd=REPO, env=cli_env())
+    time.sleep(1.5)
+
+    async def create() -> None:
+        await ensure_topics(settings, [later], partitions=1)
+        await produce(settings, later, [(None, b"hello", ())])
+
+    asyncio.run(create())
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert [json.loads(line)["value"] for line in out.splitlines()] == ["hello"]
+
+
 # Not benchmarks: what they share (needs), and the support of the Kafka and fault tests (imported, not run).
 BENCHES = sorted(p.name for p in (REPO / "bench").glob("*.py")
                  if p.name not in ("__init__.py", "needs.py", "kafka_support.py", "reliability.py"))
