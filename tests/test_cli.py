@@ -592,6 +592,8 @@ def test_input_errors_are_one_line_and_exit_2(tmp_path: Path) -> None:
     ]
     if os.geteuid() != 0:  # root reads any file
         cases.append(([str(unreadable)], "cannot read: Permission denied"))
+    # A file that opens but cannot be read, for root too: the process's own memory at address 0 (Linux).
+    cases.append((["/proc/self/mem"], "cannot read: Input/output error"))
     for args, message in cases:
         done = neardup("filter", *args)
         assert done.returncode == 2 and done.stdout == b""
