@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from contextlib import ExitStack
 from importlib import metadata
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NoReturn
 
 from filters.config import FilterConfig
 from filters.engine import NearDupFilter, Verdict
@@ -64,7 +64,8 @@ class Progress:
     def __init__(self, enabled: bool, inputs: Inputs) -> None:
         self.enabled, self.inputs = enabled, inputs
         self._last = 0.0
-        self._marks: list[tuple[float, int, int]] = []  # (time, messages, bytes) of recent updates
+        # (time, messages, bytes) of recent updates; the start is one, so the first line has a rate and an ETA
+        self._marks: list[tuple[float, int, int]] = [(time.monotonic(), 0, 0)]
 
     def show(self, s: Summary) -> None:
         now = time.monotonic()
@@ -211,23 +212,30 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
-SAMPLE_DIR = Path(__file__).resolve().parents[1] / "tests" / "data"
-SAMPLE = (SAMPLE_DIR / "sample.jsonl", SAMPLE_DIR / "sample_truth.jsonl")
+SAMPLE_NAMES = ("sample.jsonl", "sample_truth.jsonl")
+
+
+def sample_paths() -> tuple[Path, Path]:
+    """The labelled sample of a clone: beside the code (editable install) or, after `pip install .`, whose
+    code lives in site-packages, in the clone the command runs from."""
+    dirs = [Path(__file__).resolve().parents[1] / "tests" / "data", Path.cwd() / "tests" / "data"]
+    for d in dirs:
+        if all((d / name).is_file() for name in SAMPLE_NAMES):
+            return d / SAMPLE_NAMES[0], d / SAMPLE_NAMES[1]
+    raise NeardupError(f"the labelled sample ships in a clone of the repository (tests/data/{SAMPLE_NAMES[0]}): "
+                       "run from the clone's top directory, or give STREAM TRUTH")
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from stream.evaluate import read_truth, score
 
     if args.sample:
-        if not all(p.is_file() for p in SAMPLE):
-            raise NeardupError(f"the labelled sample ships in a clone of the repository ({SAMPLE_DIR}): "
-                               "run from a clone, or give STREAM TRUTH")
-        stream_path, truth_path = map(str, SAMPLE)
+        stream_path, truth_path = map(str, sample_paths())
     elif args.stream and args.truth:
         stream_path, truth_path = args.stream, args.truth
     else:
         raise NeardupError("eval needs a labelled stream: neardup eval STREAM.jsonl TRUTH.jsonl (truth format in "
-                           "docs/cli-notes.md), or neardup eval --sample (the sample in a clone's tests/data/)")
+                           "docs/cli.md), or neardup eval --sample (the sample in a clone's tests/data/)")
     settings = settings_from_args(args)
     nd = NearDupFilter(settings.filter_config(), index=settings.index)
     fmt = RecordFormat()
@@ -257,8 +265,16 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A refused option is one line on stderr and exit code 2: the usage of `top` or `serve` is 40 lines,
+    which buried the message saying what to write instead. Subcommands' parsers are of the same class."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="neardup", description="Streaming near-duplicate text filter.")
+    parser = OneLineParser(prog="neardup", description="Streaming near-duplicate text filter.")
     parser.add_argument("--version", action="version", version=f"neardup {_version()}",
                         help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -291,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_filter_options(p)
     p.set_defaults(func=cmd_explain)
 
-    p = sub.add_parser("eval", help="precision/recall/F1 on a labelled stream (truth format: docs/cli-notes.md)")
+    p = sub.add_parser("eval", help="precision/recall/F1 on a labelled stream (truth format: docs/cli.md)")
     p.add_argument("stream", nargs="?", help="JSONL stream of {id, text, ts} records")
     p.add_argument("truth", nargs="?", help="JSONL truth, one {id, cluster, corpus, ptype, gray} row per record")
     p.add_argument("--sample", action="store_true", help="the labelled sample in the clone's tests/data/")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -76,13 +77,22 @@ def cmd_produce(args: argparse.Namespace) -> int:
 
 
 def cmd_tail(args: argparse.Namespace) -> int:
-    from stream.kafka_tools import read_topics, record_json
+    import time
+
+    from stream.kafka_tools import missing_topics, read_topics, record_json
 
     settings = settings_from_args(args)
     _logging(settings.log_level, settings.log_format)
     out = sys.stdout.buffer
 
     async def run() -> None:
+        # Subscribed to, a missing topic would be created empty by a broker with auto.create.topics.enable
+        # (a typo, silently): wait for it instead (serve creates its outputs when it starts), at most --timeout.
+        deadline = time.monotonic() + (args.timeout if args.timeout is not None else math.inf)
+        while missing := await missing_topics(settings, args.topics):
+            if time.monotonic() >= deadline:
+                raise NeardupError(f"no topic {', '.join(missing)} on Kafka at {settings.kafka_bootstrap}")
+            await asyncio.sleep(0.5)
         async for record in read_topics(settings, args.topics, from_beginning=args.from_beginning,
                                         max_records=args.max, idle_timeout=args.timeout):
             out.write(record_json(record) + b"\n")

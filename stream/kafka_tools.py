@@ -179,6 +179,17 @@ async def ensure_topics(settings: Settings, topics: Sequence[str], partitions: i
             await admin.close()
 
 
+async def missing_topics(settings: Settings, topics: Sequence[str]) -> list[str]:
+    """Those of `topics` the broker does not have."""
+    admin = AIOKafkaAdminClient(**client_options(settings))
+    with broker_errors(settings):
+        await admin.start()
+        try:
+            return sorted(set(topics) - set(await admin.list_topics()))
+        finally:
+            await admin.close()
+
+
 async def delete_topics(settings: Settings, topics: Sequence[str]) -> None:
     admin = AIOKafkaAdminClient(**client_options(settings))
     with broker_errors(settings):

@@ -207,8 +207,8 @@ class Ops:
             self._interval_start = (now, s.seen)  # the next INFO line's rate is over the interval from here
         if not log.isEnabledFor(level):
             return
-        # The rate over the last interval, not the average since start: a worker that idled for an hour and
-        # now routes a burst shows the burst's rate.
+        # The rate over the interval since the last INFO line (its length is in the line), not the average
+        # since start: after an idle hour, the lines logged during a burst show the burst's rate.
         seconds = now - since
         rate = (s.seen - seen_then) / seconds if seconds > 0 else 0.0
         log.log(level, "batch %d: %d records = unique %d + duplicate %d + rejected %d + unchecked %d; total %d, "

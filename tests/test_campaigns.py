@@ -6,7 +6,6 @@ import asyncio
 import json
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from bench.kafka_support import redis_namespace
 from stream.campaigns import SAMPLES, CampaignDetail, MemoryCampaigns, RedisCampaigns, Sighting, growth_score
 from stream.ops_http import FONT_STACK
 from tests.test_campaign_page import browse, campaign_keys, chromium
+from tests.test_cli import installed_neardup
 from tests.test_ops import REPO, Clock, get, serving, sightings, store  # noqa: F401 (store: the fixture)
 
 
@@ -109,13 +109,59 @@ def test_redis_campaign_keys_do_not_grow_with_the_clusters_and_all_expire(redis_
             rs.close()
 
 
+OTHERS = ["The train to Lyon leaves at seven from platform nine.", "我们明天下午三点在图书馆门口见面吧。",
+          "Quarterly revenue rose eight percent on strong cloud demand.", "Remember to water the basil twice a week.",
+          "这部电影的结局让人意想不到，强烈推荐。", "The museum reopens after a two year renovation of its roof.",
+          "Can you send me the slides from this morning's meeting?", "Heavy snow is expected in the mountains tonight.",
+          "新款手机的电池续航比上一代提升了百分之二十。", "The library extends its opening hours during exam season."]
+
+
+def test_a_campaign_keeps_its_id_while_it_lives_and_goes_after_the_window() -> None:
+    """A wave over 50 minutes, copies edited differently, among other messages, in batches: every copy names
+    the same original (duplicates are not indexed, so none names another copy), so the campaign view shows
+    one campaign under that id the whole time, its first copy's text and first seen fixed, its size growing;
+    a window after its last copy it is gone, and a copy arriving later starts a campaign of its own."""
+    from filters.config import FilterConfig
+    from filters.engine import Message, NearDupFilter
+    from tests.test_ops import Clock
+
+    base = "Congratulations! You have won a 1000 dollar gift card, reply YES to claim it before Friday"
+    edits = [base.upper(), base.replace("1000", "5000"), "URGENT " + base, base + " !!!", base.replace(" ", "  "),
+             base.replace("Friday", "Monday"), "c o n g r a t u l a t i o n s " + base[16:], base.replace("o", "0")]
+    clock = Clock(1_800_000_000.0)
+    nd = NearDupFilter(FilterConfig(window=3600))
+    view = MemoryCampaigns(3600, minutes=10, clock=clock)
+    first_seen = None
+    seen = 0
+    for minute in range(0, 50, 5):
+        batch = [Message(f"other-{minute}", OTHERS[minute // 5], clock.now)]
+        if minute == 0:
+            batch.insert(0, Message("orig", base, clock.now))
+        batch += [Message(f"copy-{minute}-{i}", edits[(minute // 5 + i) % len(edits)], clock.now) for i in range(2)]
+        verdicts = nd.check_batch(batch)
+        reps = {v.duplicate_of for m, v in zip(batch, verdicts) if m.id.startswith("copy")}
+        assert reps == {"orig"}, [(m.id, v) for m, v in zip(batch, verdicts)]
+        view.record([Sighting(v.duplicate_of, m.text) for m, v in zip(batch, verdicts) if v.duplicate_of])
+        seen += 2
+        (campaign,) = view.top().campaigns
+        assert (campaign.id, campaign.size, campaign.text) == ("orig", seen, edits[0])
+        first_seen = campaign.first_seen if first_seen is None else first_seen
+        assert campaign.first_seen == first_seen
+        clock.now += 300
+    clock.now += 3600
+    assert view.top().campaigns == () and view.detail("orig") is None
+    late = Message("copy-late", base, clock.now)
+    (verdict,) = nd.check_batch([late])
+    assert verdict.duplicate_of is None  # the original left the window: this copy is the new original
+
+
 # -- `neardup top` with a wrong prefix ----------------------------------------------------------------------
 
 
 def top_once(index: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("NEARDUP_")}
     env.update(PYTHONPATH=str(REPO))
-    return subprocess.run([sys.executable, "-m", "stream.cli", "top", "--once", "--index", index],
+    return subprocess.run([installed_neardup(), "top", "--once", "--index", index],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
 
 

@@ -8,6 +8,7 @@ import io
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -493,7 +494,7 @@ def test_console_script_end_to_end(tmp_path: Path) -> None:
     data = b"\n".join([jl({"id": "a", "text": SPAM}), b"[]", jl({"id": "b", "text": SPAM_COPY}),
                        b"\xff\xfe", jl({"id": "c", "text": OTHER})]) + b"\n"
     env = {**os.environ, "PYTHONHASHSEED": "0"}
-    done = subprocess.run([sys.executable, "-m", "stream.cli", "filter", "-", "--rejected", str(tmp_path / "r")],
+    done = subprocess.run([installed_neardup(), "filter", "-", "--rejected", str(tmp_path / "r")],
                           input=data, capture_output=True, cwd=REPO, env=env, timeout=60, check=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout == jl({"id": "a", "text": SPAM}) + b"\n" + jl({"id": "c", "text": OTHER}) + b"\n"
@@ -517,13 +518,22 @@ def test_filter_tunes_the_garbage_collector(tmp_path: Path) -> None:
 # -- the command line as a user meets it (subprocesses of `python -m stream.cli`) ------------------------
 
 
+def installed_neardup() -> str:
+    """The `neardup` console script installed for the Python running the tests (else the one on PATH): CLI
+    tests run the command a user runs. PYTHONPATH (cli_env) still points it at this checkout's code."""
+    beside = Path(sys.executable).parent / "neardup"
+    found = str(beside) if beside.is_file() else shutil.which("neardup")
+    assert found, "neardup is not installed: pip install -e '.[test]'"
+    return found
+
+
 def cli_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("NEARDUP_") or k.startswith("NEARDUP_TEST_")}
     return {**env, "PYTHONPATH": str(REPO), **extra}
 
 
 def neardup(*args: str, stdin: bytes = b"", timeout: float = 60) -> subprocess.CompletedProcess[bytes]:
-    return subprocess.run([sys.executable, "-m", "stream.cli", *args], input=stdin, capture_output=True, cwd=REPO,
+    return subprocess.run([installed_neardup(), *args], input=stdin, capture_output=True, cwd=REPO,
                           env=cli_env(), timeout=timeout, check=False)
 
 
@@ -582,6 +592,8 @@ def test_input_errors_are_one_line_and_exit_2(tmp_path: Path) -> None:
     ]
     if os.geteuid() != 0:  # root reads any file
         cases.append(([str(unreadable)], "cannot read: Permission denied"))
+    # A file that opens but cannot be read, for root too: the process's own memory at address 0 (Linux).
+    cases.append((["/proc/self/mem"], "cannot read: Input/output error"))
     for args, message in cases:
         done = neardup("filter", *args)
         assert done.returncode == 2 and done.stdout == b""
@@ -611,7 +623,7 @@ def test_gzip_input_is_read_transparently(tmp_path: Path) -> None:
 def test_interrupt_flushes_whole_lines_prints_the_summary_and_exits_128_plus_signal(
         tmp_path: Path, sig: signal.Signals, code: int) -> None:
     unique, duplicates = tmp_path / "u.jsonl", tmp_path / "d.jsonl"
-    proc = subprocess.Popen([sys.executable, "-m", "stream.cli", "filter", "-", "--unique", str(unique),
+    proc = subprocess.Popen([installed_neardup(), "filter", "-", "--unique", str(unique),
                              "--duplicates", str(duplicates)], stdin=subprocess.PIPE, stderr=subprocess.PIPE,
                             cwd=REPO, env=cli_env())
     assert proc.stdin is not None and proc.stderr is not None
@@ -641,7 +653,7 @@ def test_interrupt_flushes_whole_lines_prints_the_summary_and_exits_128_plus_sig
 
 
 def test_a_line_piped_in_is_routed_at_once_while_the_pipe_stays_open() -> None:
-    proc = subprocess.Popen([sys.executable, "-m", "stream.cli", "filter", "-", "-q"], stdin=subprocess.PIPE,
+    proc = subprocess.Popen([installed_neardup(), "filter", "-", "-q"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO, env=cli_env())
     assert proc.stdin is not None and proc.stdout is not None
     try:
@@ -734,7 +746,7 @@ def test_every_option_of_every_command_has_a_help_line() -> None:
 def test_serve_with_an_unreachable_service_says_so_within_seconds(kafka_bootstrap: str, flags: list[str],
                                                                   says: str) -> None:
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "stream.cli", "serve", "--kafka-bootstrap", kafka_bootstrap,
+    done = subprocess.run([installed_neardup(), "serve", "--kafka-bootstrap", kafka_bootstrap,
                            "--metrics-port", "0", *flags], capture_output=True, cwd=REPO, env=cli_env(), timeout=30,
                           check=False)
     assert time.monotonic() - started <= 10
@@ -746,7 +758,7 @@ def test_serve_with_an_unreachable_service_says_so_within_seconds(kafka_bootstra
 @pytest.mark.services
 def test_serve_starting_a_new_group_logs_no_errors(kafka_bootstrap: str) -> None:
     name = f"cli-start-{os.getpid()}-{time.monotonic_ns()}"
-    proc = subprocess.Popen([sys.executable, "-m", "stream.cli", "serve", "--kafka-bootstrap", kafka_bootstrap,
+    proc = subprocess.Popen([installed_neardup(), "serve", "--kafka-bootstrap", kafka_bootstrap,
                              "--group-id", name, "--input-topics", f"{name}-in", "--unique-topic", f"{name}-u",
                              "--duplicate-topic", f"{name}-d", "--dead-letter-topic", f"{name}-x",
                              "--metrics-port", "0"], stderr=subprocess.PIPE, cwd=REPO, env=cli_env())
@@ -769,6 +781,38 @@ def test_serve_starting_a_new_group_logs_no_errors(kafka_bootstrap: str) -> None
     assert proc.returncode == 0
 
 
+@pytest.mark.services
+def test_tail_waits_for_a_topic_and_names_one_that_never_comes_without_creating_it(kafka_bootstrap: str) -> None:
+    import asyncio
+
+    from bench.kafka_support import produce, settings_for
+    from stream.kafka_tools import ensure_topics, missing_topics
+
+    settings = settings_for(kafka_bootstrap, "memory://")
+    never, later = f"{settings.unique_topic}-typo", settings.unique_topic
+    started = time.monotonic()
+    done = subprocess.run([installed_neardup(), "tail", never, "--from-beginning", "--timeout", "2s",
+                           "--kafka-bootstrap", kafka_bootstrap], capture_output=True, cwd=REPO, env=cli_env(),
+                          timeout=60, check=False)
+    assert done.returncode == 2 and done.stdout == b"" and time.monotonic() - started < 15
+    assert one_line(done) == f"neardup: no topic {never} on Kafka at {kafka_bootstrap}"
+    assert asyncio.run(missing_topics(settings, [never])) == [never]  # not auto-created by subscribing
+    # The README's order: `neardup serve &` then `neardup tail` at once: the topic comes a moment later.
+    proc = subprocess.Popen([installed_neardup(), "tail", later, "--from-beginning", "--timeout", "3s",
+                             "--kafka-bootstrap", kafka_bootstrap], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            cwd=REPO, env=cli_env())
+    time.sleep(1.5)
+
+    async def create() -> None:
+        await ensure_topics(settings, [later], partitions=1)
+        await produce(settings, later, [(None, b"hello", ())])
+
+    asyncio.run(create())
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert [json.loads(line)["value"] for line in out.splitlines()] == ["hello"]
+
+
 # Not benchmarks: what they share (needs), and the support of the Kafka and fault tests (imported, not run).
 BENCHES = sorted(p.name for p in (REPO / "bench").glob("*.py")
                  if p.name not in ("__init__.py", "needs.py", "kafka_support.py", "reliability.py"))
@@ -787,3 +831,117 @@ def test_every_benchmark_says_in_one_line_what_it_needs(tmp_path: Path, script: 
                           timeout=60, check=False)
     assert done.returncode == 2
     assert one_line(done).startswith(f"{script} needs ")
+
+
+# -- what a newcomer meets: packaging, refused values, the terminal, the README ----------------------------
+
+
+def test_every_file_the_packages_read_is_installed_with_them() -> None:
+    """A non-editable `pip install .` ships only Python files and the declared package data: a Lua script
+    read at import time and missing from the wheel made `neardup serve` a traceback in a fresh venv."""
+    import fnmatch
+    import tomllib
+
+    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    code = {".py", ".pyx", ".pxd", ".cpp", ".so", ".pyc"}
+    for package in ("filters", "stream"):
+        data = [p.relative_to(REPO / package).as_posix() for p in (REPO / package).rglob("*")
+                if p.is_file() and p.suffix not in code and "__pycache__" not in p.parts]
+        missing = [f for f in data if not any(fnmatch.fnmatch(f, g) for g in declared.get(package, []))]
+        assert missing == [], f"{package}: not in [tool.setuptools.package-data]: {missing}"
+
+
+@pytest.mark.parametrize(("args", "env", "toml", "says"), [
+    (["filter", "--window", "24"], {}, None, "window from flag --window: 24: a duration needs a unit"),
+    (["filter"], {"NEARDUP_WINDOW": "86400"}, None, "window from env NEARDUP_WINDOW: 86400: a duration needs a unit"),
+    (["filter"], {}, "window = 86400\n", "86400: a duration needs a unit"),
+    (["filter", "--window", "a day"], {}, None, "not a duration: 'a day'"),
+    (["serve", "--max-skew", "5"], {}, None, "max_skew from flag --max-skew: 5: a duration needs a unit"),
+    (["tail", "t", "--timeout", "3"], {}, None, "neardup tail: argument --timeout: 3: a duration needs a unit"),
+    (["top", "--once", "--interval", "2"], {}, None, "neardup top: argument --interval: 2: a duration needs a unit"),
+    (["filter", "--format", "xml"], {}, None, "invalid choice: 'xml' (choose from 'json', 'text')"),
+])
+def test_refused_values_are_one_line_with_the_accepted_forms(tmp_path: Path, args: list[str], env: dict[str, str],
+                                                             toml: str | None, says: str) -> None:
+    if toml is not None:
+        (tmp_path / "neardup.toml").write_text(toml)
+        env = {**env, "NEARDUP_CONFIG": str(tmp_path / "neardup.toml")}
+    done = subprocess.run([installed_neardup(), *args], input=b"", capture_output=True, cwd=REPO,
+                          env=cli_env(**env), timeout=60, check=False)
+    assert done.returncode == 2 and done.stdout == b""
+    line = one_line(done)
+    assert line.startswith("neardup") and says in line
+    if "duration" in says:
+        assert "30s, 15m, 24h, 7d" in line
+
+
+def test_progress_on_a_terminal_shows_percent_rate_and_eta_and_the_summary_stays(tmp_path: Path) -> None:
+    """stderr a terminal: the installed command redraws one line with the percent of bytes read, the rate and
+    the time left, and clears it before the summary. (stderr a pipe: test_progress_shows_percent_rate_and_eta.)"""
+    import pty
+    import select
+
+    src = write_lines(tmp_path / "in.jsonl", [jl({"id": str(i), "text": f"{OTHER} {i} {i * 7919 % 10007}"})
+                                               for i in range(150_000)])
+    master, slave = pty.openpty()
+    try:
+        proc = subprocess.Popen([installed_neardup(), "filter", str(src), "--unique", str(tmp_path / "u.jsonl")],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=slave, cwd=REPO,
+                                env=cli_env())
+        os.close(slave)
+        shown = b""
+        while True:
+            if select.select([master], [], [], 120)[0]:
+                try:
+                    chunk = os.read(master, 65536)
+                except OSError:  # the last writer closed the terminal
+                    chunk = b""
+                if not chunk:
+                    break
+                shown += chunk
+        assert proc.wait(timeout=60) == 0
+    finally:
+        os.close(master)
+    parts = shown.decode().replace("\r\n", "\n").split("\r\033[K")
+    lines = [p for p in parts if p.strip() and not p.startswith("in ")]
+    progress = re.compile(r"^\s*(\d+\.\d)% {2}[\d,]+ messages {2}[\d,]+ duplicates {2}0 rejected {2}([\d,]+)/s {2}"
+                          r"ETA \d+:\d\d:\d\d$")
+    matched = [progress.match(p) for p in lines]
+    assert matched and all(matched), lines[:5]
+    percents = [float(m[1]) for m in matched if m]
+    assert percents == sorted(percents) and 0 < percents[0] < 100
+    assert all(int(m[2].replace(",", "")) > 0 for m in matched if m)
+    assert counts(parts[-1])[0] == 150_000  # the summary, after the cleared line
+
+
+def test_readme_says_how_to_choose_the_window_and_the_method_and_its_flags_exist() -> None:
+    from filters.config import FilterConfig
+    from stream.cli import build_parser
+    from stream.config import parse_duration
+
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250
+    window = readme.partition("**Choosing the window.**")[2].partition("\n\n")[0]
+    assert "`--window`" in window
+    forms = re.findall(r"`(\d+(?:\.\d+)?[a-z]+)`", window)
+    assert len(forms) >= 3 and all(parse_duration(f) > 0 for f in forms)
+    method = readme.partition("### Which method when")[2].partition("\n## ")[0]
+    rows = re.findall(r"^\| `([a-z,]+)`", method, flags=re.M)
+    assert {"exact,mgram", "minhash", "simhash", "sentences"} <= set(rows)
+    for row in rows:
+        FilterConfig(methods=tuple(row.split(",")))  # each is a value --methods takes
+    assert "Use the default" in method
+
+    import argparse
+
+    def options(parser: argparse.ArgumentParser) -> set[str]:
+        found = {o for a in parser._actions for o in a.option_strings}
+        for a in parser._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for sub in a.choices.values():
+                    found |= options(sub)
+        return found
+
+    known = options(build_parser())
+    named = set(re.findall(r"(?<![\w-])(--[a-z][a-z-]+)", readme))
+    assert named - known == set(), "README names options no command has"

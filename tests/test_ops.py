@@ -53,6 +53,7 @@ from stream.ops import Ops
 from stream.ops_http import render_page, sparkline, start_server
 from stream.top import CLEAR, SHOW_CURSOR, fit, render, run_top, safe
 from stream.worker import AiokafkaWorker, FaustWorker, make_worker
+from tests.test_cli import installed_neardup
 from tests.test_kafka_e2e import REPO, alive, serve_env, stop
 
 DOCKER = REPO / "docker"
@@ -239,7 +240,7 @@ def test_serve_metrics_and_campaigns_equal_the_routed_outputs(kafka_bootstrap: s
         ready = get(f"{base}/ready")
         campaigns = get(f"{base}/campaigns?limit=1000")
         page = get(f"{base}/?refresh=7")
-        top_http = subprocess.run([sys.executable, "-m", "stream.cli", "top", "--once", "--from", base, "--limit", "3"],
+        top_http = subprocess.run([installed_neardup(), "top", "--once", "--from", base, "--limit", "3"],
                                   cwd=REPO, capture_output=True, text=True, timeout=30)
     finally:
         err = stop(proc)
@@ -297,7 +298,7 @@ def test_serve_metrics_and_campaigns_equal_the_routed_outputs(kafka_bootstrap: s
         assert {c.id: c.size for c in store.top(1000).campaigns} == dict(per_rep)
     finally:
         store.close()
-    top = subprocess.run([sys.executable, "-m", "stream.cli", "top", "--once", "--index", settings.index,
+    top = subprocess.run([installed_neardup(), "top", "--once", "--index", settings.index,
                           "--window", format_duration(settings.window), "--limit", "2"], cwd=REPO, capture_output=True,
                          text=True, timeout=30)
     assert top.returncode == 0, top.stderr
@@ -319,6 +320,63 @@ def test_serve_metrics_and_campaigns_equal_the_routed_outputs(kafka_bootstrap: s
     assert sum(r["records"] for r in per_batch) == total
     assert 1 <= sum(r["level"] == "info" for r in per_batch) <= batches
     assert any(r["msg"].startswith(f"stopped: {total} routed") for r in records)
+
+
+INFO_LINE = re.compile(r" INFO .*batch \d+: .*; total (\d+), (\d+) msg/s over the last (\d+)s$")
+
+
+@pytest.mark.services
+@pytest.mark.timeout(120)
+def test_serve_logs_the_rate_of_the_last_interval_not_the_average_since_start(kafka_bootstrap: str) -> None:
+    """A burst, a record after 10 s, then a trickle after 10 s more: the trickle's INFO line shows the
+    trickle's rate over the seconds since the line before (a few msg/s), not the average since start (tens)."""
+    from stream.ops import INFO_EVERY
+
+    settings = settings_for(kafka_bootstrap, "memory://", id_field="id", max_batch=64, metrics_port=free_port(),
+                            campaigns=False)
+    (topic,) = settings.input_topics
+
+    def records(start: int, n: int) -> list[tuple[None, bytes, tuple[()]]]:
+        return [(None, orjson.dumps({"id": str(i), "text": f"message {i}: {' '.join(str(i * k) for k in range(9))}"}), ())
+                for i in range(start, start + n)]
+
+    asyncio.run(ensure_topics(settings, [*settings.input_topics, *settings.output_topics], partitions=1))
+    asyncio.run(produce(settings, topic, records(0, 1000)))
+    launched = time.monotonic()
+    proc = subprocess.Popen([installed_neardup(), "serve"], cwd=REPO, env=serve_env(settings),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    assert proc.stderr is not None
+    seen: list[tuple[float, str]] = []
+    threading.Thread(target=lambda: seen.extend((time.monotonic(), line.decode().rstrip())
+                                                for line in iter(proc.stderr.readline, b"")), daemon=True).start()
+
+    def info_lines(count: int, timeout: float = 30) -> list[tuple[float, re.Match[str]]]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = [(t, m) for t, line in list(seen) if (m := INFO_LINE.search(line))]
+            if len(found) >= count:
+                return found
+            time.sleep(0.1)
+        raise AssertionError("\n".join(line for _, line in seen))
+
+    try:
+        assert len(asyncio.run(outputs(settings, 1000, timeout=60))) == 1000
+        info_lines(1)
+        time.sleep(INFO_EVERY + 0.5)
+        asyncio.run(produce(settings, topic, records(1000, 1)))
+        info_lines(2)
+        time.sleep(INFO_EVERY + 0.5)
+        asyncio.run(produce(settings, topic, records(1001, 20)))
+        (t1, before), (t2, last) = info_lines(3)[1:3]
+    finally:
+        err = stop(proc)
+    assert proc.returncode == 0, err[-3000:]
+    total1, total2 = int(before[1]), int(last[1])
+    rate, seconds = int(last[2]), int(last[3])
+    assert (total1, total2) == (1001, 1021)
+    assert abs(seconds - (t2 - t1)) <= 1.5  # the interval is the time since the line before
+    assert abs(rate - (total2 - total1) / (t2 - t1)) <= 1.5  # ~2 msg/s
+    assert total2 / (t2 - launched) > 3 * (rate + 1)  # the average since start is much higher
 
 
 @pytest.mark.services
@@ -662,7 +720,7 @@ def top_in_terminal(*args: str) -> Iterator[tuple[Terminal, subprocess.Popen[byt
     term = Terminal()
     env = {k: v for k, v in os.environ.items() if not k.startswith("NEARDUP_") and k != "NO_COLOR"}
     env.update(PYTHONPATH=str(REPO), TERM="xterm")
-    proc = subprocess.Popen([sys.executable, "-m", "stream.cli", "top", *args], cwd=REPO, env=env,
+    proc = subprocess.Popen([installed_neardup(), "top", *args], cwd=REPO, env=env,
                             stdin=term.slave, stdout=term.slave, stderr=term.slave)
     try:
         yield term, proc
