@@ -12,12 +12,16 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import orjson
 
 from filters.engine import NearDupFilter
 from stream.codec import RecordFormat
 from stream.runner import DUPLICATE, UNIQUE, RawRecord, route_batch
+
+if TYPE_CHECKING:  # the Kafka extra: only its type, for whoever passes outputs
+    from stream.kafka_tools import KafkaRecord
 
 _SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "ta", "vo", "si", "pe", "du", "ar", "en", "il", "om", "ub", "zy",
               "qua", "tri", "sol", "mar", "ven", "dor", "lin", "pax")
@@ -89,6 +93,17 @@ def reference(items: Sequence[Item], nd: NearDupFilter) -> dict[str, str]:
             assert routed.verdict is not None
             verdicts[routed.verdict.id] = DUPLICATE if routed.verdict.duplicate else UNIQUE
     return verdicts
+
+
+def verdicts_of(outputs: Sequence[KafkaRecord]) -> dict[str, str]:
+    """What a worker's outputs say: id → verdict (headers `neardup-id`, `neardup-verdict`)."""
+    out = {}
+    for r in outputs:
+        ident = r.header("neardup-id")
+        if ident is None:
+            raise ValueError(f"an output without neardup-id: {r}")
+        out[ident.decode()] = (r.header("neardup-verdict") or b"").decode()
+    return out
 
 
 def differences(got: dict[str, str], want: dict[str, str]) -> list[str]:

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from filters.errors import IndexCorrupt
-from filters.index import Batch, Candidate, CandidateIndex, Entry, Query, Verifier
+from filters.index import Batch, CandidateIndex, Entry, IndexWrapper, Verifier
 from filters.index.redis_codec import decode_entry, encode_entry
 from filters.records import Verdict
 
@@ -68,7 +68,7 @@ def decode_record(id: str, value: bytes) -> tuple[Entry, tuple[int, ...]]:
     return decode_entry(value[end:], id), keys
 
 
-class Journal:
+class Journal(IndexWrapper):
     """A `CandidateIndex` that notes what each decided batch made unique (`take`), for the changelog.
 
     It wraps the door: the batch goes to the inner index whole. A shared index is decided from
@@ -78,18 +78,13 @@ class Journal:
     def __init__(self, inner: CandidateIndex) -> None:
         if inner.compiled_table:
             raise ValueError("the changelog journals a shared index (decided from fingerprints)")
-        self.inner = inner
+        super().__init__(inner)
         self._made: list[tuple[Entry, tuple[int, ...]]] = []
-
-    @property
-    def compiled_table(self) -> bool:
-        return self.inner.compiled_table
 
     def decide(self, batch: Batch, verifier: Verifier) -> list[Verdict]:
         verdicts = self.inner.decide(batch, verifier)
-        fps = batch.prepared
         made = self._made
-        for msg, fp, verdict in zip(batch.messages, fps, verdicts, strict=True):
+        for msg, fp, verdict in zip(batch.messages, batch.prepared, verdicts, strict=True):
             if not verdict.duplicate:
                 made.append((Entry.of(msg.id, msg.ts, fp), fp.keys))
         return verdicts
@@ -98,27 +93,6 @@ class Journal:
         """The entries made unique since the last `take`, in order."""
         made, self._made = self._made, []
         return made
-
-    def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | None, list[Candidate]]]:
-        return self.inner.lookup(queries, limit)
-
-    def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]:
-        return self.inner.insert(entries)
-
-    def restore(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> int:
-        return self.inner.restore(entries)
-
-    def expire(self, now: float) -> int:
-        return self.inner.expire(now)
-
-    def stats(self) -> dict[str, int]:
-        return self.inner.stats()
-
-    def close(self) -> None:
-        self.inner.close()
-
-    def __getattr__(self, name: str) -> Any:  # backend extras (namespace, prefix, ...) stay reachable
-        return getattr(self.inner, name)
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from filters.engine import Message, NearDupFilter, Prepared, Verdict
-from filters.index import Batch, Candidate, CandidateIndex, Entry, Query, Verifier
+from filters.index import Batch, Candidate, CandidateIndex, Entry, IndexWrapper, Query, Verifier
 
 STAGES = ("decode", "fingerprint", "index", "produce")
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -220,18 +220,14 @@ class TimedFilter:
             self.decided += time.perf_counter() - t0 - aside[0]
 
 
-class TimedIndex:
+class TimedIndex(IndexWrapper):
     """A `CandidateIndex` that times the round trips of another (a shared one: Redis). It wraps the door
     (`decide`): the batch goes to the inner index whole (its overlap and read-ahead with it), with the
     timing as the batch's `observe`."""
 
     def __init__(self, inner: CandidateIndex, observe: Callable[[str, float], None]) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self._observe = observe
-
-    @property
-    def compiled_table(self) -> bool:
-        return self.inner.compiled_table
 
     def decide(self, batch: Batch, verifier: Verifier) -> list[Verdict]:
         return self.inner.decide(replace(batch, observe=self._observe), verifier)
@@ -249,21 +245,6 @@ class TimedIndex:
             return self.inner.insert(entries)
         finally:
             self._observe("insert", time.perf_counter() - t0)
-
-    def restore(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> int:
-        return self.inner.restore(entries)
-
-    def expire(self, now: float) -> int:
-        return self.inner.expire(now)
-
-    def stats(self) -> dict[str, int]:
-        return self.inner.stats()
-
-    def close(self) -> None:
-        self.inner.close()
-
-    def __getattr__(self, name: str) -> Any:  # backend extras (namespace, prefix, ...) stay reachable
-        return getattr(self.inner, name)
 
 
 RouteStep = Callable[..., Any]

@@ -25,7 +25,7 @@ from bench.reliability import (
 )
 from filters.engine import NearDupFilter
 from stream.align import Aligner, GroupView, RedisMarks
-from stream.backlog import Item, backlog, differences, f1, reference
+from stream.backlog import Item, backlog, differences, f1, reference, verdicts_of
 from stream.kafka_tools import KafkaRecord
 from stream.worker import AiokafkaWorker
 
@@ -239,15 +239,6 @@ def _produce(settings, items: Sequence[Item]) -> None:  # type: ignore[no-untype
     asyncio.run(go())
 
 
-def _routed(records: Sequence[KafkaRecord]) -> dict[str, str]:
-    out = {}
-    for r in records:
-        ident = r.header("neardup-id")
-        assert ident is not None, r
-        out[ident.decode()] = (r.header("neardup-verdict") or b"").decode()
-    return out
-
-
 def _run_workers(settings, count: int, total: int) -> dict[str, str]:  # type: ignore[no-untyped-def]
     async def go() -> list[KafkaRecord]:
         workers = [AiokafkaWorker(settings) for _ in range(count)]
@@ -266,7 +257,7 @@ def _run_workers(settings, count: int, total: int) -> dict[str, str]:  # type: i
             await asyncio.gather(*tasks)
         return await read_outputs(settings, sources=total, settle=0.5)
 
-    return _routed(asyncio.run(go()))
+    return verdicts_of(asyncio.run(go()))
 
 
 @pytest.mark.parametrize("workers", [1, 2])
@@ -362,7 +353,7 @@ def test_two_serve_workers_with_a_kill_9_and_a_redis_outage_route_a_backlog_as_t
                 w.alive()
     sources = [r.header("neardup-source") for r in got]
     assert len(sources) == len(set(sources)) == len(items)  # lost 0, doubled 0
-    routed = _routed(got)
+    routed = verdicts_of(got)
     diff = differences(routed, want)
     assert len(diff) <= 2, diff
     assert abs(f1(routed, items) - f1(want, items)) <= 0.005

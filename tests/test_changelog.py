@@ -25,9 +25,8 @@ from filters.index import Entry
 from filters.index.backends import open_index
 from filters.index.memory import MemoryIndex
 from filters.records import Message
-from stream.backlog import backlog, differences, f1, reference
+from stream.backlog import backlog, differences, f1, reference, verdicts_of
 from stream.changelog import IndexGuard, Journal, decode_record, encode_record
-from stream.kafka_tools import KafkaRecord
 
 TEXTS = [
     "WIN a FREE iPhone now!!! call 555-0100 to claim your prize today",
@@ -198,15 +197,6 @@ class PrivateRedis:
             self.proc = None
 
 
-def _routed(records: list[KafkaRecord]) -> dict[str, str]:
-    out = {}
-    for r in records:
-        ident = r.header("neardup-id")
-        assert ident is not None, r
-        out[ident.decode()] = (r.header("neardup-verdict") or b"").decode()
-    return out
-
-
 @pytest.mark.parametrize(("loss", "changelog"), [("restart", True), ("flushall", True), ("restart", False)])
 def test_two_workers_route_a_backlog_as_the_filter_though_redis_loses_its_data(
         kafka_bootstrap: str, tmp_path: Path, loss: str, changelog: bool) -> None:
@@ -250,7 +240,7 @@ def test_two_workers_route_a_backlog_as_the_filter_though_redis_loses_its_data(
         server.stop()
     sources = [r.header("neardup-source") for r in got]
     assert len(sources) == len(set(sources)) == len(items)  # lost 0, doubled 0
-    routed = _routed(got)
+    routed = verdicts_of(got)
     diff = differences(routed, want)
     print(loss, changelog, len(diff), f1(routed, items), f1(want, items), logs.count("rebuilding it from"))
     if not changelog:  # the test can fail: without the changelog, what the window held is forgotten

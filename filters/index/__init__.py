@@ -160,3 +160,38 @@ class CandidateIndex(Protocol):
     def close(self) -> None:
         ...
 
+
+class IndexWrapper:
+    """A `CandidateIndex` around another that forwards every call to it: a wrapper (timing, the changelog's
+    journal) overrides only what it adds to, so it cannot lose a feature of the index it wraps."""
+
+    def __init__(self, inner: CandidateIndex) -> None:
+        self.inner = inner
+
+    @property
+    def compiled_table(self) -> bool:
+        return self.inner.compiled_table
+
+    def decide(self, batch: Batch, verifier: Verifier) -> list[Verdict]:
+        return self.inner.decide(batch, verifier)
+
+    def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | None, list[Candidate]]]:
+        return self.inner.lookup(queries, limit)
+
+    def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]:
+        return self.inner.insert(entries)
+
+    def restore(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> int:
+        return self.inner.restore(entries)
+
+    def expire(self, now: float) -> int:
+        return self.inner.expire(now)
+
+    def stats(self) -> dict[str, int]:
+        return self.inner.stats()
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def __getattr__(self, name: str) -> Any:  # backend extras (namespace, prefix, ...) stay reachable
+        return getattr(self.inner, name)
