@@ -29,7 +29,10 @@ Pure and synchronous (the worker's loop feeds it and publishes its marks): no I/
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import heapq
+import logging
 import math
 import time
 import uuid
@@ -42,6 +45,7 @@ from typing import Any, Protocol
 from stream.kafka_tools import KafkaRecord
 
 Lane = tuple[str, int]  # topic, partition
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,6 +303,12 @@ class GroupMarks(Protocol):
         """This worker's low mark and the partitions it owns (of `every`, the input's); the group's view."""
         ...
 
+    async def moved(self, timeout: float) -> None:
+        """Returns once another worker's mark or claims changed since the last `publish` read them, or after
+        `timeout` seconds (a mark that expired, or marks that cannot be watched): a worker held back by the
+        group reads them again then."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -307,6 +317,9 @@ class SoloMarks:
 
     async def publish(self, low: float | None, owned: Iterable[Lane], every: Iterable[Lane]) -> GroupView:
         return GroupView(None)
+
+    async def moved(self, timeout: float) -> None:
+        await asyncio.sleep(timeout)
 
     async def close(self) -> None:
         pass
@@ -327,7 +340,12 @@ def _text(value: float | None) -> str:
 
 class RedisMarks:
     """The group's marks in a Redis hash beside the index (one key: `{prefix:namespace}:marks:<group>`),
-    written and read in one script call (stream/lua/marks.lua), with the server's clock for expiry."""
+    written and read in one script call (stream/lua/marks.lua), with the server's clock for expiry.
+
+    The script publishes on `<key>:moved` when what the others see changes; a listener (a subscription of
+    its own, opened with the first `publish`) counts what the other workers published, so that `moved`
+    returns as soon as one of them moved after the marks were last read: a worker held back wakes one
+    publish after the worker holding it back decided, instead of reading the marks in a loop."""
 
     def __init__(self, url: str, *, namespace: str, group: str, member: str = "", ttl: float = 10.0) -> None:
         import redis.asyncio as aioredis
@@ -344,14 +362,62 @@ class RedisMarks:
         self._client = (RedisCluster.from_url(target.client_url, **options) if target.cluster
                         else aioredis.Redis.from_url(target.client_url, **options))
         self._script = self._client.register_script(MARKS_LUA)
+        self._listener: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        self._others = 0  # how many times the others' marks moved (as published), since the listener started
+        self._read = 0  # `_others` when the marks were last read
 
     async def publish(self, low: float | None, owned: Iterable[Lane], every: Iterable[Lane]) -> GroupView:
         from filters.index.redis import redis_errors
 
         claims = " ".join(f"{topic}/{partition}" for topic, partition in sorted(owned))
+        read = self._others  # a move published from now on is after this read of the marks
         with redis_errors(self.where):
             got = await self._script(keys=[self.key], args=[self.member, _text(low), self.ttl_ms, claims])
+        self._read = read
+        if (self._listener is None or self._listener.done()) and await self._listen():
+            self._read -= 1  # a move between the read and the subscription would be missed: read again
         return GroupView(_number(got[0]), covers(got[1], every))
+
+    async def moved(self, timeout: float) -> None:
+        if self._listener is None or self._listener.done():
+            await asyncio.sleep(timeout)  # not watching (Redis was down): read again after the timeout
+            return
+        if self._others == self._read:
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)
+
+    async def _listen(self) -> bool:
+        """Subscribes and counts the others' moves in a task; False if the subscription failed (`moved` then
+        falls back to its timeout, and the next `publish` tries again)."""
+        from redis.exceptions import RedisError
+
+        channel = f"{self.key}:moved"
+        me = self.member.encode()
+        try:
+            pubsub = self._client.pubsub()
+            await pubsub.subscribe(channel)
+        except (RedisError, OSError) as exc:
+            log.debug("event-time marks: not watching %s (%s): reading them every poll", channel, exc)
+            return False
+
+        async def listen() -> None:
+            try:
+                while True:
+                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=None)
+                    if message is not None and message.get("data") != me:
+                        self._others += 1
+                        self._wake.set()
+            except (RedisError, OSError):
+                pass  # Redis went away: publish subscribes again
+            finally:
+                self._wake.set()  # whoever waits reads the marks (or their error) now
+                with contextlib.suppress(RedisError, OSError):
+                    await pubsub.aclose()
+
+        self._listener = asyncio.ensure_future(listen())
+        return True
 
     async def close(self) -> None:
         from filters.errors import NeardupError
@@ -362,6 +428,10 @@ class RedisMarks:
                 await self._script(keys=[self.key], args=[self.member, "", self.ttl_ms, ""])  # leave
         except NeardupError:
             pass  # leaving is best effort: the mark expires anyway
+        if self._listener is not None:
+            self._listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._listener
         await self._client.aclose()
 
 

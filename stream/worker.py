@@ -117,8 +117,9 @@ def transient(exc: BaseException) -> bool:
     return isinstance(exc, KAFKA_UNAVAILABLE) or (isinstance(exc, KafkaError) and exc.retriable)
 
 
-# How often a worker held back by the group reads the others' marks again (one Redis round trip each).
-_GROUP_POLL = 0.001
+# How long a worker held back by the group waits for another worker's mark to move (`GroupMarks.moved`: at
+# once when one does) before it reads the marks again anyway (a mark that expired says nothing).
+_GROUP_POLL = 0.05
 KAFKA_PROBE_EVERY = 1.0  # seconds between reachability probes while the broker is unavailable
 _KAFKA_PROBE_TIMEOUT = 5.0
 _MAX_ERROR_CHARS = 500
@@ -714,7 +715,7 @@ class AiokafkaWorker(_WorkerCore):
                                 async with self._lock:
                                     await self._drain()
                             elif batch.waiting == "group":
-                                await asyncio.sleep(_GROUP_POLL)  # the others' marks: read again next round
+                                await self.marks.moved(_GROUP_POLL)  # then the others' marks are read again
                             elif not await self._fetch(consumer, 2, stop_wait):
                                 break
                         elif busy:

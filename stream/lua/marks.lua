@@ -8,13 +8,24 @@
 -- partitions each live worker says it owns (the caller checks that they cover the input once: until
 -- then somebody's mark is missing or stale). Expired marks (a worker that died) are removed. Server
 -- time, so workers' clocks never matter.
+-- When what the others see of the group changes (this worker's low mark or claims, its leaving, a mark
+-- expired), the worker's id is published on the channel KEYS[1] .. ':moved': a worker held back by the
+-- group waits for that instead of reading the marks again and again.
 local key, me, low, ttl, claims = KEYS[1], ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local before = redis.call('HGET', key, me)
+local moved = false
 if low == '' and claims == '' then
-  redis.call('HDEL', key, me)
+  moved = redis.call('HDEL', key, me) == 1
 else
   redis.call('HSET', key, me, low .. '|' .. string.format('%d', now + ttl) .. '|' .. claims)
+  if before then
+    local l, _, c = string.match(before, '^([^|]*)|(%d+)|(.*)$')
+    moved = l ~= low or c ~= claims
+  else
+    moved = true
+  end
 end
 local all = redis.call('HGETALL', key)
 local group_low, low_s, owned = math.huge, '', {}
@@ -22,6 +33,7 @@ for i = 1, #all, 2 do
   local l, e, c = string.match(all[i + 1], '^([^|]*)|(%d+)|(.*)$')
   if e == nil or tonumber(e) < now then
     redis.call('HDEL', key, all[i])
+    moved = true
   else
     if all[i] ~= me and l ~= '' and tonumber(l) < group_low then group_low = tonumber(l); low_s = l end
     owned[#owned + 1] = c
@@ -29,4 +41,5 @@ for i = 1, #all, 2 do
 end
 -- The hash goes when no worker has written it for ten lifetimes of a mark.
 redis.call('PEXPIRE', key, 10 * ttl)
+if moved then redis.call('PUBLISH', key .. ':moved', me) end
 return {low_s, owned}
