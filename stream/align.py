@@ -303,10 +303,10 @@ class GroupMarks(Protocol):
         """This worker's low mark and the partitions it owns (of `every`, the input's); the group's view."""
         ...
 
-    async def moved(self, timeout: float) -> None:
+    async def moved(self, timeout: float) -> GroupView | None:
         """Returns once another worker's mark or claims changed since the last `publish` read them, or after
-        `timeout` seconds (a mark that expired, or marks that cannot be watched): a worker held back by the
-        group reads them again then."""
+        `timeout` seconds (a mark that expired, or marks that cannot be watched): the group's view if the
+        change came with one newer than the last `publish`'s (no need to read them again), else None."""
         ...
 
     async def close(self) -> None: ...
@@ -318,8 +318,9 @@ class SoloMarks:
     async def publish(self, low: float | None, owned: Iterable[Lane], every: Iterable[Lane]) -> GroupView:
         return GroupView(None)
 
-    async def moved(self, timeout: float) -> None:
+    async def moved(self, timeout: float) -> GroupView | None:
         await asyncio.sleep(timeout)
+        return None
 
     async def close(self) -> None:
         pass
@@ -342,10 +343,11 @@ class RedisMarks:
     """The group's marks in a Redis hash beside the index (one key: `{prefix:namespace}:marks:<group>`),
     written and read in one script call (stream/lua/marks.lua), with the server's clock for expiry.
 
-    The script publishes on `<key>:moved` when what the others see changes; a listener (a subscription of
-    its own, opened with the first `publish`) counts what the other workers published, so that `moved`
-    returns as soon as one of them moved after the marks were last read: a worker held back wakes one
-    publish after the worker holding it back decided, instead of reading the marks in a loop."""
+    The script publishes the marks on `<key>:moved` when what the others see changes, numbered by the order
+    of the script's calls; a listener (a subscription of its own, opened with the first `publish`) keeps the
+    newest, so that a worker held back wakes as soon as another worker moved (`moved`) and, if what it got
+    is newer than its own last call (so it shows this worker's own claims as they are), takes it as a read
+    of the marks without a round trip."""
 
     def __init__(self, url: str, *, namespace: str, group: str, member: str = "", ttl: float = 10.0) -> None:
         import redis.asyncio as aioredis
@@ -364,37 +366,64 @@ class RedisMarks:
         self._script = self._client.register_script(MARKS_LUA)
         self._listener: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
-        self._others = 0  # how many times the others' marks moved (as published), since the listener started
-        self._read = 0  # `_others` when the marks were last read
+        self._read = 0  # the number of this worker's last call of the script (or of the marks taken since)
+        self._newest: tuple[int, bytes] = (0, b"")  # the newest marks published: their call's number, the marks
+        self._every: list[Lane] = []
 
     async def publish(self, low: float | None, owned: Iterable[Lane], every: Iterable[Lane]) -> GroupView:
         from filters.index.redis import redis_errors
 
+        self._every = list(every)
         claims = " ".join(f"{topic}/{partition}" for topic, partition in sorted(owned))
-        read = self._others  # a move published from now on is after this read of the marks
         with redis_errors(self.where):
-            got = await self._script(keys=[self.key], args=[self.member, _text(low), self.ttl_ms, claims])
-        self._read = read
-        if (self._listener is None or self._listener.done()) and await self._listen():
-            self._read -= 1  # a move between the read and the subscription would be missed: read again
-        return GroupView(_number(got[0]), covers(got[1], every))
+            got = await self._script(keys=[self.key, f"{self.key}:n"],
+                                     args=[self.member, _text(low), self.ttl_ms, claims])
+        self._read = int(got[2])  # later than any marks taken from the channel before
+        if self._newest[0] > self._read:
+            self._newest = (0, b"")  # the counter started again (Redis restarted with nothing saved)
+        if self._listener is None or self._listener.done():
+            await self._listen()  # from now on: a move between this read and the subscription falls to the timeout
+        return GroupView(_number(got[0]), covers(got[1], self._every))
 
-    async def moved(self, timeout: float) -> None:
+    async def moved(self, timeout: float) -> GroupView | None:
         if self._listener is None or self._listener.done():
             await asyncio.sleep(timeout)  # not watching (Redis was down): read again after the timeout
-            return
-        if self._others == self._read:
+            return None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self._newest[0] <= self._read:  # this worker's own moves wake it too: not news
             self._wake.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout)
+            try:
+                await asyncio.wait_for(self._wake.wait(), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                return None
+            if self._listener.done():
+                return None
+        n, marks = self._newest
+        self._read = n
+        return self._view(marks)
+
+    def _view(self, marks: bytes) -> GroupView:
+        """The group's view from published marks (lines of "<worker>|<low mark>|<claims>"), as the script answers."""
+        low: float | None = None
+        claims: list[bytes] = []
+        me = self.member.encode()
+        for line in marks.split(b"\n"):
+            rest, _, owned = line.rpartition(b"|")
+            worker, _, mark = rest.rpartition(b"|")
+            claims.append(owned)
+            value = _number(mark)
+            if worker != me and value is not None and (low is None or value < low):
+                low = value
+        return GroupView(low, covers(claims, self._every))
 
     async def _listen(self) -> bool:
-        """Subscribes and counts the others' moves in a task; False if the subscription failed (`moved` then
-        falls back to its timeout, and the next `publish` tries again)."""
+        """Subscribes and keeps the newest marks published in a task; False if the subscription failed
+        (`moved` then falls back to its timeout, and the next `publish` tries again)."""
         from redis.exceptions import RedisError
 
         channel = f"{self.key}:moved"
-        me = self.member.encode()
+        self._newest = (0, b"")
         try:
             pubsub = self._client.pubsub()
             await pubsub.subscribe(channel)
@@ -406,8 +435,11 @@ class RedisMarks:
             try:
                 while True:
                     message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=None)
-                    if message is not None and message.get("data") != me:
-                        self._others += 1
+                    if message is None:
+                        continue
+                    number, _, marks = bytes(message["data"]).partition(b"\n")
+                    if int(number) > self._newest[0]:
+                        self._newest = (int(number), marks)
                         self._wake.set()
             except (RedisError, OSError):
                 pass  # Redis went away: publish subscribes again
@@ -425,7 +457,7 @@ class RedisMarks:
 
         try:
             with redis_errors(self.where):
-                await self._script(keys=[self.key], args=[self.member, "", self.ttl_ms, ""])  # leave
+                await self._script(keys=[self.key, f"{self.key}:n"], args=[self.member, "", self.ttl_ms, ""])  # leave
         except NeardupError:
             pass  # leaving is best effort: the mark expires anyway
         if self._listener is not None:

@@ -228,6 +228,57 @@ def test_marks_in_redis_give_the_groups_low_and_high_and_expire(index_url: str) 
     asyncio.run(scenario())
 
 
+def test_a_worker_held_back_wakes_when_another_mark_moves_not_when_it_is_refreshed(index_url: str) -> None:
+    async def waited(marks: RedisMarks, timeout: float) -> tuple[GroupView | None, float]:
+        started = time.monotonic()
+        view = await marks.moved(timeout)
+        return view, time.monotonic() - started
+
+    async def scenario() -> None:
+        every = [("in", 0), ("in", 1)]
+        a = RedisMarks(index_url, namespace="ns", group="g", member="a", ttl=60)
+        b = RedisMarks(index_url, namespace="ns", group="g", member="b", ttl=60)
+        try:
+            await b.publish(10.0, [("in", 1)], every)
+            assert await a.publish(20.0, [("in", 0)], every) == GroupView(10.0)
+            view, seconds = await waited(a, 0.3)
+            assert view is None and seconds >= 0.25  # nothing moved since a read the marks: the timeout
+            await b.publish(10.0, [("in", 1)], every)  # b refreshes its mark: nobody is woken
+            await a.publish(25.0, [("in", 0)], every)  # a's own move does not wake a ...
+            view, seconds = await waited(a, 0.3)
+            assert view is None and seconds >= 0.25
+            view, seconds = await waited(b, 5.0)  # ... it wakes b, with the marks as they are: no read needed
+            assert view == GroupView(25.0) and seconds < 1.0
+
+            async def b_decides() -> None:
+                await asyncio.sleep(0.2)
+                await b.publish(14.0, [("in", 1)], every)
+
+            task = asyncio.ensure_future(b_decides())
+            view, seconds = await waited(a, 5.0)
+            assert view == GroupView(14.0) and 0.15 < seconds < 1.0  # woken by b's move, long before the timeout
+            await task
+            assert await a.publish(25.0, [("in", 0)], every) == GroupView(14.0)
+            await b.publish(15.0, [("in", 1)], every)  # moved between a's read and a's wait: not missed
+            view, seconds = await waited(a, 5.0)
+            assert view == GroupView(15.0) and seconds < 0.5
+            # Marks published before a's last read are older than what a read: a reads nothing from them.
+            await b.publish(16.0, [("in", 1)], every)
+            await asyncio.sleep(0.1)  # the news of b's move arrived ...
+            assert await a.publish(25.0, [("in", 0)], every) == GroupView(16.0)  # ... but a read the marks since
+            view, seconds = await waited(a, 0.3)
+            assert view is None and seconds >= 0.25
+            # A claim that does not fit (b says it owns both, a has not let go) is pushed as it is: incomplete.
+            await b.publish(17.0, every, every)
+            view, _ = await waited(a, 5.0)
+            assert view is not None and view.complete is False
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(scenario())
+
+
 # -- the worker on a real broker -----------------------------------------------------------------
 
 
