@@ -378,9 +378,10 @@ class RedisMarks:
         with redis_errors(self.where):
             got = await self._script(keys=[self.key, f"{self.key}:n"],
                                      args=[self.member, _text(low), self.ttl_ms, claims])
-        self._read = int(got[2])  # later than any marks taken from the channel before
-        if self._newest[0] > self._read:
-            self._newest = (0, b"")  # the counter started again (Redis restarted with nothing saved)
+        number = int(got[2])  # later than any marks taken from the channel before, unless ...
+        if number < self._read:
+            self._newest = (0, b"")  # ... the counter started again (Redis restarted with nothing saved)
+        self._read = number  # (marks newer than this call, published while it was answered, are kept)
         if self._listener is None or self._listener.done():
             await self._listen()  # from now on: a move between this read and the subscription falls to the timeout
         return GroupView(_number(got[0]), covers(got[1], self._every))

@@ -4,14 +4,17 @@ real broker, whose routing of a backlog on four partitions must equal the filter
 from __future__ import annotations
 
 import asyncio
+import shutil
+import subprocess
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
+import redis
 
-from bench.kafka_support import redis_namespace
+from bench.kafka_support import free_port, redis_namespace
 from bench.reliability import (
     ProxyThread,
     Serve,
@@ -24,6 +27,7 @@ from bench.reliability import (
     wait_assigned,
 )
 from filters.engine import NearDupFilter
+from filters.errors import NeardupError
 from stream.align import Aligner, GroupView, RedisMarks
 from stream.backlog import Item, backlog, differences, f1, reference
 from stream.kafka_tools import KafkaRecord
@@ -277,6 +281,75 @@ def test_a_worker_held_back_wakes_when_another_mark_moves_not_when_it_is_refresh
             await b.close()
 
     asyncio.run(scenario())
+
+
+def test_after_a_redis_restart_the_marks_are_pushed_again(tmp_path: Path) -> None:
+    """A Redis of this test's own, restarted without persistence: the calls' counter starts again, and a
+    held worker still wakes with the marks (not only after its timeout) once both published again."""
+    port = free_port()
+
+    def start() -> subprocess.Popen[bytes]:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            pytest.fail("redis-server is not installed (.ci/run installs it)", pytrace=False)
+        proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                                 "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                if redis.Redis(port=port, socket_timeout=1).ping():
+                    return proc
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.05)
+
+    async def scenario() -> None:
+        every = [("in", 0), ("in", 1)]
+        url = f"redis://127.0.0.1:{port}/0"
+        a = RedisMarks(url, namespace="ns", group="g", member="a", ttl=60)
+        b = RedisMarks(url, namespace="ns", group="g", member="b", ttl=60)
+        for _ in range(20):  # a counter well ahead of what it restarts from
+            await b.publish(10.0, [("in", 1)], every)
+            await a.publish(30.0, [("in", 0)], every)
+        await b.publish(11.0, [("in", 1)], every)
+        assert await a.moved(5.0) == GroupView(11.0)
+        nonlocal proc
+        proc.kill()
+        proc.wait()
+        proc = start()
+
+        async def publish(marks: RedisMarks, low: float, owned: list[tuple[str, int]]) -> None:
+            for _ in range(20):  # the pool's connections to the old server fail once each
+                try:
+                    await marks.publish(low, owned, every)
+                    return
+                except NeardupError:
+                    await asyncio.sleep(0.05)
+            raise AssertionError("the marks could not be published after the restart")
+
+        await publish(a, 30.0, [("in", 0)])
+        await publish(b, 12.0, [("in", 1)])
+        await publish(a, 30.0, [("in", 0)])
+        await asyncio.sleep(0.2)  # a's listener has subscribed again
+
+        async def b_decides() -> None:
+            await asyncio.sleep(0.2)
+            await publish(b, 13.0, [("in", 1)])
+
+        task = asyncio.ensure_future(b_decides())
+        started = time.monotonic()
+        assert await a.moved(5.0) == GroupView(13.0)
+        assert time.monotonic() - started < 1.0
+        await task
+        await a.close()
+        await b.close()
+
+    proc = start()
+    try:
+        asyncio.run(scenario())
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 # -- the worker on a real broker -----------------------------------------------------------------
