@@ -326,6 +326,8 @@ class SoloMarks:
         pass
 
 
+# How often a worker held back by the group reads the marks when it cannot watch them (`RedisMarks.moved`).
+UNWATCHED_POLL = 0.001
 MARKS_LUA = resources.files("stream").joinpath("lua/marks.lua").read_text(encoding="utf-8")
 
 
@@ -369,6 +371,7 @@ class RedisMarks:
         self._read = 0  # the number of this worker's last call of the script (or of the marks taken since)
         self._newest: tuple[int, bytes] = (0, b"")  # the newest marks published: their call's number, the marks
         self._every: list[Lane] = []
+        self._warned = False
 
     async def publish(self, low: float | None, owned: Iterable[Lane], every: Iterable[Lane]) -> GroupView:
         from filters.index.redis import redis_errors
@@ -388,7 +391,8 @@ class RedisMarks:
 
     async def moved(self, timeout: float) -> GroupView | None:
         if self._listener is None or self._listener.done():
-            await asyncio.sleep(timeout)  # not watching (Redis was down): read again after the timeout
+            # Not watching (Redis was down, or the channel is not granted): read the marks again soon.
+            await asyncio.sleep(min(timeout, UNWATCHED_POLL))
             return None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -429,7 +433,11 @@ class RedisMarks:
             pubsub = self._client.pubsub()
             await pubsub.subscribe(channel)
         except (RedisError, OSError) as exc:
-            log.debug("event-time marks: not watching %s (%s): reading them every poll", channel, exc)
+            if not self._warned:
+                self._warned = True
+                log.warning("event-time marks: cannot subscribe to %s (%s): a worker held back by the group reads "
+                            "the marks every %g s instead (an ACL user needs the channel: &%s)", channel, exc,
+                            UNWATCHED_POLL, channel)
             return False
 
         async def listen() -> None:

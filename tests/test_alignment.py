@@ -283,25 +283,62 @@ def test_a_worker_held_back_wakes_when_another_mark_moves_not_when_it_is_refresh
     asyncio.run(scenario())
 
 
+def _redis_server(port: int, workdir: Path) -> subprocess.Popen[bytes]:
+    """A redis-server of the test's own (no persistence: a restart loses everything), once it answers."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.fail("redis-server is not installed (.ci/run installs it)", pytrace=False)
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(workdir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            if redis.Redis(port=port, socket_timeout=1).ping():
+                return proc
+        except redis.ConnectionError:
+            assert time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.05)
+
+
+def test_a_user_not_granted_the_channel_shares_its_marks_and_polls_them(tmp_path: Path) -> None:
+    """An ACL user without pub/sub: the script's publish is refused inside it (the marks are written all the
+    same), the subscription fails, and a held worker reads the marks again after a millisecond, not 50."""
+    port = free_port()
+    proc = _redis_server(port, tmp_path)
+    try:
+        redis.Redis(port=port).acl_setuser("marks", enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all"],
+                                           reset_channels=True)
+
+        async def scenario() -> None:
+            every = [("in", 0), ("in", 1)]
+            url = f"redis://marks:pw@127.0.0.1:{port}/0"
+            a = RedisMarks(url, namespace="ns", group="g", member="a", ttl=60)
+            b = RedisMarks(url, namespace="ns", group="g", member="b", ttl=60)
+            try:
+                await b.publish(10.0, [("in", 1)], every)
+                assert await a.publish(20.0, [("in", 0)], every) == GroupView(10.0)
+                started = time.monotonic()
+                assert await a.moved(5.0) is None
+                assert time.monotonic() - started < 0.5
+                await b.publish(12.0, [("in", 1)], every)
+                assert await a.publish(20.0, [("in", 0)], every) == GroupView(12.0)
+            finally:
+                await a.close()
+                await b.close()
+
+        asyncio.run(scenario())
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_after_a_redis_restart_the_marks_are_pushed_again(tmp_path: Path) -> None:
     """A Redis of this test's own, restarted without persistence: the calls' counter starts again, and a
     held worker still wakes with the marks (not only after its timeout) once both published again."""
     port = free_port()
 
     def start() -> subprocess.Popen[bytes]:
-        exe = shutil.which("redis-server")
-        if exe is None:
-            pytest.fail("redis-server is not installed (.ci/run installs it)", pytrace=False)
-        proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                                 "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                if redis.Redis(port=port, socket_timeout=1).ping():
-                    return proc
-            except redis.ConnectionError:
-                assert time.monotonic() < deadline, "redis-server did not start"
-                time.sleep(0.05)
+        return _redis_server(port, tmp_path)
 
     async def scenario() -> None:
         every = [("in", 0), ("in", 1)]

@@ -46,5 +46,6 @@ end
 -- The hash goes when no worker has written it for ten lifetimes of a mark.
 redis.call('PEXPIRE', key, 10 * ttl)
 redis.call('PEXPIRE', KEYS[2], 10 * ttl)
-if moved then redis.call('PUBLISH', key .. ':moved', table.concat(marks, '\n')) end
+-- pcall: a user not granted the channel (an ACL without it) still shares its marks; the others poll them.
+if moved then redis.pcall('PUBLISH', key .. ':moved', table.concat(marks, '\n')) end
 return {low_s, owned, n}
