@@ -29,7 +29,10 @@ Pure and synchronous (the worker's loop feeds it and publishes its marks): no I/
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import heapq
+import logging
 import math
 import time
 import uuid
@@ -42,6 +45,7 @@ from typing import Any, Protocol
 from stream.kafka_tools import KafkaRecord
 
 Lane = tuple[str, int]  # topic, partition
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,6 +303,12 @@ class GroupMarks(Protocol):
         """This worker's low mark and the partitions it owns (of `every`, the input's); the group's view."""
         ...
 
+    async def moved(self, timeout: float) -> GroupView | None:
+        """Returns once another worker's mark or claims changed since the last `publish` read them, or after
+        `timeout` seconds (a mark that expired, or marks that cannot be watched): the group's view if the
+        change came with one newer than the last `publish`'s (no need to read them again), else None."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -308,10 +318,16 @@ class SoloMarks:
     async def publish(self, low: float | None, owned: Iterable[Lane], every: Iterable[Lane]) -> GroupView:
         return GroupView(None)
 
+    async def moved(self, timeout: float) -> GroupView | None:
+        await asyncio.sleep(timeout)
+        return None
+
     async def close(self) -> None:
         pass
 
 
+# How often a worker held back by the group reads the marks when it cannot watch them (`RedisMarks.moved`).
+UNWATCHED_POLL = 0.001
 MARKS_LUA = resources.files("stream").joinpath("lua/marks.lua").read_text(encoding="utf-8")
 
 
@@ -327,7 +343,13 @@ def _text(value: float | None) -> str:
 
 class RedisMarks:
     """The group's marks in a Redis hash beside the index (one key: `{prefix:namespace}:marks:<group>`),
-    written and read in one script call (stream/lua/marks.lua), with the server's clock for expiry."""
+    written and read in one script call (stream/lua/marks.lua), with the server's clock for expiry.
+
+    The script publishes the marks on `<key>:moved` when what the others see changes, numbered by the order
+    of the script's calls; a listener (a subscription of its own, opened with the first `publish`) keeps the
+    newest, so that a worker held back wakes as soon as another worker moved (`moved`) and, if what it got
+    is newer than its own last call (so it shows this worker's own claims as they are), takes it as a read
+    of the marks without a round trip."""
 
     def __init__(self, url: str, *, namespace: str, group: str, member: str = "", ttl: float = 10.0) -> None:
         import redis.asyncio as aioredis
@@ -344,14 +366,99 @@ class RedisMarks:
         self._client = (RedisCluster.from_url(target.client_url, **options) if target.cluster
                         else aioredis.Redis.from_url(target.client_url, **options))
         self._script = self._client.register_script(MARKS_LUA)
+        self._listener: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        self._read = 0  # the number of this worker's last call of the script (or of the marks taken since)
+        self._newest: tuple[int, bytes] = (0, b"")  # the newest marks published: their call's number, the marks
+        self._every: list[Lane] = []
+        self._warned = False
 
     async def publish(self, low: float | None, owned: Iterable[Lane], every: Iterable[Lane]) -> GroupView:
         from filters.index.redis import redis_errors
 
+        self._every = list(every)
         claims = " ".join(f"{topic}/{partition}" for topic, partition in sorted(owned))
         with redis_errors(self.where):
-            got = await self._script(keys=[self.key], args=[self.member, _text(low), self.ttl_ms, claims])
-        return GroupView(_number(got[0]), covers(got[1], every))
+            got = await self._script(keys=[self.key, f"{self.key}:n"],
+                                     args=[self.member, _text(low), self.ttl_ms, claims])
+        number = int(got[2])  # later than any marks taken from the channel before, unless ...
+        if number < self._read:
+            self._newest = (0, b"")  # ... the counter started again (Redis restarted with nothing saved)
+        self._read = number  # (marks newer than this call, published while it was answered, are kept)
+        if self._listener is None or self._listener.done():
+            await self._listen()  # from now on: a move between this read and the subscription falls to the timeout
+        return GroupView(_number(got[0]), covers(got[1], self._every))
+
+    async def moved(self, timeout: float) -> GroupView | None:
+        if self._listener is None or self._listener.done():
+            # Not watching (Redis was down, or the channel is not granted): read the marks again soon.
+            await asyncio.sleep(min(timeout, UNWATCHED_POLL))
+            return None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self._newest[0] <= self._read:  # this worker's own moves wake it too: not news
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                return None
+            if self._listener.done():
+                return None
+        n, marks = self._newest
+        self._read = n
+        return self._view(marks)
+
+    def _view(self, marks: bytes) -> GroupView:
+        """The group's view from published marks (lines of "<worker>|<low mark>|<claims>"), as the script answers."""
+        low: float | None = None
+        claims: list[bytes] = []
+        me = self.member.encode()
+        for line in marks.split(b"\n"):
+            rest, _, owned = line.rpartition(b"|")
+            worker, _, mark = rest.rpartition(b"|")
+            claims.append(owned)
+            value = _number(mark)
+            if worker != me and value is not None and (low is None or value < low):
+                low = value
+        return GroupView(low, covers(claims, self._every))
+
+    async def _listen(self) -> bool:
+        """Subscribes and keeps the newest marks published in a task; False if the subscription failed
+        (`moved` then falls back to its timeout, and the next `publish` tries again)."""
+        from redis.exceptions import RedisError
+
+        channel = f"{self.key}:moved"
+        self._newest = (0, b"")
+        try:
+            pubsub = self._client.pubsub()
+            await pubsub.subscribe(channel)
+        except (RedisError, OSError) as exc:
+            if not self._warned:
+                self._warned = True
+                log.warning("event-time marks: cannot subscribe to %s (%s): a worker held back by the group reads "
+                            "the marks every %g s instead (an ACL user needs the channel: &%s)", channel, exc,
+                            UNWATCHED_POLL, channel)
+            return False
+
+        async def listen() -> None:
+            try:
+                while True:
+                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=None)
+                    if message is None:
+                        continue
+                    number, _, marks = bytes(message["data"]).partition(b"\n")
+                    if int(number) > self._newest[0]:
+                        self._newest = (int(number), marks)
+                        self._wake.set()
+            except (RedisError, OSError):
+                pass  # Redis went away: publish subscribes again
+            finally:
+                self._wake.set()  # whoever waits reads the marks (or their error) now
+                with contextlib.suppress(RedisError, OSError):
+                    await pubsub.aclose()
+
+        self._listener = asyncio.ensure_future(listen())
+        return True
 
     async def close(self) -> None:
         from filters.errors import NeardupError
@@ -359,9 +466,13 @@ class RedisMarks:
 
         try:
             with redis_errors(self.where):
-                await self._script(keys=[self.key], args=[self.member, "", self.ttl_ms, ""])  # leave
+                await self._script(keys=[self.key, f"{self.key}:n"], args=[self.member, "", self.ttl_ms, ""])  # leave
         except NeardupError:
             pass  # leaving is best effort: the mark expires anyway
+        if self._listener is not None:
+            self._listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._listener
         await self._client.aclose()
 
 

@@ -117,8 +117,9 @@ def transient(exc: BaseException) -> bool:
     return isinstance(exc, KAFKA_UNAVAILABLE) or (isinstance(exc, KafkaError) and exc.retriable)
 
 
-# How often a worker held back by the group reads the others' marks again (one Redis round trip each).
-_GROUP_POLL = 0.001
+# How long a worker held back by the group waits for another worker's mark to move (`GroupMarks.moved`: at
+# once when one does) before it reads the marks again anyway (a mark that expired says nothing).
+_GROUP_POLL = 0.05
 KAFKA_PROBE_EVERY = 1.0  # seconds between reachability probes while the broker is unavailable
 _KAFKA_PROBE_TIMEOUT = 5.0
 _MAX_ERROR_CHARS = 500
@@ -691,6 +692,7 @@ class AiokafkaWorker(_WorkerCore):
         pending: Taken | None = None  # taken with the last batch (its records prepared meanwhile): next
         pending_assignment = 0
         held_since: float | None = None  # since when the aligner holds records back (waiting)
+        pushed = False  # the group's view came with the news that another worker moved: no need to read it
         try:
             while not self.stop_event.is_set():
                 if pending is not None and (pending_assignment != self._rebalance.assignments or self._rewound):
@@ -702,7 +704,8 @@ class AiokafkaWorker(_WorkerCore):
                     if not await self._fetch(consumer, 0, stop_wait):
                         break
                     assignment = self._rebalance.assignments
-                    batch = await self._take(consumer, refresh=held_since is not None)
+                    batch = await self._take(consumer, refresh=held_since is not None and not pushed)
+                    pushed = False
                     if not batch:
                         busy = self._in_flight is not None or self._delivering is not None or bool(self._queued)
                         if batch.waiting:
@@ -714,7 +717,9 @@ class AiokafkaWorker(_WorkerCore):
                                 async with self._lock:
                                     await self._drain()
                             elif batch.waiting == "group":
-                                await asyncio.sleep(_GROUP_POLL)  # the others' marks: read again next round
+                                view = await self.marks.moved(_GROUP_POLL)  # else: read the marks again
+                                if view is not None:
+                                    self.group, pushed = view, True
                             elif not await self._fetch(consumer, 2, stop_wait):
                                 break
                         elif busy:

@@ -4,14 +4,17 @@ real broker, whose routing of a backlog on four partitions must equal the filter
 from __future__ import annotations
 
 import asyncio
+import shutil
+import subprocess
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
+import redis
 
-from bench.kafka_support import redis_namespace
+from bench.kafka_support import free_port, redis_namespace
 from bench.reliability import (
     ProxyThread,
     Serve,
@@ -24,6 +27,7 @@ from bench.reliability import (
     wait_assigned,
 )
 from filters.engine import NearDupFilter
+from filters.errors import NeardupError
 from stream.align import Aligner, GroupView, RedisMarks
 from stream.backlog import Item, backlog, differences, f1, reference, verdicts_of
 from stream.kafka_tools import KafkaRecord
@@ -226,6 +230,163 @@ def test_marks_in_redis_give_the_groups_low_and_high_and_expire(index_url: str) 
         await c.close()
 
     asyncio.run(scenario())
+
+
+def test_a_worker_held_back_wakes_when_another_mark_moves_not_when_it_is_refreshed(index_url: str) -> None:
+    async def waited(marks: RedisMarks, timeout: float) -> tuple[GroupView | None, float]:
+        started = time.monotonic()
+        view = await marks.moved(timeout)
+        return view, time.monotonic() - started
+
+    async def scenario() -> None:
+        every = [("in", 0), ("in", 1)]
+        a = RedisMarks(index_url, namespace="ns", group="g", member="a", ttl=60)
+        b = RedisMarks(index_url, namespace="ns", group="g", member="b", ttl=60)
+        try:
+            await b.publish(10.0, [("in", 1)], every)
+            assert await a.publish(20.0, [("in", 0)], every) == GroupView(10.0)
+            view, seconds = await waited(a, 0.3)
+            assert view is None and seconds >= 0.25  # nothing moved since a read the marks: the timeout
+            await b.publish(10.0, [("in", 1)], every)  # b refreshes its mark: nobody is woken
+            await a.publish(25.0, [("in", 0)], every)  # a's own move does not wake a ...
+            view, seconds = await waited(a, 0.3)
+            assert view is None and seconds >= 0.25
+            view, seconds = await waited(b, 5.0)  # ... it wakes b, with the marks as they are: no read needed
+            assert view == GroupView(25.0) and seconds < 1.0
+
+            async def b_decides() -> None:
+                await asyncio.sleep(0.2)
+                await b.publish(14.0, [("in", 1)], every)
+
+            task = asyncio.ensure_future(b_decides())
+            view, seconds = await waited(a, 5.0)
+            assert view == GroupView(14.0) and 0.15 < seconds < 1.0  # woken by b's move, long before the timeout
+            await task
+            assert await a.publish(25.0, [("in", 0)], every) == GroupView(14.0)
+            await b.publish(15.0, [("in", 1)], every)  # moved between a's read and a's wait: not missed
+            view, seconds = await waited(a, 5.0)
+            assert view == GroupView(15.0) and seconds < 0.5
+            # Marks published before a's last read are older than what a read: a reads nothing from them.
+            await b.publish(16.0, [("in", 1)], every)
+            await asyncio.sleep(0.1)  # the news of b's move arrived ...
+            assert await a.publish(25.0, [("in", 0)], every) == GroupView(16.0)  # ... but a read the marks since
+            view, seconds = await waited(a, 0.3)
+            assert view is None and seconds >= 0.25
+            # A claim that does not fit (b says it owns both, a has not let go) is pushed as it is: incomplete.
+            await b.publish(17.0, every, every)
+            view, _ = await waited(a, 5.0)
+            assert view is not None and view.complete is False
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(scenario())
+
+
+def _redis_server(port: int, workdir: Path) -> subprocess.Popen[bytes]:
+    """A redis-server of the test's own (no persistence: a restart loses everything), once it answers."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.fail("redis-server is not installed (.ci/run installs it)", pytrace=False)
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(workdir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            if redis.Redis(port=port, socket_timeout=1).ping():
+                return proc
+        except redis.ConnectionError:
+            assert time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.05)
+
+
+def test_a_user_not_granted_the_channel_shares_its_marks_and_polls_them(tmp_path: Path) -> None:
+    """An ACL user without pub/sub: the script's publish is refused inside it (the marks are written all the
+    same), the subscription fails, and a held worker reads the marks again after a millisecond, not 50."""
+    port = free_port()
+    proc = _redis_server(port, tmp_path)
+    try:
+        redis.Redis(port=port).acl_setuser("marks", enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all"],
+                                           reset_channels=True)
+
+        async def scenario() -> None:
+            every = [("in", 0), ("in", 1)]
+            url = f"redis://marks:pw@127.0.0.1:{port}/0"
+            a = RedisMarks(url, namespace="ns", group="g", member="a", ttl=60)
+            b = RedisMarks(url, namespace="ns", group="g", member="b", ttl=60)
+            try:
+                await b.publish(10.0, [("in", 1)], every)
+                assert await a.publish(20.0, [("in", 0)], every) == GroupView(10.0)
+                started = time.monotonic()
+                assert await a.moved(5.0) is None
+                assert time.monotonic() - started < 0.5
+                await b.publish(12.0, [("in", 1)], every)
+                assert await a.publish(20.0, [("in", 0)], every) == GroupView(12.0)
+            finally:
+                await a.close()
+                await b.close()
+
+        asyncio.run(scenario())
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_after_a_redis_restart_the_marks_are_pushed_again(tmp_path: Path) -> None:
+    """A Redis of this test's own, restarted without persistence: the calls' counter starts again, and a
+    held worker still wakes with the marks (not only after its timeout) once both published again."""
+    port = free_port()
+
+    def start() -> subprocess.Popen[bytes]:
+        return _redis_server(port, tmp_path)
+
+    async def scenario() -> None:
+        every = [("in", 0), ("in", 1)]
+        url = f"redis://127.0.0.1:{port}/0"
+        a = RedisMarks(url, namespace="ns", group="g", member="a", ttl=60)
+        b = RedisMarks(url, namespace="ns", group="g", member="b", ttl=60)
+        for _ in range(20):  # a counter well ahead of what it restarts from
+            await b.publish(10.0, [("in", 1)], every)
+            await a.publish(30.0, [("in", 0)], every)
+        await b.publish(11.0, [("in", 1)], every)
+        assert await a.moved(5.0) == GroupView(11.0)
+        nonlocal proc
+        proc.kill()
+        proc.wait()
+        proc = start()
+
+        async def publish(marks: RedisMarks, low: float, owned: list[tuple[str, int]]) -> None:
+            for _ in range(20):  # the pool's connections to the old server fail once each
+                try:
+                    await marks.publish(low, owned, every)
+                    return
+                except NeardupError:
+                    await asyncio.sleep(0.05)
+            raise AssertionError("the marks could not be published after the restart")
+
+        await publish(a, 30.0, [("in", 0)])
+        await publish(b, 12.0, [("in", 1)])
+        await publish(a, 30.0, [("in", 0)])
+        await asyncio.sleep(0.2)  # a's listener has subscribed again
+
+        async def b_decides() -> None:
+            await asyncio.sleep(0.2)
+            await publish(b, 13.0, [("in", 1)])
+
+        task = asyncio.ensure_future(b_decides())
+        started = time.monotonic()
+        assert await a.moved(5.0) == GroupView(13.0)
+        assert time.monotonic() - started < 1.0
+        await task
+        await a.close()
+        await b.close()
+
+    proc = start()
+    try:
+        asyncio.run(scenario())
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 # -- the worker on a real broker -----------------------------------------------------------------

@@ -8,25 +8,44 @@
 -- partitions each live worker says it owns (the caller checks that they cover the input once: until
 -- then somebody's mark is missing or stale). Expired marks (a worker that died) are removed. Server
 -- time, so workers' clocks never matter.
+-- KEYS[2]: a counter of these calls (their order), returned third.
+-- When what the others see of the group changes (this worker's low mark or claims, its leaving, a mark
+-- expired), the marks as they are now go out on the channel KEYS[1] .. ':moved', headed by the call's
+-- number ("<n>\n<worker>|<low mark>|<claims>\n..."): a worker held back by the group waits for that
+-- instead of reading the marks again and again, and takes it as a read if it is newer than its own last call.
 local key, me, low, ttl, claims = KEYS[1], ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
+local n = redis.call('INCR', KEYS[2])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local before = redis.call('HGET', key, me)
+local moved = false
 if low == '' and claims == '' then
-  redis.call('HDEL', key, me)
+  moved = redis.call('HDEL', key, me) == 1
 else
   redis.call('HSET', key, me, low .. '|' .. string.format('%d', now + ttl) .. '|' .. claims)
+  if before then
+    local l, _, c = string.match(before, '^([^|]*)|(%d+)|(.*)$')
+    moved = l ~= low or c ~= claims
+  else
+    moved = true
+  end
 end
 local all = redis.call('HGETALL', key)
-local group_low, low_s, owned = math.huge, '', {}
+local group_low, low_s, owned, marks = math.huge, '', {}, {tostring(n)}
 for i = 1, #all, 2 do
   local l, e, c = string.match(all[i + 1], '^([^|]*)|(%d+)|(.*)$')
   if e == nil or tonumber(e) < now then
     redis.call('HDEL', key, all[i])
+    moved = true
   else
     if all[i] ~= me and l ~= '' and tonumber(l) < group_low then group_low = tonumber(l); low_s = l end
     owned[#owned + 1] = c
+    marks[#marks + 1] = all[i] .. '|' .. l .. '|' .. c
   end
 end
 -- The hash goes when no worker has written it for ten lifetimes of a mark.
 redis.call('PEXPIRE', key, 10 * ttl)
-return {low_s, owned}
+redis.call('PEXPIRE', KEYS[2], 10 * ttl)
+-- pcall: a user not granted the channel (an ACL without it) still shares its marks; the others poll them.
+if moved then redis.pcall('PUBLISH', key .. ':moved', table.concat(marks, '\n')) end
+return {low_s, owned, n}
