@@ -3,6 +3,7 @@
     eval "$(bash docker/services.sh env)"
     python bench/alignment.py [--stream ../shared/eval/stream.jsonl] [--max-skew 60] [--runs 3]
                               [--guarantee at_least_once|exactly_once] [--workers 1,2] [--rate 2000]
+                              [--modes on,strict,off]
 
 Backlog: the workers join the group first (all assigned), then the stream is produced at once, faster
 than they route it: the eval stream (`--stream`: JSON lines with id, text, ts; absent, a generated backlog
@@ -11,7 +12,9 @@ partition in event-time order). Per row: throughput from the first output to the
 compared with the filter's (memory index, same records in event-time order): records routed otherwise,
 and F1 of each against the stream's clusters. Live: records produced at `--rate` per second for
 `--seconds` to all 4 partitions, event time = send time; p50 and p99 of produce to output. Rows
-alternate, `--runs` times; medians.
+alternate, `--runs` times; medians. Modes: `on` (alignment with the default `skew_records`: the group's skew
+is max_skew or what a worker's last records span, if longer), `strict` (`skew_records` 0: max_skew alone),
+`off` (records decided as fetched).
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ DEFAULT_STREAM = ROOT.parent / "shared" / "eval" / "stream.jsonl"
 
 @dataclass(frozen=True, slots=True)
 class Row:
-    align: bool
+    mode: str
     workers: int
     records: int
     steady_s: float
@@ -82,14 +85,18 @@ def load(path: Path | None, limit: int, truth: Path | None = None) -> list[Item]
     return items
 
 
-def settings(redis_url: str, bootstrap: str, *, align: bool, max_skew: float, max_batch: int,
+MODES = ("on", "strict", "off")
+
+
+def settings(redis_url: str, bootstrap: str, *, mode: str, max_skew: float, max_batch: int,
              guarantee: str = "at_least_once") -> Settings:
     name = f"align-{uuid.uuid4().hex[:8]}"
     return Settings(
         kafka_bootstrap=bootstrap, input_topics=(f"{name}-in",), unique_topic=f"{name}-unique",
         duplicate_topic=f"{name}-duplicate", dead_letter_topic=f"{name}-dead", group_id=f"{name}-group",
         index=f"{redis_url}{'&' if '?' in redis_url else '?'}prefix={name}", id_field="id", ts_field="ts",
-        max_batch=max_batch, align=align, max_skew=max_skew, partitions=PARTITIONS, processing_guarantee=guarantee,
+        max_batch=max_batch, align=mode != "off", max_skew=max_skew, partitions=PARTITIONS,
+        processing_guarantee=guarantee, **({"skew_records": 0} if mode == "strict" else {}),
     )
 
 
@@ -101,7 +108,7 @@ def start_worker(s: Settings, n: int) -> subprocess.Popen[bytes]:
         "NEARDUP_DUPLICATE_TOPIC": s.duplicate_topic, "NEARDUP_DEAD_LETTER_TOPIC": s.dead_letter_topic,
         "NEARDUP_GROUP_ID": s.group_id, "NEARDUP_ID_FIELD": s.id_field, "NEARDUP_TS_FIELD": s.ts_field,
         "NEARDUP_MAX_BATCH": str(s.max_batch), "NEARDUP_ALIGN": "true" if s.align else "false",
-        "NEARDUP_MAX_SKEW": f"{s.max_skew}s", "NEARDUP_METRICS_PORT": "0",
+        "NEARDUP_MAX_SKEW": f"{s.max_skew}s", "NEARDUP_SKEW_RECORDS": str(s.skew_records), "NEARDUP_METRICS_PORT": "0",
         "NEARDUP_LOG_LEVEL": os.environ.get("BENCH_LOG_LEVEL", "warning"),
         "NEARDUP_GROUP_INSTANCE_ID": f"w{n}", "NEARDUP_PROCESSING_GUARANTEE": s.processing_guarantee,
     })
@@ -159,12 +166,12 @@ async def members(s: Settings) -> int:
         await admin.close()
 
 
-def run(args: argparse.Namespace, items: Sequence[Item], want: dict[str, str], *, align: bool,
+def run(args: argparse.Namespace, items: Sequence[Item], want: dict[str, str], *, mode: str,
         workers: int) -> Row:
     """The workers join the group first (all assigned), then the backlog is produced at once (faster than
     they route it), so that what is measured is the group at work, not one worker alone before the others
     joined."""
-    s = settings(args.redis, args.bootstrap, align=align, max_skew=args.max_skew, max_batch=args.max_batch,
+    s = settings(args.redis, args.bootstrap, mode=mode, max_skew=args.max_skew, max_batch=args.max_batch,
                  guarantee=args.guarantee)
     asyncio.run(ensure_topics(s, [*s.input_topics, *s.output_topics], partitions=PARTITIONS))
     procs = [start_worker(s, n) for n in range(workers)]
@@ -186,7 +193,7 @@ def run(args: argparse.Namespace, items: Sequence[Item], want: dict[str, str], *
               for r in got}
     latencies.sort()
     p50, p99 = (latencies[len(latencies) // 2], latencies[int(len(latencies) * 0.99)]) if latencies else (nan, nan)
-    return Row(align, workers, len(routed), last - first, last - started, len(differences(routed, want)),
+    return Row(mode, workers, len(routed), last - first, last - started, len(differences(routed, want)),
                f1(routed, items), p50, p99)
 
 
@@ -239,6 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--rate", type=float, default=2000.0, help="live records a second")
     p.add_argument("--seconds", type=float, default=5.0, help="of live traffic")
+    p.add_argument("--modes", default="on,off", help=f"comma-separated, of {', '.join(MODES)}")
     args = p.parse_args(argv)
     if args.stream is not None and not args.generated:
         needs.files(__file__, args.stream, args.truth or args.stream.with_name("truth.jsonl"))
@@ -249,21 +257,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{len(items)} records on {PARTITIONS} partitions; filter F1 {f1(want, items):.4f}; max_skew "
           f"{args.max_skew:g}s; max_batch {args.max_batch}; {args.guarantee}", flush=True)
     counts = [int(n) for n in args.workers.split(",")]
+    modes = [m for m in args.modes.split(",") if m]
+    if not modes or set(modes) - set(MODES):
+        p.error(f"--modes: comma-separated, of {', '.join(MODES)}")
     rows: list[Row] = []
     for _ in range(args.runs):
         for workers in counts:
-            for align in (True, False):
-                row = run(args, items, want, align=align, workers=workers)
-                print(f"  align={'on ' if align else 'off'} workers={workers}: {row.records / row.steady_s:8,.0f} msg/s "
+            for mode in modes:
+                row = run(args, items, want, mode=mode, workers=workers)
+                print(f"  align={mode} workers={workers}: {row.records / row.steady_s:8,.0f} msg/s "
                       f"steady, {row.total_s:6.1f} s in all, {row.differences} routed otherwise, F1 {row.f1:.4f}; "
                       f"live p50 {row.p50_ms:.1f} ms, p99 {row.p99_ms:.1f} ms", flush=True)
                 rows.append(row)
     print(f"\n| alignment | workers | backlog msg/s, first→last output | routed otherwise than the filter | F1 | "
           f"live p50 ms at {args.rate:g}/s | live p99 ms |\n|---|---|---|---|---|---|---|")
     for workers in counts:
-        for align in (True, False):
-            mine = [r for r in rows if r.align == align and r.workers == workers]
-            print(f"| {'on' if align else 'off'} | {workers} | "
+        for mode in modes:
+            mine = [r for r in rows if r.mode == mode and r.workers == workers]
+            print(f"| {mode} | {workers} | "
                   f"{statistics.median(r.records / r.steady_s for r in mine):,.0f} | "
                   f"{statistics.median(r.differences for r in mine):.0f} | {statistics.median(r.f1 for r in mine):.4f} | "
                   f"{statistics.median(r.p50_ms for r in mine):.1f} | {statistics.median(r.p99_ms for r in mine):.1f} |")

@@ -13,8 +13,9 @@ watermark. `Aligner` does both for one worker, and `GroupMarks` extends it to th
   order), unless it is idle: nothing to fetch (no lag) for `idle_timeout`. So a quiet partition delays
   live traffic once by at most `idle_timeout`, and a lagging one (a backlog being fetched) is waited for.
 - Across workers, each publishes its low mark (the event time of the next record it will decide) and
-  the partitions it owns through `GroupMarks`; a worker takes only records at most `max_skew` ahead of
-  the lowest mark of the others, and none until the live workers' claims cover the input once. The
+  the partitions it owns through `GroupMarks`; a worker takes only records at most the group's skew
+  ahead of the lowest mark of the others (`max_skew`, or the event time its last `skew_records` records
+  span when longer: see `Aligner.group_skew`), and none until the live workers' claims cover the input once. The
   worker holding the lowest mark can always go on, so
   the group cannot deadlock; a dead worker's mark expires (its time to live), and a worker that owns
   nothing or only idle partitions publishes no low mark and holds nobody back.
@@ -96,10 +97,15 @@ class Aligner:
     takes records in arrival order and never waits (alignment off: for comparison).
     """
 
-    def __init__(self, event_time: Callable[[KafkaRecord], float], *, max_skew: float, idle_timeout: float,
-                 buffer: int, ordered: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
-        self.event_time = event_time
+    def __init__(self, event_time: Callable[[KafkaRecord], float | None], *, max_skew: float, idle_timeout: float,
+                 buffer: int, ordered: bool = True, skew_records: int = 0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.event_time = event_time  # None: the record has no event time (it will be dead-lettered)
         self.max_skew = max_skew
+        # The group's skew is at least the event time this worker's last `skew_records` records span (see
+        # `group_skew`): the event times of the last ones taken, oldest first.
+        self._recent: deque[float] = deque(maxlen=max(1, skew_records))
+        self.skew_records = skew_records
         self.idle_timeout = idle_timeout
         self.buffer = buffer  # records buffered per partition before it is paused
         self.ordered = ordered
@@ -107,6 +113,7 @@ class Aligner:
         self._lanes: dict[Lane, _Lane] = {}
         self._arrival: deque[tuple[Lane, float, KafkaRecord]] = deque()  # ordered=False only
         self._open: dict[int, float] = {}  # batches taken, not yet decided: id → lowest event time
+        self._timeless: set[int] = set()  # buffered records with no event time of their own (by id())
         self.high: float | None = None  # the highest event time taken since the last assignment
         self.late = 0  # records taken late
 
@@ -118,6 +125,10 @@ class Aligner:
         the committed offset: everything routed before was committed before the partitions went)."""
         now = self.clock()
         owned = set(lanes)
+        for key, lane in self._lanes.items():
+            if key not in owned:
+                self._timeless.difference_update(id(r) for _, r in lane.records)
+        self._timeless.difference_update(id(a[2]) for a in self._arrival if a[0] not in owned)
         self._lanes = {lane: self._lanes.get(lane) or _Lane(quiet_since=now) for lane in sorted(owned)}
         self._arrival = deque(a for a in self._arrival if a[0] in owned)
         self.high = None
@@ -131,9 +142,11 @@ class Aligner:
         for key in lanes:
             lane = self._lanes.get(key)
             if lane is not None:
+                self._timeless.difference_update(id(r) for _, r in lane.records)
                 lane.records.clear()
                 lane.next_offset = None
         gone = set(lanes)
+        self._timeless.difference_update(id(a[2]) for a in self._arrival if a[0] in gone)
         self._arrival = deque(a for a in self._arrival if a[0] not in gone)
 
     def add(self, records: Iterable[KafkaRecord]) -> None:
@@ -148,12 +161,20 @@ class Aligner:
             if lane.next_offset is not None and r.offset < lane.next_offset:
                 continue
             lane.next_offset = r.offset + 1
-            ts = self.event_time(r)
+            own = self.event_time(r)
+            if own is None:
+                # Dead-lettered: placed right after its partition's previous record, so it neither moves this
+                # worker's clock nor waits; nothing is decided against its time.
+                self._timeless.add(id(r))
+                ts = lane.last if lane.last is not None else (self.high if self.high is not None else 0.0)
+            else:
+                ts = own
             if self.ordered:
                 lane.records.append((ts, r))
             else:
                 self._arrival.append((key, ts, r))
-            lane.last = ts if lane.last is None else max(lane.last, ts)
+            if own is not None:
+                lane.last = ts if lane.last is None else max(lane.last, ts)
             lane.quiet_since = None
 
     def buffered(self) -> int:
@@ -213,7 +234,7 @@ class Aligner:
             return Taken([], [], [], "group")
         now = self.clock()
         lane_bound = self._lane_bound(now)
-        group_bound = math.inf if group is None or group.low is None else group.low + self.max_skew
+        group_bound = math.inf if group is None or group.low is None else group.low + self.group_skew()
         heads = [(lane.records[0][0], i, lane) for i, lane in enumerate(self._lanes.values()) if lane.records]
         heapq.heapify(heads)
         records: list[KafkaRecord] = []
@@ -240,11 +261,26 @@ class Aligner:
                     lane_bound = min(lane_bound, (lane.last if lane.last is not None else ts) + self.max_skew)
             records.append(record)
             times.append(ts)
+            if id(record) in self._timeless:
+                self._timeless.discard(id(record))
+                late.append(0.0)
+                continue
             behind = (high - ts) if high is not None else 0.0
             late.append(behind if behind > self.max_skew else 0.0)
             high = ts if high is None else max(high, ts)
             self.high = ts if self.high is None else max(self.high, ts)
+            self._recent.append(ts)
         return self._taken(records, times, late, waiting)
+
+    def group_skew(self) -> float:
+        """How far ahead of the others' low mark this worker may take records: `max_skew`, or the event time
+        its last `skew_records` records span when that is longer. Why: workers take turns in steps of the skew,
+        and each turn costs a few round trips whatever its size; on a stream of a few records per second of
+        event time a 5 s step holds a handful of records, and a backlog would crawl. The bound then follows
+        the data (how many records a step holds), never the scheduling."""
+        if self.skew_records <= 0 or len(self._recent) < self.skew_records:
+            return self.max_skew
+        return max(self.max_skew, self._recent[-1] - self._recent[0])
 
     def _take_arrival(self, n: int) -> Taken:
         records: list[KafkaRecord] = []
@@ -252,6 +288,7 @@ class Aligner:
         late: list[float] = []
         while self._arrival and len(records) < n:
             _, ts, record = self._arrival.popleft()
+            self._timeless.discard(id(record))
             records.append(record)
             times.append(ts)
             late.append(0.0)

@@ -75,17 +75,15 @@ def decode(raw: bytes, fmt: RecordFormat, *, fallback_id: str, fallback_ts: floa
     )
 
 
-def event_time(raw: bytes, fmt: RecordFormat, fallback_ts: float) -> float:
-    """The event time `decode` gives the record, without the rest of decoding: the timestamp field in JSON
-    format, else the fallback (the Kafka record timestamp). A record `decode` would reject gets the
-    fallback: it is dead-lettered, so its time only places it among the others."""
-    if fmt.format == "text" or not fmt.ts_field:
-        return fallback_ts
+def event_time(raw: bytes, fmt: RecordFormat, fallback_ts: float) -> float | None:
+    """The event time `decode` gives the record, without keeping the rest of the decoding: the timestamp
+    field in JSON format, else the fallback (the Kafka record timestamp). None for a record `decode` rejects:
+    it is dead-lettered, so it has no event time of its own, and the aligner must not let it move the
+    worker's clock (a record without text or time, stamped now by Kafka, would make every later one late)."""
     try:
-        record = orjson.loads(raw[len(_BOM):] if raw.startswith(_BOM) else raw)
-        return _ts(record, fmt.ts_field, fallback_ts) if isinstance(record, dict) else fallback_ts
-    except (orjson.JSONDecodeError, RejectedInput):
-        return fallback_ts
+        return decode(raw, fmt, fallback_id="", fallback_ts=fallback_ts).message.ts
+    except RejectedInput:
+        return None
 
 
 def _utf8(raw: bytes) -> str:

@@ -131,6 +131,52 @@ def test_the_group_holds_a_worker_back_to_its_low_mark_plus_the_skew() -> None:
     assert times(a.take(100, GroupView(low=106.0)).records) == [106]
 
 
+def test_on_a_sparse_stream_the_group_skew_is_what_the_last_records_span() -> None:
+    """A step of `max_skew` that holds a handful of records costs a turn of the group each: with
+    `skew_records`, a worker may run ahead by what its last N records span, when that is longer."""
+    clock = Clock()
+    a = Aligner(lambda r: r.timestamp / 1000.0, max_skew=5.0, idle_timeout=1.0, buffer=100, skew_records=4,
+                clock=clock)
+    a.assign([("in", 0)])
+    a.add([rec(0, t) for t in (100, 110, 120, 130, 140, 150, 160, 200)])  # one record every 10 s
+    a.flow(lambda lane: 0)
+    for low in (100.0, 110.0, 120.0, 130.0):  # fewer than 4 records taken: max_skew, a record a turn
+        assert a.group_skew() == 5.0
+        taken = a.take(100, GroupView(low=low))
+        assert times(taken.records) == [low] and taken.waiting == "group"
+        a.decided(taken)
+    assert a.group_skew() == 30.0  # the last 4 span 30 s of event time
+    assert not a.take(100, GroupView(low=100.0))  # 140 > 100 + 30 s
+    taken = a.take(100, GroupView(low=110.0))
+    assert times(taken.records) == [140] and taken.waiting == "group"  # 110 + 30 s and no further...
+    a.decided(taken)
+    assert a.group_skew() == 30.0
+    assert times(a.take(100, GroupView(low=125.0)).records) == [150]  # ... the bound follows the data
+    # 0: max_skew alone, whatever the records span.
+    b = aligner(clock, skew=5.0)
+    b.assign([("in", 0)])
+    b.add([rec(0, t) for t in (100, 110, 120)])
+    b.flow(lambda lane: 0)
+    assert times(b.take(100, GroupView(low=100.0)).records) == [100] and b.group_skew() == 5.0
+
+
+def test_a_record_with_no_event_time_of_its_own_moves_nothing() -> None:
+    """A record the worker will dead-letter (no text, not JSON: no event time) is placed after its
+    partition's previous record: it neither makes later records late nor holds anything back."""
+    clock = Clock()
+    a = Aligner(lambda r: None if r.value == b"bad" else r.timestamp / 1000.0, max_skew=5.0, idle_timeout=1.0,
+                buffer=100, clock=clock)
+    a.assign([("in", 0), ("in", 1)])
+    bad = KafkaRecord("in", 0, 5, 10_000_000 * 1000, None, b"bad", ())  # stamped "now" by Kafka
+    a.add([rec(0, 100, offset=4), bad, rec(0, 101, offset=6)])
+    a.add([rec(1, 99, offset=1), rec(1, 102, offset=2)])
+    a.flow(lambda lane: 0)
+    clock.now += 2
+    taken = a.take(100)
+    assert [r.offset for r in taken.records] == [1, 4, 5, 6, 2]
+    assert not any(taken.late) and a.late == 0 and a.high == 102
+
+
 def test_a_record_far_behind_what_the_worker_decided_is_late() -> None:
     """A quiet partition wakes up with old records: decided all the same, marked late; one within the skew
     is not. (Against the worker's own decisions since its assignment: records read again after a crash are
@@ -529,7 +575,8 @@ def test_the_event_time_is_the_one_the_filter_decides_with() -> None:
     for raw in (b'{"text": "hello there", "ts": 1700000123.5}', b'{"text": "hello there", "ts": "17.25"}',
                 b'{"text": "hello there"}', b'\xef\xbb\xbf{"text": "bom", "ts": 42}'):
         assert event_time(raw, fmt, 99.0) == decode(raw, fmt, fallback_id="x", fallback_ts=99.0).message.ts
-    for rejected in (b"not json", b'{"text": "x", "ts": -1}', b"[1, 2]", b'{"text": "x", "ts": "soon"}'):
-        assert event_time(rejected, fmt, 99.0) == 99.0  # dead-lettered: placed by its Kafka timestamp
+    for rejected in (b"not json", b'{"text": "x", "ts": -1}', b"[1, 2]", b'{"text": "x", "ts": "soon"}',
+                     b'{"id": "bad-1", "txt": "no text field here"}', b'{"text": "  ", "ts": 5}'):
+        assert event_time(rejected, fmt, 99.0) is None  # dead-lettered: no event time of its own
     assert event_time(b'{"text": "x", "ts": 5}', RecordFormat("text"), 7.0) == 7.0
     assert event_time(b'{"text": "x", "ts": 5}', RecordFormat("json", ts_field=""), 7.0) == 7.0
