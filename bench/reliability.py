@@ -8,7 +8,8 @@ Run as `python -m bench.reliability serve [flags]`, it is `neardup serve` with a
 hook on the Redis index, chosen by $RELIABILITY_INDEX_HOOK (comma-separated):
 `pause=SECONDS` sleeps after every lookup (widens the window in which two workers race, or slows a
 worker down so that a fault lands mid-stream); `racy` turns the atomic check-and-insert into a plain
-check-then-insert (the design the concurrency test must catch); `request_timeout=SECONDS` makes the
+check-then-insert (the design the concurrency test must catch); `barrier=N` (after `racy`) holds each insert
+round until N workers have reached it, so that their lookups all come first; `request_timeout=SECONDS` makes the
 worker's producer give up on a delivery after SECONDS instead of aiokafka's 40 (so that a broker
 restart of a few seconds fails deliveries, which the worker must send again).
 """
@@ -170,6 +171,26 @@ def _install_hook(spec: str) -> None:
                 return found
 
             RedisIndex.lookup = paused_lookup  # type: ignore[method-assign]
+        elif part.startswith("barrier="):
+            # With `racy`: each insert round waits (up to 2 s) until every one of N workers has made its round
+            # of the same number, so that their lookups all come before their inserts, however the machine
+            # schedules them (the check-then-insert test then lets through near-duplicates deterministically).
+            parties = int(part.split("=", 1)[1])
+            barrier_insert = RedisIndex.insert
+            rounds = itertools.count(1)
+
+            def barrier(self: RedisIndex, entries: Any, _insert: Any = barrier_insert, _n: int = parties,
+                        _rounds: Any = rounds) -> Any:
+                key = f"{self.prefix}:{self.namespace}:barrier:{next(_rounds)}"
+                client = self._client
+                client.incr(key)
+                client.expire(key, 60)
+                deadline = time.monotonic() + 2.0
+                while int(client.get(key) or 0) < _n and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                return _insert(self, entries)
+
+            RedisIndex.insert = barrier  # type: ignore[method-assign]
         elif part == "racy":
             insert = RedisIndex.insert
 

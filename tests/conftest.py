@@ -75,18 +75,18 @@ def redis_auth_url(_containers: ExitStack) -> str:
 
 @pytest.fixture(scope="session")
 def redis_tls_url() -> str:
-    # Optional: only docker/services.sh provides it, and only when redis-server has TLS.
+    # Only docker/services.sh provides it (Debian's redis-server has TLS).
     if url := os.environ.get("NEARDUP_TEST_REDIS_TLS_URL"):
         return url
-    pytest.skip("NEARDUP_TEST_REDIS_TLS_URL is not set (TLS Redis comes from docker/services.sh start redis)")
+    _unavailable("TLS Redis (NEARDUP_TEST_REDIS_TLS_URL, from docker/services.sh start redis)")
 
 
 @pytest.fixture(scope="session")
 def redis_cluster_url() -> str:
-    # Optional: started only by `docker/services.sh start cluster`.
+    # Started only by `docker/services.sh start cluster` (as .ci/run does).
     if url := os.environ.get("NEARDUP_TEST_REDIS_CLUSTER_URL"):
         return url
-    pytest.skip("NEARDUP_TEST_REDIS_CLUSTER_URL is not set (run `docker/services.sh start cluster`)")
+    _unavailable("Redis Cluster (NEARDUP_TEST_REDIS_CLUSTER_URL, from docker/services.sh start cluster)")
 
 
 @pytest.fixture(scope="session")
