@@ -89,14 +89,15 @@ MODES = ("on", "strict", "off")
 
 
 def settings(redis_url: str, bootstrap: str, *, mode: str, max_skew: float, max_batch: int,
-             guarantee: str = "at_least_once") -> Settings:
+             guarantee: str = "at_least_once", skew_records: int | None = None) -> Settings:
     name = f"align-{uuid.uuid4().hex[:8]}"
     return Settings(
         kafka_bootstrap=bootstrap, input_topics=(f"{name}-in",), unique_topic=f"{name}-unique",
         duplicate_topic=f"{name}-duplicate", dead_letter_topic=f"{name}-dead", group_id=f"{name}-group",
         index=f"{redis_url}{'&' if '?' in redis_url else '?'}prefix={name}", id_field="id", ts_field="ts",
         max_batch=max_batch, align=mode != "off", max_skew=max_skew, partitions=PARTITIONS,
-        processing_guarantee=guarantee, **({"skew_records": 0} if mode == "strict" else {}),
+        processing_guarantee=guarantee,
+        **({"skew_records": 0} if mode == "strict" else {} if skew_records is None else {"skew_records": skew_records}),
     )
 
 
@@ -172,7 +173,7 @@ def run(args: argparse.Namespace, items: Sequence[Item], want: dict[str, str], *
     they route it), so that what is measured is the group at work, not one worker alone before the others
     joined."""
     s = settings(args.redis, args.bootstrap, mode=mode, max_skew=args.max_skew, max_batch=args.max_batch,
-                 guarantee=args.guarantee)
+                 guarantee=args.guarantee, skew_records=args.skew_records)
     asyncio.run(ensure_topics(s, [*s.input_topics, *s.output_topics], partitions=PARTITIONS))
     procs = [start_worker(s, n) for n in range(workers)]
     try:
@@ -246,6 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--rate", type=float, default=2000.0, help="live records a second")
     p.add_argument("--seconds", type=float, default=5.0, help="of live traffic")
+    p.add_argument("--skew-records", type=int, default=None, help="the setting skew_records of mode `on` (default: its default)")
     p.add_argument("--modes", default="on,off", help=f"comma-separated, of {', '.join(MODES)}")
     args = p.parse_args(argv)
     if args.stream is not None and not args.generated:

@@ -510,10 +510,7 @@ def open_filter(settings: Settings) -> NearDupFilter:
         log.warning("index %s lives in this process only: verdicts are not shared with other workers and "
                     "replays after a restart are not recognised; use redis:// for serve", settings.index)
     config = settings.filter_config()
-    # The window's clock is the slowest worker's: a worker may run max_skew ahead of another in event time,
-    # so the shared index keeps what the one behind still needs that much longer.
-    index = open_index(settings.index, window=config.window, bucket_cap=config.bucket_cap, namespace=config.digest(),
-                       margin=settings.max_skew if settings.align else 0.0)
+    index = open_index(settings.index, window=config.window, bucket_cap=config.bucket_cap, namespace=config.digest())
     return NearDupFilter(config, index=index)
 
 
@@ -839,6 +836,13 @@ class AiokafkaWorker(_WorkerCore):
             await self._check_index()
         if self.journal is not None:
             self.journal.take()  # what a failed attempt left (its entries come again as replays)
+        if self.aligner.ordered:
+            # The window's clock is the group's low watermark: nobody decides anything older any more (a late
+            # record is decided against its worker's own window), so a worker running ahead never makes the
+            # shared index forget what one behind still needs.
+            low = [m for m in (self.aligner.low_mark(), self.group.low) if m is not None]
+            if low:
+                self.nd.index.expire(min(low))
         outs = await self.router.route(records, following=following, pause=pause, resume=resume,
                                        keepalive=keepalive, stopping=self.stop_event.is_set,
                                        before_retry=self._check_index if self.guard is not None else None)

@@ -80,20 +80,23 @@ def test_a_duplicate_of_a_message_that_lost_its_insert_race_names_the_winner(url
     racing.close()
 
 
-@pytest.mark.parametrize(("margin", "found"), [(0.0, False), (10.0, True)])
-def test_the_window_keeps_what_a_worker_running_behind_still_needs(url: str, margin: float, found: bool) -> None:
-    """A worker 6 s of event time behind the newest insert looks for a message 100 s (one window) before
-    its own time. Without a margin the slice holding it went when the newest insert passed its end;
-    with the alignment's max_skew as margin it stays."""
+@pytest.mark.parametrize(("clock", "found"), [(None, False), (294.0, True)])
+def test_the_window_keeps_what_a_worker_running_behind_still_needs(url: str, clock: float | None, found: bool) -> None:
+    """A worker 7 s of event time behind the newest insert, which it has read, looks for a message 95.5 s
+    before its own time (window 100 s). Without a clock the slice holding it went when the newest insert
+    passed its end; with the group's low watermark as the clock (`expire`, as aligned workers set it) it
+    stays, and the worker matches within the window of its own event time, as the filter does."""
     from filters.config import FilterConfig
 
     config = FilterConfig(window=100.0)
-    ahead = NearDupFilter(config, index=RedisIndex(url, window=100.0, bucket_cap=64, namespace=config.digest(),
-                                                   margin=margin))
-    behind = NearDupFilter(config, index=RedisIndex(url, window=100.0, bucket_cap=64, namespace=config.digest(),
-                                                    margin=margin))
+    ahead = NearDupFilter(config, index=RedisIndex(url, window=100.0, bucket_cap=64, namespace=config.digest()))
+    behind = NearDupFilter(config, index=RedisIndex(url, window=100.0, bucket_cap=64, namespace=config.digest()))
+    if clock is not None:
+        ahead.index.expire(clock)
+        behind.index.expire(clock)
     assert not ahead.check(ORIGINAL, id="o", ts=199.5).duplicate
     assert not ahead.check("An entirely different message about the weather in Lisbon tomorrow", id="w", ts=301.0).duplicate
+    assert not behind.check("Nothing like the others: a recipe for lentil soup with cumin", id="x", ts=294.0).duplicate
     verdict = behind.check(COPY_A, id="a", ts=295.0)
     assert verdict.duplicate is found and verdict.duplicate_of == ("o" if found else None)
     ahead.index.close()

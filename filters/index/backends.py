@@ -10,16 +10,15 @@ from filters.index.memory import MemoryIndex
 
 
 def open_index(url: str, *, window: float, bucket_cap: int, namespace: str,
-               native: bool | None = None, margin: float = 0.0) -> CandidateIndex:
+               native: bool | None = None) -> CandidateIndex:
     """`memory://` or `redis://[:password@]host:port/db` / `rediss://...` (TLS) / `redis+cluster://`.
 
-    `native` picks the memory index's table (see `filters.index.memory.make_table`); `margin`, event time that a
-    shared index keeps beyond the window for the workers running behind the newest (see `RedisIndex`)."""
+    `native` picks the memory index's table (see `filters.index.memory.make_table`)."""
     scheme = urlparse(url).scheme
     if scheme == "memory":
         return MemoryIndex(window, bucket_cap, native=native)
     if scheme in ("redis", "rediss", "redis+cluster", "rediss+cluster", "unix"):
         from filters.index.redis import RedisIndex  # the one backend that does I/O; loaded on demand (redis is optional)
 
-        return RedisIndex(url, window=window, bucket_cap=bucket_cap, namespace=namespace, margin=margin)
+        return RedisIndex(url, window=window, bucket_cap=bucket_cap, namespace=namespace)
     raise ConfigError(f"unknown index URL scheme {scheme!r} in {url!r}: use memory:// or redis://")

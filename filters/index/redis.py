@@ -15,9 +15,11 @@ Bucket keys (64-bit fingerprints) are field names, never scores or numbers: noth
 double but event times. A lookup at event time T reads the slices from (T - window) to T: two. A slice
 key's TTL is window + grace (wall clock) from its last write, and the insert script unlinks the slice
 that fell wholly out of the window, so the index holds at most two windows of entries. What matches is
-decided by event time: records older than the window are filtered out on reading. The window's clock is
-the newest event time stored (`hwm`) less `margin`: workers aligned in event time run up to max_skew
-apart (stream/align.py), and one that far behind the newest still finds the entries its window holds.
+decided by event time: a message matches the records within the window of its own event time (of the
+highest event time this instance decided, for a message that comes later than that), as the memory index
+decides. Which slice may go is told by the window's clock: the newest event time stored, or, once a caller
+sets it (`expire`), the caller's clock, which workers aligned in event time set to their group's low
+watermark (stream/align.py), so that a worker running ahead never unlinks what one behind still needs.
 
 Why this layout (bench/redis_bench.py, and measurements of the layouts that were tried; see README):
 the earlier one, a sorted set per bucket, cost Redis ≈ 140 µs of CPU per short message, nearly all of
@@ -390,18 +392,14 @@ class RedisIndex:
     `MemoryIndex`: nothing to compare against).
     """
 
-    def __init__(self, url: str, *, window: float, bucket_cap: int, namespace: str, margin: float = 0.0) -> None:
-        """`margin`: event time behind the newest one that the window's slices are kept for, on top of the
-        window, so that a worker that far behind the others (event-time alignment's max_skew) never
-        finds entries it still needs gone."""
-        if not window > 0 or bucket_cap < 1 or not margin >= 0:
-            raise ConfigError("window must be > 0 seconds, bucket_cap >= 1 and margin >= 0")
+    def __init__(self, url: str, *, window: float, bucket_cap: int, namespace: str) -> None:
+        if not window > 0 or bucket_cap < 1:
+            raise ConfigError("window must be > 0 seconds and bucket_cap >= 1")
         if not _NAME.fullmatch(namespace):
             raise ConfigError(f"namespace must match {_NAME.pattern}, got {namespace!r}")
         target = RedisTarget.parse(url)
         self.window = float(window)
         self.slice_length = self.window
-        self.margin = float(margin)
         self.bucket_cap = bucket_cap
         self.namespace = namespace
         self.prefix = target.prefix
@@ -410,7 +408,10 @@ class RedisIndex:
         self._meta = f"{tag}:meta"
         self._spre = f"{tag}:s:"
         self._ttl_ms = max(1, round((self.window + target.grace) * 1000))
-        self._hwm = -math.inf  # highest event time this instance has seen (MemoryIndex's watermark)
+        self._hwm = -math.inf  # highest event time this instance decided (MemoryIndex's watermark)
+        # The window's clock (`expire`): nothing older than it less the window will be looked for by anybody;
+        # None until a caller sets it, and then the newest event time stored stands for it.
+        self._clock: float | None = None
         self._view = _View()
         self._ahead: _SentRead | None = None  # the next lookup's read, sent ahead (`prefetch`)
         # Entries this instance wrote or read lately, by (id, event time): what a bucket record names.
@@ -500,15 +501,14 @@ class RedisIndex:
             seq, stored, slices, columns = self._read_covering(names, self._slices(marks[0], hwm), marks[0], hwm,
                                                                watch=watch)
             watch = watch and self._epoch == epoch  # both reads on the connection whose WATCH guards the view
-        top = _stored_time(stored)
-        self._hwm = max(hwm, top)
+        self._hwm = hwm
         ids = [q.id for q in queries]
         keys_of = [q.keys for q in queries]
         self._view = _View(slices, dict(zip(slices, columns)), names, seq, stored, dict(zip(ids, range(len(ids)))),
                            keys_of, key_fields, positions, id_places, watch=epoch if watch else -1)
         window = self.window
         found = self._rank_all(columns, positions, id_places, ids, [q.min_shared for q in queries], limit,
-                               [max(mark, top - self.margin) - window for mark in marks], self.bucket_cap,
+                               [mark - window for mark in marks], self.bucket_cap,
                                entry_time)
         entries = self._entries({(id, ts) for _, ranked in found for id, _, _, ts in ranked})
         out = []
@@ -611,24 +611,29 @@ class RedisIndex:
     def _insert_unchecked(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> int:
         """The insert script with every tail empty: no comparison with what a lookup saw."""
         args: list[str | int | bytes] = [self._spre, repr(self.window), repr(self.slice_length), self.bucket_cap,
-                                         self._ttl_ms, repr(self._hwm), "", 0, 0, repr(self.margin)]
+                                         self._ttl_ms, repr(self._hwm), "", 0, 0, self._clock_arg()]
         for entry, keys in entries:
             fields = [field_of(key) for key in keys]
             args += [entry.id.encode("utf-8", "surrogatepass"), repr(_event_time(entry.ts, entry.id, self.slice_length)),
                      encode_entry(entry), len(fields), b"", *fields]
-        [(_, hwm, results)] = self._eval_pipelined(_INSERT, [args])
-        self._hwm = max(self._hwm, float(hwm))
+        [(_, _, results)] = self._eval_pipelined(_INSERT, [args])
         self._view.exact = False  # the script wrote values no lookup of this instance read
         return sum(1 for r in results if r > 0)
 
     def expire(self, now: float) -> int:
-        """Moves this instance's horizon to `now - window` (as `MemoryIndex.expire` forgets up to it).
+        """Sets the window's clock to `now` (it only moves forward): no caller will look for anything older
+        than `now - window` any more, so this instance's inserts may unlink a slice wholly older than that.
+        Without a call the newest event time stored is the clock. Aligned workers set their group's low
+        watermark: a worker running ahead of another then never unlinks what that one still needs.
 
-        Redis itself forgets by slice: the insert script unlinks the slice that left the window, and key
-        TTLs do the rest, so there is nothing to delete here, and the count of what went is unknown: 0.
-        """
-        self._hwm = max(self._hwm, now)
+        Redis forgets by slice (the inserts unlink, key TTLs do the rest): nothing is deleted here, and
+        the count of what went is unknown: 0."""
+        self._clock = now if self._clock is None else max(self._clock, now)
         return 0
+
+    def _clock_arg(self) -> str:
+        """The window's clock for the insert script ('' for the newest event time stored)."""
+        return "" if self._clock is None else repr(self._clock)
 
     def stats(self) -> dict[str, int]:
         """`entries` and `buckets` in the slices of the window (a bucket with records in two slices counts
@@ -792,14 +797,13 @@ class RedisIndex:
         view = self._view
         args: list[str | int | bytes] = [self._spre, repr(self.window), repr(self.slice_length), self.bucket_cap,
                                          self._ttl_ms, repr(self._hwm), ",".join(map(str, view.slices)),
-                                         view.mark, view.inserted, repr(self.margin)]
+                                         view.mark, view.inserted, self._clock_arg()]
         places_of = [self._places(entry.id, fields) for (entry, _), fields in zip(entries, fields_of)]
         for (entry, _), fields, places in zip(entries, fields_of, places_of):
             expected = b"" if None in places else view.expected(entry.id, places)  # type: ignore[arg-type]
             args += [entry.id.encode("utf-8", "surrogatepass"), repr(_event_time(entry.ts, entry.id, self.slice_length)),
                      encode_entry(entry), len(fields), expected, *fields]
         [(_, hwm, results)] = self._eval_pipelined(_INSERT, [args])
-        self._hwm = max(self._hwm, float(hwm))
         view.hwm = hwm
         view.exact = False  # the script wrote values this caller did not compute
         for (entry, _), places, result in zip(entries, places_of, results):
@@ -844,7 +848,8 @@ class RedisIndex:
             tuple(slices), view.columns, writes,
             hwm, window, self.slice_length, cap, seq, entry_time, trim_records)
         hwm_bytes = view.hwm if hwm <= stored_hwm else (b"%.17g" % hwm)
-        gone = f"{self._spre}{self._slice(hwm - window - self.margin) - 1}" if seq > start else ""
+        clock = hwm if self._clock is None else self._clock
+        gone = f"{self._spre}{self._slice(clock - window) - 1}" if seq > start else ""
         if view.watch == self._epoch:  # -1 never is: epochs start at 1 with the first connection
             written = self._write_watched(start, seq, view.hwm, hwm_bytes, gone, groups)
             if written is None:
@@ -858,7 +863,6 @@ class RedisIndex:
             [done] = self._eval_pipelined(_INSERT_ALONE, [args])
             if not done:
                 return None
-        self._hwm = max(self._hwm, hwm)
         view.hwm = hwm_bytes
         view.own.update([seq_i for seq_i, _, _ in pending])
         view.inserted += len(pending)
@@ -919,9 +923,8 @@ class RedisIndex:
         view = self._view
         names = list(dict.fromkeys(f for fields in fields_of for f in fields))
         wanted = tuple(sorted(set(view.slices) | set(self._slices(self._hwm, self._hwm))))
-        seq, stored, slices, columns = self._read_covering(names, wanted, self._hwm, self._hwm)
-        self._hwm = max(self._hwm, _stored_time(stored))
-        horizon = self._hwm - self.margin - self.window
+        seq, _, slices, columns = self._read_covering(names, wanted, self._hwm, self._hwm)
+        horizon = self._hwm - self.window
         at = {name: i for i, name in enumerate(names)}
         view.slices = slices  # a slice the lookup did not read: what it holds is unknown, absent there
         ranked = []

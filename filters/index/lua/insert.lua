@@ -1,8 +1,8 @@
 -- One caller's insert round, atomically. KEYS[1]: the namespace's meta hash.
 -- ARGV: slice key prefix, window, slice length, bucket cap, TTL (ms), the caller's high-water mark of
 --       event time, the slices the caller read (comma-separated, in the order of its tails), the seq
---       at its lookup and how many it inserted since, the margin (event time behind the window that a
---       slice is kept for callers running behind), then per entry: id, event time, encoded entry,
+--       at its lookup and how many it inserted since, the window's clock ('' for the high-water mark:
+--       nobody looks for anything older than it less the window), then per entry: id, event time, encoded entry,
 --       the number n of its buckets, what the caller saw of them (per slice it read, the last 8 bytes
 --       of each bucket field, zeros if absent; '' for no check), and its n bucket field names.
 -- Returns {seq, high-water mark, per entry: its seq (inserted), 0 (its id is live, or it is outside
@@ -12,7 +12,6 @@ local window, slice_len, cap, ttl = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumb
 local hwm = tonumber(ARGV[6])
 local ABSENT = string.rep('\0', 8)
 local FIRST, PER_CALL = 11, FIELDS_PER_CALL
-local margin = tonumber(ARGV[10])
 local state = redis.call('HMGET', meta, 'seq', 'hwm')
 local stored_hwm = tonumber(state[2] or '-inf')
 if stored_hwm > hwm then hwm = stored_hwm end
@@ -165,9 +164,11 @@ end
 local hwm_s = string.format('%.17g', hwm)
 if seq > start then
   redis.call('HSET', meta, 'seq', string.format('%d', seq))
-  -- The slice wholly older than the window and the margin holds nothing that can match any more,
-  -- even for a caller `margin` behind in event time (the window's clock is the slowest worker's).
-  redis.call('UNLINK', spre .. string.format('%d', math.floor((hwm - window - margin) / slice_len) - 1))
+  -- The slice wholly older than the window of the clock holds nothing that can match any more (aligned
+  -- workers' clock is their group's low watermark: a worker behind the newest still finds its window).
+  local clock = hwm
+  if ARGV[10] ~= '' then clock = tonumber(ARGV[10]) end
+  redis.call('UNLINK', spre .. string.format('%d', math.floor((clock - window) / slice_len) - 1))
 end
 if hwm > stored_hwm then redis.call('HSET', meta, 'hwm', hwm_s) end
 if seq > start or hwm > stored_hwm then redis.call('PEXPIRE', meta, ttl) end
