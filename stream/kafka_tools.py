@@ -20,6 +20,7 @@ from aiokafka.errors import (
     ClusterAuthorizationFailedError,
     GroupAuthorizationFailedError,
     IllegalSaslStateError,
+    IllegalStateError,
     KafkaConfigurationError,
     KafkaConnectionError,
     KafkaError,
@@ -339,3 +340,30 @@ def record_json(record: KafkaRecord) -> bytes:
         "value": _text_or_base64(record.value),
         "headers": {name: _text_or_base64(value) for name, value in record.headers},
     })
+
+
+# -- consumer position ---------------------------------------------------------------------------
+
+
+async def partition_lags(consumer: AIOKafkaConsumer, committed_only: bool = False) -> dict[tuple[str, int], int]:
+    """Records left to fetch per assigned partition whose end is known (it comes with fetches; the last
+    stable offset when reading committed records only); a partition fetched nothing of yet, revoked
+    meanwhile, or without a position within a second is missing. The aligner's idleness and the
+    `neardup_consumer_lag` metric."""
+    out: dict[tuple[str, int], int] = {}
+    try:
+        assigned = consumer.assignment()
+    except IllegalStateError:
+        return out
+    for tp in assigned:
+        try:
+            end = consumer.last_stable_offset(tp) if committed_only else None
+            if end is None or end < 0:
+                end = consumer.highwater(tp)
+            if end is None:
+                continue
+            position = await asyncio.wait_for(consumer.position(tp), 1.0)
+        except (IllegalStateError, AssertionError, TimeoutError, KafkaError):
+            continue
+        out[(tp.topic, tp.partition)] = max(0, end - position)
+    return out

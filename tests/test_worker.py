@@ -31,7 +31,9 @@ from bench.kafka_support import (
 from filters.errors import ConfigError
 from stream import commands
 from stream.kafka_tools import KafkaRecord, client_options, ensure_topics
-from stream.worker import AiokafkaWorker, Lookahead, OutRecord, make_worker, raw_record, route_records
+from stream.outputs import OutRecord, raw_record
+from stream.router import Lookahead, route_records
+from stream.worker import AiokafkaWorker, make_worker
 
 pytestmark = [pytest.mark.services, pytest.mark.timeout(120)]
 
