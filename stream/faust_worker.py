@@ -104,11 +104,7 @@ class FaustWorker(WorkerCore):
             return False  # stopping during an index outage: nothing produced, nothing acked
         futures = [await sinks[o.topic].send(key=o.key, value=o.value, headers=list(o.headers)) for o in outs]
         await asyncio.gather(*futures)
-        self.stats.add(outs)
-        if self.observer is not None:
-            maybe = self.observer(records, outs)
-            if maybe is not None:
-                await maybe
+        await self.acknowledged(records, outs)
         return True
 
     async def run(self) -> WorkerStats:

@@ -231,3 +231,11 @@ class WorkerCore:
         self.kafka = KafkaHealth()  # the aiokafka runtime gives it a probe and watches the broker
         self.observer = observer
         self.stop_event = asyncio.Event()
+
+    async def acknowledged(self, records: Sequence[KafkaRecord], outs: Sequence[OutRecord]) -> None:
+        """A routed batch's outputs were acknowledged (before its commit): counted, and shown to the observer."""
+        self.stats.add(outs)
+        if self.observer is not None:
+            maybe = self.observer(records, outs)
+            if maybe is not None:
+                await maybe

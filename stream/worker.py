@@ -6,28 +6,9 @@ other workers of the group (`stream.align`: the partition with the lowest head f
 waited for unless idle, the group's marks in the index's Redis). So a verdict does not depend on how
 many partitions or workers there are, or on which partition the consumer happened to drain first.
 
-Delivery is at-least-once: a batch's offsets are committed only after every output record of the batch
-has been acknowledged by the broker (acks=all). A worker that dies between the two re-reads the batch
-after a restart; with a shared index (Redis) the engine gives a replayed message the verdict it got
-before (an indexed unique one is found under its own id: unique, method "replay"; a duplicate was not
-indexed and matches its original again). With `memory://` the index dies with the worker, so replays
-after a restart are checked against an empty index: use Redis for `serve`; memory:// is for trying out.
-During a Kafka outage (`stream.kafka_health`) a delivery that failed meanwhile is sent again before its
-batch is committed. An output that its topic refuses as too large is dead-lettered without its value
-(reason `output_too_large`) instead of stopping the worker.
-
-Exactly-once (`processing_guarantee = "exactly_once"`, aiokafka runtime only): each batch's outputs and
-its consumed offsets go in one Kafka transaction (a transactional producer, `send_offsets_to_transaction`,
-then commit), so a reader with isolation.level=read_committed sees every input's output exactly once,
-crash or not; a batch interrupted by a crash is aborted and re-read. The transactional id is
-`neardup-<group_id>-<group_instance_id>`: with static membership a restarted worker fences its dead
-predecessor and aborts its open transaction at once (without one the id is random, and the dead
-transaction holds read_committed readers back until the broker's transaction timeout, 60 s). Before it
-lets partitions go (revoked, or leaving), a worker waits until the group shows its transactions' offsets:
-they land only with the commit marker, a little after the commit returned, and aiokafka's offset fetch
-does not wait for them (no require_stable), so the next owner would start before the last batch. aiokafka
-commits transactional offsets without the group generation (no KIP-447 fencing): a worker that stalls
-past its session timeout and then commits could still repeat a batch that its successor also routed.
+Delivery and commit (`stream.delivery`): at-least-once (default: acks, then the commit) or exactly-once (a
+transaction a batch), a strategy chosen once when the worker is made; the loop hands routed batches to it
+(`_hand_over`) and lets partitions go only once it has committed what was routed from them (`_let_go`).
 
 Two runtimes share everything but the loop: `aiokafka` (default: a plain consume → route → produce →
 commit loop, pipelined: the next batch is routed while the last one is handed over and the one before
@@ -45,25 +26,18 @@ import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
-from aiokafka.errors import (
-    CommitFailedError,
-    IllegalStateError,
-    KafkaError,
-    MessageSizeTooLargeError,
-    RecordListTooLargeError,
-)
-from aiokafka.partitioner import DefaultPartitioner
+from aiokafka.errors import IllegalStateError, KafkaError
 
 from filters.engine import NearDupFilter
-from filters.errors import ConfigError, IndexUnavailable, ServiceError
+from filters.errors import ConfigError, IndexUnavailable
 from stream.align import Aligner, GroupMarks, GroupView, SoloMarks, Taken, lanes_of, open_marks
 from stream.changelog import NAMESPACE_HEADER, IndexGuard, Journal, encode_record, read_changelog, retention
 from stream.codec import event_time
 from stream.config import Settings
+from stream.delivery import AtLeastOnce, Delivery, ExactlyOnce, Link, Outgoing
 from stream.faust_worker import FaustWorker
 from stream.kafka_health import transient
 from stream.kafka_tools import (
@@ -71,19 +45,13 @@ from stream.kafka_tools import (
     broker_errors,
     client_options,
     ensure_topics,
-    map_kafka_error,
     partition_lags,
     producer,
 )
-from stream.outputs import MAX_OUTPUT_BYTES, OUTPUT_TOO_LARGE, OutRecord, late_output, refused_output
+from stream.outputs import MAX_OUTPUT_BYTES, OutRecord, late_output
 from stream.router import BatchObserver, WorkerCore, WorkerStats
 
 log = logging.getLogger("neardup.worker")
-
-# The broker refused a record batch as larger than the topic's max.message.bytes (Kafka's
-# MESSAGE_TOO_LARGE / RecordTooLarge, and RECORD_LIST_TOO_LARGE).
-_TOO_LARGE = (MessageSizeTooLargeError, RecordListTooLargeError)
-
 
 # How long a worker held back by the group waits for another worker's mark to move (`GroupMarks.moved`: at
 # once when one does) before it reads the marks again anyway (a mark that expired says nothing).
@@ -112,26 +80,12 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
             log.info("assigned %s", ", ".join(f"{tp.topic}/{tp.partition}" for tp in sorted(assigned)))
 
 
-@dataclass
-class _InFlight:
-    """A routed batch whose output records were handed to the producer but not yet acknowledged."""
-
-    records: list[KafkaRecord]
-    outs: list[OutRecord]
-    deliveries: list[asyncio.Future[Any]]
-    assignment: int = 0  # `_Rebalance.assignments` when the records were fetched
-    parts: list[list[KafkaRecord]] = field(default_factory=list)  # the routed batches it joins (empty: one)
-    logged: list[OutRecord] = field(default_factory=list)  # the index changelog's records of the batch
-    log_deliveries: list[asyncio.Future[Any]] = field(default_factory=list)
-
-
-
 class AiokafkaWorker(WorkerCore):
     """consume (getmany) → route (a thread) → produce → await acks → commit.
 
     Pipelined: as soon as batch N is routed, the next batch is fetched and routed (in a thread) while
     the event loop hands N's outputs to the producer and commits N-1 once its acknowledgements arrived
-    (`_deliver`, a task; the next batch's hand-over waits for it). Routing never waits for Kafka
+    (`Delivery.send`, a task; the next batch's hand-over waits for it). Routing never waits for Kafka
     round trips, and Kafka's work is never held up by routing. The records the consumer holds already
     are fetched with each batch and prepared while it is routed (`Lookahead`); they are the next batch.
     N is committed after all its outputs were acknowledged, and always before N+1. So a batch's offsets
@@ -144,14 +98,15 @@ class AiokafkaWorker(WorkerCore):
                  observer: BatchObserver | None = None) -> None:
         super().__init__(settings, nd, observer=observer)
         self._lock = asyncio.Lock()  # one batch step at a time: the loop, or a rebalance's flush
-        self._in_flight: _InFlight | None = None
-        self._delivering: asyncio.Future[None] | None = None  # `_deliver` of the batch routed last
-        # Routed batches waiting for the hand-over going on to finish (`_hand_over`): records, outputs,
-        # assignment, the index changelog's records.
-        self._queued: list[tuple[list[KafkaRecord], list[OutRecord], int, list[OutRecord]]] = []
+        # The delivery guarantee, chosen once: its strategy runs while `run` does (with the clients).
+        exactly_once = settings.processing_guarantee == "exactly_once"
+        self._guarantee: type[AtLeastOnce | ExactlyOnce] = ExactlyOnce if exactly_once else AtLeastOnce
+        self.delivery: Delivery | None = None
+        self._delivering: asyncio.Future[None] | None = None  # `Delivery.send` of the batch routed last
+        # Routed batches waiting for the hand-over going on to finish (`_hand_over`).
+        self._queued: list[Outgoing] = []
         self._consumer: AIOKafkaConsumer | None = None
         self._producer: Any = None
-        self._transactional = settings.processing_guarantee == "exactly_once"
         fmt = settings.record_format()
         # Event-time order across the assigned partitions (stream/align.py); off: the order fetched.
         self.aligner = Aligner(lambda r: event_time(r.value or b"", fmt, r.timestamp / 1000.0),
@@ -165,9 +120,6 @@ class AiokafkaWorker(WorkerCore):
         self._rewound: set[tuple[str, int]] = set()  # partitions sent back since the loop last looked (`_reread`)
         self._member = settings.group_instance_id or uuid.uuid4().hex[:12]
         self._rebalance = _Rebalance(self._let_go, self._assigned)
-        # Exactly-once: offsets committed in transactions that the group coordinator may not show yet.
-        self._unconfirmed: dict[TopicPartition, int] = {}
-        self._partitioner = DefaultPartitioner()  # what `send` uses: keyed records land where they would
         # The index changelog (stream/changelog.py): what each batch made unique, and the guard that rebuilds
         # a shared index that lost its data.
         self.journal: Journal | None = None
@@ -199,8 +151,7 @@ class AiokafkaWorker(WorkerCore):
             group_instance_id=s.group_instance_id or None,
             session_timeout_ms=round(s.session_timeout * 1000),
             heartbeat_interval_ms=max(100, round(s.session_timeout * 1000 / 3)),
-            # Exactly-once: an upstream's aborted transactions are not input.
-            isolation_level="read_committed" if self._transactional else "read_uncommitted",
+            isolation_level=self._guarantee.isolation_level,
             **client_options(s),
         )
         self._consumer = consumer
@@ -214,14 +165,15 @@ class AiokafkaWorker(WorkerCore):
         watch = asyncio.ensure_future(self.kafka.watch())
         try:
             consumer.subscribe(list(s.input_topics), listener=self._rebalance)
-            options: dict[str, Any] = {"max_request_size": MAX_OUTPUT_BYTES}
-            if self._transactional:
-                options["transactional_id"] = (f"neardup-{s.group_id}-"
-                                               f"{s.group_instance_id or uuid.uuid4().hex[:12]}")
-            async with producer(s, **options) as prod:
+            options = self._guarantee.producer_options(s)
+            async with producer(s, max_request_size=MAX_OUTPUT_BYTES, **options) as prod:
                 self._producer = prod
+                self.delivery = self._guarantee(s, Link(
+                    consumer=consumer, producer=prod, kafka=self.kafka, stopping=self.stop_event.is_set,
+                    acknowledged=self.acknowledged, assignments=lambda: self._rebalance.assignments,
+                    reread=self._reread))
                 await self._check_index()  # before the first batch: a lost index is rebuilt first
-                await self._loop(consumer, prod)
+                await self._loop(consumer)
                 # Stopping (not failing): deliver and commit the batch in flight before leaving the group.
                 await self._let_go()
         finally:
@@ -230,7 +182,7 @@ class AiokafkaWorker(WorkerCore):
                 delivering.cancel()  # failing: what it had not committed is re-read after a restart
             elif delivering is not None and not delivering.cancelled():
                 delivering.exception()  # retrieved: the error that stopped the loop is the one raised
-            self._in_flight = None
+            self.delivery = None  # what it had in flight is re-read after a restart
             self._queued = []  # not handed over: re-read after a restart
             watch.cancel()
             with broker_errors(s):
@@ -246,7 +198,7 @@ class AiokafkaWorker(WorkerCore):
                      self.aligner.late)
         return self.stats
 
-    async def _loop(self, consumer: AIOKafkaConsumer, prod: Any) -> None:
+    async def _loop(self, consumer: AIOKafkaConsumer) -> None:
         s = self.settings
         timeout_ms = max(1, round(s.batch_within * 1000))
         stop_wait = asyncio.ensure_future(self.stop_event.wait())
@@ -268,7 +220,8 @@ class AiokafkaWorker(WorkerCore):
                     batch = await self._take(consumer, refresh=held_since is not None and not pushed)
                     pushed = False
                     if not batch:
-                        busy = self._in_flight is not None or self._delivering is not None or bool(self._queued)
+                        busy = (self._delivering is not None or bool(self._queued)
+                                or (self.delivery is not None and self.delivery.in_flight))
                         if batch.waiting:
                             # Held back (a partition or the group behind): look again shortly; what is in
                             # flight is finished if the wait goes on, so that outputs are not held up.
@@ -300,7 +253,7 @@ class AiokafkaWorker(WorkerCore):
                     if assignment != self._rebalance.assignments or self._rewound:  # a rebalance meanwhile
                         owned, assignment = self._still_owned(batch), self._rebalance.assignments
                     if owned is not None:
-                        await self._batch(consumer, prod, owned, assignment, following.records)
+                        await self._batch(consumer, owned, assignment, following.records)
                 pending = following if following else None
         finally:
             stop_wait.cancel()
@@ -342,7 +295,7 @@ class AiokafkaWorker(WorkerCore):
     async def _take(self, consumer: AIOKafkaConsumer, refresh: bool) -> Taken:
         """The next batch in event-time order (`Aligner.take`), after pausing the partitions whose buffer is
         full and resuming the drained ones; the group's marks are read again when `refresh` or due."""
-        lags = await partition_lags(consumer, self._transactional)
+        lags = await partition_lags(consumer, committed_only=self._guarantee.isolation_level == "read_committed")
         pause, resume = self.aligner.flow(lags.get)
         if pause:
             consumer.pause(*(TopicPartition(*lane) for lane in pause))
@@ -379,8 +332,8 @@ class AiokafkaWorker(WorkerCore):
         if self.settings.align:
             await self._publish_marks()
 
-    async def _batch(self, consumer: AIOKafkaConsumer, prod: Any, taken: Taken,
-                     assignment: int = 0, following: Sequence[KafkaRecord] = ()) -> None:
+    async def _batch(self, consumer: AIOKafkaConsumer, taken: Taken, assignment: int = 0,
+                     following: Sequence[KafkaRecord] = ()) -> None:
         def pause() -> None:
             consumer.pause(*consumer.assignment())
 
@@ -417,7 +370,7 @@ class AiokafkaWorker(WorkerCore):
             await self._publish_marks()  # decided: the group may move past these records
         if any(taken.late):
             outs = [late_output(o, behind) if behind else o for o, behind in zip(outs, taken.late, strict=True)]
-        await self._hand_over(prod, records, outs, assignment, logged)
+        await self._hand_over(Outgoing(records, outs, assignment, logged))
 
     async def _open_changelog(self) -> None:
         """The changelog topic (created with time retention: the window plus a margin), and the index's guard."""
@@ -471,319 +424,69 @@ class AiokafkaWorker(WorkerCore):
         return [OutRecord(topic, entry.id.encode("utf-8", "surrogatepass"), encode_record(entry, keys), headers)
                 for entry, keys in self.journal.take()]
 
-    async def _hand_over(self, prod: Any, records: list[KafkaRecord], outs: list[OutRecord], assignment: int,
-                         logged: list[OutRecord] | None = None) -> None:
+    async def _hand_over(self, batch: Outgoing) -> None:
         """Queues a routed batch for delivery. While the previous hand-over is still going on (its acks, or
         under exactly-once its commit), routed batches queue up and go together in the next one (one
         transaction for all): small batches, as the group moves in lockstep under event-time alignment,
         do not each pay a commit. Outputs stay in input order."""
-        if self._queued and self._queued[0][2] != assignment:
-            await self._send_queued(prod)  # fetched under another assignment: a transaction of its own
-        self._queued.append((records, outs, assignment, logged or []))
+        if self._queued and self._queued[0].assignment != batch.assignment:
+            await self._send_queued()  # fetched under another assignment: a transaction of its own
+        self._queued.append(batch)
         going = self._delivering is not None and not self._delivering.done()
-        if going and sum(len(q[0]) for q in self._queued) < self.settings.max_batch:
+        if going and sum(len(q.records) for q in self._queued) < self.settings.max_batch:
             return
-        await self._send_queued(prod)
+        await self._send_queued()
 
-    async def _send_queued(self, prod: Any) -> None:
-        """The queued batches handed to the producer as one (after the hand-over before them)."""
+    async def _send_queued(self) -> None:
+        """The queued batches handed to the producer as one (after the hand-over before them): the batch
+        before is committed meanwhile (`Delivery.send`), while the next batch is routed."""
         await self._settle()
         queued, self._queued = self._queued, []
         if not queued:
             return
-        if len(queued) == 1:
-            records, outs, assignment, logged = queued[0]
-            parts: list[list[KafkaRecord]] = []
-        else:
-            records = [r for q in queued for r in q[0]]
-            outs = [o for q in queued for o in q[1]]
-            assignment = queued[0][2]
-            parts = [q[0] for q in queued]
-            logged = [o for q in queued for o in q[3]]
-        self._delivering = asyncio.ensure_future(self._deliver(prod, records, outs, assignment, parts, logged))
-
-    async def _deliver(self, prod: Any, records: list[KafkaRecord], outs: list[OutRecord], assignment: int,
-                       parts: list[list[KafkaRecord]], logged: list[OutRecord]) -> None:
-        """Hands a routed batch's outputs to the producer and commits the batch before it (whose acks
-        arrived meanwhile); the batch is then in flight. Runs while the next batch is routed."""
-        s = self.settings
-        if self._transactional:
-            await self._flush()  # one transaction at a time: commit the previous batch's first
-            with broker_errors(s):
-                await prod.begin_transaction()
-        with broker_errors(s):
-            deliveries = await self._send_all(prod, [*outs, *logged])
-        await self._flush()  # the previous batch: its acks arrived while this one was routed
-        n = len(outs)
-        self._in_flight = _InFlight(records, outs, deliveries[:n], assignment, parts, logged, deliveries[n:])
+        assert self.delivery is not None
+        self._delivering = asyncio.ensure_future(self.delivery.send(Outgoing.joined(queued)))
 
     async def _settle(self) -> None:
-        """Waits for the last routed batch's `_deliver` (and raises what it raised)."""
+        """Waits for the last routed batch's hand-over (and raises what it raised)."""
         delivering, self._delivering = self._delivering, None
         if delivering is not None:
             await delivering
 
     async def _drain(self) -> None:
         """Everything routed so far handed over, acknowledged and committed."""
-        await self._send_queued(self._producer)
+        await self._send_queued()
         await self._settle()
-        await self._flush()
+        if self.delivery is not None:
+            await self.delivery.commit()
 
     async def _let_go(self) -> None:
         """Before this worker's partitions may go to another member (revoked, or the worker leaving):
         everything routed is delivered and committed, and the group shows those commits."""
+        delivery = self.delivery
+        if delivery is None:
+            return  # not running: nothing routed
         async with self._lock:
             await self._drain()
-        await self._offsets_shown()
-
-    async def _offsets_shown(self) -> None:
-        """Exactly-once: waits until the group coordinator answers the offsets our transactions committed.
-
-        A transaction's offsets reach the group when the transaction coordinator writes its commit marker,
-        after `commit_transaction` returned; until then aiokafka's OffsetFetch (below v7: no require_stable)
-        answers the offset before. The partitions' next owner starts from that answer, so letting them go
-        earlier would have it route the last batch again (`bench/txn_offsets.py`: about half or more of the
-        reads right after a commit are stale, for a few ms). Bounded by half the session timeout: the
-        rebalance waits for this member only so long."""
-        pending, consumer = self._unconfirmed, self._consumer
-        if not pending or consumer is None:
-            return
-        deadline = time.monotonic() + self.settings.session_timeout / 2
-        while True:
-            tps = list(pending)
-            try:
-                # aiokafka retries a fetch while the coordinator is unreachable: bounded here.
-                shown = await asyncio.wait_for(asyncio.gather(*(consumer.committed(tp) for tp in tps)),
-                                               max(0.05, deadline - time.monotonic()))
-            except (TimeoutError, KafkaError) as exc:
-                log.warning("could not read the group's committed offsets before letting partitions go: %r; "
-                            "their next owner may route the last batch again", exc)
-                pending.clear()
-                return
-            for tp, offset in zip(tps, shown, strict=True):
-                if offset is not None and offset >= pending[tp]:
-                    del pending[tp]
-            if not pending:
-                return
-            if time.monotonic() >= deadline:
-                log.warning("the group did not show the last transaction's offsets of %s in time; their next "
-                            "owner may route the last batch again", ", ".join(f"{tp.topic}/{tp.partition}"
-                                                                              for tp in sorted(pending)))
-                pending.clear()
-                return
-            await asyncio.sleep(0.005)
-
-    async def _flush(self) -> None:
-        """Await the acks of the batch in flight, then commit its offsets."""
-        batch, self._in_flight = self._in_flight, None
-        if batch is None:
-            return
-        s = self.settings
-        with broker_errors(s):
-            if self._transactional:
-                # Any failure: the transaction is not committed.
-                await asyncio.gather(*batch.deliveries, *batch.log_deliveries)
-            else:
-                batch.outs = await self._delivered(batch)
-                await self._logs_delivered(batch)
-        if self._transactional and batch.assignment != self._rebalance.assignments:
-            # The partitions were reassigned since the batch was fetched: their owner now (maybe this
-            # worker) re-reads it from the committed offsets, so committing it too would repeat it.
-            log.warning("partitions reassigned while a batch of %d records was in flight: its transaction is "
-                        "aborted, the records are re-read by their owner", len(batch.records))
-            with broker_errors(s):
-                await self._producer.abort_transaction()
-            self._reread(batch.records)
-            return
-        start = 0
-        for part in batch.parts or [batch.records]:  # per routed batch: the very list that was routed
-            outs = batch.outs[start:start + len(part)]
-            self.stats.add(outs)
-            if self.observer is not None:
-                maybe = self.observer(part, outs)
-                if maybe is not None:
-                    await maybe
-            start += len(part)
-        offsets: dict[TopicPartition, int] = {}
-        for r in batch.records:
-            tp = TopicPartition(r.topic, r.partition)
-            offsets[tp] = max(offsets.get(tp, 0), r.offset + 1)
-        if self._transactional:
-            with broker_errors(s):
-                await self._producer.send_offsets_to_transaction(offsets, s.group_id)
-                await self._producer.commit_transaction()
-            for tp, offset in offsets.items():
-                self._unconfirmed[tp] = max(self._unconfirmed.get(tp, 0), offset)
-            return
-        assert self._consumer is not None
-        try:
-            await self._consumer.commit(offsets)
-        except (CommitFailedError, IllegalStateError) as exc:
-            # The group moved on (rebalance): whoever owns the partitions now re-reads this batch.
-            log.warning("commit failed, the batch will be re-read by the partitions' new owner: %s", exc)
-        except KafkaError as exc:
-            raise map_kafka_error(exc, s.kafka_bootstrap) from exc
+        await delivery.release()
 
     def _reread(self, records: Sequence[KafkaRecord]) -> None:
         """Records whose outputs were aborted: where this worker still owns their partitions, the consumer
         is sent back to them (and what the aligner buffered, and the batches queued behind them, of those
         partitions, are dropped: they come again); the others' owner reads them from the committed offsets."""
-        queued = [r for q in self._queued for r in q[0]]
+        queued = [r for q in self._queued for r in q.records]
         first: dict[tuple[str, int], int] = {}
         for r in (*records, *queued):
             lane = (r.topic, r.partition)
             if self.aligner.owns(lane):
                 first[lane] = min(first.get(lane, r.offset), r.offset)
-        self._queued = [q for q in self._queued if not any((r.topic, r.partition) in first for r in q[0])]
+        self._queued = [q for q in self._queued if not any((r.topic, r.partition) in first for r in q.records)]
         for lane, offset in first.items():
             with contextlib.suppress(IllegalStateError):
                 assert self._consumer is not None
                 self._consumer.seek(TopicPartition(*lane), offset)
         self.aligner.rewind(first)
         self._rewound |= set(first)
-
-    async def _send_all(self, prod: Any, outs: Sequence[OutRecord]) -> list[asyncio.Future[Any]]:
-        """Hands `outs` to the producer in record batches of our own, one open per topic partition (as
-        `send` would partition them): a delivery per batch, shared by its outputs, instead of a coroutine,
-        a future and a partitioner call per record (≈ 3 times less producer CPU a record). An output
-        that fits no batch goes through `_send`."""
-        deliveries: list[asyncio.Future[Any] | None] = [None] * len(outs)
-        open_batches: dict[tuple[str, int], tuple[Any, list[int]]] = {}
-        partitions: dict[str, tuple[list[int], list[int]]] = {}
-
-        async def close(topic: str, partition: int) -> None:
-            batch, members = open_batches.pop((topic, partition))
-            try:
-                delivery = await prod.send_batch(batch, topic, partition=partition)
-            except KafkaError as exc:
-                delivery = self._failed_delivery(exc)
-            for i in members:
-                deliveries[i] = delivery
-
-        for i, out in enumerate(outs):
-            if out.key is None and out.value is None:
-                deliveries[i] = await self._send_alone(prod, out)
-                continue
-            known = partitions.get(out.topic)
-            if known is None:
-                try:
-                    every = sorted(await prod.partitions_for(out.topic))
-                except KafkaError as exc:
-                    deliveries[i] = self._failed_delivery(exc)
-                    continue
-                available = sorted(prod.client.cluster.available_partitions_for_topic(out.topic) or every)
-                known = partitions[out.topic] = (every, available)
-            place = (out.topic, self._partitioner(out.key, *known))
-            headers = list(out.headers)
-            current = open_batches.get(place)
-            if current is not None:
-                if current[0].append(key=out.key, value=out.value, timestamp=None, headers=headers) is not None:
-                    current[1].append(i)
-                    continue
-                await close(*place)  # full: send it, and start another
-            batch = prod.create_batch()
-            if batch.append(key=out.key, value=out.value, timestamp=None, headers=headers) is None:
-                deliveries[i] = await self._send(prod, out)  # larger than a batch: `send` decides
-                continue
-            open_batches[place] = (batch, [i])
-        for place in list(open_batches):
-            await close(*place)
-        return deliveries  # type: ignore[return-value]
-
-    async def _send(self, prod: Any, out: OutRecord) -> asyncio.Future[Any]:
-        """Hands `out` to the producer. At-least-once, a refusal or an outage while doing so comes back as the
-        delivery's error (see `_delivered`)."""
-        if out.key is None and out.value is None:
-            # A record without a key dead-lettered without its value: `send` refuses a record with
-            # neither, a record batch of its own takes it.
-            return await self._send_alone(prod, out)
-        try:
-            return await prod.send(out.topic, value=out.value, key=out.key, headers=list(out.headers))
-        except KafkaError as exc:
-            return self._failed_delivery(exc)
-
-    def _failed_delivery(self, exc: KafkaError) -> asyncio.Future[Any]:
-        """At-least-once, an outage or a too-large refusal while handing a record over becomes that delivery's
-        error, settled in `_delivered`; anything else (and anything in a transaction) is raised."""
-        if self._transactional or not (transient(exc) or isinstance(exc, _TOO_LARGE)):
-            raise exc
-        failed: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        failed.set_exception(exc)
-        return failed
-
-    async def _send_alone(self, prod: Any, out: OutRecord) -> asyncio.Future[Any]:
-        """`out` in a record batch of its own, to the partition `send` would choose: the broker refuses a
-        batch as a whole, so small records batched with a too-large one were refused with it."""
-        try:
-            partitions = sorted(await prod.partitions_for(out.topic))
-            batch = prod.create_batch()
-            batch.append(key=out.key, value=out.value, timestamp=None, headers=list(out.headers))
-            partition = self._partitioner(out.key, partitions, partitions)
-            return await prod.send_batch(batch, out.topic, partition=partition)
-        except KafkaError as exc:
-            return self._failed_delivery(exc)
-
-    async def _logs_delivered(self, batch: _InFlight) -> None:
-        """At-least-once: waits until the batch's changelog records were acknowledged (before its commit), sending
-        again what failed during a broker outage; another error stops the worker (nothing committed: the
-        batch is routed again after a restart, and its entries journaled again)."""
-        pending = dict(enumerate(batch.log_deliveries))
-        while pending:
-            results = await asyncio.gather(*pending.values(), return_exceptions=True)
-            again: dict[int, asyncio.Future[Any]] = {}
-            for i, result in zip(list(pending), results, strict=True):
-                if not isinstance(result, BaseException):
-                    continue
-                if not transient(result):
-                    raise result
-                self.kafka.failed(result, f"delivery to {batch.logged[i].topic}")
-                if not await self.kafka.wait_up(self.stop_event.is_set):
-                    raise result
-                again[i] = await self._send(self._producer, batch.logged[i])
-            pending = again
-
-    async def _delivered(self, batch: _InFlight) -> list[OutRecord]:
-        """At-least-once: waits until every output of `batch` was acknowledged, and returns the outputs as
-        delivered. An output refused as too large is sent again alone, and if refused alone, dead-lettered
-        without its value (reason `output_too_large`); one the dead-letter topic refuses stops the worker
-        (nothing committed). An output that failed with a `transient` error (the broker unreachable, a
-        leader election) is sent again once the broker answers. Other errors stop the worker."""
-        prod = self._producer
-        outs = list(batch.outs)
-        alone: set[int] = set()
-        pending = dict(enumerate(batch.deliveries))
-        while pending:
-            results = await asyncio.gather(*pending.values(), return_exceptions=True)
-            again: dict[int, asyncio.Future[Any]] = {}
-            resent = 0
-            for i, result in zip(list(pending), results, strict=True):
-                if not isinstance(result, BaseException):
-                    continue
-                if isinstance(result, _TOO_LARGE):
-                    if i not in alone:
-                        alone.add(i)
-                    elif outs[i].topic != self.settings.dead_letter_topic:
-                        outs[i] = refused_output(batch.records[i], outs[i], result, self.settings)
-                        log.warning("output of %s refused as too large: dead-lettered without its value (%s)",
-                                    batch.records[i].coordinates, OUTPUT_TOO_LARGE)
-                    else:
-                        raise ServiceError(
-                            f"the dead-letter topic {outs[i].topic!r} refused the record for "
-                            f"{batch.records[i].coordinates} as too large: stopping, nothing of the batch "
-                            f"committed") from result
-                    again[i] = await self._send_alone(prod, outs[i])
-                elif transient(result):
-                    self.kafka.failed(result, f"delivery to {outs[i].topic}")
-                    if not await self.kafka.wait_up(self.stop_event.is_set):
-                        raise result  # stopping during the outage: nothing of the batch committed
-                    again[i] = await (self._send_alone(prod, outs[i]) if i in alone else self._send(prod, outs[i]))
-                    resent += 1
-                else:
-                    raise result
-            if resent:
-                log.info("%d outputs not delivered during the outage sent again", resent)
-            pending = again
-        return outs
 
 
 # -- entry point ---------------------------------------------------------------------------------
