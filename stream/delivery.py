@@ -46,8 +46,8 @@ from aiokafka.partitioner import DefaultPartitioner
 
 from filters.errors import ServiceError
 from stream.config import Settings
-from stream.kafka_health import KafkaHealth, transient
-from stream.kafka_tools import KafkaRecord, broker_errors, map_kafka_error
+from stream.kafka_health import KafkaHealth
+from stream.kafka_tools import KafkaRecord, broker_errors, map_kafka_error, transient
 from stream.outputs import OUTPUT_TOO_LARGE, OutRecord, refused_output
 
 log = logging.getLogger("neardup.worker")
@@ -197,6 +197,12 @@ class Sender:
             await close(*place)
         return deliveries  # type: ignore[return-value]
 
+    async def hand_over(self, batch: Outgoing) -> _InFlight:
+        """`batch`'s outputs and changelog records handed to the producer."""
+        deliveries = await self.send_all([*batch.outs, *batch.logged])
+        n = len(batch.outs)
+        return _InFlight(batch, deliveries[:n], deliveries[n:])
+
     async def send(self, out: OutRecord) -> asyncio.Future[Any]:
         """Hands `out` to the producer."""
         if out.key is None and out.value is None:
@@ -252,10 +258,9 @@ class AtLeastOnce:
 
     async def send(self, batch: Outgoing) -> None:
         with broker_errors(self.settings):
-            deliveries = await self.sender.send_all([*batch.outs, *batch.logged])
+            handed = await self.sender.hand_over(batch)
         await self.commit()  # the batch before: its acks arrived while this one was routed
-        n = len(batch.outs)
-        self._in_flight = _InFlight(batch, deliveries[:n], deliveries[n:])
+        self._in_flight = handed
 
     async def commit(self) -> None:
         flight, self._in_flight = self._in_flight, None
@@ -368,9 +373,7 @@ class ExactlyOnce:
         await self.commit()  # one transaction at a time: the batch before first
         with broker_errors(self.settings):
             await self.link.producer.begin_transaction()
-            deliveries = await self.sender.send_all([*batch.outs, *batch.logged])
-        n = len(batch.outs)
-        self._in_flight = _InFlight(batch, deliveries[:n], deliveries[n:])
+            self._in_flight = await self.sender.hand_over(batch)
 
     async def commit(self) -> None:
         flight, self._in_flight = self._in_flight, None

@@ -1,4 +1,4 @@
-"""Whether the Kafka broker answers, as one worker sees it (`KafkaHealth`): outages made visible, and which errors retrying cures.
+"""Whether the Kafka broker answers, as one worker sees it (`KafkaHealth`): an outage made visible.
 
 aiokafka's clients reconnect on their own and mostly only log; `KafkaHealth` makes an outage visible: one
 WARNING line, one INFO line when the broker answers again, `neardup_kafka_up` and `neardup_kafka_errors_total`.
@@ -12,26 +12,11 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from aiokafka.errors import (
-    KafkaConnectionError,
-    KafkaError,
-    KafkaTimeoutError,
-    NoBrokersAvailable,
-    NodeNotReadyError,
-    RequestTimedOutError,
-)
+from aiokafka.errors import KafkaError
+
+from stream.kafka_tools import KAFKA_UNAVAILABLE
 
 log = logging.getLogger("neardup.worker")
-
-# The broker is not reachable now (retrying helps), as opposed to refusing what it was asked.
-KAFKA_UNAVAILABLE = (KafkaConnectionError, NodeNotReadyError, RequestTimedOutError, KafkaTimeoutError,
-                     NoBrokersAvailable)
-
-
-def transient(exc: BaseException) -> bool:
-    """An aiokafka error that retrying can cure: the broker unreachable, or a leader being elected."""
-    return isinstance(exc, KAFKA_UNAVAILABLE) or (isinstance(exc, KafkaError) and exc.retriable)
-
 
 KAFKA_PROBE_EVERY = 1.0  # seconds between reachability probes while the broker is unavailable
 _KAFKA_PROBE_TIMEOUT = 5.0

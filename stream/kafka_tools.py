@@ -47,9 +47,9 @@ Headers = tuple[tuple[str, bytes], ...]
 _REFUSED = (AuthenticationFailedError, SaslAuthenticationFailed, AuthenticationMethodNotSupported, UnsupportedSaslMechanismError,
             IllegalSaslStateError, TopicAuthorizationFailedError, GroupAuthorizationFailedError,
             ClusterAuthorizationFailedError, KafkaConfigurationError)
-# Not now, maybe later.
-_UNAVAILABLE = (KafkaConnectionError, NoBrokersAvailable, NodeNotReadyError, KafkaTimeoutError,
-                RequestTimedOutError)
+# The broker is not reachable now (retrying helps), as opposed to refusing what it was asked.
+KAFKA_UNAVAILABLE = (KafkaConnectionError, NoBrokersAvailable, NodeNotReadyError, KafkaTimeoutError,
+                     RequestTimedOutError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,12 +87,17 @@ class KafkaRecord:
 _new_kafka_record = maker(KafkaRecord)  # one per record consumed: without the dataclass __init__'s cost
 
 
+def transient(exc: BaseException) -> bool:
+    """An aiokafka error that retrying can cure: the broker unreachable, or a leader being elected."""
+    return isinstance(exc, KAFKA_UNAVAILABLE) or (isinstance(exc, KafkaError) and exc.retriable)
+
+
 def map_kafka_error(exc: BaseException, where: str) -> NeardupError:
     """The neardup error for an aiokafka error (raise it `from exc`)."""
     detail = f"Kafka at {where}: {type(exc).__name__}: {exc}"
     if isinstance(exc, _REFUSED):
         return ConfigError(f"{detail} (check the security settings)")
-    if isinstance(exc, _UNAVAILABLE) or getattr(exc, "retriable", False):
+    if isinstance(exc, KAFKA_UNAVAILABLE) or getattr(exc, "retriable", False):
         return BrokerUnavailable(detail)
     return ServiceError(detail)
 

@@ -39,7 +39,6 @@ from stream.codec import event_time
 from stream.config import Settings
 from stream.delivery import AtLeastOnce, Delivery, ExactlyOnce, Link, Outgoing
 from stream.faust_worker import FaustWorker
-from stream.kafka_health import transient
 from stream.kafka_tools import (
     KafkaRecord,
     broker_errors,
@@ -47,6 +46,7 @@ from stream.kafka_tools import (
     ensure_topics,
     partition_lags,
     producer,
+    transient,
 )
 from stream.outputs import MAX_OUTPUT_BYTES, OutRecord, late_output
 from stream.router import BatchObserver, WorkerCore, WorkerStats
@@ -57,8 +57,6 @@ log = logging.getLogger("neardup.worker")
 # once when one does) before it reads the marks again anyway (a mark that expired says nothing).
 _GROUP_POLL = 0.05
 
-
-# -- the aiokafka runtime ------------------------------------------------------------------------
 
 
 class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
