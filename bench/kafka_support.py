@@ -15,9 +15,11 @@ from aiokafka.admin import AIOKafkaAdminClient
 
 from filters.engine import NearDupFilter
 from stream.config import Settings
+from stream.faust_worker import FaustWorker
 from stream.kafka_tools import Headers, KafkaRecord, client_options, collect, producer, read_topics
+from stream.router import WorkerStats
 from stream.runner import RawRecord, Routed, route_batch
-from stream.worker import AiokafkaWorker, FaustWorker, WorkerStats
+from stream.worker import AiokafkaWorker
 
 Input = tuple[bytes | None, bytes | None, Headers]  # key, value, headers
 

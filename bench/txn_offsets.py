@@ -8,7 +8,7 @@ The exactly-once worker commits each batch's offsets inside its transaction
 the transaction's commit marker is written, which happens after `commit_transaction` returned, and
 aiokafka's offset fetch (OffsetFetch below v7, no require_stable) answers the offset before until
 then. A partition's next owner starts from that answer, which is why the worker waits for it before it
-lets partitions go (stream/worker.py `_offsets_shown`). This probe commits `--commits` one-record
+lets partitions go (stream/delivery.py `ExactlyOnce.release`). This probe commits `--commits` one-record
 transactions on a fresh topic, each with the next offset, reads the group's committed offset right
 after each commit (a consumer of the group that already knows its coordinator), and prints how many
 first reads were stale and how long it took until the offset showed (median, p99, max).

@@ -20,6 +20,7 @@ from aiokafka.errors import (
     ClusterAuthorizationFailedError,
     GroupAuthorizationFailedError,
     IllegalSaslStateError,
+    IllegalStateError,
     KafkaConfigurationError,
     KafkaConnectionError,
     KafkaError,
@@ -46,9 +47,9 @@ Headers = tuple[tuple[str, bytes], ...]
 _REFUSED = (AuthenticationFailedError, SaslAuthenticationFailed, AuthenticationMethodNotSupported, UnsupportedSaslMechanismError,
             IllegalSaslStateError, TopicAuthorizationFailedError, GroupAuthorizationFailedError,
             ClusterAuthorizationFailedError, KafkaConfigurationError)
-# Not now, maybe later.
-_UNAVAILABLE = (KafkaConnectionError, NoBrokersAvailable, NodeNotReadyError, KafkaTimeoutError,
-                RequestTimedOutError)
+# The broker is not reachable now (retrying helps), as opposed to refusing what it was asked.
+KAFKA_UNAVAILABLE = (KafkaConnectionError, NoBrokersAvailable, NodeNotReadyError, KafkaTimeoutError,
+                     RequestTimedOutError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,12 +87,17 @@ class KafkaRecord:
 _new_kafka_record = maker(KafkaRecord)  # one per record consumed: without the dataclass __init__'s cost
 
 
+def transient(exc: BaseException) -> bool:
+    """An aiokafka error that retrying can cure: the broker unreachable, or a leader being elected."""
+    return isinstance(exc, KAFKA_UNAVAILABLE) or (isinstance(exc, KafkaError) and exc.retriable)
+
+
 def map_kafka_error(exc: BaseException, where: str) -> NeardupError:
     """The neardup error for an aiokafka error (raise it `from exc`)."""
     detail = f"Kafka at {where}: {type(exc).__name__}: {exc}"
     if isinstance(exc, _REFUSED):
         return ConfigError(f"{detail} (check the security settings)")
-    if isinstance(exc, _UNAVAILABLE) or getattr(exc, "retriable", False):
+    if isinstance(exc, KAFKA_UNAVAILABLE) or getattr(exc, "retriable", False):
         return BrokerUnavailable(detail)
     return ServiceError(detail)
 
@@ -339,3 +345,30 @@ def record_json(record: KafkaRecord) -> bytes:
         "value": _text_or_base64(record.value),
         "headers": {name: _text_or_base64(value) for name, value in record.headers},
     })
+
+
+# -- consumer position ---------------------------------------------------------------------------
+
+
+async def partition_lags(consumer: AIOKafkaConsumer, committed_only: bool = False) -> dict[tuple[str, int], int]:
+    """Records left to fetch per assigned partition whose end is known (it comes with fetches; the last
+    stable offset when reading committed records only); a partition fetched nothing of yet, revoked
+    meanwhile, or without a position within a second is missing. The aligner's idleness and the
+    `neardup_consumer_lag` metric."""
+    out: dict[tuple[str, int], int] = {}
+    try:
+        assigned = consumer.assignment()
+    except IllegalStateError:
+        return out
+    for tp in assigned:
+        try:
+            end = consumer.last_stable_offset(tp) if committed_only else None
+            if end is None or end < 0:
+                end = consumer.highwater(tp)
+            if end is None:
+                continue
+            position = await asyncio.wait_for(consumer.position(tp), 1.0)
+        except (IllegalStateError, AssertionError, TimeoutError, KafkaError):
+            continue
+        out[(tp.topic, tp.partition)] = max(0, end - position)
+    return out

@@ -25,23 +25,13 @@ from stream.campaigns import CampaignDetail, CampaignStore, CampaignView, Memory
 from stream.codec import decode
 from stream.collector import tune_collector
 from stream.config import Settings
-from stream.kafka_tools import KafkaRecord, client_options
+from stream.faust_worker import FaustWorker
+from stream.kafka_tools import KafkaRecord, client_options, partition_lags
 from stream.metrics import TimedIndex, WorkerMetrics, timed_route_runner
-from stream.worker import (
-    H_DUPLICATE_OF,
-    H_REASON,
-    H_VERDICT,
-    AiokafkaWorker,
-    FaustWorker,
-    OutRecord,
-    Router,
-    WorkerStats,
-    make_worker,
-    partition_lags,
-)
-from stream.worker import (
-    log as worker_log,
-)
+from stream.outputs import H_DUPLICATE_OF, H_REASON, H_VERDICT, OutRecord
+from stream.router import Router, WorkerStats
+from stream.worker import AiokafkaWorker, make_worker
+from stream.worker import log as worker_log
 
 log = logging.getLogger("neardup.ops")
 

@@ -1,4 +1,4 @@
-"""The Kafka worker: consume input topics in batches, route each batch (`runner.ReadAhead`), produce, commit after acks.
+"""The Kafka worker (aiokafka runtime): consume input topics in batches, route each (`stream.router`), produce, commit after acks.
 
 Order (aiokafka runtime, `align`, the default): fetched records wait in per-partition buffers and are
 decided in event-time order across the assigned partitions, and no more than `max_skew` ahead of the
@@ -6,37 +6,15 @@ other workers of the group (`stream.align`: the partition with the lowest head f
 waited for unless idle, the group's marks in the index's Redis). So a verdict does not depend on how
 many partitions or workers there are, or on which partition the consumer happened to drain first.
 
-Delivery is at-least-once: a batch's offsets are committed only after every output record of the batch
-has been acknowledged by the broker (acks=all). A worker that dies between the two re-reads the batch
-after a restart; with a shared index (Redis) the engine gives a replayed message the verdict it got
-before (an indexed unique one is found under its own id: unique, method "replay"; a duplicate was not
-indexed and matches its original again). With `memory://` the index dies with the worker, so replays
-after a restart are checked against an empty index: use Redis for `serve`; memory:// is for trying out.
-
-Exactly-once (`processing_guarantee = "exactly_once"`, aiokafka runtime only): each batch's outputs and
-its consumed offsets go in one Kafka transaction (a transactional producer, `send_offsets_to_transaction`,
-then commit), so a reader with isolation.level=read_committed sees every input's output exactly once,
-crash or not; a batch interrupted by a crash is aborted and re-read. The transactional id is
-`neardup-<group_id>-<group_instance_id>`: with static membership a restarted worker fences its dead
-predecessor and aborts its open transaction at once (without one the id is random, and the dead
-transaction holds read_committed readers back until the broker's transaction timeout, 60 s). Before it
-lets partitions go (revoked, or leaving), a worker waits until the group shows its transactions' offsets:
-they land only with the commit marker, a little after the commit returned, and aiokafka's offset fetch
-does not wait for them (no require_stable), so the next owner would start before the last batch. aiokafka
-commits transactional offsets without the group generation (no KIP-447 fencing): a worker that stalls
-past its session timeout and then commits could still repeat a batch that its successor also routed.
-
-Kafka outages (aiokafka runtime): the clients reconnect on their own; `KafkaHealth` makes the outage
-visible (one WARNING line, one INFO line when the broker answers again, `neardup_kafka_up` and
-`neardup_kafka_errors_total`), and at-least-once a delivery that failed meanwhile is sent again before its
-batch is committed. An output that its topic refuses as too large is dead-lettered without its value
-(reason `output_too_large`) instead of stopping the worker.
+Delivery and commit (`stream.delivery`): at-least-once (default: acks, then the commit) or exactly-once (a
+transaction a batch), a strategy chosen once when the worker is made; the loop hands routed batches to it
+(`_hand_over`) and lets partitions go only once it has committed what was routed from them (`_let_go`).
 
 Two runtimes share everything but the loop: `aiokafka` (default: a plain consume → route → produce →
 commit loop, pipelined: the next batch is routed while the last one is handed over and the one before
 committed) and `faust` (a faust-streaming agent over `stream.noack_take`,
 acking a batch after its outputs were acknowledged). aiokafka is the default: faster, lower latency,
-and its commits are explicit (see bench/kafka_e2e.py and the FaustWorker docstring).
+and its commits are explicit (see bench/kafka_e2e.py and stream/faust_worker.py). `make_worker` picks one.
 """
 
 from __future__ import annotations
@@ -45,476 +23,40 @@ import asyncio
 import contextlib
 import logging
 import math
-import shutil
-import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
-from aiokafka.errors import (
-    CommitFailedError,
-    IllegalStateError,
-    KafkaConnectionError,
-    KafkaError,
-    KafkaTimeoutError,
-    MessageSizeTooLargeError,
-    NoBrokersAvailable,
-    NodeNotReadyError,
-    RecordListTooLargeError,
-    RequestTimedOutError,
-)
-from aiokafka.partitioner import DefaultPartitioner
+from aiokafka.errors import IllegalStateError, KafkaError
 
 from filters.engine import NearDupFilter
-from filters.errors import ConfigError, IndexUnavailable, RejectedInput, ServiceError
-from filters.index.backends import open_index
-from filters.records import maker
+from filters.errors import ConfigError, IndexUnavailable
 from stream.align import Aligner, GroupMarks, GroupView, SoloMarks, Taken, lanes_of, open_marks
 from stream.changelog import NAMESPACE_HEADER, IndexGuard, Journal, encode_record, read_changelog, retention
-from stream.codec import RecordFormat, decode, event_time
+from stream.codec import event_time
 from stream.config import Settings
+from stream.delivery import AtLeastOnce, Delivery, ExactlyOnce, Link, Outgoing
+from stream.faust_worker import FaustWorker
 from stream.kafka_tools import (
-    Headers,
     KafkaRecord,
     broker_errors,
     client_options,
     ensure_topics,
-    map_kafka_error,
+    partition_lags,
     producer,
+    transient,
 )
-from stream.runner import DUPLICATE, UNIQUE, RawRecord, ReadAhead, Routed
+from stream.outputs import MAX_OUTPUT_BYTES, OutRecord, late_output
+from stream.router import BatchObserver, WorkerCore, WorkerStats
 
 log = logging.getLogger("neardup.worker")
-
-# Header names the worker adds (input headers are passed through unchanged, before these).
-H_VERDICT = "neardup-verdict"  # unique | duplicate | rejected | unchecked
-H_DUPLICATE_OF = "neardup-duplicate-of"
-H_SIMILARITY = "neardup-similarity"
-H_METHOD = "neardup-method"
-H_ID = "neardup-id"
-H_SOURCE = "neardup-source"  # topic/partition/offset of the input record
-H_REASON = "neardup-reason"
-H_ERROR = "neardup-error"
-H_LATE = "neardup-late"  # seconds of event time the record came behind the group's (stream/align.py)
-UNCHECKED = "unchecked"
-REPLAY = "replay"  # the engine's method for a unique message found under its own id (decided before)
-REJECTED = "rejected"
-# The reason of a record that an output topic refused as larger than its max.message.bytes.
-OUTPUT_TOO_LARGE = "output_too_large"
-# The broker is not reachable now (retrying helps), as opposed to refusing what it was asked.
-KAFKA_UNAVAILABLE = (KafkaConnectionError, NodeNotReadyError, RequestTimedOutError, KafkaTimeoutError,
-                     NoBrokersAvailable)
-# The broker refused a record batch as larger than the topic's max.message.bytes (Kafka's
-# MESSAGE_TOO_LARGE / RecordTooLarge, and RECORD_LIST_TOO_LARGE).
-_TOO_LARGE = (MessageSizeTooLargeError, RecordListTooLargeError)
-
-
-def transient(exc: BaseException) -> bool:
-    """An aiokafka error that retrying can cure: the broker unreachable, or a leader being elected."""
-    return isinstance(exc, KAFKA_UNAVAILABLE) or (isinstance(exc, KafkaError) and exc.retriable)
-
 
 # How long a worker held back by the group waits for another worker's mark to move (`GroupMarks.moved`: at
 # once when one does) before it reads the marks again anyway (a mark that expired says nothing).
 _GROUP_POLL = 0.05
-KAFKA_PROBE_EVERY = 1.0  # seconds between reachability probes while the broker is unavailable
-_KAFKA_PROBE_TIMEOUT = 5.0
-_MAX_ERROR_CHARS = 500
-# The producer must pass through the largest record the codec accepts, plus headers.
-MAX_OUTPUT_BYTES = RecordFormat().max_record_bytes + 1024 * 1024
 
-
-@dataclass(frozen=True, slots=True)
-class OutRecord:
-    """One output record: where it goes, and the input's key, value and headers plus the verdict's."""
-
-    topic: str
-    key: bytes | None
-    value: bytes | None
-    headers: Headers
-
-
-# One of each per record routed: from all field values, without the dataclass __init__'s cost.
-_new_out_record = maker(OutRecord)
-_new_raw_record = maker(RawRecord)
-
-
-@dataclass
-class WorkerStats:
-    """Counters of one worker run (mutable: updated per batch)."""
-
-    batches: int = 0
-    seen: int = 0
-    unique: int = 0
-    duplicate: int = 0
-    rejected: int = 0
-    unchecked: int = 0
-    index_errors: int = 0
-    started: float = field(default_factory=time.monotonic)
-
-    def add(self, outs: Sequence[OutRecord]) -> None:
-        self.batches += 1
-        self.seen += len(outs)
-        for out in outs:
-            verdict = next(v for k, v in reversed(out.headers) if k == H_VERDICT).decode()
-            if verdict == UNIQUE:
-                self.unique += 1
-            elif verdict == DUPLICATE:
-                self.duplicate += 1
-            elif verdict == UNCHECKED:
-                self.unchecked += 1
-            else:
-                self.rejected += 1
-
-    def line(self) -> str:
-        seconds = time.monotonic() - self.started
-        rate = self.seen / seconds if seconds > 0 else 0.0
-        return (f"{self.seen} routed in {self.batches} batches = unique {self.unique} + duplicate {self.duplicate}"
-                f" + rejected {self.rejected} + unchecked {self.unchecked}; {rate:,.0f} msg/s;"
-                f" index errors {self.index_errors}")
-
-
-class BatchObserver(Protocol):
-    """A seam for tests and metrics: called after a batch's outputs are acknowledged, before its commit."""
-
-    def __call__(self, records: Sequence[KafkaRecord], outs: Sequence[OutRecord]) -> Awaitable[None] | None: ...
-
-
-# -- routing (shared by both runtimes) -----------------------------------------------------------
-
-
-def raw_record(record: KafkaRecord) -> RawRecord:
-    # A tombstone (value None) is routed as empty bytes: it is rejected and dead-lettered as such.
-    return _new_raw_record(record.value or b"", record.coordinates, record.timestamp / 1000.0)
-
-
-def _float(value: float) -> bytes:
-    return format(value, "g").encode()
-
-
-def output_of(record: KafkaRecord, routed: Routed, settings: Settings) -> OutRecord:
-    """Where `routed` goes and the headers that say why; key, value and input headers unchanged."""
-    headers: list[tuple[str, bytes]] = list(record.headers)
-    if routed.kind in (UNIQUE, DUPLICATE):
-        assert routed.verdict is not None
-        v = routed.verdict
-        headers.append((H_VERDICT, routed.kind.encode()))
-        if v.duplicate:
-            headers.append((H_DUPLICATE_OF, (v.duplicate_of or "").encode()))
-            headers.append((H_SIMILARITY, _float(v.similarity)))
-        if v.method and v.method != REPLAY:  # a replay carries the headers of its first decision
-            headers.append((H_METHOD, v.method.encode()))
-        headers.append((H_ID, v.id.encode()))
-        topic = settings.duplicate_topic if v.duplicate else settings.unique_topic
-    else:
-        assert routed.error is not None
-        headers += [(H_VERDICT, REJECTED.encode()), (H_REASON, routed.error.reason.encode()),
-                    (H_ERROR, str(routed.error)[:_MAX_ERROR_CHARS].encode())]
-        topic = settings.dead_letter_topic
-    headers.append((H_SOURCE, record.coordinates.encode()))
-    if routed.kind == REJECTED and routed.error is not None and routed.error.reason == "too_large":
-        # Too large for the codec is too large for the producer: dead-lettered without its value
-        # (neardup-source says where to find it), so one huge record cannot stop the worker.
-        return _new_out_record(topic, record.key, None, tuple(headers))
-    return _new_out_record(topic, record.key, record.value, tuple(headers))
-
-
-def refused_output(record: KafkaRecord, refused: OutRecord, exc: BaseException, settings: Settings) -> OutRecord:
-    """The dead-letter record for `record` once `refused.topic` refused its output as too large: like the
-    `too_large` rule, without the value (`neardup-source` says where it is), so it cannot be refused again."""
-    size = len(refused.value or b"") + len(refused.key or b"") + sum(len(k) + len(v) for k, v in refused.headers)
-    verdict = next((v for k, v in reversed(refused.headers) if k == H_VERDICT), b"")
-    message_id = next((v for k, v in reversed(refused.headers) if k == H_ID), None)
-    error = (f"{refused.topic!r} refused the {verdict.decode()} output of about {size} bytes as too large "
-             f"(its max.message.bytes): {type(exc).__name__}")
-    headers = [*record.headers, (H_VERDICT, REJECTED.encode()), (H_REASON, OUTPUT_TOO_LARGE.encode()),
-               (H_ERROR, error[:_MAX_ERROR_CHARS].encode())]
-    if message_id is not None:
-        headers.append((H_ID, message_id))
-    headers.append((H_SOURCE, record.coordinates.encode()))
-    return OutRecord(settings.dead_letter_topic, record.key, None, tuple(headers))
-
-
-def late_output(out: OutRecord, behind: float) -> OutRecord:
-    """`out` with the `neardup-late` header: decided more than max_skew behind the group's event time."""
-    return _new_out_record(out.topic, out.key, out.value, (*out.headers, (H_LATE, _float(round(behind, 3)))))
-
-
-def route_records(nd: NearDupFilter, records: Sequence[KafkaRecord], settings: Settings,
-                  ahead: Lookahead | None = None, following: Sequence[KafkaRecord] = ()) -> list[OutRecord]:
-    """One output per input, in input order. Raises `IndexUnavailable` (nothing routed) on an outage.
-    With `ahead`, the `following` records (fetched already) are decoded and fingerprinted meanwhile."""
-    routed = (ahead or Lookahead(settings)).route(nd, records, following)
-    return [output_of(rec, r, settings) for rec, r in zip(records, routed, strict=True)]
-
-
-class Lookahead:
-    """The worker's `ReadAhead`: Kafka records in, the following batch's raw records kept so that the
-    batch prepared ahead is recognised when it is routed."""
-
-    def __init__(self, settings: Settings) -> None:
-        self._read_ahead = ReadAhead(settings.record_format())
-        self._following: tuple[Sequence[KafkaRecord], list[RawRecord]] | None = None
-
-    def route(self, nd: NearDupFilter, records: Sequence[KafkaRecord], following: Sequence[KafkaRecord]) -> list[Routed]:
-        known, self._following = self._following, None
-        raw = known[1] if known is not None and known[0] is records else [raw_record(r) for r in records]
-        after = [raw_record(r) for r in following] if following else None
-        routed = self._read_ahead.route(nd, raw, after)
-        if after is not None:
-            self._following = (following, after)
-        return routed
-
-
-def unchecked_records(records: Sequence[KafkaRecord], settings: Settings) -> list[OutRecord]:
-    """What `--on-index-error unchecked` does while the index is down: decodable records go to unique
-    with `neardup-verdict: unchecked` (not indexed, not checked), the others to the dead-letter topic."""
-    fmt = settings.record_format()
-    outs = []
-    for rec in records:
-        raw = raw_record(rec)
-        try:
-            message = decode(raw.value, fmt, fallback_id=raw.fallback_id, fallback_ts=raw.fallback_ts).message
-        except RejectedInput as exc:
-            outs.append(output_of(rec, Routed(REJECTED, raw, error=exc), settings))
-            continue
-        headers = (*rec.headers, (H_VERDICT, UNCHECKED.encode()), (H_ID, message.id.encode()),
-                   (H_SOURCE, rec.coordinates.encode()))
-        outs.append(OutRecord(settings.unique_topic, rec.key, rec.value, headers))
-    return outs
-
-
-class Backoff:
-    """Exponential backoff: initial, 2×, 4× … up to `maximum` seconds."""
-
-    def __init__(self, initial: float, maximum: float) -> None:
-        self.initial = initial
-        self.maximum = maximum
-        self.next = initial
-
-    def step(self) -> float:
-        delay = self.next
-        self.next = min(self.next * 2, self.maximum)
-        return delay
-
-    def reset(self) -> None:
-        self.next = self.initial
-
-
-class Router:
-    """Routes batches with the index-error policy of the settings.
-
-    `block`: on `IndexUnavailable`, call `pause()`, log one line, retry the same batch with backoff
-    (calling `keepalive()` while waiting, so the consumer stays in its group) until the index answers
-    or `stopping()`; then `resume()` and log one line. Nothing of the batch is produced or committed
-    before it is routed. `unchecked`: while the index is down (retried at most every backoff step),
-    batches go out unchecked.
-    """
-
-    def __init__(self, settings: Settings, nd: NearDupFilter, stats: WorkerStats,
-                 *, run: Callable[..., Awaitable[Any]] | None = None) -> None:
-        self.settings = settings
-        self.nd = nd
-        self.stats = stats
-        self.backoff = Backoff(settings.retry_initial, settings.retry_max)
-        self._down_since: float | None = None
-        self._attempts = 0  # failed attempts in the current outage
-        self._retry_at = 0.0
-        self.retries = 0  # route attempts repeated after an index error (a metric)
-        # How the CPU-bound, blocking routing step runs: in a worker thread by default, so that the
-        # event loop keeps fetching, heartbeating and delivering the previous batch meanwhile.
-        self._run = run or asyncio.to_thread
-        self.lookahead = Lookahead(settings)  # prepares the following batch while Redis works
-
-    async def route(
-        self,
-        records: Sequence[KafkaRecord],
-        *,
-        following: Sequence[KafkaRecord] = (),
-        pause: Callable[[], None] = lambda: None,
-        resume: Callable[[], None] = lambda: None,
-        keepalive: Callable[[], Awaitable[None]] | None = None,
-        stopping: Callable[[], bool] = lambda: False,
-        before_retry: Callable[[], Awaitable[None]] | None = None,
-    ) -> list[OutRecord] | None:
-        """The outputs of `records`, or None when stopping before they could be routed. `following`: the
-        records to be routed next, if fetched already (prepared meanwhile). `before_retry` runs before the
-        batch is routed again after an index error (the index may be back without its data)."""
-        if self.settings.on_index_error == "unchecked":
-            return await self._route_unchecked(records)
-        while True:
-            try:
-                outs = await self._run(route_records, self.nd, records, self.settings, self.lookahead, following)
-            except IndexUnavailable as exc:
-                self.stats.index_errors += 1
-                self._attempts += 1
-                if self._down_since is None:
-                    self._down_since = time.monotonic()
-                    pause()
-                    log.error("index unavailable: consumption paused, retrying with backoff up to %gs, "
-                              "nothing committed meanwhile: %s", self.settings.retry_max, exc)
-                delay = self.backoff.step()
-                deadline = time.monotonic() + delay
-                while time.monotonic() < deadline:
-                    if stopping():
-                        return None
-                    if keepalive is not None:
-                        await keepalive()
-                    await asyncio.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
-                if before_retry is not None:
-                    await before_retry()
-                self.retries += 1
-                continue
-            if self._down_since is not None:
-                log.warning("index available again after %.1fs (%d failed attempts): consumption resumed",
-                            time.monotonic() - self._down_since, self._attempts)
-                self._down_since = None
-                self._attempts = 0
-                self.backoff.reset()
-                resume()
-            return outs
-
-    @property
-    def index_down(self) -> bool:
-        """True from an index error until the index answers again."""
-        return self._down_since is not None
-
-    async def _route_unchecked(self, records: Sequence[KafkaRecord]) -> list[OutRecord]:
-        now = time.monotonic()
-        if self._down_since is None or now >= self._retry_at:
-            if self._down_since is not None:
-                self.retries += 1
-            try:
-                outs = await self._run(route_records, self.nd, records, self.settings)
-            except IndexUnavailable as exc:
-                self.stats.index_errors += 1
-                if self._down_since is None:
-                    self._down_since = now
-                    log.error("index unavailable: passing records to %r unchecked (header %s: %s) until it "
-                              "answers again: %s", self.settings.unique_topic, H_VERDICT, UNCHECKED, exc)
-                self._retry_at = time.monotonic() + self.backoff.step()
-            else:
-                if self._down_since is not None:
-                    log.warning("index available again after %.1fs: checking records again",
-                                time.monotonic() - self._down_since)
-                    self._down_since = None
-                    self.backoff.reset()
-                return outs
-        return unchecked_records(records, self.settings)
-
-
-class KafkaHealth(logging.Filter):
-    """Whether the broker answers, as one worker sees it: one WARNING line when it stops, one INFO line when it is back.
-
-    aiokafka's clients retry on their own and mostly only log, so the evidence comes from two places: the
-    worker's own operations failing with an unavailability error (`failed`: the broker is down), and
-    aiokafka's log records carrying one (as a logging filter: the broker is suspect). `watch` decides a
-    suspicion with a metadata request (`probe`): down if it fails; while down it probes every
-    KAFKA_PROBE_EVERY seconds, and the first answer ends the outage. While suspect or down, each of
-    aiokafka's log lines is shown once per outage: its reconnect loop repeats them thousands of times a
-    second. `errors` counts failed operations and probes (a metric), not aiokafka's internal retries.
-    """
-
-    def __init__(self, probe: Callable[[], Awaitable[Any]] | None = None) -> None:
-        super().__init__("neardup.kafka-health")
-        self.probe = probe
-        self.errors = 0
-        self.suppressed = 0  # aiokafka log lines not shown in the current outage
-        self._errors_before = 0  # `errors` when the current outage began
-        self._down_since: float | None = None
-        self._suspect = False
-        self._evidence = ""
-        self._shown: set[tuple[str, Any]] = set()
-
-    @property
-    def down(self) -> bool:
-        return self._down_since is not None
-
-    def failed(self, exc: BaseException, where: str) -> None:
-        """An operation of the worker failed with a `transient` error: the broker is down if it was
-        unreachable, suspect otherwise (a leader election, say: the probe decides)."""
-        self.errors += 1
-        self._suspect = True
-        if isinstance(exc, KAFKA_UNAVAILABLE):
-            self._mark_down(f"{where}: {type(exc).__name__}: {exc}")
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if not self._suspect:
-            args = record.args if isinstance(record.args, tuple) else ()
-            if not any(isinstance(a, (*KAFKA_UNAVAILABLE, OSError)) for a in args):
-                return True
-            self._suspect = True
-            self._evidence = record.getMessage()[:300]
-        key = (record.name, record.msg)
-        if key in self._shown:
-            self.suppressed += 1
-            return False
-        self._shown.add(key)
-        return True
-
-    async def watch(self) -> None:
-        """Until cancelled: settle suspicions and outages with probes."""
-        assert self.probe is not None
-        while True:
-            await asyncio.sleep(KAFKA_PROBE_EVERY if self.down else 0.2)
-            if not self._suspect:
-                continue
-            try:
-                await asyncio.wait_for(self.probe(), _KAFKA_PROBE_TIMEOUT)
-            except (KafkaError, OSError, TimeoutError) as exc:
-                self.errors += 1
-                self._mark_down(self._evidence or f"metadata request: {type(exc).__name__}: {exc}")
-            else:
-                self._mark_up()
-
-    async def wait_up(self, stopping: Callable[[], bool]) -> bool:
-        """Until the broker answers again (True), or stopping (False)."""
-        while self.down:
-            if stopping():
-                return False
-            await asyncio.sleep(0.1)
-        return True
-
-    def _mark_down(self, cause: str) -> None:
-        if self._down_since is None:
-            self._down_since = time.monotonic()
-            self._errors_before = self.errors - 1
-            log.warning("kafka unavailable: %s (retrying; outputs not acknowledged are kept and nothing is "
-                        "committed until they are)", cause)
-
-    def _mark_up(self) -> None:
-        if self._down_since is not None:
-            log.info("kafka available again after %.1fs (%d failed operations and probes; %d repeated client log "
-                     "lines not shown)", time.monotonic() - self._down_since, self.errors - self._errors_before,
-                     self.suppressed)
-        self._down_since = None
-        self._suspect = False
-        self._evidence = ""
-        self._shown.clear()
-        self.suppressed = 0
-
-    def attach(self) -> list[logging.Logger]:
-        """Adds this filter to aiokafka's loggers (a logger's filters do not apply to its children)."""
-        names = [n for n in list(logging.root.manager.loggerDict) if n == "aiokafka" or n.startswith("aiokafka.")]
-        loggers = [logging.getLogger(n) for n in {"aiokafka", *names}]
-        for logger in loggers:
-            logger.addFilter(self)
-        return loggers
-
-
-def open_filter(settings: Settings) -> NearDupFilter:
-    if settings.index.startswith("memory:"):
-        log.warning("index %s lives in this process only: verdicts are not shared with other workers and "
-                    "replays after a restart are not recognised; use redis:// for serve", settings.index)
-    config = settings.filter_config()
-    index = open_index(settings.index, window=config.window, bucket_cap=config.bucket_cap, namespace=config.digest())
-    return NearDupFilter(config, index=index)
-
-
-# -- the aiokafka runtime ------------------------------------------------------------------------
 
 
 class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -536,39 +78,12 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
             log.info("assigned %s", ", ".join(f"{tp.topic}/{tp.partition}" for tp in sorted(assigned)))
 
 
-@dataclass
-class _InFlight:
-    """A routed batch whose output records were handed to the producer but not yet acknowledged."""
-
-    records: list[KafkaRecord]
-    outs: list[OutRecord]
-    deliveries: list[asyncio.Future[Any]]
-    assignment: int = 0  # `_Rebalance.assignments` when the records were fetched
-    parts: list[list[KafkaRecord]] = field(default_factory=list)  # the routed batches it joins (empty: one)
-    logged: list[OutRecord] = field(default_factory=list)  # the index changelog's records of the batch
-    log_deliveries: list[asyncio.Future[Any]] = field(default_factory=list)
-
-
-class _WorkerCore:
-    """What both runtimes share: settings, the filter, the router and its stats, the stop signal."""
-
-    def __init__(self, settings: Settings, nd: NearDupFilter | None = None, *,
-                 observer: BatchObserver | None = None) -> None:
-        self.settings = settings
-        self.nd = nd or open_filter(settings)
-        self.stats = WorkerStats()
-        self.router = Router(settings, self.nd, self.stats)
-        self.kafka = KafkaHealth()  # the aiokafka runtime gives it a probe and watches the broker
-        self.observer = observer
-        self.stop_event = asyncio.Event()
-
-
-class AiokafkaWorker(_WorkerCore):
+class AiokafkaWorker(WorkerCore):
     """consume (getmany) → route (a thread) → produce → await acks → commit.
 
     Pipelined: as soon as batch N is routed, the next batch is fetched and routed (in a thread) while
     the event loop hands N's outputs to the producer and commits N-1 once its acknowledgements arrived
-    (`_deliver`, a task; the next batch's hand-over waits for it). Routing never waits for Kafka
+    (`Delivery.send`, a task; the next batch's hand-over waits for it). Routing never waits for Kafka
     round trips, and Kafka's work is never held up by routing. The records the consumer holds already
     are fetched with each batch and prepared while it is routed (`Lookahead`); they are the next batch.
     N is committed after all its outputs were acknowledged, and always before N+1. So a batch's offsets
@@ -581,14 +96,15 @@ class AiokafkaWorker(_WorkerCore):
                  observer: BatchObserver | None = None) -> None:
         super().__init__(settings, nd, observer=observer)
         self._lock = asyncio.Lock()  # one batch step at a time: the loop, or a rebalance's flush
-        self._in_flight: _InFlight | None = None
-        self._delivering: asyncio.Future[None] | None = None  # `_deliver` of the batch routed last
-        # Routed batches waiting for the hand-over going on to finish (`_hand_over`): records, outputs,
-        # assignment, the index changelog's records.
-        self._queued: list[tuple[list[KafkaRecord], list[OutRecord], int, list[OutRecord]]] = []
+        # The delivery guarantee, chosen once: its strategy runs while `run` does (with the clients).
+        exactly_once = settings.processing_guarantee == "exactly_once"
+        self._guarantee: type[AtLeastOnce | ExactlyOnce] = ExactlyOnce if exactly_once else AtLeastOnce
+        self.delivery: Delivery | None = None
+        self._delivering: asyncio.Future[None] | None = None  # `Delivery.send` of the batch routed last
+        # Routed batches waiting for the hand-over going on to finish (`_hand_over`).
+        self._queued: list[Outgoing] = []
         self._consumer: AIOKafkaConsumer | None = None
         self._producer: Any = None
-        self._transactional = settings.processing_guarantee == "exactly_once"
         fmt = settings.record_format()
         # Event-time order across the assigned partitions (stream/align.py); off: the order fetched.
         self.aligner = Aligner(lambda r: event_time(r.value or b"", fmt, r.timestamp / 1000.0),
@@ -602,9 +118,6 @@ class AiokafkaWorker(_WorkerCore):
         self._rewound: set[tuple[str, int]] = set()  # partitions sent back since the loop last looked (`_reread`)
         self._member = settings.group_instance_id or uuid.uuid4().hex[:12]
         self._rebalance = _Rebalance(self._let_go, self._assigned)
-        # Exactly-once: offsets committed in transactions that the group coordinator may not show yet.
-        self._unconfirmed: dict[TopicPartition, int] = {}
-        self._partitioner = DefaultPartitioner()  # what `send` uses: keyed records land where they would
         # The index changelog (stream/changelog.py): what each batch made unique, and the guard that rebuilds
         # a shared index that lost its data.
         self.journal: Journal | None = None
@@ -636,8 +149,7 @@ class AiokafkaWorker(_WorkerCore):
             group_instance_id=s.group_instance_id or None,
             session_timeout_ms=round(s.session_timeout * 1000),
             heartbeat_interval_ms=max(100, round(s.session_timeout * 1000 / 3)),
-            # Exactly-once: an upstream's aborted transactions are not input.
-            isolation_level="read_committed" if self._transactional else "read_uncommitted",
+            isolation_level=self._guarantee.isolation_level,
             **client_options(s),
         )
         self._consumer = consumer
@@ -651,14 +163,15 @@ class AiokafkaWorker(_WorkerCore):
         watch = asyncio.ensure_future(self.kafka.watch())
         try:
             consumer.subscribe(list(s.input_topics), listener=self._rebalance)
-            options: dict[str, Any] = {"max_request_size": MAX_OUTPUT_BYTES}
-            if self._transactional:
-                options["transactional_id"] = (f"neardup-{s.group_id}-"
-                                               f"{s.group_instance_id or uuid.uuid4().hex[:12]}")
-            async with producer(s, **options) as prod:
+            options = self._guarantee.producer_options(s)
+            async with producer(s, max_request_size=MAX_OUTPUT_BYTES, **options) as prod:
                 self._producer = prod
+                self.delivery = self._guarantee(s, Link(
+                    consumer=consumer, producer=prod, kafka=self.kafka, stopping=self.stop_event.is_set,
+                    acknowledged=self.acknowledged, assignments=lambda: self._rebalance.assignments,
+                    reread=self._reread))
                 await self._check_index()  # before the first batch: a lost index is rebuilt first
-                await self._loop(consumer, prod)
+                await self._loop(consumer)
                 # Stopping (not failing): deliver and commit the batch in flight before leaving the group.
                 await self._let_go()
         finally:
@@ -667,7 +180,7 @@ class AiokafkaWorker(_WorkerCore):
                 delivering.cancel()  # failing: what it had not committed is re-read after a restart
             elif delivering is not None and not delivering.cancelled():
                 delivering.exception()  # retrieved: the error that stopped the loop is the one raised
-            self._in_flight = None
+            self.delivery = None  # what it had in flight is re-read after a restart
             self._queued = []  # not handed over: re-read after a restart
             watch.cancel()
             with broker_errors(s):
@@ -683,7 +196,7 @@ class AiokafkaWorker(_WorkerCore):
                      self.aligner.late)
         return self.stats
 
-    async def _loop(self, consumer: AIOKafkaConsumer, prod: Any) -> None:
+    async def _loop(self, consumer: AIOKafkaConsumer) -> None:
         s = self.settings
         timeout_ms = max(1, round(s.batch_within * 1000))
         stop_wait = asyncio.ensure_future(self.stop_event.wait())
@@ -705,7 +218,8 @@ class AiokafkaWorker(_WorkerCore):
                     batch = await self._take(consumer, refresh=held_since is not None and not pushed)
                     pushed = False
                     if not batch:
-                        busy = self._in_flight is not None or self._delivering is not None or bool(self._queued)
+                        busy = (self._delivering is not None or bool(self._queued)
+                                or (self.delivery is not None and self.delivery.in_flight))
                         if batch.waiting:
                             # Held back (a partition or the group behind): look again shortly; what is in
                             # flight is finished if the wait goes on, so that outputs are not held up.
@@ -737,7 +251,7 @@ class AiokafkaWorker(_WorkerCore):
                     if assignment != self._rebalance.assignments or self._rewound:  # a rebalance meanwhile
                         owned, assignment = self._still_owned(batch), self._rebalance.assignments
                     if owned is not None:
-                        await self._batch(consumer, prod, owned, assignment, following.records)
+                        await self._batch(consumer, owned, assignment, following.records)
                 pending = following if following else None
         finally:
             stop_wait.cancel()
@@ -779,7 +293,7 @@ class AiokafkaWorker(_WorkerCore):
     async def _take(self, consumer: AIOKafkaConsumer, refresh: bool) -> Taken:
         """The next batch in event-time order (`Aligner.take`), after pausing the partitions whose buffer is
         full and resuming the drained ones; the group's marks are read again when `refresh` or due."""
-        lags = await partition_lags(consumer, self._transactional)
+        lags = await partition_lags(consumer, committed_only=self._guarantee.isolation_level == "read_committed")
         pause, resume = self.aligner.flow(lags.get)
         if pause:
             consumer.pause(*(TopicPartition(*lane) for lane in pause))
@@ -816,8 +330,8 @@ class AiokafkaWorker(_WorkerCore):
         if self.settings.align:
             await self._publish_marks()
 
-    async def _batch(self, consumer: AIOKafkaConsumer, prod: Any, taken: Taken,
-                     assignment: int = 0, following: Sequence[KafkaRecord] = ()) -> None:
+    async def _batch(self, consumer: AIOKafkaConsumer, taken: Taken, assignment: int = 0,
+                     following: Sequence[KafkaRecord] = ()) -> None:
         def pause() -> None:
             consumer.pause(*consumer.assignment())
 
@@ -854,7 +368,7 @@ class AiokafkaWorker(_WorkerCore):
             await self._publish_marks()  # decided: the group may move past these records
         if any(taken.late):
             outs = [late_output(o, behind) if behind else o for o, behind in zip(outs, taken.late, strict=True)]
-        await self._hand_over(prod, records, outs, assignment, logged)
+        await self._hand_over(Outgoing(records, outs, assignment, logged))
 
     async def _open_changelog(self) -> None:
         """The changelog topic (created with time retention: the window plus a margin), and the index's guard."""
@@ -908,467 +422,69 @@ class AiokafkaWorker(_WorkerCore):
         return [OutRecord(topic, entry.id.encode("utf-8", "surrogatepass"), encode_record(entry, keys), headers)
                 for entry, keys in self.journal.take()]
 
-    async def _hand_over(self, prod: Any, records: list[KafkaRecord], outs: list[OutRecord], assignment: int,
-                         logged: list[OutRecord] | None = None) -> None:
+    async def _hand_over(self, batch: Outgoing) -> None:
         """Queues a routed batch for delivery. While the previous hand-over is still going on (its acks, or
         under exactly-once its commit), routed batches queue up and go together in the next one (one
         transaction for all): small batches, as the group moves in lockstep under event-time alignment,
         do not each pay a commit. Outputs stay in input order."""
-        if self._queued and self._queued[0][2] != assignment:
-            await self._send_queued(prod)  # fetched under another assignment: a transaction of its own
-        self._queued.append((records, outs, assignment, logged or []))
+        if self._queued and self._queued[0].assignment != batch.assignment:
+            await self._send_queued()  # fetched under another assignment: a transaction of its own
+        self._queued.append(batch)
         going = self._delivering is not None and not self._delivering.done()
-        if going and sum(len(q[0]) for q in self._queued) < self.settings.max_batch:
+        if going and sum(len(q.records) for q in self._queued) < self.settings.max_batch:
             return
-        await self._send_queued(prod)
+        await self._send_queued()
 
-    async def _send_queued(self, prod: Any) -> None:
-        """The queued batches handed to the producer as one (after the hand-over before them)."""
+    async def _send_queued(self) -> None:
+        """The queued batches handed to the producer as one (after the hand-over before them): the batch
+        before is committed meanwhile (`Delivery.send`), while the next batch is routed."""
         await self._settle()
         queued, self._queued = self._queued, []
         if not queued:
             return
-        if len(queued) == 1:
-            records, outs, assignment, logged = queued[0]
-            parts: list[list[KafkaRecord]] = []
-        else:
-            records = [r for q in queued for r in q[0]]
-            outs = [o for q in queued for o in q[1]]
-            assignment = queued[0][2]
-            parts = [q[0] for q in queued]
-            logged = [o for q in queued for o in q[3]]
-        self._delivering = asyncio.ensure_future(self._deliver(prod, records, outs, assignment, parts, logged))
-
-    async def _deliver(self, prod: Any, records: list[KafkaRecord], outs: list[OutRecord], assignment: int,
-                       parts: list[list[KafkaRecord]], logged: list[OutRecord]) -> None:
-        """Hands a routed batch's outputs to the producer and commits the batch before it (whose acks
-        arrived meanwhile); the batch is then in flight. Runs while the next batch is routed."""
-        s = self.settings
-        if self._transactional:
-            await self._flush()  # one transaction at a time: commit the previous batch's first
-            with broker_errors(s):
-                await prod.begin_transaction()
-        with broker_errors(s):
-            deliveries = await self._send_all(prod, [*outs, *logged])
-        await self._flush()  # the previous batch: its acks arrived while this one was routed
-        n = len(outs)
-        self._in_flight = _InFlight(records, outs, deliveries[:n], assignment, parts, logged, deliveries[n:])
+        assert self.delivery is not None
+        self._delivering = asyncio.ensure_future(self.delivery.send(Outgoing.joined(queued)))
 
     async def _settle(self) -> None:
-        """Waits for the last routed batch's `_deliver` (and raises what it raised)."""
+        """Waits for the last routed batch's hand-over (and raises what it raised)."""
         delivering, self._delivering = self._delivering, None
         if delivering is not None:
             await delivering
 
     async def _drain(self) -> None:
         """Everything routed so far handed over, acknowledged and committed."""
-        await self._send_queued(self._producer)
+        await self._send_queued()
         await self._settle()
-        await self._flush()
+        if self.delivery is not None:
+            await self.delivery.commit()
 
     async def _let_go(self) -> None:
         """Before this worker's partitions may go to another member (revoked, or the worker leaving):
         everything routed is delivered and committed, and the group shows those commits."""
+        delivery = self.delivery
+        if delivery is None:
+            return  # not running: nothing routed
         async with self._lock:
             await self._drain()
-        await self._offsets_shown()
-
-    async def _offsets_shown(self) -> None:
-        """Exactly-once: waits until the group coordinator answers the offsets our transactions committed.
-
-        A transaction's offsets reach the group when the transaction coordinator writes its commit marker,
-        after `commit_transaction` returned; until then aiokafka's OffsetFetch (below v7: no require_stable)
-        answers the offset before. The partitions' next owner starts from that answer, so letting them go
-        earlier would have it route the last batch again (`bench/txn_offsets.py`: about half or more of the
-        reads right after a commit are stale, for a few ms). Bounded by half the session timeout: the
-        rebalance waits for this member only so long."""
-        pending, consumer = self._unconfirmed, self._consumer
-        if not pending or consumer is None:
-            return
-        deadline = time.monotonic() + self.settings.session_timeout / 2
-        while True:
-            tps = list(pending)
-            try:
-                # aiokafka retries a fetch while the coordinator is unreachable: bounded here.
-                shown = await asyncio.wait_for(asyncio.gather(*(consumer.committed(tp) for tp in tps)),
-                                               max(0.05, deadline - time.monotonic()))
-            except (TimeoutError, KafkaError) as exc:
-                log.warning("could not read the group's committed offsets before letting partitions go: %r; "
-                            "their next owner may route the last batch again", exc)
-                pending.clear()
-                return
-            for tp, offset in zip(tps, shown, strict=True):
-                if offset is not None and offset >= pending[tp]:
-                    del pending[tp]
-            if not pending:
-                return
-            if time.monotonic() >= deadline:
-                log.warning("the group did not show the last transaction's offsets of %s in time; their next "
-                            "owner may route the last batch again", ", ".join(f"{tp.topic}/{tp.partition}"
-                                                                              for tp in sorted(pending)))
-                pending.clear()
-                return
-            await asyncio.sleep(0.005)
-
-    async def _flush(self) -> None:
-        """Await the acks of the batch in flight, then commit its offsets."""
-        batch, self._in_flight = self._in_flight, None
-        if batch is None:
-            return
-        s = self.settings
-        with broker_errors(s):
-            if self._transactional:
-                # Any failure: the transaction is not committed.
-                await asyncio.gather(*batch.deliveries, *batch.log_deliveries)
-            else:
-                batch.outs = await self._delivered(batch)
-                await self._logs_delivered(batch)
-        if self._transactional and batch.assignment != self._rebalance.assignments:
-            # The partitions were reassigned since the batch was fetched: their owner now (maybe this
-            # worker) re-reads it from the committed offsets, so committing it too would repeat it.
-            log.warning("partitions reassigned while a batch of %d records was in flight: its transaction is "
-                        "aborted, the records are re-read by their owner", len(batch.records))
-            with broker_errors(s):
-                await self._producer.abort_transaction()
-            self._reread(batch.records)
-            return
-        start = 0
-        for part in batch.parts or [batch.records]:  # per routed batch: the very list that was routed
-            outs = batch.outs[start:start + len(part)]
-            self.stats.add(outs)
-            if self.observer is not None:
-                maybe = self.observer(part, outs)
-                if maybe is not None:
-                    await maybe
-            start += len(part)
-        offsets: dict[TopicPartition, int] = {}
-        for r in batch.records:
-            tp = TopicPartition(r.topic, r.partition)
-            offsets[tp] = max(offsets.get(tp, 0), r.offset + 1)
-        if self._transactional:
-            with broker_errors(s):
-                await self._producer.send_offsets_to_transaction(offsets, s.group_id)
-                await self._producer.commit_transaction()
-            for tp, offset in offsets.items():
-                self._unconfirmed[tp] = max(self._unconfirmed.get(tp, 0), offset)
-            return
-        assert self._consumer is not None
-        try:
-            await self._consumer.commit(offsets)
-        except (CommitFailedError, IllegalStateError) as exc:
-            # The group moved on (rebalance): whoever owns the partitions now re-reads this batch.
-            log.warning("commit failed, the batch will be re-read by the partitions' new owner: %s", exc)
-        except KafkaError as exc:
-            raise map_kafka_error(exc, s.kafka_bootstrap) from exc
+        await delivery.release()
 
     def _reread(self, records: Sequence[KafkaRecord]) -> None:
         """Records whose outputs were aborted: where this worker still owns their partitions, the consumer
         is sent back to them (and what the aligner buffered, and the batches queued behind them, of those
         partitions, are dropped: they come again); the others' owner reads them from the committed offsets."""
-        queued = [r for q in self._queued for r in q[0]]
+        queued = [r for q in self._queued for r in q.records]
         first: dict[tuple[str, int], int] = {}
         for r in (*records, *queued):
             lane = (r.topic, r.partition)
             if self.aligner.owns(lane):
                 first[lane] = min(first.get(lane, r.offset), r.offset)
-        self._queued = [q for q in self._queued if not any((r.topic, r.partition) in first for r in q[0])]
+        self._queued = [q for q in self._queued if not any((r.topic, r.partition) in first for r in q.records)]
         for lane, offset in first.items():
             with contextlib.suppress(IllegalStateError):
                 assert self._consumer is not None
                 self._consumer.seek(TopicPartition(*lane), offset)
         self.aligner.rewind(first)
         self._rewound |= set(first)
-
-    async def _send_all(self, prod: Any, outs: Sequence[OutRecord]) -> list[asyncio.Future[Any]]:
-        """Hands `outs` to the producer in record batches of our own, one open per topic partition (as
-        `send` would partition them): a delivery per batch, shared by its outputs, instead of a coroutine,
-        a future and a partitioner call per record (≈ 3 times less producer CPU a record). An output
-        that fits no batch goes through `_send`."""
-        deliveries: list[asyncio.Future[Any] | None] = [None] * len(outs)
-        open_batches: dict[tuple[str, int], tuple[Any, list[int]]] = {}
-        partitions: dict[str, tuple[list[int], list[int]]] = {}
-
-        async def close(topic: str, partition: int) -> None:
-            batch, members = open_batches.pop((topic, partition))
-            try:
-                delivery = await prod.send_batch(batch, topic, partition=partition)
-            except KafkaError as exc:
-                delivery = self._failed_delivery(exc)
-            for i in members:
-                deliveries[i] = delivery
-
-        for i, out in enumerate(outs):
-            if out.key is None and out.value is None:
-                deliveries[i] = await self._send_alone(prod, out)
-                continue
-            known = partitions.get(out.topic)
-            if known is None:
-                try:
-                    every = sorted(await prod.partitions_for(out.topic))
-                except KafkaError as exc:
-                    deliveries[i] = self._failed_delivery(exc)
-                    continue
-                available = sorted(prod.client.cluster.available_partitions_for_topic(out.topic) or every)
-                known = partitions[out.topic] = (every, available)
-            place = (out.topic, self._partitioner(out.key, *known))
-            headers = list(out.headers)
-            current = open_batches.get(place)
-            if current is not None:
-                if current[0].append(key=out.key, value=out.value, timestamp=None, headers=headers) is not None:
-                    current[1].append(i)
-                    continue
-                await close(*place)  # full: send it, and start another
-            batch = prod.create_batch()
-            if batch.append(key=out.key, value=out.value, timestamp=None, headers=headers) is None:
-                deliveries[i] = await self._send(prod, out)  # larger than a batch: `send` decides
-                continue
-            open_batches[place] = (batch, [i])
-        for place in list(open_batches):
-            await close(*place)
-        return deliveries  # type: ignore[return-value]
-
-    async def _send(self, prod: Any, out: OutRecord) -> asyncio.Future[Any]:
-        """Hands `out` to the producer. At-least-once, a refusal or an outage while doing so comes back as the
-        delivery's error (see `_delivered`)."""
-        if out.key is None and out.value is None:
-            # A record without a key dead-lettered without its value: `send` refuses a record with
-            # neither, a record batch of its own takes it.
-            return await self._send_alone(prod, out)
-        try:
-            return await prod.send(out.topic, value=out.value, key=out.key, headers=list(out.headers))
-        except KafkaError as exc:
-            return self._failed_delivery(exc)
-
-    def _failed_delivery(self, exc: KafkaError) -> asyncio.Future[Any]:
-        """At-least-once, an outage or a too-large refusal while handing a record over becomes that delivery's
-        error, settled in `_delivered`; anything else (and anything in a transaction) is raised."""
-        if self._transactional or not (transient(exc) or isinstance(exc, _TOO_LARGE)):
-            raise exc
-        failed: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        failed.set_exception(exc)
-        return failed
-
-    async def _send_alone(self, prod: Any, out: OutRecord) -> asyncio.Future[Any]:
-        """`out` in a record batch of its own, to the partition `send` would choose: the broker refuses a
-        batch as a whole, so small records batched with a too-large one were refused with it."""
-        try:
-            partitions = sorted(await prod.partitions_for(out.topic))
-            batch = prod.create_batch()
-            batch.append(key=out.key, value=out.value, timestamp=None, headers=list(out.headers))
-            partition = self._partitioner(out.key, partitions, partitions)
-            return await prod.send_batch(batch, out.topic, partition=partition)
-        except KafkaError as exc:
-            return self._failed_delivery(exc)
-
-    async def _logs_delivered(self, batch: _InFlight) -> None:
-        """At-least-once: waits until the batch's changelog records were acknowledged (before its commit), sending
-        again what failed during a broker outage; another error stops the worker (nothing committed: the
-        batch is routed again after a restart, and its entries journaled again)."""
-        pending = dict(enumerate(batch.log_deliveries))
-        while pending:
-            results = await asyncio.gather(*pending.values(), return_exceptions=True)
-            again: dict[int, asyncio.Future[Any]] = {}
-            for i, result in zip(list(pending), results, strict=True):
-                if not isinstance(result, BaseException):
-                    continue
-                if not transient(result):
-                    raise result
-                self.kafka.failed(result, f"delivery to {batch.logged[i].topic}")
-                if not await self.kafka.wait_up(self.stop_event.is_set):
-                    raise result
-                again[i] = await self._send(self._producer, batch.logged[i])
-            pending = again
-
-    async def _delivered(self, batch: _InFlight) -> list[OutRecord]:
-        """At-least-once: waits until every output of `batch` was acknowledged, and returns the outputs as
-        delivered. An output refused as too large is sent again alone, and if refused alone, dead-lettered
-        without its value (reason `output_too_large`); one the dead-letter topic refuses stops the worker
-        (nothing committed). An output that failed with a `transient` error (the broker unreachable, a
-        leader election) is sent again once the broker answers. Other errors stop the worker."""
-        prod = self._producer
-        outs = list(batch.outs)
-        alone: set[int] = set()
-        pending = dict(enumerate(batch.deliveries))
-        while pending:
-            results = await asyncio.gather(*pending.values(), return_exceptions=True)
-            again: dict[int, asyncio.Future[Any]] = {}
-            resent = 0
-            for i, result in zip(list(pending), results, strict=True):
-                if not isinstance(result, BaseException):
-                    continue
-                if isinstance(result, _TOO_LARGE):
-                    if i not in alone:
-                        alone.add(i)
-                    elif outs[i].topic != self.settings.dead_letter_topic:
-                        outs[i] = refused_output(batch.records[i], outs[i], result, self.settings)
-                        log.warning("output of %s refused as too large: dead-lettered without its value (%s)",
-                                    batch.records[i].coordinates, OUTPUT_TOO_LARGE)
-                    else:
-                        raise ServiceError(
-                            f"the dead-letter topic {outs[i].topic!r} refused the record for "
-                            f"{batch.records[i].coordinates} as too large: stopping, nothing of the batch "
-                            f"committed") from result
-                    again[i] = await self._send_alone(prod, outs[i])
-                elif transient(result):
-                    self.kafka.failed(result, f"delivery to {outs[i].topic}")
-                    if not await self.kafka.wait_up(self.stop_event.is_set):
-                        raise result  # stopping during the outage: nothing of the batch committed
-                    again[i] = await (self._send_alone(prod, outs[i]) if i in alone else self._send(prod, outs[i]))
-                    resent += 1
-                else:
-                    raise result
-            if resent:
-                log.info("%d outputs not delivered during the outage sent again", resent)
-            pending = again
-        return outs
-
-
-async def partition_lags(consumer: AIOKafkaConsumer, committed_only: bool = False) -> dict[tuple[str, int], int]:
-    """Records left to fetch per assigned partition whose end is known (it comes with fetches; the last
-    stable offset when reading committed records only); a partition fetched nothing of yet, revoked
-    meanwhile, or without a position within a second is missing. The aligner's idleness and the
-    `neardup_consumer_lag` metric."""
-    out: dict[tuple[str, int], int] = {}
-    try:
-        assigned = consumer.assignment()
-    except IllegalStateError:
-        return out
-    for tp in assigned:
-        try:
-            end = consumer.last_stable_offset(tp) if committed_only else None
-            if end is None or end < 0:
-                end = consumer.highwater(tp)
-            if end is None:
-                continue
-            position = await asyncio.wait_for(consumer.position(tp), 1.0)
-        except (IllegalStateError, AssertionError, TimeoutError, KafkaError):
-            continue
-        out[(tp.topic, tp.partition)] = max(0, end - position)
-    return out
-
-
-# -- the faust runtime ---------------------------------------------------------------------------
-
-
-class FaustWorker(_WorkerCore):
-    """The same batch step as a faust-streaming agent over `stream.noack_take(max_batch, within)`.
-
-    The agent acks a batch's events after every output was acknowledged; faust's consumer commits the
-    acked offsets every `broker_commit_interval`. (`take_events` would ack in a `finally`, i.e. also
-    when routing or producing failed: measured, that commits records that never reached an output.)
-    While the index is down, faust keeps fetching until its stream buffer is full (no explicit pause).
-    """
-
-    def __init__(self, settings: Settings, nd: NearDupFilter | None = None, *,
-                 observer: BatchObserver | None = None) -> None:
-        super().__init__(settings, nd, observer=observer)
-        self._failure: BaseException | None = None
-        self._lock = asyncio.Lock()
-        # faust wants a data directory even with in-memory tables; a temporary one unless configured.
-        self._own_datadir = not settings.state_dir
-        self._datadir = settings.state_dir or tempfile.mkdtemp(prefix="neardup-faust-")
-        self.app = self._build_app()
-
-    def stop(self) -> None:
-        self.stop_event.set()
-
-    def _build_app(self) -> Any:
-        import faust
-
-        s = self.settings
-        credentials: Any = None
-        if s.kafka_security_protocol.startswith("SASL"):
-            ssl = client_options(s).get("ssl_context")
-            credentials = faust.SASLCredentials(username=s.kafka_sasl_username, password=s.kafka_sasl_password,
-                                                mechanism=s.kafka_sasl_mechanism, ssl_context=ssl)
-        elif s.kafka_security_protocol == "SSL":
-            credentials = faust.SSLCredentials(client_options(s)["ssl_context"])
-        brokers = [f"kafka://{b.strip()}" for b in s.kafka_bootstrap.split(",") if b.strip()]
-        app = faust.App(
-            s.group_id,
-            broker=brokers,
-            broker_credentials=credentials,
-            broker_client_id=s.kafka_client_id,
-            datadir=self._datadir,
-            store="memory://",
-            web_enabled=False,
-            value_serializer="raw",
-            key_serializer="raw",
-            consumer_auto_offset_reset="earliest",
-            producer_acks=-1,
-            producer_linger=s.linger,
-            broker_commit_interval=1.0,
-            stream_buffer_maxsize=max(4096, 2 * s.max_batch),
-            # Unacked events (a failed batch) are simply not committed; faust must not wait for them.
-            stream_wait_empty=False,
-            topic_partitions=s.partitions,
-            topic_replication_factor=s.replication_factor,
-        )
-        source = app.topic(*s.input_topics, key_type=bytes, value_type=bytes,
-                           key_serializer="raw", value_serializer="raw")
-        sinks = {t: app.topic(t, key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw")
-                 for t in s.output_topics}
-
-        async def agent(stream: Any) -> None:
-            # noack_take, not take_events: take_events acks a batch in a `finally`, so a batch whose
-            # routing or delivery failed would be committed anyway (measured: lost records).
-            async for events in stream.noack_take(s.max_batch, within=s.batch_within):
-                try:
-                    async with self._lock:  # run() takes it to stop between batches
-                        if not await self._batch(events, sinks):
-                            return
-                except BaseException as exc:
-                    # Nothing of this batch is acked; stop the worker rather than let faust restart
-                    # the agent past a gap that would be committed only after a restart anyway.
-                    self._failure = self._failure or exc
-                    self.stop()
-                    raise
-                for event in events:
-                    await stream.ack(event)
-
-        app.agent(source, name="neardup.route")(agent)
-        return app
-
-    async def _batch(self, events: Sequence[Any], sinks: dict[str, Any]) -> bool:
-        """Route, produce and await the deliveries of one batch; False when stopping instead."""
-        records = [_faust_record(e.message) for e in events]
-        outs = await self.router.route(records, stopping=self.stop_event.is_set)
-        if outs is None:
-            return False  # stopping during an index outage: nothing produced, nothing acked
-        futures = [await sinks[o.topic].send(key=o.key, value=o.value, headers=list(o.headers)) for o in outs]
-        await asyncio.gather(*futures)
-        self.stats.add(outs)
-        if self.observer is not None:
-            maybe = self.observer(records, outs)
-            if maybe is not None:
-                await maybe
-        return True
-
-    async def run(self) -> WorkerStats:
-        s = self.settings
-        if s.align:
-            log.info("faust runtime: records are decided in the order fetched (event-time alignment needs the "
-                     "aiokafka runtime)")
-        if s.create_topics:
-            await ensure_topics(s, [*s.input_topics, *s.output_topics])
-        await self.app.start()
-        try:
-            await self.stop_event.wait()
-            await asyncio.wait_for(self._lock.acquire(), timeout=60)  # let the batch in progress finish
-        finally:
-            await self.app.stop()
-            if self._own_datadir:
-                shutil.rmtree(self._datadir, ignore_errors=True)
-        if self._failure is not None:
-            raise self._failure
-        log.info("stopped: %s", self.stats.line())
-        return self.stats
-
-
-def _faust_record(message: Any) -> KafkaRecord:
-    timestamp = round(message.timestamp * 1000) if message.timestamp is not None else 0
-    return KafkaRecord(message.topic, message.partition, message.offset, timestamp, message.key, message.value,
-                       tuple((k, bytes(v)) for k, v in (message.headers or ())))
 
 
 # -- entry point ---------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import pytest
 from filters.config import METHODS, FilterConfig
 from filters.engine import Match, Message, NearDupFilter, Verdict
 from filters.fingerprint import hamming, key_method, minhash_jaccard
-from filters.index import Batch, Candidate, CandidateIndex, Entry, Query, Verifier, finish
+from filters.index import Batch, Candidate, CandidateIndex, Entry, IndexWrapper, Query, Verifier, finish
 from filters.index.memory import MemoryIndex
 from filters.index.shared import SharedDecider
 from stream.testing import ManualClock
@@ -33,17 +33,19 @@ def words(rng: random.Random, n: int) -> str:
     return " ".join("".join(rng.choice(LETTERS) for _ in range(rng.randint(3, 8))) for _ in range(n))
 
 
-class ProxyIndex:
+class ProxyIndex(IndexWrapper):
     """A `CandidateIndex` that is not a `MemoryIndex`: makes the engine take its shared-index path
-    (one lookup and one insert round per batch), backed by a MemoryIndex."""
-
-    compiled_table = False
+    (one lookup and one insert round per batch) over a MemoryIndex, counting the rounds."""
 
     def __init__(self, window: float, bucket_cap: int = 64) -> None:
-        self.inner = MemoryIndex(window, bucket_cap)
+        super().__init__(MemoryIndex(window, bucket_cap))
         self.lookups = 0
         self.inserts = 0
         self._decider = SharedDecider()
+
+    @property
+    def compiled_table(self) -> bool:
+        return False  # decided from fingerprints, as a shared index does
 
     def decide(self, batch: Batch, verifier: Verifier) -> list[Verdict]:
         verdicts = self._decider.decide(self, batch, verifier)
@@ -55,23 +57,11 @@ class ProxyIndex:
 
     def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | None, list[Candidate]]]:
         self.lookups += 1
-        return self.inner.lookup(queries, limit)
+        return super().lookup(queries, limit)
 
     def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]:
         self.inserts += 1
-        return self.inner.insert(entries)
-
-    def restore(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> int:
-        return self.inner.restore(entries)
-
-    def expire(self, now: float) -> int:
-        return self.inner.expire(now)
-
-    def stats(self) -> dict[str, int]:
-        return self.inner.stats()
-
-    def close(self) -> None:
-        pass
+        return super().insert(entries)
 
 
 def test_proxy_index_satisfies_the_protocol() -> None:

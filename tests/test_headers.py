@@ -8,7 +8,7 @@ import pytest
 
 from bench.kafka_support import redis_namespace
 from filters.engine import Message, NearDupFilter, Verdict
-from filters.index import Batch, Candidate, Entry, Query, Verifier, finish
+from filters.index import Batch, Candidate, Entry, IndexWrapper, Query, Verifier, finish
 from filters.index.redis import RedisIndex
 from filters.index.shared import SharedDecider
 
@@ -17,14 +17,12 @@ COPY_A = "Congratulations!! You have won a 1000 dollar gift card, call 555-0177 
 COPY_B = "Congratulations! You have won a 1000 dollar gift card, call 555-0199 now to claim your prize today!!"
 
 
-class Racing:
+class Racing(IndexWrapper):
     """The Redis index of one worker, with another worker's batch decided between its lookup and its insert:
     what two workers racing on near-duplicates do, on cue (the shared decision over its own rounds)."""
 
-    compiled_table = False
-
     def __init__(self, index: RedisIndex, other: NearDupFilter, batch: Sequence[Message]) -> None:
-        self.index = index
+        super().__init__(index)
         self.other = other
         self.batch = batch
         self._decider = SharedDecider()
@@ -37,26 +35,11 @@ class Racing:
     def prefetch(self, queries: Sequence[Query]) -> None:
         pass  # every lookup reads when it is made
 
-    def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | None, list[Candidate]]]:
-        return self.index.lookup(queries, limit)
-
     def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]:
         if self.batch:
             self.other.check_batch(self.batch)  # the other worker wins the race
             self.batch = ()
-        return self.index.insert(entries)
-
-    def restore(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> int:
-        return self.index.restore(entries)
-
-    def expire(self, now: float) -> int:
-        return self.index.expire(now)
-
-    def stats(self) -> dict[str, int]:
-        return self.index.stats()
-
-    def close(self) -> None:
-        self.index.close()
+        return super().insert(entries)
 
 
 @pytest.fixture
@@ -72,7 +55,7 @@ def test_a_duplicate_of_a_message_that_lost_its_insert_race_names_the_winner(url
     other = NearDupFilter(index=url)
     racing = Racing(RedisIndex(url, window=3600, bucket_cap=64, namespace=other.config.digest()), other,
                     [Message("o", ORIGINAL, 100.0)])
-    nd = NearDupFilter(index=racing)  # type: ignore[arg-type]
+    nd = NearDupFilter(index=racing)
     a, b = nd.check_batch([Message("a", COPY_A, 101.0), Message("b", COPY_B, 102.0)])
     assert (a.duplicate, a.duplicate_of) == (True, "o")
     assert (b.duplicate, b.duplicate_of) == (True, "o")

@@ -428,8 +428,8 @@ def test_frozen_makes_what_the_class_makes() -> None:
     from filters.index import Query
     from stream.codec import Decoded
     from stream.kafka_tools import KafkaRecord
+    from stream.outputs import OutRecord
     from stream.runner import RawRecord, Routed
-    from stream.worker import OutRecord
 
     sketch = np.array([3, 9], dtype=np.uint32)
     cases = [

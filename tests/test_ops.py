@@ -46,13 +46,14 @@ from filters.errors import ConfigError
 from stream.campaigns import Campaign, CampaignDetail, CampaignView, MemoryCampaigns, RedisCampaigns, Sighting, open_campaigns
 from stream.cli import main as cli_main
 from stream.config import Settings, format_duration
+from stream.faust_worker import FaustWorker
 from stream.kafka_tools import KafkaRecord, ensure_topics
 from stream.logs import setup_logging
 from stream.metrics import STAGES, WorkerMetrics
 from stream.ops import Ops
 from stream.ops_http import render_page, sparkline, start_server
 from stream.top import CLEAR, SHOW_CURSOR, fit, render, run_top, safe
-from stream.worker import AiokafkaWorker, FaustWorker, make_worker
+from stream.worker import AiokafkaWorker, make_worker
 from tests.test_cli import installed_neardup
 from tests.test_kafka_e2e import REPO, alive, serve_env, stop
 

@@ -28,7 +28,8 @@ from filters.errors import ConfigError, ServiceError
 from stream import commands
 from stream.config import Settings, load_settings, settings_from_args
 from stream.kafka_tools import KafkaRecord, client_options
-from stream.worker import MAX_OUTPUT_BYTES, make_worker
+from stream.outputs import MAX_OUTPUT_BYTES
+from stream.worker import make_worker
 
 pytestmark = [pytest.mark.services, pytest.mark.timeout(240)]
 

@@ -30,8 +30,11 @@ from bench.kafka_support import (
 )
 from filters.errors import ConfigError
 from stream import commands
+from stream.delivery import ExactlyOnce
 from stream.kafka_tools import KafkaRecord, client_options, ensure_topics
-from stream.worker import AiokafkaWorker, Lookahead, OutRecord, make_worker, raw_record, route_records
+from stream.outputs import OutRecord, raw_record
+from stream.router import Lookahead, route_records
+from stream.worker import AiokafkaWorker, make_worker
 
 pytestmark = [pytest.mark.services, pytest.mark.timeout(120)]
 
@@ -361,7 +364,8 @@ def test_a_commit_the_group_never_shows_holds_partitions_for_half_the_session_ti
 
         async def revoke_once_all_routed() -> None:
             if worker.stats.seen >= 5 and not took:
-                worker._unconfirmed[TopicPartition(topic, 0)] = 10**9  # an offset no commit made
+                assert isinstance(worker.delivery, ExactlyOnce)
+                worker.delivery.unconfirmed[TopicPartition(topic, 0)] = 10**9  # an offset no commit made
                 started = time.monotonic()
                 await worker._rebalance.on_partitions_revoked(set())
                 took.append(time.monotonic() - started)

@@ -1,0 +1,437 @@
+"""Delivery and commit of routed batches, two strategies behind one Protocol (`Delivery`): at-least-once and exactly-once.
+
+At-least-once (`AtLeastOnce`, the default): a batch's offsets are committed only after every output record of
+the batch has been acknowledged by the broker (acks=all). A worker that dies between the two re-reads the
+batch after a restart; with a shared index (Redis) the engine gives a replayed message the verdict it got
+before (an indexed unique one is found under its own id: unique, method "replay"; a duplicate was not
+indexed and matches its original again). With `memory://` the index dies with the worker, so replays
+after a restart are checked against an empty index: use Redis for `serve`; memory:// is for trying out.
+During a Kafka outage (`stream.kafka_health`) a delivery that failed meanwhile is sent again before its
+batch is committed. An output that its topic refuses as too large is dead-lettered without its value
+(reason `output_too_large`) instead of stopping the worker.
+
+Exactly-once (`ExactlyOnce`, `processing_guarantee = "exactly_once"`, aiokafka runtime only): each batch's
+outputs and its consumed offsets go in one Kafka transaction (a transactional producer,
+`send_offsets_to_transaction`, then commit), so a reader with isolation.level=read_committed sees every
+input's output exactly once, crash or not; a batch interrupted by a crash is aborted and re-read. The
+transactional id is `neardup-<group_id>-<group_instance_id>`: with static membership a restarted worker
+fences its dead predecessor and aborts its open transaction at once (without one the id is random, and the
+dead transaction holds read_committed readers back until the broker's transaction timeout, 60 s). Before it
+lets partitions go (revoked, or leaving), a worker waits until the group shows its transactions' offsets:
+they land only with the commit marker, a little after the commit returned, and aiokafka's offset fetch
+does not wait for them (no require_stable), so the next owner would start before the last batch. aiokafka
+commits transactional offsets without the group generation (no KIP-447 fencing): a worker that stalls
+past its session timeout and then commits could still repeat a batch that its successor also routed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.errors import (
+    CommitFailedError,
+    IllegalStateError,
+    KafkaError,
+    MessageSizeTooLargeError,
+    RecordListTooLargeError,
+)
+from aiokafka.partitioner import DefaultPartitioner
+
+from filters.errors import ServiceError
+from stream.config import Settings
+from stream.kafka_health import KafkaHealth
+from stream.kafka_tools import KafkaRecord, broker_errors, map_kafka_error, transient
+from stream.outputs import OUTPUT_TOO_LARGE, OutRecord, refused_output
+
+log = logging.getLogger("neardup.worker")
+
+# The broker refused a record batch as larger than the topic's max.message.bytes (Kafka's
+# MESSAGE_TOO_LARGE / RecordTooLarge, and RECORD_LIST_TOO_LARGE).
+_TOO_LARGE = (MessageSizeTooLargeError, RecordListTooLargeError)
+
+
+@dataclass
+class Outgoing:
+    """Routed batches handed over as one: their records and outputs in input order, and the index changelog's records."""
+
+    records: list[KafkaRecord]
+    outs: list[OutRecord]
+    assignment: int = 0  # the worker's assignment count when the records were fetched
+    logged: list[OutRecord] = field(default_factory=list)  # the index changelog's records of the batches
+    parts: list[list[KafkaRecord]] = field(default_factory=list)  # the routed batches it joins (empty: one)
+
+    @classmethod
+    def joined(cls, batches: Sequence[Outgoing]) -> Outgoing:
+        """`batches` (fetched under one assignment) as one, in order."""
+        if len(batches) == 1:
+            return batches[0]
+        return cls([r for b in batches for r in b.records], [o for b in batches for o in b.outs], batches[0].assignment,
+                   [o for b in batches for o in b.logged], [b.records for b in batches])
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """What a delivery strategy uses of its worker: the clients, and the worker's own part of each step."""
+
+    consumer: AIOKafkaConsumer
+    producer: Any  # an AIOKafkaProducer: transactional under exactly-once
+    kafka: KafkaHealth  # at-least-once: an outage is noted there and waited out
+    stopping: Callable[[], bool]
+    # Called per routed batch once its outputs were acknowledged, before its commit (stats, the observer).
+    acknowledged: Callable[[Sequence[KafkaRecord], Sequence[OutRecord]], Awaitable[None]]
+    assignments: Callable[[], int]  # exactly-once: the worker's assignment count now
+    reread: Callable[[Sequence[KafkaRecord]], None]  # exactly-once: the records of an aborted transaction
+
+
+class Delivery(Protocol):
+    """How routed batches reach their output topics and their input offsets get committed. One batch is in
+    flight at a time: handing one over commits the one before."""
+
+    @property
+    def in_flight(self) -> bool:
+        """A batch was handed over and is not committed yet."""
+        ...
+
+    async def send(self, batch: Outgoing) -> None:
+        """Hands `batch`'s outputs to the producer and commits the batch sent before it; `batch` is then in flight."""
+        ...
+
+    async def commit(self) -> None:
+        """The batch in flight (if any) acknowledged and committed."""
+        ...
+
+    async def release(self) -> None:
+        """Before partitions go to another member: waits until the group shows what was committed."""
+        ...
+
+
+@dataclass
+class _InFlight:
+    """An outgoing batch handed to the producer but not yet acknowledged."""
+
+    batch: Outgoing
+    deliveries: list[asyncio.Future[Any]]  # one per output (the outputs of a record batch share one)
+    log_deliveries: list[asyncio.Future[Any]]
+
+
+def offsets_of(records: Sequence[KafkaRecord]) -> dict[TopicPartition, int]:
+    """The offsets to commit once `records` are done: the next one of each partition."""
+    offsets: dict[TopicPartition, int] = {}
+    for r in records:
+        tp = TopicPartition(r.topic, r.partition)
+        offsets[tp] = max(offsets.get(tp, 0), r.offset + 1)
+    return offsets
+
+
+async def _acknowledged(link: Link, batch: Outgoing) -> None:
+    start = 0
+    for part in batch.parts or [batch.records]:  # per routed batch: the very list that was routed
+        outs = batch.outs[start:start + len(part)]
+        await link.acknowledged(part, outs)
+        start += len(part)
+
+
+class Sender:
+    """Hands outputs to the producer in record batches of our own. With `keep_failures` (at-least-once), an
+    outage or a too-large refusal while handing a record over becomes that delivery's error, settled when the
+    acks are awaited; anything else (and anything in a transaction) is raised."""
+
+    def __init__(self, producer: Any, *, keep_failures: bool) -> None:
+        self.producer = producer
+        self.keep_failures = keep_failures
+        self._partitioner = DefaultPartitioner()  # what `send` uses: keyed records land where they would
+
+    async def send_all(self, outs: Sequence[OutRecord]) -> list[asyncio.Future[Any]]:
+        """Hands `outs` to the producer in record batches of our own, one open per topic partition (as
+        `send` would partition them): a delivery per batch, shared by its outputs, instead of a coroutine,
+        a future and a partitioner call per record (≈ 3 times less producer CPU a record). An output
+        that fits no batch goes through `send`."""
+        prod = self.producer
+        deliveries: list[asyncio.Future[Any] | None] = [None] * len(outs)
+        open_batches: dict[tuple[str, int], tuple[Any, list[int]]] = {}
+        partitions: dict[str, tuple[list[int], list[int]]] = {}
+
+        async def close(topic: str, partition: int) -> None:
+            batch, members = open_batches.pop((topic, partition))
+            try:
+                delivery = await prod.send_batch(batch, topic, partition=partition)
+            except KafkaError as exc:
+                delivery = self._failed(exc)
+            for i in members:
+                deliveries[i] = delivery
+
+        for i, out in enumerate(outs):
+            if out.key is None and out.value is None:
+                deliveries[i] = await self.send_alone(out)
+                continue
+            known = partitions.get(out.topic)
+            if known is None:
+                try:
+                    every = sorted(await prod.partitions_for(out.topic))
+                except KafkaError as exc:
+                    deliveries[i] = self._failed(exc)
+                    continue
+                available = sorted(prod.client.cluster.available_partitions_for_topic(out.topic) or every)
+                known = partitions[out.topic] = (every, available)
+            place = (out.topic, self._partitioner(out.key, *known))
+            headers = list(out.headers)
+            current = open_batches.get(place)
+            if current is not None:
+                if current[0].append(key=out.key, value=out.value, timestamp=None, headers=headers) is not None:
+                    current[1].append(i)
+                    continue
+                await close(*place)  # full: send it, and start another
+            batch = prod.create_batch()
+            if batch.append(key=out.key, value=out.value, timestamp=None, headers=headers) is None:
+                deliveries[i] = await self.send(out)  # larger than a batch: `send` decides
+                continue
+            open_batches[place] = (batch, [i])
+        for place in list(open_batches):
+            await close(*place)
+        return deliveries  # type: ignore[return-value]
+
+    async def hand_over(self, batch: Outgoing) -> _InFlight:
+        """`batch`'s outputs and changelog records handed to the producer."""
+        deliveries = await self.send_all([*batch.outs, *batch.logged])
+        n = len(batch.outs)
+        return _InFlight(batch, deliveries[:n], deliveries[n:])
+
+    async def send(self, out: OutRecord) -> asyncio.Future[Any]:
+        """Hands `out` to the producer."""
+        if out.key is None and out.value is None:
+            # A record without a key dead-lettered without its value: `send` refuses a record with
+            # neither, a record batch of its own takes it.
+            return await self.send_alone(out)
+        try:
+            return await self.producer.send(out.topic, value=out.value, key=out.key, headers=list(out.headers))
+        except KafkaError as exc:
+            return self._failed(exc)
+
+    async def send_alone(self, out: OutRecord) -> asyncio.Future[Any]:
+        """`out` in a record batch of its own, to the partition `send` would choose: the broker refuses a
+        batch as a whole, so small records batched with a too-large one were refused with it."""
+        prod = self.producer
+        try:
+            partitions = sorted(await prod.partitions_for(out.topic))
+            batch = prod.create_batch()
+            batch.append(key=out.key, value=out.value, timestamp=None, headers=list(out.headers))
+            partition = self._partitioner(out.key, partitions, partitions)
+            return await prod.send_batch(batch, out.topic, partition=partition)
+        except KafkaError as exc:
+            return self._failed(exc)
+
+    def _failed(self, exc: KafkaError) -> asyncio.Future[Any]:
+        if not self.keep_failures or not (transient(exc) or isinstance(exc, _TOO_LARGE)):
+            raise exc
+        failed: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        failed.set_exception(exc)
+        return failed
+
+
+class AtLeastOnce:
+    """Acks awaited (outputs not delivered during an outage sent again, too-large outputs dead-lettered),
+    then `consumer.commit`. A batch's outputs go to the producer before the batch before it is committed:
+    their acks overlap."""
+
+    isolation_level: ClassVar[str] = "read_uncommitted"
+
+    def __init__(self, settings: Settings, link: Link) -> None:
+        self.settings = settings
+        self.link = link
+        self.sender = Sender(link.producer, keep_failures=True)
+        self._in_flight: _InFlight | None = None
+
+    @staticmethod
+    def producer_options(settings: Settings) -> dict[str, Any]:
+        return {}
+
+    @property
+    def in_flight(self) -> bool:
+        return self._in_flight is not None
+
+    async def send(self, batch: Outgoing) -> None:
+        with broker_errors(self.settings):
+            handed = await self.sender.hand_over(batch)
+        await self.commit()  # the batch before: its acks arrived while this one was routed
+        self._in_flight = handed
+
+    async def commit(self) -> None:
+        flight, self._in_flight = self._in_flight, None
+        if flight is None:
+            return
+        s = self.settings
+        with broker_errors(s):
+            flight.batch.outs = await self._delivered(flight)
+            await self._logs_delivered(flight)
+        await _acknowledged(self.link, flight.batch)
+        try:
+            await self.link.consumer.commit(offsets_of(flight.batch.records))
+        except (CommitFailedError, IllegalStateError) as exc:
+            # The group moved on (rebalance): whoever owns the partitions now re-reads this batch.
+            log.warning("commit failed, the batch will be re-read by the partitions' new owner: %s", exc)
+        except KafkaError as exc:
+            raise map_kafka_error(exc, s.kafka_bootstrap) from exc
+
+    async def release(self) -> None:
+        """Nothing to wait for: the group has a consumer's commit when it returns."""
+
+    async def _logs_delivered(self, flight: _InFlight) -> None:
+        """Waits until the batch's changelog records were acknowledged (before its commit), sending again what
+        failed during a broker outage; another error stops the worker (nothing committed: the batch is
+        routed again after a restart, and its entries journaled again)."""
+        kafka, logged = self.link.kafka, flight.batch.logged
+        pending = dict(enumerate(flight.log_deliveries))
+        while pending:
+            results = await asyncio.gather(*pending.values(), return_exceptions=True)
+            again: dict[int, asyncio.Future[Any]] = {}
+            for i, result in zip(list(pending), results, strict=True):
+                if not isinstance(result, BaseException):
+                    continue
+                if not transient(result):
+                    raise result
+                kafka.failed(result, f"delivery to {logged[i].topic}")
+                if not await kafka.wait_up(self.link.stopping):
+                    raise result
+                again[i] = await self.sender.send(logged[i])
+            pending = again
+
+    async def _delivered(self, flight: _InFlight) -> list[OutRecord]:
+        """Waits until every output of the batch was acknowledged, and returns the outputs as delivered. An
+        output refused as too large is sent again alone, and if refused alone, dead-lettered without its value
+        (reason `output_too_large`); one the dead-letter topic refuses stops the worker (nothing committed). An
+        output that failed with a `transient` error (the broker unreachable, a leader election) is sent again
+        once the broker answers. Other errors stop the worker."""
+        kafka, records = self.link.kafka, flight.batch.records
+        outs = list(flight.batch.outs)
+        alone: set[int] = set()
+        pending = dict(enumerate(flight.deliveries))
+        while pending:
+            results = await asyncio.gather(*pending.values(), return_exceptions=True)
+            again: dict[int, asyncio.Future[Any]] = {}
+            resent = 0
+            for i, result in zip(list(pending), results, strict=True):
+                if not isinstance(result, BaseException):
+                    continue
+                if isinstance(result, _TOO_LARGE):
+                    if i not in alone:
+                        alone.add(i)
+                    elif outs[i].topic != self.settings.dead_letter_topic:
+                        outs[i] = refused_output(records[i], outs[i], result, self.settings)
+                        log.warning("output of %s refused as too large: dead-lettered without its value (%s)",
+                                    records[i].coordinates, OUTPUT_TOO_LARGE)
+                    else:
+                        raise ServiceError(
+                            f"the dead-letter topic {outs[i].topic!r} refused the record for "
+                            f"{records[i].coordinates} as too large: stopping, nothing of the batch "
+                            f"committed") from result
+                    again[i] = await self.sender.send_alone(outs[i])
+                elif transient(result):
+                    kafka.failed(result, f"delivery to {outs[i].topic}")
+                    if not await kafka.wait_up(self.link.stopping):
+                        raise result  # stopping during the outage: nothing of the batch committed
+                    again[i] = await (self.sender.send_alone(outs[i]) if i in alone else self.sender.send(outs[i]))
+                    resent += 1
+                else:
+                    raise result
+            if resent:
+                log.info("%d outputs not delivered during the outage sent again", resent)
+            pending = again
+        return outs
+
+
+class ExactlyOnce:
+    """One transaction a batch: begin, the outputs, `send_offsets_to_transaction`, commit; aborted (and the
+    records re-read) when the partitions were reassigned meanwhile. Partitions go only once the group shows
+    the committed offsets (`release`)."""
+
+    isolation_level: ClassVar[str] = "read_committed"  # an upstream's aborted transactions are not input
+
+    def __init__(self, settings: Settings, link: Link) -> None:
+        self.settings = settings
+        self.link = link
+        self.sender = Sender(link.producer, keep_failures=False)  # any failure: the transaction is not committed
+        self._in_flight: _InFlight | None = None
+        # Offsets committed in transactions that the group coordinator may not show yet.
+        self.unconfirmed: dict[TopicPartition, int] = {}
+
+    @staticmethod
+    def producer_options(settings: Settings) -> dict[str, Any]:
+        return {"transactional_id": f"neardup-{settings.group_id}-{settings.group_instance_id or uuid.uuid4().hex[:12]}"}
+
+    @property
+    def in_flight(self) -> bool:
+        return self._in_flight is not None
+
+    async def send(self, batch: Outgoing) -> None:
+        await self.commit()  # one transaction at a time: the batch before first
+        with broker_errors(self.settings):
+            await self.link.producer.begin_transaction()
+            self._in_flight = await self.sender.hand_over(batch)
+
+    async def commit(self) -> None:
+        flight, self._in_flight = self._in_flight, None
+        if flight is None:
+            return
+        s, batch, prod = self.settings, flight.batch, self.link.producer
+        with broker_errors(s):
+            await asyncio.gather(*flight.deliveries, *flight.log_deliveries)
+        if batch.assignment != self.link.assignments():
+            # The partitions were reassigned since the batch was fetched: their owner now (maybe this
+            # worker) re-reads it from the committed offsets, so committing it too would repeat it.
+            log.warning("partitions reassigned while a batch of %d records was in flight: its transaction is "
+                        "aborted, the records are re-read by their owner", len(batch.records))
+            with broker_errors(s):
+                await prod.abort_transaction()
+            self.link.reread(batch.records)
+            return
+        await _acknowledged(self.link, batch)
+        offsets = offsets_of(batch.records)
+        with broker_errors(s):
+            await prod.send_offsets_to_transaction(offsets, s.group_id)
+            await prod.commit_transaction()
+        for tp, offset in offsets.items():
+            self.unconfirmed[tp] = max(self.unconfirmed.get(tp, 0), offset)
+
+    async def release(self) -> None:
+        """Waits until the group coordinator answers the offsets our transactions committed.
+
+        A transaction's offsets reach the group when the transaction coordinator writes its commit marker,
+        after `commit_transaction` returned; until then aiokafka's OffsetFetch (below v7: no require_stable)
+        answers the offset before. The partitions' next owner starts from that answer, so letting them go
+        earlier would have it route the last batch again (`bench/txn_offsets.py`: about half or more of the
+        reads right after a commit are stale, for a few ms). Bounded by half the session timeout: the
+        rebalance waits for this member only so long."""
+        pending, consumer = self.unconfirmed, self.link.consumer
+        if not pending:
+            return
+        deadline = time.monotonic() + self.settings.session_timeout / 2
+        while True:
+            tps = list(pending)
+            try:
+                # aiokafka retries a fetch while the coordinator is unreachable: bounded here.
+                shown = await asyncio.wait_for(asyncio.gather(*(consumer.committed(tp) for tp in tps)),
+                                               max(0.05, deadline - time.monotonic()))
+            except (TimeoutError, KafkaError) as exc:
+                log.warning("could not read the group's committed offsets before letting partitions go: %r; "
+                            "their next owner may route the last batch again", exc)
+                pending.clear()
+                return
+            for tp, offset in zip(tps, shown, strict=True):
+                if offset is not None and offset >= pending[tp]:
+                    del pending[tp]
+            if not pending:
+                return
+            if time.monotonic() >= deadline:
+                log.warning("the group did not show the last transaction's offsets of %s in time; their next "
+                            "owner may route the last batch again", ", ".join(f"{tp.topic}/{tp.partition}"
+                                                                              for tp in sorted(pending)))
+                pending.clear()
+                return
+            await asyncio.sleep(0.005)
