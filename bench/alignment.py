@@ -1,9 +1,9 @@
 """Benchmark: event-time alignment on and off, 4 partitions, 1 and 2 `neardup serve` workers: backlog and live.
 
     eval "$(bash docker/services.sh env)"
-    python bench/alignment.py [--stream ../shared/eval/stream.jsonl] [--max-skew 60] [--runs 3]
+    python bench/alignment.py [--stream ../shared/eval/stream.jsonl] [--max-skew 5] [--runs 3]
                               [--guarantee at_least_once|exactly_once] [--workers 1,2] [--rate 2000]
-                              [--modes on,strict,off]
+                              [--compress 30]
 
 Backlog: the workers join the group first (all assigned), then the stream is produced at once, faster
 than they route it: the eval stream (`--stream`: JSON lines with id, text, ts; absent, a generated backlog
@@ -12,9 +12,8 @@ partition in event-time order). Per row: throughput from the first output to the
 compared with the filter's (memory index, same records in event-time order): records routed otherwise,
 and F1 of each against the stream's clusters. Live: records produced at `--rate` per second for
 `--seconds` to all 4 partitions, event time = send time; p50 and p99 of produce to output. Rows
-alternate, `--runs` times; medians. Modes: `on` (alignment with the default `skew_records`: the group's skew
-is max_skew or what a worker's last records span, if longer), `strict` (`skew_records` 0: max_skew alone),
-`off` (records decided as fetched).
+alternate, `--runs` times; medians. `--compress K` divides the stream's event time by K (the development
+stream, one message a second, becomes a backlog of K a second: what max_skew holds grows K-fold).
 """
 
 from __future__ import annotations
@@ -70,9 +69,10 @@ class Row:
     p99_ms: float
 
 
-def load(path: Path | None, limit: int, truth: Path | None = None) -> list[Item]:
+def load(path: Path | None, limit: int, truth: Path | None = None, compress: float = 1.0) -> list[Item]:
     if path is None:
         return backlog(clusters=limit // 4, copies=3, partitions=PARTITIONS)
+    start: float | None = None
     truth = truth or path.with_name("truth.jsonl")
     names = [str(orjson.loads(line)["cluster"]) for line in truth.read_bytes().splitlines()] if truth.is_file() else []
     number: dict[str, int] = {}
@@ -81,15 +81,19 @@ def load(path: Path | None, limit: int, truth: Path | None = None) -> list[Item]
     for n, line in enumerate(path.read_bytes().splitlines()[:limit]):
         rec = orjson.loads(line)
         cluster = number.setdefault(names[n], len(number)) if names else n
+        start = float(rec["ts"]) if start is None else start
+        if compress != 1.0:
+            rec["ts"] = round(start + (float(rec["ts"]) - start) / compress, 6)
+            line = orjson.dumps(rec)
         items.append(Item(rng.randrange(PARTITIONS), float(rec["ts"]), str(rec["id"]), cluster, line))
     return items
 
 
-MODES = ("on", "strict", "off")
+MODES = ("on", "off")
 
 
 def settings(redis_url: str, bootstrap: str, *, mode: str, max_skew: float, max_batch: int,
-             guarantee: str = "at_least_once", skew_records: int | None = None) -> Settings:
+             guarantee: str = "at_least_once") -> Settings:
     name = f"align-{uuid.uuid4().hex[:8]}"
     return Settings(
         kafka_bootstrap=bootstrap, input_topics=(f"{name}-in",), unique_topic=f"{name}-unique",
@@ -97,7 +101,6 @@ def settings(redis_url: str, bootstrap: str, *, mode: str, max_skew: float, max_
         index=f"{redis_url}{'&' if '?' in redis_url else '?'}prefix={name}", id_field="id", ts_field="ts",
         max_batch=max_batch, align=mode != "off", max_skew=max_skew, partitions=PARTITIONS,
         processing_guarantee=guarantee,
-        **({"skew_records": 0} if mode == "strict" else {} if skew_records is None else {"skew_records": skew_records}),
     )
 
 
@@ -109,7 +112,7 @@ def start_worker(s: Settings, n: int) -> subprocess.Popen[bytes]:
         "NEARDUP_DUPLICATE_TOPIC": s.duplicate_topic, "NEARDUP_DEAD_LETTER_TOPIC": s.dead_letter_topic,
         "NEARDUP_GROUP_ID": s.group_id, "NEARDUP_ID_FIELD": s.id_field, "NEARDUP_TS_FIELD": s.ts_field,
         "NEARDUP_MAX_BATCH": str(s.max_batch), "NEARDUP_ALIGN": "true" if s.align else "false",
-        "NEARDUP_MAX_SKEW": f"{s.max_skew}s", "NEARDUP_SKEW_RECORDS": str(s.skew_records), "NEARDUP_METRICS_PORT": "0",
+        "NEARDUP_MAX_SKEW": f"{s.max_skew}s", "NEARDUP_METRICS_PORT": "0",
         "NEARDUP_LOG_LEVEL": os.environ.get("BENCH_LOG_LEVEL", "warning"),
         "NEARDUP_GROUP_INSTANCE_ID": f"w{n}", "NEARDUP_PROCESSING_GUARANTEE": s.processing_guarantee,
     })
@@ -173,7 +176,7 @@ def run(args: argparse.Namespace, items: Sequence[Item], want: dict[str, str], *
     they route it), so that what is measured is the group at work, not one worker alone before the others
     joined."""
     s = settings(args.redis, args.bootstrap, mode=mode, max_skew=args.max_skew, max_batch=args.max_batch,
-                 guarantee=args.guarantee, skew_records=args.skew_records)
+                 guarantee=args.guarantee)
     asyncio.run(ensure_topics(s, [*s.input_topics, *s.output_topics], partitions=PARTITIONS))
     procs = [start_worker(s, n) for n in range(workers)]
     try:
@@ -239,7 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--truth", type=Path, default=None, help="its truth (default: truth.jsonl beside the stream)")
     p.add_argument("--generated", action="store_true", help="the generated backlog even when --stream exists")
     p.add_argument("--limit", type=int, default=40_000, help="records of the stream at most")
-    p.add_argument("--max-skew", type=float, default=60.0, help="seconds of event time (the setting max_skew)")
+    p.add_argument("--max-skew", type=float, default=5.0, help="seconds of event time (the setting max_skew)")
     p.add_argument("--max-batch", type=int, default=500)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--guarantee", default="at_least_once", choices=("at_least_once", "exactly_once"))
@@ -247,14 +250,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--rate", type=float, default=2000.0, help="live records a second")
     p.add_argument("--seconds", type=float, default=5.0, help="of live traffic")
-    p.add_argument("--skew-records", type=int, default=None, help="the setting skew_records of mode `on` (default: its default)")
+    p.add_argument("--compress", type=float, default=1.0, help="divide the stream's event time by this (denser)")
     p.add_argument("--modes", default="on,off", help=f"comma-separated, of {', '.join(MODES)}")
     args = p.parse_args(argv)
     if args.stream is not None and not args.generated:
         needs.files(__file__, args.stream, args.truth or args.stream.with_name("truth.jsonl"))
     needs.redis(__file__, args.redis)
     needs.kafka(__file__, args.bootstrap)
-    items = load(None if args.generated else args.stream, args.limit, args.truth)
+    items = load(None if args.generated else args.stream, args.limit, args.truth, args.compress)
     want = reference(items, NearDupFilter())
     print(f"{len(items)} records on {PARTITIONS} partitions; filter F1 {f1(want, items):.4f}; max_skew "
           f"{args.max_skew:g}s; max_batch {args.max_batch}; {args.guarantee}", flush=True)

@@ -13,9 +13,8 @@ watermark. `Aligner` does both for one worker, and `GroupMarks` extends it to th
   order), unless it is idle: nothing to fetch (no lag) for `idle_timeout`. So a quiet partition delays
   live traffic once by at most `idle_timeout`, and a lagging one (a backlog being fetched) is waited for.
 - Across workers, each publishes its low mark (the event time of the next record it will decide) and
-  the partitions it owns through `GroupMarks`; a worker takes only records at most the group's skew
-  ahead of the lowest mark of the others (`max_skew`, or the event time its last `skew_records` records
-  span when longer: see `Aligner.group_skew`), and none until the live workers' claims cover the input once. The
+  the partitions it owns through `GroupMarks`; a worker takes only records at most `max_skew` ahead of
+  the lowest mark of the others, and none until the live workers' claims cover the input once. The
   worker holding the lowest mark can always go on, so
   the group cannot deadlock; a dead worker's mark expires (its time to live), and a worker that owns
   nothing or only idle partitions publishes no low mark and holds nobody back.
@@ -98,14 +97,9 @@ class Aligner:
     """
 
     def __init__(self, event_time: Callable[[KafkaRecord], float | None], *, max_skew: float, idle_timeout: float,
-                 buffer: int, ordered: bool = True, skew_records: int = 0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 buffer: int, ordered: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
         self.event_time = event_time  # None: the record has no event time (it will be dead-lettered)
         self.max_skew = max_skew
-        # The group's skew is at least the event time this worker's last `skew_records` records span (see
-        # `group_skew`): the event times of the last ones taken, oldest first.
-        self._recent: deque[float] = deque(maxlen=max(1, skew_records))
-        self.skew_records = skew_records
         self.idle_timeout = idle_timeout
         self.buffer = buffer  # records buffered per partition before it is paused
         self.ordered = ordered
@@ -234,7 +228,7 @@ class Aligner:
             return Taken([], [], [], "group")
         now = self.clock()
         lane_bound = self._lane_bound(now)
-        group_bound = math.inf if group is None or group.low is None else group.low + self.group_skew()
+        group_bound = math.inf if group is None or group.low is None else group.low + self.max_skew
         heads = [(lane.records[0][0], i, lane) for i, lane in enumerate(self._lanes.values()) if lane.records]
         heapq.heapify(heads)
         records: list[KafkaRecord] = []
@@ -269,18 +263,7 @@ class Aligner:
             late.append(behind if behind > self.max_skew else 0.0)
             high = ts if high is None else max(high, ts)
             self.high = ts if self.high is None else max(self.high, ts)
-            self._recent.append(ts)
         return self._taken(records, times, late, waiting)
-
-    def group_skew(self) -> float:
-        """How far ahead of the others' low mark this worker may take records: `max_skew`, or the event time
-        its last `skew_records` records span when that is longer. Why: workers take turns in steps of the skew,
-        and each turn costs a few round trips whatever its size; on a stream of a few records per second of
-        event time a 5 s step holds a handful of records, and a backlog would crawl. The bound then follows
-        the data (how many records a step holds), never the scheduling."""
-        if self.skew_records <= 0 or len(self._recent) < self.skew_records:
-            return self.max_skew
-        return max(self.max_skew, self._recent[-1] - self._recent[0])
 
     def _take_arrival(self, n: int) -> Taken:
         records: list[KafkaRecord] = []

@@ -174,10 +174,6 @@ class Settings:
     max_skew: float = field(default=5.0, metadata=_meta(
         "event time a partition or worker may run ahead of the slowest: 5s, 1m (bigger: faster backlogs)",
         kind="duration"))
-    skew_records: int = field(default=100, metadata=_meta(
-        "a worker may also run ahead of the group by the event time its last N records span, when longer than "
-        "max_skew (sparse streams: a step of max_skew holds too few records to be worth a turn); 0: max_skew only",
-        kind="int"))
     idle_timeout: float = field(default=1.0, metadata=_meta(
         "a partition with nothing to fetch holds the others back at most this long: 1s, 500ms",
         kind="duration"))
@@ -253,8 +249,6 @@ class Settings:
         for name in ("partitions", "replication_factor", "max_batch"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.skew_records < 0:
-            raise ConfigError(f"skew_records must be >= 0, got {self.skew_records}")
         if self.retry_max < self.retry_initial:
             raise ConfigError("retry_max must be >= retry_initial")
         self.filter_config()  # validates methods, thresholds and the window

@@ -72,9 +72,6 @@ class WorkerMetrics:
         self.low_mark = Gauge("neardup_event_time_low_mark_seconds",
                               "event time of the next record this worker decides (its low watermark; NaN: none)",
                               registry=r)
-        self.skew = Gauge("neardup_alignment_skew_seconds",
-                          "event time this worker may run ahead of the group: max_skew, or what its last "
-                          "skew_records records span when longer", registry=r)
         self.paused = Gauge("neardup_partitions_paused", "partitions paused because their buffer is full", registry=r)
         self.index_losses = Counter("neardup_index_losses",
                                     "times the shared index was found without its marker (data lost, or never built)",
@@ -152,7 +149,7 @@ class WorkerMetrics:
             self._restored_seen = restored
         self.restoring.set(1 if restoring else 0)
 
-    def alignment_state(self, late: int, held: float, low: float | None, paused: int, skew: float) -> None:
+    def alignment_state(self, late: int, held: float, low: float | None, paused: int) -> None:
         """The worker's event-time alignment (stream/align.py): totals and the current marks."""
         if late > self._late_seen:
             self.late.inc(late - self._late_seen)
@@ -162,7 +159,6 @@ class WorkerMetrics:
             self._held_seen = held
         self.low_mark.set(float("nan") if low is None else low)
         self.paused.set(paused)
-        self.skew.set(skew)
 
     def lag(self, lags: Mapping[tuple[str, int], int]) -> None:
         labels = {(topic, str(partition)) for topic, partition in lags}

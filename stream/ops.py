@@ -217,8 +217,7 @@ class Ops:
             self.metrics.lag(await partition_lags(consumer))
             w = self.worker
             assert isinstance(w, AiokafkaWorker)
-            self.metrics.alignment_state(w.aligner.late, w.held_seconds, w.aligner.low_mark(), len(w.aligner.paused()),
-                                         w.aligner.group_skew())
+            self.metrics.alignment_state(w.aligner.late, w.held_seconds, w.aligner.low_mark(), len(w.aligner.paused()))
             if w.guard is not None:
                 self.metrics.changelog_state(w.guard.losses, w.guard.restored_entries, w.guard.restoring)
         return self.metrics.render()

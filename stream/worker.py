@@ -109,8 +109,7 @@ class AiokafkaWorker(WorkerCore):
         # Event-time order across the assigned partitions (stream/align.py); off: the order fetched.
         self.aligner = Aligner(lambda r: event_time(r.value or b"", fmt, r.timestamp / 1000.0),
                                max_skew=settings.max_skew, idle_timeout=settings.idle_timeout,
-                               buffer=2 * settings.max_batch, ordered=settings.align,
-                               skew_records=settings.skew_records)
+                               buffer=2 * settings.max_batch, ordered=settings.align)
         self.marks: GroupMarks = SoloMarks()  # the group's marks: opened by `run` (in the index's Redis)
         self.group = GroupView()  # what the group's marks said last
         self._marked_at = -math.inf

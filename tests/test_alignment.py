@@ -131,35 +131,6 @@ def test_the_group_holds_a_worker_back_to_its_low_mark_plus_the_skew() -> None:
     assert times(a.take(100, GroupView(low=106.0)).records) == [106]
 
 
-def test_on_a_sparse_stream_the_group_skew_is_what_the_last_records_span() -> None:
-    """A step of `max_skew` that holds a handful of records costs a turn of the group each: with
-    `skew_records`, a worker may run ahead by what its last N records span, when that is longer."""
-    clock = Clock()
-    a = Aligner(lambda r: r.timestamp / 1000.0, max_skew=5.0, idle_timeout=1.0, buffer=100, skew_records=4,
-                clock=clock)
-    a.assign([("in", 0)])
-    a.add([rec(0, t) for t in (100, 110, 120, 130, 140, 150, 160, 200)])  # one record every 10 s
-    a.flow(lambda lane: 0)
-    for low in (100.0, 110.0, 120.0, 130.0):  # fewer than 4 records taken: max_skew, a record a turn
-        assert a.group_skew() == 5.0
-        taken = a.take(100, GroupView(low=low))
-        assert times(taken.records) == [low] and taken.waiting == "group"
-        a.decided(taken)
-    assert a.group_skew() == 30.0  # the last 4 span 30 s of event time
-    assert not a.take(100, GroupView(low=100.0))  # 140 > 100 + 30 s
-    taken = a.take(100, GroupView(low=110.0))
-    assert times(taken.records) == [140] and taken.waiting == "group"  # 110 + 30 s and no further...
-    a.decided(taken)
-    assert a.group_skew() == 30.0
-    assert times(a.take(100, GroupView(low=125.0)).records) == [150]  # ... the bound follows the data
-    # 0: max_skew alone, whatever the records span.
-    b = aligner(clock, skew=5.0)
-    b.assign([("in", 0)])
-    b.add([rec(0, t) for t in (100, 110, 120)])
-    b.flow(lambda lane: 0)
-    assert times(b.take(100, GroupView(low=100.0)).records) == [100] and b.group_skew() == 5.0
-
-
 def test_a_record_with_no_event_time_of_its_own_moves_nothing() -> None:
     """A record the worker will dead-letter (no text, not JSON: no event time) is placed after its
     partition's previous record: it neither makes later records late nor holds anything back."""
