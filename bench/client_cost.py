@@ -1,7 +1,7 @@
 """Benchmark: the client's instructions per short message on the Redis index, counted by callgrind.
 
     eval "$(bash docker/services.sh env)"
-    python bench/client_cost.py [--redis URL] [--messages 8192] [--batch 512]
+    python bench/client_cost.py [--redis URL | --memory] [--messages 8192] [--batch 512]
 
 Wall and CPU time drift by up to 2× within minutes on a shared machine; an instruction count does not
 (runs differ by under 0.2 %: Python's per-process string hashing changes set and dict orders), so two
@@ -13,7 +13,7 @@ Redis server's work is not counted, the client's waiting costs nothing. The firs
 (connection, tables, caches) and is not counted; the garbage collector runs as `neardup serve` runs it
 (`stream/collector.py`). Prints instructions per message. It imports the
 `filters` and `stream` packages of the checkout it lives in, so copying it into an older checkout
-measures that release the same way.
+measures that release the same way. `--memory`: the same on the embedded index (`memory://`), no Redis.
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ def measure(args: argparse.Namespace) -> None:
     fmt = RecordFormat()
     batches = [[RawRecord(line, str(i + j), 0.0) for j, line in enumerate(lines[i : i + args.batch])]
                for i in range(0, len(lines), args.batch)]
-    nd = NearDupFilter(FilterConfig(window=1e9), index=f"{args.redis.split('?')[0]}?prefix=cost-{uuid.uuid4().hex[:10]}")
+    index = "memory://" if args.memory else f"{args.redis.split('?')[0]}?prefix=cost-{uuid.uuid4().hex[:10]}"
+    nd = NearDupFilter(FilterConfig(window=1e9), index=index)
     route_batch(nd, batches[0], fmt)  # warm-up, not counted
     # Counted: everything inside this reduce (callgrind --toggle-collect=functools_reduce).
     functools.reduce(lambda _, batch: route_batch(nd, batch, fmt), batches[1:], None)
@@ -65,6 +66,7 @@ def main() -> int:
     p.add_argument("--truth", default=str(ROOT.parent / "shared" / "eval" / "truth.jsonl"))
     p.add_argument("--messages", type=int, default=8192)
     p.add_argument("--batch", type=int, default=512)
+    p.add_argument("--memory", action="store_true", help="the embedded index (memory://) instead of Redis")
     p.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if not args.inside:
@@ -72,9 +74,10 @@ def main() -> int:
         from bench import needs
 
         needs.tool(__file__, "valgrind", "apt-get install valgrind")
-        needs.modules(__file__, "redis", install="neardup[kafka]")
         needs.files(__file__, args.stream, args.truth)
-        needs.redis(__file__, args.redis)
+        if not args.memory:
+            needs.modules(__file__, "redis", install="neardup[kafka]")
+            needs.redis(__file__, args.redis)
     if args.inside:
         measure(args)
         return 0
@@ -89,7 +92,8 @@ def main() -> int:
         return 1
     counted = int(found.group(1).replace(",", ""))
     messages = min(args.messages, 16946) - args.batch
-    print(f"client instructions per short message (callgrind, {messages} messages after a warm-up batch): "
+    where = "memory://" if args.memory else "Redis"
+    print(f"client instructions per short message on {where} (callgrind, {messages} messages after a warm-up batch): "
           f"{counted / messages:,.0f}")
     return 0
 

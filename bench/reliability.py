@@ -179,8 +179,10 @@ def _install_hook(spec: str) -> None:
             barrier_insert = RedisIndex.insert
             rounds = itertools.count(1)
 
-            def barrier(self: RedisIndex, entries: Any, _insert: Any = barrier_insert, _n: int = parties,
-                        _rounds: Any = rounds) -> Any:
+            def barrier(self: RedisIndex, entries: Any, memos: Any = (), _insert: Any = barrier_insert,
+                        _n: int = parties, _rounds: Any = rounds) -> Any:
+                if not entries:
+                    return _insert(self, entries, memos)  # memos alone: no insert round to line up
                 key = f"{self.prefix}:{self.namespace}:barrier:{next(_rounds)}"
                 client = self._client
                 client.incr(key)
@@ -188,17 +190,17 @@ def _install_hook(spec: str) -> None:
                 deadline = time.monotonic() + 2.0
                 while int(client.get(key) or 0) < _n and time.monotonic() < deadline:
                     time.sleep(0.005)
-                return _insert(self, entries)
+                return _insert(self, entries, memos)
 
             RedisIndex.insert = barrier  # type: ignore[method-assign]
         elif part == "racy":
             insert = RedisIndex.insert
 
-            def racy_insert(self: RedisIndex, entries: Any, _insert: Any = insert) -> Any:
+            def racy_insert(self: RedisIndex, entries: Any, memos: Any = (), _insert: Any = insert) -> Any:
                 # Forget what the lookup saw: the script then inserts without checking what others
                 # inserted since the lookup (check-then-insert).
                 self._view.looked.clear()
-                return _insert(self, entries)
+                return _insert(self, entries, memos)
 
             RedisIndex.insert = racy_insert  # type: ignore[method-assign]
         elif part.startswith("request_timeout="):

@@ -3,8 +3,8 @@
 At-least-once (`AtLeastOnce`, the default): a batch's offsets are committed only after every output record of
 the batch has been acknowledged by the broker (acks=all). A worker that dies between the two re-reads the
 batch after a restart; with a shared index (Redis) the engine gives a replayed message the verdict it got
-before (an indexed unique one is found under its own id: unique, method "replay"; a duplicate was not
-indexed and matches its original again). With `memory://` the index dies with the worker, so replays
+before (an indexed unique one is found under its own id: unique, method "replay"; a duplicate finds the
+memo of its verdict, whatever left the buckets since). With `memory://` the index dies with the worker, so replays
 after a restart are checked against an empty index: use Redis for `serve`; memory:// is for trying out.
 During a Kafka outage (`stream.kafka_health`) a delivery that failed meanwhile is sent again before its
 batch is committed. An output that its topic refuses as too large is dead-lettered without its value

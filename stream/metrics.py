@@ -18,7 +18,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from filters.engine import Message, NearDupFilter, Prepared, Verdict
-from filters.index import Batch, Candidate, CandidateIndex, Entry, IndexWrapper, Query, Verifier
+from filters.index import Batch, Candidate, CandidateIndex, Entry, IndexWrapper, Memo, Query, Verifier
 
 STAGES = ("decode", "fingerprint", "index", "produce")
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -232,17 +232,18 @@ class TimedIndex(IndexWrapper):
     def decide(self, batch: Batch, verifier: Verifier) -> list[Verdict]:
         return self.inner.decide(replace(batch, observe=self._observe), verifier)
 
-    def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | None, list[Candidate]]]:
+    def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | Verdict | None, list[Candidate]]]:
         t0 = time.perf_counter()
         try:
             return self.inner.lookup(queries, limit)
         finally:
             self._observe("lookup", time.perf_counter() - t0)
 
-    def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]:
+    def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]],
+               memos: Sequence[Memo] = ()) -> list[list[Candidate] | None]:
         t0 = time.perf_counter()
         try:
-            return self.inner.insert(entries)
+            return self.inner.insert(entries, memos)
         finally:
             self._observe("insert", time.perf_counter() - t0)
 

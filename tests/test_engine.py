@@ -13,7 +13,7 @@ import pytest
 from filters.config import METHODS, FilterConfig
 from filters.engine import Match, Message, NearDupFilter, Verdict
 from filters.fingerprint import hamming, key_method, minhash_jaccard
-from filters.index import Batch, Candidate, CandidateIndex, Entry, IndexWrapper, Query, Verifier, finish
+from filters.index import Batch, Candidate, CandidateIndex, Entry, IndexWrapper, Memo, Query, Verifier, finish
 from filters.index.memory import MemoryIndex
 from filters.index.shared import SharedDecider
 from stream.testing import ManualClock
@@ -55,13 +55,14 @@ class ProxyIndex(IndexWrapper):
     def prefetch(self, queries: Sequence[Query]) -> None:
         pass  # nothing to read ahead in memory
 
-    def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | None, list[Candidate]]]:
+    def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | Verdict | None, list[Candidate]]]:
         self.lookups += 1
         return super().lookup(queries, limit)
 
-    def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]:
+    def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]],
+               memos: Sequence[Memo] = ()) -> list[list[Candidate] | None]:
         self.inserts += 1
-        return super().insert(entries)
+        return super().insert(entries, memos)
 
 
 def test_proxy_index_satisfies_the_protocol() -> None:
@@ -507,7 +508,8 @@ class RacingIndex(ProxyIndex):
         self.rival, self.rival_keys = rival, rival_keys
         self.raced = False
 
-    def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]:
+    def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]],
+               memos: Sequence[Memo] = ()) -> list[list[Candidate] | None]:
         self.inserts += 1
         if not self.raced:
             self.raced = True
@@ -518,8 +520,9 @@ class RacingIndex(ProxyIndex):
                 out.append([Candidate(self.rival, shared, keys[0])] if shared else None)
                 if not shared:
                     self.inner.insert([(entry, keys)])
+            self.inner.insert([], memos)
             return out
-        return self.inner.insert(entries)
+        return self.inner.insert(entries, memos)
 
 
 def test_insert_race_lost_to_a_near_duplicate_makes_a_duplicate() -> None:

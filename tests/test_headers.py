@@ -1,20 +1,30 @@
-"""Verdicts a consumer can trust on a shared index: a duplicate always names a message that went to unique."""
+"""Verdicts a consumer can trust on a shared index: a duplicate always names a message that went to unique, and
+a duplicate decided again after an aborted transaction gets the headers of its first decision."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator, Sequence
 
+import numpy as np
+import orjson
 import pytest
 
-from bench.kafka_support import redis_namespace
+from bench.kafka_support import produce, redis_namespace, run_until, settings_for
+from bench.reliability import read_outputs
 from filters.engine import Message, NearDupFilter, Verdict
-from filters.index import Batch, Candidate, Entry, IndexWrapper, Query, Verifier, finish
+from filters.index import Batch, Candidate, Entry, IndexWrapper, Memo, Query, Verifier, finish
 from filters.index.redis import RedisIndex
 from filters.index.shared import SharedDecider
+from stream.kafka_tools import KafkaRecord, ensure_topics
+from stream.outputs import OutRecord
+from stream.router import open_filter
+from stream.worker import AiokafkaWorker
 
 ORIGINAL = "Congratulations! You have won a 1000 dollar gift card, call 555-0100 now to claim your prize today"
 COPY_A = "Congratulations!! You have won a 1000 dollar gift card, call 555-0177 now to claim your prize today"
 COPY_B = "Congratulations! You have won a 1000 dollar gift card, call 555-0199 now to claim your prize today!!"
+COPY_C = "Congratulations!! You have won a 1000 dollar gift voucher, call 555-0177 now to claim your prize"
 
 
 class Racing(IndexWrapper):
@@ -35,11 +45,12 @@ class Racing(IndexWrapper):
     def prefetch(self, queries: Sequence[Query]) -> None:
         pass  # every lookup reads when it is made
 
-    def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]:
+    def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]],
+               memos: Sequence[Memo] = ()) -> list[list[Candidate] | None]:
         if self.batch:
             self.other.check_batch(self.batch)  # the other worker wins the race
             self.batch = ()
-        return super().insert(entries)
+        return super().insert(entries, memos)
 
 
 @pytest.fixture
@@ -84,3 +95,65 @@ def test_the_window_keeps_what_a_worker_running_behind_still_needs(url: str, clo
     assert verdict.duplicate is found and verdict.duplicate_of == ("o" if found else None)
     ahead.index.close()
     behind.index.close()
+
+
+class Crash(Exception):
+    pass
+
+
+@pytest.mark.services
+@pytest.mark.timeout(120)
+def test_a_duplicate_decided_again_after_an_aborted_transaction_keeps_its_headers(kafka_bootstrap: str, url: str) -> None:
+    """Exactly-once, bucket cap 1. The worker routes a (unique; committed), then b, a copy of a: b's output is
+    sent in a transaction, and the worker dies before the commit (the transaction is aborted when its
+    successor, with the same instance id, starts). Meanwhile another worker indexes a newer message that
+    shares every bucket of a: a is in none of them now. The restarted worker decides b again: a
+    read_committed consumer sees one output of each input, and b's is the first decision's, header for
+    header (duplicate of a, same similarity and method): nothing tells of the retry. Without the memo of
+    b's verdict, b came out unique."""
+    settings = settings_for(kafka_bootstrap, url, id_field="id", ts_field="ts", max_batch=1, bucket_cap=1,
+                            processing_guarantee="exactly_once", group_instance_id="memo-w1", session_timeout=6.0)
+    topic = settings.input_topics[0]
+    lines = [orjson.dumps({"id": "a", "text": ORIGINAL, "ts": 100.0}), orjson.dumps({"id": "b", "text": COPY_C, "ts": 101.0})]
+    first: dict[bytes, tuple[str, tuple[tuple[str, bytes], ...]]] = {}  # neardup-id -> (topic, headers)
+
+    def crash_on_b(records: Sequence[KafkaRecord], outs: Sequence[OutRecord]) -> None:
+        for out in outs:
+            first[dict(out.headers)["neardup-id"]] = (out.topic, out.headers)
+        if b"b" in first:
+            raise Crash  # just before the batch's transaction commits
+
+    async def scenario() -> list[KafkaRecord]:
+        await ensure_topics(settings, [topic, *settings.output_topics])
+        await produce(settings, topic, [(None, line, ()) for line in lines])
+        with pytest.raises(Crash):
+            await run_until(AiokafkaWorker(settings, observer=crash_on_b), lambda s: False)
+        evict(settings)
+        routed: set[bytes] = set()
+
+        def note(records: Sequence[KafkaRecord], outs: Sequence[OutRecord]) -> None:
+            routed.update(dict(out.headers)["neardup-id"] for out in outs)
+
+        await run_until(AiokafkaWorker(settings, observer=note), lambda s: b"b" in routed, timeout=60)
+        return await read_outputs(settings, committed=True, sources=len(lines), timeout=30)
+
+    got = asyncio.run(scenario())
+    assert sorted(dict(r.headers)["neardup-id"] for r in got) == [b"a", b"b"]  # each once
+    b = next(r for r in got if dict(r.headers)["neardup-id"] == b"b")
+    topic_first, headers_first = first[b"b"]
+    assert dict(headers_first)["neardup-duplicate-of"] == b"a" and dict(headers_first)["neardup-method"] == b"mgram"
+    assert (b.topic, b.headers) == (topic_first, headers_first)
+    assert all(b"replay" not in dict(r.headers).values() and "neardup-late" not in dict(r.headers) for r in got)
+
+
+def evict(settings: object) -> None:
+    """Another worker indexes a message, newer than a and b, in every bucket of theirs (cap 1: a goes)."""
+    nd = open_filter(settings)  # type: ignore[arg-type]
+    keys = tuple(dict.fromkeys(nd.fingerprinter.fingerprint(ORIGINAL).keys + nd.fingerprinter.fingerprint(COPY_C).keys))
+    filler = Entry("filler", 102.0, 7, 500, np.arange(1, 129, dtype=np.uint32))
+    [(_, cands)] = nd.index.lookup([Query("filler", 102.0, keys)], 8)
+    assert [c.entry.id for c in cands] == ["a"]
+    assert nd.index.insert([(filler, keys)]) == [None]
+    [(_, cands)] = nd.index.lookup([Query("q", 103.0, keys)], 8)
+    assert [c.entry.id for c in cands] == ["filler"]
+    nd.index.close()

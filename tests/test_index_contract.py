@@ -168,6 +168,24 @@ def test_replay_returns_the_stored_entry_and_the_first_insert_wins(make_index: M
     assert found(index, "q", 3, [5])[1] == []  # the second insert did not index anything
 
 
+def test_a_duplicates_verdict_is_remembered_for_the_window(make_index: MakeIndex) -> None:
+    """A duplicate is not indexed: its verdict is remembered by id (a memo, written in the insert round)
+    and is what a later lookup of that id finds, though the cap evicted its original from every bucket,
+    for as long as its own event time is inside the window."""
+    index = make_index(window=100, bucket_cap=1)
+    add(index, entry("a", 10), [1, 2])
+    memo = Verdict("b", True, "a", 0.8125, "mgram")
+    assert found(index, "b", 20, [1, 2]) == (None, [("a", 2, 1)])
+    assert index.insert([], [(memo, 20.0)]) == []
+    add(index, entry("c", 30), [1, 2])  # the cap keeps c: a is in no bucket now
+    [(own, cands)] = index.lookup([Query("b", 20, (1, 2))], 8)
+    assert own == memo and [c.entry.id for c in cands] == ["c"]
+    add(index, entry("d", 120), [9])
+    assert index.lookup([Query("b", 20, (1, 2))], 8)[0][0] == memo  # a (10) left the window, b (20) did not
+    add(index, entry("e", 121), [9])
+    assert index.lookup([Query("b", 20, (1, 2))], 8)[0][0] is None  # b's own event time left it
+
+
 def test_only_inserted_entries_are_candidates(make_index: MakeIndex) -> None:
     index = make_index()
     assert found(index, "x", 1, [1, 2]) == (None, [])  # looked up (a duplicate, say), never inserted
@@ -236,8 +254,9 @@ _query = st.tuples(_ids, st.integers(0, 40).map(float), st.sets(st.integers(1, 6
 _batch = st.tuples(st.lists(_query, min_size=1, max_size=6), st.lists(st.booleans(), min_size=6, max_size=6))
 
 
-def _view(looked: list[tuple[Entry | None, list[Candidate]]]) -> list[tuple[object, ...]]:
-    return [((own.id, own.ts) if own else None, [(c.entry.id, c.entry.ts, c.shared, c.first_key) for c in cs])
+def _view(looked: list[tuple[Entry | Verdict | None, list[Candidate]]]) -> list[tuple[object, ...]]:
+    return [((own.id, own.ts) if isinstance(own, Entry) else own, [(c.entry.id, c.entry.ts, c.shared, c.first_key)
+                                                                   for c in cs])
             for own, cs in looked]
 
 
@@ -253,7 +272,10 @@ def test_matches_the_reference_for_any_batches(
         assert _view(looked) == _view(reference.lookup(queries, limit))
         pending = [(Entry(q.id, q.ts, n, 1, np.zeros(1, np.uint64)), q.keys)
                    for q, (own, _), k in zip(queries, looked, keep, strict=False) if own is None and k]
-        assert index.insert(pending) == reference.insert(pending)
+        # The others are duplicates: each id's first one in the batch is remembered (as the engine does).
+        memos = {q.id: (Verdict(q.id, True, f"x{n}", n / 8, "mgram"), q.ts)
+                 for q, (own, _), k in reversed(list(zip(queries, looked, keep, strict=False))) if own is None and not k}
+        assert index.insert(pending, list(memos.values())) == reference.insert(pending, list(memos.values()))
 
 
 # --- the engine on top ---------------------------------------------------------------------------------
@@ -312,3 +334,40 @@ def test_engine_gives_the_same_verdicts(make_index: MakeIndex) -> None:
     labels = [v.label for v in verdicts[0]]
     assert labels.count("duplicate") > 50 and labels.count("unique") > 50  # the stream tests something
     assert any(v.method == "replay" for v in verdicts[0])
+
+
+# --- a replayed duplicate ------------------------------------------------------------------------------
+
+ORIGINAL = "Congratulations! You have won a 1000 dollar gift card, call 555-0100 now to claim your prize today"
+COPY = "Congratulations!! You have won a 1000 dollar gift voucher, call 555-0177 now to claim your prize"
+
+
+def test_a_replayed_duplicate_keeps_its_verdict_though_the_cap_evicted_its_original(make_index: MakeIndex) -> None:
+    """b is a copy of a. Then a unique message that shares every bucket of a, and is newer, pushes a out of
+    all of them (bucket cap 1). b decided again (a redelivery: same id, text and event time) still names a,
+    with the same similarity and method: its first verdict."""
+    config = FilterConfig(window=3600.0, bucket_cap=1)
+    index = make_index(config.window, config.bucket_cap)
+    engine = NearDupFilter(config, index=index)
+    a, b = Message("a", ORIGINAL, 100.0), Message("b", COPY, 101.0)
+    assert not engine.check_batch([a])[0].duplicate
+    [first] = engine.check_batch([b])
+    assert (first.duplicate, first.duplicate_of, first.method) == (True, "a", "mgram") and first.similarity < 1
+    keys = tuple(dict.fromkeys(engine.fingerprinter.fingerprint(ORIGINAL).keys
+                               + engine.fingerprinter.fingerprint(COPY).keys))
+    add(index, entry("filler", 102.0, sketch=np.arange(1, 129, dtype=np.uint32), size=500), keys)
+    assert found(index, "q", 103.0, keys)[1][0][0] == "filler" and all(c[0] != "a" for c in found(index, "q", 103.0, keys)[1])
+    assert engine.check_batch([b]) == [first]
+    assert engine.check_batch([Message("z", "an unrelated note about lunch", 103.0), b]) == [Verdict("z", False), first]
+
+
+def test_a_replayed_duplicate_keeps_its_verdict_after_its_original_left_the_window(make_index: MakeIndex) -> None:
+    """a at 0, its copy b at 50, then the stream reaches 120 (window 100): a left the window, b did not. b
+    decided again gets its first verdict; a copy under a new id is unique (a is gone)."""
+    config = FilterConfig(window=100.0)
+    engine = NearDupFilter(config, index=make_index(config.window, config.bucket_cap))
+    first = engine.check_batch([Message("a", ORIGINAL, 0.0), Message("b", COPY, 50.0)])[1]
+    assert (first.duplicate, first.duplicate_of) == (True, "a")
+    assert not engine.check_batch([Message("z", "an unrelated note about lunch", 120.0)])[0].duplicate
+    again, other = engine.check_batch([Message("b", COPY, 50.0), Message("c", COPY, 60.0)])
+    assert again == first and not other.duplicate

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from filters import _native
 from filters.config import FilterConfig
-from filters.engine import Message, NearDupFilter
+from filters.engine import Message, NearDupFilter, Verdict
 from filters.errors import IndexCorrupt
 from filters.fingerprint import _MGRAM_TAG, _TAG_ROOM, Fingerprinter
 from filters.index import Candidate, Entry
@@ -98,7 +98,7 @@ def test_hash128_is_mmh3() -> None:
 
 _OPS = st.lists(
     st.tuples(
-        st.sampled_from(["insert", "lookup", "lookup", "expire"]),
+        st.sampled_from(["insert", "lookup", "lookup", "expire", "remember"]),
         st.integers(0, 11),  # id
         st.floats(0, 60, allow_nan=False).map(lambda x: round(x, 1)),  # event time
         st.lists(st.integers(0, 14), min_size=0, max_size=6),  # keys (a few shared by many entries)
@@ -119,18 +119,22 @@ def _entry(id: str, ts: float, which: int) -> Entry:
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=_OPS, window=st.sampled_from([5.0, 20.0, 1e9]), cap=st.integers(1, 4))
 def test_compiled_table_answers_as_the_reference(ops: list[tuple], window: float, cap: int) -> None:
-    """Random inserts, lookups and expiries, out of order in event time, over few keys (so buckets fill
-    and the cap evicts): the compiled table and `PyTable` agree on every answer and every count."""
+    """Random inserts, lookups, memos of duplicates and expiries, out of order in event time, over few
+    keys (so buckets fill and the cap evicts): the compiled table and `PyTable` agree on every answer
+    (memos recalled included) and every count."""
     tables = [make_table(window, cap, native=True), PyTable(window, cap)]
     for op, ident, ts, keys, floor, limit, which in ops:
         id = f"m{ident}"
         answers = []
+        memo = Verdict(id, True, f"m{which}", which / 4, "mgram" if which % 2 else "exact")
         for table in tables:
             if op == "insert":
                 answers.append(table.insert(_entry(id, ts, which), tuple(dict.fromkeys(keys))))
+            elif op == "remember":
+                answers.append(table.remember(memo, ts))
             elif op == "lookup":
                 own, found = table.lookup(id, ts, tuple(keys), floor, limit)
-                answers.append((table.get(own).id if own else None,
+                answers.append((table.get(own).id if own else None, table.recall(id),
                                 [(table.get(seq).id, shared, key) for seq, shared, key in found]))
             else:
                 answers.append(table.expire(ts))
@@ -182,6 +186,32 @@ def test_batch_in_the_table_decides_as_the_reference(window: float, cap: int) ->
     assert got == want
     assert sum(v.duplicate for v in got) > 150 and sum(v.method == "replay" for v in got) > 0
     assert compiled.index.stats() == reference.index.stats()
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_replayed_duplicate_gets_its_first_verdict_though_the_cap_evicted_its_original(native: bool) -> None:
+    """Redeliveries (the same id, text and event time) of messages decided up to 300 messages earlier, with a
+    bucket cap of 2 that evicts representatives all the time: every replayed duplicate gets the verdict it
+    got the first time (its memo), in the compiled table (`Table.decide`) and in the reference alike."""
+    rng = random.Random(4)
+    msgs = _perturbed_stream(13, 1500)
+    stream = []
+    for i, m in enumerate(msgs):
+        stream.append(m)
+        if i > 10 and i % 7 == 0:
+            stream.append(msgs[rng.randrange(max(0, i - 300), i)])  # a redelivery of an earlier record
+    nd = NearDupFilter(FilterConfig(window=1e9, bucket_cap=2), native=native)
+    got = [v for at in range(0, len(stream), 100) for v in nd.check_batch(stream[at : at + 100])]
+    first: dict[tuple[str, float], Verdict] = {}
+    replayed = 0
+    for m, v in zip(stream, got, strict=True):
+        was = first.get((m.id, m.ts))
+        if was is None:
+            first[m.id, m.ts] = v
+        elif was.duplicate:
+            replayed += 1
+            assert v == was, m.id
+    assert replayed > 40 and nd.index.stats()["evicted_by_cap"] > 500
 
 
 @pytest.mark.parametrize("verify", ["sketch", "native"])
@@ -286,8 +316,9 @@ _SPAM = ["win a free cruise call now", "your parcel waits confirm the fee", "che
 def test_the_shared_loop_decides_as_the_python_reference(seed: int, count: int, limit: int, threshold: float) -> None:
     """`Table.decide_shared` against `filters.index.shared.against`'s Python loop on made-up lookups: stored
     entries that are near-duplicates of the message or not, exact copies, random shared counts, first
-    keys and event times (ties), replays stored or earlier in the batch, and candidate limits that
-    truncate the merge of the batch's own candidates with the shared index's."""
+    keys and event times (ties), replays stored or earlier in the batch, memos (stored, or of a duplicate
+    earlier in the batch), and candidate limits that truncate the merge of the batch's own candidates with
+    the shared index's."""
     rng = random.Random(seed)
 
     def text() -> str:
@@ -305,17 +336,18 @@ def test_the_shared_loop_decides_as_the_python_reference(seed: int, count: int, 
     stored_texts = [text() for _ in range(8)] + [m.text for m in rng.sample(messages, min(2, count))]
     stored = [Entry.of(f"s{j}", 1000.0 - rng.choice([0.0, 5.0]), fp)
               for j, fp in enumerate(engine.fingerprinter.fingerprint_batch(stored_texts))]
-    looked = []
-    for fp in fps:
-        own = rng.choice(stored) if rng.random() < 0.05 else None
+    looked: list[tuple[Entry | Verdict | None, list[Candidate]]] = []
+    for m, fp in zip(messages, fps):
+        roll = rng.random()
+        own = rng.choice(stored) if roll < 0.05 else Verdict(m.id, True, "s0", 0.5, "mgram") if roll < 0.1 else None
         cands = [Candidate(entry, rng.randint(0, len(fp.keys)), rng.choice(fp.keys))
                  for entry in rng.sample(stored, rng.randint(0, 4))]
         looked.append((own, cands))
     results = []
     for compiled in (True, False):
         engine.compiled = compiled
-        verdicts, pending = against(engine, messages, fps, looked)
-        results.append((verdicts, sorted(pending), [e.id for _, e in sorted(pending.items())]))
+        verdicts, pending, remembered = against(engine, messages, fps, looked)
+        results.append((verdicts, sorted(pending), [e.id for _, e in sorted(pending.items())], remembered))
     assert results[0] == results[1]
 
 

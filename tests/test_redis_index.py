@@ -22,11 +22,19 @@ from hypothesis.extra.numpy import arrays
 from filters.config import FilterConfig
 from filters.engine import Message, NearDupFilter, Verdict
 from filters.errors import ConfigError, IndexCorrupt, IndexUnavailable, NeardupError
-from filters.index import Candidate, Entry, Query, redis_codec
+from filters.index import Candidate, Entry, Memo, Query, redis_codec
 from filters.index.backends import open_index
 from filters.index.memory import MemoryIndex
 from filters.index.redis import INSERT_CHUNK, LOOKUP_CHUNK, RedisIndex
-from filters.index.redis_codec import ENCODING_VERSION, decode_entry, encode_entry, parse_records
+from filters.index.redis_codec import (
+    ENCODING_VERSION,
+    decode_entry,
+    decode_memo,
+    encode_entry,
+    encode_memo,
+    memo_time,
+    parse_records,
+)
 from stream.codec import RecordFormat
 from stream.metrics import TimedIndex
 from stream.runner import DUPLICATE, RawRecord, route_batch, route_batches
@@ -119,6 +127,25 @@ def test_damaged_encodings_are_corrupt() -> None:
         encode_entry(Entry("x", 0, -1, 0, np.zeros(0, np.uint64)))
 
 
+_ids = st.text(st.characters(blacklist_categories=("Cs",)), max_size=30) | st.sampled_from(["x\udc80", "ünï"])
+
+
+@given(id=_ids, of=_ids, ts=st.floats(-1e15, 1e15), similarity=st.floats(0, 1),
+       method=st.sampled_from(["exact", "mgram", "simhash", "minhash", "sentences", "?"]))
+def test_memos_round_trip(id: str, of: str, ts: float, similarity: float, method: str) -> None:
+    verdict = Verdict(id, True, of, similarity, method)
+    data = encode_memo(verdict, ts)
+    assert decode_memo(data, id) == verdict and memo_time(data, id) == ts
+    assert len(data) == 17 + len(method) + len(of.encode("utf-8", "surrogatepass"))  # compact: 17 bytes and the id
+
+
+def test_damaged_memos_are_corrupt() -> None:
+    data = encode_memo(Verdict("b", True, "a", 0.5, "mgram"), 1000.0)
+    for bad in (b"", data[:16], data[:17] + b"mgr", data[:16] + b"\x09" + data[17:], data[:17] + b"\xff" + data[18:]):
+        with pytest.raises(IndexCorrupt):
+            decode_memo(bad, "b")
+
+
 def test_stored_garbage_is_index_corrupt(make: Callable[..., RedisIndex], redis_url: str, prefix: str) -> None:
     index = make()
     index.lookup([Query("a", 1000, (1,))], 8)
@@ -194,8 +221,8 @@ def test_stats(make: Callable[..., RedisIndex]) -> None:
     index = make()
     queries = [Query(f"m{i}", 1000, (i, 100)) for i in range(7)]
     index.lookup(queries, 8)
-    index.insert([(entry(q.id), q.keys) for q in queries])
-    assert index.stats() == {"entries": 7, "buckets": 8, "inserted": 7}
+    index.insert([(entry(q.id), q.keys) for q in queries[:6]], [(Verdict("m6", True, "m0", 0.75, "mgram"), 1000.0)])
+    assert index.stats() == {"entries": 6, "buckets": 7, "memos": 1, "inserted": 6}  # a memo is no bucket
 
 
 # --- URLs and errors -----------------------------------------------------------------------------------
@@ -1012,6 +1039,43 @@ def test_the_next_lookup_sees_what_the_batch_inserted_after_the_read_went_out(ma
     assert [ids(cands) for _, cands in make().lookup([Query("q", 1002, (2, 3))], 8)[:1]] == [["d", "c", "b", "a"]]
 
 
+@pytest.mark.parametrize("entries", [True, False], ids=["in-the-transaction", "in-a-round-of-their-own"])
+def test_the_next_lookup_sees_the_memos_the_batch_wrote_after_the_read_went_out(make: Callable[..., RedisIndex],
+                                                                                 entries: bool) -> None:
+    """A batch's memos are written after the next batch's read went out (inside the insert's transaction, or,
+    when the batch inserts nothing, in a round trip of their own): that read, taken, has them."""
+    index = make()
+    taken = _counting_taken(index)
+    index.lookup([Query("a", 1000, (1,)), Query("b", 1000, (1,))], 8)
+    following = [Query("c", 1001, (1,)), Query("b", 1000, (1,))]
+    index.prefetch(following)
+    memo = Verdict("b", True, "z", 0.625, "mgram")
+    assert index.insert([(entry("a"), (1,))] if entries else [], [(memo, 1000.0)]) == ([None] if entries else [])
+    found = index.lookup(following, 8)
+    assert taken == [True]
+    assert found[0][0] is None and found[1][0] == memo
+    assert make().lookup([Query("b", 1000, (1,))], 8)[0][0] == memo  # and it is stored
+
+
+def test_a_replayed_duplicate_finds_its_memo_on_any_redis(race_url: str) -> None:
+    """Standalone and Cluster (whose insert round is a script, not a transaction): a duplicate replayed after
+    its original left every bucket (cap 1) gets its first verdict."""
+    config = FilterConfig(bucket_cap=1)
+    index = RedisIndex(race_url, window=config.window, bucket_cap=1, namespace=uuid.uuid4().hex[:12])
+    engine = NearDupFilter(config, index=index)
+    original = "Congratulations! You have won a 1000 dollar gift card, call 555-0100 now to claim your prize today"
+    copy = "Congratulations!! You have won a 1000 dollar gift voucher, call 555-0177 now to claim your prize"
+    assert not engine.check_batch([Message("a", original, 100.0)])[0].duplicate
+    [first] = engine.check_batch([Message("b", copy, 101.0)])
+    assert first.duplicate_of == "a"
+    keys = tuple(dict.fromkeys(engine.fingerprinter.fingerprint(original).keys + engine.fingerprinter.fingerprint(copy).keys))
+    index.lookup([Query("filler", 102.0, keys)], 8)
+    assert index.insert([(Entry("filler", 102.0, 7, 500, np.arange(1, 129, dtype=np.uint32)), keys)]) == [None]
+    assert engine.check_batch([Message("b", copy, 101.0)]) == [first]
+    assert index.stats()["memos"] == 1
+    index.close()
+
+
 def test_reading_ahead_can_be_switched_off(make: Callable[..., RedisIndex]) -> None:
     index = make()
     index.read_ahead = False  # bench/redis_bench.py's comparison: every lookup reads when it is made
@@ -1060,7 +1124,7 @@ class _PausedIndex(RedisIndex):
 
     barrier: threading.Barrier | None = None
 
-    def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | None, list[Candidate]]]:
+    def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | Verdict | None, list[Candidate]]]:
         looked = super().lookup(queries, limit)
         if self.barrier is not None:
             self.barrier.wait(timeout=30)
@@ -1070,9 +1134,10 @@ class _PausedIndex(RedisIndex):
 class _RacyIndex(_PausedIndex):
     """The non-atomic design: look up, verify, then insert without checking what arrived meanwhile."""
 
-    def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]:
+    def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]],
+               memos: Sequence[Memo] = ()) -> list[list[Candidate] | None]:
         self._view.looked.clear()  # no id was looked up, as far as the insert knows: nothing is compared
-        return super().insert(entries)
+        return super().insert(entries, memos)
 
 
 def _spam(cluster: int, worker: int) -> str:

@@ -4,8 +4,11 @@ every backend shares (`Entry`, `Query`, `Candidate`, `Batch`, `Verifier`).
 An index maps bucket keys to the representatives (unique messages) indexed under them, within a
 sliding window of event time. The engine hands it a prepared batch and its verifier (`decide`); the
 index looks up candidates, has the verifier verify them, and inserts only messages found unique, so
-buckets hold representatives, not every copy of a spam wave. Each backend decides a batch its own best
-way: the memory index in its (compiled) table, the Redis index in a few pipelined round trips.
+buckets hold representatives, not every copy of a spam wave. It also remembers, by id, the verdict of
+each message it found a duplicate (a memo), for the window: a message decided again (a replay after a
+crash or an aborted transaction) gets the verdict it got the first time, whatever left the buckets since.
+Each backend decides a batch its own best way: the memory index in its (compiled) table, the Redis index
+in a few pipelined round trips.
 
 The backends live beside this protocol: `memory.py` (`MemoryIndex`, its `Table`), `redis.py`
 (`RedisIndex`, with its stored forms in `redis_codec.py` and its scripts in `lua/`) and `shared.py`
@@ -59,6 +62,10 @@ class Query:
     keys: tuple[int, ...]
     min_shared: int = 1  # candidates sharing fewer keys need not be returned
 
+
+# A duplicate's verdict to remember (a memo), with the event time of its message: the memo lives as long
+# as that event time is inside the window.
+Memo = tuple[Verdict, float]
 
 # Made once or more per message: from all field values in order, without the dataclass __init__'s cost.
 new_entry = maker(Entry)
@@ -128,20 +135,27 @@ class CandidateIndex(Protocol):
 
     def decide(self, batch: Batch, verifier: Verifier) -> list[Verdict]:
         """The verdicts of the batch's messages, in order, as if decided one at a time: look up, verify
-        (by `verifier`), insert the unique ones. Runs all of `batch.meanwhile` before it returns."""
+        (by `verifier`), insert the unique ones, remember the duplicates' verdicts. A message whose id is
+        stored (a replay) is unique (method "replay"); one whose id has a memo gets that verdict again.
+        Every write (entries and memos) is done before it returns. Runs all of `batch.meanwhile` before it
+        returns."""
         ...
 
-    def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | None, list[Candidate]]]:
-        """For each query: the entry already stored under its id (a replay), and up to `limit`
-        candidates that share a key with it and are inside the window of its event time, ranked by
-        shared keys, then by recency (the most recently inserted first). An entry never is its own
+    def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | Verdict | None, list[Candidate]]]:
+        """For each query: the entry already stored under its id (a replay), else the verdict remembered
+        for its id (a duplicate's memo) if its event time is inside the window, else None; and up to
+        `limit` candidates that share a key with it and are inside the window of its event time, ranked
+        by shared keys, then by recency (the most recently inserted first). An entry never is its own
         candidate."""
         ...
 
-    def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]:
-        """Insert representatives under their keys. For each: None when inserted, or the candidates
-        that entered its buckets since its lookup (another worker won the race): then nothing was
-        inserted, and the engine verifies those and either calls it a duplicate or inserts again."""
+    def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]],
+               memos: Sequence[Memo] = ()) -> list[list[Candidate] | None]:
+        """Insert representatives under their keys, and remember the duplicates' verdicts `memos` (in the
+        same round trip). For each entry: None when inserted, or the candidates that entered its buckets
+        since its lookup (another worker won the race): then nothing was inserted, and the engine
+        verifies those and either calls it a duplicate or inserts again. A memo whose event time is
+        already outside the window is not kept; a later one of the same id replaces it."""
         ...
 
     def restore(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> int:
@@ -175,11 +189,12 @@ class IndexWrapper:
     def decide(self, batch: Batch, verifier: Verifier) -> list[Verdict]:
         return self.inner.decide(batch, verifier)
 
-    def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | None, list[Candidate]]]:
+    def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | Verdict | None, list[Candidate]]]:
         return self.inner.lookup(queries, limit)
 
-    def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]:
-        return self.inner.insert(entries)
+    def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]],
+               memos: Sequence[Memo] = ()) -> list[list[Candidate] | None]:
+        return self.inner.insert(entries, memos)
 
     def restore(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> int:
         return self.inner.restore(entries)

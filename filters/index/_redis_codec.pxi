@@ -322,8 +322,9 @@ cdef Py_ssize_t open_table(Py_ssize_t n, uint64_t **slot_key, Py_ssize_t **slot_
 
 def plan_fields(list keys_of, list id_fields) -> tuple:
     """`RedisIndex.lookup`'s naming of what a batch reads: per query its bucket keys' field names and their
-    places, then per query its entry field's place, every distinct name placed once in first-seen order.
-    Returns (names, fields per query, places per query, entry places)."""
+    places, then per query its entry field's place, its memo field (`d` for the entry field's first byte)
+    right after it, every distinct name placed once in first-seen order. Returns (names, fields per
+    query, places per query, entry places)."""
     cdef dict id_at = {}
     cdef list names = [], fields_of = [], places_of = [], id_places = []
     cdef list fields, places, place_objs = []
@@ -371,12 +372,19 @@ def plan_fields(list keys_of, list id_fields) -> tuple:
     finally:
         PyMem_Free(slot_key)
         PyMem_Free(slot_at)
+    cdef bytes memo
     for name in id_fields:
         place = id_at.get(name)
         if place is None:
             place = len(names)
             id_at[name] = place
             names.append(name)
+            n = len(<bytes>name)
+            if n == 0:
+                raise ValueError("an entry field name is never empty")
+            memo = PyBytes_FromStringAndSize(<const char *>(<bytes>name), n)
+            PyBytes_AS_STRING(memo)[0] = 100  # b"d"
+            names.append(memo)
         id_places.append(place)
     return names, fields_of, places_of, id_places
 
@@ -588,32 +596,43 @@ def overlay_writes(list names, list written_names, list kept, dict written) -> N
         PyMem_Free(slot_at)
 
 
+cdef object live_blob(list columns, Py_ssize_t place, double horizon, Py_ssize_t at, object id, object time_of):
+    """The value of the field at `place` in the first slice read where it is live: its event time (8 bytes
+    at `at`: 1 for an entry, after its version byte; 0 for a memo) at or after `horizon`; else None."""
+    cdef object blob
+    cdef double ts
+    for column in columns:
+        blob = (<list>column)[place]
+        if blob is None:
+            continue
+        if len(<bytes>blob) >= at + 8:
+            memcpy(&ts, <const char *>(<bytes>blob) + at, 8)
+        else:
+            ts = time_of(blob, id)  # raises: too short
+        if ts >= horizon:
+            return blob
+    return None
+
+
 def rank_lookup(list columns, list positions_of, list id_places, list ids, list floors, Py_ssize_t limit,
-                list horizons, Py_ssize_t cap, entry_time) -> list:
+                list horizons, Py_ssize_t cap, entry_time, memo_time) -> list:
     """`redis_codec.rank_lookup`, compiled: per query of a lookup, (its stored entry's bytes if live, else
-    None; `rank_records` of its buckets)."""
-    cdef Py_ssize_t i, n = len(ids)
-    cdef double horizon, ts
-    cdef object own, blob
+    None; if none, its memo's bytes (the field after its entry's) if live, else None; `rank_records` of
+    its buckets)."""
+    cdef Py_ssize_t i, e, n = len(ids)
+    cdef double horizon
+    cdef object own, memo
     cdef _RankScratch scratch = _RankScratch()
+    if len(id_places) != n:
+        raise ValueError("ids and entry places differ in length")
     out = []
     for i in range(n):
-        e = id_places[i]
         horizon = horizons[i]
-        own = None
-        for column in columns:
-            blob = (<list>column)[e]
-            if blob is None:
-                continue
-            if len(<bytes>blob) >= 9:
-                memcpy(&ts, <const char *>(<bytes>blob) + 1, 8)
-            else:
-                ts = entry_time(blob, ids[i])  # raises: too short for an entry
-            if ts >= horizon:
-                own = blob
-                break
-        out.append((own, _rank_records(columns, positions_of[i], ids[i], floors[i], limit, horizon, cap, -1, None,
-                                       scratch)))
+        e = id_places[i]
+        own = live_blob(columns, e, horizon, 1, ids[i], entry_time)
+        memo = None if own is not None else live_blob(columns, e + 1, horizon, 0, ids[i], memo_time)
+        out.append((own, memo, _rank_records(columns, positions_of[i], ids[i], floors[i], limit, horizon, cap, -1,
+                                             None, scratch)))
     return out
 
 

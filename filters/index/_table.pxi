@@ -3,6 +3,11 @@
 
 # --- the table of the memory index ----------------------------------------------------------------------
 
+cdef extern from "Python.h":
+    int PyObject_IS_GC(object o)
+    void PyObject_GC_UnTrack(void *o)
+
+
 cdef struct CEntry:
     uint64_t seq
     double ts
@@ -57,6 +62,58 @@ cdef inline bint due_before(Due a, Due b) noexcept nogil:
     return a.ts < b.ts or (a.ts == b.ts and a.seq < b.seq)
 
 
+cdef struct Heap:  # a binary min-heap of `Due`s: the expiry of entries, and of memos
+    Due *items
+    Py_ssize_t n
+    Py_ssize_t cap
+
+
+cdef int heap_push(Heap *h, double ts, uint64_t seq) except -1:
+    cdef Due *grown
+    cdef Due item, parent
+    cdef Py_ssize_t pos, up
+    if h.n == h.cap:
+        grown = <Due *>PyMem_Realloc(h.items, h.cap * 2 * sizeof(Due))
+        if not grown:
+            raise MemoryError()
+        h.items = grown
+        h.cap *= 2
+    item.ts = ts
+    item.seq = seq
+    pos = h.n
+    h.n += 1
+    while pos > 0:
+        up = (pos - 1) // 2
+        parent = h.items[up]
+        if not due_before(item, parent):
+            break
+        h.items[pos] = parent
+        pos = up
+    h.items[pos] = item
+    return 0
+
+
+cdef Due heap_pop(Heap *h) noexcept:
+    cdef Due top = h.items[0], last
+    cdef Py_ssize_t pos = 0, child
+    h.n -= 1
+    if h.n == 0:
+        return top
+    last = h.items[h.n]
+    while True:
+        child = 2 * pos + 1
+        if child >= h.n:
+            break
+        if child + 1 < h.n and due_before(h.items[child + 1], h.items[child]):
+            child += 1
+        if not due_before(h.items[child], last):
+            break
+        h.items[pos] = h.items[child]
+        pos = child
+    h.items[pos] = last
+    return top
+
+
 cdef struct Merged:  # one candidate of decide_shared: from the batch's own table (seq) or the shared index
     uint32_t shared
     double ts
@@ -108,9 +165,11 @@ cdef class Table:
     cdef Py_ssize_t ecap
     cdef uint64_t seq
     cdef Py_ssize_t live
-    cdef Due *heap
-    cdef Py_ssize_t hlen, hcap
+    cdef Heap due  # (event time, seq) of the entries
     cdef dict by_id
+    # Memos: id -> the verdict of a duplicate (a new reference in `memo_due`, whose seq is its address).
+    cdef dict memos
+    cdef Heap memo_due
     cdef double watermark, newest
     cdef public Py_ssize_t evicted_by_cap
     # scratch of one lookup
@@ -138,8 +197,10 @@ cdef class Table:
         self.ecap = 1024
         self.ents = <CEntry **>PyMem_Malloc(self.ecap * sizeof(CEntry *))
         self.ebase = 1
-        self.hcap = 1024
-        self.heap = <Due *>PyMem_Malloc(self.hcap * sizeof(Due))
+        self.due.cap = 1024
+        self.due.items = <Due *>PyMem_Malloc(self.due.cap * sizeof(Due))
+        self.memo_due.cap = 64
+        self.memo_due.items = <Due *>PyMem_Malloc(self.memo_due.cap * sizeof(Due))
         self.hmask = 255
         self.hits = <Hit *>PyMem_Malloc((self.hmask + 1) * sizeof(Hit))
         self.ranked_cap = 256
@@ -149,13 +210,14 @@ cdef class Table:
         self.probe_cap = self.other_cap = 256
         self.probe = <uint64_t *>PyMem_Malloc(self.probe_cap * sizeof(uint64_t))
         self.other = <uint64_t *>PyMem_Malloc(self.other_cap * sizeof(uint64_t))
-        if (not self.slots or not self.ents or not self.heap or not self.hits or not self.ranked
+        if (not self.slots or not self.ents or not self.due.items or not self.memo_due.items or not self.hits or not self.ranked
                 or not self.found or not self.probe or not self.other):
             raise MemoryError()
         memset(self.slots, 0, (self.mask + 1) * sizeof(Bucket))
         memset(self.ents, 0, self.ecap * sizeof(CEntry *))
         memset(self.hits, 0, (self.hmask + 1) * sizeof(Hit))
         self.by_id = {}
+        self.memos = {}
         self.watermark = -float("inf")
         self.newest = -float("inf")
 
@@ -171,7 +233,11 @@ cdef class Table:
                 if self.ents[i]:
                     self._free_entry(self.ents[i])
             PyMem_Free(self.ents)
-        PyMem_Free(self.heap); PyMem_Free(self.hits); PyMem_Free(self.ranked); PyMem_Free(self.found)
+        if self.memo_due.items:
+            for i in range(self.memo_due.n):
+                Py_DECREF(<object><PyObject *><size_t>self.memo_due.items[i].seq)
+        PyMem_Free(self.due.items); PyMem_Free(self.memo_due.items)
+        PyMem_Free(self.hits); PyMem_Free(self.ranked); PyMem_Free(self.found)
         PyMem_Free(self.probe); PyMem_Free(self.other); PyMem_Free(self.qkeys); PyMem_Free(self.merged)
 
     def __len__(self):
@@ -288,53 +354,10 @@ cdef class Table:
     cdef int _advance(self, double ts) except -1:
         if ts > self.watermark:
             self.watermark = ts
-            if self.hlen and self.heap[0].ts < ts - self.window:
+            if ((self.due.n and self.due.items[0].ts < ts - self.window)
+                    or (self.memo_due.n and self.memo_due.items[0].ts < ts - self.window)):
                 self._expire(ts)
         return 0
-
-    cdef int _push_due(self, double ts, uint64_t seq) except -1:
-        cdef Due *grown
-        cdef Due item, parent
-        cdef Py_ssize_t pos, up
-        if self.hlen == self.hcap:
-            grown = <Due *>PyMem_Realloc(self.heap, self.hcap * 2 * sizeof(Due))
-            if not grown:
-                raise MemoryError()
-            self.heap = grown
-            self.hcap *= 2
-        item.ts = ts
-        item.seq = seq
-        pos = self.hlen
-        self.hlen += 1
-        while pos > 0:
-            up = (pos - 1) // 2
-            parent = self.heap[up]
-            if not due_before(item, parent):
-                break
-            self.heap[pos] = parent
-            pos = up
-        self.heap[pos] = item
-        return 0
-
-    cdef Due _pop_due(self) noexcept:
-        cdef Due top = self.heap[0], last
-        cdef Py_ssize_t pos = 0, child
-        self.hlen -= 1
-        if self.hlen == 0:
-            return top
-        last = self.heap[self.hlen]
-        while True:
-            child = 2 * pos + 1
-            if child >= self.hlen:
-                break
-            if child + 1 < self.hlen and due_before(self.heap[child + 1], self.heap[child]):
-                child += 1
-            if not due_before(self.heap[child], last):
-                break
-            self.heap[pos] = self.heap[child]
-            pos = child
-        self.heap[pos] = last
-        return top
 
     cdef Py_ssize_t _expire(self, double now) except -1:
         cdef double horizon = now - self.window
@@ -344,8 +367,14 @@ cdef class Table:
         cdef CEntry *e
         cdef Bucket *b
         cdef uint64_t *seqs
-        while self.hlen and self.heap[0].ts < horizon:
-            due = self._pop_due()
+        cdef object memo
+        while self.memo_due.n and self.memo_due.items[0].ts < horizon:
+            memo = <object><PyObject *><size_t>heap_pop(&self.memo_due).seq
+            Py_DECREF(memo)  # the heap's reference (`memo` holds its own)
+            if self.memos.get(memo.id) is memo:  # else another replaced it
+                del self.memos[memo.id]
+        while self.due.n and self.due.items[0].ts < horizon:
+            due = heap_pop(&self.due)
             e = self._entry(due.seq)
             if e == NULL:
                 continue
@@ -382,6 +411,34 @@ cdef class Table:
 
     def expire(self, double now) -> int:
         return self._expire(now)
+
+    # -- memos -------------------------------------------------------------------------------------
+    cdef int _remember(self, object id, object verdict, double ts) except -1:
+        """`PyTable.remember` of `verdict` (whose id is `id`): 1 when remembered, 0 when outside the window
+        or an equal one is held."""
+        self._advance(ts)
+        if ts < self.watermark - self.window:
+            return 0
+        held = self.memos.get(id)
+        if held is not None and held == verdict:
+            return 0
+        heap_push(&self.memo_due, ts, <uint64_t><size_t><PyObject *>verdict)
+        Py_INCREF(verdict)
+        self.memos[id] = verdict
+        if PyObject_IS_GC(verdict):
+            # A verdict holds strings and numbers only, so it can be in no reference cycle: the collector
+            # need not walk the window's memos (held for as long as the window, they would reach its
+            # oldest generation, and every full collection would walk them all).
+            PyObject_GC_UnTrack(<PyObject *>verdict)
+        return 1
+
+    def remember(self, verdict, double ts) -> bool:
+        """Remembers a duplicate's verdict by its id, at its message's event time (`PyTable.remember`)."""
+        return bool(self._remember(verdict.id, verdict, ts))
+
+    def recall(self, id):
+        """The verdict remembered for `id`, if still inside the window (`PyTable.recall`)."""
+        return self.memos.get(id)
 
     # -- insert ------------------------------------------------------------------------------------
     cdef int _insert(self, object id, double ts, uint64_t exact_lo, uint64_t exact_hi, int64_t size,
@@ -435,7 +492,7 @@ cdef class Table:
             raise
         self.live += 1
         self.by_id[id] = e.seq
-        self._push_due(ts, e.seq)
+        heap_push(&self.due, ts, e.seq)
         cdef bint in_order = ts >= self.newest
         if in_order:
             self.newest = ts
@@ -651,7 +708,7 @@ cdef class Table:
                 if self.slots[i].n > biggest:
                     biggest = self.slots[i].n
         return {"entries": self.live, "buckets": buckets, "max_bucket": biggest,
-                "evicted_by_cap": self.evicted_by_cap}
+                "evicted_by_cap": self.evicted_by_cap, "memos": len(self.memos)}
 
     # -- the embedded engine's loop -----------------------------------------------------------------
     def decide(self, list ids, list tss, Shingled batch, double min_shared, Py_ssize_t limit, double threshold,
@@ -675,6 +732,10 @@ cdef class Table:
             if id in self.by_id:
                 out.append(verdict(id, False, None, 0.0, "replay"))
                 continue
+            memo = self.memos.get(id)
+            if memo is not None:
+                out.append(memo)
+                continue
             keys = batch.keys + batch.key_start[i]
             nkeys = batch.key_start[i + 1] - batch.key_start[i]
             floor = <Py_ssize_t>ceil(min_shared * nkeys)
@@ -691,17 +752,20 @@ cdef class Table:
             for c in range(n):
                 e = self._entry(self.ranked[c].seq)
                 if e.exact_lo == batch.exact_lo[i] and e.exact_hi == batch.exact_hi[i]:
-                    out.append(verdict(id, True, <object>e.id, 1.0, "exact"))
+                    memo = verdict(id, True, <object>e.id, 1.0, "exact")
                     matched = True
                     break
                 sim = similarity(estimates(self.probe, nsk, size_a, self._wide(e), e.nsk, e.size), size_a, e.size,
                                  threshold, containment, min_ratio, min_size)
                 if sim >= 0.0:
-                    out.append(verdict(id, True, <object>e.id, py_round(sim, 4),
-                                       method_names[keys[self.ranked[c].first] >> 60]))
+                    memo = verdict(id, True, <object>e.id, py_round(sim, 4),
+                                   method_names[keys[self.ranked[c].first] >> 60])
                     matched = True
                     break
-            if not matched:
+            if matched:
+                self._remember(id, memo, ts)
+                out.append(memo)
+            else:
                 self._insert(id, ts, batch.exact_lo[i], batch.exact_hi[i], size_a, self.probe, nsk, keys, nkeys, None)
                 out.append(verdict(id, False, None, 0.0, None))
         return out
@@ -709,12 +773,14 @@ cdef class Table:
     def decide_shared(self, list ids, list tss, list fps, list looked, double min_shared, Py_ssize_t limit,
                       double threshold, double containment, double min_ratio, int64_t min_size,
                       tuple method_names, verdict) -> tuple:
-        """`NearDupFilter._decide_shared`'s loop on this (fresh, batch-local) table, for a batch whose
-        shared-index lookup gave `looked` (per message: its stored entry or None, and its ranked
-        `Candidate`s): replays, the batch's own earlier messages merged with the shared candidates
+        """`filters.index.shared.against`'s loop on this (fresh, batch-local) table, for a batch whose
+        shared-index lookup gave `looked` (per message: its stored entry, its memo (a `Verdict`) or None,
+        and its ranked `Candidate`s): replays, memos (the shared index's, or of the batch's earlier
+        duplicates, remembered here), the batch's own earlier messages merged with the shared candidates
         (most shared keys first, then newest; the batch's first on ties), verification by sketch exactly
         as `NearDupFilter._first_match`, and the unique ones inserted here. Returns (the verdicts, made
-        by `verdict(id, duplicate, duplicate_of, similarity, method)`, and the places of the unique)."""
+        by `verdict(id, duplicate, duplicate_of, similarity, method)`, the places of the unique, and the
+        places of the duplicates decided here)."""
         cdef Py_ssize_t count = len(ids), i, j, c, nkeys, floor, n_local, n_remote, n, nsk, nsk_b, pos
         cdef double ts, sim
         cdef int64_t size_a, size_b
@@ -726,17 +792,23 @@ cdef class Table:
         cdef bint matched
         cdef const uint64_t *other
         cdef list cands
+        cdef object memo_type = verdict.cls if type(verdict) is Frozen else verdict  # what a memo is
         if len(tss) != count or len(fps) != count or len(looked) != count:
             raise ValueError("ids, event times, fingerprints and lookups differ in length")
         out = []
         unique = []
+        remembered = []
         for i in range(count):
             id = ids[i]
             ts = tss[i]
             self._advance(ts)
             own, cands = looked[i]
-            if own is not None or id in self.by_id:
+            if (own is not None and type(own) is not memo_type) or id in self.by_id:
                 out.append(verdict(id, False, None, 0.0, "replay"))
+                continue
+            memo = own if own is not None else self.memos.get(id)
+            if memo is not None:
+                out.append(memo)
                 continue
             fp = fps[i]
             keys = fp.keys
@@ -797,7 +869,7 @@ cdef class Table:
                 if item.local:
                     e = self._entry(item.seq)
                     if e.exact_lo == lo and e.exact_hi == hi:
-                        out.append(verdict(id, True, <object>e.id, 1.0, "exact"))
+                        memo = verdict(id, True, <object>e.id, 1.0, "exact")
                         matched = True
                         break
                     other = self._wide(e)
@@ -807,7 +879,7 @@ cdef class Table:
                 else:
                     entry = (<object>cands[item.at]).entry
                     if entry.exact == exact:
-                        out.append(verdict(id, True, entry.id, 1.0, "exact"))
+                        memo = verdict(id, True, entry.id, 1.0, "exact")
                         matched = True
                         break
                     if <Py_ssize_t>item.shared < floor:
@@ -819,14 +891,18 @@ cdef class Table:
                 sim = similarity(estimates(self.probe, nsk, size_a, other, nsk_b, size_b), size_a, size_b,
                                  threshold, containment, min_ratio, min_size)
                 if sim >= 0.0:
-                    out.append(verdict(id, True, match_id, py_round(sim, 4), method_names[item.first_key >> 60]))
+                    memo = verdict(id, True, match_id, py_round(sim, 4), method_names[item.first_key >> 60])
                     matched = True
                     break
-            if not matched:
+            if matched:
+                self._remember(id, memo, ts)
+                out.append(memo)
+                remembered.append(i)
+            else:
                 self._insert(id, ts, lo, hi, size_a, self.probe, nsk, self.qkeys, nkeys, None)
                 out.append(verdict(id, False, None, 0.0, None))
                 unique.append(i)
-        return out, unique
+        return out, unique, remembered
 
     cdef const uint64_t *_wide(self, CEntry *e) except NULL:
         """An entry's sketch as uint64 values: itself, or widened into the scratch buffer `other`."""

@@ -18,7 +18,7 @@ import numpy as np
 
 from filters.errors import ConfigError
 from filters.fingerprint import METHOD_NAMES, Fingerprint
-from filters.index import Batch, Candidate, Entry, Query, Verifier, finish
+from filters.index import Batch, Candidate, Entry, Memo, Query, Verifier, finish
 from filters.records import Message, Verdict, new_verdict
 
 try:  # the compiled core; absent when it could not be built at install time (no C++ compiler)
@@ -48,6 +48,15 @@ class Table(Protocol):
 
     def insert(self, entry: Entry, keys: tuple[int, ...]) -> bool: ...
 
+    def remember(self, verdict: Verdict, ts: float) -> bool:
+        """Remembers a duplicate's verdict by its id, at its message's event time `ts`, for as long as that
+        is inside the window; False when it was not (outside the window, or an equal one is held)."""
+        ...
+
+    def recall(self, id: str) -> Verdict | None:
+        """The verdict remembered for `id` (a duplicate), if it is still inside the window."""
+        ...
+
     def get(self, seq: int) -> Entry: ...
 
     def seqs(self) -> list[int]: ...
@@ -64,6 +73,9 @@ class PyTable:
     bare sequence number until a second entry arrives, and a list sorted by (event time, seq) after.
     The bucket cap keeps the newest by event time (then insertion order), as a bucket sorted by event
     time does (Redis): a late copy of an old message does not push out recent ones.
+
+    Memos: the verdicts of duplicates by id (a duplicate is not indexed), with an expiry heap of their own,
+    so that a replay gets its first verdict whatever the buckets lost since.
     """
 
     def __init__(self, window: float, bucket_cap: int) -> None:
@@ -78,6 +90,9 @@ class PyTable:
         self._watermark = float("-inf")
         self._newest = float("-inf")  # latest event time inserted: an entry at or after it sorts last everywhere
         self.evicted_by_cap = 0
+        self._memos: dict[str, Verdict] = {}
+        self._memo_expiry: list[tuple[float, int, Verdict]] = []  # (event time, order remembered, memo)
+        self._memo_seq = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -180,14 +195,33 @@ class PyTable:
     def _age(self, seq: int) -> tuple[float, int]:
         return self._entries[seq].ts, seq
 
+    def remember(self, verdict: Verdict, ts: float) -> bool:
+        if ts > self._watermark:
+            self._advance(ts)
+        if ts < self._watermark - self.window or self._memos.get(verdict.id) == verdict:
+            return False
+        self._memos[verdict.id] = verdict
+        self._memo_seq += 1
+        heapq.heappush(self._memo_expiry, (ts, self._memo_seq, verdict))
+        return True
+
+    def recall(self, id: str) -> Verdict | None:
+        return self._memos.get(id)
+
     def _advance(self, ts: float) -> None:
         if ts > self._watermark:
             self._watermark = ts
-            if self._expiry and self._expiry[0][0] < ts - self.window:
+            horizon = ts - self.window
+            if (self._expiry and self._expiry[0][0] < horizon) or (self._memo_expiry and self._memo_expiry[0][0] < horizon):
                 self.expire(ts)
 
     def expire(self, now: float) -> int:
         horizon = now - self.window
+        memos, due = self._memos, self._memo_expiry
+        while due and due[0][0] < horizon:
+            memo = heapq.heappop(due)[2]
+            if memos.get(memo.id) is memo:  # else another replaced it
+                del memos[memo.id]
         buckets = self._buckets
         gone = 0
         while self._expiry and self._expiry[0][0] < horizon:
@@ -222,6 +256,7 @@ class PyTable:
             "buckets": len(self._buckets),
             "max_bucket": max(sizes, default=0),
             "evicted_by_cap": self.evicted_by_cap,
+            "memos": len(self._memos),
         }
 
 
@@ -292,32 +327,36 @@ class MemoryIndex:
         own, candidates = self.lookup_keys(msg.id, msg.ts, keys, verifier.floor(len(keys)),
                                            verifier.config.max_candidates)
         if own is not None:
-            return Verdict(msg.id, False, method="replay")
+            return own if isinstance(own, Verdict) else Verdict(msg.id, False, method="replay")
         if candidates:
             verdict = verifier.first_match(msg, fp, candidates)
             if verdict.duplicate:
+                self.table.remember(verdict, msg.ts)
                 return verdict
         else:
             verdict = Verdict(msg.id, False)
         self.insert_one(Entry.of(msg.id, msg.ts, fp), keys)
         return verdict
 
-    def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | None, list[Candidate]]]:
+    def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | Verdict | None, list[Candidate]]]:
         return [self.lookup_one(q, limit) for q in queries]
 
-    def lookup_one(self, q: Query, limit: int) -> tuple[Entry | None, list[Candidate]]:
+    def lookup_one(self, q: Query, limit: int) -> tuple[Entry | Verdict | None, list[Candidate]]:
         return self.lookup_keys(q.id, q.ts, q.keys, q.min_shared, limit)
 
     def lookup_keys(self, id: str, ts: float, keys: tuple[int, ...], floor: int,
-                    limit: int) -> tuple[Entry | None, list[Candidate]]:
+                    limit: int) -> tuple[Entry | Verdict | None, list[Candidate]]:
         """`lookup_one` without the `Query` record: the engine's per-message path."""
         own, found = self.table.lookup(id, ts, keys, floor, limit)
         get = self.table.get
-        return (get(own) if own else None), [Candidate(get(seq), shared, key) for seq, shared, key in found]
+        return (get(own) if own else self.table.recall(id)), [Candidate(get(seq), shared, key) for seq, shared, key in found]
 
-    def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]:
+    def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]],
+               memos: Sequence[Memo] = ()) -> list[list[Candidate] | None]:
         for entry, keys in entries:
             self.insert_one(entry, keys)
+        for verdict, ts in memos:
+            self.table.remember(verdict, ts)
         return [None] * len(entries)
 
     def restore(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> int:

@@ -9,7 +9,10 @@ Key layout (every key of one namespace carries the hash tag `{<prefix>:<namespac
                             b<key>  bucket records, <key> the 64-bit bucket key as 8 bytes big-endian:
                                     <ts: f64 LE><id length: u32 LE><id: UTF-8><seq: u64 BE> each, in
                                     insertion order, so the value's last 8 bytes are its newest seq
+                            d<id>   a duplicate's verdict (a memo), `encode_memo`: event time,
+                                    similarity, method and the id it duplicates (a few tens of bytes)
                             n       how many entries were inserted into the slice (for `stats`)
+                            m       how many memos were written into it (for `stats`)
 
 Bucket keys (64-bit fingerprints) are field names, never scores or numbers: nothing here goes through a
 double but event times. A lookup at event time T reads the slices from (T - window) to T: two. A slice
@@ -50,6 +53,15 @@ Reading ahead (`prefetch`): the next batch's read can go out before this batch's
 Redis reads while the client verifies. Its lookup then adds this batch's writes (computed here) to what
 it read, which stands for a read right after the transaction as long as that transaction went through
 under the WATCH armed before the read: nobody inserted in between. Anything else reads afresh.
+
+Memos. A duplicate is not indexed, so a replay of it (after a crash, or an aborted transaction) would be
+decided afresh, and differently if its representative left every shared bucket (the cap) or the window
+meanwhile. So its verdict is remembered under `d<id>` in the slice of its event time (it expires with the
+slice, and a lookup ignores one older than its window): the lookup reads `d<id>` beside `e<id>` in the same
+HMGETs, and a live one is the verdict. They are written in the batch's insert round (inside its MULTI/EXEC,
+or pipelined with the insert script), or, for a batch that inserts nothing, in a round trip of their own
+(HSET, HINCRBY, PEXPIRE per slice: no reply to wait for but these); a verdict changed after a lost race
+is written again. Always before `decide` returns: before the batch's outputs can be committed.
 
 Bucket cap: a lookup keeps, per bucket, the `bucket_cap` newest records by (event time, seq) inside the
 window (across slices: the newest of the union are among the newest of each); the insert script trims
@@ -108,18 +120,22 @@ except ImportError:  # pragma: no cover - redis-py works without it, slower
     hiredis = None  # type: ignore[assignment]
 
 from filters.errors import ConfigError, IndexCorrupt, IndexUnavailable, NeardupError, ServiceError
-from filters.index import Batch, Candidate, Entry, Query, Verifier, finish, new_candidate, new_entry
+from filters.index import Batch, Candidate, Entry, Memo, Query, Verifier, finish, new_candidate, new_entry
 from filters.index.redis_codec import (
     ABSENT,
     SEQ,
     alone_round,
     decode_entries,
     decode_entry,
+    decode_memo,
     encode_entries,
     encode_entry,
+    encode_memo,
     entry_time,
     field_of,
     id_field,
+    memo_field,
+    memo_time,
     overlay_writes,
     plan_fields,
     rank_lookup,
@@ -310,7 +326,7 @@ class _View:
     keys_of: list[tuple[int, ...]] = field(default_factory=list)  # per query: its keys (the very tuple)
     fields_of: list[list[bytes]] = field(default_factory=list)  # ... their field names
     places_of: list[list[int]] = field(default_factory=list)  # ... and places
-    entry_places: list[int] = field(default_factory=list)  # ... and its entry field's place
+    entry_places: list[int] = field(default_factory=list)  # ... and its entry field's place (its memo's: the next)
     inserted: int = 0  # how many the caller inserted since: seq is mark + inserted while it is alone
     written: dict[int, dict[int, bytes]] = field(default_factory=dict)  # slice -> place -> value (or its tail)
     bases: dict[int, dict[int, int]] = field(default_factory=dict)  # slice -> place -> basis of its writer
@@ -383,6 +399,15 @@ class _SentRead:
     replies: list[Any] = field(default_factory=list)
 
 
+@dataclass(frozen=True, slots=True)
+class _Memos:
+    """Memos to write with the next round trip that writes (`RedisIndex.insert`): the commands, and
+    (slice, id, value) of each, for the view of the lookup (a read sent ahead lacks them)."""
+
+    commands: list[Sequence[str | int | bytes]]
+    written: list[tuple[int, str, bytes]]
+
+
 class RedisIndex:
     """`CandidateIndex` on Redis (standalone, TLS or Cluster), shared by any number of workers.
 
@@ -414,6 +439,7 @@ class RedisIndex:
         self._clock: float | None = None
         self._view = _View()
         self._ahead: _SentRead | None = None  # the next lookup's read, sent ahead (`prefetch`)
+        self._memos: _Memos | None = None  # memos the insert in progress has still to write
         # Entries this instance wrote or read lately, by (id, event time): what a bucket record names.
         self._known: dict[tuple[str, float], Entry] = {}
         self._known_cap = target.entry_cache
@@ -472,7 +498,7 @@ class RedisIndex:
         finish(left)
         return verdicts
 
-    def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | None, list[Candidate]]]:
+    def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | Verdict | None, list[Candidate]]]:
         ahead = self._ahead
         if ahead is not None:
             with self._errors():
@@ -509,12 +535,13 @@ class RedisIndex:
         window = self.window
         found = self._rank_all(columns, positions, id_places, ids, [q.min_shared for q in queries], limit,
                                [mark - window for mark in marks], self.bucket_cap,
-                               entry_time)
-        entries = self._entries({(id, ts) for _, ranked in found for id, _, _, ts in ranked})
-        out = []
-        for q, (own, ranked) in zip(queries, found):
+                               entry_time, memo_time)
+        entries = self._entries({(id, ts) for _, _, ranked in found for id, _, _, ts in ranked})
+        out: list[tuple[Entry | Verdict | None, list[Candidate]]] = []
+        for q, (own, memo, ranked) in zip(queries, found):
             cands = [new_candidate(entries[id], shared, q.keys[first]) for id, shared, first, _ in ranked if id in entries]
-            out.append((None if own is None else decode_entry(own, q.id), cands))
+            out.append((decode_entry(own, q.id) if own is not None else None if memo is None else decode_memo(memo, q.id),
+                        cands))
         return out
 
     def prefetch(self, queries: Sequence[Query]) -> None:
@@ -551,7 +578,8 @@ class RedisIndex:
         self._ahead = _SentRead(queries, names, key_fields, positions, id_places, slices, epoch, view, len(commands))
 
     def _planned(self, queries: Sequence[Query]) -> tuple[list[bytes], list[list[bytes]], list[list[int]], list[int]]:
-        """Every field name the batch reads, and its place in a column (`plan_fields`)."""
+        """Every field name the batch reads, and its place in a column (`plan_fields`: each query's entry
+        field, and its memo field right after it)."""
         try:
             return self._plan([q.keys for q in queries], [id_field(q.id) for q in queries])
         except (struct.error, OverflowError):
@@ -580,15 +608,66 @@ class RedisIndex:
             self._overlay(ahead.names, view.names, kept, view.written)
         return seq, stored, tuple(s for s, _ in kept), [column for _, column in kept]
 
-    def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]:
-        """See `CandidateIndex.insert`. If it raises, some entries may have been written: inserting is
-        idempotent by id, so the worker retries the batch and finds those as replays."""
-        if not entries:
+    def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]],
+               memos: Sequence[Memo] = ()) -> list[list[Candidate] | None]:
+        """See `CandidateIndex.insert`. The memos go with the first round trip that writes entries (inside
+        its transaction, or pipelined with the insert script), or in one of their own if none does. If it
+        raises, some entries and memos may have been written: inserting is idempotent by id, so the worker
+        retries the batch and finds those as replays (of a unique, of a duplicate)."""
+        if not entries and not memos:
             return []
-        out: list[list[Candidate] | None] = []
-        for at in range(0, len(entries), INSERT_CHUNK):
-            out.extend(self._insert_chunk(entries[at : at + INSERT_CHUNK]))
+        self._memos = self._memo_writes(memos)
+        try:
+            out: list[list[Candidate] | None] = []
+            for at in range(0, len(entries), INSERT_CHUNK):
+                out.extend(self._insert_chunk(entries[at : at + INSERT_CHUNK]))
+            if self._memos is not None:
+                with self._errors():
+                    _raise_any(self._execute(self._memos.commands))
+                self._memos_sent()
+        finally:
+            self._memos = None
         return out
+
+    def _memo_writes(self, memos: Sequence[Memo]) -> _Memos | None:
+        """The commands that write `memos` in the slices of their event times (each slice's TTL renewed and
+        its memo count moved, for `stats`); a memo no lookup could read any more (outside the window) is
+        left out. None if nothing is left."""
+        horizon = self._hwm - self.window
+        pairs: dict[int, list[bytes]] = {}
+        written = []
+        for verdict, ts in memos:
+            ts = _event_time(ts, verdict.id, self.slice_length)
+            if ts < horizon:
+                continue
+            value, s = encode_memo(verdict, ts), self._slice(ts)
+            pairs.setdefault(s, []).extend((memo_field(verdict.id), value))
+            written.append((s, verdict.id, value))
+        if not written:
+            return None
+        step = 2 * FIELDS_PER_CALL
+        commands: list[Sequence[str | int | bytes]] = []
+        for s, fields in pairs.items():
+            key = f"{self._spre}{s}"
+            commands += [("HSET", key, *fields[a : a + step]) for a in range(0, len(fields), step)]
+            commands += [("HINCRBY", key, "m", len(fields) // 2), ("PEXPIRE", key, self._ttl_ms)]
+        return _Memos(commands, written)
+
+    def _memo_commands(self) -> list[Sequence[str | int | bytes]]:
+        """The commands of the memos still to write, for the round trip about to go out."""
+        return self._memos.commands if self._memos is not None else []
+
+    def _memos_sent(self) -> None:
+        """The memos are written: the lookup's view gets them (a read sent ahead adds them, as it adds the
+        entries this batch wrote: `_taken`)."""
+        memos, self._memos = self._memos, None
+        if memos is None:
+            return
+        view = self._view
+        for s, id, value in memos.written:
+            q = view.looked.get(id)
+            if q is not None:
+                view.written.setdefault(s, {})[view.entry_places[q] + 1] = value  # its memo field (`plan_fields`)
 
     def restore(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> int:
         """See `CandidateIndex.restore`. Per chunk, the rounds of an insert without verification: a lookup
@@ -636,21 +715,25 @@ class RedisIndex:
         return "" if self._clock is None else repr(self._clock)
 
     def stats(self) -> dict[str, int]:
-        """`entries` and `buckets` in the slices of the window (a bucket with records in two slices counts
-        twice), and `inserted`, the seq counter: a few O(1) commands, whatever the namespace holds.
-        Entries and records that left the window by event time count until their slice goes."""
+        """`entries`, `buckets` and `memos` in the slices of the window (a bucket with records in two slices
+        counts twice; a memo written again, after a lost race or a retried batch, too), and `inserted`, the
+        seq counter: a few O(1) commands, whatever the namespace holds. Entries, records and memos that
+        left the window by event time count until their slice goes."""
         with self._errors():
             seq, stored = self._client.hmget(self._meta, "seq", "hwm")
             top = _stored_time(cast("bytes | None", stored) or b"")
             slices = self._slices(top, top)
             replies = self._execute([c for s in slices for c in (("HLEN", f"{self._spre}{s}"),
-                                                                  ("HGET", f"{self._spre}{s}", "n"))],
+                                                                  ("HMGET", f"{self._spre}{s}", "n", "m"))],
                                     pinned=False)
             _raise_any(replies)
         fields = sum(replies[0::2])
-        entries = sum(int(n) for n in replies[1::2] if n is not None)
-        counters = sum(n is not None for n in replies[1::2])
-        return {"entries": entries, "buckets": fields - entries - counters, "inserted": int(seq or 0)}
+        counts = [c for pair in replies[1::2] for c in pair]
+        entries = sum(int(n) for n in counts[0::2] if n is not None)
+        memos = sum(int(m) for m in counts[1::2] if m is not None)
+        counters = sum(c is not None for c in counts)
+        return {"entries": entries, "buckets": fields - entries - memos - counters, "memos": memos,
+                "inserted": int(seq or 0)}
 
     def close(self) -> None:
         self._ahead = None
@@ -803,7 +886,8 @@ class RedisIndex:
             expected = b"" if None in places else view.expected(entry.id, places)  # type: ignore[arg-type]
             args += [entry.id.encode("utf-8", "surrogatepass"), repr(_event_time(entry.ts, entry.id, self.slice_length)),
                      encode_entry(entry), len(fields), expected, *fields]
-        [(_, hwm, results)] = self._eval_pipelined(_INSERT, [args])
+        [(_, hwm, results)] = self._eval_pipelined(_INSERT, [args], self._memo_commands())
+        self._memos_sent()
         view.hwm = hwm
         view.exact = False  # the script wrote values this caller did not compute
         for (entry, _), places, result in zip(entries, places_of, results):
@@ -860,8 +944,9 @@ class RedisIndex:
             args: list[str | int | bytes] = [str(start), view.hwm, str(seq), hwm_bytes, self._ttl_ms, gone]
             for s, (count, pairs) in groups.items():
                 args += [f"{self._spre}{s}", count, len(pairs) // 2, *pairs]
-            [done] = self._eval_pipelined(_INSERT_ALONE, [args])
+            [done] = self._eval_pipelined(_INSERT_ALONE, [args], self._memo_commands())
             if not done:
+                self._memos_sent()  # written beside the script, whatever it answered
                 return None
         view.hwm = hwm_bytes
         view.own.update([seq_i for seq_i, _, _ in pending])
@@ -869,6 +954,7 @@ class RedisIndex:
         view._unsettled.append(pending)
         for s in groups:
             view.written[s] = writes[s]
+        self._memos_sent()  # in the transaction, or beside the script
         return results
 
     def _write_watched(self, start: int, seq: int, stored_hwm: bytes, hwm: bytes, gone: str,
@@ -892,6 +978,7 @@ class RedisIndex:
             commands.append(("PEXPIRE", meta, ttl))
         if gone:
             commands.append(("UNLINK", gone))
+        commands += self._memo_commands()  # in the transaction: written with the entries, or not at all
         commands += [("EXEC",), ("WATCH", meta), ("HMGET", meta, "seq", "hwm")]
         self._guarded = True
         try:
@@ -941,10 +1028,14 @@ class RedisIndex:
                 for (_, keys), cands in zip(entries, ranked)]
 
     # -- plumbing ----------------------------------------------------------------------------------
-    def _eval_pipelined(self, script: _Script, calls: Sequence[Sequence[str | int | bytes]]) -> list[Any]:
-        """Runs `script` once per call in one round trip; reloads it once if the server forgot it."""
+    def _eval_pipelined(self, script: _Script, calls: Sequence[Sequence[str | int | bytes]],
+                        then: Sequence[Sequence[str | int | bytes]] = ()) -> list[Any]:
+        """Runs `script` once per call in one round trip, and the commands `then` after them; reloads the
+        script once if the server forgot it. Returns the script's replies."""
         with self._errors():
-            replies = self._execute([("EVALSHA", script.sha, 1, self._meta, *args) for args in calls])
+            replies = self._execute([*(("EVALSHA", script.sha, 1, self._meta, *args) for args in calls), *then])
+            _raise_any(replies[len(calls):])
+            replies = replies[: len(calls)]
             missing = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
             if missing:
                 self._client.script_load(script.source)

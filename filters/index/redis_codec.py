@@ -1,7 +1,8 @@
 """The Redis index's stored forms: an entry's bytes (`encode_entry` / `decode_entry`), a bucket field's
-records, and the pure loops over what a lookup read (ranking, the uncontended insert round, the field
-plan). No I/O: `filters/index/redis.py` sends and receives; the compiled twins are in
-`filters/index/_redis_codec.pxi`, held to these by tests/test_native.py and tests/test_redis_index.py.
+records, a duplicate's remembered verdict (`encode_memo` / `decode_memo`), and the pure loops over what a
+lookup read (ranking, the uncontended insert round, the field plan). No I/O: `filters/index/redis.py` sends
+and receives; the compiled twins are in `filters/index/_redis_codec.pxi`, held to these by
+tests/test_native.py and tests/test_redis_index.py.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 
 from filters.errors import IndexCorrupt
 from filters.index import Entry
+from filters.records import Verdict, new_verdict
 
 # --- the stored forms ------------------------------------------------------------------------------
 
@@ -35,6 +37,10 @@ _RECORD = struct.Struct("<dI")  # a bucket record's event time and id length; th
 SEQ = struct.Struct(">Q")
 _FIELD = struct.Struct(">cQ").pack  # a bucket's field name: b"b" and the key, 8 bytes big-endian
 ABSENT = bytes(8)  # the tail of a field that does not exist (seqs start at 1)
+# A memo (a duplicate's verdict, remembered for its replays): event time, similarity, the method's length;
+# then the method (ASCII) and the representative's id (UTF-8). The event time comes first, as an entry's
+# right after its version byte: both are read by the lookup's horizon check.
+_MEMO = struct.Struct("<ddB")
 _TS_SEQ = itemgetter(0, 1)
 
 
@@ -113,6 +119,41 @@ def decode_entries(ids: Sequence[str], blobs: Sequence[bytes | None], make: Any 
     """{id: `decode_entry(blob, id)`} of the blobs that are not None (`_native.decode_entries` is the
     compiled twin, which decodes the common form itself and hands the rest to `fallback`)."""
     return {id: decode_entry(blob, id) for id, blob in zip(ids, blobs, strict=True) if blob is not None}
+
+
+def encode_memo(verdict: Verdict, ts: float) -> bytes:
+    """The stored form of a duplicate's verdict, remembered at the event time `ts` of its message (its id is
+    the field's name, `memo_field`)."""
+    method = (verdict.method or "").encode("ascii")
+    return _MEMO.pack(ts, verdict.similarity, len(method)) + method + (verdict.duplicate_of or "").encode(
+        "utf-8", "surrogatepass")
+
+
+def encode_memos(memos: Sequence[tuple[Verdict, float]]) -> list[tuple[bytes, bytes, float]]:
+    """(field, value, event time) of each memo (`encode_memo`)."""
+    return [(memo_field(v.id), encode_memo(v, ts), ts) for v, ts in memos]
+
+
+def decode_memo(data: bytes, id: str) -> Verdict:
+    """The verdict `encode_memo` stored for `id`; raises `IndexCorrupt` on anything it did not write."""
+    try:
+        _, similarity, n = _MEMO.unpack_from(data)
+        start = _MEMO.size + n
+        if start > len(data):
+            raise ValueError("its method runs past the end")
+        method = data[_MEMO.size : start].decode("ascii")
+        duplicate_of = data[start:].decode("utf-8", "surrogatepass")
+    except (struct.error, ValueError) as exc:
+        raise IndexCorrupt(f"memo of {id!r}: {len(data)} bytes that are not a memo: {exc}") from exc
+    return new_verdict(id, True, duplicate_of, similarity, method or None)
+
+
+def memo_time(blob: bytes, id: str) -> float:
+    """The event time of a stored memo (`encode_memo`)."""
+    try:
+        return float(_MEMO.unpack_from(blob)[0])
+    except struct.error as exc:
+        raise IndexCorrupt(f"memo of {id!r}: {len(blob)} bytes are too short for a memo") from exc
 
 
 def parse_records(value: bytes) -> list[tuple[float, int, str]]:
@@ -253,32 +294,47 @@ def overlay_writes(names: list[bytes], written_names: list[bytes], kept: list[tu
 
 
 def rank_lookup(columns: list[list[bytes | None]], positions_of: list[list[int]], id_places: list[int], ids: list[str],
-                floors: list[int], limit: int, horizons: list[float], cap: int,
-                entry_time: Any) -> list[tuple[bytes | None, list[tuple[str, int, int, float]]]]:
+                floors: list[int], limit: int, horizons: list[float], cap: int, entry_time: Any,
+                memo_time: Any) -> list[tuple[bytes | None, bytes | None, list[tuple[str, int, int, float]]]]:
     """Per query of a lookup: its stored entry's bytes if one is live (event time >= its horizon) in a
-    slice read, else None; and `rank_records` of its buckets (`_native.rank_lookup` is the compiled twin)."""
+    slice read, else None; if not, its memo's bytes (the field after its entry's: `plan_fields`) if one is
+    live (`encode_memo`; `memo_time` reads its event time), else None; and `rank_records` of its buckets
+    (`_native.rank_lookup` is the compiled twin)."""
     out = []
     for where, e, id, floor, horizon in zip(positions_of, id_places, ids, floors, horizons, strict=True):
-        own = None
+        own = memo = None
         for column in columns:
             blob = column[e]
             if blob is not None and entry_time(blob, id) >= horizon:
                 own = blob
                 break
-        out.append((own, rank_records(columns, where, id, floor, limit, horizon, cap)))
+        if own is None:
+            for column in columns:
+                blob = column[e + 1]
+                if blob is not None and memo_time(blob, id) >= horizon:
+                    memo = blob
+                    break
+        out.append((own, memo, rank_records(columns, where, id, floor, limit, horizon, cap)))
     return out
 
 
 def plan_fields(keys_of: Sequence[Sequence[int]], id_fields: Sequence[bytes]) -> tuple[
         list[bytes], list[list[bytes]], list[list[int]], list[int]]:
     """What a lookup reads: every distinct field name once, in first-seen order, and its place; per query
-    its bucket keys' field names and places; per query its entry field's place (`_native.plan_fields`
-    is the compiled twin)."""
+    its bucket keys' field names and places; per query its entry field's place, its memo field (`d` for
+    the entry field's first byte: `memo_field`) right after it (`_native.plan_fields` is the compiled
+    twin)."""
     at: dict[bytes, int] = {}
     place = at.setdefault
     fields_of = [[_FIELD(b"b", key) for key in keys] for keys in keys_of]
     places_of = [[place(f, len(at)) for f in fields] for fields in fields_of]
-    id_places = [place(f, len(at)) for f in id_fields]
+    id_places = []
+    for f in id_fields:
+        e = at.get(f)
+        if e is None:
+            e = at[f] = len(at)
+            at[b"d" + f[1:]] = e + 1
+        id_places.append(e)
     return list(at), fields_of, places_of, id_places
 
 
@@ -307,6 +363,10 @@ def field_of(key: int) -> bytes:
 
 def id_field(id: str) -> bytes:
     return b"e" + id.encode("utf-8", "surrogatepass")
+
+
+def memo_field(id: str) -> bytes:
+    return b"d" + id.encode("utf-8", "surrogatepass")
 
 
 def entry_time(blob: bytes, id: str) -> float:

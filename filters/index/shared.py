@@ -4,6 +4,11 @@ A shared index (Redis) is written by many workers. The whole batch is looked up 
 message still sees a representative that an earlier message of the same batch pushed out of a full bucket
 (the newest `bucket_cap` stay). Measured: 1 of 16,946 short messages of the development stream
 (`bench/redis_bench.py --sets short`), where the shared index finds a true copy that the memory index lost.
+
+The duplicates' verdicts (memos) go with the batch's first insert round, or in a round of their own when
+the batch inserts nothing; a verdict changed after a lost race is written again. So every memo is stored
+before `decide` returns, thus before the batch's outputs can be committed: a replay of the batch (after a
+crash or an aborted transaction) finds them.
 """
 
 from __future__ import annotations
@@ -13,21 +18,22 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from filters.fingerprint import METHOD_NAMES, Fingerprint
-from filters.index import Batch, Candidate, Entry, Query, Verifier, new_query
+from filters.index import Batch, Candidate, Entry, Memo, Query, Verifier, new_query
 from filters.index.memory import MemoryIndex
 from filters.records import Message, Verdict, new_verdict
 
 _MAX_INSERT_ROUNDS = 8
 
-Looked = Sequence[tuple[Entry | None, list[Candidate]]]
+Looked = Sequence[tuple[Entry | Verdict | None, list[Candidate]]]
 
 
 class Rounds(Protocol):
     """The round trips of a shared index that `SharedDecider` drives."""
 
-    def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | None, list[Candidate]]]: ...
+    def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | Verdict | None, list[Candidate]]]: ...
 
-    def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]: ...
+    def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]],
+               memos: Sequence[Memo] = ()) -> list[list[Candidate] | None]: ...
 
     def prefetch(self, queries: Sequence[Query]) -> None:
         """Sends the read of the next lookup (of these queries) ahead; it is used if that lookup comes."""
@@ -66,27 +72,38 @@ class SharedDecider:
             following = [_query(verifier, m, fp) for m, fp in zip(*upcoming)]
             self._upcoming = (upcoming[0], upcoming[1], following)
             rounds.prefetch(following)
-        verdicts, pending = against(verifier, messages, fps, looked)
+        verdicts, pending, remembered = against(verifier, messages, fps, looked)
+        unsent = remembered  # places of duplicates whose memo is not written yet
+        written: dict[int, Verdict] = {}  # place -> the memo written
         lost_race = False
         for _ in range(_MAX_INSERT_ROUNDS):
             if not pending:
                 break
             order = list(pending)
             entries = [(pending[i], fps[i].keys) for i in order]
-            results = _timed(batch.observe, "insert", lambda: rounds.insert(entries))  # noqa: B023
+            memos = [(verdicts[i], messages[i].ts) for i in unsent]
+            results = _timed(batch.observe, "insert", lambda: rounds.insert(entries, memos))  # noqa: B023
+            written.update((i, verdicts[i]) for i in unsent)
+            unsent = []
             retry: dict[int, Entry] = {}
             for i, conflicts in zip(order, results):
                 if conflicts is None:
                     continue
                 verdict = verifier.first_match(messages[i], fps[i], conflicts)
                 verdicts[i] = verdict
-                lost_race = lost_race or verdict.duplicate
-                if not verdict.duplicate:
+                if verdict.duplicate:
+                    lost_race = True
+                    unsent.append(i)
+                else:
                     retry[i] = pending[i]
             pending = retry
         # A bucket this contended is a spam wave; the message stays unique but is not indexed.
         if lost_race:
             _point_at_representatives(messages, verdicts)
+            unsent += [i for i, memo in written.items() if verdicts[i] is not memo]  # now names another
+        if unsent:
+            memos = [(verdicts[i], messages[i].ts) for i in unsent]
+            _timed(batch.observe, "insert", lambda: rounds.insert([], memos))
         return verdicts
 
 
@@ -109,38 +126,48 @@ def _query(verifier: Verifier, msg: Message, fp: Fingerprint) -> Query:
 
 
 def against(verifier: Verifier, messages: Sequence[Message], fps: Sequence[Fingerprint],
-            looked: Looked) -> tuple[list[Verdict], dict[int, Entry]]:
+            looked: Looked) -> tuple[list[Verdict], dict[int, Entry], list[int]]:
     """The verdicts of a batch against what the shared index's lookup found (`looked`) and the batch's
-    own earlier messages, in order, and the entries of the unique ones (by place) to insert. A replay
-    (the id stored, or earlier in the batch) is unique; else the first of the candidates, the batch's
-    and the index's merged (most shared keys, then newest; the batch's first on ties), that
-    verifies. Compiled (`Table.decide_shared`) when the verifier is `compiled`."""
+    own earlier messages, in order; the entries of the unique ones (by place) to insert; and the places
+    of the duplicates decided here, whose memos to write. A replay (the id stored, or earlier in the
+    batch unique) is unique; an id with a memo (stored, or earlier in the batch a duplicate) gets that
+    verdict again; else the first of the candidates, the batch's and the index's merged (most shared
+    keys, then newest; the batch's first on ties), that verifies. Compiled (`Table.decide_shared`) when
+    the verifier is `compiled`."""
     cfg = verifier.config
     batch_local = MemoryIndex(cfg.window, cfg.bucket_cap, native=verifier.native)
     pending: dict[int, Entry] = {}
     if verifier.compiled:
-        verdicts, unique = batch_local.table.decide_shared(  # type: ignore[attr-defined]
+        verdicts, unique, remembered = batch_local.table.decide_shared(  # type: ignore[attr-defined]
             [m.id for m in messages], [m.ts for m in messages], list(fps), list(looked), cfg.min_shared,
             cfg.max_candidates, cfg.threshold, cfg.containment, cfg.containment_min_ratio,
             cfg.containment_min_size, METHOD_NAMES, new_verdict)
         for i in unique:
             pending[i] = Entry.of(messages[i].id, messages[i].ts, fps[i])
-        return verdicts, pending
+        return verdicts, pending, remembered
     verdicts = []
+    remembered = []
     for i, (msg, fp) in enumerate(zip(messages, fps)):
         own, remote = looked[i]
         local_own, local = batch_local.lookup_keys(msg.id, msg.ts, fp.keys, verifier.floor(len(fp.keys)),
                                                    cfg.max_candidates)
-        if own is not None or local_own is not None:
+        if isinstance(own, Entry) or isinstance(local_own, Entry):
             verdicts.append(Verdict(msg.id, False, method="replay"))
+            continue
+        memo = own if own is not None else local_own
+        if memo is not None:
+            verdicts.append(memo)
             continue
         verdict = verifier.first_match(msg, fp, _merge(local, remote, cfg.max_candidates))
         verdicts.append(verdict)
-        if not verdict.duplicate:
+        if verdict.duplicate:
+            batch_local.table.remember(verdict, msg.ts)
+            remembered.append(i)
+        else:
             entry = Entry.of(msg.id, msg.ts, fp)
             pending[i] = entry
             batch_local.insert_one(entry, fp.keys)
-    return verdicts, pending
+    return verdicts, pending, remembered
 
 
 def _merge(local: list[Candidate], remote: list[Candidate], limit: int) -> list[Candidate]:
