@@ -322,6 +322,15 @@ def test_serve_metrics_and_campaigns_equal_the_routed_outputs(kafka_bootstrap: s
     assert 1 <= sum(r["level"] == "info" for r in per_batch) <= batches
     assert any(r["msg"].startswith(f"stopped: {total} routed") for r in records)
 
+    # Nothing neardup wrote outlives the window: every key under the run's prefix (index slices and
+    # metadata, campaign views, the group's marks, the changelog's epoch, the size counter) has a TTL.
+    base, _, query = settings.index.partition("?")
+    prefix = dict(item.split("=", 1) for item in query.split("&"))["prefix"]
+    with redis.Redis.from_url(base) as client:
+        ttls = {k.decode(): client.pttl(k) for k in client.scan_iter(match=f"{{{prefix}:*", count=1000)}
+    assert len(ttls) >= 5 and any(":marks:" in k for k in ttls) and any(":c:" in k for k in ttls), sorted(ttls)
+    assert [k for k, ttl in ttls.items() if ttl < 0] == []
+
 
 INFO_LINE = re.compile(r" INFO .*batch \d+: .*; total (\d+), (\d+) msg/s over the last (\d+)s$")
 
