@@ -3,13 +3,14 @@
     eval "$(bash docker/services.sh env)"
     python bench/restore.py [--entries 1000000] [--partitions 4] [--bootstrap HOST:PORT] [--redis URL]
 
-Writes `--entries` changelog records (distinct generated short messages, fingerprinted with the default
-filter configuration, as the worker journals them) to a fresh topic of `--partitions` partitions, then
-times what a worker does when it finds its index lost: read the changelog (`read_committed`) and write
-every entry into an empty Redis namespace (`CandidateIndex.restore`, pipelined insert scripts), reading
-and writing overlapped. Prints entries read and written, seconds, entries per second, seconds per
-million, and the index's memory per entry (Redis `MEMORY USAGE` over the namespace's keys). The topic
-and the namespace are deleted afterwards.
+Writes a changelog of `--entries` entries (distinct generated short messages, fingerprinted with the
+default filter configuration, journaled as a worker does: one record per routed batch of `--batch`
+messages) to a fresh topic of `--partitions` partitions, then times what a worker does when it finds its
+index lost: read the changelog (`read_committed`) and write every entry into an empty Redis namespace
+(`CandidateIndex.restore`), reading and writing overlapped. Prints entries read and written, seconds,
+entries per second, seconds per million, the restore's CPU seconds (this process, and Redis's from
+`INFO cpu`: nothing else should use that Redis meanwhile) and the index's memory per entry (Redis
+`MEMORY USAGE` over the namespace's keys). The topic and the namespace are deleted afterwards.
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import needs
 from filters.config import FilterConfig
 from filters.engine import NearDupFilter
-from filters.index import Entry
+from filters.index import Entry, Stored
 from filters.index.backends import open_index
-from stream.changelog import NAMESPACE_HEADER, encode_record, read_changelog
+from stream.changelog import NAMESPACE_HEADER, encode_records, read_changelog
 
 _WORDS = ["".join(random.Random(i).choices("abcdefghijklmnopqrstuvwxyz", k=random.Random(-i).randint(3, 9)))
           for i in range(5000)]
@@ -52,14 +53,15 @@ def texts(n: int, seed: int = 11) -> list[str]:
 
 
 async def write_changelog(bootstrap: str, topic: str, partitions: int, namespace: str, nd: NearDupFilter,
-                          entries: int) -> None:
+                          entries: int, batch: int) -> None:
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await admin.start()
     try:
         await admin.create_topics([NewTopic(topic, partitions, 1)])
     finally:
         await admin.close()
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, linger_ms=20, max_batch_size=512 * 1024, acks=1)
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, linger_ms=20, max_batch_size=1024 * 1024, acks=1,
+                                max_request_size=2 * 1024 * 1024)
     await producer.start()
     headers = [(NAMESPACE_HEADER, namespace.encode())]
     try:
@@ -68,11 +70,12 @@ async def write_changelog(bootstrap: str, topic: str, partitions: int, namespace
         for at in range(0, entries, step):
             chunk = texts(min(step, entries - at), seed=at)
             fps = nd.fingerprinter.fingerprint_batch(chunk)
+            made = [(Entry.of(f"r{at + i:08d}", start + (at + i) * 3600 / entries, fp), fp.keys)
+                    for i, fp in enumerate(fps)]
             futures = []
-            for i, fp in enumerate(fps):
-                ident = f"r{at + i:08d}"
-                value = encode_record(Entry.of(ident, start + (at + i) * 3600 / entries, fp), fp.keys)
-                futures.append(await producer.send(topic, value, key=ident.encode(), headers=headers))
+            for b in range(0, len(made), batch):
+                for key, value in encode_records(made[b : b + batch]):
+                    futures.append(await producer.send(topic, value, key=key, headers=headers))
             await asyncio.gather(*futures)
     finally:
         await producer.stop()
@@ -80,13 +83,15 @@ async def write_changelog(bootstrap: str, topic: str, partitions: int, namespace
 
 async def restore(bootstrap: str, topic: str, partitions: int, namespace: str, url: str,
                   cfg: FilterConfig) -> tuple[int, int, float]:
-    index = open_index(url, window=cfg.window, bucket_cap=cfg.bucket_cap, namespace=namespace)
+    # Fenced, as a worker's index with a changelog: without its marker it is being rebuilt, nobody else writes.
+    index = open_index(url, window=cfg.window, bucket_cap=cfg.bucket_cap, namespace=namespace, fenced=True)
     reader = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False,
-                              isolation_level="read_committed", auto_offset_reset="earliest")
+                              isolation_level="read_committed", auto_offset_reset="earliest",
+                              max_partition_fetch_bytes=8 * 1024 * 1024, fetch_max_bytes=32 * 1024 * 1024)
     await reader.start()
     written = 0
 
-    async def write(chunk: list[tuple[Entry, tuple[int, ...]]]) -> int:
+    async def write(chunk: Stored) -> int:
         nonlocal written
         n = await asyncio.to_thread(index.restore, chunk)
         written += n
@@ -101,6 +106,11 @@ async def restore(bootstrap: str, topic: str, partitions: int, namespace: str, u
         await reader.stop()
         index.close()
     return read, written, seconds
+
+
+def _redis_cpu(server: redis.Redis) -> float:
+    info = server.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
 def memory_per_entry(url: str, prefix: str, entries: int) -> float:
@@ -118,6 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--entries", type=int, default=1_000_000)
     p.add_argument("--partitions", type=int, default=4)
+    p.add_argument("--batch", type=int, default=500, help="entries journaled per routed batch (one record each)")
     p.add_argument("--bootstrap", default=os.environ.get("NEARDUP_TEST_KAFKA", "127.0.0.1:9092"))
     p.add_argument("--redis", default=os.environ.get("NEARDUP_TEST_REDIS_URL", "redis://127.0.0.1:6379/0"))
     args = p.parse_args(argv)
@@ -129,10 +140,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     namespace = cfg.digest()
     url = f"{args.redis}{'&' if '?' in args.redis else '?'}prefix={name}"
     t0 = time.perf_counter()
-    asyncio.run(write_changelog(args.bootstrap, name, args.partitions, namespace, nd, args.entries))
+    asyncio.run(write_changelog(args.bootstrap, name, args.partitions, namespace, nd, args.entries, args.batch))
     print(f"changelog of {args.entries:,} entries written in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    server = redis.Redis.from_url(args.redis.partition("?")[0])
     try:
+        redis_cpu, cpu = _redis_cpu(server), time.process_time()
         read, written, seconds = asyncio.run(restore(args.bootstrap, name, args.partitions, namespace, url, cfg))
+        cpu, redis_cpu = time.process_time() - cpu, _redis_cpu(server) - redis_cpu
     finally:
         async def drop() -> None:
             admin = AIOKafkaAdminClient(bootstrap_servers=args.bootstrap)
@@ -143,10 +157,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 await admin.close()
         asyncio.run(drop())
     per_entry = memory_per_entry(url, name, written)
-    print("| entries read | written | seconds | entries/s | s per million | Redis bytes per entry |")
-    print("|---|---|---|---|---|---|")
+    print("| entries read | written | seconds | entries/s | s per million | client CPU s | Redis CPU s "
+          "| Redis bytes per entry |")
+    print("|---|---|---|---|---|---|---|---|")
     print(f"| {read:,} | {written:,} | {seconds:.1f} | {read / seconds:,.0f} | {seconds * 1e6 / max(1, read):.1f} "
-          f"| {per_entry:,.0f} |")
+          f"| {cpu:.1f} | {redis_cpu:.1f} | {per_entry:,.0f} |")
     return 0 if written == read == args.entries else 1
 
 

@@ -7,6 +7,7 @@
     │   └── MissingText               no text field, or text is not a string
     └── ServiceError                  an external service failed (raised `from` the client's error)
         ├── IndexUnavailable          Redis unreachable, timed out, loading, failing over (retriable)
+        │   └── IndexLost             the index lost its data (a changelogged index without its marker)
         ├── IndexCorrupt              stored data unreadable, e.g. written by another version
         └── BrokerUnavailable         Kafka unreachable or refused (retriable)
 """
@@ -47,6 +48,13 @@ class ServiceError(NeardupError):
 
 class IndexUnavailable(ServiceError):
     retriable = True
+
+
+class IndexLost(IndexUnavailable):
+    """A changelogged (fenced) index answered without the marker that says it holds its window: its data was
+    lost (a restart without persistence, FLUSHALL, a failover to an empty replica), or it was rebuilt since the
+    batch's lookup. Nothing of the batch was written; the worker rebuilds the index (or waits for it) and
+    decides the batch again."""
 
 
 class IndexCorrupt(ServiceError):

@@ -1,4 +1,4 @@
-"""The index changelog: every entry of the shared index is also a Kafka record, so an index that lost its data is rebuilt.
+"""The index changelog: every entry of the shared index is also in a Kafka record, so an index that lost its data is rebuilt.
 
 Kafka is the truth, Redis the cache (as Kafka Streams backs each state store with a changelog topic):
 
@@ -7,17 +7,25 @@ Kafka is the truth, Redis the cache (as Kafka Streams backs each state store wit
   batch's outputs: in the same transaction under exactly-once, acknowledged before the commit otherwise.
   Entries of an aborted transaction never reach a `read_committed` reader of the changelog; the records
   that made them are decided again (as replays: the same verdict) and journaled then.
-- `IndexGuard` keeps a marker key beside the index (`{prefix:namespace}:epoch`, with the index's TTL). A
-  missing marker means the index lost its data (a restart without persistence, a failover to an empty
-  replica, an eviction, FLUSHALL) or was never built: one worker of the group takes a lock and restores
-  the window's entries from the changelog (`CandidateIndex.restore`, pipelined), the others wait; the
-  marker is set when the restore is complete, and routing resumes.
+- `IndexGuard` sets the marker of a fenced index (`MARKER` in its meta hash, filters/index/redis.py) once it
+  holds the changelog's window. A missing marker means the index lost its data (a restart without
+  persistence, a failover to an empty replica, an eviction, FLUSHALL) or was never built: the index
+  refuses lookups and inserts (`IndexLost`), one worker of the group takes a lock and restores the window's
+  entries from the changelog (`CandidateIndex.restore`), the others wait; the marker is set when the
+  restore is complete, and routing resumes.
 
-A changelog record: key = the entry's id (UTF-8), value = `encode_record` (format byte, the number of
-bucket keys, the keys as u64 little-endian, then the index's own entry encoding), header
+A changelog record holds the entries a routed batch made unique, column by column (`encode_records`, at most
+RECORD_BYTES a record): few records to produce and to read, and the entries' stored bytes pass straight
+into Redis on a restore. Key = the first entry's id; value (little-endian) =
+
+    u8 format (2), 3 bytes zero, u32 entries n, u32 bucket keys k, u32 id bytes
+    f64[n] event times, u64[k] bucket keys, u32[n] keys per entry, u32[n] id lengths, u32[n] entry lengths,
+    the ids (UTF-8), the entries (`filters.index.redis_codec.encode_entry`, as the Redis index stores them)
+
+Format 1 (one entry a record: u8 1, u32 number of keys, the keys, the entry) is still read. Header
 `neardup-namespace` = the filter configuration's digest (records of another configuration are skipped:
-their keys mean nothing to this one). Timestamps are the wall clock of writing, so the topic's
-time retention (the window plus a margin) keeps what a restore needs.
+their keys mean nothing to this one). Timestamps are the wall clock of writing, so the topic's time
+retention (the window plus a margin) keeps what a restore needs.
 """
 
 from __future__ import annotations
@@ -34,38 +42,106 @@ from typing import Any
 import numpy as np
 
 from filters.errors import IndexCorrupt
-from filters.index import Batch, CandidateIndex, Entry, IndexWrapper, Verifier
-from filters.index.redis_codec import decode_entry, encode_entry
+from filters.index import Batch, CandidateIndex, Entry, IndexWrapper, Stored, Verifier
+from filters.index.redis_codec import ENCODING_VERSION, encode_entries, entry_time, join_stored, stored_of
 from filters.records import Verdict
+
+try:  # the compiled core's encoder of entries; absent when it could not be built at install time
+    from filters._native import encode_entries as _encode_entries
+except ImportError:  # pragma: no cover - exercised on machines without a compiler
+    _encode_entries = encode_entries
 
 log = logging.getLogger("neardup.changelog")
 
-FORMAT = 1
+FORMAT = 2
 NAMESPACE_HEADER = "neardup-namespace"
-_HEAD = struct.Struct("<BI")  # format, number of bucket keys
-_KEYS = np.dtype("<u8")
-RESTORE_CHUNK = 4096  # entries handed to `CandidateIndex.restore` at once
+RECORD_BYTES = 512 * 1024  # a record's value at most (a single larger entry gets a record of its own)
+_HEAD = struct.Struct("<B3xIII")  # format, entries, bucket keys, id bytes
+_HEAD_1 = struct.Struct("<BI")  # format 1: format, number of bucket keys
+_ENTRY_HEAD = 42  # the fixed part of a stored entry (redis_codec's header)
+_F64, _U64, _U32 = np.dtype("<f8"), np.dtype("<u8"), np.dtype("<u4")
+RESTORE_CHUNK = 16384  # entries handed to `CandidateIndex.restore` at once
 LOCK_TTL = 15.0  # seconds a restorer's lock lives unless it is refreshed (a dead restorer's lock expires)
 
 
-def encode_record(entry: Entry, keys: Sequence[int]) -> bytes:
-    """A changelog record's value: the entry's bucket keys and its encoding in the index."""
-    return b"".join((_HEAD.pack(FORMAT, len(keys)), np.asarray(keys, dtype=_KEYS).tobytes(), encode_entry(entry)))
+def encode_records(made: Sequence[tuple[Entry, Sequence[int]]]) -> list[tuple[bytes, bytes]]:
+    """The changelog records (key, value) of the entries a batch made unique, in order."""
+    if not made:
+        return []
+    stored = stored_of(made, _encode_entries)
+    ids = [id.encode("utf-8", "surrogatepass") for id in stored.ids]
+    counts = np.diff(stored.bounds)
+    sizes = 20 + 8 * counts + np.fromiter((len(i) + len(b) for i, b in zip(ids, stored.blobs)), np.int64, len(ids))
+    out = []
+    at = 0
+    while at < len(ids):
+        # As many entries as fit in RECORD_BYTES, at least one.
+        stop = at + max(1, int(np.searchsorted(np.cumsum(sizes[at:]), RECORD_BYTES - _HEAD.size, "right")))
+        a, b = int(stored.bounds[at]), int(stored.bounds[stop])
+        part_ids = ids[at:stop]
+        value = b"".join([
+            _HEAD.pack(FORMAT, stop - at, b - a, sum(map(len, part_ids))),
+            stored.times[at:stop].astype(_F64).tobytes(), stored.keys[a:b].astype(_U64).tobytes(),
+            counts[at:stop].astype(_U32).tobytes(), np.fromiter(map(len, part_ids), _U32, stop - at).tobytes(),
+            np.fromiter(map(len, stored.blobs[at:stop]), _U32, stop - at).tobytes(), *part_ids, *stored.blobs[at:stop]])
+        out.append((part_ids[0], value))
+        at = stop
+    return out
 
 
-def decode_record(id: str, value: bytes) -> tuple[Entry, tuple[int, ...]]:
-    """The inverse of `encode_record`; raises `IndexCorrupt` on anything it did not write."""
+def decode_records(key: bytes, value: bytes) -> Stored:
+    """The entries of a changelog record (`encode_records`, or format 1); `IndexCorrupt` on anything else."""
+    where = key.decode("utf-8", "replace")
+    if value[:1] == b"\x01":
+        return _decode_one(key.decode("utf-8", "surrogatepass"), value)
     try:
-        version, n = _HEAD.unpack_from(value)
+        version, n, k, id_bytes = _HEAD.unpack_from(value)
+    except struct.error as exc:
+        raise IndexCorrupt(f"changelog record {where!r}: {len(value)} bytes are too short") from exc
+    if version != FORMAT:
+        raise IndexCorrupt(f"changelog record {where!r}: format {version}, this neardup reads 1 and {FORMAT}")
+    at = _HEAD.size
+    fixed = at + 8 * n + 8 * k + 12 * n
+    if len(value) < fixed + id_bytes:
+        raise IndexCorrupt(f"changelog record {where!r}: {len(value)} bytes where the header promises more")
+    times = np.frombuffer(value, _F64, n, at).astype(np.float64)
+    keys = np.frombuffer(value, _U64, k, at + 8 * n).astype(np.uint64)
+    counts, id_lens, blob_lens = np.frombuffer(value, _U32, 3 * n, at + 8 * n + 8 * k).astype(np.int64).reshape(3, n)
+    bounds = np.zeros(n + 1, np.int64)
+    np.cumsum(counts, out=bounds[1:])
+    id_ends = np.cumsum(id_lens) + fixed
+    blob_ends = np.cumsum(blob_lens) + (fixed + id_bytes)
+    if bounds[-1] != k or (n and (id_ends[-1] != fixed + id_bytes or blob_ends[-1] != len(value))) \
+            or (n and blob_lens.min() < _ENTRY_HEAD):
+        raise IndexCorrupt(f"changelog record {where!r}: its lengths do not add up")
+    raw = np.frombuffer(value, np.uint8)
+    if n and (raw[blob_ends - blob_lens] != ENCODING_VERSION).any():
+        raise IndexCorrupt(f"changelog record {where!r}: an entry of another encoding than {ENCODING_VERSION}")
+    id_list = id_ends.tolist()
+    blob_list = blob_ends.tolist()
+    starts = [fixed, *id_list[:-1]]
+    ids = [value[a:b].decode("utf-8", "surrogatepass") for a, b in zip(starts, id_list)]
+    blob_starts = [fixed + id_bytes, *blob_list[:-1]]
+    return Stored(ids, times, bounds, keys, [value[a:b] for a, b in zip(blob_starts, blob_list)])
+
+
+def entries_of(records: Sequence[tuple[bytes, bytes]]) -> Stored:
+    """The entries of changelog records (key, value), in order."""
+    return join_stored([decode_records(key, value) for key, value in records])
+
+
+def _decode_one(id: str, value: bytes) -> Stored:
+    """A format 1 record: one entry."""
+    try:
+        _, n = _HEAD_1.unpack_from(value)
     except struct.error as exc:
         raise IndexCorrupt(f"changelog record {id!r}: {len(value)} bytes are too short") from exc
-    if version != FORMAT:
-        raise IndexCorrupt(f"changelog record {id!r}: format {version}, this neardup reads {FORMAT}")
-    end = _HEAD.size + 8 * n
-    if len(value) < end:
+    end = _HEAD_1.size + 8 * n
+    if len(value) < end + _ENTRY_HEAD or value[end] != ENCODING_VERSION:
         raise IndexCorrupt(f"changelog record {id!r}: {n} keys promised, {len(value)} bytes in all")
-    keys = tuple(np.frombuffer(value, _KEYS, n, _HEAD.size).tolist())
-    return decode_entry(value[end:], id), keys
+    blob = value[end:]
+    return Stored([id], np.array([entry_time(blob, id)]), np.array([0, n], np.int64),
+                  np.frombuffer(value, _U64, n, _HEAD_1.size).astype(np.uint64), [blob])
 
 
 class Journal(IndexWrapper):
@@ -104,8 +180,9 @@ class Restored:
     seconds: float
 
 
-# Reads the changelog whole (what its retention keeps) and hands the entries, in chunks, to `write`.
-ChangelogReader = Callable[[Callable[[list[tuple[Entry, tuple[int, ...]]]], Awaitable[int]]], Awaitable[int]]
+Write = Callable[[Stored], Awaitable[int]]  # writes entries into the index (`CandidateIndex.restore`)
+# Reads the changelog whole (what its retention keeps) and hands the entries, in chunks, to a `Write`.
+ChangelogReader = Callable[[Write], Awaitable[int]]
 
 
 class IndexGuard:
@@ -115,13 +192,12 @@ class IndexGuard:
         import redis.asyncio as aioredis
         from redis.asyncio.cluster import RedisCluster
 
-        from filters.index.redis import RedisTarget, redact_url
+        from filters.index.redis import RedisTarget, meta_key, redact_url
 
         target = RedisTarget.parse(url)
         self.where = redact_url(url)
-        tag = f"{{{target.prefix}:{namespace}}}"
-        self.marker = f"{tag}:epoch"
-        self.lock = f"{tag}:restoring"
+        self.meta = meta_key(target.prefix, namespace)
+        self.lock = f"{{{target.prefix}:{namespace}}}:restoring"
         self.member = member or uuid.uuid4().hex[:12]
         self.ttl_ms = max(1, round((window + target.grace) * 1000))  # as long as the index's own keys
         options: dict[str, Any] = {"decode_responses": False, "socket_timeout": 5.0, "socket_connect_timeout": 5.0}
@@ -133,38 +209,38 @@ class IndexGuard:
         self.last: Restored | None = None
 
     async def intact(self) -> bool:
-        """Whether the marker is there (its TTL renewed: it lives as long as the index's keys)."""
-        from filters.index.redis import redis_errors
+        """Whether the index holds its marker."""
+        from filters.index.redis import MARKER, redis_errors
 
         with redis_errors(self.where):
-            return bool(await self._client.pexpire(self.marker, self.ttl_ms))
+            return bool(await self._client.hexists(self.meta, MARKER))
 
-    async def ensure(self, read: ChangelogReader, write: Callable[[list[tuple[Entry, tuple[int, ...]]]], int],
-                     before: Callable[[], Awaitable[None]] | None = None) -> Restored | None:
-        """Nothing if the marker is there; else the index is restored from the changelog (`read`, `write`)
-        by this worker or by another of the group (then this one waits for it), and the marker set.
+    async def ensure(self, read: ChangelogReader, write: Callable[[Stored], int],
+                     before: Callable[[], Awaitable[None]] | None = None) -> bool:
+        """False if the marker is there; else the index is restored from the changelog (`read`, `write`) by
+        this worker or by another of the group (then this one waits for it), the marker set, and True.
         `before` runs first when the marker is missing (the worker delivers what it routed)."""
         if await self.intact():
-            return None
+            return False
         self.losses += 1
         self.restoring = True
         try:
-            log.warning("the index at %s holds no marker of this window (%s): its data was lost or never built; "
-                        "rebuilding it from the changelog before routing on", self.where, self.marker)
+            log.warning("the index at %s holds no marker of this window (%s %s): its data was lost or never built; "
+                        "rebuilding it from the changelog before routing on", self.where, self.meta, "epoch")
             if before is not None:
                 await before()
-            return await self._restore_or_wait(read, write)
+            await self._restore_or_wait(read, write)
+            return True
         finally:
             self.restoring = False
 
-    async def _restore_or_wait(self, read: ChangelogReader,
-                               write: Callable[[list[tuple[Entry, tuple[int, ...]]]], int]) -> Restored | None:
-        from filters.index.redis import redis_errors
+    async def _restore_or_wait(self, read: ChangelogReader, write: Callable[[Stored], int]) -> Restored | None:
+        from filters.index.redis import MARKER, redis_errors
 
         lock_ms = round(LOCK_TTL * 1000)
         while True:
             with redis_errors(self.where):
-                if await self._client.exists(self.marker):
+                if await self._client.hexists(self.meta, MARKER):
                     log.info("the index was rebuilt by another worker; routing on")
                     return None
                 got = await self._client.set(self.lock, self.member.encode(), nx=True, px=lock_ms)
@@ -175,7 +251,7 @@ class IndexGuard:
         refresh = asyncio.ensure_future(self._keep_lock(lock_ms))
         written = 0
 
-        async def chunk(entries: list[tuple[Entry, tuple[int, ...]]]) -> int:
+        async def chunk(entries: Stored) -> int:
             nonlocal written
             n = await asyncio.to_thread(write, entries)
             written += n
@@ -188,7 +264,10 @@ class IndexGuard:
             refresh.cancel()
         with redis_errors(self.where):
             epoch = uuid.uuid4().hex[:12].encode()
-            await self._client.set(self.marker, epoch, px=self.ttl_ms)
+            async with self._client.pipeline(transaction=True) as pipe:
+                pipe.hset(self.meta, MARKER, epoch)
+                pipe.pexpire(self.meta, self.ttl_ms)
+                await pipe.execute()
             if await self._client.get(self.lock) == self.member.encode():
                 await self._client.delete(self.lock)
         done = Restored(read_n, written, time.monotonic() - t0)
@@ -218,12 +297,11 @@ def retention(window: float) -> float:
 
 
 async def read_changelog(consumer: Any, topic: str, partitions: Sequence[int], namespace: str, since_ms: int,
-                         write: Callable[[list[tuple[Entry, tuple[int, ...]]]], Awaitable[int]]) -> int:
+                         write: Write) -> int:
     """Reads `partitions` of `topic` from `since_ms` (wall clock) to their end, as a `read_committed`
-    `consumer` (started, in no group) sees it, and hands the entries of `namespace` to `write` in chunks,
-    one write overlapping the next read. The end is taken again once reached, until a pass finds nothing
-    new: workers that noticed the loss later deliver what they routed before it meanwhile. Returns the
-    number of entries read."""
+    `consumer` (started, in no group) sees it, and hands the entries of `namespace` to `write` in chunks
+    of about RESTORE_CHUNK, one write overlapping the next read. The end is taken again once reached,
+    until a pass finds nothing new. Returns the number of entries read."""
     from aiokafka import TopicPartition
 
     tps = [TopicPartition(topic, p) for p in partitions]
@@ -237,13 +315,17 @@ async def read_changelog(consumer: Any, topic: str, partitions: Sequence[int], n
         consumer.seek(tp, start.offset if start is not None else ends[tp])
     wanted = namespace.encode()
     read = 0
-    chunk: list[tuple[Entry, tuple[int, ...]]] = []
+    parts: list[Stored] = []
+    held = 0
     writing: asyncio.Future[int] | None = None
 
-    async def hand(entries: list[tuple[Entry, tuple[int, ...]]]) -> None:
-        nonlocal writing
+    async def hand() -> None:
+        nonlocal writing, parts, held, read
         if writing is not None:
             await writing
+        entries = join_stored(parts)
+        parts, held = [], 0
+        read += len(entries)
         writing = asyncio.ensure_future(write(entries))
 
     for _ in range(10):  # passes: until the end stops moving
@@ -251,7 +333,7 @@ async def read_changelog(consumer: Any, topic: str, partitions: Sequence[int], n
         if not remaining:
             break
         while remaining:
-            fetched = await consumer.getmany(*remaining, timeout_ms=200, max_records=20_000)
+            fetched = await consumer.getmany(*remaining, timeout_ms=200, max_records=2_000)
             for tp, msgs in fetched.items():
                 end = ends[tp]
                 for m in msgs:
@@ -259,21 +341,20 @@ async def read_changelog(consumer: Any, topic: str, partitions: Sequence[int], n
                         continue
                     if dict(m.headers or ()).get(NAMESPACE_HEADER) != wanted:
                         continue
-                    chunk.append(decode_record(m.key.decode("utf-8", "surrogatepass"), m.value))
+                    part = decode_records(m.key, m.value)
+                    parts.append(part)
+                    held += len(part)
             for tp in list(remaining):
                 if await consumer.position(tp) >= ends[tp]:
                     remaining.discard(tp)
-            if len(chunk) >= RESTORE_CHUNK:
-                read += len(chunk)
-                await hand(chunk)
-                chunk = []
+            if held >= RESTORE_CHUNK:
+                await hand()
         newer = await consumer.end_offsets(tps)
         if newer == ends:
             break
         ends = newer
-    if chunk:
-        read += len(chunk)
-        await hand(chunk)
+    if parts:
+        await hand()
     if writing is not None:
         await writing
     return read

@@ -188,9 +188,6 @@ class Settings:
         "its data (aiokafka runtime, redis:// index)", kind="bool"))
     changelog_topic: str = field(default="", metadata=_meta(
         "the index changelog topic (empty: <group_id>-index-changelog)"))
-    index_check: float = field(default=0.05, metadata=_meta(
-        "how often a worker checks that the shared index still holds its window (its marker key): 50ms, 1s",
-        kind="duration"))
     retry_initial: float = field(default=0.5, metadata=_meta("first backoff after an index error", kind="duration"))
     retry_max: float = field(default=30.0, metadata=_meta("longest backoff after index errors", kind="duration"))
     linger: float = field(default=0.005, metadata=_meta("producer linger: batch output records this long",

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from filters.engine import NearDupFilter
-from filters.errors import IndexUnavailable
+from filters.errors import IndexLost, IndexUnavailable
 from filters.index.backends import open_index
 from stream.config import Settings
 from stream.kafka_health import KafkaHealth
@@ -145,12 +145,17 @@ class Router:
     ) -> list[OutRecord] | None:
         """The outputs of `records`, or None when stopping before they could be routed. `following`: the
         records to be routed next, if fetched already (prepared meanwhile). `before_retry` runs before the
-        batch is routed again after an index error (the index may be back without its data)."""
+        batch is routed again after the index lost its data (`IndexLost`: the index changelog's guard)."""
         if self.settings.on_index_error == "unchecked":
-            return await self._route_unchecked(records)
+            return await self._route_unchecked(records, before_retry)
         while True:
             try:
                 outs = await self._run(route_records, self.nd, records, self.settings, self.lookahead, following)
+            except IndexLost:
+                if before_retry is None:
+                    raise
+                await before_retry()  # rebuilt (or waited for): the batch is decided again, nothing of it written
+                continue
             except IndexUnavailable as exc:
                 self.stats.index_errors += 1
                 self._attempts += 1
@@ -167,8 +172,6 @@ class Router:
                     if keepalive is not None:
                         await keepalive()
                     await asyncio.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
-                if before_retry is not None:
-                    await before_retry()
                 self.retries += 1
                 continue
             if self._down_since is not None:
@@ -185,13 +188,20 @@ class Router:
         """True from an index error until the index answers again."""
         return self._down_since is not None
 
-    async def _route_unchecked(self, records: Sequence[KafkaRecord]) -> list[OutRecord]:
+    async def _route_unchecked(self, records: Sequence[KafkaRecord],
+                               before_retry: Callable[[], Awaitable[None]] | None = None) -> list[OutRecord]:
         now = time.monotonic()
         if self._down_since is None or now >= self._retry_at:
             if self._down_since is not None:
                 self.retries += 1
             try:
-                outs = await self._run(route_records, self.nd, records, self.settings)
+                try:
+                    outs = await self._run(route_records, self.nd, records, self.settings)
+                except IndexLost:
+                    if before_retry is None:
+                        raise
+                    await before_retry()  # rebuilt (or waited for): the batch once more
+                    outs = await self._run(route_records, self.nd, records, self.settings)
             except IndexUnavailable as exc:
                 self.stats.index_errors += 1
                 if self._down_since is None:
@@ -214,7 +224,8 @@ def open_filter(settings: Settings) -> NearDupFilter:
         log.warning("index %s lives in this process only: verdicts are not shared with other workers and "
                     "replays after a restart are not recognised; use redis:// for serve", settings.index)
     config = settings.filter_config()
-    index = open_index(settings.index, window=config.window, bucket_cap=config.bucket_cap, namespace=config.digest())
+    index = open_index(settings.index, window=config.window, bucket_cap=config.bucket_cap, namespace=config.digest(),
+                       fenced=settings.changelogged)
     return NearDupFilter(config, index=index)
 
 

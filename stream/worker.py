@@ -20,6 +20,7 @@ and its commits are explicit (see bench/kafka_e2e.py and stream/faust_worker.py)
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import math
@@ -34,7 +35,16 @@ from aiokafka.errors import IllegalStateError, KafkaError
 from filters.engine import NearDupFilter
 from filters.errors import ConfigError, IndexUnavailable
 from stream.align import Aligner, GroupMarks, GroupView, SoloMarks, Taken, lanes_of, open_marks
-from stream.changelog import NAMESPACE_HEADER, IndexGuard, Journal, encode_record, read_changelog, retention
+from stream.changelog import (
+    NAMESPACE_HEADER,
+    IndexGuard,
+    Journal,
+    Write,
+    encode_records,
+    entries_of,
+    read_changelog,
+    retention,
+)
 from stream.codec import event_time
 from stream.config import Settings
 from stream.delivery import AtLeastOnce, Delivery, ExactlyOnce, Link, Outgoing
@@ -124,7 +134,9 @@ class AiokafkaWorker(WorkerCore):
             self.journal = Journal(self.nd.index)
             self.nd.index = self.journal
         self.guard: IndexGuard | None = None
-        self._checked_at = -math.inf
+        # The changelog records of the batches routed last (assignment, records routed, records): after a
+        # restore, the entries of those delivered meanwhile are written back (`_check_index`).
+        self._recent: collections.deque[tuple[int, int, list[OutRecord]]] = collections.deque()
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -344,9 +356,6 @@ class AiokafkaWorker(WorkerCore):
             await consumer.getmany(timeout_ms=0)
 
         records = taken.records
-        if self.guard is not None and (time.monotonic() - self._checked_at >= self.settings.index_check
-                                       or self.router.index_down):
-            await self._check_index()
         if self.journal is not None:
             self.journal.take()  # what a failed attempt left (its entries come again as replays)
         if self.aligner.ordered:
@@ -361,7 +370,7 @@ class AiokafkaWorker(WorkerCore):
                                        before_retry=self._check_index if self.guard is not None else None)
         if outs is None:
             return  # stopping during an index outage: nothing of this batch produced or committed
-        logged = self._logged()
+        logged = self._logged(len(records), assignment)
         self.aligner.decided(taken)
         if self.aligner.ordered:
             await self._publish_marks()  # decided: the group may move past these records
@@ -382,17 +391,22 @@ class AiokafkaWorker(WorkerCore):
         self.guard = IndexGuard(s.index, namespace=self.nd.config.digest(), window=s.window, member=self._member)
 
     async def _check_index(self) -> None:
-        """A shared index that lost its window (its marker is gone) is rebuilt from the changelog before the
-        next batch is routed: what was routed is delivered first (its changelog records are then readable),
-        then one worker of the group restores and the others wait for it."""
+        """A shared index that lost its window (its marker is gone: found before the first batch, or by a
+        batch's lookup or insert, `IndexLost`) is rebuilt from the changelog before routing goes on: what was
+        routed is delivered first, then one worker of the group restores and the others wait for it. Then
+        each writes back the entries of the batches it delivered meanwhile: inserted before the loss, their
+        changelog records may have been committed after the restorer read their partition."""
         guard = self.guard
         if guard is None:
             return
         s = self.settings
+        index = self.nd.index
 
-        async def read(write: Callable[[list[Any]], Awaitable[int]]) -> int:
+        async def read(write: Write) -> int:
+            # Records of up to RECORD_BYTES: fetches of many at a time.
             reader = AIOKafkaConsumer(enable_auto_commit=False, isolation_level="read_committed",
-                                      auto_offset_reset="earliest", **client_options(s))
+                                      auto_offset_reset="earliest", max_partition_fetch_bytes=8 * 1024 * 1024,
+                                      fetch_max_bytes=32 * 1024 * 1024, **client_options(s))
             with broker_errors(s):
                 await reader.start()
                 try:
@@ -403,23 +417,36 @@ class AiokafkaWorker(WorkerCore):
                 finally:
                     await reader.stop()
 
-        try:
-            await guard.ensure(read, self.nd.index.restore, self._drain)
-        except IndexUnavailable as exc:
-            # The router meets the outage itself (its policy: block, or pass unchecked) and checks again
-            # before it retries a batch: the index may come back without its data.
-            log.debug("the index's marker could not be read: %s", exc)
-            return
-        self._checked_at = time.monotonic()
+        delivered: list[OutRecord] = []
 
-    def _logged(self) -> list[OutRecord]:
-        """The changelog's records of the entries the batch just routed made unique."""
+        async def deliver() -> None:
+            assignment = self._rebalance.assignments
+            await self._drain()
+            if assignment == self._rebalance.assignments:  # else aborted: routed again, and journaled then
+                delivered.extend(o for a, _, logged in self._recent if a == assignment for o in logged)
+
+        try:
+            if await guard.ensure(read, index.restore, deliver) and delivered:
+                # Beside the others, who route again (a guarded restore): live ids are kept as they are.
+                await asyncio.to_thread(index.restore, entries_of([(o.key or b"", o.value or b"") for o in delivered]))
+        except IndexUnavailable as exc:
+            # The router meets the outage itself (its policy: block, or pass unchecked); a lookup finds the
+            # index without its marker again if it came back empty.
+            log.debug("the index's marker could not be read: %s", exc)
+
+    def _logged(self, routed: int, assignment: int) -> list[OutRecord]:
+        """The changelog's records of the entries a batch of `routed` records just made unique; those of the
+        batches routed last (some 3 × max_batch records: what may not be committed yet) are kept."""
         if self.journal is None:
             return []
         topic = self.settings.changelog_name
         headers = ((NAMESPACE_HEADER, self.nd.config.digest().encode()),)
-        return [OutRecord(topic, entry.id.encode("utf-8", "surrogatepass"), encode_record(entry, keys), headers)
-                for entry, keys in self.journal.take()]
+        logged = [OutRecord(topic, key, value, headers) for key, value in encode_records(self.journal.take())]
+        recent = self._recent
+        recent.append((assignment, routed, logged))
+        while sum(n for _, n, _ in recent) - recent[0][1] >= 3 * self.settings.max_batch:
+            recent.popleft()
+        return logged
 
     async def _hand_over(self, batch: Outgoing) -> None:
         """Queues a routed batch for delivery. While the previous hand-over is still going on (its acks, or

@@ -421,6 +421,43 @@ def test_plan_fields_as_the_python_reference(keys_of: list[tuple[int, ...]], ids
     assert _native.plan_fields(keys_of, ids) == plan_fields(keys_of, ids)
 
 
+_RESTORED = st.lists(st.tuples(st.sampled_from(["a", "b", "c", "ü", "x\udcff", "d"]),  # ids (replays among them)
+                                st.sampled_from([0.0, 5.0, 99.5, 100.0, 150.0, 220.0]),  # times: 3 slices of 100
+                                st.lists(_KEY, max_size=6)), max_size=30)
+
+
+@settings(max_examples=300, deadline=None)
+@given(entries=_RESTORED, held_ids=st.sets(st.sampled_from(["a", "c"])), held_keys=st.lists(_KEY, max_size=6),
+       old=st.lists(st.tuples(st.floats(0, 300), st.integers(1, 99)), max_size=20), hwm=st.sampled_from([-1e18, 120.0]),
+       cap=st.integers(1, 3), seq=st.integers(0, 9))
+def test_restore_round_as_the_python_reference(entries: list[tuple[str, float, list[int]]], held_ids: set[str],
+                                               held_keys: list[int], old: list[tuple[float, int]], hwm: float,
+                                               cap: int, seq: int) -> None:
+    """What a restore writes for a chunk (`restore_round`), compiled and in Python: live ids held or written
+    earlier in the chunk, entries out of the window, keys given twice, fields that hold records (trimmed
+    past twice the cap), several slices."""
+    from filters.index.redis_codec import field_of, restore_round
+
+    times = [ts for _, ts, _ in entries]
+    slices = [int(ts // 100) for ts in times]
+    bounds = [0]
+    for _, _, keys in entries:
+        bounds.append(bounds[-1] + len(keys))
+    keys = [k for _, _, ks in entries for k in ks]
+    blobs = [bytes([2]) + struct.pack("<d", ts) + bytes(33) for ts in times]
+    records = _bucket([(ts, n, "o") for ts, n in old])
+    held: dict[int, dict[bytes, bytes]] = {s: {} for s in set(slices)}
+    for s, values in held.items():
+        values.update({b"e" + id.encode(): bytes([2]) + struct.pack("<d", 100.0 * s) + bytes(33) for id in held_ids})
+        if records is not None:
+            values.update({field_of(k): records for k in held_keys})
+    ids = [id for id, _, _ in entries]
+    want = restore_round(ids, times, slices, bounds, keys, blobs, held, hwm, 100.0, cap, seq)
+    got = _native.restore_round(ids, np.array(times), np.array(slices, np.int64), np.array(bounds, np.int64),
+                                np.array(keys, np.uint64), blobs, held, hwm, 100.0, cap, seq)
+    assert got == want
+
+
 # Field names from a small pool (so the batches share some), with equal names as distinct objects too.
 _NAME_POOL = [b"b" + bytes([i]) * 8 for i in range(24)] + [b"ea", b"eb", b"ec"]
 

@@ -67,6 +67,27 @@ class Query:
 # as that event time is inside the window.
 Memo = tuple[Verdict, float]
 
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Stored:
+    """Entries in their stored form, column by column: what an index changelog carries and
+    `CandidateIndex.restore` writes back. Entry i is `ids[i]`, at event time `times[i]`, its bucket keys
+    `keys[bounds[i]:bounds[i + 1]]` and `blobs[i]` its encoding (`filters.index.redis_codec.encode_entry`,
+    the very bytes the Redis index stores: a restore passes them through)."""
+
+    ids: list[str]
+    times: np.ndarray  # float64
+    bounds: np.ndarray  # int64, one more than entries
+    keys: np.ndarray  # uint64
+    blobs: list[bytes]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def keys_of(self, i: int) -> tuple[int, ...]:
+        return tuple(self.keys[self.bounds[i] : self.bounds[i + 1]].tolist())
+
+
 # Made once or more per message: from all field values in order, without the dataclass __init__'s cost.
 new_entry = maker(Entry)
 new_candidate = maker(Candidate)
@@ -158,10 +179,11 @@ class CandidateIndex(Protocol):
         already outside the window is not kept; a later one of the same id replaces it."""
         ...
 
-    def restore(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> int:
-        """Write representatives that were decided unique before (an index changelog's entries) under their
-        keys, with no lookup and no check: a lost index is rebuilt so. An id that is live already is kept
-        as it is, and an entry outside the window is skipped; returns how many were written."""
+    def restore(self, stored: Stored) -> int:
+        """Write representatives that were decided unique before (an index changelog's entries), in order,
+        under their keys, with no verification: a lost index is rebuilt so. An id that is live already
+        (stored, or earlier in `stored`) is kept as it is, and an entry outside the window is skipped;
+        returns how many were written. Safe beside other writers (they may insert meanwhile)."""
         ...
 
     def expire(self, now: float) -> int:
@@ -196,8 +218,8 @@ class IndexWrapper:
                memos: Sequence[Memo] = ()) -> list[list[Candidate] | None]:
         return self.inner.insert(entries, memos)
 
-    def restore(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> int:
-        return self.inner.restore(entries)
+    def restore(self, stored: Stored) -> int:
+        return self.inner.restore(stored)
 
     def expire(self, now: float) -> int:
         return self.inner.expire(now)

@@ -500,6 +500,241 @@ def alone_round(list ids, list tss, list blobs, list fields_of, list places_of, 
     return results, groups, written, hwm, seq
 
 
+# --- a restore's writes (the twin of `redis_codec.restore_round`, which documents it) ---------------------
+
+cdef extern from * nogil:
+    """
+    #include <algorithm>
+    struct nd_span { double ts; uint64_t seq; Py_ssize_t start; Py_ssize_t stop; };
+    static void nd_sort_spans_newest_first(nd_span *first, nd_span *last) {
+        std::stable_sort(first, last, [](const nd_span &a, const nd_span &b) {
+            return a.ts > b.ts || (a.ts == b.ts && a.seq > b.seq);
+        });
+    }
+    static void nd_sort_spans_by_start(nd_span *first, nd_span *last) {
+        std::sort(first, last, [](const nd_span &a, const nd_span &b) { return a.start < b.start; });
+    }
+    """
+    struct nd_span:  # one record of a bucket value: its event time, seq and bytes
+        double ts
+        uint64_t seq
+        Py_ssize_t start
+        Py_ssize_t stop
+    void nd_sort_spans_newest_first(nd_span *first, nd_span *last)
+    void nd_sort_spans_by_start(nd_span *first, nd_span *last)
+
+
+cdef Py_ssize_t record_count(const char *p, Py_ssize_t n) except -1:
+    """`redis_codec.count_records`."""
+    cdef Py_ssize_t pos = 0, count = 0
+    cdef uint32_t idn
+    while pos < n:
+        if pos + 12 > n:
+            from filters.errors import IndexCorrupt
+            raise IndexCorrupt("a bucket holds bytes that are not bucket records")
+        memcpy(&idn, p + pos + 8, 4)
+        pos += 20 + idn
+        count += 1
+    return count
+
+
+cdef bytes trim_newest(bytes value, Py_ssize_t count, Py_ssize_t cap):
+    """`redis_codec.trim_records` of a value of `count` records."""
+    cdef const char *p = PyBytes_AS_STRING(value)
+    cdef Py_ssize_t n = len(value), pos = 0, j = 0, size = 0
+    cdef uint32_t idn
+    cdef nd_span *spans
+    cdef bytes out
+    cdef char *o
+    if count <= cap:
+        return value
+    spans = <nd_span *>PyMem_Malloc(count * sizeof(nd_span))
+    if spans == NULL:
+        raise MemoryError()
+    try:
+        while pos < n and j < count:
+            memcpy(&spans[j].ts, p + pos, 8)
+            memcpy(&idn, p + pos + 8, 4)
+            spans[j].start = pos
+            pos += 20 + idn
+            if pos > n:
+                from filters.errors import IndexCorrupt
+                raise IndexCorrupt("a bucket holds bytes that are not bucket records")
+            spans[j].stop = pos
+            spans[j].seq = be64(p + pos - 8)
+            j += 1
+        nd_sort_spans_newest_first(spans, spans + count)
+        nd_sort_spans_by_start(spans, spans + cap)
+        for j in range(cap):
+            size += spans[j].stop - spans[j].start
+        out = PyBytes_FromStringAndSize(NULL, size)
+        o = PyBytes_AS_STRING(out)
+        for j in range(cap):
+            memcpy(o, p + spans[j].start, spans[j].stop - spans[j].start)
+            o += spans[j].stop - spans[j].start
+        return out
+    finally:
+        PyMem_Free(spans)
+
+
+def restore_round(list ids, times, slices, bounds, keys, list blobs, dict held, double hwm, double window,
+                  Py_ssize_t cap, uint64_t seq) -> tuple:
+    """`redis_codec.restore_round`, compiled: the fields are told apart by (slice, key) in an open-addressing
+    table, each field's new records chained in order, and each new value made in one piece."""
+    cdef const double[::1] ts_of = np.ascontiguousarray(times, dtype=np.float64)
+    cdef const int64_t[::1] slice_of = np.ascontiguousarray(slices, dtype=np.int64)
+    cdef const int64_t[::1] bound = np.ascontiguousarray(bounds, dtype=np.int64)
+    cdef const uint64_t[::1] key_of = np.ascontiguousarray(keys, dtype=np.uint64)
+    cdef Py_ssize_t n = len(ids), n_pairs, i, j, f, slot, mask, size, n_fields = 0, r, total, count
+    cdef int shift = 64
+    cdef double ts, old_ts
+    cdef int64_t s
+    cdef uint64_t key
+    cdef list results = [], order = []
+    cdef dict written = {sl: {} for sl in held}, entries = {}, groups = {}, values
+    cdef object sl, old, group
+    cdef bytes id_bytes, efield, v, name
+    cdef bint live
+    cdef bytearray records = bytearray()
+    cdef Py_ssize_t n_id, at
+    cdef char *rp
+    n_pairs = bound[n] - bound[0] if n else 0
+    # Per written entry: its record's place in `records`; per field: slice, key, records (chained), count.
+    cdef Py_ssize_t *rec_at = <Py_ssize_t *>PyMem_Malloc((n + 1) * sizeof(Py_ssize_t))
+    cdef int64_t *f_slice = <int64_t *>PyMem_Malloc((n_pairs + 1) * sizeof(int64_t))
+    cdef uint64_t *f_key = <uint64_t *>PyMem_Malloc((n_pairs + 1) * sizeof(uint64_t))
+    cdef Py_ssize_t *f_first = <Py_ssize_t *>PyMem_Malloc((n_pairs + 1) * sizeof(Py_ssize_t))
+    cdef Py_ssize_t *f_last = <Py_ssize_t *>PyMem_Malloc((n_pairs + 1) * sizeof(Py_ssize_t))
+    cdef Py_ssize_t *f_count = <Py_ssize_t *>PyMem_Malloc((n_pairs + 1) * sizeof(Py_ssize_t))
+    cdef Py_ssize_t *f_bytes = <Py_ssize_t *>PyMem_Malloc((n_pairs + 1) * sizeof(Py_ssize_t))
+    cdef Py_ssize_t *link_entry = <Py_ssize_t *>PyMem_Malloc((n_pairs + 1) * sizeof(Py_ssize_t))
+    cdef Py_ssize_t *link_next = <Py_ssize_t *>PyMem_Malloc((n_pairs + 1) * sizeof(Py_ssize_t))
+    cdef Py_ssize_t n_links = 0
+    cdef uint64_t *slot_key = NULL
+    cdef Py_ssize_t *slot_at = NULL
+    cdef int64_t *slot_slice = NULL
+    try:
+        if (rec_at == NULL or f_slice == NULL or f_key == NULL or f_first == NULL or f_last == NULL
+                or f_count == NULL or f_bytes == NULL or link_entry == NULL or link_next == NULL):
+            raise MemoryError()
+        size = open_table(n_pairs, &slot_key, &slot_at)
+        slot_slice = <int64_t *>PyMem_Malloc(size * sizeof(int64_t))
+        if slot_slice == NULL:
+            raise MemoryError()
+        mask = size - 1
+        while size > 1:
+            size >>= 1
+            shift -= 1
+        for i in range(n):
+            id_bytes = (<str>ids[i]).encode("utf-8", "surrogatepass")
+            efield = b"e" + id_bytes
+            live = False
+            for sl, values in held.items():
+                old = (<dict>written[sl]).get(efield)
+                if old is None:
+                    old = values.get(efield)
+                if old:
+                    if len(<bytes>old) >= 9:
+                        memcpy(&old_ts, <const char *>(<bytes>old) + 1, 8)
+                    else:
+                        from filters.index.redis_codec import entry_time
+                        old_ts = entry_time(old, ids[i])  # raises: too short for an entry
+                    if old_ts >= hwm - window:
+                        live = True
+                        break
+            ts = ts_of[i]
+            if live or not ts >= (ts if ts > hwm else hwm) - window:
+                results.append(0)
+                continue
+            if ts > hwm:
+                hwm = ts
+            seq += 1
+            n_id = len(id_bytes)
+            at = len(records)
+            rec_at[i] = at
+            records.extend(b"\0" * (20 + n_id))
+            rp = PyByteArray_AS_STRING(records) + at
+            memcpy(rp, &ts, 8)
+            (<uint32_t *>(rp + 8))[0] = <uint32_t>n_id  # little-endian machines only (x86-64, arm64)
+            memcpy(rp + 12, <const char *>id_bytes, n_id)
+            put_be64(rp + 12 + n_id, seq)
+            s = slice_of[i]
+            for j in range(bound[i], bound[i + 1]):
+                key = key_of[j]
+                slot = <Py_ssize_t>(((key ^ <uint64_t>s) * MUL) >> shift)
+                while slot_at[slot] >= 0 and (slot_key[slot] != key or slot_slice[slot] != s):
+                    slot = (slot + 1) & mask
+                f = slot_at[slot]
+                if f < 0:
+                    f = n_fields
+                    n_fields += 1
+                    slot_at[slot] = f
+                    slot_key[slot] = key
+                    slot_slice[slot] = s
+                    f_slice[f] = s
+                    f_key[f] = key
+                    f_first[f] = -1
+                    f_count[f] = 0
+                    f_bytes[f] = 0
+                elif link_entry[f_last[f]] == i:
+                    continue  # a key given twice counts once
+                link_entry[n_links] = i
+                link_next[n_links] = -1
+                if f_first[f] < 0:
+                    f_first[f] = n_links
+                else:
+                    link_next[f_last[f]] = n_links
+                f_last[f] = n_links
+                f_count[f] += 1
+                f_bytes[f] += 20 + n_id
+                n_links += 1
+            sl = s
+            (<dict>written[sl])[efield] = blobs[i]
+            group = entries.get(sl)
+            if group is None:
+                group = entries[sl] = [0, []]
+            group[0] += 1
+            (<list>group[1]).append(efield)
+            (<list>group[1]).append(blobs[i])
+            results.append(seq)
+        for sl in entries:
+            groups[sl] = [entries[sl][0], []]
+        for f in range(n_fields):
+            sl = f_slice[f]
+            name = bucket_field(f_key[f])
+            values = <dict>held[sl]
+            old = values.get(name) if values else None
+            total = f_bytes[f]
+            count = f_count[f]
+            if old is not None:
+                total += len(<bytes>old)
+                count += record_count(<const char *>(<bytes>old), len(<bytes>old))
+            v = PyBytes_FromStringAndSize(NULL, total)
+            rp = PyBytes_AS_STRING(v)
+            if old is not None:
+                memcpy(rp, <const char *>(<bytes>old), len(<bytes>old))
+                rp += len(<bytes>old)
+            r = f_first[f]
+            while r >= 0:
+                i = link_entry[r]
+                at = rec_at[i]
+                n_id = 20 + (<uint32_t *>(PyByteArray_AS_STRING(records) + at + 8))[0]
+                memcpy(rp, PyByteArray_AS_STRING(records) + at, n_id)
+                rp += n_id
+                r = link_next[r]
+            if count > 2 * cap:
+                v = trim_newest(v, count, cap)
+            (<list>(<list>groups[sl])[1]).append(name)
+            (<list>(<list>groups[sl])[1]).append(v)
+        for sl in entries:
+            (<list>(<list>groups[sl])[1]).extend(<list>entries[sl][1])
+        return results, groups, hwm, seq
+    finally:
+        PyMem_Free(rec_at); PyMem_Free(f_slice); PyMem_Free(f_key); PyMem_Free(f_first); PyMem_Free(f_last)
+        PyMem_Free(f_count); PyMem_Free(f_bytes); PyMem_Free(link_entry); PyMem_Free(link_next)
+        PyMem_Free(slot_key); PyMem_Free(slot_at); PyMem_Free(slot_slice)
+
+
 cdef inline double floor_div(double ts, double length) noexcept:
     return floor(ts / length)
 

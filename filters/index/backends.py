@@ -10,15 +10,16 @@ from filters.index.memory import MemoryIndex
 
 
 def open_index(url: str, *, window: float, bucket_cap: int, namespace: str,
-               native: bool | None = None) -> CandidateIndex:
+               native: bool | None = None, fenced: bool = False) -> CandidateIndex:
     """`memory://` or `redis://[:password@]host:port/db` / `rediss://...` (TLS) / `redis+cluster://`.
 
-    `native` picks the memory index's table (see `filters.index.memory.make_table`)."""
+    `native` picks the memory index's table (see `filters.index.memory.make_table`); `fenced`, whether a shared
+    index requires the marker an index changelog keeps (see `RedisIndex`)."""
     scheme = urlparse(url).scheme
     if scheme == "memory":
         return MemoryIndex(window, bucket_cap, native=native)
     if scheme in ("redis", "rediss", "redis+cluster", "rediss+cluster", "unix"):
         from filters.index.redis import RedisIndex  # the one backend that does I/O; loaded on demand (redis is optional)
 
-        return RedisIndex(url, window=window, bucket_cap=bucket_cap, namespace=namespace)
+        return RedisIndex(url, window=window, bucket_cap=bucket_cap, namespace=namespace, fenced=fenced)
     raise ConfigError(f"unknown index URL scheme {scheme!r} in {url!r}: use memory:// or redis://")

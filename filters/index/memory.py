@@ -18,7 +18,8 @@ import numpy as np
 
 from filters.errors import ConfigError
 from filters.fingerprint import METHOD_NAMES, Fingerprint
-from filters.index import Batch, Candidate, Entry, Memo, Query, Verifier, finish
+from filters.index import Batch, Candidate, Entry, Memo, Query, Stored, Verifier, finish
+from filters.index.redis_codec import stored_entries
 from filters.records import Message, Verdict, new_verdict
 
 try:  # the compiled core; absent when it could not be built at install time (no C++ compiler)
@@ -359,9 +360,15 @@ class MemoryIndex:
             self.table.remember(verdict, ts)
         return [None] * len(entries)
 
-    def restore(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> int:
+    def restore(self, stored: Stored) -> int:
         insert = self.table.insert
-        return sum(insert(entry, keys) for entry, keys in entries)
+        written = 0
+        for e, keys in stored_entries(stored):
+            # Decoded entries are read-only views of the stored bytes; the table keeps arrays of its own.
+            e = Entry(e.id, e.ts, e.exact, e.size, e.sketch.copy(), e.simhash,
+                      None if e.minhash is None else e.minhash.copy(), e.sentences)
+            written += insert(e, keys)
+        return written
 
     def insert_one(self, entry: Entry, keys: tuple[int, ...]) -> None:
         """`insert` of one entry (never a conflict here). A key given twice counts once."""

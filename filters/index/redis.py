@@ -2,7 +2,8 @@
 
 Key layout (every key of one namespace carries the hash tag `{<prefix>:<namespace>}`):
 
-    {p:ns}:meta     hash  seq = the last insert's sequence number, hwm = the highest event time inserted
+    {p:ns}:meta     hash  seq = the last insert's sequence number, hwm = the highest event time inserted,
+                          epoch = the marker of a changelogged index (see Fence)
     {p:ns}:s:<n>    hash  event-time slice n = floor(ts / window): the entries and bucket records whose
                           event time falls in it
                             e<id>   the entry, `encode_entry`
@@ -63,6 +64,18 @@ or pipelined with the insert script), or, for a batch that inserts nothing, in a
 (HSET, HINCRBY, PEXPIRE per slice: no reply to wait for but these); a verdict changed after a lost race
 is written again. Always before `decide` returns: before the batch's outputs can be committed.
 
+Fence. A changelogged index (`fenced=True`: `neardup serve` with its index changelog, stream/changelog.py)
+is used only while the meta hash holds its marker (`epoch`, set when the index was built or rebuilt
+from the changelog). Data lost (a restart without persistence, FLUSHALL, a failover to an empty
+replica, an eviction) takes the meta hash, so the marker, with it. The lookup's first read of the
+meta hash (`HMGET meta seq hwm epoch`: no extra command) raises `IndexLost` when it is missing, and
+remembers it; an insert writes only while the marker is the one its lookup read: the MULTI/EXEC round
+is guarded by the WATCH of the meta hash (a flush or a rebuild touches it), the scripts compare the
+marker themselves, and a re-read after a conflict compares it too. So no batch is decided against an
+empty index, and one whose lookup ran before the loss while its insert comes after (whether the index
+is still empty or rebuilt meanwhile) is refused as a whole: nothing of it is written, and the worker
+decides it again. Without a changelog (`neardup filter --index redis://`) nothing is fenced.
+
 Bucket cap: a lookup keeps, per bucket, the `bucket_cap` newest records by (event time, seq) inside the
 window (across slices: the newest of the union are among the newest of each); the insert script trims
 a bucket field back to the cap once it holds about twice as many, so storage stays bounded.
@@ -93,6 +106,8 @@ from itertools import islice
 from typing import Any, cast
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+import mmh3
+import numpy as np
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
@@ -119,12 +134,15 @@ try:  # redis-py's C protocol parser (the `redis` extra); packs commands too
 except ImportError:  # pragma: no cover - redis-py works without it, slower
     hiredis = None  # type: ignore[assignment]
 
-from filters.errors import ConfigError, IndexCorrupt, IndexUnavailable, NeardupError, ServiceError
-from filters.index import Batch, Candidate, Entry, Memo, Query, Verifier, finish, new_candidate, new_entry
+from filters.errors import ConfigError, IndexCorrupt, IndexLost, IndexUnavailable, NeardupError, ServiceError
+from filters.index import Batch, Candidate, Entry, Memo, Query, Stored, Verifier, finish, new_candidate, new_entry
 from filters.index.redis_codec import (
     ABSENT,
     SEQ,
     alone_round,
+    bloom_add,
+    bloom_bits,
+    bloom_has,
     decode_entries,
     decode_entry,
     decode_memo,
@@ -140,6 +158,7 @@ from filters.index.redis_codec import (
     plan_fields,
     rank_lookup,
     rank_records,
+    restore_round,
     trim_records,
 )
 from filters.index.shared import SharedDecider
@@ -153,9 +172,11 @@ except ImportError:  # pragma: no cover - exercised on machines without a compil
 __all__ = [
     "INSERT_ALONE_LUA",
     "INSERT_LUA",
+    "MARKER",
     "RedisIndex",
     "RedisTarget",
     "map_redis_error",
+    "meta_key",
     "redact_url",
     "redis_errors",
 ]
@@ -164,6 +185,9 @@ DEFAULT_PREFIX = "neardup"
 DEFAULT_GRACE = 3600.0  # seconds of wall clock that keys outlive the window
 DEFAULT_ENTRY_CACHE = 16384  # entries (≈ 1 KB each, Python objects) a client keeps decoded: see `RedisIndex._entries`
 INSERT_CHUNK = 512  # entries per insert script: bounds how long one script blocks the server
+RESTORE_CHUNK = 4096  # entries per restore transaction: bounds how long one MULTI/EXEC blocks the server (≈ 50 ms)
+RESTORE_ATTEMPTS = 3  # transactions refused (others wrote meanwhile) before a restore chunk goes through the script
+REBUILD_CHUNK = 32768  # entries per round of a rebuild (no transaction: Redis serves others between its commands)
 LOOKUP_CHUNK = 256  # queries' worth of field names (up to 16 each) one HMGET reads: bounds a command's size
 FIELDS_PER_HMGET = 16 * LOOKUP_CHUNK
 FIELDS_PER_CALL = 2000  # fields per HMGET, pairs per HSET, inside the script (Lua's unpack stops near 8,000 values)
@@ -171,6 +195,13 @@ DEFAULT_SOCKET_TIMEOUT = 5.0  # without one, a stalled server would hang a worke
 _MIN_TS = -float(2**52)  # event times must be above it
 _MAX_SLICE = float(2**50)  # ... and less than this many slices (windows) from 0
 _NAME = re.compile(r"[A-Za-z0-9_.:-]+")  # prefix and namespace: no glob or hash-tag characters
+MARKER = "epoch"  # the meta hash's field a fenced index requires (see Fence)
+
+
+def meta_key(prefix: str, namespace: str) -> str:
+    """The meta hash of a namespace: its seq, high-water mark and marker."""
+    return f"{{{prefix}:{namespace}}}:meta"
+
 
 # --- the insert scripts ----------------------------------------------------------------------------
 
@@ -334,6 +365,7 @@ class _View:
     reread: dict[str, tuple[int, dict[int, list[bytes]]]] = field(default_factory=dict)  # id -> (seq, slice -> tails)
     exact: bool = True  # `written` holds whole values (no insert went through INSERT_LUA since)
     watch: int = -1  # the pinned connection's epoch in which the read's WATCH of meta guards the view, or -1
+    marker: bytes = b""  # a fenced index's marker as the lookup read it (its inserts require it)
     _at: dict[bytes, int] | None = None
     # Uncontended rounds' (seq, slice, places), whose places' basis (0) is recorded in `bases` when
     # first needed: only a later round of the same lookup reads it (a conflict, or another chunk).
@@ -417,7 +449,8 @@ class RedisIndex:
     `MemoryIndex`: nothing to compare against).
     """
 
-    def __init__(self, url: str, *, window: float, bucket_cap: int, namespace: str) -> None:
+    def __init__(self, url: str, *, window: float, bucket_cap: int, namespace: str, fenced: bool = False) -> None:
+        """`fenced`: lookups and inserts require the marker an index changelog keeps (see Fence)."""
         if not window > 0 or bucket_cap < 1:
             raise ConfigError("window must be > 0 seconds and bucket_cap >= 1")
         if not _NAME.fullmatch(namespace):
@@ -430,7 +463,9 @@ class RedisIndex:
         self.prefix = target.prefix
         self._where = redact_url(url)
         tag = f"{{{target.prefix}:{namespace}}}"
-        self._meta = f"{tag}:meta"
+        self._meta = meta_key(target.prefix, namespace)
+        self.fenced = fenced
+        self._marker = b""  # the marker the last read of the meta hash found (fenced)
         self._spre = f"{tag}:s:"
         self._ttl_ms = max(1, round((self.window + target.grace) * 1000))
         self._hwm = -math.inf  # highest event time this instance decided (MemoryIndex's watermark)
@@ -446,6 +481,7 @@ class RedisIndex:
         self._rank = _native.rank_records if _native is not None else rank_records
         self._plan = _native.plan_fields if _native is not None else plan_fields
         self._round = _native.alone_round if _native is not None else alone_round
+        self._restore_round = _native.restore_round if _native is not None else restore_round
         self._decode = _native.decode_entries if _native is not None else decode_entries
         self._rank_all = _native.rank_lookup if _native is not None else rank_lookup
         self._encode = _native.encode_entries if _native is not None else encode_entries
@@ -463,6 +499,7 @@ class RedisIndex:
         # It returns True when nothing is left.
         self.meanwhile: Callable[[], bool] | None = None
         self._decider = SharedDecider()
+        self._rebuilt = _Rebuilt()
         options: dict[str, Any] = {
             "decode_responses": False,  # entries are bytes
             "retry": Retry(NoBackoff(), 0),  # no hidden retry loop: the worker decides
@@ -491,6 +528,8 @@ class RedisIndex:
         (`SharedDecider`); the batch's `meanwhile` shares run during the round trips, the next batch's read
         goes ahead (`prefetch`)."""
         self.meanwhile = batch.meanwhile
+        if self._rebuilt.fresh:
+            self._rebuilt = _Rebuilt()  # a restore's memory (megabytes): not needed once batches flow again
         try:
             verdicts = self._decider.decide(self, batch, verifier)
         finally:
@@ -531,7 +570,8 @@ class RedisIndex:
         ids = [q.id for q in queries]
         keys_of = [q.keys for q in queries]
         self._view = _View(slices, dict(zip(slices, columns)), names, seq, stored, dict(zip(ids, range(len(ids)))),
-                           keys_of, key_fields, positions, id_places, watch=epoch if watch else -1)
+                           keys_of, key_fields, positions, id_places, watch=epoch if watch else -1,
+                           marker=self._marker)
         window = self.window
         found = self._rank_all(columns, positions, id_places, ids, [q.min_shared for q in queries], limit,
                                [mark - window for mark in marks], self.bucket_cap,
@@ -595,10 +635,11 @@ class RedisIndex:
             return None
         with self._errors():
             _raise_any(ahead.replies)
-        (seq_read, stored), columns = ahead.replies[0], _columns(ahead.replies[1:], len(ahead.slices), len(ahead.names))
-        if int(seq_read or 0) != view.mark:
+        (seq_read, stored), columns = self._state(ahead.replies[0]), _columns(ahead.replies[1:], len(ahead.slices),
+                                                                              len(ahead.names))
+        if seq_read != view.mark:
             return None  # somebody inserted between the last lookup and this read: read afresh
-        seq, stored = view.mark + view.inserted, view.hwm if view.inserted else (stored or b"")
+        seq, stored = view.mark + view.inserted, view.hwm if view.inserted else stored
         # The slices `_read_covering` would read now: some read ahead may be gone by now (they left the window).
         need = set(self._slices(low_mark, high_mark)) | set(self._slices(low_mark, max(high_mark, _stored_time(stored))))
         if not need <= set(ahead.slices):
@@ -669,32 +710,271 @@ class RedisIndex:
             if q is not None:
                 view.written.setdefault(s, {})[view.entry_places[q] + 1] = value  # its memo field (`plan_fields`)
 
-    def restore(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> int:
-        """See `CandidateIndex.restore`. Per chunk, the rounds of an insert without verification: a lookup
-        read that asks for no candidates (it arms the WATCH and reads what the writes are computed from),
-        then the uncontended insert round (MULTI/EXEC, computed by the compiled core); what somebody else's
-        write made conflict goes through the insert script with no check of what was seen."""
-        written = 0
-        for at in range(0, len(entries), INSERT_CHUNK):
-            chunk = entries[at : at + INSERT_CHUNK]
-            # A floor above every entry's key count: nothing is a candidate, no entry is read back.
-            self.lookup([Query(e.id, e.ts, keys, len(keys) + 1) for e, keys in chunk], 0)
-            before = self._view.inserted
-            conflicts = self.insert(chunk)
-            written += self._view.inserted - before
-            forced = [pair for pair, got in zip(chunk, conflicts, strict=True) if got is not None]
-            if forced:
-                written += self._insert_unchecked(forced)
+    def restore(self, stored: Stored) -> int:
+        """See `CandidateIndex.restore`. The entries' stored bytes pass through; per chunk, one read of what
+        their fields hold and the writes computed here (`restore_round`, as the insert script would insert
+        them with nothing to compare). A fenced index without its marker is being rebuilt: nobody else
+        writes it (the fence keeps the workers out, the guard's lock other restorers), so chunks of
+        REBUILD_CHUNK stream without transactions, the next chunk computed while Redis writes the last
+        (`_rebuild`). Otherwise each chunk of RESTORE_CHUNK is a MULTI/EXEC guarded by WATCH
+        (`_restore_chunk`), or on Redis Cluster, and for a chunk others kept writing beside, the insert
+        script with nothing to compare."""
+        self._forget_view()
+        if not len(stored):
+            return 0
+        times = np.asarray(stored.times, dtype=np.float64)
+        bad = ~(np.isfinite(times) & (times > _MIN_TS) & (np.abs(times / self.slice_length) < _MAX_SLICE))
+        if bad.any():
+            at = int(np.flatnonzero(bad)[0])
+            _event_time(float(times[at]), stored.ids[at], self.slice_length)  # raises its ValueError
+        slices = np.floor(times / self.slice_length).astype(np.int64)
+
+        def chunk(at: int, stop: int) -> _Chunk:
+            first, last = int(stored.bounds[at]), int(stored.bounds[stop])
+            return _Chunk(stored.ids[at:stop], times[at:stop], slices[at:stop], stored.bounds[at : stop + 1] - first,
+                          np.asarray(stored.keys[first:last], dtype=np.uint64), stored.blobs[at:stop])
+
+        written, start = 0, 0
+        with self._errors():  # the high-water mark (the slices a live id may be in), and a fenced index's marker
+            replies = self._execute([("HMGET", self._meta, "hwm", MARKER)])
+            _raise_any(replies)
+        self._rebuilt.hwm = max(self._rebuilt.hwm, self._hwm, _stored_time(replies[0][0] or b""))
+        if self.fenced:
+            if replies[0][1] is None:
+                start, written = self._rebuild([chunk(a, min(len(stored), a + REBUILD_CHUNK))
+                                                for a in range(0, len(stored), REBUILD_CHUNK)])
+        for at in range(start, len(stored), RESTORE_CHUNK):
+            part = chunk(at, min(len(stored), at + RESTORE_CHUNK))
+            done = None
+            for _ in range(RESTORE_ATTEMPTS if self._watchable() else 0):
+                done = self._restore_chunk(part)
+                if done is not None:
+                    break
+            if done is None:  # Cluster, or others kept writing meanwhile: the script appends atomically
+                flat, ends = part.keys.tolist(), part.bounds.tolist()
+                entries = [(id, ts, blob, tuple(flat[a:b]))
+                           for id, ts, blob, a, b in zip(part.ids, part.times.tolist(), part.blobs, ends, ends[1:])]
+                done = sum(self._insert_unchecked(entries[a : a + INSERT_CHUNK])
+                           for a in range(0, len(entries), INSERT_CHUNK))
+            written += done
         return written
 
-    def _insert_unchecked(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> int:
-        """The insert script with every tail empty: no comparison with what a lookup saw."""
+    def _rebuild(self, chunks: list[_Chunk]) -> tuple[int, int]:
+        """Restores `chunks` into an index nobody else writes (see `restore`): no WATCH, no transaction. The
+        read of chunk k+1 goes before the writes of chunk k, which Redis runs while this client computes
+        chunk k+1 from that read and chunk k's writes (known here). Each read checks that the namespace's
+        seq is the last this instance wrote and the marker still missing; else somebody else writes too,
+        and the rest goes through `_restore_chunk`. Returns (entries done: all, or those before the chunk
+        where it stopped; entries written)."""
+        rebuilt = self._rebuilt
+        conn = None if isinstance(self._client, RedisCluster) else self._pinned()
+        done = written = 0
+        expected = rebuilt.seq if rebuilt.fresh else None  # the seq the next read must find
+        seq, hwm_bytes = 0, b""
+        last: tuple[_Chunk, dict[int, list[Any]], list[Sequence[str | int | bytes]], int] | None = None
+        try:
+            for part in chunks:
+                sent = self._send_only(conn, self._restore_reads(part, marker=True))
+                sent_writes = self._send_only(conn, last[2]) if last is not None else None
+                replies = self._receive(conn, sent)
+                seq_read, stored_hwm, marker = int(replies[0][0] or 0), replies[0][1] or b"", replies[0][2]
+                if expected is None:
+                    expected, seq, hwm_bytes = seq_read, seq_read, stored_hwm
+                intruded = marker is not None or seq_read != expected
+                held = {} if intruded else self._restore_held(part, replies, last[1] if last is not None else None)
+                if last is not None:
+                    self._receive(conn, sent_writes)
+                    done, written = done + len(last[0].ids), written + last[3]
+                    last = None
+                if intruded:
+                    rebuilt.fresh.clear()  # somebody else writes too: what they wrote is unknown
+                    return done, written
+                expected = seq  # the next read goes after the writes of the chunk before this one
+                results, groups, hwm, new_seq = self._restore_round(
+                    part.ids, part.times, part.slices, part.bounds, part.keys, part.blobs, held,
+                    max(rebuilt.hwm, _stored_time(hwm_bytes)), self.window, self.bucket_cap, seq)
+                new_hwm = hwm_bytes if hwm <= _stored_time(hwm_bytes) else (b"%.17g" % hwm)
+                writes = self._restore_writes(groups, seq, hwm_bytes, new_seq, new_hwm, transaction=False)
+                rebuilt.hwm = max(rebuilt.hwm, hwm)
+                seq, hwm_bytes = new_seq, new_hwm
+                self._remember_fresh(part, None)
+                last = (part, groups, writes, sum(1 for r in results if r > 0))
+            if last is not None:
+                self._receive(conn, self._send_only(conn, last[2]))
+                done, written = done + len(last[0].ids), written + last[3]
+            rebuilt.seq = seq
+            return done, written
+        except BaseException:
+            if conn is not None:
+                conn.disconnect()
+            raise
+
+    def _restore_chunk(self, part: _Chunk) -> int | None:
+        """Restores a chunk beside other writers: reads what its fields hold (after a WATCH of the meta hash),
+        computes the writes (`restore_round`) and writes them in one MULTI/EXEC, which Redis refuses if
+        anybody wrote meanwhile (None: nothing written, try again)."""
+        rebuilt = self._rebuilt
+        commands = [("UNWATCH",), ("WATCH", self._meta), *self._restore_reads(part, marker=False)]
+        with self._errors():
+            self._pinned()
+            epoch = self._epoch
+            replies = self._execute(commands)
+            _raise_any(replies)
+        replies = replies[2:]
+        seq_read, stored_hwm = int(replies[0][0] or 0), replies[0][1] or b""
+        if rebuilt.fresh and rebuilt.seq != seq_read:  # somebody else wrote since: what they wrote is unknown
+            rebuilt.fresh.clear()
+            return None
+        if stored_hwm and self._slice(_stored_time(stored_hwm)) > part.chunk_slices[-1]:  # others moved the window
+            rebuilt.hwm = max(rebuilt.hwm, _stored_time(stored_hwm))
+            return None
+        held = self._restore_held(part, replies, None)
+        results, groups, hwm, seq = self._restore_round(
+            part.ids, part.times, part.slices, part.bounds, part.keys, part.blobs, held,
+            max(rebuilt.hwm, _stored_time(stored_hwm)), self.window, self.bucket_cap, seq_read)
+        hwm_bytes = stored_hwm if hwm <= _stored_time(stored_hwm) else (b"%.17g" % hwm)
+        writes = self._restore_writes(groups, seq_read, stored_hwm, seq, hwm_bytes, transaction=True)
+        self._guarded = True
+        try:
+            with self._errors():
+                if self._epoch != epoch:
+                    raise _WatchLost()
+                done = self._execute(writes)
+                _raise_any(done)
+                if done[-1] is None:
+                    return None  # somebody wrote meanwhile: nothing was written
+                _raise_any(done[-1])
+        except _WatchLost:
+            return None  # reconnected since the read: its WATCH is gone, nothing was sent
+        except BaseException:
+            if self._conn is not None:  # Redis before 6.2 stays in MULTI after refusing EXEC itself
+                self._conn.disconnect()
+            raise
+        finally:
+            self._guarded = False
+        rebuilt.hwm = max(rebuilt.hwm, hwm)
+        rebuilt.seq = seq
+        self._remember_fresh(part, None)
+        return sum(1 for r in results if r > 0)
+
+    def _restore_reads(self, part: _Chunk, *, marker: bool) -> list[Sequence[str | int | bytes]]:
+        """A restore chunk's read (its plan kept in `part`): the meta hash (with the marker), whether each slice
+        exists, the bucket fields the chunk names in the slices its entries go to, and its entry fields in
+        every slice that can hold a live one (as a lookup's window: an id stored inside the window is
+        kept). A slice a restore of ours found missing, and alone wrote since (`_Rebuilt`), is read only
+        for the fields its Bloom filter says they may have written."""
+        fresh = self._rebuilt.fresh
+        own = set(part.slices.tolist())
+        hwm = self._rebuilt.hwm  # the namespace's newest event time, as far as the restore knows
+        low = self._slice(max(hwm, float(part.times.min())) - self.window)
+        part.chunk_slices = sorted(own | set(range(low, self._slice(max(hwm, float(part.times.max()))) + 1)))
+        pair_slices = np.repeat(part.slices, np.diff(part.bounds)) if len(own) > 1 else None
+        for s in part.chunk_slices:
+            bits = fresh.get(s)
+            names: list[bytes] = []
+            if s in own:
+                ks = part.named[s] = np.unique(part.keys if pair_slices is None else part.keys[pair_slices == s])
+                if bits is not None:
+                    ks = ks[bloom_has(bits, ks)]
+                raw = ks.astype(">u8").tobytes()
+                names = [b"b" + raw[a : a + 8] for a in range(0, len(raw), 8)]
+            ids = part.ids if bits is None else [part.ids[i] for i in np.flatnonzero(bloom_has(bits, part.id_keys))]
+            part.wanted[s] = names + [id_field(id) for id in ids]
+        step = FIELDS_PER_HMGET
+        commands: list[Sequence[str | int | bytes]] = [("HMGET", self._meta, "seq", "hwm", *((MARKER,) if marker else ()))]
+        commands += [("EXISTS", f"{self._spre}{s}") for s in part.chunk_slices]
+        for s, names in part.wanted.items():
+            key = f"{self._spre}{s}"
+            commands += [("HMGET", key, *names[a : a + step]) for a in range(0, len(names), step)]
+        return commands
+
+    def _restore_held(self, part: _Chunk, replies: list[Any],
+                      before: dict[int, list[Any]] | None) -> dict[int, dict[bytes, bytes]]:
+        """What the fields a chunk reads hold (`_restore_reads`' replies, the meta hash's first), with the
+        writes of the chunk before over them when the read went before those (`_rebuild`)."""
+        n = len(part.chunk_slices)
+        part.present = [bool(x) for x in replies[1 : 1 + n]]
+        values = iter(replies[1 + n :])
+        step = FIELDS_PER_HMGET
+        held: dict[int, dict[bytes, bytes]] = {}
+        for s, names in part.wanted.items():
+            got = [v for a in range(0, len(names), step) for v in next(values)]
+            held[s] = {f: v for f, v in zip(names, got) if v is not None}
+        if before is not None:
+            for s, (_, pairs) in before.items():
+                mine = held.get(s)
+                if mine is not None:
+                    wanted = set(part.wanted[s])
+                    mine.update((f, v) for f, v in zip(pairs[0::2], pairs[1::2]) if f in wanted)
+        return held
+
+    def _restore_writes(self, groups: dict[int, list[Any]], seq_read: int, stored_hwm: bytes, seq: int,
+                        hwm: bytes, *, transaction: bool) -> list[Sequence[str | int | bytes]]:
+        writes: list[Sequence[str | int | bytes]] = [("MULTI",)] if transaction else []
+        pair_step = 2 * FIELDS_PER_CALL
+        for s, (count, pairs) in groups.items():
+            key = f"{self._spre}{s}"
+            writes += [("HSET", key, *pairs[a : a + pair_step]) for a in range(0, len(pairs), pair_step)]
+            writes += [("HINCRBY", key, "n", count), ("PEXPIRE", key, self._ttl_ms)]
+        if seq != seq_read or hwm != stored_hwm:
+            writes += [("HSET", self._meta, "seq", seq, "hwm", hwm), ("PEXPIRE", self._meta, self._ttl_ms)]
+        if transaction:
+            writes.append(("EXEC",))
+        return writes
+
+    def _remember_fresh(self, part: _Chunk, before: _Chunk | None) -> None:
+        """After a chunk's writes: the slices its read found missing are fresh (only restores of ours wrote
+        them: those of `before`, whose writes went after that read, too), and what it wrote goes into each
+        fresh slice's Bloom filter."""
+        fresh = self._rebuilt.fresh
+        for s, present in zip(part.chunk_slices, part.present):
+            bits = fresh.get(s)
+            if bits is None and not present:
+                bits = fresh[s] = bloom_bits()
+                if before is not None:
+                    before.remember(s, bits)
+            if bits is not None:
+                part.remember(s, bits)
+
+    def _send_only(self, conn: Any, commands: Sequence[Sequence[str | int | bytes]]) -> Any:
+        """Sends `commands` without reading their replies (`_receive` does); on Cluster, runs them."""
+        with self._errors():
+            if conn is None:
+                return self._execute(commands)
+            self._pack_and_send(conn, commands)
+            return len(commands)
+
+    def _receive(self, conn: Any, sent: Any) -> list[Any]:
+        """The replies of `_send_only`'s commands, in order; raises the first error reply."""
+        with self._errors():
+            if conn is None:
+                replies: list[Any] = sent
+            else:
+                replies = []
+                for _ in range(sent):
+                    try:
+                        replies.append(conn.read_response())
+                    except ResponseError as exc:  # read whole: the connection stays in step
+                        replies.append(exc)
+            _raise_any(replies)
+        return replies
+
+    def _forget_view(self) -> None:
+        """A restore re-arms the pinned connection's WATCH: what the last lookup read guards nothing now."""
+        if self._ahead is not None:
+            with self._errors():
+                self._drain()
+            self._ahead = None
+        self._view = _View()
+
+    def _insert_unchecked(self, entries: Sequence[tuple[str, float, bytes, tuple[int, ...]]]) -> int:
+        """The insert script with every tail empty and no marker: no comparison with what a lookup saw.
+        `entries`: (id, event time, stored bytes, bucket keys)."""
         args: list[str | int | bytes] = [self._spre, repr(self.window), repr(self.slice_length), self.bucket_cap,
-                                         self._ttl_ms, repr(self._hwm), "", 0, 0, self._clock_arg()]
-        for entry, keys in entries:
+                                         self._ttl_ms, repr(self._hwm), "", 0, 0, self._clock_arg(), b""]
+        for id, ts, blob, keys in entries:
             fields = [field_of(key) for key in keys]
-            args += [entry.id.encode("utf-8", "surrogatepass"), repr(_event_time(entry.ts, entry.id, self.slice_length)),
-                     encode_entry(entry), len(fields), b"", *fields]
+            args += [id.encode("utf-8", "surrogatepass"), repr(ts), blob, len(fields), b"", *fields]
         [(_, _, results)] = self._eval_pipelined(_INSERT, [args])
         self._view.exact = False  # the script wrote values no lookup of this instance read
         return sum(1 for r in results if r > 0)
@@ -784,13 +1064,39 @@ class RedisIndex:
             _raise_any(replies)
         if watch:
             replies = replies[2:]
-        (seq, stored) = replies[0]
-        return int(seq or 0), stored or b"", _columns(replies[1:], len(slices), len(names))
+        seq, stored = self._state(replies[0])
+        return seq, stored, _columns(replies[1:], len(slices), len(names))
+
+    def _state(self, reply: Sequence[Any]) -> tuple[int, bytes]:
+        """(seq, high-water mark as stored) of a read of the meta hash (`_read_commands`). A fenced index
+        also finds its marker there (`IndexLost` when it is missing) and keeps it for the inserts."""
+        if self.fenced:
+            if reply[2] is None:
+                raise IndexLost(f"the Redis index at {self._where} holds no marker ({self._meta} {MARKER}): "
+                                "its data was lost, or it is being rebuilt from the changelog")
+            self._marker = reply[2]
+        return int(reply[0] or 0), reply[1] or b""
+
+    def _lost(self) -> IndexLost:
+        return IndexLost(f"the Redis index at {self._where} was lost or rebuilt since this batch's lookup "
+                         f"(its marker {self._meta} {MARKER} changed): nothing of the batch was written")
+
+    def _expected_marker(self) -> bytes:
+        """The marker an insert requires (b"" when not fenced: no check): its lookup's, else the last read."""
+        if not self.fenced:
+            return b""
+        if not self._view.marker and not self._marker:
+            with self._errors():
+                replies = self._execute([("HMGET", self._meta, "seq", "hwm", MARKER)])
+                _raise_any(replies)
+            self._state(replies[0])
+        return self._view.marker or self._marker
 
     def _read_commands(self, names: Sequence[bytes], slices: Sequence[int], *,
                        watch: bool) -> list[Sequence[str | int | bytes]]:
         step = FIELDS_PER_HMGET
-        commands: list[Sequence[str | int | bytes]] = [("HMGET", self._meta, "seq", "hwm")]
+        commands: list[Sequence[str | int | bytes]] = [("HMGET", self._meta, "seq", "hwm",
+                                                         *((MARKER,) if self.fenced else ()))]
         if watch:  # UNWATCH first: a WATCH of a key already watched would keep its old dirty flag
             commands[:0] = [("UNWATCH",), ("WATCH", self._meta)]
         for s in slices:
@@ -880,14 +1186,16 @@ class RedisIndex:
         view = self._view
         args: list[str | int | bytes] = [self._spre, repr(self.window), repr(self.slice_length), self.bucket_cap,
                                          self._ttl_ms, repr(self._hwm), ",".join(map(str, view.slices)),
-                                         view.mark, view.inserted, self._clock_arg()]
+                                         view.mark, view.inserted, self._clock_arg(), self._expected_marker()]
         places_of = [self._places(entry.id, fields) for (entry, _), fields in zip(entries, fields_of)]
         for (entry, _), fields, places in zip(entries, fields_of, places_of):
             expected = b"" if None in places else view.expected(entry.id, places)  # type: ignore[arg-type]
             args += [entry.id.encode("utf-8", "surrogatepass"), repr(_event_time(entry.ts, entry.id, self.slice_length)),
                      encode_entry(entry), len(fields), expected, *fields]
-        [(_, hwm, results)] = self._eval_pipelined(_INSERT, [args], self._memo_commands())
-        self._memos_sent()
+        [(lost, hwm, results)] = self._eval_pipelined(_INSERT, [args], self._memo_commands())
+        self._memos_sent()  # written beside the script, whatever it answered
+        if lost == -1:
+            raise self._lost()
         view.hwm = hwm
         view.exact = False  # the script wrote values this caller did not compute
         for (entry, _), places, result in zip(entries, places_of, results):
@@ -941,10 +1249,13 @@ class RedisIndex:
             if not written:
                 view.watch = -1  # somebody wrote right after: later rounds go through the script's check
         else:
-            args: list[str | int | bytes] = [str(start), view.hwm, str(seq), hwm_bytes, self._ttl_ms, gone]
+            args: list[str | int | bytes] = [str(start), view.hwm, str(seq), hwm_bytes, self._ttl_ms, gone,
+                                             self._expected_marker()]
             for s, (count, pairs) in groups.items():
                 args += [f"{self._spre}{s}", count, len(pairs) // 2, *pairs]
             [done] = self._eval_pipelined(_INSERT_ALONE, [args], self._memo_commands())
+            if done == -1:
+                raise self._lost()
             if not done:
                 self._memos_sent()  # written beside the script, whatever it answered
                 return None
@@ -1011,6 +1322,8 @@ class RedisIndex:
         names = list(dict.fromkeys(f for fields in fields_of for f in fields))
         wanted = tuple(sorted(set(view.slices) | set(self._slices(self._hwm, self._hwm))))
         seq, _, slices, columns = self._read_covering(names, wanted, self._hwm, self._hwm)
+        if view.marker and self._marker != view.marker:
+            raise self._lost()
         horizon = self._hwm - self.window
         at = {name: i for i, name in enumerate(names)}
         view.slices = slices  # a slice the lookup did not read: what it holds is unknown, absent there
@@ -1143,6 +1456,49 @@ class RedisIndex:
 
     def __repr__(self) -> str:
         return f"RedisIndex({self._where!r}, namespace={self.namespace!r}, window={self.window})"
+
+
+@dataclass(slots=True)
+class _Chunk:
+    """A chunk of a restore: its entries (`Stored`'s columns, `bounds` from 0) and its read's plan."""
+
+    ids: list[str]
+    times: np.ndarray
+    slices: np.ndarray
+    bounds: np.ndarray
+    keys: np.ndarray
+    blobs: list[bytes]
+    chunk_slices: list[int] = field(default_factory=list)  # the slices its entries go to
+    named: dict[int, np.ndarray] = field(default_factory=dict)  # per slice: the bucket keys named there
+    wanted: dict[int, list[bytes]] = field(default_factory=dict)  # per slice: the fields read
+    present: list[bool] = field(default_factory=list)  # per slice: whether it existed when read
+    _id_keys: np.ndarray | None = None
+
+    @property
+    def id_keys(self) -> np.ndarray:
+        """Its ids as 64-bit keys of a Bloom filter (mmh3)."""
+        if self._id_keys is None:
+            self._id_keys = np.fromiter((mmh3.hash64(id.encode("utf-8", "surrogatepass"), signed=False)[0]
+                                         for id in self.ids), np.uint64, len(self.ids))
+        return self._id_keys
+
+    def remember(self, s: int, bits: np.ndarray) -> None:
+        """Adds what it writes into slice `s` to `bits`: the bucket keys named there, the ids that go there."""
+        if s in self.named:
+            bloom_add(bits, self.named[s])
+            bloom_add(bits, self.id_keys[self.slices == s])
+
+
+@dataclass(slots=True)
+class _Rebuilt:
+    """What this instance's restores wrote since the namespace's seq last moved by another hand (every write
+    of the namespace moves it): the slices they found missing, and per such slice a Bloom filter of the
+    bucket fields they wrote there. A field not in it is absent: a restore need not read it. Forgotten at
+    the next batch (`decide`): only a rebuild from the changelog, chunk after chunk, gains from it."""
+
+    seq: int = -1  # the seq the last restore wrote
+    hwm: float = -math.inf  # the namespace's newest event time as the restores know it (this instance's clock is its own)
+    fresh: dict[int, np.ndarray] = field(default_factory=dict)  # slice -> `bloom_bits`
 
 
 class _WatchLost(Exception):

@@ -2,17 +2,20 @@
 -- ARGV: slice key prefix, window, slice length, bucket cap, TTL (ms), the caller's high-water mark of
 --       event time, the slices the caller read (comma-separated, in the order of its tails), the seq
 --       at its lookup and how many it inserted since, the window's clock ('' for the high-water mark:
---       nobody looks for anything older than it less the window), then per entry: id, event time, encoded entry,
+--       nobody looks for anything older than it less the window), the marker the caller's lookup read ('' for
+--       no check: see the Fence of filters/index/redis.py), then per entry: id, event time, encoded entry,
 --       the number n of its buckets, what the caller saw of them (per slice it read, the last 8 bytes
 --       of each bucket field, zeros if absent; '' for no check), and its n bucket field names.
 -- Returns {seq, high-water mark, per entry: its seq (inserted), 0 (its id is live, or it is outside
---          the window: nothing to do) or -1 (a bucket changed since the caller saw it: not inserted)}.
+--          the window: nothing to do) or -1 (a bucket changed since the caller saw it: not inserted)},
+--         or {-1, '', {}} when the marker is not the caller's (the index was lost or rebuilt): nothing written.
 local meta, spre = KEYS[1], ARGV[1]
 local window, slice_len, cap, ttl = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
 local hwm = tonumber(ARGV[6])
 local ABSENT = string.rep('\0', 8)
-local FIRST, PER_CALL = 11, FIELDS_PER_CALL
-local state = redis.call('HMGET', meta, 'seq', 'hwm')
+local FIRST, PER_CALL = 12, FIELDS_PER_CALL
+local state = redis.call('HMGET', meta, 'seq', 'hwm', 'epoch')
+if ARGV[11] ~= '' and state[3] ~= ARGV[11] then return {-1, '', {}} end
 local stored_hwm = tonumber(state[2] or '-inf')
 if stored_hwm > hwm then hwm = stored_hwm end
 local start = tonumber(state[1] or '0')

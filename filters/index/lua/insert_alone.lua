@@ -1,11 +1,14 @@
 -- KEYS[1]: the namespace's meta hash. ARGV: seq and high-water mark expected ('' for none), the new
 -- seq and high-water mark (written when different), TTL (ms), a slice key to unlink ('' for none),
--- then per slice written: its key, the number of entries, the number of field-value pairs, the pairs.
--- Returns 1 (written) or 0 (somebody else wrote meanwhile: nothing was written).
+-- the marker the caller's lookup read ('' for no check: see the Fence of filters/index/redis.py), then
+-- per slice written: its key, the number of entries, the number of field-value pairs, the pairs.
+-- Returns 1 (written), 0 (somebody else wrote meanwhile) or -1 (the marker is not the caller's: the
+-- index was lost or rebuilt); nothing is written but on 1.
 local meta, ttl = KEYS[1], ARGV[5]
-local state = redis.call('HMGET', meta, 'seq', 'hwm')
+local state = redis.call('HMGET', meta, 'seq', 'hwm', 'epoch')
+if ARGV[7] ~= '' and state[3] ~= ARGV[7] then return -1 end
 if (state[1] or '0') ~= ARGV[1] or (state[2] or '') ~= ARGV[2] then return 0 end
-local i = 7
+local i = 8
 while i <= #ARGV do
   local key, entries, pairs = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
   i = i + 3
