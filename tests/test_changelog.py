@@ -15,20 +15,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 import redis
+from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from bench.kafka_support import drop_index, redis_namespace
 from bench.reliability import Serve, create_topics, produce_to, read, scenario_settings, serving, wait_assigned
 from filters.config import FilterConfig
 from filters.engine import NearDupFilter
 from filters.errors import IndexCorrupt, IndexLost
-from filters.index import Entry, Query
+from filters.index import Entry, Query, Stored
 from filters.index.backends import open_index
 from filters.index.memory import MemoryIndex
 from filters.index.redis import MARKER, RedisIndex, meta_key
 from filters.index.redis_codec import stored_entries, stored_of
 from filters.records import Message
 from stream.backlog import backlog, differences, f1, reference, verdicts_of
-from stream.changelog import IndexGuard, Journal, decode_records, encode_records
+from stream.changelog import IndexGuard, Journal, decode_records, encode_records, read_changelog
+from stream.config import Settings
+from stream.kafka_tools import client_options, producer
 
 TEXTS = [
     "WIN a FREE iPhone now!!! call 555-0100 to claim your prize today",
@@ -373,3 +376,99 @@ def test_two_workers_route_a_backlog_as_the_filter_though_redis_loses_its_data(
     assert len(diff) <= 3, diff
     assert abs(f1(routed, items) - f1(want, items)) <= 0.01
     assert not any(r.header("neardup-method") == b"replay" for r in got)
+
+
+async def _changelog(settings: Settings) -> list[str]:
+    """The ids of the entries the changelog holds, as a restore reads it (`read_committed`)."""
+    consumer = AIOKafkaConsumer(enable_auto_commit=False, isolation_level="read_committed",
+                                max_partition_fetch_bytes=8 * 1024 * 1024, **client_options(settings))
+    await consumer.start()
+    ids: list[str] = []
+
+    async def write(entries: Stored) -> int:
+        ids.extend(entries.ids)
+        return len(entries)
+
+    try:
+        async with producer(settings) as p:  # (a consumer's metadata may not list the topic yet)
+            partitions = sorted(await p.partitions_for(settings.changelog_name))
+        await read_changelog(consumer, settings.changelog_name, partitions, NearDupFilter().config.digest(), 0, write)
+    finally:
+        await consumer.stop()
+    return ids
+
+
+def _indexed(index_url: str) -> list[str]:
+    """The ids of the entries the Redis index holds."""
+    base, _, query = index_url.partition("?")
+    prefix = dict(item.split("=", 1) for item in query.split("&"))["prefix"]
+    with redis.Redis.from_url(base) as client:
+        return [field[1:].decode() for key in client.scan_iter(match=f"{{{prefix}:*}}:s:*")
+                for field in client.hkeys(key) if field[:1] == b"e"]
+
+
+async def _until_a_transaction_is_open(settings: Settings, partitions: int, timeout: float = 30.0) -> None:
+    """Until an output partition holds records of a transaction not committed yet (its stable end behind its end)."""
+    ends = {isolation: AIOKafkaConsumer(enable_auto_commit=False, isolation_level=isolation, **client_options(settings))
+            for isolation in ("read_committed", "read_uncommitted")}
+    for consumer in ends.values():
+        await consumer.start()
+    try:
+        tps = [TopicPartition(topic, p) for topic in (settings.unique_topic, settings.duplicate_topic)
+               for p in range(partitions)]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            stable = await ends["read_committed"].end_offsets(tps)
+            if stable != await ends["read_uncommitted"].end_offsets(tps):
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("no transaction was seen open")
+    finally:
+        for consumer in ends.values():
+            await consumer.stop()
+
+
+def test_an_aborted_transaction_leaves_nothing_behind(kafka_bootstrap: str, redis_url: str, tmp_path: Path) -> None:
+    """Exactly-once with the changelog: worker a is killed (-9) with a transaction open (slowed down: one
+    always is) and started again under the same instance id, whose transactional id aborts it: a real
+    aborted transaction, its outputs and changelog records in the log but never committed. The records it
+    held are routed again: the entries the aborted attempt inserted are found under their own ids
+    (replays), and the outputs get the very headers the aborted attempt had given them (a first decision's,
+    no trace of the retry); their entries are journaled then. So the changelog's committed entries are the
+    unique outputs, each once, the index holds exactly those, and the routing is the filter's."""
+    items = backlog(clusters=150, copies=3)
+    want = reference(items, NearDupFilter())
+    with redis_namespace(redis_url) as index:
+        settings = scenario_settings(kafka_bootstrap, index, ts_field="ts", max_batch=20, max_skew=1800.0,
+                                     processing_guarantee="exactly_once", session_timeout=6.0)
+
+        async def load() -> None:
+            await create_topics(settings, 4)
+            await produce_to(settings, [(i.partition, i.id.encode(), i.value) for i in items], enable_idempotence=True)
+
+        asyncio.run(load())
+        with serving() as started:
+            a = Serve(settings, tmp_path, "a", hook="pause=0.2", args=["--group-instance-id", "a"])
+            started.append(a)
+            read(settings, committed=True, sources=len(items) // 8, settle=0.0, timeout=90)
+            asyncio.run(_until_a_transaction_is_open(settings, 4))
+            a.kill()
+            again = Serve(settings, tmp_path, "again", args=["--group-instance-id", "a"])
+            started.append(again)
+            got = read(settings, committed=True, sources=len(items), settle=2.0, timeout=180)
+            assert again.stop() == 0, again.log()[-3000:]
+        everything = read(settings, sources=len(items), settle=2.0, timeout=60)  # aborted records too
+        journaled = asyncio.run(_changelog(settings))
+        indexed = _indexed(index)
+    committed = {(r.topic, r.partition, r.offset) for r in got}
+    aborted = [r for r in everything if (r.topic, r.partition, r.offset) not in committed]
+    assert aborted, "no transaction with outputs was aborted: the test proves nothing"
+    sources = [r.header("neardup-source") for r in got]
+    assert len(sources) == len(set(sources)) == len(items)  # lost 0, doubled 0
+    first = {r.header("neardup-source"): r for r in got}
+    assert all(first[r.header("neardup-source")].headers == r.headers for r in aborted)
+    routed = verdicts_of(got)
+    unique = sorted(id for id, verdict in routed.items() if verdict == "unique")
+    assert sorted(journaled) == unique  # each unique once; nothing of the aborted attempt
+    assert sorted(indexed) == unique
+    assert differences(routed, want) == []
