@@ -1,13 +1,17 @@
-"""Kafka worker test helpers: unique names, settings, producing, running a worker until a condition, a proxy."""
+"""Kafka worker test helpers: unique names, settings, producing, running a worker until a condition, a proxy, a
+redis-server of one's own."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 import socket
+import subprocess
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -119,6 +123,52 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+class PrivateRedis:
+    """A redis-server of the caller's own, without persistence, that it may restart (losing everything) or
+    flush: a Redis that loses its data."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.port = free_port()
+        self.workdir = workdir
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise AssertionError("redis-server is not installed (.ci/run installs it)")
+        self.proc = subprocess.Popen([exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no", "--dir", str(self.workdir)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                if redis.Redis(port=self.port, socket_timeout=1).ping():
+                    return
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+    def lose(self, how: str) -> None:
+        """Its data gone: `restart` (without persistence) or `flushall`."""
+        if how == "restart":
+            self.stop()
+            time.sleep(1.0)
+            self.start()
+        else:
+            with redis.Redis(port=self.port) as client:
+                client.flushall()
 
 
 class TcpProxy:

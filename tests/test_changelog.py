@@ -5,9 +5,6 @@ its data (restarted without persistence, or FLUSHALL) mid-stream."""
 from __future__ import annotations
 
 import asyncio
-import shutil
-import socket
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +14,7 @@ import pytest
 import redis
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from bench.kafka_support import drop_index, redis_namespace
+from bench.kafka_support import PrivateRedis, drop_index, redis_namespace
 from bench.reliability import Serve, create_topics, produce_to, read, scenario_settings, serving, wait_assigned
 from filters.config import FilterConfig
 from filters.engine import NearDupFilter
@@ -279,47 +276,6 @@ def test_a_conflict_re_read_after_a_rebuild_is_refused(redis_url: str) -> None:
 # -- two workers, and a Redis that loses its data ---------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class PrivateRedis:
-    """A redis-server of this test's own, without persistence, that it may restart (losing everything)."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.port = _free_port()
-        self.workdir = workdir
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        exe = shutil.which("redis-server")
-        if exe is None:
-            pytest.fail("redis-server is not installed (.ci/run installs it)", pytrace=False)
-        self.proc = subprocess.Popen([exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--dir", str(self.workdir)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                if redis.Redis(port=self.port, socket_timeout=1).ping():
-                    return
-            except redis.ConnectionError:
-                assert time.monotonic() < deadline, "redis-server did not start"
-                time.sleep(0.05)
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
-
-
 @pytest.mark.parametrize(("loss", "changelog"), [("restart", True), ("flushall", True), ("restart", False)])
 def test_two_workers_route_a_backlog_as_the_filter_though_redis_loses_its_data(
         kafka_bootstrap: str, tmp_path: Path, loss: str, changelog: bool) -> None:
@@ -349,12 +305,7 @@ def test_two_workers_route_a_backlog_as_the_filter_though_redis_loses_its_data(
             started += [a, b]
             wait_assigned([a, b], 4)
             read(settings, committed=True, sources=len(items) // 3, settle=0.0, timeout=90)
-            if loss == "restart":
-                server.stop()
-                time.sleep(1.0)
-                server.start()
-            else:
-                redis.Redis(port=server.port).flushall()
+            server.lose(loss)
             got = read(settings, committed=True, sources=len(items), settle=2.0, timeout=180)
             for w in (a, b):
                 w.alive()

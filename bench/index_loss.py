@@ -1,0 +1,128 @@
+"""Benchmark: routing quality when Redis loses the index mid-stream, two `neardup serve` workers, against `neardup filter`.
+
+    eval "$(bash docker/services.sh env)"
+    python bench/index_loss.py [--stream ../shared/eval/stream.jsonl] [--losses restart,flushall,none]
+                               [--guarantee exactly_once] [--at 0.5] [--max-batch 500] [--runs 1]
+
+The labelled development stream (`--stream`, its `truth.jsonl` beside it), each record in a random partition
+of 4 (seeded; every partition in event-time order), is produced at once to a fresh topic after two workers
+joined the group, on a redis-server of this benchmark's own (no persistence). Once `--at` of the records
+were routed (committed), Redis loses its data: `restart` (killed and started again, empty) or `flushall`;
+`none` is the same run without a loss. The workers find the index lost (its marker missing), rebuild it
+from the index changelog and route on. Per run: records lost and doubled, routing F1 of the workers and
+of the filter on the same records in stream order (the shared/eval measure: stream/evaluate.py), records
+routed otherwise than the filter did, and the restores the workers' logs report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench import needs  # noqa: E402
+from bench.alignment import PARTITIONS, load, preload  # noqa: E402
+from bench.kafka_support import PrivateRedis  # noqa: E402
+from bench.reliability import Serve, read, scenario_settings, serving, wait_assigned  # noqa: E402
+from filters.engine import NearDupFilter  # noqa: E402
+from filters.records import Verdict  # noqa: E402
+from stream.backlog import Item, differences, reference  # noqa: E402
+from stream.evaluate import read_truth, score  # noqa: E402
+from stream.kafka_tools import ensure_topics  # noqa: E402
+
+DEFAULT_STREAM = ROOT.parent / "shared" / "eval" / "stream.jsonl"
+_REBUILT = re.compile(r"index rebuilt from the changelog: (\d+) entries read, (\d+) written, in ([0-9.]+)s")
+
+
+def f1_of(truth: Sequence[dict[str, object]], routed: dict[str, str]) -> float:
+    """The shared/eval F1 of id → unique/duplicate (a record without a verdict counts as not a duplicate)."""
+    return score(truth, [Verdict(str(row["id"]), routed.get(str(row["id"])) == "duplicate") for row in truth]).overall.f1
+
+
+def run(args: argparse.Namespace, items: Sequence[Item], truth: Sequence[dict[str, object]], want: dict[str, str],
+        loss: str, workdir: Path) -> dict[str, float]:
+    server = PrivateRedis(workdir)
+    server.start()
+    try:
+        settings = scenario_settings(args.bootstrap, f"{server.url}?prefix=loss", ts_field="ts",
+                                     max_batch=args.max_batch, processing_guarantee=args.guarantee,
+                                     partitions=PARTITIONS, log_level="info")
+        asyncio.run(ensure_topics(settings, [*settings.input_topics, *settings.output_topics], partitions=PARTITIONS))
+        committed = args.guarantee == "exactly_once"
+        with serving() as started:
+            started += [Serve(settings, workdir, name, args=["--group-instance-id", name]) for name in ("a", "b")]
+            wait_assigned(started, PARTITIONS)
+            t0 = time.monotonic()
+            asyncio.run(preload(settings, items))
+            read(settings, committed=committed, sources=round(len(items) * args.at), settle=0.0, timeout=args.timeout)
+            if loss != "none":
+                server.lose(loss)
+            got = read(settings, committed=committed, sources=len(items), settle=3.0, timeout=args.timeout)
+            seconds = time.monotonic() - t0
+            for w in started:
+                w.alive()
+            logs = "".join(w.log() for w in started)
+    finally:
+        server.stop()
+    sources = [r.header("neardup-source") for r in got]
+    if len(set(sources)) < len(items):  # what went wrong, for whoever looks
+        print("\n".join(line for line in logs.splitlines() if " WARNING " in line or " ERROR " in line
+                        or "Traceback" in line)[-6000:], file=sys.stderr)
+    routed = {(r.header("neardup-id") or b"").decode(): (r.header("neardup-verdict") or b"").decode() for r in got}
+    rebuilt = [(int(n), float(s)) for n, _, s in _REBUILT.findall(logs)]
+    return {"lost": len(items) - len(set(sources)), "doubled": len(sources) - len(set(sources)),
+            "f1": f1_of(truth, routed), "otherwise": len(differences(routed, want)), "seconds": seconds,
+            "restored": max((n for n, _ in rebuilt), default=0), "restore_s": max((s for _, s in rebuilt), default=0.0)}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--bootstrap", default=os.environ.get("NEARDUP_TEST_KAFKA", "127.0.0.1:9092"))
+    p.add_argument("--stream", type=Path, default=DEFAULT_STREAM)
+    p.add_argument("--truth", type=Path, default=None, help="its truth (default: truth.jsonl beside the stream)")
+    p.add_argument("--limit", type=int, default=40_000, help="records of the stream at most")
+    p.add_argument("--losses", default="restart,flushall,none", help="comma-separated: restart, flushall, none")
+    p.add_argument("--guarantee", default="exactly_once", choices=("at_least_once", "exactly_once"))
+    p.add_argument("--at", type=float, default=0.5, help="fraction of the records routed when Redis loses its data")
+    p.add_argument("--max-batch", type=int, default=500)
+    p.add_argument("--runs", type=int, default=1)
+    p.add_argument("--timeout", type=float, default=600.0)
+    args = p.parse_args(argv)
+    truth_path = args.truth or args.stream.with_name("truth.jsonl")
+    needs.files(__file__, args.stream, truth_path)
+    needs.kafka(__file__, args.bootstrap)
+    needs.tool(__file__, "redis-server", install="apt-get install redis-server")
+    items = load(args.stream, args.limit, truth_path)
+    truth = read_truth(truth_path.read_bytes().splitlines()[: len(items)], str(truth_path))
+    want = reference(items, NearDupFilter())
+    filter_f1 = f1_of(truth, want)
+    print(f"{len(items)} records on {PARTITIONS} partitions, 2 workers, {args.guarantee}, max_batch {args.max_batch}; "
+          f"Redis loses its data once {args.at:.0%} are routed; neardup filter F1 {filter_f1:.4f}", flush=True)
+    print("| loss | runs | lost | doubled | F1 (workers) | F1 − filter's | routed otherwise | entries restored "
+          "| restore s | seconds |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory(prefix="neardup-loss-") as tmp:
+        for loss in [x for x in args.losses.split(",") if x]:
+            rows = [run(args, items, truth, want, loss, Path(tmp)) for _ in range(args.runs)]
+
+            def med(key: str, rows: list[dict[str, float]] = rows) -> float:
+                return statistics.median(r[key] for r in rows)
+
+            print(f"| {loss} | {len(rows)} | {max(r['lost'] for r in rows):.0f} | {max(r['doubled'] for r in rows):.0f} "
+                  f"| {med('f1'):.4f} | {med('f1') - filter_f1:+.4f} | {med('otherwise'):.0f} | {med('restored'):,.0f} "
+                  f"| {med('restore_s'):.1f} | {med('seconds'):.0f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
