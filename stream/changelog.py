@@ -60,7 +60,7 @@ _HEAD = struct.Struct("<B3xIII")  # format, entries, bucket keys, id bytes
 _HEAD_1 = struct.Struct("<BI")  # format 1: format, number of bucket keys
 _ENTRY_HEAD = 42  # the fixed part of a stored entry (redis_codec's header)
 _F64, _U64, _U32 = np.dtype("<f8"), np.dtype("<u8"), np.dtype("<u4")
-RESTORE_CHUNK = 16384  # entries handed to `CandidateIndex.restore` at once
+RESTORE_CHUNK = 65536  # entries handed to `CandidateIndex.restore` at once
 LOCK_TTL = 15.0  # seconds a restorer's lock lives unless it is refreshed (a dead restorer's lock expires)
 
 

@@ -187,7 +187,7 @@ DEFAULT_ENTRY_CACHE = 16384  # entries (≈ 1 KB each, Python objects) a client 
 INSERT_CHUNK = 512  # entries per insert script: bounds how long one script blocks the server
 RESTORE_CHUNK = 4096  # entries per restore transaction: bounds how long one MULTI/EXEC blocks the server (≈ 50 ms)
 RESTORE_ATTEMPTS = 3  # transactions refused (others wrote meanwhile) before a restore chunk goes through the script
-REBUILD_CHUNK = 32768  # entries per round of a rebuild (no transaction: Redis serves others between its commands)
+REBUILD_CHUNK = 65536  # entries per round of a rebuild (no transaction: Redis serves others between its commands)
 LOOKUP_CHUNK = 256  # queries' worth of field names (up to 16 each) one HMGET reads: bounds a command's size
 FIELDS_PER_HMGET = 16 * LOOKUP_CHUNK
 FIELDS_PER_CALL = 2000  # fields per HMGET, pairs per HSET, inside the script (Lua's unpack stops near 8,000 values)
@@ -873,7 +873,7 @@ class RedisIndex:
             bits = fresh.get(s)
             names: list[bytes] = []
             if s in own:
-                ks = part.named[s] = np.unique(part.keys if pair_slices is None else part.keys[pair_slices == s])
+                ks = part.named[s] = _distinct(part.keys if pair_slices is None else part.keys[pair_slices == s])
                 if bits is not None:
                     ks = ks[bloom_has(bits, ks)]
                 raw = ks.astype(">u8").tobytes()
@@ -1526,6 +1526,12 @@ def _columns(replies: Sequence[Any], n_slices: int, n_names: int) -> list[list[b
         columns.append(column)
     return columns
 
+
+
+def _distinct(keys: np.ndarray) -> np.ndarray:
+    """The distinct keys, sorted (`np.unique`, whose hashing path is 25 times slower on a million uint64)."""
+    ordered = np.sort(keys)
+    return ordered[np.concatenate(([True], ordered[1:] != ordered[:-1]))] if len(ordered) else ordered
 
 
 def _stored_time(stored: bytes) -> float:
