@@ -38,9 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import needs
 from filters.config import FilterConfig
 from filters.engine import NearDupFilter
-from filters.index import Entry, Stored
+from filters.index import Entry
 from filters.index.backends import open_index
-from stream.changelog import NAMESPACE_HEADER, encode_records, read_changelog
+from stream.changelog import NAMESPACE_HEADER, Write, encode_records, read_changelog, restore_from
 
 _WORDS = ["".join(random.Random(i).choices("abcdefghijklmnopqrstuvwxyz", k=random.Random(-i).randint(3, 9)))
           for i in range(5000)]
@@ -89,23 +89,19 @@ async def restore(bootstrap: str, topic: str, partitions: int, namespace: str, u
                               isolation_level="read_committed", auto_offset_reset="earliest",
                               max_partition_fetch_bytes=8 * 1024 * 1024, fetch_max_bytes=32 * 1024 * 1024)
     await reader.start()
-    written = 0
 
-    async def write(chunk: Stored) -> int:
-        nonlocal written
-        n = await asyncio.to_thread(index.restore, chunk)
-        written += n
-        return n
+    async def read(write: Write) -> int:
+        return await read_changelog(reader, topic, list(range(partitions)), namespace,
+                                    round((time.time() - 2 * 86400) * 1000), write)
 
     try:
         t0 = time.perf_counter()
-        read = await read_changelog(reader, topic, list(range(partitions)), namespace,
-                                    round((time.time() - 2 * 86400) * 1000), write)
+        read_n, written = await restore_from(read, index.restore)  # as the worker's guard does
         seconds = time.perf_counter() - t0
     finally:
         await reader.stop()
         index.close()
-    return read, written, seconds
+    return read_n, written, seconds
 
 
 def _redis_cpu(server: redis.Redis) -> float:

@@ -31,11 +31,13 @@ retention (the window plus a margin) keeps what a restore needs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import queue
 import struct
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +64,7 @@ _ENTRY_HEAD = 42  # the fixed part of a stored entry (redis_codec's header)
 _F64, _U64, _U32 = np.dtype("<f8"), np.dtype("<u8"), np.dtype("<u4")
 RESTORE_CHUNK = 65536  # entries handed to `CandidateIndex.restore` at once
 LOCK_TTL = 15.0  # seconds a restorer's lock lives unless it is refreshed (a dead restorer's lock expires)
+PROGRESS_EVERY = 500_000  # entries read between two progress lines of a restore
 
 
 def encode_records(made: Sequence[tuple[Entry, Sequence[int]]]) -> list[tuple[bytes, bytes]]:
@@ -180,9 +183,65 @@ class Restored:
     seconds: float
 
 
-Write = Callable[[Stored], Awaitable[int]]  # writes entries into the index (`CandidateIndex.restore`)
+Write = Callable[[Stored], Awaitable[int]]  # takes a chunk of entries read (for `Restore`)
 # Reads the changelog whole (what its retention keeps) and hands the entries, in chunks, to a `Write`.
 ChangelogReader = Callable[[Write], Awaitable[int]]
+Restore = Callable[[Iterable[Stored]], int]  # writes entries into the index: `CandidateIndex.restore`
+
+
+class _Feed:
+    """Chunks of entries from the changelog's reader (the event loop) to the restore (a thread), a few ahead."""
+
+    _END = object()
+
+    def __init__(self, ahead: int = 2) -> None:
+        self._queue: queue.Queue[Any] = queue.Queue(ahead)
+
+    async def put(self, item: Any, consumer: asyncio.Future[int]) -> None:
+        """Waits for room; raises what the restore raised if it stopped taking."""
+        while True:
+            if consumer.done():
+                consumer.result()  # its error, if it failed
+                if item is self._END:
+                    return
+                raise RuntimeError("the index's restore returned before the changelog was read")
+            try:
+                self._queue.put_nowait(item)
+                return
+            except queue.Full:
+                await asyncio.sleep(0.002)
+
+    def __iter__(self) -> Iterator[Stored]:
+        while (item := self._queue.get()) is not self._END:
+            yield item
+
+
+async def restore_from(read: ChangelogReader, restore: Restore, progress: Callable[[int], None] = lambda n: None,
+                       ) -> tuple[int, int]:
+    """Reads the changelog (`read`) into `restore`, which runs in a thread meanwhile, chunk after chunk as they
+    come (the index's restore sees the whole changelog in one call: it may keep what recurs until the end).
+    `progress` is told the entries read so far. Returns (entries read, entries written)."""
+    feed = _Feed()
+    writing = asyncio.ensure_future(asyncio.to_thread(restore, feed))
+    read_n = 0
+
+    async def hand(entries: Stored) -> int:
+        nonlocal read_n
+        await feed.put(entries, writing)
+        read_n += len(entries)
+        progress(read_n)
+        return len(entries)
+
+    try:
+        await read(hand)
+        await feed.put(_Feed._END, writing)
+    except BaseException:
+        if not writing.done():
+            with contextlib.suppress(BaseException):
+                await feed.put(_Feed._END, writing)
+                await writing
+        raise
+    return read_n, await writing
 
 
 class IndexGuard:
@@ -215,7 +274,7 @@ class IndexGuard:
         with redis_errors(self.where):
             return bool(await self._client.hexists(self.meta, MARKER))
 
-    async def ensure(self, read: ChangelogReader, write: Callable[[Stored], int],
+    async def ensure(self, read: ChangelogReader, write: Restore,
                      before: Callable[[], Awaitable[None]] | None = None) -> bool:
         """False if the marker is there; else the index is restored from the changelog (`read`, `write`) by
         this worker or by another of the group (then this one waits for it), the marker set, and True.
@@ -234,7 +293,7 @@ class IndexGuard:
         finally:
             self.restoring = False
 
-    async def _restore_or_wait(self, read: ChangelogReader, write: Callable[[Stored], int]) -> Restored | None:
+    async def _restore_or_wait(self, read: ChangelogReader, write: Restore) -> Restored | None:
         from filters.index.redis import MARKER, redis_errors
 
         lock_ms = round(LOCK_TTL * 1000)
@@ -249,19 +308,18 @@ class IndexGuard:
             await asyncio.sleep(0.1)
         t0 = time.monotonic()
         refresh = asyncio.ensure_future(self._keep_lock(lock_ms))
-        written = 0
+        told = [0]
 
-        async def chunk(entries: Stored) -> int:
-            nonlocal written
-            n = await asyncio.to_thread(write, entries)
-            written += n
-            self.restored_entries += n
-            return n
+        def progress(n: int) -> None:
+            if n >= told[0] + PROGRESS_EVERY:
+                told[0] = n
+                log.info("rebuilding the index from the changelog: %d entries read in %.1fs", n, time.monotonic() - t0)
 
         try:
-            read_n = await read(chunk)
+            read_n, written = await restore_from(read, write, progress)
         finally:
             refresh.cancel()
+        self.restored_entries += written
         with redis_errors(self.where):
             epoch = uuid.uuid4().hex[:12].encode()
             async with self._client.pipeline(transaction=True) as pipe:
@@ -300,8 +358,8 @@ async def read_changelog(consumer: Any, topic: str, partitions: Sequence[int], n
                          write: Write) -> int:
     """Reads `partitions` of `topic` from `since_ms` (wall clock) to their end, as a `read_committed`
     `consumer` (started, in no group) sees it, and hands the entries of `namespace` to `write` in chunks
-    of about RESTORE_CHUNK, one write overlapping the next read. The end is taken again once reached,
-    until a pass finds nothing new. Returns the number of entries read."""
+    of about RESTORE_CHUNK. The end is taken again once reached, until a pass finds nothing new. Returns
+    the number of entries read."""
     from aiokafka import TopicPartition
 
     tps = [TopicPartition(topic, p) for p in partitions]
@@ -317,16 +375,13 @@ async def read_changelog(consumer: Any, topic: str, partitions: Sequence[int], n
     read = 0
     parts: list[Stored] = []
     held = 0
-    writing: asyncio.Future[int] | None = None
 
     async def hand() -> None:
-        nonlocal writing, parts, held, read
-        if writing is not None:
-            await writing
+        nonlocal parts, held, read
         entries = join_stored(parts)
         parts, held = [], 0
         read += len(entries)
-        writing = asyncio.ensure_future(write(entries))
+        await write(entries)
 
     for _ in range(10):  # passes: until the end stops moving
         remaining = {tp for tp in tps if await consumer.position(tp) < ends[tp]}
@@ -355,6 +410,4 @@ async def read_changelog(consumer: Any, topic: str, partitions: Sequence[int], n
         ends = newer
     if parts:
         await hand()
-    if writing is not None:
-        await writing
     return read

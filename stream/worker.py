@@ -428,7 +428,7 @@ class AiokafkaWorker(WorkerCore):
         try:
             if await guard.ensure(read, index.restore, deliver) and delivered:
                 # Beside the others, who route again (a guarded restore): live ids are kept as they are.
-                await asyncio.to_thread(index.restore, entries_of([(o.key or b"", o.value or b"") for o in delivered]))
+                await asyncio.to_thread(index.restore, [entries_of([(o.key or b"", o.value or b"") for o in delivered])])
         except IndexUnavailable as exc:
             # The router meets the outage itself (its policy: block, or pass unchecked); a lookup finds the
             # index without its marker again if it came back empty.

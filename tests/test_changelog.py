@@ -141,8 +141,8 @@ def test_an_index_restored_from_the_journal_decides_as_the_original(index_url: s
 
 
 def _restore_and_compare(original: NearDupFilter, restored: NearDupFilter, made: list, later: list[Message]) -> None:  # type: ignore[type-arg]
-    assert restored.index.restore(stored_of(made)) == len(made) > 0
-    assert restored.index.restore(stored_of(made)) == 0  # live ids are kept as they are
+    assert restored.index.restore([stored_of(made)]) == len(made) > 0
+    assert restored.index.restore([stored_of(made)]) == 0  # live ids are kept as they are
     want = original.check_batch(later)
     got = restored.check_batch(later)
     assert [(v.id, v.duplicate, v.duplicate_of) for v in got] == [(v.id, v.duplicate, v.duplicate_of) for v in want]

@@ -289,7 +289,8 @@ def restore_into(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     """Restores entries into a fresh index of one backend: (the index, what `restore` returned). `redis`
     restores as beside other writers (a guarded transaction a chunk); `redis-rebuild` into a fenced index
     without its marker, as after a loss (streamed: nobody else writes), its marker set after. Redis chunks
-    of 3 and 5 entries, so that every boundary is crossed."""
+    of 3 and 5 entries, and a rebuild's kept fields from 2 records and 150 bytes on, so that every boundary
+    is crossed."""
     made: list[CandidateIndex] = []
     prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
     url = request.getfixturevalue("redis_url") if request.param.startswith("redis") else ""
@@ -298,18 +299,20 @@ def restore_into(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 
         monkeypatch.setattr(redis_index, "RESTORE_CHUNK", 3)
         monkeypatch.setattr(redis_index, "REBUILD_CHUNK", 5)
+        monkeypatch.setattr(redis_index, "KEEP", 2)  # fields of 2 records on are kept on the client ...
+        monkeypatch.setattr(redis_index, "KEPT_BYTES", 150)  # ... and written once they pass 150 bytes
 
     def restore(window: float, bucket_cap: int, stored: Stored) -> tuple[CandidateIndex, int]:
         if request.param.startswith("memory"):
             index: CandidateIndex = MemoryIndex(window, bucket_cap, native=request.param == "memory")
-            return index, index.restore(stored)
+            return index, index.restore([stored])
         from filters.index.redis import MARKER, RedisIndex, meta_key
 
         namespace = uuid.uuid4().hex[:12]
         index = RedisIndex(with_query(url, prefix=prefix), window=window, bucket_cap=bucket_cap, namespace=namespace,
                            fenced=request.param == "redis-rebuild")
         made.append(index)
-        written = index.restore(stored)
+        written = index.restore([stored])
         if request.param == "redis-rebuild":
             with redis.Redis.from_url(url) as client:
                 client.hset(meta_key(prefix, namespace), MARKER, "1")
@@ -345,7 +348,7 @@ def test_a_restore_is_as_inserting_one_after_another(restore_into: RestoreInto,
             query = [Query(id, ts, keys)]
             assert _view(index.lookup(query, 8)) == _view(reference.lookup(query, 8))
     if len({id for id, _, _ in entries}) == len(entries):  # (an id made again after it left the window may be new)
-        assert index.restore(stored_of(made)) == 0
+        assert index.restore([stored_of(made)]) == 0
 
 
 # --- the engine on top ---------------------------------------------------------------------------------

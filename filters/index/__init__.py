@@ -19,7 +19,7 @@ faust chooses stores: `memory://` (the embedded mode; a product feature, not a t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -179,11 +179,11 @@ class CandidateIndex(Protocol):
         already outside the window is not kept; a later one of the same id replaces it."""
         ...
 
-    def restore(self, stored: Stored) -> int:
-        """Write representatives that were decided unique before (an index changelog's entries), in order,
-        under their keys, with no verification: a lost index is rebuilt so. An id that is live already
-        (stored, or earlier in `stored`) is kept as it is, and an entry outside the window is skipped;
-        returns how many were written. Safe beside other writers (they may insert meanwhile)."""
+    def restore(self, parts: Iterable[Stored]) -> int:
+        """Write representatives that were decided unique before (an index changelog's entries, chunk after
+        chunk, in order) under their keys, with no verification: a lost index is rebuilt so. An id that is
+        live already (stored, or earlier in `parts`) is kept as it is, and an entry outside the window is
+        skipped; returns how many were written. Safe beside other writers (they may insert meanwhile)."""
         ...
 
     def expire(self, now: float) -> int:
@@ -218,8 +218,8 @@ class IndexWrapper:
                memos: Sequence[Memo] = ()) -> list[list[Candidate] | None]:
         return self.inner.insert(entries, memos)
 
-    def restore(self, stored: Stored) -> int:
-        return self.inner.restore(stored)
+    def restore(self, parts: Iterable[Stored]) -> int:
+        return self.inner.restore(parts)
 
     def expire(self, now: float) -> int:
         return self.inner.expire(now)

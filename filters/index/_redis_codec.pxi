@@ -505,23 +505,24 @@ def alone_round(list ids, list tss, list blobs, list fields_of, list places_of, 
 cdef extern from * nogil:
     """
     #include <algorithm>
-    struct nd_span { double ts; uint64_t seq; Py_ssize_t start; Py_ssize_t stop; };
-    static void nd_sort_spans_newest_first(nd_span *first, nd_span *last) {
-        std::stable_sort(first, last, [](const nd_span &a, const nd_span &b) {
+    struct nd_piece { double ts; uint64_t seq; Py_ssize_t order; const char *p; Py_ssize_t n; };
+    static void nd_sort_pieces_newest_first(nd_piece *first, nd_piece *last) {
+        std::stable_sort(first, last, [](const nd_piece &a, const nd_piece &b) {
             return a.ts > b.ts || (a.ts == b.ts && a.seq > b.seq);
         });
     }
-    static void nd_sort_spans_by_start(nd_span *first, nd_span *last) {
-        std::sort(first, last, [](const nd_span &a, const nd_span &b) { return a.start < b.start; });
+    static void nd_sort_pieces_by_order(nd_piece *first, nd_piece *last) {
+        std::sort(first, last, [](const nd_piece &a, const nd_piece &b) { return a.order < b.order; });
     }
     """
-    struct nd_span:  # one record of a bucket value: its event time, seq and bytes
+    struct nd_piece:  # one record of a bucket value: its event time, seq, place in the value and bytes
         double ts
         uint64_t seq
-        Py_ssize_t start
-        Py_ssize_t stop
-    void nd_sort_spans_newest_first(nd_span *first, nd_span *last)
-    void nd_sort_spans_by_start(nd_span *first, nd_span *last)
+        Py_ssize_t order
+        const char *p
+        Py_ssize_t n
+    void nd_sort_pieces_newest_first(nd_piece *first, nd_piece *last)
+    void nd_sort_pieces_by_order(nd_piece *first, nd_piece *last)
 
 
 cdef Py_ssize_t record_count(const char *p, Py_ssize_t n) except -1:
@@ -538,47 +539,45 @@ cdef Py_ssize_t record_count(const char *p, Py_ssize_t n) except -1:
     return count
 
 
-cdef bytes trim_newest(bytes value, Py_ssize_t count, Py_ssize_t cap):
-    """`redis_codec.trim_records` of a value of `count` records."""
-    cdef const char *p = PyBytes_AS_STRING(value)
-    cdef Py_ssize_t n = len(value), pos = 0, j = 0, size = 0
+cdef Py_ssize_t add_pieces(nd_piece *pieces, Py_ssize_t at, const char *p, Py_ssize_t n) except -1:
+    """The records of `p[:n]` as pieces from `pieces[at]` on; returns where the next goes."""
+    cdef Py_ssize_t pos = 0
     cdef uint32_t idn
-    cdef nd_span *spans
+    while pos < n:
+        memcpy(&pieces[at].ts, p + pos, 8)
+        memcpy(&idn, p + pos + 8, 4)
+        if pos + 20 + idn > n:
+            from filters.errors import IndexCorrupt
+            raise IndexCorrupt("a bucket holds bytes that are not bucket records")
+        pieces[at].p = p + pos
+        pieces[at].n = 20 + idn
+        pieces[at].seq = be64(p + pos + 12 + idn)
+        pieces[at].order = at
+        pos += 20 + idn
+        at += 1
+    return at
+
+
+cdef bytes newest_pieces(nd_piece *pieces, Py_ssize_t count, Py_ssize_t cap):
+    """The bucket value of the `cap` newest of `count` pieces (event time, then seq), in their order:
+    `redis_codec.trim_records` of their concatenation, without making it."""
+    cdef Py_ssize_t j, size = 0
     cdef bytes out
     cdef char *o
-    if count <= cap:
-        return value
-    spans = <nd_span *>PyMem_Malloc(count * sizeof(nd_span))
-    if spans == NULL:
-        raise MemoryError()
-    try:
-        while pos < n and j < count:
-            memcpy(&spans[j].ts, p + pos, 8)
-            memcpy(&idn, p + pos + 8, 4)
-            spans[j].start = pos
-            pos += 20 + idn
-            if pos > n:
-                from filters.errors import IndexCorrupt
-                raise IndexCorrupt("a bucket holds bytes that are not bucket records")
-            spans[j].stop = pos
-            spans[j].seq = be64(p + pos - 8)
-            j += 1
-        nd_sort_spans_newest_first(spans, spans + count)
-        nd_sort_spans_by_start(spans, spans + cap)
-        for j in range(cap):
-            size += spans[j].stop - spans[j].start
-        out = PyBytes_FromStringAndSize(NULL, size)
-        o = PyBytes_AS_STRING(out)
-        for j in range(cap):
-            memcpy(o, p + spans[j].start, spans[j].stop - spans[j].start)
-            o += spans[j].stop - spans[j].start
-        return out
-    finally:
-        PyMem_Free(spans)
+    nd_sort_pieces_newest_first(pieces, pieces + count)
+    nd_sort_pieces_by_order(pieces, pieces + cap)
+    for j in range(cap):
+        size += pieces[j].n
+    out = PyBytes_FromStringAndSize(NULL, size)
+    o = PyBytes_AS_STRING(out)
+    for j in range(cap):
+        memcpy(o, pieces[j].p, pieces[j].n)
+        o += pieces[j].n
+    return out
 
 
 def restore_round(list ids, times, slices, bounds, keys, list blobs, dict held, double hwm, double window,
-                  Py_ssize_t cap, uint64_t seq) -> tuple:
+                  Py_ssize_t cap, uint64_t seq, kept=None, Py_ssize_t keep=0) -> tuple:
     """`redis_codec.restore_round`, compiled: the fields are told apart by (slice, key) in an open-addressing
     table, each field's new records chained in order, and each new value made in one piece."""
     cdef const double[::1] ts_of = np.ascontiguousarray(times, dtype=np.float64)
@@ -592,6 +591,11 @@ def restore_round(list ids, times, slices, bounds, keys, list blobs, dict held, 
     cdef uint64_t key
     cdef list results = [], order = []
     cdef dict written = {sl: {} for sl in held}, entries = {}, groups = {}, values
+    cdef object kept_s
+    cdef bint in_kept, keeping
+    cdef Py_ssize_t n_old, n_pieces, pieces_cap = 0
+    cdef nd_piece *pieces = NULL
+    cdef const char *op
     cdef object sl, old, group
     cdef bytes id_bytes, efield, v, name
     cdef bint live
@@ -703,36 +707,60 @@ def restore_round(list ids, times, slices, bounds, keys, list blobs, dict held, 
             sl = f_slice[f]
             name = bucket_field(f_key[f])
             values = <dict>held[sl]
-            old = values.get(name) if values else None
-            total = f_bytes[f]
-            count = f_count[f]
-            if old is not None:
-                total += len(<bytes>old)
-                count += record_count(<const char *>(<bytes>old), len(<bytes>old))
-            v = PyBytes_FromStringAndSize(NULL, total)
-            rp = PyBytes_AS_STRING(v)
-            if old is not None:
-                memcpy(rp, <const char *>(<bytes>old), len(<bytes>old))
-                rp += len(<bytes>old)
-            r = f_first[f]
-            while r >= 0:
-                i = link_entry[r]
-                at = rec_at[i]
-                n_id = 20 + (<uint32_t *>(PyByteArray_AS_STRING(records) + at + 8))[0]
-                memcpy(rp, PyByteArray_AS_STRING(records) + at, n_id)
-                rp += n_id
-                r = link_next[r]
-            if count > 2 * cap:
-                v = trim_newest(v, count, cap)
-            (<list>(<list>groups[sl])[1]).append(name)
-            (<list>(<list>groups[sl])[1]).append(v)
+            kept_s = kept.get(sl) if kept is not None else None
+            old = None
+            in_kept = False
+            if kept_s is not None:
+                old = (<dict>kept_s).get(name)
+                in_kept = old is not None
+            if old is None and values:
+                old = values.get(name)
+            n_old = record_count(<const char *>(<bytes>old), len(<bytes>old)) if old is not None else 0
+            count = n_old + f_count[f]
+            keeping = kept_s is not None and (in_kept or count >= keep)
+            if count > (cap if keeping else 2 * cap):  # the cap newest of what it held and its new records, at once
+                if count > pieces_cap:
+                    PyMem_Free(pieces)
+                    pieces_cap = 2 * count
+                    pieces = <nd_piece *>PyMem_Malloc(pieces_cap * sizeof(nd_piece))
+                    if pieces == NULL:
+                        raise MemoryError()
+                n_pieces = 0
+                if old is not None:
+                    n_pieces = add_pieces(pieces, 0, <const char *>(<bytes>old), len(<bytes>old))
+                r = f_first[f]
+                while r >= 0:
+                    op = PyByteArray_AS_STRING(records) + rec_at[link_entry[r]]
+                    n_pieces = add_pieces(pieces, n_pieces, op, 20 + (<uint32_t *>(op + 8))[0])
+                    r = link_next[r]
+                v = newest_pieces(pieces, n_pieces, cap)
+                count = cap
+            else:
+                total = f_bytes[f] + (len(<bytes>old) if old is not None else 0)
+                v = PyBytes_FromStringAndSize(NULL, total)
+                rp = PyBytes_AS_STRING(v)
+                if old is not None:
+                    memcpy(rp, <const char *>(<bytes>old), len(<bytes>old))
+                    rp += len(<bytes>old)
+                r = f_first[f]
+                while r >= 0:
+                    at = rec_at[link_entry[r]]
+                    n_id = 20 + (<uint32_t *>(PyByteArray_AS_STRING(records) + at + 8))[0]
+                    memcpy(rp, PyByteArray_AS_STRING(records) + at, n_id)
+                    rp += n_id
+                    r = link_next[r]
+            if keeping:
+                (<dict>kept_s)[name] = v
+            else:
+                (<list>(<list>groups[sl])[1]).append(name)
+                (<list>(<list>groups[sl])[1]).append(v)
         for sl in entries:
             (<list>(<list>groups[sl])[1]).extend(<list>entries[sl][1])
         return results, groups, hwm, seq
     finally:
         PyMem_Free(rec_at); PyMem_Free(f_slice); PyMem_Free(f_key); PyMem_Free(f_first); PyMem_Free(f_last)
         PyMem_Free(f_count); PyMem_Free(f_bytes); PyMem_Free(link_entry); PyMem_Free(link_next)
-        PyMem_Free(slot_key); PyMem_Free(slot_at); PyMem_Free(slot_slice)
+        PyMem_Free(slot_key); PyMem_Free(slot_at); PyMem_Free(slot_slice); PyMem_Free(pieces)
 
 
 cdef inline double floor_div(double ts, double length) noexcept:

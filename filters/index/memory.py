@@ -360,10 +360,10 @@ class MemoryIndex:
             self.table.remember(verdict, ts)
         return [None] * len(entries)
 
-    def restore(self, stored: Stored) -> int:
+    def restore(self, parts: Iterable[Stored]) -> int:
         insert = self.table.insert
         written = 0
-        for e, keys in stored_entries(stored):
+        for e, keys in (pair for stored in parts for pair in stored_entries(stored)):
             # Decoded entries are read-only views of the stored bytes; the table keeps arrays of its own.
             e = Entry(e.id, e.ts, e.exact, e.size, e.sketch.copy(), e.simhash,
                       None if e.minhash is None else e.minhash.copy(), e.sentences)

@@ -102,7 +102,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from importlib import resources
-from itertools import islice
+from itertools import chain, islice
 from typing import Any, cast
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -188,6 +188,8 @@ INSERT_CHUNK = 512  # entries per insert script: bounds how long one script bloc
 RESTORE_CHUNK = 4096  # entries per restore transaction: bounds how long one MULTI/EXEC blocks the server (≈ 50 ms)
 RESTORE_ATTEMPTS = 3  # transactions refused (others wrote meanwhile) before a restore chunk goes through the script
 REBUILD_CHUNK = 65536  # entries per round of a rebuild (no transaction: Redis serves others between its commands)
+KEEP = 16  # a rebuild keeps a bucket field of this many records on the client, written once at its end ...
+KEPT_BYTES = 64 * 1024 * 1024  # ... unless what it keeps grows past this: then all is written (and KEEP doubled)
 LOOKUP_CHUNK = 256  # queries' worth of field names (up to 16 each) one HMGET reads: bounds a command's size
 FIELDS_PER_HMGET = 16 * LOOKUP_CHUNK
 FIELDS_PER_CALL = 2000  # fields per HMGET, pairs per HSET, inside the script (Lua's unpack stops near 8,000 values)
@@ -710,7 +712,7 @@ class RedisIndex:
             if q is not None:
                 view.written.setdefault(s, {})[view.entry_places[q] + 1] = value  # its memo field (`plan_fields`)
 
-    def restore(self, stored: Stored) -> int:
+    def restore(self, parts: Iterable[Stored]) -> int:
         """See `CandidateIndex.restore`. The entries' stored bytes pass through; per chunk, one read of what
         their fields hold and the writes computed here (`restore_round`, as the insert script would insert
         them with nothing to compare). A fenced index without its marker is being rebuilt: nobody else
@@ -720,55 +722,53 @@ class RedisIndex:
         (`_restore_chunk`), or on Redis Cluster, and for a chunk others kept writing beside, the insert
         script with nothing to compare."""
         self._forget_view()
-        if not len(stored):
-            return 0
+        with self._errors():  # the high-water mark (the slices a live id may be in), and a fenced index's marker
+            replies = self._execute([("HMGET", self._meta, "hwm", MARKER)])
+            _raise_any(replies)
+        self._rebuilt.hwm = max(self._rebuilt.hwm, self._hwm, _stored_time(replies[0][0] or b""))
+        chunks: Iterator[_Chunk] = (c for part in parts for c in self._chunks(part, REBUILD_CHUNK))
+        written = 0
+        if self.fenced and replies[0][1] is None:
+            chunks, written = self._rebuild(chunks)
+        for chunk in chunks:
+            for at in range(0, len(chunk.ids), RESTORE_CHUNK):
+                written += self._restore_guarded(chunk.part(at, at + RESTORE_CHUNK))
+        return written
+
+    def _chunks(self, stored: Stored, size: int) -> Iterator[_Chunk]:
+        """`stored` in chunks of `size`, its event times checked (`_event_time`) and their slices told."""
         times = np.asarray(stored.times, dtype=np.float64)
         bad = ~(np.isfinite(times) & (times > _MIN_TS) & (np.abs(times / self.slice_length) < _MAX_SLICE))
         if bad.any():
             at = int(np.flatnonzero(bad)[0])
             _event_time(float(times[at]), stored.ids[at], self.slice_length)  # raises its ValueError
-        slices = np.floor(times / self.slice_length).astype(np.int64)
+        whole = _Chunk(stored.ids, times, np.floor(times / self.slice_length).astype(np.int64),
+                       np.asarray(stored.bounds, dtype=np.int64), np.asarray(stored.keys, dtype=np.uint64),
+                       stored.blobs)
+        for at in range(0, len(stored), size):
+            yield whole.part(at, at + size)
 
-        def chunk(at: int, stop: int) -> _Chunk:
-            first, last = int(stored.bounds[at]), int(stored.bounds[stop])
-            return _Chunk(stored.ids[at:stop], times[at:stop], slices[at:stop], stored.bounds[at : stop + 1] - first,
-                          np.asarray(stored.keys[first:last], dtype=np.uint64), stored.blobs[at:stop])
+    def _restore_guarded(self, part: _Chunk) -> int:
+        """A chunk restored beside other writers: guarded transactions (`_restore_chunk`), else the script."""
+        for _ in range(RESTORE_ATTEMPTS if self._watchable() else 0):
+            done = self._restore_chunk(part)
+            if done is not None:
+                return done
+        # Cluster, or others kept writing meanwhile: the script appends atomically.
+        flat, ends = part.keys.tolist(), part.bounds.tolist()
+        entries = [(id, ts, blob, tuple(flat[a:b]))
+                   for id, ts, blob, a, b in zip(part.ids, part.times.tolist(), part.blobs, ends, ends[1:])]
+        return sum(self._insert_unchecked(entries[a : a + INSERT_CHUNK]) for a in range(0, len(entries), INSERT_CHUNK))
 
-        written, start = 0, 0
-        with self._errors():  # the high-water mark (the slices a live id may be in), and a fenced index's marker
-            replies = self._execute([("HMGET", self._meta, "hwm", MARKER)])
-            _raise_any(replies)
-        self._rebuilt.hwm = max(self._rebuilt.hwm, self._hwm, _stored_time(replies[0][0] or b""))
-        if self.fenced:
-            if replies[0][1] is None:
-                start, written = self._rebuild([chunk(a, min(len(stored), a + REBUILD_CHUNK))
-                                                for a in range(0, len(stored), REBUILD_CHUNK)])
-        for at in range(start, len(stored), RESTORE_CHUNK):
-            part = chunk(at, min(len(stored), at + RESTORE_CHUNK))
-            done = None
-            for _ in range(RESTORE_ATTEMPTS if self._watchable() else 0):
-                done = self._restore_chunk(part)
-                if done is not None:
-                    break
-            if done is None:  # Cluster, or others kept writing meanwhile: the script appends atomically
-                flat, ends = part.keys.tolist(), part.bounds.tolist()
-                entries = [(id, ts, blob, tuple(flat[a:b]))
-                           for id, ts, blob, a, b in zip(part.ids, part.times.tolist(), part.blobs, ends, ends[1:])]
-                done = sum(self._insert_unchecked(entries[a : a + INSERT_CHUNK])
-                           for a in range(0, len(entries), INSERT_CHUNK))
-            written += done
-        return written
-
-    def _rebuild(self, chunks: list[_Chunk]) -> tuple[int, int]:
+    def _rebuild(self, chunks: Iterator[_Chunk]) -> tuple[Iterator[_Chunk], int]:
         """Restores `chunks` into an index nobody else writes (see `restore`): no WATCH, no transaction. The
         read of chunk k+1 goes before the writes of chunk k, which Redis runs while this client computes
         chunk k+1 from that read and chunk k's writes (known here). Each read checks that the namespace's
-        seq is the last this instance wrote and the marker still missing; else somebody else writes too,
-        and the rest goes through `_restore_chunk`. Returns (entries done: all, or those before the chunk
-        where it stopped; entries written)."""
+        seq is the last this instance wrote and the marker still missing; else somebody else writes too.
+        Returns (the chunks not written: those from where it stopped, for `_restore_chunk`; entries written)."""
         rebuilt = self._rebuilt
         conn = None if isinstance(self._client, RedisCluster) else self._pinned()
-        done = written = 0
+        written = 0
         expected = rebuilt.seq if rebuilt.fresh else None  # the seq the next read must find
         seq, hwm_bytes = 0, b""
         last: tuple[_Chunk, dict[int, list[Any]], list[Sequence[str | int | bytes]], int] | None = None
@@ -784,30 +784,55 @@ class RedisIndex:
                 held = {} if intruded else self._restore_held(part, replies, last[1] if last is not None else None)
                 if last is not None:
                     self._receive(conn, sent_writes)
-                    done, written = done + len(last[0].ids), written + last[3]
+                    written += last[3]
                     last = None
                 if intruded:
-                    rebuilt.fresh.clear()  # somebody else writes too: what they wrote is unknown
-                    return done, written
+                    # Somebody else writes too: what they wrote is unknown; what this kept goes now (over theirs,
+                    # if they wrote those very fields: a rebuild is meant to run alone).
+                    self._receive(conn, self._send_only(conn, self._restore_writes(
+                        self._release_kept(), seq, hwm_bytes, seq, hwm_bytes, transaction=False)))
+                    rebuilt.fresh.clear()
+                    return chain([part], chunks), written
                 expected = seq  # the next read goes after the writes of the chunk before this one
+                self._remember_fresh(part, None)  # before the round: a slice it finds missing keeps fields
                 results, groups, hwm, new_seq = self._restore_round(
                     part.ids, part.times, part.slices, part.bounds, part.keys, part.blobs, held,
-                    max(rebuilt.hwm, _stored_time(hwm_bytes)), self.window, self.bucket_cap, seq)
+                    max(rebuilt.hwm, _stored_time(hwm_bytes)), self.window, self.bucket_cap, seq, rebuilt.kept, rebuilt.keep)
                 new_hwm = hwm_bytes if hwm <= _stored_time(hwm_bytes) else (b"%.17g" % hwm)
+                if sum(len(v) for values in rebuilt.kept.values() for v in values.values()) > KEPT_BYTES:
+                    self._release_kept(groups)  # with this chunk's writes (so the next read knows them too)
+                    rebuilt.keep *= 2  # and fewer come back
                 writes = self._restore_writes(groups, seq, hwm_bytes, new_seq, new_hwm, transaction=False)
+                rebuilt.kept_keys = {s: _keys_of(values) for s, values in rebuilt.kept.items()}
                 rebuilt.hwm = max(rebuilt.hwm, hwm)
                 seq, hwm_bytes = new_seq, new_hwm
-                self._remember_fresh(part, None)
                 last = (part, groups, writes, sum(1 for r in results if r > 0))
             if last is not None:
                 self._receive(conn, self._send_only(conn, last[2]))
-                done, written = done + len(last[0].ids), written + last[3]
+                written += last[3]
+            self._receive(conn, self._send_only(conn, self._restore_writes(
+                self._release_kept(), seq, hwm_bytes, seq, hwm_bytes, transaction=False)))
             rebuilt.seq = seq
-            return done, written
+            return iter(()), written
         except BaseException:
             if conn is not None:
                 conn.disconnect()
+            # What it kept never reached Redis, and its Bloom filters may miss what a half-sent round wrote:
+            # the next restore starts from what Redis holds.
+            self._rebuilt = _Rebuilt()
             raise
+
+    def _release_kept(self, groups: dict[int, list[Any]] | None = None) -> dict[int, list[Any]]:
+        """The fields a rebuild kept (`_Rebuilt.kept`) added to the writes `groups` (slice -> [entries, pairs]),
+        and forgotten here (the Bloom filters know them: they are read when needed)."""
+        rebuilt = self._rebuilt
+        groups = {} if groups is None else groups
+        for s, values in rebuilt.kept.items():
+            if values:
+                groups.setdefault(s, [0, []])[1].extend(x for item in values.items() for x in item)
+                values.clear()
+        rebuilt.kept_keys = {}
+        return groups
 
     def _restore_chunk(self, part: _Chunk) -> int | None:
         """Restores a chunk beside other writers: reads what its fields hold (after a WATCH of the meta hash),
@@ -876,6 +901,9 @@ class RedisIndex:
                 ks = part.named[s] = _distinct(part.keys if pair_slices is None else part.keys[pair_slices == s])
                 if bits is not None:
                     ks = ks[bloom_has(bits, ks)]
+                    kept = self._rebuilt.kept_keys.get(s)
+                    if kept is not None and len(kept):
+                        ks = ks[~np.isin(ks, kept, assume_unique=True)]
                 raw = ks.astype(">u8").tobytes()
                 names = [b"b" + raw[a : a + 8] for a in range(0, len(raw), 8)]
             ids = part.ids if bits is None else [part.ids[i] for i in np.flatnonzero(bloom_has(bits, part.id_keys))]
@@ -931,17 +959,21 @@ class RedisIndex:
             bits = fresh.get(s)
             if bits is None and not present:
                 bits = fresh[s] = bloom_bits()
+                self._rebuilt.kept[s] = {}
                 if before is not None:
                     before.remember(s, bits)
             if bits is not None:
                 part.remember(s, bits)
 
     def _send_only(self, conn: Any, commands: Sequence[Sequence[str | int | bytes]]) -> Any:
-        """Sends `commands` without reading their replies (`_receive` does); on Cluster, runs them."""
+        """Sends `commands` without reading their replies (`_receive` does); on Cluster, runs them. A command
+        at a time: the socket timeout bounds each send, and a rebuild's chunk of writes (megabytes) is sent
+        as fast as a busy server takes it."""
         with self._errors():
             if conn is None:
                 return self._execute(commands)
-            self._pack_and_send(conn, commands)
+            for command in commands:
+                self._pack_and_send(conn, [command])
             return len(commands)
 
     def _receive(self, conn: Any, sent: Any) -> list[Any]:
@@ -1472,6 +1504,12 @@ class _Chunk:
     named: dict[int, np.ndarray] = field(default_factory=dict)  # per slice: the bucket keys named there
     wanted: dict[int, list[bytes]] = field(default_factory=dict)  # per slice: the fields read
     present: list[bool] = field(default_factory=list)  # per slice: whether it existed when read
+
+    def part(self, at: int, stop: int) -> _Chunk:
+        """Its entries from `at` to `stop`."""
+        first, last = int(self.bounds[at]), int(self.bounds[min(stop, len(self.ids))])
+        return _Chunk(self.ids[at:stop], self.times[at:stop], self.slices[at:stop],
+                      self.bounds[at : stop + 1] - first, self.keys[first:last], self.blobs[at:stop])
     _id_keys: np.ndarray | None = None
 
     @property
@@ -1499,6 +1537,11 @@ class _Rebuilt:
     seq: int = -1  # the seq the last restore wrote
     hwm: float = -math.inf  # the namespace's newest event time as the restores know it (this instance's clock is its own)
     fresh: dict[int, np.ndarray] = field(default_factory=dict)  # slice -> `bloom_bits`
+    # A rebuild's busiest bucket fields (KEEP records or more), per fresh slice: their values, not yet written
+    # (each chunk would rewrite them: most of the bytes), and their keys, sorted (not read either).
+    kept: dict[int, dict[bytes, bytes]] = field(default_factory=dict)
+    kept_keys: dict[int, np.ndarray] = field(default_factory=dict)
+    keep: int = field(default_factory=lambda: KEEP)  # records a field needs to be kept (doubled when too much is)
 
 
 class _WatchLost(Exception):
@@ -1526,6 +1569,12 @@ def _columns(replies: Sequence[Any], n_slices: int, n_names: int) -> list[list[b
         columns.append(column)
     return columns
 
+
+
+def _keys_of(fields: Iterable[bytes]) -> np.ndarray:
+    """The bucket keys of bucket field names (b"b" and 8 bytes big-endian), sorted."""
+    raw = b"".join(fields)
+    return np.sort(np.frombuffer(raw, np.uint8).reshape(-1, 9)[:, 1:].copy().view(">u8").ravel().astype(np.uint64))
 
 
 def _distinct(keys: np.ndarray) -> np.ndarray:
