@@ -1,7 +1,7 @@
 """Benchmark: how long rebuilding a lost Redis index from its changelog takes, per million entries.
 
     eval "$(bash docker/services.sh env)"
-    python bench/restore.py [--entries 1000000] [--partitions 4] [--bootstrap HOST:PORT] [--redis URL]
+    python bench/restore.py [--entries 1000000] [--partitions 4] [--runs 3] [--bootstrap HOST:PORT] [--redis URL]
 
 Writes a changelog of `--entries` entries (distinct generated short messages, fingerprinted with the
 default filter configuration, journaled as a worker does: one record per routed batch of `--batch`
@@ -10,7 +10,8 @@ index lost: read the changelog (`read_committed`) and write every entry into an 
 (`CandidateIndex.restore`), reading and writing overlapped. Prints entries read and written, seconds,
 entries per second, seconds per million, the restore's CPU seconds (this process, and Redis's from
 `INFO cpu`: nothing else should use that Redis meanwhile) and the index's memory per entry (Redis
-`MEMORY USAGE` over the namespace's keys). The topic and the namespace are deleted afterwards.
+`MEMORY USAGE` over the namespace's keys), per run (`--runs` restores of the same changelog, each into a
+namespace of its own), and their median. The topic and the namespaces are deleted afterwards.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import argparse
 import asyncio
 import os
 import random
+import statistics
 import sys
 import time
 import uuid
@@ -124,6 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--entries", type=int, default=1_000_000)
     p.add_argument("--partitions", type=int, default=4)
+    p.add_argument("--runs", type=int, default=3, help="restores of the same changelog, each timed")
     p.add_argument("--batch", type=int, default=500, help="entries journaled per routed batch (one record each)")
     p.add_argument("--bootstrap", default=os.environ.get("NEARDUP_TEST_KAFKA", "127.0.0.1:9092"))
     p.add_argument("--redis", default=os.environ.get("NEARDUP_TEST_REDIS_URL", "redis://127.0.0.1:6379/0"))
@@ -134,15 +137,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     nd = NearDupFilter(cfg)
     name = f"restore-{uuid.uuid4().hex[:8]}"
     namespace = cfg.digest()
-    url = f"{args.redis}{'&' if '?' in args.redis else '?'}prefix={name}"
     t0 = time.perf_counter()
     asyncio.run(write_changelog(args.bootstrap, name, args.partitions, namespace, nd, args.entries, args.batch))
     print(f"changelog of {args.entries:,} entries written in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     server = redis.Redis.from_url(args.redis.partition("?")[0])
+    print("| run | entries read | written | seconds | entries/s | s per million | client CPU s | Redis CPU s "
+          "| Redis bytes per entry |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    per_million: list[float] = []
+    ok = True
     try:
-        redis_cpu, cpu = _redis_cpu(server), time.process_time()
-        read, written, seconds = asyncio.run(restore(args.bootstrap, name, args.partitions, namespace, url, cfg))
-        cpu, redis_cpu = time.process_time() - cpu, _redis_cpu(server) - redis_cpu
+        for run in range(1, args.runs + 1):  # each into a namespace of its own, dropped after
+            url = f"{args.redis}{'&' if '?' in args.redis else '?'}prefix={name}-{run}"
+            redis_cpu, cpu = _redis_cpu(server), time.process_time()
+            read, written, seconds = asyncio.run(restore(args.bootstrap, name, args.partitions, namespace, url, cfg))
+            cpu, redis_cpu = time.process_time() - cpu, _redis_cpu(server) - redis_cpu
+            per_entry = memory_per_entry(url, f"{name}-{run}", written)
+            per_million.append(seconds * 1e6 / max(1, read))
+            ok = ok and written == read == args.entries
+            print(f"| {run} | {read:,} | {written:,} | {seconds:.1f} | {read / seconds:,.0f} | {per_million[-1]:.1f} "
+                  f"| {cpu:.1f} | {redis_cpu:.1f} | {per_entry:,.0f} |", flush=True)
     finally:
         async def drop() -> None:
             admin = AIOKafkaAdminClient(bootstrap_servers=args.bootstrap)
@@ -152,13 +166,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             finally:
                 await admin.close()
         asyncio.run(drop())
-    per_entry = memory_per_entry(url, name, written)
-    print("| entries read | written | seconds | entries/s | s per million | client CPU s | Redis CPU s "
-          "| Redis bytes per entry |")
-    print("|---|---|---|---|---|---|---|---|")
-    print(f"| {read:,} | {written:,} | {seconds:.1f} | {read / seconds:,.0f} | {seconds * 1e6 / max(1, read):.1f} "
-          f"| {cpu:.1f} | {redis_cpu:.1f} | {per_entry:,.0f} |")
-    return 0 if written == read == args.entries else 1
+    print(f"median of {len(per_million)} runs: {statistics.median(per_million):.1f} s per million entries")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -265,6 +265,7 @@ class IndexGuard:
         self.restoring = False
         self.losses = 0  # times the marker was found missing
         self.restored_entries = 0
+        self.restore_read = 0  # entries of the changelog the restore going on has read so far (its progress)
         self.last: Restored | None = None
 
     async def intact(self) -> bool:
@@ -311,6 +312,7 @@ class IndexGuard:
         told = [0]
 
         def progress(n: int) -> None:
+            self.restore_read = n
             if n >= told[0] + PROGRESS_EVERY:
                 told[0] = n
                 log.info("rebuilding the index from the changelog: %d entries read in %.1fs", n, time.monotonic() - t0)
@@ -319,6 +321,7 @@ class IndexGuard:
             read_n, written = await restore_from(read, write, progress)
         finally:
             refresh.cancel()
+            self.restore_read = 0
         self.restored_entries += written
         with redis_errors(self.where):
             epoch = uuid.uuid4().hex[:12].encode()

@@ -80,6 +80,8 @@ class WorkerMetrics:
                                 "entries this worker wrote back into the shared index from the changelog", registry=r)
         self.restoring = Gauge("neardup_index_restoring",
                                "1 while the index is being rebuilt from the changelog (routing waits)", registry=r)
+        self.restore_read = Gauge("neardup_index_restore_read_entries",
+                                  "entries of the changelog the restore going on has read (0 when none is)", registry=r)
         self.index_size = Gauge("neardup_index_size", "the candidate index's stats(): entries, buckets, ...",
                                 ["stat"], registry=r)
         self.index_up.set(1)
@@ -139,8 +141,9 @@ class WorkerMetrics:
             self._kafka_errors_seen = errors
         self.kafka_up.set(0 if down else 1)
 
-    def changelog_state(self, losses: int, restored: int, restoring: bool) -> None:
-        """The index changelog's guard (stream/changelog.py): losses found, entries restored, a restore going on."""
+    def changelog_state(self, losses: int, restored: int, restoring: bool, reading: int = 0) -> None:
+        """The index changelog's guard (stream/changelog.py): losses found, entries restored, a restore going on
+        and the entries it has read so far."""
         if losses > self._losses_seen:
             self.index_losses.inc(losses - self._losses_seen)
             self._losses_seen = losses
@@ -148,6 +151,7 @@ class WorkerMetrics:
             self.restored.inc(restored - self._restored_seen)
             self._restored_seen = restored
         self.restoring.set(1 if restoring else 0)
+        self.restore_read.set(reading)
 
     def alignment_state(self, late: int, held: float, low: float | None, paused: int) -> None:
         """The worker's event-time alignment (stream/align.py): totals and the current marks."""

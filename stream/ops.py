@@ -219,7 +219,8 @@ class Ops:
             assert isinstance(w, AiokafkaWorker)
             self.metrics.alignment_state(w.aligner.late, w.held_seconds, w.aligner.low_mark(), len(w.aligner.paused()))
             if w.guard is not None:
-                self.metrics.changelog_state(w.guard.losses, w.guard.restored_entries, w.guard.restoring)
+                self.metrics.changelog_state(w.guard.losses, w.guard.restored_entries, w.guard.restoring,
+                                             w.guard.restore_read)
         return self.metrics.render()
 
     async def health(self) -> tuple[bool, dict[str, Any]]:

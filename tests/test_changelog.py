@@ -276,13 +276,16 @@ def test_a_conflict_re_read_after_a_rebuild_is_refused(redis_url: str) -> None:
 # -- two workers, and a Redis that loses its data ---------------------------------------------------
 
 
-@pytest.mark.parametrize(("loss", "changelog"), [("restart", True), ("flushall", True), ("restart", False)])
+@pytest.mark.parametrize(("loss", "changelog"), [("restart", True), ("flushall", True), ("restart", False),
+                                                 ("kill -9 and restart", True)])
 def test_two_workers_route_a_backlog_as_the_filter_though_redis_loses_its_data(
         kafka_bootstrap: str, tmp_path: Path, loss: str, changelog: bool) -> None:
     """Exactly-once, two `neardup serve` processes on a 4-partition backlog whose copies lie hours apart;
-    mid-stream their Redis is restarted without persistence (or FLUSHALL'd). The workers notice the missing
-    marker (the first lookup or insert after it: `IndexLost`), rebuild the window from the changelog, and
-    route on: every record exactly once, and the routing equal to the filter's."""
+    mid-stream their Redis is restarted without persistence (or FLUSHALL'd; or, at once, one worker is
+    killed with kill -9, Redis restarted without its data and the worker started again under its instance
+    id). The workers notice the missing marker (the first lookup or insert after it: `IndexLost`), rebuild
+    the window from the changelog, and route on: every record exactly once, and the routing equal to the
+    filter's."""
     items = backlog(clusters=400, copies=3)
     want = reference(items, NearDupFilter())
     server = PrivateRedis(tmp_path)
@@ -305,11 +308,17 @@ def test_two_workers_route_a_backlog_as_the_filter_though_redis_loses_its_data(
             started += [a, b]
             wait_assigned([a, b], 4)
             read(settings, committed=True, sources=len(items) // 3, settle=0.0, timeout=90)
-            server.lose(loss)
+            if loss.startswith("kill"):  # its open transaction is aborted when it comes back (its instance id)
+                a.kill()
+                server.lose("restart")
+                a = Serve(settings, tmp_path, "again", hook=hook, args=["--group-instance-id", "a"])
+                started.append(a)
+            else:
+                server.lose(loss)
             got = read(settings, committed=True, sources=len(items), settle=2.0, timeout=180)
             for w in (a, b):
                 w.alive()
-            logs = a.log() + b.log()
+            logs = "".join(w.log() for w in started)
     finally:
         server.stop()
     sources = [r.header("neardup-source") for r in got]

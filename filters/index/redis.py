@@ -891,7 +891,9 @@ class RedisIndex:
         fresh = self._rebuilt.fresh
         own = set(part.slices.tolist())
         hwm = self._rebuilt.hwm  # the namespace's newest event time, as far as the restore knows
-        low = self._slice(max(hwm, float(part.times.min())) - self.window)
+        # An id is live as the insert script sees it: stored inside the window of the newest event time before
+        # it, which is the namespace's (`hwm`) for the chunk's first entry, whatever event times come after.
+        low = self._slice((hwm if math.isfinite(hwm) else float(part.times.min())) - self.window)
         part.chunk_slices = sorted(own | set(range(low, self._slice(max(hwm, float(part.times.max()))) + 1)))
         pair_slices = np.repeat(part.slices, np.diff(part.bounds)) if len(own) > 1 else None
         for s in part.chunk_slices:
