@@ -22,7 +22,7 @@ from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from cpython.object cimport PyObject_Hash
 from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
 from libc.math cimport ceil, floor, rint
-from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memcmp, memcpy, memmove, memset
 from libcpp.algorithm cimport sort as cpp_sort
 
@@ -46,7 +46,11 @@ cdef extern from "Python.h":
     object PyList_New(Py_ssize_t n)
     void PyList_SET_ITEM(object p, Py_ssize_t pos, object o)
     object PyUnicode_FromKindAndData(int kind, const void *buffer, Py_ssize_t size)
+    int PyUnicode_1BYTE_KIND
+    int PyUnicode_2BYTE_KIND
     int PyUnicode_4BYTE_KIND
+    int PyUnicode_KIND(object o)
+    void *PyUnicode_DATA(object o)
 
 
 # One extension module, its source split by concern, each part beside the Python reference it is held to.

@@ -88,6 +88,22 @@ cdef inline void ngram_hashes(const uint32_t *cps, Py_ssize_t length, int n, uin
         out[p] = mix64(h)
 
 
+cdef inline void copy_code_points(str text, Py_ssize_t length, uint32_t *out) noexcept:
+    """`text`'s `length` code points into `out`, by the width the string stores them in (no per-character
+    dispatch on it)."""
+    cdef int kind = PyUnicode_KIND(text)
+    cdef const void *data = PyUnicode_DATA(text)
+    cdef Py_ssize_t j
+    if kind == PyUnicode_1BYTE_KIND:
+        for j in range(length):
+            out[j] = (<const uint8_t *>data)[j]
+    elif kind == PyUnicode_2BYTE_KIND:
+        for j in range(length):
+            out[j] = (<const uint16_t *>data)[j]
+    else:
+        memcpy(out, data, length * sizeof(uint32_t))
+
+
 # --- the batch kernel -------------------------------------------------------------------------------
 
 cdef class Shingled:
@@ -191,7 +207,6 @@ def shingle(list texts, int n, int k, int m, int target, uint64_t seed, int exac
     cdef uint32_t *cps = NULL
     cdef uint64_t *hashes = NULL
     cdef uint64_t *kept = NULL
-    cdef Py_UCS4 ch
     cdef str text
     keep_alive = []  # surrogate-carrying texts' UTF-8 (surrogatepass), alive until the hashing is done
     try:
@@ -238,9 +253,8 @@ def shingle(list texts, int n, int k, int m, int target, uint64_t seed, int exac
         for i in range(count):
             text = texts[i]
             p = cp_start[i]
-            for ch in text:
-                cps[p] = ch
-                p += 1
+            copy_code_points(text, lengths[i], cps + p)
+            p += lengths[i]
             for j in range(width):
                 cps[p + j] = PAD
             if out.ch_start[i + 1] > out.ch_start[i]:
@@ -271,6 +285,24 @@ cdef inline Py_ssize_t add_new(uint64_t *keys, Py_ssize_t start, Py_ssize_t end,
     return end + 1
 
 
+cdef Py_ssize_t wide_gram_keys(const uint32_t *text, Py_ssize_t length, int m, uint64_t seedc, uint64_t *keys,
+                               Py_ssize_t at) noexcept nogil:
+    """A short text's m-grams of wide characters as m-gram keys (`Batch.wide_grams`), written from keys[at];
+    returns the new end. Apart from `_hash_batch` (not inlined into it) so that its loops stay as they were."""
+    cdef Py_ssize_t p, j
+    cdef uint64_t h
+    for p in range(length - m + 1):
+        h = seedc
+        for j in range(m):
+            if text[p + j] < WIDE:
+                break
+            h = (h ^ text[p + j]) * MUL
+        else:
+            keys[at] = (mix64(h) >> 4) | MGRAM_TAG
+            at += 1
+    return at
+
+
 cdef void _hash_batch(Shingled out, const uint32_t *cps, const Py_ssize_t *cp_start, const Py_ssize_t *lengths,
                       const char **utf8, const Py_ssize_t *utf8_len, uint64_t *hashes, uint64_t *kept,
                       int n, int k, int m, int target, uint64_t seed, int exact_at, bint with_mgram,
@@ -278,7 +310,6 @@ cdef void _hash_batch(Shingled out, const uint32_t *cps, const Py_ssize_t *cp_st
     cdef uint64_t seed_n = mix64(seed + <uint64_t>n) | 1
     cdef uint64_t seed_m = mix64(seed + <uint64_t>m) | 1
     cdef uint64_t seed_s = mix64(seed + <uint64_t>short_m) | 1
-    cdef bint wide
     cdef uint32_t seed32 = <uint32_t>(seed & 0xFFFFFFFFULL)
     cdef Py_ssize_t i, count, p, distinct, sk = 0, mg = 0, kk = 0, start, j, q
     cdef double keep, fraction
@@ -330,19 +361,8 @@ cdef void _hash_batch(Shingled out, const uint32_t *cps, const Py_ssize_t *cp_st
                 if (v & (rate - 1)) == 0:
                     out.mgram[mg] = (v >> 4) | MGRAM_TAG
                     mg += 1
-            # A short text's m-grams of wide characters (`Batch.wide_grams`), after its sample.
             if short_m <= lengths[i] <= short_keys:
-                count = lengths[i] - short_m + 1
-                ngram_hashes(text, lengths[i], short_m, seed_s, hashes, count)
-                for p in range(count):
-                    wide = True
-                    for j in range(short_m):
-                        if text[p + j] < WIDE:
-                            wide = False
-                            break
-                    if wide:
-                        out.mgram[mg] = (hashes[p] >> 4) | MGRAM_TAG
-                        mg += 1
+                mg = wide_gram_keys(text, lengths[i], short_m, seed_s, out.mgram, mg)
         # Bucket keys in the configured order, first occurrence kept (`tuple(dict.fromkeys(keys))`).
         out.key_start[i] = kk
         start = kk

@@ -86,8 +86,9 @@ cdef Rules rules_of(cfg) except *:
     return r
 
 
-cdef double similarity(Estimates est, int64_t size_a, int64_t size_b, const Rules *r,
-                       const uint32_t *chars_a, Py_ssize_t na, const uint32_t *chars_b, Py_ssize_t nb) except -2.0:
+cdef inline double similarity(Estimates est, int64_t size_a, int64_t size_b, const Rules *r,
+                              const uint32_t *chars_a, Py_ssize_t na, const uint32_t *chars_b,
+                              Py_ssize_t nb) noexcept nogil:
     """`NearDupFilter._sketch_match` on the estimates and the short texts' characters (`na`, `nb`: 0 for a text
     that is not short): the Jaccard if it passes `threshold`; else the containment of the smaller text if it
     passes (with the size ratio, the minimum size and the slack); else the edit rule's LCS similarity if both

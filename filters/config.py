@@ -79,6 +79,8 @@ class FilterConfig:
         for name in ("containment_slack", "short_text", "short_mgram_chars"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0")
+        if self.short_text > 256:
+            raise ConfigError("short_text must be <= 256 (the edit check is for short texts)")
         if self.window <= 0:
             raise ConfigError("window must be > 0 seconds")
 

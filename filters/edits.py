@@ -46,14 +46,15 @@ def same_characters(a: str, b: str) -> bool:
 
 
 MIN_CHARS = 4  # shorter texts differ in a character or two from too many others to be compared so
+MAX_CHARS = 256  # the longest short text (`FilterConfig.short_text`): the compiled twin measures in stack buffers
 
 
 def edit_match(a: str, b: str, threshold: float) -> float:
-    """The edit rule on two short texts of at least `MIN_CHARS` characters: their LCS similarity when it
+    """The edit rule on two short texts of `MIN_CHARS` to `MAX_CHARS` characters: their LCS similarity when it
     reaches `threshold` or when they are the same characters in another order, else -1.0. The bound
     2·min(|a|, |b|) / (|a| + |b|) on the similarity skips texts whose lengths already differ too much."""
     na, nb = len(a), len(b)
-    if na < MIN_CHARS or nb < MIN_CHARS or 2 * min(na, nb) < threshold * (na + nb):
+    if not MIN_CHARS <= na <= MAX_CHARS or not MIN_CHARS <= nb <= MAX_CHARS or 2 * min(na, nb) < threshold * (na + nb):
         return -1.0
     similarity = lcs_similarity(a, b)
     return similarity if similarity >= threshold or same_characters(a, b) else -1.0

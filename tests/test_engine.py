@@ -271,6 +271,14 @@ def test_a_short_text_with_a_word_inserted_deleted_or_swapped_is_a_duplicate(nat
     assert not f.check("明天上午九点开会", id="d", ts=3).duplicate
 
 
+def test_the_edit_check_is_for_short_texts() -> None:
+    from filters.errors import ConfigError
+
+    assert FilterConfig(short_text=256).short_text == 256
+    with pytest.raises(ConfigError, match="short_text"):
+        FilterConfig(short_text=257)
+
+
 def test_short_chinese_texts_get_three_character_keys() -> None:
     config = FilterConfig()
     fp = NearDupFilter(config).fingerprinter.fingerprint("钢琴烤漆容易磨花")
