@@ -20,6 +20,8 @@ part (25 characters) of an earlier message and says something new (`hn_quote`), 
 pattern about a different event (`hn_headline`).
 
     python -m bench.perturb [--stream PATH --truth PATH] [--sample 0.3] [--seed 11] [--tools neardup,...]
+    python -m bench.perturb --dump /tmp/gen                 # also writes the stream and truth it built
+    python -m bench.perturb --load /tmp/gen --index redis://127.0.0.1:6379/15?socket_timeout=120
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from bench import needs  # noqa: E402
 from bench.filter_bench import run_datasketch, run_neardup  # noqa: E402
 from bench.robustness import Tricks  # noqa: E402
 from filters.engine import Message, Verdict  # noqa: E402
+from stream.eval_report import length_band, load  # noqa: E402
 from stream.evaluate import score  # noqa: E402
 
 OLD_KINDS = ("homoglyph", "leet", "traditional", "pinyin_substitution", "homophone")
@@ -307,8 +310,6 @@ def build(stream: Sequence[dict[str, Any]], truth: Sequence[dict[str, Any]], sam
 
 def report(truth: Sequence[dict[str, Any]], stream: Sequence[dict[str, Any]],
            results: dict[str, list[Verdict]]) -> str:
-    from stream.eval_report import length_band
-
     names = list(results)
     lines = ["| tool | precision | recall | F1 |", "|---|---|---|---|"]
     for name, verdicts in results.items():
@@ -350,18 +351,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--negatives", type=int, default=300, help="hard negatives of each kind")
     p.add_argument("--tools", default=",".join(TOOLS))
     p.add_argument("--dump", default="", help="write PATH.stream.jsonl and PATH.truth.jsonl")
+    p.add_argument("--load", default="", help="score PATH.stream.jsonl and PATH.truth.jsonl (a --dump) instead "
+                                              "of building the stream again")
+    p.add_argument("--index", default="memory://", help="neardup's index (redis://...: an empty database)")
     args = p.parse_args(argv)
-    needs.files(__file__, args.stream, args.truth)
     try:
-        stream = [orjson.loads(x) for x in open(args.stream, "rb") if x.strip()]
-        truth = [orjson.loads(x) for x in open(args.truth, "rb") if x.strip()]
+        if args.load:
+            p_stream, p_truth = (load(f"{args.load}.{suffix}.jsonl") for suffix in ("stream", "truth"))
+        else:
+            needs.files(__file__, args.stream, args.truth)
+            stream, truth = load(args.stream), load(args.truth)
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    t0 = time.perf_counter()
-    p_stream, p_truth = build(stream, truth, args.sample, args.seed, args.negatives)
-    print(f"{len(stream)} messages + {len(p_stream) - len(stream)} variants and negatives (seed {args.seed}; "
-          f"built in {time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+    if not args.load:
+        t0 = time.perf_counter()
+        p_stream, p_truth = build(stream, truth, args.sample, args.seed, args.negatives)
+        print(f"{len(stream)} messages + {len(p_stream) - len(stream)} variants and negatives (seed {args.seed}; "
+              f"built in {time.perf_counter() - t0:.0f} s)", file=sys.stderr)
     if args.dump:
         for suffix, rows in (("stream", p_stream), ("truth", p_truth)):
             with open(f"{args.dump}.{suffix}.jsonl", "wb") as f:
@@ -370,7 +377,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: dict[str, list[Verdict]] = {}
     for name in args.tools.split(","):
         t0 = time.perf_counter()
-        results[name], _ = TOOLS[name](msgs)
+        results[name], _ = run_neardup(msgs, index=args.index) if name == "neardup" else TOOLS[name](msgs)
         print(f"  {name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     print(report(p_truth, p_stream, results))
     return 0
