@@ -39,8 +39,9 @@ def _norm(text: str) -> str:
     return _PUNCT.sub("", unicodedata.normalize("NFKC", text).lower())
 
 
-def run_neardup(msgs: Sequence[Message], batch: int = 512, native: bool | None = None) -> tuple[list[Verdict], object]:
-    nd = NearDupFilter(FilterConfig(window=1e9), native=native)
+def run_neardup(msgs: Sequence[Message], batch: int = 512, native: bool | None = None,
+                index: str = "memory://") -> tuple[list[Verdict], object]:
+    nd = NearDupFilter(FilterConfig(window=1e9), index=index, native=native)
     out: list[Verdict] = []
     for i in range(0, len(msgs), batch):
         out.extend(nd.check_batch(msgs[i : i + batch]))

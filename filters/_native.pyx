@@ -5,8 +5,9 @@ look up → verify → insert loop, and the Redis index client's per-message wor
 
 One extension module; its source is split by concern into the files it includes, each beside the
 numpy/Python reference it computes bit for bit: `filters/_shingles.pxi` (`filters/shingles.py`),
-`filters/_sketch.pxi` (`filters/sketch.py`, the engine's sketch verification), `filters/index/_table.pxi`
-(`PyTable` in `filters/index/memory.py`), `filters/index/_redis_codec.pxi` (`filters/index/redis_codec.py`)
+`filters/_edits.pxi` (`filters/edits.py`), `filters/_sketch.pxi` (`filters/sketch.py`, the engine's sketch
+verification), `filters/index/_table.pxi` (`PyTable` in `filters/index/memory.py`),
+`filters/index/_redis_codec.pxi` (`filters/index/redis_codec.py`)
 and `filters/_records.pxi` (`filters/records.py`). `tests/test_native.py` proves it on the development
 stream and with hypothesis. The reference stays the specification and the fallback where no compiler
 was available at install time.
@@ -21,7 +22,7 @@ from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from cpython.object cimport PyObject_Hash
 from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
 from libc.math cimport ceil, floor, rint
-from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memcmp, memcpy, memmove, memset
 from libcpp.algorithm cimport sort as cpp_sort
 
@@ -44,10 +45,17 @@ cdef extern from "Python.h":
     char *PyBytes_AS_STRING(object o)
     object PyList_New(Py_ssize_t n)
     void PyList_SET_ITEM(object p, Py_ssize_t pos, object o)
+    object PyUnicode_FromKindAndData(int kind, const void *buffer, Py_ssize_t size)
+    int PyUnicode_1BYTE_KIND
+    int PyUnicode_2BYTE_KIND
+    int PyUnicode_4BYTE_KIND
+    int PyUnicode_KIND(object o)
+    void *PyUnicode_DATA(object o)
 
 
 # One extension module, its source split by concern, each part beside the Python reference it is held to.
 include "_shingles.pxi"
+include "_edits.pxi"
 include "_sketch.pxi"
 include "index/_table.pxi"
 include "index/_redis_codec.pxi"

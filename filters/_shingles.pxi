@@ -9,6 +9,7 @@ cdef int HASH_BITS = 44  # shingles._HASH_BITS: sketch precision before the top 
 cdef uint64_t MGRAM_TAG = 2ULL << 60
 cdef uint64_t EXACT_TAG = 1ULL << 60
 cdef uint64_t LOW60 = (1ULL << 60) - 1
+cdef uint32_t WIDE = 0x2E80  # shingles._WIDE: wide characters (Han, kana, hangul, pinyin codes, placeholders) from here
 
 
 cdef inline uint64_t mix64(uint64_t x) noexcept nogil:
@@ -87,12 +88,29 @@ cdef inline void ngram_hashes(const uint32_t *cps, Py_ssize_t length, int n, uin
         out[p] = mix64(h)
 
 
+cdef inline void copy_code_points(str text, Py_ssize_t length, uint32_t *out) noexcept:
+    """`text`'s `length` code points into `out`, by the width the string stores them in (no per-character
+    dispatch on it)."""
+    cdef int kind = PyUnicode_KIND(text)
+    cdef const void *data = PyUnicode_DATA(text)
+    cdef Py_ssize_t j
+    if kind == PyUnicode_1BYTE_KIND:
+        for j in range(length):
+            out[j] = (<const uint8_t *>data)[j]
+    elif kind == PyUnicode_2BYTE_KIND:
+        for j in range(length):
+            out[j] = (<const uint16_t *>data)[j]
+    else:
+        memcpy(out, data, length * sizeof(uint32_t))
+
+
 # --- the batch kernel -------------------------------------------------------------------------------
 
 cdef class Shingled:
     """One batch of normalized texts, hashed: per text the 128-bit exact hash, the bottom-k sketch
-    (top 32 bits, sorted), the estimated number of distinct shingles, the sampled m-gram keys, and the
-    bucket keys in the configured order (exact and m-gram keys, without repeats)."""
+    (top 32 bits, sorted), the estimated number of distinct shingles, the sampled m-gram keys (then the wide
+    m-grams of a short text), the bucket keys in the configured order (exact and m-gram keys, without
+    repeats), and the code points of a short text (`FilterConfig.short_text`; none for a longer one)."""
 
     cdef Py_ssize_t n
     cdef uint64_t *exact_lo
@@ -104,6 +122,8 @@ cdef class Shingled:
     cdef Py_ssize_t *mg_start
     cdef uint64_t *keys
     cdef Py_ssize_t *key_start
+    cdef uint32_t *chars
+    cdef Py_ssize_t *ch_start
 
     def __cinit__(self):
         self.n = 0
@@ -112,6 +132,7 @@ cdef class Shingled:
         PyMem_Free(self.exact_lo); PyMem_Free(self.exact_hi); PyMem_Free(self.size)
         PyMem_Free(self.sketch); PyMem_Free(self.sk_start); PyMem_Free(self.mgram)
         PyMem_Free(self.mg_start); PyMem_Free(self.keys); PyMem_Free(self.key_start)
+        PyMem_Free(self.chars); PyMem_Free(self.ch_start)
 
     def __len__(self):
         return self.n
@@ -146,8 +167,9 @@ cdef class Shingled:
                 for i in range(self.n)]
 
     def fingerprints(self, list normalized, make) -> list:
-        """`make(normalized, exact, size, sketch, keys, None, None, frozenset())` per text: the `Fingerprint`s
-        of exact and m-gram bucket keys, without a Python step per text (each sketch its own copy, as an entry keeps it)."""
+        """`make(normalized, exact, size, sketch, keys, None, None, frozenset(), chars)` per text: the
+        `Fingerprint`s of exact and m-gram bucket keys, without a Python step per text (each sketch its own
+        copy, as an entry keeps it; `chars` the normalized text when it is short, else "")."""
         if len(normalized) != self.n:
             raise ValueError("normalized texts and the hashed batch differ in length")
         cdef Py_ssize_t i, j
@@ -159,18 +181,24 @@ cdef class Shingled:
                 value = PyLong_FromUnsignedLongLong(self.keys[j])
                 Py_INCREF(value)
                 PyTuple_SET_ITEM(keys, j - self.key_start[i], value)
-            out.append(make(normalized[i], (<object>self.exact_hi[i]) << 64 | self.exact_lo[i], self.size[i],
-                            sketch, keys, None, None, NO_SENTENCES))
+            text = normalized[i]
+            out.append(make(text, (<object>self.exact_hi[i]) << 64 | self.exact_lo[i], self.size[i],
+                            sketch, keys, None, None, NO_SENTENCES,
+                            text if self.ch_start[i + 1] > self.ch_start[i] else ""))
         return out
 
 
-def shingle(list texts, int n, int k, int m, int target, uint64_t seed, int exact_at, bint with_mgram):
+def shingle(list texts, int n, int k, int m, int target, uint64_t seed, int exact_at, bint with_mgram,
+            int short_m, Py_ssize_t short_keys, Py_ssize_t short_text):
     """Hash a batch of normalized texts (see `Shingled`): n-grams of `n` for the bottom-`k` sketch,
-    m-grams of `m` sampled to about `target` keys (none when `target` is 0), the exact hash with the
-    low 32 bits of `seed`. Bucket keys: the exact key at position `exact_at` (0 first, 1 after the
-    m-gram keys, -1 none), the m-gram keys when `with_mgram`."""
+    m-grams of `m` sampled to about `target` keys (none when `target` is 0) and, in texts of at most
+    `short_keys` characters, every `short_m`-gram of wide characters; the exact hash with the low 32 bits
+    of `seed`. Bucket keys: the exact key at position `exact_at` (0 first, 1 after the m-gram keys, -1
+    none), the m-gram keys when `with_mgram`. The code points of texts of at most `short_text` characters
+    (and at least one) are kept."""
     cdef Py_ssize_t count = len(texts), i, total_cps = 0, length, max_len = 1, mg_cap = 0, p, j, c
-    cdef Py_ssize_t width = max(n, m)
+    cdef Py_ssize_t short_cps = 0
+    cdef Py_ssize_t width = max(n, m, short_m)
     cdef Shingled out = Shingled()
     cdef Py_ssize_t *cp_start = <Py_ssize_t *>PyMem_Malloc((count + 1) * sizeof(Py_ssize_t))
     cdef Py_ssize_t *lengths = <Py_ssize_t *>PyMem_Malloc((count + 1) * sizeof(Py_ssize_t))
@@ -179,7 +207,6 @@ def shingle(list texts, int n, int k, int m, int target, uint64_t seed, int exac
     cdef uint32_t *cps = NULL
     cdef uint64_t *hashes = NULL
     cdef uint64_t *kept = NULL
-    cdef Py_UCS4 ch
     cdef str text
     keep_alive = []  # surrogate-carrying texts' UTF-8 (surrogatepass), alive until the hashing is done
     try:
@@ -194,6 +221,10 @@ def shingle(list texts, int n, int k, int m, int target, uint64_t seed, int exac
             if length > max_len:
                 max_len = length
             mg_cap += max(length - m + 1, 1)
+            if length <= short_keys:
+                mg_cap += max(length - short_m + 1, 0)
+            if length <= short_text:
+                short_cps += length
         cps = <uint32_t *>PyMem_Malloc((total_cps + 1) * sizeof(uint32_t))
         hashes = <uint64_t *>PyMem_Malloc((max_len + 1) * sizeof(uint64_t))
         kept = <uint64_t *>PyMem_Malloc((max_len + 1) * sizeof(uint64_t))
@@ -206,19 +237,28 @@ def shingle(list texts, int n, int k, int m, int target, uint64_t seed, int exac
         out.mg_start = <Py_ssize_t *>PyMem_Malloc((count + 1) * sizeof(Py_ssize_t))
         out.keys = <uint64_t *>PyMem_Malloc((mg_cap + count + 1) * sizeof(uint64_t))
         out.key_start = <Py_ssize_t *>PyMem_Malloc((count + 1) * sizeof(Py_ssize_t))
+        out.chars = <uint32_t *>PyMem_Malloc((short_cps + 1) * sizeof(uint32_t))
+        out.ch_start = <Py_ssize_t *>PyMem_Malloc((count + 1) * sizeof(Py_ssize_t))
         if (not cps or not hashes or not kept or not out.exact_lo or not out.exact_hi or not out.size
                 or not out.sketch or not out.sk_start or not out.mgram or not out.mg_start or not out.keys
-                or not out.key_start):
+                or not out.key_start or not out.chars or not out.ch_start):
             raise MemoryError()
         out.n = count
+        c = 0
+        for i in range(count):  # filled in below, with the code points
+            out.ch_start[i] = c
+            if lengths[i] <= short_text:
+                c += lengths[i]
+        out.ch_start[count] = c
         for i in range(count):
             text = texts[i]
             p = cp_start[i]
-            for ch in text:
-                cps[p] = ch
-                p += 1
+            copy_code_points(text, lengths[i], cps + p)
+            p += lengths[i]
             for j in range(width):
                 cps[p + j] = PAD
+            if out.ch_start[i + 1] > out.ch_start[i]:
+                memcpy(out.chars + out.ch_start[i], cps + cp_start[i], lengths[i] * sizeof(uint32_t))
             try:
                 utf8[i] = PyUnicode_AsUTF8AndSize(text, &utf8_len[i])
             except UnicodeEncodeError:  # lone surrogates: hashed as "surrogatepass" encodes them
@@ -228,7 +268,7 @@ def shingle(list texts, int n, int k, int m, int target, uint64_t seed, int exac
                 utf8_len[i] = len(<bytes>data)
         with nogil:
             _hash_batch(out, cps, cp_start, lengths, utf8, utf8_len, hashes, kept, n, k, m, target, seed,
-                        exact_at, with_mgram)
+                        exact_at, with_mgram, short_m, short_keys)
         return out
     finally:
         PyMem_Free(cp_start); PyMem_Free(lengths); PyMem_Free(utf8); PyMem_Free(utf8_len)
@@ -245,11 +285,31 @@ cdef inline Py_ssize_t add_new(uint64_t *keys, Py_ssize_t start, Py_ssize_t end,
     return end + 1
 
 
+cdef Py_ssize_t wide_gram_keys(const uint32_t *text, Py_ssize_t length, int m, uint64_t seedc, uint64_t *keys,
+                               Py_ssize_t at) noexcept nogil:
+    """A short text's m-grams of wide characters as m-gram keys (`Batch.wide_grams`), written from keys[at];
+    returns the new end. Apart from `_hash_batch` (not inlined into it) so that its loops stay as they were."""
+    cdef Py_ssize_t p, j
+    cdef uint64_t h
+    for p in range(length - m + 1):
+        h = seedc
+        for j in range(m):
+            if text[p + j] < WIDE:
+                break
+            h = (h ^ text[p + j]) * MUL
+        else:
+            keys[at] = (mix64(h) >> 4) | MGRAM_TAG
+            at += 1
+    return at
+
+
 cdef void _hash_batch(Shingled out, const uint32_t *cps, const Py_ssize_t *cp_start, const Py_ssize_t *lengths,
                       const char **utf8, const Py_ssize_t *utf8_len, uint64_t *hashes, uint64_t *kept,
-                      int n, int k, int m, int target, uint64_t seed, int exact_at, bint with_mgram) noexcept nogil:
+                      int n, int k, int m, int target, uint64_t seed, int exact_at, bint with_mgram,
+                      int short_m, Py_ssize_t short_keys) noexcept nogil:
     cdef uint64_t seed_n = mix64(seed + <uint64_t>n) | 1
     cdef uint64_t seed_m = mix64(seed + <uint64_t>m) | 1
+    cdef uint64_t seed_s = mix64(seed + <uint64_t>short_m) | 1
     cdef uint32_t seed32 = <uint32_t>(seed & 0xFFFFFFFFULL)
     cdef Py_ssize_t i, count, p, distinct, sk = 0, mg = 0, kk = 0, start, j, q
     cdef double keep, fraction
@@ -301,6 +361,8 @@ cdef void _hash_batch(Shingled out, const uint32_t *cps, const Py_ssize_t *cp_st
                 if (v & (rate - 1)) == 0:
                     out.mgram[mg] = (v >> 4) | MGRAM_TAG
                     mg += 1
+            if short_m <= lengths[i] <= short_keys:
+                mg = wide_gram_keys(text, lengths[i], short_m, seed_s, out.mgram, mg)
         # Bucket keys in the configured order, first occurrence kept (`tuple(dict.fromkeys(keys))`).
         out.key_start[i] = kk
         start = kk

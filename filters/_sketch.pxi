@@ -62,18 +62,54 @@ cdef Estimates estimates(const uint64_t *a, Py_ssize_t na, int64_t size_a,
     return r
 
 
-cdef inline double similarity(Estimates est, int64_t size_a, int64_t size_b, double threshold,
-                              double containment, double min_ratio, int64_t min_size) noexcept nogil:
-    """`NearDupFilter._sketch_match` on the estimates: the Jaccard if it passes `threshold`, else the
-    containment of the smaller text if it passes (with the size ratio and minimum size), else -1."""
-    if est.jaccard >= threshold:
+cdef struct Rules:  # the verification parameters of a `FilterConfig`, read once per batch
+    double min_shared
+    Py_ssize_t limit
+    double threshold
+    double containment
+    double min_ratio
+    int64_t min_size
+    int64_t slack
+    double edit
+
+
+cdef Rules rules_of(cfg) except *:
+    cdef Rules r
+    r.min_shared = cfg.min_shared
+    r.limit = cfg.max_candidates
+    r.threshold = cfg.threshold
+    r.containment = cfg.containment
+    r.min_ratio = cfg.containment_min_ratio
+    r.min_size = cfg.containment_min_size
+    r.slack = cfg.containment_slack
+    r.edit = cfg.edit_similarity
+    return r
+
+
+cdef inline double similarity(Estimates est, int64_t size_a, int64_t size_b, const Rules *r,
+                              const uint32_t *chars_a, Py_ssize_t na, const uint32_t *chars_b,
+                              Py_ssize_t nb) noexcept nogil:
+    """`NearDupFilter._sketch_match` on the estimates and the short texts' characters (`na`, `nb`: 0 for a text
+    that is not short): the Jaccard if it passes `threshold`; else the containment of the smaller text if it
+    passes (with the size ratio, the minimum size and the slack); else the edit rule's LCS similarity if both
+    texts are short and it passes; else -1."""
+    if est.jaccard >= r.threshold:
         return est.jaccard
-    cdef double best = est.containment_a if est.containment_a > est.containment_b else est.containment_b
+    cdef double best = est.containment_a
+    cdef int64_t inside = size_a
+    if est.containment_b > est.containment_a:
+        best = est.containment_b
+        inside = size_b
     cdef int64_t small = size_a if size_a < size_b else size_b
     cdef int64_t big = size_a if size_a > size_b else size_b
     if big < 1:
         big = 1
-    if best >= containment and <double>small / <double>big >= min_ratio and small >= min_size:
+    cdef double slack = <double>r.slack
+    if <double>inside / 16.0 > slack:
+        slack = <double>inside / 16.0
+    if (best >= r.containment and <double>small / <double>big >= r.min_ratio and small >= r.min_size
+            and <double>inside * (1.0 - best) <= slack):
         return best
+    if na and nb:
+        return edit_match(chars_a, na, chars_b, nb, r.edit)
     return -1.0
-

@@ -31,8 +31,21 @@ class FilterConfig:
     containment: float = 0.8  # ... or containment of the smaller text in the larger, at or above this
     containment_min_ratio: float = 0.35  # ... when the smaller has at least this share of the larger's size
     containment_min_size: int = 12  # ... and at least this many shingles (short texts need Jaccard)
+    # ... and the smaller text has at most this many shingles the larger lacks: a truncated copy adds at most the
+    # junction and a marker ("(more)"); a reworded summary or a reply that quotes adds more (docs/quality-recall.md).
+    containment_slack: int = 6
+    # Short texts (at most this many normalized characters) keep their normalized text for the edit check: a
+    # candidate is a duplicate when both are short and their LCS similarity 2·LCS/(|a|+|b|) reaches `edit_similarity`
+    # (a few words inserted, deleted or swapped), or when one is the other's characters in another order.
+    short_text: int = 70
+    edit_similarity: float = 0.85
     mgram: int = 6  # m-gram size of the substring-index bucket keys
     mgram_keys: int = 10  # sampled m-gram keys per message (all of them for short texts); 12 found no more (README)
+    # Texts of at most `short_mgram_chars` normalized characters also get every m-gram of `short_mgram` wide
+    # characters (Han, kana, hangul, placeholders) as bucket keys: one edit in a 10-character Chinese text leaves
+    # no 6-gram in common, three characters carry as much as six Latin letters.
+    short_mgram: int = 3
+    short_mgram_chars: int = 20
     simhash_k: int = 3  # Hamming distance bound; the 64 bits split into k + 1 blocks
     minhash_perm: int = 128
     minhash_bands: int = 32
@@ -53,16 +66,21 @@ class FilterConfig:
             raise ConfigError(f"methods must be a non-empty subset of {METHODS}, got {self.methods!r}")
         if self.verify not in VERIFY_MODES:
             raise ConfigError(f"verify must be one of {VERIFY_MODES}, got {self.verify!r}")
-        if not 0.0 < self.threshold <= 1.0 or not 0.0 < self.containment <= 1.0:
-            raise ConfigError("threshold and containment must be in (0, 1]")
+        if not 0.0 < self.threshold <= 1.0 or not 0.0 < self.containment <= 1.0 or not 0.0 < self.edit_similarity <= 1.0:
+            raise ConfigError("threshold, containment and edit_similarity must be in (0, 1]")
         if self.minhash_perm % self.minhash_bands:
             raise ConfigError("minhash_perm must be a multiple of minhash_bands")
         if not 0 <= self.simhash_k < 16:
             raise ConfigError("simhash_k must be in [0, 15]")
         for name in ("shingle", "sketch_size", "mgram", "mgram_keys", "max_candidates", "bucket_cap",
-                     "max_chars", "sentences_top"):
+                     "max_chars", "sentences_top", "short_mgram"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
+        for name in ("containment_slack", "short_text", "short_mgram_chars"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0")
+        if self.short_text > 256:
+            raise ConfigError("short_text must be <= 256 (the edit check is for short texts)")
         if self.window <= 0:
             raise ConfigError("window must be > 0 seconds")
 
@@ -74,7 +92,7 @@ class FilterConfig:
         d = asdict(self)
         d["normalize_version"] = NORMALIZE_VERSION  # a changed normalization never meets old stored fingerprints
         for volatile in ("threshold", "containment", "containment_min_ratio", "containment_min_size",
-                         "max_candidates", "window", "verify", "min_shared"):
+                         "containment_slack", "edit_similarity", "max_candidates", "window", "verify", "min_shared"):
             d.pop(volatile)
         return d
 

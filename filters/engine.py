@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from filters.config import FilterConfig
+from filters.edits import edit_match
 from filters.fingerprint import Fingerprint, Fingerprinter, hamming, key_method, minhash_jaccard
 from filters.index import Batch, Candidate, CandidateIndex, Entry, Prepared
 from filters.index.backends import open_index
@@ -173,13 +174,21 @@ class NearDupFilter:
         return None
 
     def _sketch_match(self, fp: Fingerprint, entry: Entry, method: str, probe: Probe | None) -> Match:
+        """The sketch rules, then the edit rule of two short texts (`filters._sketch.similarity` is the twin)."""
         cfg = self.config
         size_a, size_b = fp.size, entry.size
         jaccard, containment_a, containment_b = (probe or Probe(fp.sketch, size_a)).estimates(entry.sketch, size_b)
         if jaccard >= cfg.threshold:
             return Match(True, jaccard, method)
-        containment = max(containment_a, containment_b)  # of the smaller text in the larger (Overlap's)
+        # Containment of the smaller text in the larger (Overlap's), when the contained text adds at most a few
+        # shingles of its own: `containment_slack`, or 1/16 of a long text's (its sketch is a sample).
+        inside, containment = (size_a, containment_a) if containment_a >= containment_b else (size_b, containment_b)
         if containment >= cfg.containment and size_ratio(size_a, size_b) >= cfg.containment_min_ratio \
-                and min(size_a, size_b) >= cfg.containment_min_size:
+                and min(size_a, size_b) >= cfg.containment_min_size \
+                and inside * (1.0 - containment) <= max(cfg.containment_slack, inside / 16):
             return Match(True, containment, method)
+        if fp.chars and entry.chars:
+            edited = edit_match(fp.chars, entry.chars, cfg.edit_similarity)
+            if edited >= 0.0:
+                return Match(True, edited, method)
         return Match(False, max(jaccard, containment), method)

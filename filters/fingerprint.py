@@ -7,6 +7,7 @@ different methods never mix in one index:
 - mgram      QQ's substring index: m-grams of the normalized text, sampled by hash so that a message
              has about `mgram_keys` keys (all of them when short). The sample is nested: a key kept
              at rate 1/2P is also kept at rate 1/P, so a short copy still meets its long original.
+             A short text (`short_mgram_chars`) also gets every `short_mgram`-gram of wide characters.
 - simhash    Charikar's 64-bit simhash over shingles weighted by their count, split into k + 1 blocks
              (Manku et al.): two fingerprints within Hamming distance k share at least one block.
 - minhash    MinHash over the shingle set, b bands of r rows (LSH banding).
@@ -57,6 +58,7 @@ class Fingerprint:
     simhash: int | None = None
     minhash: np.ndarray | None = None
     sentences: frozenset[int] = frozenset()
+    chars: str = ""  # the normalized text when it is short (`FilterConfig.short_text`): what the edit check compares
 
 
 _new_fingerprint = maker(Fingerprint)  # one per message: from all field values, without the __init__'s cost
@@ -108,9 +110,10 @@ class Fingerprinter:
 
     def _shingled(self, normalized: list[str]) -> Any:
         c = self.config
-        target = c.mgram_keys if "mgram" in self._methods else 0
-        return _native.shingle(normalized, c.shingle, c.sketch_size, c.mgram, target, c.seed,
-                               self._exact_at, "mgram" in self._methods)
+        mgram = "mgram" in self._methods
+        return _native.shingle(normalized, c.shingle, c.sketch_size, c.mgram, c.mgram_keys if mgram else 0, c.seed,
+                               self._exact_at, mgram, c.short_mgram, c.short_mgram_chars if mgram else 0,
+                               c.short_text)
 
     def _hashed(self, normalized: list[str]) -> tuple[list[int], list[int], list[np.ndarray], list[int], list[int]]:
         """Per text: exact hash, shingle count, sketch; and the m-gram keys end to end with their bounds."""
@@ -118,12 +121,17 @@ class Fingerprinter:
         if self.native:
             done = self._shingled(normalized)
             return (done.exacts(), done.sizes(), done.sketches(), *done.mgram_keys())
-        batch = Batch(normalized, max(c.shingle, c.mgram), c.seed)
+        batch = Batch(normalized, max(c.shingle, c.mgram, c.short_mgram), c.seed)
         sketches = batch.sketches(c.shingle, c.sketch_size)
         mgram_keys: list[int] = []
         mgram_bounds: list[int] = []
         if "mgram" in self._methods:
             grams, bounds = batch.samples(c.mgram, c.mgram_keys)
+            if c.short_mgram_chars:  # each text's sample, then its wide m-grams
+                wide, wide_bounds = batch.wide_grams(c.short_mgram, c.short_mgram_chars)
+                grams = np.concatenate([part for i in range(len(normalized)) for part in (
+                    grams[bounds[i] : bounds[i + 1]], wide[wide_bounds[i] : wide_bounds[i + 1]])] or [grams])
+                bounds = bounds + wide_bounds
             mgram_keys = ((grams >> _TAG_ROOM) | _MGRAM_TAG).tolist()
             mgram_bounds = bounds.tolist()
         seed32 = c.seed & 0xFFFFFFFF
@@ -164,7 +172,7 @@ class Fingerprinter:
                     keys.extend(_tagged("sentences", s) for s in sentences)
             # Positional: this runs once per message, and keywords cost a dataclass __init__ more.
             out.append(Fingerprint(norm, exact, sizes[i], sketches[i], tuple(dict.fromkeys(keys)),
-                                   simhash, minhash, sentences))
+                                   simhash, minhash, sentences, norm if len(norm) <= c.short_text else ""))
         return out
 
     # -- methods ---------------------------------------------------------------------------

@@ -36,6 +36,9 @@ _LOW = np.uint64((1 << _HASH_BITS) - 1)
 _DROP = np.uint64(64 - _HASH_BITS)
 
 
+_WIDE = np.uint64(0x2E80)  # the first CJK block: from here on a character carries about two Latin letters' worth
+
+
 def code_points(text: str) -> np.ndarray:
     return np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
 
@@ -59,6 +62,7 @@ class Batch:
         # shorter than n still yields one shingle: itself, padded.
         pad = "\U00100000" * (width - 1)
         self.lengths = np.fromiter((max(len(t), 1) for t in texts), dtype=np.int64, count=len(texts))
+        self.empty = np.fromiter((not t for t in texts), dtype=bool, count=len(texts))
         joined = pad.join(t if t else "\U00100000" for t in texts) + pad
         self.cps = code_points(joined).astype(np.uint64)
         self.starts = np.zeros(len(texts), dtype=np.int64)
@@ -113,3 +117,17 @@ class Batch:
         kept = (values & (rates[owner] - np.uint64(1))) == 0
         values, owner = values[kept], owner[kept]
         return values, np.searchsorted(owner, np.arange(self.count + 1))
+
+    def wide_grams(self, n: int, max_len: int) -> tuple[np.ndarray, np.ndarray]:
+        """The hashes of every n-gram of wide characters (code points from U+2E80 on: Han, kana, hangul,
+        pinyin codes, placeholders) in the texts of at most `max_len` characters, in order; bounds as `samples`."""
+        values, owner, counts = self.ngrams(n)
+        offsets = np.arange(len(values), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+        lengths = np.where(self.empty, 0, self.lengths)[owner]
+        whole = (lengths >= n) & (lengths <= max_len)  # n-grams inside a short text
+        wide = np.ones(len(values), dtype=bool)
+        at = self.starts[owner] + offsets
+        for j in range(n):
+            wide &= self.cps[np.minimum(at + j, len(self.cps) - 1)] >= _WIDE
+        kept = whole & wide
+        return values[kept], np.searchsorted(owner[kept], np.arange(self.count + 1))

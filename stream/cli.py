@@ -227,6 +227,7 @@ def sample_paths() -> tuple[Path, Path]:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from stream.eval_report import length_table, score_lengths
     from stream.evaluate import read_truth, score
 
     if args.sample:
@@ -246,15 +247,19 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise NeardupError(f"{truth_path} has {len(truth)} rows but {stream_path} has {len(lines)} records: "
                            "the truth needs one row per record, in the same order")
     verdicts: list[Verdict | None] = []
+    texts: list[str] = []  # for recall by length; a rejected record counts as empty
     started = time.perf_counter()
     for i in range(0, len(lines), args.batch_size):
         batch = [RawRecord(line, str(i + j + 1), 0.0) for j, line in enumerate(lines[i : i + args.batch_size])]
         for r in route_batch(nd, batch, fmt):
             verdicts.append(r.verdict if r.kind in (UNIQUE, DUPLICATE) else None)
+            texts.append(r.decoded.message.text if r.decoded is not None else "")
     report = score(truth, verdicts)
     report.seconds = time.perf_counter() - started
     nd.index.close()
     print(report.table())
+    print()
+    print(length_table(score_lengths(truth, texts, verdicts)))
     return 0
 
 

@@ -134,6 +134,14 @@ class Settings:
         kind="float"))
     containment_min_size: int = field(default=_DEFAULT_FILTER.containment_min_size, metadata=_meta(
         "... and at least this many shingles (short texts need Jaccard)", FILTER, kind="int"))
+    containment_slack: int = field(default=_DEFAULT_FILTER.containment_slack, metadata=_meta(
+        "... and the smaller text has at most this many shingles the larger lacks", FILTER, kind="int"))
+    short_text: int = field(default=_DEFAULT_FILTER.short_text, metadata=_meta(
+        "texts of at most this many normalized characters keep them for the edit check (0: off)", FILTER,
+        kind="int"))
+    edit_similarity: float = field(default=_DEFAULT_FILTER.edit_similarity, metadata=_meta(
+        "two short texts are duplicates at or above this LCS similarity (words inserted, deleted, swapped)",
+        FILTER, kind="float"))
     shingle: int = field(default=_DEFAULT_FILTER.shingle, metadata=_meta(
         "character n-gram size of the verification shingles", FILTER, kind="int"))
     sketch_size: int = field(default=_DEFAULT_FILTER.sketch_size, metadata=_meta(
@@ -142,6 +150,12 @@ class Settings:
         "m-gram size of the substring-index bucket keys", FILTER, kind="int"))
     mgram_keys: int = field(default=_DEFAULT_FILTER.mgram_keys, metadata=_meta(
         "m-gram keys sampled per message (all of them for short texts)", FILTER, kind="int"))
+    short_mgram: int = field(default=_DEFAULT_FILTER.short_mgram, metadata=_meta(
+        "m-gram size of the extra bucket keys of short texts, in wide (Han, kana, hangul) characters", FILTER,
+        kind="int"))
+    short_mgram_chars: int = field(default=_DEFAULT_FILTER.short_mgram_chars, metadata=_meta(
+        "texts of at most this many normalized characters get the short m-gram keys (0: none)", FILTER,
+        kind="int"))
     simhash_k: int = field(default=_DEFAULT_FILTER.simhash_k, metadata=_meta(
         "simhash Hamming distance bound (0-15)", FILTER, kind="int"))
     minhash_perm: int = field(default=_DEFAULT_FILTER.minhash_perm, metadata=_meta(

@@ -22,6 +22,7 @@ from typing import Any
 import orjson
 
 from filters.config import FilterConfig
+from filters.edits import lcs_similarity
 from filters.engine import Message, NearDupFilter, Verdict
 from filters.fingerprint import key_method
 from filters.index import Candidate, Entry
@@ -52,10 +53,12 @@ class PairDetail:
     size_b: int
     verified: bool
     rule: str
+    edit: float = -1.0  # LCS similarity of the two normalized texts when both are short, else -1
 
     def line(self) -> str:
+        edit = f", LCS {self.edit:.2f}" if self.edit >= 0 else ""
         return (f"shared keys {self.shared_keys}/{self.keys} (floor {self.floor}); jaccard {self.jaccard:.2f}, "
-                f"containment {self.containment:.2f}; shingles {self.size_a}/{self.size_b}; "
+                f"containment {self.containment:.2f}{edit}; shingles {self.size_a}/{self.size_b}; "
                 f"verified {self.verified}; {self.rule}")
 
 
@@ -68,6 +71,7 @@ def pair_detail(nd: NearDupFilter, earlier: str, later: str) -> PairDetail:
     ov = overlap(fb.sketch, fb.size, fa.sketch, fa.size)
     containment = max(ov.containment_a, ov.containment_b)
     match = nd.verify(fb, Candidate(Entry.of("A", 0.0, fa), len(shared), shared[0] if shared else 0))
+    edit = lcs_similarity(fa.chars, fb.chars) if fa.chars and fb.chars else -1.0
     if not shared:
         rule = "no shared bucket key (candidate never found)"
     elif len(shared) < floor:
@@ -78,10 +82,14 @@ def pair_detail(nd: NearDupFilter, earlier: str, later: str) -> PairDetail:
         rule = "containment passes but size ratio below containment_min_ratio"
     elif containment >= cfg.containment and min(fa.size, fb.size) < cfg.containment_min_size:
         rule = "containment passes but text below containment_min_size shingles"
+    elif containment >= cfg.containment:
+        rule = "containment passes but the contained text has more shingles of its own than containment_slack"
+    elif edit >= 0:
+        rule = f"similarity below threshold {cfg.threshold} / containment {cfg.containment} / LCS {cfg.edit_similarity}"
     else:
         rule = f"similarity below threshold {cfg.threshold} / containment {cfg.containment}"
     return PairDetail(len(shared), len(fb.keys), floor, ov.jaccard, containment, fa.size, fb.size,
-                      match.ok, rule)
+                      match.ok, rule, edit)
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 from filters.config import FilterConfig
+from filters.edits import lcs_similarity, same_characters
 from filters.engine import NearDupFilter
 from filters.fingerprint import Fingerprint, hamming, key_method, minhash_jaccard
 from filters.index import Candidate, Entry
@@ -58,6 +59,10 @@ def explain(a: str, b: str, config: FilterConfig | None = None) -> str:
         lines.append(f"  simhash hamming            {hamming(fa.simhash, fb.simhash)} (k={cfg.simhash_k})")
     if fa.minhash is not None and fb.minhash is not None:
         lines.append(f"  minhash jaccard            {minhash_jaccard(fa.minhash, fb.minhash):.3f}")
+    if fa.chars and fb.chars:  # both short: the edit rule compares them as sequences
+        same = "; the same characters in another order" if same_characters(fa.chars, fb.chars) else ""
+        lines.append(f"  LCS similarity (short)     {lcs_similarity(fb.chars, fa.chars):.3f} "
+                     f"(edit_similarity={cfg.edit_similarity}){same}")
     first_key = shared[0] if shared else (fa.keys[0] if fa.keys else 0)
     match = nd.verify(fb, Candidate(Entry.of("A", 0.0, fa), len(shared), first_key))
     lines.append(f"  verified                   {match.ok} (similarity {match.similarity:.3f}, via {match.method})")

@@ -448,6 +448,7 @@ def test_eval_prints_precision_and_recall(tmp_path: Path, capsys: pytest.Capture
     assert "| TP / FP / FN | 3 / 1 / 1 |" in out
     assert "| word_edit | 1 | 0.000 |" in out
     assert "| width_swap | 1 | 1.000 |" in out
+    assert "| <=30 | 1 | 1.000 | 1.0000 |" in out and "| 31-70 | 2 | 0.500 | 0.5000 |" in out  # by text length
 
 
 # -- the embedded runner --------------------------------------------------------------------------

@@ -244,6 +244,51 @@ def test_containment_catches_a_truncated_copy() -> None:
     assert not f.check(text[: len(text) // 5], id="fifth", ts=2).duplicate  # below the size ratio
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["compiled", "reference"])
+def test_containment_refuses_a_part_that_adds_words_of_its_own(native: bool) -> None:
+    """A truncated copy adds to what it keeps at most its junction and a marker; a part of a message with a
+    clause of its own (a summary, a reworded headline) is another message, however much it shares."""
+    rng = random.Random(4)
+    text = words(rng, 60)
+    f = NearDupFilter(native=native)
+    f.check(text, id="full", ts=0)
+    cut = text[: len(text) * 2 // 5]
+    v = f.check(cut + " (more)", id="cut", ts=1)
+    assert v.duplicate_of == "full" and v.similarity < 1.0
+    assert not f.check(cut + " and then a few words of its own", id="own", ts=2).duplicate
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["compiled", "reference"])
+def test_a_short_text_with_a_word_inserted_deleted_or_swapped_is_a_duplicate(native: bool) -> None:
+    """One edit in an 8-character Chinese text leaves no 6-gram key and a shingle Jaccard near 0.2: the
+    3-gram keys of short texts find the original and the edit rule (LCS similarity, or the same characters
+    in another order) verifies it; another word in the same frame is still another text."""
+    f = NearDupFilter(native=native)
+    f.check("钢琴烤漆容易磨花", id="a", ts=0)
+    for i, copy in enumerate(["钢琴烤漆易磨花", "钢琴烤漆很容易磨花", "烤漆钢琴容易磨花"]):
+        assert f.check(copy, id=f"b{i}", ts=1).duplicate_of == "a", copy
+    f.check("明天下午三点开会", id="c", ts=2)
+    assert not f.check("明天上午九点开会", id="d", ts=3).duplicate
+
+
+def test_the_edit_check_is_for_short_texts() -> None:
+    from filters.errors import ConfigError
+
+    assert FilterConfig(short_text=256).short_text == 256
+    with pytest.raises(ConfigError, match="short_text"):
+        FilterConfig(short_text=257)
+
+
+def test_short_chinese_texts_get_three_character_keys() -> None:
+    config = FilterConfig()
+    fp = NearDupFilter(config).fingerprinter.fingerprint("钢琴烤漆容易磨花")
+    assert len(fp.keys) == 1 + 3 + 6  # the exact key, every 6-gram, every 3-gram
+    assert fp.chars == fp.normalized
+    assert len(NearDupFilter(config.replace(short_mgram_chars=0)).fingerprinter.fingerprint("钢琴烤漆容易磨花").keys) == 4
+    latin = NearDupFilter(config).fingerprinter.fingerprint("see you at noon then")  # six letters carry as much
+    assert len(latin.keys) == 1 + len(latin.normalized) - 5
+
+
 def test_simhash_buckets_of_unrelated_messages_do_not_overflow() -> None:
     # Regression: simhash's upper 32 bits used to be always 0, so two of its four block keys were shared by
     # every message and unrelated messages filled those buckets to bucket_cap.

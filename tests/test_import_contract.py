@@ -154,6 +154,7 @@ def test_the_index_protocol_imports_none_of_its_backends() -> None:
 # Each part of the compiled core's source sits beside the Python reference it is tested against.
 COMPILED_PARTS = {
     "filters/_shingles.pxi": "filters/shingles.py",
+    "filters/_edits.pxi": "filters/edits.py",
     "filters/_sketch.pxi": "filters/sketch.py",
     "filters/index/_table.pxi": "filters/index/memory.py",
     "filters/index/_redis_codec.pxi": "filters/index/redis_codec.py",

@@ -87,8 +87,8 @@ def found(index: CandidateIndex, id: str, ts: float, keys: Sequence[int], limit:
 
 
 def assert_same_entry(a: Entry, b: Entry) -> None:
-    assert (a.id, a.ts, a.exact, a.size, a.simhash, a.sentences) == (b.id, b.ts, b.exact, b.size, b.simhash,
-                                                                      b.sentences)
+    assert (a.id, a.ts, a.exact, a.size, a.simhash, a.sentences, a.chars) == (b.id, b.ts, b.exact, b.size, b.simhash,
+                                                                                b.sentences, b.chars)
     assert a.sketch.dtype == b.sketch.dtype and a.sketch.dtype in (np.uint32, np.uint64)  # stored as given
     assert np.array_equal(a.sketch, b.sketch)
     if a.minhash is None or b.minhash is None:

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from filters import _native
 from filters.config import FilterConfig
+from filters.edits import edit_match, lcs_length
 from filters.engine import Message, NearDupFilter, Verdict
 from filters.errors import IndexCorrupt
 from filters.fingerprint import _MGRAM_TAG, _TAG_ROOM, Fingerprinter
@@ -35,6 +36,7 @@ SAMPLE = Path(__file__).parent / "data" / "sample.jsonl"
 _TEXT = st.one_of(
     st.text(max_size=40),
     st.text(alphabet="abcdefgh", max_size=400),
+    st.text(alphabet="ab你好世界\U0001e802\U000f0001", max_size=30),  # wide characters: the short m-gram keys
     st.text(alphabet=st.characters(blacklist_categories=()), max_size=30),
     st.sampled_from(["", "a", "\ud800", "x\udfff\ud800y", "😀😀", "a" * 3000]),
 )
@@ -49,11 +51,12 @@ def test_the_compiled_core_is_built() -> None:
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(texts=st.lists(_TEXT, max_size=12), n=st.integers(1, 7), k=st.integers(1, 64), m=st.integers(1, 9),
-       target=st.integers(0, 20), seed=st.integers(0, 2**63 - 1))
+       target=st.integers(0, 20), seed=st.integers(0, 2**63 - 1), short_m=st.integers(1, 4),
+       short_keys=st.integers(0, 30), short_text=st.integers(0, 40))
 def test_kernel_hashes_as_the_numpy_reference(texts: list[str], n: int, k: int, m: int, target: int,
-                                              seed: int) -> None:
-    done = _native.shingle(texts, n, k, m, target, seed, 0, target > 0)
-    batch = Batch(texts, max(n, m), seed)
+                                              seed: int, short_m: int, short_keys: int, short_text: int) -> None:
+    done = _native.shingle(texts, n, k, m, target, seed, 0, target > 0, short_m, short_keys, short_text)
+    batch = Batch(texts, max(n, m, short_m), seed)
     sketches = batch.sketches(n, k)
     assert done.sizes() == sketches.sizes
     for got, want in zip(done.sketches(), sketches.hashes, strict=True):
@@ -61,11 +64,16 @@ def test_kernel_hashes_as_the_numpy_reference(texts: list[str], n: int, k: int, 
     assert done.exacts() == [mmh3.hash128(t.encode("utf-8", "surrogatepass"), seed=seed & 0xFFFFFFFF)
                              for t in texts]
     flat, bounds = done.mgram_keys()
-    if target:
-        grams, want_bounds = batch.samples(m, target)
-        assert flat == ((grams >> _TAG_ROOM) | _MGRAM_TAG).tolist() and bounds == want_bounds.tolist()
+    if target:  # each text's sample, then the wide m-grams of a short one
+        grams, at = batch.samples(m, target)
+        wide, wide_at = batch.wide_grams(short_m, short_keys)
+        want = [((part >> _TAG_ROOM) | _MGRAM_TAG).tolist()
+                for i in range(len(texts)) for part in (grams[at[i] : at[i + 1]], wide[wide_at[i] : wide_at[i + 1]])]
+        assert flat == [key for part in want for key in part] and bounds == (at + wide_at).tolist()
     else:
         assert flat == [] and bounds == [0] * (len(texts) + 1)
+    fps = done.fingerprints(texts, lambda *values: values[-1])  # the short texts' characters
+    assert fps == [t if len(t) <= short_text else "" for t in texts]
 
 
 @pytest.mark.parametrize("methods", [("exact", "mgram"), ("mgram", "exact"), ("mgram",), ("exact",),
@@ -77,13 +85,28 @@ def test_fingerprints_are_the_same_either_way(methods: tuple[str, ...]) -> None:
     compiled = Fingerprinter(config, native=True).fingerprint_batch(texts)
     reference = Fingerprinter(config, native=False).fingerprint_batch(texts)
     for a, b in zip(compiled, reference, strict=True):
-        assert (a.normalized, a.exact, a.size, a.keys, a.simhash, a.sentences) == \
-            (b.normalized, b.exact, b.size, b.keys, b.simhash, b.sentences)
+        assert (a.normalized, a.exact, a.size, a.keys, a.simhash, a.sentences, a.chars) == \
+            (b.normalized, b.exact, b.size, b.keys, b.simhash, b.sentences, b.chars)
         assert a.sketch.dtype == b.sketch.dtype and np.array_equal(a.sketch, b.sketch)
         assert (a.minhash is None) == (b.minhash is None)
     if set(methods) <= {"exact", "mgram"}:
         hashed = Fingerprinter(config, native=True).shingle(texts)
         assert hashed.bucket_keys() == [fp.keys for fp in reference]
+
+
+_EDITED = st.text(alphabet="ab你好世界\U000f0001", max_size=90) | st.text(alphabet="abcd", min_size=200, max_size=256)
+
+
+@settings(max_examples=400, deadline=None)
+@given(a=_EDITED, b=_EDITED, shuffled=st.booleans(), threshold=st.floats(0.3, 1.0), rnd=st.randoms())
+def test_edit_measures_as_the_python_reference(a: str, b: str, shuffled: bool, threshold: float,
+                                               rnd: random.Random) -> None:
+    """LCS (in one 64-bit word and in several, up to the 256 characters of the longest short text) and the
+    edit rule, the same characters in another order included."""
+    if shuffled:
+        b = "".join(rnd.sample(a, len(a)))
+    assert _native.lcs_length_of(a, b) == lcs_length(a, b)
+    assert _native.edit_match_of(a, b, threshold) == edit_match(a, b, threshold)
 
 
 def test_hash128_is_mmh3() -> None:
@@ -156,18 +179,23 @@ def test_entries_made_by_decide_read_back_as_their_fingerprint() -> None:
 # --- the engine ---------------------------------------------------------------------------------------
 
 
+_SHORT_ZH = ["钢琴烤漆容易磨花", "房间很旧，有霉味，居然还有蟑螂！", "明天下午三点开会", "外形很漂亮，系统界面漂亮",
+             "送货超快，包装完好", "散热不太好，触摸板那里温度高"]
+
+
 def _perturbed_stream(seed: int, n: int) -> list[Message]:
-    """The shipped sample's texts and edited copies of them (cut, added, replaced characters), shuffled
-    a little in event time: duplicates, near misses and unrelated messages."""
+    """The shipped sample's texts and short Chinese texts, and edited copies of them (cut, added, replaced,
+    swapped characters), shuffled a little in event time: duplicates, near misses and unrelated messages."""
     rng = random.Random(seed)
     texts = [orjson.loads(line)["text"] for line in SAMPLE.read_bytes().splitlines()
-             if line.startswith(b"{") and isinstance(orjson.loads(line).get("text"), str)]
+             if line.startswith(b"{") and isinstance(orjson.loads(line).get("text"), str)] + _SHORT_ZH * 10
     out = []
     for i in range(n):
         t = rng.choice(texts)
         for _ in range(rng.randrange(4)):
             at = rng.randrange(len(t) + 1)
-            t = rng.choice([t[:at] + rng.choice("xyz 12!") + t[at:], t[:at] + t[at + 3 :], t[: max(at, 8)]])
+            t = rng.choice([t[:at] + rng.choice("xyz 12!很") + t[at:], t[:at] + t[at + 3 :], t[: max(at, 8)],
+                            t[:at] + t[at + 2 : at + 4] + t[at : at + 2] + t[at + 4 :]])
         ident = i - 1 if i % 50 == 49 else i  # a redelivery of the message before
         out.append(Message(f"m{ident}", t, float(i + rng.choice([0, 0, 0, -30, 15]))))
     return out
@@ -325,6 +353,11 @@ def test_the_shared_loop_decides_as_the_python_reference(seed: int, count: int, 
     rng = random.Random(seed)
 
     def text() -> str:
+        if rng.random() < 0.3:  # short Chinese texts: the 3-gram keys and the edit rule
+            base = list(rng.choice(_SHORT_ZH))
+            for _ in range(rng.randint(0, 2)):
+                base.insert(rng.randrange(len(base) + 1), rng.choice("很也都了"))
+            return "".join(base)
         base = rng.choice(_SPAM).split()
         for _ in range(rng.randint(0, 3)):
             base.insert(rng.randrange(len(base) + 1), rng.choice(["now", "sms", "promo", "stop", "today"]))
@@ -358,18 +391,20 @@ def test_the_shared_loop_decides_as_the_python_reference(seed: int, count: int, 
 @given(n=st.integers(0, 40), wide=st.booleans(), simhash=st.none() | st.integers(0, 2**64 - 1),
        minhash=st.none() | st.integers(0, 8), sentences=st.lists(st.integers(0, 2**64 - 1), max_size=3),
        exact=st.integers(0, 2**128 - 1), size=st.integers(0, 2**32 - 1), ts=st.floats(-1e9, 1e11),
-       cut=st.integers(0, 60), version=st.integers(0, 3), flags=st.integers(0, 255), mangle=st.booleans())
+       cut=st.integers(0, 60), version=st.integers(0, 3), flags=st.integers(0, 255), mangle=st.booleans(),
+       chars=st.text(max_size=12))
 def test_stored_entries_decode_as_the_python_reference(n: int, wide: bool, simhash: int | None, minhash: int | None,
                                                        sentences: list[int], exact: int, size: int, ts: float,
-                                                       cut: int, version: int, flags: int, mangle: bool) -> None:
-    """`decode_entries` reads the common form (a uint32 sketch and nothing else) itself and hands every
-    other form, and anything malformed (short, other version or flags, wrong length), to the Python
-    decoder: the same entries, or the same `IndexCorrupt`."""
+                                                       cut: int, version: int, flags: int, mangle: bool,
+                                                       chars: str) -> None:
+    """`decode_entries` reads the common form (a uint32 sketch, perhaps a short text's characters, nothing
+    else) itself and hands every other form, and anything malformed (short, other version or flags, wrong
+    length, characters that are not UTF-8), to the Python decoder: the same entries, or the same `IndexCorrupt`."""
     rng = np.random.default_rng(n)
     sketch = np.sort(rng.integers(0, 2**32 if not wide else 2**63, n, dtype=np.uint64))
     entry = Entry("e-1", ts, exact, size, sketch if wide else sketch.astype(np.uint32), simhash,
                   None if minhash is None else rng.integers(0, 2**32, minhash, dtype=np.uint64).astype(np.uint32),
-                  frozenset(sentences))
+                  frozenset(sentences), chars)
     blob = encode_entry(entry)
     if mangle:  # a header or length that this neardup did not write
         blob = bytes([version]) + blob[1:29] + bytes([flags]) + blob[30:]
@@ -388,15 +423,24 @@ def test_stored_entries_decode_as_the_python_reference(n: int, wide: bool, simha
 @settings(max_examples=200, deadline=None)
 @given(n=st.integers(0, 40), wide=st.booleans(), simhash=st.none() | st.integers(0, 2**64 - 1),
        minhash=st.none() | st.integers(0, 8), sentences=st.lists(st.integers(0, 2**64 - 1), max_size=3),
-       exact=st.integers(0, 2**128 - 1), size=st.integers(0, 2**32 - 1), ts=st.floats(allow_nan=False))
+       exact=st.integers(0, 2**128 - 1), size=st.integers(0, 2**32 - 1), ts=st.floats(allow_nan=False),
+       chars=st.text(max_size=12))
 def test_entries_encode_as_the_python_reference(n: int, wide: bool, simhash: int | None, minhash: int | None,
-                                                sentences: list[int], exact: int, size: int, ts: float) -> None:
+                                                sentences: list[int], exact: int, size: int, ts: float,
+                                                chars: str) -> None:
     rng = np.random.default_rng(n)
     sketch = np.sort(rng.integers(0, 2**32 if not wide else 2**63, n, dtype=np.uint64))
     entry = Entry("e-1", ts, exact, size, sketch if wide else sketch.astype(np.uint32), simhash,
                   None if minhash is None else rng.integers(0, 2**32, minhash, dtype=np.uint64).astype(np.uint32),
-                  frozenset(sentences))
+                  frozenset(sentences), chars)
     assert _native.encode_entries([(entry, ()), (entry, (1,))], encode_entry) == [encode_entry(entry)] * 2
+
+
+def test_characters_that_are_not_utf8_are_refused_as_by_the_python_reference() -> None:
+    blob = encode_entry(Entry("e", 1.0, 3, 2, np.zeros(2, dtype=np.uint32), chars="ab"))[:-2] + b"\xff\xfe"
+    for decode in (lambda: decode_entry(blob, "e"), lambda: _native.decode_entries(["e"], [blob], Entry, decode_entry)):
+        with pytest.raises(IndexCorrupt, match="UTF-8"):
+            decode()
 
 
 def test_an_entry_outside_the_stored_ranges_is_refused_as_by_the_python_reference() -> None:
@@ -529,7 +573,7 @@ def test_frozen_makes_what_the_class_makes() -> None:
         for obj in (made, reference):  # (Python 3.11's slotted frozen __setattr__ raises a TypeError of its own)
             with pytest.raises((dataclasses.FrozenInstanceError, TypeError)):
                 obj.id = "other"  # type: ignore[misc, union-attr]
-    made = _native.Frozen(Fingerprint)("n", 1 << 100, 2, sketch, (1,), None, None, frozenset())
+    made = _native.Frozen(Fingerprint)("n", 1 << 100, 2, sketch, (1,), None, None, frozenset(), "n")
     assert [getattr(made, f.name) is not None for f in dataclasses.fields(Fingerprint)][:5] == [True] * 5
     with pytest.raises(TypeError):
         _native.Frozen(Verdict)("a", True)  # defaults are not filled in: every value, in order

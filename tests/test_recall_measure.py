@@ -82,23 +82,52 @@ def test_mixed_pinyin_writes_some_han_in_pinyin(generators) -> None:
     assert out is not None and any("a" <= ch <= "z" for ch in out) and any("\u4e00" <= ch <= "\u9fff" for ch in out)
 
 
+def test_han_word_edits_work_on_words_and_names_are_names(generators) -> None:
+    """A spammer edits words: in Han text jieba's, never half of one; a name substitution replaces a name (a
+    person jieba tags, a capitalised word inside a sentence), not whatever word starts the message."""
+    text = "新华社记者王永治报道，本店今天全场八折优惠，欢迎加微信咨询详情。"
+    words = generators._words(text)
+    for seed in range(20):
+        swapped = generators.apply("word_swap", text, random.Random(seed))
+        assert swapped is not None and sorted(swapped) == sorted(text)
+        assert sorted(generators._words(swapped)) == sorted(words)  # whole words moved
+        deleted = generators.apply("word_delete", text, random.Random(seed))
+        assert deleted is not None and any(deleted == text.replace(w, "", 1) for w in words)
+    assert generators.apply("name_sub", text, random.Random(1)).replace("王永治", "") != text.replace("王永治", "")
+    assert "name_sub" not in generators.applicable("Sorry, I'll call later")
+    assert generators._names("Why is he urging voters to support Hillary now")[0] == ["Hillary"]
+
+
+def test_an_added_sentence_is_no_longer_than_the_message(generators) -> None:
+    assert generators.apply("sentence_suffix", "Short note.", random.Random(1)) is None  # every donor is longer
+    out = generators.apply("sentence_prefix", "A message long enough for the donor to fit in front of it.",
+                           random.Random(1))
+    assert out == "This is one donor sentence for padding. A message long enough for the donor to fit in front of it."
+
+
+def test_build_takes_added_and_quoted_text_from_messages_seen_before() -> None:
+    pytest.importorskip("jieba")
+    from bench.perturb import build
+
+    texts = [f"Message number {i} talks about topic {i * 7}. It goes on at some length, enough for a quote."
+             for i in range(200)]
+    stream = [{"id": f"m{i}", "text": t, "ts": float(i)} for i, t in enumerate(texts)]
+    truth = [{"id": f"m{i}", "cluster": f"c{i}", "corpus": "c", "ptype": "base", "gray": False} for i in range(200)]
+    out_s, out_t = build(stream, truth, sample=1.0, seed=3, n_negatives=10)
+    seen: list[str] = []
+    for rec, row in zip(out_s, out_t, strict=True):
+        if row["ptype"] in ("sentence_prefix", "sentence_suffix"):
+            added = rec["text"].replace(stream[int(row["source"][1:])]["text"], "").strip()
+            assert any(added in t for t in seen), added
+        if row["ptype"] == "hn_quote":
+            quote, reply = rec["text"].split("\n")
+            assert any(quote[2:] in t for t in seen) and not any(reply in t for t in texts)
+        if row["ptype"] == "base":
+            seen.append(rec["text"])
+
+
 def test_hard_negatives_are_clusters_of_their_own() -> None:
     from bench.perturb import NEGATIVES, negatives
 
     negs = negatives(random.Random(1), 5, ["first donor sentence here ok", "second donor sentence here"])
     assert {k for k, _ in negs} == set(NEGATIVES) and len(negs) == 15
-
-
-def test_short_edit_probe_accepts_a_short_text_one_character_apart() -> None:
-    from bench.short_edit import ShortEditFilter, levenshtein
-
-    assert levenshtein("kitten", "sitting") == 3 and levenshtein("", "abc") == 3
-    assert levenshtein("钢琴烤漆容易磨花", "钢琴烤漆易磨花") == 1
-    sketch_only = NearDupFilter(FilterConfig(min_shared=0.01), native=False)
-    probe = ShortEditFilter(FilterConfig(min_shared=0.01), short=70, ratio=0.8)
-    for nd in (sketch_only, probe):
-        nd.check("房间很旧，有霉味，居然还有蟑螂！！！！！", id="a", ts=0)
-    edited = "房间很旧也，有霉味，居然还都有蟑螂！！！！！"  # two characters inserted: Jaccard 0.22
-    assert not sketch_only.check(edited, id="b", ts=1).duplicate
-    verdict = probe.check(edited, id="b", ts=1)
-    assert (verdict.duplicate_of, verdict.method) == ("a", "edit")

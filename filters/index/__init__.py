@@ -42,10 +42,11 @@ class Entry:
     simhash: int | None = None
     minhash: np.ndarray | None = None
     sentences: frozenset[int] = frozenset()
+    chars: str = ""  # the normalized text of a short message (`FilterConfig.short_text`), for the edit check
 
     @staticmethod
     def of(id: str, ts: float, fp: Fingerprint) -> Entry:
-        return new_entry(id, ts, fp.exact, fp.size, fp.sketch, fp.simhash, fp.minhash, fp.sentences)
+        return new_entry(id, ts, fp.exact, fp.size, fp.sketch, fp.simhash, fp.minhash, fp.sentences, fp.chars)
 
 
 @dataclass(frozen=True, slots=True)

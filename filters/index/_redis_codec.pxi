@@ -773,9 +773,10 @@ cdef inline double floor_div(double ts, double length) noexcept:
 
 def decode_entries(list ids, list blobs, make, fallback) -> dict:
     """{id: entry} of the stored entries `blobs` (None: gone, left out), decoded as
-    `redis_codec.decode_entry` decodes them. The common form (version 2, a uint32 sketch and nothing
-    else) is read here, into `make(id, ts, exact, size, sketch, None, None, frozenset())`; any other,
-    and anything malformed, goes to `fallback(blob, id)`, which decodes it or raises."""
+    `redis_codec.decode_entry` decodes them. The common form (version 2, a uint32 sketch and perhaps a
+    short text's characters, nothing else) is read here, into `make(id, ts, exact, size, sketch, None,
+    None, frozenset(), chars)`; any other, and anything malformed, goes to `fallback(blob, id)`, which
+    decodes it or raises."""
     cdef dict out = {}
     cdef Py_ssize_t i, n, length
     cdef const char *p
@@ -784,6 +785,7 @@ def decode_entries(list ids, list blobs, make, fallback) -> dict:
     cdef uint32_t size, n_sketch, n_minhash, n_sentences
     cdef uint8_t version, flags
     cdef uint32_t[::1] view
+    cdef Py_ssize_t at
     if len(ids) != len(blobs):
         raise ValueError("ids and blobs differ in length")
     for i in range(len(ids)):
@@ -803,13 +805,21 @@ def decode_entries(list ids, list blobs, make, fallback) -> dict:
             memcpy(&n_sketch, p + 30, 4)
             memcpy(&n_minhash, p + 34, 4)
             memcpy(&n_sentences, p + 38, 4)
-            if (version == 2 and flags == 4 and n_minhash == 0 and n_sentences == 0
-                    and length == 42 + 4 * <Py_ssize_t>n_sketch):
+            at = 42 + 4 * <Py_ssize_t>n_sketch
+            if (version == 2 and n_minhash == 0 and n_sentences == 0
+                    and ((flags == 4 and length == at) or (flags == 12 and length > at))):
+                chars = ""
+                if flags == 12:  # _HAS_CHARS: the rest is the short text (UTF-8, surrogatepass)
+                    try:
+                        chars = (<bytes>blob)[at:].decode("utf-8", "surrogatepass")
+                    except UnicodeDecodeError:
+                        out[id] = fallback(blob, id)  # raises IndexCorrupt
+                        continue
                 sketch = np.empty(n_sketch, dtype=np.uint32)
                 if n_sketch:
                     view = sketch
                     memcpy(&view[0], p + 42, 4 * <size_t>n_sketch)
-                out[id] = make(id, ts, (<object>hi) << 64 | lo, size, sketch, None, None, NO_SENTENCES)
+                out[id] = make(id, ts, (<object>hi) << 64 | lo, size, sketch, None, None, NO_SENTENCES, chars)
                 continue
         out[id] = fallback(blob, id)
     return out
@@ -901,7 +911,8 @@ def rank_lookup(list columns, list positions_of, list id_places, list ids, list 
 
 def encode_entries(list entries, fallback) -> list:
     """`redis_codec.encode_entry` of each entry of `entries` ((Entry, keys) pairs): the common form (a
-    uint32 sketch, no simhash, minhash or sentences) written here, any other by `fallback(entry)`."""
+    uint32 sketch, perhaps a short text's characters, no simhash, minhash or sentences) written here, any
+    other by `fallback(entry)`."""
     cdef list out = []
     cdef const uint32_t[::1] sketch
     cdef Py_ssize_t n
@@ -917,7 +928,8 @@ def encode_entries(list entries, fallback) -> list:
                 and 0 <= exact < (1 << 128) and 0 <= entry.size < (1 << 32)):
             sketch = sk
             n = sketch.shape[0]
-            blob = PyBytes_FromStringAndSize(NULL, 42 + 4 * n)
+            chars = (<str>entry.chars).encode("utf-8", "surrogatepass") if entry.chars else b""
+            blob = PyBytes_FromStringAndSize(NULL, 42 + 4 * n + len(<bytes>chars))
             p = PyBytes_AS_STRING(blob)
             ts = entry.ts
             lo = <uint64_t>(exact & 0xFFFFFFFFFFFFFFFF)
@@ -929,11 +941,13 @@ def encode_entries(list entries, fallback) -> list:
             memcpy(p + 9, &lo, 8)
             memcpy(p + 17, &hi, 8)
             memcpy(p + 25, &size, 4)
-            p[29] = 4  # the sketch is uint32
+            p[29] = 12 if chars else 4  # the sketch is uint32 (4), the short text follows (8)
             memcpy(p + 30, &count, 4)
             memset(p + 34, 0, 8)  # no minhash, no sentences
             if n:
                 memcpy(p + 42, &sketch[0], 4 * n)
+            if chars:
+                memcpy(p + 42 + 4 * n, <const char *>(<bytes>chars), len(<bytes>chars))
             out.append(blob)
         else:
             out.append(fallback(entry))

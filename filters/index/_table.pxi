@@ -18,9 +18,11 @@ cdef struct CEntry:
     PyObject *payload  # owned, or NULL: the Entry the Python API inserted (else it is built on demand)
     uint32_t nkeys
     uint32_t nsk
+    uint32_t nch  # code points of a short text's normalized form (the edit check), 0 for a longer text
     bint narrow  # the sketch's values fit 32 bits (a fingerprint's): stored as uint32, else uint64
     uint64_t *keys  # inside this allocation
     void *sketch  # inside this allocation, after the keys
+    uint32_t *chars  # inside this allocation, after the sketch
 
 
 cdef union BucketData:
@@ -187,6 +189,9 @@ cdef class Table:
     cdef Py_ssize_t qkeys_cap
     cdef Merged *merged
     cdef Py_ssize_t merged_cap
+    cdef uint32_t *pchars  # a message's short text (decide_shared, insert), and a stored entry's (decide_shared)
+    cdef uint32_t *ochars
+    cdef Py_ssize_t pchars_cap, ochars_cap
 
     def __cinit__(self, double window, int bucket_cap, make_entry):
         self.window = window
@@ -239,6 +244,7 @@ cdef class Table:
         PyMem_Free(self.due.items); PyMem_Free(self.memo_due.items)
         PyMem_Free(self.hits); PyMem_Free(self.ranked); PyMem_Free(self.found)
         PyMem_Free(self.probe); PyMem_Free(self.other); PyMem_Free(self.qkeys); PyMem_Free(self.merged)
+        PyMem_Free(self.pchars); PyMem_Free(self.ochars)
 
     def __len__(self):
         return self.live
@@ -443,7 +449,7 @@ cdef class Table:
     # -- insert ------------------------------------------------------------------------------------
     cdef int _insert(self, object id, double ts, uint64_t exact_lo, uint64_t exact_hi, int64_t size,
                      const uint64_t *sketch, Py_ssize_t nsk, const uint64_t *keys, Py_ssize_t nkeys,
-                     object payload) except -1:
+                     const uint32_t *chars, Py_ssize_t nch, object payload) except -1:
         """`MemoryIndex.insert_one`: nothing when the id is live or the event time already left the window."""
         if id in self.by_id:
             return 0
@@ -458,7 +464,8 @@ cdef class Table:
                 narrow = False
                 break
         cdef CEntry *e = <CEntry *>PyMem_Malloc(sizeof(CEntry) + nkeys * sizeof(uint64_t)
-                                                + nsk * (sizeof(uint32_t) if narrow else sizeof(uint64_t)))
+                                                + nsk * (sizeof(uint32_t) if narrow else sizeof(uint64_t))
+                                                + nch * sizeof(uint32_t))
         if not e:
             raise MemoryError()
         self.seq += 1
@@ -475,9 +482,13 @@ cdef class Table:
             Py_INCREF(payload)
         e.nkeys = <uint32_t>nkeys
         e.nsk = <uint32_t>nsk
+        e.nch = <uint32_t>nch
         e.narrow = narrow
         e.keys = <uint64_t *>(<char *>e + sizeof(CEntry))
         e.sketch = <void *>(e.keys + nkeys)
+        e.chars = <uint32_t *>(<char *>e.sketch + nsk * (sizeof(uint32_t) if narrow else sizeof(uint64_t)))
+        if nch:
+            memcpy(e.chars, chars, nch * sizeof(uint32_t))
         if nkeys:
             memcpy(e.keys, keys, nkeys * sizeof(uint64_t))
         if narrow:
@@ -574,8 +585,9 @@ cdef class Table:
                 kept += 1
         nkeys = kept
         exact = entry.exact
+        cdef Py_ssize_t nch = code_points_of(entry.chars, &self.pchars, &self.pchars_cap)
         return bool(self._insert(entry.id, entry.ts, exact & 0xFFFFFFFFFFFFFFFF, exact >> 64, entry.size,
-                                 self.other, nsk, self.probe, nkeys, entry))
+                                 self.other, nsk, self.probe, nkeys, self.pchars, nch, entry))
 
     # -- lookup ------------------------------------------------------------------------------------
     cdef Py_ssize_t _gather(self, const uint64_t *keys, Py_ssize_t nkeys, Py_ssize_t floor, double ts,
@@ -694,7 +706,8 @@ cdef class Table:
         cdef uint32_t i
         for i in range(e.nsk):
             view[i] = (<uint32_t *>e.sketch)[i] if e.narrow else <uint32_t>(<uint64_t *>e.sketch)[i]
-        return self.make_entry(<object>e.id, e.ts, (<object>e.exact_hi) << 64 | e.exact_lo, e.size, sketch)
+        chars = PyUnicode_FromKindAndData(PyUnicode_4BYTE_KIND, e.chars, e.nch) if e.nch else ""
+        return self.make_entry(<object>e.id, e.ts, (<object>e.exact_hi) << 64 | e.exact_lo, e.size, sketch, chars)
 
     def seqs(self) -> list:
         """The live entries' seqs, oldest insert first."""
@@ -711,17 +724,21 @@ cdef class Table:
                 "evicted_by_cap": self.evicted_by_cap, "memos": len(self.memos)}
 
     # -- the embedded engine's loop -----------------------------------------------------------------
-    def decide(self, list ids, list tss, Shingled batch, double min_shared, Py_ssize_t limit, double threshold,
-               double containment, double min_ratio, int64_t min_size, tuple method_names, verdict) -> list:
+    def decide(self, list ids, list tss, Shingled batch, cfg, tuple method_names, verdict) -> list:
         """`NearDupFilter._decide_local` for every message of a hashed batch, in order: the verdicts,
         made by calling `verdict(id, duplicate, duplicate_of, similarity, method)`. Verification is by
-        sketch (`verify="sketch"`), exactly as `NearDupFilter._sketch_match`."""
-        cdef Py_ssize_t i, nkeys, floor, n, c, j, nsk
+        sketch (`verify="sketch"`) and the edit rule, exactly as `NearDupFilter._sketch_match` with the
+        parameters of `cfg` (a `FilterConfig`)."""
+        cdef Py_ssize_t i, nkeys, floor, n, c, j, nsk, nch
         cdef double ts, sim
         cdef const uint64_t *keys
+        cdef const uint32_t *chars
         cdef CEntry *e
         cdef int64_t size_a
         cdef bint matched
+        cdef Rules rules = rules_of(cfg)
+        cdef double min_shared = rules.min_shared
+        cdef Py_ssize_t limit = rules.limit
         if len(ids) != batch.n or len(tss) != batch.n:
             raise ValueError("ids, event times and the hashed batch differ in length")
         out = []
@@ -744,6 +761,8 @@ cdef class Table:
             n = self._gather(keys, nkeys, floor, ts, limit, 0)
             nsk = batch.sk_start[i + 1] - batch.sk_start[i]
             size_a = batch.size[i]
+            chars = batch.chars + batch.ch_start[i]
+            nch = batch.ch_start[i + 1] - batch.ch_start[i]
             matched = False
             if nsk > self.probe_cap:
                 self._grow_scratch(&self.probe, &self.probe_cap, nsk)
@@ -756,7 +775,7 @@ cdef class Table:
                     matched = True
                     break
                 sim = similarity(estimates(self.probe, nsk, size_a, self._wide(e), e.nsk, e.size), size_a, e.size,
-                                 threshold, containment, min_ratio, min_size)
+                                 &rules, chars, nch, e.chars, e.nch)
                 if sim >= 0.0:
                     memo = verdict(id, True, <object>e.id, py_round(sim, 4),
                                    method_names[keys[self.ranked[c].first] >> 60])
@@ -766,22 +785,21 @@ cdef class Table:
                 self._remember(id, memo, ts)
                 out.append(memo)
             else:
-                self._insert(id, ts, batch.exact_lo[i], batch.exact_hi[i], size_a, self.probe, nsk, keys, nkeys, None)
+                self._insert(id, ts, batch.exact_lo[i], batch.exact_hi[i], size_a, self.probe, nsk, keys, nkeys,
+                             chars, nch, None)
                 out.append(verdict(id, False, None, 0.0, None))
         return out
 
-    def decide_shared(self, list ids, list tss, list fps, list looked, double min_shared, Py_ssize_t limit,
-                      double threshold, double containment, double min_ratio, int64_t min_size,
-                      tuple method_names, verdict) -> tuple:
+    def decide_shared(self, list ids, list tss, list fps, list looked, cfg, tuple method_names, verdict) -> tuple:
         """`filters.index.shared.against`'s loop on this (fresh, batch-local) table, for a batch whose
         shared-index lookup gave `looked` (per message: its stored entry, its memo (a `Verdict`) or None,
         and its ranked `Candidate`s): replays, memos (the shared index's, or of the batch's earlier
         duplicates, remembered here), the batch's own earlier messages merged with the shared candidates
         (most shared keys first, then newest; the batch's first on ties), verification by sketch exactly
-        as `NearDupFilter._first_match`, and the unique ones inserted here. Returns (the verdicts, made
-        by `verdict(id, duplicate, duplicate_of, similarity, method)`, the places of the unique, and the
-        places of the duplicates decided here)."""
-        cdef Py_ssize_t count = len(ids), i, j, c, nkeys, floor, n_local, n_remote, n, nsk, nsk_b, pos
+        as `NearDupFilter._first_match` with the parameters of `cfg` (a `FilterConfig`), and the unique ones
+        inserted here. Returns (the verdicts, made by `verdict(id, duplicate, duplicate_of, similarity,
+        method)`, the places of the unique, and the places of the duplicates decided here)."""
+        cdef Py_ssize_t count = len(ids), i, j, c, nkeys, floor, n_local, n_remote, n, nsk, nsk_b, pos, nch, nch_b
         cdef double ts, sim
         cdef int64_t size_a, size_b
         cdef uint64_t lo, hi
@@ -791,8 +809,12 @@ cdef class Table:
         cdef Merged item
         cdef bint matched
         cdef const uint64_t *other
+        cdef const uint32_t *chars_b
         cdef list cands
         cdef object memo_type = verdict.cls if type(verdict) is Frozen else verdict  # what a memo is
+        cdef Rules rules = rules_of(cfg)
+        cdef double min_shared = rules.min_shared
+        cdef Py_ssize_t limit = rules.limit
         if len(tss) != count or len(fps) != count or len(looked) != count:
             raise ValueError("ids, event times, fingerprints and lookups differ in length")
         out = []
@@ -863,6 +885,7 @@ cdef class Table:
                 self._grow_scratch(&self.probe, &self.probe_cap, nsk)
             for j in range(nsk):
                 self.probe[j] = sk[j]
+            nch = code_points_of(fp.chars, &self.pchars, &self.pchars_cap)
             matched = False
             for c in range(n):
                 item = self.merged[c]
@@ -875,6 +898,8 @@ cdef class Table:
                     other = self._wide(e)
                     nsk_b = e.nsk
                     size_b = e.size
+                    chars_b = e.chars
+                    nch_b = e.nch
                     match_id = <object>e.id
                 else:
                     entry = (<object>cands[item.at]).entry
@@ -887,9 +912,11 @@ cdef class Table:
                     nsk_b = widen_sketch(entry.sketch, &self.other, &self.other_cap)
                     other = self.other
                     size_b = entry.size
+                    nch_b = code_points_of(entry.chars, &self.ochars, &self.ochars_cap) if nch else 0
+                    chars_b = self.ochars
                     match_id = entry.id
                 sim = similarity(estimates(self.probe, nsk, size_a, other, nsk_b, size_b), size_a, size_b,
-                                 threshold, containment, min_ratio, min_size)
+                                 &rules, self.pchars, nch, chars_b, nch_b)
                 if sim >= 0.0:
                     memo = verdict(id, True, match_id, py_round(sim, 4), method_names[item.first_key >> 60])
                     matched = True
@@ -899,7 +926,7 @@ cdef class Table:
                 out.append(memo)
                 remembered.append(i)
             else:
-                self._insert(id, ts, lo, hi, size_a, self.probe, nsk, self.qkeys, nkeys, None)
+                self._insert(id, ts, lo, hi, size_a, self.probe, nsk, self.qkeys, nkeys, self.pchars, nch, None)
                 out.append(verdict(id, False, None, 0.0, None))
                 unique.append(i)
         return out, unique, remembered

@@ -261,9 +261,9 @@ class PyTable:
         }
 
 
-def _made_entry(id: str, ts: float, exact: int, size: int, sketch: np.ndarray) -> Entry:
+def _made_entry(id: str, ts: float, exact: int, size: int, sketch: np.ndarray, chars: str) -> Entry:
     """An `Entry` of what the compiled table stored for a message its `decide` indexed."""
-    return Entry(id, ts, exact, size, sketch)
+    return Entry(id, ts, exact, size, sketch, chars=chars)
 
 
 def native_available() -> bool:
@@ -315,11 +315,9 @@ class MemoryIndex:
         if isinstance(prepared, list | tuple):
             verdicts = [self._decide_one(m, fp, verifier) for m, fp in zip(messages, prepared)]
         else:
-            cfg = verifier.config
             verdicts = self.table.decide(  # type: ignore[attr-defined]
-                [m.id for m in messages], [m.ts for m in messages], prepared, cfg.min_shared,
-                cfg.max_candidates, cfg.threshold, cfg.containment, cfg.containment_min_ratio,
-                cfg.containment_min_size, METHOD_NAMES, new_verdict)
+                [m.id for m in messages], [m.ts for m in messages], prepared, verifier.config, METHOD_NAMES,
+                new_verdict)
         finish(batch.meanwhile)
         return verdicts
 

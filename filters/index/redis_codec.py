@@ -28,7 +28,8 @@ _HEAD = struct.Struct("<BdQQIBIII")
 _HAS_SIMHASH = 1
 _HAS_MINHASH = 2
 _NARROW_SKETCH = 4  # the sketch is uint32 (a fingerprint's), stored in 4 bytes a value; else uint64
-_FLAGS = _HAS_SIMHASH | _HAS_MINHASH | _NARROW_SKETCH
+_HAS_CHARS = 8  # a short text's normalized characters (UTF-8, surrogatepass) are the bytes after the sentences
+_FLAGS = _HAS_SIMHASH | _HAS_MINHASH | _NARROW_SKETCH | _HAS_CHARS
 _U64 = np.dtype("<u8")
 _U32 = np.dtype("<u4")
 _NATIVE_U32 = np.dtype(np.uint32)
@@ -48,11 +49,13 @@ def encode_entry(entry: Entry) -> bytes:
     """The compact binary form of `entry` (its id is not included: it is the field's name)."""
     if not 0 <= entry.exact < 1 << 128:
         raise ValueError(f"exact must be an unsigned 128-bit int, got {entry.exact!r}")
+    chars = entry.chars.encode("utf-8", "surrogatepass")
     if entry.simhash is None and entry.minhash is None and not entry.sentences and entry.sketch.dtype == _NATIVE_U32:
         # A fingerprint's entry with the default methods: the common case, without numpy's general path.
         return _HEAD.pack(ENCODING_VERSION, entry.ts, entry.exact & _MASK64, entry.exact >> 64, entry.size,
-                          _NARROW_SKETCH, len(entry.sketch), 0, 0) + entry.sketch.astype(_U32, copy=False).tobytes()
-    flags = 0
+                          _NARROW_SKETCH | (_HAS_CHARS if chars else 0), len(entry.sketch), 0, 0) \
+            + entry.sketch.astype(_U32, copy=False).tobytes() + chars
+    flags = _HAS_CHARS if chars else 0
     if entry.sketch.dtype == np.uint32:  # a fingerprint's sketch: half the bytes, read back as it was
         flags |= _NARROW_SKETCH
         sketch = np.ascontiguousarray(entry.sketch, dtype=_U32)
@@ -70,6 +73,7 @@ def encode_entry(entry: Entry) -> bytes:
         tail.append(minhash.tobytes())
     sentences = np.array(sorted(entry.sentences), dtype=_U64)  # sorted: one entry, one encoding
     tail.append(sentences.tobytes())
+    tail.append(chars)
     head = _HEAD.pack(ENCODING_VERSION, entry.ts, entry.exact & _MASK64, entry.exact >> 64, entry.size,
                       flags, len(sketch), n_minhash, len(sentences))
     return b"".join([head, *tail])
@@ -125,7 +129,7 @@ def decode_entry(data: bytes, id: str) -> Entry:
     if not has_minhash and n_minhash:
         raise IndexCorrupt(f"entry {id!r}: minhash length without minhash")
     expected = _HEAD.size + width * n_sketch + 8 * has_simhash + 4 * n_minhash + 8 * n_sentences
-    if len(data) != expected:
+    if len(data) != expected and not (flags & _HAS_CHARS and len(data) > expected):
         raise IndexCorrupt(f"entry {id!r}: {len(data)} bytes where the header promises {expected}")
     pos = _HEAD.size
     # Read-only views of the reply's bytes: no copy, and nobody can change a stored entry by accident.
@@ -140,7 +144,13 @@ def decode_entry(data: bytes, id: str) -> Entry:
         minhash = np.frombuffer(data, _U32, n_minhash, pos).astype(np.uint32, copy=False)
         pos += 4 * n_minhash
     sentences = frozenset(np.frombuffer(data, _U64, n_sentences, pos).tolist())
-    return Entry(id, ts, lo | hi << 64, size, sketch, simhash, minhash, sentences)
+    chars = ""
+    if flags & _HAS_CHARS:
+        try:
+            chars = data[expected:].decode("utf-8", "surrogatepass")
+        except UnicodeDecodeError as exc:
+            raise IndexCorrupt(f"entry {id!r}: its characters are not UTF-8") from exc
+    return Entry(id, ts, lo | hi << 64, size, sketch, simhash, minhash, sentences, chars)
 
 
 def decode_entries(ids: Sequence[str], blobs: Sequence[bytes | None], make: Any = Entry,

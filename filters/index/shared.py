@@ -139,9 +139,8 @@ def against(verifier: Verifier, messages: Sequence[Message], fps: Sequence[Finge
     pending: dict[int, Entry] = {}
     if verifier.compiled:
         verdicts, unique, remembered = batch_local.table.decide_shared(  # type: ignore[attr-defined]
-            [m.id for m in messages], [m.ts for m in messages], list(fps), list(looked), cfg.min_shared,
-            cfg.max_candidates, cfg.threshold, cfg.containment, cfg.containment_min_ratio,
-            cfg.containment_min_size, METHOD_NAMES, new_verdict)
+            [m.id for m in messages], [m.ts for m in messages], list(fps), list(looked), cfg, METHOD_NAMES,
+            new_verdict)
         for i in unique:
             pending[i] = Entry.of(messages[i].id, messages[i].ts, fps[i])
         return verdicts, pending, remembered
