@@ -617,12 +617,13 @@ def _join_run(run: str) -> str:
 
 
 def _leet_symbols(text: str, spaced: Callable[[str], list[tuple[int, int]]] | None = None) -> str:
-    """`spaced`: where `_SPACED` matches in a text (the compiled `spaced_runs`), else the pattern finds them."""
+    """`spaced`: where `_SPACED` matches in `" " + text`, one less (the compiled `spaced_runs`), else the
+    pattern finds them."""
     if " " in text:
         if spaced is None:
             text = _SPACED.sub(_join_spaced, " " + text)[1:]
         else:
-            text = _joined_at(" " + text, spaced(" " + text))[1:]
+            text = _joined_at(text, spaced(text))
     if "!" in text:
         text = _sub_at(_LEET_BANG, text, "i", _find_all(text, "!"))
     if "@" in text:
@@ -633,14 +634,18 @@ def _leet_symbols(text: str, spaced: Callable[[str], list[tuple[int, int]]] | No
 
 
 def _joined_at(text: str, runs: list[tuple[int, int]]) -> str:
-    """`_SPACED.sub(_join_spaced, text)` given its matches' spans."""
+    """`_SPACED.sub(_join_spaced, " " + text)[1:]` given its matches' spans in `text` (a start of -1: the
+    space before the text), without copying the whole text twice more."""
     if not runs:
         return text
     out = []
     pos = 0
     for start, end in runs:
-        out.append(text[pos:start])
-        out.append(_join_run(text[start:end]))
+        if start >= 0:
+            out.append(text[pos:start])
+            out.append(_join_run(text[start:end]))
+        else:
+            out.append(_join_run(" " + text[:end])[1:])
         pos = end
     out.append(text[pos:])
     return "".join(out)
