@@ -171,7 +171,8 @@ def _is_mark(ch: str) -> bool:
     """A combining mark strip_accents drops: in the combining diacritic blocks, or with a nonzero combining
     class (the only ones canonical ordering moves, so none is left to reorder)."""
     cp = ord(ch)
-    return _scanned(cp) and (bool(unicodedata.combining(ch)) or (0x300 <= cp <= 0xFE2F and any(lo <= cp <= hi for lo, hi in _COMBINING_RANGES)))
+    in_block = 0x300 <= cp <= 0xFE2F and any(lo <= cp <= hi for lo, hi in _COMBINING_RANGES)
+    return _scanned(cp) and (bool(unicodedata.combining(ch)) or in_block)
 
 
 @functools.cache
