@@ -69,6 +69,11 @@ import numpy as np
 
 from filters import charmaps
 
+try:  # the compiled stages (filters/_normalize.pxi); without a compiler, the numpy tables below
+    import filters._native as _native
+except ImportError:  # pragma: no cover - depends on the install
+    _native = None
+
 # Bumped whenever a step changes its output: stored fingerprints carry it (FilterConfig.digest), so a
 # shared index never mixes fingerprints of two normalizations.
 NORMALIZE_VERSION = 3
@@ -151,17 +156,28 @@ def _char_class(chars: Sequence[str]) -> str:
     return "".join(re.escape(chr(a)) if a == b else f"{re.escape(chr(a))}-{re.escape(chr(b))}" for a, b in ranges)
 
 
+def _scanned(cp: int) -> bool:
+    return cp < 0x20000 or 0xE0000 <= cp < 0xE1000
+
+
+def _is_invisible(ch: str) -> bool:
+    """Format (Cf) and control (Cc, except tab, LF, CR) characters plus variation selectors."""
+    cp = ord(ch)
+    return _scanned(cp) and cp not in (0x09, 0x0A, 0x0D) and (
+        unicodedata.category(ch) in ("Cf", "Cc") or 0xFE00 <= cp <= 0xFE0F or 0xE0100 <= cp <= 0xE01EF)
+
+
+def _is_mark(ch: str) -> bool:
+    """A combining mark strip_accents drops: in the combining diacritic blocks, or with a nonzero combining
+    class (the only ones canonical ordering moves, so none is left to reorder)."""
+    cp = ord(ch)
+    in_block = 0x300 <= cp <= 0xFE2F and any(lo <= cp <= hi for lo, hi in _COMBINING_RANGES)
+    return _scanned(cp) and (bool(unicodedata.combining(ch)) or in_block)
+
+
 @functools.cache
 def _invisible_chars() -> tuple[str, ...]:
-    """Format (Cf) and control (Cc, except tab, LF, CR) characters plus variation selectors."""
-    out = []
-    for cp in _SCANNED:
-        ch = chr(cp)
-        if cp in (0x09, 0x0A, 0x0D):
-            continue
-        if unicodedata.category(ch) in ("Cf", "Cc") or 0xFE00 <= cp <= 0xFE0F or 0xE0100 <= cp <= 0xE01EF:
-            out.append(ch)
-    return tuple(out)
+    return tuple(ch for ch in map(chr, _SCANNED) if _is_invisible(ch))
 
 
 @functools.cache
@@ -171,11 +187,7 @@ def _invisible_pattern() -> re.Pattern[str]:
 
 @functools.cache
 def _marks_pattern() -> re.Pattern[str]:
-    """Combining marks strip_accents drops: the combining diacritic blocks and every character with a
-    nonzero combining class (the only ones canonical ordering moves, so none is left to reorder)."""
-    blocks = {cp for lo, hi in _COMBINING_RANGES for cp in range(lo, hi + 1)}
-    marks = [ch for ch in map(chr, _SCANNED) if unicodedata.combining(ch) or ord(ch) in blocks]
-    return re.compile(f"[{_char_class(marks)}]+")
+    return re.compile(f"[{_char_class([ch for ch in map(chr, _SCANNED) if _is_mark(ch)])}]+")
 
 
 # Characters NFKC would make something they do not look like (see `charmaps.BEFORE_NFKC_FROM`): the nfkc
@@ -264,9 +276,10 @@ class _Stages:
 class Normalizer:
     """Applies the enabled steps of `NormalizeOptions`; pure and deterministic."""
 
-    def __init__(self, options: NormalizeOptions | None = None) -> None:
+    def __init__(self, options: NormalizeOptions | None = None, native: bool | None = None) -> None:
+        """`native`: the compiled stages (`filters._native.NormalizeStages`) if built (None) or if True and
+        built; False: the numpy tables. The same results either way."""
         self.options = options or NormalizeOptions()
-        self._invisible = _invisible_pattern()
         self._tab_confusables, self._tab_t2s, self._tab_pinyin, self._syllable_code = _translation_tables()
         self._max_syllable = max(len(s) for s in charmaps.PINYIN_SYLLABLES)
         # Latin runs between Han characters repeat ("app", "ok", "hao"): their splits are remembered.
@@ -275,10 +288,23 @@ class Normalizer:
         self._steps: list[tuple[str, Callable[[str], str]]] = [
             (name, getattr(self, f"_{name}")) for name in order if getattr(self.options, name)
         ]
-        self._stages = _stages(self.options) if _fusable(self.options) else None
+        twins = {"strip_invisible": _drop_invisible, "strip_accents": _drop_marks}
+        self._steps_unpatterned = [(name, twins.get(name, step)) for name, step in self._steps]
+        fusable = _fusable(self.options)
+        self._core = None
+        self._spaced: Callable[[str], list[tuple[int, int]]] | None = None
+        if fusable and _native is not None and native is not False:
+            o = self.options
+            self._core = _native.NormalizeStages(_stage1(o), o.leet, o.pinyin, charmaps.PINYIN_CODES, charmaps.PINYIN_BASE,
+                                                 _BEFORE_NFKC_MAP)
+            self._spaced = _native.spaced_runs
+        # The numpy tables take ≈ 0.3 s to build: only without the compiled stages.
+        self._stages = _stages(self.options) if fusable and self._core is None else None
 
     # -- public ------------------------------------------------------------------------------
     def __call__(self, text: str) -> str:
+        if self._core is not None:
+            return self._compiled([text])[0]
         st = self._stages
         if st is None:
             return self._stepwise(text)
@@ -289,6 +315,8 @@ class Normalizer:
 
     def normalize_batch(self, texts: Sequence[str]) -> list[str]:
         """`[self(t) for t in texts]`, computed with one pass of each stage over the whole batch."""
+        if self._core is not None:
+            return self._compiled(texts)
         st = self._stages
         if st is None or len(texts) < 2:
             return [self(t) for t in texts]
@@ -299,14 +327,14 @@ class Normalizer:
         if ascii_at:
             joined = _JOIN.join([clean[i] for i in ascii_at])
             joined = joined.encode("ascii").translate(st.ascii_chars, st.ascii_drop).decode("ascii")
-            joined = self._words_stage(joined, st)
+            joined = self._words_stage(joined)
             done = joined.encode("utf-8").translate(st.ascii_words, st.ascii_words_drop).decode("utf-8")
             for i, s in zip(ascii_at, done.split(_JOIN), strict=True):
                 out[i] = s
         if other_at:
             joined = _JOIN.join([clean[i] for i in other_at])
             joined = self._chars_batch(joined, st)
-            joined = self._words_stage(joined, st)
+            joined = self._words_stage(joined)
             done, latin_next_to_pinyin = self._words_batch(joined, st)
             for k, (i, s) in enumerate(zip(other_at, done.split(_JOIN), strict=True)):
                 out[i] = self._latin_pinyin(s) if k in latin_next_to_pinyin else s
@@ -320,24 +348,52 @@ class Normalizer:
             out.append((name, text))
         return out
 
-    def _stepwise(self, text: str) -> str:
-        for _, step in self._steps:
+    def _stepwise(self, text: str, steps: list[tuple[str, Callable[[str], str]]] | None = None) -> str:
+        for _, step in steps or self._steps:
             text = step(text)
         return text
 
     # -- fused stages ------------------------------------------------------------------------
+    def _compiled(self, texts: Sequence[str]) -> list[str]:
+        """`normalize_batch` with stages 1 and 3 compiled. ASCII texts form a batch of their own, as in the
+        reference: they skip decomposition, and the patterns run faster on a string of one byte a character."""
+        core, o = self._core, self.options
+        assert core is not None
+        clean = [t.replace(_JOIN, "") if _JOIN in t else t for t in texts]
+        ascii_at = [i for i, t in enumerate(clean) if t.isascii()]
+        groups = [ascii_at]
+        if len(ascii_at) < len(clean):
+            groups.append([i for i, t in enumerate(clean) if not t.isascii()] if ascii_at else list(range(len(clean))))
+        out: list[str] = [""] * len(texts)
+        for group in groups:
+            if not group:
+                continue
+            joined = _JOIN.join([clean[i] for i in group])
+            if group is not ascii_at and (o.nfkc or o.strip_accents):
+                if o.nfkc:
+                    joined = core.keep_look(joined)
+                joined = unicodedata.normalize("NFKD" if o.nfkc else "NFD", joined)
+            done, latin_next_to_pinyin = core.words(self._words_stage(core.chars(joined)))
+            for k in latin_next_to_pinyin:
+                done[k] = self._latin_pinyin(done[k])
+            for i, s in zip(group, done, strict=True):
+                out[i] = s
+        # Texts of separators only: by the steps, with the per-character twins of the two steps that use a
+        # pattern (building those patterns would cost every process ≈ 0.5 s, the texts are short).
+        return [s if s or not t else self._stepwise(t, self._steps_unpatterned) for s, t in zip(out, texts, strict=True)]
+
     def _fused(self, text: str, st: _Stages) -> str:
         if _JOIN in text:
             text = text.replace(_JOIN, "")  # strip_invisible would delete it; stage 1 keeps it
         if text.isascii():
             text = text.encode("ascii").translate(st.ascii_chars, st.ascii_drop).decode("ascii")
-            text = self._words_stage(text, st)
+            text = self._words_stage(text)
             return text.encode("utf-8").translate(st.ascii_words, st.ascii_words_drop).decode("utf-8")
         if st.decompose:
             if self.options.nfkc:
                 text = _keep_look(text)
             text = unicodedata.normalize(st.decompose, text)
-        text = self._words_stage(text.translate(st.chars), st)
+        text = self._words_stage(text.translate(st.chars))
         han = self.options.pinyin and _HAN.search(text) is not None
         text = _SEPARATORS.sub("", text)
         if st.words:
@@ -363,13 +419,13 @@ class Normalizer:
                     joined = joined.replace(ch, value)
         return joined
 
-    def _words_stage(self, text: str, st: _Stages) -> str:
+    def _words_stage(self, text: str) -> str:
         """mask_urls, then leet and mask_numbers as far as they need context (patterns)."""
         o = self.options
         if o.mask_urls:
             text = self._mask_urls(text)
         if o.leet:
-            text = _leet_symbols(text)
+            text = _leet_symbols(text, self._spaced)
             text = _NUMBER_OR_LEET.sub(_leet_or_mask if o.mask_numbers else _leet_or_keep, text)
         elif o.mask_numbers:
             text = _NUMBER.sub(NUMBER_MARK, text)
@@ -401,7 +457,7 @@ class Normalizer:
         return text if text.isascii() else unicodedata.normalize("NFKC", _keep_look(text))
 
     def _strip_invisible(self, text: str) -> str:
-        return text if text.isascii() and text.isprintable() else self._invisible.sub("", text)
+        return text if text.isascii() and text.isprintable() else _invisible_pattern().sub("", text)
 
     @staticmethod
     def _strip_accents(text: str) -> str:
@@ -550,7 +606,10 @@ def _domain_starts(text: str) -> list[int]:
 
 
 def _join_spaced(m: re.Match[str]) -> str:
-    run = m.group()
+    return _join_run(m.group())
+
+
+def _join_run(run: str) -> str:
     letters = sum(c.isalpha() for c in run)
     if not letters or letters + sum(c in "@$!" for c in run) < 2 or not _SPACED_LEET.intersection(run):
         return run
@@ -558,9 +617,14 @@ def _join_spaced(m: re.Match[str]) -> str:
     return run[0] + " ".join(word.replace(" ", "") for word in _WORD_GAP.split(run[1:]))
 
 
-def _leet_symbols(text: str) -> str:
+def _leet_symbols(text: str, spaced: Callable[[str], list[tuple[int, int]]] | None = None) -> str:
+    """`spaced`: where `_SPACED` matches in `" " + text`, one less (the compiled `spaced_runs`), else the
+    pattern finds them."""
     if " " in text:
-        text = _SPACED.sub(_join_spaced, " " + text)[1:]
+        if spaced is None:
+            text = _SPACED.sub(_join_spaced, " " + text)[1:]
+        else:
+            text = _joined_at(text, spaced(text))
     if "!" in text:
         text = _sub_at(_LEET_BANG, text, "i", _find_all(text, "!"))
     if "@" in text:
@@ -568,6 +632,24 @@ def _leet_symbols(text: str) -> str:
     if "$" in text:
         text = _sub_at(_LEET_DOLLAR, text, "s", _find_all(text, "$"))
     return text
+
+
+def _joined_at(text: str, runs: list[tuple[int, int]]) -> str:
+    """`_SPACED.sub(_join_spaced, " " + text)[1:]` given its matches' spans in `text` (a start of -1: the
+    space before the text), without copying the whole text twice more."""
+    if not runs:
+        return text
+    out = []
+    pos = 0
+    for start, end in runs:
+        if start >= 0:
+            out.append(text[pos:start])
+            out.append(_join_run(text[start:end]))
+        else:
+            out.append(_join_run(" " + text[:end])[1:])
+        pos = end
+    out.append(text[pos:])
+    return "".join(out)
 
 
 def _leet_or_keep(m: re.Match[str]) -> str:
@@ -580,6 +662,46 @@ def _leet_or_mask(m: re.Match[str]) -> str:
 
 def _is_syllable_code(ch: str) -> bool:
     return bool(ch) and _PINYIN_CODE <= ord(ch) < _PINYIN_CODE + 0x1000
+
+
+def _stage1(o: NormalizeOptions) -> Callable[[int], str]:
+    """Stage 1 of `_stages(o)` for one code point, without its tables: the steps applied to the
+    character if it is one `_stages` looks at (else it is its own value). For the compiled stages,
+    which ask once per code point they meet."""
+    confusables, t2s, _, _ = _translation_tables()
+    n = Normalizer(NormalizeOptions(**{name: False for name in NormalizeOptions.step_names()}), native=False)
+    per_char = [
+        step
+        for name, step in (
+            ("strip_invisible", _drop_invisible),
+            ("strip_accents", _drop_marks),
+            ("confusables", n._confusables),
+            ("traditional_to_simplified", n._traditional_to_simplified),
+            ("casefold", n._casefold),
+        )
+        if getattr(o, name)
+    ]
+
+    def value(cp: int) -> str:
+        ch = chr(cp)
+        if not (cp < 0x80 or cp in confusables or cp in t2s or _is_invisible(ch) or _is_mark(ch)
+                or (_scanned(cp) and ch.casefold() != ch)):
+            return ch
+        for step in per_char:
+            ch = step(ch)
+        return ch
+
+    return value
+
+
+def _drop_invisible(text: str) -> str:
+    """The strip_invisible step without its pattern (for one character at a time)."""
+    return "".join(c for c in text if not _is_invisible(c))
+
+
+def _drop_marks(text: str) -> str:
+    """The strip_accents step without its pattern (for one character at a time)."""
+    return text if text.isascii() else "".join(c for c in unicodedata.normalize("NFD", text) if not _is_mark(c))
 
 
 def _fusable(o: NormalizeOptions) -> bool:

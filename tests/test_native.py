@@ -27,6 +27,7 @@ from filters.index import Candidate, Entry
 from filters.index.memory import MemoryIndex, PyTable, make_table, native_available
 from filters.index.redis_codec import decode_entry, encode_entry, rank_records
 from filters.index.shared import against
+from filters.normalize import _SPACED, NormalizeOptions, Normalizer, _fusable, _stages
 from filters.shingles import Batch
 from tests.test_index_contract import assert_same_entry
 
@@ -638,3 +639,56 @@ def test_without_the_compiled_core_the_pipeline_routes_as_with_it() -> None:
     assert nd.fingerprinter.native
     rows = route_batch(nd, [RawRecord(line, str(i), 0.0) for i, line in enumerate(lines)], RecordFormat())
     assert orjson.loads(done.stdout) == [[r.kind, r.verdict and r.verdict.duplicate_of] for r in rows]
+
+
+# -- normalization's compiled stages (filters/_normalize.pxi) against the numpy tables ---------------------
+
+# Random texts with what each step acts on: emoji, zero-width and control characters, full-width forms,
+# Cyrillic/Greek look-alikes, digits, URLs, e-mails, Han (traditional too), pinyin runs, spaced-out leet.
+_NORM_PIECES = st.sampled_from([
+    *"ab lIi1059@$!.-_/:wthpcomru\n\t", "https://x.co/a", "www.", ".com", "me@x.io", "\x1e", "\u200b", "\u200d",
+    "\ufe0f", "\u0301", "\u0323", "\u05bc", "\u3099", "ß", "ẞ", "Г", "Σ", "ς", "ϲ", "р", "ｆ", "Ｆ", "１", "①", "ℹ",
+    "🈶", "媽", "在", "转", "发", "微博", "shanghai", "fa", "lai", "😀", "🎉", "\U000f0002", "\ud800", "한",
+    "f r 3 3", "p @ y", "  ", "ǅ", "ﬁ", "㎏", "\U00020000", "\U000e0041",
+])
+_NORM_TEXTS = st.lists(st.one_of(st.text(max_size=8), st.text(alphabet=st.characters(), max_size=4), _NORM_PIECES),
+                       max_size=14).map("".join)
+_NORM_OPTIONS = [NormalizeOptions(), *(NormalizeOptions().with_steps(**{s: False})
+                                       for s in ("nfkc", "strip_accents", "confusables", "traditional_to_simplified",
+                                                 "casefold", "mask_urls", "leet", "mask_numbers", "pinyin")),
+                 NormalizeOptions().with_steps(nfkc=False, strip_accents=False),
+                 NormalizeOptions().with_steps(strip_separators=False)]  # not fused: the steps, both ways
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(texts=st.lists(_NORM_TEXTS, max_size=8), options=st.sampled_from(_NORM_OPTIONS))
+def test_compiled_normalization_as_the_numpy_reference(texts: list[str], options: NormalizeOptions) -> None:
+    compiled, reference = Normalizer(options, native=True), Normalizer(options, native=False)
+    assert (compiled._core is not None) == _fusable(options)
+    want = reference.normalize_batch(texts)
+    assert compiled.normalize_batch(texts) == want
+    assert [compiled(t) for t in texts] == want == [reference(t) for t in texts]
+
+
+def test_compiled_stages_map_every_code_point_as_the_tables() -> None:
+    """Stage 1 (asked per code point met) and stage 3 (`\\w` as Py_UNICODE_ISALNUM) over all of Unicode."""
+    options = NormalizeOptions()
+    core = Normalizer(options, native=True)._core
+    reference = Normalizer(options, native=False)
+    tables = dataclasses.replace(_stages(options), decompose=None)
+    every = "".join(map(chr, range(0x110000)))
+    assert core.chars(every) == reference._chars_batch(every, tables)
+    texts, touching = core.words(every)
+    want, want_touching = reference._words_batch(every, tables)
+    assert "\x1e".join(texts) == want and set(touching) == want_touching
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(alphabet=st.sampled_from([*" \n\x1eab1@$!_.z9", "é", "\u3000", "😀"]), max_size=40))
+def test_spaced_runs_are_where_the_pattern_matches(text: str) -> None:
+    assert _native.spaced_runs(text) == [(m.start() - 1, m.end() - 1) for m in _SPACED.finditer(" " + text)]
+
+
+def test_normalization_matches_the_reference_on_the_sample() -> None:
+    texts = [orjson.loads(line).get("text", "") for line in SAMPLE.read_bytes().splitlines() if line.startswith(b"{")]
+    assert Normalizer(native=True).normalize_batch(texts) == Normalizer(native=False).normalize_batch(texts)

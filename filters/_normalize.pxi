@@ -1,0 +1,302 @@
+# The compiled per-character stages of normalization (included by filters/_native.pyx), as the reference
+# `Normalizer.normalize_batch` in filters/normalize.py computes them with numpy lookup tables: stage 1
+# (every per-character step up to casefold) and stage 3 (separators out, l → i, Han → pinyin codes, the
+# texts whose Latin letters touch a pinyin code), and the places where the `_SPACED` pattern matches.
+#
+# Why: the reference builds its tables for all 1.1M code points when the first Normalizer is made
+# (≈ 0.3 s of every process's start) and runs each stage as several numpy passes with UTF-32 copies.
+# Here stage 1 asks the reference's own per-character function (`normalize._stage1`) once per code point
+# met and remembers the answer in pages of 256; stage 3 needs no table: `\w` is `Py_UNICODE_ISALNUM`
+# (what the `re` module tests), and the pinyin codes come from `charmaps.PINYIN_CODES`.
+
+cdef extern from "Python.h":
+    int PyUnicode_KIND(object o)
+    void *PyUnicode_DATA(object o)
+    Py_ssize_t PyUnicode_GET_LENGTH(object o)
+    uint32_t PyUnicode_READ(int kind, void *data, Py_ssize_t index) nogil
+    object PyUnicode_FromKindAndData(int kind, const void *buffer, Py_ssize_t size)
+    bint Py_UNICODE_ISALNUM(uint32_t ch) nogil
+
+from libc.stdint cimport int32_t, uint16_t
+from cython.operator cimport dereference as deref
+from libcpp.algorithm cimport lower_bound
+from libcpp.vector cimport vector
+
+cdef uint32_t NORM_JOIN = 0x1E  # normalize._JOIN: ends a text of the joined batch, kept by every stage
+cdef uint32_t NORM_PINYIN_CODE = 0xF0000  # normalize._PINYIN_CODE
+cdef int32_t STAGE_UNKNOWN = -1  # not asked yet
+cdef int32_t STAGE_DROP = -2  # deleted; -3 - i: several characters, multi[i]
+cdef Py_ssize_t STAGE_PAGES = 0x110000 >> 8
+
+ctypedef fused ucs_t:  # the three widths of a str's characters (PEP 393)
+    uint8_t
+    uint16_t
+    uint32_t
+
+
+cdef inline object ucs4_str(vector[uint32_t] &buf, Py_ssize_t start, Py_ssize_t end):
+    if end <= start:
+        return ""
+    return PyUnicode_FromKindAndData(4, &buf[start], end - start)
+
+
+cdef class NormalizeStages:
+    """Stages 1 and 3 of one `NormalizeOptions` (`normalize._Stages` without its tables)."""
+
+    cdef int32_t *pages[0x1100]
+    cdef uint8_t *word_pages[0x1100]  # 1 where `\w` matches, 2 where not, 0 not asked yet
+    cdef vector[uint32_t] before_from, before_to  # charmaps.BEFORE_NFKC_FROM/TO, sorted by the first
+    cdef object stage1  # cp → its stage-1 string (normalize._stage1 for these options)
+    cdef list multi
+    cdef bint leet, pinyin
+    cdef vector[uint32_t] pinyin_codes  # charmaps.PINYIN_CODES as code points, 0 where none
+    cdef uint32_t pinyin_base
+
+    def __init__(self, stage1, bint leet, bint pinyin, str pinyin_codes, int pinyin_base, dict before_nfkc):
+        self.stage1 = stage1
+        self.multi = []
+        self.leet = leet
+        self.pinyin = pinyin
+        self.pinyin_base = pinyin_base
+        for ch in pinyin_codes:
+            self.pinyin_codes.push_back(ord(ch))
+        for ch in sorted(before_nfkc):
+            self.before_from.push_back(ord(ch))
+            self.before_to.push_back(ord(before_nfkc[ch]))
+
+    def __dealloc__(self):
+        cdef Py_ssize_t i
+        for i in range(STAGE_PAGES):
+            if self.pages[i] != NULL:
+                PyMem_Free(self.pages[i])
+            if self.word_pages[i] != NULL:
+                PyMem_Free(self.word_pages[i])
+
+    cdef inline bint is_word(self, uint32_t cp) except -1:
+        """`\w` as the `re` module matches it (`Py_UNICODE_ISALNUM`, remembered per page)."""
+        cdef uint8_t *page = self.word_pages[cp >> 8]
+        cdef int i
+        if page == NULL:
+            page = <uint8_t *>PyMem_Malloc(256)
+            if page == NULL:
+                raise MemoryError()
+            for i in range(256):
+                page[i] = 1 if Py_UNICODE_ISALNUM((cp & ~0xFFu) | i) else 2
+            self.word_pages[cp >> 8] = page
+        return page[cp & 0xFF] == 1
+
+    cdef int32_t ask(self, uint32_t cp) except? -9:
+        """Stage 1 of a code point not met before, from the reference's function, remembered."""
+        cdef int32_t *page = self.pages[cp >> 8]
+        cdef int32_t v
+        if page == NULL:
+            page = <int32_t *>PyMem_Malloc(256 * sizeof(int32_t))
+            if page == NULL:
+                raise MemoryError()
+            memset(page, 0xFF, 256 * sizeof(int32_t))  # STAGE_UNKNOWN
+            self.pages[cp >> 8] = page
+        value = self.stage1(cp) if cp != NORM_JOIN else chr(cp)
+        if len(value) == 1:
+            v = ord(value)
+        elif not value:
+            v = STAGE_DROP
+        else:
+            self.multi.append(value)
+            v = -3 - (len(self.multi) - 1)
+        page[cp & 0xFF] = v
+        return v
+
+    def keep_look(self, str text):
+        """`normalize._keep_look(text)`: the characters NFKC would make something they do not look like,
+        mapped first (the same string when there are none)."""
+        cdef int kind = PyUnicode_KIND(text)
+        cdef void *data = PyUnicode_DATA(text)
+        cdef Py_ssize_t n = PyUnicode_GET_LENGTH(text)
+        if kind == 1:
+            return text  # all of them are above U+03F1
+        if kind == 2:
+            return _keep_look(self, text, <const uint16_t *>data, n)
+        return _keep_look(self, text, <const uint32_t *>data, n)
+
+
+    def chars(self, str joined):
+        """Stage 1 of a joined batch already decomposed (`Normalizer._chars_batch` after NFKD/NFD)."""
+        cdef int kind = PyUnicode_KIND(joined)
+        cdef void *data = PyUnicode_DATA(joined)
+        cdef Py_ssize_t n = PyUnicode_GET_LENGTH(joined), size
+        cdef vector[uint32_t] out
+        out.resize(n + 16)
+        if kind == 1:
+            size = _chars(self, <const uint8_t *>data, n, out)
+        elif kind == 2:
+            size = _chars(self, <const uint16_t *>data, n, out)
+        else:
+            size = _chars(self, <const uint32_t *>data, n, out)
+        return ucs4_str(out, 0, size)
+
+
+    def words(self, str joined):
+        """Stage 3 of a joined batch (`Normalizer._words_batch`), split into its texts: (the texts, the
+        indexes of those with a Han character where a Latin letter touches a pinyin code)."""
+        cdef int kind = PyUnicode_KIND(joined)
+        cdef void *data = PyUnicode_DATA(joined)
+        cdef Py_ssize_t n = PyUnicode_GET_LENGTH(joined)
+        cdef vector[uint32_t] out
+        cdef list texts = [], latin_next_to_pinyin = []
+        out.resize(n + 1)
+        if kind == 1:
+            _words(self, <const uint8_t *>data, n, out, texts, latin_next_to_pinyin)
+        elif kind == 2:
+            _words(self, <const uint16_t *>data, n, out, texts, latin_next_to_pinyin)
+        else:
+            _words(self, <const uint32_t *>data, n, out, texts, latin_next_to_pinyin)
+        return texts, latin_next_to_pinyin
+
+cdef object _keep_look(NormalizeStages self, str text, const ucs_t *data, Py_ssize_t n):
+    cdef Py_ssize_t i
+    cdef uint32_t cp, lowest = self.before_from[0] if self.before_from.size() else 0x110000
+    cdef vector[uint32_t] out
+    cdef vector[uint32_t].iterator at
+    cdef bint found = False
+    for i in range(n):
+        cp = data[i]
+        if cp >= lowest and not (0x3400 <= cp < 0xA000):  # none in the Han blocks
+            at = lower_bound(self.before_from.begin(), self.before_from.end(), cp)
+            if at != self.before_from.end() and deref(at) == cp:
+                found = True
+                break
+    if not found:
+        return text
+    out.resize(n)
+    for i in range(n):
+        cp = data[i]
+        if cp >= lowest:
+            at = lower_bound(self.before_from.begin(), self.before_from.end(), cp)
+            if at != self.before_from.end() and deref(at) == cp:
+                cp = self.before_to[at - self.before_from.begin()]
+        out[i] = cp
+    return ucs4_str(out, 0, n)
+
+cdef Py_ssize_t _chars(NormalizeStages self, const ucs_t *data, Py_ssize_t n, vector[uint32_t] &out) except -1:
+    cdef Py_ssize_t i, j = 0
+    cdef uint32_t cp
+    cdef int32_t v
+    cdef int32_t *page
+    for i in range(n):
+        cp = data[i]
+        page = self.pages[cp >> 8]
+        v = page[cp & 0xFF] if page != NULL else STAGE_UNKNOWN
+        if v == STAGE_UNKNOWN:
+            v = self.ask(cp)
+        if v >= 0:
+            out[j] = <uint32_t>v
+            j += 1
+        elif v != STAGE_DROP:
+            value = <str>self.multi[-3 - v]
+            if <size_t>(j + len(value) + (n - i)) > out.size():
+                out.resize(2 * out.size() + len(value))
+            for ch in value:
+                out[j] = ord(ch)
+                j += 1
+    return j
+
+cdef int _words(NormalizeStages self, const ucs_t *data, Py_ssize_t n, vector[uint32_t] &out, list texts,
+                list latin_next_to_pinyin) except -1:
+    cdef Py_ssize_t npinyin = self.pinyin_codes.size(), i, j = 0, start = 0, text = 0
+    cdef uint32_t cp, v
+    cdef int here, before = 0
+    cdef bint han = False, touching = False
+    for i in range(n + 1):
+        cp = data[i] if i < n else NORM_JOIN
+        if cp == NORM_JOIN:
+            texts.append(ucs4_str(out, start, j))
+            if han and touching:
+                latin_next_to_pinyin.append(text)
+            text += 1
+            start = j
+            han = touching = False
+            before = 0
+            continue
+        if cp < 0x80:
+            if 0x61 <= cp <= 0x7A:
+                v = 0x69 if cp == 0x6C and self.leet else cp  # l → i
+            elif 0x30 <= cp <= 0x39 or 0x41 <= cp <= 0x5A:
+                v = cp
+            else:
+                continue
+        else:
+            if 0x3400 <= cp <= 0x9FFF:
+                han = True
+            if self.pinyin and self.pinyin_base <= cp < self.pinyin_base + npinyin \
+                    and self.pinyin_codes[cp - self.pinyin_base] != 0:
+                v = self.pinyin_codes[cp - self.pinyin_base]
+            elif self.is_word(cp):
+                v = cp
+            else:
+                continue
+        out[j] = v
+        j += 1
+        if self.pinyin:
+            here = 1 if 0x61 <= v <= 0x7A else 2 if NORM_PINYIN_CODE <= v < NORM_PINYIN_CODE + 0x1000 else 0
+            if here | before == 3:
+                touching = True
+            before = here
+    return 0
+
+
+cdef inline bint spaced_token(uint32_t c) noexcept nogil:
+    return (0x61 <= c <= 0x7A) or (0x30 <= c <= 0x39) or c == 0x40 or c == 0x24 or c == 0x21  # [a-z0-9@$!]
+
+
+def spaced_runs(str text):
+    """The spans of the non-overlapping matches of `normalize._SPACED` in `" " + text`, one less (a start of
+    -1 is that space), as `_SPACED.finditer` gives them: a space, line break or joiner, then three or more
+    tokens of one character of [a-z0-9@$!] each 1-3 spaces after the one before, the last not followed by
+    [\\w@$!]."""
+    cdef int kind = PyUnicode_KIND(text)
+    cdef void *data = PyUnicode_DATA(text)
+    cdef Py_ssize_t n = PyUnicode_GET_LENGTH(text)
+    cdef list out = []
+    if kind == 1:
+        _spaced_runs(<const uint8_t *>data, n, out)
+    elif kind == 2:
+        _spaced_runs(<const uint16_t *>data, n, out)
+    else:
+        _spaced_runs(<const uint32_t *>data, n, out)
+    return out
+
+
+cdef int _spaced_runs(const ucs_t *data, Py_ssize_t n, list out) except -1:
+    cdef Py_ssize_t i = -1, p, q, tokens, last_end, prev_end
+    cdef uint32_t c
+    while i + 1 < n:
+        c = data[i] if i >= 0 else 0x20
+        if not (c == 0x20 or c == 0x0A or c == 0x1E) or not spaced_token(data[i + 1]):
+            i += 1
+            continue
+        tokens = 1
+        prev_end = -1
+        last_end = i + 2  # the end of the last token
+        p = last_end
+        while True:  # (?: {1,3}[a-z0-9@$!]) as often as it goes (the spaces never give back a token)
+            q = p
+            while q < n and q - p < 3 and data[q] == 0x20:
+                q += 1
+            if q == p or q >= n or not spaced_token(data[q]):
+                break
+            tokens += 1
+            prev_end = last_end
+            last_end = q + 1
+            p = last_end
+        if tokens >= 3:
+            c = data[last_end] if last_end < n else 0x20
+            if (c < 0x80 and (0x61 <= c <= 0x7A or 0x30 <= c <= 0x39 or 0x41 <= c <= 0x5A or c == 0x5F or c == 0x40
+                              or c == 0x24 or c == 0x21)) or (c >= 0x80 and Py_UNICODE_ISALNUM(c)):
+                tokens -= 1  # (?![\\w@$!]) fails: give back the last token (a space follows the one before)
+                last_end = prev_end
+            if tokens >= 3:
+                out.append((i, last_end))
+                i = last_end
+                continue
+        i += 1
+    return 0
