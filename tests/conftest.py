@@ -90,6 +90,22 @@ def redis_cluster_url() -> str:
 
 
 @pytest.fixture(scope="session")
+def redis_cluster6_url() -> str:
+    """A 6-master Redis Cluster (`docker/services.sh start cluster6`)."""
+    if url := os.environ.get("NEARDUP_TEST_REDIS_CLUSTER6_URL"):
+        return url
+    _unavailable("6-master Redis Cluster (NEARDUP_TEST_REDIS_CLUSTER6_URL)")
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_ha_url() -> str:
+    """A 3-master Redis Cluster with a replica each, for failovers (`docker/services.sh start cluster-ha`)."""
+    if url := os.environ.get("NEARDUP_TEST_REDIS_CLUSTER_HA_URL"):
+        return url
+    _unavailable("Redis Cluster with replicas (NEARDUP_TEST_REDIS_CLUSTER_HA_URL)")
+
+
+@pytest.fixture(scope="session")
 def kafka_bootstrap(_containers: ExitStack) -> str:
     if bootstrap := os.environ.get("NEARDUP_TEST_KAFKA"):
         return bootstrap

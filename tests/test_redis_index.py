@@ -9,6 +9,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -1146,12 +1147,14 @@ def _spam(cluster: int, worker: int) -> str:
     return f"{words} call now 555-{worker:02d}{cluster:04d} or text {worker * 7 + cluster}"
 
 
-def race(url: str, *, racy: bool, paused: bool, workers: int = 3, clusters: int = 200) -> list[int]:
+def race(url: str, *, racy: bool, paused: bool, workers: int = 3, clusters: int = 200,
+         index: Callable[..., Any] | None = None) -> list[int]:
     """Each worker, its own index and filter, checks its copy of cluster c's spam at the same moment.
-    Returns the number of unique verdicts per cluster."""
+    Returns the number of unique verdicts per cluster. `index`: the class of the workers' indexes (one with
+    a `barrier` between lookup and insert, as `_PausedIndex`), instead of the slot layout's."""
     config = FilterConfig()
     namespace = f"race-{uuid.uuid4().hex[:10]}"
-    cls = _RacyIndex if racy else _PausedIndex
+    cls = index or (_RacyIndex if racy else _PausedIndex)
     indexes = [cls(url, window=config.window, bucket_cap=config.bucket_cap, namespace=namespace)
                for _ in range(workers)]
     pause = threading.Barrier(workers) if paused else None

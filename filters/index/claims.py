@@ -71,6 +71,7 @@ class Claim:
     ts: float
     fields: tuple[bytes, ...]
     tails: bytes | None
+    place: int = 0  # the claimant's place in its batch (its records rank by it among the batch's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -313,7 +314,7 @@ class Resolver:
             for f, s in zip(c.fields, c.shards):
                 by_shard.setdefault(s, []).append(f)
             tails = c.tails if p.attempt == 1 else None
-            return [Claim(s, c.id, c.ts, tuple(fs), None if tails is None else tails.get(s))
+            return [Claim(s, c.id, c.ts, tuple(fs), None if tails is None else tails.get(s), i)
                     for s, fs in by_shard.items()]
         if p.step == "observe":
             by_shard = {}

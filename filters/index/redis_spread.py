@@ -1,0 +1,937 @@
+"""The spread layout of the Redis index: one namespace over many slots of a Redis Cluster, so that one stream's
+index grows with the cluster's masters (`redis+cluster://...?layout=spread`; docs/design.md, "The spread
+layout").
+
+Keys. The namespace is cut into `shards` (default 64); shard k's keys carry the hash tag
+`{<prefix>:<namespace>:<n>}`, n chosen so that the tag's slot is the middle one of the k-th of `shards`
+equal parts of the slots (`shard_tags`): equal ranges of slots, equal numbers of shards (to one). Per shard, the keys of the
+slot layout (filters/index/redis.py): `{tag}:meta` (`seq`, `hwm`) and the event-time slices `{tag}:s:<n>`
+with bucket records `b<key>` of the keys the shard holds (`bucket_shards`), entries `e<id>` of the ids
+whose home it is (`home_shard`), and claim states `c<id>` while a claim is undecided.
+
+Reading. A lookup reads, per shard it touches, the meta hash and one HMGET per slice of every field the
+batch names there (its buckets, its own ids' entries and states), as one pipeline per node, all nodes at
+once (`_Nodes.execute`); the replies are scattered into the columns the slot layout ranks, so ranking is
+`rank_lookup`, as there. The candidates' homes (entry and state) are a second read: committed ones are
+candidates, pending ones are claims the protocol must resolve; entries known committed are kept
+(`entry_cache`) and not read again.
+
+Inserting is the claim protocol (`filters.index.claims`): the `Resolver` says what to ask each shard, this
+module asks it (`_round`: the home ops of a shard in one call of `spread_home.lua`, its claims in one call
+of `spread_claim.lua`, reads as HMGETs), in one round trip per round.
+
+Redirects. A reply MOVED (the slot has a new owner: failover, resharding), ASK (the slot is being migrated
+and the keys are on the target) or TRYAGAIN (a script's keys are split between the two) means the command
+did not run: it is sent again where the cluster says (`ASKING` first for ASK), TRYAGAIN after a short
+wait; NOSCRIPT loads the script on that node. A node that does not answer fails the round as
+`IndexUnavailable`, and the worker retries the batch (what was half done is taken over by the retry).
+"""
+
+from __future__ import annotations
+
+import binascii
+import math
+import struct
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from itertools import islice
+from typing import Any, cast
+
+import mmh3
+import numpy as np
+import redis
+from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
+from redis.exceptions import AskError, ClusterDownError, NoScriptError, ResponseError, TryAgainError
+from redis.retry import Retry
+
+from filters.errors import ConfigError, IndexCorrupt, IndexUnavailable
+from filters.index import Batch, Candidate, Entry, Query, Verifier, finish, new_candidate, new_entry
+from filters.index import claims as cl
+from filters.index.redis import (
+    _NAME,
+    DEFAULT_SOCKET_TIMEOUT,
+    FIELDS_PER_HMGET,
+    INSERT_CHUNK,
+    RedisTarget,
+    _event_time,
+    _lua,
+    _Script,
+    redact_url,
+    redis_errors,
+)
+from filters.index.redis_codec import (
+    ABSENT,
+    decode_entries,
+    decode_entry,
+    encode_entries,
+    encode_entry,
+    entry_time,
+    field_of,
+    id_field,
+    plan_fields,
+    rank_lookup,
+    rank_records,
+)
+from filters.index.shared import SharedDecider
+from filters.records import Verdict
+
+try:  # the compiled core; absent when it could not be built at install time (no C++ compiler)
+    import filters._native as _native
+except ImportError:  # pragma: no cover - exercised on machines without a compiler
+    _native = None
+
+__all__ = ["DEFAULT_CLAIM_TTL", "DEFAULT_SHARDS", "SpreadIndex", "bucket_shards", "home_shard", "shard_tags"]
+
+DEFAULT_SHARDS = 64
+MAX_SHARDS = 1024
+DEFAULT_CLAIM_TTL = 5.0  # seconds a claim stays pending without its owner: what a dead worker can hold up
+SLOTS = 16384
+_MIX = 0x9E3779B97F4A7C15  # spreads the bucket keys (whose top bits name their method) over the shards
+_HOME_SEED = 0x5EED  # mmh3 seed of an id's home shard
+_PLACES = 1024  # a record's seq is at least its writer's clock in ms * _PLACES + its place in the batch
+_REDIRECTS = 16  # MOVED/ASK hops a command may take in one round before the round fails
+_TRY_AGAIN = 0.02  # seconds before a TRYAGAIN is sent again (a slot being migrated), up to 2 s in all
+
+CLAIM_LUA = _lua("trim.lua", "spread_claim.lua")
+HOME_LUA = _lua("spread_home.lua")
+_CLAIM = _Script.of(CLAIM_LUA)
+_HOME = _Script.of(HOME_LUA)
+_STATE = {b"C": cl.COMMITTED, b"P": cl.PENDING, b"G": cl.GONE}
+_NOTE = struct.Struct("<dI")  # a note: the noter's event time and id length, then its id
+
+
+@dataclass(frozen=True, slots=True)
+class _Put:
+    """A restored entry, written committed at once at its home (`restore`), unless its id is there."""
+
+    shard: int
+    id: str
+    ts: float
+    blob: bytes
+
+
+_OP_CODES: dict[type, str] = {cl.Create: "create", cl.Note: "note", cl.Commit: "commit", cl.Poll: "poll",
+                              cl.Refresh: "refresh", cl.Abort: "abort", _Put: "put"}
+
+
+# --- where things live ---------------------------------------------------------------------------------
+
+
+def key_slot(key: bytes) -> int:
+    """Redis Cluster's slot of a key without a hash tag (CRC16/XMODEM mod 16384)."""
+    return binascii.crc_hqx(key, 0) % SLOTS
+
+
+def shard_tags(prefix: str, namespace: str, shards: int) -> list[str]:
+    """Shard k's hash tag: `<prefix>:<namespace>:<n>` with the first n whose slot is the middle slot of the
+    k-th of `shards` equal parts of the slots (so a master holding a range of slots holds the shards whose
+    middle slot it holds). One pass over n finds them all (about 16,384 x ln(shards) tries)."""
+    wanted = {(2 * k + 1) * SLOTS // (2 * shards): k for k in range(shards)}
+    tags: dict[int, str] = {}
+    n = 0
+    while len(tags) < shards:
+        tag = f"{prefix}:{namespace}:{n}"
+        k = wanted.get(key_slot(tag.encode()))
+        if k is not None and k not in tags:
+            tags[k] = tag
+        n += 1
+    return [tags[k] for k in range(shards)]
+
+
+def bucket_shards(keys: np.ndarray, shards: int) -> np.ndarray:
+    """The shard of each bucket key (uint64): its key multiplied by a 64-bit odd constant, top 32 bits
+    scaled to `shards`."""
+    mixed = keys.astype(np.uint64, copy=False) * np.uint64(_MIX)
+    return ((mixed >> np.uint64(32)) * np.uint64(shards)) >> np.uint64(32)
+
+
+def bucket_shard(key: int, shards: int) -> int:
+    return ((((key * _MIX) & 0xFFFFFFFFFFFFFFFF) >> 32) * shards) >> 32
+
+
+def home_shard(id: str, shards: int) -> int:
+    """The shard of an id's home (its entry and claim state)."""
+    return (mmh3.hash(id.encode("utf-8", "surrogatepass"), _HOME_SEED, signed=False) * shards) >> 32
+
+
+def _options(target: RedisTarget) -> tuple[int, float]:
+    shards, claim_ttl = DEFAULT_SHARDS, DEFAULT_CLAIM_TTL
+    for name, value in target.spread:
+        try:
+            if name == "shards":
+                shards = int(value)
+            else:
+                claim_ttl = float(value)
+        except ValueError:
+            raise ConfigError(f"{name} must be a number, got {value!r}") from None
+    if not 1 <= shards <= MAX_SHARDS:
+        raise ConfigError(f"shards must be from 1 to {MAX_SHARDS}, got {shards}")
+    if not (math.isfinite(claim_ttl) and claim_ttl > 0):
+        raise ConfigError(f"claim_ttl must be > 0 seconds, got {claim_ttl}")
+    return shards, claim_ttl
+
+
+# --- the nodes -----------------------------------------------------------------------------------------
+
+
+class _Nodes:
+    """Round trips to the nodes that serve the namespace's slots: each command names its slot; one
+    pipeline per node, all sent before any is read. On standalone Redis, one node serves every slot."""
+
+    def __init__(self, client: redis.Redis | RedisCluster, where: str) -> None:
+        self.client = client
+        self.where = where
+        self.conns: dict[str, Any] = {}  # node name -> its connection, kept for the index's round trips
+        self.stale = False  # the slot map must be read again before the next round
+        # A share of other work (the engine's next batch) to run while replies are on their way.
+        self.meanwhile: Callable[[], bool] | None = None
+
+    def _node(self, slot: int) -> tuple[str, Any]:
+        if isinstance(self.client, RedisCluster):
+            node = self.client.nodes_manager.get_node_from_slot(slot)
+            return node.name, node
+        return "", None
+
+    def _conn(self, name: str, node: Any) -> Any:
+        conn = self.conns.get(name)
+        if conn is None:
+            client: Any = node.redis_connection if node is not None else self.client
+            if client is None:  # a node the client has not connected to yet
+                client = cast(RedisCluster, self.client).get_redis_connection(node)
+            conn = self.conns[name] = client.connection_pool.get_connection()
+        return conn
+
+    def _ask_node(self, host: str, port: int) -> tuple[str, Any]:
+        manager = cast(RedisCluster, self.client).nodes_manager
+        node = manager.get_node(host, port)
+        if node is None:
+            manager.initialize()
+            node = manager.get_node(host, port)
+            if node is None:
+                raise IndexUnavailable(f"Redis index at {self.where}: ASK to unknown node {host}:{port}")
+        return node.name, node
+
+    def execute(self, commands: Sequence[tuple[int, Sequence[Any]]], scripts: dict[bytes, str]) -> list[Any]:
+        """Runs (slot, command) pairs, each where its slot is served, in one round trip per node (more if
+        redirected); returns the replies in order (error replies raised, after redirects are followed).
+        `scripts`: sha -> source of the scripts the commands may run (loaded on NOSCRIPT)."""
+        with redis_errors(self.where):
+            if self.stale and isinstance(self.client, RedisCluster):
+                self.client.nodes_manager.initialize()
+                self.stale = False
+            replies: list[Any] = [None] * len(commands)
+            todo = list(range(len(commands)))
+            asked: dict[int, tuple[str, Any]] = {}  # command -> the node an ASK sent it to
+            sent_to: dict[int, tuple[str, Any]] = {}
+            hops = 0
+            waited = 0.0
+            while todo:
+                groups: dict[str, tuple[Any, list[int]]] = {}
+                for i in todo:
+                    name, node = sent_to[i] = asked[i] if i in asked else self._node(commands[i][0])
+                    groups.setdefault(name, (node, []))[1].append(i)
+                sent = []
+                try:
+                    for name, (node, at) in groups.items():
+                        conn = self._conn(name, node)
+                        packed: list[Sequence[Any]] = []
+                        for i in at:
+                            if i in asked:
+                                packed.append(("ASKING",))
+                            packed.append(commands[i][1])
+                        _send(conn, packed)
+                        sent.append((name, conn, at))
+                    if self.meanwhile is not None and self.meanwhile():
+                        self.meanwhile = None
+                    for _, conn, at in sent:
+                        for i in at:
+                            if i in asked:
+                                _read(conn)  # ASKING's OK
+                            replies[i] = _read(conn)
+                except BaseException:
+                    self.drop()
+                    raise
+                again, moved, retry = [], False, False
+                for i in todo:
+                    reply = replies[i]
+                    if isinstance(reply, NoScriptError):  # to the same node again (ASKING too, if asked)
+                        sha = commands[i][1][1]
+                        self._load(sent_to[i][0], scripts[sha if isinstance(sha, bytes) else sha.encode()])
+                        again.append(i)
+                        continue
+                    asked.pop(i, None)
+                    if isinstance(reply, TryAgainError):
+                        retry = True
+                        again.append(i)
+                    elif isinstance(reply, AskError) and not _is_moved(reply):
+                        asked[i] = self._ask_node(reply.host, reply.port)
+                        again.append(i)
+                    elif isinstance(reply, AskError):
+                        moved = True
+                        again.append(i)
+                if again:
+                    hops += 1
+                    if hops > _REDIRECTS or waited > 2.0:
+                        raise IndexUnavailable(f"Redis index at {self.where}: still redirected after {hops} hops "
+                                               f"(resharding or failover in progress)")
+                    if moved and isinstance(self.client, RedisCluster):
+                        self.client.nodes_manager.initialize()
+                    if retry:
+                        time.sleep(_TRY_AGAIN)
+                        waited += _TRY_AGAIN
+                todo = again
+            for reply in replies:
+                if isinstance(reply, Exception):
+                    if isinstance(reply, ClusterDownError):
+                        self.stale = True
+                    raise reply
+            return replies
+
+    def _load(self, name: str, source: str) -> None:
+        conn = self.conns[name]
+        try:
+            _send(conn, [("SCRIPT", "LOAD", source)])
+            reply = _read(conn)
+        except BaseException:
+            self.drop()
+            raise
+        if isinstance(reply, Exception):
+            raise reply
+
+    def drop(self) -> None:
+        """Forgets every kept connection (replies may still be on their way on one) and the slot map."""
+        for conn in self.conns.values():
+            conn.disconnect()
+        self.conns.clear()
+        self.stale = True
+
+    def close(self) -> None:
+        self.drop()
+        self.client.close()
+
+
+def _objects(values: list[Any]) -> np.ndarray:
+    """`values` as a numpy array of the very objects (numpy would make bytes fixed-width, dropping
+    trailing NULs)."""
+    out = np.empty(len(values), dtype=object)
+    for j, v in enumerate(values):
+        out[j] = v
+    return out
+
+
+def _is_moved(reply: AskError) -> bool:
+    return type(reply).__name__ == "MovedError"
+
+
+def _send(conn: Any, commands: Sequence[Sequence[Any]]) -> None:
+    if _native is not None:
+        conn.send_packed_command([_native.pack_commands(list(commands))])
+    else:
+        conn.send_packed_command(conn.pack_commands(list(commands)))
+
+
+def _read(conn: Any) -> Any:
+    try:
+        return conn.read_response()
+    except ResponseError as exc:  # read whole: the connection stays in step
+        return exc
+
+
+# --- what a lookup leaves for the inserts ---------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _View:
+    """What the last lookup read: the columns (per slice read, per field) and where each query's fields are."""
+
+    slices: tuple[int, ...] = ()
+    columns: list[list[bytes | None]] = field(default_factory=list)
+    looked: dict[str, int] = field(default_factory=dict)  # id -> its query's number
+    keys_of: list[tuple[int, ...]] = field(default_factory=list)
+    places_of: list[list[int]] = field(default_factory=list)
+    pending: dict[str, list[cl.Seen]] = field(default_factory=dict)  # id -> the pending claims its lookup found
+    own_pending: set[str] = field(default_factory=set)  # ids whose own home an earlier attempt left pending
+    candidates: dict[str, set[str]] = field(default_factory=dict)  # id -> the committed candidates it was given
+    returned: dict[str, set[str]] = field(default_factory=dict)  # id -> committed claims returned as conflicts
+
+
+# --- the index ----------------------------------------------------------------------------------------------
+
+
+class SpreadIndex:
+    """`CandidateIndex` on a namespace spread over the slots of a Redis Cluster (or over one Redis), shared
+    by any number of workers. One instance is used by one thread at a time (`stats` excepted)."""
+
+    def __init__(self, url: str, *, window: float, bucket_cap: int, namespace: str, margin: float = 0.0) -> None:
+        if not window > 0 or bucket_cap < 1 or not margin >= 0:
+            raise ConfigError("window must be > 0 seconds, bucket_cap >= 1 and margin >= 0")
+        if not _NAME.fullmatch(namespace):
+            raise ConfigError(f"namespace must match {_NAME.pattern}, got {namespace!r}")
+        target = RedisTarget.parse(url)
+        self.shards, self.claim_ttl = _options(target)
+        self.window = float(window)
+        self.slice_length = self.window
+        self.margin = float(margin)
+        self.bucket_cap = bucket_cap
+        self.namespace = namespace
+        self.prefix = target.prefix
+        self._where = redact_url(url)
+        self.tags = shard_tags(target.prefix, namespace, self.shards)
+        self._slots = [key_slot(tag.encode()) for tag in self.tags]
+        self._ttl_ms = max(1, round((self.window + target.grace) * 1000))
+        self._hwm = -math.inf
+        self._gone = -math.inf  # the last slice this instance unlinked (as left the window)
+        self._stamp = 0  # the last round's clock (ms), increasing: the seqs of its records (`_claim_call`)
+        self._view = _View()
+        self._known: dict[tuple[str, float], Entry] = {}  # committed entries read or written lately
+        self._known_cap = target.entry_cache
+        self._decider = SharedDecider()
+        self._engine: _Engine | None = None  # set by `decide` for its inserts: the engine's verification
+        self._rank_all = _native.rank_lookup if _native is not None else rank_lookup
+        self._rank = _native.rank_records if _native is not None else rank_records
+        self._plan = _native.plan_fields if _native is not None else plan_fields
+        self._decode = _native.decode_entries if _native is not None else decode_entries
+        self._encode = _native.encode_entries if _native is not None else encode_entries
+        options: dict[str, Any] = {"decode_responses": False, "retry": Retry(NoBackoff(), 0)}
+        for name in ("socket_timeout", "socket_connect_timeout"):
+            if name not in target.client_url:
+                options[name] = DEFAULT_SOCKET_TIMEOUT
+        try:
+            with redis_errors(self._where):
+                client: redis.Redis | RedisCluster
+                if target.cluster:
+                    client = RedisCluster.from_url(target.client_url, **options)
+                else:
+                    client = redis.Redis.from_url(target.client_url, **options)
+                    pool = client.connection_pool
+                    pool.connection_class(**pool.connection_kwargs)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"Redis index URL {self._where}: {exc}") from exc
+        self._nodes = _Nodes(client, self._where)
+        self._scripts = {_CLAIM.sha.encode(): _CLAIM.source, _HOME.sha.encode(): _HOME.source}
+
+    # -- CandidateIndex ----------------------------------------------------------------------------------
+    compiled_table = False
+
+    def decide(self, batch: Batch, verifier: Verifier) -> list[Verdict]:
+        """`SharedDecider`'s rounds, with the engine's verification given to the claims; then a message that
+        is a duplicate now releases the claim an earlier attempt of it left pending."""
+        self._nodes.meanwhile = batch.meanwhile
+        try:
+            verdicts = self._decider.decide(_Rounds(self, batch, verifier), batch, verifier)
+            stale = [m for m, v in zip(batch.messages, verdicts) if v.duplicate and m.id in self._view.own_pending]
+            if stale:
+                self._ops([cl.Abort(self._home(m.id), m.id, m.ts) for m in stale])
+        finally:
+            left, self._nodes.meanwhile = self._nodes.meanwhile, None
+            self._engine = None
+        finish(left)
+        return verdicts
+
+    def prefetch(self, queries: Sequence[Query]) -> None:
+        """No read goes ahead on the spread layout (its reads are cheap per node; see docs/design.md)."""
+
+    def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | None, list[Candidate]]]:
+        if not queries:
+            self._view = _View()
+            return []
+        marks = []
+        hwm = self._hwm
+        for q in queries:
+            hwm = max(hwm, _event_time(q.ts, q.id, self.slice_length))
+            marks.append(hwm)
+        ids = [q.id for q in queries]
+        keys_of = [q.keys for q in queries]
+        names, _, positions, id_places = self._plan(keys_of, [id_field(id) for id in ids])
+        state_places = list(range(len(names), len(names) + len(ids)))
+        names = [*names, *(b"c" + f[1:] for f in (id_field(id) for id in ids))]
+        shard_of = np.empty(len(names), dtype=np.int64)
+        flat_keys = np.fromiter((k for keys in keys_of for k in keys), dtype=np.uint64)
+        flat_places = np.fromiter((p for places in positions for p in places), dtype=np.int64)
+        if len(flat_keys):
+            shard_of[flat_places] = bucket_shards(flat_keys, self.shards)
+        homes = [self._home(id) for id in ids]
+        shard_of[np.asarray(id_places, dtype=np.int64)] = homes
+        shard_of[np.asarray(state_places, dtype=np.int64)] = homes
+        slices, columns, stored = self._read_fields(names, shard_of, self._slices(marks[0], hwm), marks[0], hwm)
+        top = stored
+        self._hwm = max(hwm, top)
+        found = self._rank_all(columns, positions, id_places, ids, [q.min_shared for q in queries], limit,
+                               [max(mark, top - self.margin) - self.window for mark in marks], self.bucket_cap,
+                               entry_time)
+        own_pending = {id for id, p in zip(ids, state_places) if any(column[p] is not None for column in columns)}
+        homes_found = self._homes({(id, ts) for _, ranked in found for id, _, _, ts in ranked})
+        view = _View(slices, columns, dict(zip(ids, range(len(ids)))), keys_of, positions, own_pending=own_pending)
+        out: list[tuple[Entry | None, list[Candidate]]] = []
+        for q, (own, ranked) in zip(queries, found):
+            cands: list[Candidate] = []
+            pending: list[cl.Seen] = []
+            for id, shared, first, ts in ranked:
+                state, entry = homes_found.get((id, ts), (cl.GONE, None))
+                if state == cl.COMMITTED and entry is not None:
+                    cands.append(new_candidate(entry, shared, q.keys[first]))
+                elif state == cl.PENDING:
+                    pending.append(cl.Seen(id, ts, shared, first))
+            if pending:
+                view.pending[q.id] = pending
+            view.candidates[q.id] = {c.entry.id for c in cands}
+            replay = own is not None and q.id not in own_pending
+            out.append((decode_entry(own, q.id) if replay else None, cands))
+        self._view = view
+        self._unlink_gone()
+        return out
+
+    def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]:
+        """See `CandidateIndex.insert`: each entry is claimed (`filters.index.claims`). None: committed (or
+        its id was, a replay); else the committed claims it yielded to, which its verification must take
+        (with `decide`'s verification, those it is a near-duplicate of; without, every committed claim
+        that reached its buckets since its lookup, and the engine verifies them: a claim not taken is not
+        returned again)."""
+        out: list[list[Candidate] | None] = []
+        for at in range(0, len(entries), INSERT_CHUNK):
+            out.extend(self._claim(entries[at : at + INSERT_CHUNK]))
+        return out
+
+    def restore(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> int:
+        """See `CandidateIndex.restore`: entries written committed at once (home, then records), unchecked."""
+        written = 0
+        for at in range(0, len(entries), INSERT_CHUNK):
+            chunk = [(e, keys) for e, keys in entries[at : at + INSERT_CHUNK]
+                     if _event_time(e.ts, e.id, self.slice_length) >= self._hwm - self.window]
+            if not chunk:
+                continue
+            blobs = self._encode(list(chunk), encode_entry)
+            by_shard: dict[int, list[tuple[Entry, bytes]]] = {}
+            for (entry, _), blob in zip(chunk, blobs):
+                by_shard.setdefault(self._home(entry.id), []).append((entry, blob))
+            commands, order = [], []
+            for shard, items in by_shard.items():
+                puts: list[Any] = [_Put(shard, e.id, float(e.ts), blob) for e, blob in items]
+                commands.append((self._slots[shard], self._home_call(shard, puts)))
+                order += [e.id for e, _ in items]
+            replies = self._nodes.execute(commands, self._scripts)
+            put = {id for id, r in zip(order, (r for reply in replies for r in reply)) if r == 1}
+            fresh = [(e, keys) for e, keys in chunk if e.id in put]
+            ops = [op for e, keys in fresh for op in self._claim_ops(e, keys)]
+            if ops:
+                self._ops(ops)
+            written += len(fresh)
+            self._remember(e for e, _ in fresh)
+        return written
+
+    def expire(self, now: float) -> int:
+        """Moves this instance's horizon to `now - window`; Redis forgets by slice (see `RedisIndex.expire`)."""
+        self._hwm = max(self._hwm, now)
+        return 0
+
+    def stats(self) -> dict[str, int]:
+        """`entries` (committed) and `buckets` in the live slices of every shard (a bucket with records in two
+        slices counts twice); `inserted` is `entries` (the shards have no common counter)."""
+        nodes = _Nodes(self._nodes.client, self._where)  # its own connections: any thread may call this
+        try:
+            metas = nodes.execute([(self._slots[k], ("HGET", f"{{{tag}}}:meta", "hwm")) for k, tag in enumerate(self.tags)],
+                                  {})
+            top = max((float(h) for h in metas if h is not None), default=-math.inf)
+            commands = [(self._slots[k], c) for k in range(self.shards) for s in self._slices(top, top)
+                        for c in (("HLEN", self._slice_key(k, s)), ("HGET", self._slice_key(k, s), "n"))]
+            replies = nodes.execute(commands, {}) if commands else []
+        finally:
+            for conn in nodes.conns.values():
+                conn.disconnect()
+        fields = sum(replies[0::2])
+        entries = sum(int(n) for n in replies[1::2] if n is not None)
+        counters = sum(n is not None for n in replies[1::2])
+        return {"entries": entries, "buckets": max(0, fields - entries - counters), "inserted": entries}
+
+    def close(self) -> None:
+        self._nodes.close()
+
+    def __repr__(self) -> str:
+        return f"SpreadIndex({self._where!r}, namespace={self.namespace!r}, shards={self.shards})"
+
+    # -- where ------------------------------------------------------------------------------------------
+    def _home(self, id: str) -> int:
+        return home_shard(id, self.shards)
+
+    def _slice(self, ts: float) -> int:
+        return math.floor(ts / self.slice_length)
+
+    def _slice_key(self, shard: int, s: int) -> str:
+        return f"{{{self.tags[shard]}}}:s:{s}"
+
+    def _slices(self, low_mark: float, high_mark: float) -> tuple[int, ...]:
+        if not math.isfinite(high_mark):
+            return ()
+        low = low_mark if math.isfinite(low_mark) else high_mark
+        return tuple(range(self._slice(low - self.window), self._slice(high_mark) + 1))
+
+    # -- reading -----------------------------------------------------------------------------------------
+    def _read_fields(self, names: list[bytes], shard_of: np.ndarray, slices: tuple[int, ...], low_mark: float,
+                     high_mark: float) -> tuple[tuple[int, ...], list[list[bytes | None]], float]:
+        """The values of `names` (each in its shard) in `slices`, and the highest high-water mark of the
+        shards read; more slices if a shard's mark shows records beyond them."""
+        order = np.argsort(shard_of, kind="stable")
+        bounds = np.searchsorted(shard_of[order], np.arange(self.shards + 1))
+        groups = [(k, order[bounds[k] : bounds[k + 1]]) for k in range(self.shards) if bounds[k + 1] > bounds[k]]
+        plan = [(k, places, [names[p] for p in places.tolist()]) for k, places in groups]
+        stored, columns = self._read_groups(plan, slices, len(names))
+        need = self._slices(low_mark, max(high_mark, stored))
+        if not set(need) <= set(slices):
+            slices = tuple(sorted(set(slices) | set(need)))
+            stored2, columns = self._read_groups(plan, slices, len(names))
+            stored = max(stored, stored2)
+        return slices, columns, stored
+
+    def _read_groups(self, plan: list[tuple[int, np.ndarray, list[bytes]]], slices: Sequence[int],
+                     n: int) -> tuple[float, list[list[bytes | None]]]:
+        # Every shard's high-water mark (the namespace's is the highest), then the fields.
+        commands: list[tuple[int, Sequence[Any]]] = [(self._slots[k], ("HGET", f"{{{tag}}}:meta", "hwm"))
+                                                     for k, tag in enumerate(self.tags)]
+        step = FIELDS_PER_HMGET
+        for k, _, fields in plan:
+            slot = self._slots[k]
+            for s in slices:
+                key = self._slice_key(k, s)
+                commands += [(slot, ("HMGET", key, *fields[a : a + step])) for a in range(0, len(fields), step)]
+        replies = iter(self._nodes.execute(commands, self._scripts))
+        arrays = [np.empty(n, dtype=object) for _ in slices]
+        marks = [float(hwm) for hwm in islice(replies, self.shards) if hwm is not None]
+        stored = max(marks, default=-math.inf)
+        for _, places, fields in plan:
+            for array in arrays:
+                values: list[Any] = []
+                for _ in range(-(-len(fields) // step)):
+                    values.extend(next(replies))
+                array[places] = _objects(values)
+        return stored, [array.tolist() for array in arrays]
+
+    def _homes(self, wanted: Iterable[tuple[str, float]]) -> dict[tuple[str, float], tuple[str, Entry | None]]:
+        """The state and entry of the homes named by (id, event time): committed entries kept lately are
+        not read again."""
+        out: dict[tuple[str, float], tuple[str, Entry | None]] = {}
+        read: dict[tuple[int, int], list[tuple[str, float]]] = {}
+        for id, ts in wanted:
+            entry = self._known.get((id, ts))
+            if entry is not None:
+                out[(id, ts)] = (cl.COMMITTED, entry)
+            else:
+                read.setdefault((self._home(id), self._slice(ts)), []).append((id, ts))
+        if not read:
+            return out
+        groups = list(read.items())
+        commands = [(self._slots[k], ("HMGET", self._slice_key(k, s), *(f for id, _ in items
+                                                                         for f in (id_field(id), b"c" + id_field(id)[1:]))))
+                    for (k, s), items in groups]
+        replies = self._nodes.execute(commands, self._scripts)
+        committed: list[Entry] = []
+        for (_, items), values in zip(groups, replies):
+            blobs = values[0::2]
+            entries = self._decode([id for id, _ in items], blobs, new_entry, decode_entry)
+            for (id, ts), blob, state in zip(items, blobs, values[1::2]):
+                if blob is None or entries[id].ts != ts:  # none, or another claim of the id
+                    out[(id, ts)] = (cl.GONE, None)
+                elif state is None:
+                    out[(id, ts)] = (cl.COMMITTED, entries[id])
+                    committed.append(entries[id])
+                else:
+                    out[(id, ts)] = (cl.PENDING, entries[id])
+        self._remember(committed)
+        return out
+
+    def _remember(self, entries: Iterable[Entry]) -> None:
+        cap = self._known_cap
+        if not cap:
+            return
+        known = self._known
+        known.update({(entry.id, float(entry.ts)): entry for entry in entries})
+        if len(known) > cap + cap // 4:
+            self._known = dict(islice(known.items(), len(known) - cap, None))
+
+    def _unlink_gone(self) -> None:
+        """Unlinks, in every shard, the slice that left the window and the margin (once per slice)."""
+        gone = self._slice(self._hwm - self.window - self.margin) - 1
+        if not math.isfinite(self._hwm) or gone <= self._gone:
+            return
+        self._gone = gone
+        self._nodes.execute([(self._slots[k], ("UNLINK", self._slice_key(k, gone))) for k in range(self.shards)],
+                            self._scripts)
+
+    # -- claiming ----------------------------------------------------------------------------------------
+    def _claim(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]:
+        # An id again in the call while its earlier entry is live (as the slot layout's script decides, with
+        # the mark moving entry by entry): nothing to do for it, as for a replay.
+        hwm, kept, skip = self._hwm, dict[str, float](), set[int]()
+        for j, (entry, _) in enumerate(entries):
+            ts = float(entry.ts)
+            earlier = kept.get(entry.id)
+            if earlier is not None and earlier >= hwm - self.window:
+                skip.add(j)
+            else:
+                kept[entry.id], hwm = ts, max(hwm, ts)
+        if skip:
+            claimed = iter(self._claim([e for j, e in enumerate(entries) if j not in skip]))
+            return [None if j in skip else next(claimed) for j in range(len(entries))]
+        view = self._view
+        blobs = self._encode(list(entries), encode_entry)
+        batch_ids = {e.id for e, _ in entries}
+        claimants = []
+        for (entry, keys), blob in zip(entries, blobs):
+            _event_time(entry.ts, entry.id, self.slice_length)
+            fields = tuple(field_of(k) for k in keys)
+            shards = tuple(bucket_shard(k, self.shards) for k in keys)
+            q = view.looked.get(entry.id)
+            tails = None
+            if q is not None and (view.keys_of[q] is keys or view.keys_of[q] == keys):
+                tails = self._tails(view.places_of[q], shards)
+            pending = [s for s in view.pending.get(entry.id, ()) if s.id not in batch_ids]
+            excluded = view.returned.get(entry.id, set()) | view.candidates.get(entry.id, set())
+            claimants.append(cl.Claimant(entry.id, float(entry.ts), blob, fields, shards, self._home(entry.id),
+                                         self._home, tails, pending, frozenset(excluded)))
+        checks: cl.Checks = (_Bound(self._engine, entries) if self._engine is not None
+                             else _Conservative(self, claimants, [keys for _, keys in entries],
+                                                [c.tails is not None for c in claimants]))
+        resolver = cl.Resolver(claimants, checks, own=batch_ids, clock=time.monotonic, ttl=self.claim_ttl)
+        try:
+            outcomes = cl.drive(resolver, self._round)
+        except cl.ClaimsExpired as exc:
+            raise IndexUnavailable(f"Redis index at {self._where}: {exc} (claim_ttl {self.claim_ttl} s too short?)") from exc
+        out: list[list[Candidate] | None] = []
+        for (entry, _), outcome in zip(entries, outcomes):
+            if outcome.yielded is None:
+                self._remember([entry])
+                out.append(None)
+            else:
+                view.returned.setdefault(entry.id, set()).update(c.entry.id for c in outcome.yielded)
+                out.append(outcome.yielded)
+        return out
+
+    def _tails(self, places: Sequence[int], shards: Sequence[int]) -> dict[int, bytes]:
+        """Per shard, what the lookup saw of these fields (per slice read, in the order of the claim's fields
+        there: the claim script compares the same bytes)."""
+        columns = self._view.columns
+        by_shard: dict[int, list[int]] = {}
+        for p, s in zip(places, shards):
+            by_shard.setdefault(s, []).append(p)
+        return {s: b"".join((column[p] or b"")[-8:] or ABSENT for column in columns for p in ps)
+                for s, ps in by_shard.items()}
+
+    def _claim_ops(self, entry: Entry, keys: Sequence[int]) -> list[cl.Op]:
+        by_shard: dict[int, list[bytes]] = {}
+        for k in keys:
+            by_shard.setdefault(bucket_shard(k, self.shards), []).append(field_of(k))
+        return [cl.Claim(s, entry.id, float(entry.ts), tuple(fs), None) for s, fs in by_shard.items()]
+
+    def _round(self, round_: cl.Round) -> list[Any]:
+        if round_.delay:
+            time.sleep(round_.delay)
+        return self._ops(round_.ops)
+
+    def _ops(self, ops: Sequence[cl.Op]) -> list[Any]:
+        """Runs a round's ops: per shard, its home ops in one script call, its claims in another, its reads as
+        HMGETs; all in one round trip per node. Returns the replies in the order of `ops`."""
+        homes: dict[int, list[int]] = {}
+        claims: dict[int, list[int]] = {}
+        reads: list[int] = []
+        self._stamp = max(time.time_ns() // 1_000_000, self._stamp + 1)  # this round's records' stamp
+        for i, op in enumerate(ops):
+            if isinstance(op, cl.Claim):
+                claims.setdefault(op.shard, []).append(i)
+            elif isinstance(op, (cl.Read, cl.State)):
+                reads.append(i)
+            else:
+                homes.setdefault(op.shard, []).append(i)
+        commands: list[tuple[int, Sequence[Any]]] = []
+        takes: list[tuple[str, list[int]]] = []  # per command: what it answers
+        for shard, at in homes.items():
+            commands.append((self._slots[shard], self._home_call(shard, [ops[i] for i in at])))
+            takes.append(("home", at))
+        for shard, at in claims.items():
+            commands.append((self._slots[shard], self._claim_call(shard, [cast(cl.Claim, ops[i]) for i in at])))
+            takes.append(("claim", at))
+        slices = self._slices(self._hwm, self._hwm)
+        for i in reads:
+            op = ops[i]
+            if isinstance(op, cl.Read):
+                for s in slices:
+                    commands.append((self._slots[op.shard], ("HMGET", self._slice_key(op.shard, s), *op.fields)))
+                takes.append(("read", [i]))
+            else:
+                assert isinstance(op, cl.State)
+                f = id_field(op.id)
+                commands.append((self._slots[op.shard], ("HMGET", self._slice_key(op.shard, self._slice(op.ts)),
+                                                         f, b"c" + f[1:])))
+                takes.append(("state", [i]))
+        replies = iter(self._nodes.execute(commands, self._scripts))
+        out: list[Any] = [None] * len(ops)
+        for kind, at in takes:
+            if kind == "home":
+                for i, reply in zip(at, next(replies), strict=True):
+                    out[i] = _home_reply(reply)
+            elif kind == "claim":
+                hwm, results = next(replies)
+                self._hwm = max(self._hwm, float(hwm))
+                for i, result in zip(at, results, strict=True):
+                    out[i] = int(result)
+            elif kind == "read":
+                out[at[0]] = [next(replies) for _ in slices]
+            else:
+                blob, state = next(replies)
+                out[at[0]] = _state(blob, state, cast(cl.State, ops[at[0]]).ts)
+        return out
+
+    def _home_call(self, shard: int, ops: Sequence[cl.Op]) -> tuple[Any, ...]:
+        # The live slices first (a create or put looks for its id in each), then those the ops name.
+        live = self._slices(self._hwm, self._hwm) if math.isfinite(self._hwm) else ()
+        keys = [self._slice_key(shard, s) for s in live]
+        at = {key: n for n, key in enumerate(keys, 1)}
+        horizon = self._hwm - self.window  # an entry at or after it is live (as in the slot layout's insert)
+        args: list[Any] = [round(self.claim_ttl * 1000), self._ttl_ms, repr(horizon) if math.isfinite(horizon) else "-inf",
+                           ",".join(map(str, range(1, len(keys) + 1)))]
+        for op in ops:
+            key = self._slice_key(shard, self._slice(op.ts))  # type: ignore[union-attr]
+            if key not in at:
+                at[key] = len(keys) + 1
+                keys.append(key)
+            if isinstance(op, (cl.Create, _Put)):
+                arg: Any = op.blob
+            elif isinstance(op, cl.Note):
+                raw = op.by[1].encode("utf-8", "surrogatepass")
+                arg = _NOTE.pack(op.by[0], len(raw)) + raw
+            elif isinstance(op, cl.Commit):
+                arg = op.seen
+            else:
+                arg = ""
+            args += [_OP_CODES[type(op)], at[key], op.id.encode("utf-8", "surrogatepass"), repr(op.ts), arg]  # type: ignore[union-attr]
+        return ("EVALSHA", _HOME.sha, len(keys), *keys, *args)
+
+    def _claim_call(self, shard: int, ops: Sequence[cl.Claim]) -> tuple[Any, ...]:
+        times = [op.ts for op in ops]
+        hwm = self._hwm
+        low = max(hwm, min(times)) if math.isfinite(hwm) else min(times)
+        lo = min(self._slice(low - self.window), *(self._slice(t) for t in times))
+        hi = max(self._slice(max(hwm, max(times))), *(self._slice(t) for t in times))
+        tag = self.tags[shard]
+        keys = [f"{{{tag}}}:meta", *(self._slice_key(shard, s) for s in range(lo, hi + 1))]
+        args: list[Any] = [repr(self.window), repr(self.slice_length), self.bucket_cap, self._ttl_ms,
+                           repr(hwm) if math.isfinite(hwm) else "-inf", lo, ",".join(map(str, self._view.slices))]
+        base = self._stamp * _PLACES
+        for op in ops:
+            args += [op.id.encode("utf-8", "surrogatepass"), repr(op.ts), base + op.place % _PLACES, len(op.fields),
+                     b"" if op.tails is None else op.tails, *op.fields]
+        return ("EVALSHA", _CLAIM.sha, len(keys), *keys, *args)
+
+
+def _home_reply(reply: Any) -> cl.Home:
+    state, blob, notes = reply
+    return cl.Home(_STATE[state], blob or None, _parse_notes(notes))
+
+
+def _parse_notes(notes: bytes) -> tuple[cl.Order, ...]:
+    out = []
+    pos = 0
+    try:
+        while pos < len(notes):
+            ts, n = _NOTE.unpack_from(notes, pos)
+            pos += _NOTE.size
+            out.append((ts, notes[pos : pos + n].decode("utf-8", "surrogatepass")))
+            pos += n
+    except Exception as exc:
+        raise IndexCorrupt(f"a claim's notes are not notes: {notes[:64]!r}") from exc
+    return tuple(out)
+
+
+def _state(blob: bytes | None, state: bytes | None, ts: float) -> cl.Home:
+    """A home as read (its entry field and state field), for the claim of its id at event time `ts`."""
+    if blob is None or entry_time(blob, "") != ts:  # none, or another claim of the id
+        return cl.Home(cl.GONE)
+    if state is None:
+        return cl.Home(cl.COMMITTED, blob)
+    return cl.Home(cl.PENDING, blob, _parse_notes(state[9:]))
+
+
+# --- the verification the claims need ---------------------------------------------------------------------
+
+
+class _Engine:
+    """The engine's verification for the claims of `decide`'s batch (by message id)."""
+
+    def __init__(self, index: SpreadIndex, batch: Batch, verifier: Verifier) -> None:
+        self.index = index
+        self.verifier = verifier
+        self.by_id = {m.id: (m, fp) for m, fp in zip(batch.messages, batch.prepared)}
+
+
+class _Bound:
+    """`claims.Checks` for one call of `_claim`: claimant i is entries[i]."""
+
+    def __init__(self, engine: _Engine, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> None:
+        self.engine = engine
+        self.entries = entries
+
+    def _candidate(self, i: int, id: str, blob: bytes, shared: int, first: int) -> Candidate:
+        keys = self.entries[i][1]
+        return new_candidate(decode_entry(blob, id), shared, keys[min(first, len(keys) - 1)])
+
+    def similar(self, i: int, id: str, ts: float, blob: bytes) -> bool:
+        msg, fp = self.engine.by_id[self.entries[i][0].id]
+        cand = self._candidate(i, id, blob, len(fp.keys), 0)
+        return self.engine.verifier.first_match(msg, fp, [cand]).duplicate
+
+    def near(self, i: int, seen: cl.Seen, blob: bytes) -> Any:
+        msg, fp = self.engine.by_id[self.entries[i][0].id]
+        cand = self._candidate(i, seen.id, blob, seen.shared, seen.first)
+        return cand if self.engine.verifier.first_match(msg, fp, [cand]).duplicate else None
+
+    def rank(self, i: int, columns: list[list[bytes | None]]) -> list[cl.Seen]:
+        return _rank(self.engine.index, self.entries[i][0], len(self.entries[i][1]), columns)
+
+
+class _Conservative:
+    """`claims.Checks` without the engine (`insert` called on its own): every claim is similar (so the
+    order of claims holds whatever the verification), and every committed claim that reached the
+    entry's buckets since its lookup is returned for the engine to verify, as the slot layout returns
+    conflicts. An entry its lookup did not cover is a plain insert: nothing is returned for it."""
+
+    def __init__(self, index: SpreadIndex, claimants: Sequence[cl.Claimant], keys: Sequence[tuple[int, ...]],
+                 looked: Sequence[bool]) -> None:
+        self.index, self.claimants, self.keys, self.looked = index, claimants, keys, looked
+
+    def similar(self, i: int, id: str, ts: float, blob: bytes) -> bool:
+        return True
+
+    def near(self, i: int, seen: cl.Seen, blob: bytes) -> Any:
+        if not self.looked[i]:
+            return None
+        keys = self.keys[i]
+        return new_candidate(decode_entry(blob, seen.id), seen.shared, keys[min(seen.first, len(keys) - 1)])
+
+    def rank(self, i: int, columns: list[list[bytes | None]]) -> list[cl.Seen]:
+        c = self.claimants[i]
+        return _rank(self.index, Entry(c.id, c.ts, 0, 0, np.empty(0, np.uint32)), len(c.fields), columns)
+
+
+def _rank(index: SpreadIndex, entry: Entry, n: int, columns: list[list[bytes | None]]) -> list[cl.Seen]:
+    horizon = max(float(entry.ts), index._hwm - index.margin) - index.window
+    found = index._rank(columns, list(range(n)), entry.id, 1, n * index.bucket_cap + 1, horizon, index.bucket_cap,
+                        -1, None)
+    return [cl.Seen(id, ts, shared, first) for id, shared, first, ts in found]
+
+
+class _Rounds:
+    """`SharedDecider`'s rounds on a spread index, with the engine's verification for the claims."""
+
+    def __init__(self, index: SpreadIndex, batch: Batch, verifier: Verifier) -> None:
+        self.index = index
+        index._engine = _Engine(index, batch, verifier)
+
+    def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | None, list[Candidate]]]:
+        return self.index.lookup(queries, limit)
+
+    def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]:
+        return self.index.insert(entries)
+
+    def prefetch(self, queries: Sequence[Query]) -> None:
+        self.index.prefetch(queries)
+
