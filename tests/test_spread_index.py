@@ -4,12 +4,19 @@ masters (the contract suite runs on it too: tests/test_index_contract.py)."""
 
 from __future__ import annotations
 
+import os
 import random
+import signal
+import subprocess
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import numpy as np
 import pytest
@@ -17,7 +24,7 @@ import redis
 
 from filters.config import FilterConfig
 from filters.engine import NearDupFilter
-from filters.errors import ConfigError
+from filters.errors import ConfigError, IndexUnavailable
 from filters.index import Candidate, Entry, Query
 from filters.index import claims as cl
 from filters.index.backends import open_index
@@ -352,3 +359,204 @@ def test_the_race_test_catches_check_then_insert_on_a_spread_cluster(redis_clust
     finally:
         drop_cluster_namespace(base, prefix)
     assert sum(u > 1 for u in uniques) >= 15, uniques
+
+
+# --- failover and resharding under racing workers ----------------------------------------------------------
+
+REPO = SAMPLE.parents[2]
+
+
+@dataclass(frozen=True)
+class Node:
+    id: str
+    port: int
+    master: bool
+    of: str | None  # a replica's master
+
+
+def cluster_nodes(port: int) -> list[Node]:
+    text = _cli("-p", str(port), "CLUSTER", "NODES")
+    nodes = []
+    for line in text.strip().splitlines():
+        id, address, flags, of, *_ = line.split()
+        if "fail" in flags or "noaddr" in flags:
+            continue
+        nodes.append(Node(id, int(address.split("@")[0].rsplit(":", 1)[1]), "master" in flags,
+                          None if of == "-" else of))
+    return nodes
+
+
+def _cli(*args: str, timeout: float = 60) -> str:
+    done = subprocess.run(["redis-cli", *args], capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return done.stdout
+
+
+def wait_healthy(port: int, timeout: float = 30.0) -> None:
+    """Until every node agrees on the configuration and every slot is served (`redis-cli --cluster check`)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        done = subprocess.run(["redis-cli", "--cluster", "check", f"127.0.0.1:{port}"], capture_output=True,
+                              text=True, timeout=30)
+        if "[OK] All nodes agree" in done.stdout and "[ERR]" not in done.stdout and "[WARNING]" not in done.stdout:
+            return
+        assert time.monotonic() < deadline, done.stdout[-3000:]
+        time.sleep(0.2)
+
+
+def _port(url: str) -> int:
+    port = urlsplit(url).port
+    assert port is not None
+    return port
+
+
+def manual_failover(port: int) -> str:
+    """`CLUSTER FAILOVER` on a master's replica: the replica takes over once it has all the master's writes."""
+    nodes = cluster_nodes(port)
+    master = next(n for n in nodes if n.master and any(r.of == n.id for r in nodes))
+    replica = next(r for r in nodes if r.of == master.id)
+    _cli("-p", str(replica.port), "CLUSTER", "FAILOVER")
+    deadline = time.monotonic() + 30
+    while not next(n for n in cluster_nodes(replica.port) if n.id == replica.id).master:
+        assert time.monotonic() < deadline, "the replica did not take over"
+        time.sleep(0.1)
+    wait_healthy(replica.port)
+    return f"CLUSTER FAILOVER: {replica.port} took over from {master.port}"
+
+
+def kill_a_master(port: int) -> str:
+    """kill -9 a master; its replica is promoted once the node timeout (2 s) passes; the killed node is
+    then started again (`docker/services.sh start cluster-ha`) and rejoins as a replica."""
+    nodes = cluster_nodes(port)
+    master = next(n for n in nodes if n.master and n.port != port and any(r.of == n.id for r in nodes))
+    state = Path(os.environ.get("NEARDUP_STATE") or Path.home() / ".cache" / "neardup" / "services")
+    pid = int((state / f"redis-cluster-{master.port}" / "redis.pid").read_text())
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    replica = next(r for r in nodes if r.of == master.id)
+    while not any(n.id == replica.id and n.master for n in cluster_nodes(replica.port)):
+        assert time.monotonic() - t0 < 30, "the replica was not promoted"
+        time.sleep(0.1)
+    promoted = time.monotonic() - t0
+    done = subprocess.run(["bash", str(REPO / "docker" / "services.sh"), "start", "cluster-ha"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    wait_healthy(replica.port)
+    return f"kill -9 of master {master.port}: replica {replica.port} promoted after {promoted:.1f} s"
+
+
+def reshard(port: int) -> str:
+    """1,200 slots moved from one master to another (keys with them, MIGRATE), then moved back."""
+    masters = [n for n in cluster_nodes(port) if n.master]
+    source, target = masters[0], masters[1]
+    t0 = time.monotonic()
+    _cli("--cluster", "reshard", f"127.0.0.1:{port}", "--cluster-from", source.id, "--cluster-to", target.id,
+         "--cluster-slots", "1200", "--cluster-yes", timeout=120)
+    wait_healthy(port)
+    _cli("--cluster", "rebalance", f"127.0.0.1:{port}", timeout=120)
+    wait_healthy(port)
+    return f"1,200 slots moved {source.port} -> {target.port} and back in {time.monotonic() - t0:.1f} s"
+
+
+def race_through(url: str, change: Callable[[int], str], *, workers: int = 4, waves: int = 30) -> dict[str, Any]:
+    """`workers` threads, an index each, check their copy of each spam wave at the same moment; a batch that
+    fails as `IndexUnavailable` is retried after 0.2 s (the worker's `block` policy). After `waves` // 3
+    waves, `change` alters the cluster (in a thread of its own); the waves go on until it is over, and
+    `waves` more after it."""
+    config = FilterConfig()
+    namespace = f"race-{uuid.uuid4().hex[:10]}"
+    indexes = [SpreadIndex(url, window=config.window, bucket_cap=config.bucket_cap, namespace=namespace)
+               for _ in range(workers)]
+    verdicts: list[list[Any]] = [[] for _ in range(workers)]
+    retried = [0] * workers
+    errors: list[BaseException] = []
+    what: list[str] = []
+    state = {"wave": -1, "go": True, "after": 0}
+
+    def changed() -> None:
+        try:
+            what.append(change(_port(url)))
+        except BaseException as exc:
+            errors.append(exc)
+
+    changing = threading.Thread(target=changed)
+
+    def next_wave() -> None:  # run once per wave, by the barrier, before the workers go on
+        state["wave"] += 1
+        if state["wave"] == waves // 3:
+            changing.start()
+        if changing.ident is not None and not changing.is_alive():
+            state["after"] += 1
+        state["go"] = state["after"] <= waves and not errors and state["wave"] < 100 * waves
+
+    start = threading.Barrier(workers, action=next_wave)
+
+    def work(w: int) -> None:
+        engine = NearDupFilter(config, index=indexes[w])
+        try:
+            while True:
+                start.wait(timeout=120)
+                c = state["wave"]
+                if not state["go"]:
+                    return
+                deadline = time.monotonic() + 90
+                while len(verdicts[w]) == c:
+                    try:
+                        verdicts[w].append(engine.check(_spam(c, w), id=f"c{c}-w{w}", ts=1_700_000_000 + c))
+                    except IndexUnavailable:
+                        retried[w] += 1
+                        assert time.monotonic() < deadline, "the index stayed unavailable"
+                        time.sleep(0.2)
+        except BaseException as exc:
+            errors.append(exc)
+            start.abort()
+
+    threads = [threading.Thread(target=work, args=(w,)) for w in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if changing.ident is not None:
+        changing.join()
+    redirects: Counter[str] = Counter()
+    for index in indexes:
+        redirects.update(index._nodes.redirects)
+        index.close()
+    if errors:
+        raise errors[0]
+    clusters = len(verdicts[0])
+    uniques = [sum(not verdicts[w][c].duplicate for w in range(workers)) for c in range(clusters)]
+    ids = {v.id for row in verdicts for v in row if not v.duplicate}
+    for row in verdicts:
+        for c, v in enumerate(row):
+            assert not v.duplicate or (v.duplicate_of in ids and v.duplicate_of.startswith(f"c{c}-")), v
+    return {"uniques": uniques, "retried": sum(retried), "redirects": redirects, "change": what}
+
+
+def _pending_on(port: int, prefix: str) -> list[bytes]:
+    found = []
+    for node in cluster_nodes(port):
+        if node.master:
+            with redis.Redis(port=node.port) as client:
+                for key in client.scan_iter(match=f"{{{prefix}:*:s:*", count=1000):
+                    found += [f for f in client.hkeys(key) if f.startswith(b"c")]
+    return found
+
+
+@pytest.mark.parametrize("change", [manual_failover, kill_a_master, reshard], ids=lambda f: f.__name__)
+def test_racing_workers_through_a_failover_or_a_resharding(redis_cluster_ha_url: str, change: Callable[[int], str]) -> None:
+    """A master failing over (its replica takes over, or is promoted after a kill -9) or 1,200 slots moving
+    between masters, mid-run, under four racing workers: batches caught by it fail as `IndexUnavailable`
+    and are retried, taking over what their first attempt claimed. Every message decided, exactly one
+    unique per wave, every duplicate names a unique, no claim left pending."""
+    base = cluster_url(redis_cluster_ha_url)
+    prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
+    try:
+        got = race_through(spread_url(base, prefix, claim_ttl="1"), change)
+        assert got["uniques"] == [1] * len(got["uniques"]), got
+        assert _pending_on(_port(base), prefix) == []
+        assert got["retried"] or got["redirects"], got  # the change did reach the workers mid-run
+        print(got["change"], f"{len(got['uniques'])} waves, {got['retried']} batches retried,",
+              f"redirects followed: {dict(got['redirects'])}")
+    finally:
+        drop_cluster_namespace(base, prefix)

@@ -33,6 +33,7 @@ import binascii
 import math
 import struct
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
@@ -185,6 +186,7 @@ class _Nodes:
         self.where = where
         self.conns: dict[str, Any] = {}  # node name -> its connection, kept for the index's round trips
         self.stale = False  # the slot map must be read again before the next round
+        self.redirects: Counter[str] = Counter()  # MOVED, ASK, TRYAGAIN, NOSCRIPT replies followed
         # A share of other work (the engine's next batch) to run while replies are on their way.
         self.meanwhile: Callable[[], bool] | None = None
 
@@ -257,18 +259,22 @@ class _Nodes:
                 for i in todo:
                     reply = replies[i]
                     if isinstance(reply, NoScriptError):  # to the same node again (ASKING too, if asked)
+                        self.redirects["NOSCRIPT"] += 1
                         sha = commands[i][1][1]
                         self._load(sent_to[i][0], scripts[sha if isinstance(sha, bytes) else sha.encode()])
                         again.append(i)
                         continue
                     asked.pop(i, None)
                     if isinstance(reply, TryAgainError):
+                        self.redirects["TRYAGAIN"] += 1
                         retry = True
                         again.append(i)
                     elif isinstance(reply, AskError) and not _is_moved(reply):
+                        self.redirects["ASK"] += 1
                         asked[i] = self._ask_node(reply.host, reply.port)
                         again.append(i)
                     elif isinstance(reply, AskError):
+                        self.redirects["MOVED"] += 1
                         moved = True
                         again.append(i)
                 if again:
