@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from filters.index import claims as cl
-from filters.index.redis_codec import ABSENT, SEQ, rank_records
+from filters.index.redis_codec import SEQ, parse_records, rank_records
 
 _RECORD = struct.Struct("<dI")
 
@@ -64,7 +64,7 @@ class Shard:
             return cl.Home(cl.COMMITTED, h.blob)
         return cl.Home(cl.PENDING, h.blob, tuple(h.notes))
 
-    def apply(self, op: cl.Op, now: float, ttl: float) -> Any:
+    def apply(self, op: cl.Op | Mark, now: float, ttl: float) -> Any:
         if isinstance(op, cl.Create):
             h = self.homes.get(op.id)
             if h is not None and h.deadline is None:
@@ -75,12 +75,14 @@ class Shard:
                 h.deadline = now + ttl  # a claim of the same id taken over: its notes stay
             return self.home(op.id)
         if isinstance(op, cl.Claim):
-            tails = b"".join((self.buckets.get(f) or b"")[-8:] or ABSENT for f in op.fields)
+            newer = op.mark is None or any(SEQ.unpack(v[-8:])[0] > op.mark for f in op.fields if (v := self.buckets.get(f)))
             self.seq += 1
             rec = record(op.ts, op.id, self.seq)
             for f in op.fields:
                 self.buckets[f] = self.buckets.get(f, b"") + rec
-            return cl.CLAIM_SAME if op.tails == tails else cl.CLAIM_CHANGED
+            return cl.CLAIM_CHANGED if newer else cl.CLAIM_SAME
+        if isinstance(op, Mark):
+            return self.seq
         if isinstance(op, cl.Read):
             return [[self.buckets.get(f) for f in op.fields]]  # one slice
         if isinstance(op, cl.State):
@@ -106,6 +108,14 @@ class Shard:
         else:
             raise AssertionError(op)
         return self.home(op.id)  # type: ignore[union-attr]
+
+
+@dataclass(frozen=True)
+class Mark:
+    """The model lookup's read of a shard's seq (the real lookup reads it with the shard's high-water mark,
+    before the buckets)."""
+
+    shard: int
 
 
 # --- the scenario -------------------------------------------------------------------------------------------
@@ -197,7 +207,7 @@ class World:
     def home_of(self, id: str) -> int:
         return sum(id.encode()) % len(self.shards)
 
-    def apply(self, op: cl.Op) -> Any:
+    def apply(self, op: cl.Op | Mark) -> Any:
         shard = self.shards[op.shard]
         before = shard.home(op.id).state if isinstance(op, cl.Commit) else None
         reply = shard.apply(op, self.now, self.s.ttl)
@@ -218,10 +228,13 @@ class ModelChecks:
     def near(self, i: int, seen: cl.Seen, blob: bytes) -> Any:
         return seen.id if self.world.s.near(self.claimants[i].id, seen.id, seen.shared) else None
 
-    def rank(self, i: int, columns: list[list[bytes | None]]) -> list[cl.Seen]:
+    def rank(self, i: int, columns: list[list[bytes | None]]) -> tuple[list[cl.Seen], set[str]]:
         c = self.claimants[i]
         found = rank_records(columns, list(range(len(c.fields))), c.id, 1, 1 << 30, -float("inf"), 1 << 30)
-        return [cl.Seen(id, ts, shared, first) for id, shared, first, ts in found]
+        shard_of = {f: shard for shard, fs in c.groups for f in fs}
+        new = {id for j, f in enumerate(c.fields) for column in columns for _, seq, id in parse_records(column[j] or b"")
+               if c.marks is None or seq > c.marks[shard_of[f]]}
+        return [cl.Seen(id, ts, shared, first) for id, shared, first, ts in found], new
 
 
 Batch = Any  # a generator of rounds (lists of ops) that returns the batch's verdicts
@@ -238,6 +251,7 @@ def process(world: World, ids: list[str], resolver_class: type[cl.Resolver]) -> 
     for m in msgs:
         for k in m.keys:
             by_shard.setdefault(world.shard_of(k), []).append(field_name(k))
+    marks = dict(zip(by_shard, (yield [Mark(sh) for sh in by_shard])))  # each shard's seq, before its buckets
     reads = [cl.Read(sh, tuple(dict.fromkeys(fs))) for sh, fs in by_shard.items()]
     own = [cl.State(world.home_of(id), id, s.msg(id).ts) for id in ids]
     replies = yield [*reads, *own]
@@ -269,12 +283,13 @@ def process(world: World, ids: list[str], resolver_class: type[cl.Resolver]) -> 
         if dup is not None:
             verdicts[m.id] = Verdict(m.id, dup)
             continue
-        tails = {}
-        for sh in {world.shard_of(k) for k in m.keys}:
-            tails[sh] = b"".join((values[field_name(k)] or b"")[-8:] or ABSENT for k in m.keys if world.shard_of(k) == sh)
+        groups: dict[int, list[bytes]] = {}
+        for k in m.keys:
+            groups.setdefault(world.shard_of(k), []).append(field_name(k))
         claimants.append(cl.Claimant(
-            m.id, m.ts, m.id.encode(), fields[m.id], tuple(world.shard_of(k) for k in m.keys), world.home_of(m.id),
-            world.home_of, tails, [o for o in found[m.id] if home[o.id].state == cl.PENDING]))
+            m.id, m.ts, m.id.encode(), fields[m.id], tuple((sh, tuple(fs)) for sh, fs in groups.items()),
+            world.home_of(m.id), world.home_of, {sh: marks[sh] for sh in groups},
+            [o for o in found[m.id] if home[o.id].state == cl.PENDING]))
     # A duplicate now whose own home a previous attempt left pending releases it.
     stale = [cl.Abort(world.home_of(id), id, s.msg(id).ts) for id, v in verdicts.items()
              if v.duplicate_of is not None and own_home[id].state == cl.PENDING]

@@ -28,8 +28,8 @@ from filters.errors import ConfigError, IndexUnavailable
 from filters.index import Candidate, Entry, Query
 from filters.index import claims as cl
 from filters.index.backends import open_index
-from filters.index.redis_codec import ABSENT, encode_entry, parse_records
-from filters.index.redis_spread import SLOTS, SpreadIndex, _View, key_slot, shard_tags
+from filters.index.redis_codec import encode_entry, parse_records
+from filters.index.redis_spread import SLOTS, SpreadIndex, key_slot, shard_tags
 from stream.codec import RecordFormat
 from stream.runner import RawRecord, route_batch
 from tests.test_claim_model import Shard
@@ -145,16 +145,16 @@ def _same(op: cl.Op, real: Any, model: Any) -> bool:
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_the_scripts_do_what_the_model_of_the_protocol_does(make: Callable[..., SpreadIndex], seed: int) -> None:
+def test_the_scripts_do_what_the_model_of_the_protocol_does(make: Callable[..., SpreadIndex], redis_url: str,
+                                                           seed: int) -> None:
     """Random sequences of every op of the protocol, on one shard of real Redis (spread_home.lua,
     spread_claim.lua, reads) and on the model's `Shard` (tests/test_claim_model.py): the same replies,
-    and the same records in every bucket. Claims compare what each side holds (the same tails: no change)
-    or stale tails (a change)."""
+    and the same records in every bucket. A claim's mark is each side's own seq now or before its last
+    claim, 0 or none."""
     rng = random.Random(seed)
     index = make(shards="1", claim_ttl="3600")
     ts = 5.0
     index._hwm = ts
-    index._view = _View(slices=(0,))
     model = Shard()
     ids = ["a", "b", "c", "d"]
     fields = [b"b" + k.to_bytes(8, "big") for k in range(5)]
@@ -166,18 +166,15 @@ def test_the_scripts_do_what_the_model_of_the_protocol_does(make: Callable[..., 
             op = cl.Create(0, id, ts, _blob(id, ts))
         elif kind == "claim":
             chosen = tuple(rng.sample(fields, rng.randint(1, 3)))
-            how = rng.choice(["same", "stale", "none"])
-            if how == "none":
-                ops = [cl.Claim(0, id, ts, chosen, None)] * 2
-            else:
-                [columns] = index._ops([cl.Read(0, chosen)])  # slices -1 and 0: the claims are in 0
-                real_tails = b"".join((v or b"")[-8:] or ABSENT for v in columns[index._slices(ts, ts).index(0)])
-                model_tails = b"".join((model.buckets.get(f) or b"")[-8:] or ABSENT for f in chosen)
-                if how == "stale":
-                    real_tails = model_tails = b"\x01" * len(real_tails)
-                ops = [cl.Claim(0, id, ts, chosen, real_tails), cl.Claim(0, id, ts, chosen, model_tails)]
-            [real] = index._ops([ops[0]])
-            assert real == model.apply(ops[1], 0.0, 3_600_000.0), (kind, how)
+            # The mark: each side's own seq now (nothing changed since), one less (a change if the last claim
+            # wrote to these fields), 0 (a change if they hold anything), or none (changed).
+            with redis.Redis.from_url(redis_url) as client:
+                real_seq = int(client.hget(f"{{{index.tags[0]}}}:meta", "seq") or 0)
+            how = rng.choice(["now", "before-the-last", "zero", "none"])
+            marks = {"now": (real_seq, model.seq), "before-the-last": (real_seq - 1, model.seq - 1), "zero": (0, 0),
+                     "none": (None, None)}[how]
+            [real] = index._ops([cl.Claim(0, id, ts, chosen, marks[0])])
+            assert real == model.apply(cl.Claim(0, id, ts, chosen, marks[1]), 0.0, 3_600_000.0), (kind, how)
             continue
         elif kind == "read":
             op = cl.Read(0, tuple(rng.sample(fields, 3)))

@@ -9,10 +9,12 @@ atomic on one shard (a slot of the cluster): see docs/design.md, "The spread lay
    node's clock, in the shard its id hashes to. The home is the claim's one decision point: it ends
    committed (the message is unique; the pending state is deleted) or gone (the claim yielded to a
    committed near-duplicate, or was aborted because it expired), by a compare-and-set there.
-2. appends its records to its buckets (`Claim`, one op per shard), each node comparing the bucket
-   tails with what the lookup saw: a record always has a home created before it.
-3. observes the other claims in its buckets: those its lookup found pending, and, if a bucket changed
-   since the lookup (or this is a second attempt), everything its buckets hold now (`Read`); their
+2. appends its records to its buckets (`Claim`, one op per shard), each node saying whether any of
+   them got a record since the lookup read them (a seq above the shard's seq the lookup read just before
+   its buckets: seqs increase per shard): a record always has a home created before it.
+3. observes the other claims in its buckets: those its lookup found pending (the committed ones it
+   found, the engine verified), and, if a bucket changed since the lookup (or this is a second attempt),
+   those with a record newer than the lookup (`Read`), each counted with all the buckets it is in; their
    homes say what they are (`State`).
 4. resolves, with (event time, id) as the order of claims: a committed near-duplicate makes it yield
    (`Abort` of its own home, then a duplicate of that one); a pending similar claim smaller in the order
@@ -63,14 +65,15 @@ class Create:
 
 @dataclass(frozen=True, slots=True)
 class Claim:
-    """Append `id`'s record to its bucket `fields` of this shard; say whether any of them changed since
-    the lookup saw `tails` (None: nothing to compare with, changed)."""
+    """Append `id`'s record to its bucket `fields` of this shard; say whether any of them holds a record
+    with a seq above `mark`, the shard's seq the lookup read before the fields (None: not looked up:
+    changed)."""
 
     shard: int
     id: str
     ts: float
     fields: tuple[bytes, ...]
-    tails: bytes | None
+    mark: int | None
     place: int = 0  # the claimant's place in its batch (its records rank by it among the batch's)
 
 
@@ -182,10 +185,10 @@ class Claimant:
     ts: float
     blob: bytes
     fields: tuple[bytes, ...]  # its bucket fields, in key order
-    shards: tuple[int, ...]  # the shard of each field
+    groups: tuple[tuple[int, tuple[bytes, ...]], ...]  # its fields by shard: (shard, fields there)
     home: int  # the shard of its home
     home_of: Callable[[str], int]  # the shard of another id's home
-    tails: dict[int, bytes] | None  # shard -> what the lookup saw of its fields there (None: not looked up)
+    marks: dict[int, int] | None  # shard -> its seq when the lookup read it (None: not looked up)
     pending: Sequence[Seen] = ()  # the pending claims its lookup found
     excluded: frozenset[str] = frozenset()  # committed claims the engine verified already and did not take
 
@@ -201,8 +204,10 @@ class Checks(Protocol):
         """The candidate claimant `i` is a duplicate of (by the engine's full rule), or None."""
         ...
 
-    def rank(self, i: int, columns: list[list[bytes | None]]) -> list[Seen]:
-        """The claims recorded in claimant `i`'s buckets (`columns`: per slice read, per field), ranked."""
+    def rank(self, i: int, columns: list[list[bytes | None]]) -> tuple[list[Seen], set[str]]:
+        """The claims recorded in claimant `i`'s buckets (`columns`: per slice read, per field), ranked,
+        each with all the buckets it is in; and those of them with a record newer than the claimant's
+        lookup (a seq above the mark of its shard; all of them if it was not looked up)."""
         ...
 
 
@@ -310,17 +315,12 @@ class Resolver:
         if p.step == "create":
             return [Create(c.home, c.id, c.ts, c.blob)]
         if p.step == "claim":
-            by_shard: dict[int, list[bytes]] = {}
-            for f, s in zip(c.fields, c.shards):
-                by_shard.setdefault(s, []).append(f)
-            tails = c.tails if p.attempt == 1 else None
-            return [Claim(s, c.id, c.ts, tuple(fs), None if tails is None else tails.get(s), i)
-                    for s, fs in by_shard.items()]
+            marks = c.marks if p.attempt == 1 else None
+            if marks is None:
+                return [Claim(s, c.id, c.ts, fs, None, i) for s, fs in c.groups]
+            return [Claim(s, c.id, c.ts, fs, marks.get(s), i) for s, fs in c.groups]
         if p.step == "observe":
-            by_shard = {}
-            for f, s in zip(c.fields, c.shards):
-                by_shard.setdefault(s, []).append(f)
-            return [Read(s, tuple(fs)) for s, fs in by_shard.items()]
+            return [Read(s, fs) for s, fs in c.groups]
         if p.step == "states":
             return [State(c.home_of(o.id), o.id, o.ts) for o in p.others.values() if o.state is None]
         if p.step == "resolve":
@@ -390,13 +390,12 @@ class Resolver:
                 p.step = "claim"
             return
         if step == "claim":
-            changed = p.attempt > 1 or any(reply != CLAIM_SAME and reply != 0 for _, reply in answered)
-            if changed:
-                p.step = "observe"
+            for seen in c.pending:  # what the lookup saw pending; the rest it saw is verified already
+                self._observe(p, seen)
+            if p.attempt > 1 or any(reply != CLAIM_SAME and reply != 0 for _, reply in answered):
+                p.step = "observe"  # and what arrived since the lookup
                 p.full = {o.id for o in p.others.values() if o.state == COMMITTED or o.noter}
             else:
-                for seen in c.pending:
-                    self._observe(p, seen)
                 p.step = "states"
                 self._after_states(i)
             return
@@ -412,8 +411,9 @@ class Resolver:
             for o in p.others.values():
                 o.shared, o.first = 0, 0  # counted afresh: absent now, it shares nothing
                 o.full = o.full or o.id in p.full
-            for seen in self.checks.rank(i, columns):
-                if seen.id != c.id and seen.id not in self.own:
+            ranked, new = self.checks.rank(i, columns)
+            for seen in ranked:
+                if seen.id != c.id and seen.id not in self.own and (seen.id in new or seen.id in p.others):
                     self._observe(p, seen, counted=True)
             p.full = set()
             p.step = "states"

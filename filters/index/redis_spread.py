@@ -63,7 +63,6 @@ from filters.index.redis import (
     redis_errors,
 )
 from filters.index.redis_codec import (
-    ABSENT,
     decode_entries,
     decode_entry,
     encode_entries,
@@ -215,10 +214,12 @@ class _Nodes:
                 raise IndexUnavailable(f"Redis index at {self.where}: ASK to unknown node {host}:{port}")
         return node.name, node
 
-    def execute(self, commands: Sequence[tuple[int, Sequence[Any]]], scripts: dict[bytes, str]) -> list[Any]:
+    def execute(self, commands: Sequence[tuple[int, Sequence[Any]]], scripts: dict[bytes, str],
+                resent: set[int] | None = None) -> list[Any]:
         """Runs (slot, command) pairs, each where its slot is served, in one round trip per node (more if
         redirected); returns the replies in order (error replies raised, after redirects are followed).
-        `scripts`: sha -> source of the scripts the commands may run (loaded on NOSCRIPT)."""
+        `scripts`: sha -> source of the scripts the commands may run (loaded on NOSCRIPT); `resent` gets
+        the commands that ran only when sent again (so after the others)."""
         with redis_errors(self.where):
             if self.stale and isinstance(self.client, RedisCluster):
                 self.client.nodes_manager.initialize()
@@ -278,6 +279,8 @@ class _Nodes:
                         moved = True
                         again.append(i)
                 if again:
+                    if resent is not None:
+                        resent.update(again)
                     hops += 1
                     if hops > _REDIRECTS or waited > 2.0:
                         raise IndexUnavailable(f"Redis index at {self.where}: still redirected after {hops} hops "
@@ -318,15 +321,6 @@ class _Nodes:
         self.client.close()
 
 
-def _objects(values: list[Any]) -> np.ndarray:
-    """`values` as a numpy array of the very objects (numpy would make bytes fixed-width, dropping
-    trailing NULs)."""
-    out = np.empty(len(values), dtype=object)
-    for j, v in enumerate(values):
-        out[j] = v
-    return out
-
-
 def _is_moved(reply: AskError) -> bool:
     return type(reply).__name__ == "MovedError"
 
@@ -350,13 +344,14 @@ def _read(conn: Any) -> Any:
 
 @dataclass(slots=True)
 class _View:
-    """What the last lookup read: the columns (per slice read, per field) and where each query's fields are."""
+    """What the last lookup read that its inserts need: each shard's seq read before its fields (`marks`;
+    a shard whose read of it may have come after is left out), and each query's fields and their shards."""
 
-    slices: tuple[int, ...] = ()
-    columns: list[list[bytes | None]] = field(default_factory=list)
+    marks: dict[int, int] = field(default_factory=dict)
     looked: dict[str, int] = field(default_factory=dict)  # id -> its query's number
     keys_of: list[tuple[int, ...]] = field(default_factory=list)
-    places_of: list[list[int]] = field(default_factory=list)
+    fields_of: list[list[bytes]] = field(default_factory=list)
+    shards_of: list[list[int]] = field(default_factory=list)
     pending: dict[str, list[cl.Seen]] = field(default_factory=dict)  # id -> the pending claims its lookup found
     own_pending: set[str] = field(default_factory=set)  # ids whose own home an earlier attempt left pending
     candidates: dict[str, set[str]] = field(default_factory=dict)  # id -> the committed candidates it was given
@@ -450,18 +445,21 @@ class SpreadIndex:
             marks.append(hwm)
         ids = [q.id for q in queries]
         keys_of = [q.keys for q in queries]
-        names, _, positions, id_places = self._plan(keys_of, [id_field(id) for id in ids])
+        names, key_fields, positions, id_places = self._plan(keys_of, [id_field(id) for id in ids])
         state_places = list(range(len(names), len(names) + len(ids)))
         names = [*names, *(b"c" + f[1:] for f in (id_field(id) for id in ids))]
         shard_of = np.empty(len(names), dtype=np.int64)
         flat_keys = np.fromiter((k for keys in keys_of for k in keys), dtype=np.uint64)
         flat_places = np.fromiter((p for places in positions for p in places), dtype=np.int64)
-        if len(flat_keys):
-            shard_of[flat_places] = bucket_shards(flat_keys, self.shards)
+        key_shards = bucket_shards(flat_keys, self.shards).astype(np.int64)
+        shard_of[flat_places] = key_shards
+        ends = np.cumsum([len(keys) for keys in keys_of]).tolist()
+        flat = key_shards.tolist()
+        shards_of = [flat[end - len(keys) : end] for keys, end in zip(keys_of, ends)]
         homes = [self._home(id) for id in ids]
         shard_of[np.asarray(id_places, dtype=np.int64)] = homes
         shard_of[np.asarray(state_places, dtype=np.int64)] = homes
-        slices, columns, stored = self._read_fields(names, shard_of, self._slices(marks[0], hwm), marks[0], hwm)
+        _, columns, stored, seqs = self._read_fields(names, shard_of, self._slices(marks[0], hwm), marks[0], hwm)
         top = stored
         self._hwm = max(hwm, top)
         found = self._rank_all(columns, positions, id_places, ids, [q.min_shared for q in queries], limit,
@@ -469,7 +467,7 @@ class SpreadIndex:
                                entry_time)
         own_pending = {id for id, p in zip(ids, state_places) if any(column[p] is not None for column in columns)}
         homes_found = self._homes({(id, ts) for _, ranked in found for id, _, _, ts in ranked})
-        view = _View(slices, columns, dict(zip(ids, range(len(ids)))), keys_of, positions, own_pending=own_pending)
+        view = _View(seqs, dict(zip(ids, range(len(ids)))), keys_of, key_fields, shards_of, own_pending=own_pending)
         out: list[tuple[Entry | None, list[Candidate]]] = []
         for q, (own, ranked) in zip(queries, found):
             cands: list[Candidate] = []
@@ -575,25 +573,26 @@ class SpreadIndex:
 
     # -- reading -----------------------------------------------------------------------------------------
     def _read_fields(self, names: list[bytes], shard_of: np.ndarray, slices: tuple[int, ...], low_mark: float,
-                     high_mark: float) -> tuple[tuple[int, ...], list[list[bytes | None]], float]:
-        """The values of `names` (each in its shard) in `slices`, and the highest high-water mark of the
-        shards read; more slices if a shard's mark shows records beyond them."""
+                     high_mark: float) -> tuple[tuple[int, ...], list[list[bytes | None]], float, dict[int, int]]:
+        """The values of `names` (each in its shard) in `slices`, the highest high-water mark of the shards
+        and each shard's seq read before its fields; more slices if a mark shows records beyond them."""
         order = np.argsort(shard_of, kind="stable")
         bounds = np.searchsorted(shard_of[order], np.arange(self.shards + 1))
         groups = [(k, order[bounds[k] : bounds[k + 1]]) for k in range(self.shards) if bounds[k + 1] > bounds[k]]
         plan = [(k, places, [names[p] for p in places.tolist()]) for k, places in groups]
-        stored, columns = self._read_groups(plan, slices, len(names))
+        stored, columns, seqs = self._read_groups(plan, slices, len(names))
         need = self._slices(low_mark, max(high_mark, stored))
-        if not set(need) <= set(slices):
+        if not set(need) <= set(slices):  # (the seqs stay the first read's: records since are new to it)
             slices = tuple(sorted(set(slices) | set(need)))
-            stored2, columns = self._read_groups(plan, slices, len(names))
+            stored2, columns, _ = self._read_groups(plan, slices, len(names))
             stored = max(stored, stored2)
-        return slices, columns, stored
+        return slices, columns, stored, seqs
 
     def _read_groups(self, plan: list[tuple[int, np.ndarray, list[bytes]]], slices: Sequence[int],
-                     n: int) -> tuple[float, list[list[bytes | None]]]:
-        # Every shard's high-water mark (the namespace's is the highest), then the fields.
-        commands: list[tuple[int, Sequence[Any]]] = [(self._slots[k], ("HGET", f"{{{tag}}}:meta", "hwm"))
+                     n: int) -> tuple[float, list[list[bytes | None]], dict[int, int]]:
+        # Every shard's seq and high-water mark (the namespace's is the highest), then the fields: on one
+        # connection per node, in that order, unless a redirect sent the mark's read again later.
+        commands: list[tuple[int, Sequence[Any]]] = [(self._slots[k], ("HMGET", f"{{{tag}}}:meta", "seq", "hwm"))
                                                      for k, tag in enumerate(self.tags)]
         step = FIELDS_PER_HMGET
         for k, _, fields in plan:
@@ -601,17 +600,19 @@ class SpreadIndex:
             for s in slices:
                 key = self._slice_key(k, s)
                 commands += [(slot, ("HMGET", key, *fields[a : a + step])) for a in range(0, len(fields), step)]
-        replies = iter(self._nodes.execute(commands, self._scripts))
+        resent: set[int] = set()
+        replies = iter(self._nodes.execute(commands, self._scripts, resent))
         arrays = [np.empty(n, dtype=object) for _ in slices]
-        marks = [float(hwm) for hwm in islice(replies, self.shards) if hwm is not None]
-        stored = max(marks, default=-math.inf)
+        metas = list(islice(replies, self.shards))
+        stored = max((float(hwm) for _, hwm in metas if hwm is not None), default=-math.inf)
+        seqs = {k: int(seq or 0) for k, (seq, _) in enumerate(metas) if k not in resent}
         for _, places, fields in plan:
             for array in arrays:
                 values: list[Any] = []
                 for _ in range(-(-len(fields) // step)):
                     values.extend(next(replies))
-                array[places] = _objects(values)
-        return stored, [array.tolist() for array in arrays]
+                array[places] = np.fromiter(values, dtype=object, count=len(values))
+        return stored, [array.tolist() for array in arrays], seqs
 
     def _homes(self, wanted: Iterable[tuple[str, float]]) -> dict[tuple[str, float], tuple[str, Entry | None]]:
         """The state and entry of the homes named by (id, event time): committed entries kept lately are
@@ -685,19 +686,23 @@ class SpreadIndex:
         claimants = []
         for (entry, keys), blob in zip(entries, blobs):
             _event_time(entry.ts, entry.id, self.slice_length)
-            fields = tuple(field_of(k) for k in keys)
-            shards = tuple(bucket_shard(k, self.shards) for k in keys)
             q = view.looked.get(entry.id)
-            tails = None
-            if q is not None and (view.keys_of[q] is keys or view.keys_of[q] == keys):
-                tails = self._tails(view.places_of[q], shards)
+            looked = q is not None and (view.keys_of[q] is keys or view.keys_of[q] == keys)
+            if looked:
+                assert q is not None
+                fields, shards = view.fields_of[q], view.shards_of[q]
+            else:
+                fields, shards = [field_of(k) for k in keys], [bucket_shard(k, self.shards) for k in keys]
+            groups: dict[int, list[bytes]] = {}
+            for f, shard in zip(fields, shards):
+                groups.setdefault(shard, []).append(f)
             pending = [s for s in view.pending.get(entry.id, ()) if s.id not in batch_ids]
             excluded = view.returned.get(entry.id, set()) | view.candidates.get(entry.id, set())
-            claimants.append(cl.Claimant(entry.id, float(entry.ts), blob, fields, shards, self._home(entry.id),
-                                         self._home, tails, pending, frozenset(excluded)))
-        checks: cl.Checks = (_Bound(self._engine, entries) if self._engine is not None
-                             else _Conservative(self, claimants, [keys for _, keys in entries],
-                                                [c.tails is not None for c in claimants]))
+            claimants.append(cl.Claimant(entry.id, float(entry.ts), blob, tuple(fields),
+                                         tuple((shard, tuple(fs)) for shard, fs in groups.items()),
+                                         self._home(entry.id), self._home, view.marks if looked else None, pending,
+                                         frozenset(excluded)))
+        checks = _Checks(self, self._engine, entries, claimants, [c.marks is not None for c in claimants])
         resolver = cl.Resolver(claimants, checks, own=batch_ids, clock=time.monotonic, ttl=self.claim_ttl)
         try:
             outcomes = cl.drive(resolver, self._round)
@@ -712,16 +717,6 @@ class SpreadIndex:
                 view.returned.setdefault(entry.id, set()).update(c.entry.id for c in outcome.yielded)
                 out.append(outcome.yielded)
         return out
-
-    def _tails(self, places: Sequence[int], shards: Sequence[int]) -> dict[int, bytes]:
-        """Per shard, what the lookup saw of these fields (per slice read, in the order of the claim's fields
-        there: the claim script compares the same bytes)."""
-        columns = self._view.columns
-        by_shard: dict[int, list[int]] = {}
-        for p, s in zip(places, shards):
-            by_shard.setdefault(s, []).append(p)
-        return {s: b"".join((column[p] or b"")[-8:] or ABSENT for column in columns for p in ps)
-                for s, ps in by_shard.items()}
 
     def _claim_ops(self, entry: Entry, keys: Sequence[int]) -> list[cl.Op]:
         by_shard: dict[int, list[bytes]] = {}
@@ -816,16 +811,19 @@ class SpreadIndex:
         times = [op.ts for op in ops]
         hwm = self._hwm
         low = max(hwm, min(times)) if math.isfinite(hwm) else min(times)
-        lo = min(self._slice(low - self.window), *(self._slice(t) for t in times))
-        hi = max(self._slice(max(hwm, max(times))), *(self._slice(t) for t in times))
+        lo = min(self._slice(low - self.window), self._slice(min(times)))
+        hi = self._slice(max(hwm, max(times)) if math.isfinite(hwm) else max(times))
         tag = self.tags[shard]
         keys = [f"{{{tag}}}:meta", *(self._slice_key(shard, s) for s in range(lo, hi + 1))]
-        args: list[Any] = [repr(self.window), repr(self.slice_length), self.bucket_cap, self._ttl_ms,
-                           repr(hwm) if math.isfinite(hwm) else "-inf", lo, ",".join(map(str, self._view.slices))]
+        marks = {op.mark for op in ops if op.mark is not None}
+        mark = marks.pop() if len(marks) == 1 else None  # (one lookup's: the same for all, or none)
         base = self._stamp * _PLACES
+        args: list[Any] = [repr(self.window), repr(self.slice_length), self.bucket_cap, self._ttl_ms,
+                           repr(hwm) if math.isfinite(hwm) else "-inf", lo, "" if mark is None else mark]
         for op in ops:
-            args += [op.id.encode("utf-8", "surrogatepass"), repr(op.ts), base + op.place % _PLACES, len(op.fields),
-                     b"" if op.tails is None else op.tails, *op.fields]
+            args += (op.id.encode("utf-8", "surrogatepass"), repr(op.ts), base + op.place % _PLACES,
+                     1 if op.mark is not None else 0, len(op.fields))
+            args += op.fields
         return ("EVALSHA", _CLAIM.sha, len(keys), *keys, *args)
 
 
@@ -869,60 +867,54 @@ class _Engine:
         self.by_id = {m.id: (m, fp) for m, fp in zip(batch.messages, batch.prepared)}
 
 
-class _Bound:
-    """`claims.Checks` for one call of `_claim`: claimant i is entries[i]."""
+class _Checks:
+    """`claims.Checks` for one call of `_claim` (claimant i is entries[i]): the engine's verification when
+    `decide` gave it; else (`insert` called on its own) every claim is similar, so the order of claims holds
+    whatever the verification, and every committed claim that reached a looked-up entry's buckets since its
+    lookup is returned for the engine to verify, as the slot layout returns conflicts (an entry its lookup
+    did not cover is a plain insert: nothing is returned for it)."""
 
-    def __init__(self, engine: _Engine, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> None:
-        self.engine = engine
-        self.entries = entries
+    def __init__(self, index: SpreadIndex, engine: _Engine | None, entries: Sequence[tuple[Entry, tuple[int, ...]]],
+                 claimants: Sequence[cl.Claimant], looked: Sequence[bool]) -> None:
+        self.index, self.engine, self.entries, self.claimants, self.looked = index, engine, entries, claimants, looked
 
     def _candidate(self, i: int, id: str, blob: bytes, shared: int, first: int) -> Candidate:
         keys = self.entries[i][1]
         return new_candidate(decode_entry(blob, id), shared, keys[min(first, len(keys) - 1)])
 
     def similar(self, i: int, id: str, ts: float, blob: bytes) -> bool:
+        if self.engine is None:
+            return True
         msg, fp = self.engine.by_id[self.entries[i][0].id]
         cand = self._candidate(i, id, blob, len(fp.keys), 0)
         return self.engine.verifier.first_match(msg, fp, [cand]).duplicate
 
     def near(self, i: int, seen: cl.Seen, blob: bytes) -> Any:
+        if self.engine is None:
+            return self._candidate(i, seen.id, blob, seen.shared, seen.first) if self.looked[i] else None
         msg, fp = self.engine.by_id[self.entries[i][0].id]
         cand = self._candidate(i, seen.id, blob, seen.shared, seen.first)
         return cand if self.engine.verifier.first_match(msg, fp, [cand]).duplicate else None
 
-    def rank(self, i: int, columns: list[list[bytes | None]]) -> list[cl.Seen]:
-        return _rank(self.engine.index, self.entries[i][0], len(self.entries[i][1]), columns)
-
-
-class _Conservative:
-    """`claims.Checks` without the engine (`insert` called on its own): every claim is similar (so the
-    order of claims holds whatever the verification), and every committed claim that reached the
-    entry's buckets since its lookup is returned for the engine to verify, as the slot layout returns
-    conflicts. An entry its lookup did not cover is a plain insert: nothing is returned for it."""
-
-    def __init__(self, index: SpreadIndex, claimants: Sequence[cl.Claimant], keys: Sequence[tuple[int, ...]],
-                 looked: Sequence[bool]) -> None:
-        self.index, self.claimants, self.keys, self.looked = index, claimants, keys, looked
-
-    def similar(self, i: int, id: str, ts: float, blob: bytes) -> bool:
-        return True
-
-    def near(self, i: int, seen: cl.Seen, blob: bytes) -> Any:
-        if not self.looked[i]:
-            return None
-        keys = self.keys[i]
-        return new_candidate(decode_entry(blob, seen.id), seen.shared, keys[min(seen.first, len(keys) - 1)])
-
-    def rank(self, i: int, columns: list[list[bytes | None]]) -> list[cl.Seen]:
-        c = self.claimants[i]
-        return _rank(self.index, Entry(c.id, c.ts, 0, 0, np.empty(0, np.uint32)), len(c.fields), columns)
-
-
-def _rank(index: SpreadIndex, entry: Entry, n: int, columns: list[list[bytes | None]]) -> list[cl.Seen]:
-    horizon = max(float(entry.ts), index._hwm - index.margin) - index.window
-    found = index._rank(columns, list(range(n)), entry.id, 1, n * index.bucket_cap + 1, horizon, index.bucket_cap,
-                        -1, None)
-    return [cl.Seen(id, ts, shared, first) for id, shared, first, ts in found]
+    def rank(self, i: int, columns: list[list[bytes | None]]) -> tuple[list[cl.Seen], set[str]]:
+        """Every claim in the claimant's buckets inside the window (the newest `bucket_cap` of each bucket),
+        with all the buckets it is in; and the ids with a record above the mark of its shard (the compiled
+        `rank_records` with `since`, per shard)."""
+        index, c = self.index, self.claimants[i]
+        horizon = max(c.ts, index._hwm - index.margin) - index.window
+        n, cap = len(c.fields), index.bucket_cap
+        found = index._rank(columns, list(range(n)), c.id, 1, n * cap + 1, horizon, cap, -1, None)
+        ranked = [cl.Seen(id, ts, shared, first) for id, shared, first, ts in found]
+        if c.marks is None:
+            return ranked, {seen.id for seen in ranked}
+        new: set[str] = set()
+        at = {f: j for j, f in enumerate(c.fields)}
+        for shard, fields in c.groups:
+            mark = c.marks.get(shard)
+            since = index._rank(columns, [at[f] for f in fields], c.id, 1, len(fields) * cap + 1, horizon, cap,
+                                -1 if mark is None else mark, None)
+            new.update(id for id, _, _, _ in since)
+        return ranked, new
 
 
 class _Rounds:

@@ -1,20 +1,19 @@
--- A claim's records in one shard of a spread namespace, for every entry of the call (trim.lua comes before
+-- Claims' records in one shard of a spread namespace, for every entry of the call (trim.lua comes before
 -- this). KEYS[1]: the shard's meta hash; KEYS[2..]: its slice hashes, slices lo, lo + 1, ... (every key
 -- the script may touch is declared: a slot being migrated is redirected, never half-read).
--- ARGV: window, slice length, bucket cap, TTL (ms), the caller's high-water mark, lo, the slices the
---       caller's lookup read (comma-separated, in the order of its tails), then per entry: id, event
---       time, its stamp (the writer's clock in ms * 1024 + the entry's place in its batch), the number n
---       of its bucket fields in this shard, what the lookup saw of them (per slice it read, the last 8
---       bytes of each field, zeros if absent; '' for nothing to compare: changed), and its n field names.
--- Appends each entry's record to its fields, with seq max(seq + 1, stamp): increasing per shard (a
--- field's last 8 bytes tell whether anything was appended), and in one worker's order across shards. Returns {high-water mark, per entry: 1 (written, no field
--- changed since the lookup), -1 (written, something changed, or a slice to compare was not declared),
--- 0 (outside the window: nothing written)}.
+-- ARGV: window, slice length, bucket cap, TTL (ms), the caller's high-water mark, lo, the shard's seq
+--       when the caller's lookup read it (before the fields; '' if none), then per entry: id, event time,
+--       its stamp (the writer's clock in ms * 1024 + the entry's place in its batch), 1 to compare or 0
+--       (nothing to compare with: changed), the number n of its bucket fields here, and their names.
+-- Appends each entry's record to its fields, with seq max(seq + 1, stamp): increasing per shard, and in
+-- one worker's order across shards. A field whose newest record (its last 8 bytes) has a seq above the
+-- lookup's changed since the lookup read it. Returns {high-water mark, per entry: 1 (written, none of
+-- its fields changed), -1 (written, one changed, or a slice to compare was not declared), 0 (outside the
+-- window: nothing written)}.
 local meta = KEYS[1]
 local window, slice_len, cap, ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
-local hwm, lo = tonumber(ARGV[5]), tonumber(ARGV[6])
+local hwm, lo, mark = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
 local hi = lo + #KEYS - 2
-local ABSENT = string.rep('\0', 8)
 local PER_CALL = FIELDS_PER_CALL
 local FIRST = 8
 local state = redis.call('HMGET', meta, 'seq', 'hwm')
@@ -25,7 +24,7 @@ local entries = {}
 local low, top = math.huge, hwm
 local i = FIRST
 while i <= #ARGV do
-  local ts, n = tonumber(ARGV[i + 1]), tonumber(ARGV[i + 3])
+  local ts, n = tonumber(ARGV[i + 1]), tonumber(ARGV[i + 4])
   entries[#entries + 1] = {i, ts, n}
   if ts < low then low = ts end
   if ts > top then top = ts end
@@ -37,9 +36,6 @@ local first, last = math.floor((low - window) / slice_len), math.floor(top / sli
 local complete = first >= lo and last <= hi
 if first < lo then first = lo end
 if last > hi then last = hi end
-local seen_at = {}
-local k = 0
-for s in string.gmatch(ARGV[7], '[^,]+') do seen_at[tonumber(s)] = k; k = k + 1 end
 local function key_of(s) return KEYS[2 + s - lo] end
 -- Every field of the call, in every slice compared (the values at the start: the call's own records
 -- never count as a change).
@@ -51,7 +47,7 @@ for _, e in ipairs(entries) do
   end
 end
 local orig, cur, dirty = {}, {}, {}
-for s = first, last do
+local function read(s)
   local o = {}
   for a = 1, #names, PER_CALL do
     local part = {unpack(names, a, math.min(a + PER_CALL - 1, #names))}
@@ -60,36 +56,31 @@ for s = first, last do
   end
   orig[s], cur[s], dirty[s] = o, {}, {}
 end
+for s = first, last do read(s) end
 local results = {}
 for _, e in ipairs(entries) do
   local at, ts, n = e[1], e[2], e[3]
-  local id, stamp, tails = ARGV[at], tonumber(ARGV[at + 2]), ARGV[at + 4]
+  local id, stamp, check = ARGV[at], tonumber(ARGV[at + 2]), ARGV[at + 3] == '1'
   if ts > hwm then hwm = ts end
   local result = 0
   if ts >= hwm - window then
     result = 1
-    if tails == '' or not complete then
+    if not check or not mark or not complete then
       result = -1
     else
       for s = first, last do
-        local o, seen = orig[s], {}
-        for j = 1, n do
-          local v = o[ARGV[at + 4 + j]]
-          seen[j] = v and string.sub(v, -8) or ABSENT
+        local o = orig[s]
+        for j = at + 5, at + 4 + n do
+          local v = o[ARGV[j]]
+          if v and struct.unpack('>I8', v, #v - 7) > mark then result = -1; break end
         end
-        local base = seen_at[s]
-        local want = base and string.sub(tails, base * n * 8 + 1, (base + 1) * n * 8) or string.rep(ABSENT, n)
-        if table.concat(seen) ~= want then result = -1; break end
+        if result == -1 then break end
       end
     end
     seq = math.max(seq + 1, stamp)
     local rec = struct.pack('<dI4', ts, #id) .. id .. struct.pack('>I8', seq)
     local s = math.floor(ts / slice_len)
-    if not cur[s] then  -- a slice outside the compared ones (an entry far behind the others)
-      orig[s], cur[s], dirty[s] = {}, {}, {}
-      local values = redis.call('HMGET', key_of(s), unpack(names))
-      for j = 1, #names do orig[s][names[j]] = values[j] end
-    end
+    if not cur[s] then read(s) end  -- a slice outside the compared ones (an entry far behind the others)
     local c, d = cur[s], dirty[s]
     for j = at + 5, at + 4 + n do
       local f = ARGV[j]
