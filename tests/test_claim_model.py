@@ -64,7 +64,7 @@ class Shard:
             return cl.Home(cl.COMMITTED, h.blob)
         return cl.Home(cl.PENDING, h.blob, tuple(h.notes))
 
-    def apply(self, op: cl.Op | Mark, now: float, ttl: float) -> Any:
+    def apply(self, op: cl.Op, now: float, ttl: float, seen: dict[bytes, bytes | None] | None = None) -> Any:
         if isinstance(op, cl.Create):
             h = self.homes.get(op.id)
             if h is not None and h.deadline is None:
@@ -74,15 +74,13 @@ class Shard:
             else:
                 h.deadline = now + ttl  # a claim of the same id taken over: its notes stay
             return self.home(op.id)
-        if isinstance(op, cl.Claim):
-            newer = op.mark is None or any(SEQ.unpack(v[-8:])[0] > op.mark for f in op.fields if (v := self.buckets.get(f)))
+        if isinstance(op, cl.Claim):  # `seen`: the claimant's lookup values (a field: its length, last 8 bytes)
+            changed = not op.check or any(_tail(self.buckets.get(f)) != _tail(seen.get(f)) for f in op.fields)
             self.seq += 1
             rec = record(op.ts, op.id, self.seq)
             for f in op.fields:
                 self.buckets[f] = self.buckets.get(f, b"") + rec
-            return cl.CLAIM_CHANGED if newer else cl.CLAIM_SAME
-        if isinstance(op, Mark):
-            return self.seq
+            return cl.CLAIM_CHANGED if changed else cl.CLAIM_SAME
         if isinstance(op, cl.Read):
             return [[self.buckets.get(f) for f in op.fields]]  # one slice
         if isinstance(op, cl.State):
@@ -110,12 +108,8 @@ class Shard:
         return self.home(op.id)  # type: ignore[union-attr]
 
 
-@dataclass(frozen=True)
-class Mark:
-    """The model lookup's read of a shard's seq (the real lookup reads it with the shard's high-water mark,
-    before the buckets)."""
-
-    shard: int
+def _tail(value: bytes | None) -> tuple[int, bytes]:
+    return (len(value), value[-8:]) if value else (0, b"")
 
 
 # --- the scenario -------------------------------------------------------------------------------------------
@@ -199,6 +193,7 @@ class World:
         self.shards = [Shard() for _ in range(scenario.shards)]
         self.now = 0.0
         self.commits: dict[str, int] = {}  # id -> the step its commit took effect
+        self.seen: dict[str, dict[bytes, bytes | None]] = {}  # claimant -> what its lookup read of its fields
         self.step = 0
 
     def shard_of(self, bucket: int) -> int:
@@ -207,10 +202,10 @@ class World:
     def home_of(self, id: str) -> int:
         return sum(id.encode()) % len(self.shards)
 
-    def apply(self, op: cl.Op | Mark) -> Any:
+    def apply(self, op: cl.Op) -> Any:
         shard = self.shards[op.shard]
         before = shard.home(op.id).state if isinstance(op, cl.Commit) else None
-        reply = shard.apply(op, self.now, self.s.ttl)
+        reply = shard.apply(op, self.now, self.s.ttl, self.seen.get(op.id) if isinstance(op, cl.Claim) else None)
         if isinstance(op, cl.Commit) and before == cl.PENDING and reply.state == cl.COMMITTED:
             self.commits[op.id] = self.step
         return reply
@@ -231,9 +226,10 @@ class ModelChecks:
     def rank(self, i: int, columns: list[list[bytes | None]]) -> tuple[list[cl.Seen], set[str]]:
         c = self.claimants[i]
         found = rank_records(columns, list(range(len(c.fields))), c.id, 1, 1 << 30, -float("inf"), 1 << 30)
-        shard_of = {f: shard for shard, fs in c.groups for f in fs}
+        seen = self.world.seen.get(c.id) if c.looked else None  # a record is new if its field did not hold it
+        before = {(f, seq, id) for f, v in (seen or {}).items() for _, seq, id in parse_records(v or b"")}
         new = {id for j, f in enumerate(c.fields) for column in columns for _, seq, id in parse_records(column[j] or b"")
-               if c.marks is None or seq > c.marks[shard_of[f]]}
+               if seen is None or (f, seq, id) not in before}
         return [cl.Seen(id, ts, shared, first) for id, shared, first, ts in found], new
 
 
@@ -251,7 +247,6 @@ def process(world: World, ids: list[str], resolver_class: type[cl.Resolver]) -> 
     for m in msgs:
         for k in m.keys:
             by_shard.setdefault(world.shard_of(k), []).append(field_name(k))
-    marks = dict(zip(by_shard, (yield [Mark(sh) for sh in by_shard])))  # each shard's seq, before its buckets
     reads = [cl.Read(sh, tuple(dict.fromkeys(fs))) for sh, fs in by_shard.items()]
     own = [cl.State(world.home_of(id), id, s.msg(id).ts) for id in ids]
     replies = yield [*reads, *own]
@@ -286,10 +281,10 @@ def process(world: World, ids: list[str], resolver_class: type[cl.Resolver]) -> 
         groups: dict[int, list[bytes]] = {}
         for k in m.keys:
             groups.setdefault(world.shard_of(k), []).append(field_name(k))
+        world.seen[m.id] = {f: values[f] for f in fields[m.id]}
         claimants.append(cl.Claimant(
             m.id, m.ts, m.id.encode(), fields[m.id], tuple((sh, tuple(fs)) for sh, fs in groups.items()),
-            world.home_of(m.id), world.home_of, {sh: marks[sh] for sh in groups},
-            [o for o in found[m.id] if home[o.id].state == cl.PENDING]))
+            world.home_of(m.id), world.home_of, True, [o for o in found[m.id] if home[o.id].state == cl.PENDING]))
     # A duplicate now whose own home a previous attempt left pending releases it.
     stale = [cl.Abort(world.home_of(id), id, s.msg(id).ts) for id, v in verdicts.items()
              if v.duplicate_of is not None and own_home[id].state == cl.PENDING]

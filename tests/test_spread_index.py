@@ -29,7 +29,7 @@ from filters.index import Candidate, Entry, Query
 from filters.index import claims as cl
 from filters.index.backends import open_index
 from filters.index.redis_codec import encode_entry, parse_records
-from filters.index.redis_spread import SLOTS, SpreadIndex, key_slot, shard_tags
+from filters.index.redis_spread import SLOTS, SpreadIndex, _View, key_slot, shard_tags
 from stream.codec import RecordFormat
 from stream.runner import RawRecord, route_batch
 from tests.test_claim_model import Shard
@@ -149,32 +149,39 @@ def test_the_scripts_do_what_the_model_of_the_protocol_does(make: Callable[..., 
                                                            seed: int) -> None:
     """Random sequences of every op of the protocol, on one shard of real Redis (spread_home.lua,
     spread_claim.lua, reads) and on the model's `Shard` (tests/test_claim_model.py): the same replies,
-    and the same records in every bucket. A claim's mark is each side's own seq now or before its last
-    claim, 0 or none."""
+    and the same records in every bucket. A claim compares with what a lookup of its fields saw at some
+    earlier step (new fields by HSETNX, the others in the script), or with nothing."""
     rng = random.Random(seed)
     index = make(shards="1", claim_ttl="3600")
     ts = 5.0
     index._hwm = ts
     model = Shard()
+    looks: dict[str, tuple[tuple[bytes, ...], list[list[bytes | None]], dict[bytes, bytes | None]]] = {}
     ids = ["a", "b", "c", "d"]
     fields = [b"b" + k.to_bytes(8, "big") for k in range(5)]
     for _ in range(120):
         id = rng.choice(ids)
-        kind = rng.choice(["create", "claim", "claim", "read", "state", "note", "commit", "poll", "refresh", "abort"])
+        kind = rng.choice(["create", "look", "claim", "claim", "read", "state", "note", "commit", "poll", "refresh",
+                           "abort"])
         op: cl.Op
         if kind == "create":
             op = cl.Create(0, id, ts, _blob(id, ts))
-        elif kind == "claim":
+        elif kind == "look":  # what a lookup of `id` sees of its fields now, on each side
             chosen = tuple(rng.sample(fields, rng.randint(1, 3)))
-            # The mark: each side's own seq now (nothing changed since), one less (a change if the last claim
-            # wrote to these fields), 0 (a change if they hold anything), or none (changed).
-            with redis.Redis.from_url(redis_url) as client:
-                real_seq = int(client.hget(f"{{{index.tags[0]}}}:meta", "seq") or 0)
-            how = rng.choice(["now", "before-the-last", "zero", "none"])
-            marks = {"now": (real_seq, model.seq), "before-the-last": (real_seq - 1, model.seq - 1), "zero": (0, 0),
-                     "none": (None, None)}[how]
-            [real] = index._ops([cl.Claim(0, id, ts, chosen, marks[0])])
-            assert real == model.apply(cl.Claim(0, id, ts, chosen, marks[1]), 0.0, 3_600_000.0), (kind, how)
+            [columns] = index._ops([cl.Read(0, chosen)])
+            looks[id] = (chosen, columns, {f: model.buckets.get(f) for f in chosen})
+            continue
+        elif kind == "claim":
+            look = looks.get(id) if rng.random() < 0.8 else None
+            if look is None:
+                chosen = tuple(rng.sample(fields, rng.randint(1, 3)))
+                index._view, seen = _View(), None
+            else:
+                chosen, columns, seen = look
+                index._view = _View(index._slices(ts, ts), columns, {f: j for j, f in enumerate(chosen)}, {id: 0})
+            op = cl.Claim(0, id, ts, chosen, look is not None)
+            [real] = index._ops([op])
+            assert real == model.apply(op, 0.0, 3_600_000.0, seen), (op, look)
             continue
         elif kind == "read":
             op = cl.Read(0, tuple(rng.sample(fields, 3)))

@@ -10,8 +10,7 @@ atomic on one shard (a slot of the cluster): see docs/design.md, "The spread lay
    committed (the message is unique; the pending state is deleted) or gone (the claim yielded to a
    committed near-duplicate, or was aborted because it expired), by a compare-and-set there.
 2. appends its records to its buckets (`Claim`, one op per shard), each node saying whether any of
-   them got a record since the lookup read them (a seq above the shard's seq the lookup read just before
-   its buckets: seqs increase per shard): a record always has a home created before it.
+   them got a record the lookup did not see: a record always has a home created before it.
 3. observes the other claims in its buckets: those its lookup found pending (the committed ones it
    found, the engine verified), and, if a bucket changed since the lookup (or this is a second attempt),
    those with a record newer than the lookup (`Read`), each counted with all the buckets it is in; their
@@ -65,15 +64,16 @@ class Create:
 
 @dataclass(frozen=True, slots=True)
 class Claim:
-    """Append `id`'s record to its bucket `fields` of this shard; say whether any of them holds a record
-    with a seq above `mark`, the shard's seq the lookup read before the fields (None: not looked up:
-    changed)."""
+    """Append `id`'s record to its bucket `fields` of this shard; say whether any of them got a record that
+    the claimant's lookup did not see (`check`; else nothing to compare with: changed). The driver knows
+    what the lookup saw (the Redis index: new fields are created by HSETNX, the others compared in a
+    script)."""
 
     shard: int
     id: str
     ts: float
     fields: tuple[bytes, ...]
-    mark: int | None
+    check: bool
     place: int = 0  # the claimant's place in its batch (its records rank by it among the batch's)
 
 
@@ -188,7 +188,7 @@ class Claimant:
     groups: tuple[tuple[int, tuple[bytes, ...]], ...]  # its fields by shard: (shard, fields there)
     home: int  # the shard of its home
     home_of: Callable[[str], int]  # the shard of another id's home
-    marks: dict[int, int] | None  # shard -> its seq when the lookup read it (None: not looked up)
+    looked: bool  # its lookup read its buckets (what it saw is the driver's)
     pending: Sequence[Seen] = ()  # the pending claims its lookup found
     excluded: frozenset[str] = frozenset()  # committed claims the engine verified already and did not take
 
@@ -206,8 +206,8 @@ class Checks(Protocol):
 
     def rank(self, i: int, columns: list[list[bytes | None]]) -> tuple[list[Seen], set[str]]:
         """The claims recorded in claimant `i`'s buckets (`columns`: per slice read, per field), ranked,
-        each with all the buckets it is in; and those of them with a record newer than the claimant's
-        lookup (a seq above the mark of its shard; all of them if it was not looked up)."""
+        each with all the buckets it is in; and those of them with a record the claimant's lookup did not
+        see (all of them if it was not looked up)."""
         ...
 
 
@@ -315,10 +315,8 @@ class Resolver:
         if p.step == "create":
             return [Create(c.home, c.id, c.ts, c.blob)]
         if p.step == "claim":
-            marks = c.marks if p.attempt == 1 else None
-            if marks is None:
-                return [Claim(s, c.id, c.ts, fs, None, i) for s, fs in c.groups]
-            return [Claim(s, c.id, c.ts, fs, marks.get(s), i) for s, fs in c.groups]
+            check = c.looked and p.attempt == 1
+            return [Claim(s, c.id, c.ts, fs, check, i) for s, fs in c.groups]
         if p.step == "observe":
             return [Read(s, fs) for s, fs in c.groups]
         if p.step == "states":

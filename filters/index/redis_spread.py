@@ -63,6 +63,7 @@ from filters.index.redis import (
     redis_errors,
 )
 from filters.index.redis_codec import (
+    SEQ,
     decode_entries,
     decode_entry,
     encode_entries,
@@ -70,9 +71,11 @@ from filters.index.redis_codec import (
     entry_time,
     field_of,
     id_field,
+    parse_records,
     plan_fields,
     rank_lookup,
     rank_records,
+    trim_records,
 )
 from filters.index.shared import SharedDecider
 from filters.records import Verdict
@@ -100,6 +103,7 @@ _CLAIM = _Script.of(CLAIM_LUA)
 _HOME = _Script.of(HOME_LUA)
 _STATE = {b"C": cl.COMMITTED, b"P": cl.PENDING, b"G": cl.GONE}
 _NOTE = struct.Struct("<dI")  # a note: the noter's event time and id length, then its id
+_RECORD = struct.Struct("<dI")  # a bucket record: event time, id length; then the id and the seq
 
 
 @dataclass(frozen=True, slots=True)
@@ -344,10 +348,12 @@ def _read(conn: Any) -> Any:
 
 @dataclass(slots=True)
 class _View:
-    """What the last lookup read that its inserts need: each shard's seq read before its fields (`marks`;
-    a shard whose read of it may have come after is left out), and each query's fields and their shards."""
+    """What the last lookup read that its inserts need: the values of every field it read (a column per
+    slice, a place per field), and each query's fields, their places and their shards."""
 
-    marks: dict[int, int] = field(default_factory=dict)
+    slices: tuple[int, ...] = ()
+    columns: list[list[bytes | None]] = field(default_factory=list)
+    at: dict[bytes, int] = field(default_factory=dict)  # field -> its place in the columns
     looked: dict[str, int] = field(default_factory=dict)  # id -> its query's number
     keys_of: list[tuple[int, ...]] = field(default_factory=list)
     fields_of: list[list[bytes]] = field(default_factory=list)
@@ -384,7 +390,7 @@ class SpreadIndex:
         self._ttl_ms = max(1, round((self.window + target.grace) * 1000))
         self._hwm = -math.inf
         self._gone = -math.inf  # the last slice this instance unlinked (as left the window)
-        self._stamp = 0  # the last round's clock (ms), increasing: the seqs of its records (`_claim_call`)
+        self._stamp = 0  # the last round's clock (ms), increasing: the seqs of its records (`_ClaimPlan`)
         self._view = _View()
         self._known: dict[tuple[str, float], Entry] = {}  # committed entries read or written lately
         self._known_cap = target.entry_cache
@@ -459,7 +465,7 @@ class SpreadIndex:
         homes = [self._home(id) for id in ids]
         shard_of[np.asarray(id_places, dtype=np.int64)] = homes
         shard_of[np.asarray(state_places, dtype=np.int64)] = homes
-        _, columns, stored, seqs = self._read_fields(names, shard_of, self._slices(marks[0], hwm), marks[0], hwm)
+        slices, columns, stored = self._read_fields(names, shard_of, self._slices(marks[0], hwm), marks[0], hwm)
         top = stored
         self._hwm = max(hwm, top)
         found = self._rank_all(columns, positions, id_places, ids, [q.min_shared for q in queries], limit,
@@ -467,7 +473,8 @@ class SpreadIndex:
                                entry_time)
         own_pending = {id for id, p in zip(ids, state_places) if any(column[p] is not None for column in columns)}
         homes_found = self._homes({(id, ts) for _, ranked in found for id, _, _, ts in ranked})
-        view = _View(seqs, dict(zip(ids, range(len(ids)))), keys_of, key_fields, shards_of, own_pending=own_pending)
+        view = _View(slices, columns, {name: p for p, name in enumerate(names)}, dict(zip(ids, range(len(ids)))),
+                     keys_of, key_fields, shards_of, own_pending=own_pending)
         out: list[tuple[Entry | None, list[Candidate]]] = []
         for q, (own, ranked) in zip(queries, found):
             cands: list[Candidate] = []
@@ -573,26 +580,25 @@ class SpreadIndex:
 
     # -- reading -----------------------------------------------------------------------------------------
     def _read_fields(self, names: list[bytes], shard_of: np.ndarray, slices: tuple[int, ...], low_mark: float,
-                     high_mark: float) -> tuple[tuple[int, ...], list[list[bytes | None]], float, dict[int, int]]:
-        """The values of `names` (each in its shard) in `slices`, the highest high-water mark of the shards
-        and each shard's seq read before its fields; more slices if a mark shows records beyond them."""
+                     high_mark: float) -> tuple[tuple[int, ...], list[list[bytes | None]], float]:
+        """The values of `names` (each in its shard) in `slices` and the highest high-water mark of the
+        shards; more slices if a mark shows records beyond them."""
         order = np.argsort(shard_of, kind="stable")
         bounds = np.searchsorted(shard_of[order], np.arange(self.shards + 1))
         groups = [(k, order[bounds[k] : bounds[k + 1]]) for k in range(self.shards) if bounds[k + 1] > bounds[k]]
         plan = [(k, places, [names[p] for p in places.tolist()]) for k, places in groups]
-        stored, columns, seqs = self._read_groups(plan, slices, len(names))
+        stored, columns = self._read_groups(plan, slices, len(names))
         need = self._slices(low_mark, max(high_mark, stored))
-        if not set(need) <= set(slices):  # (the seqs stay the first read's: records since are new to it)
+        if not set(need) <= set(slices):
             slices = tuple(sorted(set(slices) | set(need)))
-            stored2, columns, _ = self._read_groups(plan, slices, len(names))
+            stored2, columns = self._read_groups(plan, slices, len(names))
             stored = max(stored, stored2)
-        return slices, columns, stored, seqs
+        return slices, columns, stored
 
     def _read_groups(self, plan: list[tuple[int, np.ndarray, list[bytes]]], slices: Sequence[int],
-                     n: int) -> tuple[float, list[list[bytes | None]], dict[int, int]]:
-        # Every shard's seq and high-water mark (the namespace's is the highest), then the fields: on one
-        # connection per node, in that order, unless a redirect sent the mark's read again later.
-        commands: list[tuple[int, Sequence[Any]]] = [(self._slots[k], ("HMGET", f"{{{tag}}}:meta", "seq", "hwm"))
+                     n: int) -> tuple[float, list[list[bytes | None]]]:
+        # Every shard's high-water mark (the namespace's is the highest), then the fields.
+        commands: list[tuple[int, Sequence[Any]]] = [(self._slots[k], ("HGET", f"{{{tag}}}:meta", "hwm"))
                                                      for k, tag in enumerate(self.tags)]
         step = FIELDS_PER_HMGET
         for k, _, fields in plan:
@@ -600,19 +606,16 @@ class SpreadIndex:
             for s in slices:
                 key = self._slice_key(k, s)
                 commands += [(slot, ("HMGET", key, *fields[a : a + step])) for a in range(0, len(fields), step)]
-        resent: set[int] = set()
-        replies = iter(self._nodes.execute(commands, self._scripts, resent))
+        replies = iter(self._nodes.execute(commands, self._scripts))
         arrays = [np.empty(n, dtype=object) for _ in slices]
-        metas = list(islice(replies, self.shards))
-        stored = max((float(hwm) for _, hwm in metas if hwm is not None), default=-math.inf)
-        seqs = {k: int(seq or 0) for k, (seq, _) in enumerate(metas) if k not in resent}
+        stored = max((float(hwm) for hwm in islice(replies, self.shards) if hwm is not None), default=-math.inf)
         for _, places, fields in plan:
             for array in arrays:
                 values: list[Any] = []
                 for _ in range(-(-len(fields) // step)):
                     values.extend(next(replies))
                 array[places] = np.fromiter(values, dtype=object, count=len(values))
-        return stored, [array.tolist() for array in arrays], seqs
+        return stored, [array.tolist() for array in arrays]
 
     def _homes(self, wanted: Iterable[tuple[str, float]]) -> dict[tuple[str, float], tuple[str, Entry | None]]:
         """The state and entry of the homes named by (id, event time): committed entries kept lately are
@@ -667,25 +670,30 @@ class SpreadIndex:
 
     # -- claiming ----------------------------------------------------------------------------------------
     def _claim(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]:
-        # An id again in the call while its earlier entry is live (as the slot layout's script decides, with
-        # the mark moving entry by entry): nothing to do for it, as for a replay.
+        # Nothing to do for an entry outside the window (it could never match), nor for an id again in the
+        # call while its earlier entry is live (as the slot layout's script decides, with the mark moving
+        # entry by entry): as for a replay.
         hwm, kept, skip = self._hwm, dict[str, float](), set[int]()
         for j, (entry, _) in enumerate(entries):
-            ts = float(entry.ts)
+            ts = _event_time(entry.ts, entry.id, self.slice_length)
             earlier = kept.get(entry.id)
             if earlier is not None and earlier >= hwm - self.window:
                 skip.add(j)
+                continue
+            hwm = max(hwm, ts)
+            if ts < hwm - self.window:
+                skip.add(j)
             else:
-                kept[entry.id], hwm = ts, max(hwm, ts)
+                kept[entry.id] = ts
         if skip:
-            claimed = iter(self._claim([e for j, e in enumerate(entries) if j not in skip]))
+            claimed = iter(self._claim([e for j, e in enumerate(entries) if j not in skip]) if len(skip) < len(entries)
+                           else ())
             return [None if j in skip else next(claimed) for j in range(len(entries))]
         view = self._view
         blobs = self._encode(list(entries), encode_entry)
         batch_ids = {e.id for e, _ in entries}
         claimants = []
         for (entry, keys), blob in zip(entries, blobs):
-            _event_time(entry.ts, entry.id, self.slice_length)
             q = view.looked.get(entry.id)
             looked = q is not None and (view.keys_of[q] is keys or view.keys_of[q] == keys)
             if looked:
@@ -700,9 +708,8 @@ class SpreadIndex:
             excluded = view.returned.get(entry.id, set()) | view.candidates.get(entry.id, set())
             claimants.append(cl.Claimant(entry.id, float(entry.ts), blob, tuple(fields),
                                          tuple((shard, tuple(fs)) for shard, fs in groups.items()),
-                                         self._home(entry.id), self._home, view.marks if looked else None, pending,
-                                         frozenset(excluded)))
-        checks = _Checks(self, self._engine, entries, claimants, [c.marks is not None for c in claimants])
+                                         self._home(entry.id), self._home, looked, pending, frozenset(excluded)))
+        checks = _Checks(self, self._engine, entries, claimants, [c.looked for c in claimants])
         resolver = cl.Resolver(claimants, checks, own=batch_ids, clock=time.monotonic, ttl=self.claim_ttl)
         try:
             outcomes = cl.drive(resolver, self._round)
@@ -722,7 +729,7 @@ class SpreadIndex:
         by_shard: dict[int, list[bytes]] = {}
         for k in keys:
             by_shard.setdefault(bucket_shard(k, self.shards), []).append(field_of(k))
-        return [cl.Claim(s, entry.id, float(entry.ts), tuple(fs), None) for s, fs in by_shard.items()]
+        return [cl.Claim(s, entry.id, float(entry.ts), tuple(fs), False) for s, fs in by_shard.items()]
 
     def _round(self, round_: cl.Round) -> list[Any]:
         if round_.delay:
@@ -730,15 +737,16 @@ class SpreadIndex:
         return self._ops(round_.ops)
 
     def _ops(self, ops: Sequence[cl.Op]) -> list[Any]:
-        """Runs a round's ops: per shard, its home ops in one script call, its claims in another, its reads as
-        HMGETs; all in one round trip per node. Returns the replies in the order of `ops`."""
+        """Runs a round's ops in one round trip per node: per shard, its home ops in one script call, its
+        claims as HSETNX/HEXISTS of their new fields and one script call for the others (`_claims`), its
+        reads as HMGETs. Returns the replies in the order of `ops`."""
         homes: dict[int, list[int]] = {}
-        claims: dict[int, list[int]] = {}
+        claims: list[int] = []
         reads: list[int] = []
         self._stamp = max(time.time_ns() // 1_000_000, self._stamp + 1)  # this round's records' stamp
         for i, op in enumerate(ops):
             if isinstance(op, cl.Claim):
-                claims.setdefault(op.shard, []).append(i)
+                claims.append(i)
             elif isinstance(op, (cl.Read, cl.State)):
                 reads.append(i)
             else:
@@ -748,9 +756,6 @@ class SpreadIndex:
         for shard, at in homes.items():
             commands.append((self._slots[shard], self._home_call(shard, [ops[i] for i in at])))
             takes.append(("home", at))
-        for shard, at in claims.items():
-            commands.append((self._slots[shard], self._claim_call(shard, [cast(cl.Claim, ops[i]) for i in at])))
-            takes.append(("claim", at))
         slices = self._slices(self._hwm, self._hwm)
         for i in reads:
             op = ops[i]
@@ -764,34 +769,40 @@ class SpreadIndex:
                 commands.append((self._slots[op.shard], ("HMGET", self._slice_key(op.shard, self._slice(op.ts)),
                                                          f, b"c" + f[1:])))
                 takes.append(("state", [i]))
-        replies = iter(self._nodes.execute(commands, self._scripts))
+        plan = _ClaimPlan(self, [(i, cast(cl.Claim, ops[i])) for i in claims]) if claims else None
+        if plan is not None:
+            commands += plan.commands
+        replies = self._nodes.execute(commands, self._scripts)
         out: list[Any] = [None] * len(ops)
+        it = iter(replies[: len(replies) - (len(plan.commands) if plan is not None else 0)])
         for kind, at in takes:
             if kind == "home":
-                for i, reply in zip(at, next(replies), strict=True):
+                for i, reply in zip(at, next(it), strict=True):
                     out[i] = _home_reply(reply)
-            elif kind == "claim":
-                hwm, results = next(replies)
-                self._hwm = max(self._hwm, float(hwm))
-                for i, result in zip(at, results, strict=True):
-                    out[i] = int(result)
             elif kind == "read":
-                out[at[0]] = [next(replies) for _ in slices]
+                out[at[0]] = [next(it) for _ in slices]
             else:
-                blob, state = next(replies)
+                blob, state = next(it)
                 out[at[0]] = _state(blob, state, cast(cl.State, ops[at[0]]).ts)
+        if plan is not None:
+            out_claims = plan.results(replies[len(replies) - len(plan.commands) :])
+            if plan.again:  # new fields somebody created since the lookup: the records are appended after all
+                self._nodes.execute(_ClaimPlan(self, plan.again).commands, self._scripts)
+            for i, result in out_claims.items():
+                out[i] = result
         return out
 
-    def _home_call(self, shard: int, ops: Sequence[cl.Op]) -> tuple[Any, ...]:
+    def _home_call(self, shard: int, ops: Sequence[Any]) -> tuple[Any, ...]:
         # The live slices first (a create or put looks for its id in each), then those the ops name.
         live = self._slices(self._hwm, self._hwm) if math.isfinite(self._hwm) else ()
-        keys = [self._slice_key(shard, s) for s in live]
+        keys = [f"{{{self.tags[shard]}}}:meta", *(self._slice_key(shard, s) for s in live)]
         at = {key: n for n, key in enumerate(keys, 1)}
         horizon = self._hwm - self.window  # an entry at or after it is live (as in the slot layout's insert)
+        created = [op.ts for op in ops if isinstance(op, (cl.Create, _Put))]
         args: list[Any] = [round(self.claim_ttl * 1000), self._ttl_ms, repr(horizon) if math.isfinite(horizon) else "-inf",
-                           ",".join(map(str, range(1, len(keys) + 1)))]
+                           ",".join(map(str, range(2, len(keys) + 1))), repr(max(created)) if created else ""]
         for op in ops:
-            key = self._slice_key(shard, self._slice(op.ts))  # type: ignore[union-attr]
+            key = self._slice_key(shard, self._slice(op.ts))
             if key not in at:
                 at[key] = len(keys) + 1
                 keys.append(key)
@@ -804,27 +815,109 @@ class SpreadIndex:
                 arg = op.seen
             else:
                 arg = ""
-            args += [_OP_CODES[type(op)], at[key], op.id.encode("utf-8", "surrogatepass"), repr(op.ts), arg]  # type: ignore[union-attr]
+            args += [_OP_CODES[type(op)], at[key], op.id.encode("utf-8", "surrogatepass"), repr(op.ts), arg]
         return ("EVALSHA", _HOME.sha, len(keys), *keys, *args)
 
-    def _claim_call(self, shard: int, ops: Sequence[cl.Claim]) -> tuple[Any, ...]:
-        times = [op.ts for op in ops]
-        hwm = self._hwm
-        low = max(hwm, min(times)) if math.isfinite(hwm) else min(times)
-        lo = min(self._slice(low - self.window), self._slice(min(times)))
-        hi = self._slice(max(hwm, max(times)) if math.isfinite(hwm) else max(times))
-        tag = self.tags[shard]
-        keys = [f"{{{tag}}}:meta", *(self._slice_key(shard, s) for s in range(lo, hi + 1))]
-        marks = {op.mark for op in ops if op.mark is not None}
-        mark = marks.pop() if len(marks) == 1 else None  # (one lookup's: the same for all, or none)
-        base = self._stamp * _PLACES
-        args: list[Any] = [repr(self.window), repr(self.slice_length), self.bucket_cap, self._ttl_ms,
-                           repr(hwm) if math.isfinite(hwm) else "-inf", lo, "" if mark is None else mark]
-        for op in ops:
-            args += (op.id.encode("utf-8", "surrogatepass"), repr(op.ts), base + op.place % _PLACES,
-                     1 if op.mark is not None else 0, len(op.fields))
-            args += op.fields
+
+class _ClaimPlan:
+    """The commands of a round's claims, and how their replies answer them.
+
+    A field the claimant's lookup saw in no slice is new: its records (every claim of the round that
+    appends to it, in the round's order) are written by HSETNX into the slice of their event time, which
+    fails if somebody created the field since, and HEXISTS says whether somebody put it in another slice
+    the lookup read: the native compare-and-set of an empty bucket (most of them: most buckets of a unique
+    message are new). The other fields, and every field of a claim with nothing to compare with, go to
+    spread_claim.lua, one call per shard, which compares them with what the lookup saw. A new field that
+    HSETNX found created is appended to by the script afterwards (`again`): the claim has changed."""
+
+    def __init__(self, index: SpreadIndex, claims: Sequence[tuple[int, cl.Claim]]) -> None:
+        self.index = index
+        view = index._view
+        self.commands: list[tuple[int, Sequence[Any]]] = []
+        base = index._stamp * _PLACES
+        records: dict[int, bytes] = {}
+        new: dict[tuple[int, int, bytes], list[int]] = {}  # (shard, slice, field) -> the claims creating it
+        # shard -> [(claim, [(field, what the lookup saw of it per slice: length and last seq, or None)])]
+        scripted: dict[int, list[tuple[int, list[tuple[bytes, list[int] | None]]]]] = {}
+        self.claims = dict(claims)
+        for i, op in claims:
+            raw = op.id.encode("utf-8", "surrogatepass")
+            records[i] = _RECORD.pack(op.ts, len(raw)) + raw + SEQ.pack(base + op.place % _PLACES)
+            fields: list[tuple[bytes, list[int] | None]] = []
+            for f in op.fields:
+                p = view.at.get(f) if op.check else None
+                if p is None:
+                    fields.append((f, None))
+                    continue
+                seen = [column[p] for column in view.columns]
+                if any(seen):
+                    fields.append((f, [x for v in seen for x in ((len(v), SEQ.unpack(v[-8:])[0]) if v else (0, 0))]))
+                else:
+                    new.setdefault((op.shard, index._slice(op.ts), f), []).append(i)
+            if fields:
+                scripted.setdefault(op.shard, []).append((i, fields))
+        self.records = records
+        self.new = list(new.items())
+        touched: set[tuple[int, int]] = set()
+        cap = index.bucket_cap
+        for (shard, s, f), at in self.new:
+            value = b"".join(records[i] for i in at)
+            if len(at) > 2 * cap:
+                value = trim_records(value, cap)
+            slot = index._slots[shard]
+            self.commands.append((slot, ("HSETNX", index._slice_key(shard, s), f, value)))
+            self.commands += [(slot, ("HEXISTS", index._slice_key(shard, other), f)) for other in view.slices if other != s]
+            touched.add((shard, s))
+        self.commands += [(index._slots[shard], ("PEXPIRE", index._slice_key(shard, s), index._ttl_ms))
+                          for shard, s in touched]
+        self.scripted = list(scripted.items())
+        for shard, entries in self.scripted:
+            self.commands.append((index._slots[shard], self._call(shard, entries)))
+        self.again: list[tuple[int, cl.Claim]] = []
+
+    def _call(self, shard: int, entries: list[tuple[int, list[tuple[bytes, list[int] | None]]]]) -> tuple[Any, ...]:
+        index, view = self.index, self.index._view
+        by_slice: dict[int, list[tuple[int, list[tuple[bytes, list[int] | None]]]]] = {}
+        for i, fields in entries:
+            by_slice.setdefault(index._slice(self.claims[i].ts), []).append((i, fields))
+        compared = list(view.slices)
+        lo, hi = min([*compared, *by_slice]), max([*compared, *by_slice])
+        keys = [index._slice_key(shard, s) for s in range(lo, hi + 1)]
+        args: list[Any] = [index.bucket_cap, index._ttl_ms, lo, len(compared), *compared]
+        for s, items in by_slice.items():
+            args += (s, len(items))
+            for i, fields in items:
+                check = all(seen is not None for _, seen in fields)
+                args += (self.records[i], 1 if check else 0, len(fields))
+                for f, seen in fields:
+                    args.append(f)
+                    if check:
+                        args += seen  # type: ignore[arg-type]
         return ("EVALSHA", _CLAIM.sha, len(keys), *keys, *args)
+
+    def results(self, replies: Sequence[Any]) -> dict[int, int]:
+        """Each claim's reply (CLAIM_SAME, CLAIM_CHANGED); fills `again` with the new fields to append to."""
+        changed = {i for i, op in self.claims.items() if not op.check}
+        it = iter(replies)
+        others = len(self.index._view.slices)
+        again: dict[int, list[bytes]] = {}
+        for (_, s, f), at in self.new:
+            created = next(it)
+            found = any(next(it) for _ in range(others - (1 if s in self.index._view.slices else 0)))
+            if not created or found:
+                changed.update(at)
+            if not created:
+                for i in at:
+                    again.setdefault(i, []).append(f)
+        for _ in {(shard, s) for (shard, s, _), _ in self.new}:
+            next(it)  # PEXPIRE
+        for _, entries in self.scripted:
+            for (i, _), result in zip(entries, next(it), strict=True):
+                if result != cl.CLAIM_SAME:
+                    changed.add(i)
+        self.again = [(i, cl.Claim(op.shard, op.id, op.ts, tuple(again[i]), False, op.place))
+                      for i, op in self.claims.items() if i in again]
+        return {i: cl.CLAIM_CHANGED if i in changed else cl.CLAIM_SAME for i in self.claims}
 
 
 def _home_reply(reply: Any) -> cl.Home:
@@ -898,22 +991,20 @@ class _Checks:
 
     def rank(self, i: int, columns: list[list[bytes | None]]) -> tuple[list[cl.Seen], set[str]]:
         """Every claim in the claimant's buckets inside the window (the newest `bucket_cap` of each bucket),
-        with all the buckets it is in; and the ids with a record above the mark of its shard (the compiled
-        `rank_records` with `since`, per shard)."""
+        with all the buckets it is in; and the ids with a record that the claimant's lookup did not see in
+        that bucket."""
         index, c = self.index, self.claimants[i]
         horizon = max(c.ts, index._hwm - index.margin) - index.window
         n, cap = len(c.fields), index.bucket_cap
         found = index._rank(columns, list(range(n)), c.id, 1, n * cap + 1, horizon, cap, -1, None)
         ranked = [cl.Seen(id, ts, shared, first) for id, shared, first, ts in found]
-        if c.marks is None:
+        if not c.looked:
             return ranked, {seen.id for seen in ranked}
-        new: set[str] = set()
-        at = {f: j for j, f in enumerate(c.fields)}
-        for shard, fields in c.groups:
-            mark = c.marks.get(shard)
-            since = index._rank(columns, [at[f] for f in fields], c.id, 1, len(fields) * cap + 1, horizon, cap,
-                                -1 if mark is None else mark, None)
-            new.update(id for id, _, _, _ in since)
+        view, new = index._view, set[str]()
+        for j, f in enumerate(c.fields):
+            p = view.at[f]
+            before = {(seq, id) for column in view.columns for _, seq, id in parse_records(column[p] or b"")}
+            new.update(id for column in columns for _, seq, id in parse_records(column[j] or b"") if (seq, id) not in before)
         return ranked, new
 
 
