@@ -178,7 +178,9 @@ def test_the_scripts_do_what_the_model_of_the_protocol_does(make: Callable[..., 
                 index._view, seen = _View(), None
             else:
                 chosen, columns, seen = look
-                index._view = _View(index._slices(ts, ts), columns, {f: j for j, f in enumerate(chosen)}, {id: 0})
+                index._view = _View(index._slices(ts, ts), columns, {f: j for j, f in enumerate(chosen)},
+                                    [all(column[j] is None for column in columns) for j in range(len(chosen))],
+                                    looked={id: 0})
             op = cl.Claim(0, id, ts, chosen, look is not None)
             [real] = index._ops([op])
             assert real == model.apply(op, 0.0, 3_600_000.0, seen), (op, look)

@@ -80,6 +80,11 @@ from filters.index.redis_codec import (
 from filters.index.shared import SharedDecider
 from filters.records import Verdict
 
+try:  # redis-py's hiredis parser: `_read_many` reads replies from its reader
+    from redis._parsers.hiredis import NOT_ENOUGH_DATA as _NOT_ENOUGH_DATA
+except ImportError:  # pragma: no cover - another redis-py: replies are read one by one
+    _NOT_ENOUGH_DATA = None
+
 try:  # the compiled core; absent when it could not be built at install time (no C++ compiler)
     import filters._native as _native
 except ImportError:  # pragma: no cover - exercised on machines without a compiler
@@ -190,14 +195,15 @@ class _Nodes:
         self.conns: dict[str, Any] = {}  # node name -> its connection, kept for the index's round trips
         self.stale = False  # the slot map must be read again before the next round
         self.redirects: Counter[str] = Counter()  # MOVED, ASK, TRYAGAIN, NOSCRIPT replies followed
+        self.cluster = isinstance(client, RedisCluster)
         # A share of other work (the engine's next batch) to run while replies are on their way.
         self.meanwhile: Callable[[], bool] | None = None
 
     def _node(self, slot: int) -> tuple[str, Any]:
-        if isinstance(self.client, RedisCluster):
-            node = self.client.nodes_manager.get_node_from_slot(slot)
-            return node.name, node
-        return "", None
+        if not self.cluster:
+            return "", None
+        node = self.client.nodes_manager.get_node_from_slot(slot)  # type: ignore[union-attr]
+        return node.name, node
 
     def _conn(self, name: str, node: Any) -> Any:
         conn = self.conns.get(name)
@@ -236,8 +242,16 @@ class _Nodes:
             waited = 0.0
             while todo:
                 groups: dict[str, tuple[Any, list[int]]] = {}
+                nodes: dict[int, tuple[str, Any]] = {}  # slot -> its node, this pass
                 for i in todo:
-                    name, node = sent_to[i] = asked[i] if i in asked else self._node(commands[i][0])
+                    if i in asked:
+                        name, node = sent_to[i] = asked[i]
+                    else:
+                        slot = commands[i][0]
+                        where = nodes.get(slot)
+                        if where is None:
+                            where = nodes[slot] = self._node(slot)
+                        name, node = sent_to[i] = where
                     groups.setdefault(name, (node, []))[1].append(i)
                 sent = []
                 try:
@@ -253,10 +267,14 @@ class _Nodes:
                     if self.meanwhile is not None and self.meanwhile():
                         self.meanwhile = None
                     for _, conn, at in sent:
-                        for i in at:
-                            if i in asked:
-                                _read(conn)  # ASKING's OK
-                            replies[i] = _read(conn)
+                        if asked:
+                            for i in at:
+                                if i in asked:
+                                    _read(conn)  # ASKING's OK
+                                replies[i] = _read(conn)
+                        else:
+                            for i, reply in zip(at, _read_many(conn, len(at)), strict=True):
+                                replies[i] = reply
                 except BaseException:
                     self.drop()
                     raise
@@ -343,6 +361,30 @@ def _read(conn: Any) -> Any:
         return exc
 
 
+def _read_many(conn: Any, n: int) -> list[Any]:
+    """`n` replies of `conn`, an error reply in its place: straight from its hiredis reader when it has
+    one (redis-py's per-reply path costs more than the reply when a round has thousands of small ones)."""
+    parser: Any = getattr(conn, "_parser", None)
+    reader = getattr(parser, "_reader", None)
+    if reader is None or _NOT_ENOUGH_DATA is None:
+        return [_read(conn) for _ in range(n)]
+    out: list[Any] = []
+    while len(out) < n:
+        reply = reader.gets()
+        if reply is _NOT_ENOUGH_DATA:
+            try:
+                parser.read_from_socket()
+            except TimeoutError as exc:
+                raise redis.TimeoutError(f"Timeout reading from {conn.host}:{conn.port}") from exc
+            except OSError as exc:  # what redis-py's own read makes of a reset or closed socket
+                raise redis.ConnectionError(f"Error while reading from {conn.host}:{conn.port}: {exc}") from exc
+        elif isinstance(reply, (redis.ConnectionError, redis.TimeoutError)):
+            raise reply
+        else:
+            out.append(reply)
+    return out
+
+
 # --- what a lookup leaves for the inserts ---------------------------------------------------------------
 
 
@@ -354,6 +396,7 @@ class _View:
     slices: tuple[int, ...] = ()
     columns: list[list[bytes | None]] = field(default_factory=list)
     at: dict[bytes, int] = field(default_factory=dict)  # field -> its place in the columns
+    absent: list[bool] = field(default_factory=list)  # per place: the field was in no slice read
     looked: dict[str, int] = field(default_factory=dict)  # id -> its query's number
     keys_of: list[tuple[int, ...]] = field(default_factory=list)
     fields_of: list[list[bytes]] = field(default_factory=list)
@@ -473,8 +516,11 @@ class SpreadIndex:
                                entry_time)
         own_pending = {id for id, p in zip(ids, state_places) if any(column[p] is not None for column in columns)}
         homes_found = self._homes({(id, ts) for _, ranked in found for id, _, _, ts in ranked})
-        view = _View(slices, columns, {name: p for p, name in enumerate(names)}, dict(zip(ids, range(len(ids)))),
-                     keys_of, key_fields, shards_of, own_pending=own_pending)
+        absent = np.ones(len(names), dtype=bool)
+        for column in columns:
+            absent &= np.fromiter((v is None for v in column), dtype=bool, count=len(column))
+        view = _View(slices, columns, {name: p for p, name in enumerate(names)}, absent.tolist(),
+                     dict(zip(ids, range(len(ids)))), keys_of, key_fields, shards_of, own_pending=own_pending)
         out: list[tuple[Entry | None, list[Candidate]]] = []
         for q, (own, ranked) in zip(queries, found):
             cands: list[Candidate] = []
@@ -836,43 +882,72 @@ class _ClaimPlan:
         self.commands: list[tuple[int, Sequence[Any]]] = []
         base = index._stamp * _PLACES
         records: dict[int, bytes] = {}
+        made: dict[tuple[str, int], bytes] = {}  # a claimant's record is the same in all its shards
         new: dict[tuple[int, int, bytes], list[int]] = {}  # (shard, slice, field) -> the claims creating it
         # shard -> [(claim, [(field, what the lookup saw of it per slice: length and last seq, or None)])]
         scripted: dict[int, list[tuple[int, list[tuple[bytes, list[int] | None]]]]] = {}
         self.claims = dict(claims)
+        at, absent, columns = view.at, view.absent, view.columns
+        slice_of = index._slice
         for i, op in claims:
-            raw = op.id.encode("utf-8", "surrogatepass")
-            records[i] = _RECORD.pack(op.ts, len(raw)) + raw + SEQ.pack(base + op.place % _PLACES)
+            record = made.get((op.id, op.place))
+            if record is None:
+                raw = op.id.encode("utf-8", "surrogatepass")
+                record = made[(op.id, op.place)] = (_RECORD.pack(op.ts, len(raw)) + raw
+                                                    + SEQ.pack(base + op.place % _PLACES))
+            records[i] = record
             fields: list[tuple[bytes, list[int] | None]] = []
+            target = slice_of(op.ts)
             for f in op.fields:
-                p = view.at.get(f) if op.check else None
+                p = at.get(f) if op.check else None
                 if p is None:
                     fields.append((f, None))
-                    continue
-                seen = [column[p] for column in view.columns]
-                if any(seen):
-                    fields.append((f, [x for v in seen for x in ((len(v), SEQ.unpack(v[-8:])[0]) if v else (0, 0))]))
+                elif absent[p]:
+                    new.setdefault((op.shard, target, f), []).append(i)
                 else:
-                    new.setdefault((op.shard, index._slice(op.ts), f), []).append(i)
+                    seen = [column[p] for column in columns]
+                    fields.append((f, [x for v in seen for x in ((len(v), SEQ.unpack(v[-8:])[0]) if v else (0, 0))]))
             if fields:
                 scripted.setdefault(op.shard, []).append((i, fields))
+        # A new field the script also appends to in this round goes through the script for every claim, so
+        # that its records stay in the round's order.
+        also: set[tuple[int, int, bytes]] = set()
+        for entries in scripted.values():
+            for i, listed in entries:
+                op = self.claims[i]
+                also.update((op.shard, slice_of(op.ts), f) for f, _ in listed)
+        for moved in [key for key in new if key in also]:
+            shard, _, f = moved
+            for i in new.pop(moved):
+                entries = scripted.setdefault(shard, [])
+                mine: list[tuple[bytes, list[int] | None]] | None = next((fs for j, fs in entries if j == i), None)
+                if mine is None:
+                    mine = []
+                    entries.append((i, mine))
+                mine.append((f, [0, 0] * len(columns)))
+            scripted[shard].sort(key=lambda entry: entry[0])  # the round's order
         self.records = records
         self.new = list(new.items())
-        touched: set[tuple[int, int]] = set()
-        cap = index.bucket_cap
-        for (shard, s, f), at in self.new:
-            value = b"".join(records[i] for i in at)
-            if len(at) > 2 * cap:
+        cap, ttl, slices = index.bucket_cap, index._ttl_ms, view.slices
+        keys: dict[tuple[int, int], str] = {}
+        commands = self.commands
+        for (shard, s, f), creating in self.new:
+            value = records[creating[0]] if len(creating) == 1 else b"".join(records[i] for i in creating)
+            if len(creating) > 2 * cap:
                 value = trim_records(value, cap)
             slot = index._slots[shard]
-            self.commands.append((slot, ("HSETNX", index._slice_key(shard, s), f, value)))
-            self.commands += [(slot, ("HEXISTS", index._slice_key(shard, other), f)) for other in view.slices if other != s]
-            touched.add((shard, s))
-        self.commands += [(index._slots[shard], ("PEXPIRE", index._slice_key(shard, s), index._ttl_ms))
-                          for shard, s in touched]
+            name = keys.get((shard, s))
+            if name is None:
+                name = keys[(shard, s)] = index._slice_key(shard, s)
+            commands.append((slot, ("HSETNX", name, f, value)))
+            for other in slices:
+                if other != s:
+                    commands.append((slot, ("HEXISTS", index._slice_key(shard, other), f)))
+        commands += [(index._slots[shard], ("PEXPIRE", key, ttl)) for (shard, _), key in keys.items()]
+        self.touched = len(keys)
         self.scripted = list(scripted.items())
         for shard, entries in self.scripted:
-            self.commands.append((index._slots[shard], self._call(shard, entries)))
+            commands.append((index._slots[shard], self._call(shard, entries)))
         self.again: list[tuple[int, cl.Claim]] = []
 
     def _call(self, shard: int, entries: list[tuple[int, list[tuple[bytes, list[int] | None]]]]) -> tuple[Any, ...]:
@@ -909,7 +984,7 @@ class _ClaimPlan:
             if not created:
                 for i in at:
                     again.setdefault(i, []).append(f)
-        for _ in {(shard, s) for (shard, s, _), _ in self.new}:
+        for _ in range(self.touched):
             next(it)  # PEXPIRE
         for _, entries in self.scripted:
             for (i, _), result in zip(entries, next(it), strict=True):
