@@ -58,13 +58,13 @@ def test_a_record_reads_back_as_the_entry_and_keys_it_was_made_of() -> None:
         decode_record("x", b"\x09\x00\x00\x00\x00")  # a format this neardup does not read
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "redis-spread"])
 def index_url(request: pytest.FixtureRequest) -> Iterator[str]:
     if request.param == "memory":
         yield "memory://"
         return
     with redis_namespace(request.getfixturevalue("redis_url")) as url:
-        yield url
+        yield url + ("&layout=spread" if request.param == "redis-spread" else "")
 
 
 def _shared(url: str, cfg: FilterConfig) -> NearDupFilter:
@@ -107,7 +107,7 @@ def test_an_index_restored_from_the_journal_decides_as_the_original(index_url: s
         restored = NearDupFilter(cfg, index=restored_index)
     else:
         with redis_namespace(index_url.split("?")[0]) as other:
-            restored = _shared(other, cfg)
+            restored = _shared(other + ("&layout=spread" if "layout=spread" in index_url else ""), cfg)
             try:
                 _restore_and_compare(original, restored, made, later)
             finally:
