@@ -205,9 +205,12 @@ def _install_hook(spec: str) -> None:
                 self._view.looked.clear()
                 return _insert(self, entries, memos)
 
-            def racy_claims(self: SpreadIndex, entries: Any) -> Any:
+            spread_insert = SpreadIndex.insert
+
+            def racy_claims(self: SpreadIndex, entries: Any, memos: Any = (), _insert: Any = spread_insert) -> Any:
                 # Write the entries committed at once, unchecked, without claiming (check-then-insert).
                 self.restore(entries)
+                _insert(self, [], memos)
                 return [None] * len(entries)
 
             RedisIndex.insert = racy_insert  # type: ignore[method-assign]

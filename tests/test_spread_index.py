@@ -25,11 +25,12 @@ import redis
 from filters.config import FilterConfig
 from filters.engine import NearDupFilter
 from filters.errors import ConfigError, IndexUnavailable
-from filters.index import Candidate, Entry, Query
+from filters.index import Candidate, Entry, Memo, Query
 from filters.index import claims as cl
 from filters.index.backends import open_index
 from filters.index.redis_codec import encode_entry, parse_records
 from filters.index.redis_spread import SLOTS, SpreadIndex, _View, key_slot, shard_tags
+from filters.records import Verdict
 from stream.codec import RecordFormat
 from stream.runner import RawRecord, route_batch
 from tests.test_claim_model import Shard
@@ -324,7 +325,7 @@ class _PausedSpread(SpreadIndex):
 
     barrier: threading.Barrier | None = None
 
-    def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | None, list[Candidate]]]:
+    def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | Verdict | None, list[Candidate]]]:
         looked = super().lookup(queries, limit)
         if self.barrier is not None:
             self.barrier.wait(timeout=30)
@@ -335,8 +336,10 @@ class _CheckThenInsert(_PausedSpread):
     """The design the race test must catch: look up, verify, then write the entry committed at once
     (`restore`'s unchecked write) without claiming."""
 
-    def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]:
+    def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]],
+               memos: Sequence[Memo] = ()) -> list[list[Candidate] | None]:
         self.restore(entries)
+        super().insert([], memos)
         return [None] * len(entries)
 
 

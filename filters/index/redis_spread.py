@@ -48,11 +48,12 @@ from redis.exceptions import AskError, ClusterDownError, NoScriptError, Response
 from redis.retry import Retry
 
 from filters.errors import ConfigError, IndexCorrupt, IndexUnavailable
-from filters.index import Batch, Candidate, Entry, Query, Verifier, finish, new_candidate, new_entry
+from filters.index import Batch, Candidate, Entry, Memo, Query, Verifier, finish, new_candidate, new_entry
 from filters.index import claims as cl
 from filters.index.redis import (
     _NAME,
     DEFAULT_SOCKET_TIMEOUT,
+    FIELDS_PER_CALL,
     FIELDS_PER_HMGET,
     INSERT_CHUNK,
     RedisTarget,
@@ -66,11 +67,15 @@ from filters.index.redis_codec import (
     SEQ,
     decode_entries,
     decode_entry,
+    decode_memo,
     encode_entries,
     encode_entry,
+    encode_memo,
     entry_time,
     field_of,
     id_field,
+    memo_field,
+    memo_time,
     parse_records,
     plan_fields,
     rank_lookup,
@@ -414,16 +419,15 @@ class SpreadIndex:
     """`CandidateIndex` on a namespace spread over the slots of a Redis Cluster (or over one Redis), shared
     by any number of workers. One instance is used by one thread at a time (`stats` excepted)."""
 
-    def __init__(self, url: str, *, window: float, bucket_cap: int, namespace: str, margin: float = 0.0) -> None:
-        if not window > 0 or bucket_cap < 1 or not margin >= 0:
-            raise ConfigError("window must be > 0 seconds, bucket_cap >= 1 and margin >= 0")
+    def __init__(self, url: str, *, window: float, bucket_cap: int, namespace: str) -> None:
+        if not window > 0 or bucket_cap < 1:
+            raise ConfigError("window must be > 0 seconds and bucket_cap >= 1")
         if not _NAME.fullmatch(namespace):
             raise ConfigError(f"namespace must match {_NAME.pattern}, got {namespace!r}")
         target = RedisTarget.parse(url)
         self.shards, self.claim_ttl = _options(target)
         self.window = float(window)
         self.slice_length = self.window
-        self.margin = float(margin)
         self.bucket_cap = bucket_cap
         self.namespace = namespace
         self.prefix = target.prefix
@@ -431,7 +435,12 @@ class SpreadIndex:
         self.tags = shard_tags(target.prefix, namespace, self.shards)
         self._slots = [key_slot(tag.encode()) for tag in self.tags]
         self._ttl_ms = max(1, round((self.window + target.grace) * 1000))
-        self._hwm = -math.inf
+        self._hwm = -math.inf  # the highest event time this instance decided (as the slot layout's)
+        self._top = -math.inf  # the highest event time stored, as the shards' marks last said
+        # The window's clock (`expire`); None until a caller sets it, and then the newest event time stored
+        # stands for it (as in the slot layout).
+        self._clock: float | None = None
+        self._memos: list[tuple[int, Sequence[Any]]] = []  # memo writes the insert in progress has still to send
         self._gone = -math.inf  # the last slice this instance unlinked (as left the window)
         self._stamp = 0  # the last round's clock (ms), increasing: the seqs of its records (`_ClaimPlan`)
         self._view = _View()
@@ -483,7 +492,7 @@ class SpreadIndex:
     def prefetch(self, queries: Sequence[Query]) -> None:
         """No read goes ahead on the spread layout (its reads are cheap per node; see docs/design.md)."""
 
-    def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | None, list[Candidate]]]:
+    def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | Verdict | None, list[Candidate]]]:
         if not queries:
             self._view = _View()
             return []
@@ -507,22 +516,22 @@ class SpreadIndex:
         shards_of = [flat[end - len(keys) : end] for keys, end in zip(keys_of, ends)]
         homes = [self._home(id) for id in ids]
         shard_of[np.asarray(id_places, dtype=np.int64)] = homes
+        shard_of[np.asarray(id_places, dtype=np.int64) + 1] = homes  # its memo field (`plan_fields`)
         shard_of[np.asarray(state_places, dtype=np.int64)] = homes
         slices, columns, stored = self._read_fields(names, shard_of, self._slices(marks[0], hwm), marks[0], hwm)
-        top = stored
-        self._hwm = max(hwm, top)
+        self._hwm = hwm
+        self._top = max(self._top, stored)
         found = self._rank_all(columns, positions, id_places, ids, [q.min_shared for q in queries], limit,
-                               [max(mark, top - self.margin) - self.window for mark in marks], self.bucket_cap,
-                               entry_time)
+                               [mark - self.window for mark in marks], self.bucket_cap, entry_time, memo_time)
         own_pending = {id for id, p in zip(ids, state_places) if any(column[p] is not None for column in columns)}
-        homes_found = self._homes({(id, ts) for _, ranked in found for id, _, _, ts in ranked})
+        homes_found = self._homes({(id, ts) for _, _, ranked in found for id, _, _, ts in ranked})
         absent = np.ones(len(names), dtype=bool)
         for column in columns:
             absent &= np.fromiter((v is None for v in column), dtype=bool, count=len(column))
         view = _View(slices, columns, {name: p for p, name in enumerate(names)}, absent.tolist(),
                      dict(zip(ids, range(len(ids)))), keys_of, key_fields, shards_of, own_pending=own_pending)
-        out: list[tuple[Entry | None, list[Candidate]]] = []
-        for q, (own, ranked) in zip(queries, found):
+        out: list[tuple[Entry | Verdict | None, list[Candidate]]] = []
+        for q, (own, memo, ranked) in zip(queries, found):
             cands: list[Candidate] = []
             pending: list[cl.Seen] = []
             for id, shared, first, ts in ranked:
@@ -535,21 +544,47 @@ class SpreadIndex:
                 view.pending[q.id] = pending
             view.candidates[q.id] = {c.entry.id for c in cands}
             replay = own is not None and q.id not in own_pending
-            out.append((decode_entry(own, q.id) if replay else None, cands))
+            out.append((decode_entry(own, q.id) if replay else None if memo is None else decode_memo(memo, q.id), cands))
         self._view = view
         self._unlink_gone()
         return out
 
-    def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]:
+    def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]],
+               memos: Sequence[Memo] = ()) -> list[list[Candidate] | None]:
         """See `CandidateIndex.insert`: each entry is claimed (`filters.index.claims`). None: committed (or
         its id was, a replay); else the committed claims it yielded to, which its verification must take
         (with `decide`'s verification, those it is a near-duplicate of; without, every committed claim
         that reached its buckets since its lookup, and the engine verifies them: a claim not taken is not
-        returned again)."""
-        out: list[list[Candidate] | None] = []
-        for at in range(0, len(entries), INSERT_CHUNK):
-            out.extend(self._claim(entries[at : at + INSERT_CHUNK]))
+        returned again). The memos are written at their ids' homes with the first round trip of the claims
+        (or in one of their own); if it raises, some may have been written, as in the slot layout."""
+        self._memos = self._memo_writes(memos)
+        try:
+            out: list[list[Candidate] | None] = []
+            for at in range(0, len(entries), INSERT_CHUNK):
+                out.extend(self._claim(entries[at : at + INSERT_CHUNK]))
+            if self._memos:
+                self._nodes.execute(self._memos, self._scripts)
+        finally:
+            self._memos = []
         return out
+
+    def _memo_writes(self, memos: Sequence[Memo]) -> list[tuple[int, Sequence[Any]]]:
+        """The commands that write `memos` in the slices of their event times at their ids' homes (each slice's
+        TTL renewed and its memo count moved, for `stats`); a memo outside the window is left out."""
+        horizon = self._hwm - self.window
+        pairs: dict[tuple[int, int], list[bytes]] = {}
+        for verdict, ts in memos:
+            ts = _event_time(ts, verdict.id, self.slice_length)
+            if ts >= horizon:
+                pairs.setdefault((self._home(verdict.id), self._slice(ts)), []).extend(
+                    (memo_field(verdict.id), encode_memo(verdict, ts)))
+        step = 2 * FIELDS_PER_CALL
+        commands: list[tuple[int, Sequence[Any]]] = []
+        for (shard, s), fields in pairs.items():
+            slot, key = self._slots[shard], self._slice_key(shard, s)
+            commands += [(slot, ("HSET", key, *fields[a : a + step])) for a in range(0, len(fields), step)]
+            commands += [(slot, ("HINCRBY", key, "m", len(fields) // 2)), (slot, ("PEXPIRE", key, self._ttl_ms))]
+        return commands
 
     def restore(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> int:
         """See `CandidateIndex.restore`: entries written committed at once (home, then records), unchecked."""
@@ -579,28 +614,33 @@ class SpreadIndex:
         return written
 
     def expire(self, now: float) -> int:
-        """Moves this instance's horizon to `now - window`; Redis forgets by slice (see `RedisIndex.expire`)."""
-        self._hwm = max(self._hwm, now)
+        """Sets the window's clock to `now` (it only moves forward): the slice wholly older than `now - window`
+        may go. Redis forgets by slice (see `RedisIndex.expire`): 0."""
+        self._clock = now if self._clock is None else max(self._clock, now)
         return 0
 
     def stats(self) -> dict[str, int]:
-        """`entries` (committed) and `buckets` in the live slices of every shard (a bucket with records in two
-        slices counts twice); `inserted` is `entries` (the shards have no common counter)."""
+        """`entries` (committed), `buckets` and `memos` in the live slices of every shard (a bucket with records in
+        two slices counts twice; claim states count as buckets); `inserted` is `entries` (the shards have no
+        common counter)."""
         nodes = _Nodes(self._nodes.client, self._where)  # its own connections: any thread may call this
         try:
             metas = nodes.execute([(self._slots[k], ("HGET", f"{{{tag}}}:meta", "hwm")) for k, tag in enumerate(self.tags)],
                                   {})
             top = max((float(h) for h in metas if h is not None), default=-math.inf)
             commands = [(self._slots[k], c) for k in range(self.shards) for s in self._slices(top, top)
-                        for c in (("HLEN", self._slice_key(k, s)), ("HGET", self._slice_key(k, s), "n"))]
+                        for c in (("HLEN", self._slice_key(k, s)), ("HMGET", self._slice_key(k, s), "n", "m"))]
             replies = nodes.execute(commands, {}) if commands else []
         finally:
             for conn in nodes.conns.values():
                 conn.disconnect()
         fields = sum(replies[0::2])
-        entries = sum(int(n) for n in replies[1::2] if n is not None)
-        counters = sum(n is not None for n in replies[1::2])
-        return {"entries": entries, "buckets": max(0, fields - entries - counters), "inserted": entries}
+        counts = [c for pair in replies[1::2] for c in pair]
+        entries = sum(int(n) for n in counts[0::2] if n is not None)
+        memos = sum(int(m) for m in counts[1::2] if m is not None)
+        counters = sum(c is not None for c in counts)
+        return {"entries": entries, "buckets": max(0, fields - entries - memos - counters), "memos": memos,
+                "inserted": entries}
 
     def close(self) -> None:
         self._nodes.close()
@@ -706,9 +746,13 @@ class SpreadIndex:
             self._known = dict(islice(known.items(), len(known) - cap, None))
 
     def _unlink_gone(self) -> None:
-        """Unlinks, in every shard, the slice that left the window and the margin (once per slice)."""
-        gone = self._slice(self._hwm - self.window - self.margin) - 1
-        if not math.isfinite(self._hwm) or gone <= self._gone:
+        """Unlinks, in every shard, the slice wholly older than the window of the clock (once per slice): the
+        caller's (`expire`), else the newest event time stored or decided."""
+        clock = max(self._hwm, self._top) if self._clock is None else self._clock
+        if not math.isfinite(clock):
+            return
+        gone = self._slice(clock - self.window) - 1
+        if gone <= self._gone:
             return
         self._gone = gone
         self._nodes.execute([(self._slots[k], ("UNLINK", self._slice_key(k, gone))) for k in range(self.shards)],
@@ -818,7 +862,10 @@ class SpreadIndex:
         plan = _ClaimPlan(self, [(i, cast(cl.Claim, ops[i])) for i in claims]) if claims else None
         if plan is not None:
             commands += plan.commands
-        replies = self._nodes.execute(commands, self._scripts)
+        memos, self._memos = self._memos, []  # the insert's memos go with its first round trip
+        replies = self._nodes.execute(commands + memos, self._scripts)
+        if memos:
+            replies = replies[: len(replies) - len(memos)]
         out: list[Any] = [None] * len(ops)
         it = iter(replies[: len(replies) - (len(plan.commands) if plan is not None else 0)])
         for kind, at in takes:
@@ -1069,7 +1116,7 @@ class _Checks:
         with all the buckets it is in; and the ids with a record that the claimant's lookup did not see in
         that bucket."""
         index, c = self.index, self.claimants[i]
-        horizon = max(c.ts, index._hwm - index.margin) - index.window
+        horizon = max(c.ts, index._hwm) - index.window
         n, cap = len(c.fields), index.bucket_cap
         found = index._rank(columns, list(range(n)), c.id, 1, n * cap + 1, horizon, cap, -1, None)
         ranked = [cl.Seen(id, ts, shared, first) for id, shared, first, ts in found]
@@ -1090,11 +1137,12 @@ class _Rounds:
         self.index = index
         index._engine = _Engine(index, batch, verifier)
 
-    def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | None, list[Candidate]]]:
+    def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | Verdict | None, list[Candidate]]]:
         return self.index.lookup(queries, limit)
 
-    def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]:
-        return self.index.insert(entries)
+    def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]],
+               memos: Sequence[Memo] = ()) -> list[list[Candidate] | None]:
+        return self.index.insert(entries, memos)
 
     def prefetch(self, queries: Sequence[Query]) -> None:
         self.index.prefetch(queries)
