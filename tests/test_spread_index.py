@@ -455,16 +455,16 @@ def kill_a_master(port: int) -> str:
 
 
 def reshard(port: int) -> str:
-    """1,200 slots moved from one master to another (keys with them, MIGRATE), then moved back."""
+    """512 slots moved from one master to another (keys with them, MIGRATE), then moved back."""
     masters = [n for n in cluster_nodes(port) if n.master]
     source, target = masters[0], masters[1]
     t0 = time.monotonic()
     _cli("--cluster", "reshard", f"127.0.0.1:{port}", "--cluster-from", source.id, "--cluster-to", target.id,
-         "--cluster-slots", "1200", "--cluster-yes", timeout=120)
+         "--cluster-slots", "512", "--cluster-yes", timeout=120)
     wait_healthy(port)
     _cli("--cluster", "rebalance", f"127.0.0.1:{port}", timeout=120)
     wait_healthy(port)
-    return f"1,200 slots moved {source.port} -> {target.port} and back in {time.monotonic() - t0:.1f} s"
+    return f"512 slots moved {source.port} -> {target.port} and back in {time.monotonic() - t0:.1f} s"
 
 
 def race_through(url: str, change: Callable[[int], str], *, workers: int = 4, waves: int = 30) -> dict[str, Any]:
@@ -554,7 +554,7 @@ def _pending_on(port: int, prefix: str) -> list[bytes]:
 
 @pytest.mark.parametrize("change", [manual_failover, kill_a_master, reshard], ids=lambda f: f.__name__)
 def test_racing_workers_through_a_failover_or_a_resharding(redis_cluster_ha_url: str, change: Callable[[int], str]) -> None:
-    """A master failing over (its replica takes over, or is promoted after a kill -9) or 1,200 slots moving
+    """A master failing over (its replica takes over, or is promoted after a kill -9) or 512 slots moving
     between masters, mid-run, under four racing workers: batches caught by it fail as `IndexUnavailable`
     and are retried, taking over what their first attempt claimed. Every message decided, exactly one
     unique per wave, every duplicate names a unique, no claim left pending."""
