@@ -13,7 +13,8 @@ long-running namespace), then --workers processes, an index each, decide the nex
 used_cpu_sys) and `INFO commandstats`, and `used_memory`. Printed, medians over the runs: per master its CPU
 µs per message of the whole stream measured, the mean and the spread (max / min) over masters, the total;
 the memory the namespace added on all masters per message indexed (warm-up included: `used_memory` after
-less before, and the sum of `MEMORY USAGE` of its keys); messages/s.
+less before, and the sum of `MEMORY USAGE` of its keys); the workers' own CPU µs per message (process
+time, all workers); messages/s.
 `--slot` adds the slot layout (one namespace on one master) on the first cluster, for comparison.
 """
 
@@ -66,8 +67,9 @@ def _work(url: str, messages: list[tuple[str, str, float]], w: int, workers: int
     mine = [batch[at : at + BATCH] for at in range(warm, len(batch), BATCH)][w::workers]
     ready.wait()
     go.wait()
+    cpu = time.process_time()
     uniques = sum(not v.duplicate for b in mine for v in engine.check_batch(b))
-    done.put(uniques)
+    done.put((uniques, time.process_time() - cpu))
     index.close()
 
 
@@ -85,8 +87,9 @@ def run(node: str, url: str, messages: list[tuple[str, str, float]], workers: in
     cpu0 = [s.info("cpu") for s in servers]
     go.wait()
     t0 = time.perf_counter()
-    uniques = sum(done.get() for _ in procs)
+    reports = [done.get() for _ in procs]
     wall = time.perf_counter() - t0
+    uniques = sum(u for u, _ in reports)
     for p in procs:
         p.join()
     cpu1 = [s.info("cpu") for s in servers]
@@ -106,7 +109,7 @@ def run(node: str, url: str, messages: list[tuple[str, str, float]], workers: in
         s.close()
     return {"masters": len(servers), "per_master": per_master, "commands": commands, "rate": n / wall,
             "memory": memory / max(indexed, 1), "usage": usage / max(indexed, 1), "indexed": indexed,
-            "uniques": uniques}
+            "uniques": uniques, "client": sum(c for _, c in reports) / n * 1e6}
 
 
 def _committed(servers: list[redis.Redis], url: str) -> int:
@@ -158,14 +161,19 @@ def main() -> int:
           f"worker processes, batches of {BATCH}, {args.runs} runs (medians); {os.cpu_count()} cores shared by "
           f"the workers and every Redis node\n")
     print("| layout | masters | server CPU µs per message, each master | mean per master | max / min | total "
-          "| bytes per message indexed (used_memory / MEMORY USAGE) | messages/s |\n|---|---|---|---|---|---|---|---|")
+          "| bytes per message indexed (used_memory / MEMORY USAGE) | client CPU µs per message | messages/s "
+          "|\n|---|---|---|---|---|---|---|---|---|")
     for (_, layout), runs in results.items():
         per = [statistics.median(r["per_master"][m] for r in runs) for m in range(len(runs[0]["per_master"]))]
         mean = statistics.mean(per)
         print(f"| {layout} | {runs[0]['masters']} | {', '.join(f'{x:.1f}' for x in per)} | {mean:.1f} "
               f"| {max(per) / max(min(per), 1e-9):.2f} | {sum(per):.1f} | {statistics.median(r['memory'] for r in runs):,.0f} / "
               f"{statistics.median(r['usage'] for r in runs):,.0f} "
-              f"| {statistics.median(r['rate'] for r in runs):,.0f} |")
+              f"| {statistics.median(r['client'] for r in runs):.1f} | {statistics.median(r['rate'] for r in runs):,.0f} |")
+    print("\nEach run (alternating): server CPU µs per message, total over masters; messages/s")
+    for (_, layout), runs in results.items():
+        print(f"- {layout}, {runs[0]['masters']} master(s): " + "; ".join(
+            f"{sum(r['per_master']):.1f} µs, {r['rate']:,.0f}/s" for r in runs))
     print("\n| layout | masters | busiest server commands (all masters, incl. those run by scripts), µs per message |"
           "\n|---|---|---|")
     for (_, layout), runs in results.items():

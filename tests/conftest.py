@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack
 from functools import cache
@@ -149,3 +150,13 @@ def _collector_restored() -> Iterator[None]:
     yield
     gc.set_threshold(*thresholds)
     gc.unfreeze()
+
+
+@pytest.fixture
+def prefix(redis_url: str) -> Iterator[str]:
+    """A fresh key prefix on the test Redis; its keys are deleted after the test."""
+    from tests.test_index_contract import drop_namespace  # the helper lives with the contract suite
+
+    prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
+    yield prefix
+    drop_namespace(redis_url, prefix)

@@ -53,13 +53,6 @@ def cluster_url(url: str) -> str:
 
 
 @pytest.fixture
-def prefix(redis_url: str) -> Iterator[str]:
-    prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
-    yield prefix
-    drop_namespace(redis_url, prefix)
-
-
-@pytest.fixture
 def make(redis_url: str, prefix: str) -> Iterator[Callable[..., RedisIndex]]:
     made: list[RedisIndex] = []
 

@@ -45,13 +45,6 @@ def spread_url(base: str, prefix: str, **options: str) -> str:
 
 
 @pytest.fixture
-def prefix(redis_url: str) -> Iterator[str]:
-    prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
-    yield prefix
-    drop_namespace(redis_url, prefix)
-
-
-@pytest.fixture
 def make(redis_url: str, prefix: str) -> Iterator[Callable[..., SpreadIndex]]:
     """Spread indexes on one Redis, under the test's prefix."""
     made: list[SpreadIndex] = []
