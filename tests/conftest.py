@@ -90,20 +90,22 @@ def redis_cluster_url() -> str:
     _unavailable("Redis Cluster (NEARDUP_TEST_REDIS_CLUSTER_URL, from docker/services.sh start cluster)")
 
 
+def _service_url(variable: str, what: str) -> str:
+    """The URL docker/services.sh exported in `variable`, or the test is skipped (failed in CI)."""
+    if url := os.environ.get(variable):
+        return url
+    _unavailable(f"{what} ({variable}, from docker/services.sh start clusters)")
+
+
 @pytest.fixture(scope="session")
 def redis_cluster6_url() -> str:
-    """A 6-master Redis Cluster (`docker/services.sh start cluster6`)."""
-    if url := os.environ.get("NEARDUP_TEST_REDIS_CLUSTER6_URL"):
-        return url
-    _unavailable("6-master Redis Cluster (NEARDUP_TEST_REDIS_CLUSTER6_URL)")
+    return _service_url("NEARDUP_TEST_REDIS_CLUSTER6_URL", "6-master Redis Cluster")
 
 
 @pytest.fixture(scope="session")
 def redis_cluster_ha_url() -> str:
-    """A 3-master Redis Cluster with a replica each, for failovers (`docker/services.sh start cluster-ha`)."""
-    if url := os.environ.get("NEARDUP_TEST_REDIS_CLUSTER_HA_URL"):
-        return url
-    _unavailable("Redis Cluster with replicas (NEARDUP_TEST_REDIS_CLUSTER_HA_URL)")
+    """A 3-master Redis Cluster with a replica each, for failovers."""
+    return _service_url("NEARDUP_TEST_REDIS_CLUSTER_HA_URL", "Redis Cluster with replicas")
 
 
 @pytest.fixture(scope="session")

@@ -1112,17 +1112,22 @@ def test_a_slice_that_left_the_window_is_unlinked(make: Callable[..., RedisIndex
 _VOCABULARY = ["".join(random.Random(i).choices("abcdefghijklmnopqrstuvwxyz", k=6)) for i in range(400)]
 
 
-class _PausedIndex(RedisIndex):
+class PausedLookup:
     """Holds every worker between its lookup and its insert until all have looked up: the race
-    window of two workers that receive near-duplicates at the same moment, made certain."""
+    window of two workers that receive near-duplicates at the same moment, made certain. A mixin before
+    the index class it pauses (`_PausedIndex`, and the spread layout's in tests/test_spread_index.py)."""
 
     barrier: threading.Barrier | None = None
 
     def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | Verdict | None, list[Candidate]]]:
-        looked = super().lookup(queries, limit)
+        looked: list[tuple[Entry | Verdict | None, list[Candidate]]] = super().lookup(queries, limit)  # type: ignore[misc]
         if self.barrier is not None:
             self.barrier.wait(timeout=30)
         return looked
+
+
+class _PausedIndex(PausedLookup, RedisIndex):
+    """The slot layout, paused between lookup and insert (`PausedLookup`)."""
 
 
 class _RacyIndex(_PausedIndex):

@@ -25,17 +25,16 @@ import redis
 from filters.config import FilterConfig
 from filters.engine import NearDupFilter
 from filters.errors import ConfigError, IndexUnavailable
-from filters.index import Candidate, Entry, Memo, Query
+from filters.index import Candidate, Entry, Memo
 from filters.index import claims as cl
 from filters.index.backends import open_index
 from filters.index.redis_codec import encode_entry, parse_records
 from filters.index.redis_spread import SLOTS, SpreadIndex, _View, key_slot, shard_tags
-from filters.records import Verdict
 from stream.codec import RecordFormat
 from stream.runner import RawRecord, route_batch
 from tests.test_claim_model import Shard
 from tests.test_index_contract import drop_namespace, with_query
-from tests.test_redis_index import SAMPLE, _spam, cluster_url, drop_cluster_namespace, race
+from tests.test_redis_index import SAMPLE, PausedLookup, _spam, cluster_url, drop_cluster_namespace, race
 
 WINDOW = 3600.0
 
@@ -313,16 +312,8 @@ def test_an_earlier_near_duplicate_notes_a_dead_claim_and_goes_on_and_the_redeli
 # --- racing workers ----------------------------------------------------------------------------------------------
 
 
-class _PausedSpread(SpreadIndex):
+class _PausedSpread(PausedLookup, SpreadIndex):
     """Holds every worker between its lookup and its claims until all have looked up (`race`)."""
-
-    barrier: threading.Barrier | None = None
-
-    def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | Verdict | None, list[Candidate]]]:
-        looked = super().lookup(queries, limit)
-        if self.barrier is not None:
-            self.barrier.wait(timeout=30)
-        return looked
 
 
 class _CheckThenInsert(_PausedSpread):
