@@ -130,7 +130,8 @@ def drop(node: str, prefix: str) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cluster", action="append", required=True, help="a node of a Redis Cluster (repeat)")
+    p.add_argument("--cluster", action="append", help="a node of a Redis Cluster (repeat; default: "
+                   "$NEARDUP_TEST_REDIS_CLUSTER_URL, else redis://127.0.0.1:7001)")
     p.add_argument("--stream", default=str(ROOT.parent / "shared" / "eval" / "stream.jsonl"))
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--warm", type=int, default=8000)
@@ -140,6 +141,7 @@ def main() -> int:
     p.add_argument("--slot", action="store_true", help="also the slot layout, on the first cluster")
     args = p.parse_args()
     needs.files(__file__, args.stream)
+    args.cluster = args.cluster or [os.environ.get("NEARDUP_TEST_REDIS_CLUSTER_URL", "redis://127.0.0.1:7001")]
     for node in args.cluster:
         needs.redis(__file__, node)
     with open(args.stream, "rb") as f:
