@@ -7,9 +7,10 @@ and Redis, with topics, consumer group and Redis namespace of its own.
 Run as `python -m bench.reliability serve [flags]`, it is `neardup serve` with an optional test
 hook on the Redis index, chosen by $RELIABILITY_INDEX_HOOK (comma-separated):
 `pause=SECONDS` sleeps after every lookup (widens the window in which two workers race, or slows a
-worker down so that a fault lands mid-stream); `racy` turns the atomic check-and-insert into a plain
-check-then-insert (the design the concurrency test must catch); `barrier=N` (after `racy`) holds each insert
-round until N workers have reached it, so that their lookups all come first; `request_timeout=SECONDS` makes the
+worker down so that a fault lands mid-stream); `racy` turns the atomic check-and-insert (the spread
+layout's claims) into a plain check-then-insert (the design the concurrency test must catch); `barrier=N` (after
+`racy`) holds each insert round until N workers have reached it, so that their lookups all come first;
+`request_timeout=SECONDS` makes the
 worker's producer give up on a delivery after SECONDS instead of aiokafka's 40 (so that a broker
 restart of a few seconds fails deliveries, which the worker must send again).
 """
@@ -158,19 +159,21 @@ def wait_assigned(workers: Sequence[Serve], partitions: int, timeout: float = 60
 
 def _install_hook(spec: str) -> None:
     from filters.index.redis import RedisIndex
+    from filters.index.redis_spread import SpreadIndex
 
     for part in filter(None, spec.split(",")):
         if part.startswith("pause="):
             pause = float(part.split("=", 1)[1])
-            lookup = RedisIndex.lookup
+            for cls in (RedisIndex, SpreadIndex):
+                lookup = cls.lookup
 
-            def paused_lookup(self: RedisIndex, queries: Any, limit: int, _lookup: Any = lookup,
-                              _pause: float = pause) -> Any:
-                found = _lookup(self, queries, limit)
-                time.sleep(_pause)
-                return found
+                def paused_lookup(self: Any, queries: Any, limit: int, _lookup: Any = lookup,
+                                  _pause: float = pause) -> Any:
+                    found = _lookup(self, queries, limit)
+                    time.sleep(_pause)
+                    return found
 
-            RedisIndex.lookup = paused_lookup  # type: ignore[method-assign]
+                cls.lookup = paused_lookup  # type: ignore[method-assign]
         elif part.startswith("barrier="):
             # With `racy`: each insert round waits (up to 2 s) until every one of N workers has made its round
             # of the same number, so that their lookups all come before their inserts, however the machine
@@ -202,7 +205,16 @@ def _install_hook(spec: str) -> None:
                 self._view.looked.clear()
                 return _insert(self, entries, memos)
 
+            spread_insert = SpreadIndex.insert
+
+            def racy_claims(self: SpreadIndex, entries: Any, memos: Any = (), _insert: Any = spread_insert) -> Any:
+                # Write the entries committed at once, unchecked, without claiming (check-then-insert).
+                self.restore(entries)
+                _insert(self, [], memos)
+                return [None] * len(entries)
+
             RedisIndex.insert = racy_insert  # type: ignore[method-assign]
+            SpreadIndex.insert = racy_claims  # type: ignore[method-assign]
         elif part.startswith("request_timeout="):
             import stream.worker
 
@@ -468,9 +480,9 @@ def tally_stream(tally: Tally, got: Sequence[Out], reference: dict[str, tuple[st
 # -- Redis -------------------------------------------------------------------------------------
 
 
-def cluster_index_url(cluster_node_url: str) -> str:
+def cluster_index_url(cluster_node_url: str, *, layout: str = "slot") -> str:
     parts = urlsplit(cluster_node_url)
-    return f"{parts.scheme}+cluster://{parts.netloc}?prefix=ndtest-{uuid.uuid4().hex[:10]}"
+    return f"{parts.scheme}+cluster://{parts.netloc}?prefix=ndtest-{uuid.uuid4().hex[:10]}&layout={layout}"
 
 
 def drop_cluster_index(url: str) -> None:
@@ -492,11 +504,13 @@ def namespace_keys(redis_url: str, prefix: str) -> list[bytes]:
 
 
 def concurrency(bootstrap: str, index: str, log_dir: Path, *, workers: int = 3, clusters: int = 150,
-                singletons: int = 60, hook: str = "", name: str = "concurrency") -> tuple[Tally, dict[int, int]]:
+                singletons: int = 60, hook: str = "", name: str = "concurrency",
+                fault: Callable[[], str] | None = None, **overrides: Any) -> tuple[Tally, dict[int, int]]:
     """`workers` serve processes, one group, one partition each; cluster c's copy w goes to partition
     w, all produced in one burst once every worker has its partition. Returns the tally and the
-    uniques per cluster."""
-    settings = scenario_settings(bootstrap, index, partitions=workers)
+    uniques per cluster. `fault`: run (in a thread) once a fifth of the inputs are out, mid-run; what it
+    returns is noted as the faults injected. `overrides`: settings."""
+    settings = scenario_settings(bootstrap, index, partitions=workers, **overrides)
     records: list[tuple[int | None, bytes | None, bytes | None]] = []
     for c in range(clusters):
         records += [(w, f"c{c}".encode(), cluster_value(c, w)) for w in range(workers)]
@@ -506,10 +520,31 @@ def concurrency(bootstrap: str, index: str, log_dir: Path, *, workers: int = 3, 
                   f"{clusters} near-duplicate clusters, a copy in each partition at once"
                   + (f" ({hook})" if hook else ""))
     asyncio.run(create_topics(settings, workers))
+    faulted: list[str] = []
+    errors: list[BaseException] = []
+    injecting: list[threading.Thread] = []
+
+    def inject() -> None:
+        try:
+            faulted.append(fault())  # type: ignore[misc]
+        except BaseException as exc:
+            errors.append(exc)
+
+    def during(got: list[KafkaRecord]) -> None:
+        if fault is not None and not injecting and len({r.header(H_SOURCE) for r in got}) >= len(records) // 5:
+            injecting.append(threading.Thread(target=inject))
+            injecting[0].start()
+
     with serving(*[Serve(settings, log_dir, f"w{i}", hook=hook) for i in range(workers)]) as procs:
         wait_assigned(procs, workers)
         asyncio.run(produce_to(settings, records))
-        got = outs(read(settings, sources=len(records), timeout=90, settle=1.0), settings)
+        got = outs(read(settings, sources=len(records), timeout=120, settle=1.0, during=during), settings)
+        for thread in injecting:
+            thread.join()
+        if errors:
+            raise errors[0]
+        if faulted:
+            tally.faults = f"{tally.faults}; {faulted[0]}"
         for p in procs:
             p.alive()
         for p in procs:

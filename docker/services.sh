@@ -1,18 +1,24 @@
 #!/usr/bin/env bash
 # Real Redis + real Apache Kafka (KRaft) on loopback, without Docker.
 #
-#   docker/services.sh start|stop|status|env [redis|kafka|cluster|all]
+#   docker/services.sh start|stop|status|env [redis|kafka|cluster|cluster6|cluster-ha|clusters|all]
 #   docker/services.sh restart kafka   stop and start the broker keeping its data (a short outage)
 #
-#   redis    plain Redis (:6379), Redis with requirepass (:6380), TLS Redis (:6381, self-signed CA)
-#   kafka    Apache Kafka 3.9.1, one combined broker+controller: PLAINTEXT :9092, SASL_PLAINTEXT/PLAIN :9094
-#   cluster  3-master Redis Cluster on :7001-7003 (only when asked for explicitly)
-#   all      redis + kafka (default); for stop/status/env, `all` also covers a running cluster
+#   redis       plain Redis (:6379), Redis with requirepass (:6380), TLS Redis (:6381, self-signed CA)
+#   kafka       Apache Kafka 3.9.1, one combined broker+controller: PLAINTEXT :9092, SASL_PLAINTEXT/PLAIN :9094
+#   cluster     Redis Cluster on :7001-7003, 3 masters (only when asked for explicitly). Any number of
+#               masters: one port each; with NEARDUP_REDIS_CLUSTER_REPLICAS=N, N replicas each (ports:
+#               masters first, then replicas; 3 masters or more)
+#   cluster6    6-master Redis Cluster on :7011-7016
+#   cluster-ha  3 masters and a replica each on :7021-7026 (node timeout 2 s: failover tests)
+#   clusters    the three clusters
+#   all         redis + kafka (default); for stop/status/env, `all` also covers running clusters
 #
 #   eval "$(docker/services.sh env)"   exports NEARDUP_TEST_* for the test suite.
 #
 # Environment: NEARDUP_CACHE (~/.cache/neardup), NEARDUP_STATE ($NEARDUP_CACHE/services),
 #   NEARDUP_REDIS_PORT/_AUTH_PORT/_TLS_PORT, NEARDUP_REDIS_PASSWORD, NEARDUP_REDIS_CLUSTER_PORTS,
+#   NEARDUP_REDIS_CLUSTER_REPLICAS (0), NEARDUP_REDIS_CLUSTER6_PORTS, NEARDUP_REDIS_CLUSTER_HA_PORTS,
 #   NEARDUP_KAFKA_PORT/_SASL_PORT/_CONTROLLER_PORT, NEARDUP_KAFKA_SASL_PASSWORD,
 #   NEARDUP_KAFKA_HEAP ("-Xms256m -Xmx512m"), NEARDUP_KAFKA_START_TIMEOUT (120 s), NEARDUP_MVN_ARGS.
 set -euo pipefail
@@ -31,6 +37,9 @@ REDIS_AUTH_PORT=${NEARDUP_REDIS_AUTH_PORT:-6380}
 REDIS_TLS_PORT=${NEARDUP_REDIS_TLS_PORT:-6381}
 REDIS_PASSWORD=${NEARDUP_REDIS_PASSWORD:-neardup-secret}
 read -r -a CLUSTER_PORTS <<<"${NEARDUP_REDIS_CLUSTER_PORTS:-7001 7002 7003}"
+CLUSTER_REPLICAS=${NEARDUP_REDIS_CLUSTER_REPLICAS:-0}
+read -r -a CLUSTER6_PORTS <<<"${NEARDUP_REDIS_CLUSTER6_PORTS:-7011 7012 7013 7014 7015 7016}"
+read -r -a CLUSTER_HA_PORTS <<<"${NEARDUP_REDIS_CLUSTER_HA_PORTS:-7021 7022 7023 7024 7025 7026}"
 
 KAFKA_PORT=${NEARDUP_KAFKA_PORT:-9092}
 KAFKA_SASL_PORT=${NEARDUP_KAFKA_SASL_PORT:-9094}
@@ -46,7 +55,7 @@ log() { printf '[services] %s\n' "$*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
 
 usage() {
-  sed -n '2,16p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
+  sed -n '2,24p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
   exit 2
 }
 
@@ -207,59 +216,98 @@ stop_redis_all() {
 
 cluster_ok() { redis-cli -h "$HOST" -p "$1" cluster info 2>/dev/null | grep -q '^cluster_state:ok'; }
 
+# The ports of a named cluster, and its replicas per master and node timeout (ms).
+cluster_spec() { # NAME -> sets SPEC_PORTS, SPEC_REPLICAS, SPEC_TIMEOUT
+  case $1 in
+    cluster) SPEC_PORTS=("${CLUSTER_PORTS[@]}") SPEC_REPLICAS=$CLUSTER_REPLICAS SPEC_TIMEOUT=5000 ;;
+    cluster6) SPEC_PORTS=("${CLUSTER6_PORTS[@]}") SPEC_REPLICAS=0 SPEC_TIMEOUT=5000 ;;
+    cluster-ha) SPEC_PORTS=("${CLUSTER_HA_PORTS[@]}") SPEC_REPLICAS=1 SPEC_TIMEOUT=2000 ;;
+    *) die "unknown cluster $1" ;;
+  esac
+}
+
+# start_cluster NAME: its nodes (a node that died is started again on its nodes.conf and rejoins), then
+# the cluster if it is not formed: `redis-cli --cluster create` for 3 masters or more, slots assigned by
+# hand for 1 or 2 (redis-cli refuses fewer than 3).
 start_cluster() {
   ensure_redis_installed
   mkdir -p "$STATE"
-  local port all_ok=1 i
-  for port in "${CLUSTER_PORTS[@]}"; do
+  cluster_spec "$1"
+  local port all_ok=1 i n=${#SPEC_PORTS[@]} masters
+  masters=$((n / (SPEC_REPLICAS + 1)))
+  ((masters >= 1 && masters * (SPEC_REPLICAS + 1) == n)) || die "$1: ${n} ports do not make masters with $SPEC_REPLICAS replicas each"
+  ((SPEC_REPLICAS == 0 || masters >= 3)) || die "$1: replicas need 3 masters or more"
+  for port in "${SPEC_PORTS[@]}"; do
     start_redis "cluster-$port" "$port" -- \
       "cluster-enabled yes" "cluster-config-file $STATE/redis-cluster-$port/nodes.conf" \
-      "cluster-node-timeout 5000" "cluster-require-full-coverage yes"
+      "cluster-node-timeout $SPEC_TIMEOUT" "cluster-require-full-coverage yes"
   done
-  for port in "${CLUSTER_PORTS[@]}"; do
-    cluster_ok "$port" || all_ok=0
-    [[ $(redis-cli -h "$HOST" -p "$port" cluster info 2>/dev/null | tr -d '\r' |
-      sed -n 's/^cluster_known_nodes://p') == "${#CLUSTER_PORTS[@]}" ]] || all_ok=0
+  # A node started again on the nodes.conf of a formed cluster rejoins on its own: wait for it a little.
+  local formed=1
+  for port in "${SPEC_PORTS[@]}"; do
+    [[ $(grep -cv '^vars' "$STATE/redis-cluster-$port/nodes.conf" 2>/dev/null) == "$n" ]] || formed=0
+  done
+  for ((i = 0; i < (formed ? 100 : 1); i++)); do
+    all_ok=1
+    for port in "${SPEC_PORTS[@]}"; do
+      cluster_ok "$port" || all_ok=0
+      [[ $(redis-cli -h "$HOST" -p "$port" cluster info 2>/dev/null | tr -d '\r' |
+        sed -n 's/^cluster_known_nodes://p') == "$n" ]] || all_ok=0
+    done
+    ((all_ok)) && break
+    sleep 0.1
   done
   if ((all_ok)); then
-    log "redis cluster already formed on ports ${CLUSTER_PORTS[*]}"
+    log "redis $1 already formed on ports ${SPEC_PORTS[*]}"
     return 0
   fi
-  # Not (fully) formed: reset every node so that `--cluster create` accepts them, then create.
-  for port in "${CLUSTER_PORTS[@]}"; do
+  # Not (fully) formed: reset every node so that it can be formed afresh, then form it.
+  for port in "${SPEC_PORTS[@]}"; do
     redis-cli -h "$HOST" -p "$port" flushall >/dev/null
     redis-cli -h "$HOST" -p "$port" cluster reset hard >/dev/null
   done
-  local -a nodes=()
-  for port in "${CLUSTER_PORTS[@]}"; do nodes+=("$HOST:$port"); done
-  redis-cli --cluster create "${nodes[@]}" --cluster-replicas 0 --cluster-yes >"$STATE/cluster-create.log" 2>&1 ||
-    die "redis-cli --cluster create failed:
-$(tail -n 30 "$STATE/cluster-create.log")"
+  if ((masters >= 3)); then
+    local -a nodes=()
+    for port in "${SPEC_PORTS[@]}"; do nodes+=("$HOST:$port"); done
+    redis-cli --cluster create "${nodes[@]}" --cluster-replicas "$SPEC_REPLICAS" --cluster-yes \
+      >"$STATE/$1-create.log" 2>&1 || die "redis-cli --cluster create failed:
+$(tail -n 30 "$STATE/$1-create.log")"
+  else
+    for port in "${SPEC_PORTS[@]:1}"; do redis-cli -h "$HOST" -p "$port" cluster meet "$HOST" "${SPEC_PORTS[0]}" >/dev/null; done
+    for ((i = 0; i < n; i++)); do
+      redis-cli -h "$HOST" -p "${SPEC_PORTS[i]}" cluster addslotsrange $((i * 16384 / n)) $(((i + 1) * 16384 / n - 1)) >/dev/null
+    done
+  fi
   for ((i = 0; i < 300; i++)); do
     all_ok=1
-    for port in "${CLUSTER_PORTS[@]}"; do cluster_ok "$port" || all_ok=0; done
+    for port in "${SPEC_PORTS[@]}"; do cluster_ok "$port" || all_ok=0; done
     if ((all_ok)); then
-      log "redis cluster up on ports ${CLUSTER_PORTS[*]} (cluster_state:ok)"
+      log "redis $1 up on ports ${SPEC_PORTS[*]} ($masters masters, $SPEC_REPLICAS replicas each; cluster_state:ok)"
       return 0
     fi
     sleep 0.1
   done
-  die "redis cluster did not reach cluster_state:ok within 30s:
-$(redis-cli -h "$HOST" -p "${CLUSTER_PORTS[0]}" cluster info 2>&1 | head -n 8)"
+  die "redis $1 did not reach cluster_state:ok within 30s:
+$(redis-cli -h "$HOST" -p "${SPEC_PORTS[0]}" cluster info 2>&1 | head -n 8)"
 }
 
 stop_cluster() {
+  cluster_spec "$1"
   local port
-  for port in "${CLUSTER_PORTS[@]}"; do
+  for port in "${SPEC_PORTS[@]}"; do
     stop_redis "cluster-$port"
     rm -f "$STATE/redis-cluster-$port/nodes.conf"
   done
 }
 
 cluster_running() {
+  cluster_spec "$1"
   local port
-  for port in "${CLUSTER_PORTS[@]}"; do pid_alive "$STATE/redis-cluster-$port/redis.pid" || return 1; done
+  for port in "${SPEC_PORTS[@]}"; do pid_alive "$STATE/redis-cluster-$port/redis.pid" || return 1; done
 }
+
+CLUSTERS=(cluster cluster6 cluster-ha)
+CLUSTER_ENV=([0]=NEARDUP_TEST_REDIS_CLUSTER_URL [1]=NEARDUP_TEST_REDIS_CLUSTER6_URL [2]=NEARDUP_TEST_REDIS_CLUSTER_HA_URL)
 
 # --- Kafka ------------------------------------------------------------------------------------------
 
@@ -456,11 +504,15 @@ status() {
       status_line redis-tls "$STATE/redis-tls/redis.pid" "rediss://$HOST:$REDIS_TLS_PORT"
     fi
   fi
-  if [[ $what == all || $what == cluster ]]; then
-    for port in "${CLUSTER_PORTS[@]}"; do
-      status_line "cluster-$port" "$STATE/redis-cluster-$port/redis.pid" "redis://$HOST:$port"
-    done
-  fi
+  local name
+  for name in "${CLUSTERS[@]}"; do
+    if [[ $what == all || $what == clusters || $what == "$name" ]]; then
+      cluster_spec "$name"
+      for port in "${SPEC_PORTS[@]}"; do
+        status_line "$name-$port" "$STATE/redis-cluster-$port/redis.pid" "redis://$HOST:$port"
+      done
+    fi
+  done
   if [[ $what == all || $what == kafka ]]; then
     status_line kafka "$KAFKA_DIR/kafka.pid" "PLAINTEXT $HOST:$KAFKA_PORT SASL_PLAINTEXT $HOST:$KAFKA_SASL_PORT"
   fi
@@ -476,9 +528,12 @@ print_env() {
     pid_alive "$STATE/redis-tls/redis.pid" &&
       echo "export NEARDUP_TEST_REDIS_TLS_URL='rediss://$HOST:$REDIS_TLS_PORT/0?ssl_ca_certs=$(urlencode "$TLS_DIR/ca.crt")'"
   fi
-  if [[ $what == all || $what == cluster ]]; then
-    cluster_running && echo "export NEARDUP_TEST_REDIS_CLUSTER_URL=redis://$HOST:${CLUSTER_PORTS[0]}/0"
-  fi
+  local i
+  for i in "${!CLUSTERS[@]}"; do
+    if [[ $what == all || $what == clusters || $what == "${CLUSTERS[i]}" ]] && cluster_running "${CLUSTERS[i]}"; then
+      echo "export ${CLUSTER_ENV[i]}=redis://$HOST:${SPEC_PORTS[0]}/0"
+    fi
+  done
   if [[ $what == all || $what == kafka ]] && pid_alive "$KAFKA_DIR/kafka.pid"; then
     echo "export NEARDUP_TEST_KAFKA=$HOST:$KAFKA_PORT"
     echo "export NEARDUP_TEST_KAFKA_SASL=$HOST:$KAFKA_SASL_PORT"
@@ -491,22 +546,24 @@ print_env() {
 # --- main -------------------------------------------------------------------------------------------
 
 main() {
-  local cmd=${1:-} what=${2:-all}
-  [[ $what =~ ^(redis|kafka|cluster|all)$ ]] || usage
+  local cmd=${1:-} what=${2:-all} name
+  [[ $what =~ ^(redis|kafka|cluster|cluster6|cluster-ha|clusters|all)$ ]] || usage
   case $cmd in
     start)
       case $what in
         redis) start_redis_all ;;
         kafka) start_kafka ;;
-        cluster) start_cluster ;;
+        cluster | cluster6 | cluster-ha) start_cluster "$what" ;;
+        clusters) for name in "${CLUSTERS[@]}"; do start_cluster "$name"; done ;;
         all) start_redis_all; start_kafka ;;
       esac ;;
     stop)
       case $what in
         redis) stop_redis_all ;;
         kafka) stop_kafka ;;
-        cluster) stop_cluster ;;
-        all) stop_kafka; stop_redis_all; stop_cluster ;;
+        cluster | cluster6 | cluster-ha) stop_cluster "$what" ;;
+        clusters) for name in "${CLUSTERS[@]}"; do stop_cluster "$name"; done ;;
+        all) stop_kafka; stop_redis_all; for name in "${CLUSTERS[@]}"; do stop_cluster "$name"; done ;;
       esac ;;
     restart)
       [[ $what == kafka ]] || usage

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack
 from functools import cache
@@ -89,6 +90,24 @@ def redis_cluster_url() -> str:
     _unavailable("Redis Cluster (NEARDUP_TEST_REDIS_CLUSTER_URL, from docker/services.sh start cluster)")
 
 
+def _service_url(variable: str, what: str) -> str:
+    """The URL docker/services.sh exported in `variable`, or the test is skipped (failed in CI)."""
+    if url := os.environ.get(variable):
+        return url
+    _unavailable(f"{what} ({variable}, from docker/services.sh start clusters)")
+
+
+@pytest.fixture(scope="session")
+def redis_cluster6_url() -> str:
+    return _service_url("NEARDUP_TEST_REDIS_CLUSTER6_URL", "6-master Redis Cluster")
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_ha_url() -> str:
+    """A 3-master Redis Cluster with a replica each, for failovers."""
+    return _service_url("NEARDUP_TEST_REDIS_CLUSTER_HA_URL", "Redis Cluster with replicas")
+
+
 @pytest.fixture(scope="session")
 def kafka_bootstrap(_containers: ExitStack) -> str:
     if bootstrap := os.environ.get("NEARDUP_TEST_KAFKA"):
@@ -133,3 +152,13 @@ def _collector_restored() -> Iterator[None]:
     yield
     gc.set_threshold(*thresholds)
     gc.unfreeze()
+
+
+@pytest.fixture
+def prefix(redis_url: str) -> Iterator[str]:
+    """A fresh key prefix on the test Redis; its keys are deleted after the test."""
+    from tests.test_index_contract import drop_namespace  # the helper lives with the contract suite
+
+    prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
+    yield prefix
+    drop_namespace(redis_url, prefix)

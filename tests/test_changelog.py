@@ -81,13 +81,13 @@ def test_records_read_back_as_the_entries_and_keys_they_were_made_of() -> None:
             decode_records(b"x", broken)
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "redis-spread"])
 def index_url(request: pytest.FixtureRequest) -> Iterator[str]:
     if request.param == "memory":
         yield "memory://"
         return
     with redis_namespace(request.getfixturevalue("redis_url")) as url:
-        yield url
+        yield url + ("&layout=spread" if request.param == "redis-spread" else "")
 
 
 def _shared(url: str, cfg: FilterConfig) -> NearDupFilter:
@@ -130,7 +130,7 @@ def test_an_index_restored_from_the_journal_decides_as_the_original(index_url: s
         restored = NearDupFilter(cfg, index=restored_index)
     else:
         with redis_namespace(index_url.split("?")[0]) as other:
-            restored = _shared(other, cfg)
+            restored = _shared(other + ("&layout=spread" if "layout=spread" in index_url else ""), cfg)
             try:
                 _restore_and_compare(original, restored, made, later)
             finally:

@@ -74,17 +74,22 @@ def test_a_duplicate_of_a_message_that_lost_its_insert_race_names_the_winner(url
     racing.close()
 
 
+@pytest.mark.parametrize("layout", ["slot", "spread"])
 @pytest.mark.parametrize(("clock", "found"), [(None, False), (294.0, True)])
-def test_the_window_keeps_what_a_worker_running_behind_still_needs(url: str, clock: float | None, found: bool) -> None:
+def test_the_window_keeps_what_a_worker_running_behind_still_needs(url: str, clock: float | None, found: bool,
+                                                                   layout: str) -> None:
     """A worker 7 s of event time behind the newest insert, which it has read, looks for a message 95.5 s
     before its own time (window 100 s). Without a clock the slice holding it went when the newest insert
     passed its end; with the group's low watermark as the clock (`expire`, as aligned workers set it) it
-    stays, and the worker matches within the window of its own event time, as the filter does."""
+    stays, and the worker matches within the window of its own event time, as the filter does. The same on
+    the spread layout, whose slices go in every shard."""
     from filters.config import FilterConfig
+    from filters.index.backends import open_index
 
     config = FilterConfig(window=100.0)
-    ahead = NearDupFilter(config, index=RedisIndex(url, window=100.0, bucket_cap=64, namespace=config.digest()))
-    behind = NearDupFilter(config, index=RedisIndex(url, window=100.0, bucket_cap=64, namespace=config.digest()))
+    at = url + ("&layout=spread&shards=4" if layout == "spread" else "")
+    ahead = NearDupFilter(config, index=open_index(at, window=100.0, bucket_cap=64, namespace=config.digest()))
+    behind = NearDupFilter(config, index=open_index(at, window=100.0, bucket_cap=64, namespace=config.digest()))
     if clock is not None:
         ahead.index.expire(clock)
         behind.index.expire(clock)

@@ -12,8 +12,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("filters", "stream", "bench", "tests")
-# The one module of filters/ that talks to the outside world (Redis), and the chooser that loads it on demand.
-IO_MODULES = {"filters.index.redis"}
+# The modules of filters/ that talk to the outside world: the Redis backend (its slot and spread layouts).
+IO_MODULES = {"filters.index.redis", "filters.index.redis_spread"}
 IO_IMPORTS = ("socket", "redis", "asyncio", "aiokafka", "aiohttp", "urllib.request", "http", "subprocess", "faust")
 
 

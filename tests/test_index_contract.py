@@ -37,20 +37,22 @@ def drop_namespace(url: str, prefix: str) -> None:
             client.delete(*keys[at : at + 500])
 
 
-@pytest.fixture(params=["memory", "memory-python", "redis"])
+@pytest.fixture(params=["memory", "memory-python", "redis", "redis-spread"])
 def make_index(request: pytest.FixtureRequest) -> Iterator[MakeIndex]:
     """A factory of fresh, empty indexes of one backend (Redis: a fresh prefix, cleaned up after).
-    `memory` is the embedded index on its compiled table, `memory-python` on the reference `PyTable`."""
+    `memory` is the embedded index on its compiled table, `memory-python` on the reference `PyTable`;
+    `redis-spread` the spread layout (filters/index/redis_spread.py) on one Redis, over 4 shards."""
     made: list[CandidateIndex] = []
     prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
-    url = request.getfixturevalue("redis_url") if request.param == "redis" else ""
+    url = request.getfixturevalue("redis_url") if request.param.startswith("redis") else ""
 
     def make(window: float = 100.0, bucket_cap: int = 4) -> CandidateIndex:
         if request.param.startswith("memory"):
             return MemoryIndex(window, bucket_cap, native=request.param == "memory")
-        from filters.index.redis import RedisIndex
+        from filters.index.backends import open_index
 
-        index = RedisIndex(with_query(url, prefix=prefix), window=window, bucket_cap=bucket_cap,
+        query = {"prefix": prefix, **({"layout": "spread", "shards": "4"} if request.param == "redis-spread" else {})}
+        index = open_index(with_query(url, **query), window=window, bucket_cap=bucket_cap,
                            namespace=uuid.uuid4().hex[:12])
         made.append(index)
         return index

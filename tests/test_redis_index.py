@@ -9,6 +9,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -49,13 +50,6 @@ def cluster_url(url: str) -> str:
     """The fixture's `redis://host:port/0` of a cluster node as this index spells a cluster."""
     parts = urlsplit(url)
     return f"{parts.scheme}+cluster://{parts.netloc}"
-
-
-@pytest.fixture
-def prefix(redis_url: str) -> Iterator[str]:
-    prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
-    yield prefix
-    drop_namespace(redis_url, prefix)
 
 
 @pytest.fixture
@@ -1118,17 +1112,22 @@ def test_a_slice_that_left_the_window_is_unlinked(make: Callable[..., RedisIndex
 _VOCABULARY = ["".join(random.Random(i).choices("abcdefghijklmnopqrstuvwxyz", k=6)) for i in range(400)]
 
 
-class _PausedIndex(RedisIndex):
+class PausedLookup:
     """Holds every worker between its lookup and its insert until all have looked up: the race
-    window of two workers that receive near-duplicates at the same moment, made certain."""
+    window of two workers that receive near-duplicates at the same moment, made certain. A mixin before
+    the index class it pauses (`_PausedIndex`, and the spread layout's in tests/test_spread_index.py)."""
 
     barrier: threading.Barrier | None = None
 
     def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | Verdict | None, list[Candidate]]]:
-        looked = super().lookup(queries, limit)
+        looked: list[tuple[Entry | Verdict | None, list[Candidate]]] = super().lookup(queries, limit)  # type: ignore[misc]
         if self.barrier is not None:
             self.barrier.wait(timeout=30)
         return looked
+
+
+class _PausedIndex(PausedLookup, RedisIndex):
+    """The slot layout, paused between lookup and insert (`PausedLookup`)."""
 
 
 class _RacyIndex(_PausedIndex):
@@ -1146,12 +1145,14 @@ def _spam(cluster: int, worker: int) -> str:
     return f"{words} call now 555-{worker:02d}{cluster:04d} or text {worker * 7 + cluster}"
 
 
-def race(url: str, *, racy: bool, paused: bool, workers: int = 3, clusters: int = 200) -> list[int]:
+def race(url: str, *, racy: bool, paused: bool, workers: int = 3, clusters: int = 200,
+         index: Callable[..., Any] | None = None) -> list[int]:
     """Each worker, its own index and filter, checks its copy of cluster c's spam at the same moment.
-    Returns the number of unique verdicts per cluster."""
+    Returns the number of unique verdicts per cluster. `index`: the class of the workers' indexes (one with
+    a `barrier` between lookup and insert, as `_PausedIndex`), instead of the slot layout's."""
     config = FilterConfig()
     namespace = f"race-{uuid.uuid4().hex[:10]}"
-    cls = _RacyIndex if racy else _PausedIndex
+    cls = index or (_RacyIndex if racy else _PausedIndex)
     indexes = [cls(url, window=config.window, bucket_cap=config.bucket_cap, namespace=namespace)
                for _ in range(workers)]
     pause = threading.Barrier(workers) if paused else None

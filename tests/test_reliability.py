@@ -100,6 +100,31 @@ def test_workers_racing_on_redis_cluster(kafka_bootstrap: str, cluster_index: st
     assert set(per_cluster.values()) == {1}, Counter(per_cluster.values())
 
 
+def test_workers_racing_on_a_spread_namespace_while_a_master_is_killed(kafka_bootstrap: str, redis_cluster_ha_url: str,
+                                                                       tmp_path: Path) -> None:
+    """Four serve processes on one namespace spread over a 3-master cluster with replicas (`?layout=spread`), a
+    copy of each near-duplicate cluster in each partition at once, a master killed (kill -9) once a fifth of
+    the outputs are out: the workers' batches fail as index errors, are retried with backoff (`block`) and taken over once
+    the replica is promoted. Lost 0, doubled 0, one unique per cluster, no claim left pending."""
+    from tests.test_spread_index import _pending_on, _port, kill_a_master
+
+    url = rs.cluster_index_url(redis_cluster_ha_url, layout="spread") + "&claim_ttl=1"
+    try:
+        tally, per_cluster = rs.concurrency(kafka_bootstrap, url, tmp_path, workers=4, clusters=60, hook="pause=0.2",
+                                            name="one namespace spread over 3 masters with replicas",
+                                            fault=lambda: kill_a_master(_port(redis_cluster_ha_url)), max_batch=10,
+                                            retry_max=2.0)
+        TABLE.append(tally)
+        assert "kill -9" in tally.faults
+        assert any("index unavailable" in log.read_text() for log in tmp_path.glob("*.log"))  # it hit the workers
+        assert (tally.lost, tally.repeated) == (0, 0)
+        assert set(per_cluster.values()) == {1}, Counter(per_cluster.values())
+        assert tally.let_through == tally.wrong_verdicts == 0
+        assert _pending_on(_port(redis_cluster_ha_url), url.split("prefix=")[1].split("&")[0]) == []
+    finally:
+        rs.drop_cluster_index(url)
+
+
 # -- 2. crash ------------------------------------------------------------------------------------
 
 

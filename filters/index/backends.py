@@ -11,7 +11,8 @@ from filters.index.memory import MemoryIndex
 
 def open_index(url: str, *, window: float, bucket_cap: int, namespace: str,
                native: bool | None = None, fenced: bool = False) -> CandidateIndex:
-    """`memory://` or `redis://[:password@]host:port/db` / `rediss://...` (TLS) / `redis+cluster://`.
+    """`memory://` or `redis://[:password@]host:port/db` / `rediss://...` (TLS) / `redis+cluster://`, with
+    `?layout=spread` a namespace spread over the cluster's slots (`filters.index.redis_spread`).
 
     `native` picks the memory index's table (see `filters.index.memory.make_table`); `fenced`, whether a shared
     index requires the marker an index changelog keeps (see `RedisIndex`)."""
@@ -19,7 +20,11 @@ def open_index(url: str, *, window: float, bucket_cap: int, namespace: str,
     if scheme == "memory":
         return MemoryIndex(window, bucket_cap, native=native)
     if scheme in ("redis", "rediss", "redis+cluster", "rediss+cluster", "unix"):
-        from filters.index.redis import RedisIndex  # the one backend that does I/O; loaded on demand (redis is optional)
+        from filters.index.redis import RedisIndex, RedisTarget  # the backend that does I/O; loaded on demand
 
+        if RedisTarget.parse(url).layout == "spread":
+            from filters.index.redis_spread import SpreadIndex
+
+            return SpreadIndex(url, window=window, bucket_cap=bucket_cap, namespace=namespace)
         return RedisIndex(url, window=window, bucket_cap=bucket_cap, namespace=namespace, fenced=fenced)
     raise ConfigError(f"unknown index URL scheme {scheme!r} in {url!r}: use memory:// or redis://")

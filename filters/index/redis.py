@@ -198,6 +198,7 @@ _MIN_TS = -float(2**52)  # event times must be above it
 _MAX_SLICE = float(2**50)  # ... and less than this many slices (windows) from 0
 _NAME = re.compile(r"[A-Za-z0-9_.:-]+")  # prefix and namespace: no glob or hash-tag characters
 MARKER = "epoch"  # the meta hash's field a fenced index requires (see Fence)
+SPREAD_OPTIONS = ("shards", "claim_ttl")  # URL options of layout=spread (filters/index/redis_spread.py)
 
 
 def meta_key(prefix: str, namespace: str) -> str:
@@ -208,13 +209,13 @@ def meta_key(prefix: str, namespace: str) -> str:
 # --- the insert scripts ----------------------------------------------------------------------------
 
 
-def _lua(name: str) -> str:
-    """A script of filters/index/lua/ (package data), with its FIELDS_PER_CALL filled in."""
-    source = resources.files("filters.index").joinpath("lua", name).read_text(encoding="utf-8")
-    return source.replace("FIELDS_PER_CALL", str(FIELDS_PER_CALL))
+def _lua(*names: str) -> str:
+    """Scripts of filters/index/lua/ (package data), one after the other, with FIELDS_PER_CALL filled in."""
+    sources = [resources.files("filters.index").joinpath("lua", name).read_text(encoding="utf-8") for name in names]
+    return "\n".join(sources).replace("FIELDS_PER_CALL", str(FIELDS_PER_CALL))
 
 
-INSERT_LUA = _lua("insert.lua")
+INSERT_LUA = _lua("trim.lua", "insert.lua")
 
 # The insert of a caller that nobody else inserted anything since its lookup: it read every field its
 # batch writes, so it computed the writes itself (`RedisIndex._alone`), and this only checks that the
@@ -253,6 +254,8 @@ class RedisTarget:
     prefix: str
     grace: float
     entry_cache: int = DEFAULT_ENTRY_CACHE
+    layout: str = "slot"  # "slot": a namespace is one hash tag; "spread": over many (filters/index/redis_spread.py)
+    spread: tuple[tuple[str, str], ...] = ()  # the spread layout's own options, checked there
 
     @classmethod
     def parse(cls, url: str) -> RedisTarget:
@@ -264,10 +267,17 @@ class RedisTarget:
         if scheme not in ("redis", "rediss", "unix"):
             raise ConfigError(f"not a Redis URL: {redact_url(url)}")
         query: list[tuple[str, str]] = []
-        prefix, grace, entry_cache = DEFAULT_PREFIX, DEFAULT_GRACE, DEFAULT_ENTRY_CACHE
+        prefix, grace, entry_cache, layout = DEFAULT_PREFIX, DEFAULT_GRACE, DEFAULT_ENTRY_CACHE, "slot"
+        spread: list[tuple[str, str]] = []
         for name, value in parse_qsl(parts.query, keep_blank_values=True):
             if name == "prefix":
                 prefix = value
+            elif name == "layout":
+                if value not in ("slot", "spread"):
+                    raise ConfigError(f"layout must be slot or spread, got {value!r}")
+                layout = value
+            elif name in SPREAD_OPTIONS:
+                spread.append((name, value))
             elif name == "entry_cache":
                 try:
                     entry_cache = int(value)
@@ -286,13 +296,15 @@ class RedisTarget:
                 query.append((name, value))
         if not _NAME.fullmatch(prefix):
             raise ConfigError(f"prefix must match {_NAME.pattern}, got {prefix!r}")
+        if spread and layout != "spread":
+            raise ConfigError(f"{', '.join(name for name, _ in spread)}: options of layout=spread only")
         path = parts.path
         if cluster:
             if path.strip("/") not in ("", "0"):
                 raise ConfigError(f"Redis Cluster has only database 0: {redact_url(url)}")
             path = ""
         client_url = urlunsplit((scheme, parts.netloc, path, urlencode(query), ""))
-        return cls(client_url, cluster, prefix, grace, entry_cache)
+        return cls(client_url, cluster, prefix, grace, entry_cache, layout, tuple(spread))
 
 
 def redact_url(url: str) -> str:

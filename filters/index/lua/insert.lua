@@ -1,4 +1,4 @@
--- One caller's insert round, atomically. KEYS[1]: the namespace's meta hash.
+-- One caller's insert round, atomically (trim.lua comes before this). KEYS[1]: the namespace's meta hash.
 -- ARGV: slice key prefix, window, slice length, bucket cap, TTL (ms), the caller's high-water mark of
 --       event time, the slices the caller read (comma-separated, in the order of its tails), the seq
 --       at its lookup and how many it inserted since, the window's clock ('' for the high-water mark:
@@ -79,27 +79,6 @@ local function now(s, f)  -- a field as this call left it so far
   if v == nil then v = orig[s][f] end
   return v
 end
--- Keeps the `cap` newest records (event time, then seq) of a bucket value, in insertion order.
-local function trim(v)
-  local recs, p = {}, 1
-  while p <= #v do
-    local ts, n = struct.unpack('<dI4', v, p)
-    local stop = p + 12 + n + 7
-    recs[#recs + 1] = {ts, string.sub(v, stop - 7, stop), p, stop}
-    p = stop + 1
-  end
-  if #recs <= cap then return v end
-  local order = {}
-  for j = 1, #recs do order[j] = recs[j] end
-  table.sort(order, function(a, b) if a[1] ~= b[1] then return a[1] > b[1] end return a[2] > b[2] end)
-  local keep = {}
-  for j = 1, cap do keep[order[j]] = true end
-  local out = {}
-  for _, r in ipairs(recs) do
-    if keep[r] then out[#out + 1] = string.sub(v, r[3], r[4]) end
-  end
-  return table.concat(out)
-end
 local results, added = {}, {}
 for _, e in ipairs(entries) do
   local at, ts, n = e[1], e[2], e[3]
@@ -135,7 +114,7 @@ for _, e in ipairs(entries) do
           local f = ARGV[j]
           local v = now(s, f)
           if v then
-            if #v > 2 * cap * #rec then v = trim(v) end
+            if #v > 2 * cap * #rec then v = trim(v, cap) end
             v = v .. rec
           else
             v = rec

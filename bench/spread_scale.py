@@ -1,0 +1,189 @@
+"""Benchmark: one namespace spread over 1, 3 and 6 masters (`?layout=spread`): each master's server CPU and memory
+per message, and the total throughput of the index.
+
+    eval "$(bash docker/services.sh env)"
+    python bench/spread_scale.py --cluster redis://127.0.0.1:7156 --cluster redis://127.0.0.1:7001 \
+        --cluster redis://127.0.0.1:7011 [--workers 4] [--warm 8000] [--messages 16000] [--runs 3] [--slot]
+
+Each --cluster is a node of a Redis Cluster (of any number of masters). Per run and cluster, alternating
+between the clusters: a fresh namespace; one worker decides the first --warm messages of the development
+stream (unmeasured: every shard's slice hashes then hold enough fields to be real hash tables, as in a
+long-running namespace), then --workers processes, an index each, decide the next --messages in batches of
+512 dealt round-robin, started together. Read around that: each master's `INFO cpu` (used_cpu_user +
+used_cpu_sys) and `INFO commandstats`, and `used_memory`. Printed, medians over the runs: per master its CPU
+µs per message of the whole stream measured, the mean and the spread (max / min) over masters, the total;
+the memory the namespace added on all masters per message indexed (warm-up included: `used_memory` after
+less before, and the sum of `MEMORY USAGE` of its keys); the workers' own CPU µs per message (process
+time, all workers); messages/s.
+`--slot` adds the slot layout (one namespace on one master) on the first cluster, for comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+try:
+    import redis
+except ModuleNotFoundError as exc:  # one line naming what to install, not a traceback
+    print(f"spread_scale.py needs the Python package {exc.name}: pip install 'neardup[kafka]'", file=sys.stderr)
+    raise SystemExit(2) from None
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench import needs  # noqa: E402
+from filters.config import FilterConfig  # noqa: E402
+from filters.engine import Message, NearDupFilter  # noqa: E402
+from filters.index.backends import open_index  # noqa: E402
+
+BATCH = 512
+
+
+def masters(node: str) -> list[redis.Redis]:
+    """A client on each master of the cluster `node` belongs to."""
+    with redis.RedisCluster.from_url(node) as cluster:
+        return [redis.Redis(host=n.host or "127.0.0.1", port=n.port) for n in cluster.get_primaries()]
+
+
+def _work(url: str, messages: list[tuple[str, str, float]], w: int, workers: int, warm: int,
+          ready: Any, go: Any, done: Any) -> None:
+    config = FilterConfig()
+    index = open_index(url, window=config.window, bucket_cap=config.bucket_cap, namespace="scale")
+    engine = NearDupFilter(config, index=index)
+    batch = [Message(*m) for m in messages]
+    if w == 0:
+        for at in range(0, warm, BATCH):
+            engine.check_batch(batch[at : min(at + BATCH, warm)])
+    mine = [batch[at : at + BATCH] for at in range(warm, len(batch), BATCH)][w::workers]
+    ready.wait()
+    go.wait()
+    cpu = time.process_time()
+    uniques = sum(not v.duplicate for b in mine for v in engine.check_batch(b))
+    done.put((uniques, time.process_time() - cpu))
+    index.close()
+
+
+def run(node: str, url: str, messages: list[tuple[str, str, float]], workers: int, warm: int) -> dict[str, Any]:
+    servers = masters(node)
+    memory0 = [s.info("memory")["used_memory"] for s in servers]
+    ctx = mp.get_context("fork")
+    ready, go, done = ctx.Barrier(workers + 1), ctx.Barrier(workers + 1), ctx.Queue()
+    procs = [ctx.Process(target=_work, args=(url, messages, w, workers, warm, ready, go, done)) for w in range(workers)]
+    for p in procs:
+        p.start()
+    ready.wait()
+    for s in servers:
+        s.config_resetstat()
+    cpu0 = [s.info("cpu") for s in servers]
+    go.wait()
+    t0 = time.perf_counter()
+    reports = [done.get() for _ in procs]
+    wall = time.perf_counter() - t0
+    uniques = sum(u for u, _ in reports)
+    for p in procs:
+        p.join()
+    cpu1 = [s.info("cpu") for s in servers]
+    n = len(messages) - warm
+    per_master = [((b["used_cpu_user"] + b["used_cpu_sys"]) - (a["used_cpu_user"] + a["used_cpu_sys"])) / n * 1e6
+                  for a, b in zip(cpu0, cpu1)]
+    commands: dict[str, float] = {}
+    for s in servers:
+        for name, stat in s.info("commandstats").items():
+            commands[name.removeprefix("cmdstat_")] = commands.get(name.removeprefix("cmdstat_"), 0.0) + stat["usec"] / n
+    memory = sum(s.info("memory")["used_memory"] for s in servers) - sum(memory0)
+    indexed = _committed(servers, url)
+    prefix = url.split("prefix=")[1].split("&")[0]
+    usage = sum(s.memory_usage(key, samples=0) or 0 for s in servers
+                for key in s.scan_iter(match=f"{{{prefix}:*", count=1000))
+    for s in servers:
+        s.close()
+    return {"masters": len(servers), "per_master": per_master, "commands": commands, "rate": n / wall,
+            "memory": memory / max(indexed, 1), "usage": usage / max(indexed, 1), "indexed": indexed,
+            "uniques": uniques, "client": sum(c for _, c in reports) / n * 1e6}
+
+
+def _committed(servers: list[redis.Redis], url: str) -> int:
+    """Entries the namespace holds (committed), on all masters: its slices' `n` counters."""
+    prefix = url.split("prefix=")[1].split("&")[0]
+    return sum(int(s.hget(key, "n") or 0) for s in servers for key in s.scan_iter(match=f"{{{prefix}:*", count=1000)
+               if b":s:" in key)
+
+
+def drop(node: str, prefix: str) -> None:
+    for s in masters(node):
+        pipe = s.pipeline(transaction=False)
+        for key in s.scan_iter(match=f"{{{prefix}:*", count=1000):
+            pipe.unlink(key)  # one key a command: a namespace's keys are in many slots
+        pipe.execute()
+        s.close()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cluster", action="append", help="a node of a Redis Cluster (repeat; default: "
+                   "$NEARDUP_TEST_REDIS_CLUSTER_URL, else redis://127.0.0.1:7001)")
+    p.add_argument("--stream", default=str(ROOT.parent / "shared" / "eval" / "stream.jsonl"))
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--warm", type=int, default=8000)
+    p.add_argument("--messages", type=int, default=16000)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--shards", type=int, default=None, help="the spread layout's shards (default: its own)")
+    p.add_argument("--slot", action="store_true", help="also the slot layout, on the first cluster")
+    args = p.parse_args()
+    needs.files(__file__, args.stream)
+    args.cluster = args.cluster or [os.environ.get("NEARDUP_TEST_REDIS_CLUSTER_URL", "redis://127.0.0.1:7001")]
+    for node in args.cluster:
+        needs.redis(__file__, node)
+    with open(args.stream, "rb") as f:
+        rows = [orjson.loads(line) for line in f.read().splitlines()[: args.warm + args.messages]]
+    messages = [(str(r["id"]), r["text"], float(r["ts"])) for r in rows]
+    setups = [(node, "spread") for node in args.cluster] + ([(args.cluster[0], "slot")] if args.slot else [])
+    results: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for _ in range(args.runs):
+        for node, layout in setups:
+            prefix = f"scale-{uuid.uuid4().hex[:8]}"
+            base = node.replace("redis://", "redis+cluster://").split("/0")[0]
+            shards = f"&shards={args.shards}" if args.shards and layout == "spread" else ""
+            url = f"{base}?prefix={prefix}&layout={layout}{shards}"
+            try:
+                results.setdefault((node, layout), []).append(run(node, url, messages, args.workers, args.warm))
+            finally:
+                drop(node, prefix)
+    print(f"{args.messages:,} messages of the development stream after {args.warm:,} of warm-up, {args.workers} "
+          f"worker processes, batches of {BATCH}, {args.runs} runs (medians); {os.cpu_count()} cores shared by "
+          f"the workers and every Redis node\n")
+    print("| layout | masters | server CPU µs per message, each master | mean per master | max / min | total "
+          "| bytes per message indexed (used_memory / MEMORY USAGE) | client CPU µs per message | messages/s "
+          "|\n|---|---|---|---|---|---|---|---|---|")
+    for (_, layout), runs in results.items():
+        per = [statistics.median(r["per_master"][m] for r in runs) for m in range(len(runs[0]["per_master"]))]
+        mean = statistics.mean(per)
+        print(f"| {layout} | {runs[0]['masters']} | {', '.join(f'{x:.1f}' for x in per)} | {mean:.1f} "
+              f"| {max(per) / max(min(per), 1e-9):.2f} | {sum(per):.1f} | {statistics.median(r['memory'] for r in runs):,.0f} / "
+              f"{statistics.median(r['usage'] for r in runs):,.0f} "
+              f"| {statistics.median(r['client'] for r in runs):.1f} | {statistics.median(r['rate'] for r in runs):,.0f} |")
+    print("\nEach run (alternating): server CPU µs per message, total over masters; messages/s")
+    for (_, layout), runs in results.items():
+        print(f"- {layout}, {runs[0]['masters']} master(s): " + "; ".join(
+            f"{sum(r['per_master']):.1f} µs, {r['rate']:,.0f}/s" for r in runs))
+    print("\n| layout | masters | busiest server commands (all masters, incl. those run by scripts), µs per message |"
+          "\n|---|---|---|")
+    for (_, layout), runs in results.items():
+        names = sorted(runs[0]["commands"], key=lambda c: -statistics.median(r["commands"].get(c, 0) for r in runs))[:5]
+        print(f"| {layout} | {runs[0]['masters']} | " + ", ".join(
+            f"{c} {statistics.median(r['commands'].get(c, 0) for r in runs):.1f}" for c in names) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

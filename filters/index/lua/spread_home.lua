@@ -1,0 +1,175 @@
+-- Claims' homes in one shard of a spread namespace: the compare-and-sets of the claim protocol
+-- (filters/index/claims.py), one per op, in order. KEYS[1]: the shard's meta hash; KEYS[2..]: the slice
+-- hashes the ops name (all declared).
+-- ARGV: claim TTL (ms), key TTL (ms), the window's horizon (event time), the numbers in KEYS of the live
+--       slices (comma-separated), the highest event time the ops create ('' if none: the shard's
+--       high-water mark moves to it), then per op: its code, the number of its key in KEYS, the id, its
+--       event time, an argument (create/put: the entry; note: the noter as <ts: f64 LE><id length: u32
+--       LE><id>; commit: how many notes the claimant has seen; else '').
+-- A home is the entry field e<id> and, while the claim is undecided, the state field c<id> =
+-- 'P' <deadline: f64 BE, ms of this node's clock> <notes>. Committed: the entry without a state. Gone:
+-- neither. An id whose entry is live (event time at the horizon or later) in any of the live slices is
+-- there already: a create or put of it is a replay ('C', 0), as in the slot layout (the first entry of an
+-- id wins); an entry no longer live is written over. The other ops concern the claim of the id at their
+-- event time: a home holding another one is gone for them. Returns per op {state ('C', 'P' or 'G'), the
+-- entry ('' if not asked for), the notes}; put: 1 (written) or 0 (the id was there already).
+local meta = KEYS[1]
+local claim_ttl, ttl, horizon, top = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[5])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local live = {}
+for k in string.gmatch(ARGV[4], '[^,]+') do live[#live + 1] = KEYS[tonumber(k)] end
+local FIRST = 6
+-- Every field the ops may read, per key, read at once.
+local wanted = {}
+local function want(key, field)
+  local w = wanted[key]
+  if not w then w = {{}, {}}; wanted[key] = w end
+  if not w[2][field] then w[2][field] = true; w[1][#w[1] + 1] = field end
+end
+local i = FIRST
+while i <= #ARGV do
+  local op, key, id = ARGV[i], KEYS[tonumber(ARGV[i + 1])], ARGV[i + 2]
+  want(key, 'e' .. id)
+  want(key, 'c' .. id)
+  if op == 'create' or op == 'put' then
+    for _, other in ipairs(live) do want(other, 'e' .. id) end
+  end
+  i = i + 5
+end
+local PER_CALL = FIELDS_PER_CALL
+local val = {}  -- key -> field -> value (false: absent), as the ops leave them
+for key, w in pairs(wanted) do
+  local v = {}
+  local names = w[1]
+  for a = 1, #names, PER_CALL do
+    local part = {unpack(names, a, math.min(a + PER_CALL - 1, #names))}
+    local got = redis.call('HMGET', key, unpack(part))
+    for b = 1, #part do v[part[b]] = got[b] end
+  end
+  val[key] = v
+end
+local set, del, counted, touched = {}, {}, {}, {}
+local function put(key, field, value)
+  val[key][field] = value
+  local s = set[key]
+  if not s then s = {}; set[key] = s end
+  s[field] = value
+  if del[key] then del[key][field] = nil end
+end
+local function drop(key, field)
+  val[key][field] = false
+  local d = del[key]
+  if not d then d = {}; del[key] = d end
+  d[field] = true
+  if set[key] then set[key][field] = nil end
+end
+local function elsewhere(key, ef)  -- a live entry of the id in another of the live slices
+  for _, other in ipairs(live) do
+    if other ~= key then
+      local e = val[other][ef]
+      if e and struct.unpack('<d', e, 2) >= horizon then return true end
+    end
+  end
+  return false
+end
+local out = {}
+i = FIRST
+while i <= #ARGV do
+  local op, key, id, ts, arg = ARGV[i], KEYS[tonumber(ARGV[i + 1])], ARGV[i + 2], tonumber(ARGV[i + 3]), ARGV[i + 4]
+  i = i + 5
+  local ef, cf = 'e' .. id, 'c' .. id
+  local e, c = val[key][ef], val[key][cf]
+  if e then
+    local at = struct.unpack('<d', e, 2)
+    if op == 'create' or op == 'put' then
+      if at < horizon then e, c = false, false end  -- left the window: as if absent
+    elseif at ~= ts then
+      e, c = false, false  -- another claim of the id: the one asked about is gone
+    end
+  end
+  local reply
+  if op == 'put' then  -- a restored entry: committed at once (nothing to decide)
+    if e or elsewhere(key, ef) then
+      reply = 0
+    else
+      put(key, ef, arg)
+      if c then drop(key, cf) end
+      counted[key] = (counted[key] or 0) + 1
+      touched[key] = true
+      reply = 1
+    end
+  elseif not c then
+    if e and op ~= 'create' then
+      reply = {'C', op == 'commit' and '' or e, ''}
+    elseif e or op == 'create' and elsewhere(key, ef) then
+      reply = {'C', '', ''}  -- committed already: a replay
+    elseif op == 'create' then
+      put(key, ef, arg)
+      put(key, cf, 'P' .. struct.pack('>d', now + claim_ttl))
+      touched[key] = true
+      reply = {'P', '', ''}
+    else
+      reply = {'G', '', ''}
+    end
+  else
+    local deadline = struct.unpack('>d', c, 2)
+    local notes = string.sub(c, 10)
+    if op == 'create' or op == 'refresh' then  -- taken over / kept alive: a fresh deadline, the notes stay
+      put(key, cf, 'P' .. struct.pack('>d', now + claim_ttl) .. notes)
+      touched[key] = true
+      reply = {'P', '', notes}
+    elseif op == 'note' then
+      notes = notes .. arg
+      put(key, cf, string.sub(c, 1, 9) .. notes)
+      reply = {'P', e, notes}
+    elseif op == 'commit' then
+      local seen, count, p = tonumber(arg), 0, 1
+      while p <= #notes do
+        local _, n = struct.unpack('<dI4', notes, p)
+        p = p + 12 + n
+        count = count + 1
+      end
+      if count <= seen then
+        drop(key, cf)
+        counted[key] = (counted[key] or 0) + 1
+        reply = {'C', '', ''}
+      else
+        reply = {'P', '', notes}
+      end
+    elseif op == 'poll' and deadline < now or op == 'abort' then
+      drop(key, ef)
+      drop(key, cf)
+      reply = {'G', '', ''}
+    elseif op == 'poll' then
+      reply = {'P', e, notes}
+    else
+      return redis.error_reply('ERR unknown op ' .. op)
+    end
+  end
+  out[#out + 1] = reply
+end
+for key, s in pairs(set) do
+  local args = {}
+  for field, value in pairs(s) do args[#args + 1] = field; args[#args + 1] = value end
+  for a = 1, #args, 2 * PER_CALL do
+    redis.call('HSET', key, unpack(args, a, math.min(a + 2 * PER_CALL - 1, #args)))
+  end
+end
+for key, d in pairs(del) do
+  local args = {}
+  for field in pairs(d) do args[#args + 1] = field end
+  for a = 1, #args, PER_CALL do
+    redis.call('HDEL', key, unpack(args, a, math.min(a + PER_CALL - 1, #args)))
+  end
+end
+for key, n in pairs(counted) do redis.call('HINCRBY', key, 'n', n) end
+for key in pairs(touched) do redis.call('PEXPIRE', key, ttl) end
+if top then
+  local hwm = tonumber(redis.call('HGET', meta, 'hwm') or '-inf')
+  if top > hwm then
+    redis.call('HSET', meta, 'hwm', string.format('%.17g', top))
+    redis.call('PEXPIRE', meta, ttl)
+  end
+end
+return out

@@ -1,0 +1,1153 @@
+"""The spread layout of the Redis index: one namespace over many slots of a Redis Cluster, so that one stream's
+index grows with the cluster's masters (`redis+cluster://...?layout=spread`; docs/design.md, "The spread
+layout").
+
+Keys. The namespace is cut into `shards` (default 64); shard k's keys carry the hash tag
+`{<prefix>:<namespace>:<n>}`, n chosen so that the tag's slot is the middle one of the k-th of `shards`
+equal parts of the slots (`shard_tags`): equal ranges of slots, equal numbers of shards (to one). Per shard, the keys of the
+slot layout (filters/index/redis.py): `{tag}:meta` (`seq`, `hwm`) and the event-time slices `{tag}:s:<n>`
+with bucket records `b<key>` of the keys the shard holds (`bucket_shards`), entries `e<id>` of the ids
+whose home it is (`home_shard`), and claim states `c<id>` while a claim is undecided.
+
+Reading. A lookup reads, per shard it touches, the meta hash and one HMGET per slice of every field the
+batch names there (its buckets, its own ids' entries and states), as one pipeline per node, all nodes at
+once (`_Nodes.execute`); the replies are scattered into the columns the slot layout ranks, so ranking is
+`rank_lookup`, as there. The candidates' homes (entry and state) are a second read: committed ones are
+candidates, pending ones are claims the protocol must resolve; entries known committed are kept
+(`entry_cache`) and not read again.
+
+Inserting is the claim protocol (`filters.index.claims`): the `Resolver` says what to ask each shard, this
+module asks it (`_round`: the home ops of a shard in one call of `spread_home.lua`, its claims in one call
+of `spread_claim.lua`, reads as HMGETs), in one round trip per round.
+
+Redirects. A reply MOVED (the slot has a new owner: failover, resharding), ASK (the slot is being migrated
+and the keys are on the target) or TRYAGAIN (a script's keys are split between the two) means the command
+did not run: it is sent again where the cluster says (`ASKING` first for ASK), TRYAGAIN after a short
+wait; NOSCRIPT loads the script on that node. A node that does not answer fails the round as
+`IndexUnavailable`, and the worker retries the batch (what was half done is taken over by the retry).
+"""
+
+from __future__ import annotations
+
+import binascii
+import math
+import struct
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from itertools import islice
+from typing import Any, cast
+
+import mmh3
+import numpy as np
+import redis
+from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
+from redis.exceptions import AskError, ClusterDownError, NoScriptError, ResponseError, TryAgainError
+from redis.retry import Retry
+
+from filters.errors import ConfigError, IndexCorrupt, IndexUnavailable
+from filters.index import Batch, Candidate, Entry, Memo, Query, Stored, Verifier, finish, new_candidate, new_entry
+from filters.index import claims as cl
+from filters.index.redis import (
+    _NAME,
+    DEFAULT_SOCKET_TIMEOUT,
+    FIELDS_PER_CALL,
+    FIELDS_PER_HMGET,
+    INSERT_CHUNK,
+    RedisTarget,
+    _event_time,
+    _lua,
+    _Script,
+    redact_url,
+    redis_errors,
+)
+from filters.index.redis_codec import (
+    SEQ,
+    decode_entries,
+    decode_entry,
+    decode_memo,
+    encode_entries,
+    encode_entry,
+    encode_memo,
+    entry_time,
+    field_of,
+    id_field,
+    memo_field,
+    memo_time,
+    parse_records,
+    plan_fields,
+    rank_lookup,
+    rank_records,
+    stored_entries,
+    trim_records,
+)
+from filters.index.shared import SharedDecider
+from filters.records import Verdict
+
+try:  # redis-py's hiredis parser: `_read_many` reads replies from its reader
+    from redis._parsers.hiredis import NOT_ENOUGH_DATA as _NOT_ENOUGH_DATA
+except ImportError:  # pragma: no cover - another redis-py: replies are read one by one
+    _NOT_ENOUGH_DATA = None
+
+try:  # the compiled core; absent when it could not be built at install time (no C++ compiler)
+    import filters._native as _native
+except ImportError:  # pragma: no cover - exercised on machines without a compiler
+    _native = None
+
+__all__ = ["DEFAULT_CLAIM_TTL", "DEFAULT_SHARDS", "SpreadIndex", "bucket_shards", "home_shard", "shard_tags"]
+
+DEFAULT_SHARDS = 64
+MAX_SHARDS = 1024
+DEFAULT_CLAIM_TTL = 5.0  # seconds a claim stays pending without its owner: what a dead worker can hold up
+SLOTS = 16384
+_MIX = 0x9E3779B97F4A7C15  # spreads the bucket keys (whose top bits name their method) over the shards
+_HOME_SEED = 0x5EED  # mmh3 seed of an id's home shard
+_PLACES = 1024  # a record's seq is at least its writer's clock in ms * _PLACES + its place in the batch
+_REDIRECTS = 16  # MOVED/ASK hops a command may take in one round before the round fails
+_TRY_AGAIN = 0.02  # seconds before a TRYAGAIN is sent again (a slot being migrated), up to 2 s in all
+
+CLAIM_LUA = _lua("trim.lua", "spread_claim.lua")
+HOME_LUA = _lua("spread_home.lua")
+_CLAIM = _Script.of(CLAIM_LUA)
+_HOME = _Script.of(HOME_LUA)
+_STATE = {b"C": cl.COMMITTED, b"P": cl.PENDING, b"G": cl.GONE}
+_NOTE = struct.Struct("<dI")  # a note: the noter's event time and id length, then its id
+_RECORD = struct.Struct("<dI")  # a bucket record: event time, id length; then the id and the seq
+
+
+@dataclass(frozen=True, slots=True)
+class _Put:
+    """A restored entry, written committed at once at its home (`restore`), unless its id is there."""
+
+    shard: int
+    id: str
+    ts: float
+    blob: bytes
+
+
+_OP_CODES: dict[type, str] = {cl.Create: "create", cl.Note: "note", cl.Commit: "commit", cl.Poll: "poll",
+                              cl.Refresh: "refresh", cl.Abort: "abort", _Put: "put"}
+
+
+# --- where things live ---------------------------------------------------------------------------------
+
+
+def key_slot(key: bytes) -> int:
+    """Redis Cluster's slot of a key without a hash tag (CRC16/XMODEM mod 16384)."""
+    return binascii.crc_hqx(key, 0) % SLOTS
+
+
+def shard_tags(prefix: str, namespace: str, shards: int) -> list[str]:
+    """Shard k's hash tag: `<prefix>:<namespace>:<n>` with the first n whose slot is the middle slot of the
+    k-th of `shards` equal parts of the slots (so a master holding a range of slots holds the shards whose
+    middle slot it holds). One pass over n finds them all (about 16,384 x ln(shards) tries)."""
+    wanted = {(2 * k + 1) * SLOTS // (2 * shards): k for k in range(shards)}
+    tags: dict[int, str] = {}
+    n = 0
+    while len(tags) < shards:
+        tag = f"{prefix}:{namespace}:{n}"
+        k = wanted.get(key_slot(tag.encode()))
+        if k is not None and k not in tags:
+            tags[k] = tag
+        n += 1
+    return [tags[k] for k in range(shards)]
+
+
+def bucket_shards(keys: np.ndarray, shards: int) -> np.ndarray:
+    """The shard of each bucket key (uint64): its key multiplied by a 64-bit odd constant, top 32 bits
+    scaled to `shards`."""
+    mixed = keys.astype(np.uint64, copy=False) * np.uint64(_MIX)
+    return ((mixed >> np.uint64(32)) * np.uint64(shards)) >> np.uint64(32)
+
+
+def bucket_shard(key: int, shards: int) -> int:
+    return ((((key * _MIX) & 0xFFFFFFFFFFFFFFFF) >> 32) * shards) >> 32
+
+
+def home_shard(id: str, shards: int) -> int:
+    """The shard of an id's home (its entry and claim state)."""
+    return (mmh3.hash(id.encode("utf-8", "surrogatepass"), _HOME_SEED, signed=False) * shards) >> 32
+
+
+def _options(target: RedisTarget) -> tuple[int, float]:
+    shards, claim_ttl = DEFAULT_SHARDS, DEFAULT_CLAIM_TTL
+    for name, value in target.spread:
+        try:
+            if name == "shards":
+                shards = int(value)
+            else:
+                claim_ttl = float(value)
+        except ValueError:
+            raise ConfigError(f"{name} must be a number, got {value!r}") from None
+    if not 1 <= shards <= MAX_SHARDS:
+        raise ConfigError(f"shards must be from 1 to {MAX_SHARDS}, got {shards}")
+    if not (math.isfinite(claim_ttl) and claim_ttl > 0):
+        raise ConfigError(f"claim_ttl must be > 0 seconds, got {claim_ttl}")
+    return shards, claim_ttl
+
+
+# --- the nodes -----------------------------------------------------------------------------------------
+
+
+class _Nodes:
+    """Round trips to the nodes that serve the namespace's slots: each command names its slot; one
+    pipeline per node, all sent before any is read. On standalone Redis, one node serves every slot."""
+
+    def __init__(self, client: redis.Redis | RedisCluster, where: str) -> None:
+        self.client = client
+        self.where = where
+        self.conns: dict[str, Any] = {}  # node name -> its connection, kept for the index's round trips
+        self.stale = False  # the slot map must be read again before the next round
+        self.redirects: Counter[str] = Counter()  # MOVED, ASK, TRYAGAIN, NOSCRIPT replies followed
+        self.cluster = isinstance(client, RedisCluster)
+        # A share of other work (the engine's next batch) to run while replies are on their way.
+        self.meanwhile: Callable[[], bool] | None = None
+
+    def _node(self, slot: int) -> tuple[str, Any]:
+        if not self.cluster:
+            return "", None
+        node = self.client.nodes_manager.get_node_from_slot(slot)  # type: ignore[union-attr]
+        return node.name, node
+
+    def _conn(self, name: str, node: Any) -> Any:
+        conn = self.conns.get(name)
+        if conn is None:
+            client: Any = node.redis_connection if node is not None else self.client
+            if client is None:  # a node the client has not connected to yet
+                client = cast(RedisCluster, self.client).get_redis_connection(node)
+            conn = self.conns[name] = client.connection_pool.get_connection()
+        return conn
+
+    def _ask_node(self, host: str, port: int) -> tuple[str, Any]:
+        manager = cast(RedisCluster, self.client).nodes_manager
+        node = manager.get_node(host, port)
+        if node is None:
+            manager.initialize()
+            node = manager.get_node(host, port)
+            if node is None:
+                raise IndexUnavailable(f"Redis index at {self.where}: ASK to unknown node {host}:{port}")
+        return node.name, node
+
+    def execute(self, commands: Sequence[tuple[int, Sequence[Any]]], scripts: dict[bytes, str],
+                resent: set[int] | None = None) -> list[Any]:
+        """Runs (slot, command) pairs, each where its slot is served, in one round trip per node (more if
+        redirected); returns the replies in order (error replies raised, after redirects are followed).
+        `scripts`: sha -> source of the scripts the commands may run (loaded on NOSCRIPT); `resent` gets
+        the commands that ran only when sent again (so after the others)."""
+        with redis_errors(self.where):
+            if self.stale and isinstance(self.client, RedisCluster):
+                self.client.nodes_manager.initialize()
+                self.stale = False
+            replies: list[Any] = [None] * len(commands)
+            todo = list(range(len(commands)))
+            asked: dict[int, tuple[str, Any]] = {}  # command -> the node an ASK sent it to
+            sent_to: dict[int, tuple[str, Any]] = {}
+            hops = 0
+            waited = 0.0
+            while todo:
+                groups: dict[str, tuple[Any, list[int]]] = {}
+                nodes: dict[int, tuple[str, Any]] = {}  # slot -> its node, this pass
+                for i in todo:
+                    if i in asked:
+                        name, node = sent_to[i] = asked[i]
+                    else:
+                        slot = commands[i][0]
+                        where = nodes.get(slot)
+                        if where is None:
+                            where = nodes[slot] = self._node(slot)
+                        name, node = sent_to[i] = where
+                    groups.setdefault(name, (node, []))[1].append(i)
+                sent = []
+                try:
+                    for name, (node, at) in groups.items():
+                        conn = self._conn(name, node)
+                        packed: list[Sequence[Any]] = []
+                        for i in at:
+                            if i in asked:
+                                packed.append(("ASKING",))
+                            packed.append(commands[i][1])
+                        _send(conn, packed)
+                        sent.append((name, conn, at))
+                    if self.meanwhile is not None and self.meanwhile():
+                        self.meanwhile = None
+                    for _, conn, at in sent:
+                        if asked:
+                            for i in at:
+                                if i in asked:
+                                    _read(conn)  # ASKING's OK
+                                replies[i] = _read(conn)
+                        else:
+                            for i, reply in zip(at, _read_many(conn, len(at)), strict=True):
+                                replies[i] = reply
+                except BaseException:
+                    self.drop()
+                    raise
+                again, moved, retry = [], False, False
+                for i in todo:
+                    reply = replies[i]
+                    if isinstance(reply, NoScriptError):  # to the same node again (ASKING too, if asked)
+                        self.redirects["NOSCRIPT"] += 1
+                        sha = commands[i][1][1]
+                        self._load(sent_to[i][0], scripts[sha if isinstance(sha, bytes) else sha.encode()])
+                        again.append(i)
+                        continue
+                    asked.pop(i, None)
+                    if isinstance(reply, TryAgainError):
+                        self.redirects["TRYAGAIN"] += 1
+                        retry = True
+                        again.append(i)
+                    elif isinstance(reply, AskError) and not _is_moved(reply):
+                        self.redirects["ASK"] += 1
+                        asked[i] = self._ask_node(reply.host, reply.port)
+                        again.append(i)
+                    elif isinstance(reply, AskError):
+                        self.redirects["MOVED"] += 1
+                        moved = True
+                        again.append(i)
+                if again:
+                    if resent is not None:
+                        resent.update(again)
+                    hops += 1
+                    if hops > _REDIRECTS or waited > 2.0:
+                        raise IndexUnavailable(f"Redis index at {self.where}: still redirected after {hops} hops "
+                                               f"(resharding or failover in progress)")
+                    if moved and isinstance(self.client, RedisCluster):
+                        self.client.nodes_manager.initialize()
+                    if retry:
+                        time.sleep(_TRY_AGAIN)
+                        waited += _TRY_AGAIN
+                todo = again
+            for reply in replies:
+                if isinstance(reply, Exception):
+                    if isinstance(reply, ClusterDownError):
+                        self.stale = True
+                    raise reply
+            return replies
+
+    def _load(self, name: str, source: str) -> None:
+        conn = self.conns[name]
+        try:
+            _send(conn, [("SCRIPT", "LOAD", source)])
+            reply = _read(conn)
+        except BaseException:
+            self.drop()
+            raise
+        if isinstance(reply, Exception):
+            raise reply
+
+    def drop(self) -> None:
+        """Forgets every kept connection (replies may still be on their way on one) and the slot map."""
+        for conn in self.conns.values():
+            conn.disconnect()
+        self.conns.clear()
+        self.stale = True
+
+    def close(self) -> None:
+        self.drop()
+        self.client.close()
+
+
+def _is_moved(reply: AskError) -> bool:
+    return type(reply).__name__ == "MovedError"
+
+
+def _send(conn: Any, commands: Sequence[Sequence[Any]]) -> None:
+    if _native is not None:
+        conn.send_packed_command([_native.pack_commands(list(commands))])
+    else:
+        conn.send_packed_command(conn.pack_commands(list(commands)))
+
+
+def _read(conn: Any) -> Any:
+    try:
+        return conn.read_response()
+    except ResponseError as exc:  # read whole: the connection stays in step
+        return exc
+
+
+def _read_many(conn: Any, n: int) -> list[Any]:
+    """`n` replies of `conn`, an error reply in its place: straight from its hiredis reader when it has
+    one (redis-py's per-reply path costs more than the reply when a round has thousands of small ones)."""
+    parser: Any = getattr(conn, "_parser", None)
+    reader = getattr(parser, "_reader", None)
+    if reader is None or _NOT_ENOUGH_DATA is None:
+        return [_read(conn) for _ in range(n)]
+    out: list[Any] = []
+    while len(out) < n:
+        reply = reader.gets()
+        if reply is _NOT_ENOUGH_DATA:
+            try:
+                parser.read_from_socket()
+            except TimeoutError as exc:
+                raise redis.TimeoutError(f"Timeout reading from {conn.host}:{conn.port}") from exc
+            except OSError as exc:  # what redis-py's own read makes of a reset or closed socket
+                raise redis.ConnectionError(f"Error while reading from {conn.host}:{conn.port}: {exc}") from exc
+        elif isinstance(reply, (redis.ConnectionError, redis.TimeoutError)):
+            raise reply
+        else:
+            out.append(reply)
+    return out
+
+
+# --- what a lookup leaves for the inserts ---------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _View:
+    """What the last lookup read that its inserts need: the values of every field it read (a column per
+    slice, a place per field), and each query's fields, their places and their shards."""
+
+    slices: tuple[int, ...] = ()
+    columns: list[list[bytes | None]] = field(default_factory=list)
+    at: dict[bytes, int] = field(default_factory=dict)  # field -> its place in the columns
+    absent: list[bool] = field(default_factory=list)  # per place: the field was in no slice read
+    looked: dict[str, int] = field(default_factory=dict)  # id -> its query's number
+    keys_of: list[tuple[int, ...]] = field(default_factory=list)
+    fields_of: list[list[bytes]] = field(default_factory=list)
+    shards_of: list[list[int]] = field(default_factory=list)
+    pending: dict[str, list[cl.Seen]] = field(default_factory=dict)  # id -> the pending claims its lookup found
+    own_pending: set[str] = field(default_factory=set)  # ids whose own home an earlier attempt left pending
+    candidates: dict[str, set[str]] = field(default_factory=dict)  # id -> the committed candidates it was given
+    returned: dict[str, set[str]] = field(default_factory=dict)  # id -> committed claims returned as conflicts
+
+
+# --- the index ----------------------------------------------------------------------------------------------
+
+
+class SpreadIndex:
+    """`CandidateIndex` on a namespace spread over the slots of a Redis Cluster (or over one Redis), shared
+    by any number of workers. One instance is used by one thread at a time (`stats` excepted)."""
+
+    def __init__(self, url: str, *, window: float, bucket_cap: int, namespace: str) -> None:
+        if not window > 0 or bucket_cap < 1:
+            raise ConfigError("window must be > 0 seconds and bucket_cap >= 1")
+        if not _NAME.fullmatch(namespace):
+            raise ConfigError(f"namespace must match {_NAME.pattern}, got {namespace!r}")
+        target = RedisTarget.parse(url)
+        self.shards, self.claim_ttl = _options(target)
+        self.window = float(window)
+        self.slice_length = self.window
+        self.bucket_cap = bucket_cap
+        self.namespace = namespace
+        self.prefix = target.prefix
+        self._where = redact_url(url)
+        self.tags = shard_tags(target.prefix, namespace, self.shards)
+        self._slots = [key_slot(tag.encode()) for tag in self.tags]
+        self._ttl_ms = max(1, round((self.window + target.grace) * 1000))
+        self._hwm = -math.inf  # the highest event time this instance decided (as the slot layout's)
+        self._top = -math.inf  # the highest event time stored, as the shards' marks last said
+        # The window's clock (`expire`); None until a caller sets it, and then the newest event time stored
+        # stands for it (as in the slot layout).
+        self._clock: float | None = None
+        self._memos: list[tuple[int, Sequence[Any]]] = []  # memo writes the insert in progress has still to send
+        self._gone = -math.inf  # the last slice this instance unlinked (as left the window)
+        self._stamp = 0  # the last round's clock (ms), increasing: the seqs of its records (`_ClaimPlan`)
+        self._view = _View()
+        self._known: dict[tuple[str, float], Entry] = {}  # committed entries read or written lately
+        self._known_cap = target.entry_cache
+        self._decider = SharedDecider()
+        self._engine: _Engine | None = None  # set by `decide` for its inserts: the engine's verification
+        self._rank_all = _native.rank_lookup if _native is not None else rank_lookup
+        self._rank = _native.rank_records if _native is not None else rank_records
+        self._plan = _native.plan_fields if _native is not None else plan_fields
+        self._decode = _native.decode_entries if _native is not None else decode_entries
+        self._encode = _native.encode_entries if _native is not None else encode_entries
+        options: dict[str, Any] = {"decode_responses": False, "retry": Retry(NoBackoff(), 0)}
+        for name in ("socket_timeout", "socket_connect_timeout"):
+            if name not in target.client_url:
+                options[name] = DEFAULT_SOCKET_TIMEOUT
+        try:
+            with redis_errors(self._where):
+                client: redis.Redis | RedisCluster
+                if target.cluster:
+                    client = RedisCluster.from_url(target.client_url, **options)
+                else:
+                    client = redis.Redis.from_url(target.client_url, **options)
+                    pool = client.connection_pool
+                    pool.connection_class(**pool.connection_kwargs)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"Redis index URL {self._where}: {exc}") from exc
+        self._nodes = _Nodes(client, self._where)
+        self._scripts = {_CLAIM.sha.encode(): _CLAIM.source, _HOME.sha.encode(): _HOME.source}
+
+    # -- CandidateIndex ----------------------------------------------------------------------------------
+    compiled_table = False
+
+    def decide(self, batch: Batch, verifier: Verifier) -> list[Verdict]:
+        """`SharedDecider`'s rounds, with the engine's verification given to the claims; then a message that
+        is a duplicate now releases the claim an earlier attempt of it left pending."""
+        self._nodes.meanwhile = batch.meanwhile
+        try:
+            verdicts = self._decider.decide(_Rounds(self, batch, verifier), batch, verifier)
+            stale = [m for m, v in zip(batch.messages, verdicts) if v.duplicate and m.id in self._view.own_pending]
+            if stale:
+                self._ops([cl.Abort(self._home(m.id), m.id, m.ts) for m in stale])
+        finally:
+            left, self._nodes.meanwhile = self._nodes.meanwhile, None
+            self._engine = None
+        finish(left)
+        return verdicts
+
+    def prefetch(self, queries: Sequence[Query]) -> None:
+        """No read goes ahead on the spread layout (its reads are cheap per node; see docs/design.md)."""
+
+    def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | Verdict | None, list[Candidate]]]:
+        if not queries:
+            self._view = _View()
+            return []
+        marks = []
+        hwm = self._hwm
+        for q in queries:
+            hwm = max(hwm, _event_time(q.ts, q.id, self.slice_length))
+            marks.append(hwm)
+        ids = [q.id for q in queries]
+        keys_of = [q.keys for q in queries]
+        names, key_fields, positions, id_places = self._plan(keys_of, [id_field(id) for id in ids])
+        state_places = list(range(len(names), len(names) + len(ids)))
+        names = [*names, *(b"c" + f[1:] for f in (id_field(id) for id in ids))]
+        shard_of = np.empty(len(names), dtype=np.int64)
+        flat_keys = np.fromiter((k for keys in keys_of for k in keys), dtype=np.uint64)
+        flat_places = np.fromiter((p for places in positions for p in places), dtype=np.int64)
+        key_shards = bucket_shards(flat_keys, self.shards).astype(np.int64)
+        shard_of[flat_places] = key_shards
+        ends = np.cumsum([len(keys) for keys in keys_of]).tolist()
+        flat = key_shards.tolist()
+        shards_of = [flat[end - len(keys) : end] for keys, end in zip(keys_of, ends)]
+        homes = [self._home(id) for id in ids]
+        shard_of[np.asarray(id_places, dtype=np.int64)] = homes
+        shard_of[np.asarray(id_places, dtype=np.int64) + 1] = homes  # its memo field (`plan_fields`)
+        shard_of[np.asarray(state_places, dtype=np.int64)] = homes
+        slices, columns, stored = self._read_fields(names, shard_of, self._slices(marks[0], hwm), marks[0], hwm)
+        self._hwm = hwm
+        self._top = max(self._top, stored)
+        found = self._rank_all(columns, positions, id_places, ids, [q.min_shared for q in queries], limit,
+                               [mark - self.window for mark in marks], self.bucket_cap, entry_time, memo_time)
+        own_pending = {id for id, p in zip(ids, state_places) if any(column[p] is not None for column in columns)}
+        homes_found = self._homes({(id, ts) for _, _, ranked in found for id, _, _, ts in ranked})
+        absent = np.ones(len(names), dtype=bool)
+        for column in columns:
+            absent &= np.fromiter((v is None for v in column), dtype=bool, count=len(column))
+        view = _View(slices, columns, {name: p for p, name in enumerate(names)}, absent.tolist(),
+                     dict(zip(ids, range(len(ids)))), keys_of, key_fields, shards_of, own_pending=own_pending)
+        out: list[tuple[Entry | Verdict | None, list[Candidate]]] = []
+        for q, (own, memo, ranked) in zip(queries, found):
+            cands: list[Candidate] = []
+            pending: list[cl.Seen] = []
+            for id, shared, first, ts in ranked:
+                state, entry = homes_found.get((id, ts), (cl.GONE, None))
+                if state == cl.COMMITTED and entry is not None:
+                    cands.append(new_candidate(entry, shared, q.keys[first]))
+                elif state == cl.PENDING:
+                    pending.append(cl.Seen(id, ts, shared, first))
+            if pending:
+                view.pending[q.id] = pending
+            view.candidates[q.id] = {c.entry.id for c in cands}
+            replay = own is not None and q.id not in own_pending
+            out.append((decode_entry(own, q.id) if replay else None if memo is None else decode_memo(memo, q.id), cands))
+        self._view = view
+        self._unlink_gone()
+        return out
+
+    def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]],
+               memos: Sequence[Memo] = ()) -> list[list[Candidate] | None]:
+        """See `CandidateIndex.insert`: each entry is claimed (`filters.index.claims`). None: committed (or
+        its id was, a replay); else the committed claims it yielded to, which its verification must take
+        (with `decide`'s verification, those it is a near-duplicate of; without, every committed claim
+        that reached its buckets since its lookup, and the engine verifies them: a claim not taken is not
+        returned again). The memos are written at their ids' homes with the first round trip of the claims
+        (or in one of their own); if it raises, some may have been written, as in the slot layout."""
+        self._memos = self._memo_writes(memos)
+        try:
+            out: list[list[Candidate] | None] = []
+            for at in range(0, len(entries), INSERT_CHUNK):
+                out.extend(self._claim(entries[at : at + INSERT_CHUNK]))
+            if self._memos:
+                self._nodes.execute(self._memos, self._scripts)
+        finally:
+            self._memos = []
+        return out
+
+    def _memo_writes(self, memos: Sequence[Memo]) -> list[tuple[int, Sequence[Any]]]:
+        """The commands that write `memos` in the slices of their event times at their ids' homes (each slice's
+        TTL renewed and its memo count moved, for `stats`); a memo outside the window is left out."""
+        horizon = self._hwm - self.window
+        pairs: dict[tuple[int, int], list[bytes]] = {}
+        for verdict, ts in memos:
+            ts = _event_time(ts, verdict.id, self.slice_length)
+            if ts >= horizon:
+                pairs.setdefault((self._home(verdict.id), self._slice(ts)), []).extend(
+                    (memo_field(verdict.id), encode_memo(verdict, ts)))
+        step = 2 * FIELDS_PER_CALL
+        commands: list[tuple[int, Sequence[Any]]] = []
+        for (shard, s), fields in pairs.items():
+            slot, key = self._slots[shard], self._slice_key(shard, s)
+            commands += [(slot, ("HSET", key, *fields[a : a + step])) for a in range(0, len(fields), step)]
+            commands += [(slot, ("HINCRBY", key, "m", len(fields) // 2)), (slot, ("PEXPIRE", key, self._ttl_ms))]
+        return commands
+
+    def restore(self, parts: Iterable[Stored]) -> int:
+        """See `CandidateIndex.restore`: entries written committed at once (home, then records), unchecked."""
+        return sum(self._restore_entries(stored_entries(stored)) for stored in parts)
+
+    def _restore_entries(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> int:
+        written = 0
+        for at in range(0, len(entries), INSERT_CHUNK):
+            chunk = [(e, keys) for e, keys in entries[at : at + INSERT_CHUNK]
+                     if _event_time(e.ts, e.id, self.slice_length) >= self._hwm - self.window]
+            if not chunk:
+                continue
+            blobs = self._encode(list(chunk), encode_entry)
+            by_shard: dict[int, list[tuple[Entry, bytes]]] = {}
+            for (entry, _), blob in zip(chunk, blobs):
+                by_shard.setdefault(self._home(entry.id), []).append((entry, blob))
+            commands, order = [], []
+            for shard, items in by_shard.items():
+                puts: list[Any] = [_Put(shard, e.id, float(e.ts), blob) for e, blob in items]
+                commands.append((self._slots[shard], self._home_call(shard, puts)))
+                order += [e.id for e, _ in items]
+            replies = self._nodes.execute(commands, self._scripts)
+            put = {id for id, r in zip(order, (r for reply in replies for r in reply)) if r == 1}
+            fresh = [(e, keys) for e, keys in chunk if e.id in put]
+            ops = [op for e, keys in fresh for op in self._claim_ops(e, keys)]
+            if ops:
+                self._ops(ops)
+            written += len(fresh)
+            self._remember(e for e, _ in fresh)
+        return written
+
+    def expire(self, now: float) -> int:
+        """Sets the window's clock to `now` (it only moves forward): the slice wholly older than `now - window`
+        may go. Redis forgets by slice (see `RedisIndex.expire`): 0."""
+        self._clock = now if self._clock is None else max(self._clock, now)
+        return 0
+
+    def stats(self) -> dict[str, int]:
+        """`entries` (committed), `buckets` and `memos` in the live slices of every shard (a bucket with records in
+        two slices counts twice; claim states count as buckets); `inserted` is `entries` (the shards have no
+        common counter)."""
+        nodes = _Nodes(self._nodes.client, self._where)  # its own connections: any thread may call this
+        try:
+            metas = nodes.execute([(self._slots[k], ("HGET", f"{{{tag}}}:meta", "hwm")) for k, tag in enumerate(self.tags)],
+                                  {})
+            top = max((float(h) for h in metas if h is not None), default=-math.inf)
+            commands = [(self._slots[k], c) for k in range(self.shards) for s in self._slices(top, top)
+                        for c in (("HLEN", self._slice_key(k, s)), ("HMGET", self._slice_key(k, s), "n", "m"))]
+            replies = nodes.execute(commands, {}) if commands else []
+        finally:
+            for conn in nodes.conns.values():
+                conn.disconnect()
+        fields = sum(replies[0::2])
+        counts = [c for pair in replies[1::2] for c in pair]
+        entries = sum(int(n) for n in counts[0::2] if n is not None)
+        memos = sum(int(m) for m in counts[1::2] if m is not None)
+        counters = sum(c is not None for c in counts)
+        return {"entries": entries, "buckets": max(0, fields - entries - memos - counters), "memos": memos,
+                "inserted": entries}
+
+    def close(self) -> None:
+        self._nodes.close()
+
+    def __repr__(self) -> str:
+        return f"SpreadIndex({self._where!r}, namespace={self.namespace!r}, shards={self.shards})"
+
+    # -- where ------------------------------------------------------------------------------------------
+    def _home(self, id: str) -> int:
+        return home_shard(id, self.shards)
+
+    def _slice(self, ts: float) -> int:
+        return math.floor(ts / self.slice_length)
+
+    def _slice_key(self, shard: int, s: int) -> str:
+        return f"{{{self.tags[shard]}}}:s:{s}"
+
+    def _slices(self, low_mark: float, high_mark: float) -> tuple[int, ...]:
+        if not math.isfinite(high_mark):
+            return ()
+        low = low_mark if math.isfinite(low_mark) else high_mark
+        return tuple(range(self._slice(low - self.window), self._slice(high_mark) + 1))
+
+    # -- reading -----------------------------------------------------------------------------------------
+    def _read_fields(self, names: list[bytes], shard_of: np.ndarray, slices: tuple[int, ...], low_mark: float,
+                     high_mark: float) -> tuple[tuple[int, ...], list[list[bytes | None]], float]:
+        """The values of `names` (each in its shard) in `slices` and the highest high-water mark of the
+        shards; more slices if a mark shows records beyond them."""
+        order = np.argsort(shard_of, kind="stable")
+        bounds = np.searchsorted(shard_of[order], np.arange(self.shards + 1))
+        groups = [(k, order[bounds[k] : bounds[k + 1]]) for k in range(self.shards) if bounds[k + 1] > bounds[k]]
+        plan = [(k, places, [names[p] for p in places.tolist()]) for k, places in groups]
+        stored, columns = self._read_groups(plan, slices, len(names))
+        need = self._slices(low_mark, max(high_mark, stored))
+        if not set(need) <= set(slices):
+            slices = tuple(sorted(set(slices) | set(need)))
+            stored2, columns = self._read_groups(plan, slices, len(names))
+            stored = max(stored, stored2)
+        return slices, columns, stored
+
+    def _read_groups(self, plan: list[tuple[int, np.ndarray, list[bytes]]], slices: Sequence[int],
+                     n: int) -> tuple[float, list[list[bytes | None]]]:
+        # Every shard's high-water mark (the namespace's is the highest), then the fields.
+        commands: list[tuple[int, Sequence[Any]]] = [(self._slots[k], ("HGET", f"{{{tag}}}:meta", "hwm"))
+                                                     for k, tag in enumerate(self.tags)]
+        step = FIELDS_PER_HMGET
+        for k, _, fields in plan:
+            slot = self._slots[k]
+            for s in slices:
+                key = self._slice_key(k, s)
+                commands += [(slot, ("HMGET", key, *fields[a : a + step])) for a in range(0, len(fields), step)]
+        replies = iter(self._nodes.execute(commands, self._scripts))
+        arrays = [np.empty(n, dtype=object) for _ in slices]
+        stored = max((float(hwm) for hwm in islice(replies, self.shards) if hwm is not None), default=-math.inf)
+        for _, places, fields in plan:
+            for array in arrays:
+                values: list[Any] = []
+                for _ in range(-(-len(fields) // step)):
+                    values.extend(next(replies))
+                array[places] = np.fromiter(values, dtype=object, count=len(values))
+        return stored, [array.tolist() for array in arrays]
+
+    def _homes(self, wanted: Iterable[tuple[str, float]]) -> dict[tuple[str, float], tuple[str, Entry | None]]:
+        """The state and entry of the homes named by (id, event time): committed entries kept lately are
+        not read again."""
+        out: dict[tuple[str, float], tuple[str, Entry | None]] = {}
+        read: dict[tuple[int, int], list[tuple[str, float]]] = {}
+        for id, ts in wanted:
+            entry = self._known.get((id, ts))
+            if entry is not None:
+                out[(id, ts)] = (cl.COMMITTED, entry)
+            else:
+                read.setdefault((self._home(id), self._slice(ts)), []).append((id, ts))
+        if not read:
+            return out
+        groups = list(read.items())
+        commands = [(self._slots[k], ("HMGET", self._slice_key(k, s), *(f for id, _ in items
+                                                                         for f in (id_field(id), b"c" + id_field(id)[1:]))))
+                    for (k, s), items in groups]
+        replies = self._nodes.execute(commands, self._scripts)
+        committed: list[Entry] = []
+        for (_, items), values in zip(groups, replies):
+            blobs = values[0::2]
+            entries = self._decode([id for id, _ in items], blobs, new_entry, decode_entry)
+            for (id, ts), blob, state in zip(items, blobs, values[1::2]):
+                if blob is None or entries[id].ts != ts:  # none, or another claim of the id
+                    out[(id, ts)] = (cl.GONE, None)
+                elif state is None:
+                    out[(id, ts)] = (cl.COMMITTED, entries[id])
+                    committed.append(entries[id])
+                else:
+                    out[(id, ts)] = (cl.PENDING, entries[id])
+        self._remember(committed)
+        return out
+
+    def _remember(self, entries: Iterable[Entry]) -> None:
+        cap = self._known_cap
+        if not cap:
+            return
+        known = self._known
+        known.update({(entry.id, float(entry.ts)): entry for entry in entries})
+        if len(known) > cap + cap // 4:
+            self._known = dict(islice(known.items(), len(known) - cap, None))
+
+    def _unlink_gone(self) -> None:
+        """Unlinks, in every shard, the slice wholly older than the window of the clock (once per slice): the
+        caller's (`expire`), else the newest event time stored or decided."""
+        clock = max(self._hwm, self._top) if self._clock is None else self._clock
+        if not math.isfinite(clock):
+            return
+        gone = self._slice(clock - self.window) - 1
+        if gone <= self._gone:
+            return
+        self._gone = gone
+        self._nodes.execute([(self._slots[k], ("UNLINK", self._slice_key(k, gone))) for k in range(self.shards)],
+                            self._scripts)
+
+    # -- claiming ----------------------------------------------------------------------------------------
+    def _claim(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]:
+        # Nothing to do for an entry outside the window (it could never match), nor for an id again in the
+        # call while its earlier entry is live (as the slot layout's script decides, with the mark moving
+        # entry by entry): as for a replay.
+        hwm, kept, skip = self._hwm, dict[str, float](), set[int]()
+        for j, (entry, _) in enumerate(entries):
+            ts = _event_time(entry.ts, entry.id, self.slice_length)
+            earlier = kept.get(entry.id)
+            if earlier is not None and earlier >= hwm - self.window:
+                skip.add(j)
+                continue
+            hwm = max(hwm, ts)
+            if ts < hwm - self.window:
+                skip.add(j)
+            else:
+                kept[entry.id] = ts
+        if skip:
+            claimed = iter(self._claim([e for j, e in enumerate(entries) if j not in skip]) if len(skip) < len(entries)
+                           else ())
+            return [None if j in skip else next(claimed) for j in range(len(entries))]
+        view = self._view
+        blobs = self._encode(list(entries), encode_entry)
+        batch_ids = {e.id for e, _ in entries}
+        claimants = []
+        for (entry, keys), blob in zip(entries, blobs):
+            q = view.looked.get(entry.id)
+            looked = q is not None and (view.keys_of[q] is keys or view.keys_of[q] == keys)
+            if looked:
+                assert q is not None
+                fields, shards = view.fields_of[q], view.shards_of[q]
+            else:
+                fields, shards = [field_of(k) for k in keys], [bucket_shard(k, self.shards) for k in keys]
+            groups: dict[int, list[bytes]] = {}
+            for f, shard in zip(fields, shards):
+                groups.setdefault(shard, []).append(f)
+            pending = [s for s in view.pending.get(entry.id, ()) if s.id not in batch_ids]
+            excluded = view.returned.get(entry.id, set()) | view.candidates.get(entry.id, set())
+            claimants.append(cl.Claimant(entry.id, float(entry.ts), blob, tuple(fields),
+                                         tuple((shard, tuple(fs)) for shard, fs in groups.items()),
+                                         self._home(entry.id), self._home, looked, pending, frozenset(excluded)))
+        checks = _Checks(self, self._engine, entries, claimants, [c.looked for c in claimants])
+        resolver = cl.Resolver(claimants, checks, own=batch_ids, clock=time.monotonic, ttl=self.claim_ttl)
+        try:
+            outcomes = cl.drive(resolver, self._round)
+        except cl.ClaimsExpired as exc:
+            raise IndexUnavailable(f"Redis index at {self._where}: {exc} (claim_ttl {self.claim_ttl} s too short?)") from exc
+        out: list[list[Candidate] | None] = []
+        for (entry, _), outcome in zip(entries, outcomes):
+            if outcome.yielded is None:
+                self._remember([entry])
+                out.append(None)
+            else:
+                view.returned.setdefault(entry.id, set()).update(c.entry.id for c in outcome.yielded)
+                out.append(outcome.yielded)
+        return out
+
+    def _claim_ops(self, entry: Entry, keys: Sequence[int]) -> list[cl.Op]:
+        by_shard: dict[int, list[bytes]] = {}
+        for k in keys:
+            by_shard.setdefault(bucket_shard(k, self.shards), []).append(field_of(k))
+        return [cl.Claim(s, entry.id, float(entry.ts), tuple(fs), False) for s, fs in by_shard.items()]
+
+    def _round(self, round_: cl.Round) -> list[Any]:
+        if round_.delay:
+            time.sleep(round_.delay)
+        return self._ops(round_.ops)
+
+    def _ops(self, ops: Sequence[cl.Op]) -> list[Any]:
+        """Runs a round's ops in one round trip per node: per shard, its home ops in one script call, its
+        claims as HSETNX/HEXISTS of their new fields and one script call for the others (`_claims`), its
+        reads as HMGETs. Returns the replies in the order of `ops`."""
+        homes: dict[int, list[int]] = {}
+        claims: list[int] = []
+        reads: list[int] = []
+        self._stamp = max(time.time_ns() // 1_000_000, self._stamp + 1)  # this round's records' stamp
+        for i, op in enumerate(ops):
+            if isinstance(op, cl.Claim):
+                claims.append(i)
+            elif isinstance(op, (cl.Read, cl.State)):
+                reads.append(i)
+            else:
+                homes.setdefault(op.shard, []).append(i)
+        commands: list[tuple[int, Sequence[Any]]] = []
+        takes: list[tuple[str, list[int]]] = []  # per command: what it answers
+        for shard, at in homes.items():
+            commands.append((self._slots[shard], self._home_call(shard, [ops[i] for i in at])))
+            takes.append(("home", at))
+        slices = self._slices(self._hwm, self._hwm)
+        for i in reads:
+            op = ops[i]
+            if isinstance(op, cl.Read):
+                for s in slices:
+                    commands.append((self._slots[op.shard], ("HMGET", self._slice_key(op.shard, s), *op.fields)))
+                takes.append(("read", [i]))
+            else:
+                assert isinstance(op, cl.State)
+                f = id_field(op.id)
+                commands.append((self._slots[op.shard], ("HMGET", self._slice_key(op.shard, self._slice(op.ts)),
+                                                         f, b"c" + f[1:])))
+                takes.append(("state", [i]))
+        plan = _ClaimPlan(self, [(i, cast(cl.Claim, ops[i])) for i in claims]) if claims else None
+        if plan is not None:
+            commands += plan.commands
+        memos, self._memos = self._memos, []  # the insert's memos go with its first round trip
+        replies = self._nodes.execute(commands + memos, self._scripts)
+        if memos:
+            replies = replies[: len(replies) - len(memos)]
+        out: list[Any] = [None] * len(ops)
+        it = iter(replies[: len(replies) - (len(plan.commands) if plan is not None else 0)])
+        for kind, at in takes:
+            if kind == "home":
+                for i, reply in zip(at, next(it), strict=True):
+                    out[i] = _home_reply(reply)
+            elif kind == "read":
+                out[at[0]] = [next(it) for _ in slices]
+            else:
+                blob, state = next(it)
+                out[at[0]] = _state(blob, state, cast(cl.State, ops[at[0]]).ts)
+        if plan is not None:
+            out_claims = plan.results(replies[len(replies) - len(plan.commands) :])
+            if plan.again:  # new fields somebody created since the lookup: the records are appended after all
+                self._nodes.execute(_ClaimPlan(self, plan.again).commands, self._scripts)
+            for i, result in out_claims.items():
+                out[i] = result
+        return out
+
+    def _home_call(self, shard: int, ops: Sequence[Any]) -> tuple[Any, ...]:
+        # The live slices first (a create or put looks for its id in each), then those the ops name.
+        live = self._slices(self._hwm, self._hwm) if math.isfinite(self._hwm) else ()
+        keys = [f"{{{self.tags[shard]}}}:meta", *(self._slice_key(shard, s) for s in live)]
+        at = {key: n for n, key in enumerate(keys, 1)}
+        horizon = self._hwm - self.window  # an entry at or after it is live (as in the slot layout's insert)
+        created = [op.ts for op in ops if isinstance(op, (cl.Create, _Put))]
+        args: list[Any] = [round(self.claim_ttl * 1000), self._ttl_ms, repr(horizon) if math.isfinite(horizon) else "-inf",
+                           ",".join(map(str, range(2, len(keys) + 1))), repr(max(created)) if created else ""]
+        for op in ops:
+            key = self._slice_key(shard, self._slice(op.ts))
+            if key not in at:
+                at[key] = len(keys) + 1
+                keys.append(key)
+            if isinstance(op, (cl.Create, _Put)):
+                arg: Any = op.blob
+            elif isinstance(op, cl.Note):
+                raw = op.by[1].encode("utf-8", "surrogatepass")
+                arg = _NOTE.pack(op.by[0], len(raw)) + raw
+            elif isinstance(op, cl.Commit):
+                arg = op.seen
+            else:
+                arg = ""
+            args += [_OP_CODES[type(op)], at[key], op.id.encode("utf-8", "surrogatepass"), repr(op.ts), arg]
+        return ("EVALSHA", _HOME.sha, len(keys), *keys, *args)
+
+
+class _ClaimPlan:
+    """The commands of a round's claims, and how their replies answer them.
+
+    A field the claimant's lookup saw in no slice is new: its records (every claim of the round that
+    appends to it, in the round's order) are written by HSETNX into the slice of their event time, which
+    fails if somebody created the field since, and HEXISTS says whether somebody put it in another slice
+    the lookup read: the native compare-and-set of an empty bucket (most of them: most buckets of a unique
+    message are new). The other fields, and every field of a claim with nothing to compare with, go to
+    spread_claim.lua, one call per shard, which compares them with what the lookup saw. A new field that
+    HSETNX found created is appended to by the script afterwards (`again`): the claim has changed."""
+
+    def __init__(self, index: SpreadIndex, claims: Sequence[tuple[int, cl.Claim]]) -> None:
+        self.index = index
+        view = index._view
+        self.commands: list[tuple[int, Sequence[Any]]] = []
+        base = index._stamp * _PLACES
+        records: dict[int, bytes] = {}
+        made: dict[tuple[str, int], bytes] = {}  # a claimant's record is the same in all its shards
+        new: dict[tuple[int, int, bytes], list[int]] = {}  # (shard, slice, field) -> the claims creating it
+        # shard -> [(claim, [(field, what the lookup saw of it per slice: length and last seq, or None)])]
+        scripted: dict[int, list[tuple[int, list[tuple[bytes, list[int] | None]]]]] = {}
+        self.claims = dict(claims)
+        at, absent, columns = view.at, view.absent, view.columns
+        slice_of = index._slice
+        for i, op in claims:
+            record = made.get((op.id, op.place))
+            if record is None:
+                raw = op.id.encode("utf-8", "surrogatepass")
+                record = made[(op.id, op.place)] = (_RECORD.pack(op.ts, len(raw)) + raw
+                                                    + SEQ.pack(base + op.place % _PLACES))
+            records[i] = record
+            fields: list[tuple[bytes, list[int] | None]] = []
+            target = slice_of(op.ts)
+            for f in op.fields:
+                p = at.get(f) if op.check else None
+                if p is None:
+                    fields.append((f, None))
+                elif absent[p]:
+                    new.setdefault((op.shard, target, f), []).append(i)
+                else:
+                    seen = [column[p] for column in columns]
+                    fields.append((f, [x for v in seen for x in ((len(v), SEQ.unpack(v[-8:])[0]) if v else (0, 0))]))
+            if fields:
+                scripted.setdefault(op.shard, []).append((i, fields))
+        # A new field the script also appends to in this round goes through the script for every claim, so
+        # that its records stay in the round's order.
+        also: set[tuple[int, int, bytes]] = set()
+        for entries in scripted.values():
+            for i, listed in entries:
+                op = self.claims[i]
+                also.update((op.shard, slice_of(op.ts), f) for f, _ in listed)
+        for moved in [key for key in new if key in also]:
+            shard, _, f = moved
+            for i in new.pop(moved):
+                entries = scripted.setdefault(shard, [])
+                mine: list[tuple[bytes, list[int] | None]] | None = next((fs for j, fs in entries if j == i), None)
+                if mine is None:
+                    mine = []
+                    entries.append((i, mine))
+                mine.append((f, [0, 0] * len(columns)))
+            scripted[shard].sort(key=lambda entry: entry[0])  # the round's order
+        self.records = records
+        self.new = list(new.items())
+        cap, ttl, slices = index.bucket_cap, index._ttl_ms, view.slices
+        keys: dict[tuple[int, int], str] = {}
+        commands = self.commands
+        for (shard, s, f), creating in self.new:
+            value = records[creating[0]] if len(creating) == 1 else b"".join(records[i] for i in creating)
+            if len(creating) > 2 * cap:
+                value = trim_records(value, cap)
+            slot = index._slots[shard]
+            name = keys.get((shard, s))
+            if name is None:
+                name = keys[(shard, s)] = index._slice_key(shard, s)
+            commands.append((slot, ("HSETNX", name, f, value)))
+            for other in slices:
+                if other != s:
+                    commands.append((slot, ("HEXISTS", index._slice_key(shard, other), f)))
+        commands += [(index._slots[shard], ("PEXPIRE", key, ttl)) for (shard, _), key in keys.items()]
+        self.touched = len(keys)
+        self.scripted = list(scripted.items())
+        for shard, entries in self.scripted:
+            commands.append((index._slots[shard], self._call(shard, entries)))
+        self.again: list[tuple[int, cl.Claim]] = []
+
+    def _call(self, shard: int, entries: list[tuple[int, list[tuple[bytes, list[int] | None]]]]) -> tuple[Any, ...]:
+        index, view = self.index, self.index._view
+        by_slice: dict[int, list[tuple[int, list[tuple[bytes, list[int] | None]]]]] = {}
+        for i, fields in entries:
+            by_slice.setdefault(index._slice(self.claims[i].ts), []).append((i, fields))
+        compared = list(view.slices)
+        lo, hi = min([*compared, *by_slice]), max([*compared, *by_slice])
+        keys = [index._slice_key(shard, s) for s in range(lo, hi + 1)]
+        args: list[Any] = [index.bucket_cap, index._ttl_ms, lo, len(compared), *compared]
+        for s, items in by_slice.items():
+            args += (s, len(items))
+            for i, fields in items:
+                check = all(seen is not None for _, seen in fields)
+                args += (self.records[i], 1 if check else 0, len(fields))
+                for f, seen in fields:
+                    args.append(f)
+                    if check:
+                        args += seen  # type: ignore[arg-type]
+        return ("EVALSHA", _CLAIM.sha, len(keys), *keys, *args)
+
+    def results(self, replies: Sequence[Any]) -> dict[int, int]:
+        """Each claim's reply (CLAIM_SAME, CLAIM_CHANGED); fills `again` with the new fields to append to."""
+        changed = {i for i, op in self.claims.items() if not op.check}
+        it = iter(replies)
+        others = len(self.index._view.slices)
+        again: dict[int, list[bytes]] = {}
+        for (_, s, f), at in self.new:
+            created = next(it)
+            found = any(next(it) for _ in range(others - (1 if s in self.index._view.slices else 0)))
+            if not created or found:
+                changed.update(at)
+            if not created:
+                for i in at:
+                    again.setdefault(i, []).append(f)
+        for _ in range(self.touched):
+            next(it)  # PEXPIRE
+        for _, entries in self.scripted:
+            for (i, _), result in zip(entries, next(it), strict=True):
+                if result != cl.CLAIM_SAME:
+                    changed.add(i)
+        self.again = [(i, cl.Claim(op.shard, op.id, op.ts, tuple(again[i]), False, op.place))
+                      for i, op in self.claims.items() if i in again]
+        return {i: cl.CLAIM_CHANGED if i in changed else cl.CLAIM_SAME for i in self.claims}
+
+
+def _home_reply(reply: Any) -> cl.Home:
+    state, blob, notes = reply
+    return cl.Home(_STATE[state], blob or None, _parse_notes(notes))
+
+
+def _parse_notes(notes: bytes) -> tuple[cl.Order, ...]:
+    out = []
+    pos = 0
+    try:
+        while pos < len(notes):
+            ts, n = _NOTE.unpack_from(notes, pos)
+            pos += _NOTE.size
+            out.append((ts, notes[pos : pos + n].decode("utf-8", "surrogatepass")))
+            pos += n
+    except Exception as exc:
+        raise IndexCorrupt(f"a claim's notes are not notes: {notes[:64]!r}") from exc
+    return tuple(out)
+
+
+def _state(blob: bytes | None, state: bytes | None, ts: float) -> cl.Home:
+    """A home as read (its entry field and state field), for the claim of its id at event time `ts`."""
+    if blob is None or entry_time(blob, "") != ts:  # none, or another claim of the id
+        return cl.Home(cl.GONE)
+    if state is None:
+        return cl.Home(cl.COMMITTED, blob)
+    return cl.Home(cl.PENDING, blob, _parse_notes(state[9:]))
+
+
+# --- the verification the claims need ---------------------------------------------------------------------
+
+
+class _Engine:
+    """The engine's verification for the claims of `decide`'s batch (by message id)."""
+
+    def __init__(self, index: SpreadIndex, batch: Batch, verifier: Verifier) -> None:
+        self.index = index
+        self.verifier = verifier
+        self.by_id = {m.id: (m, fp) for m, fp in zip(batch.messages, batch.prepared)}
+
+
+class _Checks:
+    """`claims.Checks` for one call of `_claim` (claimant i is entries[i]): the engine's verification when
+    `decide` gave it; else (`insert` called on its own) every claim is similar, so the order of claims holds
+    whatever the verification, and every committed claim that reached a looked-up entry's buckets since its
+    lookup is returned for the engine to verify, as the slot layout returns conflicts (an entry its lookup
+    did not cover is a plain insert: nothing is returned for it)."""
+
+    def __init__(self, index: SpreadIndex, engine: _Engine | None, entries: Sequence[tuple[Entry, tuple[int, ...]]],
+                 claimants: Sequence[cl.Claimant], looked: Sequence[bool]) -> None:
+        self.index, self.engine, self.entries, self.claimants, self.looked = index, engine, entries, claimants, looked
+
+    def _candidate(self, i: int, id: str, blob: bytes, shared: int, first: int) -> Candidate:
+        keys = self.entries[i][1]
+        return new_candidate(decode_entry(blob, id), shared, keys[min(first, len(keys) - 1)])
+
+    def similar(self, i: int, id: str, ts: float, blob: bytes) -> bool:
+        if self.engine is None:
+            return True
+        msg, fp = self.engine.by_id[self.entries[i][0].id]
+        cand = self._candidate(i, id, blob, len(fp.keys), 0)
+        return self.engine.verifier.first_match(msg, fp, [cand]).duplicate
+
+    def near(self, i: int, seen: cl.Seen, blob: bytes) -> Any:
+        if self.engine is None:
+            return self._candidate(i, seen.id, blob, seen.shared, seen.first) if self.looked[i] else None
+        msg, fp = self.engine.by_id[self.entries[i][0].id]
+        cand = self._candidate(i, seen.id, blob, seen.shared, seen.first)
+        return cand if self.engine.verifier.first_match(msg, fp, [cand]).duplicate else None
+
+    def rank(self, i: int, columns: list[list[bytes | None]]) -> tuple[list[cl.Seen], set[str]]:
+        """Every claim in the claimant's buckets inside the window (the newest `bucket_cap` of each bucket),
+        with all the buckets it is in; and the ids with a record that the claimant's lookup did not see in
+        that bucket."""
+        index, c = self.index, self.claimants[i]
+        horizon = max(c.ts, index._hwm) - index.window
+        n, cap = len(c.fields), index.bucket_cap
+        found = index._rank(columns, list(range(n)), c.id, 1, n * cap + 1, horizon, cap, -1, None)
+        ranked = [cl.Seen(id, ts, shared, first) for id, shared, first, ts in found]
+        if not c.looked:
+            return ranked, {seen.id for seen in ranked}
+        view, new = index._view, set[str]()
+        for j, f in enumerate(c.fields):
+            p = view.at[f]
+            before = {(seq, id) for column in view.columns for _, seq, id in parse_records(column[p] or b"")}
+            new.update(id for column in columns for _, seq, id in parse_records(column[j] or b"") if (seq, id) not in before)
+        return ranked, new
+
+
+class _Rounds:
+    """`SharedDecider`'s rounds on a spread index, with the engine's verification for the claims."""
+
+    def __init__(self, index: SpreadIndex, batch: Batch, verifier: Verifier) -> None:
+        self.index = index
+        index._engine = _Engine(index, batch, verifier)
+
+    def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | Verdict | None, list[Candidate]]]:
+        return self.index.lookup(queries, limit)
+
+    def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]],
+               memos: Sequence[Memo] = ()) -> list[list[Candidate] | None]:
+        return self.index.insert(entries, memos)
+
+    def prefetch(self, queries: Sequence[Query]) -> None:
+        self.index.prefetch(queries)
+

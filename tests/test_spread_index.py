@@ -1,0 +1,555 @@
+"""The spread layout of the Redis index on real Redis and Redis Clusters: keys and URLs, its scripts held to
+the protocol's model, what a record gets when a worker dies mid-claim, and races of workers on 3 and 6
+masters (the contract suite runs on it too: tests/test_index_contract.py)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import numpy as np
+import pytest
+import redis
+
+from filters.config import FilterConfig
+from filters.engine import NearDupFilter
+from filters.errors import ConfigError, IndexUnavailable
+from filters.index import Candidate, Entry, Memo
+from filters.index import claims as cl
+from filters.index.backends import open_index
+from filters.index.redis_codec import encode_entry, parse_records
+from filters.index.redis_spread import SLOTS, SpreadIndex, _View, key_slot, shard_tags
+from stream.codec import RecordFormat
+from stream.runner import RawRecord, route_batch
+from tests.test_claim_model import Shard
+from tests.test_index_contract import drop_namespace, with_query
+from tests.test_redis_index import SAMPLE, PausedLookup, _spam, cluster_url, drop_cluster_namespace, race
+
+WINDOW = 3600.0
+
+
+def spread_url(base: str, prefix: str, **options: str) -> str:
+    return with_query(base, prefix=prefix, layout="spread", **options)
+
+
+@pytest.fixture
+def make(redis_url: str, prefix: str) -> Iterator[Callable[..., SpreadIndex]]:
+    """Spread indexes on one Redis, under the test's prefix."""
+    made: list[SpreadIndex] = []
+
+    def make(namespace: str = "ns", window: float = WINDOW, bucket_cap: int = 8, cls: type[SpreadIndex] = SpreadIndex,
+             **options: str) -> SpreadIndex:
+        index = cls(spread_url(redis_url, prefix, **options), window=window, bucket_cap=bucket_cap, namespace=namespace)
+        made.append(index)
+        return index
+
+    yield make
+    for index in made:
+        index.close()
+
+
+# --- keys and URLs ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shards", [1, 3, 64, 256])
+def test_shard_tags_cut_the_slots_evenly(shards: int) -> None:
+    """Shard k's slot is the middle of the k-th of `shards` equal parts: masters holding equal ranges of slots
+    (what `redis-cli --cluster create` gives 3 or 6 masters) hold as many shards, to one."""
+    tags = shard_tags("neardup", "ns", shards)
+    slots = [key_slot(tag.encode()) for tag in tags]
+    assert slots == [(2 * k + 1) * SLOTS // (2 * shards) for k in range(shards)]
+    for masters in (3, 6):
+        held = [sum(m * SLOTS // masters <= slot < (m + 1) * SLOTS // masters for slot in slots) for m in range(masters)]
+        assert max(held) - min(held) <= 1, held
+    assert len(set(tags)) == shards and tags == shard_tags("neardup", "ns", shards)  # deterministic
+
+
+@pytest.mark.parametrize("url", ["redis://h/0?layout=bogus", "redis://h/0?shards=4", "redis://h/0?claim_ttl=2",
+                                 "redis://h/0?layout=spread&shards=0", "redis://h/0?layout=spread&shards=2000",
+                                 "redis://h/0?layout=spread&shards=x", "redis://h/0?layout=spread&claim_ttl=0",
+                                 "redis://h/0?layout=spread&claim_ttl=nan"])
+def test_bad_spread_options_are_config_errors(url: str) -> None:
+    with pytest.raises(ConfigError):
+        open_index(url, window=60, bucket_cap=4, namespace="n")
+
+
+def test_the_url_chooses_the_layout(redis_url: str, prefix: str) -> None:
+    index = open_index(spread_url(redis_url, prefix, shards="8", claim_ttl="2.5"), window=60, bucket_cap=4,
+                       namespace="n")
+    try:
+        assert isinstance(index, SpreadIndex) and (index.shards, index.claim_ttl) == (8, 2.5)
+    finally:
+        index.close()
+    slot = open_index(with_query(redis_url, prefix=prefix), window=60, bucket_cap=4, namespace="n")
+    try:
+        assert not isinstance(slot, SpreadIndex)
+    finally:
+        slot.close()
+
+
+def test_keys_spread_over_the_shards_carry_prefix_and_namespace_and_all_have_ttls(
+        make: Callable[..., SpreadIndex], redis_url: str, prefix: str) -> None:
+    config = FilterConfig()
+    engine = NearDupFilter(config, index=make(shards="16"))
+    verdicts = engine.check_batch([engine.message(line.decode(), str(i), 1000.0 + i)
+                                   for i, line in enumerate(SAMPLE.read_bytes().splitlines()[:200])])
+    assert sum(v.duplicate for v in verdicts) > 5
+    with redis.Redis.from_url(redis_url) as client:
+        keys = [k.decode() for k in client.scan_iter(match=f"{{{prefix}:*", count=1000)]
+        assert keys and all(client.pttl(k) > 0 for k in keys)
+    tags = {k[1 : k.index("}")] for k in keys}
+    assert tags <= set(shard_tags(prefix, "ns", 16)) and len(tags) == 16
+    assert not [k for k in keys if ":c" in k]  # no claim state left: every claim was decided
+
+
+# --- the scripts are the model's nodes ------------------------------------------------------------------
+
+
+def _blob(id: str, ts: float) -> bytes:
+    return encode_entry(Entry(id, ts, 7, 3, np.arange(4, dtype=np.uint32)))
+
+
+def _records(value: bytes | None) -> list[tuple[float, str]]:
+    return [(ts, id) for ts, _, id in parse_records(value or b"")]
+
+
+def _by_field(columns: list[list[bytes | None]]) -> list[list[tuple[float, str]]]:
+    return [[r for column in columns for r in _records(column[j])] for j in range(len(columns[0]))]
+
+
+def _same(op: cl.Op, real: Any, model: Any) -> bool:
+    if isinstance(op, cl.Claim):
+        return bool(real == model)
+    if isinstance(op, cl.Read):  # per field, its records over the slices read
+        return _by_field(real) == _by_field(model)
+    assert isinstance(real, cl.Home) and isinstance(model, cl.Home)
+    return real.state == model.state and real.notes == model.notes and (real.blob is None or real.blob == model.blob)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_scripts_do_what_the_model_of_the_protocol_does(make: Callable[..., SpreadIndex], redis_url: str,
+                                                           seed: int) -> None:
+    """Random sequences of every op of the protocol, on one shard of real Redis (spread_home.lua,
+    spread_claim.lua, reads) and on the model's `Shard` (tests/test_claim_model.py): the same replies,
+    and the same records in every bucket. A claim compares with what a lookup of its fields saw at some
+    earlier step (new fields by HSETNX, the others in the script), or with nothing."""
+    rng = random.Random(seed)
+    index = make(shards="1", claim_ttl="3600")
+    ts = 5.0
+    index._hwm = ts
+    model = Shard()
+    looks: dict[str, tuple[tuple[bytes, ...], list[list[bytes | None]], dict[bytes, bytes | None]]] = {}
+    ids = ["a", "b", "c", "d"]
+    fields = [b"b" + k.to_bytes(8, "big") for k in range(5)]
+    for _ in range(120):
+        id = rng.choice(ids)
+        kind = rng.choice(["create", "look", "claim", "claim", "read", "state", "note", "commit", "poll", "refresh",
+                           "abort"])
+        op: cl.Op
+        if kind == "create":
+            op = cl.Create(0, id, ts, _blob(id, ts))
+        elif kind == "look":  # what a lookup of `id` sees of its fields now, on each side
+            chosen = tuple(rng.sample(fields, rng.randint(1, 3)))
+            [columns] = index._ops([cl.Read(0, chosen)])
+            looks[id] = (chosen, columns, {f: model.buckets.get(f) for f in chosen})
+            continue
+        elif kind == "claim":
+            look = looks.get(id) if rng.random() < 0.8 else None
+            if look is None:
+                chosen = tuple(rng.sample(fields, rng.randint(1, 3)))
+                index._view, seen = _View(), None
+            else:
+                chosen, columns, seen = look
+                index._view = _View(index._slices(ts, ts), columns, {f: j for j, f in enumerate(chosen)},
+                                    [all(column[j] is None for column in columns) for j in range(len(chosen))],
+                                    looked={id: 0})
+            op = cl.Claim(0, id, ts, chosen, look is not None)
+            [real] = index._ops([op])
+            assert real == model.apply(op, 0.0, 3_600_000.0, seen), (op, look)
+            continue
+        elif kind == "read":
+            op = cl.Read(0, tuple(rng.sample(fields, 3)))
+        elif kind == "state":
+            op = cl.State(0, id, ts)
+        elif kind == "note":
+            op = cl.Note(0, id, ts, (ts, rng.choice(ids)))
+        elif kind == "commit":
+            op = cl.Commit(0, id, ts, rng.randint(0, 2))
+        else:
+            op = {"poll": cl.Poll, "refresh": cl.Refresh, "abort": cl.Abort}[kind](0, id, ts)
+        [real] = index._ops([op])
+        expected = model.apply(op, 0.0, 3_600_000.0)
+        assert _same(op, real, expected), (op, real, expected)
+    [values] = index._ops([cl.Read(0, tuple(fields))])
+    assert _by_field(values) == [_records(model.buckets.get(f)) for f in fields]
+
+
+def test_a_pending_claim_past_its_deadline_is_aborted_by_a_poll(make: Callable[..., SpreadIndex]) -> None:
+    index = make(shards="1", claim_ttl="0.2")
+    index._hwm = 5.0
+    [created] = index._ops([cl.Create(0, "a", 5.0, _blob("a", 5.0))])
+    [polled] = index._ops([cl.Poll(0, "a", 5.0)])
+    assert created.state == polled.state == cl.PENDING
+    time.sleep(0.25)
+    [polled] = index._ops([cl.Poll(0, "a", 5.0)])
+    [state] = index._ops([cl.State(0, "a", 5.0)])
+    assert polled.state == state.state == cl.GONE
+
+
+# --- the engine on the spread layout -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["redis", "cluster"])
+def test_route_batch_decides_like_the_memory_index(request: pytest.FixtureRequest, where: str) -> None:
+    """The shipped sample, with bad records among good ones, batch after batch and one record at a time."""
+    base = request.getfixturevalue("redis_url") if where == "redis" else cluster_url(
+        request.getfixturevalue("redis_cluster_url"))
+    prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
+    lines = SAMPLE.read_bytes().splitlines()
+    batch = [RawRecord(line, str(i), float(i)) for i, line in enumerate(lines)]
+    config = FilterConfig()
+    expected = [(r.kind, r.verdict) for r in route_batch(NearDupFilter(config), batch, RecordFormat())]
+    indexes = [open_index(spread_url(base, prefix), window=config.window, bucket_cap=config.bucket_cap,
+                          namespace=namespace) for namespace in ("batch", "single")]
+    try:
+        together = [(r.kind, r.verdict) for r in route_batch(NearDupFilter(config, index=indexes[0]), batch,
+                                                             RecordFormat())]
+        one_by_one = NearDupFilter(config, index=indexes[1])
+        alone = [(r.kind, r.verdict) for raw in batch for r in route_batch(one_by_one, [raw], RecordFormat())]
+    finally:
+        for index in indexes:
+            index.close()
+        (drop_namespace if where == "redis" else drop_cluster_namespace)(base, prefix)
+    assert together == expected and alone == expected
+
+
+# --- a worker that dies mid-claim ------------------------------------------------------------------------------
+
+
+class _Died(Exception):
+    pass
+
+
+class _DiesAfterItsRecords(SpreadIndex):
+    """A worker killed after its claims' records are written, before it commits (kill -9 mid-claim)."""
+
+    def _round(self, round_: cl.Round) -> list[Any]:
+        replies = super()._round(round_)
+        if any(isinstance(op, cl.Claim) for op in round_.ops):
+            raise _Died()
+        return replies
+
+
+def _text(copy: int) -> str:
+    return _spam(7, copy)
+
+
+def _check(index: SpreadIndex, copy: int, id: str, ts: float) -> Any:
+    return NearDupFilter(FilterConfig(), index=index).check(_text(copy), id=id, ts=ts)
+
+
+def _pending(redis_url: str, prefix: str) -> list[bytes]:
+    with redis.Redis.from_url(redis_url) as client:
+        return [f for key in client.scan_iter(match=f"{{{prefix}:*:s:*") for f in client.hkeys(key)
+                if f.startswith(b"c")]
+
+
+def test_a_dead_workers_claim_holds_a_later_near_duplicate_until_it_expires_then_the_record_is_a_duplicate(
+        make: Callable[..., SpreadIndex], redis_url: str, prefix: str) -> None:
+    """A dies with its claim pending; B, a near-duplicate after it in the order, waits for it until its
+    deadline (claim_ttl), aborts it and is unique; A's record, redelivered, is a duplicate of B."""
+    with pytest.raises(_Died):
+        _check(make(cls=_DiesAfterItsRecords, claim_ttl="0.6"), 0, "a", 1000.0)
+    assert len(_pending(redis_url, prefix)) == 1
+    t0 = time.monotonic()
+    b = _check(make(claim_ttl="0.6"), 1, "b", 1001.0)
+    waited = time.monotonic() - t0
+    assert not b.duplicate and 0.3 < waited < 5.0, waited
+    again = _check(make(claim_ttl="0.6"), 0, "a", 1000.0)
+    assert again.duplicate and again.duplicate_of == "b"
+    assert _pending(redis_url, prefix) == []
+
+
+def test_a_redelivered_record_takes_its_pending_claim_over(make: Callable[..., SpreadIndex], redis_url: str,
+                                                           prefix: str) -> None:
+    """A dies with its claim pending; its record, redelivered before the claim expires, takes the claim
+    over (no wait) and is unique; a later near-duplicate is its duplicate."""
+    with pytest.raises(_Died):
+        _check(make(cls=_DiesAfterItsRecords, claim_ttl="30"), 0, "a", 1000.0)
+    t0 = time.monotonic()
+    again = _check(make(claim_ttl="30"), 0, "a", 1000.0)
+    assert not again.duplicate and time.monotonic() - t0 < 2.0
+    b = _check(make(claim_ttl="30"), 1, "b", 1001.0)
+    assert b.duplicate and b.duplicate_of == "a"
+    assert _pending(redis_url, prefix) == []
+
+
+def test_an_earlier_near_duplicate_notes_a_dead_claim_and_goes_on_and_the_redelivery_releases_it(
+        make: Callable[..., SpreadIndex], redis_url: str, prefix: str) -> None:
+    """A dies with its claim pending; B, before it in the order, notes it and commits at once (it never waits
+    for a later claim); A's record, redelivered, is a duplicate of B and releases the claim it left."""
+    with pytest.raises(_Died):
+        _check(make(cls=_DiesAfterItsRecords, claim_ttl="30"), 0, "a", 1000.0)
+    t0 = time.monotonic()
+    b = _check(make(claim_ttl="30"), 1, "b", 999.0)
+    assert not b.duplicate and time.monotonic() - t0 < 2.0
+    again = _check(make(claim_ttl="30"), 0, "a", 1000.0)
+    assert again.duplicate and again.duplicate_of == "b"
+    assert _pending(redis_url, prefix) == []
+
+
+# --- racing workers ----------------------------------------------------------------------------------------------
+
+
+class _PausedSpread(PausedLookup, SpreadIndex):
+    """Holds every worker between its lookup and its claims until all have looked up (`race`)."""
+
+
+class _CheckThenInsert(_PausedSpread):
+    """The design the race test must catch: look up, verify, then write the entry committed at once
+    (`restore`'s unchecked write) without claiming."""
+
+    def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]],
+               memos: Sequence[Memo] = ()) -> list[list[Candidate] | None]:
+        self.restore(entries)
+        super().insert([], memos)
+        return [None] * len(entries)
+
+
+@pytest.fixture(params=["3-masters", "6-masters"])
+def spread_cluster(request: pytest.FixtureRequest) -> Iterator[str]:
+    base = cluster_url(request.getfixturevalue("redis_cluster_url" if request.param == "3-masters"
+                                               else "redis_cluster6_url"))
+    prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
+    yield spread_url(base, prefix)
+    drop_cluster_namespace(base, prefix)
+
+
+@pytest.mark.parametrize("paused", [True, False], ids=["paused-between-lookup-and-claim", "free-running"])
+def test_four_workers_racing_on_a_spread_cluster_make_exactly_one_unique(spread_cluster: str, paused: bool) -> None:
+    """Four workers (threads, an index each) check their copy of each of 60 spam waves at the same moment;
+    every wave's buckets spread over every master."""
+    uniques = race(spread_cluster, racy=False, paused=paused, workers=4, clusters=60, index=_PausedSpread)
+    assert uniques == [1] * len(uniques)
+
+
+def test_the_race_test_catches_check_then_insert_on_a_spread_cluster(redis_cluster_url: str) -> None:
+    base = cluster_url(redis_cluster_url)
+    prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
+    try:
+        uniques = race(spread_url(base, prefix), racy=True, paused=True, workers=4, clusters=30, index=_CheckThenInsert)
+    finally:
+        drop_cluster_namespace(base, prefix)
+    assert sum(u > 1 for u in uniques) >= 15, uniques
+
+
+# --- failover and resharding under racing workers ----------------------------------------------------------
+
+REPO = SAMPLE.parents[2]
+
+
+@dataclass(frozen=True)
+class Node:
+    id: str
+    port: int
+    master: bool
+    of: str | None  # a replica's master
+
+
+def cluster_nodes(port: int) -> list[Node]:
+    text = _cli("-p", str(port), "CLUSTER", "NODES")
+    nodes = []
+    for line in text.strip().splitlines():
+        id, address, flags, of, *_ = line.split()
+        if "fail" in flags or "noaddr" in flags:
+            continue
+        nodes.append(Node(id, int(address.split("@")[0].rsplit(":", 1)[1]), "master" in flags,
+                          None if of == "-" else of))
+    return nodes
+
+
+def _cli(*args: str, timeout: float = 60) -> str:
+    done = subprocess.run(["redis-cli", *args], capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return done.stdout
+
+
+def wait_healthy(port: int, timeout: float = 30.0) -> None:
+    """Until every node agrees on the configuration and every slot is served (`redis-cli --cluster check`)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        done = subprocess.run(["redis-cli", "--cluster", "check", f"127.0.0.1:{port}"], capture_output=True,
+                              text=True, timeout=30)
+        if "[OK] All nodes agree" in done.stdout and "[ERR]" not in done.stdout and "[WARNING]" not in done.stdout:
+            return
+        assert time.monotonic() < deadline, done.stdout[-3000:]
+        time.sleep(0.2)
+
+
+def _port(url: str) -> int:
+    port = urlsplit(url).port
+    assert port is not None
+    return port
+
+
+def manual_failover(port: int) -> str:
+    """`CLUSTER FAILOVER` on a master's replica: the replica takes over once it has all the master's writes."""
+    nodes = cluster_nodes(port)
+    master = next(n for n in nodes if n.master and any(r.of == n.id for r in nodes))
+    replica = next(r for r in nodes if r.of == master.id)
+    _cli("-p", str(replica.port), "CLUSTER", "FAILOVER")
+    deadline = time.monotonic() + 30
+    while not next(n for n in cluster_nodes(replica.port) if n.id == replica.id).master:
+        assert time.monotonic() < deadline, "the replica did not take over"
+        time.sleep(0.1)
+    wait_healthy(replica.port)
+    return f"CLUSTER FAILOVER: {replica.port} took over from {master.port}"
+
+
+def kill_a_master(port: int) -> str:
+    """kill -9 a master; its replica is promoted once the node timeout (2 s) passes; the killed node is
+    then started again (`docker/services.sh start cluster-ha`) and rejoins as a replica."""
+    nodes = cluster_nodes(port)
+    master = next(n for n in nodes if n.master and n.port != port and any(r.of == n.id for r in nodes))
+    state = Path(os.environ.get("NEARDUP_STATE") or Path.home() / ".cache" / "neardup" / "services")
+    pid = int((state / f"redis-cluster-{master.port}" / "redis.pid").read_text())
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    replica = next(r for r in nodes if r.of == master.id)
+    while not any(n.id == replica.id and n.master for n in cluster_nodes(replica.port)):
+        assert time.monotonic() - t0 < 30, "the replica was not promoted"
+        time.sleep(0.1)
+    promoted = time.monotonic() - t0
+    done = subprocess.run(["bash", str(REPO / "docker" / "services.sh"), "start", "cluster-ha"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    wait_healthy(replica.port)
+    return f"kill -9 of master {master.port}: replica {replica.port} promoted after {promoted:.1f} s"
+
+
+def reshard(port: int) -> str:
+    """512 slots moved from one master to another (keys with them, MIGRATE), then moved back."""
+    masters = [n for n in cluster_nodes(port) if n.master]
+    source, target = masters[0], masters[1]
+    t0 = time.monotonic()
+    _cli("--cluster", "reshard", f"127.0.0.1:{port}", "--cluster-from", source.id, "--cluster-to", target.id,
+         "--cluster-slots", "512", "--cluster-yes", timeout=120)
+    wait_healthy(port)
+    _cli("--cluster", "rebalance", f"127.0.0.1:{port}", timeout=120)
+    wait_healthy(port)
+    return f"512 slots moved {source.port} -> {target.port} and back in {time.monotonic() - t0:.1f} s"
+
+
+def race_through(url: str, change: Callable[[int], str], *, workers: int = 4, waves: int = 30) -> dict[str, Any]:
+    """`workers` threads, an index each, check their copy of each spam wave at the same moment; a batch that
+    fails as `IndexUnavailable` is retried after 0.2 s (the worker's `block` policy). After `waves` // 3
+    waves, `change` alters the cluster (in a thread of its own); the waves go on until it is over, and
+    `waves` more after it."""
+    config = FilterConfig()
+    namespace = f"race-{uuid.uuid4().hex[:10]}"
+    indexes = [SpreadIndex(url, window=config.window, bucket_cap=config.bucket_cap, namespace=namespace)
+               for _ in range(workers)]
+    verdicts: list[list[Any]] = [[] for _ in range(workers)]
+    retried = [0] * workers
+    errors: list[BaseException] = []
+    what: list[str] = []
+    state = {"wave": -1, "go": True, "after": 0}
+
+    def changed() -> None:
+        try:
+            what.append(change(_port(url)))
+        except BaseException as exc:
+            errors.append(exc)
+
+    changing = threading.Thread(target=changed)
+
+    def next_wave() -> None:  # run once per wave, by the barrier, before the workers go on
+        state["wave"] += 1
+        if state["wave"] == waves // 3:
+            changing.start()
+        if changing.ident is not None and not changing.is_alive():
+            state["after"] += 1
+        state["go"] = state["after"] <= waves and not errors and state["wave"] < 100 * waves
+
+    start = threading.Barrier(workers, action=next_wave)
+
+    def work(w: int) -> None:
+        engine = NearDupFilter(config, index=indexes[w])
+        try:
+            while True:
+                start.wait(timeout=120)
+                c = state["wave"]
+                if not state["go"]:
+                    return
+                deadline = time.monotonic() + 90
+                while len(verdicts[w]) == c:
+                    try:
+                        verdicts[w].append(engine.check(_spam(c, w), id=f"c{c}-w{w}", ts=1_700_000_000 + c))
+                    except IndexUnavailable:
+                        retried[w] += 1
+                        assert time.monotonic() < deadline, "the index stayed unavailable"
+                        time.sleep(0.2)
+        except BaseException as exc:
+            errors.append(exc)
+            start.abort()
+
+    threads = [threading.Thread(target=work, args=(w,)) for w in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if changing.ident is not None:
+        changing.join()
+    redirects: Counter[str] = Counter()
+    for index in indexes:
+        redirects.update(index._nodes.redirects)
+        index.close()
+    if errors:
+        raise errors[0]
+    clusters = len(verdicts[0])
+    uniques = [sum(not verdicts[w][c].duplicate for w in range(workers)) for c in range(clusters)]
+    ids = {v.id for row in verdicts for v in row if not v.duplicate}
+    for row in verdicts:
+        for c, v in enumerate(row):
+            assert not v.duplicate or (v.duplicate_of in ids and v.duplicate_of.startswith(f"c{c}-")), v
+    return {"uniques": uniques, "retried": sum(retried), "redirects": redirects, "change": what}
+
+
+def _pending_on(port: int, prefix: str) -> list[bytes]:
+    found = []
+    for node in cluster_nodes(port):
+        if node.master:
+            with redis.Redis(port=node.port) as client:
+                for key in client.scan_iter(match=f"{{{prefix}:*:s:*", count=1000):
+                    found += [f for f in client.hkeys(key) if f.startswith(b"c")]
+    return found
+
+
+@pytest.mark.parametrize("change", [manual_failover, kill_a_master, reshard], ids=lambda f: f.__name__)
+def test_racing_workers_through_a_failover_or_a_resharding(redis_cluster_ha_url: str, change: Callable[[int], str]) -> None:
+    """A master failing over (its replica takes over, or is promoted after a kill -9) or 512 slots moving
+    between masters, mid-run, under four racing workers: batches caught by it fail as `IndexUnavailable`
+    and are retried, taking over what their first attempt claimed. Every message decided, exactly one
+    unique per wave, every duplicate names a unique, no claim left pending."""
+    base = cluster_url(redis_cluster_ha_url)
+    prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
+    try:
+        got = race_through(spread_url(base, prefix, claim_ttl="1"), change)
+        assert got["uniques"] == [1] * len(got["uniques"]), got
+        assert _pending_on(_port(base), prefix) == []
+        assert got["retried"] or got["redirects"], got  # the change did reach the workers mid-run
+        print(got["change"], f"{len(got['uniques'])} waves, {got['retried']} batches retried,",
+              f"redirects followed: {dict(got['redirects'])}")
+    finally:
+        drop_cluster_namespace(base, prefix)
