@@ -322,7 +322,7 @@ class _CheckThenInsert(_PausedSpread):
 
     def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]],
                memos: Sequence[Memo] = ()) -> list[list[Candidate] | None]:
-        self.restore(entries)
+        self._restore_entries(entries)
         super().insert([], memos)
         return [None] * len(entries)
 
