@@ -25,6 +25,7 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Sequence
@@ -116,8 +117,11 @@ def start_worker(s: Settings, n: int) -> subprocess.Popen[bytes]:
         "NEARDUP_LOG_LEVEL": os.environ.get("BENCH_LOG_LEVEL", "warning"),
         "NEARDUP_GROUP_INSTANCE_ID": f"w{n}", "NEARDUP_PROCESSING_GUARANTEE": s.processing_guarantee,
     })
+    # Its log goes to a file: a pipe nobody reads until the worker stops fills up (64 KB) under load, and a
+    # worker blocked writing a warning stalls, loses its partitions and skews what is measured.
+    log = tempfile.TemporaryFile()
     return subprocess.Popen([sys.executable, "-m", "stream.cli", "serve"], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                            stdout=subprocess.DEVNULL, stderr=log)
 
 
 async def preload(s: Settings, items: Sequence[Item]) -> None:

@@ -115,7 +115,7 @@ def stop_worker(proc: subprocess.Popen[bytes]) -> float:
     except subprocess.TimeoutExpired:
         proc.kill()
         _, err = proc.communicate()
-    if proc.returncode not in (0, -15):
+    if proc.returncode not in (0, -15) and err is not None:
         print(err.decode()[-2000:], file=sys.stderr)
     return cpu
 
