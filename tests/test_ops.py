@@ -209,8 +209,12 @@ def test_serve_metrics_and_campaigns_equal_the_routed_outputs(kafka_bootstrap: s
                             input_topics=(f"{name}-a", f"{name}-b"), metrics_port=port, log_format="json")
     first, second = settings.input_topics
     spam = campaign_lines()
-    lines_a = stream_lines(300) + spam + BAD[:2]  # a wave's copies in one partition: its original comes first
-    lines_b = stream_lines(450)[300:] + BAD[2:]
+    # Two thirds of the good records to a, the rest to b, whichever file they come from (the sample shipped
+    # has 300: were b given only bad records, a first batch of b's would index nothing).
+    good = stream_lines(450)
+    cut = len(good) * 2 // 3
+    lines_a = good[:cut] + spam + BAD[:2]  # a wave's copies in one partition: its original comes first
+    lines_b = good[cut:] + BAD[2:]
     total = len(lines_a) + len(lines_b)
 
     async def load() -> None:
