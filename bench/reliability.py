@@ -10,7 +10,8 @@ hook on the Redis index, chosen by $RELIABILITY_INDEX_HOOK (comma-separated):
 worker down so that a fault lands mid-stream); `racy` turns the atomic check-and-insert (the spread
 layout's claims) into a plain check-then-insert (the design the concurrency test must catch); `barrier=N` (after
 `racy`) holds each insert round until N workers have reached it, so that their lookups all come first;
-`request_timeout=SECONDS` makes the
+`hold_commit=SECONDS` keeps each exactly-once transaction open that long after its outputs were sent
+(so that a kill lands in an open transaction); `request_timeout=SECONDS` makes the
 worker's producer give up on a delivery after SECONDS instead of aiokafka's 40 (so that a broker
 restart of a few seconds fails deliveries, which the worker must send again).
 """
@@ -226,6 +227,18 @@ def _install_hook(spec: str) -> None:
                 return _make(settings, **{"request_timeout_ms": _timeout_ms, **overrides})
 
             stream.worker.producer = short_producer  # type: ignore[assignment]
+        elif part.startswith("hold_commit="):
+            import stream.delivery
+
+            hold = float(part.split("=", 1)[1])
+            commit = stream.delivery.ExactlyOnce.commit
+
+            async def held_commit(self: Any, _commit: Any = commit, _hold: float = hold) -> None:
+                if self._in_flight is not None:
+                    await asyncio.sleep(_hold)  # the transaction stays open, its outputs sent
+                await _commit(self)
+
+            stream.delivery.ExactlyOnce.commit = held_commit  # type: ignore[method-assign]
         else:
             raise SystemExit(f"unknown {HOOK_ENV} part {part!r}")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -367,8 +367,10 @@ def _indexed(index_url: str) -> list[str]:
                 for field in client.hkeys(key) if field[:1] == b"e"]
 
 
-async def _until_a_transaction_is_open(settings: Settings, partitions: int, timeout: float = 30.0) -> None:
-    """Until an output partition holds records of a transaction not committed yet (its stable end behind its end)."""
+async def _until_a_transaction_is_open(settings: Settings, partitions: int, then: Callable[[], object],
+                                       timeout: float = 30.0) -> None:
+    """Until an output partition holds records of a transaction not committed yet (its stable end behind its
+    end); then calls `then` at once (before the consumers close: that takes long enough for it to commit)."""
     ends = {isolation: AIOKafkaConsumer(enable_auto_commit=False, isolation_level=isolation, **client_options(settings))
             for isolation in ("read_committed", "read_uncommitted")}
     for consumer in ends.values():
@@ -380,6 +382,7 @@ async def _until_a_transaction_is_open(settings: Settings, partitions: int, time
         while time.monotonic() < deadline:
             stable = await ends["read_committed"].end_offsets(tps)
             if stable != await ends["read_uncommitted"].end_offsets(tps):
+                then()
                 return
             await asyncio.sleep(0.01)
         raise AssertionError("no transaction was seen open")
@@ -430,11 +433,10 @@ def _killed_with_a_transaction_open(kafka_bootstrap: str, redis_url: str, tmp_pa
 
         asyncio.run(load())
         with serving() as started:
-            a = Serve(settings, tmp_path, "a", hook="pause=0.2", args=["--group-instance-id", "a"])
+            a = Serve(settings, tmp_path, "a", hook="pause=0.2,hold_commit=0.5", args=["--group-instance-id", "a"])
             started.append(a)
             read(settings, committed=True, sources=len(items) // 8, settle=0.0, timeout=90)
-            asyncio.run(_until_a_transaction_is_open(settings, 4))
-            a.kill()
+            asyncio.run(_until_a_transaction_is_open(settings, 4, then=a.kill))
             again = Serve(settings, tmp_path, "again", args=["--group-instance-id", "a"])
             started.append(again)
             got = read(settings, committed=True, sources=len(items), settle=2.0, timeout=180)
