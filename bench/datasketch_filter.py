@@ -1,7 +1,7 @@
 """Benchmark peer: datasketch MinHashLSH as a whole process over a JSONL stream, for timing against
 `neardup filter` process to process (start-up included):
 
-    farm-bench -n 3 --vs "python bench/datasketch_filter.py [STREAM]" -- neardup filter -q STREAM
+    farm-bench -n 3 --vs "python bench/datasketch_filter.py --stream STREAM" -- neardup filter -q STREAM
 
 Used as bench/filter_bench.py uses it (128 permutations, threshold 0.5, character 5-grams of NFKC +
 lower-case + punctuation-stripped text; query, then insert if no match); prints the unique records'
@@ -24,7 +24,8 @@ _PUNCT = re.compile(r"[\W_]+")
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("stream", nargs="?", default=str(ROOT.parent / "shared" / "eval" / "stream.jsonl"))
+    p.add_argument("--stream", default=str(ROOT.parent / "shared" / "eval" / "stream.jsonl"),
+                   help="JSONL stream (default: the shared dev stream)")
     path = p.parse_args().stream
     sys.path.insert(0, str(ROOT))
     from bench import needs
