@@ -14,7 +14,9 @@ under its instance id (its open transaction aborted); `none` is the same run wit
 find the index lost (its marker missing), rebuild it from the index changelog and route on. Per run:
 records lost and doubled, routing F1 of the workers and of the filter on the same records in stream order
 (the shared/eval measure: stream/evaluate.py), records routed otherwise than the filter did, the restores
-the workers' logs report, and the throughput (records over seconds from the produce to the last output).
+the workers' logs report, the throughput (records over seconds from the produce to the last output), and
+the outputs that break the header contract (a duplicate naming a record not routed unique; a replay or
+late header).
 `--align on,off` runs each loss with event-time alignment on and off (`--max-skew` seconds of event time;
 `--compress K` makes the stream K times denser in event time), alternating, and gives their throughput ratio.
 """
@@ -88,11 +90,16 @@ def run(args: argparse.Namespace, items: Sequence[Item], truth: Sequence[dict[st
         print("\n".join(line for line in logs.splitlines() if " WARNING " in line or " ERROR " in line
                         or "Traceback" in line)[-6000:], file=sys.stderr)
     routed = {(r.header("neardup-id") or b"").decode(): (r.header("neardup-verdict") or b"").decode() for r in got}
+    # The header contract: a duplicate names a record routed unique; no trace of a crash, a retry or lateness.
+    unique = {id for id, verdict in routed.items() if verdict == "unique"}
+    broken = sum(1 for r in got if (r.header("neardup-verdict") == b"duplicate"
+                                    and (r.header("neardup-duplicate-of") or b"").decode() not in unique)
+                 or r.header("neardup-method") == b"replay" or r.header("neardup-late") is not None)
     rebuilt = [(int(n), float(s)) for n, _, s in _REBUILT.findall(logs)]
     return {"lost": len(items) - len(set(sources)), "doubled": len(sources) - len(set(sources)),
             "f1": f1_of(truth, routed), "otherwise": len(differences(routed, want)), "seconds": seconds,
             "restored": max((n for n, _ in rebuilt), default=0), "restore_s": max((s for _, s in rebuilt), default=0.0),
-            "rate": len(items) / seconds}
+            "rate": len(items) / seconds, "headers": broken}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -126,8 +133,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"max_skew {args.max_skew:g}s; Redis loses its data once {args.at:.0%} are routed; neardup filter F1 "
           f"{filter_f1:.4f}", flush=True)
     print("| loss | align | runs | lost | doubled | F1 (workers) | F1 − filter's | routed otherwise | entries restored "
-          "| restore s | seconds | msg/s | aligned ÷ unaligned |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| restore s | seconds | msg/s | aligned ÷ unaligned | headers broken |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory(prefix="neardup-loss-") as tmp:
         for loss in [x for x in args.losses.split(",") if x]:
             runs: dict[str, list[dict[str, float]]] = {a: [] for a in aligns}
@@ -144,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"| {loss} | {a} | {len(rows)} | {max(r['lost'] for r in rows):.0f} "
                       f"| {max(r['doubled'] for r in rows):.0f} | {med('f1'):.4f} | {med('f1') - filter_f1:+.4f} "
                       f"| {med('otherwise'):.0f} | {med('restored'):,.0f} | {med('restore_s'):.1f} | {med('seconds'):.0f} "
-                      f"| {med('rate'):,.0f} | {ratio} |", flush=True)
+                      f"| {med('rate'):,.0f} | {ratio} | {max(r['headers'] for r in rows):.0f} |", flush=True)
     return 0
 
 
