@@ -81,7 +81,6 @@ from filters.index.redis_codec import (
     rank_lookup,
     rank_records,
     stored_entries,
-    trim_records,
 )
 from filters.index.shared import SharedDecider
 from filters.records import Verdict
@@ -115,6 +114,8 @@ _HOME = _Script.of(HOME_LUA)
 _STATE = {b"C": cl.COMMITTED, b"P": cl.PENDING, b"G": cl.GONE}
 _NOTE = struct.Struct("<dI")  # a note: the noter's event time and id length, then its id
 _RECORD = struct.Struct("<dI")  # a bucket record: event time, id length; then the id and the seq
+_SEEN = struct.Struct(">I")  # what a lookup saw of a field in a slice: its length, then its last 8 bytes (the seq)
+_UNSEEN = bytes(12)  # ... of a field absent there
 
 
 @dataclass(frozen=True, slots=True)
@@ -402,7 +403,6 @@ class _View:
     slices: tuple[int, ...] = ()
     columns: list[list[bytes | None]] = field(default_factory=list)
     at: dict[bytes, int] = field(default_factory=dict)  # field -> its place in the columns
-    absent: list[bool] = field(default_factory=list)  # per place: the field was in no slice read
     looked: dict[str, int] = field(default_factory=dict)  # id -> its query's number
     keys_of: list[tuple[int, ...]] = field(default_factory=list)
     fields_of: list[list[bytes]] = field(default_factory=list)
@@ -411,6 +411,8 @@ class _View:
     own_pending: set[str] = field(default_factory=set)  # ids whose own home an earlier attempt left pending
     candidates: dict[str, set[str]] = field(default_factory=dict)  # id -> the committed candidates it was given
     returned: dict[str, set[str]] = field(default_factory=dict)  # id -> committed claims returned as conflicts
+    # (shard, slice) -> the mark `w` the lookup read there (0: none), read before its fields (spread_claim.lua)
+    slice_marks: dict[tuple[int, int], int] = field(default_factory=dict)
 
 
 # --- the index ----------------------------------------------------------------------------------------------
@@ -519,18 +521,16 @@ class SpreadIndex:
         shard_of[np.asarray(id_places, dtype=np.int64)] = homes
         shard_of[np.asarray(id_places, dtype=np.int64) + 1] = homes  # its memo field (`plan_fields`)
         shard_of[np.asarray(state_places, dtype=np.int64)] = homes
-        slices, columns, stored = self._read_fields(names, shard_of, self._slices(marks[0], hwm), marks[0], hwm)
+        slices, columns, stored, slice_marks = self._read_fields(names, shard_of, self._slices(marks[0], hwm), marks[0],
+                                                                 hwm)
         self._hwm = hwm
         self._top = max(self._top, stored)
         found = self._rank_all(columns, positions, id_places, ids, [q.min_shared for q in queries], limit,
                                [mark - self.window for mark in marks], self.bucket_cap, entry_time, memo_time)
         own_pending = {id for id, p in zip(ids, state_places) if any(column[p] is not None for column in columns)}
         homes_found = self._homes({(id, ts) for _, _, ranked in found for id, _, _, ts in ranked})
-        absent = np.ones(len(names), dtype=bool)
-        for column in columns:
-            absent &= np.fromiter((v is None for v in column), dtype=bool, count=len(column))
-        view = _View(slices, columns, {name: p for p, name in enumerate(names)}, absent.tolist(),
-                     dict(zip(ids, range(len(ids)))), keys_of, key_fields, shards_of, own_pending=own_pending)
+        view = _View(slices, columns, {name: p for p, name in enumerate(names)}, dict(zip(ids, range(len(ids)))),
+                     keys_of, key_fields, shards_of, own_pending=own_pending, slice_marks=slice_marks)
         out: list[tuple[Entry | Verdict | None, list[Candidate]]] = []
         for q, (own, memo, ranked) in zip(queries, found):
             cands: list[Candidate] = []
@@ -625,23 +625,23 @@ class SpreadIndex:
 
     def stats(self) -> dict[str, int]:
         """`entries` (committed), `buckets` and `memos` in the live slices of every shard (a bucket with records in
-        two slices counts twice; claim states count as buckets); `inserted` is `entries` (the shards have no
-        common counter)."""
+        two slices counts twice; claim states count as buckets; counters and marks do not); `inserted` is
+        `entries` (the shards have no common counter)."""
         nodes = _Nodes(self._nodes.client, self._where)  # its own connections: any thread may call this
         try:
             metas = nodes.execute([(self._slots[k], ("HGET", f"{{{tag}}}:meta", "hwm")) for k, tag in enumerate(self.tags)],
                                   {})
             top = max((float(h) for h in metas if h is not None), default=-math.inf)
             commands = [(self._slots[k], c) for k in range(self.shards) for s in self._slices(top, top)
-                        for c in (("HLEN", self._slice_key(k, s)), ("HMGET", self._slice_key(k, s), "n", "m"))]
+                        for c in (("HLEN", self._slice_key(k, s)), ("HMGET", self._slice_key(k, s), "n", "m", "w"))]
             replies = nodes.execute(commands, {}) if commands else []
         finally:
             for conn in nodes.conns.values():
                 conn.disconnect()
         fields = sum(replies[0::2])
-        counts = [c for pair in replies[1::2] for c in pair]
-        entries = sum(int(n) for n in counts[0::2] if n is not None)
-        memos = sum(int(m) for m in counts[1::2] if m is not None)
+        counts = [c for triple in replies[1::2] for c in triple]
+        entries = sum(int(n) for n in counts[0::3] if n is not None)
+        memos = sum(int(m) for m in counts[1::3] if m is not None)
         counters = sum(c is not None for c in counts)
         return {"entries": entries, "buckets": max(0, fields - entries - memos - counters), "memos": memos,
                 "inserted": entries}
@@ -670,24 +670,25 @@ class SpreadIndex:
 
     # -- reading -----------------------------------------------------------------------------------------
     def _read_fields(self, names: list[bytes], shard_of: np.ndarray, slices: tuple[int, ...], low_mark: float,
-                     high_mark: float) -> tuple[tuple[int, ...], list[list[bytes | None]], float]:
-        """The values of `names` (each in its shard) in `slices` and the highest high-water mark of the
-        shards; more slices if a mark shows records beyond them."""
+                     high_mark: float) -> tuple[tuple[int, ...], list[list[bytes | None]], float, dict[tuple[int, int], int]]:
+        """The values of `names` (each in its shard) in `slices`, the highest high-water mark of the shards and
+        the mark of each (shard, slice) read; more slices if a mark shows records beyond them."""
         order = np.argsort(shard_of, kind="stable")
         bounds = np.searchsorted(shard_of[order], np.arange(self.shards + 1))
         groups = [(k, order[bounds[k] : bounds[k + 1]]) for k in range(self.shards) if bounds[k + 1] > bounds[k]]
         plan = [(k, places, [names[p] for p in places.tolist()]) for k, places in groups]
-        stored, columns = self._read_groups(plan, slices, len(names))
+        stored, columns, slice_marks = self._read_groups(plan, slices, len(names))
         need = self._slices(low_mark, max(high_mark, stored))
         if not set(need) <= set(slices):
             slices = tuple(sorted(set(slices) | set(need)))
-            stored2, columns = self._read_groups(plan, slices, len(names))
+            stored2, columns, slice_marks = self._read_groups(plan, slices, len(names))
             stored = max(stored, stored2)
-        return slices, columns, stored
+        return slices, columns, stored, slice_marks
 
     def _read_groups(self, plan: list[tuple[int, np.ndarray, list[bytes]]], slices: Sequence[int],
-                     n: int) -> tuple[float, list[list[bytes | None]]]:
-        # Every shard's high-water mark (the namespace's is the highest), then the fields.
+                     n: int) -> tuple[float, list[list[bytes | None]], dict[tuple[int, int], int]]:
+        # Every shard's high-water mark (the namespace's is the highest), then the fields, each (shard, slice)'s
+        # mark `w` first: a call of spread_claim.lua that wrote there after any of its fields was read moved it.
         commands: list[tuple[int, Sequence[Any]]] = [(self._slots[k], ("HGET", f"{{{tag}}}:meta", "hwm"))
                                                      for k, tag in enumerate(self.tags)]
         step = FIELDS_PER_HMGET
@@ -695,17 +696,21 @@ class SpreadIndex:
             slot = self._slots[k]
             for s in slices:
                 key = self._slice_key(k, s)
-                commands += [(slot, ("HMGET", key, *fields[a : a + step])) for a in range(0, len(fields), step)]
+                commands.append((slot, ("HMGET", key, b"w", *fields[:step])))
+                commands += [(slot, ("HMGET", key, *fields[a : a + step])) for a in range(step, len(fields), step)]
         replies = iter(self._nodes.execute(commands, self._scripts))
         arrays = [np.empty(n, dtype=object) for _ in slices]
         stored = max((float(hwm) for hwm in islice(replies, self.shards) if hwm is not None), default=-math.inf)
-        for _, places, fields in plan:
-            for array in arrays:
-                values: list[Any] = []
-                for _ in range(-(-len(fields) // step)):
+        slice_marks: dict[tuple[int, int], int] = {}
+        for k, places, fields in plan:
+            for s, array in zip(slices, arrays):
+                first = next(replies)
+                slice_marks[(k, s)] = int(first[0] or 0)
+                values: list[Any] = first[1:]
+                for _ in range(1, -(-len(fields) // step)):
                     values.extend(next(replies))
                 array[places] = np.fromiter(values, dtype=object, count=len(values))
-        return stored, [array.tolist() for array in arrays]
+        return stored, [array.tolist() for array in arrays], slice_marks
 
     def _homes(self, wanted: Iterable[tuple[str, float]]) -> dict[tuple[str, float], tuple[str, Entry | None]]:
         """The state and entry of the homes named by (id, event time): committed entries kept lately are
@@ -882,10 +887,7 @@ class SpreadIndex:
                 blob, state = next(it)
                 out[at[0]] = _state(blob, state, cast(cl.State, ops[at[0]]).ts)
         if plan is not None:
-            out_claims = plan.results(replies[len(replies) - len(plan.commands) :])
-            if plan.again:  # new fields somebody created since the lookup: the records are appended after all
-                self._nodes.execute(_ClaimPlan(self, plan.again).commands, self._scripts)
-            for i, result in out_claims.items():
+            for i, result in plan.results(replies[len(replies) - len(plan.commands) :]).items():
                 out[i] = result
         return out
 
@@ -917,133 +919,68 @@ class SpreadIndex:
 
 
 class _ClaimPlan:
-    """The commands of a round's claims, and how their replies answer them.
-
-    A field the claimant's lookup saw in no slice is new: its records (every claim of the round that
-    appends to it, in the round's order) are written by HSETNX into the slice of their event time, which
-    fails if somebody created the field since, and HEXISTS says whether somebody put it in another slice
-    the lookup read: the native compare-and-set of an empty bucket (most of them: most buckets of a unique
-    message are new). The other fields, and every field of a claim with nothing to compare with, go to
-    spread_claim.lua, one call per shard, which compares them with what the lookup saw. A new field that
-    HSETNX found created is appended to by the script afterwards (`again`): the claim has changed."""
+    """The commands of a round's claims, and how their replies answer them: per shard, one call of
+    spread_claim.lua with every claim of the round there, in the round's order (so that the records of a
+    field are too). A claim is compared with what its lookup saw of its fields (the values, and each
+    slice's mark), unless it has nothing to compare with (not looked up, a field the lookup did not read,
+    a second attempt): then it changed."""
 
     def __init__(self, index: SpreadIndex, claims: Sequence[tuple[int, cl.Claim]]) -> None:
-        self.index = index
         view = index._view
-        self.commands: list[tuple[int, Sequence[Any]]] = []
         base = index._stamp * _PLACES
-        records: dict[int, bytes] = {}
         made: dict[tuple[str, int], bytes] = {}  # a claimant's record is the same in all its shards
-        new: dict[tuple[int, int, bytes], list[int]] = {}  # (shard, slice, field) -> the claims creating it
-        # shard -> [(claim, [(field, what the lookup saw of it per slice: length and last seq, or None)])]
-        scripted: dict[int, list[tuple[int, list[tuple[bytes, list[int] | None]]]]] = {}
-        self.claims = dict(claims)
-        at, absent, columns = view.at, view.absent, view.columns
+        at, columns, slices = view.at, view.columns, view.slices
+        column_of = {s: c for c, s in enumerate(slices)}
+        unseen = _UNSEEN * len(slices)
         slice_of = index._slice
+        # shard -> target slice -> [(claim, record, compared, fields it saw in the target slice, the others)],
+        # and per shard what the compared claims' lookups saw of their fields, in the same order.
+        calls: dict[int, dict[int, list[tuple[int, bytes, bool, list[bytes], list[bytes]]]]] = {}
         for i, op in claims:
             record = made.get((op.id, op.place))
             if record is None:
                 raw = op.id.encode("utf-8", "surrogatepass")
                 record = made[(op.id, op.place)] = (_RECORD.pack(op.ts, len(raw)) + raw
                                                     + SEQ.pack(base + op.place % _PLACES))
-            records[i] = record
-            fields: list[tuple[bytes, list[int] | None]] = []
             target = slice_of(op.ts)
-            for f in op.fields:
-                p = at.get(f) if op.check else None
-                if p is None:
-                    fields.append((f, None))
-                elif absent[p]:
-                    new.setdefault((op.shard, target, f), []).append(i)
-                else:
-                    seen = [column[p] for column in columns]
-                    fields.append((f, [x for v in seen for x in ((len(v), SEQ.unpack(v[-8:])[0]) if v else (0, 0))]))
-            if fields:
-                scripted.setdefault(op.shard, []).append((i, fields))
-        # A new field the script also appends to in this round goes through the script for every claim, so
-        # that its records stay in the round's order.
-        also: set[tuple[int, int, bytes]] = set()
-        for entries in scripted.values():
-            for i, listed in entries:
-                op = self.claims[i]
-                also.update((op.shard, slice_of(op.ts), f) for f, _ in listed)
-        for moved in [key for key in new if key in also]:
-            shard, _, f = moved
-            for i in new.pop(moved):
-                entries = scripted.setdefault(shard, [])
-                mine: list[tuple[bytes, list[int] | None]] | None = next((fs for j, fs in entries if j == i), None)
-                if mine is None:
-                    mine = []
-                    entries.append((i, mine))
-                mine.append((f, [0, 0] * len(columns)))
-            scripted[shard].sort(key=lambda entry: entry[0])  # the round's order
-        self.records = records
-        self.new = list(new.items())
-        cap, ttl, slices = index.bucket_cap, index._ttl_ms, view.slices
-        keys: dict[tuple[int, int], str] = {}
-        commands = self.commands
-        for (shard, s, f), creating in self.new:
-            value = records[creating[0]] if len(creating) == 1 else b"".join(records[i] for i in creating)
-            if len(creating) > 2 * cap:
-                value = trim_records(value, cap)
-            slot = index._slots[shard]
-            name = keys.get((shard, s))
-            if name is None:
-                name = keys[(shard, s)] = index._slice_key(shard, s)
-            commands.append((slot, ("HSETNX", name, f, value)))
-            for other in slices:
-                if other != s:
-                    commands.append((slot, ("HEXISTS", index._slice_key(shard, other), f)))
-        commands += [(index._slots[shard], ("PEXPIRE", key, ttl)) for (shard, _), key in keys.items()]
-        self.touched = len(keys)
-        self.scripted = list(scripted.items())
-        for shard, entries in self.scripted:
-            commands.append((index._slots[shard], self._call(shard, entries)))
-        self.again: list[tuple[int, cl.Claim]] = []
-
-    def _call(self, shard: int, entries: list[tuple[int, list[tuple[bytes, list[int] | None]]]]) -> tuple[Any, ...]:
-        index, view = self.index, self.index._view
-        by_slice: dict[int, list[tuple[int, list[tuple[bytes, list[int] | None]]]]] = {}
-        for i, fields in entries:
-            by_slice.setdefault(index._slice(self.claims[i].ts), []).append((i, fields))
-        compared = list(view.slices)
-        lo, hi = min([*compared, *by_slice]), max([*compared, *by_slice])
-        keys = [index._slice_key(shard, s) for s in range(lo, hi + 1)]
-        args: list[Any] = [index.bucket_cap, index._ttl_ms, lo, len(compared), *compared]
-        for s, items in by_slice.items():
-            args += (s, len(items))
-            for i, fields in items:
-                check = all(seen is not None for _, seen in fields)
-                args += (self.records[i], 1 if check else 0, len(fields))
-                for f, seen in fields:
-                    args.append(f)
+            check = op.check and all(f in at for f in op.fields)
+            if check:
+                c = column_of.get(target)
+                old = [f for f in op.fields if c is None or columns[c][at[f]] is not None]
+                fresh = [f for f in op.fields if c is not None and columns[c][at[f]] is None]
+            else:
+                old, fresh = list(op.fields), []
+            calls.setdefault(op.shard, {}).setdefault(target, []).append((i, record, check, old, fresh))
+        self.commands: list[tuple[int, Sequence[Any]]] = []
+        self.order: list[list[int]] = []  # per command, the claims it answers
+        for shard, sections in calls.items():
+            seen: list[bytes] = []
+            args: list[Any] = [index.bucket_cap, index._ttl_ms, 0, len(slices), *slices,
+                               *(view.slice_marks.get((shard, s), -1) for s in slices), b""]
+            answers: list[int] = []
+            for target, entries in sections.items():
+                args += (target, len(entries))
+                for i, record, check, old, fresh in entries:
+                    args += (record, 1 if check else 0, len(old), len(fresh), *old, *fresh)
+                    answers.append(i)
                     if check:
-                        args += seen  # type: ignore[arg-type]
-        return ("EVALSHA", _CLAIM.sha, len(keys), *keys, *args)
+                        for f in (*old, *fresh):
+                            p = at[f]
+                            seen.append(b"".join(_SEEN.pack(len(v)) + v[-8:] if v is not None else _UNSEEN
+                                                 for v in (column[p] for column in columns))
+                                        if any(column[p] is not None for column in columns) else unseen)
+            lo, hi = min([*slices, *sections]), max([*slices, *sections])
+            args[2] = lo
+            args[4 + 2 * len(slices)] = b"".join(seen)
+            keys = [index._slice_key(shard, s) for s in range(lo, hi + 1)]
+            self.commands.append((index._slots[shard], ("EVALSHA", _CLAIM.sha, len(keys), *keys, *args)))
+            self.order.append(answers)
 
     def results(self, replies: Sequence[Any]) -> dict[int, int]:
-        """Each claim's reply (CLAIM_SAME, CLAIM_CHANGED); fills `again` with the new fields to append to."""
-        changed = {i for i, op in self.claims.items() if not op.check}
-        it = iter(replies)
-        others = len(self.index._view.slices)
-        again: dict[int, list[bytes]] = {}
-        for (_, s, f), at in self.new:
-            created = next(it)
-            found = any(next(it) for _ in range(others - (1 if s in self.index._view.slices else 0)))
-            if not created or found:
-                changed.update(at)
-            if not created:
-                for i in at:
-                    again.setdefault(i, []).append(f)
-        for _ in range(self.touched):
-            next(it)  # PEXPIRE
-        for _, entries in self.scripted:
-            for (i, _), result in zip(entries, next(it), strict=True):
-                if result != cl.CLAIM_SAME:
-                    changed.add(i)
-        self.again = [(i, cl.Claim(op.shard, op.id, op.ts, tuple(again[i]), False, op.place))
-                      for i, op in self.claims.items() if i in again]
-        return {i: cl.CLAIM_CHANGED if i in changed else cl.CLAIM_SAME for i in self.claims}
+        """Each claim's reply: CLAIM_SAME or CLAIM_CHANGED."""
+        return {i: cl.CLAIM_SAME if result == cl.CLAIM_SAME else cl.CLAIM_CHANGED
+                for answers, reply in zip(self.order, replies, strict=True)
+                for i, result in zip(answers, reply, strict=True)}
 
 
 def _home_reply(reply: Any) -> cl.Home:
