@@ -116,6 +116,8 @@ _NOTE = struct.Struct("<dI")  # a note: the noter's event time and id length, th
 _RECORD = struct.Struct("<dI")  # a bucket record: event time, id length; then the id and the seq
 _SEEN = struct.Struct(">I")  # what a lookup saw of a field in a slice: its length, then its last 8 bytes (the seq)
 _UNSEEN = bytes(12)  # ... of a field absent there
+_SECTION = struct.Struct(">iI")  # spread_claim.lua's layout: a slice written to, its number of entries
+_ENTRY = struct.Struct(">BHH")  # ... an entry: compared or not, its numbers of fields seen and not seen there
 
 
 @dataclass(frozen=True, slots=True)
@@ -956,12 +958,14 @@ class _ClaimPlan:
         for shard, sections in calls.items():
             seen: list[bytes] = []
             args: list[Any] = [index.bucket_cap, index._ttl_ms, 0, len(slices), *slices,
-                               *(view.slice_marks.get((shard, s), -1) for s in slices), b""]
+                               *(view.slice_marks.get((shard, s), -1) for s in slices), b"", b""]
+            layout: list[bytes] = []
             answers: list[int] = []
             for target, entries in sections.items():
-                args += (target, len(entries))
+                layout.append(_SECTION.pack(target, len(entries)))
                 for i, record, check, old, fresh in entries:
-                    args += (record, 1 if check else 0, len(old), len(fresh), *old, *fresh)
+                    layout.append(_ENTRY.pack(check, len(old), len(fresh)))
+                    args += (record, *old, *fresh)
                     answers.append(i)
                     if check:
                         for f in (*old, *fresh):
@@ -972,6 +976,7 @@ class _ClaimPlan:
             lo, hi = min([*slices, *sections]), max([*slices, *sections])
             args[2] = lo
             args[4 + 2 * len(slices)] = b"".join(seen)
+            args[5 + 2 * len(slices)] = b"".join(layout)
             keys = [index._slice_key(shard, s) for s in range(lo, hi + 1)]
             self.commands.append((index._slots[shard], ("EVALSHA", _CLAIM.sha, len(keys), *keys, *args)))
             self.order.append(answers)

@@ -5,12 +5,14 @@
 -- ARGV: bucket cap, TTL (ms), lo, the number k of slices the lookup read, those k slice numbers, the k
 --       marks it read there (field `w`; 0 if absent, -1 if unknown: compare every field), what it saw of
 --       the fields it compares (per field in the order below, per slice read: its length (0 if absent,
---       >I4) and the seq of its last record (zeros if absent, >I8): 12 bytes a slice), then sections, one
---       per slice written to: its slice number, its number of entries, then per entry: its record
---       (<ts: f64 LE><id length: u32 LE><id><seq: u64 BE>, the seq being the writer's stamp: its clock in
---       ms * 1024 + the entry's place in its batch), 1 to compare or 0 (nothing to compare with: changed),
---       the number of its fields the lookup saw in the slice written to (or all of them, if not compared)
---       and the number it did not, then those field names, in that order.
+--       >I4) and the seq of its last record (zeros if absent, >I8): 12 bytes a slice), the layout of the
+--       rest (below), then per entry: its record (<ts: f64 LE><id length: u32 LE><id><seq: u64 BE>, the
+--       seq being the writer's stamp: its clock in ms * 1024 + the entry's place in its batch) and its
+--       field names: first those the lookup saw in the slice written to (all of them, if not compared),
+--       then the others. The layout: sections, one per slice written to: its slice number (>i4) and its
+--       number of entries (>I4), then per entry: 1 to compare or 0 (nothing to compare with: changed; B)
+--       and the numbers of its fields of each kind (>H each). (One argument each for what the script reads
+--       as numbers: an argument costs a string in the Lua VM.)
 -- Appends each entry's record to its fields. Returns per entry 1 (written, none of its fields changed since
 -- the lookup read them) or -1 (written; one did, or nothing to compare with). Every call that writes
 -- records in a slice moves its mark `w` (to the higher of its value + 1 and this node's clock in µs: a
@@ -23,8 +25,8 @@
 -- the values written (the Lua VM interns every string: that is most of a script's cost).
 local cap, ttl, lo, k = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local PER_CALL = FIELDS_PER_CALL
-local seen = ARGV[5 + 2 * k]
-local FIRST = 6 + 2 * k
+local seen, layout = ARGV[5 + 2 * k], ARGV[6 + 2 * k]
+local FIRST = 7 + 2 * k
 local marks = {}  -- slice -> its mark at the start of the call
 local function mark(s)
   local m = marks[s]
@@ -51,17 +53,18 @@ local function want(s, name)
   if not w then w = {{}, {}}; wanted[s] = w end
   if not w[2][name] then w[2][name] = true; w[1][#w[1] + 1] = name end
 end
-local i = FIRST
-while i <= #ARGV do
-  local target, count = tonumber(ARGV[i]), tonumber(ARGV[i + 1])
+local i, at = FIRST, 1
+while at <= #layout do
+  local target, count
+  target, count, at = struct.unpack('>i4>I4', layout, at)
   local c = place[target]
   local kept = c and not moved[c]
-  i = i + 2
   for _ = 1, count do
-    local check, old, fresh = ARGV[i + 1] == '1', tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3])
-    local first, last = i + 4, i + 3 + old + fresh
-    for f = first, (check and kept) and i + 3 + old or last do want(target, ARGV[f]) end
-    if check and any then
+    local check, old, fresh
+    check, old, fresh, at = struct.unpack('>B>H>H', layout, at)
+    local first, last = i + 1, i + old + fresh
+    for f = first, (check == 1 and kept) and i + old or last do want(target, ARGV[f]) end
+    if check == 1 and any then
       for m = 1, k do
         if moved[m] then
           for f = first, last do want(compared[m], ARGV[f]) end
@@ -88,16 +91,18 @@ local results = {}
 local written = {}  -- slice -> field -> its value now
 local q = 0  -- compared fields so far (their place in `seen`)
 local width = 12 * k
-i = FIRST
-while i <= #ARGV do
-  local target, count = tonumber(ARGV[i]), tonumber(ARGV[i + 1])
-  i = i + 2
+i, at = FIRST, 1
+while at <= #layout do
+  local target, count
+  target, count, at = struct.unpack('>i4>I4', layout, at)
   local base = orig[target] or {}
   local cur = written[target]
   if not cur then cur = {}; written[target] = cur end
   for _ = 1, count do
-    local rec, check = ARGV[i], ARGV[i + 1] == '1'
-    local first, last_f = i + 4, i + 3 + tonumber(ARGV[i + 2]) + tonumber(ARGV[i + 3])
+    local c1, old, fresh
+    c1, old, fresh, at = struct.unpack('>B>H>H', layout, at)
+    local rec, check = ARGV[i], c1 == 1
+    local first, last_f = i + 1, i + old + fresh
     local result = check and 1 or -1
     for f = first, last_f do
       local name = ARGV[f]
@@ -107,8 +112,8 @@ while i <= #ARGV do
             if moved[c] then
               local v = orig[compared[c]][name]
               local length = v and #v or 0
-              local at = q * width + 12 * (c - 1) + 1
-              local saw_length, saw_seq = struct.unpack('>I4', seen, at), struct.unpack('>I8', seen, at + 4)
+              local p = q * width + 12 * (c - 1) + 1
+              local saw_length, saw_seq = struct.unpack('>I4', seen, p), struct.unpack('>I8', seen, p + 4)
               if length ~= saw_length or length > 0 and last(v) ~= saw_seq then
                 result = -1
                 break
