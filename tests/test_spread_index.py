@@ -531,12 +531,15 @@ def race_through(url: str, change: Callable[[int], str], *, workers: int = 4, wa
 
 
 def _pending_on(port: int, prefix: str) -> list[bytes]:
+    """The claim states left in the namespace, on every node that says it is a master (right after a
+    failover, one node's CLUSTER NODES may still call the old master one)."""
     found = []
     for node in cluster_nodes(port):
-        if node.master:
-            with redis.Redis(port=node.port) as client:
-                for key in client.scan_iter(match=f"{{{prefix}:*:s:*", count=1000):
-                    found += [f for f in client.hkeys(key) if f.startswith(b"c")]
+        with redis.Redis(port=node.port) as client:
+            if client.execute_command("ROLE")[0] != b"master":
+                continue
+            for key in client.scan_iter(match=f"{{{prefix}:*:s:*", count=1000):
+                found += [f for f in client.hkeys(key) if f.startswith(b"c")]
     return found
 
 

@@ -130,8 +130,8 @@ class _Put:
     blob: bytes
 
 
-_OP_CODES: dict[type, str] = {cl.Create: "create", cl.Note: "note", cl.Commit: "commit", cl.Poll: "poll",
-                              cl.Refresh: "refresh", cl.Abort: "abort", _Put: "put"}
+_OP_CODES: dict[type, int] = {cl.Create: 1, cl.Note: 2, cl.Commit: 3, cl.Poll: 4, cl.Refresh: 5, cl.Abort: 6, _Put: 7}
+_HOME_OP = struct.Struct("<BHdI")  # spread_home.lua's numbers of an op: code, key, event time, notes seen
 
 
 # --- where things live ---------------------------------------------------------------------------------
@@ -902,21 +902,20 @@ class SpreadIndex:
         created = [op.ts for op in ops if isinstance(op, (cl.Create, _Put))]
         args: list[Any] = [round(self.claim_ttl * 1000), self._ttl_ms, repr(horizon) if math.isfinite(horizon) else "-inf",
                            ",".join(map(str, range(2, len(keys) + 1))), repr(max(created)) if created else ""]
+        layout: list[bytes] = []
         for op in ops:
             key = self._slice_key(shard, self._slice(op.ts))
             if key not in at:
                 at[key] = len(keys) + 1
                 keys.append(key)
+            layout.append(_HOME_OP.pack(_OP_CODES[type(op)], at[key], op.ts, op.seen if isinstance(op, cl.Commit) else 0))
+            args.append(op.id.encode("utf-8", "surrogatepass"))
             if isinstance(op, (cl.Create, _Put)):
-                arg: Any = op.blob
+                args.append(op.blob)
             elif isinstance(op, cl.Note):
                 raw = op.by[1].encode("utf-8", "surrogatepass")
-                arg = _NOTE.pack(op.by[0], len(raw)) + raw
-            elif isinstance(op, cl.Commit):
-                arg = op.seen
-            else:
-                arg = ""
-            args += [_OP_CODES[type(op)], at[key], op.id.encode("utf-8", "surrogatepass"), repr(op.ts), arg]
+                args.append(_NOTE.pack(op.by[0], len(raw)) + raw)
+        args.insert(5, b"".join(layout))
         return ("EVALSHA", _HOME.sha, len(keys), *keys, *args)
 
 
