@@ -81,6 +81,7 @@ from filters.index.redis_codec import (
     rank_lookup,
     rank_records,
     stored_entries,
+    trim_records,
 )
 from filters.index.shared import SharedDecider
 from filters.records import Verdict
@@ -108,9 +109,13 @@ _REDIRECTS = 16  # MOVED/ASK hops a command may take in one round before the rou
 _TRY_AGAIN = 0.02  # seconds before a TRYAGAIN is sent again (a slot being migrated), up to 2 s in all
 
 CLAIM_LUA = _lua("trim.lua", "spread_claim.lua")
+APPEND_LUA = _lua("spread_append.lua")
 HOME_LUA = _lua("spread_home.lua")
 _CLAIM = _Script.of(CLAIM_LUA)
+_APPEND = _Script.of(APPEND_LUA)
 _HOME = _Script.of(HOME_LUA)
+_RATE = 0.25  # weight of a round in the average of spread_append.lua's successes
+_PROBE = 8  # a round in this many tries spread_append.lua whatever the average
 _STATE = {b"C": cl.COMMITTED, b"P": cl.PENDING, b"G": cl.GONE}
 _NOTE = struct.Struct("<dI")  # a note: the noter's event time and id length, then its id
 _RECORD = struct.Struct("<dI")  # a bucket record: event time, id length; then the id and the seq
@@ -449,6 +454,11 @@ class SpreadIndex:
         self._gone = -math.inf  # the last slice this instance unlinked (as left the window)
         self._stamp = 0  # the last round's clock (ms), increasing: the seqs of its records (`_ClaimPlan`)
         self._view = _View()
+        # How often spread_append.lua found no mark moved, lately (an exponential average): below one half
+        # (workers writing the same shards at once), claims go to spread_claim.lua at once, but every
+        # `_PROBE`-th round.
+        self._append_rate = 1.0
+        self._rounds = 0
         self._known: dict[tuple[str, float], Entry] = {}  # committed entries read or written lately
         self._known_cap = target.entry_cache
         self._decider = SharedDecider()
@@ -474,7 +484,7 @@ class SpreadIndex:
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"Redis index URL {self._where}: {exc}") from exc
         self._nodes = _Nodes(client, self._where)
-        self._scripts = {_CLAIM.sha.encode(): _CLAIM.source, _HOME.sha.encode(): _HOME.source}
+        self._scripts = {script.sha.encode(): script.source for script in (_CLAIM, _APPEND, _HOME)}
 
     # -- CandidateIndex ----------------------------------------------------------------------------------
     compiled_table = False
@@ -870,7 +880,9 @@ class SpreadIndex:
                 commands.append((self._slots[op.shard], ("HMGET", self._slice_key(op.shard, self._slice(op.ts)),
                                                          f, b"c" + f[1:])))
                 takes.append(("state", [i]))
-        plan = _ClaimPlan(self, [(i, cast(cl.Claim, ops[i])) for i in claims]) if claims else None
+        self._rounds += 1
+        fast = self._append_rate >= 0.5 or self._rounds % _PROBE == 0
+        plan = _ClaimPlan(self, [(i, cast(cl.Claim, ops[i])) for i in claims], fast) if claims else None
         if plan is not None:
             commands += plan.commands
         memos, self._memos = self._memos, []  # the insert's memos go with its first round trip
@@ -889,7 +901,14 @@ class SpreadIndex:
                 blob, state = next(it)
                 out[at[0]] = _state(blob, state, cast(cl.State, ops[at[0]]).ts)
         if plan is not None:
-            for i, result in plan.results(replies[len(replies) - len(plan.commands) :]).items():
+            results, again, answers = plan.results(replies[len(replies) - len(plan.commands) :])
+            if again:  # others wrote where the records go since the lookup: compared field by field
+                for claims_of, reply in zip(answers, self._nodes.execute(again, self._scripts), strict=True):
+                    results.update(plan.answer(claims_of, reply))
+            appended = len(plan.commands) - sum(shard < 0 for shard, _ in plan.order)
+            if appended:
+                self._append_rate += _RATE * ((appended - len(again)) / appended - self._append_rate)
+            for i, result in results.items():
                 out[i] = result
         return out
 
@@ -920,23 +939,25 @@ class SpreadIndex:
 
 
 class _ClaimPlan:
-    """The commands of a round's claims, and how their replies answer them: per shard, one call of
-    spread_claim.lua with every claim of the round there, in the round's order (so that the records of a
-    field are too). A claim is compared with what its lookup saw of its fields (the values, and each
-    slice's mark), unless it has nothing to compare with (not looked up, a field the lookup did not read,
-    a second attempt): then it changed."""
+    """The commands of a round's claims, and how their replies answer them: per shard, one call with every
+    claim of the round there, in the round's order (so that the records of a field are too). A claim is
+    compared with what its lookup saw of its fields (the values, and each slice's mark), unless it has
+    nothing to compare with (not looked up, a field the lookup did not read, a second attempt): then it
+    changed. When every claim of a shard is compared and its lookup read the slice it writes to, the
+    values its records make are computed here and written by spread_append.lua if no mark moved since
+    the lookup (`fast`); else (a mark moved: others wrote there meanwhile), and for the other shards,
+    spread_claim.lua appends the records and compares field by field."""
 
-    def __init__(self, index: SpreadIndex, claims: Sequence[tuple[int, cl.Claim]]) -> None:
+    def __init__(self, index: SpreadIndex, claims: Sequence[tuple[int, cl.Claim]], fast: bool) -> None:
+        self.index = index
         view = index._view
         base = index._stamp * _PLACES
         made: dict[tuple[str, int], bytes] = {}  # a claimant's record is the same in all its shards
         at, columns, slices = view.at, view.columns, view.slices
         column_of = {s: c for c, s in enumerate(slices)}
-        unseen = _UNSEEN * len(slices)
         slice_of = index._slice
-        # shard -> target slice -> [(claim, record, compared, fields it saw in the target slice, the others)],
-        # and per shard what the compared claims' lookups saw of their fields, in the same order.
-        calls: dict[int, dict[int, list[tuple[int, bytes, bool, list[bytes], list[bytes]]]]] = {}
+        # shard -> target slice -> [(claim, record, compared, fields it saw in the target slice, the others)]
+        self.calls: dict[int, dict[int, list[tuple[int, bytes, bool, list[bytes], list[bytes]]]]] = {}
         for i, op in claims:
             record = made.get((op.id, op.place))
             if record is None:
@@ -951,40 +972,102 @@ class _ClaimPlan:
                 fresh = [f for f in op.fields if c is not None and columns[c][at[f]] is None]
             else:
                 old, fresh = list(op.fields), []
-            calls.setdefault(op.shard, {}).setdefault(target, []).append((i, record, check, old, fresh))
+            self.calls.setdefault(op.shard, {}).setdefault(target, []).append((i, record, check, old, fresh))
         self.commands: list[tuple[int, Sequence[Any]]] = []
-        self.order: list[list[int]] = []  # per command, the claims it answers
-        for shard, sections in calls.items():
-            seen: list[bytes] = []
-            args: list[Any] = [index.bucket_cap, index._ttl_ms, 0, len(slices), *slices,
-                               *(view.slice_marks.get((shard, s), -1) for s in slices), b"", b""]
-            layout: list[bytes] = []
-            answers: list[int] = []
-            for target, entries in sections.items():
-                layout.append(_SECTION.pack(target, len(entries)))
-                for i, record, check, old, fresh in entries:
-                    layout.append(_ENTRY.pack(check, len(old), len(fresh)))
-                    args += (record, *old, *fresh)
-                    answers.append(i)
-                    if check:
-                        for f in (*old, *fresh):
-                            p = at[f]
-                            seen.append(b"".join(_SEEN.pack(len(v)) + v[-8:] if v is not None else _UNSEEN
-                                                 for v in (column[p] for column in columns))
-                                        if any(column[p] is not None for column in columns) else unseen)
-            lo, hi = min([*slices, *sections]), max([*slices, *sections])
-            args[2] = lo
-            args[4 + 2 * len(slices)] = b"".join(seen)
-            args[5 + 2 * len(slices)] = b"".join(layout)
-            keys = [index._slice_key(shard, s) for s in range(lo, hi + 1)]
-            self.commands.append((index._slots[shard], ("EVALSHA", _CLAIM.sha, len(keys), *keys, *args)))
-            self.order.append(answers)
+        self.order: list[tuple[int, list[int]]] = []  # per command: its shard (-1: spread_claim.lua), its claims
+        for shard, sections in self.calls.items():
+            marks = [view.slice_marks.get((shard, s)) for s in slices]
+            if (fast and None not in marks and all(target in column_of for target in sections)
+                    and all(check for entries in sections.values() for _, _, check, _, _ in entries)):
+                self.commands.append((index._slots[shard], self._append(shard, sections, cast(list[int], marks))))
+                self.order.append((shard, [i for entries in sections.values() for i, *_ in entries]))
+            else:
+                self.commands.append((index._slots[shard], self._claim(shard, sections)))
+                self.order.append((-1, [i for entries in sections.values() for i, *_ in entries]))
 
-    def results(self, replies: Sequence[Any]) -> dict[int, int]:
-        """Each claim's reply: CLAIM_SAME or CLAIM_CHANGED."""
+    def _keys(self, shard: int, sections: Iterable[int]) -> tuple[int, list[str]]:
+        slices = self.index._view.slices
+        lo, hi = min([*slices, *sections]), max([*slices, *sections])
+        return lo, [self.index._slice_key(shard, s) for s in range(lo, hi + 1)]
+
+    def _append(self, shard: int, sections: dict[int, list[tuple[int, bytes, bool, list[bytes], list[bytes]]]],
+                marks: list[int]) -> tuple[Any, ...]:
+        """spread_append.lua's call: the values the records make of what the lookup read (as spread_claim.lua
+        makes them: a record's seq is above its field's last, the field trimmed to `bucket_cap` records once
+        it holds twice as many)."""
+        index, view = self.index, self.index._view
+        at, columns, slices = view.at, view.columns, view.slices
+        cap = index.bucket_cap
+        lo, keys = self._keys(shard, sections)
+        layout: list[bytes] = []
+        pairs: list[bytes] = []
+        for target, entries in sections.items():
+            column = columns[slices.index(target)]
+            values: dict[bytes, bytes] = {}
+            for _, record, _, old, fresh in entries:
+                seq = SEQ.unpack_from(record, len(record) - 8)[0]
+                for f in (*old, *fresh):
+                    v = values.get(f)
+                    if v is None:
+                        v = column[at[f]]
+                    if v is None:
+                        values[f] = record
+                        continue
+                    last = SEQ.unpack_from(v, len(v) - 8)[0]
+                    r = record if last < seq else record[:-8] + SEQ.pack(last + 1)
+                    values[f] = (trim_records(v, cap) if len(v) > 2 * cap * len(r) else v) + r
+            layout.append(_SECTION.pack(target, len(values)))
+            for f, v in values.items():
+                pairs += (f, v)
+        return ("EVALSHA", _APPEND.sha, len(keys), *keys, index._ttl_ms, lo, len(slices), *slices, *marks,
+                b"".join(layout), *pairs)
+
+    def _claim(self, shard: int, sections: dict[int, list[tuple[int, bytes, bool, list[bytes], list[bytes]]]]
+               ) -> tuple[Any, ...]:
+        """spread_claim.lua's call."""
+        index, view = self.index, self.index._view
+        at, columns, slices = view.at, view.columns, view.slices
+        unseen = _UNSEEN * len(slices)
+        lo, keys = self._keys(shard, sections)
+        seen: list[bytes] = []
+        layout: list[bytes] = []
+        records: list[Any] = []
+        for target, entries in sections.items():
+            layout.append(_SECTION.pack(target, len(entries)))
+            for _, record, check, old, fresh in entries:
+                layout.append(_ENTRY.pack(check, len(old), len(fresh)))
+                records += (record, *old, *fresh)
+                if check:
+                    for f in (*old, *fresh):
+                        p = at[f]
+                        seen.append(b"".join(_SEEN.pack(len(v)) + v[-8:] if v is not None else _UNSEEN
+                                             for v in (column[p] for column in columns))
+                                    if any(column[p] is not None for column in columns) else unseen)
+        marks = [view.slice_marks.get((shard, s), -1) for s in slices]
+        return ("EVALSHA", _CLAIM.sha, len(keys), *keys, index.bucket_cap, index._ttl_ms, lo, len(slices), *slices,
+                *marks, b"".join(seen), b"".join(layout), *records)
+
+    def results(self, replies: Sequence[Any]) -> tuple[dict[int, int], list[tuple[int, Sequence[Any]]], list[list[int]]]:
+        """Each claim's reply (CLAIM_SAME or CLAIM_CHANGED) but those of the shards whose spread_append.lua
+        found a mark moved: their spread_claim.lua calls (to send), and the claims each answers."""
+        out: dict[int, int] = {}
+        again: list[tuple[int, Sequence[Any]]] = []
+        answers: list[list[int]] = []
+        for (shard, claims), reply in zip(self.order, replies, strict=True):
+            if shard < 0:
+                out.update(self.answer(claims, reply))
+            elif reply == 1:
+                out.update((i, cl.CLAIM_SAME) for i in claims)
+            else:
+                again.append((self.index._slots[shard], self._claim(shard, self.calls[shard])))
+                answers.append(claims)
+        return out, again, answers
+
+    @staticmethod
+    def answer(claims: list[int], reply: Sequence[Any]) -> dict[int, int]:
+        """The claims of a spread_claim.lua call, by its reply."""
         return {i: cl.CLAIM_SAME if result == cl.CLAIM_SAME else cl.CLAIM_CHANGED
-                for answers, reply in zip(self.order, replies, strict=True)
-                for i, result in zip(answers, reply, strict=True)}
+                for i, result in zip(claims, reply, strict=True)}
 
 
 def _home_reply(reply: Any) -> cl.Home:
