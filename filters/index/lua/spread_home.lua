@@ -18,44 +18,53 @@
 -- entry ('' if not asked for), the notes}; put: 1 (written) or 0 (the id was there already).
 local meta = KEYS[1]
 local claim_ttl, ttl, horizon, top = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[5])
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local live = {}
 for k in string.gmatch(ARGV[4], '[^,]+') do live[#live + 1] = KEYS[tonumber(k)] end
 local CREATE, NOTE, COMMIT, POLL, REFRESH, ABORT, PUT = 1, 2, 3, 4, 5, 6, 7
--- Every op, its fields named once; and every field the ops may read, per key, read at once.
-local ops = {}
-local wanted = {}
-local function want(key, field)
-  local w = wanted[key]
-  if not w then w = {{}, {}}; wanted[key] = w end
-  if not w[2][field] then w[2][field] = true; w[1][#w[1] + 1] = field end
-end
+-- The ops, in columns; and the fields they may read, per key, read at once (a field named by two ops is
+-- read twice: the ops of one call are for different ids, but for polls).
+local codes, keyed, efs, cfs, tss, args, seens = {}, {}, {}, {}, {}, {}, {}
+local names = {}  -- key -> the fields to read there
+local timed = false  -- an op needs this node's clock
 local layout = ARGV[6]
-local i, at = 7, 1
+local n, i, at = 0, 7, 1
 while at <= #layout do
   local code, k, ts, seen
   code, k, ts, seen, at = struct.unpack('<BHdI4', layout, at)
   local id = ARGV[i]
-  local arg = ''
-  if code == CREATE or code == PUT or code == NOTE then arg = ARGV[i + 1]; i = i + 2 else i = i + 1 end
   local key, ef, cf = KEYS[k], 'e' .. id, 'c' .. id
-  ops[#ops + 1] = {code, key, ef, cf, ts, arg, seen}
-  want(key, ef)
-  want(key, cf)
-  if code == CREATE or code == PUT then
-    for _, other in ipairs(live) do want(other, ef) end
+  n = n + 1
+  codes[n], keyed[n], efs[n], cfs[n], tss[n], seens[n] = code, key, ef, cf, ts, seen
+  local creates = code == CREATE or code == PUT
+  if creates or code == NOTE then args[n] = ARGV[i + 1]; i = i + 2 else i = i + 1 end
+  timed = timed or code == CREATE or code == REFRESH or code == POLL
+  local l = names[key]
+  if not l then l = {}; names[key] = l end
+  l[#l + 1] = ef
+  l[#l + 1] = cf
+  if creates then
+    for _, other in ipairs(live) do
+      if other ~= key then
+        local o = names[other]
+        if not o then o = {}; names[other] = o end
+        o[#o + 1] = ef
+      end
+    end
   end
+end
+local now = 0
+if timed then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 local PER_CALL = FIELDS_PER_CALL
 local val = {}  -- key -> field -> value (false: absent), as the ops leave them
-for key, w in pairs(wanted) do
+for key, l in pairs(names) do
   local v = {}
-  local names = w[1]
-  for a = 1, #names, PER_CALL do
-    local part = {unpack(names, a, math.min(a + PER_CALL - 1, #names))}
-    local got = redis.call('HMGET', key, unpack(part))
-    for b = 1, #part do v[part[b]] = got[b] end
+  for a = 1, #l, PER_CALL do
+    local b = math.min(a + PER_CALL - 1, #l)
+    local got = redis.call('HMGET', key, unpack(l, a, b))
+    for j = a, b do v[l[j]] = got[j - a + 1] end
   end
   val[key] = v
 end
@@ -84,9 +93,10 @@ local function elsewhere(key, ef)  -- a live entry of the id in another of the l
   return false
 end
 local out = {}
-for _, o in ipairs(ops) do
-  local code, key, ef, cf, ts, arg = o[1], o[2], o[3], o[4], o[5], o[6]
-  local e, c = val[key][ef], val[key][cf]
+for o = 1, n do
+  local code, key, ef, cf, ts, arg = codes[o], keyed[o], efs[o], cfs[o], tss[o], args[o]
+  local here = val[key]
+  local e, c = here[ef], here[cf]
   local creates = code == CREATE or code == PUT
   if e then
     local at = struct.unpack('<d', e, 2)
@@ -132,7 +142,7 @@ for _, o in ipairs(ops) do
       put(key, cf, string.sub(c, 1, 9) .. notes)
       reply = {'P', e, notes}
     elseif code == COMMIT then
-      local seen, count, p = o[7], 0, 1
+      local seen, count, p = seens[o], 0, 1
       while p <= #notes do
         local _, n = struct.unpack('<dI4', notes, p)
         p = p + 12 + n
