@@ -52,11 +52,13 @@ while at <= #layout do
     end
   end
 end
-local now = 0
+local now, fresh = 0, nil  -- this node's clock (ms); a pending state with a fresh deadline
 if timed then
   local t = redis.call('TIME')
   now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  fresh = 'P' .. struct.pack('>d', now + claim_ttl)
 end
+local COMMITTED, PENDING, GONE = {'C', '', ''}, {'P', '', ''}, {'G', '', ''}  -- the replies without data
 local PER_CALL = FIELDS_PER_CALL
 local val = {}  -- key -> field -> value (false: absent), as the ops leave them
 for key, l in pairs(names) do
@@ -121,20 +123,20 @@ for o = 1, n do
     if e and code ~= CREATE then
       reply = {'C', code == COMMIT and '' or e, ''}
     elseif e or code == CREATE and elsewhere(key, ef) then
-      reply = {'C', '', ''}  -- committed already: a replay
+      reply = COMMITTED  -- committed already: a replay
     elseif code == CREATE then
       put(key, ef, arg)
-      put(key, cf, 'P' .. struct.pack('>d', now + claim_ttl))
+      put(key, cf, fresh)
       touched[key] = true
-      reply = {'P', '', ''}
+      reply = PENDING
     else
-      reply = {'G', '', ''}
+      reply = GONE
     end
   else
     local deadline = struct.unpack('>d', c, 2)
     local notes = string.sub(c, 10)
     if code == CREATE or code == REFRESH then  -- taken over / kept alive: a fresh deadline, the notes stay
-      put(key, cf, 'P' .. struct.pack('>d', now + claim_ttl) .. notes)
+      put(key, cf, fresh .. notes)
       touched[key] = true
       reply = {'P', '', notes}
     elseif code == NOTE then
@@ -151,14 +153,14 @@ for o = 1, n do
       if count <= seen then
         drop(key, cf)
         counted[key] = (counted[key] or 0) + 1
-        reply = {'C', '', ''}
+        reply = COMMITTED
       else
         reply = {'P', '', notes}
       end
     elseif code == POLL and deadline < now or code == ABORT then
       drop(key, ef)
       drop(key, cf)
-      reply = {'G', '', ''}
+      reply = GONE
     elseif code == POLL then
       reply = {'P', e, notes}
     else
