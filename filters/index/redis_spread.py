@@ -7,10 +7,11 @@ Keys. The namespace is cut into `shards` (default 64); shard k's keys carry the 
 equal parts of the slots (`shard_tags`): equal ranges of slots, equal numbers of shards (to one). Per shard, the keys of the
 slot layout (filters/index/redis.py): `{tag}:meta` (`seq`, `hwm`) and the event-time slices `{tag}:s:<n>`
 with bucket records `b<key>` of the keys the shard holds (`bucket_shards`), entries `e<id>` of the ids
-whose home it is (`home_shard`), and claim states `c<id>` while a claim is undecided.
+whose home it is (`home_shard`), claim states `c<id>` while a claim is undecided, and the slice's mark
+`w` (moved by every call that writes records there).
 
-Reading. A lookup reads, per shard it touches, the meta hash and one HMGET per slice of every field the
-batch names there (its buckets, its own ids' entries and states), as one pipeline per node, all nodes at
+Reading. A lookup reads, per shard it touches, the meta hash and one HMGET per slice of its mark, then of
+every field the batch names there (its buckets, its own ids' entries and states), as one pipeline per node, all nodes at
 once (`_Nodes.execute`); the replies are scattered into the columns the slot layout ranks, so ranking is
 `rank_lookup`, as there. The candidates' homes (entry and state) are a second read: committed ones are
 candidates, pending ones are claims the protocol must resolve; entries known committed are kept
@@ -18,7 +19,8 @@ candidates, pending ones are claims the protocol must resolve; entries known com
 
 Inserting is the claim protocol (`filters.index.claims`): the `Resolver` says what to ask each shard, this
 module asks it (`_round`: the home ops of a shard in one call of `spread_home.lua`, its claims in one call
-of `spread_claim.lua`, reads as HMGETs), in one round trip per round.
+of `spread_append.lua` when no slice's mark moved since the lookup, else of `spread_claim.lua` (`_ClaimPlan`),
+reads as HMGETs), in one round trip per round (two when a mark moved).
 
 Redirects. A reply MOVED (the slot has a new owner: failover, resharding), ASK (the slot is being migrated
 and the keys are on the target) or TRYAGAIN (a script's keys are split between the two) means the command
