@@ -25,11 +25,11 @@ import redis
 from filters.config import FilterConfig
 from filters.engine import NearDupFilter
 from filters.errors import ConfigError, IndexUnavailable
-from filters.index import Candidate, Entry, Memo
+from filters.index import Candidate, Entry, Memo, Query
 from filters.index import claims as cl
 from filters.index.backends import open_index
-from filters.index.redis_codec import encode_entry, parse_records
-from filters.index.redis_spread import SLOTS, SpreadIndex, _View, key_slot, shard_tags
+from filters.index.redis_codec import encode_entry, field_of, parse_records
+from filters.index.redis_spread import _APPEND, _CLAIM, SLOTS, SpreadIndex, _View, key_slot, shard_tags
 from stream.codec import RecordFormat
 from stream.runner import RawRecord, route_batch
 from tests.test_claim_model import Shard
@@ -197,6 +197,43 @@ def test_the_scripts_do_what_the_model_of_the_protocol_does(make: Callable[..., 
         assert _same(op, real, expected), (op, real, expected)
     [values] = index._ops([cl.Read(0, tuple(fields))])
     assert _by_field(values) == [_records(model.buckets.get(f)) for f in fields]
+
+
+def test_claims_are_written_at_once_unless_another_writer_wrote_there_since_the_lookup(
+        make: Callable[..., SpreadIndex]) -> None:
+    """A claim whose lookup's slices still have the marks it read is written by spread_append.lua (the values
+    made by the client); after another writer's records in its shard, by spread_claim.lua, which finds it
+    unchanged if none of its own buckets got a record, else changed: the other claim is returned."""
+    a, b = make(shards="1"), make(shards="1")
+    sent: list[str] = []
+    execute = a._nodes.execute
+
+    def spy(commands: Sequence[tuple[int, Sequence[Any]]], scripts: dict[bytes, str], resent: set[int] | None = None
+            ) -> list[Any]:
+        sent.extend({_APPEND.sha: "append", _CLAIM.sha: "claim"}.get(c[1], "") for _, c in commands if c[0] == "EVALSHA")
+        return execute(commands, scripts, resent)
+
+    a._nodes.execute = spy  # type: ignore[method-assign]
+
+    def entry(id: str, ts: float) -> Entry:
+        return Entry(id, ts, 7, 3, np.arange(4, dtype=np.uint32))
+
+    a.lookup([Query("x", 5.0, (1, 2, 3))], 8)
+    assert a.insert([(entry("x", 5.0), (1, 2, 3))]) == [None]
+    assert "append" in sent and "claim" not in sent
+    sent.clear()
+    a.lookup([Query("y", 6.0, (4, 5, 6))], 8)
+    b.lookup([Query("z", 6.0, (7, 8))], 8)
+    assert b.insert([(entry("z", 6.0), (7, 8))]) == [None]
+    assert a.insert([(entry("y", 6.0), (4, 5, 6))]) == [None]  # z wrote in the shard, not in y's buckets
+    assert [s for s in sent if s] == ["append", "claim"]
+    a.lookup([Query("v", 7.0, (10, 11, 12))], 8)
+    b.lookup([Query("w", 7.0, (11, 13))], 8)
+    assert b.insert([(entry("w", 7.0), (11, 13))]) == [None]
+    [taken] = a.insert([(entry("v", 7.0), (10, 11, 12))])
+    assert taken is not None and [c.entry.id for c in taken] == ["w"]
+    [columns] = a._ops([cl.Read(0, (field_of(11),))])
+    assert sorted(id for column in columns for _, _, id in parse_records(column[0] or b"")) == ["v", "w"]
 
 
 def test_a_pending_claim_past_its_deadline_is_aborted_by_a_poll(make: Callable[..., SpreadIndex]) -> None:
