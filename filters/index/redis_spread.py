@@ -702,7 +702,8 @@ class SpreadIndex:
     def _read_groups(self, plan: list[tuple[int, np.ndarray, list[bytes]]], slices: Sequence[int],
                      n: int) -> tuple[float, list[list[bytes | None]], dict[tuple[int, int], int]]:
         # Every shard's high-water mark (the namespace's is the highest), then the fields, each (shard, slice)'s
-        # mark `w` first: a call of spread_claim.lua that wrote there after any of its fields was read moved it.
+        # mark `w` first: a call of spread_claim.lua or spread_append.lua that wrote there after any of its
+        # fields was read moved it.
         commands: list[tuple[int, Sequence[Any]]] = [(self._slots[k], ("HGET", f"{{{tag}}}:meta", "hwm"))
                                                      for k, tag in enumerate(self.tags)]
         step = FIELDS_PER_HMGET
