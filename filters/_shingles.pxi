@@ -151,6 +151,7 @@ cdef class Shingled:
         """Text i's sketch as its own uint32 array."""
         cdef Py_ssize_t a = self.sk_start[i], b = self.sk_start[i + 1]
         cdef uint32_t[::1] view
+        np = np_()
         sketch = np.empty(b - a, dtype=np.uint32)
         if b > a:
             view = sketch

@@ -63,11 +63,12 @@ import re
 import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
-from typing import Literal
-
-import numpy as np
+from typing import TYPE_CHECKING, Literal
 
 from filters import charmaps
+
+if TYPE_CHECKING:  # numpy is imported where the tables are used: the compiled stages never need it
+    import numpy as np
 
 try:  # the compiled stages (filters/_normalize.pxi); without a compiler, the numpy tables below
     import filters._native as _native
@@ -142,8 +143,8 @@ _COMBINING_RANGES = ((0x300, 0x36F), (0x1AB0, 0x1AFF), (0x1DC0, 0x1DFF), (0x20D0
 # Characters outside these ranges are never changed by a per-character step (casefold, marks,
 # invisibles, the tables): planes 0-1 and the tags/variation selectors of plane 14.
 _SCANNED = (*range(0x20000), *range(0xE0000, 0xE1000))
-_DROP = np.uint32(0xFFFFFFFF)
-_MULTI = np.uint32(0xFFFFFFFE)
+_DROP = 0xFFFFFFFF  # in the uint32 tables
+_MULTI = 0xFFFFFFFE
 
 
 def _char_class(chars: Sequence[str]) -> str:
@@ -226,6 +227,8 @@ def _translation_tables() -> tuple[dict[int, int], dict[int, int], dict[int, str
 @functools.cache
 def _word_code_points() -> np.ndarray:
     """Every code point that `\\w` matches (what strip_separators keeps), as uint32."""
+    import numpy as np
+
     every = np.arange(0x110000, dtype=np.uint32)
     every = every[(every < 0xD800) | (every > 0xDFFF)]
     words = re.sub(r"[\W_]+", "", every.tobytes().decode("utf-32-le"))
@@ -405,6 +408,8 @@ class Normalizer:
             if self.options.nfkc:
                 joined = _keep_look(joined)
             joined = unicodedata.normalize(st.decompose, joined)
+        import numpy as np
+
         codes = np.frombuffer(joined.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
         mapped = st.chars_lut[codes]
         multi = mapped == _MULTI
@@ -432,6 +437,8 @@ class Normalizer:
         return text
 
     def _words_batch(self, joined: str, st: _Stages) -> tuple[str, set[int]]:
+        import numpy as np
+
         codes = np.frombuffer(joined.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
         mapped = st.words_lut[codes]
         mapped = mapped[mapped != _DROP]
@@ -714,6 +721,8 @@ def _fusable(o: NormalizeOptions) -> bool:
 @functools.cache
 def _stages(o: NormalizeOptions) -> _Stages:
     """Derive the fused tables from the step functions themselves, character by character."""
+    import numpy as np
+
     n = Normalizer(NormalizeOptions(**{name: False for name in NormalizeOptions.step_names()}))
     per_char = [
         step

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -474,6 +473,8 @@ def read_toml(path: str | Path) -> dict[str, Any]:
     """Settings from a TOML file: top-level `name = value`, or tables whose name prefixes the key
     (`[kafka] bootstrap = ...` is `kafka_bootstrap`). Unknown names are an error: a typo must not
     silently fall back to a default."""
+    import tomllib  # here: most runs read no file
+
     try:
         with open(path, "rb") as f:
             data = tomllib.load(f)
