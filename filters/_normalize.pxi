@@ -69,6 +69,7 @@ cdef class NormalizeStages:
     cdef uint8_t *word_pages[0x1100]  # 1 where `\w` matches, 2 where not, 0 not asked yet
     cdef vector[uint32_t] before_from, before_to  # charmaps.BEFORE_NFKC_FROM/TO, sorted by the first
     cdef uint8_t before_pages[0x1100]  # 1 for each page of 256 code points holding one of before_from
+    cdef uint8_t ascii_words[0x80]  # stage 3 of an ASCII character: itself, i for l (leet), 0 for a separator
     cdef object stage1  # cp → its stage-1 string (normalize._stage1 for these options)
     cdef list multi
     cdef bint leet, pinyin
@@ -81,6 +82,10 @@ cdef class NormalizeStages:
         self.leet = leet
         self.pinyin = pinyin
         self.pinyin_base = pinyin_base
+        cdef int c
+        for c in range(0x80):  # [a-zA-Z0-9] are \w among ASCII characters, and `_` is a separator here
+            if 0x61 <= c <= 0x7A or 0x30 <= c <= 0x39 or 0x41 <= c <= 0x5A:
+                self.ascii_words[c] = 0x69 if c == 0x6C and leet else c
         for ch in pinyin_codes:
             self.pinyin_codes.push_back(ord(ch))
         for ch in sorted(before_nfkc):
@@ -238,6 +243,19 @@ cdef int _words(NormalizeStages self, const ucs_t *data, Py_ssize_t n, vector[ui
     cdef uint32_t cp, v, bits = 0
     cdef int here, before = 0
     cdef bint han = False, touching = False
+    if ucs_t is uint8_t:  # (the ASCII texts) no Han and no pinyin code: each character kept or not, no branch
+        for i in range(n + 1):
+            cp = data[i] if i < n else NORM_JOIN
+            if cp == NORM_JOIN:
+                texts.append(ucs4_str(out, start, j, bits))
+                bits = 0
+                start = j
+                continue
+            v = self.ascii_words[cp] if cp < 0x80 else cp if self.is_word(cp) else 0
+            out[j] = v
+            bits |= v
+            j += v != 0
+        return 0
     for i in range(n + 1):
         cp = data[i] if i < n else NORM_JOIN
         if cp == NORM_JOIN:
@@ -251,11 +269,8 @@ cdef int _words(NormalizeStages self, const ucs_t *data, Py_ssize_t n, vector[ui
             before = 0
             continue
         if cp < 0x80:
-            if 0x61 <= cp <= 0x7A:
-                v = 0x69 if cp == 0x6C and self.leet else cp  # l → i
-            elif 0x30 <= cp <= 0x39 or 0x41 <= cp <= 0x5A:
-                v = cp
-            else:
+            v = self.ascii_words[cp]  # (l → i with leet)
+            if v == 0:
                 continue
         else:
             if 0x3400 <= cp <= 0x9FFF:
