@@ -28,9 +28,10 @@ SHOWN_CHARS = 200  # of a rejected record, on stderr
 class FileSink:
     def __init__(self, stream: IO[bytes]) -> None:
         self._stream = stream
+        self._write = stream.write
 
     def write(self, record: bytes) -> None:
-        self._stream.write(record + b"\n")
+        self._write(record + b"\n")
 
     def flush(self) -> None:
         self._stream.flush()

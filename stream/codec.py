@@ -104,7 +104,7 @@ def decode_batch(raws: Sequence[Raw], fmt: RecordFormat) -> list[Decoded | Rejec
         text_field, id_field, ts_field = fmt.text_field, fmt.id_field, fmt.ts_field
     for raw in raws:
         value = raw.value
-        if fast and value[:1] == b"{" and len(value) <= limit:  # "{": no byte-order mark, an object if JSON
+        if fast and len(value) <= limit:  # (with a byte-order mark orjson refuses it: `decode` strips it)
             try:
                 record = loads(value)
             except orjson.JSONDecodeError:

@@ -107,14 +107,18 @@ class _Step:
     def __init__(self, batch: Sequence[RawRecord], fmt: RecordFormat) -> None:
         self.batch = batch
         self.out: list[Routed | None] = [None] * len(batch)
-        self.places: list[int] = []
-        self.decoded: list[Decoded] = []
-        for i, d in enumerate(decode_batch(batch, fmt)):
-            if isinstance(d, RejectedInput):
-                self.out[i] = Routed(REJECTED, batch[i], error=d)
-            else:
-                self.decoded.append(d)
-                self.places.append(i)
+        results = decode_batch(batch, fmt)
+        if not any([isinstance(d, RejectedInput) for d in results]):  # (a list: faster than a generator)
+            self.places: list[int] = list(range(len(batch)))
+            self.decoded: list[Decoded] = results  # type: ignore[assignment]
+        else:
+            self.places, self.decoded = [], []
+            for i, d in enumerate(results):
+                if isinstance(d, RejectedInput):
+                    self.out[i] = Routed(REJECTED, batch[i], error=d)
+                else:
+                    self.decoded.append(d)
+                    self.places.append(i)
         self.messages = [d.message for d in self.decoded]
 
     def routed(self, verdicts: Sequence[Verdict]) -> list[Routed]:
@@ -276,11 +280,14 @@ def run_filter(
     routed = route_batches(nd, batches(), fmt) if read_ahead else (route_batch(nd, b, fmt) for b in batches())
     add, write_unique = summary.add, unique.write
     for rows in routed:
+        uniques = 0
         for r in rows:
-            add(r)
-            if r.kind == UNIQUE:
+            if r.kind == UNIQUE:  # counted by the batch: `Summary.add` of each is the same sums
+                uniques += 1
                 write_unique(r.raw.value.rstrip(b"\r\n"))
-            elif r.kind == DUPLICATE:
+                continue
+            add(r)
+            if r.kind == DUPLICATE:
                 if duplicates is not None:
                     assert r.decoded is not None and r.verdict is not None
                     duplicates.write(duplicate_record(r.decoded, r.verdict, fmt))
@@ -290,6 +297,8 @@ def run_filter(
                     rejected.write(rejected_record(r.raw.value.rstrip(b"\r\n"), r.error, r.raw.fallback_id))
                 if on_rejected is not None:
                     on_rejected(r)
+        summary.seen += uniques
+        summary.unique += uniques
         summary.seconds = time.perf_counter() - started
         if progress is not None:
             progress(summary)
