@@ -413,10 +413,9 @@ cdef void _hash_batch(Shingled out, const uint32_t *cps, const Py_ssize_t *cp_st
             fraction = keep if keep < 0.999 else 0.999
             limit = <uint64_t>(fraction * 18446744073709551616.0)
         q = 0
-        for p in range(count):
-            if hashes[p] <= limit:
-                kept[q] = hashes[p] >> (64 - HASH_BITS)
-                q += 1
+        for p in range(count):  # without a branch: which hashes pass is random, a branch mispredicts
+            kept[q] = hashes[p] >> (64 - HASH_BITS)
+            q += hashes[p] <= limit
         sort_hashes(kept, q, limit >> (64 - HASH_BITS), scratch, counts)
         distinct = 0
         out.sk_start[i] = sk
@@ -438,11 +437,10 @@ cdef void _hash_batch(Shingled out, const uint32_t *cps, const Py_ssize_t *cp_st
             rate = 1
             while <uint64_t>count >= 2 * rate * <uint64_t>target:
                 rate *= 2
-            for p in range(count):
+            for p in range(count):  # (without a branch, as above: out.mgram has room for one per position)
                 v = hashes[p]
-                if (v & (rate - 1)) == 0:
-                    out.mgram[mg] = (v >> 4) | MGRAM_TAG
-                    mg += 1
+                out.mgram[mg] = (v >> 4) | MGRAM_TAG
+                mg += (v & (rate - 1)) == 0
             if short_m <= lengths[i] <= short_keys:
                 mg = wide_gram_keys(text, lengths[i], short_m, seed_s, out.mgram, mg)
         # Bucket keys in the configured order, first occurrence kept (`tuple(dict.fromkeys(keys))`).
