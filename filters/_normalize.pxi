@@ -320,7 +320,9 @@ cdef int _spaced_runs(const ucs_t *data, Py_ssize_t n, list out) except -1:
     cdef uint32_t c
     while i + 1 < n:
         c = data[i] if i >= 0 else 0x20
-        if not (c == 0x20 or c == 0x0A or c == 0x1E) or not spaced_token(data[i + 1]):
+        # A run's first token is followed by a space (else it is one token: as the loop below would find)
+        if not (c == 0x20 or c == 0x0A or c == 0x1E) or i + 2 >= n or data[i + 2] != 0x20 \
+                or not spaced_token(data[i + 1]):
             i += 1
             continue
         tokens = 1
