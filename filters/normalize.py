@@ -211,17 +211,23 @@ def _keep_look_char(m: re.Match[str]) -> str:
 
 
 @functools.cache
-def _translation_tables() -> tuple[dict[int, int], dict[int, int], dict[int, str], dict[str, str]]:
+def _translation_tables() -> tuple[dict[int, int], dict[int, int], dict[str, str]]:
     """Built once per process from the constant tables in `filters.charmaps` (they never change)."""
     confusables = str.maketrans(charmaps.CONFUSABLE_FROM, charmaps.CONFUSABLE_TO)
     t2s = str.maketrans(charmaps.TRADITIONAL, charmaps.SIMPLIFIED)
-    base = charmaps.PINYIN_BASE
-    pinyin = {base + i: c for i, c in enumerate(charmaps.PINYIN_CODES) if c != "\x00"}
     syllables = {syl: chr(_PINYIN_CODE + i) for i, syl in enumerate(charmaps.PINYIN_SYLLABLES)}
     # The leet step folds l into i before the pinyin step: "lai" arrives as "iai". No syllable starts
     # with i, so the folded spellings never collide with another syllable.
     syllables.update({syl.replace("l", "i"): code for syl, code in syllables.items() if "l" in syl})
-    return confusables, t2s, pinyin, syllables
+    return confusables, t2s, syllables
+
+
+@functools.cache
+def _pinyin_table() -> dict[int, str]:
+    """Han character → its syllable's code, for `str.translate` (the steps and the numpy tables: the compiled
+    stages read `charmaps.PINYIN_CODES` themselves, so a process on them never builds it)."""
+    base = charmaps.PINYIN_BASE
+    return {base + i: c for i, c in enumerate(charmaps.PINYIN_CODES) if c != "\x00"}
 
 
 @functools.cache
@@ -283,7 +289,7 @@ class Normalizer:
         """`native`: the compiled stages (`filters._native.NormalizeStages`) if built (None) or if True and
         built; False: the numpy tables. The same results either way."""
         self.options = options or NormalizeOptions()
-        self._tab_confusables, self._tab_t2s, self._tab_pinyin, self._syllable_code = _translation_tables()
+        self._tab_confusables, self._tab_t2s, self._syllable_code = _translation_tables()
         self._max_syllable = max(len(s) for s in charmaps.PINYIN_SYLLABLES)
         # Latin runs between Han characters repeat ("app", "ok", "hao"): their splits are remembered.
         self._segmented: dict[str, str | None] = {}
@@ -506,7 +512,7 @@ class Normalizer:
     def _pinyin(self, text: str) -> str:
         if text.isascii() or not _HAN.search(text):
             return text
-        return self._latin_pinyin(text.translate(self._tab_pinyin))
+        return self._latin_pinyin(text.translate(_pinyin_table()))
 
     def _latin_pinyin(self, coded: str) -> str:
         # Latin letters that stand between Han characters are pinyin substitutions ("转fa微博").
@@ -675,7 +681,7 @@ def _stage1(o: NormalizeOptions) -> Callable[[int], str]:
     """Stage 1 of `_stages(o)` for one code point, without its tables: the steps applied to the
     character if it is one `_stages` looks at (else it is its own value). For the compiled stages,
     which ask once per code point they meet."""
-    confusables, t2s, _, _ = _translation_tables()
+    confusables, t2s, _ = _translation_tables()
     n = Normalizer(NormalizeOptions(**{name: False for name in NormalizeOptions.step_names()}), native=False)
     per_char = [
         step
@@ -766,7 +772,7 @@ def _stages(o: NormalizeOptions) -> _Stages:
     if o.leet:
         words[ord("l")] = "i"
     if o.pinyin:
-        words.update(_translation_tables()[2])
+        words.update(_pinyin_table())
     words_lut = np.full(0x110000, _DROP, dtype=np.uint32)
     kept = _word_code_points()
     words_lut[kept] = kept

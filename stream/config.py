@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -328,10 +329,15 @@ def filter_setting_names() -> tuple[str, ...]:
     return tuple(f.name for f in fields(FilterConfig))
 
 
+@functools.cache
+def _kinds() -> dict[str, str]:
+    """Each setting's kind, by name: `shown_value` is asked for every flag each parser is built with."""
+    return {f.name: f.metadata["kind"] for f in setting_fields()}
+
+
 def shown_value(name: str, value: Any) -> Any:
     """A value as flags, the environment and TOML spell it: durations with their unit."""
-    kind = next((f.metadata["kind"] for f in setting_fields() if f.name == name), "str")
-    return format_duration(value) if kind == "duration" else value
+    return format_duration(value) if _kinds().get(name, "str") == "duration" else value
 
 
 def parse_steps(spec: str) -> NormalizeOptions:
