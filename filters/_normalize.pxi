@@ -70,6 +70,11 @@ cdef class NormalizeStages:
     cdef vector[uint32_t] before_from, before_to  # charmaps.BEFORE_NFKC_FROM/TO, sorted by the first
     cdef uint8_t before_pages[0x1100]  # 1 for each page of 256 code points holding one of before_from
     cdef uint8_t ascii_words[0x80]  # stage 3 of an ASCII character: itself, i for l (leet), 0 for a separator
+    # The stages' output, kept from batch to batch: a new one each time (a batch is ≈ 0.5-2 MB of code points)
+    # was mapped, faulted in page by page and unmapped again. `lent` while a stage writes to it: a stage
+    # called meanwhile (from `stage1`, which is Python) writes to one of its own.
+    cdef vector[uint32_t] buffer
+    cdef bint lent
     cdef object stage1  # cp → its stage-1 string (normalize._stage1 for these options)
     cdef list multi
     cdef bint leet, pinyin
@@ -153,16 +158,24 @@ cdef class NormalizeStages:
         cdef int kind = PyUnicode_KIND(joined)
         cdef void *data = PyUnicode_DATA(joined)
         cdef Py_ssize_t n = PyUnicode_GET_LENGTH(joined), size
-        cdef vector[uint32_t] out
+        cdef vector[uint32_t] own
+        cdef vector[uint32_t] *out = &own if self.lent else &self.buffer
         cdef uint32_t bits = 0
-        out.resize(n + 16)
-        if kind == 1:
-            size = _chars(self, <const uint8_t *>data, n, out, &bits)
-        elif kind == 2:
-            size = _chars(self, <const uint16_t *>data, n, out, &bits)
-        else:
-            size = _chars(self, <const uint32_t *>data, n, out, &bits)
-        return ucs4_str(out, 0, size, bits)
+        cdef bint lending = out == &self.buffer
+        if <size_t>(n + 16) > out.size():
+            out.resize(n + 16)
+        self.lent = True
+        try:
+            if kind == 1:
+                size = _chars(self, <const uint8_t *>data, n, deref(out), &bits)
+            elif kind == 2:
+                size = _chars(self, <const uint16_t *>data, n, deref(out), &bits)
+            else:
+                size = _chars(self, <const uint32_t *>data, n, deref(out), &bits)
+            return ucs4_str(deref(out), 0, size, bits)
+        finally:
+            if lending:
+                self.lent = False
 
 
     def words(self, str joined):
@@ -171,15 +184,23 @@ cdef class NormalizeStages:
         cdef int kind = PyUnicode_KIND(joined)
         cdef void *data = PyUnicode_DATA(joined)
         cdef Py_ssize_t n = PyUnicode_GET_LENGTH(joined)
-        cdef vector[uint32_t] out
+        cdef vector[uint32_t] own
+        cdef vector[uint32_t] *out = &own if self.lent else &self.buffer
+        cdef bint lending = out == &self.buffer
         cdef list texts = [], latin_next_to_pinyin = []
-        out.resize(n + 1)
-        if kind == 1:
-            _words(self, <const uint8_t *>data, n, out, texts, latin_next_to_pinyin)
-        elif kind == 2:
-            _words(self, <const uint16_t *>data, n, out, texts, latin_next_to_pinyin)
-        else:
-            _words(self, <const uint32_t *>data, n, out, texts, latin_next_to_pinyin)
+        if <size_t>(n + 1) > out.size():
+            out.resize(n + 1)
+        self.lent = True
+        try:
+            if kind == 1:
+                _words(self, <const uint8_t *>data, n, deref(out), texts, latin_next_to_pinyin)
+            elif kind == 2:
+                _words(self, <const uint16_t *>data, n, deref(out), texts, latin_next_to_pinyin)
+            else:
+                _words(self, <const uint32_t *>data, n, deref(out), texts, latin_next_to_pinyin)
+        finally:
+            if lending:
+                self.lent = False
         return texts, latin_next_to_pinyin
 
 cdef object _keep_look(NormalizeStages self, str text, const ucs_t *data, Py_ssize_t n):

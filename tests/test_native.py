@@ -708,3 +708,21 @@ def test_spaced_runs_are_where_the_pattern_matches(text: str) -> None:
 def test_normalization_matches_the_reference_on_the_sample() -> None:
     texts = [orjson.loads(line).get("text", "") for line in SAMPLE.read_bytes().splitlines() if line.startswith(b"{")]
     assert Normalizer(native=True).normalize_batch(texts) == Normalizer(native=False).normalize_batch(texts)
+
+
+def test_a_stage_called_while_another_writes_has_a_buffer_of_its_own() -> None:
+    """The compiled stages write to a buffer kept from batch to batch; `stage1` is Python, so a stage may be
+    called (on another string) while one is writing: it must not write over the first one's output."""
+    from filters import charmaps
+
+    inner: list[str] = []
+
+    def stage1(cp: int) -> str:
+        if cp == ord("é") and not inner:
+            inner.append(stages.chars("xyz" * 1000))
+        return chr(cp).upper()
+
+    stages = _native.NormalizeStages(stage1, True, True, charmaps.PINYIN_CODES, charmaps.PINYIN_BASE, {})
+    assert stages.chars("abc" * 1000 + "é" + "def") == "ABC" * 1000 + "É" + "DEF"
+    assert inner == ["XYZ" * 1000]
+    assert stages.chars("abcé") == "ABCÉ"  # and the kept buffer is lent again afterwards
