@@ -31,10 +31,20 @@ import builtins
 import inspect
 from sys import intern as sys_intern
 
-import numpy as np
-
 py_round = builtins.round  # verdicts carry Python's round(similarity, 4), digit for digit
 cdef frozenset NO_SENTENCES = frozenset()
+
+# numpy is imported when first used (arrays of sketches, the Redis codec): `neardup filter` on the memory index
+# never uses it, and importing it is a third of that command's start-up.
+cdef object _numpy = None
+
+
+cdef object np_():
+    global _numpy
+    if _numpy is None:
+        import numpy
+        _numpy = numpy
+    return _numpy
 
 cdef extern from "Python.h":
     const char *PyUnicode_AsUTF8AndSize(object unicode, Py_ssize_t *size) except NULL

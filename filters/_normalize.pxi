@@ -15,6 +15,7 @@ cdef extern from "Python.h":
     Py_ssize_t PyUnicode_GET_LENGTH(object o)
     uint32_t PyUnicode_READ(int kind, void *data, Py_ssize_t index) nogil
     object PyUnicode_FromKindAndData(int kind, const void *buffer, Py_ssize_t size)
+    object PyUnicode_New(Py_ssize_t size, uint32_t maxchar)
     bint Py_UNICODE_ISALNUM(uint32_t ch) nogil
 
 from libc.stdint cimport int32_t, uint16_t
@@ -34,10 +35,31 @@ ctypedef fused ucs_t:  # the three widths of a str's characters (PEP 393)
     uint32_t
 
 
-cdef inline object ucs4_str(vector[uint32_t] &buf, Py_ssize_t start, Py_ssize_t end):
-    if end <= start:
+cdef object ucs4_str(vector[uint32_t] &buf, Py_ssize_t start, Py_ssize_t end, uint32_t bits):
+    """The str of the code points buf[start:end], `bits` the OR of them all: that has the same highest bit as
+    their largest, so it says the str's width (1, 2 or 4 bytes: the bounds are powers of two) and the str is
+    made at that width without a pass to find the largest (`PyUnicode_FromKindAndData(4, ...)` makes one)."""
+    cdef Py_ssize_t i, n = end - start
+    cdef const uint32_t *src
+    cdef uint8_t *narrow
+    cdef uint16_t *half
+    if n <= 0:
         return ""
-    return PyUnicode_FromKindAndData(4, &buf[start], end - start)
+    src = &buf[start]
+    if bits < 0x100:
+        s = PyUnicode_New(n, 0x7F if bits < 0x80 else 0xFF)
+        narrow = <uint8_t *>PyUnicode_DATA(s)
+        for i in range(n):
+            narrow[i] = <uint8_t>src[i]
+    elif bits < 0x10000:
+        s = PyUnicode_New(n, 0xFFFF)
+        half = <uint16_t *>PyUnicode_DATA(s)
+        for i in range(n):
+            half[i] = <uint16_t>src[i]
+    else:
+        s = PyUnicode_New(n, 0x10FFFF)
+        memcpy(PyUnicode_DATA(s), src, n * sizeof(uint32_t))
+    return s
 
 
 cdef class NormalizeStages:
@@ -46,6 +68,13 @@ cdef class NormalizeStages:
     cdef int32_t *pages[0x1100]
     cdef uint8_t *word_pages[0x1100]  # 1 where `\w` matches, 2 where not, 0 not asked yet
     cdef vector[uint32_t] before_from, before_to  # charmaps.BEFORE_NFKC_FROM/TO, sorted by the first
+    cdef uint8_t before_pages[0x1100]  # 1 for each page of 256 code points holding one of before_from
+    cdef uint8_t ascii_words[0x80]  # stage 3 of an ASCII character: itself, i for l (leet), 0 for a separator
+    # The stages' output, kept from batch to batch: a new one each time (a batch is ≈ 0.5-2 MB of code points)
+    # was mapped, faulted in page by page and unmapped again. `lent` while a stage writes to it: a stage
+    # called meanwhile (from `stage1`, which is Python) writes to one of its own.
+    cdef vector[uint32_t] buffer
+    cdef bint lent
     cdef object stage1  # cp → its stage-1 string (normalize._stage1 for these options)
     cdef list multi
     cdef bint leet, pinyin
@@ -58,11 +87,16 @@ cdef class NormalizeStages:
         self.leet = leet
         self.pinyin = pinyin
         self.pinyin_base = pinyin_base
+        cdef int c
+        for c in range(0x80):  # [a-zA-Z0-9] are \w among ASCII characters, and `_` is a separator here
+            if 0x61 <= c <= 0x7A or 0x30 <= c <= 0x39 or 0x41 <= c <= 0x5A:
+                self.ascii_words[c] = 0x69 if c == 0x6C and leet else c
         for ch in pinyin_codes:
             self.pinyin_codes.push_back(ord(ch))
         for ch in sorted(before_nfkc):
             self.before_from.push_back(ord(ch))
             self.before_to.push_back(ord(before_nfkc[ch]))
+            self.before_pages[ord(ch) >> 8] = 1
 
     def __dealloc__(self):
         cdef Py_ssize_t i
@@ -124,15 +158,24 @@ cdef class NormalizeStages:
         cdef int kind = PyUnicode_KIND(joined)
         cdef void *data = PyUnicode_DATA(joined)
         cdef Py_ssize_t n = PyUnicode_GET_LENGTH(joined), size
-        cdef vector[uint32_t] out
-        out.resize(n + 16)
-        if kind == 1:
-            size = _chars(self, <const uint8_t *>data, n, out)
-        elif kind == 2:
-            size = _chars(self, <const uint16_t *>data, n, out)
-        else:
-            size = _chars(self, <const uint32_t *>data, n, out)
-        return ucs4_str(out, 0, size)
+        cdef vector[uint32_t] own
+        cdef vector[uint32_t] *out = &own if self.lent else &self.buffer
+        cdef uint32_t bits = 0
+        cdef bint lending = out == &self.buffer
+        if <size_t>(n + 16) > out.size():
+            out.resize(n + 16)
+        self.lent = True
+        try:
+            if kind == 1:
+                size = _chars(self, <const uint8_t *>data, n, deref(out), &bits)
+            elif kind == 2:
+                size = _chars(self, <const uint16_t *>data, n, deref(out), &bits)
+            else:
+                size = _chars(self, <const uint32_t *>data, n, deref(out), &bits)
+            return ucs4_str(deref(out), 0, size, bits)
+        finally:
+            if lending:
+                self.lent = False
 
 
     def words(self, str joined):
@@ -141,15 +184,23 @@ cdef class NormalizeStages:
         cdef int kind = PyUnicode_KIND(joined)
         cdef void *data = PyUnicode_DATA(joined)
         cdef Py_ssize_t n = PyUnicode_GET_LENGTH(joined)
-        cdef vector[uint32_t] out
+        cdef vector[uint32_t] own
+        cdef vector[uint32_t] *out = &own if self.lent else &self.buffer
+        cdef bint lending = out == &self.buffer
         cdef list texts = [], latin_next_to_pinyin = []
-        out.resize(n + 1)
-        if kind == 1:
-            _words(self, <const uint8_t *>data, n, out, texts, latin_next_to_pinyin)
-        elif kind == 2:
-            _words(self, <const uint16_t *>data, n, out, texts, latin_next_to_pinyin)
-        else:
-            _words(self, <const uint32_t *>data, n, out, texts, latin_next_to_pinyin)
+        if <size_t>(n + 1) > out.size():
+            out.resize(n + 1)
+        self.lent = True
+        try:
+            if kind == 1:
+                _words(self, <const uint8_t *>data, n, deref(out), texts, latin_next_to_pinyin)
+            elif kind == 2:
+                _words(self, <const uint16_t *>data, n, deref(out), texts, latin_next_to_pinyin)
+            else:
+                _words(self, <const uint32_t *>data, n, deref(out), texts, latin_next_to_pinyin)
+        finally:
+            if lending:
+                self.lent = False
         return texts, latin_next_to_pinyin
 
 cdef object _keep_look(NormalizeStages self, str text, const ucs_t *data, Py_ssize_t n):
@@ -160,7 +211,7 @@ cdef object _keep_look(NormalizeStages self, str text, const ucs_t *data, Py_ssi
     cdef bint found = False
     for i in range(n):
         cp = data[i]
-        if cp >= lowest and not (0x3400 <= cp < 0xA000):  # none in the Han blocks
+        if cp >= lowest and self.before_pages[cp >> 8]:  # (no search in the pages without one: Han, kana...)
             at = lower_bound(self.before_from.begin(), self.before_from.end(), cp)
             if at != self.before_from.end() and deref(at) == cp:
                 found = True
@@ -168,18 +219,22 @@ cdef object _keep_look(NormalizeStages self, str text, const ucs_t *data, Py_ssi
     if not found:
         return text
     out.resize(n)
+    cdef uint32_t bits = 0
     for i in range(n):
         cp = data[i]
-        if cp >= lowest:
+        if cp >= lowest and self.before_pages[cp >> 8]:
             at = lower_bound(self.before_from.begin(), self.before_from.end(), cp)
             if at != self.before_from.end() and deref(at) == cp:
                 cp = self.before_to[at - self.before_from.begin()]
         out[i] = cp
-    return ucs4_str(out, 0, n)
+        bits |= cp
+    return ucs4_str(out, 0, n, bits)
 
-cdef Py_ssize_t _chars(NormalizeStages self, const ucs_t *data, Py_ssize_t n, vector[uint32_t] &out) except -1:
+cdef Py_ssize_t _chars(NormalizeStages self, const ucs_t *data, Py_ssize_t n, vector[uint32_t] &out,
+                      uint32_t *bits_out) except -1:
+    """Writes stage 1 of data[:n] to `out`; returns its length, the OR of its code points in `bits_out`."""
     cdef Py_ssize_t i, j = 0
-    cdef uint32_t cp
+    cdef uint32_t cp, bits = 0
     cdef int32_t v
     cdef int32_t *page
     for i in range(n):
@@ -190,6 +245,7 @@ cdef Py_ssize_t _chars(NormalizeStages self, const ucs_t *data, Py_ssize_t n, ve
             v = self.ask(cp)
         if v >= 0:
             out[j] = <uint32_t>v
+            bits |= <uint32_t>v
             j += 1
         elif v != STAGE_DROP:
             value = <str>self.multi[-3 - v]
@@ -197,19 +253,35 @@ cdef Py_ssize_t _chars(NormalizeStages self, const ucs_t *data, Py_ssize_t n, ve
                 out.resize(2 * out.size() + len(value))
             for ch in value:
                 out[j] = ord(ch)
+                bits |= <uint32_t>ord(ch)
                 j += 1
+    bits_out[0] = bits
     return j
 
 cdef int _words(NormalizeStages self, const ucs_t *data, Py_ssize_t n, vector[uint32_t] &out, list texts,
                 list latin_next_to_pinyin) except -1:
     cdef Py_ssize_t npinyin = self.pinyin_codes.size(), i, j = 0, start = 0, text = 0
-    cdef uint32_t cp, v
+    cdef uint32_t cp, v, bits = 0
     cdef int here, before = 0
     cdef bint han = False, touching = False
+    if ucs_t is uint8_t:  # (the ASCII texts) no Han and no pinyin code: each character kept or not, no branch
+        for i in range(n + 1):
+            cp = data[i] if i < n else NORM_JOIN
+            if cp == NORM_JOIN:
+                texts.append(ucs4_str(out, start, j, bits))
+                bits = 0
+                start = j
+                continue
+            v = self.ascii_words[cp] if cp < 0x80 else cp if self.is_word(cp) else 0
+            out[j] = v
+            bits |= v
+            j += v != 0
+        return 0
     for i in range(n + 1):
         cp = data[i] if i < n else NORM_JOIN
         if cp == NORM_JOIN:
-            texts.append(ucs4_str(out, start, j))
+            texts.append(ucs4_str(out, start, j, bits))
+            bits = 0
             if han and touching:
                 latin_next_to_pinyin.append(text)
             text += 1
@@ -218,11 +290,8 @@ cdef int _words(NormalizeStages self, const ucs_t *data, Py_ssize_t n, vector[ui
             before = 0
             continue
         if cp < 0x80:
-            if 0x61 <= cp <= 0x7A:
-                v = 0x69 if cp == 0x6C and self.leet else cp  # l → i
-            elif 0x30 <= cp <= 0x39 or 0x41 <= cp <= 0x5A:
-                v = cp
-            else:
+            v = self.ascii_words[cp]  # (l → i with leet)
+            if v == 0:
                 continue
         else:
             if 0x3400 <= cp <= 0x9FFF:
@@ -235,6 +304,7 @@ cdef int _words(NormalizeStages self, const ucs_t *data, Py_ssize_t n, vector[ui
             else:
                 continue
         out[j] = v
+        bits |= v
         j += 1
         if self.pinyin:
             here = 1 if 0x61 <= v <= 0x7A else 2 if NORM_PINYIN_CODE <= v < NORM_PINYIN_CODE + 0x1000 else 0
@@ -271,7 +341,9 @@ cdef int _spaced_runs(const ucs_t *data, Py_ssize_t n, list out) except -1:
     cdef uint32_t c
     while i + 1 < n:
         c = data[i] if i >= 0 else 0x20
-        if not (c == 0x20 or c == 0x0A or c == 0x1E) or not spaced_token(data[i + 1]):
+        # A run's first token is followed by a space (else it is one token: as the loop below would find)
+        if not (c == 0x20 or c == 0x0A or c == 0x1E) or i + 2 >= n or data[i + 2] != 0x20 \
+                or not spaced_token(data[i + 1]):
             i += 1
             continue
         tokens = 1

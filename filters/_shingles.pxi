@@ -77,15 +77,32 @@ def hash128(bytes data, uint32_t seed):
 
 cdef inline void ngram_hashes(const uint32_t *cps, Py_ssize_t length, int n, uint64_t seedc,
                               uint64_t *out, Py_ssize_t count) noexcept nogil:
-    """The hash of every n-gram position of one text (`Batch.ngrams`): `cps` is followed by ≥ n - 1 pads."""
+    """The hash of every n-gram position of one text (`Batch.ngrams`): `cps` is followed by ≥ n - 1 pads.
+    The default sizes (shingles of 4, m-grams of 6) are written out: the loop over a gram's characters
+    was half of the instructions of the whole hashing."""
     cdef Py_ssize_t p
     cdef int j
     cdef uint64_t h
-    for p in range(count):
-        h = seedc
-        for j in range(n):
-            h = (h ^ cps[p + j]) * MUL
-        out[p] = mix64(h)
+    if n == 4:
+        for p in range(count):
+            h = (seedc ^ cps[p]) * MUL
+            h = (h ^ cps[p + 1]) * MUL
+            h = (h ^ cps[p + 2]) * MUL
+            out[p] = mix64((h ^ cps[p + 3]) * MUL)
+    elif n == 6:
+        for p in range(count):
+            h = (seedc ^ cps[p]) * MUL
+            h = (h ^ cps[p + 1]) * MUL
+            h = (h ^ cps[p + 2]) * MUL
+            h = (h ^ cps[p + 3]) * MUL
+            h = (h ^ cps[p + 4]) * MUL
+            out[p] = mix64((h ^ cps[p + 5]) * MUL)
+    else:
+        for p in range(count):
+            h = seedc
+            for j in range(n):
+                h = (h ^ cps[p + j]) * MUL
+            out[p] = mix64(h)
 
 
 cdef inline void copy_code_points(str text, Py_ssize_t length, uint32_t *out) noexcept:
@@ -151,6 +168,7 @@ cdef class Shingled:
         """Text i's sketch as its own uint32 array."""
         cdef Py_ssize_t a = self.sk_start[i], b = self.sk_start[i + 1]
         cdef uint32_t[::1] view
+        np = np_()
         sketch = np.empty(b - a, dtype=np.uint32)
         if b > a:
             view = sketch
@@ -207,6 +225,8 @@ def shingle(list texts, int n, int k, int m, int target, uint64_t seed, int exac
     cdef uint32_t *cps = NULL
     cdef uint64_t *hashes = NULL
     cdef uint64_t *kept = NULL
+    cdef uint64_t *scratch = NULL
+    cdef uint32_t *counts = NULL
     cdef str text
     keep_alive = []  # surrogate-carrying texts' UTF-8 (surrogatepass), alive until the hashing is done
     try:
@@ -228,6 +248,8 @@ def shingle(list texts, int n, int k, int m, int target, uint64_t seed, int exac
         cps = <uint32_t *>PyMem_Malloc((total_cps + 1) * sizeof(uint32_t))
         hashes = <uint64_t *>PyMem_Malloc((max_len + 1) * sizeof(uint64_t))
         kept = <uint64_t *>PyMem_Malloc((max_len + 1) * sizeof(uint64_t))
+        scratch = <uint64_t *>PyMem_Malloc((max_len + 1) * sizeof(uint64_t))
+        counts = <uint32_t *>PyMem_Malloc((SORT_BUCKETS_MAX + 1) * sizeof(uint32_t))
         out.exact_lo = <uint64_t *>PyMem_Malloc((count + 1) * sizeof(uint64_t))
         out.exact_hi = <uint64_t *>PyMem_Malloc((count + 1) * sizeof(uint64_t))
         out.size = <int64_t *>PyMem_Malloc((count + 1) * sizeof(int64_t))
@@ -239,7 +261,7 @@ def shingle(list texts, int n, int k, int m, int target, uint64_t seed, int exac
         out.key_start = <Py_ssize_t *>PyMem_Malloc((count + 1) * sizeof(Py_ssize_t))
         out.chars = <uint32_t *>PyMem_Malloc((short_cps + 1) * sizeof(uint32_t))
         out.ch_start = <Py_ssize_t *>PyMem_Malloc((count + 1) * sizeof(Py_ssize_t))
-        if (not cps or not hashes or not kept or not out.exact_lo or not out.exact_hi or not out.size
+        if (not cps or not hashes or not kept or not scratch or not counts or not out.exact_lo or not out.exact_hi or not out.size
                 or not out.sketch or not out.sk_start or not out.mgram or not out.mg_start or not out.keys
                 or not out.key_start or not out.chars or not out.ch_start):
             raise MemoryError()
@@ -267,12 +289,71 @@ def shingle(list texts, int n, int k, int m, int target, uint64_t seed, int exac
                 utf8[i] = <const char *>(<bytes>data)
                 utf8_len[i] = len(<bytes>data)
         with nogil:
-            _hash_batch(out, cps, cp_start, lengths, utf8, utf8_len, hashes, kept, n, k, m, target, seed,
+            _hash_batch(out, cps, cp_start, lengths, utf8, utf8_len, hashes, kept, scratch, counts, n, k, m, target, seed,
                         exact_at, with_mgram, short_m, short_keys)
         return out
     finally:
         PyMem_Free(cp_start); PyMem_Free(lengths); PyMem_Free(utf8); PyMem_Free(utf8_len)
-        PyMem_Free(cps); PyMem_Free(hashes); PyMem_Free(kept)
+        PyMem_Free(cps); PyMem_Free(hashes); PyMem_Free(kept); PyMem_Free(scratch); PyMem_Free(counts)
+
+
+cdef enum:
+    # Buckets of `sort_hashes`: more values than this are left to std::sort. A text keeps about 3k = 384 hashes
+    # (and at most 3k when it has fewer n-grams); the bound caps the insertion sort's worst case (a few
+    # repeated shingles whose hashes share a bucket, interleaved) at ≈ 0.25M moves.
+    SORT_BUCKETS_MAX = 1024
+
+
+cdef void sort_hashes(uint64_t *values, Py_ssize_t q, uint64_t top, uint64_t *scratch,
+                      uint32_t *counts) noexcept nogil:
+    """values[:q] (each at most `top`) sorted ascending, as std::sort sorts them. They are hashes below a limit,
+    spread evenly under `top`: one counting pass by their top bits puts them in about as many buckets as
+    there are values, in bucket order, and an insertion sort finishes the few in each bucket. std::sort's
+    comparisons of random hashes are mispredicted half the time (it was a seventh of `neardup filter`'s
+    CPU). `scratch` holds q values, `counts` SORT_BUCKETS_MAX + 1."""
+    cdef Py_ssize_t i, j, buckets = 1
+    cdef int shift = 0
+    cdef uint64_t v
+    if q <= 16 or q > SORT_BUCKETS_MAX:
+        cpp_sort(values, values + q)
+        return
+    while buckets < q:
+        buckets *= 2
+    while (top >> shift) >= <uint64_t>buckets:
+        shift += 1
+    memset(counts, 0, (buckets + 1) * sizeof(uint32_t))
+    for i in range(q):
+        counts[(values[i] >> shift) + 1] += 1
+    for i in range(buckets):
+        counts[i + 1] += counts[i]
+    for i in range(q):
+        v = values[i]
+        scratch[counts[v >> shift]] = v
+        counts[v >> shift] += 1
+    values[0] = scratch[0]
+    for i in range(1, q):  # in bucket order already: each value moves past the few of its bucket before it
+        v = scratch[i]
+        j = i
+        while j > 0 and values[j - 1] > v:
+            values[j] = values[j - 1]
+            j -= 1
+        values[j] = v
+
+
+def sorted_hashes(list values, uint64_t top) -> list:
+    """`sort_hashes` of `values` (each at most `top`), for the tests."""
+    cdef Py_ssize_t i, q = len(values)
+    cdef vector[uint64_t] held, scratch
+    cdef vector[uint32_t] counts
+    held.resize(q + 1)
+    scratch.resize(q + 1)
+    counts.resize(SORT_BUCKETS_MAX + 1)
+    for i in range(q):
+        held[i] = values[i]
+        if held[i] > top:
+            raise ValueError("a value above top")
+    sort_hashes(held.data(), q, top, scratch.data(), counts.data())
+    return [held[i] for i in range(q)]
 
 
 cdef inline Py_ssize_t add_new(uint64_t *keys, Py_ssize_t start, Py_ssize_t end, uint64_t v) noexcept nogil:
@@ -305,6 +386,7 @@ cdef Py_ssize_t wide_gram_keys(const uint32_t *text, Py_ssize_t length, int m, u
 
 cdef void _hash_batch(Shingled out, const uint32_t *cps, const Py_ssize_t *cp_start, const Py_ssize_t *lengths,
                       const char **utf8, const Py_ssize_t *utf8_len, uint64_t *hashes, uint64_t *kept,
+                      uint64_t *scratch, uint32_t *counts,
                       int n, int k, int m, int target, uint64_t seed, int exact_at, bint with_mgram,
                       int short_m, Py_ssize_t short_keys) noexcept nogil:
     cdef uint64_t seed_n = mix64(seed + <uint64_t>n) | 1
@@ -331,11 +413,10 @@ cdef void _hash_batch(Shingled out, const uint32_t *cps, const Py_ssize_t *cp_st
             fraction = keep if keep < 0.999 else 0.999
             limit = <uint64_t>(fraction * 18446744073709551616.0)
         q = 0
-        for p in range(count):
-            if hashes[p] <= limit:
-                kept[q] = hashes[p] >> (64 - HASH_BITS)
-                q += 1
-        cpp_sort(kept, kept + q)
+        for p in range(count):  # without a branch: which hashes pass is random, a branch mispredicts
+            kept[q] = hashes[p] >> (64 - HASH_BITS)
+            q += hashes[p] <= limit
+        sort_hashes(kept, q, limit >> (64 - HASH_BITS), scratch, counts)
         distinct = 0
         out.sk_start[i] = sk
         for p in range(q):
@@ -356,11 +437,10 @@ cdef void _hash_batch(Shingled out, const uint32_t *cps, const Py_ssize_t *cp_st
             rate = 1
             while <uint64_t>count >= 2 * rate * <uint64_t>target:
                 rate *= 2
-            for p in range(count):
+            for p in range(count):  # (without a branch, as above: out.mgram has room for one per position)
                 v = hashes[p]
-                if (v & (rate - 1)) == 0:
-                    out.mgram[mg] = (v >> 4) | MGRAM_TAG
-                    mg += 1
+                out.mgram[mg] = (v >> 4) | MGRAM_TAG
+                mg += (v & (rate - 1)) == 0
             if short_m <= lengths[i] <= short_keys:
                 mg = wide_gram_keys(text, lengths[i], short_m, seed_s, out.mgram, mg)
         # Bucket keys in the configured order, first occurrence kept (`tuple(dict.fromkeys(keys))`).

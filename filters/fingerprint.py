@@ -19,16 +19,17 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mmh3
-import numpy as np
 
 from filters.config import FilterConfig
 from filters.errors import ConfigError
 from filters.normalize import Normalizer
 from filters.records import maker
-from filters.shingles import Batch, mix64
+
+if TYPE_CHECKING:
+    import numpy as np
 
 try:  # the compiled core; absent when it could not be built at install time (no C++ compiler)
     import filters._native as _native
@@ -41,8 +42,8 @@ METHOD_OF_TAG = {v: k for k, v in TAGS.items()}
 METHOD_NAMES = tuple(METHOD_OF_TAG.get(tag, "?") for tag in range(16))  # by tag: what `key_method` says
 _LOW60 = (1 << TAG_SHIFT) - 1
 _EXACT_TAG = TAGS["exact"] << TAG_SHIFT
-_TAG_ROOM = np.uint64(64 - TAG_SHIFT)
-_MGRAM_TAG = np.uint64(2 << TAG_SHIFT)
+_TAG_ROOM = 64 - TAG_SHIFT  # an m-gram hash's top bits make room for the tag
+_MGRAM_TAG = TAGS["mgram"] << TAG_SHIFT
 _SENTENCE_END = re.compile(r"[.!?;。！？；\n]+")
 
 
@@ -80,7 +81,9 @@ class Fingerprinter:
     """Turns raw texts into `Fingerprint`s for one `FilterConfig`; pure and deterministic.
 
     The n-gram stage (exact hash, sketch, m-gram sample) runs in the compiled core when it was built
-    (`native=None`: if available; `True`: required), else in numpy: the same values either way."""
+    (`native=None`: if available; `True`: required), else in numpy: the same values either way. numpy (and
+    `filters.shingles`, the numpy reference) is imported where it is used: the compiled path with the
+    default methods never needs it, and importing it would be a third of `neardup filter`'s start-up."""
 
     def __init__(self, config: FilterConfig, native: bool | None = None) -> None:
         self.config = config
@@ -91,10 +94,11 @@ class Fingerprinter:
             raise ConfigError("the compiled core filters._native was not built: reinstall with a C++ compiler")
         self.native = _native is not None if native is None else native
         if "minhash" in self._methods:
+            import numpy as np
+
             rng = np.random.Generator(np.random.PCG64(c.seed))
             self._perm_a = rng.integers(1, 2**63, size=c.minhash_perm, dtype=np.uint64) | np.uint64(1)
             self._perm_b = rng.integers(0, 2**63, size=c.minhash_perm, dtype=np.uint64)
-        self._simhash_bits = np.arange(64, dtype=np.uint64)
         methods = [m for m in c.methods if m in ("exact", "mgram")]
         self._exact_at = methods.index("exact") if "exact" in methods else -1
 
@@ -121,6 +125,10 @@ class Fingerprinter:
         if self.native:
             done = self._shingled(normalized)
             return (done.exacts(), done.sizes(), done.sketches(), *done.mgram_keys())
+        import numpy as np
+
+        from filters.shingles import Batch
+
         batch = Batch(normalized, max(c.shingle, c.mgram, c.short_mgram), c.seed)
         sketches = batch.sketches(c.shingle, c.sketch_size)
         mgram_keys: list[int] = []
@@ -132,7 +140,7 @@ class Fingerprinter:
                 grams = np.concatenate([part for i in range(len(normalized)) for part in (
                     grams[bounds[i] : bounds[i + 1]], wide[wide_bounds[i] : wide_bounds[i + 1]])] or [grams])
                 bounds = bounds + wide_bounds
-            mgram_keys = ((grams >> _TAG_ROOM) | _MGRAM_TAG).tolist()
+            mgram_keys = ((grams >> np.uint64(_TAG_ROOM)) | np.uint64(_MGRAM_TAG)).tolist()
             mgram_bounds = bounds.tolist()
         seed32 = c.seed & 0xFFFFFFFF
         exacts = [mmh3.hash128(norm.encode("utf-8", "surrogatepass"), seed=seed32) for norm in normalized]
@@ -146,6 +154,10 @@ class Fingerprinter:
         exacts, sizes, sketches, mgram_keys, mgram_bounds = self._hashed(normalized)
         features: list[np.ndarray] = []
         if "simhash" in self._methods or "minhash" in self._methods:
+            import numpy as np
+
+            from filters.shingles import Batch
+
             # simhash and minhash see every shingle (weighted by its count), not only the sketch.
             values, _, counts = Batch(normalized, c.shingle, c.seed).ngrams(c.shingle)
             bounds = np.concatenate(([0], np.cumsum(counts)))
@@ -179,7 +191,9 @@ class Fingerprinter:
     def _simhash(self, hashes: np.ndarray) -> int:
         if not len(hashes):
             return 0
-        bits = ((hashes[:, None] >> self._simhash_bits[None, :]) & np.uint64(1)).astype(np.int32)
+        import numpy as np
+
+        bits = ((hashes[:, None] >> np.arange(64, dtype=np.uint64)[None, :]) & np.uint64(1)).astype(np.int32)
         votes = 2 * bits.sum(axis=0) - len(hashes)
         return int(np.packbits((votes > 0)[::-1]).view(">u8")[0])
 
@@ -195,6 +209,8 @@ class Fingerprinter:
         return keys
 
     def _minhash(self, hashes: np.ndarray) -> np.ndarray:
+        import numpy as np
+
         if not len(hashes):
             return np.full(self.config.minhash_perm, np.uint32(0xFFFFFFFF), dtype=np.uint32)
         permuted = (self._perm_a[:, None] * hashes[None, :] + self._perm_b[:, None]) >> np.uint64(32)
@@ -220,7 +236,9 @@ class Fingerprinter:
 
 
 def minhash_jaccard(a: np.ndarray, b: np.ndarray) -> float:
+    import numpy as np
+
     return float(np.count_nonzero(a == b)) / len(a)
 
 
-__all__ = ["Fingerprint", "Fingerprinter", "hamming", "key_method", "minhash_jaccard", "mix64"]
+__all__ = ["Fingerprint", "Fingerprinter", "hamming", "key_method", "minhash_jaccard"]

@@ -63,11 +63,12 @@ import re
 import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
-from typing import Literal
-
-import numpy as np
+from typing import TYPE_CHECKING, Literal
 
 from filters import charmaps
+
+if TYPE_CHECKING:  # numpy is imported where the tables are used: the compiled stages never need it
+    import numpy as np
 
 try:  # the compiled stages (filters/_normalize.pxi); without a compiler, the numpy tables below
     import filters._native as _native
@@ -142,8 +143,8 @@ _COMBINING_RANGES = ((0x300, 0x36F), (0x1AB0, 0x1AFF), (0x1DC0, 0x1DFF), (0x20D0
 # Characters outside these ranges are never changed by a per-character step (casefold, marks,
 # invisibles, the tables): planes 0-1 and the tags/variation selectors of plane 14.
 _SCANNED = (*range(0x20000), *range(0xE0000, 0xE1000))
-_DROP = np.uint32(0xFFFFFFFF)
-_MULTI = np.uint32(0xFFFFFFFE)
+_DROP = 0xFFFFFFFF  # in the uint32 tables
+_MULTI = 0xFFFFFFFE
 
 
 def _char_class(chars: Sequence[str]) -> str:
@@ -210,22 +211,30 @@ def _keep_look_char(m: re.Match[str]) -> str:
 
 
 @functools.cache
-def _translation_tables() -> tuple[dict[int, int], dict[int, int], dict[int, str], dict[str, str]]:
+def _translation_tables() -> tuple[dict[int, int], dict[int, int], dict[str, str]]:
     """Built once per process from the constant tables in `filters.charmaps` (they never change)."""
     confusables = str.maketrans(charmaps.CONFUSABLE_FROM, charmaps.CONFUSABLE_TO)
     t2s = str.maketrans(charmaps.TRADITIONAL, charmaps.SIMPLIFIED)
-    base = charmaps.PINYIN_BASE
-    pinyin = {base + i: c for i, c in enumerate(charmaps.PINYIN_CODES) if c != "\x00"}
     syllables = {syl: chr(_PINYIN_CODE + i) for i, syl in enumerate(charmaps.PINYIN_SYLLABLES)}
     # The leet step folds l into i before the pinyin step: "lai" arrives as "iai". No syllable starts
     # with i, so the folded spellings never collide with another syllable.
     syllables.update({syl.replace("l", "i"): code for syl, code in syllables.items() if "l" in syl})
-    return confusables, t2s, pinyin, syllables
+    return confusables, t2s, syllables
+
+
+@functools.cache
+def _pinyin_table() -> dict[int, str]:
+    """Han character → its syllable's code, for `str.translate` (the steps and the numpy tables: the compiled
+    stages read `charmaps.PINYIN_CODES` themselves, so a process on them never builds it)."""
+    base = charmaps.PINYIN_BASE
+    return {base + i: c for i, c in enumerate(charmaps.PINYIN_CODES) if c != "\x00"}
 
 
 @functools.cache
 def _word_code_points() -> np.ndarray:
     """Every code point that `\\w` matches (what strip_separators keeps), as uint32."""
+    import numpy as np
+
     every = np.arange(0x110000, dtype=np.uint32)
     every = every[(every < 0xD800) | (every > 0xDFFF)]
     words = re.sub(r"[\W_]+", "", every.tobytes().decode("utf-32-le"))
@@ -280,7 +289,7 @@ class Normalizer:
         """`native`: the compiled stages (`filters._native.NormalizeStages`) if built (None) or if True and
         built; False: the numpy tables. The same results either way."""
         self.options = options or NormalizeOptions()
-        self._tab_confusables, self._tab_t2s, self._tab_pinyin, self._syllable_code = _translation_tables()
+        self._tab_confusables, self._tab_t2s, self._syllable_code = _translation_tables()
         self._max_syllable = max(len(s) for s in charmaps.PINYIN_SYLLABLES)
         # Latin runs between Han characters repeat ("app", "ok", "hao"): their splits are remembered.
         self._segmented: dict[str, str | None] = {}
@@ -405,6 +414,8 @@ class Normalizer:
             if self.options.nfkc:
                 joined = _keep_look(joined)
             joined = unicodedata.normalize(st.decompose, joined)
+        import numpy as np
+
         codes = np.frombuffer(joined.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
         mapped = st.chars_lut[codes]
         multi = mapped == _MULTI
@@ -432,6 +443,8 @@ class Normalizer:
         return text
 
     def _words_batch(self, joined: str, st: _Stages) -> tuple[str, set[int]]:
+        import numpy as np
+
         codes = np.frombuffer(joined.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
         mapped = st.words_lut[codes]
         mapped = mapped[mapped != _DROP]
@@ -499,7 +512,7 @@ class Normalizer:
     def _pinyin(self, text: str) -> str:
         if text.isascii() or not _HAN.search(text):
             return text
-        return self._latin_pinyin(text.translate(self._tab_pinyin))
+        return self._latin_pinyin(text.translate(_pinyin_table()))
 
     def _latin_pinyin(self, coded: str) -> str:
         # Latin letters that stand between Han characters are pinyin substitutions ("转fa微博").
@@ -668,7 +681,7 @@ def _stage1(o: NormalizeOptions) -> Callable[[int], str]:
     """Stage 1 of `_stages(o)` for one code point, without its tables: the steps applied to the
     character if it is one `_stages` looks at (else it is its own value). For the compiled stages,
     which ask once per code point they meet."""
-    confusables, t2s, _, _ = _translation_tables()
+    confusables, t2s, _ = _translation_tables()
     n = Normalizer(NormalizeOptions(**{name: False for name in NormalizeOptions.step_names()}), native=False)
     per_char = [
         step
@@ -714,6 +727,8 @@ def _fusable(o: NormalizeOptions) -> bool:
 @functools.cache
 def _stages(o: NormalizeOptions) -> _Stages:
     """Derive the fused tables from the step functions themselves, character by character."""
+    import numpy as np
+
     n = Normalizer(NormalizeOptions(**{name: False for name in NormalizeOptions.step_names()}))
     per_char = [
         step
@@ -757,7 +772,7 @@ def _stages(o: NormalizeOptions) -> _Stages:
     if o.leet:
         words[ord("l")] = "i"
     if o.pinyin:
-        words.update(_translation_tables()[2])
+        words.update(_pinyin_table())
     words_lut = np.full(0x110000, _DROP, dtype=np.uint32)
     kept = _word_code_points()
     words_lut[kept] = kept

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:  # annotations only: the compiled path never imports numpy
+    import numpy as np
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import math
 import sys
 from collections.abc import Sequence
@@ -52,11 +51,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _logging(settings.log_level, settings.log_format)
     warn_if_interpreted()
     check_index(settings)
+    import asyncio  # here, not at the top: `neardup filter` builds this parser too, and never runs a loop
+
     asyncio.run(serve(settings))
     return 0
 
 
 def cmd_produce(args: argparse.Namespace) -> int:
+    import asyncio
+
     from stream.kafka_tools import ensure_topics, produce_lines
 
     settings = settings_from_args(args)
@@ -77,6 +80,7 @@ def cmd_produce(args: argparse.Namespace) -> int:
 
 
 def cmd_tail(args: argparse.Namespace) -> int:
+    import asyncio
     import time
 
     from stream.kafka_tools import missing_topics, read_topics, record_json

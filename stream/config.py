@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
-import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -329,10 +329,15 @@ def filter_setting_names() -> tuple[str, ...]:
     return tuple(f.name for f in fields(FilterConfig))
 
 
+@functools.cache
+def _kinds() -> dict[str, str]:
+    """Each setting's kind, by name: `shown_value` is asked for every flag each parser is built with."""
+    return {f.name: f.metadata["kind"] for f in setting_fields()}
+
+
 def shown_value(name: str, value: Any) -> Any:
     """A value as flags, the environment and TOML spell it: durations with their unit."""
-    kind = next((f.metadata["kind"] for f in setting_fields() if f.name == name), "str")
-    return format_duration(value) if kind == "duration" else value
+    return format_duration(value) if _kinds().get(name, "str") == "duration" else value
 
 
 def parse_steps(spec: str) -> NormalizeOptions:
@@ -474,6 +479,8 @@ def read_toml(path: str | Path) -> dict[str, Any]:
     """Settings from a TOML file: top-level `name = value`, or tables whose name prefixes the key
     (`[kafka] bootstrap = ...` is `kafka_bootstrap`). Unknown names are an error: a typo must not
     silently fall back to a default."""
+    import tomllib  # here: most runs read no file
+
     try:
         with open(path, "rb") as f:
             data = tomllib.load(f)

@@ -41,6 +41,7 @@ class Inputs:
         self._paths = list(paths) or ["-"]
         self._stdin = stdin if stdin is not None else sys.stdin.buffer
         self._stopped = threading.Event()
+        self._stop = False  # `_stopped.is_set()`, read once a line without a call
         self._files: list[tuple[str, IO[bytes] | None, IO[bytes] | None]] = []  # (name, lines, raw file)
         self._done = 0
         self._raw: IO[bytes] | None = None
@@ -73,6 +74,7 @@ class Inputs:
         self.live = any(f[1] is None for f in self._files)
 
     def stop(self) -> None:
+        self._stop = True
         self._stopped.set()
 
     @property
@@ -96,7 +98,7 @@ class Inputs:
                 self._raw = raw
                 try:
                     for line in lines:
-                        if self._stopped.is_set():
+                        if self._stop:
                             return
                         yield line
                 except (OSError, EOFError, zlib.error) as exc:

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 from filters.engine import Message, NearDupFilter, Verdict
 from filters.errors import RejectedInput
 from filters.records import maker
-from stream.codec import Decoded, RecordFormat, decode, duplicate_record, rejected_record
+from stream.codec import Decoded, RecordFormat, decode_batch, duplicate_record, rejected_record
 
 UNIQUE, DUPLICATE, REJECTED = "unique", "duplicate", "rejected"
 
@@ -36,7 +36,9 @@ class Routed:
     error: RejectedInput | None = None
 
 
-_new_routed = maker(Routed)  # one per record: from all field values, without the dataclass __init__'s cost
+# One of each per record: from all field values, without the dataclass __init__'s cost.
+_new_routed = maker(Routed)
+_new_raw = maker(RawRecord)
 
 
 def route_batch(nd: NearDupFilter, batch: Sequence[RawRecord], fmt: RecordFormat) -> list[Routed]:
@@ -84,8 +86,8 @@ class ReadAhead:
             self._ahead.append(ready)
             upcoming = ready.upcoming()
             share = _Ahead(nd, then, self.fmt)
-        else:
-            share = _Ahead(nd, following, self.fmt)
+        else:  # the last batch but one: the following one was prepared as `then` last time (when there was one)
+            share = self._taken(kept, nd, following)
         verdicts = nd.decide(step.messages, prepared, meanwhile=share.run, upcoming=upcoming) if step.messages else []
         self._ahead.append(share)
         return step.routed(verdicts)
@@ -105,14 +107,18 @@ class _Step:
     def __init__(self, batch: Sequence[RawRecord], fmt: RecordFormat) -> None:
         self.batch = batch
         self.out: list[Routed | None] = [None] * len(batch)
-        self.places: list[int] = []
-        self.decoded: list[Decoded] = []
-        for i, raw in enumerate(batch):
-            try:
-                self.decoded.append(decode(raw.value, fmt, fallback_id=raw.fallback_id, fallback_ts=raw.fallback_ts))
-                self.places.append(i)
-            except RejectedInput as exc:
-                self.out[i] = Routed(REJECTED, raw, error=exc)
+        results = decode_batch(batch, fmt)
+        if not any([isinstance(d, RejectedInput) for d in results]):  # (a list: faster than a generator)
+            self.places: list[int] = list(range(len(batch)))
+            self.decoded: list[Decoded] = results  # type: ignore[assignment]
+        else:
+            self.places, self.decoded = [], []
+            for i, d in enumerate(results):
+                if isinstance(d, RejectedInput):
+                    self.out[i] = Routed(REJECTED, batch[i], error=d)
+                else:
+                    self.decoded.append(d)
+                    self.places.append(i)
         self.messages = [d.message for d in self.decoded]
 
     def routed(self, verdicts: Sequence[Verdict]) -> list[Routed]:
@@ -232,8 +238,8 @@ def run_filter(
     lines: Iterable[bytes],
     *,
     unique: Sink,
-    duplicates: Sink,
-    rejected: Sink,
+    duplicates: Sink | None,
+    rejected: Sink | None,
     fmt: RecordFormat,
     batch_size: int = 512,
     clock: Callable[[], float] = time.time,
@@ -244,9 +250,12 @@ def run_filter(
     """Route every line to exactly one sink; returns the counts. `read_ahead` (for files): batches go
     through `route_batches`, which reads one batch ahead; off for a live stream (stdin), whose batch
     would otherwise wait for the next one to fill. An empty line (`IDLE`: a live input paused; real lines
-    have their newline) routes the partial batch at once. `on_rejected` sees each rejected record."""
+    have their newline) routes the partial batch at once. `on_rejected` sees each rejected record. Duplicates
+    or rejected records with no sink (None) are counted, and their output records never made."""
     summary = Summary()
     started = time.perf_counter()
+    sinks = [sink for sink in (unique, duplicates, rejected) if sink is not None]
+    json_lines = fmt.format == "json"
 
     def batches() -> Iterator[list[RawRecord]]:
         batch: list[RawRecord] = []
@@ -258,10 +267,10 @@ def run_filter(
                     batch = []
                 continue
             number += 1
-            if fmt.format == "json" and not line.strip():
+            if json_lines and line.isspace():  # what strip() leaves empty, without the copy
                 summary.blank += 1
                 continue
-            batch.append(RawRecord(line, str(number), clock()))
+            batch.append(_new_raw(line, str(number), clock()))
             if len(batch) >= batch_size:
                 yield batch
                 batch = []
@@ -269,26 +278,34 @@ def run_filter(
             yield batch
 
     routed = route_batches(nd, batches(), fmt) if read_ahead else (route_batch(nd, b, fmt) for b in batches())
+    add, write_unique = summary.add, unique.write
     for rows in routed:
+        uniques = 0
         for r in rows:
-            summary.add(r)
-            if r.kind == UNIQUE:
-                unique.write(r.raw.value.rstrip(b"\r\n"))
-            elif r.kind == DUPLICATE:
-                assert r.decoded is not None and r.verdict is not None
-                duplicates.write(duplicate_record(r.decoded, r.verdict, fmt))
+            if r.kind == UNIQUE:  # counted by the batch: `Summary.add` of each is the same sums
+                uniques += 1
+                write_unique(r.raw.value.rstrip(b"\r\n"))
+                continue
+            add(r)
+            if r.kind == DUPLICATE:
+                if duplicates is not None:
+                    assert r.decoded is not None and r.verdict is not None
+                    duplicates.write(duplicate_record(r.decoded, r.verdict, fmt))
             else:
                 assert r.error is not None
-                rejected.write(rejected_record(r.raw.value.rstrip(b"\r\n"), r.error, r.raw.fallback_id))
+                if rejected is not None:
+                    rejected.write(rejected_record(r.raw.value.rstrip(b"\r\n"), r.error, r.raw.fallback_id))
                 if on_rejected is not None:
                     on_rejected(r)
+        summary.seen += uniques
+        summary.unique += uniques
         summary.seconds = time.perf_counter() - started
         if progress is not None:
             progress(summary)
         if read_ahead is False:  # a live stream: what was routed is seen at once
-            for sink in (unique, duplicates, rejected):
+            for sink in sinks:
                 sink.flush()
-    for sink in (unique, duplicates, rejected):
+    for sink in sinks:
         sink.flush()
     summary.seconds = time.perf_counter() - started
     return summary

@@ -50,6 +50,22 @@ def test_the_compiled_core_is_built() -> None:
     assert NearDupFilter().fingerprinter.native and NearDupFilter().index.native  # type: ignore[attr-defined]
 
 
+@settings(max_examples=300, deadline=None)
+@given(bits=st.integers(0, 44), data=st.data())
+def test_the_sketch_sort_sorts(bits: int, data: st.DataObject) -> None:
+    """The kernel's sort of a text's kept hashes (buckets by their top bits, then insertion): sorted(), for
+    any values under the bound, spread or not: few distinct ones, repeats interleaved, all at the bound,
+    more than it buckets (std::sort's)."""
+    top = (1 << bits) - 1
+    value = st.integers(0, top)
+    values = data.draw(st.one_of(
+        st.lists(value, max_size=1100),
+        st.lists(st.sampled_from(data.draw(st.lists(value, min_size=1, max_size=3))), max_size=1100),
+        st.lists(st.just(top), max_size=40),
+    ))
+    assert _native.sorted_hashes(values, top) == sorted(values)
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(texts=st.lists(_TEXT, max_size=12), n=st.integers(1, 7), k=st.integers(1, 64), m=st.integers(1, 9),
        target=st.integers(0, 20), seed=st.integers(0, 2**63 - 1), short_m=st.integers(1, 4),
@@ -692,3 +708,21 @@ def test_spaced_runs_are_where_the_pattern_matches(text: str) -> None:
 def test_normalization_matches_the_reference_on_the_sample() -> None:
     texts = [orjson.loads(line).get("text", "") for line in SAMPLE.read_bytes().splitlines() if line.startswith(b"{")]
     assert Normalizer(native=True).normalize_batch(texts) == Normalizer(native=False).normalize_batch(texts)
+
+
+def test_a_stage_called_while_another_writes_has_a_buffer_of_its_own() -> None:
+    """The compiled stages write to a buffer kept from batch to batch; `stage1` is Python, so a stage may be
+    called (on another string) while one is writing: it must not write over the first one's output."""
+    from filters import charmaps
+
+    inner: list[str] = []
+
+    def stage1(cp: int) -> str:
+        if cp == ord("é") and not inner:
+            inner.append(stages.chars("xyz" * 1000))
+        return chr(cp).upper()
+
+    stages = _native.NormalizeStages(stage1, True, True, charmaps.PINYIN_CODES, charmaps.PINYIN_BASE, {})
+    assert stages.chars("abc" * 1000 + "é" + "def") == "ABC" * 1000 + "É" + "DEF"
+    assert inner == ["XYZ" * 1000]
+    assert stages.chars("abcé") == "ABCÉ"  # and the kept buffer is lent again afterwards

@@ -20,7 +20,8 @@ from filters.errors import RejectedInput
 from filters.fingerprint import Fingerprinter, key_method
 from filters.normalize import Normalizer
 from filters.sketch import overlap
-from stream.codec import Decoded, RecordFormat, decode
+from stream.codec import Decoded, RecordFormat, decode, decode_batch
+from stream.runner import RawRecord
 
 REPO = Path(__file__).resolve().parents[1]
 ALL = FilterConfig(methods=METHODS)
@@ -258,6 +259,42 @@ def test_decode_returns_decoded_or_raises_rejected_input(raw: bytes, fmt: str) -
         assert isinstance(d.record, dict)
     else:
         assert d.record is None and d.message.id == "7" and d.message.ts == 1.5
+
+
+# Records as the dev stream has them, and near misses of each rule decode_batch checks itself.
+COMMON = st.fixed_dictionaries(
+    {"text": st.text(MESSAGE_CHARS, max_size=20) | st.sampled_from(["", " ", "\u3000", "\n\t"])},
+    optional={
+        "id": st.text(max_size=4) | st.none() | st.integers(-(2**63), 2**63 - 1) | st.booleans(),
+        "ts": st.sampled_from([0, 0.0, -0.0, -1e-300, 1e11, 100_000_000_000, 100_000_000_001, 1.0000001e11, "5"])
+        | st.floats(-1.0, 2e11) | st.integers(-5, 2 * 10**11) | st.none() | st.booleans(),
+        "x": JSON_VALUES,
+    },
+).map(orjson.dumps)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(COMMON, RECORDS, st.binary(max_size=30), JSON_VALUES.map(orjson.dumps),
+                          COMMON.map(lambda b: b"\xef\xbb\xbf" + b), COMMON.map(lambda b: b + b"\r\n")), max_size=12),
+       st.sampled_from(["json", "text"]), st.sampled_from([1.5, 7, 2.5e11]))
+def test_decode_batch_is_decode_of_each(raws: list[bytes], fmt: str, fallback_ts: float) -> None:
+    """`decode_batch` decodes the common records itself: the same messages, records and refusals as `decode`."""
+    form = RecordFormat(format=fmt, max_record_bytes=60)
+    batch = [RawRecord(raw, f"line {i}", fallback_ts) for i, raw in enumerate(raws)]
+    got = decode_batch(batch, form)
+    assert len(got) == len(batch)
+    for raw, d in zip(batch, got, strict=True):
+        try:
+            want: Decoded | RejectedInput = decode(raw.value, form, fallback_id=raw.fallback_id,
+                                                   fallback_ts=raw.fallback_ts)
+        except RejectedInput as exc:
+            want = exc
+        if isinstance(want, RejectedInput):
+            assert isinstance(d, RejectedInput) and type(d) is type(want)
+            assert (d.reason, str(d)) == (want.reason, str(want))
+        else:
+            assert isinstance(d, Decoded) and d.message == want.message and d.record == want.record
+            assert type(d.message.ts) is type(want.message.ts)
 
 
 # Valid JSON around bytes that may not be UTF-8: a text field of raw bytes (overlong forms, surrogates,

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-import numpy as np
+if TYPE_CHECKING:  # annotations only: the compiled path never imports numpy
+    import numpy as np
 
 from filters.config import FilterConfig
 from filters.fingerprint import Fingerprint

@@ -580,6 +580,7 @@ def restore_round(list ids, times, slices, bounds, keys, list blobs, dict held, 
                   Py_ssize_t cap, uint64_t seq, kept=None, Py_ssize_t keep=0) -> tuple:
     """`redis_codec.restore_round`, compiled: the fields are told apart by (slice, key) in an open-addressing
     table, each field's new records chained in order, and each new value made in one piece."""
+    np = np_()
     cdef const double[::1] ts_of = np.ascontiguousarray(times, dtype=np.float64)
     cdef const int64_t[::1] slice_of = np.ascontiguousarray(slices, dtype=np.int64)
     cdef const int64_t[::1] bound = np.ascontiguousarray(bounds, dtype=np.int64)
@@ -788,6 +789,7 @@ def decode_entries(list ids, list blobs, make, fallback) -> dict:
     cdef Py_ssize_t at
     if len(ids) != len(blobs):
         raise ValueError("ids and blobs differ in length")
+    np = np_()
     for i in range(len(ids)):
         blob = blobs[i]
         if blob is None:
@@ -920,6 +922,7 @@ def encode_entries(list entries, fallback) -> list:
     cdef double ts
     cdef uint64_t lo, hi
     cdef uint32_t size, count
+    np = np_()
     for item in entries:
         entry = (<tuple>item)[0]
         sk = entry.sketch

@@ -557,6 +557,7 @@ cdef class Table:
         sketch = entry.sketch
         cdef uint32_t[::1] narrow
         cdef uint64_t[::1] wide
+        np = np_()
         if sketch.dtype == np.uint32 and sketch.flags.c_contiguous:
             narrow = sketch
             nsk = narrow.shape[0]
@@ -701,6 +702,7 @@ cdef class Table:
             raise KeyError(seq)
         if e.payload:
             return <object>e.payload
+        np = np_()
         sketch = np.empty(e.nsk, dtype=np.uint32)
         cdef uint32_t[::1] view = sketch
         cdef uint32_t i

@@ -12,15 +12,15 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from itertools import repeat
 from operator import itemgetter
-from typing import Protocol
-
-import numpy as np
+from typing import TYPE_CHECKING, Protocol
 
 from filters.errors import ConfigError
 from filters.fingerprint import METHOD_NAMES, Fingerprint
 from filters.index import Batch, Candidate, Entry, Memo, Query, Stored, Verifier, finish
-from filters.index.redis_codec import stored_entries
 from filters.records import Message, Verdict, new_verdict
+
+if TYPE_CHECKING:  # annotations only: the compiled path never imports numpy
+    import numpy as np
 
 try:  # the compiled core; absent when it could not be built at install time (no C++ compiler)
     import filters._native as _native
@@ -359,6 +359,8 @@ class MemoryIndex:
         return [None] * len(entries)
 
     def restore(self, parts: Iterable[Stored]) -> int:
+        from filters.index.redis_codec import stored_entries  # numpy: imported when restoring, not by every process
+
         insert = self.table.insert
         written = 0
         for e, keys in (pair for stored in parts for pair in stored_entries(stored)):
