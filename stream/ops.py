@@ -20,7 +20,6 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 
 from filters.errors import NeardupError, RejectedInput
-from filters.index.memory import MemoryIndex
 from stream.campaigns import CampaignDetail, CampaignStore, CampaignView, MemoryCampaigns, Sighting, open_campaigns
 from stream.codec import decode
 from stream.collector import tune_collector
@@ -70,7 +69,7 @@ class Ops:
     def attach(self) -> None:
         """Observe the worker's batches and time its route step (call before `worker.run`)."""
         w = self.worker
-        if not isinstance(w.nd.index, MemoryIndex | TimedIndex):
+        if not w.nd.index.in_process:  # its round trips are timed (attached once: `serve`)
             w.nd.index = TimedIndex(w.nd.index, lambda op, s: self.metrics.redis_seconds.labels(op).observe(s))
         w.router = Router(w.settings, w.nd, w.stats, run=timed_route_runner(self.metrics, self._routed))
         previous = w.observer
@@ -173,7 +172,7 @@ class Ops:
             return
         self._last_index_stats = now
         index = self.worker.nd.index
-        if isinstance(index, MemoryIndex):
+        if index.in_process:
             # Between batches the route step is not running: the in-process index is not changing.
             self.metrics.index_stats(index.stats())
             return

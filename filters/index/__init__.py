@@ -156,6 +156,11 @@ class CandidateIndex(Protocol):
         verifier is `compiled`, rather than a list of `Fingerprint`s."""
         ...
 
+    @property
+    def in_process(self) -> bool:
+        """Whether the index lives in this process: no round trips to time, `stats` cheap (operations)."""
+        ...
+
     def decide(self, batch: Batch, verifier: Verifier) -> list[Verdict]:
         """The verdicts of the batch's messages, in order, as if decided one at a time: look up, verify
         (by `verifier`), insert the unique ones, remember the duplicates' verdicts. A message whose id is
@@ -209,6 +214,10 @@ class IndexWrapper:
     @property
     def compiled_table(self) -> bool:
         return self.inner.compiled_table
+
+    @property
+    def in_process(self) -> bool:
+        return self.inner.in_process
 
     def decide(self, batch: Batch, verifier: Verifier) -> list[Verdict]:
         return self.inner.decide(batch, verifier)

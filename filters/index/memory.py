@@ -308,6 +308,8 @@ class MemoryIndex:
     def compiled_table(self) -> bool:
         return self.native
 
+    in_process = True
+
     def decide(self, batch: Batch, verifier: Verifier) -> list[Verdict]:
         """Nothing else writes to this index: look up, verify and insert message by message, or the whole
         batch in the compiled table (`Table.decide`) when the engine prepared it so."""

@@ -535,6 +535,7 @@ class RedisIndex:
             raise ConfigError(f"Redis index URL {self._where}: {exc}") from exc
 
     # -- CandidateIndex ------------------------------------------------------------------------
+    in_process = False
     compiled_table = False  # a batch is decided from fingerprints (`filters.index.shared`), never the hashed batch
 
     def decide(self, batch: Batch, verifier: Verifier) -> list[Verdict]:

@@ -490,6 +490,7 @@ class SpreadIndex:
 
     # -- CandidateIndex ----------------------------------------------------------------------------------
     compiled_table = False
+    in_process = False
 
     def decide(self, batch: Batch, verifier: Verifier) -> list[Verdict]:
         """`SharedDecider`'s rounds, with the engine's verification given to the claims; then a message that
