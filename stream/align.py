@@ -205,6 +205,14 @@ class Aligner:
     def paused(self) -> list[Lane]:
         return [key for key, lane in self._lanes.items() if lane.paused]
 
+    def lane_states(self) -> dict[Lane, tuple[int, str]]:
+        """Per partition owned, the records buffered and what holds it (for a worker that explains why it
+        takes nothing)."""
+        now = self.clock()
+        return {key: (len(lane.records), f"{len(lane.records)} buffered, last event time {lane.last}, next offset "
+                      f"{lane.next_offset}{', paused' if lane.paused else ''}{', idle' if self._idle(lane, now) else ''}")
+                for key, lane in self._lanes.items()}
+
     # -- taking ----------------------------------------------------------------------------------
     def _idle(self, lane: _Lane, now: float) -> bool:
         if lane.quiet_since is None or lane.records:

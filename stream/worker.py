@@ -66,6 +66,7 @@ log = logging.getLogger("neardup.worker")
 # How long a worker held back by the group waits for another worker's mark to move (`GroupMarks.moved`: at
 # once when one does) before it reads the marks again anyway (a mark that expired says nothing).
 _GROUP_POLL = 0.05
+STALL_WARNING = 30.0  # seconds without a record taken, with records left to fetch, before the worker says why
 
 
 
@@ -123,6 +124,8 @@ class AiokafkaWorker(WorkerCore):
         self.marks: GroupMarks = SoloMarks()  # the group's marks: opened by `run` (in the index's Redis)
         self.group = GroupView()  # what the group's marks said last
         self._marked_at = -math.inf
+        self._took_at: float | None = None  # when a record was last taken (`_stalled`)
+        self._stall_told = -math.inf
         self.held_seconds = 0.0  # waited for a partition or the group (a metric)
         self._rewound: set[tuple[str, int]] = set()  # partitions sent back since the loop last looked (`_reread`)
         self._member = settings.group_instance_id or uuid.uuid4().hex[:12]
@@ -312,7 +315,40 @@ class AiokafkaWorker(WorkerCore):
             consumer.resume(*(TopicPartition(*lane) for lane in resume))
         if refresh or time.monotonic() - self._marked_at > self.settings.session_timeout / 4:
             await self._publish_marks()
-        return self.aligner.take(self.settings.max_batch, self.group)
+        taken = self.aligner.take(self.settings.max_batch, self.group)
+        await self._stalled(consumer, taken, lags)
+        return taken
+
+    async def _stalled(self, consumer: AIOKafkaConsumer, taken: Taken, lags: dict[tuple[str, int], int]) -> None:
+        """A warning, every STALL_WARNING seconds, while nothing is taken though a partition has records
+        waiting (buffered, or not returned by the consumer yet: behind its high-water mark, or with no position
+        or end known): what holds each partition, so that a stall explains itself where it happens. Idle
+        without a backlog: silent."""
+        now = time.monotonic()
+        if taken or self._took_at is None:
+            self._took_at = now
+            return
+        if now - self._took_at < STALL_WARNING or now - self._stall_told < STALL_WARNING:
+            return
+        states = self.aligner.lane_states()
+        behind = {}
+        for tp in consumer.assignment():
+            lane = (tp.topic, tp.partition)
+            high = consumer.highwater(tp)
+            try:
+                position: int | None = await asyncio.wait_for(consumer.position(tp), 1.0)
+            except (IllegalStateError, AssertionError, TimeoutError, KafkaError):
+                position = None
+            buffered, state = states.get(lane, (0, "not in the aligner"))
+            if buffered or position is None or high is None or high > position or tp in consumer.paused():
+                behind[f"{tp.topic}/{tp.partition}"] = (
+                    f"position {position}, high-water {high}, stable {consumer.last_stable_offset(tp)}, lag seen "
+                    f"{lags.get(lane)}{', consumer paused' if tp in consumer.paused() else ''}; "
+                    f"{state}")
+        if behind:
+            self._stall_told = now
+            log.warning("nothing routed for %.0fs (waiting for: %s; group: %s): %s", now - self._took_at,
+                        taken.waiting or "records", self.group, behind)
 
     async def _publish_marks(self) -> None:
         """This worker's low mark and partitions to the group, and the group's view back (`GroupMarks`). While the

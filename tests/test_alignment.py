@@ -4,6 +4,7 @@ real broker, whose routing of a backlog on four partitions must equal the filter
 from __future__ import annotations
 
 import asyncio
+import logging
 import shutil
 import subprocess
 import time
@@ -28,6 +29,7 @@ from bench.reliability import (
 )
 from filters.engine import NearDupFilter
 from filters.errors import NeardupError
+from stream import worker as worker_module
 from stream.align import Aligner, GroupView, RedisMarks, open_marks
 from stream.backlog import Item, backlog, differences, f1, reference, verdicts_of
 from stream.kafka_tools import KafkaRecord
@@ -495,6 +497,37 @@ def test_a_quiet_partition_does_not_stall_live_traffic(kafka_bootstrap: str, ind
     latencies.sort()
     assert latencies[len(latencies) // 2] < 0.3, latencies
     assert latencies[-3] < 1.0, latencies  # at most the first records waited for the idle partition
+
+
+def test_a_worker_that_takes_nothing_though_records_wait_says_why(kafka_bootstrap: str, index_url: str,
+                                                                  caplog: pytest.LogCaptureFixture,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Held back (here by another member's mark, far behind), with records fetched and waiting: after
+    STALL_WARNING the worker logs what holds each partition."""
+    monkeypatch.setattr(worker_module, "STALL_WARNING", 1.0)
+    items = backlog(clusters=20, copies=2)
+    settings = scenario_settings(kafka_bootstrap, index_url, ts_field="ts", max_batch=10, session_timeout=10.0)
+    _produce(settings, items)
+    worker = AiokafkaWorker(settings)
+
+    async def go() -> None:
+        behind = RedisMarks(index_url, namespace=worker.nd.config.digest(), group=settings.group_id, member="behind",
+                            ttl=30.0)
+        try:
+            await behind.publish(0.0, [], [])  # a member far behind that owns nothing (yet)
+            task = asyncio.ensure_future(worker.run())
+            await asyncio.sleep(6.0)
+            worker.stop()
+            await task
+        finally:
+            await behind.close()
+
+    with caplog.at_level(logging.WARNING, logger="neardup.worker"):
+        asyncio.run(go())
+    told = [r.getMessage() for r in caplog.records if r.getMessage().startswith("nothing routed for")]
+    assert told and "waiting for: group" in told[0], told
+    assert all(f"{settings.input_topics[0]}/{p}" in told[0] for p in range(4)), told  # each holds records
+    assert worker.stats.seen == 0
 
 
 @pytest.mark.parametrize("policy", ["block", "unchecked"])
