@@ -953,3 +953,140 @@ def encode_entries(list entries, fallback) -> list:
             out.append(fallback(entry))
     return out
 
+
+
+# --- a rebuild's writes, each bucket field once (the twins of `redis_codec.restore_accept`, `newest_records`
+# and `bucket_pairs`, which document them) ------------------------------------------------------------------
+
+def restore_accept(list ids, times, dict live, double hwm, double window, uint64_t seq) -> tuple:
+    """`redis_codec.restore_accept`, compiled."""
+    cdef const double[::1] ts_of = np.ascontiguousarray(times, dtype=np.float64)
+    cdef Py_ssize_t n = len(ids), i
+    out = np.zeros(n, np.uint64)
+    cdef uint64_t[::1] o = out
+    cdef double ts
+    cdef object id, old
+    for i in range(n):
+        id = ids[i]
+        ts = ts_of[i]
+        old = live.get(id)
+        if (old is not None and <double>old >= hwm - window) or not ts >= (ts if ts > hwm else hwm) - window:
+            continue
+        if ts > hwm:
+            hwm = ts
+        seq += 1
+        o[i] = seq
+        live[id] = ts
+    return out, hwm, seq
+
+
+def newest_records(keys, entries, times, seqs, Py_ssize_t cap) -> object:
+    """`redis_codec.newest_records`, compiled: a key's records of one entry are next to each other (each key's
+    records come in insertion order), so a repeat is the record before."""
+    cdef const uint64_t[::1] k = np.ascontiguousarray(keys, dtype=np.uint64)
+    cdef const int64_t[::1] e = np.ascontiguousarray(entries, dtype=np.int64)
+    cdef const double[::1] t = np.ascontiguousarray(times, dtype=np.float64)
+    cdef const uint64_t[::1] q = np.ascontiguousarray(seqs, dtype=np.uint64)
+    cdef const int64_t[::1] order = np.argsort(k, kind="stable").astype(np.int64, copy=False)
+    cdef Py_ssize_t n = len(k), at = 0, stop, j, w = 0, start, m, r, room = 0
+    out = np.empty(n, np.int64)
+    cdef int64_t[::1] o = out
+    cdef nd_piece *pieces = NULL
+    cdef nd_piece *grown
+    try:
+        while at < n:
+            stop = at + 1
+            while stop < n and k[order[stop]] == k[order[at]]:
+                stop += 1
+            start = w
+            for j in range(at, stop):
+                r = order[j]
+                if w > start and e[o[w - 1]] == e[r]:
+                    continue
+                o[w] = r
+                w += 1
+            m = w - start
+            if m > cap:
+                if m > room:
+                    grown = <nd_piece *>PyMem_Realloc(pieces, m * sizeof(nd_piece))
+                    if grown == NULL:
+                        raise MemoryError()
+                    pieces, room = grown, m
+                for j in range(m):
+                    r = o[start + j]
+                    pieces[j].ts = t[e[r]]
+                    pieces[j].seq = q[e[r]]
+                    pieces[j].order = r
+                nd_sort_pieces_newest_first(pieces, pieces + m)
+                nd_sort_pieces_by_order(pieces, pieces + cap)
+                for j in range(cap):
+                    o[start + j] = pieces[j].order
+                w = start + cap
+            at = stop
+    finally:
+        PyMem_Free(pieces)
+    return out[:w]
+
+
+def bucket_pairs(keys, entries, times, seqs, ids, id_ends, dict olds, Py_ssize_t cap) -> list:
+    """`redis_codec.bucket_pairs`, compiled: each value made in one piece."""
+    cdef const uint64_t[::1] k = np.ascontiguousarray(keys, dtype=np.uint64)
+    cdef const int64_t[::1] e = np.ascontiguousarray(entries, dtype=np.int64)
+    cdef const double[::1] t = np.ascontiguousarray(times, dtype=np.float64)
+    cdef const uint64_t[::1] q = np.ascontiguousarray(seqs, dtype=np.uint64)
+    cdef const int64_t[::1] ends = np.ascontiguousarray(id_ends, dtype=np.int64)
+    cdef const unsigned char[::1] idb = ids
+    cdef const char *id_base = ""
+    if len(idb):
+        id_base = <const char *>&idb[0]
+    cdef Py_ssize_t n = len(k), at = 0, stop, j, size, a, b, n_old, count, room = 0
+    cdef uint64_t key
+    cdef uint32_t idn
+    cdef int64_t ent
+    cdef list out = []
+    cdef object old
+    cdef bytes v
+    cdef char *p
+    cdef nd_piece *pieces = NULL
+    cdef nd_piece *grown
+    try:
+        while at < n:
+            key = k[at]
+            stop, size = at, 0
+            while stop < n and k[stop] == key:
+                ent = e[stop]
+                size += 20 + ends[ent] - (ends[ent - 1] if ent else 0)
+                stop += 1
+            old = olds.get(key) if olds else None
+            n_old = len(<bytes>old) if old is not None else 0
+            v = PyBytes_FromStringAndSize(NULL, n_old + size)
+            p = PyBytes_AS_STRING(v)
+            if n_old:
+                memcpy(p, <const char *>(<bytes>old), n_old)
+                p += n_old
+            for j in range(at, stop):
+                ent = e[j]
+                a = ends[ent - 1] if ent else 0
+                b = ends[ent]
+                idn = <uint32_t>(b - a)
+                memcpy(p, &t[ent], 8)
+                memcpy(p + 8, &idn, 4)
+                memcpy(p + 12, id_base + a, idn)
+                put_be64(p + 12 + idn, q[ent])
+                p += 20 + idn
+            if old is not None:
+                count = record_count(PyBytes_AS_STRING(v), len(v))
+                if count > cap:
+                    if count > room:
+                        grown = <nd_piece *>PyMem_Realloc(pieces, count * sizeof(nd_piece))
+                        if grown == NULL:
+                            raise MemoryError()
+                        pieces, room = grown, count
+                    add_pieces(pieces, 0, PyBytes_AS_STRING(v), len(v))
+                    v = newest_pieces(pieces, count, cap)
+            out.append(bucket_field(key))
+            out.append(v)
+            at = stop
+    finally:
+        PyMem_Free(pieces)
+    return out

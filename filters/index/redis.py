@@ -141,6 +141,7 @@ from filters.index.redis_codec import (
     SEQ,
     alone_round,
     bloom_add,
+    bucket_pairs,
     bloom_bits,
     bloom_has,
     decode_entries,
@@ -154,10 +155,12 @@ from filters.index.redis_codec import (
     id_field,
     memo_field,
     memo_time,
+    newest_records,
     overlay_writes,
     plan_fields,
     rank_lookup,
     rank_records,
+    restore_accept,
     restore_round,
     trim_records,
 )
@@ -188,8 +191,8 @@ INSERT_CHUNK = 512  # entries per insert script: bounds how long one script bloc
 RESTORE_CHUNK = 4096  # entries per restore transaction: bounds how long one MULTI/EXEC blocks the server (≈ 50 ms)
 RESTORE_ATTEMPTS = 3  # transactions refused (others wrote meanwhile) before a restore chunk goes through the script
 REBUILD_CHUNK = 65536  # entries per round of a rebuild (no transaction: Redis serves others between its commands)
-KEEP = 16  # a rebuild keeps a bucket field of this many records on the client, written once at its end ...
-KEPT_BYTES = 64 * 1024 * 1024  # ... unless what it keeps grows past this: then all is written (and KEEP doubled)
+HOLD_RECORDS = 1 << 23  # bucket records a rebuild holds (16 bytes each) before it drops those no field keeps ...
+FLUSH_FIELDS = 32768  # ... (and writes them if still more than half); bucket fields made at a time when written
 LOOKUP_CHUNK = 256  # queries' worth of field names (up to 16 each) one HMGET reads: bounds a command's size
 FIELDS_PER_HMGET = 16 * LOOKUP_CHUNK
 FIELDS_PER_CALL = 2000  # fields per HMGET, pairs per HSET, inside the script (Lua's unpack stops near 8,000 values)
@@ -496,6 +499,9 @@ class RedisIndex:
         self._plan = _native.plan_fields if _native is not None else plan_fields
         self._round = _native.alone_round if _native is not None else alone_round
         self._restore_round = _native.restore_round if _native is not None else restore_round
+        self._restore_accept = _native.restore_accept if _native is not None else restore_accept
+        self._newest = _native.newest_records if _native is not None else newest_records
+        self._bucket_pairs = _native.bucket_pairs if _native is not None else bucket_pairs
         self._decode = _native.decode_entries if _native is not None else decode_entries
         self._rank_all = _native.rank_lookup if _native is not None else rank_lookup
         self._encode = _native.encode_entries if _native is not None else encode_entries
@@ -773,78 +779,153 @@ class RedisIndex:
         return sum(self._insert_unchecked(entries[a : a + INSERT_CHUNK]) for a in range(0, len(entries), INSERT_CHUNK))
 
     def _rebuild(self, chunks: Iterator[_Chunk]) -> tuple[Iterator[_Chunk], int]:
-        """Restores `chunks` into an index nobody else writes (see `restore`): no WATCH, no transaction. The
-        read of chunk k+1 goes before the writes of chunk k, which Redis runs while this client computes
-        chunk k+1 from that read and chunk k's writes (known here). Each read checks that the namespace's
-        seq is the last this instance wrote and the marker still missing; else somebody else writes too.
-        Returns (the chunks not written: those from where it stopped, for `_restore_chunk`; entries written)."""
+        """Restores `chunks` into an index nobody else writes (see `restore`): no WATCH, no transaction, and
+        nothing read back that the rebuild wrote. Per chunk, which entries the insert script would insert
+        and their seqs are told here (`restore_accept`: the ids the rebuild stored are known, and those of a
+        slice that existed before it are read), and their entry fields sent at once (Redis writes them while
+        the next chunk is computed); their bucket records are held (`_Held`) and each bucket field written
+        once, at the end, with its final value (`_flush`). Each chunk's writes end with a read of the
+        namespace's seq and marker, checked before the next chunk's go: if somebody else writes too, what is
+        held is written over what they wrote (merged with it) and the rest is left to `_restore_chunk`.
+        Returns (the chunks not written: those from where it stopped; entries written)."""
         rebuilt = self._rebuilt
         conn = None if isinstance(self._client, RedisCluster) else self._pinned()
+        held = _Held()
+        existed: dict[int, bool] = {}  # slice -> whether it existed before the rebuild wrote it
+        live: dict[str, float] = {}  # id -> event time of its newest entry stored (`restore_accept`)
         written = 0
-        expected = rebuilt.seq if rebuilt.fresh else None  # the seq the next read must find
-        seq, hwm_bytes = 0, b""
-        last: tuple[_Chunk, dict[int, list[Any]], list[Sequence[str | int | bytes]], int] | None = None
+        pending: list[Any] = []  # the last chunk's writes, sent: [sent, the seq they leave]
         try:
+            state = self._receive(conn, self._send_only(conn, [("HMGET", self._meta, "seq", "hwm", MARKER)]))[0]
+            if state[2] is not None:
+                return chunks, 0
+            seq, hwm_bytes = int(state[0] or 0), state[1] or b""
+            hwm = max(rebuilt.hwm, _stored_time(hwm_bytes))
+
+            def settle() -> bool:
+                """Reads the replies of the writes in flight; False if somebody else wrote meanwhile."""
+                if not pending:
+                    return True
+                sent, expected = pending
+                pending.clear()
+                check = self._receive(conn, sent)[-1]
+                return check[1] is None and int(check[0] or 0) == expected
+
             for part in chunks:
-                sent = self._send_only(conn, self._restore_reads(part, marker=True))
-                sent_writes = self._send_only(conn, last[2]) if last is not None else None
-                replies = self._receive(conn, sent)
-                seq_read, stored_hwm, marker = int(replies[0][0] or 0), replies[0][1] or b"", replies[0][2]
-                if expected is None:
-                    expected, seq, hwm_bytes = seq_read, seq_read, stored_hwm
-                intruded = marker is not None or seq_read != expected
-                held = {} if intruded else self._restore_held(part, replies, last[1] if last is not None else None)
-                if last is not None:
-                    self._receive(conn, sent_writes)
-                    written += last[3]
-                    last = None
-                if intruded:
-                    # Somebody else writes too: what they wrote is unknown; what this kept goes now (over theirs,
-                    # if they wrote those very fields: a rebuild is meant to run alone).
-                    self._receive(conn, self._send_only(conn, self._restore_writes(
-                        self._release_kept(), seq, hwm_bytes, seq, hwm_bytes, transaction=False)))
-                    rebuilt.fresh.clear()
-                    return chain([part], chunks), written
-                expected = seq  # the next read goes after the writes of the chunk before this one
-                self._remember_fresh(part, None)  # before the round: a slice it finds missing keeps fields
-                results, groups, hwm, new_seq = self._restore_round(
-                    part.ids, part.times, part.slices, part.bounds, part.keys, part.blobs, held,
-                    max(rebuilt.hwm, _stored_time(hwm_bytes)), self.window, self.bucket_cap, seq, rebuilt.kept, rebuilt.keep)
-                new_hwm = hwm_bytes if hwm <= _stored_time(hwm_bytes) else (b"%.17g" % hwm)
-                if sum(len(v) for values in rebuilt.kept.values() for v in values.values()) > KEPT_BYTES:
-                    self._release_kept(groups)  # with this chunk's writes (so the next read knows them too)
-                    rebuilt.keep *= 2  # and fewer come back
-                writes = self._restore_writes(groups, seq, hwm_bytes, new_seq, new_hwm, transaction=False)
-                rebuilt.kept_keys = {s: _keys_of(values) for s, values in rebuilt.kept.items()}
+                own = part.slices.tolist()
+                low = self._slice((hwm if math.isfinite(hwm) else float(part.times.min())) - self.window)
+                slices = sorted(set(own) | set(range(low, self._slice(max(hwm, float(part.times.max()))) + 1)))
+                unknown = [s for s in slices if s not in existed]
+                if unknown:
+                    if not settle():
+                        return self._intruded(conn, held, seq, hwm, chain([part], chunks), written)
+                    found = self._receive(conn, self._send_only(conn, [("EXISTS", f"{self._spre}{s}") for s in unknown]))
+                    existed.update(zip(unknown, (bool(x) for x in found)))
+                old_slices = [s for s in slices if existed[s]]
+                if old_slices:  # its entries may keep an id live
+                    if not settle():
+                        return self._intruded(conn, held, seq, hwm, chain([part], chunks), written)
+                    names = [id_field(id) for id in part.ids]
+                    step = FIELDS_PER_HMGET
+                    blobs = self._receive(conn, self._send_only(conn, [
+                        ("HMGET", f"{self._spre}{s}", *names[a : a + step])
+                        for s in old_slices for a in range(0, len(names), step)]))
+                    for got in (chain.from_iterable(blobs[k : k + _parts(len(names))])
+                                for k in range(0, len(blobs), _parts(len(names)))):
+                        for id, blob in zip(part.ids, got):
+                            if blob is not None:
+                                live[id] = max(live.get(id, -math.inf), entry_time(blob, id))
+                seqs, new_hwm, new_seq = self._restore_accept(part.ids, part.times, live, hwm, self.window, seq)
+                took = np.flatnonzero(seqs)
+                groups: dict[int, list[Any]] = {}
+                id_bytes = [part.ids[i].encode("utf-8", "surrogatepass") for i in took.tolist()]
+                for i, idb, s in zip(took.tolist(), id_bytes, part.slices[took].tolist()):
+                    group = groups.setdefault(s, [0, []])
+                    group[0] += 1
+                    group[1] += (b"e" + idb, part.blobs[i])
+                new_hwm_bytes = hwm_bytes if new_hwm <= _stored_time(hwm_bytes) else (b"%.17g" % new_hwm)
+                writes = self._restore_writes(groups, seq, hwm_bytes, new_seq, new_hwm_bytes, transaction=False)
+                writes.append(("HMGET", self._meta, "seq", MARKER))
+                if not settle():
+                    return self._intruded(conn, held, seq, hwm, chain([part], chunks), written)
+                pending[:] = [self._send_only(conn, writes), new_seq]
+                held.add(part, seqs, took, id_bytes)
+                written += len(took)
+                seq, hwm, hwm_bytes = new_seq, new_hwm, new_hwm_bytes
                 rebuilt.hwm = max(rebuilt.hwm, hwm)
-                seq, hwm_bytes = new_seq, new_hwm
-                last = (part, groups, writes, sum(1 for r in results if r > 0))
-            if last is not None:
-                self._receive(conn, self._send_only(conn, last[2]))
-                written += last[3]
-            self._receive(conn, self._send_only(conn, self._restore_writes(
-                self._release_kept(), seq, hwm_bytes, seq, hwm_bytes, transaction=False)))
+                if held.count > HOLD_RECORDS:
+                    held.compact(self._newest, self.bucket_cap)
+                    if held.count > HOLD_RECORDS // 2:  # still too many: written now, read back when named again
+                        if not settle():
+                            return self._intruded(conn, held, seq, hwm, chunks, written)
+                        self._flush(conn, held, existed, keep_track=True)
+            if not settle():
+                return self._intruded(conn, held, seq, hwm, iter(()), written)
+            self._flush(conn, held, existed)
             rebuilt.seq = seq
             return iter(()), written
         except BaseException:
             if conn is not None:
                 conn.disconnect()
-            # What it kept never reached Redis, and its Bloom filters may miss what a half-sent round wrote:
-            # the next restore starts from what Redis holds.
+            # What it held never reached Redis: the next restore starts from what Redis holds.
             self._rebuilt = _Rebuilt()
             raise
 
-    def _release_kept(self, groups: dict[int, list[Any]] | None = None) -> dict[int, list[Any]]:
-        """The fields a rebuild kept (`_Rebuilt.kept`) added to the writes `groups` (slice -> [entries, pairs]),
-        and forgotten here (the Bloom filters know them: they are read when needed)."""
-        rebuilt = self._rebuilt
-        groups = {} if groups is None else groups
-        for s, values in rebuilt.kept.items():
-            if values:
-                groups.setdefault(s, [0, []])[1].extend(x for item in values.items() for x in item)
-                values.clear()
-        rebuilt.kept_keys = {}
-        return groups
+    def _intruded(self, conn: Any, held: _Held, seq: int, hwm: float, rest: Iterator[_Chunk],
+                  written: int) -> tuple[Iterator[_Chunk], int]:
+        """Somebody else writes too (`_rebuild`): what the rebuild holds goes now, merged with what every
+        field holds (a rebuild is meant to run alone), and the rest is left to `_restore_chunk`."""
+        self._flush(conn, held, {}, merge_all=True)
+        self._rebuilt.fresh.clear()
+        self._rebuilt.seq = seq
+        self._rebuilt.hwm = max(self._rebuilt.hwm, hwm)
+        return rest, written
+
+    def _flush(self, conn: Any, held: _Held, existed: dict[int, bool], *, keep_track: bool = False,
+               merge_all: bool = False) -> None:
+        """Writes the bucket fields `held` holds, each once (`newest_records`, `bucket_pairs`), and forgets them. A
+        field's value is read first (and its records put before the held ones) where it may hold some: in
+        a slice that existed before the rebuild, a field an earlier flush wrote (`keep_track` keeps their
+        keys), every field (`merge_all`)."""
+        times, seqs, ids, id_ends = held.columns()
+        step, pair_step = FIELDS_PER_HMGET, 2 * FIELDS_PER_CALL
+        for s, parts in held.records.items():
+            keys = np.concatenate([k for k, _ in parts])
+            entries = np.concatenate([e for _, e in parts])
+            order = self._newest(keys, entries, times, seqs, self.bucket_cap)
+            keys, entries = keys[order], entries[order]
+            starts = np.flatnonzero(np.concatenate(([True], keys[1:] != keys[:-1]))) if len(keys) else np.zeros(0, np.int64)
+            distinct = keys[starts]
+            before = held.flushed.get(s)
+            if merge_all or existed.get(s, True):
+                need = distinct
+            elif before is not None:
+                need = distinct[np.isin(distinct, before, assume_unique=True)]
+            else:
+                need = distinct[:0]
+            olds: dict[int, bytes] = {}
+            if len(need):
+                raw = need.astype(">u8").tobytes()
+                names = [b"b" + raw[a : a + 8] for a in range(0, len(raw), 8)]
+                got = self._receive(conn, self._send_only(conn, [
+                    ("HMGET", f"{self._spre}{s}", *names[a : a + step]) for a in range(0, len(names), step)]))
+                olds = {k: v for k, v in zip(need.tolist(), chain.from_iterable(got)) if v is not None}
+            key = f"{self._spre}{s}"
+            sent: list[Any] = []
+            bounds = [*starts[::FLUSH_FIELDS].tolist(), len(keys)]
+            for a, b in zip(bounds, bounds[1:]):
+                pairs = self._bucket_pairs(keys[a:b], entries[a:b], times, seqs, ids, id_ends, olds, self.bucket_cap)
+                commands: list[Sequence[str | int | bytes]] = [
+                    ("HSET", key, *pairs[x : x + pair_step]) for x in range(0, len(pairs), pair_step)]
+                sent.append(self._send_only(conn, commands))
+                if len(sent) > 1:  # one piece in flight while the next is made
+                    self._receive(conn, sent.pop(0))
+            sent.append(self._send_only(conn, [("PEXPIRE", key, self._ttl_ms)]))
+            for one in sent:
+                self._receive(conn, one)
+            if keep_track:
+                held.flushed[s] = distinct if before is None else np.union1d(before, distinct)
+        held.clear()
 
     def _restore_chunk(self, part: _Chunk) -> int | None:
         """Restores a chunk beside other writers: reads what its fields hold (after a WATCH of the meta hash),
@@ -915,9 +996,6 @@ class RedisIndex:
                 ks = part.named[s] = _distinct(part.keys if pair_slices is None else part.keys[pair_slices == s])
                 if bits is not None:
                     ks = ks[bloom_has(bits, ks)]
-                    kept = self._rebuilt.kept_keys.get(s)
-                    if kept is not None and len(kept):
-                        ks = ks[~np.isin(ks, kept, assume_unique=True)]
                 raw = ks.astype(">u8").tobytes()
                 names = [b"b" + raw[a : a + 8] for a in range(0, len(raw), 8)]
             ids = part.ids if bits is None else [part.ids[i] for i in np.flatnonzero(bloom_has(bits, part.id_keys))]
@@ -973,7 +1051,6 @@ class RedisIndex:
             bits = fresh.get(s)
             if bits is None and not present:
                 bits = fresh[s] = bloom_bits()
-                self._rebuilt.kept[s] = {}
                 if before is not None:
                     before.remember(s, bits)
             if bits is not None:
@@ -1551,11 +1628,64 @@ class _Rebuilt:
     seq: int = -1  # the seq the last restore wrote
     hwm: float = -math.inf  # the namespace's newest event time as the restores know it (this instance's clock is its own)
     fresh: dict[int, np.ndarray] = field(default_factory=dict)  # slice -> `bloom_bits`
-    # A rebuild's busiest bucket fields (KEEP records or more), per fresh slice: their values, not yet written
-    # (each chunk would rewrite them: most of the bytes), and their keys, sorted (not read either).
-    kept: dict[int, dict[bytes, bytes]] = field(default_factory=dict)
-    kept_keys: dict[int, np.ndarray] = field(default_factory=dict)
-    keep: int = field(default_factory=lambda: KEEP)  # records a field needs to be kept (doubled when too much is)
+
+
+@dataclass(slots=True)
+class _Held:
+    """A rebuild's bucket records not written yet (`RedisIndex._rebuild`): per slice, (bucket keys, entry numbers)
+    arrays, each chunk's records in order; per entry (numbered in insertion order) its event time, seq and
+    id; and per slice the bucket keys an earlier flush wrote (read back when named again)."""
+
+    records: dict[int, list[tuple[np.ndarray, np.ndarray]]] = field(default_factory=dict)
+    times: list[np.ndarray] = field(default_factory=list)
+    seqs: list[np.ndarray] = field(default_factory=list)
+    ids: list[bytes] = field(default_factory=list)
+    id_lengths: list[np.ndarray] = field(default_factory=list)
+    entries: int = 0
+    count: int = 0  # records held
+    flushed: dict[int, np.ndarray] = field(default_factory=dict)
+
+    def add(self, part: _Chunk, seqs: np.ndarray, took: np.ndarray, id_bytes: list[bytes]) -> None:
+        """The records of the entries `took` of `part` (their seqs in `seqs`, their ids in `id_bytes`)."""
+        if not len(took):
+            return
+        counts = np.diff(part.bounds)
+        numbers = np.repeat(np.arange(self.entries, self.entries + len(took), dtype=np.int64), counts[took])
+        keys = part.keys[np.repeat(seqs > 0, counts)]
+        slices = np.repeat(part.slices[took], counts[took])
+        for s in np.unique(slices).tolist():
+            mine = slices == s
+            self.records.setdefault(s, []).append((keys[mine], numbers[mine]) if len(slices) != mine.sum()
+                                                  else (keys, numbers))
+        self.times.append(part.times[took])
+        self.seqs.append(seqs[took])
+        self.ids.append(b"".join(id_bytes))
+        self.id_lengths.append(np.fromiter(map(len, id_bytes), np.int64, len(id_bytes)))
+        self.entries += len(took)
+        self.count += len(keys)
+
+    def columns(self) -> tuple[np.ndarray, np.ndarray, bytes, np.ndarray]:
+        """Per entry: event times, seqs, the ids joined and where each ends."""
+        if not self.times:
+            return np.zeros(0), np.zeros(0, np.uint64), b"", np.zeros(0, np.int64)
+        return (np.concatenate(self.times), np.concatenate(self.seqs), b"".join(self.ids),
+                np.cumsum(np.concatenate(self.id_lengths)))
+
+    def compact(self, newest: Callable[..., np.ndarray], cap: int) -> None:
+        """Drops the records no bucket field keeps (`newest_records`)."""
+        times, seqs, _, _ = self.columns()
+        self.count = 0
+        for s, parts in self.records.items():
+            keys = np.concatenate([k for k, _ in parts])
+            entries = np.concatenate([e for _, e in parts])
+            order = newest(keys, entries, times, seqs, cap)
+            self.records[s] = [(keys[order], entries[order])]
+            self.count += len(order)
+
+    def clear(self) -> None:
+        """Forgets the records and entries (not what was flushed)."""
+        self.records, self.times, self.seqs, self.ids, self.id_lengths = {}, [], [], [], []
+        self.entries = self.count = 0
 
 
 class _WatchLost(Exception):

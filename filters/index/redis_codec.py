@@ -522,3 +522,76 @@ def entry_time(blob: bytes, id: str) -> float:
         return float(_HEAD.unpack_from(blob)[1])
     except struct.error as exc:
         raise IndexCorrupt(f"entry {id!r}: {len(blob)} bytes are too short for an entry") from exc
+
+
+# --- a rebuild's writes, each bucket field once (filters/index/redis.py, `RedisIndex._rebuild`) -------------
+
+def restore_accept(ids: Sequence[str], times: Sequence[float] | np.ndarray, live: dict[str, float], hwm: float,
+                   window: float, seq: int) -> tuple[np.ndarray, float, int]:
+    """Which entries of a rebuild the insert script would insert, and their seqs (`_native.restore_accept` is the
+    compiled twin). `live` (id -> event time of its newest stored entry, in any slice) is what the index holds
+    so far, updated here. Per entry, in order: 0 if its id is live (stored with an event time inside the
+    window of the newest event time before it, `hwm`) or its own event time is outside that window; else
+    the next seq. Returns (seq or 0 per entry, as uint64; high-water mark; seq)."""
+    out = np.zeros(len(ids), np.uint64)
+    for i, id in enumerate(ids):
+        ts = float(times[i])
+        old = live.get(id)
+        if (old is not None and old >= hwm - window) or not ts >= max(hwm, ts) - window:
+            continue
+        hwm = max(hwm, ts)
+        seq += 1
+        out[i] = seq
+        live[id] = ts  # an entry it replaces (same slice) or leaves behind (another) is older than the window
+    return out, hwm, seq
+
+
+def newest_records(keys: np.ndarray, entries: np.ndarray, times: np.ndarray, seqs: np.ndarray,
+                   cap: int) -> np.ndarray:
+    """The records a bucket field keeps of `keys[r]` (its key) / `entries[r]` (its entry, numbered in insertion
+    order; `times` and `seqs` are per entry): grouped by key, each entry once in a group, of a group of more
+    than `cap` only the `cap` newest (event time, then seq), each group in insertion order. Returns the
+    records' places, in that order (`_native.newest_records` is the compiled twin)."""
+    order = np.argsort(keys, kind="stable")
+    out: list[int] = []
+    at, n = 0, len(order)
+    while at < n:
+        stop = at + 1
+        while stop < n and keys[order[stop]] == keys[order[at]]:
+            stop += 1
+        seen: set[int] = set()
+        group = []
+        for r in order[at:stop].tolist():
+            if int(entries[r]) not in seen:  # a key given twice by one entry: its record once
+                seen.add(int(entries[r]))
+                group.append(r)
+        if len(group) > cap:
+            newest = sorted(group, key=lambda r: (float(times[entries[r]]), int(seqs[entries[r]])), reverse=True)[:cap]
+            keep = set(newest)
+            group = [r for r in group if r in keep]
+        out += group
+        at = stop
+    return np.array(out, dtype=np.int64)
+
+
+def bucket_pairs(keys: np.ndarray, entries: np.ndarray, times: np.ndarray, seqs: np.ndarray, ids: bytes,
+                 id_ends: np.ndarray, olds: dict[int, bytes], cap: int) -> list[bytes]:
+    """The field-value pairs of the bucket fields of records grouped by key (`newest_records`' order): per
+    group, its key's field and value, the records of what `olds` (key -> value) holds for it first, then its
+    own, in order, of more than `cap` only the `cap` newest (`trim_records`). Entry e's id is
+    `ids[id_ends[e - 1]:id_ends[e]]` (from 0 for e = 0). (`_native.bucket_pairs` is the compiled twin.)"""
+    out: list[bytes] = []
+    at, n = 0, len(keys)
+    while at < n:
+        key = int(keys[at])
+        parts = [olds.get(key, b"")]
+        while at < n and int(keys[at]) == key:
+            e = int(entries[at])
+            id_bytes = ids[int(id_ends[e - 1]) if e else 0 : int(id_ends[e])]
+            parts.append(_RECORD.pack(float(times[e]), len(id_bytes)) + id_bytes + SEQ.pack(int(seqs[e])))
+            at += 1
+        value = b"".join(parts)
+        if key in olds and count_records(value) > cap:
+            value = trim_records(value, cap)
+        out += (field_of(key), value)
+    return out
