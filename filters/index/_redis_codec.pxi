@@ -981,13 +981,14 @@ def restore_accept(list ids, times, dict live, double hwm, double window, uint64
 
 
 def newest_records(keys, entries, times, seqs, Py_ssize_t cap) -> object:
-    """`redis_codec.newest_records`, compiled: a key's records of one entry are next to each other (each key's
-    records come in insertion order), so a repeat is the record before."""
+    """`redis_codec.newest_records`, compiled: the records sorted by key (numpy's unstable sort: several times
+    faster than its stable one), then each key's records by place (so in insertion order: a key's records
+    of one entry are next to each other, and a repeat is the record before)."""
     cdef const uint64_t[::1] k = np.ascontiguousarray(keys, dtype=np.uint64)
     cdef const int64_t[::1] e = np.ascontiguousarray(entries, dtype=np.int64)
     cdef const double[::1] t = np.ascontiguousarray(times, dtype=np.float64)
     cdef const uint64_t[::1] q = np.ascontiguousarray(seqs, dtype=np.uint64)
-    cdef const int64_t[::1] order = np.argsort(k, kind="stable").astype(np.int64, copy=False)
+    cdef int64_t[::1] order = np.argsort(k).astype(np.int64, copy=False)
     cdef Py_ssize_t n = len(k), at = 0, stop, j, w = 0, start, m, r, room = 0
     out = np.empty(n, np.int64)
     cdef int64_t[::1] o = out
@@ -998,6 +999,8 @@ def newest_records(keys, entries, times, seqs, Py_ssize_t cap) -> object:
             stop = at + 1
             while stop < n and k[order[stop]] == k[order[at]]:
                 stop += 1
+            if stop - at > 1:
+                cpp_sort(&order[at], &order[at] + (stop - at))
             start = w
             for j in range(at, stop):
                 r = order[j]

@@ -102,7 +102,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from importlib import resources
-from itertools import chain, islice
+from itertools import chain, islice, pairwise
 from typing import Any, cast
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -141,9 +141,9 @@ from filters.index.redis_codec import (
     SEQ,
     alone_round,
     bloom_add,
-    bucket_pairs,
     bloom_bits,
     bloom_has,
+    bucket_pairs,
     decode_entries,
     decode_entry,
     decode_memo,
@@ -191,7 +191,7 @@ INSERT_CHUNK = 512  # entries per insert script: bounds how long one script bloc
 RESTORE_CHUNK = 4096  # entries per restore transaction: bounds how long one MULTI/EXEC blocks the server (≈ 50 ms)
 RESTORE_ATTEMPTS = 3  # transactions refused (others wrote meanwhile) before a restore chunk goes through the script
 REBUILD_CHUNK = 65536  # entries per round of a rebuild (no transaction: Redis serves others between its commands)
-HOLD_RECORDS = 1 << 23  # bucket records a rebuild holds (16 bytes each) before it drops those no field keeps ...
+HOLD_RECORDS = 1 << 24  # bucket records a rebuild holds (16 bytes each) before it drops those no field keeps ...
 FLUSH_FIELDS = 32768  # ... (and writes them if still more than half); bucket fields made at a time when written
 LOOKUP_CHUNK = 256  # queries' worth of field names (up to 16 each) one HMGET reads: bounds a command's size
 FIELDS_PER_HMGET = 16 * LOOKUP_CHUNK
@@ -889,7 +889,8 @@ class RedisIndex:
         keys), every field (`merge_all`)."""
         times, seqs, ids, id_ends = held.columns()
         step, pair_step = FIELDS_PER_HMGET, 2 * FIELDS_PER_CALL
-        for s, parts in held.records.items():
+        sent: list[Any] = []
+        for (s, _), parts in sorted(held.records.items()):
             keys = np.concatenate([k for k, _ in parts])
             entries = np.concatenate([e for _, e in parts])
             order = self._newest(keys, entries, times, seqs, self.bucket_cap)
@@ -911,20 +912,20 @@ class RedisIndex:
                     ("HMGET", f"{self._spre}{s}", *names[a : a + step]) for a in range(0, len(names), step)]))
                 olds = {k: v for k, v in zip(need.tolist(), chain.from_iterable(got)) if v is not None}
             key = f"{self._spre}{s}"
-            sent: list[Any] = []
             bounds = [*starts[::FLUSH_FIELDS].tolist(), len(keys)]
-            for a, b in zip(bounds, bounds[1:]):
+            for a, b in pairwise(bounds):
                 pairs = self._bucket_pairs(keys[a:b], entries[a:b], times, seqs, ids, id_ends, olds, self.bucket_cap)
                 commands: list[Sequence[str | int | bytes]] = [
                     ("HSET", key, *pairs[x : x + pair_step]) for x in range(0, len(pairs), pair_step)]
                 sent.append(self._send_only(conn, commands))
-                if len(sent) > 1:  # one piece in flight while the next is made
+                if len(sent) > 2:  # Redis writes what was sent while the next piece is made
                     self._receive(conn, sent.pop(0))
-            sent.append(self._send_only(conn, [("PEXPIRE", key, self._ttl_ms)]))
-            for one in sent:
-                self._receive(conn, one)
             if keep_track:
                 held.flushed[s] = distinct if before is None else np.union1d(before, distinct)
+        sent.append(self._send_only(conn, [("PEXPIRE", f"{self._spre}{s}", self._ttl_ms)
+                                           for s in sorted({s for s, _ in held.records})]))
+        for one in sent:
+            self._receive(conn, one)
         held.clear()
 
     def _restore_chunk(self, part: _Chunk) -> int | None:
@@ -1632,11 +1633,12 @@ class _Rebuilt:
 
 @dataclass(slots=True)
 class _Held:
-    """A rebuild's bucket records not written yet (`RedisIndex._rebuild`): per slice, (bucket keys, entry numbers)
-    arrays, each chunk's records in order; per entry (numbered in insertion order) its event time, seq and
-    id; and per slice the bucket keys an earlier flush wrote (read back when named again)."""
+    """A rebuild's bucket records not written yet (`RedisIndex._rebuild`): per slice and share of the keys (their
+    top bits), (bucket keys, entry numbers) arrays, each chunk's records in order; per entry (numbered in
+    insertion order) its event time, seq and id; and per slice the bucket keys an earlier flush wrote (read
+    back when named again)."""
 
-    records: dict[int, list[tuple[np.ndarray, np.ndarray]]] = field(default_factory=dict)
+    records: dict[tuple[int, int], list[tuple[np.ndarray, np.ndarray]]] = field(default_factory=dict)
     times: list[np.ndarray] = field(default_factory=list)
     seqs: list[np.ndarray] = field(default_factory=list)
     ids: list[bytes] = field(default_factory=list)
@@ -1652,17 +1654,28 @@ class _Held:
         counts = np.diff(part.bounds)
         numbers = np.repeat(np.arange(self.entries, self.entries + len(took), dtype=np.int64), counts[took])
         keys = part.keys[np.repeat(seqs > 0, counts)]
-        slices = np.repeat(part.slices[took], counts[took])
-        for s in np.unique(slices).tolist():
-            mine = slices == s
-            self.records.setdefault(s, []).append((keys[mine], numbers[mine]) if len(slices) != mine.sum()
-                                                  else (keys, numbers))
+        if len(keys):
+            self._add_records(keys, numbers, np.repeat(part.slices[took], counts[took]))
         self.times.append(part.times[took])
         self.seqs.append(seqs[took])
         self.ids.append(b"".join(id_bytes))
         self.id_lengths.append(np.fromiter(map(len, id_bytes), np.int64, len(id_bytes)))
         self.entries += len(took)
         self.count += len(keys)
+
+    def _add_records(self, keys: np.ndarray, numbers: np.ndarray, slices: np.ndarray) -> None:
+        """Records (bucket key, entry number, slice) put with the others of their slice and share."""
+        # Apart by slice and by the key's top bits: a flush sorts a share at a time, and Redis writes the
+        # share before while the next is made.
+        group = (slices - slices.min()) * _SHARES + (keys >> np.uint64(64 - _SHARE_BITS)).astype(np.int64)
+        order = np.argsort(group, kind="stable")
+        group = group[order]
+        bounds = np.flatnonzero(np.concatenate(([True], group[1:] != group[:-1], [True])))
+        base = int(slices.min())
+        for a, b in pairwise(bounds.tolist()):
+            at = order[a:b]
+            s, share = divmod(int(group[a]), _SHARES)
+            self.records.setdefault((base + s, share), []).append((keys[at], numbers[at]))
 
     def columns(self) -> tuple[np.ndarray, np.ndarray, bytes, np.ndarray]:
         """Per entry: event times, seqs, the ids joined and where each ends."""
@@ -1686,6 +1699,10 @@ class _Held:
         """Forgets the records and entries (not what was flushed)."""
         self.records, self.times, self.seqs, self.ids, self.id_lengths = {}, [], [], [], []
         self.entries = self.count = 0
+
+
+_SHARE_BITS = 4
+_SHARES = 1 << _SHARE_BITS
 
 
 class _WatchLost(Exception):
