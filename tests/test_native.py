@@ -4,6 +4,7 @@ table answers, the same verdicts, and memory that tracemalloc (the benchmark's m
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import struct
 import tracemalloc
@@ -510,6 +511,44 @@ def test_restore_round_as_the_python_reference(entries: list[tuple[str, float, l
                                 np.array(keys, np.uint64), blobs, held, hwm, 100.0, cap, seq, theirs, keep)
     assert got == want
     assert theirs == mine
+
+
+@settings(max_examples=300, deadline=None)
+@given(entries=_RESTORED, stored=st.dictionaries(st.sampled_from(["a", "c", "ü"]), st.sampled_from([0.0, 60.0, 150.0])),
+       hwm=st.sampled_from([-math.inf, 120.0]), cap=st.integers(1, 3), seq=st.integers(0, 9),
+       old=st.lists(st.tuples(st.floats(0, 300), st.integers(1, 99)), max_size=8), old_keys=st.lists(_KEY, max_size=4))
+def test_a_rebuilds_writes_as_the_python_reference(entries: list[tuple[str, float, list[int]]], stored: dict[str, float],
+                                                   hwm: float, cap: int, seq: int, old: list[tuple[float, int]],
+                                                   old_keys: list[int]) -> None:
+    """What a rebuild writes (`restore_accept`, `newest_records`, `bucket_pairs`), compiled and in Python: ids
+    stored before (live or not), replays, entries out of the window, keys given twice, busy keys past the cap,
+    a flush in two parts (what the first kept, then a later chunk's records: still in insertion order), and
+    values held before (their records first, trimmed with the new ones)."""
+    from filters.index.redis_codec import bucket_pairs, newest_records, restore_accept
+
+    ids = [id for id, _, _ in entries]
+    times = np.array([ts for _, ts, _ in entries])
+    live, theirs = dict(stored), dict(stored)
+    want = restore_accept(ids, times, live, hwm, 100.0, seq)
+    got = _native.restore_accept(ids, times, theirs, hwm, 100.0, seq)
+    assert got[0].tolist() == want[0].tolist() and got[1:] == want[1:] and theirs == live
+    took = np.flatnonzero(want[0])
+    keys = np.array([k for i in took.tolist() for k in entries[i][2]], np.uint64)
+    numbers = np.array([n for n, i in enumerate(took.tolist()) for _ in entries[i][2]], np.int64)
+    e_times, e_seqs = times[took], want[0][took]
+    half = len(keys) // 2  # the first half kept (as a compaction does), then the rest after it
+    first = newest_records(keys[:half], numbers[:half], e_times, e_seqs, cap)
+    assert _native.newest_records(keys[:half], numbers[:half], e_times, e_seqs, cap).tolist() == first.tolist()
+    keys = np.concatenate([keys[:half][first], keys[half:]])
+    numbers = np.concatenate([numbers[:half][first], numbers[half:]])
+    order = newest_records(keys, numbers, e_times, e_seqs, cap)
+    assert _native.newest_records(keys, numbers, e_times, e_seqs, cap).tolist() == order.tolist()
+    id_bytes = [ids[i].encode("utf-8", "surrogatepass") for i in took.tolist()]
+    id_ends = np.cumsum([len(b) for b in id_bytes], dtype=np.int64)
+    records = _bucket([(ts, n, "o") for ts, n in old])
+    olds = {k: records for k in old_keys} if records is not None else {}
+    args = (keys[order], numbers[order], e_times, e_seqs, b"".join(id_bytes), id_ends, olds, cap)
+    assert _native.bucket_pairs(*args) == bucket_pairs(*args)
 
 
 # Field names from a small pool (so the batches share some), with equal names as distinct objects too.
