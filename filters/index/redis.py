@@ -193,6 +193,7 @@ RESTORE_ATTEMPTS = 3  # transactions refused (others wrote meanwhile) before a r
 REBUILD_CHUNK = 65536  # entries per round of a rebuild (no transaction: Redis serves others between its commands)
 HOLD_RECORDS = 1 << 24  # bucket records a rebuild holds (16 bytes each) before it drops those no field keeps ...
 FLUSH_FIELDS = 32768  # ... (and writes them if still more than half); bucket fields made at a time when written
+HOLD_IDS = 1 << 22  # ids a rebuild knows (≈ 100 bytes each) before it reads them from the slices instead
 LOOKUP_CHUNK = 256  # queries' worth of field names (up to 16 each) one HMGET reads: bounds a command's size
 FIELDS_PER_HMGET = 16 * LOOKUP_CHUNK
 FIELDS_PER_CALL = 2000  # fields per HMGET, pairs per HSET, inside the script (Lua's unpack stops near 8,000 values)
@@ -859,6 +860,12 @@ class RedisIndex:
                         if not settle():
                             return self._intruded(conn, held, seq, hwm, chunks, written)
                         self._flush(conn, held, existed, keep_track=True)
+                if len(live) > HOLD_IDS:  # from now on as if the rebuild found its slices: what they hold is read
+                    if not settle():
+                        return self._intruded(conn, held, seq, hwm, chunks, written)
+                    self._flush(conn, held, existed, keep_track=True)
+                    existed = dict.fromkeys(existed, True)
+                    live.clear()
             if not settle():
                 return self._intruded(conn, held, seq, hwm, iter(()), written)
             self._flush(conn, held, existed)
@@ -906,6 +913,9 @@ class RedisIndex:
                 need = distinct[:0]
             olds: dict[int, bytes] = {}
             if len(need):
+                for one in sent:  # the replies in flight come first
+                    self._receive(conn, one)
+                sent.clear()
                 raw = need.astype(">u8").tobytes()
                 names = [b"b" + raw[a : a + 8] for a in range(0, len(raw), 8)]
                 got = self._receive(conn, self._send_only(conn, [
