@@ -943,7 +943,7 @@ class RedisIndex:
         computes the writes (`restore_round`) and writes them in one MULTI/EXEC, which Redis refuses if
         anybody wrote meanwhile (None: nothing written, try again)."""
         rebuilt = self._rebuilt
-        commands = [("UNWATCH",), ("WATCH", self._meta), *self._restore_reads(part, marker=False)]
+        commands = [("UNWATCH",), ("WATCH", self._meta), *self._restore_reads(part)]
         with self._errors():
             self._pinned()
             epoch = self._epoch
@@ -957,7 +957,7 @@ class RedisIndex:
         if stored_hwm and self._slice(_stored_time(stored_hwm)) > part.chunk_slices[-1]:  # others moved the window
             rebuilt.hwm = max(rebuilt.hwm, _stored_time(stored_hwm))
             return None
-        held = self._restore_held(part, replies, None)
+        held = self._restore_held(part, replies)
         results, groups, hwm, seq = self._restore_round(
             part.ids, part.times, part.slices, part.bounds, part.keys, part.blobs, held,
             max(rebuilt.hwm, _stored_time(stored_hwm)), self.window, self.bucket_cap, seq_read)
@@ -983,11 +983,11 @@ class RedisIndex:
             self._guarded = False
         rebuilt.hwm = max(rebuilt.hwm, hwm)
         rebuilt.seq = seq
-        self._remember_fresh(part, None)
+        self._remember_fresh(part)
         return sum(1 for r in results if r > 0)
 
-    def _restore_reads(self, part: _Chunk, *, marker: bool) -> list[Sequence[str | int | bytes]]:
-        """A restore chunk's read (its plan kept in `part`): the meta hash (with the marker), whether each slice
+    def _restore_reads(self, part: _Chunk) -> list[Sequence[str | int | bytes]]:
+        """A restore chunk's read (its plan kept in `part`): the meta hash, whether each slice
         exists, the bucket fields the chunk names in the slices its entries go to, and its entry fields in
         every slice that can hold a live one (as a lookup's window: an id stored inside the window is
         kept). A slice a restore of ours found missing, and alone wrote since (`_Rebuilt`), is read only
@@ -1012,17 +1012,15 @@ class RedisIndex:
             ids = part.ids if bits is None else [part.ids[i] for i in np.flatnonzero(bloom_has(bits, part.id_keys))]
             part.wanted[s] = names + [id_field(id) for id in ids]
         step = FIELDS_PER_HMGET
-        commands: list[Sequence[str | int | bytes]] = [("HMGET", self._meta, "seq", "hwm", *((MARKER,) if marker else ()))]
+        commands: list[Sequence[str | int | bytes]] = [("HMGET", self._meta, "seq", "hwm")]
         commands += [("EXISTS", f"{self._spre}{s}") for s in part.chunk_slices]
         for s, names in part.wanted.items():
             key = f"{self._spre}{s}"
             commands += [("HMGET", key, *names[a : a + step]) for a in range(0, len(names), step)]
         return commands
 
-    def _restore_held(self, part: _Chunk, replies: list[Any],
-                      before: dict[int, list[Any]] | None) -> dict[int, dict[bytes, bytes]]:
-        """What the fields a chunk reads hold (`_restore_reads`' replies, the meta hash's first), with the
-        writes of the chunk before over them when the read went before those (`_rebuild`)."""
+    def _restore_held(self, part: _Chunk, replies: list[Any]) -> dict[int, dict[bytes, bytes]]:
+        """What the fields a chunk reads hold (`_restore_reads`' replies, the meta hash's first)."""
         n = len(part.chunk_slices)
         part.present = [bool(x) for x in replies[1 : 1 + n]]
         values = iter(replies[1 + n :])
@@ -1031,12 +1029,6 @@ class RedisIndex:
         for s, names in part.wanted.items():
             got = [v for a in range(0, len(names), step) for v in next(values)]
             held[s] = {f: v for f, v in zip(names, got) if v is not None}
-        if before is not None:
-            for s, (_, pairs) in before.items():
-                mine = held.get(s)
-                if mine is not None:
-                    wanted = set(part.wanted[s])
-                    mine.update((f, v) for f, v in zip(pairs[0::2], pairs[1::2]) if f in wanted)
         return held
 
     def _restore_writes(self, groups: dict[int, list[Any]], seq_read: int, stored_hwm: bytes, seq: int,
@@ -1053,17 +1045,14 @@ class RedisIndex:
             writes.append(("EXEC",))
         return writes
 
-    def _remember_fresh(self, part: _Chunk, before: _Chunk | None) -> None:
+    def _remember_fresh(self, part: _Chunk) -> None:
         """After a chunk's writes: the slices its read found missing are fresh (only restores of ours wrote
-        them: those of `before`, whose writes went after that read, too), and what it wrote goes into each
-        fresh slice's Bloom filter."""
+        them), and what it wrote goes into each fresh slice's Bloom filter."""
         fresh = self._rebuilt.fresh
         for s, present in zip(part.chunk_slices, part.present):
             bits = fresh.get(s)
             if bits is None and not present:
                 bits = fresh[s] = bloom_bits()
-                if before is not None:
-                    before.remember(s, bits)
             if bits is not None:
                 part.remember(s, bits)
 
@@ -1634,7 +1623,7 @@ class _Rebuilt:
     """What this instance's restores wrote since the namespace's seq last moved by another hand (every write
     of the namespace moves it): the slices they found missing, and per such slice a Bloom filter of the
     bucket fields they wrote there. A field not in it is absent: a restore need not read it. Forgotten at
-    the next batch (`decide`): only a rebuild from the changelog, chunk after chunk, gains from it."""
+    the next batch (`decide`): only a restore chunk after chunk (`_restore_chunk`) gains from it."""
 
     seq: int = -1  # the seq the last restore wrote
     hwm: float = -math.inf  # the namespace's newest event time as the restores know it (this instance's clock is its own)
