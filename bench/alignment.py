@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import os
 import random
 import statistics
@@ -91,6 +92,28 @@ def load(path: Path | None, limit: int, truth: Path | None = None, compress: flo
 
 
 MODES = ("on", "off")
+
+
+def rounds(items: Sequence[Item], max_skew: float, workers: int) -> int:
+    """The fewest rounds in which `workers` (partitions dealt out in ranges, as Kafka's range assignor does)
+    can route `items` within `max_skew` when a record may be decided only after every record of the other
+    workers more than `max_skew` older than it is in the index: the longest chain of such dependencies
+    between workers. Each round costs at least a write to the index and a word to the other workers, so it
+    bounds aligned throughput whatever the implementation (see docs/benchmarks.md)."""
+    owner = {p: p * workers // PARTITIONS for p in range(PARTITIONS)}
+    done: list[list[tuple[float, int]]] = [[] for _ in range(workers)]  # per worker: (event time, its round)
+    deepest = 0
+    for item in sorted(items, key=lambda i: i.ts):
+        w = owner[item.partition]
+        level = done[w][-1][1] if done[w] else 0
+        for other, seen in enumerate(done):
+            if other != w and seen:
+                at = bisect.bisect_left(seen, (item.ts - max_skew, -1))
+                if at:
+                    level = max(level, seen[at - 1][1] + 1)
+        done[w].append((item.ts, level))
+        deepest = max(deepest, level)
+    return deepest
 
 
 def settings(redis_url: str, bootstrap: str, *, mode: str, max_skew: float, max_batch: int,
@@ -266,6 +289,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{len(items)} records on {PARTITIONS} partitions; filter F1 {f1(want, items):.4f}; max_skew "
           f"{args.max_skew:g}s; max_batch {args.max_batch}; {args.guarantee}", flush=True)
     counts = [int(n) for n in args.workers.split(",")]
+    for workers in counts:
+        if workers > 1:
+            n = rounds(items, args.max_skew, workers)
+            print(f"  {workers} workers aligned need at least {n:,} rounds ({len(items) / max(n, 1):,.1f} records a round)",
+                  flush=True)
     modes = [m for m in args.modes.split(",") if m]
     if not modes or set(modes) - set(MODES):
         p.error(f"--modes: comma-separated, of {', '.join(MODES)}")

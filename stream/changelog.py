@@ -39,7 +39,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -267,6 +267,14 @@ class IndexGuard:
         self.restored_entries = 0
         self.restore_read = 0  # entries of the changelog the restore going on has read so far (its progress)
         self.last: Restored | None = None
+        self.epoch: bytes | None = None  # the marker this worker last found (or set)
+
+    async def marker(self) -> bytes | None:
+        """The index's marker (None: missing)."""
+        from filters.index.redis import MARKER, redis_errors
+
+        with redis_errors(self.where):
+            return cast("bytes | None", await self._client.hget(self.meta, MARKER))
 
     async def intact(self) -> bool:
         """Whether the index holds its marker."""
@@ -277,11 +285,23 @@ class IndexGuard:
 
     async def ensure(self, read: ChangelogReader, write: Restore,
                      before: Callable[[], Awaitable[None]] | None = None) -> bool:
-        """False if the marker is there; else the index is restored from the changelog (`read`, `write`) by
-        this worker or by another of the group (then this one waits for it), the marker set, and True.
-        `before` runs first when the marker is missing (the worker delivers what it routed)."""
-        if await self.intact():
-            return False
+        """False if the marker is there, as this worker last found it; else the index is restored from the
+        changelog (`read`, `write`) by this worker or by another of the group (then this one waits for it),
+        the marker set, and True. `before` runs first when the marker is missing (the worker delivers what it
+        routed). True too, after `before`, when another worker rebuilt the index since this one last looked:
+        that rebuild may have read the changelog before this worker committed its last batches, whose entries
+        it then writes back (so does a worker that waited for a rebuild)."""
+        marker = await self.marker()
+        if marker is not None:
+            known, self.epoch = self.epoch, marker
+            if known is None or known == marker:
+                return False
+            self.losses += 1
+            log.warning("the index at %s was rebuilt by another worker since this one last looked; writing back "
+                        "what this worker routed meanwhile", self.where)
+            if before is not None:
+                await before()
+            return True
         self.losses += 1
         self.restoring = True
         try:
@@ -300,7 +320,9 @@ class IndexGuard:
         lock_ms = round(LOCK_TTL * 1000)
         while True:
             with redis_errors(self.where):
-                if await self._client.hexists(self.meta, MARKER):
+                marker = await self._client.hget(self.meta, MARKER)
+                if marker is not None:
+                    self.epoch = marker
                     log.info("the index was rebuilt by another worker; routing on")
                     return None
                 got = await self._client.set(self.lock, self.member.encode(), nx=True, px=lock_ms)
@@ -329,6 +351,7 @@ class IndexGuard:
                 pipe.hset(self.meta, MARKER, epoch)
                 pipe.pexpire(self.meta, self.ttl_ms)
                 await pipe.execute()
+            self.epoch = epoch
             if await self._client.get(self.lock) == self.member.encode():
                 await self._client.delete(self.lock)
         done = Restored(read_n, written, time.monotonic() - t0)

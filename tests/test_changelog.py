@@ -221,6 +221,50 @@ def test_a_fenced_index_without_its_marker_refuses_to_decide(redis_url: str) -> 
             plain.close()
 
 
+def test_a_rebuild_between_two_batches_is_told_once_and_the_guard_has_the_worker_write_back(redis_url: str) -> None:
+    """Lost and rebuilt by another worker between two batches of this one (its next lookup finds another
+    marker, not none): the rebuild may have read the changelog before this worker committed its last batch,
+    so the index says so once (`IndexLost`), and the guard, which knew the old marker, has the worker deliver
+    and write back (`ensure` runs `before` and answers True without restoring); the batch after goes on."""
+    with redis_namespace(redis_url) as url:
+        _mark(url)
+        index = _fenced(url)
+        guard = IndexGuard(url, namespace="ns", window=3600.0, member="b")
+        restores: list[int] = []
+        delivered: list[int] = []
+
+        async def read(write):  # type: ignore[no-untyped-def]
+            restores.append(1)
+            return 0
+
+        async def deliver() -> None:
+            delivered.append(1)
+
+        async def go() -> None:
+            assert await guard.ensure(read, lambda e: 0, deliver) is False  # the marker as it is: e1
+            assert index.lookup([Query("a", 1000.0, (1, 2))], 8) == [(None, [])]
+            assert index.insert([(_entry("a"), (1, 2))]) == [None]
+            drop_index(url)
+            _mark(url, "e2")  # another worker rebuilt it: without "a", committed after its read
+            with pytest.raises(IndexLost, match="rebuilt since this worker's last batch"):
+                index.lookup([Query("b", 1000.0, (1, 2))], 8)
+            assert await guard.ensure(read, lambda e: 0, deliver) is True
+            assert (restores, delivered, guard.losses) == ([], [1], 1)
+            assert await guard.ensure(read, lambda e: 0, deliver) is False  # told once
+            assert index.lookup([Query("b", 1000.0, (1, 2))], 8) == [(None, [])]
+
+        async def run() -> None:
+            try:
+                await go()
+            finally:
+                await guard.close()
+
+        try:
+            asyncio.run(run())
+        finally:
+            index.close()
+
+
 @pytest.mark.parametrize("path", ["transaction", "alone script", "checking script"])
 @pytest.mark.parametrize("rebuilt", [False, True], ids=["lost", "rebuilt"])
 def test_a_batch_looked_up_before_a_loss_writes_nothing_after_it(redis_url: str, path: str, rebuilt: bool) -> None:

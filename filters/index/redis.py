@@ -1195,9 +1195,17 @@ class RedisIndex:
         also finds its marker there (`IndexLost` when it is missing) and keeps it for the inserts."""
         if self.fenced:
             if reply[2] is None:
+                self._marker = b""  # the loss is told (the caller rebuilds or waits): the next marker is taken as it is
                 raise IndexLost(f"the Redis index at {self._where} holds no marker ({self._meta} {MARKER}): "
                                 "its data was lost, or it is being rebuilt from the changelog")
+            rebuilt = bool(self._marker) and reply[2] != self._marker
             self._marker = reply[2]
+            if rebuilt:
+                # Lost and rebuilt by another worker between two batches of this one: the rebuild read the
+                # changelog before this worker committed its last batches, so their entries may be missing.
+                # Told once, so that its worker writes them back before deciding anything against the index.
+                raise IndexLost(f"the Redis index at {self._where} was rebuilt since this worker's last batch "
+                                f"(its marker {self._meta} {MARKER} changed)")
         return int(reply[0] or 0), reply[1] or b""
 
     def _lost(self) -> IndexLost:
