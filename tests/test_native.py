@@ -475,14 +475,13 @@ _RESTORED = st.lists(st.tuples(st.sampled_from(["a", "b", "c", "ü", "x\udcff", 
 @settings(max_examples=300, deadline=None)
 @given(entries=_RESTORED, held_ids=st.sets(st.sampled_from(["a", "c"])), held_keys=st.lists(_KEY, max_size=6),
        old=st.lists(st.tuples(st.floats(0, 300), st.integers(1, 99)), max_size=20), hwm=st.sampled_from([-1e18, 120.0]),
-       cap=st.integers(1, 3), seq=st.integers(0, 9), keep=st.sampled_from([0, 2, 3, 5]),
-       kept_keys=st.lists(_KEY, max_size=4))
+       cap=st.integers(1, 3), seq=st.integers(0, 9))
 def test_restore_round_as_the_python_reference(entries: list[tuple[str, float, list[int]]], held_ids: set[str],
                                                held_keys: list[int], old: list[tuple[float, int]], hwm: float,
-                                               cap: int, seq: int, keep: int, kept_keys: list[int]) -> None:
+                                               cap: int, seq: int) -> None:
     """What a restore writes for a chunk (`restore_round`), compiled and in Python: live ids held or written
     earlier in the chunk, entries out of the window, keys given twice, fields that hold records (trimmed
-    past twice the cap), several slices, fields kept by the caller (`keep` > 0: in slice 0 and 2)."""
+    past twice the cap), several slices."""
     from filters.index.redis_codec import field_of, restore_round
 
     times = [ts for _, ts, _ in entries]
@@ -499,18 +498,10 @@ def test_restore_round_as_the_python_reference(entries: list[tuple[str, float, l
         if records is not None:
             values.update({field_of(k): records for k in held_keys})
     ids = [id for id, _, _ in entries]
-
-    def kept() -> dict[int, dict[bytes, bytes]] | None:  # a fresh copy for each side
-        if not keep:
-            return None
-        return {s: {field_of(k): records or _bucket([(1.0, 1, "k")]) for k in kept_keys} for s in (0, 2)}  # type: ignore[misc]
-
-    mine, theirs = kept(), kept()
-    want = restore_round(ids, times, slices, bounds, keys, blobs, held, hwm, 100.0, cap, seq, mine, keep)
+    want = restore_round(ids, times, slices, bounds, keys, blobs, held, hwm, 100.0, cap, seq)
     got = _native.restore_round(ids, np.array(times), np.array(slices, np.int64), np.array(bounds, np.int64),
-                                np.array(keys, np.uint64), blobs, held, hwm, 100.0, cap, seq, theirs, keep)
+                                np.array(keys, np.uint64), blobs, held, hwm, 100.0, cap, seq)
     assert got == want
-    assert theirs == mine
 
 
 @settings(max_examples=300, deadline=None)

@@ -577,7 +577,7 @@ cdef bytes newest_pieces(nd_piece *pieces, Py_ssize_t count, Py_ssize_t cap):
 
 
 def restore_round(list ids, times, slices, bounds, keys, list blobs, dict held, double hwm, double window,
-                  Py_ssize_t cap, uint64_t seq, kept=None, Py_ssize_t keep=0) -> tuple:
+                  Py_ssize_t cap, uint64_t seq) -> tuple:
     """`redis_codec.restore_round`, compiled: the fields are told apart by (slice, key) in an open-addressing
     table, each field's new records chained in order, and each new value made in one piece."""
     cdef const double[::1] ts_of = np.ascontiguousarray(times, dtype=np.float64)
@@ -591,8 +591,6 @@ def restore_round(list ids, times, slices, bounds, keys, list blobs, dict held, 
     cdef uint64_t key
     cdef list results = [], order = []
     cdef dict written = {sl: {} for sl in held}, entries = {}, groups = {}, values
-    cdef object kept_s
-    cdef bint in_kept, keeping
     cdef Py_ssize_t n_old, n_pieces, pieces_cap = 0
     cdef nd_piece *pieces = NULL
     cdef const char *op
@@ -707,18 +705,10 @@ def restore_round(list ids, times, slices, bounds, keys, list blobs, dict held, 
             sl = f_slice[f]
             name = bucket_field(f_key[f])
             values = <dict>held[sl]
-            kept_s = kept.get(sl) if kept is not None else None
-            old = None
-            in_kept = False
-            if kept_s is not None:
-                old = (<dict>kept_s).get(name)
-                in_kept = old is not None
-            if old is None and values:
-                old = values.get(name)
+            old = values.get(name) if values else None
             n_old = record_count(<const char *>(<bytes>old), len(<bytes>old)) if old is not None else 0
             count = n_old + f_count[f]
-            keeping = kept_s is not None and (in_kept or count >= keep)
-            if count > (cap if keeping else 2 * cap):  # the cap newest of what it held and its new records, at once
+            if count > 2 * cap:  # the cap newest of what it held and its new records, at once
                 if count > pieces_cap:
                     PyMem_Free(pieces)
                     pieces_cap = 2 * count
@@ -749,11 +739,8 @@ def restore_round(list ids, times, slices, bounds, keys, list blobs, dict held, 
                     memcpy(rp, PyByteArray_AS_STRING(records) + at, n_id)
                     rp += n_id
                     r = link_next[r]
-            if keeping:
-                (<dict>kept_s)[name] = v
-            else:
-                (<list>(<list>groups[sl])[1]).append(name)
-                (<list>(<list>groups[sl])[1]).append(v)
+            (<list>(<list>groups[sl])[1]).append(name)
+            (<list>(<list>groups[sl])[1]).append(v)
         for sl in entries:
             (<list>(<list>groups[sl])[1]).extend(<list>entries[sl][1])
         return results, groups, hwm, seq

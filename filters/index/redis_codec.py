@@ -321,9 +321,8 @@ def alone_round(ids: list[str], times: list[float], blobs: list[bytes], fields_o
 
 def restore_round(ids: Sequence[str], times: Sequence[float] | np.ndarray, slices: Sequence[int] | np.ndarray,
                   bounds: Sequence[int] | np.ndarray, keys: Sequence[int] | np.ndarray, blobs: Sequence[bytes],
-                  held: dict[int, dict[bytes, bytes]], hwm: float, window: float, cap: int, seq: int,
-                  kept: dict[int, dict[bytes, bytes]] | None = None,
-                  keep: int = 0) -> tuple[list[int], dict[int, list[Any]], float, int]:
+                  held: dict[int, dict[bytes, bytes]], hwm: float, window: float, cap: int,
+                  seq: int) -> tuple[list[int], dict[int, list[Any]], float, int]:
     """What `RedisIndex.restore` writes for a chunk of entries (`_native.restore_round` is the compiled twin).
     Entry i: id `ids[i]`, event time `times[i]` in slice `slices[i]`, bucket keys `keys[bounds[i]:bounds[i + 1]]`,
     stored bytes `blobs[i]`. `held` (slice -> field -> value) is what the fields the chunk names hold in
@@ -332,12 +331,9 @@ def restore_round(ids: Sequence[str], times: Sequence[float] | np.ndarray, slice
     slices, with an event time inside the window) or its event time is outside the window; else the next
     seq, its record appended to each of its bucket fields in its slice (a key given twice counts once)
     and its entry stored. A field's new value is what it held and then its new records, in order; one of
-    more than 2 × `cap` records is trimmed to the `cap` newest (`trim_records`). `kept` (slice -> field ->
-    value), when given, holds fields the caller keeps rather than writes (what they hold: `held` need not):
-    in its slices, a field kept or of at least `keep` records now gets its new value there (trimmed to the
-    `cap` newest once it holds more), not in the pairs. Returns (per entry its seq or 0, per slice written
-    [its entries written, field-value pairs: the bucket fields in the order first named, then the
-    entries], high-water mark, seq)."""
+    more than 2 × `cap` records is trimmed to the `cap` newest (`trim_records`). Returns (per entry its seq
+    or 0, per slice written [its entries written, field-value pairs: the bucket fields in the order first
+    named, then the entries], high-water mark, seq)."""
     results: list[int] = []
     written: dict[int, dict[bytes, bytes]] = {s: {} for s in held}
     appended: dict[int, dict[bytes, list[bytes]]] = {}
@@ -370,19 +366,12 @@ def restore_round(ids: Sequence[str], times: Sequence[float] | np.ndarray, slice
     groups: dict[int, list[Any]] = {}
     for s, (count, pairs) in entries.items():
         values = held[s]
-        mine_kept = kept.get(s) if kept is not None else None
         out: list[bytes] = []
         for f, records in appended.get(s, {}).items():
-            old = mine_kept[f] if mine_kept is not None and f in mine_kept else values.get(f, b"")
-            v = b"".join([old, *records])
-            n = count_records(v)
-            keeping = mine_kept is not None and (f in mine_kept or n >= keep)
-            if n > (cap if keeping else 2 * cap):  # a kept field holds only what a lookup can use
+            v = b"".join([values.get(f, b""), *records])
+            if count_records(v) > 2 * cap:
                 v = trim_records(v, cap)
-            if keeping:
-                mine_kept[f] = v  # type: ignore[index]
-            else:
-                out += (f, v)
+            out += (f, v)
         groups[s] = [count, out + pairs]
     return results, groups, hwm, seq
 
