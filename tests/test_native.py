@@ -511,11 +511,12 @@ def test_restore_round_as_the_python_reference(entries: list[tuple[str, float, l
 def test_a_rebuilds_writes_as_the_python_reference(entries: list[tuple[str, float, list[int]]], stored: dict[str, float],
                                                    hwm: float, cap: int, seq: int, old: list[tuple[float, int]],
                                                    old_keys: list[int]) -> None:
-    """What a rebuild writes (`restore_accept`, `newest_records`, `bucket_pairs`), compiled and in Python: ids
+    """What a rebuild writes (`restore_accept`, `newest_records`, `bucket_pairs`, `bucket_commands`: the latter
+    as `pack_commands` packs the former), compiled and in Python: ids
     stored before (live or not), replays, entries out of the window, keys given twice, busy keys past the cap,
     a flush in two parts (what the first kept, then a later chunk's records: still in insertion order), and
     values held before (their records first, trimmed with the new ones)."""
-    from filters.index.redis_codec import bucket_pairs, newest_records, restore_accept
+    from filters.index.redis_codec import bucket_commands, bucket_pairs, newest_records, restore_accept
 
     ids = [id for id, _, _ in entries]
     times = np.array([ts for _, ts, _ in entries])
@@ -539,7 +540,13 @@ def test_a_rebuilds_writes_as_the_python_reference(entries: list[tuple[str, floa
     records = _bucket([(ts, n, "o") for ts, n in old])
     olds = {k: records for k in old_keys} if records is not None else {}
     args = (keys[order], numbers[order], e_times, e_seqs, b"".join(id_bytes), id_ends, olds, cap)
-    assert _native.bucket_pairs(*args) == bucket_pairs(*args)
+    pairs = bucket_pairs(*args)
+    assert _native.bucket_pairs(*args) == pairs
+    for per_call in (1, 2, 5):
+        packed = bucket_commands(b"{p:ns}:s:1", *args, per_call)
+        assert _native.bucket_commands(b"{p:ns}:s:1", *args, per_call) == packed
+        commands = [("HSET", b"{p:ns}:s:1", *pairs[a : a + 2 * per_call]) for a in range(0, len(pairs), 2 * per_call)]
+        assert packed == (_native.pack_commands(commands) if commands else b"", len(commands))
 
 
 # Field names from a small pool (so the batches share some), with equal names as distinct objects too.

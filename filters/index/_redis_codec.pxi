@@ -968,33 +968,59 @@ def restore_accept(list ids, times, dict live, double hwm, double window, uint64
 
 
 def newest_records(keys, entries, times, seqs, Py_ssize_t cap) -> object:
-    """`redis_codec.newest_records`, compiled: the records sorted by key (numpy's unstable sort: several times
-    faster than its stable one), then each key's records by place (so in insertion order: a key's records
-    of one entry are next to each other, and a repeat is the record before)."""
+    """`redis_codec.newest_records`, compiled: each key's records chained in order through an open-addressing
+    table (no sort), so a key's records of one entry are next to each other and a repeat is the record
+    before."""
     cdef const uint64_t[::1] k = np.ascontiguousarray(keys, dtype=np.uint64)
     cdef const int64_t[::1] e = np.ascontiguousarray(entries, dtype=np.int64)
     cdef const double[::1] t = np.ascontiguousarray(times, dtype=np.float64)
     cdef const uint64_t[::1] q = np.ascontiguousarray(seqs, dtype=np.uint64)
-    cdef int64_t[::1] order = np.argsort(k).astype(np.int64, copy=False)
-    cdef Py_ssize_t n = len(k), at = 0, stop, j, w = 0, start, m, r, room = 0
+    cdef Py_ssize_t n = len(k), r, g, j, w = 0, start, m, room = 0, slot, mask, size, n_groups = 0
+    cdef int shift = 64
+    cdef uint64_t key
     out = np.empty(n, np.int64)
     cdef int64_t[::1] o = out
     cdef nd_piece *pieces = NULL
     cdef nd_piece *grown
+    cdef uint64_t *slot_key = NULL
+    cdef Py_ssize_t *slot_at = NULL
+    # Per group (a key, numbered as first seen): its first and last record; per record the next of its key.
+    cdef Py_ssize_t *g_first = <Py_ssize_t *>PyMem_Malloc((n + 1) * sizeof(Py_ssize_t))
+    cdef Py_ssize_t *g_last = <Py_ssize_t *>PyMem_Malloc((n + 1) * sizeof(Py_ssize_t))
+    cdef Py_ssize_t *following = <Py_ssize_t *>PyMem_Malloc((n + 1) * sizeof(Py_ssize_t))
     try:
-        while at < n:
-            stop = at + 1
-            while stop < n and k[order[stop]] == k[order[at]]:
-                stop += 1
-            if stop - at > 1:
-                cpp_sort(&order[at], &order[at] + (stop - at))
+        if g_first == NULL or g_last == NULL or following == NULL:
+            raise MemoryError()
+        size = open_table(n, &slot_key, &slot_at)
+        mask = size - 1
+        while size > 1:
+            size >>= 1
+            shift -= 1
+        for r in range(n):
+            key = k[r]
+            slot = <Py_ssize_t>((mix64(key) * MUL) >> shift)
+            while slot_at[slot] >= 0 and slot_key[slot] != key:
+                slot = (slot + 1) & mask
+            following[r] = -1
+            if slot_at[slot] < 0:
+                slot_key[slot] = key
+                slot_at[slot] = n_groups
+                g_first[n_groups] = g_last[n_groups] = r
+                n_groups += 1
+                continue
+            g = slot_at[slot]
+            if e[g_last[g]] == e[r]:  # the entry gave the key twice: its record once
+                following[r] = -2
+                continue
+            following[g_last[g]] = r
+            g_last[g] = r
+        for g in range(n_groups):
             start = w
-            for j in range(at, stop):
-                r = order[j]
-                if w > start and e[o[w - 1]] == e[r]:
-                    continue
+            r = g_first[g]
+            while r >= 0:
                 o[w] = r
                 w += 1
+                r = following[r]
             m = w - start
             if m > cap:
                 if m > room:
@@ -1012,9 +1038,9 @@ def newest_records(keys, entries, times, seqs, Py_ssize_t cap) -> object:
                 for j in range(cap):
                     o[start + j] = pieces[j].order
                 w = start + cap
-            at = stop
     finally:
-        PyMem_Free(pieces)
+        PyMem_Free(pieces); PyMem_Free(slot_key); PyMem_Free(slot_at)
+        PyMem_Free(g_first); PyMem_Free(g_last); PyMem_Free(following)
     return out[:w]
 
 
@@ -1080,3 +1106,91 @@ def bucket_pairs(keys, entries, times, seqs, ids, id_ends, dict olds, Py_ssize_t
     finally:
         PyMem_Free(pieces)
     return out
+
+
+def bucket_commands(bytes name, keys, entries, times, seqs, ids, id_ends, dict olds, Py_ssize_t cap,
+                    Py_ssize_t per_call) -> tuple:
+    """`redis_codec.bucket_commands`, compiled: the sizes first, then the bytes, each value written in place
+    (one held before is made apart, by `bucket_pairs`)."""
+    cdef const uint64_t[::1] k = np.ascontiguousarray(keys, dtype=np.uint64)
+    cdef const int64_t[::1] e = np.ascontiguousarray(entries, dtype=np.int64)
+    cdef const double[::1] t = np.ascontiguousarray(times, dtype=np.float64)
+    cdef const uint64_t[::1] q = np.ascontiguousarray(seqs, dtype=np.uint64)
+    cdef const int64_t[::1] ends = np.ascontiguousarray(id_ends, dtype=np.int64)
+    cdef const unsigned char[::1] idb = ids
+    cdef const char *id_base = ""
+    if len(idb):
+        id_base = <const char *>&idb[0]
+    cdef Py_ssize_t n = len(k), at = 0, stop, j, size, a, b, g, c, m, n_groups = 0, total = 0
+    cdef Py_ssize_t name_len = len(name)
+    cdef uint64_t key
+    cdef uint32_t idn
+    cdef int64_t ent
+    cdef dict made = {}  # group -> its value, when a value held before comes first
+    cdef object v
+    starts_arr = np.empty(n + 1, np.intp)
+    sizes_arr = np.empty(n + 1, np.intp)
+    cdef Py_ssize_t[::1] starts = starts_arr
+    cdef Py_ssize_t[::1] sizes = sizes_arr
+    if per_call < 1:
+        raise ValueError("per_call must be >= 1")
+    while at < n:
+        key = k[at]
+        stop, size = at, 0
+        while stop < n and k[stop] == key:
+            ent = e[stop]
+            size += 20 + ends[ent] - (ends[ent - 1] if ent else 0)
+            stop += 1
+        if olds and key in olds:
+            v = bucket_pairs(keys[at:stop], entries[at:stop], times, seqs, ids, id_ends, {key: olds[key]}, cap)[1]
+            made[n_groups] = v
+            size = len(<bytes>v)
+        starts[n_groups] = at
+        sizes[n_groups] = size
+        n_groups += 1
+        at = stop
+    starts[n_groups] = n
+    for c in range(0, n_groups, per_call):
+        m = min(per_call, n_groups - c)
+        total += 3 + decimal_size(2 + 2 * m) + 10 + 3 + decimal_size(name_len) + name_len + 2
+        for g in range(c, c + m):
+            total += 15 + 3 + decimal_size(sizes[g]) + sizes[g] + 2
+    out = PyBytes_FromStringAndSize(NULL, total)
+    cdef char *p = PyBytes_AS_STRING(out)
+    for c in range(0, n_groups, per_call):
+        m = min(per_call, n_groups - c)
+        p = put_header(p, 42, 2 + 2 * m)
+        p = put_header(p, 36, 4)
+        memcpy(p, b"HSET\r\n", 6)
+        p = put_header(p + 6, 36, name_len)
+        memcpy(p, <const char *>name, name_len)
+        p[name_len] = 13
+        p[name_len + 1] = 10
+        p += name_len + 2
+        for g in range(c, c + m):
+            at = starts[g]
+            p = put_header(p, 36, 9)
+            p[0] = 98  # b"b"
+            put_be64(p + 1, k[at])
+            p[9] = 13
+            p[10] = 10
+            p = put_header(p + 11, 36, sizes[g])
+            v = made.get(g) if made else None
+            if v is not None:
+                memcpy(p, <const char *>(<bytes>v), sizes[g])
+                p += sizes[g]
+            else:
+                for j in range(at, starts[g + 1]):
+                    ent = e[j]
+                    a = ends[ent - 1] if ent else 0
+                    b = ends[ent]
+                    idn = <uint32_t>(b - a)
+                    memcpy(p, &t[ent], 8)
+                    memcpy(p + 8, &idn, 4)
+                    memcpy(p + 12, id_base + a, idn)
+                    put_be64(p + 12 + idn, q[ent])
+                    p += 20 + idn
+            p[0] = 13
+            p[1] = 10
+            p += 2
+    return out, (n_groups + per_call - 1) // per_call

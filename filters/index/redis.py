@@ -143,6 +143,7 @@ from filters.index.redis_codec import (
     bloom_add,
     bloom_bits,
     bloom_has,
+    bucket_commands,
     bucket_pairs,
     decode_entries,
     decode_entry,
@@ -503,6 +504,7 @@ class RedisIndex:
         self._restore_accept = _native.restore_accept if _native is not None else restore_accept
         self._newest = _native.newest_records if _native is not None else newest_records
         self._bucket_pairs = _native.bucket_pairs if _native is not None else bucket_pairs
+        self._bucket_commands = _native.bucket_commands if _native is not None else bucket_commands
         self._decode = _native.decode_entries if _native is not None else decode_entries
         self._rank_all = _native.rank_lookup if _native is not None else rank_lookup
         self._encode = _native.encode_entries if _native is not None else encode_entries
@@ -924,10 +926,16 @@ class RedisIndex:
             key = f"{self._spre}{s}"
             bounds = [*starts[::FLUSH_FIELDS].tolist(), len(keys)]
             for a, b in pairwise(bounds):
-                pairs = self._bucket_pairs(keys[a:b], entries[a:b], times, seqs, ids, id_ends, olds, self.bucket_cap)
-                commands: list[Sequence[str | int | bytes]] = [
-                    ("HSET", key, *pairs[x : x + pair_step]) for x in range(0, len(pairs), pair_step)]
-                sent.append(self._send_only(conn, commands))
+                if conn is None:  # Cluster: redis-py's pipeline, which knows where the slot lives
+                    pairs = self._bucket_pairs(keys[a:b], entries[a:b], times, seqs, ids, id_ends, olds, self.bucket_cap)
+                    sent.append(self._send_only(conn, [
+                        ("HSET", key, *pairs[x : x + pair_step]) for x in range(0, len(pairs), pair_step)]))
+                    continue
+                packed, count = self._bucket_commands(key.encode(), keys[a:b], entries[a:b], times, seqs, ids, id_ends,
+                                                      olds, self.bucket_cap, FIELDS_PER_CALL)
+                with self._errors():
+                    conn.send_packed_command([packed])
+                sent.append(count)
                 if len(sent) > 2:  # Redis writes what was sent while the next piece is made
                     self._receive(conn, sent.pop(0))
             if keep_track:
@@ -1675,7 +1683,8 @@ class _Held:
         # Apart by slice and by the key's top bits: a flush sorts a share at a time, and Redis writes the
         # share before while the next is made.
         group = (slices - slices.min()) * _SHARES + (keys >> np.uint64(64 - _SHARE_BITS)).astype(np.int64)
-        order = np.argsort(group, kind="stable")
+        # Few groups (slices × shares): as uint16 numpy's stable sort is a radix sort.
+        order = np.argsort(group.astype(np.uint16) if group.max() < 1 << 16 else group, kind="stable")
         group = group[order]
         bounds = np.flatnonzero(np.concatenate(([True], group[1:] != group[:-1], [True])))
         base = int(slices.min())

@@ -538,19 +538,18 @@ def restore_accept(ids: Sequence[str], times: Sequence[float] | np.ndarray, live
 def newest_records(keys: np.ndarray, entries: np.ndarray, times: np.ndarray, seqs: np.ndarray,
                    cap: int) -> np.ndarray:
     """The records a bucket field keeps of `keys[r]` (its key) / `entries[r]` (its entry, numbered in insertion
-    order; `times` and `seqs` are per entry): grouped by key, each entry once in a group, of a group of more
-    than `cap` only the `cap` newest (event time, then seq), each group in insertion order. Returns the
-    records' places, in that order (`_native.newest_records` is the compiled twin)."""
-    order = np.argsort(keys, kind="stable")
+    order; `times` and `seqs` are per entry), each key's records coming in insertion order: grouped by key
+    (the keys in the order first seen), each entry once in a group, of a group of more than `cap` only the
+    `cap` newest (event time, then seq), each group in insertion order. Returns the records' places, in that
+    order (`_native.newest_records` is the compiled twin)."""
+    groups: dict[int, list[int]] = {}
+    for r, key in enumerate(keys.tolist()):
+        groups.setdefault(key, []).append(r)
     out: list[int] = []
-    at, n = 0, len(order)
-    while at < n:
-        stop = at + 1
-        while stop < n and keys[order[stop]] == keys[order[at]]:
-            stop += 1
+    for records in groups.values():
         seen: set[int] = set()
         group = []
-        for r in order[at:stop].tolist():
+        for r in records:
             if int(entries[r]) not in seen:  # a key given twice by one entry: its record once
                 seen.add(int(entries[r]))
                 group.append(r)
@@ -559,13 +558,12 @@ def newest_records(keys: np.ndarray, entries: np.ndarray, times: np.ndarray, seq
             keep = set(newest)
             group = [r for r in group if r in keep]
         out += group
-        at = stop
     return np.array(out, dtype=np.int64)
 
 
 def bucket_pairs(keys: np.ndarray, entries: np.ndarray, times: np.ndarray, seqs: np.ndarray, ids: bytes,
                  id_ends: np.ndarray, olds: dict[int, bytes], cap: int) -> list[bytes]:
-    """The field-value pairs of the bucket fields of records grouped by key (`newest_records`' order): per
+    """The field-value pairs of the bucket fields of records grouped by key (as `newest_records` orders them): per
     group, its key's field and value, the records of what `olds` (key -> value) holds for it first, then its
     own, in order, of more than `cap` only the `cap` newest (`trim_records`). Entry e's id is
     `ids[id_ends[e - 1]:id_ends[e]]` (from 0 for e = 0). (`_native.bucket_pairs` is the compiled twin.)"""
@@ -584,3 +582,16 @@ def bucket_pairs(keys: np.ndarray, entries: np.ndarray, times: np.ndarray, seqs:
             value = trim_records(value, cap)
         out += (field_of(key), value)
     return out
+
+
+def bucket_commands(name: bytes, keys: np.ndarray, entries: np.ndarray, times: np.ndarray, seqs: np.ndarray,
+                    ids: bytes, id_ends: np.ndarray, olds: dict[int, bytes], cap: int,
+                    per_call: int) -> tuple[bytes, int]:
+    """`bucket_pairs` as HSET commands of the hash `name`, `per_call` fields each, in the Redis protocol (the
+    bytes `pack_commands` makes of them): (the bytes, the number of commands). `_native.bucket_commands` is
+    the compiled twin, which makes no object per field."""
+    if per_call < 1:
+        raise ValueError("per_call must be >= 1")
+    pairs = bucket_pairs(keys, entries, times, seqs, ids, id_ends, olds, cap)
+    commands = [[b"HSET", name, *pairs[a : a + 2 * per_call]] for a in range(0, len(pairs), 2 * per_call)]
+    return b"".join(b"*%d\r\n" % len(c) + b"".join(b"$%d\r\n%s\r\n" % (len(x), x) for x in c) for c in commands), len(commands)
