@@ -511,6 +511,11 @@ cdef extern from * nogil:
             return a.ts > b.ts || (a.ts == b.ts && a.seq > b.seq);
         });
     }
+    static void nd_select_newest_pieces(nd_piece *first, nd_piece *last, Py_ssize_t cap) {
+        std::nth_element(first, first + cap - 1, last, [](const nd_piece &a, const nd_piece &b) {
+            return a.ts > b.ts || (a.ts == b.ts && a.seq > b.seq);
+        });
+    }
     static void nd_sort_pieces_by_order(nd_piece *first, nd_piece *last) {
         std::sort(first, last, [](const nd_piece &a, const nd_piece &b) { return a.order < b.order; });
     }
@@ -522,6 +527,7 @@ cdef extern from * nogil:
         const char *p
         Py_ssize_t n
     void nd_sort_pieces_newest_first(nd_piece *first, nd_piece *last)
+    void nd_select_newest_pieces(nd_piece *first, nd_piece *last, Py_ssize_t cap)
     void nd_sort_pieces_by_order(nd_piece *first, nd_piece *last)
 
 
@@ -1033,7 +1039,8 @@ def newest_records(keys, entries, times, seqs, Py_ssize_t cap) -> object:
                     pieces[j].ts = t[e[r]]
                     pieces[j].seq = q[e[r]]
                     pieces[j].order = r
-                nd_sort_pieces_newest_first(pieces, pieces + m)
+                # The cap newest (a group's (event time, seq) are distinct: one record an entry), then in order.
+                nd_select_newest_pieces(pieces, pieces + m, cap)
                 nd_sort_pieces_by_order(pieces, pieces + cap)
                 for j in range(cap):
                     o[start + j] = pieces[j].order

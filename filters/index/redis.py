@@ -96,8 +96,10 @@ from __future__ import annotations
 
 import hashlib
 import math
+import queue
 import re
 import struct
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
@@ -892,58 +894,72 @@ class RedisIndex:
 
     def _flush(self, conn: Any, held: _Held, existed: dict[int, bool], *, keep_track: bool = False,
                merge_all: bool = False) -> None:
-        """Writes the bucket fields `held` holds, each once (`newest_records`, `bucket_pairs`), and forgets them. A
-        field's value is read first (and its records put before the held ones) where it may hold some: in
-        a slice that existed before the rebuild, a field an earlier flush wrote (`keep_track` keeps their
-        keys), every field (`merge_all`)."""
+        """Writes the bucket fields `held` holds, each once (`newest_records`, `bucket_commands`, sent by a thread
+        of their own: `_Sender`), and forgets them. A field's value is read first (and its records put before
+        the held ones) where it may hold some: in a slice that existed before the rebuild, a field an earlier
+        flush wrote (`keep_track` keeps their keys), every field (`merge_all`)."""
         times, seqs, ids, id_ends = held.columns()
         step, pair_step = FIELDS_PER_HMGET, 2 * FIELDS_PER_CALL
         sent: list[Any] = []
-        for (s, _), parts in sorted(held.records.items()):
-            keys = np.concatenate([k for k, _ in parts])
-            entries = np.concatenate([e for _, e in parts])
-            order = self._newest(keys, entries, times, seqs, self.bucket_cap)
-            keys, entries = keys[order], entries[order]
-            starts = np.flatnonzero(np.concatenate(([True], keys[1:] != keys[:-1]))) if len(keys) else np.zeros(0, np.int64)
-            distinct = keys[starts]
-            before = held.flushed.get(s)
-            if merge_all or existed.get(s, True):
-                need = distinct
-            elif before is not None:
-                need = distinct[np.isin(distinct, before, assume_unique=True)]
-            else:
-                need = distinct[:0]
-            olds: dict[int, bytes] = {}
-            if len(need):
-                for one in sent:  # the replies in flight come first
-                    self._receive(conn, one)
-                sent.clear()
-                raw = need.astype(">u8").tobytes()
-                names = [b"b" + raw[a : a + 8] for a in range(0, len(raw), 8)]
-                got = self._receive(conn, self._send_only(conn, [
-                    ("HMGET", f"{self._spre}{s}", *names[a : a + step]) for a in range(0, len(names), step)]))
-                olds = {k: v for k, v in zip(need.tolist(), chain.from_iterable(got)) if v is not None}
-            key = f"{self._spre}{s}"
-            bounds = [*starts[::FLUSH_FIELDS].tolist(), len(keys)]
-            for a, b in pairwise(bounds):
-                if conn is None:  # Cluster: redis-py's pipeline, which knows where the slot lives
-                    pairs = self._bucket_pairs(keys[a:b], entries[a:b], times, seqs, ids, id_ends, olds, self.bucket_cap)
-                    sent.append(self._send_only(conn, [
-                        ("HSET", key, *pairs[x : x + pair_step]) for x in range(0, len(pairs), pair_step)]))
-                    continue
-                packed, count = self._bucket_commands(key.encode(), keys[a:b], entries[a:b], times, seqs, ids, id_ends,
-                                                      olds, self.bucket_cap, FIELDS_PER_CALL)
+        sender: _Sender | None = None
+
+        def settle() -> None:
+            """Waits for what was sent and reads its replies."""
+            nonlocal sender
+            if sender is not None:
                 with self._errors():
-                    conn.send_packed_command([packed])
-                sent.append(count)
-                if len(sent) > 2:  # Redis writes what was sent while the next piece is made
-                    self._receive(conn, sent.pop(0))
-            if keep_track:
-                held.flushed[s] = distinct if before is None else np.union1d(before, distinct)
-        sent.append(self._send_only(conn, [("PEXPIRE", f"{self._spre}{s}", self._ttl_ms)
-                                           for s in sorted({s for s, _ in held.records})]))
-        for one in sent:
-            self._receive(conn, one)
+                    sent.append(sender.close())
+                sender = None
+            for one in sent:
+                self._receive(conn, one)
+            sent.clear()
+
+        try:
+            for (s, _), parts in sorted(held.records.items()):
+                keys = np.concatenate([k for k, _ in parts])
+                entries = np.concatenate([e for _, e in parts])
+                order = self._newest(keys, entries, times, seqs, self.bucket_cap)
+                keys, entries = keys[order], entries[order]
+                starts = np.flatnonzero(np.concatenate(([True], keys[1:] != keys[:-1]))) if len(keys) \
+                    else np.zeros(0, np.int64)
+                distinct = keys[starts]
+                before = held.flushed.get(s)
+                if merge_all or existed.get(s, True):
+                    need = distinct
+                elif before is not None:
+                    need = distinct[np.isin(distinct, before, assume_unique=True)]
+                else:
+                    need = distinct[:0]
+                olds: dict[int, bytes] = {}
+                if len(need):
+                    settle()  # the replies in flight come first
+                    raw = need.astype(">u8").tobytes()
+                    names = [b"b" + raw[a : a + 8] for a in range(0, len(raw), 8)]
+                    got = self._receive(conn, self._send_only(conn, [
+                        ("HMGET", f"{self._spre}{s}", *names[a : a + step]) for a in range(0, len(names), step)]))
+                    olds = {k: v for k, v in zip(need.tolist(), chain.from_iterable(got)) if v is not None}
+                key = f"{self._spre}{s}"
+                bounds = [*starts[::FLUSH_FIELDS].tolist(), len(keys)]
+                for a, b in pairwise(bounds):
+                    if conn is None:  # Cluster: redis-py's pipeline, which knows where the slot lives
+                        pairs = self._bucket_pairs(keys[a:b], entries[a:b], times, seqs, ids, id_ends, olds,
+                                                   self.bucket_cap)
+                        sent.append(self._send_only(conn, [
+                            ("HSET", key, *pairs[x : x + pair_step]) for x in range(0, len(pairs), pair_step)]))
+                        continue
+                    if sender is None:
+                        sender = _Sender(conn)
+                    with self._errors():
+                        sender.send(*self._bucket_commands(key.encode(), keys[a:b], entries[a:b], times, seqs, ids,
+                                                           id_ends, olds, self.bucket_cap, FIELDS_PER_CALL))
+                if keep_track:
+                    held.flushed[s] = distinct if before is None else np.union1d(before, distinct)
+            settle()
+        finally:
+            if sender is not None:  # stopped by an error: the thread ends, the caller drops the connection
+                sender.close(raising=False)
+        self._receive(conn, self._send_only(conn, [("PEXPIRE", f"{self._spre}{s}", self._ttl_ms)
+                                                   for s in sorted({s for s, _ in held.records})]))
         held.clear()
 
     def _restore_chunk(self, part: _Chunk) -> int | None:
@@ -1644,6 +1660,43 @@ class _Rebuilt:
     seq: int = -1  # the seq the last restore wrote
     hwm: float = -math.inf  # the namespace's newest event time as the restores know it (this instance's clock is its own)
     fresh: dict[int, np.ndarray] = field(default_factory=dict)  # slice -> `bloom_bits`
+
+
+class _Sender:
+    """Sends a rebuild's bucket writes (packed commands) from a thread of its own: the next piece is made while
+    the last one is sent, as fast as Redis takes it. `close` waits for the sends and tells how many replies
+    to read; an error of the thread is raised by the next `send` or `close`."""
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+        self._queue: queue.Queue[bytes | None] = queue.Queue(4)
+        self._error: BaseException | None = None
+        self._count = 0
+        self._thread = threading.Thread(target=self._run, name="neardup-rebuild-send", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (packed := self._queue.get()) is not None:
+            if self._error is None:
+                try:
+                    self._conn.send_packed_command([packed])
+                except BaseException as exc:  # raised in the caller's thread
+                    self._error = exc
+
+    def send(self, packed: bytes, count: int) -> None:
+        """Queues `packed` (`count` commands)."""
+        if self._error is not None:
+            raise self._error
+        self._queue.put(packed)
+        self._count += count
+
+    def close(self, *, raising: bool = True) -> int:
+        """Waits for the sends; returns the number of replies to read."""
+        self._queue.put(None)
+        self._thread.join()
+        if raising and self._error is not None:
+            raise self._error
+        return self._count
 
 
 @dataclass(slots=True)
