@@ -205,6 +205,7 @@ _MIN_TS = -float(2**52)  # event times must be above it
 _MAX_SLICE = float(2**50)  # ... and less than this many slices (windows) from 0
 _NAME = re.compile(r"[A-Za-z0-9_.:-]+")  # prefix and namespace: no glob or hash-tag characters
 MARKER = "epoch"  # the meta hash's field a fenced index requires (see Fence)
+REBUILDING = "rebuilding"  # the meta hash's field a rebuild sets until it wrote its bucket fields (`RedisIndex._rebuild`)
 SPREAD_OPTIONS = ("shards", "claim_ttl")  # URL options of layout=spread (filters/index/redis_spread.py)
 
 
@@ -801,9 +802,13 @@ class RedisIndex:
         written = 0
         pending: list[Any] = []  # the last chunk's writes, sent: [sent, the seq they leave]
         try:
-            state = self._receive(conn, self._send_only(conn, [("HMGET", self._meta, "seq", "hwm", MARKER)]))[0]
+            state = self._receive(conn, self._send_only(conn, [("HMGET", self._meta, "seq", "hwm", MARKER, REBUILDING)]))[0]
             if state[2] is not None:
                 return chunks, 0
+            if state[3] is not None:  # a rebuild died before it wrote its bucket fields: its entries would pass for live
+                self._drop_slices(conn)
+            self._receive(conn, self._send_only(conn, [("HSET", self._meta, REBUILDING, "1"),
+                                                       ("PEXPIRE", self._meta, self._ttl_ms)]))
             seq, hwm_bytes = int(state[0] or 0), state[1] or b""
             hwm = max(rebuilt.hwm, _stored_time(hwm_bytes))
 
@@ -873,6 +878,7 @@ class RedisIndex:
             if not settle():
                 return self._intruded(conn, held, seq, hwm, iter(()), written)
             self._flush(conn, held, existed)
+            self._receive(conn, self._send_only(conn, [("HDEL", self._meta, REBUILDING)]))
             rebuilt.seq = seq
             return iter(()), written
         except BaseException:
@@ -887,10 +893,19 @@ class RedisIndex:
         """Somebody else writes too (`_rebuild`): what the rebuild holds goes now, merged with what every
         field holds (a rebuild is meant to run alone), and the rest is left to `_restore_chunk`."""
         self._flush(conn, held, {}, merge_all=True)
+        self._receive(conn, self._send_only(conn, [("HDEL", self._meta, REBUILDING)]))
         self._rebuilt.fresh.clear()
         self._rebuilt.seq = seq
         self._rebuilt.hwm = max(self._rebuilt.hwm, hwm)
         return rest, written
+
+    def _drop_slices(self, conn: Any) -> None:
+        """Unlinks every slice of the namespace: a rebuild that died wrote entries whose bucket records it still
+        held (the changelog has them all)."""
+        with self._errors():
+            keys = list(self._client.scan_iter(match=f"{self._spre}*", count=1000))
+        for a in range(0, len(keys), 500):
+            self._receive(conn, self._send_only(conn, [("UNLINK", *keys[a : a + 500])]))
 
     def _flush(self, conn: Any, held: _Held, existed: dict[int, bool], *, keep_track: bool = False,
                merge_all: bool = False) -> None:
@@ -1702,7 +1717,7 @@ class _Sender:
 @dataclass(slots=True)
 class _Held:
     """A rebuild's bucket records not written yet (`RedisIndex._rebuild`): per slice and share of the keys (their
-    top bits), (bucket keys, entry numbers) arrays, each chunk's records in order; per entry (numbered in
+    low bits), (bucket keys, entry numbers) arrays, each chunk's records in order; per entry (numbered in
     insertion order) its event time, seq and id; and per slice the bucket keys an earlier flush wrote (read
     back when named again)."""
 
@@ -1733,9 +1748,9 @@ class _Held:
 
     def _add_records(self, keys: np.ndarray, numbers: np.ndarray, slices: np.ndarray) -> None:
         """Records (bucket key, entry number, slice) put with the others of their slice and share."""
-        # Apart by slice and by the key's top bits: a flush sorts a share at a time, and Redis writes the
-        # share before while the next is made.
-        group = (slices - slices.min()) * _SHARES + (keys >> np.uint64(64 - _SHARE_BITS)).astype(np.int64)
+        # Apart by slice and by the key's low bits (the top ones tell the method): a flush groups a share at a
+        # time (a sixteenth of the memory), and Redis writes the share before while the next is made.
+        group = (slices - slices.min()) * _SHARES + (keys & np.uint64(_SHARES - 1)).astype(np.int64)
         # Few groups (slices × shares): as uint16 numpy's stable sort is a radix sort.
         order = np.argsort(group.astype(np.uint16) if group.max() < 1 << 16 else group, kind="stable")
         group = group[order]
@@ -1770,8 +1785,7 @@ class _Held:
         self.entries = self.count = 0
 
 
-_SHARE_BITS = 4
-_SHARES = 1 << _SHARE_BITS
+_SHARES = 16
 
 
 class _WatchLost(Exception):
