@@ -320,7 +320,7 @@ class IndexGuard:
         lock_ms = round(LOCK_TTL * 1000)
         while True:
             with redis_errors(self.where):
-                marker = await self._client.hget(self.meta, MARKER)
+                marker = cast("bytes | None", await self._client.hget(self.meta, MARKER))
                 if marker is not None:
                     self.epoch = marker
                     log.info("the index was rebuilt by another worker; routing on")

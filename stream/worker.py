@@ -316,14 +316,18 @@ class AiokafkaWorker(WorkerCore):
 
     async def _publish_marks(self) -> None:
         """This worker's low mark and partitions to the group, and the group's view back (`GroupMarks`). While the
-        index's Redis is down the worker goes on alone: routing waits for the index anyway (block), or
-        passes records unchecked."""
+        index's Redis is down, routing waits for the index (`on_index_error` block) and the last view holds: a
+        worker that went on alone would take a batch far ahead of the others, decided as soon as the index is
+        back, before it hears of them again. Records passed unchecked meanwhile need no order: the worker goes
+        on alone."""
         try:
             self.group = await self.marks.publish(self.aligner.low_mark(), self.aligner.lanes(), self._every())
         except IndexUnavailable as exc:
-            if self.group.low is not None:
-                log.debug("event-time marks not shared while the index is unavailable: %s", exc)
-            self.group = GroupView(None)
+            log.debug("event-time marks not shared while the index is unavailable: %s", exc)
+            if self.settings.on_index_error == "unchecked":
+                self.group = GroupView(None)
+            else:
+                await asyncio.sleep(_GROUP_POLL)  # held by the last view meanwhile: no busy retry of the marks
         self._marked_at = time.monotonic()
 
     def _every(self) -> list[tuple[str, int]]:

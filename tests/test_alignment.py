@@ -28,7 +28,7 @@ from bench.reliability import (
 )
 from filters.engine import NearDupFilter
 from filters.errors import NeardupError
-from stream.align import Aligner, GroupView, RedisMarks
+from stream.align import Aligner, GroupView, RedisMarks, open_marks
 from stream.backlog import Item, backlog, differences, f1, reference, verdicts_of
 from stream.kafka_tools import KafkaRecord
 from stream.worker import AiokafkaWorker
@@ -495,6 +495,33 @@ def test_a_quiet_partition_does_not_stall_live_traffic(kafka_bootstrap: str, ind
     latencies.sort()
     assert latencies[len(latencies) // 2] < 0.3, latencies
     assert latencies[-3] < 1.0, latencies  # at most the first records waited for the idle partition
+
+
+@pytest.mark.parametrize("policy", ["block", "unchecked"])
+def test_while_the_marks_cannot_be_shared_the_last_view_holds_unless_records_pass_unchecked(
+        redis_url: str, policy: str) -> None:
+    """Redis unreachable: a worker that routes nothing meanwhile (block) keeps the group's last view, so the
+    batch it takes during the outage, decided once the index is back, is no further ahead of the others than
+    before; one whose records pass unchecked meanwhile goes on alone."""
+    host, port = urlsplit(redis_url).hostname or "127.0.0.1", urlsplit(redis_url).port or 6379
+    with ProxyThread(host, port) as proxy, redis_namespace(redis_url) as direct:
+        index = direct.replace(f"{host}:{port}", f"127.0.0.1:{proxy.port}", 1)
+        settings = scenario_settings("127.0.0.1:1", index, on_index_error=policy, retry_initial=0.2)
+        worker = AiokafkaWorker(settings)
+
+        async def go() -> None:
+            worker.marks = open_marks(index, namespace="ns", group="g", member="w", ttl=10.0)
+            try:
+                await worker._publish_marks()  # reachable: nobody else, nothing owned
+                worker.group = GroupView(100.0)  # as another worker's mark said
+                proxy.down()
+                await worker._publish_marks()
+                assert worker.group == (GroupView(100.0) if policy == "block" else GroupView(None))
+            finally:
+                proxy.up()
+                await worker.marks.close()
+
+        asyncio.run(go())
 
 
 def test_two_serve_workers_with_a_kill_9_and_a_redis_outage_route_a_backlog_as_the_filter(

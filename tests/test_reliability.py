@@ -193,9 +193,11 @@ def test_kafka_broker_restart_mid_stream(kafka_bootstrap: str, index_url: str, t
     errors_before, errors_after = notes["kafka_errors"]
     assert errors_after > errors_before, notes
     assert notes["log_lines"] < 300, notes
-    # The serve process's producer gives up on a delivery after 2 s (a test hook): the outputs in flight
-    # when the broker went away failed, and were sent again once it was back.
-    assert notes["resent_lines"] >= 1, notes
+    # The serve process's producer gives up on a delivery after 2 s (a test hook): outputs in flight when the
+    # broker went away failed and were sent again once it was back (lost 0 above), in a line per batch at
+    # most. Whether any were in flight at that moment is a matter of timing (none in some CI runs): what holds
+    # either way is lost 0, asserted above.
+    assert notes["resent_lines"] <= notes["log_lines"] // 10, notes
 
 
 def test_redis_outage_mid_stream_blocks_then_resumes(kafka_bootstrap: str, redis_url: str, tmp_path: Path) -> None:

@@ -25,11 +25,11 @@ import redis
 from filters.config import FilterConfig
 from filters.engine import NearDupFilter
 from filters.errors import ConfigError, IndexUnavailable
-from filters.index import Candidate, Entry, Memo
+from filters.index import Candidate, Entry, Memo, Query
 from filters.index import claims as cl
 from filters.index.backends import open_index
-from filters.index.redis_codec import encode_entry, parse_records
-from filters.index.redis_spread import SLOTS, SpreadIndex, _View, key_slot, shard_tags
+from filters.index.redis_codec import encode_entry, field_of, parse_records
+from filters.index.redis_spread import _APPEND, _CLAIM, SLOTS, SpreadIndex, _View, key_slot, shard_tags
 from stream.codec import RecordFormat
 from stream.runner import RawRecord, route_batch
 from tests.test_claim_model import Shard
@@ -143,13 +143,15 @@ def test_the_scripts_do_what_the_model_of_the_protocol_does(make: Callable[..., 
     """Random sequences of every op of the protocol, on one shard of real Redis (spread_home.lua,
     spread_claim.lua, reads) and on the model's `Shard` (tests/test_claim_model.py): the same replies,
     and the same records in every bucket. A claim compares with what a lookup of its fields saw at some
-    earlier step (new fields by HSETNX, the others in the script), or with nothing."""
+    earlier step (the slices' marks, and the fields of a slice whose mark moved or was not read), or with
+    nothing."""
     rng = random.Random(seed)
     index = make(shards="1", claim_ttl="3600")
     ts = 5.0
     index._hwm = ts
     model = Shard()
-    looks: dict[str, tuple[tuple[bytes, ...], list[list[bytes | None]], dict[bytes, bytes | None]]] = {}
+    looks: dict[str, tuple[tuple[bytes, ...], list[list[bytes | None]], dict[bytes, bytes | None],
+                           dict[tuple[int, int], int]]] = {}
     ids = ["a", "b", "c", "d"]
     fields = [b"b" + k.to_bytes(8, "big") for k in range(5)]
     for _ in range(120):
@@ -159,10 +161,13 @@ def test_the_scripts_do_what_the_model_of_the_protocol_does(make: Callable[..., 
         op: cl.Op
         if kind == "create":
             op = cl.Create(0, id, ts, _blob(id, ts))
-        elif kind == "look":  # what a lookup of `id` sees of its fields now, on each side
+        elif kind == "look":  # what a lookup of `id` sees of its fields now, on each side (the slices' marks first)
             chosen = tuple(rng.sample(fields, rng.randint(1, 3)))
+            with redis.Redis.from_url(redis_url) as client:
+                marks = {(0, s): int(client.hget(index._slice_key(0, s), "w") or 0) for s in index._slices(ts, ts)
+                         if rng.random() < 0.8}  # a mark not read: every field is compared
             [columns] = index._ops([cl.Read(0, chosen)])
-            looks[id] = (chosen, columns, {f: model.buckets.get(f) for f in chosen})
+            looks[id] = (chosen, columns, {f: model.buckets.get(f) for f in chosen}, marks)
             continue
         elif kind == "claim":
             look = looks.get(id) if rng.random() < 0.8 else None
@@ -170,10 +175,9 @@ def test_the_scripts_do_what_the_model_of_the_protocol_does(make: Callable[..., 
                 chosen = tuple(rng.sample(fields, rng.randint(1, 3)))
                 index._view, seen = _View(), None
             else:
-                chosen, columns, seen = look
-                index._view = _View(index._slices(ts, ts), columns, {f: j for j, f in enumerate(chosen)},
-                                    [all(column[j] is None for column in columns) for j in range(len(chosen))],
-                                    looked={id: 0})
+                chosen, columns, seen, marks = look
+                index._view = _View(index._slices(ts, ts), columns, {f: j for j, f in enumerate(chosen)}, looked={id: 0},
+                                    slice_marks=marks)
             op = cl.Claim(0, id, ts, chosen, look is not None)
             [real] = index._ops([op])
             assert real == model.apply(op, 0.0, 3_600_000.0, seen), (op, look)
@@ -193,6 +197,43 @@ def test_the_scripts_do_what_the_model_of_the_protocol_does(make: Callable[..., 
         assert _same(op, real, expected), (op, real, expected)
     [values] = index._ops([cl.Read(0, tuple(fields))])
     assert _by_field(values) == [_records(model.buckets.get(f)) for f in fields]
+
+
+def test_claims_are_written_at_once_unless_another_writer_wrote_there_since_the_lookup(
+        make: Callable[..., SpreadIndex]) -> None:
+    """A claim whose lookup's slices still have the marks it read is written by spread_append.lua (the values
+    made by the client); after another writer's records in its shard, by spread_claim.lua, which finds it
+    unchanged if none of its own buckets got a record, else changed: the other claim is returned."""
+    a, b = make(shards="1"), make(shards="1")
+    sent: list[str] = []
+    execute = a._nodes.execute
+
+    def spy(commands: Sequence[tuple[int, Sequence[Any]]], scripts: dict[bytes, str], resent: set[int] | None = None
+            ) -> list[Any]:
+        sent.extend({_APPEND.sha: "append", _CLAIM.sha: "claim"}.get(c[1], "") for _, c in commands if c[0] == "EVALSHA")
+        return execute(commands, scripts, resent)
+
+    a._nodes.execute = spy  # type: ignore[method-assign]
+
+    def entry(id: str, ts: float) -> Entry:
+        return Entry(id, ts, 7, 3, np.arange(4, dtype=np.uint32))
+
+    a.lookup([Query("x", 5.0, (1, 2, 3))], 8)
+    assert a.insert([(entry("x", 5.0), (1, 2, 3))]) == [None]
+    assert "append" in sent and "claim" not in sent
+    sent.clear()
+    a.lookup([Query("y", 6.0, (4, 5, 6))], 8)
+    b.lookup([Query("z", 6.0, (7, 8))], 8)
+    assert b.insert([(entry("z", 6.0), (7, 8))]) == [None]
+    assert a.insert([(entry("y", 6.0), (4, 5, 6))]) == [None]  # z wrote in the shard, not in y's buckets
+    assert [s for s in sent if s] == ["append", "claim"]
+    a.lookup([Query("v", 7.0, (10, 11, 12))], 8)
+    b.lookup([Query("w", 7.0, (11, 13))], 8)
+    assert b.insert([(entry("w", 7.0), (11, 13))]) == [None]
+    [taken] = a.insert([(entry("v", 7.0), (10, 11, 12))])
+    assert taken is not None and [c.entry.id for c in taken] == ["w"]
+    [columns] = a._ops([cl.Read(0, (field_of(11),))])
+    assert sorted(id for column in columns for _, _, id in parse_records(column[0] or b"")) == ["v", "w"]
 
 
 def test_a_pending_claim_past_its_deadline_is_aborted_by_a_poll(make: Callable[..., SpreadIndex]) -> None:
@@ -527,12 +568,15 @@ def race_through(url: str, change: Callable[[int], str], *, workers: int = 4, wa
 
 
 def _pending_on(port: int, prefix: str) -> list[bytes]:
+    """The claim states left in the namespace, on every node that says it is a master (right after a
+    failover, one node's CLUSTER NODES may still call the old master one)."""
     found = []
     for node in cluster_nodes(port):
-        if node.master:
-            with redis.Redis(port=node.port) as client:
-                for key in client.scan_iter(match=f"{{{prefix}:*:s:*", count=1000):
-                    found += [f for f in client.hkeys(key) if f.startswith(b"c")]
+        with redis.Redis(port=node.port) as client:
+            if client.execute_command("ROLE")[0] != b"master":
+                continue
+            for key in client.scan_iter(match=f"{{{prefix}:*:s:*", count=1000):
+                found += [f for f in client.hkeys(key) if f.startswith(b"c")]
     return found
 
 

@@ -66,8 +66,8 @@ class Create:
 class Claim:
     """Append `id`'s record to its bucket `fields` of this shard; say whether any of them got a record that
     the claimant's lookup did not see (`check`; else nothing to compare with: changed). The driver knows
-    what the lookup saw (the Redis index: new fields are created by HSETNX, the others compared in a
-    script)."""
+    what the lookup saw (the Redis index: the slices' marks, and the fields of a slice whose mark moved are
+    compared in a script)."""
 
     shard: int
     id: str

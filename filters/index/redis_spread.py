@@ -7,10 +7,11 @@ Keys. The namespace is cut into `shards` (default 64); shard k's keys carry the 
 equal parts of the slots (`shard_tags`): equal ranges of slots, equal numbers of shards (to one). Per shard, the keys of the
 slot layout (filters/index/redis.py): `{tag}:meta` (`seq`, `hwm`) and the event-time slices `{tag}:s:<n>`
 with bucket records `b<key>` of the keys the shard holds (`bucket_shards`), entries `e<id>` of the ids
-whose home it is (`home_shard`), and claim states `c<id>` while a claim is undecided.
+whose home it is (`home_shard`), claim states `c<id>` while a claim is undecided, and the slice's mark
+`w` (moved by every call that writes records there).
 
-Reading. A lookup reads, per shard it touches, the meta hash and one HMGET per slice of every field the
-batch names there (its buckets, its own ids' entries and states), as one pipeline per node, all nodes at
+Reading. A lookup reads, per shard it touches, the meta hash and one HMGET per slice of its mark, then of
+every field the batch names there (its buckets, its own ids' entries and states), as one pipeline per node, all nodes at
 once (`_Nodes.execute`); the replies are scattered into the columns the slot layout ranks, so ranking is
 `rank_lookup`, as there. The candidates' homes (entry and state) are a second read: committed ones are
 candidates, pending ones are claims the protocol must resolve; entries known committed are kept
@@ -18,7 +19,8 @@ candidates, pending ones are claims the protocol must resolve; entries known com
 
 Inserting is the claim protocol (`filters.index.claims`): the `Resolver` says what to ask each shard, this
 module asks it (`_round`: the home ops of a shard in one call of `spread_home.lua`, its claims in one call
-of `spread_claim.lua`, reads as HMGETs), in one round trip per round.
+of `spread_append.lua` when no slice's mark moved since the lookup, else of `spread_claim.lua` (`_ClaimPlan`),
+reads as HMGETs), in one round trip per round (two when a mark moved).
 
 Redirects. A reply MOVED (the slot has a new owner: failover, resharding), ASK (the slot is being migrated
 and the keys are on the target) or TRYAGAIN (a script's keys are split between the two) means the command
@@ -109,12 +111,20 @@ _REDIRECTS = 16  # MOVED/ASK hops a command may take in one round before the rou
 _TRY_AGAIN = 0.02  # seconds before a TRYAGAIN is sent again (a slot being migrated), up to 2 s in all
 
 CLAIM_LUA = _lua("trim.lua", "spread_claim.lua")
+APPEND_LUA = _lua("spread_append.lua")
 HOME_LUA = _lua("spread_home.lua")
 _CLAIM = _Script.of(CLAIM_LUA)
+_APPEND = _Script.of(APPEND_LUA)
 _HOME = _Script.of(HOME_LUA)
+_RATE = 0.25  # weight of a round in the average of spread_append.lua's successes
+_PROBE = 8  # a round in this many tries spread_append.lua whatever the average
 _STATE = {b"C": cl.COMMITTED, b"P": cl.PENDING, b"G": cl.GONE}
 _NOTE = struct.Struct("<dI")  # a note: the noter's event time and id length, then its id
 _RECORD = struct.Struct("<dI")  # a bucket record: event time, id length; then the id and the seq
+_SEEN = struct.Struct(">I")  # what a lookup saw of a field in a slice: its length, then its last 8 bytes (the seq)
+_UNSEEN = bytes(12)  # ... of a field absent there
+_SECTION = struct.Struct(">iI")  # spread_claim.lua's layout: a slice written to, its number of entries
+_ENTRY = struct.Struct(">BHH")  # ... an entry: compared or not, its numbers of fields seen and not seen there
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,8 +137,8 @@ class _Put:
     blob: bytes
 
 
-_OP_CODES: dict[type, str] = {cl.Create: "create", cl.Note: "note", cl.Commit: "commit", cl.Poll: "poll",
-                              cl.Refresh: "refresh", cl.Abort: "abort", _Put: "put"}
+_OP_CODES: dict[type, int] = {cl.Create: 1, cl.Note: 2, cl.Commit: 3, cl.Poll: 4, cl.Refresh: 5, cl.Abort: 6, _Put: 7}
+_HOME_OP = struct.Struct("<BHdI")  # spread_home.lua's numbers of an op: code, key, event time, notes seen
 
 
 # --- where things live ---------------------------------------------------------------------------------
@@ -402,7 +412,6 @@ class _View:
     slices: tuple[int, ...] = ()
     columns: list[list[bytes | None]] = field(default_factory=list)
     at: dict[bytes, int] = field(default_factory=dict)  # field -> its place in the columns
-    absent: list[bool] = field(default_factory=list)  # per place: the field was in no slice read
     looked: dict[str, int] = field(default_factory=dict)  # id -> its query's number
     keys_of: list[tuple[int, ...]] = field(default_factory=list)
     fields_of: list[list[bytes]] = field(default_factory=list)
@@ -411,6 +420,8 @@ class _View:
     own_pending: set[str] = field(default_factory=set)  # ids whose own home an earlier attempt left pending
     candidates: dict[str, set[str]] = field(default_factory=dict)  # id -> the committed candidates it was given
     returned: dict[str, set[str]] = field(default_factory=dict)  # id -> committed claims returned as conflicts
+    # (shard, slice) -> the mark `w` the lookup read there (0: none), read before its fields (spread_claim.lua)
+    slice_marks: dict[tuple[int, int], int] = field(default_factory=dict)
 
 
 # --- the index ----------------------------------------------------------------------------------------------
@@ -445,6 +456,11 @@ class SpreadIndex:
         self._gone = -math.inf  # the last slice this instance unlinked (as left the window)
         self._stamp = 0  # the last round's clock (ms), increasing: the seqs of its records (`_ClaimPlan`)
         self._view = _View()
+        # How often spread_append.lua found no mark moved, lately (an exponential average): below one half
+        # (workers writing the same shards at once), claims go to spread_claim.lua at once, but every
+        # `_PROBE`-th round.
+        self._append_rate = 1.0
+        self._rounds = 0
         self._known: dict[tuple[str, float], Entry] = {}  # committed entries read or written lately
         self._known_cap = target.entry_cache
         self._decider = SharedDecider()
@@ -470,7 +486,7 @@ class SpreadIndex:
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"Redis index URL {self._where}: {exc}") from exc
         self._nodes = _Nodes(client, self._where)
-        self._scripts = {_CLAIM.sha.encode(): _CLAIM.source, _HOME.sha.encode(): _HOME.source}
+        self._scripts = {script.sha.encode(): script.source for script in (_CLAIM, _APPEND, _HOME)}
 
     # -- CandidateIndex ----------------------------------------------------------------------------------
     compiled_table = False
@@ -519,18 +535,16 @@ class SpreadIndex:
         shard_of[np.asarray(id_places, dtype=np.int64)] = homes
         shard_of[np.asarray(id_places, dtype=np.int64) + 1] = homes  # its memo field (`plan_fields`)
         shard_of[np.asarray(state_places, dtype=np.int64)] = homes
-        slices, columns, stored = self._read_fields(names, shard_of, self._slices(marks[0], hwm), marks[0], hwm)
+        slices, columns, stored, slice_marks = self._read_fields(names, shard_of, self._slices(marks[0], hwm), marks[0],
+                                                                 hwm)
         self._hwm = hwm
         self._top = max(self._top, stored)
         found = self._rank_all(columns, positions, id_places, ids, [q.min_shared for q in queries], limit,
                                [mark - self.window for mark in marks], self.bucket_cap, entry_time, memo_time)
         own_pending = {id for id, p in zip(ids, state_places) if any(column[p] is not None for column in columns)}
         homes_found = self._homes({(id, ts) for _, _, ranked in found for id, _, _, ts in ranked})
-        absent = np.ones(len(names), dtype=bool)
-        for column in columns:
-            absent &= np.fromiter((v is None for v in column), dtype=bool, count=len(column))
-        view = _View(slices, columns, {name: p for p, name in enumerate(names)}, absent.tolist(),
-                     dict(zip(ids, range(len(ids)))), keys_of, key_fields, shards_of, own_pending=own_pending)
+        view = _View(slices, columns, {name: p for p, name in enumerate(names)}, dict(zip(ids, range(len(ids)))),
+                     keys_of, key_fields, shards_of, own_pending=own_pending, slice_marks=slice_marks)
         out: list[tuple[Entry | Verdict | None, list[Candidate]]] = []
         for q, (own, memo, ranked) in zip(queries, found):
             cands: list[Candidate] = []
@@ -625,23 +639,23 @@ class SpreadIndex:
 
     def stats(self) -> dict[str, int]:
         """`entries` (committed), `buckets` and `memos` in the live slices of every shard (a bucket with records in
-        two slices counts twice; claim states count as buckets); `inserted` is `entries` (the shards have no
-        common counter)."""
+        two slices counts twice; claim states count as buckets; counters and marks do not); `inserted` is
+        `entries` (the shards have no common counter)."""
         nodes = _Nodes(self._nodes.client, self._where)  # its own connections: any thread may call this
         try:
             metas = nodes.execute([(self._slots[k], ("HGET", f"{{{tag}}}:meta", "hwm")) for k, tag in enumerate(self.tags)],
                                   {})
             top = max((float(h) for h in metas if h is not None), default=-math.inf)
             commands = [(self._slots[k], c) for k in range(self.shards) for s in self._slices(top, top)
-                        for c in (("HLEN", self._slice_key(k, s)), ("HMGET", self._slice_key(k, s), "n", "m"))]
+                        for c in (("HLEN", self._slice_key(k, s)), ("HMGET", self._slice_key(k, s), "n", "m", "w"))]
             replies = nodes.execute(commands, {}) if commands else []
         finally:
             for conn in nodes.conns.values():
                 conn.disconnect()
         fields = sum(replies[0::2])
-        counts = [c for pair in replies[1::2] for c in pair]
-        entries = sum(int(n) for n in counts[0::2] if n is not None)
-        memos = sum(int(m) for m in counts[1::2] if m is not None)
+        counts = [c for triple in replies[1::2] for c in triple]
+        entries = sum(int(n) for n in counts[0::3] if n is not None)
+        memos = sum(int(m) for m in counts[1::3] if m is not None)
         counters = sum(c is not None for c in counts)
         return {"entries": entries, "buckets": max(0, fields - entries - memos - counters), "memos": memos,
                 "inserted": entries}
@@ -670,24 +684,26 @@ class SpreadIndex:
 
     # -- reading -----------------------------------------------------------------------------------------
     def _read_fields(self, names: list[bytes], shard_of: np.ndarray, slices: tuple[int, ...], low_mark: float,
-                     high_mark: float) -> tuple[tuple[int, ...], list[list[bytes | None]], float]:
-        """The values of `names` (each in its shard) in `slices` and the highest high-water mark of the
-        shards; more slices if a mark shows records beyond them."""
+                     high_mark: float) -> tuple[tuple[int, ...], list[list[bytes | None]], float, dict[tuple[int, int], int]]:
+        """The values of `names` (each in its shard) in `slices`, the highest high-water mark of the shards and
+        the mark of each (shard, slice) read; more slices if a mark shows records beyond them."""
         order = np.argsort(shard_of, kind="stable")
         bounds = np.searchsorted(shard_of[order], np.arange(self.shards + 1))
         groups = [(k, order[bounds[k] : bounds[k + 1]]) for k in range(self.shards) if bounds[k + 1] > bounds[k]]
         plan = [(k, places, [names[p] for p in places.tolist()]) for k, places in groups]
-        stored, columns = self._read_groups(plan, slices, len(names))
+        stored, columns, slice_marks = self._read_groups(plan, slices, len(names))
         need = self._slices(low_mark, max(high_mark, stored))
         if not set(need) <= set(slices):
             slices = tuple(sorted(set(slices) | set(need)))
-            stored2, columns = self._read_groups(plan, slices, len(names))
+            stored2, columns, slice_marks = self._read_groups(plan, slices, len(names))
             stored = max(stored, stored2)
-        return slices, columns, stored
+        return slices, columns, stored, slice_marks
 
     def _read_groups(self, plan: list[tuple[int, np.ndarray, list[bytes]]], slices: Sequence[int],
-                     n: int) -> tuple[float, list[list[bytes | None]]]:
-        # Every shard's high-water mark (the namespace's is the highest), then the fields.
+                     n: int) -> tuple[float, list[list[bytes | None]], dict[tuple[int, int], int]]:
+        # Every shard's high-water mark (the namespace's is the highest), then the fields, each (shard, slice)'s
+        # mark `w` first: a call of spread_claim.lua or spread_append.lua that wrote there after any of its
+        # fields was read moved it.
         commands: list[tuple[int, Sequence[Any]]] = [(self._slots[k], ("HGET", f"{{{tag}}}:meta", "hwm"))
                                                      for k, tag in enumerate(self.tags)]
         step = FIELDS_PER_HMGET
@@ -695,17 +711,21 @@ class SpreadIndex:
             slot = self._slots[k]
             for s in slices:
                 key = self._slice_key(k, s)
-                commands += [(slot, ("HMGET", key, *fields[a : a + step])) for a in range(0, len(fields), step)]
+                commands.append((slot, ("HMGET", key, b"w", *fields[:step])))
+                commands += [(slot, ("HMGET", key, *fields[a : a + step])) for a in range(step, len(fields), step)]
         replies = iter(self._nodes.execute(commands, self._scripts))
         arrays = [np.empty(n, dtype=object) for _ in slices]
         stored = max((float(hwm) for hwm in islice(replies, self.shards) if hwm is not None), default=-math.inf)
-        for _, places, fields in plan:
-            for array in arrays:
-                values: list[Any] = []
-                for _ in range(-(-len(fields) // step)):
+        slice_marks: dict[tuple[int, int], int] = {}
+        for k, places, fields in plan:
+            for s, array in zip(slices, arrays):
+                first = next(replies)
+                slice_marks[(k, s)] = int(first[0] or 0)
+                values: list[Any] = first[1:]
+                for _ in range(1, -(-len(fields) // step)):
                     values.extend(next(replies))
                 array[places] = np.fromiter(values, dtype=object, count=len(values))
-        return stored, [array.tolist() for array in arrays]
+        return stored, [array.tolist() for array in arrays], slice_marks
 
     def _homes(self, wanted: Iterable[tuple[str, float]]) -> dict[tuple[str, float], tuple[str, Entry | None]]:
         """The state and entry of the homes named by (id, event time): committed entries kept lately are
@@ -863,7 +883,9 @@ class SpreadIndex:
                 commands.append((self._slots[op.shard], ("HMGET", self._slice_key(op.shard, self._slice(op.ts)),
                                                          f, b"c" + f[1:])))
                 takes.append(("state", [i]))
-        plan = _ClaimPlan(self, [(i, cast(cl.Claim, ops[i])) for i in claims]) if claims else None
+        self._rounds += 1
+        fast = self._append_rate >= 0.5 or self._rounds % _PROBE == 0
+        plan = _ClaimPlan(self, [(i, cast(cl.Claim, ops[i])) for i in claims], fast) if claims else None
         if plan is not None:
             commands += plan.commands
         memos, self._memos = self._memos, []  # the insert's memos go with its first round trip
@@ -882,10 +904,14 @@ class SpreadIndex:
                 blob, state = next(it)
                 out[at[0]] = _state(blob, state, cast(cl.State, ops[at[0]]).ts)
         if plan is not None:
-            out_claims = plan.results(replies[len(replies) - len(plan.commands) :])
-            if plan.again:  # new fields somebody created since the lookup: the records are appended after all
-                self._nodes.execute(_ClaimPlan(self, plan.again).commands, self._scripts)
-            for i, result in out_claims.items():
+            results, again, answers = plan.results(replies[len(replies) - len(plan.commands) :])
+            if again:  # others wrote where the records go since the lookup: compared field by field
+                for claims_of, reply in zip(answers, self._nodes.execute(again, self._scripts), strict=True):
+                    results.update(plan.answer(claims_of, reply))
+            appended = len(plan.commands) - sum(shard < 0 for shard, _ in plan.order)
+            if appended:
+                self._append_rate += _RATE * ((appended - len(again)) / appended - self._append_rate)
+            for i, result in results.items():
                 out[i] = result
         return out
 
@@ -898,152 +924,153 @@ class SpreadIndex:
         created = [op.ts for op in ops if isinstance(op, (cl.Create, _Put))]
         args: list[Any] = [round(self.claim_ttl * 1000), self._ttl_ms, repr(horizon) if math.isfinite(horizon) else "-inf",
                            ",".join(map(str, range(2, len(keys) + 1))), repr(max(created)) if created else ""]
+        layout: list[bytes] = []
         for op in ops:
             key = self._slice_key(shard, self._slice(op.ts))
             if key not in at:
                 at[key] = len(keys) + 1
                 keys.append(key)
+            layout.append(_HOME_OP.pack(_OP_CODES[type(op)], at[key], op.ts, op.seen if isinstance(op, cl.Commit) else 0))
+            args.append(op.id.encode("utf-8", "surrogatepass"))
             if isinstance(op, (cl.Create, _Put)):
-                arg: Any = op.blob
+                args.append(op.blob)
             elif isinstance(op, cl.Note):
                 raw = op.by[1].encode("utf-8", "surrogatepass")
-                arg = _NOTE.pack(op.by[0], len(raw)) + raw
-            elif isinstance(op, cl.Commit):
-                arg = op.seen
-            else:
-                arg = ""
-            args += [_OP_CODES[type(op)], at[key], op.id.encode("utf-8", "surrogatepass"), repr(op.ts), arg]
+                args.append(_NOTE.pack(op.by[0], len(raw)) + raw)
+        args.insert(5, b"".join(layout))
         return ("EVALSHA", _HOME.sha, len(keys), *keys, *args)
 
 
 class _ClaimPlan:
-    """The commands of a round's claims, and how their replies answer them.
+    """The commands of a round's claims, and how their replies answer them: per shard, one call with every
+    claim of the round there, in the round's order (so that the records of a field are too). A claim is
+    compared with what its lookup saw of its fields (the values, and each slice's mark), unless it has
+    nothing to compare with (not looked up, a field the lookup did not read, a second attempt): then it
+    changed. When every claim of a shard is compared and its lookup read the slice it writes to, the
+    values its records make are computed here and written by spread_append.lua if no mark moved since
+    the lookup (`fast`); else (a mark moved: others wrote there meanwhile), and for the other shards,
+    spread_claim.lua appends the records and compares field by field."""
 
-    A field the claimant's lookup saw in no slice is new: its records (every claim of the round that
-    appends to it, in the round's order) are written by HSETNX into the slice of their event time, which
-    fails if somebody created the field since, and HEXISTS says whether somebody put it in another slice
-    the lookup read: the native compare-and-set of an empty bucket (most of them: most buckets of a unique
-    message are new). The other fields, and every field of a claim with nothing to compare with, go to
-    spread_claim.lua, one call per shard, which compares them with what the lookup saw. A new field that
-    HSETNX found created is appended to by the script afterwards (`again`): the claim has changed."""
-
-    def __init__(self, index: SpreadIndex, claims: Sequence[tuple[int, cl.Claim]]) -> None:
+    def __init__(self, index: SpreadIndex, claims: Sequence[tuple[int, cl.Claim]], fast: bool) -> None:
         self.index = index
         view = index._view
-        self.commands: list[tuple[int, Sequence[Any]]] = []
         base = index._stamp * _PLACES
-        records: dict[int, bytes] = {}
         made: dict[tuple[str, int], bytes] = {}  # a claimant's record is the same in all its shards
-        new: dict[tuple[int, int, bytes], list[int]] = {}  # (shard, slice, field) -> the claims creating it
-        # shard -> [(claim, [(field, what the lookup saw of it per slice: length and last seq, or None)])]
-        scripted: dict[int, list[tuple[int, list[tuple[bytes, list[int] | None]]]]] = {}
-        self.claims = dict(claims)
-        at, absent, columns = view.at, view.absent, view.columns
+        at, columns, slices = view.at, view.columns, view.slices
+        column_of = {s: c for c, s in enumerate(slices)}
         slice_of = index._slice
+        # shard -> target slice -> [(claim, record, compared, fields it saw in the target slice, the others)]
+        self.calls: dict[int, dict[int, list[tuple[int, bytes, bool, list[bytes], list[bytes]]]]] = {}
         for i, op in claims:
             record = made.get((op.id, op.place))
             if record is None:
                 raw = op.id.encode("utf-8", "surrogatepass")
                 record = made[(op.id, op.place)] = (_RECORD.pack(op.ts, len(raw)) + raw
                                                     + SEQ.pack(base + op.place % _PLACES))
-            records[i] = record
-            fields: list[tuple[bytes, list[int] | None]] = []
             target = slice_of(op.ts)
-            for f in op.fields:
-                p = at.get(f) if op.check else None
-                if p is None:
-                    fields.append((f, None))
-                elif absent[p]:
-                    new.setdefault((op.shard, target, f), []).append(i)
-                else:
-                    seen = [column[p] for column in columns]
-                    fields.append((f, [x for v in seen for x in ((len(v), SEQ.unpack(v[-8:])[0]) if v else (0, 0))]))
-            if fields:
-                scripted.setdefault(op.shard, []).append((i, fields))
-        # A new field the script also appends to in this round goes through the script for every claim, so
-        # that its records stay in the round's order.
-        also: set[tuple[int, int, bytes]] = set()
-        for entries in scripted.values():
-            for i, listed in entries:
-                op = self.claims[i]
-                also.update((op.shard, slice_of(op.ts), f) for f, _ in listed)
-        for moved in [key for key in new if key in also]:
-            shard, _, f = moved
-            for i in new.pop(moved):
-                entries = scripted.setdefault(shard, [])
-                mine: list[tuple[bytes, list[int] | None]] | None = next((fs for j, fs in entries if j == i), None)
-                if mine is None:
-                    mine = []
-                    entries.append((i, mine))
-                mine.append((f, [0, 0] * len(columns)))
-            scripted[shard].sort(key=lambda entry: entry[0])  # the round's order
-        self.records = records
-        self.new = list(new.items())
-        cap, ttl, slices = index.bucket_cap, index._ttl_ms, view.slices
-        keys: dict[tuple[int, int], str] = {}
-        commands = self.commands
-        for (shard, s, f), creating in self.new:
-            value = records[creating[0]] if len(creating) == 1 else b"".join(records[i] for i in creating)
-            if len(creating) > 2 * cap:
-                value = trim_records(value, cap)
-            slot = index._slots[shard]
-            name = keys.get((shard, s))
-            if name is None:
-                name = keys[(shard, s)] = index._slice_key(shard, s)
-            commands.append((slot, ("HSETNX", name, f, value)))
-            for other in slices:
-                if other != s:
-                    commands.append((slot, ("HEXISTS", index._slice_key(shard, other), f)))
-        commands += [(index._slots[shard], ("PEXPIRE", key, ttl)) for (shard, _), key in keys.items()]
-        self.touched = len(keys)
-        self.scripted = list(scripted.items())
-        for shard, entries in self.scripted:
-            commands.append((index._slots[shard], self._call(shard, entries)))
-        self.again: list[tuple[int, cl.Claim]] = []
+            check = op.check and all(f in at for f in op.fields)
+            if check:
+                c = column_of.get(target)
+                old = [f for f in op.fields if c is None or columns[c][at[f]] is not None]
+                fresh = [f for f in op.fields if c is not None and columns[c][at[f]] is None]
+            else:
+                old, fresh = list(op.fields), []
+            self.calls.setdefault(op.shard, {}).setdefault(target, []).append((i, record, check, old, fresh))
+        self.commands: list[tuple[int, Sequence[Any]]] = []
+        self.order: list[tuple[int, list[int]]] = []  # per command: its shard (-1: spread_claim.lua), its claims
+        for shard, sections in self.calls.items():
+            marks = [view.slice_marks.get((shard, s)) for s in slices]
+            if (fast and None not in marks and all(target in column_of for target in sections)
+                    and all(check for entries in sections.values() for _, _, check, _, _ in entries)):
+                self.commands.append((index._slots[shard], self._append(shard, sections, cast(list[int], marks))))
+                self.order.append((shard, [i for entries in sections.values() for i, *_ in entries]))
+            else:
+                self.commands.append((index._slots[shard], self._claim(shard, sections)))
+                self.order.append((-1, [i for entries in sections.values() for i, *_ in entries]))
 
-    def _call(self, shard: int, entries: list[tuple[int, list[tuple[bytes, list[int] | None]]]]) -> tuple[Any, ...]:
+    def _keys(self, shard: int, sections: Iterable[int]) -> tuple[int, list[str]]:
+        slices = self.index._view.slices
+        lo, hi = min([*slices, *sections]), max([*slices, *sections])
+        return lo, [self.index._slice_key(shard, s) for s in range(lo, hi + 1)]
+
+    def _append(self, shard: int, sections: dict[int, list[tuple[int, bytes, bool, list[bytes], list[bytes]]]],
+                marks: list[int]) -> tuple[Any, ...]:
+        """spread_append.lua's call: the values the records make of what the lookup read (as spread_claim.lua
+        makes them: a record's seq is above its field's last, the field trimmed to `bucket_cap` records once
+        it holds twice as many)."""
         index, view = self.index, self.index._view
-        by_slice: dict[int, list[tuple[int, list[tuple[bytes, list[int] | None]]]]] = {}
-        for i, fields in entries:
-            by_slice.setdefault(index._slice(self.claims[i].ts), []).append((i, fields))
-        compared = list(view.slices)
-        lo, hi = min([*compared, *by_slice]), max([*compared, *by_slice])
-        keys = [index._slice_key(shard, s) for s in range(lo, hi + 1)]
-        args: list[Any] = [index.bucket_cap, index._ttl_ms, lo, len(compared), *compared]
-        for s, items in by_slice.items():
-            args += (s, len(items))
-            for i, fields in items:
-                check = all(seen is not None for _, seen in fields)
-                args += (self.records[i], 1 if check else 0, len(fields))
-                for f, seen in fields:
-                    args.append(f)
-                    if check:
-                        args += seen  # type: ignore[arg-type]
-        return ("EVALSHA", _CLAIM.sha, len(keys), *keys, *args)
+        at, columns, slices = view.at, view.columns, view.slices
+        cap = index.bucket_cap
+        lo, keys = self._keys(shard, sections)
+        layout: list[bytes] = []
+        pairs: list[bytes] = []
+        for target, entries in sections.items():
+            column = columns[slices.index(target)]
+            values: dict[bytes, bytes] = {}
+            for _, record, _, old, fresh in entries:
+                seq = SEQ.unpack_from(record, len(record) - 8)[0]
+                for f in (*old, *fresh):
+                    v = values.get(f)
+                    if v is None:
+                        v = column[at[f]]
+                    if v is None:
+                        values[f] = record
+                        continue
+                    last = SEQ.unpack_from(v, len(v) - 8)[0]
+                    r = record if last < seq else record[:-8] + SEQ.pack(last + 1)
+                    values[f] = (trim_records(v, cap) if len(v) > 2 * cap * len(r) else v) + r
+            layout.append(_SECTION.pack(target, len(values)))
+            for f, v in values.items():
+                pairs += (f, v)
+        return ("EVALSHA", _APPEND.sha, len(keys), *keys, index._ttl_ms, lo, len(slices), *slices, *marks,
+                b"".join(layout), *pairs)
 
-    def results(self, replies: Sequence[Any]) -> dict[int, int]:
-        """Each claim's reply (CLAIM_SAME, CLAIM_CHANGED); fills `again` with the new fields to append to."""
-        changed = {i for i, op in self.claims.items() if not op.check}
-        it = iter(replies)
-        others = len(self.index._view.slices)
-        again: dict[int, list[bytes]] = {}
-        for (_, s, f), at in self.new:
-            created = next(it)
-            found = any(next(it) for _ in range(others - (1 if s in self.index._view.slices else 0)))
-            if not created or found:
-                changed.update(at)
-            if not created:
-                for i in at:
-                    again.setdefault(i, []).append(f)
-        for _ in range(self.touched):
-            next(it)  # PEXPIRE
-        for _, entries in self.scripted:
-            for (i, _), result in zip(entries, next(it), strict=True):
-                if result != cl.CLAIM_SAME:
-                    changed.add(i)
-        self.again = [(i, cl.Claim(op.shard, op.id, op.ts, tuple(again[i]), False, op.place))
-                      for i, op in self.claims.items() if i in again]
-        return {i: cl.CLAIM_CHANGED if i in changed else cl.CLAIM_SAME for i in self.claims}
+    def _claim(self, shard: int, sections: dict[int, list[tuple[int, bytes, bool, list[bytes], list[bytes]]]]
+               ) -> tuple[Any, ...]:
+        """spread_claim.lua's call."""
+        index, view = self.index, self.index._view
+        at, columns, slices = view.at, view.columns, view.slices
+        unseen = _UNSEEN * len(slices)
+        lo, keys = self._keys(shard, sections)
+        seen: list[bytes] = []
+        layout: list[bytes] = []
+        records: list[Any] = []
+        for target, entries in sections.items():
+            layout.append(_SECTION.pack(target, len(entries)))
+            for _, record, check, old, fresh in entries:
+                layout.append(_ENTRY.pack(check, len(old), len(fresh)))
+                records += (record, *old, *fresh)
+                if check:
+                    for f in (*old, *fresh):
+                        p = at[f]
+                        seen.append(b"".join(_SEEN.pack(len(v)) + v[-8:] if v is not None else _UNSEEN
+                                             for v in (column[p] for column in columns))
+                                    if any(column[p] is not None for column in columns) else unseen)
+        marks = [view.slice_marks.get((shard, s), -1) for s in slices]
+        return ("EVALSHA", _CLAIM.sha, len(keys), *keys, index.bucket_cap, index._ttl_ms, lo, len(slices), *slices,
+                *marks, b"".join(seen), b"".join(layout), *records)
+
+    def results(self, replies: Sequence[Any]) -> tuple[dict[int, int], list[tuple[int, Sequence[Any]]], list[list[int]]]:
+        """Each claim's reply (CLAIM_SAME or CLAIM_CHANGED) but those of the shards whose spread_append.lua
+        found a mark moved: their spread_claim.lua calls (to send), and the claims each answers."""
+        out: dict[int, int] = {}
+        again: list[tuple[int, Sequence[Any]]] = []
+        answers: list[list[int]] = []
+        for (shard, claims), reply in zip(self.order, replies, strict=True):
+            if shard < 0:
+                out.update(self.answer(claims, reply))
+            elif reply == 1:
+                out.update((i, cl.CLAIM_SAME) for i in claims)
+            else:
+                again.append((self.index._slots[shard], self._claim(shard, self.calls[shard])))
+                answers.append(claims)
+        return out, again, answers
+
+    @staticmethod
+    def answer(claims: list[int], reply: Sequence[Any]) -> dict[int, int]:
+        """The claims of a spread_claim.lua call, by its reply."""
+        return {i: cl.CLAIM_SAME if result == cl.CLAIM_SAME else cl.CLAIM_CHANGED
+                for i, result in zip(claims, reply, strict=True)}
 
 
 def _home_reply(reply: Any) -> cl.Home:

@@ -3,9 +3,12 @@
 -- hashes the ops name (all declared).
 -- ARGV: claim TTL (ms), key TTL (ms), the window's horizon (event time), the numbers in KEYS of the live
 --       slices (comma-separated), the highest event time the ops create ('' if none: the shard's
---       high-water mark moves to it), then per op: its code, the number of its key in KEYS, the id, its
---       event time, an argument (create/put: the entry; note: the noter as <ts: f64 LE><id length: u32
---       LE><id>; commit: how many notes the claimant has seen; else '').
+--       high-water mark moves to it), the ops' numbers (below), then per op: the id and, for a create or
+--       put, the entry, for a note, the noter as <ts: f64 LE><id length: u32 LE><id>. The numbers, per
+--       op, little-endian: its code (B: 1 create, 2 note, 3 commit, 4 poll, 5 refresh, 6 abort, 7 put),
+--       the number of its key in KEYS (H), its event time (d) and, for a commit, how many notes the
+--       claimant has seen (I4; else 0). (One argument for all the numbers: an argument costs a string in
+--       the Lua VM.)
 -- A home is the entry field e<id> and, while the claim is undecided, the state field c<id> =
 -- 'P' <deadline: f64 BE, ms of this node's clock> <notes>. Committed: the entry without a state. Gone:
 -- neither. An id whose entry is live (event time at the horizon or later) in any of the live slices is
@@ -15,37 +18,55 @@
 -- entry ('' if not asked for), the notes}; put: 1 (written) or 0 (the id was there already).
 local meta = KEYS[1]
 local claim_ttl, ttl, horizon, top = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[5])
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local live = {}
 for k in string.gmatch(ARGV[4], '[^,]+') do live[#live + 1] = KEYS[tonumber(k)] end
-local FIRST = 6
--- Every field the ops may read, per key, read at once.
-local wanted = {}
-local function want(key, field)
-  local w = wanted[key]
-  if not w then w = {{}, {}}; wanted[key] = w end
-  if not w[2][field] then w[2][field] = true; w[1][#w[1] + 1] = field end
-end
-local i = FIRST
-while i <= #ARGV do
-  local op, key, id = ARGV[i], KEYS[tonumber(ARGV[i + 1])], ARGV[i + 2]
-  want(key, 'e' .. id)
-  want(key, 'c' .. id)
-  if op == 'create' or op == 'put' then
-    for _, other in ipairs(live) do want(other, 'e' .. id) end
+local CREATE, NOTE, COMMIT, POLL, REFRESH, ABORT, PUT = 1, 2, 3, 4, 5, 6, 7
+-- The ops, in columns; and the fields they may read, per key, read at once (a field named by two ops is
+-- read twice: the ops of one call are for different ids, but for polls).
+local codes, keyed, efs, cfs, tss, args, seens = {}, {}, {}, {}, {}, {}, {}
+local names = {}  -- key -> the fields to read there
+local timed = false  -- an op needs this node's clock
+local layout = ARGV[6]
+local n, i, at = 0, 7, 1
+while at <= #layout do
+  local code, k, ts, seen
+  code, k, ts, seen, at = struct.unpack('<BHdI4', layout, at)
+  local id = ARGV[i]
+  local key, ef, cf = KEYS[k], 'e' .. id, 'c' .. id
+  n = n + 1
+  codes[n], keyed[n], efs[n], cfs[n], tss[n], seens[n] = code, key, ef, cf, ts, seen
+  local creates = code == CREATE or code == PUT
+  if creates or code == NOTE then args[n] = ARGV[i + 1]; i = i + 2 else i = i + 1 end
+  timed = timed or code == CREATE or code == REFRESH or code == POLL
+  local l = names[key]
+  if not l then l = {}; names[key] = l end
+  l[#l + 1] = ef
+  l[#l + 1] = cf
+  if creates then
+    for _, other in ipairs(live) do
+      if other ~= key then
+        local o = names[other]
+        if not o then o = {}; names[other] = o end
+        o[#o + 1] = ef
+      end
+    end
   end
-  i = i + 5
 end
+local now, fresh = 0, nil  -- this node's clock (ms); a pending state with a fresh deadline
+if timed then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  fresh = 'P' .. struct.pack('>d', now + claim_ttl)
+end
+local COMMITTED, PENDING, GONE = {'C', '', ''}, {'P', '', ''}, {'G', '', ''}  -- the replies without data
 local PER_CALL = FIELDS_PER_CALL
 local val = {}  -- key -> field -> value (false: absent), as the ops leave them
-for key, w in pairs(wanted) do
+for key, l in pairs(names) do
   local v = {}
-  local names = w[1]
-  for a = 1, #names, PER_CALL do
-    local part = {unpack(names, a, math.min(a + PER_CALL - 1, #names))}
-    local got = redis.call('HMGET', key, unpack(part))
-    for b = 1, #part do v[part[b]] = got[b] end
+  for a = 1, #l, PER_CALL do
+    local b = math.min(a + PER_CALL - 1, #l)
+    local got = redis.call('HMGET', key, unpack(l, a, b))
+    for j = a, b do v[l[j]] = got[j - a + 1] end
   end
   val[key] = v
 end
@@ -74,22 +95,21 @@ local function elsewhere(key, ef)  -- a live entry of the id in another of the l
   return false
 end
 local out = {}
-i = FIRST
-while i <= #ARGV do
-  local op, key, id, ts, arg = ARGV[i], KEYS[tonumber(ARGV[i + 1])], ARGV[i + 2], tonumber(ARGV[i + 3]), ARGV[i + 4]
-  i = i + 5
-  local ef, cf = 'e' .. id, 'c' .. id
-  local e, c = val[key][ef], val[key][cf]
+for o = 1, n do
+  local code, key, ef, cf, ts, arg = codes[o], keyed[o], efs[o], cfs[o], tss[o], args[o]
+  local here = val[key]
+  local e, c = here[ef], here[cf]
+  local creates = code == CREATE or code == PUT
   if e then
     local at = struct.unpack('<d', e, 2)
-    if op == 'create' or op == 'put' then
+    if creates then
       if at < horizon then e, c = false, false end  -- left the window: as if absent
     elseif at ~= ts then
       e, c = false, false  -- another claim of the id: the one asked about is gone
     end
   end
   local reply
-  if op == 'put' then  -- a restored entry: committed at once (nothing to decide)
+  if code == PUT then  -- a restored entry: committed at once (nothing to decide)
     if e or elsewhere(key, ef) then
       reply = 0
     else
@@ -100,31 +120,31 @@ while i <= #ARGV do
       reply = 1
     end
   elseif not c then
-    if e and op ~= 'create' then
-      reply = {'C', op == 'commit' and '' or e, ''}
-    elseif e or op == 'create' and elsewhere(key, ef) then
-      reply = {'C', '', ''}  -- committed already: a replay
-    elseif op == 'create' then
+    if e and code ~= CREATE then
+      reply = {'C', code == COMMIT and '' or e, ''}
+    elseif e or code == CREATE and elsewhere(key, ef) then
+      reply = COMMITTED  -- committed already: a replay
+    elseif code == CREATE then
       put(key, ef, arg)
-      put(key, cf, 'P' .. struct.pack('>d', now + claim_ttl))
+      put(key, cf, fresh)
       touched[key] = true
-      reply = {'P', '', ''}
+      reply = PENDING
     else
-      reply = {'G', '', ''}
+      reply = GONE
     end
   else
     local deadline = struct.unpack('>d', c, 2)
     local notes = string.sub(c, 10)
-    if op == 'create' or op == 'refresh' then  -- taken over / kept alive: a fresh deadline, the notes stay
-      put(key, cf, 'P' .. struct.pack('>d', now + claim_ttl) .. notes)
+    if code == CREATE or code == REFRESH then  -- taken over / kept alive: a fresh deadline, the notes stay
+      put(key, cf, fresh .. notes)
       touched[key] = true
       reply = {'P', '', notes}
-    elseif op == 'note' then
+    elseif code == NOTE then
       notes = notes .. arg
       put(key, cf, string.sub(c, 1, 9) .. notes)
       reply = {'P', e, notes}
-    elseif op == 'commit' then
-      local seen, count, p = tonumber(arg), 0, 1
+    elseif code == COMMIT then
+      local seen, count, p = seens[o], 0, 1
       while p <= #notes do
         local _, n = struct.unpack('<dI4', notes, p)
         p = p + 12 + n
@@ -133,18 +153,18 @@ while i <= #ARGV do
       if count <= seen then
         drop(key, cf)
         counted[key] = (counted[key] or 0) + 1
-        reply = {'C', '', ''}
+        reply = COMMITTED
       else
         reply = {'P', '', notes}
       end
-    elseif op == 'poll' and deadline < now or op == 'abort' then
+    elseif code == POLL and deadline < now or code == ABORT then
       drop(key, ef)
       drop(key, cf)
-      reply = {'G', '', ''}
-    elseif op == 'poll' then
+      reply = GONE
+    elseif code == POLL then
       reply = {'P', e, notes}
     else
-      return redis.error_reply('ERR unknown op ' .. op)
+      return redis.error_reply('ERR unknown op ' .. code)
     end
   end
   out[#out + 1] = reply
