@@ -1327,3 +1327,38 @@ def test_a_rebuild_after_one_that_died_holds_what_inserting_would(redis_url: str
         assert _view(index.lookup(queries, 8)) == _view(reference.lookup(queries, 8))
     finally:
         index.close()
+
+
+def test_a_rebuild_that_finds_another_writer_hands_the_rest_to_guarded_chunks(redis_url: str, prefix: str,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Somebody else writes the namespace while it is rebuilt (its seq moves): the rebuild writes what it held,
+    merged with what the fields hold, and restores the rest beside them; the index holds what inserting would."""
+    import filters.index.redis as redis_index
+
+    monkeypatch.setattr(redis_index, "REBUILD_CHUNK", 16)
+    made = [(entry(f"m{n}", float(n), seed=n), (n % 5, 100 + n)) for n in range(80)]
+    reference = MemoryIndex(100, 4, native=False)
+    inserted = sum(reference.table.insert(e, keys) for e, keys in made)
+    namespace = uuid.uuid4().hex[:12]
+    meta = redis_index.meta_key(prefix, namespace)
+    index = RedisIndex(with_query(redis_url, prefix=prefix), window=100, bucket_cap=4, namespace=namespace, fenced=True)
+    accept, calls = index._restore_accept, []
+
+    def accept_and_meddle(*args: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 3:  # another writer, after the rebuild's second chunk went
+            with redis.Redis.from_url(redis_url) as client:
+                client.hincrby(meta, "seq", 1)
+        return accept(*args)
+
+    index._restore_accept = accept_and_meddle
+    try:
+        assert index.restore([redis_codec.stored_of(made)]) == inserted
+        assert len(calls) < 5  # the rest (of 5 chunks) went as guarded chunks
+        with redis.Redis.from_url(redis_url) as client:
+            client.hset(meta, redis_index.MARKER, "1")
+            assert not client.hexists(meta, redis_index.REBUILDING)
+        queries = [Query("q", 79.0, keys) for keys in [(0,), (1, 2), (3, 4), (100, 130, 150, 179)]]
+        assert _view(index.lookup(queries, 8)) == _view(reference.lookup(queries, 8))
+    finally:
+        index.close()

@@ -854,7 +854,8 @@ class RedisIndex:
                     group[0] += 1
                     group[1] += (b"e" + idb, part.blobs[i])
                 new_hwm_bytes = hwm_bytes if new_hwm <= _stored_time(hwm_bytes) else (b"%.17g" % new_hwm)
-                writes = self._restore_writes(groups, seq, hwm_bytes, new_seq, new_hwm_bytes, transaction=False)
+                writes = self._restore_writes(groups, seq, hwm_bytes, new_seq, new_hwm_bytes, transaction=False,
+                                              increment=True)
                 writes.append(("HMGET", self._meta, "seq", MARKER))
                 if not settle():
                     return self._intruded(conn, held, seq, hwm, chain([part], chunks), written)
@@ -1071,14 +1072,20 @@ class RedisIndex:
         return held
 
     def _restore_writes(self, groups: dict[int, list[Any]], seq_read: int, stored_hwm: bytes, seq: int,
-                        hwm: bytes, *, transaction: bool) -> list[Sequence[str | int | bytes]]:
+                        hwm: bytes, *, transaction: bool, increment: bool = False) -> list[Sequence[str | int | bytes]]:
+        """A restore chunk's writes: `groups` (slice -> [entries, field-value pairs]) and the meta hash's seq and
+        high-water mark (`increment`: the seq moved by what this chunk took, so that a rebuild's next check
+        still sees what anybody else added)."""
         writes: list[Sequence[str | int | bytes]] = [("MULTI",)] if transaction else []
         pair_step = 2 * FIELDS_PER_CALL
         for s, (count, pairs) in groups.items():
             key = f"{self._spre}{s}"
             writes += [("HSET", key, *pairs[a : a + pair_step]) for a in range(0, len(pairs), pair_step)]
             writes += [("HINCRBY", key, "n", count), ("PEXPIRE", key, self._ttl_ms)]
-        if seq != seq_read or hwm != stored_hwm:
+        if increment and (seq != seq_read or hwm != stored_hwm):
+            writes += [("HINCRBY", self._meta, "seq", seq - seq_read), ("HSET", self._meta, "hwm", hwm),
+                       ("PEXPIRE", self._meta, self._ttl_ms)]
+        elif seq != seq_read or hwm != stored_hwm:
             writes += [("HSET", self._meta, "seq", seq, "hwm", hwm), ("PEXPIRE", self._meta, self._ttl_ms)]
         if transaction:
             writes.append(("EXEC",))
