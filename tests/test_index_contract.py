@@ -291,8 +291,8 @@ def restore_into(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     """Restores entries into a fresh index of one backend: (the index, what `restore` returned). `redis`
     restores as beside other writers (a guarded transaction a chunk); `redis-rebuild` into a fenced index
     without its marker, as after a loss (streamed: nobody else writes), its marker set after. Redis chunks
-    of 3 and 5 entries, and a rebuild's kept fields from 2 records and 150 bytes on, so that every boundary
-    is crossed."""
+    of 3 and 5 entries, and a rebuild holding 6 bucket records at most, written 2 fields at a time, so that
+    every boundary is crossed."""
     made: list[CandidateIndex] = []
     prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
     url = request.getfixturevalue("redis_url") if request.param.startswith("redis") else ""
@@ -301,8 +301,8 @@ def restore_into(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 
         monkeypatch.setattr(redis_index, "RESTORE_CHUNK", 3)
         monkeypatch.setattr(redis_index, "REBUILD_CHUNK", 5)
-        monkeypatch.setattr(redis_index, "KEEP", 2)  # fields of 2 records on are kept on the client ...
-        monkeypatch.setattr(redis_index, "KEPT_BYTES", 150)  # ... and written once they pass 150 bytes
+        monkeypatch.setattr(redis_index, "HOLD_RECORDS", 6)  # a rebuild's held records dropped and written early
+        monkeypatch.setattr(redis_index, "FLUSH_FIELDS", 2)  # ... in pieces of 2 fields
 
     def restore(window: float, bucket_cap: int, stored: Stored) -> tuple[CandidateIndex, int]:
         if request.param.startswith("memory"):

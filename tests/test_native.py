@@ -4,6 +4,7 @@ table answers, the same verdicts, and memory that tracemalloc (the benchmark's m
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import struct
 import tracemalloc
@@ -490,14 +491,13 @@ _RESTORED = st.lists(st.tuples(st.sampled_from(["a", "b", "c", "ü", "x\udcff", 
 @settings(max_examples=300, deadline=None)
 @given(entries=_RESTORED, held_ids=st.sets(st.sampled_from(["a", "c"])), held_keys=st.lists(_KEY, max_size=6),
        old=st.lists(st.tuples(st.floats(0, 300), st.integers(1, 99)), max_size=20), hwm=st.sampled_from([-1e18, 120.0]),
-       cap=st.integers(1, 3), seq=st.integers(0, 9), keep=st.sampled_from([0, 2, 3, 5]),
-       kept_keys=st.lists(_KEY, max_size=4))
+       cap=st.integers(1, 3), seq=st.integers(0, 9))
 def test_restore_round_as_the_python_reference(entries: list[tuple[str, float, list[int]]], held_ids: set[str],
                                                held_keys: list[int], old: list[tuple[float, int]], hwm: float,
-                                               cap: int, seq: int, keep: int, kept_keys: list[int]) -> None:
+                                               cap: int, seq: int) -> None:
     """What a restore writes for a chunk (`restore_round`), compiled and in Python: live ids held or written
     earlier in the chunk, entries out of the window, keys given twice, fields that hold records (trimmed
-    past twice the cap), several slices, fields kept by the caller (`keep` > 0: in slice 0 and 2)."""
+    past twice the cap), several slices."""
     from filters.index.redis_codec import field_of, restore_round
 
     times = [ts for _, ts, _ in entries]
@@ -514,18 +514,55 @@ def test_restore_round_as_the_python_reference(entries: list[tuple[str, float, l
         if records is not None:
             values.update({field_of(k): records for k in held_keys})
     ids = [id for id, _, _ in entries]
-
-    def kept() -> dict[int, dict[bytes, bytes]] | None:  # a fresh copy for each side
-        if not keep:
-            return None
-        return {s: {field_of(k): records or _bucket([(1.0, 1, "k")]) for k in kept_keys} for s in (0, 2)}  # type: ignore[misc]
-
-    mine, theirs = kept(), kept()
-    want = restore_round(ids, times, slices, bounds, keys, blobs, held, hwm, 100.0, cap, seq, mine, keep)
+    want = restore_round(ids, times, slices, bounds, keys, blobs, held, hwm, 100.0, cap, seq)
     got = _native.restore_round(ids, np.array(times), np.array(slices, np.int64), np.array(bounds, np.int64),
-                                np.array(keys, np.uint64), blobs, held, hwm, 100.0, cap, seq, theirs, keep)
+                                np.array(keys, np.uint64), blobs, held, hwm, 100.0, cap, seq)
     assert got == want
-    assert theirs == mine
+
+
+@settings(max_examples=300, deadline=None)
+@given(entries=_RESTORED, stored=st.dictionaries(st.sampled_from(["a", "c", "ü"]), st.sampled_from([0.0, 60.0, 150.0])),
+       hwm=st.sampled_from([-math.inf, 120.0]), cap=st.integers(1, 3), seq=st.integers(0, 9),
+       old=st.lists(st.tuples(st.floats(0, 300), st.integers(1, 99)), max_size=8), old_keys=st.lists(_KEY, max_size=4))
+def test_a_rebuilds_writes_as_the_python_reference(entries: list[tuple[str, float, list[int]]], stored: dict[str, float],
+                                                   hwm: float, cap: int, seq: int, old: list[tuple[float, int]],
+                                                   old_keys: list[int]) -> None:
+    """What a rebuild writes (`restore_accept`, `newest_records`, `bucket_pairs`, `bucket_commands`: the latter
+    as `pack_commands` packs the former), compiled and in Python: ids
+    stored before (live or not), replays, entries out of the window, keys given twice, busy keys past the cap,
+    a flush in two parts (what the first kept, then a later chunk's records: still in insertion order), and
+    values held before (their records first, trimmed with the new ones)."""
+    from filters.index.redis_codec import bucket_commands, bucket_pairs, newest_records, restore_accept
+
+    ids = [id for id, _, _ in entries]
+    times = np.array([ts for _, ts, _ in entries])
+    live, theirs = dict(stored), dict(stored)
+    want = restore_accept(ids, times, live, hwm, 100.0, seq)
+    got = _native.restore_accept(ids, times, theirs, hwm, 100.0, seq)
+    assert got[0].tolist() == want[0].tolist() and got[1:] == want[1:] and theirs == live
+    took = np.flatnonzero(want[0])
+    keys = np.array([k for i in took.tolist() for k in entries[i][2]], np.uint64)
+    numbers = np.array([n for n, i in enumerate(took.tolist()) for _ in entries[i][2]], np.int64)
+    e_times, e_seqs = times[took], want[0][took]
+    half = len(keys) // 2  # the first half kept (as a compaction does), then the rest after it
+    first = newest_records(keys[:half], numbers[:half], e_times, e_seqs, cap)
+    assert _native.newest_records(keys[:half], numbers[:half], e_times, e_seqs, cap).tolist() == first.tolist()
+    keys = np.concatenate([keys[:half][first], keys[half:]])
+    numbers = np.concatenate([numbers[:half][first], numbers[half:]])
+    order = newest_records(keys, numbers, e_times, e_seqs, cap)
+    assert _native.newest_records(keys, numbers, e_times, e_seqs, cap).tolist() == order.tolist()
+    id_bytes = [ids[i].encode("utf-8", "surrogatepass") for i in took.tolist()]
+    id_ends = np.cumsum([len(b) for b in id_bytes], dtype=np.int64)
+    records = _bucket([(ts, n, "o") for ts, n in old])
+    olds = {k: records for k in old_keys} if records is not None else {}
+    args = (keys[order], numbers[order], e_times, e_seqs, b"".join(id_bytes), id_ends, olds, cap)
+    pairs = bucket_pairs(*args)
+    assert _native.bucket_pairs(*args) == pairs
+    for per_call in (1, 2, 5):
+        packed = bucket_commands(b"{p:ns}:s:1", *args, per_call)
+        assert _native.bucket_commands(b"{p:ns}:s:1", *args, per_call) == packed
+        commands = [("HSET", b"{p:ns}:s:1", *pairs[a : a + 2 * per_call]) for a in range(0, len(pairs), 2 * per_call)]
+        assert packed == (_native.pack_commands(commands) if commands else b"", len(commands))
 
 
 # Field names from a small pool (so the batches share some), with equal names as distinct objects too.

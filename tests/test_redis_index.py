@@ -1243,3 +1243,122 @@ def test_route_batch_on_redis_decides_like_the_memory_index(make: Callable[..., 
     alone = [(r.kind, r.verdict) for raw in batch for r in route_batch(one_by_one, [raw], RecordFormat())]
     assert on_redis == in_memory == reference == alone
     assert sum(kind == DUPLICATE for kind, _ in on_redis) > 10
+
+
+@pytest.mark.parametrize(("hold", "hold_ids"), [(1 << 24, 1 << 22), (40, 1 << 22), (1 << 24, 50)])
+def test_a_rebuild_holds_what_inserting_would(redis_url: str, prefix: str, monkeypatch: pytest.MonkeyPatch,
+                                              hold: int, hold_ids: int) -> None:
+    """A rebuild (a fenced index without its marker: each bucket field written once, at its end) is found as
+    the entries inserted one after another: busy buckets far over the cap, entries over three slices, ids
+    made again inside the window (kept) and after it (in another slice), late entries out of the window, keys
+    given twice, a second rebuild onto the slices the first wrote (they existed before it: read), and (hold
+    40) records written early and read back when named again, or (hold_ids 50) the ids known read from the
+    slices instead. (Looked up at the newest event time: the
+    reference forgets what is older than its window.)"""
+    import filters.index.redis as redis_index
+
+    monkeypatch.setattr(redis_index, "REBUILD_CHUNK", 37)
+    monkeypatch.setattr(redis_index, "HOLD_RECORDS", hold)
+    monkeypatch.setattr(redis_index, "HOLD_IDS", hold_ids)
+    monkeypatch.setattr(redis_index, "FLUSH_FIELDS", 3)
+    rng = random.Random(5)
+    made: list[tuple[Entry, tuple[int, ...]]] = []
+    ts = 0.0
+
+    def spread(key: int) -> int:  # over the whole range, as hashes are (a rebuild holds keys apart by their low bits)
+        return (key * 0x9E3779B97F4A7C15) & U64
+
+    for n in range(400):
+        ts += rng.uniform(0, 1.25)  # 400 entries over about 250 s: slices 0, 1 and 2 of 100 s
+        at = ts - 120 if rng.random() < 0.03 else ts  # late: out of the window
+        id = f"m{rng.randrange(n)}" if n and rng.random() < 0.15 else f"m{n}"  # made again, soon or much later
+        # 12 busy keys, a key of 3 entries in a row, 2 rare ones (of its own, of another's)
+        keys = tuple(map(spread, (*rng.sample(range(12), 3), 500 + (n + 1) // 3, 1000 + n, 1000 + rng.randrange(n + 1))))
+        made.append((entry(id, at, seed=n), keys if n % 7 else (*keys, keys[0])))
+    reference = MemoryIndex(100, 4, native=False)
+    inserted = sum(reference.table.insert(e, keys) for e, keys in made)
+    namespace = uuid.uuid4().hex[:12]
+    index = RedisIndex(with_query(redis_url, prefix=prefix), window=100, bucket_cap=4, namespace=namespace, fenced=True)
+    try:
+        written = index.restore([redis_codec.stored_of(made[:300])])
+        written += index.restore([redis_codec.stored_of(made[300:350]), redis_codec.stored_of(made[350:])])
+        assert written == inserted
+        with redis.Redis.from_url(redis_url) as client:
+            client.hset(redis_index.meta_key(prefix, namespace), redis_index.MARKER, "1")
+        top = max(e.ts for e, _ in made)
+        queries = [Query(id, top, tuple(map(spread, keys))) for keys in [(0,), (1, 2), (3, 4, 5, 6), (11, 1379)]
+                   for id in ("q", "m5", "m290", "m390")]
+        queries += [Query(f"q{j}", top, (spread(1000 + j), spread(500 + j // 3))) for j in range(400)]
+        assert _view(index.lookup(queries, 8)) == _view(reference.lookup(queries, 8))
+    finally:
+        index.close()
+
+
+def test_a_rebuild_after_one_that_died_holds_what_inserting_would(redis_url: str, prefix: str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rebuild that dies after writing entries, before their bucket fields: the next one (the marker still
+    missing) does not take those entries for live ids, and the index holds what inserting would."""
+    import filters.index.redis as redis_index
+
+    monkeypatch.setattr(redis_index, "REBUILD_CHUNK", 16)
+    made = [(entry(f"m{n}", float(n), seed=n), (n % 5, 100 + n)) for n in range(60)]
+    reference = MemoryIndex(100, 4, native=False)
+    inserted = sum(reference.table.insert(e, keys) for e, keys in made)
+    namespace = uuid.uuid4().hex[:12]
+    url = with_query(redis_url, prefix=prefix)
+    flush = RedisIndex._flush
+
+    def dies(*args: Any, **kwargs: Any) -> None:
+        raise IndexUnavailable("the connection went")
+
+    monkeypatch.setattr(RedisIndex, "_flush", dies)
+    first = RedisIndex(url, window=100, bucket_cap=4, namespace=namespace, fenced=True)
+    with pytest.raises(IndexUnavailable):
+        first.restore([redis_codec.stored_of(made)])
+    first.close()
+    monkeypatch.setattr(RedisIndex, "_flush", flush)
+    index = RedisIndex(url, window=100, bucket_cap=4, namespace=namespace, fenced=True)
+    try:
+        assert index.restore([redis_codec.stored_of(made)]) == inserted
+        with redis.Redis.from_url(redis_url) as client:
+            client.hset(redis_index.meta_key(prefix, namespace), redis_index.MARKER, "1")
+            assert not client.hexists(redis_index.meta_key(prefix, namespace), redis_index.REBUILDING)
+        queries = [Query("q", 59.0, keys) for keys in [(0,), (1, 2), (3, 4), (100, 130, 159)]]
+        assert _view(index.lookup(queries, 8)) == _view(reference.lookup(queries, 8))
+    finally:
+        index.close()
+
+
+def test_a_rebuild_that_finds_another_writer_hands_the_rest_to_guarded_chunks(redis_url: str, prefix: str,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Somebody else writes the namespace while it is rebuilt (its seq moves): the rebuild writes what it held,
+    merged with what the fields hold, and restores the rest beside them; the index holds what inserting would."""
+    import filters.index.redis as redis_index
+
+    monkeypatch.setattr(redis_index, "REBUILD_CHUNK", 16)
+    made = [(entry(f"m{n}", float(n), seed=n), (n % 5, 100 + n)) for n in range(80)]
+    reference = MemoryIndex(100, 4, native=False)
+    inserted = sum(reference.table.insert(e, keys) for e, keys in made)
+    namespace = uuid.uuid4().hex[:12]
+    meta = redis_index.meta_key(prefix, namespace)
+    index = RedisIndex(with_query(redis_url, prefix=prefix), window=100, bucket_cap=4, namespace=namespace, fenced=True)
+    accept, calls = index._restore_accept, []
+
+    def accept_and_meddle(*args: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 3:  # another writer, after the rebuild's second chunk went
+            with redis.Redis.from_url(redis_url) as client:
+                client.hincrby(meta, "seq", 1)
+        return accept(*args)
+
+    index._restore_accept = accept_and_meddle
+    try:
+        assert index.restore([redis_codec.stored_of(made)]) == inserted
+        assert len(calls) < 5  # the rest (of 5 chunks) went as guarded chunks
+        with redis.Redis.from_url(redis_url) as client:
+            client.hset(meta, redis_index.MARKER, "1")
+            assert not client.hexists(meta, redis_index.REBUILDING)
+        queries = [Query("q", 79.0, keys) for keys in [(0,), (1, 2), (3, 4), (100, 130, 150, 179)]]
+        assert _view(index.lookup(queries, 8)) == _view(reference.lookup(queries, 8))
+    finally:
+        index.close()

@@ -511,6 +511,11 @@ cdef extern from * nogil:
             return a.ts > b.ts || (a.ts == b.ts && a.seq > b.seq);
         });
     }
+    static void nd_select_newest_pieces(nd_piece *first, nd_piece *last, Py_ssize_t cap) {
+        std::nth_element(first, first + cap - 1, last, [](const nd_piece &a, const nd_piece &b) {
+            return a.ts > b.ts || (a.ts == b.ts && a.seq > b.seq);
+        });
+    }
     static void nd_sort_pieces_by_order(nd_piece *first, nd_piece *last) {
         std::sort(first, last, [](const nd_piece &a, const nd_piece &b) { return a.order < b.order; });
     }
@@ -522,6 +527,7 @@ cdef extern from * nogil:
         const char *p
         Py_ssize_t n
     void nd_sort_pieces_newest_first(nd_piece *first, nd_piece *last)
+    void nd_select_newest_pieces(nd_piece *first, nd_piece *last, Py_ssize_t cap)
     void nd_sort_pieces_by_order(nd_piece *first, nd_piece *last)
 
 
@@ -577,7 +583,7 @@ cdef bytes newest_pieces(nd_piece *pieces, Py_ssize_t count, Py_ssize_t cap):
 
 
 def restore_round(list ids, times, slices, bounds, keys, list blobs, dict held, double hwm, double window,
-                  Py_ssize_t cap, uint64_t seq, kept=None, Py_ssize_t keep=0) -> tuple:
+                  Py_ssize_t cap, uint64_t seq) -> tuple:
     """`redis_codec.restore_round`, compiled: the fields are told apart by (slice, key) in an open-addressing
     table, each field's new records chained in order, and each new value made in one piece."""
     np = np_()
@@ -592,8 +598,6 @@ def restore_round(list ids, times, slices, bounds, keys, list blobs, dict held, 
     cdef uint64_t key
     cdef list results = [], order = []
     cdef dict written = {sl: {} for sl in held}, entries = {}, groups = {}, values
-    cdef object kept_s
-    cdef bint in_kept, keeping
     cdef Py_ssize_t n_old, n_pieces, pieces_cap = 0
     cdef nd_piece *pieces = NULL
     cdef const char *op
@@ -708,18 +712,10 @@ def restore_round(list ids, times, slices, bounds, keys, list blobs, dict held, 
             sl = f_slice[f]
             name = bucket_field(f_key[f])
             values = <dict>held[sl]
-            kept_s = kept.get(sl) if kept is not None else None
-            old = None
-            in_kept = False
-            if kept_s is not None:
-                old = (<dict>kept_s).get(name)
-                in_kept = old is not None
-            if old is None and values:
-                old = values.get(name)
+            old = values.get(name) if values else None
             n_old = record_count(<const char *>(<bytes>old), len(<bytes>old)) if old is not None else 0
             count = n_old + f_count[f]
-            keeping = kept_s is not None and (in_kept or count >= keep)
-            if count > (cap if keeping else 2 * cap):  # the cap newest of what it held and its new records, at once
+            if count > 2 * cap:  # the cap newest of what it held and its new records, at once
                 if count > pieces_cap:
                     PyMem_Free(pieces)
                     pieces_cap = 2 * count
@@ -750,11 +746,8 @@ def restore_round(list ids, times, slices, bounds, keys, list blobs, dict held, 
                     memcpy(rp, PyByteArray_AS_STRING(records) + at, n_id)
                     rp += n_id
                     r = link_next[r]
-            if keeping:
-                (<dict>kept_s)[name] = v
-            else:
-                (<list>(<list>groups[sl])[1]).append(name)
-                (<list>(<list>groups[sl])[1]).append(v)
+            (<list>(<list>groups[sl])[1]).append(name)
+            (<list>(<list>groups[sl])[1]).append(v)
         for sl in entries:
             (<list>(<list>groups[sl])[1]).extend(<list>entries[sl][1])
         return results, groups, hwm, seq
@@ -956,3 +949,258 @@ def encode_entries(list entries, fallback) -> list:
             out.append(fallback(entry))
     return out
 
+
+
+# --- a rebuild's writes, each bucket field once (the twins of `redis_codec.restore_accept`, `newest_records`
+# and `bucket_pairs`, which document them) ------------------------------------------------------------------
+
+def restore_accept(list ids, times, dict live, double hwm, double window, uint64_t seq) -> tuple:
+    """`redis_codec.restore_accept`, compiled."""
+    cdef const double[::1] ts_of = np.ascontiguousarray(times, dtype=np.float64)
+    cdef Py_ssize_t n = len(ids), i
+    out = np.zeros(n, np.uint64)
+    cdef uint64_t[::1] o = out
+    cdef double ts
+    cdef object id, old
+    for i in range(n):
+        id = ids[i]
+        ts = ts_of[i]
+        old = live.get(id)
+        if (old is not None and <double>old >= hwm - window) or not ts >= (ts if ts > hwm else hwm) - window:
+            continue
+        if ts > hwm:
+            hwm = ts
+        seq += 1
+        o[i] = seq
+        live[id] = ts
+    return out, hwm, seq
+
+
+def newest_records(keys, entries, times, seqs, Py_ssize_t cap) -> object:
+    """`redis_codec.newest_records`, compiled: each key's records chained in order through an open-addressing
+    table (no sort), so a key's records of one entry are next to each other and a repeat is the record
+    before."""
+    cdef const uint64_t[::1] k = np.ascontiguousarray(keys, dtype=np.uint64)
+    cdef const int64_t[::1] e = np.ascontiguousarray(entries, dtype=np.int64)
+    cdef const double[::1] t = np.ascontiguousarray(times, dtype=np.float64)
+    cdef const uint64_t[::1] q = np.ascontiguousarray(seqs, dtype=np.uint64)
+    cdef Py_ssize_t n = len(k), r, g, j, w = 0, start, m, room = 0, slot, mask, size, n_groups = 0
+    cdef int shift = 64
+    cdef uint64_t key
+    out = np.empty(n, np.int64)
+    cdef int64_t[::1] o = out
+    cdef nd_piece *pieces = NULL
+    cdef nd_piece *grown
+    cdef uint64_t *slot_key = NULL
+    cdef Py_ssize_t *slot_at = NULL
+    # Per group (a key, numbered as first seen): its first and last record; per record the next of its key.
+    cdef Py_ssize_t *g_first = <Py_ssize_t *>PyMem_Malloc((n + 1) * sizeof(Py_ssize_t))
+    cdef Py_ssize_t *g_last = <Py_ssize_t *>PyMem_Malloc((n + 1) * sizeof(Py_ssize_t))
+    cdef Py_ssize_t *following = <Py_ssize_t *>PyMem_Malloc((n + 1) * sizeof(Py_ssize_t))
+    try:
+        if g_first == NULL or g_last == NULL or following == NULL:
+            raise MemoryError()
+        size = open_table(n, &slot_key, &slot_at)
+        mask = size - 1
+        while size > 1:
+            size >>= 1
+            shift -= 1
+        for r in range(n):
+            key = k[r]
+            slot = <Py_ssize_t>((mix64(key) * MUL) >> shift)
+            while slot_at[slot] >= 0 and slot_key[slot] != key:
+                slot = (slot + 1) & mask
+            following[r] = -1
+            if slot_at[slot] < 0:
+                slot_key[slot] = key
+                slot_at[slot] = n_groups
+                g_first[n_groups] = g_last[n_groups] = r
+                n_groups += 1
+                continue
+            g = slot_at[slot]
+            if e[g_last[g]] == e[r]:  # the entry gave the key twice: its record once
+                following[r] = -2
+                continue
+            following[g_last[g]] = r
+            g_last[g] = r
+        for g in range(n_groups):
+            start = w
+            r = g_first[g]
+            while r >= 0:
+                o[w] = r
+                w += 1
+                r = following[r]
+            m = w - start
+            if m > cap:
+                if m > room:
+                    grown = <nd_piece *>PyMem_Realloc(pieces, m * sizeof(nd_piece))
+                    if grown == NULL:
+                        raise MemoryError()
+                    pieces, room = grown, m
+                for j in range(m):
+                    r = o[start + j]
+                    pieces[j].ts = t[e[r]]
+                    pieces[j].seq = q[e[r]]
+                    pieces[j].order = r
+                # The cap newest (a group's (event time, seq) are distinct: one record an entry), then in order.
+                nd_select_newest_pieces(pieces, pieces + m, cap)
+                nd_sort_pieces_by_order(pieces, pieces + cap)
+                for j in range(cap):
+                    o[start + j] = pieces[j].order
+                w = start + cap
+    finally:
+        PyMem_Free(pieces); PyMem_Free(slot_key); PyMem_Free(slot_at)
+        PyMem_Free(g_first); PyMem_Free(g_last); PyMem_Free(following)
+    return out[:w]
+
+
+def bucket_pairs(keys, entries, times, seqs, ids, id_ends, dict olds, Py_ssize_t cap) -> list:
+    """`redis_codec.bucket_pairs`, compiled: each value made in one piece."""
+    cdef const uint64_t[::1] k = np.ascontiguousarray(keys, dtype=np.uint64)
+    cdef const int64_t[::1] e = np.ascontiguousarray(entries, dtype=np.int64)
+    cdef const double[::1] t = np.ascontiguousarray(times, dtype=np.float64)
+    cdef const uint64_t[::1] q = np.ascontiguousarray(seqs, dtype=np.uint64)
+    cdef const int64_t[::1] ends = np.ascontiguousarray(id_ends, dtype=np.int64)
+    cdef const unsigned char[::1] idb = ids
+    cdef const char *id_base = ""
+    if len(idb):
+        id_base = <const char *>&idb[0]
+    cdef Py_ssize_t n = len(k), at = 0, stop, j, size, a, b, n_old, count, room = 0
+    cdef uint64_t key
+    cdef uint32_t idn
+    cdef int64_t ent
+    cdef list out = []
+    cdef object old
+    cdef bytes v
+    cdef char *p
+    cdef nd_piece *pieces = NULL
+    cdef nd_piece *grown
+    try:
+        while at < n:
+            key = k[at]
+            stop, size = at, 0
+            while stop < n and k[stop] == key:
+                ent = e[stop]
+                size += 20 + ends[ent] - (ends[ent - 1] if ent else 0)
+                stop += 1
+            old = olds.get(key) if olds else None
+            n_old = len(<bytes>old) if old is not None else 0
+            v = PyBytes_FromStringAndSize(NULL, n_old + size)
+            p = PyBytes_AS_STRING(v)
+            if n_old:
+                memcpy(p, <const char *>(<bytes>old), n_old)
+                p += n_old
+            for j in range(at, stop):
+                ent = e[j]
+                a = ends[ent - 1] if ent else 0
+                b = ends[ent]
+                idn = <uint32_t>(b - a)
+                memcpy(p, &t[ent], 8)
+                memcpy(p + 8, &idn, 4)
+                memcpy(p + 12, id_base + a, idn)
+                put_be64(p + 12 + idn, q[ent])
+                p += 20 + idn
+            if old is not None:
+                count = record_count(PyBytes_AS_STRING(v), len(v))
+                if count > cap:
+                    if count > room:
+                        grown = <nd_piece *>PyMem_Realloc(pieces, count * sizeof(nd_piece))
+                        if grown == NULL:
+                            raise MemoryError()
+                        pieces, room = grown, count
+                    add_pieces(pieces, 0, PyBytes_AS_STRING(v), len(v))
+                    v = newest_pieces(pieces, count, cap)
+            out.append(bucket_field(key))
+            out.append(v)
+            at = stop
+    finally:
+        PyMem_Free(pieces)
+    return out
+
+
+def bucket_commands(bytes name, keys, entries, times, seqs, ids, id_ends, dict olds, Py_ssize_t cap,
+                    Py_ssize_t per_call) -> tuple:
+    """`redis_codec.bucket_commands`, compiled: the sizes first, then the bytes, each value written in place
+    (one held before is made apart, by `bucket_pairs`)."""
+    cdef const uint64_t[::1] k = np.ascontiguousarray(keys, dtype=np.uint64)
+    cdef const int64_t[::1] e = np.ascontiguousarray(entries, dtype=np.int64)
+    cdef const double[::1] t = np.ascontiguousarray(times, dtype=np.float64)
+    cdef const uint64_t[::1] q = np.ascontiguousarray(seqs, dtype=np.uint64)
+    cdef const int64_t[::1] ends = np.ascontiguousarray(id_ends, dtype=np.int64)
+    cdef const unsigned char[::1] idb = ids
+    cdef const char *id_base = ""
+    if len(idb):
+        id_base = <const char *>&idb[0]
+    cdef Py_ssize_t n = len(k), at = 0, stop, j, size, a, b, g, c, m, n_groups = 0, total = 0
+    cdef Py_ssize_t name_len = len(name)
+    cdef uint64_t key
+    cdef uint32_t idn
+    cdef int64_t ent
+    cdef dict made = {}  # group -> its value, when a value held before comes first
+    cdef object v
+    starts_arr = np.empty(n + 1, np.intp)
+    sizes_arr = np.empty(n + 1, np.intp)
+    cdef Py_ssize_t[::1] starts = starts_arr
+    cdef Py_ssize_t[::1] sizes = sizes_arr
+    if per_call < 1:
+        raise ValueError("per_call must be >= 1")
+    while at < n:
+        key = k[at]
+        stop, size = at, 0
+        while stop < n and k[stop] == key:
+            ent = e[stop]
+            size += 20 + ends[ent] - (ends[ent - 1] if ent else 0)
+            stop += 1
+        if olds and key in olds:
+            v = bucket_pairs(keys[at:stop], entries[at:stop], times, seqs, ids, id_ends, {key: olds[key]}, cap)[1]
+            made[n_groups] = v
+            size = len(<bytes>v)
+        starts[n_groups] = at
+        sizes[n_groups] = size
+        n_groups += 1
+        at = stop
+    starts[n_groups] = n
+    for c in range(0, n_groups, per_call):
+        m = min(per_call, n_groups - c)
+        total += 3 + decimal_size(2 + 2 * m) + 10 + 3 + decimal_size(name_len) + name_len + 2
+        for g in range(c, c + m):
+            total += 15 + 3 + decimal_size(sizes[g]) + sizes[g] + 2
+    out = PyBytes_FromStringAndSize(NULL, total)
+    cdef char *p = PyBytes_AS_STRING(out)
+    for c in range(0, n_groups, per_call):
+        m = min(per_call, n_groups - c)
+        p = put_header(p, 42, 2 + 2 * m)
+        p = put_header(p, 36, 4)
+        memcpy(p, b"HSET\r\n", 6)
+        p = put_header(p + 6, 36, name_len)
+        memcpy(p, <const char *>name, name_len)
+        p[name_len] = 13
+        p[name_len + 1] = 10
+        p += name_len + 2
+        for g in range(c, c + m):
+            at = starts[g]
+            p = put_header(p, 36, 9)
+            p[0] = 98  # b"b"
+            put_be64(p + 1, k[at])
+            p[9] = 13
+            p[10] = 10
+            p = put_header(p + 11, 36, sizes[g])
+            v = made.get(g) if made else None
+            if v is not None:
+                memcpy(p, <const char *>(<bytes>v), sizes[g])
+                p += sizes[g]
+            else:
+                for j in range(at, starts[g + 1]):
+                    ent = e[j]
+                    a = ends[ent - 1] if ent else 0
+                    b = ends[ent]
+                    idn = <uint32_t>(b - a)
+                    memcpy(p, &t[ent], 8)
+                    memcpy(p + 8, &idn, 4)
+                    memcpy(p + 12, id_base + a, idn)
+                    put_be64(p + 12 + idn, q[ent])
+                    p += 20 + idn
+            p[0] = 13
+            p[1] = 10
+            p += 2
+    return out, (n_groups + per_call - 1) // per_call

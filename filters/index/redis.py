@@ -96,13 +96,15 @@ from __future__ import annotations
 
 import hashlib
 import math
+import queue
 import re
 import struct
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from importlib import resources
-from itertools import chain, islice
+from itertools import chain, islice, pairwise
 from typing import Any, cast
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -143,6 +145,8 @@ from filters.index.redis_codec import (
     bloom_add,
     bloom_bits,
     bloom_has,
+    bucket_commands,
+    bucket_pairs,
     decode_entries,
     decode_entry,
     decode_memo,
@@ -154,10 +158,12 @@ from filters.index.redis_codec import (
     id_field,
     memo_field,
     memo_time,
+    newest_records,
     overlay_writes,
     plan_fields,
     rank_lookup,
     rank_records,
+    restore_accept,
     restore_round,
     trim_records,
 )
@@ -188,8 +194,9 @@ INSERT_CHUNK = 512  # entries per insert script: bounds how long one script bloc
 RESTORE_CHUNK = 4096  # entries per restore transaction: bounds how long one MULTI/EXEC blocks the server (≈ 50 ms)
 RESTORE_ATTEMPTS = 3  # transactions refused (others wrote meanwhile) before a restore chunk goes through the script
 REBUILD_CHUNK = 65536  # entries per round of a rebuild (no transaction: Redis serves others between its commands)
-KEEP = 16  # a rebuild keeps a bucket field of this many records on the client, written once at its end ...
-KEPT_BYTES = 64 * 1024 * 1024  # ... unless what it keeps grows past this: then all is written (and KEEP doubled)
+HOLD_RECORDS = 1 << 24  # bucket records a rebuild holds (16 bytes each) before it drops those no field keeps ...
+FLUSH_FIELDS = 32768  # ... (and writes them if still more than half); bucket fields made at a time when written
+HOLD_IDS = 1 << 22  # ids a rebuild knows (≈ 100 bytes each) before it reads them from the slices instead
 LOOKUP_CHUNK = 256  # queries' worth of field names (up to 16 each) one HMGET reads: bounds a command's size
 FIELDS_PER_HMGET = 16 * LOOKUP_CHUNK
 FIELDS_PER_CALL = 2000  # fields per HMGET, pairs per HSET, inside the script (Lua's unpack stops near 8,000 values)
@@ -198,6 +205,7 @@ _MIN_TS = -float(2**52)  # event times must be above it
 _MAX_SLICE = float(2**50)  # ... and less than this many slices (windows) from 0
 _NAME = re.compile(r"[A-Za-z0-9_.:-]+")  # prefix and namespace: no glob or hash-tag characters
 MARKER = "epoch"  # the meta hash's field a fenced index requires (see Fence)
+REBUILDING = "rebuilding"  # the meta hash's field a rebuild sets until it wrote its bucket fields (`RedisIndex._rebuild`)
 SPREAD_OPTIONS = ("shards", "claim_ttl")  # URL options of layout=spread (filters/index/redis_spread.py)
 
 
@@ -496,6 +504,10 @@ class RedisIndex:
         self._plan = _native.plan_fields if _native is not None else plan_fields
         self._round = _native.alone_round if _native is not None else alone_round
         self._restore_round = _native.restore_round if _native is not None else restore_round
+        self._restore_accept = _native.restore_accept if _native is not None else restore_accept
+        self._newest = _native.newest_records if _native is not None else newest_records
+        self._bucket_pairs = _native.bucket_pairs if _native is not None else bucket_pairs
+        self._bucket_commands = _native.bucket_commands if _native is not None else bucket_commands
         self._decode = _native.decode_entries if _native is not None else decode_entries
         self._rank_all = _native.rank_lookup if _native is not None else rank_lookup
         self._encode = _native.encode_entries if _native is not None else encode_entries
@@ -774,85 +786,205 @@ class RedisIndex:
         return sum(self._insert_unchecked(entries[a : a + INSERT_CHUNK]) for a in range(0, len(entries), INSERT_CHUNK))
 
     def _rebuild(self, chunks: Iterator[_Chunk]) -> tuple[Iterator[_Chunk], int]:
-        """Restores `chunks` into an index nobody else writes (see `restore`): no WATCH, no transaction. The
-        read of chunk k+1 goes before the writes of chunk k, which Redis runs while this client computes
-        chunk k+1 from that read and chunk k's writes (known here). Each read checks that the namespace's
-        seq is the last this instance wrote and the marker still missing; else somebody else writes too.
-        Returns (the chunks not written: those from where it stopped, for `_restore_chunk`; entries written)."""
+        """Restores `chunks` into an index nobody else writes (see `restore`): no WATCH, no transaction, and
+        nothing read back that the rebuild wrote. Per chunk, which entries the insert script would insert
+        and their seqs are told here (`restore_accept`: the ids the rebuild stored are known, and those of a
+        slice that existed before it are read), and their entry fields sent at once (Redis writes them while
+        the next chunk is computed); their bucket records are held (`_Held`) and each bucket field written
+        once, at the end, with its final value (`_flush`). Each chunk's writes end with a read of the
+        namespace's seq and marker, checked before the next chunk's go: if somebody else writes too, what is
+        held is written over what they wrote (merged with it) and the rest is left to `_restore_chunk`.
+        Returns (the chunks not written: those from where it stopped; entries written)."""
         rebuilt = self._rebuilt
         conn = None if isinstance(self._client, RedisCluster) else self._pinned()
+        held = _Held()
+        existed: dict[int, bool] = {}  # slice -> whether it existed before the rebuild wrote it
+        live: dict[str, float] = {}  # id -> event time of its newest entry stored (`restore_accept`)
         written = 0
-        expected = rebuilt.seq if rebuilt.fresh else None  # the seq the next read must find
-        seq, hwm_bytes = 0, b""
-        last: tuple[_Chunk, dict[int, list[Any]], list[Sequence[str | int | bytes]], int] | None = None
+        pending: list[Any] = []  # the last chunk's writes, sent: [sent, the seq they leave]
         try:
+            state = self._receive(conn, self._send_only(conn, [("HMGET", self._meta, "seq", "hwm", MARKER, REBUILDING)]))[0]
+            if state[2] is not None:
+                return chunks, 0
+            if state[3] is not None:  # a rebuild died before it wrote its bucket fields: its entries would pass for live
+                self._drop_slices(conn)
+            self._receive(conn, self._send_only(conn, [("HSET", self._meta, REBUILDING, "1"),
+                                                       ("PEXPIRE", self._meta, self._ttl_ms)]))
+            seq, hwm_bytes = int(state[0] or 0), state[1] or b""
+            hwm = max(rebuilt.hwm, _stored_time(hwm_bytes))
+
+            def settle() -> bool:
+                """Reads the replies of the writes in flight; False if somebody else wrote meanwhile."""
+                if not pending:
+                    return True
+                sent, expected = pending
+                pending.clear()
+                check = self._receive(conn, sent)[-1]
+                return check[1] is None and int(check[0] or 0) == expected
+
             for part in chunks:
-                sent = self._send_only(conn, self._restore_reads(part, marker=True))
-                sent_writes = self._send_only(conn, last[2]) if last is not None else None
-                replies = self._receive(conn, sent)
-                seq_read, stored_hwm, marker = int(replies[0][0] or 0), replies[0][1] or b"", replies[0][2]
-                if expected is None:
-                    expected, seq, hwm_bytes = seq_read, seq_read, stored_hwm
-                intruded = marker is not None or seq_read != expected
-                held = {} if intruded else self._restore_held(part, replies, last[1] if last is not None else None)
-                if last is not None:
-                    self._receive(conn, sent_writes)
-                    written += last[3]
-                    last = None
-                if intruded:
-                    # Somebody else writes too: what they wrote is unknown; what this kept goes now (over theirs,
-                    # if they wrote those very fields: a rebuild is meant to run alone).
-                    self._receive(conn, self._send_only(conn, self._restore_writes(
-                        self._release_kept(), seq, hwm_bytes, seq, hwm_bytes, transaction=False)))
-                    rebuilt.fresh.clear()
-                    return chain([part], chunks), written
-                expected = seq  # the next read goes after the writes of the chunk before this one
-                self._remember_fresh(part, None)  # before the round: a slice it finds missing keeps fields
-                results, groups, hwm, new_seq = self._restore_round(
-                    part.ids, part.times, part.slices, part.bounds, part.keys, part.blobs, held,
-                    max(rebuilt.hwm, _stored_time(hwm_bytes)), self.window, self.bucket_cap, seq, rebuilt.kept, rebuilt.keep)
-                new_hwm = hwm_bytes if hwm <= _stored_time(hwm_bytes) else (b"%.17g" % hwm)
-                if sum(len(v) for values in rebuilt.kept.values() for v in values.values()) > KEPT_BYTES:
-                    self._release_kept(groups)  # with this chunk's writes (so the next read knows them too)
-                    rebuilt.keep *= 2  # and fewer come back
-                writes = self._restore_writes(groups, seq, hwm_bytes, new_seq, new_hwm, transaction=False)
-                rebuilt.kept_keys = {s: _keys_of(values) for s, values in rebuilt.kept.items()}
+                own = part.slices.tolist()
+                low = self._slice((hwm if math.isfinite(hwm) else float(part.times.min())) - self.window)
+                slices = sorted(set(own) | set(range(low, self._slice(max(hwm, float(part.times.max()))) + 1)))
+                unknown = [s for s in slices if s not in existed]
+                if unknown:
+                    if not settle():
+                        return self._intruded(conn, held, seq, hwm, chain([part], chunks), written)
+                    found = self._receive(conn, self._send_only(conn, [("EXISTS", f"{self._spre}{s}") for s in unknown]))
+                    existed.update(zip(unknown, (bool(x) for x in found)))
+                old_slices = [s for s in slices if existed[s]]
+                if old_slices:  # its entries may keep an id live
+                    if not settle():
+                        return self._intruded(conn, held, seq, hwm, chain([part], chunks), written)
+                    names = [id_field(id) for id in part.ids]
+                    step = FIELDS_PER_HMGET
+                    blobs = self._receive(conn, self._send_only(conn, [
+                        ("HMGET", f"{self._spre}{s}", *names[a : a + step])
+                        for s in old_slices for a in range(0, len(names), step)]))
+                    for got in (chain.from_iterable(blobs[k : k + _parts(len(names))])
+                                for k in range(0, len(blobs), _parts(len(names)))):
+                        for id, blob in zip(part.ids, got):
+                            if blob is not None:
+                                live[id] = max(live.get(id, -math.inf), entry_time(blob, id))
+                seqs, new_hwm, new_seq = self._restore_accept(part.ids, part.times, live, hwm, self.window, seq)
+                took = np.flatnonzero(seqs)
+                groups: dict[int, list[Any]] = {}
+                id_bytes = [part.ids[i].encode("utf-8", "surrogatepass") for i in took.tolist()]
+                for i, idb, s in zip(took.tolist(), id_bytes, part.slices[took].tolist()):
+                    group = groups.setdefault(s, [0, []])
+                    group[0] += 1
+                    group[1] += (b"e" + idb, part.blobs[i])
+                new_hwm_bytes = hwm_bytes if new_hwm <= _stored_time(hwm_bytes) else (b"%.17g" % new_hwm)
+                writes = self._restore_writes(groups, seq, hwm_bytes, new_seq, new_hwm_bytes, transaction=False,
+                                              increment=True)
+                writes.append(("HMGET", self._meta, "seq", MARKER))
+                if not settle():
+                    return self._intruded(conn, held, seq, hwm, chain([part], chunks), written)
+                pending[:] = [self._send_only(conn, writes), new_seq]
+                held.add(part, seqs, took, id_bytes)
+                written += len(took)
+                seq, hwm, hwm_bytes = new_seq, new_hwm, new_hwm_bytes
                 rebuilt.hwm = max(rebuilt.hwm, hwm)
-                seq, hwm_bytes = new_seq, new_hwm
-                last = (part, groups, writes, sum(1 for r in results if r > 0))
-            if last is not None:
-                self._receive(conn, self._send_only(conn, last[2]))
-                written += last[3]
-            self._receive(conn, self._send_only(conn, self._restore_writes(
-                self._release_kept(), seq, hwm_bytes, seq, hwm_bytes, transaction=False)))
+                if held.count > HOLD_RECORDS:
+                    held.compact(self._newest, self.bucket_cap)
+                    if held.count > HOLD_RECORDS // 2:  # still too many: written now, read back when named again
+                        if not settle():
+                            return self._intruded(conn, held, seq, hwm, chunks, written)
+                        self._flush(conn, held, existed, keep_track=True)
+                if len(live) > HOLD_IDS:  # from now on as if the rebuild found its slices: what they hold is read
+                    if not settle():
+                        return self._intruded(conn, held, seq, hwm, chunks, written)
+                    self._flush(conn, held, existed, keep_track=True)
+                    existed = dict.fromkeys(existed, True)
+                    live.clear()
+            if not settle():
+                return self._intruded(conn, held, seq, hwm, iter(()), written)
+            self._flush(conn, held, existed)
+            self._receive(conn, self._send_only(conn, [("HDEL", self._meta, REBUILDING)]))
             rebuilt.seq = seq
             return iter(()), written
         except BaseException:
             if conn is not None:
                 conn.disconnect()
-            # What it kept never reached Redis, and its Bloom filters may miss what a half-sent round wrote:
-            # the next restore starts from what Redis holds.
+            # What it held never reached Redis: the next restore starts from what Redis holds.
             self._rebuilt = _Rebuilt()
             raise
 
-    def _release_kept(self, groups: dict[int, list[Any]] | None = None) -> dict[int, list[Any]]:
-        """The fields a rebuild kept (`_Rebuilt.kept`) added to the writes `groups` (slice -> [entries, pairs]),
-        and forgotten here (the Bloom filters know them: they are read when needed)."""
-        rebuilt = self._rebuilt
-        groups = {} if groups is None else groups
-        for s, values in rebuilt.kept.items():
-            if values:
-                groups.setdefault(s, [0, []])[1].extend(x for item in values.items() for x in item)
-                values.clear()
-        rebuilt.kept_keys = {}
-        return groups
+    def _intruded(self, conn: Any, held: _Held, seq: int, hwm: float, rest: Iterator[_Chunk],
+                  written: int) -> tuple[Iterator[_Chunk], int]:
+        """Somebody else writes too (`_rebuild`): what the rebuild holds goes now, merged with what every
+        field holds (a rebuild is meant to run alone), and the rest is left to `_restore_chunk`."""
+        self._flush(conn, held, {}, merge_all=True)
+        self._receive(conn, self._send_only(conn, [("HDEL", self._meta, REBUILDING)]))
+        self._rebuilt.fresh.clear()
+        self._rebuilt.seq = seq
+        self._rebuilt.hwm = max(self._rebuilt.hwm, hwm)
+        return rest, written
+
+    def _drop_slices(self, conn: Any) -> None:
+        """Unlinks every slice of the namespace: a rebuild that died wrote entries whose bucket records it still
+        held (the changelog has them all)."""
+        with self._errors():
+            keys = list(self._client.scan_iter(match=f"{self._spre}*", count=1000))
+        for a in range(0, len(keys), 500):
+            self._receive(conn, self._send_only(conn, [("UNLINK", *keys[a : a + 500])]))
+
+    def _flush(self, conn: Any, held: _Held, existed: dict[int, bool], *, keep_track: bool = False,
+               merge_all: bool = False) -> None:
+        """Writes the bucket fields `held` holds, each once (`newest_records`, `bucket_commands`, sent by a thread
+        of their own: `_Sender`), and forgets them. A field's value is read first (and its records put before
+        the held ones) where it may hold some: in a slice that existed before the rebuild, a field an earlier
+        flush wrote (`keep_track` keeps their keys), every field (`merge_all`)."""
+        times, seqs, ids, id_ends = held.columns()
+        step, pair_step = FIELDS_PER_HMGET, 2 * FIELDS_PER_CALL
+        sent: list[Any] = []
+        sender: _Sender | None = None
+
+        def settle() -> None:
+            """Waits for what was sent and reads its replies."""
+            nonlocal sender
+            if sender is not None:
+                with self._errors():
+                    sent.append(sender.close())
+                sender = None
+            for one in sent:
+                self._receive(conn, one)
+            sent.clear()
+
+        try:
+            for (s, _), parts in sorted(held.records.items()):
+                keys = np.concatenate([k for k, _ in parts])
+                entries = np.concatenate([e for _, e in parts])
+                order = self._newest(keys, entries, times, seqs, self.bucket_cap)
+                keys, entries = keys[order], entries[order]
+                starts = np.flatnonzero(np.concatenate(([True], keys[1:] != keys[:-1]))) if len(keys) \
+                    else np.zeros(0, np.int64)
+                distinct = keys[starts]
+                before = held.flushed.get(s)
+                if merge_all or existed.get(s, True):
+                    need = distinct
+                elif before is not None:
+                    need = distinct[np.isin(distinct, before, assume_unique=True)]
+                else:
+                    need = distinct[:0]
+                olds: dict[int, bytes] = {}
+                if len(need):
+                    settle()  # the replies in flight come first
+                    raw = need.astype(">u8").tobytes()
+                    names = [b"b" + raw[a : a + 8] for a in range(0, len(raw), 8)]
+                    got = self._receive(conn, self._send_only(conn, [
+                        ("HMGET", f"{self._spre}{s}", *names[a : a + step]) for a in range(0, len(names), step)]))
+                    olds = {k: v for k, v in zip(need.tolist(), chain.from_iterable(got)) if v is not None}
+                key = f"{self._spre}{s}"
+                bounds = [*starts[::FLUSH_FIELDS].tolist(), len(keys)]
+                for a, b in pairwise(bounds):
+                    if conn is None:  # Cluster: redis-py's pipeline, which knows where the slot lives
+                        pairs = self._bucket_pairs(keys[a:b], entries[a:b], times, seqs, ids, id_ends, olds,
+                                                   self.bucket_cap)
+                        sent.append(self._send_only(conn, [
+                            ("HSET", key, *pairs[x : x + pair_step]) for x in range(0, len(pairs), pair_step)]))
+                        continue
+                    if sender is None:
+                        sender = _Sender(conn)
+                    with self._errors():
+                        sender.send(*self._bucket_commands(key.encode(), keys[a:b], entries[a:b], times, seqs, ids,
+                                                           id_ends, olds, self.bucket_cap, FIELDS_PER_CALL))
+                if keep_track:
+                    held.flushed[s] = distinct if before is None else np.union1d(before, distinct)
+            settle()
+        finally:
+            if sender is not None:  # stopped by an error: the thread ends, the caller drops the connection
+                sender.close(raising=False)
+        self._receive(conn, self._send_only(conn, [("PEXPIRE", f"{self._spre}{s}", self._ttl_ms)
+                                                   for s in sorted({s for s, _ in held.records})]))
+        held.clear()
 
     def _restore_chunk(self, part: _Chunk) -> int | None:
         """Restores a chunk beside other writers: reads what its fields hold (after a WATCH of the meta hash),
         computes the writes (`restore_round`) and writes them in one MULTI/EXEC, which Redis refuses if
         anybody wrote meanwhile (None: nothing written, try again)."""
         rebuilt = self._rebuilt
-        commands = [("UNWATCH",), ("WATCH", self._meta), *self._restore_reads(part, marker=False)]
+        commands = [("UNWATCH",), ("WATCH", self._meta), *self._restore_reads(part)]
         with self._errors():
             self._pinned()
             epoch = self._epoch
@@ -866,7 +998,7 @@ class RedisIndex:
         if stored_hwm and self._slice(_stored_time(stored_hwm)) > part.chunk_slices[-1]:  # others moved the window
             rebuilt.hwm = max(rebuilt.hwm, _stored_time(stored_hwm))
             return None
-        held = self._restore_held(part, replies, None)
+        held = self._restore_held(part, replies)
         results, groups, hwm, seq = self._restore_round(
             part.ids, part.times, part.slices, part.bounds, part.keys, part.blobs, held,
             max(rebuilt.hwm, _stored_time(stored_hwm)), self.window, self.bucket_cap, seq_read)
@@ -892,11 +1024,11 @@ class RedisIndex:
             self._guarded = False
         rebuilt.hwm = max(rebuilt.hwm, hwm)
         rebuilt.seq = seq
-        self._remember_fresh(part, None)
+        self._remember_fresh(part)
         return sum(1 for r in results if r > 0)
 
-    def _restore_reads(self, part: _Chunk, *, marker: bool) -> list[Sequence[str | int | bytes]]:
-        """A restore chunk's read (its plan kept in `part`): the meta hash (with the marker), whether each slice
+    def _restore_reads(self, part: _Chunk) -> list[Sequence[str | int | bytes]]:
+        """A restore chunk's read (its plan kept in `part`): the meta hash, whether each slice
         exists, the bucket fields the chunk names in the slices its entries go to, and its entry fields in
         every slice that can hold a live one (as a lookup's window: an id stored inside the window is
         kept). A slice a restore of ours found missing, and alone wrote since (`_Rebuilt`), is read only
@@ -916,25 +1048,20 @@ class RedisIndex:
                 ks = part.named[s] = _distinct(part.keys if pair_slices is None else part.keys[pair_slices == s])
                 if bits is not None:
                     ks = ks[bloom_has(bits, ks)]
-                    kept = self._rebuilt.kept_keys.get(s)
-                    if kept is not None and len(kept):
-                        ks = ks[~np.isin(ks, kept, assume_unique=True)]
                 raw = ks.astype(">u8").tobytes()
                 names = [b"b" + raw[a : a + 8] for a in range(0, len(raw), 8)]
             ids = part.ids if bits is None else [part.ids[i] for i in np.flatnonzero(bloom_has(bits, part.id_keys))]
             part.wanted[s] = names + [id_field(id) for id in ids]
         step = FIELDS_PER_HMGET
-        commands: list[Sequence[str | int | bytes]] = [("HMGET", self._meta, "seq", "hwm", *((MARKER,) if marker else ()))]
+        commands: list[Sequence[str | int | bytes]] = [("HMGET", self._meta, "seq", "hwm")]
         commands += [("EXISTS", f"{self._spre}{s}") for s in part.chunk_slices]
         for s, names in part.wanted.items():
             key = f"{self._spre}{s}"
             commands += [("HMGET", key, *names[a : a + step]) for a in range(0, len(names), step)]
         return commands
 
-    def _restore_held(self, part: _Chunk, replies: list[Any],
-                      before: dict[int, list[Any]] | None) -> dict[int, dict[bytes, bytes]]:
-        """What the fields a chunk reads hold (`_restore_reads`' replies, the meta hash's first), with the
-        writes of the chunk before over them when the read went before those (`_rebuild`)."""
+    def _restore_held(self, part: _Chunk, replies: list[Any]) -> dict[int, dict[bytes, bytes]]:
+        """What the fields a chunk reads hold (`_restore_reads`' replies, the meta hash's first)."""
         n = len(part.chunk_slices)
         part.present = [bool(x) for x in replies[1 : 1 + n]]
         values = iter(replies[1 + n :])
@@ -943,40 +1070,36 @@ class RedisIndex:
         for s, names in part.wanted.items():
             got = [v for a in range(0, len(names), step) for v in next(values)]
             held[s] = {f: v for f, v in zip(names, got) if v is not None}
-        if before is not None:
-            for s, (_, pairs) in before.items():
-                mine = held.get(s)
-                if mine is not None:
-                    wanted = set(part.wanted[s])
-                    mine.update((f, v) for f, v in zip(pairs[0::2], pairs[1::2]) if f in wanted)
         return held
 
     def _restore_writes(self, groups: dict[int, list[Any]], seq_read: int, stored_hwm: bytes, seq: int,
-                        hwm: bytes, *, transaction: bool) -> list[Sequence[str | int | bytes]]:
+                        hwm: bytes, *, transaction: bool, increment: bool = False) -> list[Sequence[str | int | bytes]]:
+        """A restore chunk's writes: `groups` (slice -> [entries, field-value pairs]) and the meta hash's seq and
+        high-water mark (`increment`: the seq moved by what this chunk took, so that a rebuild's next check
+        still sees what anybody else added)."""
         writes: list[Sequence[str | int | bytes]] = [("MULTI",)] if transaction else []
         pair_step = 2 * FIELDS_PER_CALL
         for s, (count, pairs) in groups.items():
             key = f"{self._spre}{s}"
             writes += [("HSET", key, *pairs[a : a + pair_step]) for a in range(0, len(pairs), pair_step)]
             writes += [("HINCRBY", key, "n", count), ("PEXPIRE", key, self._ttl_ms)]
-        if seq != seq_read or hwm != stored_hwm:
+        if increment and (seq != seq_read or hwm != stored_hwm):
+            writes += [("HINCRBY", self._meta, "seq", seq - seq_read), ("HSET", self._meta, "hwm", hwm),
+                       ("PEXPIRE", self._meta, self._ttl_ms)]
+        elif seq != seq_read or hwm != stored_hwm:
             writes += [("HSET", self._meta, "seq", seq, "hwm", hwm), ("PEXPIRE", self._meta, self._ttl_ms)]
         if transaction:
             writes.append(("EXEC",))
         return writes
 
-    def _remember_fresh(self, part: _Chunk, before: _Chunk | None) -> None:
+    def _remember_fresh(self, part: _Chunk) -> None:
         """After a chunk's writes: the slices its read found missing are fresh (only restores of ours wrote
-        them: those of `before`, whose writes went after that read, too), and what it wrote goes into each
-        fresh slice's Bloom filter."""
+        them), and what it wrote goes into each fresh slice's Bloom filter."""
         fresh = self._rebuilt.fresh
         for s, present in zip(part.chunk_slices, part.present):
             bits = fresh.get(s)
             if bits is None and not present:
                 bits = fresh[s] = bloom_bits()
-                self._rebuilt.kept[s] = {}
-                if before is not None:
-                    before.remember(s, bits)
             if bits is not None:
                 part.remember(s, bits)
 
@@ -1555,16 +1678,122 @@ class _Rebuilt:
     """What this instance's restores wrote since the namespace's seq last moved by another hand (every write
     of the namespace moves it): the slices they found missing, and per such slice a Bloom filter of the
     bucket fields they wrote there. A field not in it is absent: a restore need not read it. Forgotten at
-    the next batch (`decide`): only a rebuild from the changelog, chunk after chunk, gains from it."""
+    the next batch (`decide`): only a restore chunk after chunk (`_restore_chunk`) gains from it."""
 
     seq: int = -1  # the seq the last restore wrote
     hwm: float = -math.inf  # the namespace's newest event time as the restores know it (this instance's clock is its own)
     fresh: dict[int, np.ndarray] = field(default_factory=dict)  # slice -> `bloom_bits`
-    # A rebuild's busiest bucket fields (KEEP records or more), per fresh slice: their values, not yet written
-    # (each chunk would rewrite them: most of the bytes), and their keys, sorted (not read either).
-    kept: dict[int, dict[bytes, bytes]] = field(default_factory=dict)
-    kept_keys: dict[int, np.ndarray] = field(default_factory=dict)
-    keep: int = field(default_factory=lambda: KEEP)  # records a field needs to be kept (doubled when too much is)
+
+
+class _Sender:
+    """Sends a rebuild's bucket writes (packed commands) from a thread of its own: the next piece is made while
+    the last one is sent, as fast as Redis takes it. `close` waits for the sends and tells how many replies
+    to read; an error of the thread is raised by the next `send` or `close`."""
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+        self._queue: queue.Queue[bytes | None] = queue.Queue(4)
+        self._error: BaseException | None = None
+        self._count = 0
+        self._thread = threading.Thread(target=self._run, name="neardup-rebuild-send", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (packed := self._queue.get()) is not None:
+            if self._error is None:
+                try:
+                    self._conn.send_packed_command([packed])
+                except BaseException as exc:  # raised in the caller's thread
+                    self._error = exc
+
+    def send(self, packed: bytes, count: int) -> None:
+        """Queues `packed` (`count` commands)."""
+        if self._error is not None:
+            raise self._error
+        self._queue.put(packed)
+        self._count += count
+
+    def close(self, *, raising: bool = True) -> int:
+        """Waits for the sends; returns the number of replies to read."""
+        self._queue.put(None)
+        self._thread.join()
+        if raising and self._error is not None:
+            raise self._error
+        return self._count
+
+
+@dataclass(slots=True)
+class _Held:
+    """A rebuild's bucket records not written yet (`RedisIndex._rebuild`): per slice and share of the keys (their
+    low bits), (bucket keys, entry numbers) arrays, each chunk's records in order; per entry (numbered in
+    insertion order) its event time, seq and id; and per slice the bucket keys an earlier flush wrote (read
+    back when named again)."""
+
+    records: dict[tuple[int, int], list[tuple[np.ndarray, np.ndarray]]] = field(default_factory=dict)
+    times: list[np.ndarray] = field(default_factory=list)
+    seqs: list[np.ndarray] = field(default_factory=list)
+    ids: list[bytes] = field(default_factory=list)
+    id_lengths: list[np.ndarray] = field(default_factory=list)
+    entries: int = 0
+    count: int = 0  # records held
+    flushed: dict[int, np.ndarray] = field(default_factory=dict)
+
+    def add(self, part: _Chunk, seqs: np.ndarray, took: np.ndarray, id_bytes: list[bytes]) -> None:
+        """The records of the entries `took` of `part` (their seqs in `seqs`, their ids in `id_bytes`)."""
+        if not len(took):
+            return
+        counts = np.diff(part.bounds)
+        numbers = np.repeat(np.arange(self.entries, self.entries + len(took), dtype=np.int64), counts[took])
+        keys = part.keys[np.repeat(seqs > 0, counts)]
+        if len(keys):
+            self._add_records(keys, numbers, np.repeat(part.slices[took], counts[took]))
+        self.times.append(part.times[took])
+        self.seqs.append(seqs[took])
+        self.ids.append(b"".join(id_bytes))
+        self.id_lengths.append(np.fromiter(map(len, id_bytes), np.int64, len(id_bytes)))
+        self.entries += len(took)
+        self.count += len(keys)
+
+    def _add_records(self, keys: np.ndarray, numbers: np.ndarray, slices: np.ndarray) -> None:
+        """Records (bucket key, entry number, slice) put with the others of their slice and share."""
+        # Apart by slice and by the key's low bits (the top ones tell the method): a flush groups a share at a
+        # time (a sixteenth of the memory), and Redis writes the share before while the next is made.
+        group = (slices - slices.min()) * _SHARES + (keys & np.uint64(_SHARES - 1)).astype(np.int64)
+        # Few groups (slices × shares): as uint16 numpy's stable sort is a radix sort.
+        order = np.argsort(group.astype(np.uint16) if group.max() < 1 << 16 else group, kind="stable")
+        group = group[order]
+        bounds = np.flatnonzero(np.concatenate(([True], group[1:] != group[:-1], [True])))
+        base = int(slices.min())
+        for a, b in pairwise(bounds.tolist()):
+            at = order[a:b]
+            s, share = divmod(int(group[a]), _SHARES)
+            self.records.setdefault((base + s, share), []).append((keys[at], numbers[at]))
+
+    def columns(self) -> tuple[np.ndarray, np.ndarray, bytes, np.ndarray]:
+        """Per entry: event times, seqs, the ids joined and where each ends."""
+        if not self.times:
+            return np.zeros(0), np.zeros(0, np.uint64), b"", np.zeros(0, np.int64)
+        return (np.concatenate(self.times), np.concatenate(self.seqs), b"".join(self.ids),
+                np.cumsum(np.concatenate(self.id_lengths)))
+
+    def compact(self, newest: Callable[..., np.ndarray], cap: int) -> None:
+        """Drops the records no bucket field keeps (`newest_records`)."""
+        times, seqs, _, _ = self.columns()
+        self.count = 0
+        for s, parts in self.records.items():
+            keys = np.concatenate([k for k, _ in parts])
+            entries = np.concatenate([e for _, e in parts])
+            order = newest(keys, entries, times, seqs, cap)
+            self.records[s] = [(keys[order], entries[order])]
+            self.count += len(order)
+
+    def clear(self) -> None:
+        """Forgets the records and entries (not what was flushed)."""
+        self.records, self.times, self.seqs, self.ids, self.id_lengths = {}, [], [], [], []
+        self.entries = self.count = 0
+
+
+_SHARES = 16
 
 
 class _WatchLost(Exception):

@@ -321,9 +321,8 @@ def alone_round(ids: list[str], times: list[float], blobs: list[bytes], fields_o
 
 def restore_round(ids: Sequence[str], times: Sequence[float] | np.ndarray, slices: Sequence[int] | np.ndarray,
                   bounds: Sequence[int] | np.ndarray, keys: Sequence[int] | np.ndarray, blobs: Sequence[bytes],
-                  held: dict[int, dict[bytes, bytes]], hwm: float, window: float, cap: int, seq: int,
-                  kept: dict[int, dict[bytes, bytes]] | None = None,
-                  keep: int = 0) -> tuple[list[int], dict[int, list[Any]], float, int]:
+                  held: dict[int, dict[bytes, bytes]], hwm: float, window: float, cap: int,
+                  seq: int) -> tuple[list[int], dict[int, list[Any]], float, int]:
     """What `RedisIndex.restore` writes for a chunk of entries (`_native.restore_round` is the compiled twin).
     Entry i: id `ids[i]`, event time `times[i]` in slice `slices[i]`, bucket keys `keys[bounds[i]:bounds[i + 1]]`,
     stored bytes `blobs[i]`. `held` (slice -> field -> value) is what the fields the chunk names hold in
@@ -332,12 +331,9 @@ def restore_round(ids: Sequence[str], times: Sequence[float] | np.ndarray, slice
     slices, with an event time inside the window) or its event time is outside the window; else the next
     seq, its record appended to each of its bucket fields in its slice (a key given twice counts once)
     and its entry stored. A field's new value is what it held and then its new records, in order; one of
-    more than 2 × `cap` records is trimmed to the `cap` newest (`trim_records`). `kept` (slice -> field ->
-    value), when given, holds fields the caller keeps rather than writes (what they hold: `held` need not):
-    in its slices, a field kept or of at least `keep` records now gets its new value there (trimmed to the
-    `cap` newest once it holds more), not in the pairs. Returns (per entry its seq or 0, per slice written
-    [its entries written, field-value pairs: the bucket fields in the order first named, then the
-    entries], high-water mark, seq)."""
+    more than 2 × `cap` records is trimmed to the `cap` newest (`trim_records`). Returns (per entry its seq
+    or 0, per slice written [its entries written, field-value pairs: the bucket fields in the order first
+    named, then the entries], high-water mark, seq)."""
     results: list[int] = []
     written: dict[int, dict[bytes, bytes]] = {s: {} for s in held}
     appended: dict[int, dict[bytes, list[bytes]]] = {}
@@ -370,19 +366,12 @@ def restore_round(ids: Sequence[str], times: Sequence[float] | np.ndarray, slice
     groups: dict[int, list[Any]] = {}
     for s, (count, pairs) in entries.items():
         values = held[s]
-        mine_kept = kept.get(s) if kept is not None else None
         out: list[bytes] = []
         for f, records in appended.get(s, {}).items():
-            old = mine_kept[f] if mine_kept is not None and f in mine_kept else values.get(f, b"")
-            v = b"".join([old, *records])
-            n = count_records(v)
-            keeping = mine_kept is not None and (f in mine_kept or n >= keep)
-            if n > (cap if keeping else 2 * cap):  # a kept field holds only what a lookup can use
+            v = b"".join([values.get(f, b""), *records])
+            if count_records(v) > 2 * cap:
                 v = trim_records(v, cap)
-            if keeping:
-                mine_kept[f] = v  # type: ignore[index]
-            else:
-                out += (f, v)
+            out += (f, v)
         groups[s] = [count, out + pairs]
     return results, groups, hwm, seq
 
@@ -522,3 +511,87 @@ def entry_time(blob: bytes, id: str) -> float:
         return float(_HEAD.unpack_from(blob)[1])
     except struct.error as exc:
         raise IndexCorrupt(f"entry {id!r}: {len(blob)} bytes are too short for an entry") from exc
+
+
+# --- a rebuild's writes, each bucket field once (filters/index/redis.py, `RedisIndex._rebuild`) -------------
+
+def restore_accept(ids: Sequence[str], times: Sequence[float] | np.ndarray, live: dict[str, float], hwm: float,
+                   window: float, seq: int) -> tuple[np.ndarray, float, int]:
+    """Which entries of a rebuild the insert script would insert, and their seqs (`_native.restore_accept` is the
+    compiled twin). `live` (id -> event time of its newest stored entry, in any slice) is what the index holds
+    so far, updated here. Per entry, in order: 0 if its id is live (stored with an event time inside the
+    window of the newest event time before it, `hwm`) or its own event time is outside that window; else
+    the next seq. Returns (seq or 0 per entry, as uint64; high-water mark; seq)."""
+    out = np.zeros(len(ids), np.uint64)
+    for i, id in enumerate(ids):
+        ts = float(times[i])
+        old = live.get(id)
+        if (old is not None and old >= hwm - window) or not ts >= max(hwm, ts) - window:
+            continue
+        hwm = max(hwm, ts)
+        seq += 1
+        out[i] = seq
+        live[id] = ts  # an entry it replaces (same slice) or leaves behind (another) is older than the window
+    return out, hwm, seq
+
+
+def newest_records(keys: np.ndarray, entries: np.ndarray, times: np.ndarray, seqs: np.ndarray,
+                   cap: int) -> np.ndarray:
+    """The records a bucket field keeps of `keys[r]` (its key) / `entries[r]` (its entry, numbered in insertion
+    order; `times` and `seqs` are per entry), each key's records coming in insertion order: grouped by key
+    (the keys in the order first seen), each entry once in a group, of a group of more than `cap` only the
+    `cap` newest (event time, then seq), each group in insertion order. Returns the records' places, in that
+    order (`_native.newest_records` is the compiled twin)."""
+    groups: dict[int, list[int]] = {}
+    for r, key in enumerate(keys.tolist()):
+        groups.setdefault(key, []).append(r)
+    out: list[int] = []
+    for records in groups.values():
+        seen: set[int] = set()
+        group = []
+        for r in records:
+            if int(entries[r]) not in seen:  # a key given twice by one entry: its record once
+                seen.add(int(entries[r]))
+                group.append(r)
+        if len(group) > cap:
+            newest = sorted(group, key=lambda r: (float(times[entries[r]]), int(seqs[entries[r]])), reverse=True)[:cap]
+            keep = set(newest)
+            group = [r for r in group if r in keep]
+        out += group
+    return np.array(out, dtype=np.int64)
+
+
+def bucket_pairs(keys: np.ndarray, entries: np.ndarray, times: np.ndarray, seqs: np.ndarray, ids: bytes,
+                 id_ends: np.ndarray, olds: dict[int, bytes], cap: int) -> list[bytes]:
+    """The field-value pairs of the bucket fields of records grouped by key (as `newest_records` orders them): per
+    group, its key's field and value, the records of what `olds` (key -> value) holds for it first, then its
+    own, in order, of more than `cap` only the `cap` newest (`trim_records`). Entry e's id is
+    `ids[id_ends[e - 1]:id_ends[e]]` (from 0 for e = 0). (`_native.bucket_pairs` is the compiled twin.)"""
+    out: list[bytes] = []
+    at, n = 0, len(keys)
+    while at < n:
+        key = int(keys[at])
+        parts = [olds.get(key, b"")]
+        while at < n and int(keys[at]) == key:
+            e = int(entries[at])
+            id_bytes = ids[int(id_ends[e - 1]) if e else 0 : int(id_ends[e])]
+            parts.append(_RECORD.pack(float(times[e]), len(id_bytes)) + id_bytes + SEQ.pack(int(seqs[e])))
+            at += 1
+        value = b"".join(parts)
+        if key in olds and count_records(value) > cap:
+            value = trim_records(value, cap)
+        out += (field_of(key), value)
+    return out
+
+
+def bucket_commands(name: bytes, keys: np.ndarray, entries: np.ndarray, times: np.ndarray, seqs: np.ndarray,
+                    ids: bytes, id_ends: np.ndarray, olds: dict[int, bytes], cap: int,
+                    per_call: int) -> tuple[bytes, int]:
+    """`bucket_pairs` as HSET commands of the hash `name`, `per_call` fields each, in the Redis protocol (the
+    bytes `pack_commands` makes of them): (the bytes, the number of commands). `_native.bucket_commands` is
+    the compiled twin, which makes no object per field."""
+    if per_call < 1:
+        raise ValueError("per_call must be >= 1")
+    pairs = bucket_pairs(keys, entries, times, seqs, ids, id_ends, olds, cap)
+    commands = [[b"HSET", name, *pairs[a : a + 2 * per_call]] for a in range(0, len(pairs), 2 * per_call)]
+    return b"".join(b"*%d\r\n" % len(c) + b"".join(b"$%d\r\n%s\r\n" % (len(x), x) for x in c) for c in commands), len(commands)
