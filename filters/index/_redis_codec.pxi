@@ -956,6 +956,7 @@ def encode_entries(list entries, fallback) -> list:
 
 def restore_accept(list ids, times, dict live, double hwm, double window, uint64_t seq) -> tuple:
     """`redis_codec.restore_accept`, compiled."""
+    np = np_()
     cdef const double[::1] ts_of = np.ascontiguousarray(times, dtype=np.float64)
     cdef Py_ssize_t n = len(ids), i
     out = np.zeros(n, np.uint64)
@@ -980,6 +981,7 @@ def newest_records(keys, entries, times, seqs, Py_ssize_t cap) -> object:
     """`redis_codec.newest_records`, compiled: each key's records chained in order through an open-addressing
     table (no sort), so a key's records of one entry are next to each other and a repeat is the record
     before."""
+    np = np_()
     cdef const uint64_t[::1] k = np.ascontiguousarray(keys, dtype=np.uint64)
     cdef const int64_t[::1] e = np.ascontiguousarray(entries, dtype=np.int64)
     cdef const double[::1] t = np.ascontiguousarray(times, dtype=np.float64)
@@ -1056,6 +1058,7 @@ def newest_records(keys, entries, times, seqs, Py_ssize_t cap) -> object:
 
 def bucket_pairs(keys, entries, times, seqs, ids, id_ends, dict olds, Py_ssize_t cap) -> list:
     """`redis_codec.bucket_pairs`, compiled: each value made in one piece."""
+    np = np_()
     cdef const uint64_t[::1] k = np.ascontiguousarray(keys, dtype=np.uint64)
     cdef const int64_t[::1] e = np.ascontiguousarray(entries, dtype=np.int64)
     cdef const double[::1] t = np.ascontiguousarray(times, dtype=np.float64)
@@ -1122,6 +1125,7 @@ def bucket_commands(bytes name, keys, entries, times, seqs, ids, id_ends, dict o
                     Py_ssize_t per_call) -> tuple:
     """`redis_codec.bucket_commands`, compiled: the sizes first, then the bytes, each value written in place
     (one held before is made apart, by `bucket_pairs`)."""
+    np = np_()
     cdef const uint64_t[::1] k = np.ascontiguousarray(keys, dtype=np.uint64)
     cdef const int64_t[::1] e = np.ascontiguousarray(entries, dtype=np.int64)
     cdef const double[::1] t = np.ascontiguousarray(times, dtype=np.float64)
