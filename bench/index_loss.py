@@ -92,9 +92,14 @@ def run(args: argparse.Namespace, items: Sequence[Item], truth: Sequence[dict[st
     routed = {(r.header("neardup-id") or b"").decode(): (r.header("neardup-verdict") or b"").decode() for r in got}
     # The header contract: a duplicate names a record routed unique; no trace of a crash, a retry or lateness.
     unique = {id for id, verdict in routed.items() if verdict == "unique"}
-    broken = sum(1 for r in got if (r.header("neardup-verdict") == b"duplicate"
-                                    and (r.header("neardup-duplicate-of") or b"").decode() not in unique)
-                 or r.header("neardup-method") == b"replay" or r.header("neardup-late") is not None)
+    dangling = sum(1 for r in got if r.header("neardup-verdict") == b"duplicate"
+                   and (r.header("neardup-duplicate-of") or b"").decode() not in unique)
+    replays = sum(1 for r in got if r.header("neardup-method") == b"replay")
+    late = sum(1 for r in got if r.header("neardup-late") is not None)
+    broken = dangling + replays + late
+    if broken:
+        print(f"  headers: {dangling} duplicates naming a record not routed unique, {replays} replays, {late} late",
+              file=sys.stderr)
     rebuilt = [(int(n), float(s)) for n, _, s in _REBUILT.findall(logs)]
     return {"lost": len(items) - len(set(sources)), "doubled": len(sources) - len(set(sources)),
             "f1": f1_of(truth, routed), "otherwise": len(differences(routed, want)), "seconds": seconds,

@@ -337,12 +337,17 @@ class AiokafkaWorker(WorkerCore):
             high = consumer.highwater(tp)
             try:
                 position: int | None = await asyncio.wait_for(consumer.position(tp), 1.0)
+                committed: int | None = await asyncio.wait_for(consumer.committed(tp), 1.0)
             except (IllegalStateError, AssertionError, TimeoutError, KafkaError):
-                position = None
+                position = committed = None
             buffered, state = states.get(lane, (0, "not in the aligner"))
-            if buffered or position is None or high is None or high > position or tp in consumer.paused():
+            # Fetched past what was committed, with nothing buffered nor in flight: records the worker lost track of.
+            dropped = committed is not None and position is not None and committed < position and not buffered
+            if (buffered or dropped or position is None or high is None or high > position
+                    or tp in consumer.paused()):
                 behind[f"{tp.topic}/{tp.partition}"] = (
-                    f"position {position}, high-water {high}, stable {consumer.last_stable_offset(tp)}, lag seen "
+                    f"position {position}, committed {committed}, high-water {high}, stable "
+                    f"{consumer.last_stable_offset(tp)}, lag seen "
                     f"{lags.get(lane)}{', consumer paused' if tp in consumer.paused() else ''}; "
                     f"{state}")
         if behind:
