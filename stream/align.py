@@ -21,8 +21,9 @@ watermark. `Aligner` does both for one worker, and `GroupMarks` extends it to th
 - A record taken more than `max_skew` behind the highest event time its worker decided since its
   partitions were last assigned is late (a quiet partition woke up with old records, or a
   producer stamped it late): it is decided all the same, and the worker marks it (`neardup-late`
-  header, a metric). Records read again after a rebalance (from the committed offsets) are not late:
-  a worker's high mark restarts with its assignment, as its reading restarts from its offsets.
+  header, a metric). Records read again after a rebalance (from the committed offsets) or after an
+  aborted transaction are not late: a worker's high mark restarts with its assignment or its rewind, as
+  its reading restarts from its offsets.
 
 Pure and synchronous (the worker's loop feeds it and publishes its marks): no I/O but `RedisMarks`.
 """
@@ -132,7 +133,9 @@ class Aligner:
 
     def rewind(self, lanes: Iterable[Lane]) -> None:
         """The consumer was sent back (a seek) on these partitions: what was buffered of them is dropped
-        and comes again."""
+        and comes again. As after an assignment, the high mark starts again: what comes again was decided
+        once in a transaction that aborted, and gets the headers of the first time (not late against itself)."""
+        self.high = None
         for key in lanes:
             lane = self._lanes.get(key)
             if lane is not None:

@@ -205,6 +205,20 @@ def test_a_partition_sent_back_is_read_again() -> None:
     assert times(a.take(10).records) == [1, 2]
 
 
+def test_records_read_again_after_an_abort_are_not_late() -> None:
+    """Records decided, their transaction aborted, read again: they get the headers of the first time (no
+    `neardup-late` against the event times of the aborted records themselves)."""
+    clock = Clock()
+    a = aligner(clock)
+    a.assign([("in", 0)])
+    a.add([rec(0, 1, 0), rec(0, 20, 1), rec(0, 40, 2)])
+    a.flow(lambda lane: 0)
+    assert a.take(10).late == [0.0, 0.0, 0.0]
+    a.rewind([("in", 0)])
+    a.add([rec(0, 1, 0), rec(0, 20, 1), rec(0, 40, 2)])
+    assert a.take(10).late == [0.0, 0.0, 0.0]
+
+
 def test_alignment_off_takes_records_as_fetched() -> None:
     a = Aligner(lambda r: r.timestamp / 1000.0, max_skew=5.0, idle_timeout=1.0, buffer=100, ordered=False)
     a.assign([("in", 0), ("in", 1)])
