@@ -278,10 +278,7 @@ class IndexGuard:
 
     async def intact(self) -> bool:
         """Whether the index holds its marker."""
-        from filters.index.redis import MARKER, redis_errors
-
-        with redis_errors(self.where):
-            return bool(await self._client.hexists(self.meta, MARKER))
+        return await self.marker() is not None
 
     async def ensure(self, read: ChangelogReader, write: Restore,
                      before: Callable[[], Awaitable[None]] | None = None) -> bool:
@@ -319,12 +316,12 @@ class IndexGuard:
 
         lock_ms = round(LOCK_TTL * 1000)
         while True:
+            marker = await self.marker()
+            if marker is not None:
+                self.epoch = marker
+                log.info("the index was rebuilt by another worker; routing on")
+                return None
             with redis_errors(self.where):
-                marker = cast("bytes | None", await self._client.hget(self.meta, MARKER))
-                if marker is not None:
-                    self.epoch = marker
-                    log.info("the index was rebuilt by another worker; routing on")
-                    return None
                 got = await self._client.set(self.lock, self.member.encode(), nx=True, px=lock_ms)
             if got:
                 break

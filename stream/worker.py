@@ -66,7 +66,7 @@ log = logging.getLogger("neardup.worker")
 # How long a worker held back by the group waits for another worker's mark to move (`GroupMarks.moved`: at
 # once when one does) before it reads the marks again anyway (a mark that expired says nothing).
 _GROUP_POLL = 0.05
-STALL_WARNING = 30.0  # seconds without a record taken, with records left to fetch, before the worker says why
+STALL_WARNING = 30.0  # seconds without a record taken, with records waiting, before the worker says why
 
 
 
@@ -321,9 +321,9 @@ class AiokafkaWorker(WorkerCore):
 
     async def _stalled(self, consumer: AIOKafkaConsumer, taken: Taken, lags: dict[tuple[str, int], int]) -> None:
         """A warning, every STALL_WARNING seconds, while nothing is taken though a partition has records
-        waiting (buffered, or not returned by the consumer yet: behind its high-water mark, or with no position
-        or end known): what holds each partition, so that a stall explains itself where it happens. Idle
-        without a backlog: silent."""
+        waiting (buffered; not returned by the consumer yet: behind its high-water mark, paused, or with no
+        position or end known; or returned past the committed offset and neither buffered nor routed): what
+        holds each partition, so that a stall explains itself where it happens. Idle without a backlog: silent."""
         now = time.monotonic()
         if taken or self._took_at is None:
             self._took_at = now
@@ -341,14 +341,13 @@ class AiokafkaWorker(WorkerCore):
             except (IllegalStateError, AssertionError, TimeoutError, KafkaError):
                 position = committed = None
             buffered, state = states.get(lane, (0, "not in the aligner"))
+            paused = tp in consumer.paused()
             # Fetched past what was committed, with nothing buffered nor in flight: records the worker lost track of.
             dropped = committed is not None and position is not None and committed < position and not buffered
-            if (buffered or dropped or position is None or high is None or high > position
-                    or tp in consumer.paused()):
+            if buffered or dropped or paused or position is None or high is None or high > position:
                 behind[f"{tp.topic}/{tp.partition}"] = (
                     f"position {position}, committed {committed}, high-water {high}, stable "
-                    f"{consumer.last_stable_offset(tp)}, lag seen "
-                    f"{lags.get(lane)}{', consumer paused' if tp in consumer.paused() else ''}; "
+                    f"{consumer.last_stable_offset(tp)}, lag seen {lags.get(lane)}{', consumer paused' if paused else ''}; "
                     f"{state}")
         if behind:
             self._stall_told = now

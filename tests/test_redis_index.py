@@ -1283,11 +1283,10 @@ def test_a_rebuild_holds_what_inserting_would(race_url: str, monkeypatch: pytest
         written = index.restore([redis_codec.stored_of(made[:300])])
         written += index.restore([redis_codec.stored_of(made[300:350]), redis_codec.stored_of(made[350:])])
         assert written == inserted
-        base, _, query = race_url.partition("?")
-        prefix = dict(item.split("=", 1) for item in query.split("&"))["prefix"]
-        with (redis.RedisCluster.from_url(base.replace("+cluster", "")) if "+cluster" in base
-              else redis.Redis.from_url(base)) as client:
-            client.hset(redis_index.meta_key(prefix, namespace), redis_index.MARKER, "1")
+        target = redis_index.RedisTarget.parse(race_url)
+        with (redis.RedisCluster.from_url(target.client_url) if target.cluster
+              else redis.Redis.from_url(target.client_url)) as client:
+            client.hset(redis_index.meta_key(target.prefix, namespace), redis_index.MARKER, "1")
         top = max(e.ts for e, _ in made)
         queries = [Query(id, top, tuple(map(spread, keys))) for keys in [(0,), (1, 2), (3, 4, 5, 6), (11, 1379)]
                    for id in ("q", "m5", "m290", "m390")]

@@ -1823,12 +1823,6 @@ def _columns(replies: Sequence[Any], n_slices: int, n_names: int) -> list[list[b
 
 
 
-def _keys_of(fields: Iterable[bytes]) -> np.ndarray:
-    """The bucket keys of bucket field names (b"b" and 8 bytes big-endian), sorted."""
-    raw = b"".join(fields)
-    return np.sort(np.frombuffer(raw, np.uint8).reshape(-1, 9)[:, 1:].copy().view(">u8").ravel().astype(np.uint64))
-
-
 def _distinct(keys: np.ndarray) -> np.ndarray:
     """The distinct keys, sorted (`np.unique`, whose hashing path is 25 times slower on a million uint64)."""
     ordered = np.sort(keys)

@@ -168,11 +168,6 @@ def encode_memo(verdict: Verdict, ts: float) -> bytes:
         "utf-8", "surrogatepass")
 
 
-def encode_memos(memos: Sequence[tuple[Verdict, float]]) -> list[tuple[bytes, bytes, float]]:
-    """(field, value, event time) of each memo (`encode_memo`)."""
-    return [(memo_field(v.id), encode_memo(v, ts), ts) for v, ts in memos]
-
-
 def decode_memo(data: bytes, id: str) -> Verdict:
     """The verdict `encode_memo` stored for `id`; raises `IndexCorrupt` on anything it did not write."""
     try:
