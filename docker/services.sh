@@ -439,8 +439,12 @@ start_kafka() {
   local -a jvm=(-Dlog4j.configuration="file:$KAFKA_DIR/log4j.properties" -Dkafka.logs.dir="$KAFKA_DIR"
     -Djava.awt.headless=true -Djava.net.preferIPv4Stack=true)
   local cluster_id
-  # KRaft cluster id: 16 random bytes, URL-safe base64 without padding (what `random-uuid` prints).
-  cluster_id=$(head -c 16 /dev/urandom | base64 | tr '+/' '-_' | tr -d '=\n')
+  # KRaft cluster id: 16 random bytes, URL-safe base64 without padding (what `random-uuid` prints). Like
+  # Kafka's own, never one starting with "-": the storage tool would read it as an option (1 start in 64).
+  cluster_id=-
+  while [[ $cluster_id == -* ]]; do
+    cluster_id=$(head -c 16 /dev/urandom | base64 | tr '+/' '-_' | tr -d '=\n')
+  done
   java -Xmx256m -XX:TieredStopAtLevel=1 "${jvm[@]}" -cp "$JARS/*" kafka.tools.StorageTool format \
     -t "$cluster_id" -c "$KAFKA_DIR/server.properties" >"$KAFKA_DIR/format.log" 2>&1 ||
     die "kafka storage format failed:
