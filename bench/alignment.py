@@ -43,13 +43,13 @@ sys.path.insert(0, str(ROOT))
 
 from bench import needs  # noqa: E402
 from bench.kafka_e2e import cleanup, stop_worker  # noqa: E402 (the same topics, key prefix and stop)
+from bench.reliability import create_topics  # noqa: E402
 from filters.engine import NearDupFilter  # noqa: E402
 from stream.backlog import Item, backlog, differences, f1, reference  # noqa: E402
 from stream.config import Settings  # noqa: E402
 from stream.kafka_tools import (  # noqa: E402
     KafkaRecord,
     client_options,
-    ensure_topics,
     producer,
     read_topics,
 )
@@ -204,7 +204,7 @@ def run(args: argparse.Namespace, items: Sequence[Item], want: dict[str, str], *
     joined."""
     s = settings(args.redis, args.bootstrap, mode=mode, max_skew=args.max_skew, max_batch=args.max_batch,
                  guarantee=args.guarantee)
-    asyncio.run(ensure_topics(s, [*s.input_topics, *s.output_topics], partitions=PARTITIONS))
+    asyncio.run(create_topics(s, PARTITIONS))
     procs = [start_worker(s, n) for n in range(workers)]
     try:
         deadline = time.monotonic() + 60

@@ -42,12 +42,11 @@ sys.path.insert(0, str(ROOT))
 from bench import needs  # noqa: E402
 from bench.alignment import PARTITIONS, load, preload  # noqa: E402
 from bench.kafka_support import PrivateRedis  # noqa: E402
-from bench.reliability import Serve, read, scenario_settings, serving, wait_assigned  # noqa: E402
+from bench.reliability import Serve, create_topics, read, scenario_settings, serving, wait_assigned  # noqa: E402
 from filters.engine import NearDupFilter  # noqa: E402
 from filters.records import Verdict  # noqa: E402
 from stream.backlog import Item, differences, reference  # noqa: E402
 from stream.evaluate import read_truth, score  # noqa: E402
-from stream.kafka_tools import ensure_topics  # noqa: E402
 
 DEFAULT_STREAM = ROOT.parent / "shared" / "eval" / "stream.jsonl"
 _REBUILT = re.compile(r"index rebuilt from the changelog: (\d+) entries read, (\d+) written, in ([0-9.]+)s")
@@ -66,7 +65,7 @@ def run(args: argparse.Namespace, items: Sequence[Item], truth: Sequence[dict[st
         settings = scenario_settings(args.bootstrap, f"{server.url}?prefix=loss", ts_field="ts",
                                      max_batch=args.max_batch, processing_guarantee=args.guarantee,
                                      partitions=PARTITIONS, log_level="info", align=align, max_skew=args.max_skew)
-        asyncio.run(ensure_topics(settings, [*settings.input_topics, *settings.output_topics], partitions=PARTITIONS))
+        asyncio.run(create_topics(settings, PARTITIONS))
         committed = args.guarantee == "exactly_once"
         with serving() as started:
             started += [Serve(settings, workdir, name, args=["--group-instance-id", name]) for name in ("a", "b")]
@@ -85,6 +84,9 @@ def run(args: argparse.Namespace, items: Sequence[Item], truth: Sequence[dict[st
             for w in started[1 if loss == "kill" else 0 :]:  # the killed one is not
                 w.alive()
             logs = "".join(w.log() for w in started)
+            if args.logs is not None:  # every run's workers' logs, for whoever looks at one that went wrong
+                args.logs.mkdir(parents=True, exist_ok=True)
+                (args.logs / f"{time.strftime('%H%M%S')}-{loss}-{'on' if align else 'off'}.log").write_text(logs)
     finally:
         server.stop()
     sources = [r.header("neardup-source") for r in got]
@@ -124,6 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--align", default="on", help="comma-separated: on, off (each loss with each, alternating)")
     p.add_argument("--max-skew", type=float, default=5.0, help="seconds of event time (the setting max_skew)")
     p.add_argument("--compress", type=float, default=1.0, help="divide the stream's event time by this (denser)")
+    p.add_argument("--logs", type=Path, default=None, help="a directory to keep every run's workers' logs in")
     args = p.parse_args(argv)
     truth_path = args.truth or args.stream.with_name("truth.jsonl")
     needs.files(__file__, args.stream, truth_path)

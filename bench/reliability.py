@@ -285,8 +285,14 @@ def scenario_settings(bootstrap: str, index: str, **overrides: Any) -> Settings:
     return settings_for(bootstrap, index, **values)
 
 
+# The scenarios' records carry event times of the development stream (2023) as their Kafka timestamps: a topic's
+# time retention (7 days by default) would delete a backlog the moment the broker next checks, mid-run.
+KEEP = {"retention.ms": "-1"}
+
+
 async def create_topics(settings: Settings, partitions: int) -> None:
-    await ensure_topics(settings, [*settings.input_topics, *settings.output_topics], partitions=partitions)
+    await ensure_topics(settings, [*settings.input_topics, *settings.output_topics], partitions=partitions,
+                        configs=KEEP)
 
 
 async def produce_to(settings: Settings, records: Sequence[tuple[int | None, bytes | None, bytes | None]],

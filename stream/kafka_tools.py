@@ -355,7 +355,14 @@ async def partition_lags(consumer: AIOKafkaConsumer, committed_only: bool = Fals
     stable offset when reading committed records only); a partition fetched nothing of yet, revoked
     meanwhile, or without a position within a second is missing. The aligner's idleness and the
     `neardup_consumer_lag` metric."""
-    out: dict[tuple[str, int], int] = {}
+    return {lane: max(0, end - position)
+            for lane, (position, end) in (await partition_positions(consumer, committed_only)).items()}
+
+
+async def partition_positions(consumer: AIOKafkaConsumer,
+                              committed_only: bool = False) -> dict[tuple[str, int], tuple[int, int]]:
+    """Per assigned partition whose end is known: the consumer's position and that end (see `partition_lags`)."""
+    out: dict[tuple[str, int], tuple[int, int]] = {}
     try:
         assigned = consumer.assignment()
     except IllegalStateError:
@@ -370,5 +377,5 @@ async def partition_lags(consumer: AIOKafkaConsumer, committed_only: bool = Fals
             position = await asyncio.wait_for(consumer.position(tp), 1.0)
         except (IllegalStateError, AssertionError, TimeoutError, KafkaError):
             continue
-        out[(tp.topic, tp.partition)] = max(0, end - position)
+        out[(tp.topic, tp.partition)] = (position, end)
     return out

@@ -73,6 +73,9 @@ class WorkerMetrics:
                               "event time of the next record this worker decides (its low watermark; NaN: none)",
                               registry=r)
         self.paused = Gauge("neardup_partitions_paused", "partitions paused because their buffer is full", registry=r)
+        self.unread = Counter("neardup_records_deleted_unread",
+                              "input records the broker deleted (its retention) before the worker read them: never "
+                              "routed", registry=r)
         self.index_losses = Counter("neardup_index_losses",
                                     "times the shared index was found without its marker (data lost, or never built)",
                                     registry=r)
@@ -95,6 +98,7 @@ class WorkerMetrics:
         self._kafka_errors_seen = 0
         self._lag_labels: set[tuple[str, str]] = set()
         self._late_seen = 0
+        self._unread_seen = 0
         self._held_seen = 0.0
         self._losses_seen = 0
         self._restored_seen = 0
@@ -163,6 +167,12 @@ class WorkerMetrics:
             self._held_seen = held
         self.low_mark.set(float("nan") if low is None else low)
         self.paused.set(paused)
+
+    def unread_state(self, unread: int) -> None:
+        """Input records the broker deleted before they were read (the worker's `unread`)."""
+        if unread > self._unread_seen:
+            self.unread.inc(unread - self._unread_seen)
+            self._unread_seen = unread
 
     def lag(self, lags: Mapping[tuple[str, int], int]) -> None:
         labels = {(topic, str(partition)) for topic, partition in lags}

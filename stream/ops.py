@@ -217,6 +217,7 @@ class Ops:
             w = self.worker
             assert isinstance(w, AiokafkaWorker)
             self.metrics.alignment_state(w.aligner.late, w.held_seconds, w.aligner.low_mark(), len(w.aligner.paused()))
+            self.metrics.unread_state(w.unread)
             if w.guard is not None:
                 self.metrics.changelog_state(w.guard.losses, w.guard.restored_entries, w.guard.restoring,
                                              w.guard.restore_read)

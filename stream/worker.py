@@ -54,7 +54,7 @@ from stream.kafka_tools import (
     broker_errors,
     client_options,
     ensure_topics,
-    partition_lags,
+    partition_positions,
     producer,
     transient,
 )
@@ -128,6 +128,11 @@ class AiokafkaWorker(WorkerCore):
         self._stall_told = -math.inf
         self.held_seconds = 0.0  # waited for a partition or the group (a metric)
         self._rewound: set[tuple[str, int]] = set()  # partitions sent back since the loop last looked (`_reread`)
+        # Per partition owned, the offset reading goes on from as far as this worker knows (its committed offset
+        # when assigned, then after each record returned), and the gaps seen past it: `_unread`.
+        self._read_to: dict[tuple[str, int], int] = {}
+        self._gaps: dict[tuple[str, int], tuple[int, int]] = {}
+        self.unread = 0  # records the broker deleted before this worker read them (a metric)
         self._member = settings.group_instance_id or uuid.uuid4().hex[:12]
         self._rebalance = _Rebalance(self._let_go, self._assigned)
         # The index changelog (stream/changelog.py): what each batch made unique, and the guard that rebuilds
@@ -300,14 +305,30 @@ class AiokafkaWorker(WorkerCore):
                 self.kafka.failed(exc, "fetch")
                 await asyncio.sleep(0.1)  # a leader election does not mark the broker down
                 return await self.kafka.wait_up(self.stop_event.is_set)
-        for msgs in fetched.values():
+        for tp, msgs in fetched.items():
+            if not msgs:
+                continue
+            lane = (tp.topic, tp.partition)
+            was = self._read_to.get(lane)
+            if was is not None and msgs[0].offset > was + 1:  # one offset: an upstream transaction's marker
+                self._gaps[lane] = (was, msgs[0].offset)
+            self._read_to[lane] = msgs[-1].offset + 1
             self.aligner.add(KafkaRecord.of(m) for m in msgs)
         return True
 
     async def _take(self, consumer: AIOKafkaConsumer, refresh: bool) -> Taken:
         """The next batch in event-time order (`Aligner.take`), after pausing the partitions whose buffer is
         full and resuming the drained ones; the group's marks are read again when `refresh` or due."""
-        lags = await partition_lags(consumer, committed_only=self._guarantee.isolation_level == "read_committed")
+        positions = await partition_positions(consumer,
+                                              committed_only=self._guarantee.isolation_level == "read_committed")
+        lags = {lane: max(0, end - position) for lane, (position, end) in positions.items()}
+        for lane, (position, _) in positions.items():
+            was = self._read_to.get(lane)
+            if was is not None and position > was + 1:  # moved on without returning records
+                self._gaps[lane] = (was, position)
+                self._read_to[lane] = position
+        if self._gaps:
+            await self._unread(consumer)
         pause, resume = self.aligner.flow(lags.get)
         if pause:
             consumer.pause(*(TopicPartition(*lane) for lane in pause))
@@ -318,6 +339,32 @@ class AiokafkaWorker(WorkerCore):
         taken = self.aligner.take(self.settings.max_batch, self.group)
         await self._stalled(consumer, taken, lags)
         return taken
+
+    async def _unread(self, consumer: AIOKafkaConsumer) -> None:
+        """Records the broker deleted before this worker read them: the topic's retention (`retention.ms`: by the
+        records' timestamps, so a backfill of old records can go at once; or `retention.bytes`) passed the
+        committed offset of a partition whose reading lagged, and the consumer went on from the oldest offset left
+        (`auto_offset_reset` earliest). They are never routed: said in one line each time, and counted (a
+        metric). A gap in the offsets is also what reading committed records skips (an upstream's aborted
+        transactions): the partition's log start says which."""
+        gaps, self._gaps = self._gaps, {}
+        tps = [TopicPartition(*lane) for lane in gaps]
+        try:
+            starts = await asyncio.wait_for(consumer.beginning_offsets(tps), 5.0)
+        except (KafkaError, TimeoutError, IllegalStateError) as exc:
+            log.debug("log start offsets not read: %r", exc)
+            return
+        for tp in tps:
+            was, now = gaps[(tp.topic, tp.partition)]
+            start = starts.get(tp)
+            if start is None or start <= was:
+                continue
+            lost = min(start, now) - was
+            self.unread += lost
+            log.warning("%s/%d: %d records (offsets %d to %d) were deleted by the broker before this worker read "
+                        "them (the topic's retention passed them: retention.ms counts from the records' "
+                        "timestamps): they are not routed; reading goes on from offset %d", tp.topic, tp.partition,
+                        lost, was, was + lost - 1, start)
 
     async def _stalled(self, consumer: AIOKafkaConsumer, taken: Taken, lags: dict[tuple[str, int], int]) -> None:
         """A warning, every STALL_WARNING seconds, while nothing is taken though a partition has records
@@ -382,6 +429,14 @@ class AiokafkaWorker(WorkerCore):
         """A new assignment: the aligner starts afresh and the group hears of it at once (until every
         member has said what it owns, nobody takes anything: `GroupView.complete`)."""
         self.aligner.assign(lanes_of(tps))
+        self._read_to, self._gaps = {}, {}
+        consumer = self._consumer
+        for tp in tps:
+            with contextlib.suppress(KafkaError, TimeoutError, IllegalStateError):
+                assert consumer is not None  # assigned: it runs
+                committed = await asyncio.wait_for(consumer.committed(tp), 1.0)
+                if committed is not None:
+                    self._read_to[(tp.topic, tp.partition)] = committed
         if self.settings.align:
             await self._publish_marks()
 
@@ -554,6 +609,7 @@ class AiokafkaWorker(WorkerCore):
                 assert self._consumer is not None
                 self._consumer.seek(TopicPartition(*lane), offset)
         self.aligner.rewind(first)
+        self._read_to.update(first)
         self._rewound |= set(first)
 
 

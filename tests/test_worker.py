@@ -13,6 +13,7 @@ from pathlib import Path
 import orjson
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, RecordsToDelete
 from aiokafka.partitioner import DefaultPartitioner
 
 from bench.kafka_support import (
@@ -508,3 +509,49 @@ def test_the_following_batch_is_prepared_once_while_one_is_routed(index: str, in
                 drop_index(url)
     assert got == expected
     assert sum(prepared) == sum(1 for out in expected if dict(out.headers)["neardup-verdict"] != b"rejected")
+
+
+def test_records_the_broker_deleted_before_they_were_read_are_said_and_counted(
+        kafka_bootstrap: str, index_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A partition whose reading lagged past the topic's retention (here: DeleteRecords, what retention does to
+    a log's start) goes on from the oldest offset left: the records in between are never routed, and the worker
+    says so in one line and counts them, whether records follow the gap (some deleted) or none do (all)."""
+    settings = settings_for(kafka_bootstrap, index_url, partitions=1)
+    topic = settings.input_topics[0]
+    tp = TopicPartition(topic, 0)
+
+    def messages(start: int, stop: int) -> list[tuple[bytes, bytes, tuple[()]]]:
+        return [(str(i).encode(), b'{"text": "message number %d about something else entirely"}' % i, ())
+                for i in range(start, stop)]
+
+    async def delete_before(offset: int) -> None:
+        admin = AIOKafkaAdminClient(**client_options(settings))
+        await admin.start()
+        try:
+            await admin.delete_records({tp: RecordsToDelete(before_offset=offset)})
+        finally:
+            await admin.close()
+
+    async def scenario() -> tuple[int, int, list[KafkaRecord], dict[int, int | None]]:
+        await ensure_topics(settings, [topic, *settings.output_topics])
+        await produce(settings, topic, messages(0, 10))
+        await run_until(make_worker(settings), lambda s: s.seen >= 10)  # committed: 10
+        await produce(settings, topic, messages(10, 40))
+        await delete_before(30)  # 10..29 go before they were read
+        some = make_worker(settings)
+        await run_until(some, lambda s: s.seen >= 10)
+        await produce(settings, topic, messages(40, 50))
+        await delete_before(50)  # all of 40..49: nothing follows the gap
+        every = make_worker(settings)
+        await run_until(every, lambda s: every.unread >= 10, timeout=20)
+        return some.unread, every.unread, await outputs(settings, 20, settle=0.5), await committed(settings)
+
+    with caplog.at_level(logging.WARNING, logger="neardup.worker"):
+        some, every, got, offsets = asyncio.run(scenario())
+    assert (some, every) == (20, 10)
+    routed = sorted(int((r.header("neardup-source") or b"").decode().rsplit("/", 1)[1]) for r in got)
+    assert routed == [*range(10), *range(30, 40)]  # each once; the deleted ones never
+    said = [r.message for r in caplog.records if "deleted by the broker before this worker read" in r.message]
+    assert [m.split(": ", 1)[1].split(" were")[0] for m in said] == ["20 records (offsets 10 to 29)",
+                                                                    "10 records (offsets 40 to 49)"]
+    assert offsets == {0: 40}  # the last worker routed nothing: its commit stays where reading stopped
