@@ -29,6 +29,7 @@ from bench.kafka_support import (
     settings_for,
     unique_name,
 )
+from bench.reliability import KEEP
 from filters.errors import ConfigError
 from stream import commands
 from stream.delivery import ExactlyOnce
@@ -416,6 +417,7 @@ def test_event_time_is_the_kafka_timestamp_unless_a_field_is_configured(kafka_bo
     t0 = 1_700_000_000_000
 
     async def scenario() -> list[KafkaRecord]:
+        await ensure_topics(settings, settings.input_topics, configs=KEEP)  # 2023's records: no time retention
         await produce(settings, settings.input_topics[0], [(None, text, ())] * 3,
                       timestamps_ms=[t0, t0 + 30_000, t0 + 1_000_000])
         await run_until(make_worker(settings), lambda s: s.seen >= 3)
