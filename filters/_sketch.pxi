@@ -66,10 +66,12 @@ cdef struct Rules:  # the verification parameters of a `FilterConfig`, read once
     double min_shared
     Py_ssize_t limit
     double threshold
+    double threshold_long
     double containment
     double min_ratio
     int64_t min_size
     int64_t slack
+    double slack_share
     double edit
 
 
@@ -78,10 +80,12 @@ cdef Rules rules_of(cfg) except *:
     r.min_shared = cfg.min_shared
     r.limit = cfg.max_candidates
     r.threshold = cfg.threshold
+    r.threshold_long = cfg.threshold_long
     r.containment = cfg.containment
     r.min_ratio = cfg.containment_min_ratio
     r.min_size = cfg.containment_min_size
     r.slack = cfg.containment_slack
+    r.slack_share = cfg.containment_slack_share
     r.edit = cfg.edit_similarity
     return r
 
@@ -90,21 +94,24 @@ cdef inline double similarity(Estimates est, int64_t size_a, int64_t size_b, con
                               const uint32_t *chars_a, Py_ssize_t na, const uint32_t *chars_b,
                               Py_ssize_t nb) noexcept nogil:
     """`NearDupFilter._sketch_match` on the estimates and the short texts' characters (`na`, `nb`: 0 for a text
-    that is not short): the Jaccard if it passes `threshold`; else the containment of the smaller text if it
-    passes (with the size ratio, the minimum size and the slack); else the edit rule's LCS similarity if both
-    texts are short and it passes; else -1."""
-    if est.jaccard >= r.threshold:
-        return est.jaccard
+    that is not short): the Jaccard if it passes `threshold` (`threshold_long` when one text is not short and
+    neither is contained in the other); else the containment of the smaller text if it passes (with the size
+    ratio, the minimum size and the slack); else the edit rule's LCS similarity if both texts are short and it
+    passes; else -1."""
     cdef double best = est.containment_a
     cdef int64_t inside = size_a
     if est.containment_b > est.containment_a:
         best = est.containment_b
         inside = size_b
+    if est.jaccard >= r.threshold and (est.jaccard >= r.threshold_long or best >= r.containment or (na and nb)):
+        return est.jaccard
     cdef int64_t small = size_a if size_a < size_b else size_b
     cdef int64_t big = size_a if size_a > size_b else size_b
     if big < 1:
         big = 1
     cdef double slack = <double>r.slack
+    if <double>inside * r.slack_share < slack:
+        slack = <double>inside * r.slack_share
     if <double>inside / 16.0 > slack:
         slack = <double>inside / 16.0
     if (best >= r.containment and <double>small / <double>big >= r.min_ratio and small >= r.min_size

@@ -28,12 +28,20 @@ class FilterConfig:
     shingle: int = 4  # character n-gram size of the verification shingles
     sketch_size: int = 128  # bottom-k sketch kept per indexed message
     threshold: float = 0.5  # Jaccard at or above which a candidate is a duplicate
+    # ... and when one of the two texts is longer than `short_text` and neither is contained in the other (at
+    # `containment`), at or above this too (at or below `threshold`: off): long texts of one template with other
+    # names and figures (dividend notices of other companies) share half their shingles; a long copy with words
+    # edited keeps more (docs/quality-recall.md).
+    threshold_long: float = 0.55
     containment: float = 0.8  # ... or containment of the smaller text in the larger, at or above this
     containment_min_ratio: float = 0.35  # ... when the smaller has at least this share of the larger's size
     containment_min_size: int = 12  # ... and at least this many shingles (short texts need Jaccard)
     # ... and the smaller text has at most this many shingles the larger lacks: a truncated copy adds at most the
     # junction and a marker ("(more)"); a reworded summary or a reply that quotes adds more (docs/quality-recall.md).
     containment_slack: int = 6
+    # ... and at most this share of the contained text's shingles: a short text's few shingles of its own are a clause
+    # ("Sorry, in meeting I'll call later"), a long one's six a junction and a marker.
+    containment_slack_share: float = 0.125
     # Short texts (at most this many normalized characters) keep their normalized text for the edit check: a
     # candidate is a duplicate when both are short and their LCS similarity 2·LCS/(|a|+|b|) reaches `edit_similarity`
     # (a few words inserted, deleted or swapped), or when one is the other's characters in another order.
@@ -68,6 +76,8 @@ class FilterConfig:
             raise ConfigError(f"verify must be one of {VERIFY_MODES}, got {self.verify!r}")
         if not 0.0 < self.threshold <= 1.0 or not 0.0 < self.containment <= 1.0 or not 0.0 < self.edit_similarity <= 1.0:
             raise ConfigError("threshold, containment and edit_similarity must be in (0, 1]")
+        if not 0.0 <= self.threshold_long <= 1.0 or not 0.0 <= self.containment_slack_share <= 1.0:
+            raise ConfigError("threshold_long and containment_slack_share must be in [0, 1]")
         if self.minhash_perm % self.minhash_bands:
             raise ConfigError("minhash_perm must be a multiple of minhash_bands")
         if not 0 <= self.simhash_k < 16:
@@ -91,8 +101,9 @@ class FilterConfig:
         """The parameters that change what is stored; thresholds and the window do not."""
         d = asdict(self)
         d["normalize_version"] = NORMALIZE_VERSION  # a changed normalization never meets old stored fingerprints
-        for volatile in ("threshold", "containment", "containment_min_ratio", "containment_min_size",
-                         "containment_slack", "edit_similarity", "max_candidates", "window", "verify", "min_shared"):
+        for volatile in ("threshold", "threshold_long", "containment", "containment_min_ratio", "containment_min_size",
+                         "containment_slack", "containment_slack_share", "edit_similarity", "max_candidates", "window",
+                         "verify", "min_shared"):
             d.pop(volatile)
         return d
 

@@ -178,14 +178,19 @@ class NearDupFilter:
         cfg = self.config
         size_a, size_b = fp.size, entry.size
         jaccard, containment_a, containment_b = (probe or Probe(fp.sketch, size_a)).estimates(entry.sketch, size_b)
-        if jaccard >= cfg.threshold:
+        inside, containment = (size_a, containment_a) if containment_a >= containment_b else (size_b, containment_b)
+        # A pair the edit rule cannot judge (one text longer than `short_text`) of which neither is contained in the
+        # other needs `threshold_long`: a template with other names and figures shares half its shingles.
+        if jaccard >= cfg.threshold and (jaccard >= cfg.threshold_long or containment >= cfg.containment
+                                         or (fp.chars and entry.chars)):
             return Match(True, jaccard, method)
         # Containment of the smaller text in the larger (Overlap's), when the contained text adds at most a few
-        # shingles of its own: `containment_slack`, or 1/16 of a long text's (its sketch is a sample).
-        inside, containment = (size_a, containment_a) if containment_a >= containment_b else (size_b, containment_b)
+        # shingles of its own: `containment_slack` and `containment_slack_share` of them, or 1/16 of a long text's
+        # (its sketch is a sample).
         if containment >= cfg.containment and size_ratio(size_a, size_b) >= cfg.containment_min_ratio \
                 and min(size_a, size_b) >= cfg.containment_min_size \
-                and inside * (1.0 - containment) <= max(cfg.containment_slack, inside / 16):
+                and inside * (1.0 - containment) <= max(min(cfg.containment_slack, inside * cfg.containment_slack_share),
+                                                        inside / 16):
             return Match(True, containment, method)
         if fp.chars and entry.chars:
             edited = edit_match(fp.chars, entry.chars, cfg.edit_similarity)

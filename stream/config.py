@@ -126,6 +126,9 @@ class Settings:
         "method's own measure", FILTER))
     threshold: float = field(default=_DEFAULT_FILTER.threshold, metadata=_meta(
         "Jaccard at or above which a candidate is a duplicate", FILTER, kind="float"))
+    threshold_long: float = field(default=_DEFAULT_FILTER.threshold_long, metadata=_meta(
+        "... but this when one text is longer than short_text and neither is contained in the other (templates with "
+        "other names and figures)", FILTER, kind="float"))
     containment: float = field(default=_DEFAULT_FILTER.containment, metadata=_meta(
         "... or containment of the smaller text in the larger at or above this (truncated copies, added lines)",
         FILTER, kind="float"))
@@ -136,6 +139,8 @@ class Settings:
         "... and at least this many shingles (short texts need Jaccard)", FILTER, kind="int"))
     containment_slack: int = field(default=_DEFAULT_FILTER.containment_slack, metadata=_meta(
         "... and the smaller text has at most this many shingles the larger lacks", FILTER, kind="int"))
+    containment_slack_share: float = field(default=_DEFAULT_FILTER.containment_slack_share, metadata=_meta(
+        "... and at most this share of its shingles", FILTER, kind="float"))
     short_text: int = field(default=_DEFAULT_FILTER.short_text, metadata=_meta(
         "texts of at most this many normalized characters keep them for the edit check (0: off)", FILTER,
         kind="int"))

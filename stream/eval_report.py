@@ -78,12 +78,16 @@ def pair_detail(nd: NearDupFilter, earlier: str, later: str) -> PairDetail:
         rule = f"too few shared keys ({dict(Counter(key_method(k) for k in shared))} < min_shared floor)"
     elif match.ok:
         rule = f"matches alone via {match.method} (lost to ranking, bucket cap or another candidate)"
+    elif ov.jaccard >= cfg.threshold and edit < 0 and containment < cfg.containment:
+        rule = (f"jaccard passes threshold {cfg.threshold} but not threshold_long {cfg.threshold_long} "
+                "(a long pair of about one size)")
     elif containment >= cfg.containment and size_ratio(fa.size, fb.size) < cfg.containment_min_ratio:
         rule = "containment passes but size ratio below containment_min_ratio"
     elif containment >= cfg.containment and min(fa.size, fb.size) < cfg.containment_min_size:
         rule = "containment passes but text below containment_min_size shingles"
     elif containment >= cfg.containment:
-        rule = "containment passes but the contained text has more shingles of its own than containment_slack"
+        rule = ("containment passes but the contained text has more shingles of its own than containment_slack "
+                "and containment_slack_share allow")
     elif edit >= 0:
         rule = f"similarity below threshold {cfg.threshold} / containment {cfg.containment} / LCS {cfg.edit_similarity}"
     else:

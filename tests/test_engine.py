@@ -259,6 +259,46 @@ def test_containment_refuses_a_part_that_adds_words_of_its_own(native: bool) -> 
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["compiled", "reference"])
+def test_a_short_part_with_a_clause_of_its_own_is_not_contained(native: bool) -> None:
+    """`containment_slack_share`: a short text contained in another but for a few shingles of its own (a 14-shingle
+    text with two of them, 14 %) is another message; the same text with nothing of its own, or a long part whose
+    six own shingles are a junction and a marker, is still contained."""
+    def verdict(a: str, b: str, **changes: object) -> Verdict:
+        f = NearDupFilter(FilterConfig().replace(**changes), native=native)
+        f.check(a, id="a", ts=0)
+        return f.check(b, id="b", ts=1)
+
+    assert not verdict("Sorry, I'll call later", "Sorry,in meeting I'll call later").duplicate
+    assert verdict("Sorry, I'll call later", "Sorry,in meeting I'll call later",
+                   containment_slack_share=1.0).duplicate  # the share is what refuses it
+    assert verdict("Are you staying in town ?", "Are you staying in town ? (msg&data rates may apply)").duplicate
+    rng = random.Random(4)
+    text = words(rng, 60)
+    assert verdict(text, text[: len(text) * 2 // 5] + " (more)").duplicate
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["compiled", "reference"])
+def test_long_texts_of_one_template_need_more_than_half_their_shingles(native: bool) -> None:
+    """`threshold_long`: two dividend notices of other companies share half their shingles (Jaccard 0.50, the
+    smaller 69 % inside the larger): not duplicates, though `threshold` alone would take them; a long copy with a
+    word edited, and a long copy cut short (contained), are still duplicates."""
+    zayre = "zayre corp zy raises quarterly qtly div cts vs eight cts prior pay june four record may reuter"
+    nucor = "nucor corp nue raises quarterly qtly div nine cts vs eight cts prior pay may record march reuter"
+    for threshold_long, duplicate in ((0.55, False), (0.5, True)):
+        f = NearDupFilter(FilterConfig(threshold_long=threshold_long), native=native)
+        f.check(zayre, id="a", ts=0)
+        assert f.check(nucor, id="b", ts=1).duplicate is duplicate
+    rng = random.Random(7)
+    text = words(rng, 40)
+    f = NearDupFilter(native=native)
+    f.check(text, id="full", ts=0)
+    swapped = text.split()
+    swapped[20] = "zzzzzz"
+    assert f.check(" ".join(swapped), id="edited", ts=1).duplicate_of == "full"
+    assert f.check(text[: len(text) * 3 // 5], id="cut", ts=2).duplicate_of == "full"
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["compiled", "reference"])
 def test_a_short_text_with_a_word_inserted_deleted_or_swapped_is_a_duplicate(native: bool) -> None:
     """One edit in an 8-character Chinese text leaves no 6-gram key and a shingle Jaccard near 0.2: the
     3-gram keys of short texts find the original and the edit rule (LCS similarity, or the same characters

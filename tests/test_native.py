@@ -219,6 +219,30 @@ def _perturbed_stream(seed: int, n: int) -> list[Message]:
     return out
 
 
+_TEMPLATE = "{} corp raises quarterly qtly div {} cts vs eight cts prior pay {} record {} reuter"
+_FILL = ["zayre", "nucor", "nine", "june four", "may", "march", "sorry", "in meeting", "i'll call later", "钢琴烤漆"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(slots=st.lists(st.tuples(st.sampled_from(_FILL), st.sampled_from(_FILL), st.sampled_from(_FILL),
+                                st.sampled_from(_FILL)), min_size=2, max_size=6),
+       cut=st.integers(0, 90), tail=st.sampled_from(["", " (more)", " and a clause of its own", " 详询微信"]),
+       threshold_long=st.sampled_from([0.5, 0.55, 0.7, 1.0]), share=st.sampled_from([0.0, 0.125, 0.3, 1.0]),
+       short_text=st.sampled_from([0, 40, 70]))
+def test_template_and_containment_rules_decide_as_the_reference(slots: list[tuple[str, str, str, str]], cut: int,
+                                                                 tail: str, threshold_long: float, share: float,
+                                                                 short_text: int) -> None:
+    """`threshold_long` and `containment_slack_share` in the compiled verification (`_sketch.pxi` similarity)
+    against `NearDupFilter._sketch_match`: texts of one template with other names and figures, parts of them
+    with a marker or a clause of their own, long and short (the edit rule on or off)."""
+    texts = [_TEMPLATE.format(*s) for s in slots]
+    texts.append(texts[0][: max(cut, 1)] + tail)
+    config = FilterConfig(threshold_long=threshold_long, containment_slack_share=share, short_text=short_text)
+    msgs = [Message(f"m{i}", t, float(i)) for i, t in enumerate(texts)]
+    compiled, reference = NearDupFilter(config, native=True), NearDupFilter(config, native=False)
+    assert compiled.check_batch(msgs) == reference.check_batch(msgs)
+
+
 @pytest.mark.parametrize(("window", "cap"), [(1e9, 64), (40.0, 64), (1e9, 2)])
 def test_batch_in_the_table_decides_as_the_reference(window: float, cap: int) -> None:
     """The whole-batch path (`Table.decide`) against the reference engine (numpy fingerprints, PyTable,

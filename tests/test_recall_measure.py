@@ -37,6 +37,12 @@ def test_pair_detail_names_the_rule_that_refuses() -> None:
     # A short text inside a long one: containment holds but the text has too few shingles for it.
     inside = pair_detail(nd, "Watching tv lor...", "Dear Customer, Watching tv lor... see you at the mall today")
     assert not inside.verified and "containment" in inside.rule
+    # Long texts of one template with other names: half their shingles shared, neither inside the other.
+    template = pair_detail(nd, "zayre corp zy raises quarterly qtly div cts vs eight cts prior pay june four record may reuter",
+                           "nucor corp nue raises quarterly qtly div nine cts vs eight cts prior pay may record march reuter")
+    assert not template.verified and "threshold_long" in template.rule
+    clause = pair_detail(nd, "Sorry, I'll call later", "Sorry,in meeting I'll call later")
+    assert not clause.verified and "containment_slack_share" in clause.rule
 
 
 def test_report_lists_misses_and_false_positives() -> None:
