@@ -68,11 +68,12 @@ class Latency:
     max_ms: float
 
 
-def short_messages(stream: Path, truth: Path, corpora: Sequence[str], limit: int) -> list[bytes]:
+def short_messages(stream: Path, truth: Path, corpora: Sequence[str] | None, limit: int) -> list[bytes]:
+    """The first `limit` messages of the stream of those `corpora` (None: all)."""
     out = []
     with open(stream, "rb") as s, open(truth, "rb") as t:
         for line, label in zip(s, t):
-            if orjson.loads(label)["corpus"] in corpora:
+            if corpora is None or orjson.loads(label)["corpus"] in corpora:
                 out.append(line.rstrip(b"\r\n"))
                 if len(out) >= limit:
                     break
@@ -131,10 +132,11 @@ def cleanup(s: Settings) -> None:
     client.close()
 
 
-async def preload(s: Settings, lines: Sequence[bytes]) -> None:
-    await ensure_topics(s, [*s.input_topics, *s.output_topics], partitions=1)
+async def preload(s: Settings, lines: Sequence[bytes], partitions: int = 1) -> None:
+    """`lines` into a fresh input topic of `partitions`, dealt round-robin."""
+    await ensure_topics(s, [*s.input_topics, *s.output_topics], partitions=partitions)
     async with producer(s, linger_ms=20) as p:
-        futures = [await p.send(s.input_topics[0], value=line) for line in lines]
+        futures = [await p.send(s.input_topics[0], value=line, partition=i % partitions) for i, line in enumerate(lines)]
         await asyncio.gather(*futures)
 
 
@@ -271,7 +273,7 @@ def add_service_arguments(p: argparse.ArgumentParser, messages: int) -> None:
     p.add_argument("--redis", default=os.environ.get("NEARDUP_TEST_REDIS_URL", "redis://127.0.0.1:6379/0"))
     p.add_argument("--stream", type=Path, default=ROOT.parent / "shared" / "eval" / "stream.jsonl")
     p.add_argument("--truth", type=Path, default=ROOT.parent / "shared" / "eval" / "truth.jsonl")
-    p.add_argument("--corpora", default="sms_en,tweets_en,reviews_zh")
+    p.add_argument("--corpora", default="sms_en,tweets_en,reviews_zh", help="comma-separated, or all")
     p.add_argument("--messages", type=int, default=messages)
     p.add_argument("--max-batch", type=int, default=500)
 
@@ -286,7 +288,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     check_needs(args)
 
-    lines = short_messages(args.stream, args.truth, args.corpora.split(","), args.messages)
+    lines = short_messages(args.stream, args.truth, None if args.corpora == "all" else args.corpora.split(","),
+                           args.messages)
     chars = statistics.median(len(orjson.loads(line)["text"]) for line in lines)
     print(f"{len(lines)} messages of {args.corpora} (median {chars:.0f} chars), max_batch {args.max_batch}, "
           f"Kafka {args.bootstrap}, Redis {args.redis}, {psutil.cpu_count()} CPUs", flush=True)

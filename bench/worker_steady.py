@@ -20,6 +20,7 @@ import asyncio
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,26 +56,36 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     kafka_e2e.add_service_arguments(p, messages=16_946)
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--partitions", type=int, default=1, help="of the input topic (messages dealt round-robin)")
+    p.add_argument("--align", default="on", help="comma-separated: on, off (event-time alignment; alternating)")
     args = p.parse_args()
     kafka_e2e.check_needs(args)
-    lines = kafka_e2e.short_messages(args.stream, args.truth, args.corpora.split(","), args.messages)
+    aligns = [a for a in args.align.split(",") if a]
+    if not aligns or set(aligns) - {"on", "off"}:
+        p.error("--align: comma-separated, of on, off")
+    corpora = None if args.corpora == "all" else args.corpora.split(",")
+    lines = kafka_e2e.short_messages(args.stream, args.truth, corpora, args.messages)
     tune_collector()
-    rates, cpus = [], []
+    rates: dict[str, list[float]] = {a: [] for a in aligns}
+    cpus: dict[str, list[float]] = {a: [] for a in aligns}
     for run in range(args.runs):
-        settings = kafka_e2e.settings(args, "aiokafka")
-        try:
-            asyncio.run(kafka_e2e.preload(settings, lines))
-            rate, cpu = asyncio.run(steady(settings, len(lines)))
-        finally:
-            kafka_e2e.cleanup(settings)
-        rates.append(rate)
-        cpus.append(cpu)
-        print(f"  run {run + 1}: {rate:,.0f} msg/s, {cpu:.1f} µs CPU a message", file=sys.stderr)
-    print(f"{len(lines)} short messages, max_batch {args.max_batch}, {args.runs} runs\n")
-    print("| worker (in process) | msg/s steady (median) | min–max | CPU µs a message (median) |")
-    print("|---|---|---|---|")
-    print(f"| aiokafka | {statistics.median(rates):,.0f} | {min(rates):,.0f}–{max(rates):,.0f} | "
-          f"{statistics.median(cpus):.1f} |")
+        for a in aligns:  # alternating
+            settings = replace(kafka_e2e.settings(args, "aiokafka"), align=a == "on")
+            try:
+                asyncio.run(kafka_e2e.preload(settings, lines, partitions=args.partitions))
+                rate, cpu = asyncio.run(steady(settings, len(lines)))
+            finally:
+                kafka_e2e.cleanup(settings)
+            rates[a].append(rate)
+            cpus[a].append(cpu)
+            print(f"  run {run + 1}, align {a}: {rate:,.0f} msg/s, {cpu:.1f} µs CPU a message", file=sys.stderr)
+    print(f"{len(lines)} messages of {args.corpora}, {args.partitions} partition(s), max_batch {args.max_batch}, "
+          f"{args.runs} runs\n")
+    print("| worker (in process) | alignment | msg/s steady (median) | min–max | CPU µs a message (median) |")
+    print("|---|---|---|---|---|")
+    for a in aligns:
+        print(f"| aiokafka | {a} | {statistics.median(rates[a]):,.0f} | {min(rates[a]):,.0f}–{max(rates[a]):,.0f} | "
+              f"{statistics.median(cpus[a]):.1f} |")
     return 0
 
 
