@@ -67,6 +67,9 @@ log = logging.getLogger("neardup.worker")
 # once when one does) before it reads the marks again anyway (a mark that expired says nothing).
 _GROUP_POLL = 0.05
 STALL_WARNING = 30.0  # seconds without a record taken, with records waiting, before the worker says why
+# How often, at most, a worker reads the log starts of partitions whose offsets jumped (`_unread`): a gap is
+# mostly what reading committed records skips, or a compacted topic's, and each read is a round trip.
+UNREAD_EVERY = 5.0
 
 
 
@@ -131,7 +134,8 @@ class AiokafkaWorker(WorkerCore):
         # Per partition owned, the offset reading goes on from as far as this worker knows (its committed offset
         # when assigned, then after each record returned), and the gaps seen past it: `_unread`.
         self._read_to: dict[tuple[str, int], int] = {}
-        self._gaps: dict[tuple[str, int], tuple[int, int]] = {}
+        self._gaps: dict[tuple[str, int], list[tuple[int, int]]] = {}
+        self._gaps_read_at = -math.inf  # when the log starts were last read for them (at most every UNREAD_EVERY)
         self.unread = 0  # records the broker deleted before this worker read them (a metric)
         self._member = settings.group_instance_id or uuid.uuid4().hex[:12]
         self._rebalance = _Rebalance(self._let_go, self._assigned)
@@ -311,7 +315,7 @@ class AiokafkaWorker(WorkerCore):
             lane = (tp.topic, tp.partition)
             was = self._read_to.get(lane)
             if was is not None and msgs[0].offset > was + 1:  # one offset: an upstream transaction's marker
-                self._gaps[lane] = (was, msgs[0].offset)
+                self._gaps.setdefault(lane, []).append((was, msgs[0].offset))
             self._read_to[lane] = msgs[-1].offset + 1
             self.aligner.add(KafkaRecord.of(m) for m in msgs)
         return True
@@ -325,9 +329,9 @@ class AiokafkaWorker(WorkerCore):
         for lane, (position, _) in positions.items():
             was = self._read_to.get(lane)
             if was is not None and position > was + 1:  # moved on without returning records
-                self._gaps[lane] = (was, position)
+                self._gaps.setdefault(lane, []).append((was, position))
                 self._read_to[lane] = position
-        if self._gaps:
+        if self._gaps and time.monotonic() - self._gaps_read_at >= UNREAD_EVERY:
             await self._unread(consumer)
         pause, resume = self.aligner.flow(lags.get)
         if pause:
@@ -347,7 +351,7 @@ class AiokafkaWorker(WorkerCore):
         (`auto_offset_reset` earliest). They are never routed: said in one line each time, and counted (a
         metric). A gap in the offsets is also what reading committed records skips (an upstream's aborted
         transactions): the partition's log start says which."""
-        gaps, self._gaps = self._gaps, {}
+        gaps, self._gaps, self._gaps_read_at = self._gaps, {}, time.monotonic()
         tps = [TopicPartition(*lane) for lane in gaps]
         try:
             starts = await asyncio.wait_for(consumer.beginning_offsets(tps), 5.0)
@@ -355,16 +359,16 @@ class AiokafkaWorker(WorkerCore):
             log.debug("log start offsets not read: %r", exc)
             return
         for tp in tps:
-            was, now = gaps[(tp.topic, tp.partition)]
             start = starts.get(tp)
-            if start is None or start <= was:
-                continue
-            lost = min(start, now) - was
-            self.unread += lost
-            log.warning("%s/%d: %d records (offsets %d to %d) were deleted by the broker before this worker read "
-                        "them (the topic's retention passed them: retention.ms counts from the records' "
-                        "timestamps): they are not routed; reading goes on from offset %d", tp.topic, tp.partition,
-                        lost, was, was + lost - 1, start)
+            for was, now in gaps[(tp.topic, tp.partition)]:
+                if start is None or start <= was:
+                    continue
+                lost = min(start, now) - was
+                self.unread += lost
+                log.warning("%s/%d: %d records (offsets %d to %d) were deleted by the broker before this worker read "
+                            "them (the topic's retention passed them: retention.ms counts from the records' "
+                            "timestamps): they are not routed; reading went on from offset %d", tp.topic,
+                            tp.partition, lost, was, was + lost - 1, now)
 
     async def _stalled(self, consumer: AIOKafkaConsumer, taken: Taken, lags: dict[tuple[str, int], int]) -> None:
         """A warning, every STALL_WARNING seconds, while nothing is taken though a partition has records
