@@ -118,7 +118,7 @@ def read_back(r: redis.Redis) -> tuple[list[Slice], dict[str, object]]:
     no_ttl = 0
     for key in r.scan_iter(count=1000):
         usage += r.memory_usage(key, samples=0) or 0
-        keys[(r.type(key).decode(), r.object("encoding", key).decode())] += 1
+        keys[(bytes(r.type(key)).decode(), bytes(r.object("encoding", key)).decode())] += 1
         no_ttl += r.pttl(key) < 0
         if b":s:" not in key:
             continue
@@ -292,8 +292,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         kinds = today["kinds"]
         assert isinstance(kinds, dict)
         print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; {args.stream.name}: {indexed:,} messages indexed")
+        usage = today["usage"]
+        assert isinstance(usage, int)
         print(f"\nThe index as `neardup filter` leaves it: used_memory {delta / indexed:,.0f} bytes per message indexed, "
-              f"MEMORY USAGE {today['usage'] / indexed:,.0f}; keys by type and encoding {today['keys']}; "
+              f"MEMORY USAGE {usage / indexed:,.0f}; keys by type and encoding {today['keys']}; "
               f"keys without a TTL: {today['no_ttl']}\n")
         print("| field | per message indexed | bytes of name and value per message indexed |")
         print("|---|---|---|")
