@@ -118,7 +118,7 @@ def read_back(r: redis.Redis) -> tuple[list[Slice], dict[str, object]]:
     no_ttl = 0
     for key in r.scan_iter(count=1000):
         usage += r.memory_usage(key, samples=0) or 0
-        keys[(bytes(r.type(key)).decode(), bytes(r.object("encoding", key)).decode())] += 1
+        keys[(str(r.type(key), "ascii"), str(r.object("encoding", key), "ascii"))] += 1  # type: ignore[arg-type]
         no_ttl += r.pttl(key) < 0
         if b":s:" not in key:
             continue
