@@ -176,6 +176,31 @@ def test_damaged_memos_are_corrupt() -> None:
             decode_memo(bad, "b")
 
 
+def test_a_namespace_written_with_entries_of_version_2_is_read_on(make: Callable[..., RedisIndex], redis_url: str,
+                                                                  prefix: str) -> None:
+    """An upgrade keeps the window: entries the release before wrote (version 2) are found under their ids
+    (replays), verified as candidates with the same contents, and sit beside the entries of version 3 that
+    the new release inserts."""
+    index = make()
+    made = [Entry(f"old{i}", 1000.0 + i, 7 + i, 40, np.sort(np.random.default_rng(i).choice(2**32, 30, replace=False))
+                  .astype(np.uint32), chars="short text" if i % 2 else "") for i in range(4)]
+    index.lookup([Query(e.id, e.ts, (1, 2, 3)) for e in made], 8)
+    assert index.insert([(e, (1, 2, 3)) for e in made]) == [None] * 4
+    with redis.Redis.from_url(redis_url) as client:
+        key = f"{{{prefix}:ns}}:s:0"
+        assert all(client.hget(key, f"e{e.id}")[0] == 3 for e in made)  # type: ignore[index]
+        client.hset(key, mapping={f"e{e.id}": encode_entry_v2(e) for e in made})  # as the release before wrote them
+    reader = make()
+    looked = reader.lookup([Query("old0", 1000.0, (1, 2, 3)), Query("new", 1001.0, (1, 2, 3))], 8)
+    assert looked[0][0] is not None  # its own entry: a replay
+    cands = looked[1][1]
+    assert cands is not None and sorted(ids(cands)) == [e.id for e in made]
+    for c in cands:
+        assert_same_entry(c.entry, made[int(c.entry.id[3:])])
+    assert reader.insert([(entry("new", 1001.0), (1, 2, 3))]) == [None]
+    assert ids(make().lookup([Query("q", 1002.0, (1, 2, 3))], 8)[0][1])[0] == "new"
+
+
 def test_stored_garbage_is_index_corrupt(make: Callable[..., RedisIndex], redis_url: str, prefix: str) -> None:
     index = make()
     index.lookup([Query("a", 1000, (1,))], 8)
