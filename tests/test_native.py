@@ -406,7 +406,7 @@ def test_the_shared_loop_decides_as_the_python_reference(seed: int, count: int, 
 
 
 @settings(max_examples=200, deadline=None)
-@given(n=st.integers(0, 40), wide=st.booleans(), simhash=st.none() | st.integers(0, 2**64 - 1),
+@given(n=st.integers(0, 160), wide=st.booleans(), simhash=st.none() | st.integers(0, 2**64 - 1),
        minhash=st.none() | st.integers(0, 8), sentences=st.lists(st.integers(0, 2**64 - 1), max_size=3),
        exact=st.integers(0, 2**128 - 1), size=st.integers(0, 2**32 - 1), ts=st.floats(-1e9, 1e11),
        cut=st.integers(0, 60), version=st.integers(0, 4), flags=st.integers(0, 255), mangle=st.booleans(),
@@ -448,7 +448,7 @@ def test_stored_entries_decode_as_the_python_reference(n: int, wide: bool, simha
 
 
 @settings(max_examples=200, deadline=None)
-@given(n=st.integers(0, 40), wide=st.booleans(), simhash=st.none() | st.integers(0, 2**64 - 1),
+@given(n=st.integers(0, 160), wide=st.booleans(), simhash=st.none() | st.integers(0, 2**64 - 1),
        minhash=st.none() | st.integers(0, 8), sentences=st.lists(st.integers(0, 2**64 - 1), max_size=3),
        exact=st.integers(0, 2**128 - 1), size=st.integers(0, 2**32 - 1), ts=st.floats(allow_nan=False),
        chars=st.text(max_size=12))

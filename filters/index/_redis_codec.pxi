@@ -831,40 +831,55 @@ cdef inline int varint_size(uint32_t v) noexcept nogil:
 
 
 cdef bint unpack_sketch(const char *p, Py_ssize_t n, int width, uint32_t *out) noexcept nogil:
-    """`redis_codec.unpack_sketch`'s values (`p`: the packed bytes after the width byte); False if the padding
-    bits are not zero or a value passes 32 bits."""
+    """`redis_codec.unpack_sketch`'s values (`p`: the packed bytes after the width byte); False unless they are
+    what `pack_sketch` writes: strictly increasing, within 32 bits, `width` the bit length of the largest gap,
+    smaller than 4 bytes a value, zero padding bits."""
     cdef Py_ssize_t i, bit = 0, byte, nbytes = (n * width + 7) // 8, j
-    cdef uint64_t word, total = 0, mask = (<uint64_t>1 << width) - 1
+    cdef uint64_t word, gap, most = 0, total = 0, mask = (<uint64_t>1 << width) - 1
+    if n <= 0 or 1 + nbytes >= 4 * n:
+        return False
     for i in range(n):
         byte = bit >> 3
-        word = 0
-        for j in range(min(<Py_ssize_t>8, nbytes - byte)):
-            word |= (<uint64_t><uint8_t>p[byte + j]) << (8 * j)
-        total += (word >> (bit & 7)) & mask
+        if byte + 8 <= nbytes:
+            memcpy(&word, p + byte, 8)  # little-endian, as every stored number (x86-64, arm64)
+        else:
+            word = 0
+            for j in range(nbytes - byte):
+                word |= (<uint64_t><uint8_t>p[byte + j]) << (8 * j)
+        gap = (word >> (bit & 7)) & mask
+        if i and not gap:
+            return False
+        if gap > most:
+            most = gap
+        total += gap
         if total >= (<uint64_t>1 << 32):
             return False
         out[i] = <uint32_t>total
         bit += width
     if bit & 7 and (<uint8_t>p[nbytes - 1]) >> (bit & 7):
         return False
-    return True
+    return bit_length32(most) == width
 
 
 cdef void pack_sketch(const uint32_t *values, Py_ssize_t n, int width, char *out) noexcept nogil:
     """`redis_codec.pack_sketch` after its width byte, into `out` ((n * width + 7) // 8 bytes)."""
-    cdef Py_ssize_t i, bit = 0, byte
-    cdef uint64_t gap
+    cdef Py_ssize_t i, bit = 0, byte, nbytes = (n * width + 7) // 8
+    cdef uint64_t gap, word
     cdef uint32_t before = 0
-    memset(out, 0, (n * width + 7) // 8)
+    memset(out, 0, nbytes)
     for i in range(n):
-        gap = values[i] - before
+        gap = (<uint64_t>(values[i] - before)) << (bit & 7)
         before = values[i]
         byte = bit >> 3
-        gap <<= (bit & 7)
-        while gap:
-            out[byte] = <char>(<uint8_t>out[byte] | <uint8_t>(gap & 0xFF))
-            gap >>= 8
-            byte += 1
+        if byte + 8 <= nbytes:
+            memcpy(&word, out + byte, 8)
+            word |= gap
+            memcpy(out + byte, &word, 8)
+        else:
+            while gap:
+                out[byte] = <char>(<uint8_t>out[byte] | <uint8_t>(gap & 0xFF))
+                gap >>= 8
+                byte += 1
         bit += width
 
 
@@ -907,8 +922,7 @@ def decode_entries(list ids, list blobs, make, fallback) -> dict:
                     end = at + 1 + (<Py_ssize_t>n_sketch * width + 7) // 8
                     if 1 <= width <= 32 and end <= length:
                         view = sketch
-                        if not (n_sketch and unpack_sketch(p + at + 1, n_sketch, width, &view[0])
-                                and packed_width(&view[0], n_sketch) == width):
+                        if not (n_sketch and unpack_sketch(p + at + 1, n_sketch, width, &view[0])):
                             end = -1
                     else:
                         end = -1
