@@ -41,7 +41,6 @@ _FLAGS = _HAS_SIMHASH | _HAS_MINHASH | _NARROW_SKETCH | _HAS_CHARS
 _FLAGS3 = _FLAGS | _PACKED_SKETCH | _HAS_SENTENCES
 _U64 = np.dtype("<u8")
 _U32 = np.dtype("<u4")
-_NATIVE_U32 = np.dtype(np.uint32)
 _MASK64 = (1 << 64) - 1
 _RECORD = struct.Struct("<dI")  # a bucket record's event time and id length; then the id and the seq
 SEQ = struct.Struct(">Q")
