@@ -45,7 +45,7 @@ import numpy as np
 
 from filters.errors import IndexCorrupt
 from filters.index import Batch, CandidateIndex, Entry, IndexWrapper, Stored, Verifier
-from filters.index.redis_codec import ENCODING_VERSION, encode_entries, entry_time, join_stored, stored_of
+from filters.index.redis_codec import ENTRY_MIN, VERSIONS, encode_entries, entry_time, join_stored, stored_of
 from filters.records import Verdict
 
 try:  # the compiled core's encoder of entries; absent when it could not be built at install time
@@ -60,7 +60,6 @@ NAMESPACE_HEADER = "neardup-namespace"
 RECORD_BYTES = 512 * 1024  # a record's value at most (a single larger entry gets a record of its own)
 _HEAD = struct.Struct("<B3xIII")  # format, entries, bucket keys, id bytes
 _HEAD_1 = struct.Struct("<BI")  # format 1: format, number of bucket keys
-_ENTRY_HEAD = 42  # the fixed part of a stored entry (redis_codec's header)
 _F64, _U64, _U32 = np.dtype("<f8"), np.dtype("<u8"), np.dtype("<u4")
 RESTORE_CHUNK = 65536  # entries handed to `CandidateIndex.restore` at once
 LOCK_TTL = 15.0  # seconds a restorer's lock lives unless it is refreshed (a dead restorer's lock expires)
@@ -115,11 +114,11 @@ def decode_records(key: bytes, value: bytes) -> Stored:
     id_ends = np.cumsum(id_lens) + fixed
     blob_ends = np.cumsum(blob_lens) + (fixed + id_bytes)
     if bounds[-1] != k or (n and (id_ends[-1] != fixed + id_bytes or blob_ends[-1] != len(value))) \
-            or (n and blob_lens.min() < _ENTRY_HEAD):
+            or (n and blob_lens.min() < ENTRY_MIN):
         raise IndexCorrupt(f"changelog record {where!r}: its lengths do not add up")
     raw = np.frombuffer(value, np.uint8)
-    if n and (raw[blob_ends - blob_lens] != ENCODING_VERSION).any():
-        raise IndexCorrupt(f"changelog record {where!r}: an entry of another encoding than {ENCODING_VERSION}")
+    if n and not np.isin(raw[blob_ends - blob_lens], VERSIONS).all():
+        raise IndexCorrupt(f"changelog record {where!r}: an entry of another encoding than {VERSIONS}")
     id_list = id_ends.tolist()
     blob_list = blob_ends.tolist()
     starts = [fixed, *id_list[:-1]]
@@ -140,7 +139,7 @@ def _decode_one(id: str, value: bytes) -> Stored:
     except struct.error as exc:
         raise IndexCorrupt(f"changelog record {id!r}: {len(value)} bytes are too short") from exc
     end = _HEAD_1.size + 8 * n
-    if len(value) < end + _ENTRY_HEAD or value[end] != ENCODING_VERSION:
+    if len(value) < end + ENTRY_MIN or value[end] not in VERSIONS:
         raise IndexCorrupt(f"changelog record {id!r}: {n} keys promised, {len(value)} bytes in all")
     blob = value[end:]
     return Stored([id], np.array([entry_time(blob, id)]), np.array([0, n], np.int64),

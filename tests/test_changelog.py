@@ -23,7 +23,7 @@ from filters.index import Entry, Query, Stored
 from filters.index.backends import open_index
 from filters.index.memory import MemoryIndex
 from filters.index.redis import MARKER, RedisIndex, meta_key
-from filters.index.redis_codec import stored_entries, stored_of
+from filters.index.redis_codec import encode_entry_v2, stored_entries, stored_of
 from filters.records import Message
 from stream.backlog import Item, backlog, differences, f1, reference, verdicts_of
 from stream.changelog import IndexGuard, Journal, decode_records, encode_records, read_changelog
@@ -72,6 +72,18 @@ def test_records_read_back_as_the_entries_and_keys_they_were_made_of() -> None:
     keys = made[2][1]
     old = b"\x01" + len(keys).to_bytes(4, "little") + np.asarray(keys, "<u8").tobytes() + stored_of([made[2]]).blobs[0]
     _same(stored_entries(decode_records(b"m2", old)), [made[2]])
+    # Entries of version 2 (what the release before wrote into its records) are still read.
+    stored = stored_of(made)
+    blobs = [encode_entry_v2(e) for e, _ in made]
+    written = encode_records(made)[0][1]
+    head = 16 + 8 * len(made) + 8 * int(stored.bounds[-1]) + 12 * len(made)
+    lengths = np.frombuffer(written, "<u4", len(made), head - 4 * len(made)).copy()
+    assert [len(b) for b in stored.blobs] == lengths.tolist()
+    id_bytes = sum(len(e.id.encode("utf-8", "surrogatepass")) for e, _ in made)
+    v2 = (written[: head - 4 * len(made)] + np.array([len(b) for b in blobs], "<u4").tobytes()
+          + written[head : head + id_bytes] + b"".join(blobs))
+    assert all(b[0] == 2 for b in blobs) and len(v2) > len(written)
+    _same(stored_entries(decode_records(b"m0", v2)), made)
     value = records[0][1]
     for broken in (b"\x01\x05\x00\x00\x00" + bytes(8),  # five keys promised, one there
                    b"\x09" + bytes(15),  # a format this neardup does not read

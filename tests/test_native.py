@@ -26,7 +26,7 @@ from filters.errors import IndexCorrupt
 from filters.fingerprint import _MGRAM_TAG, _TAG_ROOM, Fingerprinter
 from filters.index import Candidate, Entry
 from filters.index.memory import MemoryIndex, PyTable, make_table, native_available
-from filters.index.redis_codec import decode_entry, encode_entry, rank_records
+from filters.index.redis_codec import decode_entry, encode_entry, encode_entry_v2, rank_records
 from filters.index.shared import against
 from filters.normalize import _SPACED, NormalizeOptions, Normalizer, _fusable, _stages
 from filters.shingles import Batch
@@ -430,27 +430,36 @@ def test_the_shared_loop_decides_as_the_python_reference(seed: int, count: int, 
 
 
 @settings(max_examples=200, deadline=None)
-@given(n=st.integers(0, 40), wide=st.booleans(), simhash=st.none() | st.integers(0, 2**64 - 1),
+@given(n=st.integers(0, 160), wide=st.booleans(), simhash=st.none() | st.integers(0, 2**64 - 1),
        minhash=st.none() | st.integers(0, 8), sentences=st.lists(st.integers(0, 2**64 - 1), max_size=3),
        exact=st.integers(0, 2**128 - 1), size=st.integers(0, 2**32 - 1), ts=st.floats(-1e9, 1e11),
-       cut=st.integers(0, 60), version=st.integers(0, 3), flags=st.integers(0, 255), mangle=st.booleans(),
-       chars=st.text(max_size=12))
+       cut=st.integers(0, 60), version=st.integers(0, 4), flags=st.integers(0, 255), mangle=st.booleans(),
+       chars=st.text(max_size=12), old=st.booleans(), spread=st.sampled_from([2**32, 2**20, 64]),
+       flip=st.integers(0, 400))
 def test_stored_entries_decode_as_the_python_reference(n: int, wide: bool, simhash: int | None, minhash: int | None,
                                                        sentences: list[int], exact: int, size: int, ts: float,
                                                        cut: int, version: int, flags: int, mangle: bool,
-                                                       chars: str) -> None:
-    """`decode_entries` reads the common form (a uint32 sketch, perhaps a short text's characters, nothing
-    else) itself and hands every other form, and anything malformed (short, other version or flags, wrong
-    length, characters that are not UTF-8), to the Python decoder: the same entries, or the same `IndexCorrupt`."""
+                                                       chars: str, old: bool, spread: int, flip: int) -> None:
+    """`decode_entries` reads the common forms (a uint32 sketch, packed or not, perhaps a short text's
+    characters, nothing else; version 3 or 2) itself and hands every other form, and anything malformed
+    (short, other version or flags, wrong length, a packing this neardup does not write, characters that are
+    not UTF-8), to the Python decoder: the same entries, or the same `IndexCorrupt`."""
     rng = np.random.default_rng(n)
     sketch = np.sort(rng.integers(0, 2**32 if not wide else 2**63, n, dtype=np.uint64))
+    if not wide and spread < 2**32:  # values close together (repeats: not packed), or a few bits apart
+        sketch = np.sort(rng.integers(0, spread, n, dtype=np.uint64))
     entry = Entry("e-1", ts, exact, size, sketch if wide else sketch.astype(np.uint32), simhash,
                   None if minhash is None else rng.integers(0, 2**32, minhash, dtype=np.uint64).astype(np.uint32),
                   frozenset(sentences), chars)
-    blob = encode_entry(entry)
-    if mangle:  # a header or length that this neardup did not write
-        blob = bytes([version]) + blob[1:29] + bytes([flags]) + blob[30:]
+    blob = (encode_entry_v2 if old else encode_entry)(entry)
+    if mangle:  # a header, length or bit that this neardup did not write
+        at = 29 if old else 25
+        blob = bytes([version]) + blob[1:at] + bytes([flags]) + blob[at + 1 :]
         blob = blob[: max(0, len(blob) - cut)] if cut % 2 else blob + bytes(cut)
+    elif flip and flip < 8 * len(blob) and not old:
+        blob = bytearray(blob)
+        blob[flip // 8] ^= 1 << (flip % 8)
+        blob = bytes(blob)
     try:
         want = decode_entry(blob, "e-1")
     except IndexCorrupt:
@@ -463,7 +472,7 @@ def test_stored_entries_decode_as_the_python_reference(n: int, wide: bool, simha
 
 
 @settings(max_examples=200, deadline=None)
-@given(n=st.integers(0, 40), wide=st.booleans(), simhash=st.none() | st.integers(0, 2**64 - 1),
+@given(n=st.integers(0, 160), wide=st.booleans(), simhash=st.none() | st.integers(0, 2**64 - 1),
        minhash=st.none() | st.integers(0, 8), sentences=st.lists(st.integers(0, 2**64 - 1), max_size=3),
        exact=st.integers(0, 2**128 - 1), size=st.integers(0, 2**32 - 1), ts=st.floats(allow_nan=False),
        chars=st.text(max_size=12))

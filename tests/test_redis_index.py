@@ -32,7 +32,9 @@ from filters.index.redis_codec import (
     decode_entry,
     decode_memo,
     encode_entry,
+    encode_entry_v2,
     encode_memo,
+    entry_time,
     memo_time,
     parse_records,
 )
@@ -97,8 +99,32 @@ _entries = st.builds(
 @given(_entries)
 def test_encoding_round_trips(e: Entry) -> None:
     data = encode_entry(e)
-    assert data[0] == ENCODING_VERSION == 2
+    assert data[0] == ENCODING_VERSION == 3
     assert_same_entry(decode_entry(data, "x"), e)
+    old = encode_entry_v2(e)  # what neardup wrote before: a namespace or changelog of it is read on
+    assert old[0] == 2
+    assert_same_entry(decode_entry(old, "x"), e)
+    assert entry_time(data, "x") == entry_time(old, "x") == e.ts
+
+
+@settings(max_examples=300)
+@given(st.lists(st.integers(0, 2**32 - 1), max_size=200, unique=True), st.text(max_size=70))
+def test_a_fingerprints_sketch_is_stored_packed_and_smaller(values: list[int], chars: str) -> None:
+    """A sketch as fingerprints make it (sorted bottom-k uint32 hashes) is stored as its gaps at one width:
+    never more bytes than 4 a value, and read back exactly."""
+    sketch = np.array(sorted(values), dtype=np.uint32)
+    e = Entry("x", 1.0, 5, 7, sketch, chars=chars)
+    data = encode_entry(e)
+    assert len(data) <= len(encode_entry_v2(e)) - 14
+    assert_same_entry(decode_entry(data, "x"), e)
+
+
+def test_a_real_sketch_takes_about_three_quarters_of_its_bytes() -> None:
+    """128 bottom-k hashes of a long text (gaps of about 2^32 / its shingles) pack in ~25 bits a value."""
+    rng = np.random.default_rng(7)
+    sketch = np.sort(rng.choice(2**32, 5000, replace=False))[:128].astype(np.uint32)
+    data = encode_entry(Entry("x", 1.0, 5, 5000, sketch))
+    assert len(data) < 28 + 128 * 26 // 8 + 2
 
 
 @settings(max_examples=300)
@@ -108,13 +134,23 @@ def test_garbage_never_decodes_silently(data: bytes) -> None:
         e = decode_entry(data, "x")
     except IndexCorrupt:
         return
-    assert encode_entry(e) == data  # only a valid encoding decodes, and then exactly
+    # only a valid encoding (of this version or the one before) decodes, and then exactly
+    assert (encode_entry_v2 if data[0] == 2 else encode_entry)(e) == data
 
 
 def test_damaged_encodings_are_corrupt() -> None:
-    data = encode_entry(entry("x"))
-    for bad in (b"", data[:5], data[:-1], data + b"\0", b"\x01" + data[1:], b"\x03" + data[1:],
-                data[:29] + b"\x80" + data[30:]):
+    narrow = Entry("x", 1000.0, 12345, 30, np.arange(1, 2**31, 2**27, dtype=np.uint32))  # 16 values, gaps of 2^27
+    data = encode_entry(narrow)
+    assert data[25] & 16 and data[28] == 28  # packed at 28 bits
+    old = encode_entry_v2(entry("x"))
+    raw = data[:25] + bytes([data[25] & ~16]) + data[26:28] + narrow.sketch.astype("<u4").tobytes()
+    for bad in (b"", data[:5], data[:-1], data + b"\0", b"\x01" + data[1:], b"\x04" + data[1:],
+                data[:25] + b"\x80" + data[26:], data[:25] + b"\x10" + data[26:],  # unknown flag; packed, not narrow
+                data[:26] + b"\x80\x00" + data[27:],  # a length not minimal
+                data[:28] + b"\x00" + data[29:], data[:28] + b"\x21" + data[29:],  # widths 0 and 33
+                data[:28] + bytes([data[28] + 1]) + data[29:],  # wider than needed
+                raw,  # a sketch this neardup packs, not packed
+                old[:-1], old + b"\0", old[:29] + b"\x80" + old[30:]):
         with pytest.raises(IndexCorrupt):
             decode_entry(bad, "x")
     with pytest.raises(ValueError):
@@ -138,6 +174,31 @@ def test_damaged_memos_are_corrupt() -> None:
     for bad in (b"", data[:16], data[:17] + b"mgr", data[:16] + b"\x09" + data[17:], data[:17] + b"\xff" + data[18:]):
         with pytest.raises(IndexCorrupt):
             decode_memo(bad, "b")
+
+
+def test_a_namespace_written_with_entries_of_version_2_is_read_on(make: Callable[..., RedisIndex], redis_url: str,
+                                                                  prefix: str) -> None:
+    """An upgrade keeps the window: entries the release before wrote (version 2) are found under their ids
+    (replays), verified as candidates with the same contents, and sit beside the entries of version 3 that
+    the new release inserts."""
+    index = make()
+    made = [Entry(f"old{i}", 1000.0 + i, 7 + i, 40, np.sort(np.random.default_rng(i).choice(2**32, 30, replace=False))
+                  .astype(np.uint32), chars="short text" if i % 2 else "") for i in range(4)]
+    index.lookup([Query(e.id, e.ts, (1, 2, 3)) for e in made], 8)
+    assert index.insert([(e, (1, 2, 3)) for e in made]) == [None] * 4
+    with redis.Redis.from_url(redis_url) as client:
+        key = f"{{{prefix}:ns}}:s:0"
+        assert all(client.hget(key, f"e{e.id}")[0] == 3 for e in made)  # type: ignore[index]
+        client.hset(key, mapping={f"e{e.id}": encode_entry_v2(e) for e in made})  # as the release before wrote them
+    reader = make()
+    looked = reader.lookup([Query("old0", 1000.0, (1, 2, 3)), Query("new", 1001.0, (1, 2, 3))], 8)
+    assert looked[0][0] is not None  # its own entry: a replay
+    cands = looked[1][1]
+    assert cands is not None and sorted(ids(cands)) == [e.id for e in made]
+    for c in cands:
+        assert_same_entry(c.entry, made[int(c.entry.id[3:])])
+    assert reader.insert([(entry("new", 1001.0), (1, 2, 3))]) == [None]
+    assert ids(make().lookup([Query("q", 1002.0, (1, 2, 3))], 8)[0][1])[0] == "new"
 
 
 def test_stored_garbage_is_index_corrupt(make: Callable[..., RedisIndex], redis_url: str, prefix: str) -> None:
@@ -178,6 +239,36 @@ def test_keys_carry_prefix_and_namespace_and_all_have_ttls(
             b"b" + key.to_bytes(8, "big") for key in (U64, 2**53 + 1, 0, 1, 2, 3, 4)}
         for key in keys:
             assert 0 < client.pttl(key) <= (WINDOW + 60) * 1000, key
+
+
+def test_after_a_stream_every_key_has_a_ttl(make: Callable[..., RedisIndex], redis_url: str, prefix: str) -> None:
+    """The invariant that bounds Redis memory: after a stream, not one key that neardup wrote lives without
+    a TTL of at most window + grace. The stream goes through every writer: a file routed with its reads sent
+    ahead (uncontended transactions), two workers taking turns on one namespace (the checking script), memos
+    of duplicates (replays included), event times over many slices of a window of 120 s (slices unlinked), a
+    clock set by `expire`, and a restore into another namespace."""
+    window, grace = 120.0, 60.0
+    messages = generated_messages(900, seed=11)
+    lines = [orjson.dumps({"id": m.id, "text": m.text, "ts": m.ts}) for m in messages[:300]]
+    chunks = [[RawRecord(line, str(i), 0.0) for i, line in enumerate(lines)][at : at + 60] for at in range(0, 300, 60)]
+    config = FilterConfig(window=window, bucket_cap=4)
+    first = make("ttl", window=window, bucket_cap=4, grace=str(grace))
+    verdicts = [r.verdict for rows in route_batches(NearDupFilter(config, index=first), chunks, RecordFormat())
+                for r in rows]
+    second = make("ttl", window=window, bucket_cap=4, grace=str(grace))
+    engines = [NearDupFilter(config, index=first), NearDupFilter(config, index=second)]
+    for turn, at in enumerate(range(300, 900, 40)):
+        verdicts += engines[turn % 3 == 0].check_batch(messages[at : at + 40])
+        if turn == 7:
+            first.expire(messages[at].ts)
+    assert sum(v.duplicate for v in verdicts) >= 50 and sum(not v.duplicate for v in verdicts) >= 100
+    stored = redis_codec.stored_of([(entry(f"r{i}", 1_700_000_000.0 + 3 * i, i), (i, i + 1)) for i in range(50)])
+    assert make("restored", window=window, bucket_cap=4, grace=str(grace)).restore([stored]) == 50
+    with redis.Redis.from_url(redis_url) as client:
+        keys = list(client.scan_iter(match=f"{{{prefix}:*", count=1000))
+        assert len(keys) >= 4
+        ttls = {key: client.pttl(key) for key in keys}
+    assert all(0 < ttl <= (window + grace) * 1000 for ttl in ttls.values()), ttls
 
 
 def test_fingerprints_and_seqs_never_pass_through_a_double(make: Callable[..., RedisIndex], redis_url: str,

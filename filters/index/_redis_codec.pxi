@@ -765,12 +765,130 @@ cdef inline double floor_div(double ts, double length) noexcept:
 
 
 
+cdef inline int bit_length32(uint64_t v) noexcept nogil:
+    cdef int n = 0
+    while v:
+        v >>= 1
+        n += 1
+    return n
+
+
+cdef int packed_width(const uint32_t *values, Py_ssize_t n) noexcept nogil:
+    """`redis_codec.packed_width`: the bit length of the largest gap of a strictly increasing sketch (the first
+    value is the gap from 0), 0 if it is not packed (empty, not strictly increasing, or no smaller packed)."""
+    cdef uint64_t most = 0, gap
+    cdef uint32_t before = 0
+    cdef Py_ssize_t i
+    cdef int width
+    if n <= 0:
+        return 0
+    for i in range(n):
+        if i and values[i] <= before:
+            return 0
+        gap = values[i] - before
+        if gap > most:
+            most = gap
+        before = values[i]
+    width = bit_length32(most)
+    if width and 1 + (n * width + 7) // 8 < 4 * n:
+        return width
+    return 0
+
+
+cdef inline Py_ssize_t read_varint(const char *p, Py_ssize_t at, Py_ssize_t length, uint32_t *out) noexcept nogil:
+    """The minimal LEB128 varint of at most 32 bits at `at` into `out`; the position after it, or -1."""
+    cdef uint64_t v = 0
+    cdef int shift = 0
+    cdef Py_ssize_t i
+    cdef uint8_t byte
+    for i in range(at, min(at + 5, length)):
+        byte = <uint8_t>p[i]
+        v |= (<uint64_t>(byte & 0x7F)) << shift
+        if not (byte & 0x80):
+            if (byte == 0 and i > at) or v >= (<uint64_t>1 << 32):
+                return -1
+            out[0] = <uint32_t>v
+            return i + 1
+        shift += 7
+    return -1
+
+
+cdef inline char *put_varint(char *p, uint32_t v) noexcept nogil:
+    while v >= 0x80:
+        p[0] = <char>((v & 0x7F) | 0x80)
+        p += 1
+        v >>= 7
+    p[0] = <char>v
+    return p + 1
+
+
+cdef inline int varint_size(uint32_t v) noexcept nogil:
+    cdef int n = 1
+    while v >= 0x80:
+        v >>= 7
+        n += 1
+    return n
+
+
+cdef bint unpack_sketch(const char *p, Py_ssize_t n, int width, uint32_t *out) noexcept nogil:
+    """`redis_codec.unpack_sketch`'s values (`p`: the packed bytes after the width byte); False unless they are
+    what `pack_sketch` writes: strictly increasing, within 32 bits, `width` the bit length of the largest gap,
+    smaller than 4 bytes a value, zero padding bits."""
+    cdef Py_ssize_t i, bit = 0, byte, nbytes = (n * width + 7) // 8, j
+    cdef uint64_t word, gap, most = 0, total = 0, mask = (<uint64_t>1 << width) - 1
+    if n <= 0 or 1 + nbytes >= 4 * n:
+        return False
+    for i in range(n):
+        byte = bit >> 3
+        if byte + 8 <= nbytes:
+            memcpy(&word, p + byte, 8)  # little-endian, as every stored number (x86-64, arm64)
+        else:
+            word = 0
+            for j in range(nbytes - byte):
+                word |= (<uint64_t><uint8_t>p[byte + j]) << (8 * j)
+        gap = (word >> (bit & 7)) & mask
+        if i and not gap:
+            return False
+        if gap > most:
+            most = gap
+        total += gap
+        if total >= (<uint64_t>1 << 32):
+            return False
+        out[i] = <uint32_t>total
+        bit += width
+    if bit & 7 and (<uint8_t>p[nbytes - 1]) >> (bit & 7):
+        return False
+    return bit_length32(most) == width
+
+
+cdef void pack_sketch(const uint32_t *values, Py_ssize_t n, int width, char *out) noexcept nogil:
+    """`redis_codec.pack_sketch` after its width byte, into `out` ((n * width + 7) // 8 bytes)."""
+    cdef Py_ssize_t i, bit = 0, byte, nbytes = (n * width + 7) // 8
+    cdef uint64_t gap, word
+    cdef uint32_t before = 0
+    memset(out, 0, nbytes)
+    for i in range(n):
+        gap = (<uint64_t>(values[i] - before)) << (bit & 7)
+        before = values[i]
+        byte = bit >> 3
+        if byte + 8 <= nbytes:
+            memcpy(&word, out + byte, 8)
+            word |= gap
+            memcpy(out + byte, &word, 8)
+        else:
+            while gap:
+                out[byte] = <char>(<uint8_t>out[byte] | <uint8_t>(gap & 0xFF))
+                gap >>= 8
+                byte += 1
+        bit += width
+
+
 def decode_entries(list ids, list blobs, make, fallback) -> dict:
     """{id: entry} of the stored entries `blobs` (None: gone, left out), decoded as
-    `redis_codec.decode_entry` decodes them. The common form (version 2, a uint32 sketch and perhaps a
-    short text's characters, nothing else) is read here, into `make(id, ts, exact, size, sketch, None,
-    None, frozenset(), chars)`; any other, and anything malformed, goes to `fallback(blob, id)`, which
-    decodes it or raises."""
+    `redis_codec.decode_entry` decodes them. The common forms (a uint32 sketch, packed or not, and perhaps a
+    short text's characters, nothing else: version 3, or version 2) are read here, into `make(id, ts, exact,
+    size, sketch, None, None, frozenset(), chars)`; any other, and anything malformed, goes to
+    `fallback(blob, id)`, which decodes it or raises."""
     cdef dict out = {}
     cdef Py_ssize_t i, n, length
     cdef const char *p
@@ -779,7 +897,8 @@ def decode_entries(list ids, list blobs, make, fallback) -> dict:
     cdef uint32_t size, n_sketch, n_minhash, n_sentences
     cdef uint8_t version, flags
     cdef uint32_t[::1] view
-    cdef Py_ssize_t at
+    cdef Py_ssize_t at, end
+    cdef int width
     if len(ids) != len(blobs):
         raise ValueError("ids and blobs differ in length")
     np = np_()
@@ -790,7 +909,46 @@ def decode_entries(list ids, list blobs, make, fallback) -> dict:
         id = ids[i]
         length = len(<bytes>blob)
         p = <const char *>(<bytes>blob)
-        if length >= 42:
+        if length >= 28 and <uint8_t>p[0] == 3 and (<uint8_t>p[25] & ~(8 | 16)) == 4:
+            # Version 3, a narrow sketch (packed or not), perhaps characters, nothing else.
+            flags = <uint8_t>p[25]
+            at = read_varint(p, 26, length, &size)
+            if at >= 0:
+                at = read_varint(p, at, length, &n_sketch)
+            if at >= 0:
+                sketch = np.empty(n_sketch, dtype=np.uint32)
+                if flags & 16:
+                    width = <uint8_t>p[at] if at < length else 0
+                    end = at + 1 + (<Py_ssize_t>n_sketch * width + 7) // 8
+                    if 1 <= width <= 32 and end <= length:
+                        view = sketch
+                        if not (n_sketch and unpack_sketch(p + at + 1, n_sketch, width, &view[0])):
+                            end = -1
+                    else:
+                        end = -1
+                else:
+                    end = at + 4 * <Py_ssize_t>n_sketch
+                    if end <= length and n_sketch:
+                        view = sketch
+                        memcpy(&view[0], p + at, 4 * <size_t>n_sketch)
+                        if packed_width(&view[0], n_sketch):
+                            end = -1  # one this neardup packs
+                    elif end > length:
+                        end = -1
+                if end >= 0 and ((not (flags & 8) and length == end) or (flags & 8 and length > end)):
+                    chars = ""
+                    if flags & 8:
+                        try:
+                            chars = (<bytes>blob)[end:].decode("utf-8", "surrogatepass")
+                        except UnicodeDecodeError:
+                            out[id] = fallback(blob, id)  # raises IndexCorrupt
+                            continue
+                    memcpy(&ts, p + 1, 8)
+                    memcpy(&lo, p + 9, 8)
+                    memcpy(&hi, p + 17, 8)
+                    out[id] = make(id, ts, (<object>hi) << 64 | lo, size, sketch, None, None, NO_SENTENCES, chars)
+                    continue
+        elif length >= 42:
             version = <uint8_t>p[0]
             memcpy(&ts, p + 1, 8)
             memcpy(&lo, p + 9, 8)
@@ -910,11 +1068,12 @@ def encode_entries(list entries, fallback) -> list:
     other by `fallback(entry)`."""
     cdef list out = []
     cdef const uint32_t[::1] sketch
-    cdef Py_ssize_t n
+    cdef Py_ssize_t n, body
     cdef char *p
     cdef double ts
     cdef uint64_t lo, hi
     cdef uint32_t size, count
+    cdef int width
     np = np_()
     for item in entries:
         entry = (<tuple>item)[0]
@@ -924,26 +1083,31 @@ def encode_entries(list entries, fallback) -> list:
                 and 0 <= exact < (1 << 128) and 0 <= entry.size < (1 << 32)):
             sketch = sk
             n = sketch.shape[0]
+            width = packed_width(&sketch[0], n) if n else 0
+            body = 1 + (n * width + 7) // 8 if width else 4 * n
             chars = (<str>entry.chars).encode("utf-8", "surrogatepass") if entry.chars else b""
-            blob = PyBytes_FromStringAndSize(NULL, 42 + 4 * n + len(<bytes>chars))
+            size = entry.size
+            count = <uint32_t>n
+            blob = PyBytes_FromStringAndSize(NULL, 26 + varint_size(size) + varint_size(count) + body
+                                             + len(<bytes>chars))
             p = PyBytes_AS_STRING(blob)
             ts = entry.ts
             lo = <uint64_t>(exact & 0xFFFFFFFFFFFFFFFF)
             hi = <uint64_t>(exact >> 64)
-            size = entry.size
-            count = <uint32_t>n
-            p[0] = 2  # ENCODING_VERSION
+            p[0] = 3  # ENCODING_VERSION
             memcpy(p + 1, &ts, 8)
             memcpy(p + 9, &lo, 8)
             memcpy(p + 17, &hi, 8)
-            memcpy(p + 25, &size, 4)
-            p[29] = 12 if chars else 4  # the sketch is uint32 (4), the short text follows (8)
-            memcpy(p + 30, &count, 4)
-            memset(p + 34, 0, 8)  # no minhash, no sentences
-            if n:
-                memcpy(p + 42, &sketch[0], 4 * n)
+            # the sketch is uint32 (4), packed (16), the short text follows (8)
+            p[25] = 4 | (16 if width else 0) | (8 if chars else 0)
+            p = put_varint(put_varint(p + 26, size), count)
+            if width:
+                p[0] = <char>width
+                pack_sketch(&sketch[0], n, width, p + 1)
+            elif n:
+                memcpy(p, &sketch[0], 4 * n)
             if chars:
-                memcpy(p + 42 + 4 * n, <const char *>(<bytes>chars), len(<bytes>chars))
+                memcpy(p + body, <const char *>(<bytes>chars), len(<bytes>chars))
             out.append(blob)
         else:
             out.append(fallback(entry))

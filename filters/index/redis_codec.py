@@ -21,18 +21,26 @@ from filters.records import Verdict, new_verdict
 
 # --- the stored forms ------------------------------------------------------------------------------
 
-ENCODING_VERSION = 2
-# version, ts, exact (low, high 64 bits), size, flags, lengths of sketch, minhash and sentences.
-# The insert script reads ts at byte 2 (1-based) as '<d': keep it right after the version byte.
+ENCODING_VERSION = 3  # what this neardup writes; it reads VERSIONS
+VERSIONS = (2, 3)  # 2: fixed-width header and sketch (written before; a namespace or changelog of it reads on)
+# Version 3: version, ts, exact (low, high 64 bits), flags (a fixed head of 26 bytes); then LEB128 varints:
+# size, the sketch's length, the minhash's (with _HAS_MINHASH), the sentences' (with _HAS_SENTENCES); then the
+# sketch (packed, or 4 or 8 bytes a value), simhash, minhash, sentences, characters. The scripts read ts at
+# byte 2 (1-based) as '<d': it stays right after the version byte in every version.
+_HEAD3 = struct.Struct("<BdQQB")
+ENTRY_MIN = _HEAD3.size + 2  # the shortest entry of any version: the fixed head, size and the sketch's length
+# Version 2: version, ts, exact (low, high 64 bits), size, flags, lengths of sketch, minhash and sentences.
 _HEAD = struct.Struct("<BdQQIBIII")
 _HAS_SIMHASH = 1
 _HAS_MINHASH = 2
 _NARROW_SKETCH = 4  # the sketch is uint32 (a fingerprint's), stored in 4 bytes a value; else uint64
 _HAS_CHARS = 8  # a short text's normalized characters (UTF-8, surrogatepass) are the bytes after the sentences
+_PACKED_SKETCH = 16  # (version 3) a narrow sketch, strictly increasing, as its gaps packed at one width: `pack_sketch`
+_HAS_SENTENCES = 32  # (version 3) a sentences' length follows (version 2 always has one)
 _FLAGS = _HAS_SIMHASH | _HAS_MINHASH | _NARROW_SKETCH | _HAS_CHARS
+_FLAGS3 = _FLAGS | _PACKED_SKETCH | _HAS_SENTENCES
 _U64 = np.dtype("<u8")
 _U32 = np.dtype("<u4")
-_NATIVE_U32 = np.dtype(np.uint32)
 _MASK64 = (1 << 64) - 1
 _RECORD = struct.Struct("<dI")  # a bucket record's event time and id length; then the id and the seq
 SEQ = struct.Struct(">Q")
@@ -43,20 +51,124 @@ ABSENT = bytes(8)  # the tail of a field that does not exist (seqs start at 1)
 # right after its version byte: both are read by the lookup's horizon check.
 _MEMO = struct.Struct("<ddB")
 _TS_SEQ = itemgetter(0, 1)
+_TS = struct.Struct("<d")  # an entry's event time, right after its version byte
+
+
+def _varint(n: int) -> bytes:
+    """`n` (>= 0) as a minimal LEB128 varint."""
+    out = bytearray()
+    while n >= 0x80:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _read_varint(data: bytes, pos: int, id: str) -> tuple[int, int]:
+    """The minimal LEB128 varint at `pos` of at most 32 bits, and the position after it."""
+    n = shift = 0
+    for at in range(pos, min(pos + 5, len(data))):
+        byte = data[at]
+        n |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            if (byte == 0 and at > pos) or n >= 1 << 32:
+                raise IndexCorrupt(f"entry {id!r}: a length that this neardup does not write")
+            return n, at + 1
+        shift += 7
+    raise IndexCorrupt(f"entry {id!r}: {len(data)} bytes end inside a length")
+
+
+def packed_width(sketch: np.ndarray) -> int:
+    """The width in bits at which `pack_sketch` packs a narrow sketch, 0 if it does not (not strictly
+    increasing, empty, or no smaller packed than as 4 bytes a value): the bit length of its largest gap
+    (the first value counts as the gap from 0)."""
+    n = len(sketch)
+    if not n:
+        return 0
+    values = sketch.astype(np.int64)
+    gaps = np.diff(values, prepend=0)
+    if n > 1 and gaps[1:].min() <= 0:
+        return 0
+    width = int(gaps.max()).bit_length()
+    return width if width and 1 + (n * width + 7) // 8 < 4 * n else 0
+
+
+def pack_sketch(sketch: np.ndarray, width: int) -> bytes:
+    """A strictly increasing uint32 sketch as its width byte, then its gaps (the first value, then each value
+    less the one before) at `width` bits each, least significant bit first, zero bits to the byte's end.
+    Sorted bottom-k hashes are spread evenly: their gaps need 20-29 bits, not 32 (docs/design.md)."""
+    gaps: np.ndarray = np.diff(sketch.astype(np.uint64), prepend=np.uint64(0))
+    bits = ((gaps[:, None] >> np.arange(width, dtype=np.uint64)) & np.uint64(1)).astype(np.uint8)
+    return bytes([width]) + np.packbits(bits.ravel(), bitorder="little").tobytes()
+
+
+def unpack_sketch(data: bytes, pos: int, n: int, id: str) -> tuple[np.ndarray, int]:
+    """The inverse of `pack_sketch` for `n` values at `pos`, and the position after them; raises
+    `IndexCorrupt` on a packing that `pack_sketch` does not write."""
+    if pos >= len(data) or not 1 <= data[pos] <= 32:
+        raise IndexCorrupt(f"entry {id!r}: a packed sketch without a width of 1 to 32 bits")
+    width = data[pos]
+    stop = pos + 1 + (n * width + 7) // 8
+    if stop > len(data):
+        raise IndexCorrupt(f"entry {id!r}: {len(data)} bytes end inside its packed sketch")
+    bits = np.unpackbits(np.frombuffer(data, np.uint8, stop - pos - 1, pos + 1), bitorder="little")
+    if bits[n * width :].any():
+        raise IndexCorrupt(f"entry {id!r}: bits set after its packed sketch")
+    gaps = bits[: n * width].reshape(n, width).astype(np.uint64) @ (np.uint64(1) << np.arange(width, dtype=np.uint64))
+    values = np.cumsum(gaps, dtype=np.uint64)
+    if n and int(values[-1]) >= 1 << 32:
+        raise IndexCorrupt(f"entry {id!r}: a packed sketch beyond 32 bits")
+    sketch = values.astype(np.uint32)
+    if packed_width(sketch) != width:
+        raise IndexCorrupt(f"entry {id!r}: a packed sketch that this neardup does not write")
+    return sketch, stop
 
 
 def encode_entry(entry: Entry) -> bytes:
-    """The compact binary form of `entry` (its id is not included: it is the field's name)."""
+    """The compact binary form of `entry` (its id is not included: it is the field's name), version 3."""
+    if not 0 <= entry.exact < 1 << 128:
+        raise ValueError(f"exact must be an unsigned 128-bit int, got {entry.exact!r}")
+    if not 0 <= entry.size < 1 << 32:
+        raise ValueError(f"size must be an unsigned 32-bit int, got {entry.size!r}")
+    chars = entry.chars.encode("utf-8", "surrogatepass")
+    flags = _HAS_CHARS if chars else 0
+    width = 0
+    if entry.sketch.dtype == np.uint32:  # a fingerprint's sketch: 4 bytes a value at most, read back as it was
+        flags |= _NARROW_SKETCH
+        sketch = np.ascontiguousarray(entry.sketch, dtype=_U32)
+        width = packed_width(sketch)
+    else:
+        sketch = np.ascontiguousarray(entry.sketch, dtype=_U64)
+    lengths = [_varint(entry.size), _varint(len(sketch))]
+    tail = [pack_sketch(sketch, width) if width else sketch.tobytes()]
+    if width:
+        flags |= _PACKED_SKETCH
+    if entry.simhash is not None:
+        flags |= _HAS_SIMHASH
+        tail.append(struct.pack("<Q", entry.simhash))
+    if entry.minhash is not None:
+        flags |= _HAS_MINHASH
+        minhash = np.ascontiguousarray(entry.minhash, dtype=_U32)
+        lengths.append(_varint(len(minhash)))
+        tail.append(minhash.tobytes())
+    if entry.sentences:
+        flags |= _HAS_SENTENCES
+        sentences = np.array(sorted(entry.sentences), dtype=_U64)  # sorted: one entry, one encoding
+        lengths.append(_varint(len(sentences)))
+        tail.append(sentences.tobytes())
+    tail.append(chars)
+    head = _HEAD3.pack(ENCODING_VERSION, entry.ts, entry.exact & _MASK64, entry.exact >> 64, flags)
+    return b"".join([head, *lengths, *tail])
+
+
+def encode_entry_v2(entry: Entry) -> bytes:
+    """`entry` in version 2, as neardup wrote entries before version 3 (the reference of what `decode_entry`
+    still reads: a namespace or changelog written then)."""
     if not 0 <= entry.exact < 1 << 128:
         raise ValueError(f"exact must be an unsigned 128-bit int, got {entry.exact!r}")
     chars = entry.chars.encode("utf-8", "surrogatepass")
-    if entry.simhash is None and entry.minhash is None and not entry.sentences and entry.sketch.dtype == _NATIVE_U32:
-        # A fingerprint's entry with the default methods: the common case, without numpy's general path.
-        return _HEAD.pack(ENCODING_VERSION, entry.ts, entry.exact & _MASK64, entry.exact >> 64, entry.size,
-                          _NARROW_SKETCH | (_HAS_CHARS if chars else 0), len(entry.sketch), 0, 0) \
-            + entry.sketch.astype(_U32, copy=False).tobytes() + chars
     flags = _HAS_CHARS if chars else 0
-    if entry.sketch.dtype == np.uint32:  # a fingerprint's sketch: half the bytes, read back as it was
+    if entry.sketch.dtype == np.uint32:
         flags |= _NARROW_SKETCH
         sketch = np.ascontiguousarray(entry.sketch, dtype=_U32)
     else:
@@ -71,10 +183,10 @@ def encode_entry(entry: Entry) -> bytes:
         minhash = np.ascontiguousarray(entry.minhash, dtype=_U32)
         n_minhash = len(minhash)
         tail.append(minhash.tobytes())
-    sentences = np.array(sorted(entry.sentences), dtype=_U64)  # sorted: one entry, one encoding
+    sentences = np.array(sorted(entry.sentences), dtype=_U64)
     tail.append(sentences.tobytes())
     tail.append(chars)
-    head = _HEAD.pack(ENCODING_VERSION, entry.ts, entry.exact & _MASK64, entry.exact >> 64, entry.size,
+    head = _HEAD.pack(2, entry.ts, entry.exact & _MASK64, entry.exact >> 64, entry.size,
                       flags, len(sketch), n_minhash, len(sentences))
     return b"".join([head, *tail])
 
@@ -114,33 +226,54 @@ def join_stored(parts: Sequence[Stored]) -> Stored:
 
 
 def decode_entry(data: bytes, id: str) -> Entry:
-    """The inverse of `encode_entry`; raises `IndexCorrupt` on anything it did not write."""
+    """The inverse of `encode_entry` (and of `encode_entry_v2`); raises `IndexCorrupt` on anything it did not
+    write."""
+    if data[:1] == b"\x02":
+        return _decode_v2(data, id)
     try:
-        version, ts, lo, hi, size, flags, n_sketch, n_minhash, n_sentences = _HEAD.unpack_from(data)
+        version, ts, lo, hi, flags = _HEAD3.unpack_from(data)
     except struct.error as exc:
         raise IndexCorrupt(f"entry {id!r}: {len(data)} bytes are too short for an entry") from exc
     if version != ENCODING_VERSION:
-        raise IndexCorrupt(f"entry {id!r}: encoding version {version}, this neardup reads {ENCODING_VERSION}")
-    if flags & ~_FLAGS:
+        raise IndexCorrupt(f"entry {id!r}: encoding version {version}, this neardup reads {VERSIONS}")
+    if flags & ~_FLAGS3 or (flags & _PACKED_SKETCH and not flags & _NARROW_SKETCH):
         raise IndexCorrupt(f"entry {id!r}: unknown flags {flags:#x}")
+    size, pos = _read_varint(data, _HEAD3.size, id)
+    n_sketch, pos = _read_varint(data, pos, id)
+    n_minhash = n_sentences = 0
+    if flags & _HAS_MINHASH:
+        n_minhash, pos = _read_varint(data, pos, id)
+    if flags & _HAS_SENTENCES:
+        n_sentences, pos = _read_varint(data, pos, id)
+        if not n_sentences:
+            raise IndexCorrupt(f"entry {id!r}: a sentences' length of 0")
+    if flags & _PACKED_SKETCH:
+        sketch, pos = unpack_sketch(data, pos, n_sketch, id)
+    else:
+        width = 4 if flags & _NARROW_SKETCH else 8
+        if pos + width * n_sketch > len(data):
+            raise IndexCorrupt(f"entry {id!r}: {len(data)} bytes end inside its sketch")
+        sketch_type = _U32 if width == 4 else _U64
+        sketch = np.frombuffer(data, sketch_type, n_sketch, pos).astype(sketch_type.newbyteorder("="), copy=False)
+        pos += width * n_sketch
+        if width == 4 and packed_width(sketch):
+            raise IndexCorrupt(f"entry {id!r}: a sketch that this neardup packs, not packed")
+    return _decode_tail(data, id, pos, ts, lo | hi << 64, size, sketch, flags, n_minhash, n_sentences)
+
+
+def _decode_tail(data: bytes, id: str, pos: int, ts: float, exact: int, size: int, sketch: np.ndarray, flags: int,
+                 n_minhash: int, n_sentences: int) -> Entry:
+    """An entry's simhash, minhash, sentences and characters from `pos` on (both versions)."""
     has_simhash = bool(flags & _HAS_SIMHASH)
-    has_minhash = bool(flags & _HAS_MINHASH)
-    sketch_type, width = (_U32, 4) if flags & _NARROW_SKETCH else (_U64, 8)
-    if not has_minhash and n_minhash:
-        raise IndexCorrupt(f"entry {id!r}: minhash length without minhash")
-    expected = _HEAD.size + width * n_sketch + 8 * has_simhash + 4 * n_minhash + 8 * n_sentences
+    expected = pos + 8 * has_simhash + 4 * n_minhash + 8 * n_sentences
     if len(data) != expected and not (flags & _HAS_CHARS and len(data) > expected):
         raise IndexCorrupt(f"entry {id!r}: {len(data)} bytes where the header promises {expected}")
-    pos = _HEAD.size
-    # Read-only views of the reply's bytes: no copy, and nobody can change a stored entry by accident.
-    sketch = np.frombuffer(data, sketch_type, n_sketch, pos).astype(sketch_type.newbyteorder("="), copy=False)
-    pos += width * n_sketch
     simhash = None
     if has_simhash:
         (simhash,) = struct.unpack_from("<Q", data, pos)
         pos += 8
     minhash = None
-    if has_minhash:
+    if flags & _HAS_MINHASH:
         minhash = np.frombuffer(data, _U32, n_minhash, pos).astype(np.uint32, copy=False)
         pos += 4 * n_minhash
     sentences = frozenset(np.frombuffer(data, _U64, n_sentences, pos).tolist())
@@ -150,7 +283,26 @@ def decode_entry(data: bytes, id: str) -> Entry:
             chars = data[expected:].decode("utf-8", "surrogatepass")
         except UnicodeDecodeError as exc:
             raise IndexCorrupt(f"entry {id!r}: its characters are not UTF-8") from exc
-    return Entry(id, ts, lo | hi << 64, size, sketch, simhash, minhash, sentences, chars)
+    return Entry(id, ts, exact, size, sketch, simhash, minhash, sentences, chars)
+
+
+def _decode_v2(data: bytes, id: str) -> Entry:
+    """An entry of version 2 (`encode_entry_v2`)."""
+    try:
+        _, ts, lo, hi, size, flags, n_sketch, n_minhash, n_sentences = _HEAD.unpack_from(data)
+    except struct.error as exc:
+        raise IndexCorrupt(f"entry {id!r}: {len(data)} bytes are too short for an entry") from exc
+    if flags & ~_FLAGS:
+        raise IndexCorrupt(f"entry {id!r}: unknown flags {flags:#x}")
+    if not flags & _HAS_MINHASH and n_minhash:
+        raise IndexCorrupt(f"entry {id!r}: minhash length without minhash")
+    sketch_type, width = (_U32, 4) if flags & _NARROW_SKETCH else (_U64, 8)
+    if len(data) < _HEAD.size + width * n_sketch:
+        raise IndexCorrupt(f"entry {id!r}: {len(data)} bytes end inside its sketch")
+    # Read-only views of the reply's bytes: no copy, and nobody can change a stored entry by accident.
+    sketch = np.frombuffer(data, sketch_type, n_sketch, _HEAD.size).astype(sketch_type.newbyteorder("="), copy=False)
+    return _decode_tail(data, id, _HEAD.size + width * n_sketch, ts, lo | hi << 64, size, sketch, flags, n_minhash,
+                        n_sentences)
 
 
 def decode_entries(ids: Sequence[str], blobs: Sequence[bytes | None], make: Any = Entry,
@@ -503,7 +655,7 @@ def memo_field(id: str) -> bytes:
 
 def entry_time(blob: bytes, id: str) -> float:
     try:
-        return float(_HEAD.unpack_from(blob)[1])
+        return float(_TS.unpack_from(blob, 1)[0])
     except struct.error as exc:
         raise IndexCorrupt(f"entry {id!r}: {len(blob)} bytes are too short for an entry") from exc
 

@@ -1,0 +1,352 @@
+"""Benchmark: what the Redis index holds per message, and the same content in other layouts, measured against each other.
+
+    eval "$(bash docker/services.sh env)"       # or pass --redis
+    python bench/redis_layouts.py [--stream ../shared/eval/stream.jsonl] [--db 10] [--runs 3] [--lookups 4096]
+                                  [--layouts today,short,shards128,shards256,zset,string]
+
+1. The stream goes through `neardup filter --index redis://.../<db>` (the real index, default configuration) in
+   a flushed database `--db` (FLUSHed before and after: do not point it at a database that holds anything
+   else). Printed: Redis's `used_memory` after less before and the sum of `MEMORY USAGE` of the keys, per
+   message indexed; per kind of field (bucket records `b`, entries `e`, memos `d`) its count and bytes (name
+   and value) per message indexed; each key's type and encoding (`OBJECT ENCODING`); every key's TTL.
+2. The same content (every bucket record, entry and memo the index holds) is written again in each layout
+   into the flushed database, and measured the same way:
+   - `today`: the index's layout (`filters/index/redis.py`): a hash per event-time slice, a field per bucket
+     (`b<key>`: records of event time, id length, id and seq, 20 bytes and the id each), entries and memos.
+   - `short`: the same hash, records of 12 bytes (event time and a number of the entry in its slice, which a
+     field `q<number>` of the slice turns into the id: the id stored once).
+   - `shardsN`: `short`'s records, the bucket fields in hashes of about N fields each (2^k of them a slice,
+     k from the slice's field count), small enough for Redis's listpack encoding (`hash-max-listpack-entries`
+     512, `-value` 64 bytes by default): a bucket whose records pass 64 bytes lives in the slice's hash and
+     its shard holds a one-byte mark for it (a second read).
+   - `zset`: a sorted set per bucket (member the id, score the event time), with its TTL.
+   - `string`: a string per bucket (today's records appended), with its TTL.
+3. Server CPU of lookups (`INFO cpu`, user + system of the server process, per message looked up): the
+   fields `--lookups` indexed messages read (their bucket fields, in the slice of each of their records,
+   and their entry and memo fields), in batches of 512 as the index reads them (an `HMGET` per hash per
+   batch, pipelined; `short` and `shardsN` also read the ids of up to 8 records a message), each layout in
+   turn, `--runs` times; medians. And the server CPU of writing the content in each layout (in pipelined
+   `HSET`s of up to 500 fields, not in the index's rounds), per message indexed: the layouts' write costs
+   against each other, not the index's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import math
+import os
+import statistics
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+try:
+    import redis
+except ModuleNotFoundError as exc:  # one line naming what to install, not a traceback
+    print(f"redis_layouts.py needs the Python package {exc.name}: pip install 'neardup[kafka]'", file=sys.stderr)
+    raise SystemExit(2) from None
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench import needs  # noqa: E402
+from filters.index.redis_codec import parse_records  # noqa: E402
+
+BATCH = 512
+PER_HMGET = 256 * 16  # fields an HMGET reads at most (the index's LOOKUP_CHUNK queries of up to 16 fields)
+MARK = b"\x00"  # a shard's value for a bucket kept in the slice's hash
+TTL_MS = 3_600_000
+_SHORT = struct.Struct("<dI")  # a short record: event time, the entry's number in its slice
+
+
+@dataclass
+class Slice:
+    """One event-time slice of the index as read back: its bucket fields, entries and memos."""
+
+    name: bytes  # the slice's key
+    buckets: dict[bytes, list[tuple[float, int, str]]] = field(default_factory=dict)  # b<key> -> records
+    raw: dict[bytes, bytes] = field(default_factory=dict)  # b<key> -> the stored value
+    entries: dict[bytes, bytes] = field(default_factory=dict)  # e<id> -> entry
+    memos: dict[bytes, bytes] = field(default_factory=dict)  # d<id> -> memo
+    other: dict[bytes, bytes] = field(default_factory=dict)  # n, m
+    number: dict[str, int] = field(default_factory=dict)  # id -> its number in the slice (insertion order)
+
+
+def with_db(url: str, db: int) -> str:
+    return urlunsplit(urlsplit(url)._replace(path=f"/{db}"))
+
+
+def client(url: str, db: int) -> redis.Redis:
+    return redis.Redis.from_url(with_db(url, db))
+
+
+def used(r: redis.Redis) -> int:
+    time.sleep(0.5)  # a client's query buffer is given back by the server's cron
+    return int(r.info("memory")["used_memory"])
+
+
+def server_cpu(r: redis.Redis) -> float:
+    info = r.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+def run_index(url: str, db: int, stream: Path) -> int:
+    """The stream through `neardup filter` into the flushed db: the used_memory it added."""
+    r = client(url, db)
+    r.flushdb()
+    before = used(r)
+    out = subprocess.run([sys.executable, "-c", "from stream.cli import main; raise SystemExit(main())", "filter",
+                          str(stream), "--index", with_db(url, db), "--unique", os.devnull, "-q"],
+                         capture_output=True, text=True, cwd=ROOT)
+    if out.returncode:
+        raise SystemExit(f"neardup filter failed: {out.stderr.strip()[-500:]}")
+    return used(r) - before
+
+
+def read_back(r: redis.Redis) -> tuple[list[Slice], dict[str, object]]:
+    """Every slice's fields, and the breakdown of today's layout."""
+    slices = []
+    kinds: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+    keys: collections.Counter[tuple[str, str]] = collections.Counter()
+    usage = 0
+    no_ttl = 0
+    for key in r.scan_iter(count=1000):
+        usage += r.memory_usage(key, samples=0) or 0
+        keys[(str(r.type(key), "ascii"), str(r.object("encoding", key), "ascii"))] += 1  # type: ignore[arg-type]
+        no_ttl += r.pttl(key) < 0
+        if b":s:" not in key:
+            continue
+        s = Slice(key)
+        for f, v in r.hscan_iter(key, count=1000):
+            kind = f[:1].decode()
+            kinds[kind][0] += 1
+            kinds[kind][1] += len(f) + len(v)
+            if kind == "b":
+                s.buckets[f] = parse_records(v)
+                s.raw[f] = v
+            elif kind == "e":
+                s.entries[f] = v
+            elif kind == "d":
+                s.memos[f] = v
+            else:
+                s.other[f] = v
+        seqs = {id: seq for records in s.buckets.values() for _, seq, id in records}
+        for number, id in enumerate(sorted(seqs, key=seqs.__getitem__)):
+            s.number[id] = number
+        for f in s.entries:  # an entry without any record left (its buckets trimmed): numbered too
+            s.number.setdefault(f[1:].decode("utf-8", "surrogatepass"), len(s.number))
+        slices.append(s)
+    return slices, {"kinds": dict(kinds), "keys": dict(keys), "usage": usage, "no_ttl": no_ttl}
+
+
+def short_value(s: Slice, records: list[tuple[float, int, str]]) -> bytes:
+    return b"".join(_SHORT.pack(ts, s.number[id]) for ts, _, id in records)
+
+
+def shard_bits(fields: int, fill: int) -> int:
+    return max(0, math.ceil(math.log2(max(1, fields / fill))))
+
+
+def shard_of(name: bytes, bits: int) -> int:
+    """The shard of a bucket field: its key mixed (Fibonacci hashing: a key's own top bits carry its method's tag)."""
+    return (int.from_bytes(name[1:9], "big") * 0x9E3779B97F4A7C15 & (1 << 64) - 1) >> (64 - bits) if bits else 0
+
+
+def write(r: redis.Redis, layout: str, slices: Sequence[Slice]) -> None:
+    """The content of `slices` in `layout`, with a TTL on every key."""
+    pipe = r.pipeline(transaction=False)
+    n = 0
+
+    def flush(force: bool = False) -> None:
+        nonlocal n
+        n += 1
+        if force or n % 2000 == 0:
+            pipe.execute()
+
+    for s in slices:
+        base = dict(s.entries) | dict(s.memos) | dict(s.other)
+        if layout == "today":
+            base |= s.raw
+        elif layout == "short":
+            base |= {f: short_value(s, recs) for f, recs in s.buckets.items()}
+            base |= {b"q" + struct.pack("<I", number): id.encode("utf-8", "surrogatepass")
+                     for id, number in s.number.items()}
+        elif layout.startswith("shards"):
+            bits = shard_bits(len(s.buckets), int(layout[6:]))
+            shards: dict[int, dict[bytes, bytes]] = collections.defaultdict(dict)
+            for f, recs in s.buckets.items():
+                value = short_value(s, recs)
+                if len(value) > 64:
+                    base[f] = value
+                    value = MARK
+                shards[shard_of(f, bits)][f] = value
+            for j, pairs in shards.items():
+                key = s.name + b":%d" % j
+                items = list(pairs.items())
+                for a in range(0, len(items), 500):
+                    pipe.hset(key, mapping=dict(items[a : a + 500]))
+                    flush()
+                pipe.pexpire(key, TTL_MS)
+            base |= {b"q" + struct.pack("<I", number): id.encode("utf-8", "surrogatepass")
+                     for id, number in s.number.items()}
+        elif layout in ("zset", "string"):
+            for f, recs in s.buckets.items():
+                key = s.name + b":" + f
+                if layout == "zset":
+                    pipe.zadd(key, {id: ts for ts, _, id in recs})
+                else:
+                    pipe.set(key, s.raw[f])
+                pipe.pexpire(key, TTL_MS)
+                flush()
+        else:
+            raise SystemExit(f"unknown layout {layout!r}")
+        items = list(base.items())
+        for a in range(0, len(items), 1000):
+            pipe.hset(s.name, mapping=dict(items[a : a + 1000]))
+            flush()
+        pipe.pexpire(s.name, TTL_MS)
+    flush(force=True)
+
+
+def sample_lookups(slices: Sequence[Slice], n: int) -> list[tuple[bytes, list[tuple[Slice, bytes]]]]:
+    """`n` indexed messages, spread over the stream: (entry field, [(slice, bucket field)] of its records)."""
+    fields_of: dict[bytes, list[tuple[Slice, bytes]]] = collections.defaultdict(list)
+    for s in slices:
+        for f, recs in s.buckets.items():
+            for _, _, id in recs:
+                fields_of[b"e" + id.encode("utf-8", "surrogatepass")].append((s, f))
+    ids = sorted(fields_of)
+    step = max(1, len(ids) // n)
+    return [(id, fields_of[id]) for id in ids[::step][:n]]
+
+
+def lookup(r: redis.Redis, layout: str, slices: Sequence[Slice], batch: Sequence[tuple[bytes, list[tuple[Slice, bytes]]]],
+           bits: dict[bytes, int]) -> None:
+    """The reads of one batch of lookups in `layout`: every slice's fields (pipelined), then the ids."""
+    pipe = r.pipeline(transaction=False)
+    wanted: dict[bytes, list[bytes]] = collections.defaultdict(list)  # key -> fields
+    for efield, where in batch:
+        for s in slices:  # its entry and memo, in every slice read
+            wanted[s.name] += [efield, b"d" + efield[1:]]
+        for s, f in where:
+            if layout in ("today", "short"):
+                wanted[s.name].append(f)
+            elif layout.startswith("shards"):
+                wanted[s.name + b":%d" % shard_of(f, bits[s.name])].append(f)
+            else:
+                wanted[s.name + b":" + f].append(f)
+    order = []
+    for key, fields in wanted.items():
+        if layout == "zset" and b":b" in key:
+            pipe.zrange(key, 0, -1, withscores=True)
+        elif layout == "string" and b":b" in key:
+            pipe.get(key)
+        else:
+            for a in range(0, len(fields), PER_HMGET):
+                pipe.hmget(key, fields[a : a + PER_HMGET])
+                order.append((key, fields[a : a + PER_HMGET]))
+    replies = pipe.execute()
+    if layout not in ("short",) and not layout.startswith("shards"):
+        return
+    # Second round: buckets kept in the slice's hash (shards: their mark), and the ids of up to 8 records a
+    # message (the candidates whose entries the index reads).
+    pipe = r.pipeline(transaction=False)
+    values = [(key, f, v) for (key, fields), reply in zip(order, [x for x in replies if isinstance(x, list)])
+              for f, v in zip(fields, reply)]
+    for key, f, v in values:
+        if v == MARK:
+            pipe.hget(key.rsplit(b":", 1)[0], f)
+    numbers: dict[bytes, set[bytes]] = collections.defaultdict(set)
+    for key, f, v in values:
+        if f[:1] == b"b" and v and v != MARK:
+            name = key if layout == "short" else key.rsplit(b":", 1)[0]
+            numbers[name].update(v[at + 8 : at + 12] for at in range(0, min(len(v), 8 * 12), 12))
+    for name, found in numbers.items():
+        pipe.hmget(name, [b"q" + x for x in found])
+    pipe.execute()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--stream", type=Path, default=ROOT.parent / "shared" / "eval" / "stream.jsonl")
+    p.add_argument("--redis", default=os.environ.get("NEARDUP_TEST_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    p.add_argument("--db", type=int, default=10, help="the database this benchmark owns (FLUSHed)")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--lookups", type=int, default=4096)
+    p.add_argument("--layouts", default="today,short,shards128,shards256,zset,string")
+    args = p.parse_args(argv)
+    needs.files(__file__, args.stream, what="the stream (give --stream)")
+    needs.redis(__file__, args.redis)
+    r = client(args.redis, args.db)
+    layouts = args.layouts.split(",")
+    try:
+        delta = run_index(args.redis, args.db, args.stream)
+        slices, today = read_back(r)
+        indexed = sum(len(s.entries) for s in slices)
+        kinds = today["kinds"]
+        assert isinstance(kinds, dict)
+        print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; {args.stream.name}: {indexed:,} messages indexed")
+        usage = today["usage"]
+        assert isinstance(usage, int)
+        print(f"\nThe index as `neardup filter` leaves it: used_memory {delta / indexed:,.0f} bytes per message indexed, "
+              f"MEMORY USAGE {usage / indexed:,.0f}; keys by type and encoding {today['keys']}; "
+              f"keys without a TTL: {today['no_ttl']}\n")
+        print("| field | per message indexed | bytes of name and value per message indexed |")
+        print("|---|---|---|")
+        for kind, (count, size) in sorted(kinds.items()):
+            print(f"| {kind} | {count / indexed:.2f} | {size / indexed:,.1f} |")
+        records = collections.Counter(len(recs) for s in slices for recs in s.buckets.values())
+        print(f"\nrecords per bucket field: 1: {records[1] / sum(records.values()):.1%}, 2-4: "
+              f"{sum(records[k] for k in (2, 3, 4)) / sum(records.values()):.1%}, 5+: "
+              f"{sum(v for k, v in records.items() if k >= 5) / sum(records.values()):.1%}")
+        memory: dict[str, tuple[float, float, str]] = {}
+        writing: dict[str, float] = {}
+        for layout in layouts:
+            r.flushdb()
+            before = used(r)
+            start = server_cpu(r)
+            write(r, layout, slices)
+            writing[layout] = (server_cpu(r) - start) / indexed * 1e6
+            after = used(r)
+            encodings: collections.Counter[str] = collections.Counter()
+            usage = 0
+            for key in r.scan_iter(count=1000):
+                usage += r.memory_usage(key, samples=0) or 0
+                encodings[r.object("encoding", key).decode()] += 1
+            memory[layout] = ((after - before) / indexed, usage / indexed,
+                              ", ".join(f"{k} {v:,}" for k, v in encodings.most_common()))
+        cpu: dict[str, list[float]] = {layout: [] for layout in layouts}
+        sample = sample_lookups(slices, args.lookups)
+        for _ in range(args.runs):
+            for layout in layouts:
+                r.flushdb()
+                write(r, layout, slices)
+                bits = {s.name: shard_bits(len(s.buckets), int(layout[6:])) if layout.startswith("shards") else 0
+                        for s in slices}
+                r.config_resetstat()
+                start = server_cpu(r)
+                for at in range(0, len(sample), BATCH):
+                    lookup(r, layout, slices, sample[at : at + BATCH], bits)
+                cpu[layout].append((server_cpu(r) - start) / len(sample) * 1e6)
+        print(f"\n| layout | used_memory bytes per message indexed | MEMORY USAGE | ÷ today | keys by encoding "
+              f"| server CPU µs per lookup (median of {args.runs}) | min–max | server CPU µs per message written |")
+        print("|---|---|---|---|---|---|---|---|")
+        for layout in layouts:
+            a, b, enc = memory[layout]
+            ratio = f"{a / memory['today'][0]:.2f}" if "today" in memory else "–"
+            print(f"| {layout} | {a:,.0f} | {b:,.0f} | {ratio} | {enc} | {statistics.median(cpu[layout]):.1f} | "
+                  f"{min(cpu[layout]):.1f}–{max(cpu[layout]):.1f} | {writing[layout]:.1f} |")
+    finally:
+        r.flushdb()
+        r.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
