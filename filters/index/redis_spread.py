@@ -1105,7 +1105,8 @@ def _state(blob: bytes | None, state: bytes | None, ts: float) -> cl.Home:
         return cl.Home(cl.GONE)
     if state is None:
         return cl.Home(cl.COMMITTED, blob)
-    return cl.Home(cl.PENDING, blob, _parse_notes(state[17:]))  # 'P', deadline, event time, notes
+    # 'Q', its deadline, its entry's event time, its notes; 'P', its deadline, its notes: an older version's
+    return cl.Home(cl.PENDING, blob, _parse_notes(state[9:] if state[:1] == b"P" else state[17:]))
 
 
 # --- the verification the claims need ---------------------------------------------------------------------
