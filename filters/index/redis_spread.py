@@ -18,7 +18,8 @@ candidates, pending ones are claims the protocol must resolve; entries known com
 (`entry_cache`) and not read again.
 
 Inserting is the claim protocol (`filters.index.claims`): the `Resolver` says what to ask each shard, this
-module asks it (`_round`: the home ops of a shard in one call of `spread_home.lua`, its claims in one call
+module asks it (`_round`: the home ops of a shard, and the insert's memos there, in one call of
+`spread_home.lua`, its claims in one call
 of `spread_append.lua` when no slice's mark moved since the lookup, else of `spread_claim.lua` (`_ClaimPlan`),
 reads as HMGETs), in one round trip per round (two when a mark moved).
 
