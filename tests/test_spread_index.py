@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import struct
 import subprocess
 import threading
 import time
@@ -30,6 +31,7 @@ from filters.index import claims as cl
 from filters.index.backends import open_index
 from filters.index.redis_codec import encode_entry, field_of, parse_records
 from filters.index.redis_spread import _APPEND, _CLAIM, SLOTS, SpreadIndex, _View, key_slot, shard_tags
+from filters.records import Verdict
 from stream.codec import RecordFormat
 from stream.runner import RawRecord, route_batch
 from tests.test_claim_model import Shard
@@ -197,6 +199,94 @@ def test_the_scripts_do_what_the_model_of_the_protocol_does(make: Callable[..., 
         assert _same(op, real, expected), (op, real, expected)
     [values] = index._ops([cl.Read(0, tuple(fields))])
     assert _by_field(values) == [_records(model.buckets.get(f)) for f in fields]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_round_of_ops_for_several_ids_in_one_call_does_what_the_model_does(make: Callable[..., SpreadIndex],
+                                                                            seed: int) -> None:
+    """A round's home ops of distinct ids go to a shard in one call of spread_home.lua (the creates, and the
+    commits, of a round take its short way; other mixes the general one): each op's reply is the model's."""
+    rng = random.Random(seed)
+    index = make(shards="1", claim_ttl="3600")
+    ts = 5.0
+    index._hwm = ts
+    model = Shard()
+    ids = [f"m{i}" for i in range(8)]
+    for _ in range(40):
+        chosen = rng.sample(ids, rng.randint(1, 6))
+        kinds = [rng.choice(["create", "commit"])] * len(chosen) if rng.random() < 0.6 else \
+            [rng.choice(["create", "commit", "note", "poll", "refresh", "abort", "state"]) for _ in chosen]
+        ops: list[cl.Op] = []
+        for id, kind in zip(chosen, kinds):
+            if kind == "create":
+                ops.append(cl.Create(0, id, ts, _blob(id, ts)))
+            elif kind == "commit":
+                ops.append(cl.Commit(0, id, ts, rng.randint(0, 1)))
+            elif kind == "note":
+                ops.append(cl.Note(0, id, ts, (ts, rng.choice(ids))))
+            elif kind == "state":
+                ops.append(cl.State(0, id, ts))
+            else:
+                ops.append({"poll": cl.Poll, "refresh": cl.Refresh, "abort": cl.Abort}[kind](0, id, ts))
+        real = index._ops(ops)
+        for op, got in zip(ops, real, strict=True):
+            expected = model.apply(op, 0.0, 3_600_000.0)
+            assert _same(op, got, expected), (op, got, expected)
+
+
+def test_a_commit_reads_the_state_alone_which_names_its_claim_by_event_time(make: Callable[..., SpreadIndex],
+                                                                         redis_url: str) -> None:
+    """The state of a pending claim carries its entry's event time: a commit of another claim of the id (another
+    event time, in the same slice) finds it gone and leaves the pending one as it is; a state of the older
+    format ('P' <deadline> <notes>, without the event time) is read as the same with its entry's."""
+    index = make(shards="1", claim_ttl="3600")
+    index._hwm = 6.0
+    [created] = index._ops([cl.Create(0, "a", 5.0, _blob("a", 5.0))])
+    assert created.state == cl.PENDING
+    assert index._ops([cl.Commit(0, "a", 6.0, 0)])[0].state == cl.GONE
+    assert index._ops([cl.State(0, "a", 5.0)])[0].state == cl.PENDING
+    assert index._ops([cl.Commit(0, "a", 5.0, 0)])[0].state == cl.COMMITTED
+    assert index._ops([cl.Commit(0, "a", 5.0, 0)])[0].state == cl.COMMITTED  # committed: its entry is read
+    key = index._slice_key(0, index._slice(5.0))
+    note = struct.pack("<dI", 4.0, 1) + b"z"
+    with redis.Redis.from_url(redis_url) as client:
+        for id, deadline in (("b", 1e15), ("c", 0.0)):
+            client.hset(key, mapping={f"e{id}": _blob(id, 5.0), f"c{id}": b"P" + struct.pack(">d", deadline) + note})
+    [state] = index._ops([cl.State(0, "b", 5.0)])
+    assert state.state == cl.PENDING and state.notes == ((4.0, "z"),)
+    [committed] = index._ops([cl.Commit(0, "b", 5.0, 0)])
+    assert committed.state == cl.PENDING and committed.notes == ((4.0, "z"),)  # a note it has not seen
+    [refreshed] = index._ops([cl.Refresh(0, "b", 5.0)])
+    assert refreshed.state == cl.PENDING and refreshed.notes == ((4.0, "z"),)
+    assert index._ops([cl.Commit(0, "b", 5.0, 1)])[0].state == cl.COMMITTED
+    assert index._ops([cl.Poll(0, "c", 5.0)])[0].state == cl.GONE  # its deadline passed
+
+
+def test_an_inserts_memos_go_with_the_home_calls(make: Callable[..., SpreadIndex]) -> None:
+    """An insert's memos are written by spread_home.lua, in the calls of its first round trip (or in calls of
+    their own, one a shard): a replay of the duplicate finds its verdict; no other command writes them."""
+    index = make(shards="4")
+    sent: list[Any] = []
+    execute = index._nodes.execute
+
+    def spy(commands: Sequence[tuple[int, Sequence[Any]]], scripts: dict[bytes, str], resent: set[int] | None = None
+            ) -> list[Any]:
+        sent.extend(c[0] for _, c in commands)
+        return execute(commands, scripts, resent)
+
+    index._nodes.execute = spy  # type: ignore[method-assign]
+    entry = Entry("u", 5.0, 7, 3, np.arange(4, dtype=np.uint32))
+    index.lookup([Query("u", 5.0, (1, 2)), Query("d1", 5.0, (1, 2)), Query("d2", 5.0, (3,))], 8)
+    memos = [(Verdict("d1", True, "u", 0.9, "sketch"), 5.0), (Verdict("d2", True, "u", 0.8, "sketch"), 5.0)]
+    sent.clear()
+    assert index.insert([(entry, (1, 2))], memos) == [None]
+    assert "HSET" not in sent and "HINCRBY" not in sent
+    sent.clear()
+    index.insert([], [(Verdict("d3", True, "u", 0.7, "sketch"), 5.0)])
+    assert sent == ["EVALSHA"]
+    looked = index.lookup([Query(id, 5.0, (9,)) for id in ("d1", "d2", "d3")], 8)
+    assert [(v.id, v.duplicate_of) for v, _ in looked] == [("d1", "u"), ("d2", "u"), ("d3", "u")]  # type: ignore[union-attr]
+    assert index.stats()["memos"] == 3
 
 
 def test_claims_are_written_at_once_unless_another_writer_wrote_there_since_the_lookup(

@@ -18,7 +18,8 @@ candidates, pending ones are claims the protocol must resolve; entries known com
 (`entry_cache`) and not read again.
 
 Inserting is the claim protocol (`filters.index.claims`): the `Resolver` says what to ask each shard, this
-module asks it (`_round`: the home ops of a shard in one call of `spread_home.lua`, its claims in one call
+module asks it (`_round`: the home ops of a shard, and the insert's memos there, in one call of
+`spread_home.lua`, its claims in one call
 of `spread_append.lua` when no slice's mark moved since the lookup, else of `spread_claim.lua` (`_ClaimPlan`),
 reads as HMGETs), in one round trip per round (two when a mark moved).
 
@@ -55,7 +56,6 @@ from filters.index import claims as cl
 from filters.index.redis import (
     _NAME,
     DEFAULT_SOCKET_TIMEOUT,
-    FIELDS_PER_CALL,
     FIELDS_PER_HMGET,
     INSERT_CHUNK,
     RedisTarget,
@@ -76,7 +76,6 @@ from filters.index.redis_codec import (
     entry_time,
     field_of,
     id_field,
-    memo_field,
     memo_time,
     parse_records,
     plan_fields,
@@ -137,7 +136,18 @@ class _Put:
     blob: bytes
 
 
-_OP_CODES: dict[type, int] = {cl.Create: 1, cl.Note: 2, cl.Commit: 3, cl.Poll: 4, cl.Refresh: 5, cl.Abort: 6, _Put: 7}
+@dataclass(frozen=True, slots=True)
+class _Memo:
+    """A duplicate's verdict, written at its id's home in the slice of its event time (`insert`)."""
+
+    shard: int
+    id: str
+    ts: float
+    blob: bytes
+
+
+_OP_CODES: dict[type, int] = {cl.Create: 1, cl.Note: 2, cl.Commit: 3, cl.Poll: 4, cl.Refresh: 5, cl.Abort: 6, _Put: 7,
+                              _Memo: 8}
 _HOME_OP = struct.Struct("<BHdI")  # spread_home.lua's numbers of an op: code, key, event time, notes seen
 
 
@@ -452,7 +462,7 @@ class SpreadIndex:
         # The window's clock (`expire`); None until a caller sets it, and then the newest event time stored
         # stands for it (as in the slot layout).
         self._clock: float | None = None
-        self._memos: list[tuple[int, Sequence[Any]]] = []  # memo writes the insert in progress has still to send
+        self._memos: list[_Memo] = []  # memos the insert in progress has still to write
         self._gone = -math.inf  # the last slice this instance unlinked (as left the window)
         self._stamp = 0  # the last round's clock (ms), increasing: the seqs of its records (`_ClaimPlan`)
         self._view = _View()
@@ -571,36 +581,30 @@ class SpreadIndex:
         its id was, a replay); else the committed claims it yielded to, which its verification must take
         (with `decide`'s verification, those it is a near-duplicate of; without, every committed claim
         that reached its buckets since its lookup, and the engine verifies them: a claim not taken is not
-        returned again). The memos are written at their ids' homes with the first round trip of the claims
-        (or in one of their own); if it raises, some may have been written, as in the slot layout."""
-        self._memos = self._memo_writes(memos)
+        returned again). The memos are written at their ids' homes with the first round trip of the claims, by
+        the calls of spread_home.lua there (or by calls of their own); if it raises, some may have been
+        written, as in the slot layout."""
+        self._memos = self._memo_ops(memos)
         try:
             out: list[list[Candidate] | None] = []
             for at in range(0, len(entries), INSERT_CHUNK):
                 out.extend(self._claim(entries[at : at + INSERT_CHUNK]))
             if self._memos:
-                self._nodes.execute(self._memos, self._scripts)
+                self._ops([])
         finally:
             self._memos = []
         return out
 
-    def _memo_writes(self, memos: Sequence[Memo]) -> list[tuple[int, Sequence[Any]]]:
-        """The commands that write `memos` in the slices of their event times at their ids' homes (each slice's
-        TTL renewed and its memo count moved, for `stats`); a memo outside the window is left out."""
+    def _memo_ops(self, memos: Sequence[Memo]) -> list[_Memo]:
+        """The writes of `memos` in the slices of their event times at their ids' homes (spread_home.lua renews
+        each slice's TTL and moves its memo count, for `stats`); a memo outside the window is left out."""
         horizon = self._hwm - self.window
-        pairs: dict[tuple[int, int], list[bytes]] = {}
+        out = []
         for verdict, ts in memos:
             ts = _event_time(ts, verdict.id, self.slice_length)
             if ts >= horizon:
-                pairs.setdefault((self._home(verdict.id), self._slice(ts)), []).extend(
-                    (memo_field(verdict.id), encode_memo(verdict, ts)))
-        step = 2 * FIELDS_PER_CALL
-        commands: list[tuple[int, Sequence[Any]]] = []
-        for (shard, s), fields in pairs.items():
-            slot, key = self._slots[shard], self._slice_key(shard, s)
-            commands += [(slot, ("HSET", key, *fields[a : a + step])) for a in range(0, len(fields), step)]
-            commands += [(slot, ("HINCRBY", key, "m", len(fields) // 2)), (slot, ("PEXPIRE", key, self._ttl_ms))]
-        return commands
+                out.append(_Memo(self._home(verdict.id), verdict.id, ts, encode_memo(verdict, ts)))
+        return out
 
     def restore(self, parts: Iterable[Stored]) -> int:
         """See `CandidateIndex.restore`: entries written committed at once (home, then records), unchecked."""
@@ -852,13 +856,17 @@ class SpreadIndex:
         return self._ops(round_.ops)
 
     def _ops(self, ops: Sequence[cl.Op]) -> list[Any]:
-        """Runs a round's ops in one round trip per node: per shard, its home ops in one script call, its
-        claims as HSETNX/HEXISTS of their new fields and one script call for the others (`_claims`), its
-        reads as HMGETs. Returns the replies in the order of `ops`."""
+        """Runs a round's ops in one round trip per node: per shard, its home ops and the insert's memos still to
+        write in one call of spread_home.lua, its claims in one call of spread_append.lua or spread_claim.lua
+        (`_ClaimPlan`), its reads as HMGETs. Returns the replies in the order of `ops`."""
         homes: dict[int, list[int]] = {}
         claims: list[int] = []
         reads: list[int] = []
         self._stamp = max(time.time_ns() // 1_000_000, self._stamp + 1)  # this round's records' stamp
+        n = len(ops)
+        memos, self._memos = self._memos, []  # the insert's memos go with its first round trip, in the home calls
+        if memos:
+            ops = [*ops, *cast(list[Any], memos)]
         for i, op in enumerate(ops):
             if isinstance(op, cl.Claim):
                 claims.append(i)
@@ -889,16 +897,13 @@ class SpreadIndex:
         plan = _ClaimPlan(self, [(i, cast(cl.Claim, ops[i])) for i in claims], fast) if claims else None
         if plan is not None:
             commands += plan.commands
-        memos, self._memos = self._memos, []  # the insert's memos go with its first round trip
-        replies = self._nodes.execute(commands + memos, self._scripts)
-        if memos:
-            replies = replies[: len(replies) - len(memos)]
+        replies = self._nodes.execute(commands, self._scripts)
         out: list[Any] = [None] * len(ops)
         it = iter(replies[: len(replies) - (len(plan.commands) if plan is not None else 0)])
         for kind, at in takes:
             if kind == "home":
                 for i, reply in zip(at, next(it), strict=True):
-                    out[i] = _home_reply(reply)
+                    out[i] = _home_reply(reply) if i < n else None
             elif kind == "read":
                 out[at[0]] = [next(it) for _ in slices]
             else:
@@ -914,7 +919,7 @@ class SpreadIndex:
                 self._append_rate += _RATE * ((appended - len(again)) / appended - self._append_rate)
             for i, result in results.items():
                 out[i] = result
-        return out
+        return out[:n]
 
     def _home_call(self, shard: int, ops: Sequence[Any]) -> tuple[Any, ...]:
         # The live slices first (a create or put looks for its id in each), then those the ops name.
@@ -934,6 +939,8 @@ class SpreadIndex:
             layout.append(_HOME_OP.pack(_OP_CODES[type(op)], at[key], op.ts, op.seen if isinstance(op, cl.Commit) else 0))
             args.append(op.id.encode("utf-8", "surrogatepass"))
             if isinstance(op, (cl.Create, _Put)):
+                args.append(op.blob)
+            elif isinstance(op, _Memo):
                 args.append(op.blob)
             elif isinstance(op, cl.Note):
                 raw = op.by[1].encode("utf-8", "surrogatepass")
@@ -1099,7 +1106,8 @@ def _state(blob: bytes | None, state: bytes | None, ts: float) -> cl.Home:
         return cl.Home(cl.GONE)
     if state is None:
         return cl.Home(cl.COMMITTED, blob)
-    return cl.Home(cl.PENDING, blob, _parse_notes(state[9:]))
+    # 'Q', its deadline, its entry's event time, its notes; 'P', its deadline, its notes: an older version's
+    return cl.Home(cl.PENDING, blob, _parse_notes(state[9:] if state[:1] == b"P" else state[17:]))
 
 
 # --- the verification the claims need ---------------------------------------------------------------------
