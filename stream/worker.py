@@ -434,13 +434,11 @@ class AiokafkaWorker(WorkerCore):
         member has said what it owns, nobody takes anything: `GroupView.complete`)."""
         self.aligner.assign(lanes_of(tps))
         self._read_to, self._gaps = {}, {}
-        consumer = self._consumer
-        for tp in tps:
-            with contextlib.suppress(KafkaError, TimeoutError, IllegalStateError):
-                assert consumer is not None  # assigned: it runs
-                committed = await asyncio.wait_for(consumer.committed(tp), 1.0)
-                if committed is not None:
-                    self._read_to[(tp.topic, tp.partition)] = committed
+        consumer, tps = self._consumer, sorted(tps)
+        if consumer is not None and tps:
+            with contextlib.suppress(KafkaError, TimeoutError, IllegalStateError):  # then: gaps from the first fetch on
+                offsets = await asyncio.wait_for(asyncio.gather(*(consumer.committed(tp) for tp in tps)), 2.0)
+                self._read_to = {(tp.topic, tp.partition): o for tp, o in zip(tps, offsets, strict=True) if o is not None}
         if self.settings.align:
             await self._publish_marks()
 
