@@ -372,3 +372,188 @@ cdef int _spaced_runs(const ucs_t *data, Py_ssize_t n, list out) except -1:
                 continue
         i += 1
     return 0
+
+
+# -- `normalize._NUMBER_OR_LEET.sub(...)`: every number, masked or read as leet ------------------------------
+# The pattern is tried at every digit not inside an earlier match (its non-leet alternative always matches
+# there), so the scan below goes digit by digit and tries the alternatives in the pattern's order. The
+# regular expression costs ≈ 1 µs a number (most of it the engine's search for the next digit in a wide
+# string and its lookbehinds), and the dev stream has ≈ 45,000 numbers.
+
+cdef inline bint nl_digit(uint32_t c) noexcept nogil:
+    return 0x30 <= c <= 0x39
+
+
+cdef inline bint nl_lower(uint32_t c) noexcept nogil:
+    return 0x61 <= c <= 0x7A
+
+
+cdef inline bint nl_alnum(uint32_t c) noexcept nogil:  # [^\W_]
+    if c < 0x80:
+        return (0x30 <= c <= 0x39) or (0x41 <= c <= 0x5A) or (0x61 <= c <= 0x7A)
+    return Py_UNICODE_ISALNUM(c)
+
+
+cdef inline bint nl_word(uint32_t c) noexcept nogil:  # \w
+    return c == 0x5F or nl_alnum(c)
+
+
+cdef inline bint nl_sep(uint32_t c) noexcept nogil:  # normalize._SEP: (?:[^\w\x1e]|_)
+    return c != NORM_JOIN and not nl_alnum(c)
+
+
+cdef inline bint nl_lookalike(uint32_t c) noexcept nogil:  # [013457-9]
+    return nl_digit(c) and c != 0x32 and c != 0x36
+
+
+cdef inline Py_ssize_t nl_seps(const ucs_t *data, Py_ssize_t n, Py_ssize_t x) noexcept nogil:
+    """The end of the run of separators at x (SEP*+)."""
+    while x < n and nl_sep(data[x]):
+        x += 1
+    return x
+
+
+cdef inline Py_ssize_t nl_two(const ucs_t *data, Py_ssize_t n, Py_ssize_t x) noexcept nogil:
+    """normalize._TWO_DIGITS_AT_MOST at x: where it ends, -1 if it fails."""
+    cdef Py_ssize_t s = nl_seps(data, n, x)
+    if s < n and nl_digit(data[s]):  # (?:SEP*+[0-9])?+
+        x = s + 1
+        s = nl_seps(data, n, x)
+        if s < n and nl_digit(data[s]):  # (?!SEP*+[0-9])
+            return -1
+    return x
+
+
+cdef inline bint nl_after_letter(const ucs_t *data, Py_ssize_t p, Py_ssize_t k, bint one_letter_token) noexcept nogil:
+    """(?<=[a-z]SEP{k}[0-9]) at p + 1 (data[p] a digit), and with `one_letter_token` (?<!\w[a-z]SEP{k}[0-9])."""
+    cdef Py_ssize_t i
+    if p - k - 1 < 0 or not nl_lower(data[p - k - 1]):
+        return False
+    for i in range(p - k, p):
+        if not nl_sep(data[i]):
+            return False
+    return not (one_letter_token and p - k - 2 >= 0 and nl_word(data[p - k - 2]))
+
+
+cdef bint nl_unit(str text, const ucs_t *data, Py_ssize_t n, Py_ssize_t y, frozenset units, Py_ssize_t longest) except -1:
+    """normalize._UNIT at y: its words are letters followed by no [a-z0-9], so it matches where the run of
+    [a-z0-9] at y is one of them."""
+    cdef Py_ssize_t e = y
+    while e < n and e - y <= longest and (nl_lower(data[e]) or nl_digit(data[e])):
+        e += 1
+    return y < e and e - y <= longest and text[y:e] in units
+
+
+cdef Py_ssize_t nl_match(str text, const ucs_t *data, Py_ssize_t n, Py_ssize_t p, frozenset units, Py_ssize_t longest,
+                         bint *leet) except -2:
+    """The end of `_NUMBER_OR_LEET`'s match at p (data[p] a digit); `leet`: whether its group `leet` matched."""
+    cdef Py_ssize_t x = p + 1, y, s, k
+    cdef bint letter_before = p >= 1 and nl_lower(data[p - 1])
+    leet[0] = True
+    if letter_before:  # (?<=[a-z][0-9]) TWO (?=SEP*+END)
+        y = nl_two(data, n, x)
+        if y >= 0:
+            s = nl_seps(data, n, y)
+            if s == n or nl_lower(data[s]) or data[s] == NORM_JOIN:
+                return y
+        if nl_lookalike(data[p]):  # (?<=[a-z][013457-9])[013457-9]{2,3}(?=[a-z])
+            if x + 3 < n and nl_lookalike(data[x]) and nl_lookalike(data[x + 1]) and nl_lookalike(data[x + 2]) \
+                    and nl_lower(data[x + 3]):
+                return x + 3
+            if x + 2 < n and nl_lookalike(data[x]) and nl_lookalike(data[x + 1]) and nl_lower(data[x + 2]):
+                return x + 2
+    for k in range(1, 4):  # (?:_AFTER_A_LETTER) TWO (?=[a-z])(?!UNIT)
+        if nl_after_letter(data, p, k, False):
+            y = nl_two(data, n, x)
+            if y >= 0 and y < n and nl_lower(data[y]) and not nl_unit(text, data, n, y, units, longest):
+                return y
+            break
+    if not (p >= 1 and (nl_alnum(data[p - 1]) or data[p - 1] == 0x24)):  # (?<![^\W_][0-9])(?<!\$[0-9])
+        y = x + 1 if x < n and nl_digit(data[x]) else x  # [0-9]?+
+        if not (y < n and nl_digit(data[y])) and y < n and nl_lower(data[y]) \
+                and not nl_unit(text, data, n, y, units, longest):
+            return y
+    for k in range(1, 4):  # (?:_AFTER_ONE_LETTER_TOKEN) TWO (?=SEP{1,3}[a-z](?!\w)|SEP*+(?:\x1e|\Z))
+        if nl_after_letter(data, p, k, True):
+            y = nl_two(data, n, x)
+            if y >= 0:
+                s = nl_seps(data, n, y)
+                if 1 <= s - y <= 3 and s < n and nl_lower(data[s]) and not (s + 1 < n and nl_word(data[s + 1])):
+                    return y
+                if s == n or data[s] == NORM_JOIN:
+                    return y
+            break
+    leet[0] = False  # [0-9]*+(?:SEP*+[0-9]++)*+
+    y = x
+    while True:
+        while y < n and nl_digit(data[y]):
+            y += 1
+        s = nl_seps(data, n, y)
+        if s < n and nl_digit(data[s]):
+            y = s
+        else:
+            return y
+
+
+def numbers_or_leet(str text, bint mask, frozenset units):
+    """`normalize._NUMBER_OR_LEET.sub(_leet_or_mask if mask else _leet_or_keep, text)`: each number that the
+    group `leet` matches has its digits read as letters (`_LEET_DIGITS`), the others become
+    `normalize.NUMBER_MARK` (with `mask`) or stay. `units`: the words of `normalize._UNIT`."""
+    cdef int kind = PyUnicode_KIND(text)
+    cdef void *data = PyUnicode_DATA(text)
+    cdef Py_ssize_t n = PyUnicode_GET_LENGTH(text)
+    cdef Py_ssize_t longest = max([len(u) for u in units]) if units else 0
+    if kind == 1:
+        return _numbers_or_leet(text, <const uint8_t *>data, n, mask, units, longest)
+    if kind == 2:
+        return _numbers_or_leet(text, <const uint16_t *>data, n, mask, units, longest)
+    return _numbers_or_leet(text, <const uint32_t *>data, n, mask, units, longest)
+
+
+cdef uint32_t NL_NUMBER_MARK = 0x1E802  # normalize.NUMBER_MARK
+cdef const char *NL_LEET_DIGITS = b"oizeasgtbg"  # normalize._LEET_DIGITS
+
+
+cdef object _numbers_or_leet(str text, const ucs_t *data, Py_ssize_t n, bint mask, frozenset units, Py_ssize_t longest):
+    cdef Py_ssize_t i = 0, j = 0, end, q
+    cdef uint32_t c, bits = 0
+    cdef bint leet, found = False
+    cdef vector[uint32_t] out
+    while i < n:
+        c = data[i]
+        if not nl_digit(c):
+            i += 1
+            continue
+        if not found:  # the text before the first number, copied
+            found = True
+            out.resize(n + 1)
+            for q in range(i):
+                out[q] = data[q]
+                bits |= data[q]
+            j = i
+        end = nl_match(text, data, n, i, units, longest, &leet)
+        if leet:
+            for q in range(i, end):
+                c = data[q]
+                c = <uint32_t>NL_LEET_DIGITS[c - 0x30] if nl_digit(c) else c
+                out[j] = c
+                bits |= c
+                j += 1
+        elif mask:
+            out[j] = NL_NUMBER_MARK  # (one code point for at least one: `out` never grows past n)
+            bits |= NL_NUMBER_MARK
+            j += 1
+        else:
+            for q in range(i, end):
+                out[j] = data[q]
+                bits |= data[q]
+                j += 1
+        i = end
+        while i < n and not nl_digit(data[i]):
+            out[j] = data[i]
+            bits |= data[i]
+            j += 1
+            i += 1
+    if not found:
+        return text
+    return ucs4_str(out, 0, j, bits)

@@ -125,8 +125,10 @@ _AFTER_ONE_LETTER_TOKEN = "|".join(
 )
 _AFTER_A_LETTER = "|".join(rf"(?<=[a-z]{_SEP}{{{k}}}[0-9])" for k in (1, 2, 3))
 # A number followed by a unit (10pm, 3mins, 2nd, 4g, 5kg) is a number even where it starts a word.
-_UNIT = (r"(?:am|pm|s|st|nd|rd|th|k|m|b|bn|g|gb|mb|kb|tb|kg|km|mg|ml|cm|mm|min|mins|h|hr|hrs|x|d|p|ppm|yo|yr"
-         r"|yrs|mph|ft|lb|lbs|oz|px|v|w|hz|ghz|mhz|fps|mp|pc|pcs|pct)(?![a-z0-9])")
+_UNIT_WORDS = ("am pm s st nd rd th k m b bn g gb mb kb tb kg km mg ml cm mm min mins h hr hrs x d p ppm yo yr yrs mph ft"
+               " lb lbs oz px v w hz ghz mhz fps mp pc pcs pct").split()
+_UNIT = rf"(?:{'|'.join(_UNIT_WORDS)})(?![a-z0-9])"
+_UNITS = frozenset(_UNIT_WORDS)  # for the compiled `numbers_or_leet`: _UNIT matches where one of them is a whole word
 _NUMBER_OR_LEET = re.compile(  # starts with [0-9] so the regex engine skips to digits quickly
     rf"[0-9](?:(?P<leet>(?<=[a-z][0-9]){_TWO_DIGITS_AT_MOST}(?={_SEP}*+{_END})"
     rf"|(?<=[a-z][013457-9])[013457-9]{{2,3}}(?=[a-z])"  # three or four look-alike digits inside a word
@@ -302,11 +304,13 @@ class Normalizer:
         fusable = _fusable(self.options)
         self._core = None
         self._spaced: Callable[[str], list[tuple[int, int]]] | None = None
+        self._numbers: Callable[[str, bool, frozenset[str]], str] | None = None
         if fusable and _native is not None and native is not False:
             o = self.options
             self._core = _native.NormalizeStages(_stage1(o), o.leet, o.pinyin, charmaps.PINYIN_CODES, charmaps.PINYIN_BASE,
                                                  _BEFORE_NFKC_MAP)
             self._spaced = _native.spaced_runs
+            self._numbers = _native.numbers_or_leet
         # The numpy tables take ≈ 0.3 s to build: only without the compiled stages.
         self._stages = _stages(self.options) if fusable and self._core is None else None
 
@@ -437,7 +441,10 @@ class Normalizer:
             text = self._mask_urls(text)
         if o.leet:
             text = _leet_symbols(text, self._spaced)
-            text = _NUMBER_OR_LEET.sub(_leet_or_mask if o.mask_numbers else _leet_or_keep, text)
+            if self._numbers is not None:
+                text = self._numbers(text, o.mask_numbers, _UNITS)
+            else:
+                text = _NUMBER_OR_LEET.sub(_leet_or_mask if o.mask_numbers else _leet_or_keep, text)
         elif o.mask_numbers:
             text = _NUMBER.sub(NUMBER_MARK, text)
         return text
