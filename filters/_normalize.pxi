@@ -374,7 +374,7 @@ cdef int _spaced_runs(const ucs_t *data, Py_ssize_t n, list out) except -1:
     return 0
 
 
-# -- `normalize._NUMBER_OR_LEET.sub(...)`: every number, masked or read as leet ------------------------------
+# -- `normalize._number_or_leet().sub(...)`: every number, masked or read as leet ------------------------
 # The pattern is tried at every digit not inside an earlier match (its non-leet alternative always matches
 # there), so the scan below goes digit by digit and tries the alternatives in the pattern's order. The
 # regular expression costs ≈ 1 µs a number (most of it the engine's search for the next digit in a wide
@@ -446,7 +446,7 @@ cdef bint nl_unit(str text, const ucs_t *data, Py_ssize_t n, Py_ssize_t y, froze
 
 cdef Py_ssize_t nl_match(str text, const ucs_t *data, Py_ssize_t n, Py_ssize_t p, frozenset units, Py_ssize_t longest,
                          bint *leet) except -2:
-    """The end of `_NUMBER_OR_LEET`'s match at p (data[p] a digit); `leet`: whether its group `leet` matched."""
+    """The end of `_number_or_leet()`'s match at p (data[p] a digit); `leet`: whether its group `leet` matched."""
     cdef Py_ssize_t x = p + 1, y, s, k
     cdef bint letter_before = p >= 1 and nl_lower(data[p - 1])
     leet[0] = True
@@ -496,7 +496,7 @@ cdef Py_ssize_t nl_match(str text, const ucs_t *data, Py_ssize_t n, Py_ssize_t p
 
 
 def numbers_or_leet(str text, bint mask, frozenset units):
-    """`normalize._NUMBER_OR_LEET.sub(_leet_or_mask if mask else _leet_or_keep, text)`: each number that the
+    """`normalize._number_or_leet().sub(_leet_or_mask if mask else _leet_or_keep, text)`: each number that the
     group `leet` matches has its digits read as letters (`_LEET_DIGITS`), the others become
     `normalize.NUMBER_MARK` (with `mask`) or stay. `units`: the words of `normalize._UNIT`."""
     cdef int kind = PyUnicode_KIND(text)

@@ -29,7 +29,6 @@ from filters.index.memory import MemoryIndex, PyTable, make_table, native_availa
 from filters.index.redis_codec import decode_entry, encode_entry, rank_records
 from filters.index.shared import against
 from filters.normalize import (
-    _NUMBER_OR_LEET,
     _SPACED,
     _UNITS,
     NormalizeOptions,
@@ -37,6 +36,7 @@ from filters.normalize import (
     _fusable,
     _leet_or_keep,
     _leet_or_mask,
+    _number_or_leet,
     _stages,
 )
 from filters.shingles import Batch
@@ -785,9 +785,9 @@ _NUMBER_PIECES = st.sampled_from([*"0123456789abelostxyzA_ -.,\n\x1e$@!é中٣²
 @settings(max_examples=1000, deadline=None)
 @given(text=st.lists(_NUMBER_PIECES, max_size=30).map("".join), mask=st.booleans())
 def test_numbers_or_leet_as_the_pattern(text: str, mask: bool) -> None:
-    """The compiled scan of numbers against `_NUMBER_OR_LEET.sub`: every alternative of the pattern (leet after a
+    """The compiled scan of numbers against `_number_or_leet().sub`: every alternative of the pattern (leet after a
     letter, look-alike runs, word starts but units, one-letter tokens), masked or kept."""
-    want = _NUMBER_OR_LEET.sub(_leet_or_mask if mask else _leet_or_keep, text)
+    want = _number_or_leet().sub(_leet_or_mask if mask else _leet_or_keep, text)
     assert _native.numbers_or_leet(text, mask, _UNITS) == want
 
 
