@@ -59,9 +59,10 @@ stages do not cover) is the reference; tests hold both to it.
 from __future__ import annotations
 
 import functools
+import itertools
 import re
 import unicodedata
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Literal
 
@@ -145,14 +146,23 @@ def _number_or_leet() -> re.Pattern[str]:
 
 
 _LATIN_RUN = re.compile(r"[a-z]{1,40}")
-_HAN = re.compile(r"[\u3400-\u9fff]")
+_HAN = r"[\u3400-\u9fff]"  # compiled on first use (`_han`): 1 ms, and the compiled stages never need it
 _PINYIN_CODE = 0xF0000
 _COMBINING_RANGES = ((0x300, 0x36F), (0x1AB0, 0x1AFF), (0x1DC0, 0x1DFF), (0x20D0, 0x20FF), (0xFE20, 0xFE2F))
-# Characters outside these ranges are never changed by a per-character step (casefold, marks,
-# invisibles, the tables): planes 0-1 and the tags/variation selectors of plane 14.
-_SCANNED = (*range(0x20000), *range(0xE0000, 0xE1000))
 _DROP = 0xFFFFFFFF  # in the uint32 tables
 _MULTI = 0xFFFFFFFE
+
+
+def _scanned_chars() -> Iterator[str]:
+    """Characters outside these ranges are never changed by a per-character step (casefold, marks,
+    invisibles, the tables): planes 0-1 and the tags/variation selectors of plane 14. (Not a constant:
+    4 ms of every start-up to build, and only the reference's tables use it.)"""
+    return map(chr, itertools.chain(range(0x20000), range(0xE0000, 0xE1000)))
+
+
+@functools.cache
+def _han() -> re.Pattern[str]:
+    return re.compile(_HAN)
 
 
 def _char_class(chars: Sequence[str]) -> str:
@@ -186,7 +196,7 @@ def _is_mark(ch: str) -> bool:
 
 @functools.cache
 def _invisible_chars() -> tuple[str, ...]:
-    return tuple(ch for ch in map(chr, _SCANNED) if _is_invisible(ch))
+    return tuple(ch for ch in _scanned_chars() if _is_invisible(ch))
 
 
 @functools.cache
@@ -196,7 +206,7 @@ def _invisible_pattern() -> re.Pattern[str]:
 
 @functools.cache
 def _marks_pattern() -> re.Pattern[str]:
-    return re.compile(f"[{_char_class([ch for ch in map(chr, _SCANNED) if _is_mark(ch)])}]+")
+    return re.compile(f"[{_char_class([ch for ch in _scanned_chars() if _is_mark(ch)])}]+")
 
 
 # Characters NFKC would make something they do not look like (see `charmaps.BEFORE_NFKC_FROM`): the nfkc
@@ -413,7 +423,7 @@ class Normalizer:
                 text = _keep_look(text)
             text = unicodedata.normalize(st.decompose, text)
         text = self._words_stage(text.translate(st.chars))
-        han = self.options.pinyin and _HAN.search(text) is not None
+        han = self.options.pinyin and _han().search(text) is not None
         text = _SEPARATORS.sub("", text)
         if st.words:
             text = text.translate(st.words)
@@ -523,7 +533,7 @@ class Normalizer:
         return out if out or not text else "".join(text.split())
 
     def _pinyin(self, text: str) -> str:
-        if text.isascii() or not _HAN.search(text):
+        if text.isascii() or not _han().search(text):
             return text
         return self._latin_pinyin(text.translate(_pinyin_table()))
 
@@ -757,7 +767,7 @@ def _stages(o: NormalizeOptions) -> _Stages:
     candidates = {chr(cp) for cp in range(0x80)}
     candidates.update(_invisible_chars())
     candidates.update(charmaps.CONFUSABLE_FROM, charmaps.TRADITIONAL)
-    candidates.update(ch for ch in map(chr, _SCANNED) if ch.casefold() != ch or unicodedata.combining(ch))
+    candidates.update(ch for ch in _scanned_chars() if ch.casefold() != ch or unicodedata.combining(ch))
     candidates.update(chr(lo + i) for lo, hi in _COMBINING_RANGES for i in range(hi - lo + 1))
     chars: dict[int, str] = {}
     for ch in candidates:
