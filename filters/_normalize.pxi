@@ -17,6 +17,7 @@ cdef extern from "Python.h":
     object PyUnicode_FromKindAndData(int kind, const void *buffer, Py_ssize_t size)
     object PyUnicode_New(Py_ssize_t size, uint32_t maxchar)
     bint Py_UNICODE_ISALNUM(uint32_t ch) nogil
+    bint Py_UNICODE_ISSPACE(uint32_t ch) nogil
 
 from libc.stdint cimport int32_t, uint16_t
 from cython.operator cimport dereference as deref
@@ -557,3 +558,106 @@ cdef object _numbers_or_leet(str text, const ucs_t *data, Py_ssize_t n, bint mas
     if not found:
         return text
     return ucs4_str(out, 0, j, bits)
+
+
+# -- where `normalize._SCHEME_URL` and `normalize._EMAIL` match (`finditer`'s spans) --------------------------
+# `Normalizer._mask_urls` replaces them. The patterns ran from Python at each place a literal says one may start
+# (each "://" three times: https, http, ftp): ≈ 4 µs a URL, most of it the calls.
+
+def scheme_url_spans(str text):
+    """`[m.span() for m in normalize._SCHEME_URL.finditer(text)]`: `(?:(?:https?|ftp)://|www\\.)\\S+`."""
+    cdef int kind = PyUnicode_KIND(text)
+    cdef void *data = PyUnicode_DATA(text)
+    cdef Py_ssize_t n = PyUnicode_GET_LENGTH(text)
+    cdef list out = []
+    if kind == 1:
+        _scheme_url_spans(<const uint8_t *>data, n, out)
+    elif kind == 2:
+        _scheme_url_spans(<const uint16_t *>data, n, out)
+    else:
+        _scheme_url_spans(<const uint32_t *>data, n, out)
+    return out
+
+
+cdef inline bint at_literal(const ucs_t *data, Py_ssize_t n, Py_ssize_t i, const char *literal, Py_ssize_t k) noexcept nogil:
+    cdef Py_ssize_t j
+    if i + k > n:
+        return False
+    for j in range(k):
+        if data[i + j] != <uint8_t>literal[j]:
+            return False
+    return True
+
+
+cdef int _scheme_url_spans(const ucs_t *data, Py_ssize_t n, list out) except -1:
+    cdef Py_ssize_t i = 0, k, e
+    cdef uint32_t c
+    while i < n:
+        c = data[i]
+        k = 0
+        if c == 0x68:  # h
+            k = 8 if at_literal(data, n, i, b"https://", 8) else 7 if at_literal(data, n, i, b"http://", 7) else 0
+        elif c == 0x66:  # f
+            k = 6 if at_literal(data, n, i, b"ftp://", 6) else 0
+        elif c == 0x77:  # w
+            k = 4 if at_literal(data, n, i, b"www.", 4) else 0
+        if k and i + k < n and not Py_UNICODE_ISSPACE(data[i + k]):
+            e = i + k
+            while e < n and not Py_UNICODE_ISSPACE(data[e]):
+                e += 1
+            out.append((i, e))
+            i = e
+        else:
+            i += 1
+    return 0
+
+
+def email_spans(str text):
+    """`[m.span() for m in normalize._EMAIL.finditer(text)]`: `(?<![\\w.+-])[\\w.+-]+@[\\w-]+(?:\\.[\\w-]+)+`."""
+    cdef int kind = PyUnicode_KIND(text)
+    cdef void *data = PyUnicode_DATA(text)
+    cdef Py_ssize_t n = PyUnicode_GET_LENGTH(text)
+    cdef list out = []
+    if kind == 1:
+        _email_spans(<const uint8_t *>data, n, out)
+    elif kind == 2:
+        _email_spans(<const uint16_t *>data, n, out)
+    else:
+        _email_spans(<const uint32_t *>data, n, out)
+    return out
+
+
+cdef inline bint email_host(uint32_t c) noexcept nogil:  # [\w-]
+    return c == 0x2D or nl_word(c)
+
+
+cdef inline bint email_local(uint32_t c) noexcept nogil:  # [\w.+-]
+    return c == 0x2E or c == 0x2B or email_host(c)
+
+
+cdef int _email_spans(const ucs_t *data, Py_ssize_t n, list out) except -1:
+    cdef Py_ssize_t at, p, e, pos = 0
+    for at in range(n):
+        if data[at] != 0x40:  # @
+            continue
+        p = at
+        while p > pos and email_local(data[p - 1]):  # a match never starts inside the one before
+            p -= 1
+        # (?<![\w.+-]): the run of local characters starts at p (the one before a match's end is a host character)
+        if p == at or (p > 0 and email_local(data[p - 1])):
+            continue
+        e = at + 1
+        while e < n and email_host(data[e]):
+            e += 1
+        if e == at + 1:
+            continue
+        parts = 0
+        while e + 1 < n and data[e] == 0x2E and email_host(data[e + 1]):  # (?:\.[\w-]+)+
+            e += 2
+            while e < n and email_host(data[e]):
+                e += 1
+            parts += 1
+        if parts:
+            out.append((p, e))
+            pos = e
+    return 0

@@ -215,6 +215,7 @@ _BEFORE_NFKC = re.compile(f"[{_char_class(charmaps.BEFORE_NFKC_FROM)}]")
 _BEFORE_NFKC_MAP = dict(zip(charmaps.BEFORE_NFKC_FROM, charmaps.BEFORE_NFKC_TO, strict=True))
 
 
+Spans = Callable[[str], list[tuple[int, int]]]  # where a pattern matches in a text: `m.span()` of its `finditer`
 _UNSEEN = object()
 _SEGMENTED_MAX = 1 << 16  # remembered pinyin splits per Normalizer (a bound on its memory)
 
@@ -321,12 +322,14 @@ class Normalizer:
         self._core = None
         self._spaced: Callable[[str], list[tuple[int, int]]] | None = None
         self._numbers: Callable[[str, bool, frozenset[str]], str] | None = None
+        self._url_spans: tuple[Spans, Spans] | None = None
         if fusable and _native is not None and native is not False:
             o = self.options
             self._core = _native.NormalizeStages(_stage1(o), o.leet, o.pinyin, charmaps.PINYIN_CODES, charmaps.PINYIN_BASE,
                                                  _BEFORE_NFKC_MAP)
             self._spaced = _native.spaced_runs
             self._numbers = _native.numbers_or_leet
+            self._url_spans = (_native.scheme_url_spans, _native.email_spans)
         # The numpy tables take ≈ 0.3 s to build: only without the compiled stages.
         self._stages = _stages(self.options) if fusable and self._core is None else None
 
@@ -454,7 +457,7 @@ class Normalizer:
         """mask_urls, then leet and mask_numbers as far as they need context (patterns)."""
         o = self.options
         if o.mask_urls:
-            text = self._mask_urls(text)
+            text = self._mask_urls(text, self._url_spans)
         if o.leet:
             text = _leet_symbols(text, self._spaced)
             if self._numbers is not None:
@@ -510,11 +513,17 @@ class Normalizer:
         return text.lower() if text.isascii() else text.casefold()
 
     @staticmethod
-    def _mask_urls(text: str) -> str:
+    def _mask_urls(text: str, spans: tuple[Spans, Spans] | None = None) -> str:
+        """`spans`: where `_SCHEME_URL` and `_EMAIL` match (the compiled `scheme_url_spans` and `email_spans`), else
+        the patterns are tried where a literal says they may match."""
         if "://" in text or "www." in text:
-            text = _sub_at(_SCHEME_URL, text, f" {URL_MARK} ", _scheme_starts(text))
+            repl = f" {URL_MARK} "
+            text = _sub_at(_SCHEME_URL, text, repl, _scheme_starts(text)) if spans is None else \
+                _replaced(text, spans[0](text), repl)
         if "@" in text:
-            text = _sub_at(_EMAIL, text, f" {EMAIL_MARK} ", _email_starts(text))
+            repl = f" {EMAIL_MARK} "
+            text = _sub_at(_EMAIL, text, repl, _email_starts(text)) if spans is None else \
+                _replaced(text, spans[1](text), repl)
         if "." in text:
             text = _sub_at(_BARE_DOMAIN, text, f" {URL_MARK} ", _domain_starts(text))
         return text
@@ -593,6 +602,20 @@ def _sub_at(pattern: re.Pattern[str], text: str, repl: str, starts: Sequence[int
             pos = m.end()
     if not out:
         return text
+    out.append(text[pos:])
+    return "".join(out)
+
+
+def _replaced(text: str, spans: list[tuple[int, int]], repl: str) -> str:
+    """`text` with each of `spans` (ascending, apart) replaced by `repl`."""
+    if not spans:
+        return text
+    out = []
+    pos = 0
+    for start, end in spans:
+        out.append(text[pos:start])
+        out.append(repl)
+        pos = end
     out.append(text[pos:])
     return "".join(out)
 

@@ -29,6 +29,8 @@ from filters.index.memory import MemoryIndex, PyTable, make_table, native_availa
 from filters.index.redis_codec import decode_entry, encode_entry, rank_records
 from filters.index.shared import against
 from filters.normalize import (
+    _EMAIL,
+    _SCHEME_URL,
     _SPACED,
     _UNITS,
     NormalizeOptions,
@@ -789,6 +791,19 @@ def test_numbers_or_leet_as_the_pattern(text: str, mask: bool) -> None:
     letter, look-alike runs, word starts but units, one-letter tokens), masked or kept."""
     want = _number_or_leet().sub(_leet_or_mask if mask else _leet_or_keep, text)
     assert _native.numbers_or_leet(text, mask, _UNITS) == want
+
+
+_URL_PIECES = st.sampled_from([*"ab.-+_@ :/\x1e\u3000\u00a0é中1", "://", "www.", "http", "https", "ftp", "x@y.z", "..",
+                               "@@", "😀", "\U0001e802"])
+
+
+@settings(max_examples=1000, deadline=None)
+@given(text=st.lists(_URL_PIECES, max_size=24).map("".join))
+def test_url_and_email_spans_are_where_the_patterns_match(text: str) -> None:
+    """The compiled scans of `_SCHEME_URL` and `_EMAIL`: schemes with and without something after them, any
+    whitespace ending one (Unicode's, the batch joiner), addresses back to back, local parts shared by two @."""
+    assert _native.scheme_url_spans(text) == [m.span() for m in _SCHEME_URL.finditer(text)]
+    assert _native.email_spans(text) == [m.span() for m in _EMAIL.finditer(text)]
 
 
 def test_normalization_matches_the_reference_on_the_sample() -> None:
