@@ -661,3 +661,89 @@ cdef int _email_spans(const ucs_t *data, Py_ssize_t n, list out) except -1:
             out.append((p, e))
             pos = e
     return 0
+
+
+def domain_spans(str text, tuple tlds):
+    """`[m.span() for m in normalize._BARE_DOMAIN.finditer(text)]`, `tlds` the words of `normalize._TLDS` in its
+    order: `\\b(?:[a-z0-9-]+\\.)+(?:TLD)\\b(?:/\\S*)?`."""
+    cdef int kind = PyUnicode_KIND(text)
+    cdef void *data = PyUnicode_DATA(text)
+    cdef Py_ssize_t n = PyUnicode_GET_LENGTH(text)
+    cdef list out = []
+    cdef bytes words = "\0".join(tlds).encode("ascii") + b"\0"  # each TLD ended by a NUL
+    if kind == 1:
+        _domain_spans(<const uint8_t *>data, n, words, out)
+    elif kind == 2:
+        _domain_spans(<const uint16_t *>data, n, words, out)
+    else:
+        _domain_spans(<const uint32_t *>data, n, words, out)
+    return out
+
+
+cdef inline bint domain_char(uint32_t c) noexcept nogil:  # [a-z0-9-]
+    return nl_lower(c) or nl_digit(c) or c == 0x2D
+
+
+cdef inline bint word_boundary(const ucs_t *data, Py_ssize_t n, Py_ssize_t i) noexcept nogil:  # \b at i
+    return (i > 0 and nl_word(data[i - 1])) != (i < n and nl_word(data[i]))
+
+
+cdef Py_ssize_t tld_at(const ucs_t *data, Py_ssize_t n, Py_ssize_t t, const char *words) noexcept nogil:
+    """The end of the first TLD (in the pattern's order) at t followed by \b, -1 if none."""
+    cdef const char *w = words
+    cdef Py_ssize_t k
+    while w[0] != 0:
+        k = 0
+        while w[k] != 0 and t + k < n and data[t + k] == <uint8_t>w[k]:
+            k += 1
+        if w[k] == 0 and word_boundary(data, n, t + k):
+            return t + k
+        while w[0] != 0:
+            w += 1
+        w += 1
+    return -1
+
+
+cdef int _domain_spans(const ucs_t *data, Py_ssize_t n, const char *words, list out) except -1:
+    """From dot to dot (dots are rare): a match's first label is the run of [a-z0-9-] before its first dot, and
+    it starts at the first word boundary in that run (at any later one the rest is the same, and fails the same)."""
+    cdef Py_ssize_t pos = 0, d = 0, i, e, q, end
+    cdef vector[Py_ssize_t] dots  # after each `label.` of the match: where the next one (or the TLD) starts
+    while True:
+        while d < n and data[d] != 0x2E:
+            d += 1
+        if d >= n:
+            return 0
+        i = d
+        while i > pos and domain_char(data[i - 1]):
+            i -= 1
+        while i < d and not word_boundary(data, n, i):
+            i += 1
+        if i == d:
+            d += 1
+            continue
+        dots.clear()
+        q = i
+        while True:  # (?:[a-z0-9-]+\.)+ as far as it goes; then back off a label at a time (the regex's backtracking)
+            e = q
+            while e < n and domain_char(data[e]):
+                e += 1
+            if e == q or e >= n or data[e] != 0x2E:
+                break
+            q = e + 1
+            dots.push_back(q)
+        end = -1
+        while dots.size():
+            end = tld_at(data, n, dots.back(), words)
+            if end >= 0:
+                break
+            dots.pop_back()
+        if end < 0:
+            d += 1
+            continue
+        if end < n and data[end] == 0x2F:  # (?:/\S*)?
+            end += 1
+            while end < n and not Py_UNICODE_ISSPACE(data[end]):
+                end += 1
+        out.append((i, end))
+        pos = d = end

@@ -91,7 +91,8 @@ NUMBER_MARK = "\U0001E802"
 # (`\S`, `[\w.+-]`, `_SEP`) and treats it like the end of the text (`_END`, `\b`, lookbehinds).
 _JOIN = "\x1e"
 
-_TLDS = r"(?:com|net|org|info|biz|co|uk|cn|io|ly|me|us|de|ru|jp|tv)"
+_TLD_WORDS = ("com", "net", "org", "info", "biz", "co", "uk", "cn", "io", "ly", "me", "us", "de", "ru", "jp", "tv")
+_TLDS = f"(?:{'|'.join(_TLD_WORDS)})"
 # URL and e-mail masking runs after casefold, so the patterns are lower-case only. Each starts with
 # something literal or rare so the regex engine skips most positions.
 _SCHEME_URL = re.compile(r"(?:(?:https?|ftp)://|www\.)\S+")
@@ -322,14 +323,15 @@ class Normalizer:
         self._core = None
         self._spaced: Callable[[str], list[tuple[int, int]]] | None = None
         self._numbers: Callable[[str, bool, frozenset[str]], str] | None = None
-        self._url_spans: tuple[Spans, Spans] | None = None
+        self._url_spans: tuple[Spans, Spans, Spans] | None = None
         if fusable and _native is not None and native is not False:
             o = self.options
             self._core = _native.NormalizeStages(_stage1(o), o.leet, o.pinyin, charmaps.PINYIN_CODES, charmaps.PINYIN_BASE,
                                                  _BEFORE_NFKC_MAP)
             self._spaced = _native.spaced_runs
             self._numbers = _native.numbers_or_leet
-            self._url_spans = (_native.scheme_url_spans, _native.email_spans)
+            domain_spans = _native.domain_spans
+            self._url_spans = (_native.scheme_url_spans, _native.email_spans, lambda t: domain_spans(t, _TLD_WORDS))
         # The numpy tables take ≈ 0.3 s to build: only without the compiled stages.
         self._stages = _stages(self.options) if fusable and self._core is None else None
 
@@ -513,9 +515,9 @@ class Normalizer:
         return text.lower() if text.isascii() else text.casefold()
 
     @staticmethod
-    def _mask_urls(text: str, spans: tuple[Spans, Spans] | None = None) -> str:
-        """`spans`: where `_SCHEME_URL` and `_EMAIL` match (the compiled `scheme_url_spans` and `email_spans`), else
-        the patterns are tried where a literal says they may match."""
+    def _mask_urls(text: str, spans: tuple[Spans, Spans, Spans] | None = None) -> str:
+        """`spans`: where `_SCHEME_URL`, `_EMAIL` and `_BARE_DOMAIN` match (the compiled `scheme_url_spans`,
+        `email_spans` and `domain_spans`), else the patterns are tried where a literal says they may match."""
         if "://" in text or "www." in text:
             repl = f" {URL_MARK} "
             text = _sub_at(_SCHEME_URL, text, repl, _scheme_starts(text)) if spans is None else \
@@ -525,7 +527,9 @@ class Normalizer:
             text = _sub_at(_EMAIL, text, repl, _email_starts(text)) if spans is None else \
                 _replaced(text, spans[1](text), repl)
         if "." in text:
-            text = _sub_at(_BARE_DOMAIN, text, f" {URL_MARK} ", _domain_starts(text))
+            repl = f" {URL_MARK} "
+            text = _sub_at(_BARE_DOMAIN, text, repl, _domain_starts(text)) if spans is None else \
+                _replaced(text, spans[2](text), repl)
         return text
 
     @staticmethod

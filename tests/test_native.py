@@ -29,9 +29,11 @@ from filters.index.memory import MemoryIndex, PyTable, make_table, native_availa
 from filters.index.redis_codec import decode_entry, encode_entry, rank_records
 from filters.index.shared import against
 from filters.normalize import (
+    _BARE_DOMAIN,
     _EMAIL,
     _SCHEME_URL,
     _SPACED,
+    _TLD_WORDS,
     _UNITS,
     NormalizeOptions,
     Normalizer,
@@ -794,16 +796,18 @@ def test_numbers_or_leet_as_the_pattern(text: str, mask: bool) -> None:
 
 
 _URL_PIECES = st.sampled_from([*"ab.-+_@ :/\x1e\u3000\u00a0é中1", "://", "www.", "http", "https", "ftp", "x@y.z", "..",
-                               "@@", "😀", "\U0001e802"])
+                               "@@", "😀", "\U0001e802", "com", "co", "comx", "uk", "a.io", "ru/x", "-"])
 
 
 @settings(max_examples=1000, deadline=None)
 @given(text=st.lists(_URL_PIECES, max_size=24).map("".join))
 def test_url_and_email_spans_are_where_the_patterns_match(text: str) -> None:
-    """The compiled scans of `_SCHEME_URL` and `_EMAIL`: schemes with and without something after them, any
-    whitespace ending one (Unicode's, the batch joiner), addresses back to back, local parts shared by two @."""
+    """The compiled scans of `_SCHEME_URL`, `_EMAIL` and `_BARE_DOMAIN`: schemes with and without something after
+    them, any whitespace ending one (Unicode's, the batch joiner), addresses back to back, local parts shared by
+    two @, domains whose last labels are no TLD (backing off a label), TLDs inside words, paths."""
     assert _native.scheme_url_spans(text) == [m.span() for m in _SCHEME_URL.finditer(text)]
     assert _native.email_spans(text) == [m.span() for m in _EMAIL.finditer(text)]
+    assert _native.domain_spans(text, _TLD_WORDS) == [m.span() for m in _BARE_DOMAIN.finditer(text)]
 
 
 def test_normalization_matches_the_reference_on_the_sample() -> None:
