@@ -17,6 +17,7 @@ cdef extern from "Python.h":
     object PyUnicode_FromKindAndData(int kind, const void *buffer, Py_ssize_t size)
     object PyUnicode_New(Py_ssize_t size, uint32_t maxchar)
     bint Py_UNICODE_ISALNUM(uint32_t ch) nogil
+    bint Py_UNICODE_ISSPACE(uint32_t ch) nogil
 
 from libc.stdint cimport int32_t, uint16_t
 from cython.operator cimport dereference as deref
@@ -372,3 +373,377 @@ cdef int _spaced_runs(const ucs_t *data, Py_ssize_t n, list out) except -1:
                 continue
         i += 1
     return 0
+
+
+# -- `normalize._number_or_leet().sub(...)`: every number, masked or read as leet ------------------------
+# The pattern is tried at every digit not inside an earlier match (its non-leet alternative always matches
+# there), so the scan below goes digit by digit and tries the alternatives in the pattern's order. The
+# regular expression costs ≈ 1 µs a number (most of it the engine's search for the next digit in a wide
+# string and its lookbehinds), and the dev stream has ≈ 45,000 numbers.
+
+cdef inline bint nl_digit(uint32_t c) noexcept nogil:
+    return 0x30 <= c <= 0x39
+
+
+cdef inline bint nl_lower(uint32_t c) noexcept nogil:
+    return 0x61 <= c <= 0x7A
+
+
+cdef inline bint nl_alnum(uint32_t c) noexcept nogil:  # [^\W_]
+    if c < 0x80:
+        return (0x30 <= c <= 0x39) or (0x41 <= c <= 0x5A) or (0x61 <= c <= 0x7A)
+    return Py_UNICODE_ISALNUM(c)
+
+
+cdef inline bint nl_word(uint32_t c) noexcept nogil:  # \w
+    return c == 0x5F or nl_alnum(c)
+
+
+cdef inline bint nl_sep(uint32_t c) noexcept nogil:  # normalize._SEP: (?:[^\w\x1e]|_)
+    return c != NORM_JOIN and not nl_alnum(c)
+
+
+cdef inline bint nl_lookalike(uint32_t c) noexcept nogil:  # [013457-9]
+    return nl_digit(c) and c != 0x32 and c != 0x36
+
+
+cdef inline Py_ssize_t nl_seps(const ucs_t *data, Py_ssize_t n, Py_ssize_t x) noexcept nogil:
+    """The end of the run of separators at x (SEP*+)."""
+    while x < n and nl_sep(data[x]):
+        x += 1
+    return x
+
+
+cdef inline Py_ssize_t nl_two(const ucs_t *data, Py_ssize_t n, Py_ssize_t x) noexcept nogil:
+    """normalize._TWO_DIGITS_AT_MOST at x: where it ends, -1 if it fails."""
+    cdef Py_ssize_t s = nl_seps(data, n, x)
+    if s < n and nl_digit(data[s]):  # (?:SEP*+[0-9])?+
+        x = s + 1
+        s = nl_seps(data, n, x)
+        if s < n and nl_digit(data[s]):  # (?!SEP*+[0-9])
+            return -1
+    return x
+
+
+cdef inline bint nl_after_letter(const ucs_t *data, Py_ssize_t p, Py_ssize_t k, bint one_letter_token) noexcept nogil:
+    """(?<=[a-z]SEP{k}[0-9]) at p + 1 (data[p] a digit), and with `one_letter_token` (?<!\w[a-z]SEP{k}[0-9])."""
+    cdef Py_ssize_t i
+    if p - k - 1 < 0 or not nl_lower(data[p - k - 1]):
+        return False
+    for i in range(p - k, p):
+        if not nl_sep(data[i]):
+            return False
+    return not (one_letter_token and p - k - 2 >= 0 and nl_word(data[p - k - 2]))
+
+
+cdef bint nl_unit(str text, const ucs_t *data, Py_ssize_t n, Py_ssize_t y, frozenset units, Py_ssize_t longest) except -1:
+    """normalize._UNIT at y: its words are letters followed by no [a-z0-9], so it matches where the run of
+    [a-z0-9] at y is one of them."""
+    cdef Py_ssize_t e = y
+    while e < n and e - y <= longest and (nl_lower(data[e]) or nl_digit(data[e])):
+        e += 1
+    return y < e and e - y <= longest and text[y:e] in units
+
+
+cdef Py_ssize_t nl_match(str text, const ucs_t *data, Py_ssize_t n, Py_ssize_t p, frozenset units, Py_ssize_t longest,
+                         bint *leet) except -2:
+    """The end of `_number_or_leet()`'s match at p (data[p] a digit); `leet`: whether its group `leet` matched."""
+    cdef Py_ssize_t x = p + 1, y, s, k
+    cdef bint letter_before = p >= 1 and nl_lower(data[p - 1])
+    leet[0] = True
+    if letter_before:  # (?<=[a-z][0-9]) TWO (?=SEP*+END)
+        y = nl_two(data, n, x)
+        if y >= 0:
+            s = nl_seps(data, n, y)
+            if s == n or nl_lower(data[s]) or data[s] == NORM_JOIN:
+                return y
+        if nl_lookalike(data[p]):  # (?<=[a-z][013457-9])[013457-9]{2,3}(?=[a-z])
+            if x + 3 < n and nl_lookalike(data[x]) and nl_lookalike(data[x + 1]) and nl_lookalike(data[x + 2]) \
+                    and nl_lower(data[x + 3]):
+                return x + 3
+            if x + 2 < n and nl_lookalike(data[x]) and nl_lookalike(data[x + 1]) and nl_lower(data[x + 2]):
+                return x + 2
+    for k in range(1, 4):  # (?:_AFTER_A_LETTER) TWO (?=[a-z])(?!UNIT)
+        if nl_after_letter(data, p, k, False):
+            y = nl_two(data, n, x)
+            if y >= 0 and y < n and nl_lower(data[y]) and not nl_unit(text, data, n, y, units, longest):
+                return y
+            break
+    if not (p >= 1 and (nl_alnum(data[p - 1]) or data[p - 1] == 0x24)):  # (?<![^\W_][0-9])(?<!\$[0-9])
+        y = x + 1 if x < n and nl_digit(data[x]) else x  # [0-9]?+
+        if not (y < n and nl_digit(data[y])) and y < n and nl_lower(data[y]) \
+                and not nl_unit(text, data, n, y, units, longest):
+            return y
+    for k in range(1, 4):  # (?:_AFTER_ONE_LETTER_TOKEN) TWO (?=SEP{1,3}[a-z](?!\w)|SEP*+(?:\x1e|\Z))
+        if nl_after_letter(data, p, k, True):
+            y = nl_two(data, n, x)
+            if y >= 0:
+                s = nl_seps(data, n, y)
+                if 1 <= s - y <= 3 and s < n and nl_lower(data[s]) and not (s + 1 < n and nl_word(data[s + 1])):
+                    return y
+                if s == n or data[s] == NORM_JOIN:
+                    return y
+            break
+    leet[0] = False  # [0-9]*+(?:SEP*+[0-9]++)*+
+    y = x
+    while True:
+        while y < n and nl_digit(data[y]):
+            y += 1
+        s = nl_seps(data, n, y)
+        if s < n and nl_digit(data[s]):
+            y = s
+        else:
+            return y
+
+
+def numbers_or_leet(str text, bint mask, frozenset units):
+    """`normalize._number_or_leet().sub(_leet_or_mask if mask else _leet_or_keep, text)`: each number that the
+    group `leet` matches has its digits read as letters (`_LEET_DIGITS`), the others become
+    `normalize.NUMBER_MARK` (with `mask`) or stay. `units`: the words of `normalize._UNIT`."""
+    cdef int kind = PyUnicode_KIND(text)
+    cdef void *data = PyUnicode_DATA(text)
+    cdef Py_ssize_t n = PyUnicode_GET_LENGTH(text)
+    cdef Py_ssize_t longest = max([len(u) for u in units]) if units else 0
+    if kind == 1:
+        return _numbers_or_leet(text, <const uint8_t *>data, n, mask, units, longest)
+    if kind == 2:
+        return _numbers_or_leet(text, <const uint16_t *>data, n, mask, units, longest)
+    return _numbers_or_leet(text, <const uint32_t *>data, n, mask, units, longest)
+
+
+cdef uint32_t NL_NUMBER_MARK = 0x1E802  # normalize.NUMBER_MARK
+cdef const char *NL_LEET_DIGITS = b"oizeasgtbg"  # normalize._LEET_DIGITS
+
+
+cdef object _numbers_or_leet(str text, const ucs_t *data, Py_ssize_t n, bint mask, frozenset units, Py_ssize_t longest):
+    cdef Py_ssize_t i = 0, j = 0, end, q
+    cdef uint32_t c, bits = 0
+    cdef bint leet, found = False
+    cdef vector[uint32_t] out
+    while i < n:
+        c = data[i]
+        if not nl_digit(c):
+            i += 1
+            continue
+        if not found:  # the text before the first number, copied
+            found = True
+            out.resize(n + 1)
+            for q in range(i):
+                out[q] = data[q]
+                bits |= data[q]
+            j = i
+        end = nl_match(text, data, n, i, units, longest, &leet)
+        if leet:
+            for q in range(i, end):
+                c = data[q]
+                c = <uint32_t>NL_LEET_DIGITS[c - 0x30] if nl_digit(c) else c
+                out[j] = c
+                bits |= c
+                j += 1
+        elif mask:
+            out[j] = NL_NUMBER_MARK  # (one code point for at least one: `out` never grows past n)
+            bits |= NL_NUMBER_MARK
+            j += 1
+        else:
+            for q in range(i, end):
+                out[j] = data[q]
+                bits |= data[q]
+                j += 1
+        i = end
+        while i < n and not nl_digit(data[i]):
+            out[j] = data[i]
+            bits |= data[i]
+            j += 1
+            i += 1
+    if not found:
+        return text
+    return ucs4_str(out, 0, j, bits)
+
+
+# -- where `normalize._SCHEME_URL` and `normalize._EMAIL` match (`finditer`'s spans) --------------------------
+# `Normalizer._mask_urls` replaces them. The patterns ran from Python at each place a literal says one may start
+# (each "://" three times: https, http, ftp): ≈ 4 µs a URL, most of it the calls.
+
+def scheme_url_spans(str text):
+    """`[m.span() for m in normalize._SCHEME_URL.finditer(text)]`: `(?:(?:https?|ftp)://|www\\.)\\S+`."""
+    cdef int kind = PyUnicode_KIND(text)
+    cdef void *data = PyUnicode_DATA(text)
+    cdef Py_ssize_t n = PyUnicode_GET_LENGTH(text)
+    cdef list out = []
+    if kind == 1:
+        _scheme_url_spans(<const uint8_t *>data, n, out)
+    elif kind == 2:
+        _scheme_url_spans(<const uint16_t *>data, n, out)
+    else:
+        _scheme_url_spans(<const uint32_t *>data, n, out)
+    return out
+
+
+cdef inline bint at_literal(const ucs_t *data, Py_ssize_t n, Py_ssize_t i, const char *literal, Py_ssize_t k) noexcept nogil:
+    cdef Py_ssize_t j
+    if i + k > n:
+        return False
+    for j in range(k):
+        if data[i + j] != <uint8_t>literal[j]:
+            return False
+    return True
+
+
+cdef int _scheme_url_spans(const ucs_t *data, Py_ssize_t n, list out) except -1:
+    cdef Py_ssize_t i = 0, k, e
+    cdef uint32_t c
+    while i < n:
+        c = data[i]
+        k = 0
+        if c == 0x68:  # h
+            k = 8 if at_literal(data, n, i, b"https://", 8) else 7 if at_literal(data, n, i, b"http://", 7) else 0
+        elif c == 0x66:  # f
+            k = 6 if at_literal(data, n, i, b"ftp://", 6) else 0
+        elif c == 0x77:  # w
+            k = 4 if at_literal(data, n, i, b"www.", 4) else 0
+        if k and i + k < n and not Py_UNICODE_ISSPACE(data[i + k]):
+            e = i + k
+            while e < n and not Py_UNICODE_ISSPACE(data[e]):
+                e += 1
+            out.append((i, e))
+            i = e
+        else:
+            i += 1
+    return 0
+
+
+def email_spans(str text):
+    """`[m.span() for m in normalize._EMAIL.finditer(text)]`: `(?<![\\w.+-])[\\w.+-]+@[\\w-]+(?:\\.[\\w-]+)+`."""
+    cdef int kind = PyUnicode_KIND(text)
+    cdef void *data = PyUnicode_DATA(text)
+    cdef Py_ssize_t n = PyUnicode_GET_LENGTH(text)
+    cdef list out = []
+    if kind == 1:
+        _email_spans(<const uint8_t *>data, n, out)
+    elif kind == 2:
+        _email_spans(<const uint16_t *>data, n, out)
+    else:
+        _email_spans(<const uint32_t *>data, n, out)
+    return out
+
+
+cdef inline bint email_host(uint32_t c) noexcept nogil:  # [\w-]
+    return c == 0x2D or nl_word(c)
+
+
+cdef inline bint email_local(uint32_t c) noexcept nogil:  # [\w.+-]
+    return c == 0x2E or c == 0x2B or email_host(c)
+
+
+cdef int _email_spans(const ucs_t *data, Py_ssize_t n, list out) except -1:
+    cdef Py_ssize_t at, p, e, pos = 0
+    for at in range(n):
+        if data[at] != 0x40:  # @
+            continue
+        p = at
+        while p > pos and email_local(data[p - 1]):  # a match never starts inside the one before
+            p -= 1
+        # (?<![\w.+-]): the run of local characters starts at p (the one before a match's end is a host character)
+        if p == at or (p > 0 and email_local(data[p - 1])):
+            continue
+        e = at + 1
+        while e < n and email_host(data[e]):
+            e += 1
+        if e == at + 1:
+            continue
+        parts = 0
+        while e + 1 < n and data[e] == 0x2E and email_host(data[e + 1]):  # (?:\.[\w-]+)+
+            e += 2
+            while e < n and email_host(data[e]):
+                e += 1
+            parts += 1
+        if parts:
+            out.append((p, e))
+            pos = e
+    return 0
+
+
+def domain_spans(str text, tuple tlds):
+    """`[m.span() for m in normalize._BARE_DOMAIN.finditer(text)]`, `tlds` the words of `normalize._TLDS` in its
+    order: `\\b(?:[a-z0-9-]+\\.)+(?:TLD)\\b(?:/\\S*)?`."""
+    cdef int kind = PyUnicode_KIND(text)
+    cdef void *data = PyUnicode_DATA(text)
+    cdef Py_ssize_t n = PyUnicode_GET_LENGTH(text)
+    cdef list out = []
+    cdef bytes words = "\0".join(tlds).encode("ascii") + b"\0"  # each TLD ended by a NUL
+    if kind == 1:
+        _domain_spans(<const uint8_t *>data, n, words, out)
+    elif kind == 2:
+        _domain_spans(<const uint16_t *>data, n, words, out)
+    else:
+        _domain_spans(<const uint32_t *>data, n, words, out)
+    return out
+
+
+cdef inline bint domain_char(uint32_t c) noexcept nogil:  # [a-z0-9-]
+    return nl_lower(c) or nl_digit(c) or c == 0x2D
+
+
+cdef inline bint word_boundary(const ucs_t *data, Py_ssize_t n, Py_ssize_t i) noexcept nogil:  # \b at i
+    return (i > 0 and nl_word(data[i - 1])) != (i < n and nl_word(data[i]))
+
+
+cdef Py_ssize_t tld_at(const ucs_t *data, Py_ssize_t n, Py_ssize_t t, const char *words) noexcept nogil:
+    """The end of the first TLD (in the pattern's order) at t followed by \b, -1 if none."""
+    cdef const char *w = words
+    cdef Py_ssize_t k
+    while w[0] != 0:
+        k = 0
+        while w[k] != 0 and t + k < n and data[t + k] == <uint8_t>w[k]:
+            k += 1
+        if w[k] == 0 and word_boundary(data, n, t + k):
+            return t + k
+        while w[0] != 0:
+            w += 1
+        w += 1
+    return -1
+
+
+cdef int _domain_spans(const ucs_t *data, Py_ssize_t n, const char *words, list out) except -1:
+    """From dot to dot (dots are rare): a match's first label is the run of [a-z0-9-] before its first dot, and
+    it starts at the first word boundary in that run (at any later one the rest is the same, and fails the same)."""
+    cdef Py_ssize_t pos = 0, d = 0, i, e, q, end
+    cdef vector[Py_ssize_t] dots  # after each `label.` of the match: where the next one (or the TLD) starts
+    while True:
+        while d < n and data[d] != 0x2E:
+            d += 1
+        if d >= n:
+            return 0
+        i = d
+        while i > pos and domain_char(data[i - 1]):
+            i -= 1
+        while i < d and not word_boundary(data, n, i):
+            i += 1
+        if i == d:
+            d += 1
+            continue
+        dots.clear()
+        q = i
+        while True:  # (?:[a-z0-9-]+\.)+ as far as it goes; then back off a label at a time (the regex's backtracking)
+            e = q
+            while e < n and domain_char(data[e]):
+                e += 1
+            if e == q or e >= n or data[e] != 0x2E:
+                break
+            q = e + 1
+            dots.push_back(q)
+        end = -1
+        while dots.size():
+            end = tld_at(data, n, dots.back(), words)
+            if end >= 0:
+                break
+            dots.pop_back()
+        if end < 0:
+            d += 1
+            continue
+        if end < n and data[end] == 0x2F:  # (?:/\S*)?
+            end += 1
+            while end < n and not Py_UNICODE_ISSPACE(data[end]):
+                end += 1
+        out.append((i, end))
+        pos = d = end

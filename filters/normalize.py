@@ -59,9 +59,10 @@ stages do not cover) is the reference; tests hold both to it.
 from __future__ import annotations
 
 import functools
+import itertools
 import re
 import unicodedata
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Literal
 
@@ -90,7 +91,8 @@ NUMBER_MARK = "\U0001E802"
 # (`\S`, `[\w.+-]`, `_SEP`) and treats it like the end of the text (`_END`, `\b`, lookbehinds).
 _JOIN = "\x1e"
 
-_TLDS = r"(?:com|net|org|info|biz|co|uk|cn|io|ly|me|us|de|ru|jp|tv)"
+_TLD_WORDS = ("com", "net", "org", "info", "biz", "co", "uk", "cn", "io", "ly", "me", "us", "de", "ru", "jp", "tv")
+_TLDS = f"(?:{'|'.join(_TLD_WORDS)})"
 # URL and e-mail masking runs after casefold, so the patterns are lower-case only. Each starts with
 # something literal or rare so the regex engine skips most positions.
 _SCHEME_URL = re.compile(r"(?:(?:https?|ftp)://|www\.)\S+")
@@ -125,26 +127,43 @@ _AFTER_ONE_LETTER_TOKEN = "|".join(
 )
 _AFTER_A_LETTER = "|".join(rf"(?<=[a-z]{_SEP}{{{k}}}[0-9])" for k in (1, 2, 3))
 # A number followed by a unit (10pm, 3mins, 2nd, 4g, 5kg) is a number even where it starts a word.
-_UNIT = (r"(?:am|pm|s|st|nd|rd|th|k|m|b|bn|g|gb|mb|kb|tb|kg|km|mg|ml|cm|mm|min|mins|h|hr|hrs|x|d|p|ppm|yo|yr"
-         r"|yrs|mph|ft|lb|lbs|oz|px|v|w|hz|ghz|mhz|fps|mp|pc|pcs|pct)(?![a-z0-9])")
-_NUMBER_OR_LEET = re.compile(  # starts with [0-9] so the regex engine skips to digits quickly
-    rf"[0-9](?:(?P<leet>(?<=[a-z][0-9]){_TWO_DIGITS_AT_MOST}(?={_SEP}*+{_END})"
-    rf"|(?<=[a-z][013457-9])[013457-9]{{2,3}}(?=[a-z])"  # three or four look-alike digits inside a word
-    rf"|(?:{_AFTER_A_LETTER}){_TWO_DIGITS_AT_MOST}(?=[a-z])(?!{_UNIT})"
-    rf"|(?<![^\W_][0-9])(?<!\$[0-9])[0-9]?+(?![0-9])(?=[a-z])(?!{_UNIT})"  # one or two digits starting a word
-    rf"|(?:{_AFTER_ONE_LETTER_TOKEN}){_TWO_DIGITS_AT_MOST}"
-    rf"(?={_SEP}{{1,3}}[a-z](?!\w)|{_SEP}*+(?:\x1e|\Z)))"
-    rf"|[0-9]*+(?:{_SEP}*+[0-9]++)*+)"
-)
+_UNIT_WORDS = ("am pm s st nd rd th k m b bn g gb mb kb tb kg km mg ml cm mm min mins h hr hrs x d p ppm yo yr yrs mph ft"
+               " lb lbs oz px v w hz ghz mhz fps mp pc pcs pct").split()
+_UNIT = rf"(?:{'|'.join(_UNIT_WORDS)})(?![a-z0-9])"
+_UNITS = frozenset(_UNIT_WORDS)  # for the compiled `numbers_or_leet`: _UNIT matches where one of them is a whole word
+@functools.cache
+def _number_or_leet() -> re.Pattern[str]:
+    """The pattern of every number and of the leet ones (compiled on first use, ≈ 2 ms: the compiled stages
+    scan numbers with `numbers_or_leet` and never need it)."""
+    return re.compile(  # starts with [0-9] so the regex engine skips to digits quickly
+        rf"[0-9](?:(?P<leet>(?<=[a-z][0-9]){_TWO_DIGITS_AT_MOST}(?={_SEP}*+{_END})"
+        rf"|(?<=[a-z][013457-9])[013457-9]{{2,3}}(?=[a-z])"  # three or four look-alike digits inside a word
+        rf"|(?:{_AFTER_A_LETTER}){_TWO_DIGITS_AT_MOST}(?=[a-z])(?!{_UNIT})"
+        rf"|(?<![^\W_][0-9])(?<!\$[0-9])[0-9]?+(?![0-9])(?=[a-z])(?!{_UNIT})"  # one or two digits starting a word
+        rf"|(?:{_AFTER_ONE_LETTER_TOKEN}){_TWO_DIGITS_AT_MOST}"
+        rf"(?={_SEP}{{1,3}}[a-z](?!\w)|{_SEP}*+(?:\x1e|\Z)))"
+        rf"|[0-9]*+(?:{_SEP}*+[0-9]++)*+)"
+    )
+
+
 _LATIN_RUN = re.compile(r"[a-z]{1,40}")
-_HAN = re.compile(r"[\u3400-\u9fff]")
+_HAN = r"[\u3400-\u9fff]"  # compiled on first use (`_han`): 1 ms, and the compiled stages never need it
 _PINYIN_CODE = 0xF0000
 _COMBINING_RANGES = ((0x300, 0x36F), (0x1AB0, 0x1AFF), (0x1DC0, 0x1DFF), (0x20D0, 0x20FF), (0xFE20, 0xFE2F))
-# Characters outside these ranges are never changed by a per-character step (casefold, marks,
-# invisibles, the tables): planes 0-1 and the tags/variation selectors of plane 14.
-_SCANNED = (*range(0x20000), *range(0xE0000, 0xE1000))
 _DROP = 0xFFFFFFFF  # in the uint32 tables
 _MULTI = 0xFFFFFFFE
+
+
+def _scanned_chars() -> Iterator[str]:
+    """Characters outside these ranges are never changed by a per-character step (casefold, marks,
+    invisibles, the tables): planes 0-1 and the tags/variation selectors of plane 14. (Not a constant:
+    4 ms of every start-up to build, and only the reference's tables use it.)"""
+    return map(chr, itertools.chain(range(0x20000), range(0xE0000, 0xE1000)))
+
+
+@functools.cache
+def _han() -> re.Pattern[str]:
+    return re.compile(_HAN)
 
 
 def _char_class(chars: Sequence[str]) -> str:
@@ -178,7 +197,7 @@ def _is_mark(ch: str) -> bool:
 
 @functools.cache
 def _invisible_chars() -> tuple[str, ...]:
-    return tuple(ch for ch in map(chr, _SCANNED) if _is_invisible(ch))
+    return tuple(ch for ch in _scanned_chars() if _is_invisible(ch))
 
 
 @functools.cache
@@ -188,7 +207,7 @@ def _invisible_pattern() -> re.Pattern[str]:
 
 @functools.cache
 def _marks_pattern() -> re.Pattern[str]:
-    return re.compile(f"[{_char_class([ch for ch in map(chr, _SCANNED) if _is_mark(ch)])}]+")
+    return re.compile(f"[{_char_class([ch for ch in _scanned_chars() if _is_mark(ch)])}]+")
 
 
 # Characters NFKC would make something they do not look like (see `charmaps.BEFORE_NFKC_FROM`): the nfkc
@@ -197,6 +216,7 @@ _BEFORE_NFKC = re.compile(f"[{_char_class(charmaps.BEFORE_NFKC_FROM)}]")
 _BEFORE_NFKC_MAP = dict(zip(charmaps.BEFORE_NFKC_FROM, charmaps.BEFORE_NFKC_TO, strict=True))
 
 
+Spans = Callable[[str], list[tuple[int, int]]]  # where a pattern matches in a text: `m.span()` of its `finditer`
 _UNSEEN = object()
 _SEGMENTED_MAX = 1 << 16  # remembered pinyin splits per Normalizer (a bound on its memory)
 
@@ -302,11 +322,16 @@ class Normalizer:
         fusable = _fusable(self.options)
         self._core = None
         self._spaced: Callable[[str], list[tuple[int, int]]] | None = None
+        self._numbers: Callable[[str, bool, frozenset[str]], str] | None = None
+        self._url_spans: tuple[Spans, Spans, Spans] | None = None
         if fusable and _native is not None and native is not False:
             o = self.options
             self._core = _native.NormalizeStages(_stage1(o), o.leet, o.pinyin, charmaps.PINYIN_CODES, charmaps.PINYIN_BASE,
                                                  _BEFORE_NFKC_MAP)
             self._spaced = _native.spaced_runs
+            self._numbers = _native.numbers_or_leet
+            domain_spans = _native.domain_spans
+            self._url_spans = (_native.scheme_url_spans, _native.email_spans, lambda t: domain_spans(t, _TLD_WORDS))
         # The numpy tables take ≈ 0.3 s to build: only without the compiled stages.
         self._stages = _stages(self.options) if fusable and self._core is None else None
 
@@ -403,7 +428,7 @@ class Normalizer:
                 text = _keep_look(text)
             text = unicodedata.normalize(st.decompose, text)
         text = self._words_stage(text.translate(st.chars))
-        han = self.options.pinyin and _HAN.search(text) is not None
+        han = self.options.pinyin and _han().search(text) is not None
         text = _SEPARATORS.sub("", text)
         if st.words:
             text = text.translate(st.words)
@@ -434,10 +459,13 @@ class Normalizer:
         """mask_urls, then leet and mask_numbers as far as they need context (patterns)."""
         o = self.options
         if o.mask_urls:
-            text = self._mask_urls(text)
+            text = self._mask_urls(text, self._url_spans)
         if o.leet:
             text = _leet_symbols(text, self._spaced)
-            text = _NUMBER_OR_LEET.sub(_leet_or_mask if o.mask_numbers else _leet_or_keep, text)
+            if self._numbers is not None:
+                text = self._numbers(text, o.mask_numbers, _UNITS)
+            else:
+                text = _number_or_leet().sub(_leet_or_mask if o.mask_numbers else _leet_or_keep, text)
         elif o.mask_numbers:
             text = _NUMBER.sub(NUMBER_MARK, text)
         return text
@@ -487,18 +515,26 @@ class Normalizer:
         return text.lower() if text.isascii() else text.casefold()
 
     @staticmethod
-    def _mask_urls(text: str) -> str:
+    def _mask_urls(text: str, spans: tuple[Spans, Spans, Spans] | None = None) -> str:
+        """`spans`: where `_SCHEME_URL`, `_EMAIL` and `_BARE_DOMAIN` match (the compiled `scheme_url_spans`,
+        `email_spans` and `domain_spans`), else the patterns are tried where a literal says they may match."""
         if "://" in text or "www." in text:
-            text = _sub_at(_SCHEME_URL, text, f" {URL_MARK} ", _scheme_starts(text))
+            repl = f" {URL_MARK} "
+            text = _sub_at(_SCHEME_URL, text, repl, _scheme_starts(text)) if spans is None else \
+                _replaced(text, spans[0](text), repl)
         if "@" in text:
-            text = _sub_at(_EMAIL, text, f" {EMAIL_MARK} ", _email_starts(text))
+            repl = f" {EMAIL_MARK} "
+            text = _sub_at(_EMAIL, text, repl, _email_starts(text)) if spans is None else \
+                _replaced(text, spans[1](text), repl)
         if "." in text:
-            text = _sub_at(_BARE_DOMAIN, text, f" {URL_MARK} ", _domain_starts(text))
+            repl = f" {URL_MARK} "
+            text = _sub_at(_BARE_DOMAIN, text, repl, _domain_starts(text)) if spans is None else \
+                _replaced(text, spans[2](text), repl)
         return text
 
     @staticmethod
     def _leet(text: str) -> str:
-        return _NUMBER_OR_LEET.sub(_leet_or_keep, _leet_symbols(text)).replace("l", "i")
+        return _number_or_leet().sub(_leet_or_keep, _leet_symbols(text)).replace("l", "i")
 
     @staticmethod
     def _mask_numbers(text: str) -> str:
@@ -510,7 +546,7 @@ class Normalizer:
         return out if out or not text else "".join(text.split())
 
     def _pinyin(self, text: str) -> str:
-        if text.isascii() or not _HAN.search(text):
+        if text.isascii() or not _han().search(text):
             return text
         return self._latin_pinyin(text.translate(_pinyin_table()))
 
@@ -570,6 +606,20 @@ def _sub_at(pattern: re.Pattern[str], text: str, repl: str, starts: Sequence[int
             pos = m.end()
     if not out:
         return text
+    out.append(text[pos:])
+    return "".join(out)
+
+
+def _replaced(text: str, spans: list[tuple[int, int]], repl: str) -> str:
+    """`text` with each of `spans` (ascending, apart) replaced by `repl`."""
+    if not spans:
+        return text
+    out = []
+    pos = 0
+    for start, end in spans:
+        out.append(text[pos:start])
+        out.append(repl)
+        pos = end
     out.append(text[pos:])
     return "".join(out)
 
@@ -744,7 +794,7 @@ def _stages(o: NormalizeOptions) -> _Stages:
     candidates = {chr(cp) for cp in range(0x80)}
     candidates.update(_invisible_chars())
     candidates.update(charmaps.CONFUSABLE_FROM, charmaps.TRADITIONAL)
-    candidates.update(ch for ch in map(chr, _SCANNED) if ch.casefold() != ch or unicodedata.combining(ch))
+    candidates.update(ch for ch in _scanned_chars() if ch.casefold() != ch or unicodedata.combining(ch))
     candidates.update(chr(lo + i) for lo, hi in _COMBINING_RANGES for i in range(hi - lo + 1))
     chars: dict[int, str] = {}
     for ch in candidates:

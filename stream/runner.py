@@ -187,6 +187,9 @@ class _Ahead:
 class Sink(Protocol):
     def write(self, record: bytes) -> None: ...
 
+    def write_many(self, records: list[bytes]) -> None:
+        """`write` of each record in turn."""
+
     def flush(self) -> None: ...
 
 
@@ -278,27 +281,40 @@ def run_filter(
             yield batch
 
     routed = route_batches(nd, batches(), fmt) if read_ahead else (route_batch(nd, b, fmt) for b in batches())
-    add, write_unique = summary.add, unique.write
+    add = summary.add
     for rows in routed:
-        uniques = 0
+        # Unique records go out a batch at a time (`write_many`), but before any other record of the batch is
+        # written: two outputs may be one stream (`--duplicates -`), and its lines stay in input order.
+        uniques: list[bytes] = []
+        keep = uniques.append
+        count = 0
         for r in rows:
             if r.kind == UNIQUE:  # counted by the batch: `Summary.add` of each is the same sums
-                uniques += 1
-                write_unique(r.raw.value.rstrip(b"\r\n"))
+                keep(r.raw.value.rstrip(b"\r\n"))
                 continue
             add(r)
             if r.kind == DUPLICATE:
                 if duplicates is not None:
                     assert r.decoded is not None and r.verdict is not None
+                    if uniques:
+                        count += len(uniques)
+                        unique.write_many(uniques)
+                        uniques.clear()
                     duplicates.write(duplicate_record(r.decoded, r.verdict, fmt))
             else:
                 assert r.error is not None
                 if rejected is not None:
+                    if uniques:
+                        count += len(uniques)
+                        unique.write_many(uniques)
+                        uniques.clear()
                     rejected.write(rejected_record(r.raw.value.rstrip(b"\r\n"), r.error, r.raw.fallback_id))
                 if on_rejected is not None:
                     on_rejected(r)
-        summary.seen += uniques
-        summary.unique += uniques
+        count += len(uniques)
+        unique.write_many(uniques)
+        summary.seen += count
+        summary.unique += count
         summary.seconds = time.perf_counter() - started
         if progress is not None:
             progress(summary)

@@ -25,6 +25,9 @@ class ListSink:
     def write(self, record: bytes) -> None:
         self.records.append(record)
 
+    def write_many(self, records: list[bytes]) -> None:
+        self.records.extend(records)
+
     def flush(self) -> None:
         pass
 

@@ -477,6 +477,19 @@ def test_run_filter_with_list_source_and_sinks_uses_arrival_time_for_the_window(
     assert summary.reasons == {"no_text": 1} and summary.methods == {"exact": 1}
 
 
+def test_outputs_that_share_a_stream_keep_the_input_order() -> None:
+    """Unique records are written a batch at a time, yet one sink given as two outputs (`--duplicates -`,
+    `--rejected -`) gets every record in input order."""
+    source = ListSource([jl({"id": "a", "text": SPAM}), jl({"id": "b", "text": NEWS}), jl({"id": "c", "text": SPAM_COPY}),
+                         jl({"id": "d", "text": OTHER}), b"{}", jl({"id": "e", "text": SPAM.upper()}),
+                         jl({"id": "f", "text": "a text of its own, unlike the others"})])
+    one = ListSink()
+    summary = run_filter(NearDupFilter(), source, unique=one, duplicates=one, rejected=one, fmt=RecordFormat())
+    assert (summary.unique, summary.duplicate, summary.rejected) == (4, 2, 1)
+    got = [orjson.loads(r) for r in one.records]
+    assert [r.get("id") or r.get("position") for r in got] == ["a", "b", "c", "d", "5", "e", "f"]
+
+
 def test_route_batch_returns_one_routed_per_record_in_order() -> None:
     nd = NearDupFilter()
     batch = [RawRecord(raw, str(i), 0.0) for i, raw in enumerate(

@@ -28,7 +28,21 @@ from filters.index import Candidate, Entry
 from filters.index.memory import MemoryIndex, PyTable, make_table, native_available
 from filters.index.redis_codec import decode_entry, encode_entry, encode_entry_v2, rank_records
 from filters.index.shared import against
-from filters.normalize import _SPACED, NormalizeOptions, Normalizer, _fusable, _stages
+from filters.normalize import (
+    _BARE_DOMAIN,
+    _EMAIL,
+    _SCHEME_URL,
+    _SPACED,
+    _TLD_WORDS,
+    _UNITS,
+    NormalizeOptions,
+    Normalizer,
+    _fusable,
+    _leet_or_keep,
+    _leet_or_mask,
+    _number_or_leet,
+    _stages,
+)
 from filters.shingles import Batch
 from tests.test_index_contract import assert_same_entry
 
@@ -773,6 +787,36 @@ def test_compiled_stages_map_every_code_point_as_the_tables() -> None:
 @given(text=st.text(alphabet=st.sampled_from([*" \n\x1eab1@$!_.z9", "é", "\u3000", "😀"]), max_size=40))
 def test_spaced_runs_are_where_the_pattern_matches(text: str) -> None:
     assert _native.spaced_runs(text) == [(m.start() - 1, m.end() - 1) for m in _SPACED.finditer(" " + text)]
+
+
+# What the number/leet pattern looks at: digits (look-alike or not), letters and units, the separators between
+# them (`_` among them), the batch joiner, `$`, other scripts' letters and digits (\\w but not [a-z0-9]).
+_NUMBER_PIECES = st.sampled_from([*"0123456789abelostxyzA_ -.,\n\x1e$@!é中٣²", "pm", "mins", "kg", "nd", "1x", "ghz",
+                                  "  ", "   ", "    ", "😀", "\U0001e802"])
+
+
+@settings(max_examples=1000, deadline=None)
+@given(text=st.lists(_NUMBER_PIECES, max_size=30).map("".join), mask=st.booleans())
+def test_numbers_or_leet_as_the_pattern(text: str, mask: bool) -> None:
+    """The compiled scan of numbers against `_number_or_leet().sub`: every alternative of the pattern (leet after a
+    letter, look-alike runs, word starts but units, one-letter tokens), masked or kept."""
+    want = _number_or_leet().sub(_leet_or_mask if mask else _leet_or_keep, text)
+    assert _native.numbers_or_leet(text, mask, _UNITS) == want
+
+
+_URL_PIECES = st.sampled_from([*"ab.-+_@ :/\x1e\u3000\u00a0é中1", "://", "www.", "http", "https", "ftp", "x@y.z", "..",
+                               "@@", "😀", "\U0001e802", "com", "co", "comx", "uk", "a.io", "ru/x", "-"])
+
+
+@settings(max_examples=1000, deadline=None)
+@given(text=st.lists(_URL_PIECES, max_size=24).map("".join))
+def test_url_and_email_spans_are_where_the_patterns_match(text: str) -> None:
+    """The compiled scans of `_SCHEME_URL`, `_EMAIL` and `_BARE_DOMAIN`: schemes with and without something after
+    them, any whitespace ending one (Unicode's, the batch joiner), addresses back to back, local parts shared by
+    two @, domains whose last labels are no TLD (backing off a label), TLDs inside words, paths."""
+    assert _native.scheme_url_spans(text) == [m.span() for m in _SCHEME_URL.finditer(text)]
+    assert _native.email_spans(text) == [m.span() for m in _EMAIL.finditer(text)]
+    assert _native.domain_spans(text, _TLD_WORDS) == [m.span() for m in _BARE_DOMAIN.finditer(text)]
 
 
 def test_normalization_matches_the_reference_on_the_sample() -> None:
