@@ -75,6 +75,15 @@ if timed then
 end
 local COMMITTED, PENDING, GONE = {'C', '', ''}, {'P', '', ''}, {'G', '', ''}  -- the replies without data
 local PER_CALL = FIELDS_PER_CALL
+-- The namespace's high-water mark of event time moves up to `top` (ARGV[5]), if given.
+local function raise_hwm()
+  if not top then return end
+  local hwm = tonumber(redis.call('HGET', meta, 'hwm') or '-inf')
+  if top > hwm then
+    redis.call('HSET', meta, 'hwm', string.format('%.17g', top))
+    redis.call('PEXPIRE', meta, ttl)
+  end
+end
 local val = {}  -- key -> field -> value (false: absent), as the ops leave them
 for key, l in pairs(names) do
   local v = {}
@@ -179,13 +188,7 @@ if fast then
     end
   end
   for key, m in pairs(memos) do redis.call('HINCRBY', key, 'm', m) end
-  if top then
-    local hwm = tonumber(redis.call('HGET', meta, 'hwm') or '-inf')
-    if top > hwm then
-      redis.call('HSET', meta, 'hwm', string.format('%.17g', top))
-      redis.call('PEXPIRE', meta, ttl)
-    end
-  end
+  raise_hwm()
   return out
 end
 -- ... and the commits of a round (distinct ids): the state alone decides, read above (the entry too if absent).
@@ -365,11 +368,5 @@ end
 for key, n in pairs(counted) do redis.call('HINCRBY', key, 'n', n) end
 for key, n in pairs(memos) do redis.call('HINCRBY', key, 'm', n) end
 for key in pairs(touched) do redis.call('PEXPIRE', key, ttl) end
-if top then
-  local hwm = tonumber(redis.call('HGET', meta, 'hwm') or '-inf')
-  if top > hwm then
-    redis.call('HSET', meta, 'hwm', string.format('%.17g', top))
-    redis.call('PEXPIRE', meta, ttl)
-  end
-end
+raise_hwm()
 return out
