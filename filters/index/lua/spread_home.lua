@@ -75,6 +75,16 @@ if timed then
 end
 local COMMITTED, PENDING, GONE = {'C', '', ''}, {'P', '', ''}, {'G', '', ''}  -- the replies without data
 local PER_CALL = FIELDS_PER_CALL
+-- How many notes a claim's state holds (each: its event time, a length and that many bytes).
+local function notes_in(notes)
+  local count, p = 0, 1
+  while p <= #notes do
+    local _, n = struct.unpack('<dI4', notes, p)
+    p = p + 12 + n
+    count = count + 1
+  end
+  return count
+end
 -- The namespace's high-water mark of event time moves up to `top` (ARGV[5]), if given.
 local function raise_hwm()
   if not top then return end
@@ -210,13 +220,8 @@ if only then
       if struct.unpack('<d', c, 10) ~= ts then
         out[o] = GONE  -- another claim of the id
       else
-        local notes, seen, count, p = string.sub(c, 18), seens[o], 0, 1
-        while p <= #notes do
-          local _, len = struct.unpack('<dI4', notes, p)
-          p = p + 12 + len
-          count = count + 1
-        end
-        if count <= seen then
+        local notes = string.sub(c, 18)
+        if notes_in(notes) <= seens[o] then
           local d = drops[key]
           if not d then d = {}; drops[key] = d end
           d[#d + 1] = cfs[o]
@@ -325,13 +330,7 @@ for o = 1, n do
         put(key, cf, string.sub(c, 1, 17) .. notes)
         reply = {'P', e, notes}
       elseif code == COMMIT then
-        local seen, count, p = seens[o], 0, 1
-        while p <= #notes do
-          local _, n = struct.unpack('<dI4', notes, p)
-          p = p + 12 + n
-          count = count + 1
-        end
-        if count <= seen then
+        if notes_in(notes) <= seens[o] then
           drop(key, cf)
           counted[key] = (counted[key] or 0) + 1
           reply = COMMITTED
