@@ -87,6 +87,7 @@ class _Lane:
     known: bool = False  # whether its lag was ever known
     paused: bool = False
     next_offset: int | None = None  # the offset after the last record buffered: one before it is a re-fetch
+    chunk: int = 0  # the most records one fetch returned of it (`add`): its buffer holds two such at least
 
 
 class Aligner:
@@ -102,7 +103,11 @@ class Aligner:
         self.event_time = event_time  # None: the record has no event time (it will be dead-lettered)
         self.max_skew = max_skew
         self.idle_timeout = idle_timeout
-        self.buffer = buffer  # records buffered per partition before it is paused
+        # Records buffered per partition before it is paused, or twice what one fetch returned of it if more: the
+        # consumer drops what it fetched ahead of a paused partition, so a buffer smaller than one fetch would pause
+        # and resume a partition on every fetch and fetch the same records again (a backlog of short messages:
+        # 1 MB a fetch, 3,000 records, against 2 × max_batch).
+        self.buffer = buffer
         self.ordered = ordered
         self.clock = clock
         self._lanes: dict[Lane, _Lane] = {}
@@ -150,8 +155,10 @@ class Aligner:
         """Records the consumer returned (of its current assignment, whether or not the rebalance callback
         has told `assign` yet: the consumer may return records of a new assignment before it): each is
         kept once, a record fetched again (an offset already buffered) is not."""
+        chunks: dict[Lane, int] = {}
         for r in records:
             key = (r.topic, r.partition)
+            chunks[key] = chunks.get(key, 0) + 1
             lane = self._lanes.get(key)
             if lane is None:
                 lane = self._lanes[key] = _Lane()
@@ -173,6 +180,9 @@ class Aligner:
             if own is not None:
                 lane.last = ts if lane.last is None else max(lane.last, ts)
             lane.quiet_since = None
+        for key, n in chunks.items():
+            lane = self._lanes[key]
+            lane.chunk = max(lane.chunk, n)
 
     def buffered(self) -> int:
         return sum(len(lane.records) for lane in self._lanes.values()) + len(self._arrival)
@@ -185,10 +195,11 @@ class Aligner:
         total = len(self._arrival)  # unordered: one buffer for all, paused and resumed together
         for key, lane in self._lanes.items():
             n = len(lane.records) if self.ordered else total * (lane.paused or total >= self.buffer)
-            if not lane.paused and n >= self.buffer:
+            limit = max(self.buffer, 2 * lane.chunk) if self.ordered else self.buffer
+            if not lane.paused and n >= limit:
                 lane.paused = True
                 pause.append(key)
-            elif lane.paused and n <= self.buffer // 2:
+            elif lane.paused and n <= limit // 2:
                 lane.paused = False
                 resume.append(key)
             if n == 0 and not lane.paused:

@@ -171,11 +171,26 @@ def test_full_partitions_are_paused_and_resumed_when_drained() -> None:
     clock = Clock()
     a = aligner(clock, buffer=4)
     a.assign([("in", 0), ("in", 1)])
-    a.add([rec(0, t) for t in range(1, 6)])
+    for t in range(1, 6):  # a record a fetch
+        a.add([rec(0, t, t)])
     a.add([rec(1, t) for t in range(1, 3)])
     assert a.flow(lambda lane: 0) == ([("in", 0)], [])
     a.take(5)
     assert a.flow(lambda lane: 0) == ([], [("in", 0)])
+
+
+def test_a_partition_holds_two_fetches_before_it_is_paused() -> None:
+    """The consumer drops what it fetched ahead of a paused partition: a buffer smaller than one fetch would
+    pause the partition after every fetch and have the same records fetched again."""
+    clock = Clock()
+    a = aligner(clock, buffer=4)
+    a.assign([("in", 0)])
+    a.add([rec(0, t, t) for t in range(10)])  # one fetch of 10
+    assert a.flow(lambda lane: 0) == ([], [])  # under 2 × 10
+    a.add([rec(0, t, t) for t in range(10, 20)])
+    assert a.flow(lambda lane: 0) == ([("in", 0)], [])
+    a.take(10)
+    assert a.flow(lambda lane: 0) == ([], [("in", 0)])  # drained to half of 20
 
 
 def test_a_rebalance_keeps_what_is_still_owned_and_skips_what_comes_again() -> None:
