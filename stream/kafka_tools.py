@@ -355,8 +355,12 @@ async def partition_lags(consumer: AIOKafkaConsumer, committed_only: bool = Fals
     stable offset when reading committed records only); a partition fetched nothing of yet, revoked
     meanwhile, or without a position within a second is missing. The aligner's idleness and the
     `neardup_consumer_lag` metric."""
-    return {lane: max(0, end - position)
-            for lane, (position, end) in (await partition_positions(consumer, committed_only)).items()}
+    return lags_of(await partition_positions(consumer, committed_only))
+
+
+def lags_of(positions: dict[tuple[str, int], tuple[int, int]]) -> dict[tuple[str, int], int]:
+    """Records left to fetch per partition, from `partition_positions`."""
+    return {lane: max(0, end - position) for lane, (position, end) in positions.items()}
 
 
 async def partition_positions(consumer: AIOKafkaConsumer,

@@ -54,6 +54,7 @@ from stream.kafka_tools import (
     broker_errors,
     client_options,
     ensure_topics,
+    lags_of,
     partition_positions,
     producer,
     transient,
@@ -313,9 +314,7 @@ class AiokafkaWorker(WorkerCore):
             if not msgs:
                 continue
             lane = (tp.topic, tp.partition)
-            was = self._read_to.get(lane)
-            if was is not None and msgs[0].offset > was + 1:  # one offset: an upstream transaction's marker
-                self._gaps.setdefault(lane, []).append((was, msgs[0].offset))
+            self._went_on(lane, msgs[0].offset)
             self._read_to[lane] = msgs[-1].offset + 1
             self.aligner.add(KafkaRecord.of(m) for m in msgs)
         return True
@@ -325,11 +324,9 @@ class AiokafkaWorker(WorkerCore):
         full and resuming the drained ones; the group's marks are read again when `refresh` or due."""
         positions = await partition_positions(consumer,
                                               committed_only=self._guarantee.isolation_level == "read_committed")
-        lags = {lane: max(0, end - position) for lane, (position, end) in positions.items()}
+        lags = lags_of(positions)
         for lane, (position, _) in positions.items():
-            was = self._read_to.get(lane)
-            if was is not None and position > was + 1:  # moved on without returning records
-                self._gaps.setdefault(lane, []).append((was, position))
+            if self._went_on(lane, position):  # moved on without returning records
                 self._read_to[lane] = position
         if self._gaps and time.monotonic() - self._gaps_read_at >= UNREAD_EVERY:
             await self._unread(consumer)
@@ -343,6 +340,15 @@ class AiokafkaWorker(WorkerCore):
         taken = self.aligner.take(self.settings.max_batch, self.group)
         await self._stalled(consumer, taken, lags)
         return taken
+
+    def _went_on(self, lane: tuple[str, int], offset: int) -> bool:
+        """Reading of `lane` went on at `offset`: more than one past the offset it had reached (one: an upstream
+        transaction's marker) is a gap, for `_unread` to judge. Whether it was."""
+        was = self._read_to.get(lane)
+        if was is None or offset <= was + 1:
+            return False
+        self._gaps.setdefault(lane, []).append((was, offset))
+        return True
 
     async def _unread(self, consumer: AIOKafkaConsumer) -> None:
         """Records the broker deleted before this worker read them: the topic's retention (`retention.ms`: by the
