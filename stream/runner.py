@@ -206,11 +206,15 @@ class Summary:
     methods: Counter[str] = field(default_factory=Counter)
     seconds: float = 0.0
 
+    def add_uniques(self, n: int) -> None:
+        """`n` records routed unique (counted a batch at a time)."""
+        self.seen += n
+        self.unique += n
+
     def add(self, r: Routed) -> None:
+        """A record routed duplicate or rejected."""
         self.seen += 1
-        if r.kind == UNIQUE:
-            self.unique += 1
-        elif r.kind == DUPLICATE:
+        if r.kind == DUPLICATE:
             self.duplicate += 1
             assert r.verdict is not None
             self.methods[r.verdict.method or "?"] += 1
@@ -289,32 +293,28 @@ def run_filter(
         keep = uniques.append
         count = 0
         for r in rows:
-            if r.kind == UNIQUE:  # counted by the batch: `Summary.add` of each is the same sums
+            if r.kind == UNIQUE:  # counted by the batch (`Summary.add_uniques`)
                 keep(r.raw.value.rstrip(b"\r\n"))
                 continue
             add(r)
+            sink = duplicates if r.kind == DUPLICATE else rejected
+            if sink is not None and uniques:  # the uniques before it first
+                count += len(uniques)
+                unique.write_many(uniques)
+                uniques.clear()
             if r.kind == DUPLICATE:
                 if duplicates is not None:
                     assert r.decoded is not None and r.verdict is not None
-                    if uniques:
-                        count += len(uniques)
-                        unique.write_many(uniques)
-                        uniques.clear()
                     duplicates.write(duplicate_record(r.decoded, r.verdict, fmt))
             else:
                 assert r.error is not None
                 if rejected is not None:
-                    if uniques:
-                        count += len(uniques)
-                        unique.write_many(uniques)
-                        uniques.clear()
                     rejected.write(rejected_record(r.raw.value.rstrip(b"\r\n"), r.error, r.raw.fallback_id))
                 if on_rejected is not None:
                     on_rejected(r)
         count += len(uniques)
         unique.write_many(uniques)
-        summary.seen += count
-        summary.unique += count
+        summary.add_uniques(count)
         summary.seconds = time.perf_counter() - started
         if progress is not None:
             progress(summary)
