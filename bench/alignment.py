@@ -94,6 +94,14 @@ def load(path: Path | None, limit: int, truth: Path | None = None, compress: flo
 MODES = ("on", "off")
 
 
+def modes(value: str) -> list[str]:
+    """An option's comma-separated alignment modes (argparse `type`: a wrong one is a usage error)."""
+    out = [m for m in value.split(",") if m]
+    if not out or set(out) - set(MODES):
+        raise argparse.ArgumentTypeError(f"comma-separated, of {', '.join(MODES)}: {value!r}")
+    return out
+
+
 def rounds(items: Sequence[Item], max_skew: float, workers: int) -> int:
     """The fewest rounds in which `workers` (partitions dealt out in ranges, as Kafka's range assignor does)
     can route `items` within `max_skew` when a record may be decided only after every record of the other
@@ -278,7 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=2000.0, help="live records a second")
     p.add_argument("--seconds", type=float, default=5.0, help="of live traffic")
     p.add_argument("--compress", type=float, default=1.0, help="divide the stream's event time by this (denser)")
-    p.add_argument("--modes", default="on,off", help=f"comma-separated, of {', '.join(MODES)}")
+    p.add_argument("--modes", type=modes, default="on,off", help=f"comma-separated, of {', '.join(MODES)}")
     args = p.parse_args(argv)
     if args.stream is not None and not args.generated:
         needs.files(__file__, args.stream, args.truth or args.stream.with_name("truth.jsonl"))
@@ -294,13 +302,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             n = rounds(items, args.max_skew, workers)
             print(f"  {workers} workers aligned need at least {n:,} rounds ({len(items) / max(n, 1):,.1f} records a round)",
                   flush=True)
-    modes = [m for m in args.modes.split(",") if m]
-    if not modes or set(modes) - set(MODES):
-        p.error(f"--modes: comma-separated, of {', '.join(MODES)}")
     rows: list[Row] = []
     for _ in range(args.runs):
         for workers in counts:
-            for mode in modes:
+            for mode in args.modes:
                 row = run(args, items, want, mode=mode, workers=workers)
                 print(f"  align={mode} workers={workers}: {row.records / row.steady_s:8,.0f} msg/s "
                       f"steady, {row.total_s:6.1f} s in all, {row.differences} routed otherwise, F1 {row.f1:.4f}; "
@@ -309,7 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"\n| alignment | workers | backlog msg/s, first→last output | routed otherwise than the filter | F1 | "
           f"live p50 ms at {args.rate:g}/s | live p99 ms |\n|---|---|---|---|---|---|---|")
     for workers in counts:
-        for mode in modes:
+        for mode in args.modes:
             mine = [r for r in rows if r.mode == mode and r.workers == workers]
             print(f"| {mode} | {workers} | "
                   f"{statistics.median(r.records / r.steady_s for r in mine):,.0f} | "

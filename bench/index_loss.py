@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import needs  # noqa: E402
-from bench.alignment import PARTITIONS, load, preload  # noqa: E402
+from bench.alignment import PARTITIONS, load, modes, preload  # noqa: E402
 from bench.kafka_support import PrivateRedis  # noqa: E402
 from bench.reliability import Serve, create_topics, read, scenario_settings, serving, wait_assigned  # noqa: E402
 from filters.engine import NearDupFilter  # noqa: E402
@@ -123,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-batch", type=int, default=500)
     p.add_argument("--runs", type=int, default=1)
     p.add_argument("--timeout", type=float, default=600.0)
-    p.add_argument("--align", default="on", help="comma-separated: on, off (each loss with each, alternating)")
+    p.add_argument("--align", type=modes, default="on", help="comma-separated: on, off (each loss with each, alternating)")
     p.add_argument("--max-skew", type=float, default=5.0, help="seconds of event time (the setting max_skew)")
     p.add_argument("--compress", type=float, default=1.0, help="divide the stream's event time by this (denser)")
     p.add_argument("--logs", type=Path, default=None, help="a directory to keep every run's workers' logs in")
@@ -133,9 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     needs.kafka(__file__, args.bootstrap)
     needs.tool(__file__, "redis-server", install="apt-get install redis-server")
     items = load(args.stream, args.limit, truth_path, args.compress)
-    aligns = [a for a in args.align.split(",") if a]
-    if not aligns or set(aligns) - {"on", "off"}:
-        p.error("--align: comma-separated, of on, off")
+    aligns: list[str] = args.align
     truth = read_truth(truth_path.read_bytes().splitlines()[: len(items)], str(truth_path))
     want = reference(items, NearDupFilter())
     filter_f1 = f1_of(truth, want)

@@ -68,12 +68,13 @@ class Latency:
     max_ms: float
 
 
-def short_messages(stream: Path, truth: Path, corpora: Sequence[str] | None, limit: int) -> list[bytes]:
-    """The first `limit` messages of the stream of those `corpora` (None: all)."""
+def short_messages(stream: Path, truth: Path, corpora: str, limit: int) -> list[bytes]:
+    """The first `limit` messages of the stream of those `corpora` (comma-separated, or all)."""
+    wanted = None if corpora == "all" else corpora.split(",")
     out = []
     with open(stream, "rb") as s, open(truth, "rb") as t:
         for line, label in zip(s, t):
-            if corpora is None or orjson.loads(label)["corpus"] in corpora:
+            if wanted is None or orjson.loads(label)["corpus"] in wanted:
                 out.append(line.rstrip(b"\r\n"))
                 if len(out) >= limit:
                     break
@@ -288,8 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     check_needs(args)
 
-    lines = short_messages(args.stream, args.truth, None if args.corpora == "all" else args.corpora.split(","),
-                           args.messages)
+    lines = short_messages(args.stream, args.truth, args.corpora, args.messages)
     chars = statistics.median(len(orjson.loads(line)["text"]) for line in lines)
     print(f"{len(lines)} messages of {args.corpora} (median {chars:.0f} chars), max_batch {args.max_batch}, "
           f"Kafka {args.bootstrap}, Redis {args.redis}, {psutil.cpu_count()} CPUs", flush=True)

@@ -97,6 +97,12 @@ def with_db(url: str, db: int) -> str:
     return urlunsplit(parts._replace(path=f"/{db}"))
 
 
+def server_cpu(r: redis.Redis) -> float:
+    """The server's CPU seconds so far (`INFO cpu`: user and system)."""
+    info = r.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
 def with_prefix(url: str, prefix: str) -> str:
     return f"{url}{'&' if '?' in url else '?'}prefix={prefix}"
 

@@ -44,7 +44,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 try:
     import redis
@@ -56,6 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import needs  # noqa: E402
+from bench.redis_bench import server_cpu, with_db  # noqa: E402
 from filters.index.redis_codec import parse_records  # noqa: E402
 
 BATCH = 512
@@ -78,10 +78,6 @@ class Slice:
     number: dict[str, int] = field(default_factory=dict)  # id -> its number in the slice (insertion order)
 
 
-def with_db(url: str, db: int) -> str:
-    return urlunsplit(urlsplit(url)._replace(path=f"/{db}"))
-
-
 def client(url: str, db: int) -> redis.Redis:
     return redis.Redis.from_url(with_db(url, db))
 
@@ -89,11 +85,6 @@ def client(url: str, db: int) -> redis.Redis:
 def used(r: redis.Redis) -> int:
     time.sleep(0.5)  # a client's query buffer is given back by the server's cron
     return int(r.info("memory")["used_memory"])
-
-
-def server_cpu(r: redis.Redis) -> float:
-    info = r.info("cpu")
-    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
 def run_index(url: str, db: int, stream: Path) -> int:

@@ -38,6 +38,7 @@ except ModuleNotFoundError as exc:  # one line naming what to install, not a tra
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import needs
+from bench.redis_bench import server_cpu
 from filters.config import FilterConfig
 from filters.engine import NearDupFilter
 from filters.index import Entry
@@ -106,11 +107,6 @@ async def restore(bootstrap: str, topic: str, partitions: int, namespace: str, u
     return read_n, written, seconds
 
 
-def _redis_cpu(server: redis.Redis) -> float:
-    info = server.info("cpu")
-    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
-
-
 def memory_per_entry(url: str, prefix: str, entries: int) -> float:
     client = redis.Redis.from_url(url.partition("?")[0])
     try:
@@ -149,9 +145,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         for run in range(1, args.runs + 1):  # each into a namespace of its own, dropped after
             url = f"{args.redis}{'&' if '?' in args.redis else '?'}prefix={name}-{run}"
-            redis_cpu, cpu = _redis_cpu(server), time.process_time()
+            redis_cpu, cpu = server_cpu(server), time.process_time()
             read, written, seconds = asyncio.run(restore(args.bootstrap, name, args.partitions, namespace, url, cfg))
-            cpu, redis_cpu = time.process_time() - cpu, _redis_cpu(server) - redis_cpu
+            cpu, redis_cpu = time.process_time() - cpu, server_cpu(server) - redis_cpu
             per_entry = memory_per_entry(url, f"{name}-{run}", written)
             per_million.append(seconds * 1e6 / max(1, read))
             ok = ok and written == read == args.entries

@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import kafka_e2e  # noqa: E402
 
+from bench.alignment import modes  # noqa: E402
 from stream.collector import tune_collector  # noqa: E402
 from stream.worker import make_worker  # noqa: E402
 
@@ -57,14 +58,11 @@ def main() -> int:
     kafka_e2e.add_service_arguments(p, messages=16_946)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--partitions", type=int, default=1, help="of the input topic (messages dealt round-robin)")
-    p.add_argument("--align", default="on", help="comma-separated: on, off (event-time alignment; alternating)")
+    p.add_argument("--align", type=modes, default="on", help="comma-separated: on, off (event-time alignment; alternating)")
     args = p.parse_args()
     kafka_e2e.check_needs(args)
-    aligns = [a for a in args.align.split(",") if a]
-    if not aligns or set(aligns) - {"on", "off"}:
-        p.error("--align: comma-separated, of on, off")
-    corpora = None if args.corpora == "all" else args.corpora.split(",")
-    lines = kafka_e2e.short_messages(args.stream, args.truth, corpora, args.messages)
+    aligns: list[str] = args.align
+    lines = kafka_e2e.short_messages(args.stream, args.truth, args.corpora, args.messages)
     tune_collector()
     rates: dict[str, list[float]] = {a: [] for a in aligns}
     cpus: dict[str, list[float]] = {a: [] for a in aligns}
