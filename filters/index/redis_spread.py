@@ -938,9 +938,7 @@ class SpreadIndex:
                 keys.append(key)
             layout.append(_HOME_OP.pack(_OP_CODES[type(op)], at[key], op.ts, op.seen if isinstance(op, cl.Commit) else 0))
             args.append(op.id.encode("utf-8", "surrogatepass"))
-            if isinstance(op, (cl.Create, _Put)):
-                args.append(op.blob)
-            elif isinstance(op, _Memo):
+            if isinstance(op, (cl.Create, _Put, _Memo)):
                 args.append(op.blob)
             elif isinstance(op, cl.Note):
                 raw = op.by[1].encode("utf-8", "surrogatepass")
@@ -979,8 +977,10 @@ class _ClaimPlan:
             check = op.check and all(f in at for f in op.fields)
             if check:
                 c = column_of.get(target)
-                old = [f for f in op.fields if c is None or columns[c][at[f]] is not None]
-                fresh = [f for f in op.fields if c is not None and columns[c][at[f]] is None]
+                old: list[bytes] = []
+                fresh: list[bytes] = []
+                for f in op.fields:  # a field the lookup read as absent is fresh
+                    (fresh if c is not None and columns[c][at[f]] is None else old).append(f)
             else:
                 old, fresh = list(op.fields), []
             self.calls.setdefault(op.shard, {}).setdefault(target, []).append((i, record, check, old, fresh))

@@ -94,14 +94,28 @@ local function raise_hwm()
     redis.call('PEXPIRE', meta, ttl)
   end
 end
+-- A hash's fields read into `v` (field -> value, false: absent), written and deleted, PER_CALL fields a command.
+local function read_into(key, fields, v)
+  for a = 1, #fields, PER_CALL do
+    local b = math.min(a + PER_CALL - 1, #fields)
+    local got = redis.call('HMGET', key, unpack(fields, a, b))
+    for j = a, b do v[fields[j]] = got[j - a + 1] end
+  end
+end
+local function write_pairs(key, flat)  -- field, value, field, value, ...
+  for a = 1, #flat, 2 * PER_CALL do
+    redis.call('HSET', key, unpack(flat, a, math.min(a + 2 * PER_CALL - 1, #flat)))
+  end
+end
+local function delete_fields(key, fields)
+  for a = 1, #fields, PER_CALL do
+    redis.call('HDEL', key, unpack(fields, a, math.min(a + PER_CALL - 1, #fields)))
+  end
+end
 local val = {}  -- key -> field -> value (false: absent), as the ops leave them
 for key, l in pairs(names) do
   local v = {}
-  for a = 1, #l, PER_CALL do
-    local b = math.min(a + PER_CALL - 1, #l)
-    local got = redis.call('HMGET', key, unpack(l, a, b))
-    for j = a, b do v[l[j]] = got[j - a + 1] end
-  end
+  read_into(key, l, v)
   val[key] = v
 end
 if commits then  -- the entries of the commits whose state is absent (committed, or gone)
@@ -115,14 +129,7 @@ if commits then  -- the entries of the commits whose state is absent (committed,
       l[#l + 1] = efs[o]
     end
   end
-  for key, l in pairs(again) do
-    local v = val[key]
-    for a = 1, #l, PER_CALL do
-      local b = math.min(a + PER_CALL - 1, #l)
-      local got = redis.call('HMGET', key, unpack(l, a, b))
-      for j = a, b do v[l[j]] = got[j - a + 1] end
-    end
-  end
+  for key, l in pairs(again) do read_into(key, l, val[key]) end
 end
 for o = 1, n do  -- a state of an older version ('P' <deadline> <notes>) as this one's
   local cf = cfs[o]
@@ -132,6 +139,15 @@ for o = 1, n do  -- a state of an older version ('P' <deadline> <notes>) as this
     local e = v[efs[o]]
     v[cf] = e and 'Q' .. string.sub(c, 2, 9) .. string.sub(e, 2, 9) .. string.sub(c, 10)
   end
+end
+local function elsewhere(key, ef)  -- a live entry of the id in another of the live slices
+  for _, other in ipairs(live) do
+    if other ~= key then
+      local e = val[other][ef]
+      if e and struct.unpack('<d', e, 2) >= horizon then return true end
+    end
+  end
+  return false
 end
 -- The commonest call, the creates of a round (with the memos of its insert) of distinct ids, without the
 -- general bookkeeping below (the same outcome).
@@ -168,16 +184,7 @@ if fast then
         w[#w + 1] = fresh .. string.sub(c, 10)
         out[o] = {'P', '', string.sub(c, 18)}
       else
-        local live_e = e
-        if not live_e then
-          for _, other in ipairs(live) do
-            if other ~= key then
-              local x = val[other][ef]
-              if x and struct.unpack('<d', x, 2) >= horizon then live_e = true; break end
-            end
-          end
-        end
-        if live_e then
+        if e or elsewhere(key, ef) then
           out[o] = COMMITTED  -- committed already: a replay
         else
           w[#w + 1] = ef
@@ -191,9 +198,7 @@ if fast then
   end
   for key, w in pairs(writes) do
     if #w > 0 then
-      for a = 1, #w, 2 * PER_CALL do
-        redis.call('HSET', key, unpack(w, a, math.min(a + 2 * PER_CALL - 1, #w)))
-      end
+      write_pairs(key, w)
       redis.call('PEXPIRE', key, ttl)
     end
   end
@@ -236,9 +241,7 @@ if only then
     end
   end
   for key, d in pairs(drops) do
-    for a = 1, #d, PER_CALL do
-      redis.call('HDEL', key, unpack(d, a, math.min(a + PER_CALL - 1, #d)))
-    end
+    delete_fields(key, d)
     redis.call('HINCRBY', key, 'n', #d)
   end
   return out
@@ -257,15 +260,6 @@ local function drop(key, field)
   if not d then d = {}; del[key] = d end
   d[field] = true
   if set[key] then set[key][field] = nil end
-end
-local function elsewhere(key, ef)  -- a live entry of the id in another of the live slices
-  for _, other in ipairs(live) do
-    if other ~= key then
-      local e = val[other][ef]
-      if e and struct.unpack('<d', e, 2) >= horizon then return true end
-    end
-  end
-  return false
 end
 local out = {}
 local memos = {}  -- key -> memos written there
@@ -353,16 +347,12 @@ end
 for key, s in pairs(set) do
   local args = {}
   for field, value in pairs(s) do args[#args + 1] = field; args[#args + 1] = value end
-  for a = 1, #args, 2 * PER_CALL do
-    redis.call('HSET', key, unpack(args, a, math.min(a + 2 * PER_CALL - 1, #args)))
-  end
+  write_pairs(key, args)
 end
 for key, d in pairs(del) do
   local args = {}
   for field in pairs(d) do args[#args + 1] = field end
-  for a = 1, #args, PER_CALL do
-    redis.call('HDEL', key, unpack(args, a, math.min(a + PER_CALL - 1, #args)))
-  end
+  delete_fields(key, args)
 end
 for key, n in pairs(counted) do redis.call('HINCRBY', key, 'n', n) end
 for key, n in pairs(memos) do redis.call('HINCRBY', key, 'm', n) end
