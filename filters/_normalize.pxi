@@ -637,6 +637,7 @@ cdef inline bint email_local(uint32_t c) noexcept nogil:  # [\w.+-]
 
 cdef int _email_spans(const ucs_t *data, Py_ssize_t n, list out) except -1:
     cdef Py_ssize_t at, p, e, pos = 0
+    cdef bint parts
     for at in range(n):
         if data[at] != 0x40:  # @
             continue
@@ -651,12 +652,12 @@ cdef int _email_spans(const ucs_t *data, Py_ssize_t n, list out) except -1:
             e += 1
         if e == at + 1:
             continue
-        parts = 0
+        parts = False
         while e + 1 < n and data[e] == 0x2E and email_host(data[e + 1]):  # (?:\.[\w-]+)+
             e += 2
             while e < n and email_host(data[e]):
                 e += 1
-            parts += 1
+            parts = True
         if parts:
             out.append((p, e))
             pos = e
