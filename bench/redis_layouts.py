@@ -298,26 +298,24 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{sum(v for k, v in records.items() if k >= 5) / sum(records.values()):.1%}")
         memory: dict[str, tuple[float, float, str]] = {}
         writing: dict[str, float] = {}
-        for layout in layouts:
-            r.flushdb()
-            before = used(r)
-            start = server_cpu(r)
-            write(r, layout, slices)
-            writing[layout] = (server_cpu(r) - start) / indexed * 1e6
-            after = used(r)
-            encodings: collections.Counter[str] = collections.Counter()
-            usage = 0
-            for key in r.scan_iter(count=1000):
-                usage += r.memory_usage(key, samples=0) or 0
-                encodings[r.object("encoding", key).decode()] += 1
-            memory[layout] = ((after - before) / indexed, usage / indexed,
-                              ", ".join(f"{k} {v:,}" for k, v in encodings.most_common()))
         cpu: dict[str, list[float]] = {layout: [] for layout in layouts}
         sample = sample_lookups(slices, args.lookups)
-        for _ in range(args.runs):
-            for layout in layouts:
+        for run in range(args.runs):
+            for layout in layouts:  # alternating; what each layout holds and its writing cost: its first run's
                 r.flushdb()
+                before = used(r)
+                start = server_cpu(r)
                 write(r, layout, slices)
+                if not run:
+                    writing[layout] = (server_cpu(r) - start) / indexed * 1e6
+                    after = used(r)
+                    encodings: collections.Counter[str] = collections.Counter()
+                    usage = 0
+                    for key in r.scan_iter(count=1000):
+                        usage += r.memory_usage(key, samples=0) or 0
+                        encodings[r.object("encoding", key).decode()] += 1
+                    memory[layout] = ((after - before) / indexed, usage / indexed,
+                                      ", ".join(f"{k} {v:,}" for k, v in encodings.most_common()))
                 bits = {s.name: shard_bits(len(s.buckets), int(layout[6:])) if layout.startswith("shards") else 0
                         for s in slices}
                 r.config_resetstat()

@@ -118,10 +118,11 @@ def unpack_sketch(data: bytes, pos: int, n: int, id: str) -> tuple[np.ndarray, i
     values = np.cumsum(gaps, dtype=np.uint64)
     if n and int(values[-1]) >= 1 << 32:
         raise IndexCorrupt(f"entry {id!r}: a packed sketch beyond 32 bits")
-    sketch = values.astype(np.uint32)
-    if packed_width(sketch) != width:
+    # What `packed_width` asks of the sketch, read off the gaps themselves: strictly increasing, the width
+    # that of the largest gap, and smaller than 4 bytes a value.
+    if not n or (gaps[1:] == 0).any() or int(gaps.max()).bit_length() != width or stop - pos >= 4 * n:
         raise IndexCorrupt(f"entry {id!r}: a packed sketch that this neardup does not write")
-    return sketch, stop
+    return values.astype(np.uint32), stop
 
 
 def encode_entry(entry: Entry) -> bytes:
