@@ -901,9 +901,16 @@ class SpreadIndex:
         out: list[Any] = [None] * len(ops)
         it = iter(replies[: len(replies) - (len(plan.commands) if plan is not None else 0)])
         for kind, at in takes:
-            if kind == "home":
-                for i, reply in zip(at, next(it), strict=True):
-                    out[i] = _home_reply(reply) if i < n else None
+            if kind == "home":  # a flat list: three values an op, one a memo's
+                flat, p = next(it), 0
+                for i in at:
+                    if i < n:
+                        out[i] = _home_reply(flat[p : p + 3])
+                        p += 3
+                    else:
+                        p += 1
+                if p != len(flat):
+                    raise IndexCorrupt(f"spread_home.lua answered {len(flat)} values for {len(at)} ops")
             elif kind == "read":
                 out[at[0]] = [next(it) for _ in slices]
             else:
@@ -929,7 +936,7 @@ class SpreadIndex:
         horizon = self._hwm - self.window  # an entry at or after it is live (as in the slot layout's insert)
         created = [op.ts for op in ops if isinstance(op, (cl.Create, _Put))]
         args: list[Any] = [round(self.claim_ttl * 1000), self._ttl_ms, repr(horizon) if math.isfinite(horizon) else "-inf",
-                           ",".join(map(str, range(2, len(keys) + 1))), repr(max(created)) if created else ""]
+                           len(live), repr(max(created)) if created else ""]
         layout: list[bytes] = []
         for op in ops:
             key = self._slice_key(shard, self._slice(op.ts))
