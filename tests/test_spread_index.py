@@ -30,7 +30,7 @@ from filters.index import Candidate, Entry, Memo, Query
 from filters.index import claims as cl
 from filters.index.backends import open_index
 from filters.index.redis_codec import encode_entry, field_of, parse_records
-from filters.index.redis_spread import _APPEND, _CLAIM, SLOTS, SpreadIndex, _View, key_slot, shard_tags
+from filters.index.redis_spread import _CLAIM, SLOTS, SpreadIndex, _Transaction, _View, key_slot, shard_tags
 from filters.records import Verdict
 from stream.codec import RecordFormat
 from stream.runner import RawRecord, route_batch
@@ -271,7 +271,7 @@ def test_an_inserts_memos_go_with_the_home_calls(make: Callable[..., SpreadIndex
 
     def spy(commands: Sequence[tuple[int, Sequence[Any]]], scripts: dict[bytes, str], resent: set[int] | None = None
             ) -> list[Any]:
-        sent.extend(c[0] for _, c in commands)
+        sent.extend("MULTI" if isinstance(c, _Transaction) else c[0] for _, c in commands)  # the records' HSETs
         return execute(commands, scripts, resent)
 
     index._nodes.execute = spy  # type: ignore[method-assign]
@@ -300,7 +300,8 @@ def test_claims_are_written_at_once_unless_another_writer_wrote_there_since_the_
 
     def spy(commands: Sequence[tuple[int, Sequence[Any]]], scripts: dict[bytes, str], resent: set[int] | None = None
             ) -> list[Any]:
-        sent.extend({_APPEND.sha: "append", _CLAIM.sha: "claim"}.get(c[1], "") for _, c in commands if c[0] == "EVALSHA")
+        sent.extend("append" if isinstance(c, _Transaction) else "claim" if c[:2] == ("EVALSHA", _CLAIM.sha) else ""
+                    for _, c in commands)
         return execute(commands, scripts, resent)
 
     a._nodes.execute = spy  # type: ignore[method-assign]

@@ -110,7 +110,10 @@ _REDIRECTS = 16  # MOVED/ASK hops a command may take in one round before the rou
 _TRY_AGAIN = 0.02  # seconds before a TRYAGAIN is sent again (a slot being migrated), up to 2 s in all
 
 CLAIM_LUA = _lua("trim.lua", "spread_claim.lua")
-APPEND_LUA = _lua("spread_append.lua")
+# EVAL'd with its source in every append transaction (so that it is never missing from a node's script cache):
+# without its comment lines, which Redis would hash with the rest on every call.
+APPEND_LUA = "\n".join(line for line in _lua("spread_append.lua").splitlines()
+                       if line.strip() and not line.lstrip().startswith("--"))
 HOME_LUA = _lua("spread_home.lua")
 _CLAIM = _Script.of(CLAIM_LUA)
 _APPEND = _Script.of(APPEND_LUA)
@@ -250,7 +253,7 @@ class _Nodes:
                 raise IndexUnavailable(f"Redis index at {self.where}: ASK to unknown node {host}:{port}")
         return node.name, node
 
-    def execute(self, commands: Sequence[tuple[int, Sequence[Any]]], scripts: dict[bytes, str],
+    def execute(self, commands: Sequence[tuple[int, Sequence[Any] | _Transaction]], scripts: dict[bytes, str],
                 resent: set[int] | None = None) -> list[Any]:
         """Runs (slot, command) pairs, each where its slot is served, in one round trip per node (more if
         redirected); returns the replies in order (error replies raised, after redirects are followed).
@@ -287,20 +290,28 @@ class _Nodes:
                         for i in at:
                             if i in asked:
                                 packed.append(("ASKING",))
-                            packed.append(commands[i][1])
+                            command = commands[i][1]
+                            if isinstance(command, _Transaction):
+                                packed += [("MULTI",), *command.commands, ("EXEC",)]
+                            else:
+                                packed.append(command)
                         _send(conn, packed)
                         sent.append((name, conn, at))
                     if self.meanwhile is not None and self.meanwhile():
                         self.meanwhile = None
                     for _, conn, at in sent:
+                        sizes = [_size(commands[i][1]) for i in at]
                         if asked:
-                            for i in at:
+                            for i, size in zip(at, sizes):
                                 if i in asked:
                                     _read(conn)  # ASKING's OK
-                                replies[i] = _read(conn)
+                                replies[i] = _read(conn) if size == 1 else _exec_reply([_read(conn) for _ in range(size)])
                         else:
-                            for i, reply in zip(at, _read_many(conn, len(at)), strict=True):
-                                replies[i] = reply
+                            got = _read_many(conn, sum(sizes))
+                            p = 0
+                            for i, size in zip(at, sizes):
+                                replies[i] = got[p] if size == 1 else _exec_reply(got[p : p + size])
+                                p += size
                 except BaseException:
                     self.drop()
                     raise
@@ -309,7 +320,7 @@ class _Nodes:
                     reply = replies[i]
                     if isinstance(reply, NoScriptError):  # to the same node again (ASKING too, if asked)
                         self.redirects["NOSCRIPT"] += 1
-                        sha = commands[i][1][1]
+                        sha = cast(Sequence[Any], commands[i][1])[1]
                         self._load(sent_to[i][0], scripts[sha if isinstance(sha, bytes) else sha.encode()])
                         again.append(i)
                         continue
@@ -367,6 +378,24 @@ class _Nodes:
     def close(self) -> None:
         self.drop()
         self.client.close()
+
+
+@dataclass(frozen=True, slots=True)
+class _Transaction:
+    """Commands sent as one MULTI/EXEC (`_Nodes.execute`). Its reply is EXEC's list of replies, or None when
+    Redis refused the transaction (a key moved or a slot being migrated, out of memory: any command refused
+    when queued): then nothing of it ran, and nothing is sent again."""
+
+    commands: tuple[Sequence[Any], ...]
+
+
+def _size(command: Sequence[Any] | _Transaction) -> int:
+    """The replies a command takes: MULTI's, each command's (QUEUED) and EXEC's for a transaction."""
+    return len(command.commands) + 2 if isinstance(command, _Transaction) else 1
+
+
+def _exec_reply(replies: list[Any]) -> list[Any] | None:
+    return replies[-1] if isinstance(replies[-1], list) else None
 
 
 def _is_moved(reply: AskError) -> bool:
@@ -681,6 +710,10 @@ class SpreadIndex:
     def _slice_key(self, shard: int, s: int) -> str:
         return f"{{{self.tags[shard]}}}:s:{s}"
 
+    def _held_key(self, shard: int, s: int) -> str:
+        """Where spread_append.lua holds a slice while it blocks writes there (within one transaction)."""
+        return f"{{{self.tags[shard]}}}:held:{s}"
+
     def _slices(self, low_mark: float, high_mark: float) -> tuple[int, ...]:
         if not math.isfinite(high_mark):
             return ()
@@ -874,7 +907,7 @@ class SpreadIndex:
                 reads.append(i)
             else:
                 homes.setdefault(op.shard, []).append(i)
-        commands: list[tuple[int, Sequence[Any]]] = []
+        commands: list[tuple[int, Sequence[Any] | _Transaction]] = []
         takes: list[tuple[str, list[int]]] = []  # per command: what it answers
         for shard, at in homes.items():
             commands.append((self._slots[shard], self._home_call(shard, [ops[i] for i in at])))
@@ -991,7 +1024,7 @@ class _ClaimPlan:
             else:
                 old, fresh = list(op.fields), []
             self.calls.setdefault(op.shard, {}).setdefault(target, []).append((i, record, check, old, fresh))
-        self.commands: list[tuple[int, Sequence[Any]]] = []
+        self.commands: list[tuple[int, Sequence[Any] | _Transaction]] = []
         self.order: list[tuple[int, list[int]]] = []  # per command: its shard (-1: spread_claim.lua), its claims
         for shard, sections in self.calls.items():
             marks = [view.slice_marks.get((shard, s)) for s in slices]
@@ -1009,16 +1042,16 @@ class _ClaimPlan:
         return lo, [self.index._slice_key(shard, s) for s in range(lo, hi + 1)]
 
     def _append(self, shard: int, sections: dict[int, list[tuple[int, bytes, bool, list[bytes], list[bytes]]]],
-                marks: list[int]) -> tuple[Any, ...]:
-        """spread_append.lua's call: the values the records make of what the lookup read (as spread_claim.lua
-        makes them: a record's seq is above its field's last, the field trimmed to `bucket_cap` records once
-        it holds twice as many)."""
+                marks: list[int]) -> _Transaction:
+        """spread_append.lua's transaction: its gate, an HSET per slice written to of the values the records
+        make of what the lookup read (as spread_claim.lua makes them: a record's seq is above its field's
+        last, the field trimmed to `bucket_cap` records once it holds twice as many), its release."""
         index, view = self.index, self.index._view
         at, columns, slices = view.at, view.columns, view.slices
         cap = index.bucket_cap
         lo, keys = self._keys(shard, sections)
-        layout: list[bytes] = []
-        pairs: list[bytes] = []
+        keys += [index._held_key(shard, s) for s in range(lo, lo + len(keys))]
+        writes: list[Sequence[Any]] = []
         for target, entries in sections.items():
             column = columns[slices.index(target)]
             values: dict[bytes, bytes] = {}
@@ -1034,11 +1067,13 @@ class _ClaimPlan:
                     last = SEQ.unpack_from(v, len(v) - 8)[0]
                     r = record if last < seq else record[:-8] + SEQ.pack(last + 1)
                     values[f] = (trim_records(v, cap) if len(v) > 2 * cap * len(r) else v) + r
-            layout.append(_SECTION.pack(target, len(values)))
-            for f, v in values.items():
-                pairs += (f, v)
-        return ("EVALSHA", _APPEND.sha, len(keys), *keys, index._ttl_ms, lo, len(slices), *slices, *marks,
-                b"".join(layout), *pairs)
+            writes.append(("HSET", index._slice_key(shard, target), *(x for pair in values.items() for x in pair)))
+        targets = list(sections)
+        return _Transaction((
+            ("EVAL", _APPEND.source, len(keys), *keys, 1, index._ttl_ms, lo, len(slices), *slices, *marks, len(targets),
+             *targets),
+            *writes,
+            ("EVALSHA", _APPEND.sha, len(keys), *keys, 2, lo, len(targets), *targets)))
 
     def _claim(self, shard: int, sections: dict[int, list[tuple[int, bytes, bool, list[bytes], list[bytes]]]]
                ) -> tuple[Any, ...]:
@@ -1065,16 +1100,17 @@ class _ClaimPlan:
         return ("EVALSHA", _CLAIM.sha, len(keys), *keys, index.bucket_cap, index._ttl_ms, lo, len(slices), *slices,
                 *marks, b"".join(seen), b"".join(layout), *records)
 
-    def results(self, replies: Sequence[Any]) -> tuple[dict[int, int], list[tuple[int, Sequence[Any]]], list[list[int]]]:
+    def results(self, replies: Sequence[Any]
+                ) -> tuple[dict[int, int], list[tuple[int, Sequence[Any] | _Transaction]], list[list[int]]]:
         """Each claim's reply (CLAIM_SAME or CLAIM_CHANGED) but those of the shards whose spread_append.lua
         found a mark moved: their spread_claim.lua calls (to send), and the claims each answers."""
         out: dict[int, int] = {}
-        again: list[tuple[int, Sequence[Any]]] = []
+        again: list[tuple[int, Sequence[Any] | _Transaction]] = []
         answers: list[list[int]] = []
         for (shard, claims), reply in zip(self.order, replies, strict=True):
             if shard < 0:
                 out.update(self.answer(claims, reply))
-            elif reply == 1:
+            elif _appended(reply):
                 out.update((i, cl.CLAIM_SAME) for i in claims)
             else:
                 again.append((self.index._slots[shard], self._claim(shard, self.calls[shard])))
@@ -1086,6 +1122,18 @@ class _ClaimPlan:
         """The claims of a spread_claim.lua call, by its reply."""
         return {i: cl.CLAIM_SAME if result == cl.CLAIM_SAME else cl.CLAIM_CHANGED
                 for i, result in zip(claims, reply, strict=True)}
+
+
+def _appended(reply: list[Any] | None) -> bool:
+    """Whether a transaction of spread_append.lua wrote (its gate found every mark the lookup read): False if
+    Redis refused it or the gate blocked its writes (nothing written)."""
+    if reply is None:
+        return False
+    gate, *writes, release = reply  # the writes fail (WRONGTYPE) when the gate blocked them
+    if isinstance(gate, Exception) or isinstance(release, Exception) or (
+            gate == 1 and any(isinstance(r, Exception) for r in writes)):
+        raise IndexCorrupt(f"spread_append.lua's transaction failed: {[r for r in reply if isinstance(r, Exception)]}")
+    return bool(gate == 1)
 
 
 def _home_reply(reply: Any) -> cl.Home:
