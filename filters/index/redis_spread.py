@@ -110,10 +110,7 @@ _REDIRECTS = 16  # MOVED/ASK hops a command may take in one round before the rou
 _TRY_AGAIN = 0.02  # seconds before a TRYAGAIN is sent again (a slot being migrated), up to 2 s in all
 
 CLAIM_LUA = _lua("trim.lua", "spread_claim.lua")
-# EVAL'd with its source in every append transaction (so that it is never missing from a node's script cache):
-# without its comment lines, which Redis would hash with the rest on every call.
-APPEND_LUA = "\n".join(line for line in _lua("spread_append.lua").splitlines()
-                       if line.strip() and not line.lstrip().startswith("--"))
+APPEND_LUA = _lua("spread_append.lua")
 HOME_LUA = _lua("spread_home.lua")
 _CLAIM = _Script.of(CLAIM_LUA)
 _APPEND = _Script.of(APPEND_LUA)
@@ -318,6 +315,13 @@ class _Nodes:
                 again, moved, retry = [], False, False
                 for i in todo:
                     reply = replies[i]
+                    command = commands[i][1]
+                    if isinstance(command, _Transaction) and isinstance(reply, list):
+                        for c, r in zip(command.commands, reply, strict=True):
+                            if isinstance(r, NoScriptError):  # its gate wrote nothing: loaded for the next one
+                                self.redirects["NOSCRIPT"] += 1
+                                self._load(sent_to[i][0], scripts[c[1] if isinstance(c[1], bytes) else c[1].encode()])
+                        continue
                     if isinstance(reply, NoScriptError):  # to the same node again (ASKING too, if asked)
                         self.redirects["NOSCRIPT"] += 1
                         sha = cast(Sequence[Any], commands[i][1])[1]
@@ -1043,9 +1047,10 @@ class _ClaimPlan:
 
     def _append(self, shard: int, sections: dict[int, list[tuple[int, bytes, bool, list[bytes], list[bytes]]]],
                 marks: list[int]) -> _Transaction:
-        """spread_append.lua's transaction: its gate, an HSET per slice written to of the values the records
-        make of what the lookup read (as spread_claim.lua makes them: a record's seq is above its field's
-        last, the field trimmed to `bucket_cap` records once it holds twice as many), its release."""
+        """spread_append.lua's transaction (see the script): the slices written to blocked, the script (the gate:
+        it unblocks them if no mark moved), an HSET per slice written to of the values the records make of what
+        the lookup read (as spread_claim.lua makes them: a record's seq is above its field's last, the field
+        trimmed to `bucket_cap` records once it holds twice as many), the slices still blocked put back."""
         index, view = self.index, self.index._view
         at, columns, slices = view.at, view.columns, view.slices
         cap = index.bucket_cap
@@ -1068,12 +1073,13 @@ class _ClaimPlan:
                     r = record if last < seq else record[:-8] + SEQ.pack(last + 1)
                     values[f] = (trim_records(v, cap) if len(v) > 2 * cap * len(r) else v) + r
             writes.append(("HSET", index._slice_key(shard, target), *(x for pair in values.items() for x in pair)))
-        targets = list(sections)
+        held = [(index._slice_key(shard, s), index._held_key(shard, s)) for s in sections]
         return _Transaction((
-            ("EVAL", _APPEND.source, len(keys), *keys, 1, index._ttl_ms, lo, len(slices), *slices, *marks, len(targets),
-             *targets),
+            *(c for key, aside in held for c in (("RENAME", key, aside), ("SET", key, "blocked"))),
+            ("EVALSHA", _APPEND.sha, len(keys), *keys, index._ttl_ms, lo, len(slices), *slices, *marks, len(held),
+             *sections),
             *writes,
-            ("EVALSHA", _APPEND.sha, len(keys), *keys, 2, lo, len(targets), *targets)))
+            *(c for key, aside in held for c in (("GETDEL", key), ("RENAMENX", aside, key)))))
 
     def _claim(self, shard: int, sections: dict[int, list[tuple[int, bytes, bool, list[bytes], list[bytes]]]]
                ) -> tuple[Any, ...]:
@@ -1110,7 +1116,7 @@ class _ClaimPlan:
         for (shard, claims), reply in zip(self.order, replies, strict=True):
             if shard < 0:
                 out.update(self.answer(claims, reply))
-            elif _appended(reply):
+            elif _appended(reply, len(self.calls[shard])):
                 out.update((i, cl.CLAIM_SAME) for i in claims)
             else:
                 again.append((self.index._slots[shard], self._claim(shard, self.calls[shard])))
@@ -1124,15 +1130,16 @@ class _ClaimPlan:
                 for i, result in zip(claims, reply, strict=True)}
 
 
-def _appended(reply: list[Any] | None) -> bool:
-    """Whether a transaction of spread_append.lua wrote (its gate found every mark the lookup read): False if
-    Redis refused it or the gate blocked its writes (nothing written)."""
+def _appended(reply: list[Any] | None, slices: int) -> bool:
+    """Whether a transaction of spread_append.lua writing to `slices` slices wrote (its gate found every mark
+    the lookup read): False if Redis refused it, or the gate did not let its HSETs write (nothing written).
+    The commands around the gate fail as they may (a RENAME of a slice that is not there, a GETDEL of a slice
+    that is a hash again); the HSETs fail only if blocked."""
     if reply is None:
         return False
-    gate, *writes, release = reply  # the writes fail (WRONGTYPE) when the gate blocked them
-    if isinstance(gate, Exception) or isinstance(release, Exception) or (
-            gate == 1 and any(isinstance(r, Exception) for r in writes)):
-        raise IndexCorrupt(f"spread_append.lua's transaction failed: {[r for r in reply if isinstance(r, Exception)]}")
+    gate, writes = reply[2 * slices], reply[2 * slices + 1 : 3 * slices + 1]
+    if gate == 1 and any(isinstance(r, Exception) for r in writes):
+        raise IndexCorrupt(f"spread_append.lua's writes failed: {[r for r in writes if isinstance(r, Exception)]}")
     return bool(gate == 1)
 
 
