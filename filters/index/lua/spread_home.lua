@@ -32,7 +32,8 @@ local size = #layout
 local CREATE, NOTE, COMMIT, POLL, REFRESH, ABORT, PUT, MEMO = 1, 2, 3, 4, 5, 6, 7, 8
 local PER_CALL = FIELDS_PER_CALL
 local unpack_, sub, byte = struct.unpack, string.sub, string.byte
-local _  -- what struct.unpack returns that a pass does not need
+local OP = 15  -- the bytes of an op's numbers (read with string.byte where they are bytes: struct.unpack
+               -- parses its format at every call)
 -- How many notes a claim's state holds (each: its event time, a length and that many bytes).
 local function notes_in(notes)
   local count, p = 0, 1
@@ -82,8 +83,8 @@ local creating, committing = true, true
 do
   local ids, i, at = {}, 7, 1
   while at <= size do
-    local code
-    code, _, _, _, at = unpack_('<BHdI4', layout, at)
+    local code = byte(layout, at)
+    at = at + OP
     if code == CREATE or code == COMMIT then
       local id = ARGV[i]
       if ids[id] then creating, committing = false, false else ids[id] = true end
@@ -103,8 +104,9 @@ if creating then
   local fields, count, own = {}, 0, {}
   local i, at = 7, 1
   while at <= size do
-    local code, k
-    code, k, _, _, at = unpack_('<BHdI4', layout, at)
+    local code, k1, k2 = byte(layout, at, at + 2)
+    local k = k1 + 256 * k2
+    at = at + OP
     if code == CREATE then
       local id = ARGV[i]
       fields[count + 1], fields[count + 2] = 'e' .. id, 'c' .. id
@@ -124,8 +126,9 @@ if creating then
   local p = 1  -- the place of the create's entry field in `fields`
   i, at = 7, 1
   while at <= size do
-    local code, k
-    code, k, _, _, at = unpack_('<BHdI4', layout, at)
+    local code, k1, k2 = byte(layout, at, at + 2)
+    local k = k1 + 256 * k2
+    at = at + OP
     local arg = ARGV[i + 1]
     local w = writes[k]
     if not w then w = {}; writes[k] = w end
@@ -183,11 +186,11 @@ if committing then
   local fields, count, keys = {}, 0, {}
   local i, at = 7, 1
   while at <= size do
-    local k
-    _, k, _, _, at = unpack_('<BHdI4', layout, at)
+    local k1, k2 = byte(layout, at + 1, at + 2)
+    at = at + OP
     count = count + 1
     fields[count] = 'c' .. ARGV[i]
-    keys[k] = true
+    keys[k1 + 256 * k2] = true
     i = i + 1
   end
   local got = {}
@@ -213,8 +216,10 @@ if committing then
   end
   i, at = 7, 1
   for o = 1, count do
-    local k, ts, seen
-    _, k, ts, seen, at = unpack_('<BHdI4', layout, at)
+    local k1, k2 = byte(layout, at + 1, at + 2)
+    local k = k1 + 256 * k2
+    local ts, seen = unpack_('<dI4', layout, at + 3)
+    at = at + OP
     local c = got[k][o]
     if c and byte(c) ~= 80 then
       decide(o, k, ts, seen, c)
