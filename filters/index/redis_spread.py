@@ -19,9 +19,9 @@ candidates, pending ones are claims the protocol must resolve; entries known com
 
 Inserting is the claim protocol (`filters.index.claims`): the `Resolver` says what to ask each shard, this
 module asks it (`_round`: the home ops of a shard, and the insert's memos there, in one call of
-`spread_home.lua`, its claims in one call
-of `spread_append.lua` when no slice's mark moved since the lookup, else of `spread_claim.lua` (`_ClaimPlan`),
-reads as HMGETs), in one round trip per round (two when a mark moved).
+`spread_home.lua`, its claims in one MULTI/EXEC of plain HSETs gated by `spread_append.lua` when no slice's
+mark moved since the lookup, else in one call of `spread_claim.lua` (`_ClaimPlan`), reads as HMGETs), in one
+round trip per round (two when a mark moved).
 
 Redirects. A reply MOVED (the slot has a new owner: failover, resharding), ASK (the slot is being migrated
 and the keys are on the target) or TRYAGAIN (a script's keys are split between the two) means the command
@@ -715,7 +715,7 @@ class SpreadIndex:
         return f"{{{self.tags[shard]}}}:s:{s}"
 
     def _held_key(self, shard: int, s: int) -> str:
-        """Where spread_append.lua holds a slice while it blocks writes there (within one transaction)."""
+        """Where spread_append.lua's transaction holds a slice while it blocks writes there (never outside it)."""
         return f"{{{self.tags[shard]}}}:held:{s}"
 
     def _slices(self, low_mark: float, high_mark: float) -> tuple[int, ...]:
@@ -894,8 +894,8 @@ class SpreadIndex:
 
     def _ops(self, ops: Sequence[cl.Op]) -> list[Any]:
         """Runs a round's ops in one round trip per node: per shard, its home ops and the insert's memos still to
-        write in one call of spread_home.lua, its claims in one call of spread_append.lua or spread_claim.lua
-        (`_ClaimPlan`), its reads as HMGETs. Returns the replies in the order of `ops`."""
+        write in one call of spread_home.lua, its claims in one transaction gated by spread_append.lua or one
+        call of spread_claim.lua (`_ClaimPlan`), its reads as HMGETs. Returns the replies in the order of `ops`."""
         homes: dict[int, list[int]] = {}
         claims: list[int] = []
         reads: list[int] = []
@@ -997,9 +997,10 @@ class _ClaimPlan:
     compared with what its lookup saw of its fields (the values, and each slice's mark), unless it has
     nothing to compare with (not looked up, a field the lookup did not read, a second attempt): then it
     changed. When every claim of a shard is compared and its lookup read the slice it writes to, the
-    values its records make are computed here and written by spread_append.lua if no mark moved since
-    the lookup (`fast`); else (a mark moved: others wrote there meanwhile), and for the other shards,
-    spread_claim.lua appends the records and compares field by field."""
+    values its records make are computed here and written as plain HSETs in a transaction that
+    spread_append.lua lets write if no mark moved since the lookup (`fast`); else (a mark moved: others
+    wrote there meanwhile), and for the other shards, spread_claim.lua appends the records and compares
+    field by field."""
 
     def __init__(self, index: SpreadIndex, claims: Sequence[tuple[int, cl.Claim]], fast: bool) -> None:
         self.index = index
