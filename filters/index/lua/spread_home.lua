@@ -20,7 +20,7 @@
 -- event time: a home holding another one is gone for them. Returns one flat list, per op in order: three
 -- values, its state ('C', 'P' or 'G'), the entry ('' if not asked for) and the notes; a put one, 1 (written)
 -- or 0 (the id was there already); a memo one, 1. (Flat: Redis converts each table of a script's reply
--- with several lookups; a table per op cost more than the op.)
+-- with several lookups of its own; one table a call is converted once.)
 -- The commonest calls, the creates of a round with the memos of its insert and the commits of a round (of
 -- distinct ids), each take a short way: one pass to tell them, one to name the fields, one to decide, few
 -- tables (a table that grows is rehashed at each doubling). Others take the general way (the same outcomes).
