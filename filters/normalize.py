@@ -321,17 +321,10 @@ class Normalizer:
         self._steps_unpatterned = [(name, twins.get(name, step)) for name, step in self._steps]
         fusable = _fusable(self.options)
         self._core = None
-        self._spaced: Callable[[str], list[tuple[int, int]]] | None = None
-        self._numbers: Callable[[str, bool, frozenset[str]], str] | None = None
-        self._url_spans: tuple[Spans, Spans, Spans] | None = None
         if fusable and _native is not None and native is not False:
             o = self.options
             self._core = _native.NormalizeStages(_stage1(o), o.leet, o.pinyin, charmaps.PINYIN_CODES, charmaps.PINYIN_BASE,
-                                                 _BEFORE_NFKC_MAP)
-            self._spaced = _native.spaced_runs
-            self._numbers = _native.numbers_or_leet
-            domain_spans = _native.domain_spans
-            self._url_spans = (_native.scheme_url_spans, _native.email_spans, lambda t: domain_spans(t, _TLD_WORDS))
+                                                 _BEFORE_NFKC_MAP, o.mask_urls, o.mask_numbers, _UNITS, _TLD_WORDS)
         # The numpy tables take ≈ 0.3 s to build: only without the compiled stages.
         self._stages = _stages(self.options) if fusable and self._core is None else None
 
@@ -407,7 +400,7 @@ class Normalizer:
                 if o.nfkc:
                     joined = core.keep_look(joined)
                 joined = unicodedata.normalize("NFKD" if o.nfkc else "NFD", joined)
-            done, latin_next_to_pinyin = core.words(self._words_stage(core.chars(joined)))
+            done, latin_next_to_pinyin = core.texts(joined)  # stage 1, the word stage and stage 3, text by text
             for k in latin_next_to_pinyin:
                 done[k] = self._latin_pinyin(done[k])
             for i, s in zip(group, done, strict=True):
@@ -459,13 +452,10 @@ class Normalizer:
         """mask_urls, then leet and mask_numbers as far as they need context (patterns)."""
         o = self.options
         if o.mask_urls:
-            text = self._mask_urls(text, self._url_spans)
+            text = self._mask_urls(text)
         if o.leet:
-            text = _leet_symbols(text, self._spaced)
-            if self._numbers is not None:
-                text = self._numbers(text, o.mask_numbers, _UNITS)
-            else:
-                text = _number_or_leet().sub(_leet_or_mask if o.mask_numbers else _leet_or_keep, text)
+            text = _leet_symbols(text)
+            text = _number_or_leet().sub(_leet_or_mask if o.mask_numbers else _leet_or_keep, text)
         elif o.mask_numbers:
             text = _NUMBER.sub(NUMBER_MARK, text)
         return text
