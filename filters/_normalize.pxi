@@ -1,13 +1,17 @@
-# The compiled per-character stages of normalization (included by filters/_native.pyx), as the reference
-# `Normalizer.normalize_batch` in filters/normalize.py computes them with numpy lookup tables: stage 1
-# (every per-character step up to casefold) and stage 3 (separators out, l → i, Han → pinyin codes, the
-# texts whose Latin letters touch a pinyin code), and the places where the `_SPACED` pattern matches.
+# The compiled stages of normalization (included by filters/_native.pyx), as the reference
+# `Normalizer.normalize_batch` in filters/normalize.py computes them with numpy lookup tables and patterns: stage 1
+# (every per-character step up to casefold), the word stage (`Normalizer._words_stage`: URLs, e-mails and bare
+# domains masked, spaced-out text joined, `!@$` read as letters, numbers masked or read as leet, each scan the twin
+# of its pattern) and stage 3 (separators out, l → i, Han → pinyin codes, the texts whose Latin letters touch a
+# pinyin code). `NormalizeStages.texts` runs them all text by text on code points (`_text`).
 #
 # Why: the reference builds its tables for all 1.1M code points when the first Normalizer is made
 # (≈ 0.3 s of every process's start) and runs each stage as several numpy passes with UTF-32 copies.
 # Here stage 1 asks the reference's own per-character function (`normalize._stage1`) once per code point
 # met and remembers the answer in pages of 256; stage 3 needs no table: `\w` is `Py_UNICODE_ISALNUM`
-# (what the `re` module tests), and the pinyin codes come from `charmaps.PINYIN_CODES`.
+# (what the `re` module tests), and the pinyin codes come from `charmaps.PINYIN_CODES`. The word stage's scans
+# ran once each over the joined batch, a str each between them (of 4 bytes a character once a mask was in):
+# text by text, its code points stay in the cache from the first stage to the last.
 
 cdef extern from "Python.h":
     int PyUnicode_KIND(object o)
@@ -33,6 +37,11 @@ cdef Py_ssize_t STAGE_PAGES = 0x110000 >> 8
 cdef struct NlUnits:  # normalize._UNIT's words, each packed a byte a character (`unit_keys`), sorted
     const uint64_t *keys
     Py_ssize_t count, longest
+
+
+cdef cppclass TextBuffers:  # what the stages of one text write to (`_text`): its code points twice, spans
+    vector[uint32_t] a, b
+    vector[Py_ssize_t] spans
 
 
 ctypedef fused ucs_t:  # the three widths of a str's characters (PEP 393)
@@ -85,6 +94,7 @@ cdef class NormalizeStages:
     # was mapped, faulted in page by page and unmapped again. `lent` while a stage writes to it: a stage
     # called meanwhile (from `stage1`, which is Python) writes to one of its own.
     cdef vector[uint32_t] buffer
+    cdef TextBuffers text_buffers  # `texts`' and `each`'s, kept as `buffer` is
     cdef bint lent
     cdef object stage1  # cp → its stage-1 string (normalize._stage1 for these options)
     cdef list multi
@@ -208,21 +218,57 @@ cdef class NormalizeStages:
 
 
     def texts(self, str joined):
-        """`words(<the word stage of> chars(joined))` as `Normalizer._compiled` had it, with the word stage
-        (`Normalizer._words_stage`: URLs and e-mails masked, spaced-out text joined, `!@$` read as letters,
-        numbers masked or read as leet) compiled in between: one call for the batch, whose passes each run
-        over one text (which stays in the cache) on its code points, with no str made between them."""
+        """`words(<the word stage of> chars(joined))`, with the word stage (`Normalizer._words_stage`: URLs and
+        e-mails masked, spaced-out text joined, `!@$` read as letters, numbers masked or read as leet) compiled in
+        between: one call for the batch, whose passes each run over one text (which stays in the cache) on its
+        code points, with no str made between them. (the texts, the indexes of those whose Latin letters touch a
+        pinyin code), as `words` gives them."""
         cdef int kind = PyUnicode_KIND(joined)
         cdef void *data = PyUnicode_DATA(joined)
         cdef Py_ssize_t n = PyUnicode_GET_LENGTH(joined)
         cdef list texts = [], latin_next_to_pinyin = []
-        if kind == 1:
-            _texts(self, <const uint8_t *>data, n, texts, latin_next_to_pinyin)
-        elif kind == 2:
-            _texts(self, <const uint16_t *>data, n, texts, latin_next_to_pinyin)
-        else:
-            _texts(self, <const uint32_t *>data, n, texts, latin_next_to_pinyin)
+        cdef TextBuffers own
+        cdef TextBuffers *buffers = &own if self.lent else &self.text_buffers
+        cdef bint lending = buffers == &self.text_buffers
+        self.lent = True
+        try:
+            if kind == 1:
+                _texts(self, <const uint8_t *>data, n, deref(buffers), texts, latin_next_to_pinyin)
+            elif kind == 2:
+                _texts(self, <const uint16_t *>data, n, deref(buffers), texts, latin_next_to_pinyin)
+            else:
+                _texts(self, <const uint32_t *>data, n, deref(buffers), texts, latin_next_to_pinyin)
+        finally:
+            if lending:
+                self.lent = False
         return texts, latin_next_to_pinyin
+
+    def each(self, list texts):
+        """`texts` of the texts joined (none of them holding the joiner), without joining them: for texts that
+        need no decomposition first (ASCII)."""
+        cdef list done = [], latin_next_to_pinyin = []
+        cdef TextBuffers own
+        cdef TextBuffers *buffers = &own if self.lent else &self.text_buffers
+        cdef bint lending = buffers == &self.text_buffers
+        cdef Py_ssize_t i
+        cdef str text
+        self.lent = True
+        try:
+            for i in range(len(texts)):
+                text = texts[i]
+                if PyUnicode_KIND(text) == 1:
+                    _one(self, <const uint8_t *>PyUnicode_DATA(text), PyUnicode_GET_LENGTH(text), deref(buffers), done,
+                         latin_next_to_pinyin, i)
+                elif PyUnicode_KIND(text) == 2:
+                    _one(self, <const uint16_t *>PyUnicode_DATA(text), PyUnicode_GET_LENGTH(text), deref(buffers), done,
+                         latin_next_to_pinyin, i)
+                else:
+                    _one(self, <const uint32_t *>PyUnicode_DATA(text), PyUnicode_GET_LENGTH(text), deref(buffers), done,
+                         latin_next_to_pinyin, i)
+        finally:
+            if lending:
+                self.lent = False
+        return done, latin_next_to_pinyin
 
     def words(self, str joined):
         """Stage 3 of a joined batch (`Normalizer._words_batch`), split into its texts: (the texts, the
@@ -402,22 +448,29 @@ cdef inline bint seen(uint64_t low, uint32_t c) noexcept nogil:
     return (low >> (c - 0x20)) & 1
 
 
-cdef int _texts(NormalizeStages self, const ucs_t *data, Py_ssize_t n, list texts, list latin_next_to_pinyin) except -1:
-    cdef vector[uint32_t] a, b
-    cdef vector[Py_ssize_t] spans
-    cdef Py_ssize_t start = 0, end, size, text = 0
-    cdef uint32_t bits
-    cdef bint touching
+cdef int _texts(NormalizeStages self, const ucs_t *data, Py_ssize_t n, TextBuffers &buffers, list texts,
+                list latin_next_to_pinyin) except -1:
+    cdef Py_ssize_t start = 0, end, text = 0
     while start <= n:
         end = start
         while end < n and data[end] != NORM_JOIN:
             end += 1
-        size = _text(self, data + start, end - start, a, b, spans, &bits, &touching)
-        texts.append(ucs4_str(a, 0, size, bits))
-        if touching:
-            latin_next_to_pinyin.append(text)
+        _one(self, data + start, end - start, buffers, texts, latin_next_to_pinyin, text)
         text += 1
         start = end + 1
+    return 0
+
+
+cdef int _one(NormalizeStages self, const ucs_t *data, Py_ssize_t n, TextBuffers &buffers, list texts,
+              list latin_next_to_pinyin, Py_ssize_t index) except -1:
+    """The stages of one text, appended to `texts` (and `index` to `latin_next_to_pinyin` when its Latin letters
+    touch a pinyin code)."""
+    cdef uint32_t bits
+    cdef bint touching
+    cdef Py_ssize_t size = _text(self, data, n, buffers.a, buffers.b, buffers.spans, &bits, &touching)
+    texts.append(ucs4_str(buffers.a, 0, size, bits))
+    if touching:
+        latin_next_to_pinyin.append(index)
     return 0
 
 

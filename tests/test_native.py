@@ -786,7 +786,7 @@ def test_compiled_stages_map_every_code_point_as_the_tables() -> None:
 @settings(max_examples=300, deadline=None)
 @given(text=st.text(alphabet=st.sampled_from([*" \n\x1eab1@$!_.z9", "é", "\u3000", "😀"]), max_size=40))
 def test_spaced_runs_are_where_the_pattern_matches(text: str) -> None:
-    assert _native.spaced_runs(text) == [(m.start() - 1, m.end() - 1) for m in _SPACED.finditer(" " + text)]
+    assert _native.spaced_runs(text) == [(m.start() - 1, m.end() - 1) for m in _SPACED().finditer(" " + text)]
 
 
 # What the number/leet pattern looks at: digits (look-alike or not), letters and units, the separators between
@@ -814,9 +814,9 @@ def test_url_and_email_spans_are_where_the_patterns_match(text: str) -> None:
     """The compiled scans of `_SCHEME_URL`, `_EMAIL` and `_BARE_DOMAIN`: schemes with and without something after
     them, any whitespace ending one (Unicode's, the batch joiner), addresses back to back, local parts shared by
     two @, domains whose last labels are no TLD (backing off a label), TLDs inside words, paths."""
-    assert _native.scheme_url_spans(text) == [m.span() for m in _SCHEME_URL.finditer(text)]
-    assert _native.email_spans(text) == [m.span() for m in _EMAIL.finditer(text)]
-    assert _native.domain_spans(text, _TLD_WORDS) == [m.span() for m in _BARE_DOMAIN.finditer(text)]
+    assert _native.scheme_url_spans(text) == [m.span() for m in _SCHEME_URL().finditer(text)]
+    assert _native.email_spans(text) == [m.span() for m in _EMAIL().finditer(text)]
+    assert _native.domain_spans(text, _TLD_WORDS) == [m.span() for m in _BARE_DOMAIN().finditer(text)]
 
 
 def test_normalization_matches_the_reference_on_the_sample() -> None:
