@@ -3,12 +3,13 @@
 # (every per-character step up to casefold), the word stage (`Normalizer._words_stage`: URLs, e-mails and bare
 # domains masked, spaced-out text joined, `!@$` read as letters, numbers masked or read as leet, each scan the twin
 # of its pattern) and stage 3 (separators out, l → i, Han → pinyin codes, the texts whose Latin letters touch a
-# pinyin code). `NormalizeStages.texts` runs them all text by text on code points (`_text`).
+# pinyin code). `NormalizeStages.each` runs them all text by text on code points (`_text`).
 #
 # Why: the reference builds its tables for all 1.1M code points when the first Normalizer is made
 # (≈ 0.3 s of every process's start) and runs each stage as several numpy passes with UTF-32 copies.
-# Here stage 1 asks the reference's own per-character function (`normalize._stage1`) once per code point
-# met and remembers the answer in pages of 256; stage 3 needs no table: `\w` is `Py_UNICODE_ISALNUM`
+# Here stage 1 asks the reference's own per-character function (`normalize._decomposed`: the decomposition and
+# stage 1, which acts on a text character by character) once per code point met and remembers the answer in pages
+# of 256; stage 3 needs no table: `\w` is `Py_UNICODE_ISALNUM`
 # (what the `re` module tests), and the pinyin codes come from `charmaps.PINYIN_CODES`. The word stage's scans
 # ran once each over the joined batch, a str each between them (of 4 bytes a character once a mask was in):
 # text by text, its code points stay in the cache from the first stage to the last.
@@ -87,16 +88,14 @@ cdef class NormalizeStages:
 
     cdef int32_t *pages[0x1100]
     cdef uint8_t *word_pages[0x1100]  # 1 where `\w` matches, 2 where not, 0 not asked yet
-    cdef vector[uint32_t] before_from, before_to  # charmaps.BEFORE_NFKC_FROM/TO, sorted by the first
-    cdef uint8_t before_pages[0x1100]  # 1 for each page of 256 code points holding one of before_from
     cdef uint8_t ascii_words[0x80]  # stage 3 of an ASCII character: itself, i for l (leet), 0 for a separator
     # The stages' output, kept from batch to batch: a new one each time (a batch is ≈ 0.5-2 MB of code points)
     # was mapped, faulted in page by page and unmapped again. `lent` while a stage writes to it: a stage
     # called meanwhile (from `stage1`, which is Python) writes to one of its own.
     cdef vector[uint32_t] buffer
-    cdef TextBuffers text_buffers  # `texts`' and `each`'s, kept as `buffer` is
+    cdef TextBuffers text_buffers  # `each`'s, kept as `buffer` is
     cdef bint lent
-    cdef object stage1  # cp → its stage-1 string (normalize._stage1 for these options)
+    cdef object stage1  # cp → its stage-1 string (normalize._decomposed for these options)
     cdef list multi
     cdef bint leet, pinyin, mask_urls, mask_numbers
     cdef vector[uint32_t] pinyin_codes  # charmaps.PINYIN_CODES as code points, 0 where none
@@ -105,8 +104,7 @@ cdef class NormalizeStages:
     cdef NlUnits nl_units
     cdef bytes tlds  # normalize._TLD_WORDS in order, each ended by a NUL (`domain_spans`)
 
-    def __init__(self, stage1, bint leet, bint pinyin, str pinyin_codes, int pinyin_base, dict before_nfkc,
-                 bint mask_urls=False, bint mask_numbers=False, frozenset units=frozenset(), tuple tlds=()):
+    def __init__(self, stage1, bint leet, bint pinyin, str pinyin_codes, int pinyin_base, bint mask_urls=False, bint mask_numbers=False, frozenset units=frozenset(), tuple tlds=()):
         """`mask_urls`, `mask_numbers`, `units` (normalize._UNITS) and `tlds` (normalize._TLD_WORDS): what
         `texts` needs of the word stage besides `leet`."""
         self.stage1 = stage1
@@ -125,10 +123,6 @@ cdef class NormalizeStages:
                 self.ascii_words[c] = 0x69 if c == 0x6C and leet else c
         for ch in pinyin_codes:
             self.pinyin_codes.push_back(ord(ch))
-        for ch in sorted(before_nfkc):
-            self.before_from.push_back(ord(ch))
-            self.before_to.push_back(ord(before_nfkc[ch]))
-            self.before_pages[ord(ch) >> 8] = 1
 
     def __dealloc__(self):
         cdef Py_ssize_t i
@@ -178,19 +172,6 @@ cdef class NormalizeStages:
         page[cp & 0xFF] = v
         return v
 
-    def keep_look(self, str text):
-        """`normalize._keep_look(text)`: the characters NFKC would make something they do not look like,
-        mapped first (the same string when there are none)."""
-        cdef int kind = PyUnicode_KIND(text)
-        cdef void *data = PyUnicode_DATA(text)
-        cdef Py_ssize_t n = PyUnicode_GET_LENGTH(text)
-        if kind == 1:
-            return text  # all of them are above U+03F1
-        if kind == 2:
-            return _keep_look(self, text, <const uint16_t *>data, n)
-        return _keep_look(self, text, <const uint32_t *>data, n)
-
-
     def chars(self, str joined):
         """Stage 1 of a joined batch already decomposed (`Normalizer._chars_batch` after NFKD/NFD)."""
         cdef int kind = PyUnicode_KIND(joined)
@@ -217,35 +198,12 @@ cdef class NormalizeStages:
                 self.lent = False
 
 
-    def texts(self, str joined):
-        """`words(<the word stage of> chars(joined))`, with the word stage (`Normalizer._words_stage`: URLs and
-        e-mails masked, spaced-out text joined, `!@$` read as letters, numbers masked or read as leet) compiled in
-        between: one call for the batch, whose passes each run over one text (which stays in the cache) on its
-        code points, with no str made between them. (the texts, the indexes of those whose Latin letters touch a
-        pinyin code), as `words` gives them."""
-        cdef int kind = PyUnicode_KIND(joined)
-        cdef void *data = PyUnicode_DATA(joined)
-        cdef Py_ssize_t n = PyUnicode_GET_LENGTH(joined)
-        cdef list texts = [], latin_next_to_pinyin = []
-        cdef TextBuffers own
-        cdef TextBuffers *buffers = &own if self.lent else &self.text_buffers
-        cdef bint lending = buffers == &self.text_buffers
-        self.lent = True
-        try:
-            if kind == 1:
-                _texts(self, <const uint8_t *>data, n, deref(buffers), texts, latin_next_to_pinyin)
-            elif kind == 2:
-                _texts(self, <const uint16_t *>data, n, deref(buffers), texts, latin_next_to_pinyin)
-            else:
-                _texts(self, <const uint32_t *>data, n, deref(buffers), texts, latin_next_to_pinyin)
-        finally:
-            if lending:
-                self.lent = False
-        return texts, latin_next_to_pinyin
-
     def each(self, list texts):
-        """`texts` of the texts joined (none of them holding the joiner), without joining them: for texts that
-        need no decomposition first (ASCII)."""
+        """`words(<the word stage of> chars(<the texts joined>))`, with the word stage (`Normalizer._words_stage`:
+        URLs and e-mails masked, spaced-out text joined, `!@$` read as letters, numbers masked or read as leet)
+        compiled in between, text by text (none holds the joiner): each pass runs over one text (which stays in
+        the cache) on its code points, with no str made between them. (the texts, the indexes of those whose Latin
+        letters touch a pinyin code), as `words` gives them."""
         cdef list done = [], latin_next_to_pinyin = []
         cdef TextBuffers own
         cdef TextBuffers *buffers = &own if self.lent else &self.text_buffers
@@ -294,33 +252,6 @@ cdef class NormalizeStages:
             if lending:
                 self.lent = False
         return texts, latin_next_to_pinyin
-
-cdef object _keep_look(NormalizeStages self, str text, const ucs_t *data, Py_ssize_t n):
-    cdef Py_ssize_t i
-    cdef uint32_t cp, lowest = self.before_from[0] if self.before_from.size() else 0x110000
-    cdef vector[uint32_t] out
-    cdef vector[uint32_t].iterator at
-    cdef bint found = False
-    for i in range(n):
-        cp = data[i]
-        if cp >= lowest and self.before_pages[cp >> 8]:  # (no search in the pages without one: Han, kana...)
-            at = lower_bound(self.before_from.begin(), self.before_from.end(), cp)
-            if at != self.before_from.end() and deref(at) == cp:
-                found = True
-                break
-    if not found:
-        return text
-    out.resize(n)
-    cdef uint32_t bits = 0
-    for i in range(n):
-        cp = data[i]
-        if cp >= lowest and self.before_pages[cp >> 8]:
-            at = lower_bound(self.before_from.begin(), self.before_from.end(), cp)
-            if at != self.before_from.end() and deref(at) == cp:
-                cp = self.before_to[at - self.before_from.begin()]
-        out[i] = cp
-        bits |= cp
-    return ucs4_str(out, 0, n, bits)
 
 cdef Py_ssize_t _chars(NormalizeStages self, const ucs_t *data, Py_ssize_t n, vector[uint32_t] &out,
                       uint32_t *bits_out, uint64_t *low_out) except -1:
@@ -437,7 +368,7 @@ cdef Py_ssize_t _words1(NormalizeStages self, uint32_t *buf, Py_ssize_t n, uint3
     return j
 
 
-# -- the whole of `Normalizer._compiled`'s stages, text by text (`NormalizeStages.texts`) -------------------
+# -- the whole of `Normalizer._compiled`'s stages, text by text (`NormalizeStages.each`) --------------------
 
 cdef uint32_t NORM_URL_MARK = 0x1E800  # normalize.URL_MARK
 cdef uint32_t NORM_EMAIL_MARK = 0x1E801  # normalize.EMAIL_MARK
@@ -446,19 +377,6 @@ cdef uint32_t NORM_EMAIL_MARK = 0x1E801  # normalize.EMAIL_MARK
 cdef inline bint seen(uint64_t low, uint32_t c) noexcept nogil:
     """Did stage 1 write the character c (U+0020 to U+005F: `_chars`' record of them)?"""
     return (low >> (c - 0x20)) & 1
-
-
-cdef int _texts(NormalizeStages self, const ucs_t *data, Py_ssize_t n, TextBuffers &buffers, list texts,
-                list latin_next_to_pinyin) except -1:
-    cdef Py_ssize_t start = 0, end, text = 0
-    while start <= n:
-        end = start
-        while end < n and data[end] != NORM_JOIN:
-            end += 1
-        _one(self, data + start, end - start, buffers, texts, latin_next_to_pinyin, text)
-        text += 1
-        start = end + 1
-    return 0
 
 
 cdef int _one(NormalizeStages self, const ucs_t *data, Py_ssize_t n, TextBuffers &buffers, list texts,
@@ -651,7 +569,13 @@ cdef int _spaced_runs(const ucs_t *data, Py_ssize_t n, vector[Py_ssize_t] &out) 
     while i + 1 < n:
         # A run's first token is followed by a space (else it is one token: as the loop below would find)
         if i >= 0:
-            while i + 2 < n and not spaced_start(data, i):  # (one branch a character: the test has none)
+            while True:
+                # A space two places further and a space or line break here (a few more characters pass, 0x28 and
+                # others, and fail below): one test a character, without the token's.
+                while i + 2 < n and ((data[i + 2] ^ 0x20) | (data[i] & ~0x2Au)) != 0:
+                    i += 1
+                if i + 2 >= n or spaced_start(data, i):
+                    break
                 i += 1
             if i + 2 >= n:
                 break

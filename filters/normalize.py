@@ -339,8 +339,8 @@ class Normalizer:
         self._core = None
         if fusable and _native is not None and native is not False:
             o = self.options
-            self._core = _native.NormalizeStages(_stage1(o), o.leet, o.pinyin, charmaps.PINYIN_CODES, charmaps.PINYIN_BASE,
-                                                 _BEFORE_NFKC_MAP, o.mask_urls, o.mask_numbers, _UNITS, _TLD_WORDS)
+            self._core = _native.NormalizeStages(_decomposed(o), o.leet, o.pinyin, charmaps.PINYIN_CODES,
+                                                 charmaps.PINYIN_BASE, o.mask_urls, o.mask_numbers, _UNITS, _TLD_WORDS)
         # The numpy tables take ≈ 0.3 s to build: only without the compiled stages.
         self._stages = _stages(self.options) if fusable and self._core is None else None
 
@@ -398,34 +398,16 @@ class Normalizer:
 
     # -- fused stages ------------------------------------------------------------------------
     def _compiled(self, texts: Sequence[str]) -> list[str]:
-        """`normalize_batch` by the compiled stages (`NormalizeStages.texts`: stage 1, the word stage and stage 3, text
-        by text). ASCII texts form a batch of their own, as in the reference: they skip decomposition, and go to the
-        compiled stages as they are (`each`); the others are decomposed in one call, joined."""
-        core, o = self._core, self.options
+        """`normalize_batch` by the compiled stages (`NormalizeStages.each`: the decomposition with stage 1, the word
+        stage and stage 3, text by text; see `_decomposed`)."""
+        core = self._core
         assert core is not None
-        clean = [t.replace(_JOIN, "") if _JOIN in t else t for t in texts]
-        ascii_at = [i for i, t in enumerate(clean) if t.isascii()]
-        groups = [ascii_at]
-        if len(ascii_at) < len(clean):
-            groups.append([i for i, t in enumerate(clean) if not t.isascii()] if ascii_at else list(range(len(clean))))
-        out: list[str] = [""] * len(texts)
-        for group in groups:
-            if not group:
-                continue
-            if group is ascii_at or not (o.nfkc or o.strip_accents):  # stage 1, the word stage and stage 3
-                done, latin_next_to_pinyin = core.each([clean[i] for i in group])
-            else:  # decomposed in one call, then text by text
-                joined = _JOIN.join([clean[i] for i in group])
-                if o.nfkc:
-                    joined = core.keep_look(joined)
-                done, latin_next_to_pinyin = core.texts(unicodedata.normalize("NFKD" if o.nfkc else "NFD", joined))
-            for k in latin_next_to_pinyin:
-                done[k] = self._latin_pinyin(done[k])
-            for i, s in zip(group, done, strict=True):
-                out[i] = s
+        done, latin_next_to_pinyin = core.each([t.replace(_JOIN, "") if _JOIN in t else t for t in texts])
+        for k in latin_next_to_pinyin:
+            done[k] = self._latin_pinyin(done[k])
         # Texts of separators only: by the steps, with the per-character twins of the two steps that use a
         # pattern (building those patterns would cost every process ≈ 0.5 s, the texts are short).
-        return [s if s or not t else self._stepwise(t, self._steps_unpatterned) for s, t in zip(out, texts, strict=True)]
+        return [s if s or not t else self._stepwise(t, self._steps_unpatterned) for s, t in zip(done, texts, strict=True)]
 
     def _fused(self, text: str, st: _Stages) -> str:
         if _JOIN in text:
@@ -696,8 +678,8 @@ def _is_syllable_code(ch: str) -> bool:
 
 def _stage1(o: NormalizeOptions) -> Callable[[int], str]:
     """Stage 1 of `_stages(o)` for one code point, without its tables: the steps applied to the
-    character if it is one `_stages` looks at (else it is its own value). For the compiled stages,
-    which ask once per code point they meet."""
+    character if it is one `_stages` looks at (else it is its own value). For the compiled stages
+    (`_decomposed`), which ask once per code point they meet."""
     confusables, t2s, _ = _translation_tables()
     n = Normalizer(NormalizeOptions(**{name: False for name in NormalizeOptions.step_names()}), native=False)
     per_char = [
@@ -722,6 +704,25 @@ def _stage1(o: NormalizeOptions) -> Callable[[int], str]:
         return ch
 
     return value
+
+
+def _decomposed(o: NormalizeOptions) -> Callable[[int], str]:
+    """`_stage1(o)` of each character of a code point's decomposition (NFKD after the nfkc step's `_keep_look`, or
+    NFD with strip_accents alone), for the compiled stages, which ask once per code point they meet: no text is
+    decomposed whole. A text's decomposition is each character's, then its combining marks reordered where they
+    meet; stage 1 drops every mark (strip_accents: `_fusable` decomposes only with it), so the order of those it
+    reorders never shows."""
+    value = _stage1(o)
+    form: Literal["NFKD", "NFD"] | None = "NFKD" if o.nfkc else "NFD" if o.strip_accents else None
+    if form is None:
+        return value
+
+    def decomposed(cp: int) -> str:
+        ch = chr(cp)
+        parts = unicodedata.normalize(form, _BEFORE_NFKC_MAP.get(ch, ch) if o.nfkc else ch)
+        return value(cp) if parts == ch else "".join([value(ord(c)) for c in parts])
+
+    return decomposed
 
 
 def _drop_invisible(text: str) -> str:
