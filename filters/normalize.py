@@ -62,6 +62,7 @@ import functools
 import itertools
 import re
 import unicodedata
+from bisect import bisect_right
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Literal
@@ -167,6 +168,7 @@ _LATIN_RUN = _Lazy(r"[a-z]{1,40}")
 _HAN = r"[\u3400-\u9fff]"  # compiled on first use (`_han`): 1 ms, and the compiled stages never need it
 _PINYIN_CODE = 0xF0000
 _COMBINING_RANGES = ((0x300, 0x36F), (0x1AB0, 0x1AFF), (0x1DC0, 0x1DFF), (0x20D0, 0x20FF), (0xFE20, 0xFE2F))
+_COMBINING_STARTS = tuple(lo for lo, _ in _COMBINING_RANGES)
 _DROP = 0xFFFFFFFF  # in the uint32 tables
 _MULTI = 0xFFFFFFFE
 
@@ -208,8 +210,12 @@ def _is_mark(ch: str) -> bool:
     """A combining mark strip_accents drops: in the combining diacritic blocks, or with a nonzero combining
     class (the only ones canonical ordering moves, so none is left to reorder)."""
     cp = ord(ch)
-    in_block = 0x300 <= cp <= 0xFE2F and any(lo <= cp <= hi for lo, hi in _COMBINING_RANGES)
-    return _scanned(cp) and (bool(unicodedata.combining(ch)) or in_block)
+    if not _scanned(cp):
+        return False
+    if unicodedata.combining(ch):
+        return True
+    at = bisect_right(_COMBINING_STARTS, cp) - 1  # (asked once per code point a text brings: no generator)
+    return at >= 0 and cp <= _COMBINING_RANGES[at][1]
 
 
 @functools.cache
