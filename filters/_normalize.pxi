@@ -199,34 +199,37 @@ cdef class NormalizeStages:
 
 
     def each(self, list texts):
-        """`words(<the word stage of> chars(<the texts joined>))`, with the word stage (`Normalizer._words_stage`:
-        URLs and e-mails masked, spaced-out text joined, `!@$` read as letters, numbers masked or read as leet)
-        compiled in between, text by text (none holds the joiner): each pass runs over one text (which stays in
-        the cache) on its code points, with no str made between them. (the texts, the indexes of those whose Latin
-        letters touch a pinyin code), as `words` gives them."""
-        cdef list done = [], latin_next_to_pinyin = []
+        """`words(<the word stage of> chars(<the texts joined>))` with the joiner dropped from each text (as
+        `Normalizer.normalize_batch` takes it out first), and the word stage (`Normalizer._words_stage`: URLs and
+        e-mails masked, spaced-out text joined, `!@$` read as letters, numbers masked or read as leet) compiled
+        in between, text by text: each pass runs over one text (which stays in the cache) on its code points,
+        with no str made between them. (the texts, the indexes of those whose Latin letters touch a pinyin code,
+        the indexes of those left empty that were not)."""
+        cdef list done = [], latin_next_to_pinyin = [], emptied = []
         cdef TextBuffers own
         cdef TextBuffers *buffers = &own if self.lent else &self.text_buffers
         cdef bint lending = buffers == &self.text_buffers
-        cdef Py_ssize_t i
+        cdef Py_ssize_t i, n
         cdef str text
+        cdef int kind
         self.lent = True
         try:
             for i in range(len(texts)):
                 text = texts[i]
-                if PyUnicode_KIND(text) == 1:
-                    _one(self, <const uint8_t *>PyUnicode_DATA(text), PyUnicode_GET_LENGTH(text), deref(buffers), done,
-                         latin_next_to_pinyin, i)
-                elif PyUnicode_KIND(text) == 2:
-                    _one(self, <const uint16_t *>PyUnicode_DATA(text), PyUnicode_GET_LENGTH(text), deref(buffers), done,
-                         latin_next_to_pinyin, i)
+                kind = PyUnicode_KIND(text)
+                n = PyUnicode_GET_LENGTH(text)
+                if kind == 1:
+                    _one(self, <const uint8_t *>PyUnicode_DATA(text), n, deref(buffers), done, latin_next_to_pinyin, i)
+                elif kind == 2:
+                    _one(self, <const uint16_t *>PyUnicode_DATA(text), n, deref(buffers), done, latin_next_to_pinyin, i)
                 else:
-                    _one(self, <const uint32_t *>PyUnicode_DATA(text), PyUnicode_GET_LENGTH(text), deref(buffers), done,
-                         latin_next_to_pinyin, i)
+                    _one(self, <const uint32_t *>PyUnicode_DATA(text), n, deref(buffers), done, latin_next_to_pinyin, i)
+                if n and not PyUnicode_GET_LENGTH(<str>done[i]):
+                    emptied.append(i)
         finally:
             if lending:
                 self.lent = False
-        return done, latin_next_to_pinyin
+        return done, latin_next_to_pinyin, emptied
 
     def words(self, str joined):
         """Stage 3 of a joined batch (`Normalizer._words_batch`), split into its texts: (the texts, the
@@ -254,9 +257,10 @@ cdef class NormalizeStages:
         return texts, latin_next_to_pinyin
 
 cdef Py_ssize_t _chars(NormalizeStages self, const ucs_t *data, Py_ssize_t n, vector[uint32_t] &out,
-                      uint32_t *bits_out, uint64_t *low_out) except -1:
+                      uint32_t *bits_out, uint64_t *low_out, bint keep_join=True) except -1:
     """Writes stage 1 of data[:n] to `out`; returns its length, the OR of its code points in `bits_out`, and
-    in `low_out` the bit of each character of U+0020 to U+005F written, less 0x20 (space, digits, punctuation)."""
+    in `low_out` the bit of each character of U+0020 to U+005F written, less 0x20 (space, digits, punctuation).
+    The joiner is kept (it ends a text of a joined batch) or, without `keep_join`, dropped as any invisible."""
     cdef Py_ssize_t i, j = 0
     cdef uint32_t cp, bits = 0
     cdef uint64_t low = 0
@@ -269,6 +273,8 @@ cdef Py_ssize_t _chars(NormalizeStages self, const ucs_t *data, Py_ssize_t n, ve
         if v == STAGE_UNKNOWN:
             v = self.ask(cp)
         if v >= 0:
+            if v == NORM_JOIN and not keep_join:  # (only the joiner is its own stage 1 of the invisibles)
+                continue
             out[j] = <uint32_t>v
             bits |= <uint32_t>v
             j += 1
@@ -394,7 +400,7 @@ cdef int _one(NormalizeStages self, const ucs_t *data, Py_ssize_t n, TextBuffers
 
 cdef Py_ssize_t _text(NormalizeStages self, const ucs_t *data, Py_ssize_t n, vector[uint32_t] &a, vector[uint32_t] &b,
                       vector[Py_ssize_t] &spans, uint32_t *bits_out, bint *touching_out) except -1:
-    """Every stage of one text (no joiner in it) into `a`: its length returned. A pass runs only when stage 1
+    """Every stage of one text (a joiner in it dropped) into `a`: its length returned. A pass runs only when stage 1
     wrote a character it acts on (URLs need `:` or `w`, e-mails `@`, domains `.`, spaced-out text a space...):
     none of the passes writes one of those that was not there before, but the URL masks' spaces."""
     cdef uint64_t low
@@ -403,7 +409,7 @@ cdef Py_ssize_t _text(NormalizeStages self, const ucs_t *data, Py_ssize_t n, vec
     cdef bint masked = False
     if a.size() < <size_t>(n + 16):
         a.resize(n + 16)
-    size = _chars(self, data, n, a, bits_out, &low)
+    size = _chars(self, data, n, a, bits_out, &low, False)
     if b.size() < a.size():
         b.resize(a.size())
     if self.mask_urls:

@@ -408,12 +408,14 @@ class Normalizer:
         stage and stage 3, text by text; see `_decomposed`)."""
         core = self._core
         assert core is not None
-        done, latin_next_to_pinyin = core.each([t.replace(_JOIN, "") if _JOIN in t else t for t in texts])
+        done, latin_next_to_pinyin, emptied = core.each(texts if isinstance(texts, list) else list(texts))
         for k in latin_next_to_pinyin:
             done[k] = self._latin_pinyin(done[k])
         # Texts of separators only: by the steps, with the per-character twins of the two steps that use a
         # pattern (building those patterns would cost every process ≈ 0.5 s, the texts are short).
-        return [s if s or not t else self._stepwise(t, self._steps_unpatterned) for s, t in zip(done, texts, strict=True)]
+        for k in emptied:
+            done[k] = self._stepwise(texts[k], self._steps_unpatterned)
+        return done  # type: ignore[no-any-return]
 
     def _fused(self, text: str, st: _Stages) -> str:
         if _JOIN in text:

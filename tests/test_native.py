@@ -851,7 +851,7 @@ def test_the_stages_of_a_text_called_while_another_writes_have_buffers_of_their_
     is Python) writes to buffers of its own."""
     from filters import charmaps
 
-    inner: list[tuple[list[str], list[int]]] = []
+    inner: list[tuple[list[str], list[int], list[int]]] = []
 
     def stage1(cp: int) -> str:
         if cp == ord("é") and not inner:
@@ -860,9 +860,9 @@ def test_the_stages_of_a_text_called_while_another_writes_have_buffers_of_their_
 
     stages = _native.NormalizeStages(stage1, True, True, charmaps.PINYIN_CODES, charmaps.PINYIN_BASE, True, True,
                                      _UNITS, _TLD_WORDS)
-    assert stages.each(["ab cd" * 1000, "é 1"]) == (["abcd" * 1000, "é\U0001e802"], [])
-    assert inner == [(["win\U0001e802\U0001e800"], [])] == [stages.each(["w i n 5 x.co"])]  # (5 before no letter)
-    assert stages.each(["x 1"]) == (["xi"], [])  # and the kept buffers are lent again afterwards
+    assert stages.each(["ab cd" * 1000, "é 1"]) == (["abcd" * 1000, "é\U0001e802"], [], [])
+    assert inner == [(["win\U0001e802\U0001e800"], [], [])] == [stages.each(["w i n 5 x.co"])]  # (5 before no letter)
+    assert stages.each(["x 1", "", " !", "a\x1eb"]) == (["xi", "", "", "ab"], [], [2])  # the kept buffers lent again
 
 
 def test_normalization_matches_the_reference_on_the_sample() -> None:
