@@ -52,8 +52,9 @@ text, the per-character steps (everything up to `casefold`; then `l` → `i`, se
 the pinyin codes) are lookups in one table per stage applied with numpy, and the patterns run once
 per stage (URL and e-mail patterns only where a literal such as `://`, `@` or `.com` says they can
 match). A single text takes the same stages with `str.translate`/`bytes.translate`
-(and pure-ASCII text skips the Unicode ones). The step-by-step path (`trace`, and options the fused
-stages do not cover) is the reference; tests hold both to it.
+(and pure-ASCII text skips the Unicode ones). With the compiled core (`filters/_normalize.pxi`) every stage
+runs text by text on code points instead (`Normalizer._compiled`). The step-by-step path (`trace`, and options
+the fused stages do not cover) is the reference; tests hold both to it.
 """
 
 from __future__ import annotations
