@@ -303,8 +303,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for run in range(args.runs):
             for layout in layouts:  # alternating; what each layout holds and its writing cost: its first run's
                 r.flushdb()
-                before = used(r)
-                start = server_cpu(r)
+                if not run:
+                    before, start = used(r), server_cpu(r)
                 write(r, layout, slices)
                 if not run:
                     writing[layout] = (server_cpu(r) - start) / indexed * 1e6
