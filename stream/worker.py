@@ -189,7 +189,9 @@ class AiokafkaWorker(WorkerCore):
         try:
             consumer.subscribe(list(s.input_topics), listener=self._rebalance)
             options = self._guarantee.producer_options(s)
-            async with producer(s, max_request_size=MAX_OUTPUT_BYTES, **options) as prod:
+            # Record batches of `batch_bytes` (aiokafka's default is 16 KB: some 35 outputs of 450 bytes, and a
+            # batch, its future and its part of a produce request for each; bench/worker_steady.py).
+            async with producer(s, max_request_size=MAX_OUTPUT_BYTES, max_batch_size=s.batch_bytes, **options) as prod:
                 self._producer = prod
                 self.delivery = self._guarantee(s, Link(
                     consumer=consumer, producer=prod, kafka=self.kafka, stopping=self.stop_event.is_set,
