@@ -73,7 +73,9 @@ def encode_records(made: Sequence[tuple[Entry, Sequence[int]]]) -> list[tuple[by
     stored = stored_of(made, _encode_entries)
     ids = [id.encode("utf-8", "surrogatepass") for id in stored.ids]
     counts = np.diff(stored.bounds)
-    sizes = 20 + 8 * counts + np.fromiter((len(i) + len(b) for i, b in zip(ids, stored.blobs)), np.int64, len(ids))
+    id_lens = np.fromiter(map(len, ids), np.int64, len(ids))
+    blob_lens = np.fromiter(map(len, stored.blobs), np.int64, len(ids))
+    sizes = 20 + 8 * counts + id_lens + blob_lens
     out = []
     at = 0
     while at < len(ids):
@@ -82,10 +84,10 @@ def encode_records(made: Sequence[tuple[Entry, Sequence[int]]]) -> list[tuple[by
         a, b = int(stored.bounds[at]), int(stored.bounds[stop])
         part_ids = ids[at:stop]
         value = b"".join([
-            _HEAD.pack(FORMAT, stop - at, b - a, sum(map(len, part_ids))),
+            _HEAD.pack(FORMAT, stop - at, b - a, int(id_lens[at:stop].sum())),
             stored.times[at:stop].astype(_F64).tobytes(), stored.keys[a:b].astype(_U64).tobytes(),
-            counts[at:stop].astype(_U32).tobytes(), np.fromiter(map(len, part_ids), _U32, stop - at).tobytes(),
-            np.fromiter(map(len, stored.blobs[at:stop]), _U32, stop - at).tobytes(), *part_ids, *stored.blobs[at:stop]])
+            counts[at:stop].astype(_U32).tobytes(), id_lens[at:stop].astype(_U32).tobytes(),
+            blob_lens[at:stop].astype(_U32).tobytes(), *part_ids, *stored.blobs[at:stop]])
         out.append((part_ids[0], value))
         at = stop
     return out

@@ -46,7 +46,7 @@ _BOM = b"\xef\xbb\xbf"
 # One of each per record: from all field values, without the dataclass __init__'s cost.
 _new_message = maker(Message)
 _new_decoded = maker(Decoded)
-_INVALID = object()  # a timestamp `decode_batch` leaves to `decode`
+_INVALID = object()  # a timestamp `decode_columns` leaves to `decode`
 
 
 def decode(raw: bytes, fmt: RecordFormat, *, fallback_id: str, fallback_ts: float) -> Decoded:
@@ -89,12 +89,34 @@ class Raw(Protocol):
     @property
     def fallback_ts(self) -> float: ...
 
+    @property
+    def decoded(self) -> Decoded | RejectedInput | None:
+        """Its decoding, when it was decoded before (`decode_columns`), else None."""
+        ...
+
 
 def decode_batch(raws: Sequence[Raw], fmt: RecordFormat) -> list[Decoded | RejectedInput]:
-    """`decode` of each raw record, in order: its `Decoded`, or the `RejectedInput` it raises. The common
-    record (a JSON object with a non-blank string text, a non-empty string id or none, a number of
-    seconds in range or none) is decoded here without `decode`'s calls per field; any other goes to
-    `decode` itself, so each rule stays written once (tests/test_properties.py holds the two equal)."""
+    """`decode` of each raw record, in order: its `Decoded`, or the `RejectedInput` it raises. A record
+    decoded before (its `decoded`, by `decode_columns`: the worker decodes each record once, on arrival, for
+    its event time) is taken as it is."""
+    if all([r.decoded is not None for r in raws]):  # (a list: faster than a generator)
+        return [r.decoded for r in raws]  # type: ignore[misc]
+    fresh = [i for i, r in enumerate(raws) if r.decoded is None]
+    got = decode_columns([raws[i].value for i in fresh], [raws[i].fallback_id for i in fresh],
+                         [raws[i].fallback_ts for i in fresh], fmt)
+    out: list[Decoded | RejectedInput] = [r.decoded for r in raws]  # type: ignore[misc]
+    for i, d in zip(fresh, got, strict=True):
+        out[i] = d
+    return out
+
+
+def decode_columns(values: Sequence[bytes], fallback_ids: Sequence[str], fallback_tss: Sequence[float],
+                   fmt: RecordFormat) -> list[Decoded | RejectedInput]:
+    """`decode` of each record given column by column (values and their fallbacks), in order: its `Decoded`,
+    or the `RejectedInput` it raises. The common record (a JSON object with a non-blank string text, a
+    non-empty string id or none, a number of seconds in range or none) is decoded here without `decode`'s
+    calls per field; any other goes to `decode` itself, so each rule stays written once
+    (tests/test_properties.py holds the two equal)."""
     out: list[Decoded | RejectedInput] = []
     if fmt.format != "json":
         fast = False
@@ -102,8 +124,7 @@ def decode_batch(raws: Sequence[Raw], fmt: RecordFormat) -> list[Decoded | Rejec
         fast = True
         loads, limit = orjson.loads, fmt.max_record_bytes
         text_field, id_field, ts_field = fmt.text_field, fmt.id_field, fmt.ts_field
-    for raw in raws:
-        value = raw.value
+    for value, fallback_id, fallback_ts in zip(values, fallback_ids, fallback_tss, strict=True):
         if fast and len(value) <= limit:  # (with a byte-order mark orjson refuses it: `decode` strips it)
             try:
                 record = loads(value)
@@ -115,17 +136,16 @@ def decode_batch(raws: Sequence[Raw], fmt: RecordFormat) -> list[Decoded | Rejec
                 ts = record.get(ts_field)
                 if type(text) is str and text and not text.isspace() and (id is None or (type(id) is str and id)):
                     if ts is None:
-                        ts = raw.fallback_ts
+                        ts = fallback_ts
                     elif (type(ts) is float or type(ts) is int) and 0 <= ts <= MAX_EVENT_TIME:  # NaN fails both
                         ts = float(ts)
                     else:
                         ts = _INVALID
                     if ts is not _INVALID:
-                        out.append(_new_decoded(_new_message(raw.fallback_id if id is None else id, text, ts),
-                                                record))
+                        out.append(_new_decoded(_new_message(fallback_id if id is None else id, text, ts), record))
                         continue
         try:
-            out.append(decode(value, fmt, fallback_id=raw.fallback_id, fallback_ts=raw.fallback_ts))
+            out.append(decode(value, fmt, fallback_id=fallback_id, fallback_ts=fallback_ts))
         except RejectedInput as exc:
             out.append(exc)
     return out

@@ -211,6 +211,9 @@ class Settings:
     retry_max: float = field(default=30.0, metadata=_meta("longest backoff after index errors", kind="duration"))
     linger: float = field(default=0.005, metadata=_meta("producer linger: batch output records this long",
                                                        kind="duration"))
+    batch_bytes: int = field(default=64 * 1024, metadata=_meta(
+        "producer record batches up to this many bytes (aiokafka runtime; at most the output topics' "
+        "max.message.bytes, default 1 MB: a topic refuses a larger batch whole)", kind="int"))
     state_dir: str = field(default="", metadata=_meta(
         "faust runtime: its data directory (empty: a temporary directory)"))
     log_level: str = field(default="info", metadata=_meta("debug, info, warning, error"))
@@ -262,7 +265,7 @@ class Settings:
                 raise ConfigError(f"not a valid Kafka topic name: {topic!r}")
         if loop := set(outputs) & set(self.input_topics):
             raise ConfigError(f"output topic(s) {sorted(loop)} are also inputs: the worker would read its own output")
-        for name in ("partitions", "replication_factor", "max_batch"):
+        for name in ("partitions", "replication_factor", "max_batch", "batch_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.retry_max < self.retry_initial:

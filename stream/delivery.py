@@ -123,11 +123,12 @@ class _InFlight:
 
 def offsets_of(records: Sequence[KafkaRecord]) -> dict[TopicPartition, int]:
     """The offsets to commit once `records` are done: the next one of each partition."""
-    offsets: dict[TopicPartition, int] = {}
+    last: dict[tuple[str, int], int] = {}
     for r in records:
-        tp = TopicPartition(r.topic, r.partition)
-        offsets[tp] = max(offsets.get(tp, 0), r.offset + 1)
-    return offsets
+        lane = (r.topic, r.partition)
+        if r.offset >= last.get(lane, -1):
+            last[lane] = r.offset
+    return {TopicPartition(topic, partition): offset + 1 for (topic, partition), offset in last.items()}
 
 
 async def _acknowledged(link: Link, batch: Outgoing) -> None:

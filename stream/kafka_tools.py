@@ -8,8 +8,8 @@ import logging
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass
-from typing import Any, BinaryIO
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import orjson
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -39,6 +39,9 @@ from filters.errors import BrokerUnavailable, ConfigError, NeardupError, Service
 from filters.records import maker
 from stream.config import Settings
 
+if TYPE_CHECKING:
+    from stream.runner import RawRecord
+
 log = logging.getLogger("neardup.kafka")
 
 Headers = tuple[tuple[str, bytes], ...]
@@ -63,6 +66,9 @@ class KafkaRecord:
     key: bytes | None
     value: bytes | None
     headers: Headers = ()
+    # The record as routed, decoded already (`stream.outputs.arrived`: the worker decodes each record once, on
+    # arrival, for its event time and its routing); None: made when it is routed (`stream.outputs.raw_record`).
+    raw: RawRecord | None = field(default=None, compare=False, repr=False)
 
     @property
     def coordinates(self) -> str:
@@ -80,11 +86,12 @@ class KafkaRecord:
     def of(msg: Any) -> KafkaRecord:
         """From an aiokafka ConsumerRecord."""
         headers = msg.headers
-        return _new_kafka_record(msg.topic, msg.partition, msg.offset, msg.timestamp, msg.key, msg.value,
-                                 tuple([(k, bytes(v)) for k, v in headers]) if headers else ())
+        return new_kafka_record(msg.topic, msg.partition, msg.offset, msg.timestamp, msg.key, msg.value,
+                                tuple([(k, bytes(v)) for k, v in headers]) if headers else (), None)
 
 
-_new_kafka_record = maker(KafkaRecord)  # one per record consumed: without the dataclass __init__'s cost
+# One per record consumed: from all field values, without the dataclass __init__'s cost.
+new_kafka_record = maker(KafkaRecord)
 
 
 def transient(exc: BaseException) -> bool:

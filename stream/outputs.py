@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from filters.errors import RejectedInput
 from filters.records import maker
-from stream.codec import RecordFormat, decode
+from stream.codec import Decoded, RecordFormat, decode, decode_columns, event_time
 from stream.config import Settings
-from stream.kafka_tools import Headers, KafkaRecord
+from stream.kafka_tools import Headers, KafkaRecord, new_kafka_record
 from stream.runner import DUPLICATE, UNIQUE, RawRecord, Routed
 
 # Header names the worker adds (input headers are passed through unchanged, before these).
@@ -48,8 +49,36 @@ _new_raw_record = maker(RawRecord)
 
 
 def raw_record(record: KafkaRecord) -> RawRecord:
+    """The record as routed: its value, coordinates (the id fallback) and timestamp in seconds (the event time's)."""
+    if record.raw is not None:
+        return record.raw  # decoded on arrival (`arrived`)
     # A tombstone (value None) is routed as empty bytes: it is rejected and dead-lettered as such.
-    return _new_raw_record(record.value or b"", record.coordinates, record.timestamp / 1000.0)
+    return _new_raw_record(record.value or b"", record.coordinates, record.timestamp / 1000.0, None)
+
+
+def arrived(msgs: Sequence[Any], fmt: RecordFormat) -> list[KafkaRecord]:
+    """aiokafka's ConsumerRecords of one partition (as `getmany` returns them) as KafkaRecords, each decoded
+    once, here (`decode_columns`: a batch at a time, column by column): its event time (`record_time`) and its
+    routing (`raw_record`) take that decoding, as `raw_record` and `decode` would have made it."""
+    if not msgs:
+        return []
+    topic, partition = msgs[0].topic, msgs[0].partition
+    values = [m.value or b"" for m in msgs]
+    where = [f"{topic}/{partition}/{m.offset}" for m in msgs]  # `KafkaRecord.coordinates`
+    times = [m.timestamp / 1000.0 for m in msgs]
+    new_raw, new_record = _new_raw_record, new_kafka_record
+    return [new_record(topic, partition, m.offset, m.timestamp, m.key, m.value,
+                       tuple([(k, bytes(v)) for k, v in m.headers]) if m.headers else (), new_raw(v, c, t, d))
+            for m, v, c, t, d in zip(msgs, values, where, times, decode_columns(values, where, times, fmt), strict=True)]
+
+
+def record_time(record: KafkaRecord, fmt: RecordFormat) -> float | None:
+    """`stream.codec.event_time` of the record (None: it is rejected), from its decoding if it was decoded on arrival."""
+    raw = record.raw
+    if raw is not None and raw.decoded is not None:
+        decoded = raw.decoded
+        return decoded.message.ts if type(decoded) is Decoded else None
+    return event_time(record.value or b"", fmt, record.timestamp / 1000.0)
 
 
 def _float(value: float) -> bytes:
@@ -75,7 +104,7 @@ def output_of(record: KafkaRecord, routed: Routed, settings: Settings) -> OutRec
         headers += [(H_VERDICT, REJECTED.encode()), (H_REASON, routed.error.reason.encode()),
                     (H_ERROR, str(routed.error)[:_MAX_ERROR_CHARS].encode())]
         topic = settings.dead_letter_topic
-    headers.append((H_SOURCE, record.coordinates.encode()))
+    headers.append((H_SOURCE, routed.raw.fallback_id.encode()))  # the record's coordinates (`raw_record`)
     if routed.kind == REJECTED and routed.error is not None and routed.error.reason == "too_large":
         # Too large for the codec is too large for the producer: dead-lettered without its value
         # (neardup-source says where to find it), so one huge record cannot stop the worker.

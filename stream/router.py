@@ -37,16 +37,17 @@ class WorkerStats:
     def add(self, outs: Sequence[OutRecord]) -> None:
         self.batches += 1
         self.seen += len(outs)
+        tally: dict[bytes, int] = {}
         for out in outs:
-            verdict = next(v for k, v in reversed(out.headers) if k == H_VERDICT).decode()
-            if verdict == UNIQUE:
-                self.unique += 1
-            elif verdict == DUPLICATE:
-                self.duplicate += 1
-            elif verdict == UNCHECKED:
-                self.unchecked += 1
-            else:
-                self.rejected += 1
+            for k, v in out.headers[::-1]:  # the last verdict header (the one the worker added)
+                if k == H_VERDICT:
+                    tally[v] = tally.get(v, 0) + 1
+                    break
+        unique, duplicate, unchecked = (tally.pop(v.encode(), 0) for v in (UNIQUE, DUPLICATE, UNCHECKED))
+        self.unique += unique
+        self.duplicate += duplicate
+        self.unchecked += unchecked
+        self.rejected += len(outs) - unique - duplicate - unchecked
 
     def line(self) -> str:
         seconds = time.monotonic() - self.started

@@ -25,6 +25,9 @@ class RawRecord:
     value: bytes
     fallback_id: str  # used when the record has no id field (line number, topic/partition/offset)
     fallback_ts: float  # used when it has no timestamp field (arrival time, Kafka timestamp)
+    # Its decoding when it was decoded before routing (`stream.codec.decode_columns`: the Kafka worker decodes
+    # each record once, on arrival, for its event time), else None: `decode_batch` takes it as it is.
+    decoded: Decoded | RejectedInput | None = field(default=None, compare=False)  # (derived: not compared)
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,7 +280,7 @@ def run_filter(
             if json_lines and line.isspace():  # what strip() leaves empty, without the copy
                 summary.blank += 1
                 continue
-            batch.append(_new_raw(line, str(number), clock()))
+            batch.append(_new_raw(line, str(number), clock(), None))
             if len(batch) >= batch_size:
                 yield batch
                 batch = []

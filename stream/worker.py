@@ -45,7 +45,6 @@ from stream.changelog import (
     read_changelog,
     retention,
 )
-from stream.codec import event_time
 from stream.config import Settings
 from stream.delivery import AtLeastOnce, Delivery, ExactlyOnce, Link, Outgoing
 from stream.faust_worker import FaustWorker
@@ -59,7 +58,7 @@ from stream.kafka_tools import (
     producer,
     transient,
 )
-from stream.outputs import MAX_OUTPUT_BYTES, OutRecord, late_output
+from stream.outputs import MAX_OUTPUT_BYTES, OutRecord, arrived, late_output, record_time
 from stream.router import BatchObserver, WorkerCore, WorkerStats
 
 log = logging.getLogger("neardup.worker")
@@ -122,7 +121,8 @@ class AiokafkaWorker(WorkerCore):
         self._producer: Any = None
         fmt = settings.record_format()
         # Event-time order across the assigned partitions (stream/align.py); off: the order fetched.
-        self.aligner = Aligner(lambda r: event_time(r.value or b"", fmt, r.timestamp / 1000.0),
+        self._format = fmt
+        self.aligner = Aligner(lambda r: record_time(r, fmt),
                                max_skew=settings.max_skew, idle_timeout=settings.idle_timeout,
                                buffer=2 * settings.max_batch, ordered=settings.align)
         self.marks: GroupMarks = SoloMarks()  # the group's marks: opened by `run` (in the index's Redis)
@@ -147,6 +147,7 @@ class AiokafkaWorker(WorkerCore):
             self.journal = Journal(self.nd.index)
             self.nd.index = self.journal
         self.guard: IndexGuard | None = None
+        self._log_headers = ((NAMESPACE_HEADER, self.nd.config.digest().encode()),)  # of each changelog record
         # The changelog records of the batches routed last (assignment, records routed, records): after a
         # restore, the entries of those delivered meanwhile are written back (`_check_index`).
         self._recent: collections.deque[tuple[int, int, list[OutRecord]]] = collections.deque()
@@ -188,7 +189,9 @@ class AiokafkaWorker(WorkerCore):
         try:
             consumer.subscribe(list(s.input_topics), listener=self._rebalance)
             options = self._guarantee.producer_options(s)
-            async with producer(s, max_request_size=MAX_OUTPUT_BYTES, **options) as prod:
+            # Record batches of `batch_bytes` (aiokafka's default is 16 KB: some 35 outputs of 450 bytes, and a
+            # batch, its future and its part of a produce request for each; bench/worker_steady.py).
+            async with producer(s, max_request_size=MAX_OUTPUT_BYTES, max_batch_size=s.batch_bytes, **options) as prod:
                 self._producer = prod
                 self.delivery = self._guarantee(s, Link(
                     consumer=consumer, producer=prod, kafka=self.kafka, stopping=self.stop_event.is_set,
@@ -316,7 +319,7 @@ class AiokafkaWorker(WorkerCore):
             lane = (tp.topic, tp.partition)
             self._went_on(lane, msgs[0].offset)
             self._read_to[lane] = msgs[-1].offset + 1
-            self.aligner.add(KafkaRecord.of(m) for m in msgs)
+            self.aligner.add(arrived(msgs, self._format))  # each decoded once: its event time, then its routing
         return True
 
     async def _take(self, consumer: AIOKafkaConsumer, refresh: bool) -> Taken:
@@ -546,8 +549,7 @@ class AiokafkaWorker(WorkerCore):
         batches routed last (some 3 × max_batch records: what may not be committed yet) are kept."""
         if self.journal is None:
             return []
-        topic = self.settings.changelog_name
-        headers = ((NAMESPACE_HEADER, self.nd.config.digest().encode()),)
+        topic, headers = self.settings.changelog_name, self._log_headers
         logged = [OutRecord(topic, key, value, headers) for key, value in encode_records(self.journal.take())]
         recent = self._recent
         recent.append((assignment, routed, logged))

@@ -661,9 +661,11 @@ def test_frozen_makes_what_the_class_makes() -> None:
     cases = [
         (Verdict, ("a", True, "b", 0.75, "mgram")), (Query, ("a", 1.5, (1, 2), 2)), (Message, ("a", "text", 2.0)),
         (Candidate, (Entry("e", 1.0, 7, 2, sketch, None, None, frozenset()), 3, 1 << 61)),
-        (Decoded, (Message("a", "t", 1.0), {"text": "t"})), (RawRecord, (b"{}", "7", 1.0)),
+        (Decoded, (Message("a", "t", 1.0), {"text": "t"})), (RawRecord, (b"{}", "7", 1.0, None)),
+        (RawRecord, (b"{}", "7", 1.0, Decoded(Message("7", "t", 1.0), {"text": "t"}))),
         (Routed, ("unique", RawRecord(b"{}", "7", 1.0), None, Verdict("a", False), None)),
-        (KafkaRecord, ("in", 0, 5, 1_700_000_000_000, b"k", b"v", (("h", b"x"),))),
+        (KafkaRecord, ("in", 0, 5, 1_700_000_000_000, b"k", b"v", (("h", b"x"),), None)),
+        (KafkaRecord, ("in", 0, 5, 1_700_000_000_000, b"k", b"v", (), RawRecord(b"v", "in/0/5", 1.7e9))),
         (OutRecord, ("unique", None, b"v", (("neardup-verdict", b"unique"),))),
     ]
     for cls, values in cases:

@@ -297,6 +297,40 @@ def test_decode_batch_is_decode_of_each(raws: list[bytes], fmt: str, fallback_ts
             assert type(d.message.ts) is type(want.message.ts)
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(COMMON, RECORDS, st.binary(max_size=30), JSON_VALUES.map(orjson.dumps), st.none()),
+                max_size=8),
+       st.sampled_from(["json", "text"]), st.integers(0, 2 * 10**14))
+def test_a_record_decoded_on_arrival_is_the_record_decoded_when_routed(values: list[bytes | None], fmt: str,
+                                                                      stamp: int) -> None:
+    """The worker decodes each fetched record once (`arrived`): the same record, the same raw record and
+    decoding as when it is decoded at routing (`raw_record`, `decode_batch`), and the aligner's event time
+    (`record_time`) is `event_time`'s."""
+    from types import SimpleNamespace
+
+    from stream.codec import event_time
+    from stream.kafka_tools import KafkaRecord
+    from stream.outputs import arrived, raw_record, record_time
+
+    form = RecordFormat(format=fmt, max_record_bytes=60)
+    msgs = [SimpleNamespace(topic="in", partition=3, offset=10 + i, timestamp=stamp + i, key=b"k", value=value,
+                            headers=[("h", b"x")] if i % 2 else []) for i, value in enumerate(values)]
+    got = arrived(msgs, form)
+    plain = [KafkaRecord.of(m) for m in msgs]
+    assert got == plain and all(p.raw is None for p in plain)
+    raws = [raw_record(p) for p in plain]
+    assert [raw_record(r) for r in got] == raws
+    for r, p, want in zip(got, plain, decode_batch(raws, form), strict=True):
+        assert r.raw is not None and r.raw.decoded is not None
+        d = r.raw.decoded
+        if isinstance(want, RejectedInput):
+            assert type(d) is type(want) and (d.reason, str(d)) == (want.reason, str(want))
+        else:
+            assert isinstance(d, Decoded) and d.message == want.message and d.record == want.record
+        assert record_time(r, form) == record_time(p, form) == event_time(p.value or b"", form, p.timestamp / 1000.0)
+    assert decode_batch([raw_record(r) for r in got], form) == [r.raw.decoded for r in got if r.raw is not None]
+
+
 # Valid JSON around bytes that may not be UTF-8: a text field of raw bytes (overlong forms, surrogates,
 # stray continuation bytes, code points above U+10FFFF) spliced in after the JSON was encoded.
 SPLICED = st.tuples(RECORDS, st.binary(max_size=8) | st.sampled_from(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Sequence
+from itertools import chain
 from operator import itemgetter
 from typing import Any
 
@@ -199,11 +200,11 @@ def encode_entries(entries: Sequence[tuple[Entry, Any]], fallback: Any = None) -
 
 def stored_of(entries: Sequence[tuple[Entry, Sequence[int]]], encode: Any = encode_entries) -> Stored:
     """`entries` (entry, bucket keys) in their stored form (`encode`: `encode_entries` or its compiled twin)."""
-    counts = np.fromiter((len(keys) for _, keys in entries), np.int64, len(entries))
+    key_lists = [keys for _, keys in entries]  # (lists and `map`: no generator frame a key or an entry)
     bounds = np.zeros(len(entries) + 1, np.int64)
-    np.cumsum(counts, out=bounds[1:])
-    keys = np.fromiter((k for _, ks in entries for k in ks), np.uint64, int(bounds[-1]))
-    return Stored([e.id for e, _ in entries], np.fromiter((e.ts for e, _ in entries), np.float64, len(entries)),
+    np.cumsum(np.fromiter(map(len, key_lists), np.int64, len(entries)), out=bounds[1:])
+    keys = np.fromiter(chain.from_iterable(key_lists), np.uint64, int(bounds[-1]))
+    return Stored([e.id for e, _ in entries], np.array([e.ts for e, _ in entries], np.float64),
                   bounds, keys, encode(list(entries), encode_entry))
 
 
