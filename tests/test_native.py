@@ -24,7 +24,7 @@ from filters.edits import edit_match, lcs_length
 from filters.engine import Message, NearDupFilter, Verdict
 from filters.errors import IndexCorrupt
 from filters.fingerprint import _MGRAM_TAG, _TAG_ROOM, Fingerprinter
-from filters.index import Candidate, Entry
+from filters.index import Candidate, Entry, compact_codec
 from filters.index.memory import MemoryIndex, PyTable, make_table, native_available
 from filters.index.redis_codec import decode_entry, encode_entry, encode_entry_v2, rank_records
 from filters.index.shared import against
@@ -364,6 +364,58 @@ def test_rank_records_as_the_reference(buckets: list[list[list[tuple[float, int,
     positions = list(range(len(buckets)))
     args = (values, positions, "q", floor, limit, horizon, cap, since, own if since >= 0 else None)
     assert _native.rank_records(*args) == rank_records(*args)
+
+
+# The compact layout's records: (event time, seq), a seq one entry (its event time fixed by it).
+_compact_record = st.integers(1, 60).map(lambda seq: (_TIMES[seq % 5], seq))
+
+
+def _compact_bucket(records: list[tuple[float, int]]) -> bytes | None:
+    return b"".join(compact_codec.record(ts, seq) for ts, seq in records) if records else None
+
+
+@settings(max_examples=400, deadline=None)
+@given(buckets=st.lists(st.lists(st.lists(_compact_record, max_size=6), min_size=1, max_size=3), max_size=8),
+       floor=st.integers(-1, 4), limit=st.integers(0, 5), horizon=st.sampled_from([-1e9, 994.0, 1000.0]),
+       cap=st.integers(1, 4), since=st.sampled_from([-1, 0, 20, 40]), mine=st.sets(st.integers(1, 60), max_size=5),
+       own=st.sampled_from([0, 1, 7, 30]))
+def test_rank_compact_as_the_reference(buckets: list[list[list[tuple[float, int]]]], floor: int, limit: int,
+                                       horizon: float, cap: int, since: int, mine: set[int], own: int) -> None:
+    """The compiled ranking of the compact layout's buckets (two slices read, records in and out of the window,
+    over the cap, a seq twice in a bucket, the query's own seq) against `compact_codec.rank_records`."""
+    slices = max((len(b) for b in buckets), default=1)
+    values = [[_compact_bucket(b[s]) if s < len(b) else None for b in buckets] for s in range(slices)]
+    positions = list(range(len(buckets)))
+    args = (values, positions, own, floor, limit, horizon, cap, since, mine if since >= 0 else None)
+    assert _native.rank_compact(*args) == compact_codec.rank_records(*args)
+
+
+def test_rank_compact_refuses_what_is_not_records() -> None:
+    for rank in (_native.rank_compact, compact_codec.rank_records):
+        with pytest.raises(IndexCorrupt):
+            rank([[compact_codec.record(1.0, 1) + b"x"]], [0], 0, 1, 8, -1e9, 8, -1, None)
+
+
+@settings(max_examples=300, deadline=None)
+@given(key=st.integers(0, 2**64 - 1), bits=st.integers(0, 64), id=st.text(max_size=20) | st.sampled_from(["x\udc80"]))
+def test_small_hashes_as_the_reference(key: int, bits: int, id: str) -> None:
+    """Which small hash a bucket field and an `i<id>` field go to: the compiled twins give the reference's."""
+    assert _native.small_hash(key, bits) == compact_codec.small_hash(key, bits) < 2**bits
+    assert _native.id_small_hash(id, bits) == compact_codec.id_small_hash(id, bits) < 2**bits
+
+
+def test_small_hashes_refuse_keys_and_bits_out_of_range() -> None:
+    for small in (_native.small_hash, compact_codec.small_hash):
+        for key, bits in ((-1, 4), (2**64, 4), (1, 65), (1, -1)):
+            with pytest.raises(ValueError):
+                small(key, bits)
+
+
+def test_small_hashes_spread_keys_evenly() -> None:
+    """Bucket keys share their method's tag in the top bits: the small hashes still get equal shares."""
+    keys = [(4 << 60) | (i * 0x2545F4914F6CDD1D & (1 << 60) - 1) for i in range(1 << 14)]
+    counts = np.bincount([compact_codec.small_hash(k, 6) for k in keys], minlength=64)
+    assert counts.min() > 0.7 * len(keys) / 64 and counts.max() < 1.3 * len(keys) / 64
 
 
 def test_rank_records_refuses_what_is_not_records() -> None:
