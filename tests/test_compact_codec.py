@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import redis
 
 from filters.errors import IndexCorrupt
 from filters.index import compact_codec as cc
@@ -45,3 +46,59 @@ def test_ranking_counts_seqs_and_leaves_the_query_own_out() -> None:
     assert cc.rank_records([[a, b]], [0, 1], 0, 1, 8, 0.0, 64) == [(2, 2, 0, 11.0), (3, 1, 1, 12.0), (1, 1, 0, 10.0)]
     assert cc.rank_records([[a, b]], [0, 1], 2, 1, 8, 0.0, 64) == [(3, 1, 1, 12.0), (1, 1, 0, 10.0)]
     assert cc.rank_records([[a, b]], [0, 1], 0, 1, 8, 10.5, 64) == [(2, 2, 0, 11.0), (3, 1, 1, 12.0)]
+
+
+def test_fields_land_in_small_hashes_that_stay_listpacks_and_read_back(redis_url: str) -> None:
+    """A slice's fields written by `write_commands` into a real Redis read back by `read_commands` as written:
+    buckets and ids in small listpack hashes, a bucket of more than 4 records in the slice hash behind its
+    mark, entries and memos in the slice hash; every key with a TTL."""
+    client = redis.Redis.from_url(redis_url)
+    slice_key = "{test-compact:ns}:c:7"
+    client.delete(slice_key, *(cc.small_key(slice_key, j) for j in range(16)))
+    bits = 4
+    buckets = {b"b" + (i * 0x9E3779B97F4A7C15 % 2**64).to_bytes(8, "big"): b"".join(
+        cc.record(float(i), i * 10 + r) for r in range(1 + (i % 9 == 0) * 5)) for i in range(1, 400)}
+    ids = {cc.id_field(f"msg-{i}"): cc.record(float(i), i) for i in range(200)}
+    long_id = cc.id_field("x" * 80)
+    entries = {cc.entry_field(i): cc.entry_value(b"\x03" + bytes(300), f"msg-{i}") for i in range(200)}
+    memo = {b"dmsg-3": b"memo" * 30}
+    fields = buckets | ids | entries | memo | {long_id: cc.record(1.0, 999)}
+    pairs = [x for kv in fields.items() for x in kv]
+    commands = cc.write_commands(slice_key, pairs, bits, set(), 200, 1, 60_000, 100)
+    pipe = client.pipeline(transaction=False)
+    for command in commands:
+        pipe.execute_command(*command)
+    pipe.execute()
+    names = [*fields, b"b" + bytes(8), b"dmsg-4"]
+    reads, places = cc.read_commands(slice_key, names, bits, set(), 50)
+    pipe = client.pipeline(transaction=False)
+    for command in reads:
+        pipe.execute_command(*command)
+    column = cc.column_of(pipe.execute(), places, len(names))
+    marked = cc.marked_places(column)
+    assert {names[p] for p in marked} == {f for f, v in buckets.items() if len(v) > cc.LISTPACK_VALUE} != set()
+    again = client.hmget(slice_key, [names[p] for p in marked])
+    for p, value in zip(marked, again):
+        column[p] = value
+    assert dict(zip(names, column)) == fields | {b"b" + bytes(8): None, b"dmsg-4": None}
+    assert client.hmget(slice_key, "n", "m") == [b"200", b"1"]
+    for j in range(2**bits):
+        key = cc.small_key(slice_key, j)
+        assert client.object("encoding", key) == b"listpack"
+        assert 0 < client.pttl(key) <= 60_000
+    assert client.object("encoding", slice_key) == b"hashtable" and 0 < client.pttl(slice_key) <= 60_000
+    # A bucket known to be marked is read, and written, in the slice hash straight away.
+    mark = names[marked[0]]
+    reads, places = cc.read_commands(slice_key, [mark], bits, {mark}, 50)
+    assert reads == [("HMGET", slice_key, mark)]
+    assert cc.write_commands(slice_key, [mark, cc.record(1.0, 1)], bits, {mark}, 0, 0, 5, 100) == [
+        ("HSET", slice_key, mark, cc.record(1.0, 1)), ("PEXPIRE", slice_key, 5)]
+    client.delete(slice_key, *(cc.small_key(slice_key, j) for j in range(16)))
+
+
+def test_an_entry_carries_its_id() -> None:
+    for id in ("a", "ünï", "x\udc80", "y" * 300):
+        assert cc.split_entry_value(cc.entry_value(b"\x03blob", id)) == (b"\x03blob", id)
+    for bad in (b"", b"\x05\x00", b"ab\xff\x01\x00"):
+        with pytest.raises(IndexCorrupt):
+            cc.split_entry_value(bad)

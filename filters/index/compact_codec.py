@@ -45,10 +45,7 @@ def small_hash(key: int, bits: int) -> int:
 
 def id_hash(id: str) -> int:
     """The 64-bit FNV-1a hash of an id's UTF-8 bytes (surrogatepass)."""
-    h = _FNV_OFFSET
-    for byte in id.encode("utf-8", "surrogatepass"):
-        h = (h ^ byte) * _FNV_PRIME & _MASK64
-    return h
+    return _fnv(id.encode("utf-8", "surrogatepass"))
 
 
 def id_small_hash(id: str, bits: int) -> int:
@@ -114,3 +111,126 @@ def rank_records(values: Sequence[Sequence[bytes | None]], positions: Sequence[i
     items = [(seq, c) for seq, c in counts.items() if c[0] >= floor]
     items.sort(key=lambda item: (item[1][0], item[0]), reverse=True)
     return [(seq, shared, first, ts) for seq, (shared, first, ts) in items[: max(limit, 1)]]
+
+
+# --- where a slice's fields live: its small hashes and its slice hash -----------------------------------------
+
+Command = tuple[Any, ...]
+
+
+def field_hash(name: bytes, bits: int) -> int | None:
+    """The small hash of a slice's field `name` (its bits `bits`), None for the slice hash: a bucket field
+    (`b` and 8 bytes) by its key, an `i<id>` by its id when the name fits a listpack value; the entries, memos
+    and counts, and a bucket marked as kept there (the caller knows), live in the slice hash."""
+    kind = name[:1]
+    if kind == b"b" and len(name) == 9:
+        return small_hash(int.from_bytes(name[1:], "big"), bits)
+    if kind == b"i" and len(name) <= LISTPACK_VALUE:
+        return small_hash(_fnv(name[1:]), bits)
+    return None
+
+
+def _fnv(raw: bytes) -> int:
+    h = _FNV_OFFSET
+    for byte in raw:
+        h = (h ^ byte) * _FNV_PRIME & _MASK64
+    return h
+
+
+def small_key(slice_key: str, j: int) -> str:
+    """The name of small hash `j` of the slice hash `slice_key`."""
+    return f"{slice_key}:{j}"
+
+
+def read_commands(slice_key: str, names: Sequence[bytes], bits: int, marked: frozenset[bytes] | set[bytes],
+                  per_command: int) -> tuple[list[Command], list[list[int]]]:
+    """The `HMGET`s that read `names` (distinct) of one slice: per small hash the names it holds, at most
+    `per_command` a command, the slice hash the others (and the buckets in `marked`, known to be kept there).
+    Returns the commands and, per command, the places in `names` of the names it reads, in order."""
+    groups: dict[int, list[int]] = {}
+    for place, name in enumerate(names):
+        j = None if name in marked else field_hash(name, bits)
+        groups.setdefault(-1 if j is None else j, []).append(place)
+    commands: list[Command] = []
+    places: list[list[int]] = []
+    for j, at in groups.items():
+        key = slice_key if j < 0 else small_key(slice_key, j)
+        for a in range(0, len(at), per_command):
+            part = at[a : a + per_command]
+            commands.append(("HMGET", key, *(names[p] for p in part)))
+            places.append(part)
+    return commands, places
+
+
+def column_of(replies: Sequence[Sequence[bytes | None]], places: Sequence[Sequence[int]],
+              n: int) -> list[bytes | None]:
+    """The values of a slice's `n` names from the replies of its `read_commands`, in the names' places."""
+    column: list[bytes | None] = [None] * n
+    for reply, at in zip(replies, places, strict=True):
+        for p, value in zip(at, reply, strict=True):
+            column[p] = value
+    return column
+
+
+def marked_places(column: Sequence[bytes | None]) -> list[int]:
+    """The places of a column read as the mark: their buckets are read again in the slice hash."""
+    return [p for p, value in enumerate(column) if value == MARK]
+
+
+def write_commands(slice_key: str, pairs: Sequence[bytes], bits: int, marked: frozenset[bytes] | set[bytes],
+                   entries: int, memos: int, ttl_ms: int, per_command: int) -> list[Command]:
+    """The commands that write a slice's field-value `pairs` (name, value, name, value ...; each name once):
+    each field in its small hash; a bucket in `marked` (read as the mark: kept in the slice hash) in the slice
+    hash, and one whose value passes `LISTPACK_VALUE` bytes too, with the mark in its small hash (a mark never
+    goes back: a bucket trimmed short again stays where it is); the counts of entries and memos moved; a TTL
+    for every key written."""
+    groups: dict[int, list[bytes]] = {}
+    for a in range(0, len(pairs), 2):
+        name, value = pairs[a], pairs[a + 1]
+        j = None if name in marked else field_hash(name, bits)
+        if j is not None and len(value) > LISTPACK_VALUE:
+            groups.setdefault(j, []).extend((name, MARK))
+            j = None
+        groups.setdefault(-1 if j is None else j, []).extend((name, value))
+    commands: list[Command] = []
+    step = 2 * per_command
+    for j, flat in groups.items():
+        key = slice_key if j < 0 else small_key(slice_key, j)
+        commands += [("HSET", key, *flat[a : a + step]) for a in range(0, len(flat), step)]
+        if j < 0:
+            commands += [("HINCRBY", key, field, count) for field, count in (("n", entries), ("m", memos)) if count]
+        commands.append(("PEXPIRE", key, ttl_ms))
+    if -1 not in groups and (entries or memos):
+        commands += [("HINCRBY", slice_key, field, count) for field, count in (("n", entries), ("m", memos)) if count]
+        commands.append(("PEXPIRE", slice_key, ttl_ms))
+    return commands
+
+
+def entry_value(blob: bytes, id: str) -> bytes:
+    """An `e<seq>` value: the entry's bytes (`encode_entry`), its id (UTF-8), the id's length (u16 LE)."""
+    raw = id.encode("utf-8", "surrogatepass")
+    if len(raw) > 0xFFFF:
+        raise ValueError(f"ids must be at most 65,535 bytes of UTF-8, got {len(raw):,}")
+    return blob + raw + len(raw).to_bytes(2, "little")
+
+
+def split_entry_value(value: bytes) -> tuple[bytes, str]:
+    """The entry's bytes and its id of an `e<seq>` value (`entry_value`)."""
+    if len(value) < 2:
+        raise IndexCorrupt(f"an entry of {len(value)} bytes has no id")
+    n = int.from_bytes(value[-2:], "little")
+    if n + 2 > len(value):
+        raise IndexCorrupt(f"an entry of {len(value)} bytes with an id of {n}")
+    try:
+        return value[: -2 - n], value[-2 - n : -2].decode("utf-8", "surrogatepass")
+    except UnicodeDecodeError as exc:
+        raise IndexCorrupt(f"an entry's id is not UTF-8: {exc}") from exc
+
+
+def entry_field(seq: int) -> bytes:
+    """The slice hash's field of the entry of `seq`."""
+    return b"e" + SEQ.pack(seq)
+
+
+def id_field(id: str) -> bytes:
+    return b"i" + id.encode("utf-8", "surrogatepass")
