@@ -404,6 +404,47 @@ def test_small_hashes_as_the_reference(key: int, bits: int, id: str) -> None:
     assert _native.id_small_hash(id, bits) == compact_codec.id_small_hash(id, bits) < 2**bits
 
 
+_compact_value = st.none() | st.lists(_compact_record, min_size=1, max_size=10).map(_compact_bucket)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), n_buckets=st.integers(1, 6), n_entries=st.integers(0, 6), cap=st.integers(1, 3),
+       hwm=st.sampled_from([-math.inf, 120.0, 180.0]))
+def test_alone_compact_as_the_reference(data: st.DataObject, n_buckets: int, n_entries: int, cap: int,
+                                        hwm: float) -> None:
+    """The compiled uncontended round of the compact layout (live ids read or written earlier in the round,
+    entries outside the window, buckets shared within the round, values trimmed) against
+    `compact_codec.alone_round`: the same results, writes, pairs and seqs."""
+    ids = data.draw(st.lists(st.sampled_from(["a", "b", "ü", "x\udc80"]), min_size=n_entries, max_size=n_entries))
+    names = [b"b" + k.to_bytes(8, "big") for k in range(n_buckets)] + [compact_codec.id_field(id) for id in dict.fromkeys(ids)]
+    id_at = {id: n_buckets + k for k, id in enumerate(dict.fromkeys(ids))}
+    slices = (0, 1)
+    columns = {s: data.draw(st.lists(_compact_value, min_size=len(names), max_size=len(names))) for s in slices}
+    for s in slices:  # an i<id> holds one record
+        for p in id_at.values():
+            if columns[s][p] is not None:
+                columns[s][p] = columns[s][p][:16]  # type: ignore[index]
+    places_of = [data.draw(st.lists(st.integers(0, n_buckets - 1), unique=True, max_size=n_buckets)) for _ in ids]
+    fields_of = [[names[p] for p in places] for places in places_of]
+    times = [data.draw(st.sampled_from([20.0, 90.0, 150.0, 199.0])) for _ in ids]
+    blobs = [b"\x03entry%d" % i for i in range(len(ids))]
+
+    def run(round_: object) -> tuple[object, ...]:
+        writes: dict[int, dict[int, bytes]] = {s: {} for s in slices}
+        out = round_(list(ids), list(times), blobs, fields_of, places_of, [id_at[id] for id in ids], slices,  # type: ignore[operator]
+                     {s: list(c) for s, c in columns.items()}, writes, hwm, 100.0, 100.0, cap, 40)
+        return (*out, writes)
+
+    assert run(_native.alone_compact) == run(compact_codec.alone_round)
+
+
+@settings(max_examples=300, deadline=None)
+@given(records=st.lists(_compact_record, max_size=12), cap=st.integers(1, 6))
+def test_trim_compact_as_the_reference(records: list[tuple[float, int]], cap: int) -> None:
+    value = _compact_bucket(records) or b""
+    assert _native.trim_compact(value, cap) == compact_codec.trim_records(value, cap)
+
+
 def test_small_hashes_refuse_keys_and_bits_out_of_range() -> None:
     for small in (_native.small_hash, compact_codec.small_hash):
         for key, bits in ((-1, 4), (2**64, 4), (1, 65), (1, -1)):

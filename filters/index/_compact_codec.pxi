@@ -140,3 +140,155 @@ cdef list _rank_compact(list values, list positions, uint64_t own, Py_ssize_t fl
         if len(out) >= limit:
             break
     return out
+
+
+def alone_compact(list ids, list tss, list blobs, list fields_of, list places_of, list id_places, tuple slices,
+                  dict columns, dict writes, double hwm, double window, double slice_length,
+                  Py_ssize_t cap, uint64_t seq) -> tuple:
+    """`filters.index.compact_codec.alone_round` (which documents it), compiled. Returns (results, groups,
+    written, hwm, seq)."""
+    cdef Py_ssize_t count = len(ids), i, j, nf, n_id
+    cdef double ts, old_ts
+    cdef bint live
+    cdef object e, old, column, mine, p, v, f
+    cdef list fields, places, pairs, results = [], written = []
+    cdef dict groups = {}, at_of = {}
+    cdef bytearray at_buf
+    cdef Py_ssize_t *at  # per place of the slice: where its value is in the slice's pairs, or -1
+    cdef Py_ssize_t place, k
+    cdef bytes id_bytes, rec, blob, value, name
+    cdef char *rp
+    cdef Py_ssize_t too_long = 2 * cap * 16
+    cdef long long s, sl
+    for i in range(count):
+        e = id_places[i]
+        live = False
+        for s in slices:
+            old = (<dict>writes[s]).get(e)
+            if old is None:
+                column = columns.get(s)
+                old = (<list>column)[e] if column is not None else None
+            if old is not None:
+                if len(<bytes>old) < 16 or len(<bytes>old) % 16:
+                    from filters.errors import IndexCorrupt
+                    raise IndexCorrupt(f"a bucket holds {len(<bytes>old)} bytes that are not records of 16")
+                memcpy(&old_ts, <const char *>(<bytes>old), 8)
+                if old_ts >= hwm - window:
+                    live = True
+                    break
+        if live:
+            results.append(0)
+            continue
+        ts = tss[i]
+        if ts > hwm:
+            hwm = ts
+        if not ts >= hwm - window:
+            results.append(0)
+            continue
+        seq += 1
+        rec = PyBytes_FromStringAndSize(NULL, 16)
+        rp = PyBytes_AS_STRING(rec)
+        memcpy(rp, &ts, 8)
+        put_be64(rp + 8, seq)
+        sl = <long long>floor_div(ts, slice_length)
+        mine = writes[sl]
+        column = columns[sl]
+        fields = fields_of[i]
+        places = places_of[i]
+        nf = len(fields)
+        group = groups.get(sl)
+        if group is None:
+            group = groups[sl] = [0, []]
+            at_of[sl] = bytearray(b"\xff" * (len(<list>column) * sizeof(Py_ssize_t)))
+        group[0] += 1
+        pairs = <list>group[1]
+        at_buf = <bytearray>at_of[sl]
+        at = <Py_ssize_t *>PyByteArray_AS_STRING(at_buf)
+        for j in range(nf):
+            f = fields[j]
+            p = places[j]
+            v = (<dict>mine).get(p)
+            if v is None:
+                v = (<list>column)[p]
+            if v is None:
+                v = rec
+            else:
+                if len(<bytes>v) > too_long:
+                    v = _trim16(<bytes>v, cap)
+                v = <bytes>v + rec
+            (<dict>mine)[p] = v
+            place = p
+            if place < 0 or place >= len(<list>column):  # `at` is a C array: no place outside it
+                raise IndexError(f"field place {place} outside the {len(<list>column)} read")
+            k = at[place]
+            if k < 0:
+                at[place] = len(pairs) + 1
+                pairs.append(f)
+                pairs.append(v)
+            else:
+                pairs[k] = v
+        (<dict>mine)[e] = rec
+        id_bytes = (<str>ids[i]).encode("utf-8", "surrogatepass")
+        n_id = len(id_bytes)
+        if n_id > 0xFFFF:
+            raise ValueError(f"ids must be at most 65,535 bytes of UTF-8, got {n_id:,}")
+        blob = blobs[i]
+        value = PyBytes_FromStringAndSize(NULL, len(blob) + n_id + 2)
+        rp = PyBytes_AS_STRING(value)
+        memcpy(rp, <const char *>blob, len(blob))
+        memcpy(rp + len(blob), <const char *>id_bytes, n_id)
+        rp[len(blob) + n_id] = <char>(n_id & 0xFF)
+        rp[len(blob) + n_id + 1] = <char>(n_id >> 8)
+        name = PyBytes_FromStringAndSize(NULL, 9)
+        rp = PyBytes_AS_STRING(name)
+        rp[0] = b'e'
+        put_be64(rp + 1, seq)
+        pairs.append(b"i" + id_bytes)
+        pairs.append(rec)
+        pairs.append(name)
+        pairs.append(value)
+        written.append((seq, sl, places))
+        results.append(seq)
+    return results, groups, written, hwm, seq
+
+
+cdef bytes _trim16(bytes value, Py_ssize_t cap):
+    """The `cap` newest records (event time, then seq) of a compact bucket value, in insertion order
+    (`compact_codec.trim_records`)."""
+    cdef Py_ssize_t n = len(value) // 16, j, kept = 0
+    cdef const char *p = value
+    cdef nd_record *recs
+    cdef bytes out
+    cdef char *op
+    if len(value) % 16:
+        from filters.errors import IndexCorrupt
+        raise IndexCorrupt(f"a bucket holds {len(value)} bytes that are not records of 16")
+    if n <= cap:
+        return value
+    recs = <nd_record *>PyMem_Malloc(n * sizeof(nd_record))
+    if recs == NULL:
+        raise MemoryError()
+    try:
+        for j in range(n):
+            memcpy(&recs[j].ts, p + 16 * j, 8)
+            recs[j].seq = be64(p + 16 * j + 8)
+            recs[j].n = <uint32_t>j  # its place: kept in insertion order below
+            recs[j].id = NULL
+        nd_sort_newest_first(recs, recs + n)
+        keep = bytearray(n)
+        for j in range(cap):
+            keep[recs[j].n] = 1
+        out = PyBytes_FromStringAndSize(NULL, 16 * cap)
+        op = PyBytes_AS_STRING(out)
+        for j in range(n):
+            if keep[j]:
+                memcpy(op + 16 * kept, p + 16 * j, 16)
+                kept += 1
+        return out
+    finally:
+        PyMem_Free(recs)
+
+
+def trim_compact(bytes value, Py_ssize_t cap) -> bytes:
+    """`filters.index.compact_codec.trim_records`, compiled."""
+    return _trim16(value, cap)

@@ -69,6 +69,14 @@ def parse_records(value: bytes) -> list[tuple[float, int]]:
     return [(ts, SEQ.unpack(seq)[0]) for ts, seq in RECORD.iter_unpack(value)]
 
 
+def _first_time(value: bytes) -> float:
+    """The event time of a value's first record (an `i<id>` holds one)."""
+    records = parse_records(value)
+    if not records:
+        raise IndexCorrupt("a bucket holds 0 bytes that are not records of 16")
+    return records[0][0]
+
+
 def trim_records(value: bytes, cap: int) -> bytes:
     """The `cap` newest records (event time, then seq) of a bucket value, in insertion order."""
     records = parse_records(value)
@@ -234,3 +242,67 @@ def entry_field(seq: int) -> bytes:
 
 def id_field(id: str) -> bytes:
     return b"i" + id.encode("utf-8", "surrogatepass")
+
+
+# --- the uncontended insert round ----------------------------------------------------------------------------
+
+def alone_round(ids: list[str], times: list[float], blobs: list[bytes], fields_of: list[list[bytes]],
+                places_of: list[list[int]], id_places: list[int], slices: tuple[int, ...],
+                columns: dict[int, list[bytes | None]], writes: dict[int, dict[int, bytes]], hwm: float,
+                window: float, slice_length: float, cap: int,
+                seq: int) -> tuple[list[int], dict[int, list[Any]], list[tuple[int, int, list[int]]], float, int]:
+    """`redis_codec.alone_round` in the compact layout (`_native.alone_compact` is the compiled twin): per
+    entry, in order, what the insert script would do when nobody else wrote since the lookup. An entry whose
+    id is live (its `i<id>`, at `id_places`, read or written, with an event time inside the window in a slice
+    read) or whose event time left the window gets 0; else the next seq, its record (event time, seq) appended
+    to each of its bucket fields (trimmed back to the cap first when a value holds more than twice as many),
+    written as its `i<id>`, and its entry as `e<seq>` (`entry_value`). `writes` (slice -> place -> value, what
+    the caller wrote since the lookup) is updated. Returns (results, per slice [entries, field-value pairs:
+    each bucket field once, with its last value, then the ids and entries], (seq, slice, places) per entry
+    written, high-water mark, seq)."""
+    results: list[int] = []
+    groups: dict[int, list[Any]] = {}
+    at_of: dict[int, dict[int, int]] = {}  # slice -> place -> where its value is in the slice's pairs
+    written: list[tuple[int, int, list[int]]] = []
+    too_long = 2 * cap * RECORD_SIZE
+    for id, ts, blob, fields, places, e in zip(ids, times, blobs, fields_of, places_of, id_places):
+        live = False
+        for s in slices:
+            old = writes[s].get(e)
+            if old is None:
+                column = columns.get(s)
+                old = column[e] if column is not None else None
+            if old is not None and _first_time(old) >= hwm - window:
+                live = True
+                break
+        if live:
+            results.append(0)
+            continue
+        hwm = max(hwm, ts)
+        if not ts >= hwm - window:
+            results.append(0)
+            continue
+        seq += 1
+        rec = record(ts, seq)
+        s = math.floor(ts / slice_length)
+        mine, column = writes[s], columns[s]
+        group = groups.setdefault(s, [0, []])
+        group[0] += 1
+        pairs, at = group[1], at_of.setdefault(s, {})
+        for f, p in zip(fields, places):
+            v = mine.get(p)
+            if v is None:
+                v = column[p]
+            v = rec if v is None else (trim_records(v, cap) if len(v) > too_long else v) + rec
+            mine[p] = v
+            k = at.get(p)
+            if k is None:
+                at[p] = len(pairs) + 1
+                pairs += (f, v)
+            else:
+                pairs[k] = v
+        mine[e] = rec
+        pairs += (id_field(id), rec, entry_field(seq), entry_value(blob, id))
+        written.append((seq, s, places))
+        results.append(seq)
+    return results, groups, written, hwm, seq
