@@ -262,7 +262,8 @@ class RedisTarget:
     prefix: str
     grace: float
     entry_cache: int = DEFAULT_ENTRY_CACHE
-    layout: str = "slot"  # "slot": a namespace is one hash tag; "spread": over many (filters/index/redis_spread.py)
+    layout: str = "slot"  # "slot": a namespace is one hash tag; "spread": over many (filters/index/redis_spread.py);
+    # "compact": the slot layout's records by seq in small hashes (filters/index/redis_compact.py, being built)
     spread: tuple[tuple[str, str], ...] = ()  # the spread layout's own options, checked there
 
     @classmethod
@@ -281,8 +282,8 @@ class RedisTarget:
             if name == "prefix":
                 prefix = value
             elif name == "layout":
-                if value not in ("slot", "spread"):
-                    raise ConfigError(f"layout must be slot or spread, got {value!r}")
+                if value not in ("slot", "spread", "compact"):
+                    raise ConfigError(f"layout must be slot, spread or compact, got {value!r}")
                 layout = value
             elif name in SPREAD_OPTIONS:
                 spread.append((name, value))

@@ -1,0 +1,482 @@
+"""The compact slot layout of the Redis index (docs/design.md, "The compact slot layout"): `RedisIndex`'s
+protocol, its records of (event time, seq) in small listpack hashes and its entries keyed by seq.
+
+Chosen by `?layout=compact` while it is being built (it is to become the slot layout). What it does not do
+yet, against `RedisIndex`: read ahead (`prefetch` sends nothing), the uncontended round without WATCH (Redis
+Cluster runs the checking script), the restore's transactions and the rebuild's bulk writes (a restore runs
+the checking script with nothing to compare), unlinking the small hashes of a slice that left the window
+(their TTL takes them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from importlib import resources
+from typing import Any, cast
+
+from filters.errors import ConfigError, IndexCorrupt
+from filters.index import Candidate, Entry, Query, Stored, new_candidate
+from filters.index import compact_codec as cc
+from filters.index.redis import (
+    FIELDS_PER_CALL,
+    FIELDS_PER_HMGET,
+    INSERT_CHUNK,
+    MARKER,
+    RedisIndex,
+    _event_time,
+    _raise_any,
+    _Script,
+    _stored_time,
+    _View,
+    _WatchLost,
+)
+from filters.index.redis_codec import ABSENT, SEQ, decode_entry, decode_memo, encode_entry, memo_time, plan_fields
+from filters.records import Verdict
+
+try:  # the compiled core; absent when it could not be built at install time (no C++ compiler)
+    import filters._native as _native
+except ImportError:  # pragma: no cover - exercised on machines without a compiler
+    _native = None
+
+_FIB = 0x9E3779B97F4A7C15
+_MASK64 = (1 << 64) - 1
+STATS_SAMPLE = 1024  # small hashes a slice whose fields `stats` counts
+MARKS_KEPT = 1 << 16  # marked buckets a client remembers a slice (read in the slice hash straight away)
+
+
+def _script() -> _Script:
+    sources = [resources.files("filters.index").joinpath("lua", name).read_text(encoding="utf-8")
+               for name in ("trim16.lua", "compact_insert.lua")]
+    bits = f"{cc.K_FIRST}, {cc.K_MIN}, {cc.K_MAX}, {cc.FIELDS_PER_ENTRY}, {cc.SMALL_FILL}"
+    return _Script.of("\n".join(sources).replace("FIELDS_PER_CALL", str(FIELDS_PER_CALL))
+                      .replace("COMPACT_BITS", bits))
+
+
+COMPACT_INSERT = _script()
+
+
+def _mixed32(h: int) -> bytes:
+    """The top 32 bits of a 64-bit hash times the Fibonacci constant: a small hash is their top k bits."""
+    return ((h * _FIB & _MASK64) >> 32).to_bytes(4, "big")
+
+
+class CompactIndex(RedisIndex):
+    """`RedisIndex` in the compact layout (`?layout=compact`); see the module's docstring for what it does not
+    do yet."""
+
+    def __init__(self, url: str, *, window: float, bucket_cap: int, namespace: str, fenced: bool = False) -> None:
+        super().__init__(url, window=window, bucket_cap=bucket_cap, namespace=namespace, fenced=fenced)
+        self._spre = f"{{{self.prefix}:{namespace}}}:c:"
+        self.read_ahead = False
+        self._bits: dict[int, int] = {}  # slice -> its bits, as its meta field `k:<n>` says (never changes)
+        self._marks: dict[int, set[bytes]] = {}  # slice -> buckets read as the mark (kept in the slice hash)
+        self._counts: dict[int, int] = {}  # slice -> its count of entries as last read
+        self._by_seq: dict[int, Entry] = {}  # entries written or read lately, by seq
+        self._alone_compact = _native.alone_compact if _native is not None else cc.alone_round
+        self._rank_compact = _native.rank_compact if _native is not None else cc.rank_records
+
+    # -- reading -------------------------------------------------------------------------------------
+    def _planned(self, queries: Sequence[Query]) -> tuple[list[bytes], list[list[bytes]], list[list[int]], list[int]]:
+        try:
+            return plan_fields([q.keys for q in queries], [cc.id_field(q.id) for q in queries])
+        except (OverflowError, ValueError):
+            raise ValueError(f"bucket keys must be unsigned 64-bit ints: {[q.keys for q in queries]!r}") from None
+
+    def _read(self, names: Sequence[bytes], slices: Sequence[int], *,
+              watch: bool = False) -> tuple[int, bytes, list[list[bytes | None]]]:
+        """(seq, stored high-water mark, per slice the values of `names`, a bucket kept in the slice hash read
+        there): the meta hash first (its layout and the bits of each slice), then each slice's small hashes
+        and slice hash; a slice whose bits the client did not know is read again with them."""
+        known: dict[int, int | None] = {s: self._bits.get(s) for s in slices}
+        for _ in range(3):
+            commands: list[Sequence[Any]] = [("UNWATCH",), ("WATCH", self._meta)] if watch else []
+            commands.append(("HMGET", self._meta, "seq", "hwm", *((MARKER,) if self.fenced else ()), "layout",
+                             *(f"k:{s}" for s in slices)))
+            plans = []
+            for s in slices:
+                key = f"{self._spre}{s}"
+                bits = known[s]
+                if bits is None:  # no small hash yet: only the fields of the slice hash
+                    at = [p for p, name in enumerate(names) if cc.field_hash(name, 0) is None]
+                    reads = [("HMGET", key, *(names[p] for p in at[a : a + FIELDS_PER_HMGET]))
+                             for a in range(0, len(at), FIELDS_PER_HMGET)]
+                    places = [at[a : a + FIELDS_PER_HMGET] for a in range(0, len(at), FIELDS_PER_HMGET)]
+                else:
+                    reads, places = cc.read_commands(key, names, bits, self._marks.get(s, set()), FIELDS_PER_HMGET)
+                commands += [*reads, ("HGET", key, "n")]
+                plans.append(places)
+            with self._errors():
+                replies = self._execute(commands)
+                _raise_any(replies)
+            if watch:
+                replies = replies[2:]
+            state = replies[0]
+            seq, stored = self._state(state)
+            extra = 3 if self.fenced else 2
+            layout = state[extra]
+            if state[0] is not None and layout != cc.LAYOUT.encode():
+                raise ConfigError(f"the Redis index at {self._where} holds namespace {self.namespace!r} in another "
+                                  f"layout ({(layout or b'slot, records by id').decode()}); this one is the compact "
+                                  "layout: give a new prefix (?prefix=...), which starts empty or is rebuilt from "
+                                  "the index changelog")
+            read = {s: int(k) if k is not None else None for s, k in zip(slices, state[extra + 1 :])}
+            for s, bits in read.items():
+                if bits is not None:
+                    self._bits[s] = bits
+            rest = iter(replies[1:])
+            columns = []
+            for s, places in zip(slices, plans):
+                got = [next(rest) for _ in places]
+                count = next(rest)
+                if count is not None:
+                    self._counts[s] = int(count)
+                columns.append(cc.column_of(got, places, len(names)))
+            if all(read[s] == known[s] for s in slices):
+                break
+            known = {s: read[s] for s in slices}  # made (or made again) meanwhile: read with its bits
+        else:
+            raise IndexCorrupt(f"the Redis index at {self._where}: the bits of its slices keep changing")
+        self._resolve_marks(names, slices, columns)
+        low = min(slices, default=0) - 1
+        for cache in (self._bits, self._marks, self._counts):
+            for s in [s for s in cache if s < low]:
+                del cache[s]
+        return seq, stored, columns
+
+    def _resolve_marks(self, names: Sequence[bytes], slices: Sequence[int],
+                       columns: list[list[bytes | None]]) -> None:
+        """Reads the buckets read as the mark in their slice hash (one round trip, when any), and remembers them."""
+        wanted = [(s, column, cc.marked_places(column)) for s, column in zip(slices, columns)]
+        wanted = [w for w in wanted if w[2]]
+        if not wanted:
+            return
+        with self._errors():
+            replies = self._execute([("HMGET", f"{self._spre}{s}", *(names[p] for p in at)) for s, _, at in wanted])
+            _raise_any(replies)
+        for (s, column, at), values in zip(wanted, replies):
+            marks = self._marks.setdefault(s, set())
+            for p, value in zip(at, values):
+                column[p] = value
+                if len(marks) < MARKS_KEPT:
+                    marks.add(names[p])
+
+    def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | Verdict | None, list[Candidate]]]:
+        self._ahead = None
+        if not queries:
+            return []
+        marks = []
+        hwm = self._hwm
+        for q in queries:
+            hwm = max(hwm, _event_time(q.ts, q.id, self.slice_length))
+            marks.append(hwm)
+        names, key_fields, positions, id_places = self._planned(queries)
+        watch = self._watchable()
+        if watch:
+            with self._errors():
+                self._pinned()
+        epoch = self._epoch
+        seq, stored, slices, columns = self._read_covering(names, self._slices(marks[0], hwm), marks[0], hwm,
+                                                           watch=watch)
+        watch = watch and self._epoch == epoch
+        self._hwm = hwm
+        ids = [q.id for q in queries]
+        self._view = _View(slices, dict(zip(slices, columns)), names, seq, stored, dict(zip(ids, range(len(ids)))),
+                           [q.keys for q in queries], key_fields, positions, id_places,
+                           watch=epoch if watch else -1, marker=self._marker)
+        window, cap = self.window, self.bucket_cap
+        found = []
+        wanted: set[tuple[int, float]] = set()
+        for q, where, e, mark in zip(queries, positions, id_places, marks):
+            horizon = mark - window
+            own: tuple[int, float] | None = None
+            memo = None
+            for column in columns:
+                value = column[e]
+                if value is not None:
+                    (ts, seq_own), = cc.parse_records(value)
+                    if ts >= horizon:
+                        own = (seq_own, ts)
+                        break
+            if own is None:
+                for column in columns:
+                    blob = column[e + 1]
+                    if blob is not None and memo_time(blob, q.id) >= horizon:
+                        memo = blob
+                        break
+            ranked = self._rank_compact(columns, where, own[0] if own else 0, q.min_shared, limit, horizon, cap, -1,
+                                        None)
+            found.append((own, memo, ranked))
+            wanted.update((s, ts) for s, _, _, ts in ranked)
+            if own is not None:
+                wanted.add(own)
+        entries = self._entries_by_seq(wanted)
+        out: list[tuple[Entry | Verdict | None, list[Candidate]]] = []
+        for q, (own, memo, ranked) in zip(queries, found):
+            cands = [new_candidate(entries[s], shared, q.keys[first]) for s, shared, first, _ in ranked if s in entries]
+            mine: Entry | Verdict | None = None
+            if own is not None and own[0] in entries:
+                mine = entries[own[0]]
+            elif memo is not None:
+                mine = decode_memo(memo, q.id)
+            out.append((mine, cands))
+        return out
+
+    def _entries_by_seq(self, wanted: set[tuple[int, float]]) -> dict[int, Entry]:
+        """The stored entries of (seq, event time) pairs; one that is gone (its slice expired) is left out. An
+        entry of a seq never changes: those written or read lately are kept and not read again."""
+        out: dict[int, Entry] = {}
+        by_slice: dict[int, list[int]] = {}
+        for seq, ts in sorted(wanted):
+            entry = self._by_seq.get(seq)
+            if entry is not None:
+                out[seq] = entry
+            else:
+                by_slice.setdefault(self._slice(ts), []).append(seq)
+        if not by_slice:
+            return out
+        with self._errors():
+            replies = self._execute([("HMGET", f"{self._spre}{s}", *map(cc.entry_field, seqs))
+                                     for s, seqs in by_slice.items()], share=False)
+            _raise_any(replies)
+        read = {}
+        for seqs, values in zip(by_slice.values(), replies):
+            for seq, value in zip(seqs, values):
+                if value is not None:
+                    blob, id = cc.split_entry_value(value)
+                    read[seq] = decode_entry(blob, id)
+        out.update(read)
+        self._keep(read)
+        return out
+
+    def _keep(self, entries: dict[int, Entry]) -> None:
+        cap = self._known_cap
+        if not cap:
+            return
+        known = self._by_seq
+        known.update(entries)
+        if len(known) > cap + cap // 4:
+            self._by_seq = dict(list(known.items())[len(known) - cap :])
+
+    # -- inserting -----------------------------------------------------------------------------------
+    def _insert_chunk(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]:
+        view = self._view
+        looked = view.looked
+        fields_of: list[list[bytes]] = []
+        places_of: list[list[int] | None] = []
+        for entry, keys in entries:
+            q = looked.get(entry.id)
+            if q is not None and (view.keys_of[q] is keys or view.keys_of[q] == keys):
+                fields_of.append(view.fields_of[q])
+                places_of.append(view.places_of[q])
+            else:
+                fields_of.append([b"b" + k.to_bytes(8, "big") for k in keys])
+                places_of.append(None)
+        results = self._alone(entries, fields_of, places_of) if self.alone_inserts else None
+        if results is None:
+            results = self._checked(entries, fields_of)
+        self._keep({seq: entry for (entry, _), seq in zip(entries, results) if seq > 0})
+        out: list[list[Candidate] | None] = [None] * len(entries)
+        again = [i for i, result in enumerate(results) if result < 0]
+        if again:
+            conflicts = self._reread([entries[i] for i in again], [fields_of[i] for i in again])
+            for i, cands in zip(again, conflicts):
+                out[i] = cands
+        return out
+
+    def _alone(self, entries: Sequence[tuple[Entry, tuple[int, ...]]], fields_of: Sequence[list[bytes]],
+               places_of: Sequence[list[int] | None]) -> list[int] | None:
+        """`RedisIndex._alone` in this layout, as a WATCH-guarded transaction only (None otherwise: the script)."""
+        view = self._view
+        if not view.exact or not view.slices or any(p is None for p in places_of) or view.watch != self._epoch:
+            return None
+        window, cap = self.window, self.bucket_cap
+        times = [_event_time(e.ts, e.id, self.slice_length) for e, _ in entries]
+        stored_hwm = _stored_time(view.hwm)
+        hwm = max(self._hwm, stored_hwm)
+        slices = range(self._slice(max(hwm, min(times)) - window), self._slice(max(hwm, max(times))) + 1)
+        if slices[0] < view.slices[0] or slices[-1] > view.slices[-1]:
+            return None
+        start = seq = view.mark + view.inserted
+        writes: dict[int, dict[int, bytes]] = {s: dict(view.written.get(s, {})) for s in slices}
+        looked = view.looked
+        results, groups, pending, hwm, seq = self._alone_compact(
+            [e.id for e, _ in entries], times, self._encode(list(entries), encode_entry), list(fields_of),
+            cast("list[list[int]]", list(places_of)), [view.entry_places[looked[e.id]] for e, _ in entries],
+            tuple(slices), view.columns, writes, hwm, window, self.slice_length, cap, seq)
+        hwm_bytes = view.hwm if hwm <= stored_hwm else (b"%.17g" % hwm)
+        clock = hwm if self._clock is None else self._clock
+        gone = self._slice(clock - window) - 1 if seq > start else None
+        written = self._write_watched_compact(start, seq, view.hwm, hwm_bytes, gone, groups)
+        if written is None:
+            return None
+        if not written:
+            view.watch = -1
+        view.hwm = hwm_bytes
+        view.own.update([seq_i for seq_i, _, _ in pending])
+        view.inserted += len(pending)
+        view._unsettled.append(pending)
+        for s in groups:
+            view.written[s] = writes[s]
+        self._memos_sent()
+        return list(results)
+
+    def _write_watched_compact(self, start: int, seq: int, stored_hwm: bytes, hwm: bytes, gone: int | None,
+                               groups: dict[int, list[Any]]) -> bool | None:
+        """`RedisIndex._write_watched` with the writes where this layout keeps them; a slice written for the
+        first time gets its bits."""
+        meta, ttl = self._meta, self._ttl_ms
+        commands: list[Sequence[Any]] = [("MULTI",)]
+        made = {}
+        for s, (count, pairs) in groups.items():
+            bits = self._bits.get(s)
+            if bits is None:
+                bits = made[s] = cc.slice_bits(self._counts.get(s - 1))
+                commands.append(("HSET", meta, f"k:{s}", bits))
+            commands += cc.write_commands(f"{self._spre}{s}", pairs, bits, self._marks.get(s, set()), count, 0, ttl,
+                                          FIELDS_PER_CALL)
+        if seq != start:
+            commands.append(("HSET", meta, "seq", seq, "layout", cc.LAYOUT))
+        if hwm != stored_hwm:
+            commands.append(("HSET", meta, "hwm", hwm))
+        if seq != start or hwm != stored_hwm or made:
+            commands.append(("PEXPIRE", meta, ttl))
+        if gone is not None:
+            commands += [("UNLINK", f"{self._spre}{gone}"), ("HDEL", meta, f"k:{gone}")]
+        commands += self._memo_commands()
+        commands += [("EXEC",), ("WATCH", meta), ("HMGET", meta, "seq", "hwm")]
+        self._guarded = True
+        try:
+            with self._errors():
+                replies = self._execute(commands)
+        except _WatchLost:
+            return None
+        finally:
+            self._guarded = False
+        try:
+            with self._errors():
+                _raise_any(replies)
+                done = replies[-3]
+                if done is None:
+                    return None
+                _raise_any(done)
+        except BaseException:
+            if self._conn is not None:
+                self._conn.disconnect()
+            raise
+        self._bits.update(made)
+        now_seq, now_hwm = replies[-1]
+        return int(now_seq or 0) == seq and (now_hwm or b"") == hwm
+
+    def _script_args(self, entries: Sequence[tuple[str, float, bytes, Sequence[bytes], bytes]],
+                     marker: bytes, slices: str, mark: int, inserted: int) -> list[Any]:
+        """COMPACT_INSERT's arguments; `entries`: (id, event time, stored bytes, field names, expected tails)."""
+        args: list[Any] = [self._spre, repr(self.window), repr(self.slice_length), self.bucket_cap, self._ttl_ms,
+                           repr(self._hwm), slices, mark, inserted, self._clock_arg(), marker]
+        for id, ts, blob, fields, expected in entries:
+            hashes = b"".join(_mixed32(int.from_bytes(f[1:], "big")) for f in fields) + _mixed32(cc.id_hash(id))
+            args += [id.encode("utf-8", "surrogatepass"), repr(ts), blob, len(fields), expected, hashes, *fields]
+        return args
+
+    def _run_script(self, args: list[Any]) -> tuple[int, bytes, list[int]]:
+        [(lost, hwm, results)] = self._eval_pipelined(COMPACT_INSERT, [args], self._memo_commands())
+        self._memos_sent()
+        if lost == -1:
+            raise self._lost()
+        if lost == -2:
+            raise ConfigError(f"the Redis index at {self._where} holds namespace {self.namespace!r} in another "
+                              "layout; this one is the compact layout: give a new prefix (?prefix=...)")
+        return lost, hwm, list(results)
+
+    def _checked(self, entries: Sequence[tuple[Entry, tuple[int, ...]]],
+                 fields_of: Sequence[list[bytes]]) -> list[int]:
+        view = self._view
+        places_of = [self._places(entry.id, fields) for (entry, _), fields in zip(entries, fields_of)]
+        rows = []
+        for (entry, _), fields, places in zip(entries, fields_of, places_of):
+            expected = b"" if None in places else view.expected(entry.id, places)  # type: ignore[arg-type]
+            rows.append((entry.id, _event_time(entry.ts, entry.id, self.slice_length), encode_entry(entry), fields,
+                         expected))
+        _, hwm, results = self._run_script(self._script_args(rows, self._expected_marker(),
+                                                             ",".join(map(str, view.slices)), view.mark, view.inserted))
+        view.hwm = hwm
+        view.exact = False
+        for (entry, _), places, result in zip(entries, places_of, results):
+            if result > 0:
+                self._inserted(result, self._slice(float(entry.ts)), places, SEQ.pack(result), view.basis(entry.id))
+        return results
+
+    def _insert_unchecked(self, entries: Sequence[tuple[str, float, bytes, tuple[int, ...]]]) -> int:
+        rows = [(id, ts, blob, [b"b" + k.to_bytes(8, "big") for k in keys], b"") for id, ts, blob, keys in entries]
+        _, _, results = self._run_script(self._script_args(rows, b"", "", 0, 0))
+        self._view.exact = False
+        return sum(1 for r in results if r > 0)
+
+    def _reread(self, entries: Sequence[tuple[Entry, tuple[int, ...]]],
+                fields_of: Sequence[list[bytes]]) -> list[list[Candidate]]:
+        view = self._view
+        names = list(dict.fromkeys(f for fields in fields_of for f in fields))
+        wanted = tuple(sorted(set(view.slices) | set(self._slices(self._hwm, self._hwm))))
+        seq, _, slices, columns = self._read_covering(names, wanted, self._hwm, self._hwm)
+        if view.marker and self._marker != view.marker:
+            raise self._lost()
+        horizon = self._hwm - self.window
+        at = {name: i for i, name in enumerate(names)}
+        view.slices = slices
+        ranked = []
+        for (entry, _), fields in zip(entries, fields_of):
+            since = view.reread[entry.id][0] if entry.id in view.reread else view.mark
+            places = [at[f] for f in fields]
+            ranked.append(self._rank_compact(columns, places, 0, 1, len(fields) * self.bucket_cap + 1, horizon,
+                                             self.bucket_cap, since, view.own))
+            view.reread[entry.id] = (seq, {s: [(column[p] or b"")[-8:] or ABSENT for p in places]
+                                           for s, column in zip(slices, columns)})
+        found = self._entries_by_seq({(s, ts) for cands in ranked for s, _, _, ts in cands})
+        return [[Candidate(found[s], shared, keys[first]) for s, shared, first, _ in cands if s in found]
+                for (_, keys), cands in zip(entries, ranked)]
+
+    # -- restoring, stats ----------------------------------------------------------------------------
+    def restore(self, parts: Iterable[Stored]) -> int:
+        """See `CandidateIndex.restore`: the checking script with nothing to compare, `INSERT_CHUNK` entries a call."""
+        self._forget_view()
+        written = 0
+        for part in parts:
+            rows = [(id, float(part.times[i]), blob, part.keys_of(i)) for i, (id, blob) in enumerate(zip(part.ids, part.blobs))]
+            for row in rows:
+                _event_time(row[1], row[0], self.slice_length)
+            for at in range(0, len(rows), INSERT_CHUNK):
+                written += self._insert_unchecked(rows[at : at + INSERT_CHUNK])
+        return written
+
+    def stats(self) -> dict[str, int]:
+        """`entries` and `memos` of the slices of the window, `inserted`, and `buckets` from the fields of the
+        small hashes less the ids: counted in a slice of up to `STATS_SAMPLE` small hashes, estimated from that
+        many in a bigger one (the exact count would take a command per small hash)."""
+        with self._errors():
+            seq, stored = self._client.hmget(self._meta, "seq", "hwm")
+            top = _stored_time(cast("bytes | None", stored) or b"")
+            slices = self._slices(top, top)
+            bits = self._client.hmget(self._meta, [f"k:{s}" for s in slices]) if slices else []
+            commands: list[Sequence[Any]] = []
+            sampled = []
+            for s, k in zip(slices, bits):
+                commands.append(("HMGET", f"{self._spre}{s}", "n", "m"))
+                n = 1 << int(k) if k is not None else 0
+                step = max(1, n // STATS_SAMPLE)
+                sample = list(range(0, n, step))
+                sampled.append((n, len(sample)))
+                commands += [("HLEN", f"{self._spre}{s}:{j}") for j in sample]
+            replies = self._execute(commands, pinned=False)
+            _raise_any(replies)
+        entries = memos = buckets = 0
+        rest = iter(replies)
+        for n, taken in sampled:
+            count, memo = next(rest)
+            entries += int(count or 0)
+            memos += int(memo or 0)
+            lengths = [next(rest) for _ in range(taken)]
+            fields = sum(lengths) * n / taken if taken else 0
+            buckets += max(0, round(fields) - int(count or 0))
+        return {"entries": entries, "buckets": buckets, "memos": memos, "inserted": int(seq or 0)}
+
+    def __repr__(self) -> str:
+        return f"CompactIndex({self._where!r}, namespace={self.namespace!r}, window={self.window})"
