@@ -107,13 +107,14 @@ def used(r: redis.Redis) -> int:
     return int(r.info("memory")["used_memory"])
 
 
-def run_index(url: str, db: int, stream: Path) -> int:
-    """The stream through `neardup filter` into the flushed db: the used_memory it added."""
+def run_index(url: str, db: int, stream: Path, query: str = "") -> int:
+    """The stream through `neardup filter` into the flushed db (`query`: the index URL's options): the
+    used_memory it added."""
     r = client(url, db)
     r.flushdb()
     before = used(r)
     out = subprocess.run([sys.executable, "-c", "from stream.cli import main; raise SystemExit(main())", "filter",
-                          str(stream), "--index", with_db(url, db), "--unique", os.devnull, "-q"],
+                          str(stream), "--index", with_db(url, db) + query, "--unique", os.devnull, "-q"],
                          capture_output=True, text=True, cwd=ROOT)
     if out.returncode:
         raise SystemExit(f"neardup filter failed: {out.stderr.strip()[-500:]}")
@@ -483,6 +484,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--db", type=int, default=10, help="the database this benchmark owns (FLUSHed)")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--lookups", type=int, default=4096)
+    p.add_argument("--compact-index", action="store_true",
+                   help="also run the stream through the compact layout's index (?layout=compact) and measure it")
     p.add_argument("--round", type=int, default=512, help="entries a write round of `today` and `compact*` writes")
     p.add_argument("--batch", type=int, default=BATCH, help="lookups a round reads (fewer: fewer fields per small hash)")
     p.add_argument("--layouts", default="today,short,shards256,compact128,compact256,compactboth256,zset,string")
@@ -492,6 +495,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     r = client(args.redis, args.db)
     layouts = args.layouts.split(",")
     try:
+        if args.compact_index:  # the compact layout's own index (?layout=compact), measured first
+            compact_delta = run_index(args.redis, args.db, args.stream, "?layout=compact")
+            usage, encodings, no_ttl, entries = 0, collections.Counter(), 0, 0
+            for key in r.scan_iter(count=1000):
+                usage += r.memory_usage(key, samples=0) or 0
+                encodings[r.object("encoding", key).decode()] += 1
+                no_ttl += r.pttl(key) < 0
+                if key.count(b":") == 3 and b":c:" in key:  # a slice hash: its count of entries
+                    entries += int(r.hget(key, "n") or 0)
+            print(f"The compact index (?layout=compact) as `neardup filter` leaves it: {entries:,} messages indexed, "
+                  f"used_memory {compact_delta / entries:,.0f} bytes per message indexed, MEMORY USAGE "
+                  f"{usage / entries:,.0f}; keys by encoding {dict(encodings.most_common())}; keys without a TTL: "
+                  f"{no_ttl}\n")
         delta = run_index(args.redis, args.db, args.stream)
         slices, today = read_back(r)
         indexed = sum(len(s.entries) for s in slices)

@@ -19,9 +19,12 @@ SEQ = struct.Struct(">Q")
 LISTPACK_VALUE = 64  # Redis's default hash-max-listpack-value: a longer value goes to the slice hash
 MARK = b"\x00"  # a small hash's value for a bucket whose records are in the slice hash
 FIELDS_PER_ENTRY = 13  # small-hash fields an indexed message adds (its ~12 bucket keys and its `i<id>`)
-SMALL_FILL = 256  # fields a small hash holds at most when its slice's rate is that of the slice before
-K_FIRST = 10  # bits of a slice with no slice before it (2^10 small hashes: ~15,000 messages a slice)
-K_MIN = 4  # the fewest bits a slice gets
+# Fields a small hash holds at most when its slice's rate is that of the slice before: a quarter of Redis's
+# hash-max-listpack-entries (512), so that a slice of 4 times the rate of the one before (or a first slice
+# that was only a part of one) still stays in listpacks.
+SMALL_FILL = 128
+K_FIRST = 10  # bits of a slice with no slice before it (2^10 small hashes: up to ~40,000 messages a slice)
+K_MIN = K_FIRST  # the fewest bits a slice gets: 1,024 small hashes cost ~100 KB, nothing against a slice's entries
 K_MAX = 30
 _FIB = 0x9E3779B97F4A7C15  # Fibonacci hashing: a key's own top bits carry its method's tag
 _MASK64 = (1 << 64) - 1
