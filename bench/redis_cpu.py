@@ -1,7 +1,7 @@
 """Benchmark: what one message costs the Redis server (CPU µs, commands) and the client, for this checkout.
 
     eval "$(bash docker/services.sh env)"
-    python bench/redis_cpu.py [--redis URL] [--corpora sms_en,tweets_en,reviews_zh] [--runs 3]
+    python bench/redis_cpu.py [--redis URL] [--corpora sms_en,tweets_en,reviews_zh] [--runs 3] [--layout slot|compact]
                               [--collector default|tuned]
 
 Runs `NearDupFilter.check_batch` over the messages (batches of 512, a fresh namespace each run) on
@@ -43,6 +43,8 @@ from filters.engine import Message, NearDupFilter  # noqa: E402
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--redis", default=os.environ.get("NEARDUP_TEST_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    p.add_argument("--layout", default="slot", choices=["slot", "compact"],
+                   help="the index's layout (compact: docs/design.md, \"The compact slot layout\")")
     p.add_argument("--stream", default=str(ROOT.parent / "shared" / "eval" / "stream.jsonl"))
     p.add_argument("--truth", default=str(ROOT.parent / "shared" / "eval" / "truth.jsonl"))
     p.add_argument("--corpora", default="sms_en,tweets_en,reviews_zh")
@@ -76,7 +78,7 @@ def main() -> int:
     commands: dict[str, list[float]] = {}
     for _ in range(args.runs):
         prefix = f"cpu-{uuid.uuid4().hex[:10]}"
-        nd = NearDupFilter(FilterConfig(window=1e9), index=f"{args.redis.split('?')[0]}?prefix={prefix}")
+        nd = NearDupFilter(FilterConfig(window=1e9), index=f"{args.redis.split('?')[0]}?prefix={prefix}&layout={args.layout}")
         server.config_resetstat()
         cpu, net = server.info("cpu"), server.info("stats")
         collections[0] = 0.0

@@ -445,6 +445,31 @@ def test_trim_compact_as_the_reference(records: list[tuple[float, int]], cap: in
     assert _native.trim_compact(value, cap) == compact_codec.trim_records(value, cap)
 
 
+_FIELD_NAME = st.one_of(st.binary(min_size=8, max_size=8).map(lambda k: b"b" + k),
+                        st.binary(max_size=70).map(lambda id: b"i" + id), st.binary(max_size=12).map(lambda x: b"e" + x),
+                        st.sampled_from([b"dmemo", b"n", b"b", b"i"]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(names=st.lists(_FIELD_NAME, unique=True, max_size=30), bits=st.integers(0, 12), per=st.integers(1, 5),
+       data=st.data())
+def test_field_routing_as_the_reference(names: list[bytes], bits: int, per: int, data: st.DataObject) -> None:
+    """Where the compact layout reads and writes a slice's fields (small hash, slice hash, the mark of a bucket
+    kept there): the compiled twins give the reference's commands, places and column."""
+    marked = set(data.draw(st.lists(st.sampled_from(names), max_size=3))) if names else set()
+    for name in names:
+        assert _native.field_hash(name, bits) == compact_codec.field_hash(name, bits)
+    reads = _native.read_commands("{p:ns}:c:3", names, bits, marked, per)
+    assert reads == compact_codec.read_commands("{p:ns}:c:3", names, bits, marked, per)
+    replies = [[data.draw(st.none() | st.binary(max_size=4)) for _ in command[2:]] for command in reads[0]]
+    assert _native.column_of(replies, reads[1], len(names)) == compact_codec.column_of(replies, reads[1], len(names))
+    values = [data.draw(st.binary(max_size=80)) for _ in names]
+    pairs = [x for kv in zip(names, values) for x in kv]
+    entries, memos = data.draw(st.integers(0, 2)), data.draw(st.integers(0, 2))
+    assert (_native.write_commands("{p:ns}:c:3", pairs, bits, marked, entries, memos, 500, per)
+            == compact_codec.write_commands("{p:ns}:c:3", pairs, bits, marked, entries, memos, 500, per))
+
+
 def test_small_hashes_refuse_keys_and_bits_out_of_range() -> None:
     for small in (_native.small_hash, compact_codec.small_hash):
         for key, bits in ((-1, 4), (2**64, 4), (1, 65), (1, -1)):

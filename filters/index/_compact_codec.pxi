@@ -292,3 +292,114 @@ cdef bytes _trim16(bytes value, Py_ssize_t cap):
 def trim_compact(bytes value, Py_ssize_t cap) -> bytes:
     """`filters.index.compact_codec.trim_records`, compiled."""
     return _trim16(value, cap)
+
+
+# --- where a slice's fields live (the twins of `compact_codec.field_hash`, `read_commands`, `column_of`,
+# `write_commands`) -----------------------------------------------------------------------------------------
+
+cdef inline long long field_small(bytes name, int bits) noexcept:
+    """The small hash of a field of a slice (`compact_codec.field_hash`), -1 for the slice hash."""
+    cdef const char *p = name
+    cdef Py_ssize_t n = len(name), i
+    cdef uint64_t h
+    if n == 9 and p[0] == b'b':
+        return <long long>fib_hash(be64(p + 1), bits)
+    if n >= 1 and n <= 64 and p[0] == b'i':
+        h = 0xcbf29ce484222325ULL
+        for i in range(1, n):
+            h = (h ^ <uint8_t>p[i]) * 0x100000001b3ULL
+        return <long long>fib_hash(h, bits)
+    return -1
+
+
+def field_hash(bytes name, int bits):
+    """`filters.index.compact_codec.field_hash`, compiled."""
+    if not 0 <= bits <= 64:
+        raise ValueError(f"bits must be 0 to 64, got {bits!r}")
+    cdef long long j = field_small(name, bits)
+    return None if j < 0 else j
+
+
+def read_commands(str slice_key, list names, int bits, marked, Py_ssize_t per_command) -> tuple:
+    """`filters.index.compact_codec.read_commands`, compiled."""
+    cdef dict groups = {}
+    cdef Py_ssize_t place, n = len(names), a, m
+    cdef long long j
+    cdef list at, commands = [], places = [], part
+    cdef object name
+    if not 0 <= bits <= 64:
+        raise ValueError(f"bits must be 0 to 64, got {bits!r}")
+    for place in range(n):
+        name = names[place]
+        j = -1 if name in marked else field_small(<bytes>name, bits)
+        at = groups.get(j)
+        if at is None:
+            at = groups[j] = []
+        at.append(place)
+    for jj, at in groups.items():
+        key = slice_key if jj < 0 else f"{slice_key}:{jj}"
+        m = len(at)
+        for a in range(0, m, per_command):
+            part = at[a : a + per_command]
+            commands.append(("HMGET", key, *[names[p] for p in part]))
+            places.append(part)
+    return commands, places
+
+
+def column_of(list replies, list places, Py_ssize_t n) -> list:
+    """`filters.index.compact_codec.column_of`, compiled."""
+    cdef list column = [None] * n, reply, at
+    cdef Py_ssize_t k, i
+    if len(replies) != len(places):
+        raise ValueError(f"{len(replies)} replies for {len(places)} reads")
+    for k in range(len(replies)):
+        reply = replies[k]
+        at = places[k]
+        if len(reply) != len(at):
+            raise ValueError(f"a reply of {len(reply)} values for {len(at)} fields")
+        for i in range(len(at)):
+            column[<Py_ssize_t>at[i]] = reply[i]
+    return column
+
+
+def write_commands(str slice_key, list pairs, int bits, marked, Py_ssize_t entries, Py_ssize_t memos,
+                   ttl_ms, Py_ssize_t per_command) -> list:
+    """`filters.index.compact_codec.write_commands`, compiled."""
+    cdef dict groups = {}
+    cdef Py_ssize_t a, n = len(pairs), step = 2 * per_command
+    cdef long long j
+    cdef list flat, commands = [], counts = []
+    cdef object name, value
+    if not 0 <= bits <= 64:
+        raise ValueError(f"bits must be 0 to 64, got {bits!r}")
+    for a in range(0, n, 2):
+        name = pairs[a]
+        value = pairs[a + 1]
+        j = -1 if name in marked else field_small(<bytes>name, bits)
+        if j >= 0 and len(<bytes>value) > 64:
+            flat = groups.get(j)
+            if flat is None:
+                flat = groups[j] = []
+            flat.append(name)
+            flat.append(b"\x00")
+            j = -1
+        flat = groups.get(j)
+        if flat is None:
+            flat = groups[j] = []
+        flat.append(name)
+        flat.append(value)
+    if entries:
+        counts.append(("HINCRBY", slice_key, "n", entries))
+    if memos:
+        counts.append(("HINCRBY", slice_key, "m", memos))
+    for jj, flat in groups.items():
+        key = slice_key if jj < 0 else f"{slice_key}:{jj}"
+        for a in range(0, len(flat), step):
+            commands.append(("HSET", key, *flat[a : a + step]))
+        if jj < 0:
+            commands += counts
+        commands.append(("PEXPIRE", key, ttl_ms))
+    if -1 not in groups and counts:
+        commands += counts
+        commands.append(("PEXPIRE", slice_key, ttl_ms))
+    return commands

@@ -74,6 +74,9 @@ class CompactIndex(RedisIndex):
         self._by_seq: dict[int, Entry] = {}  # entries written or read lately, by seq
         self._alone_compact = _native.alone_compact if _native is not None else cc.alone_round
         self._rank_compact = _native.rank_compact if _native is not None else cc.rank_records
+        self._read_commands_of = _native.read_commands if _native is not None else cc.read_commands
+        self._column_of = _native.column_of if _native is not None else cc.column_of
+        self._write_commands_of = _native.write_commands if _native is not None else cc.write_commands
 
     # -- reading -------------------------------------------------------------------------------------
     def _planned(self, queries: Sequence[Query]) -> tuple[list[bytes], list[list[bytes]], list[list[int]], list[int]]:
@@ -102,7 +105,8 @@ class CompactIndex(RedisIndex):
                              for a in range(0, len(at), FIELDS_PER_HMGET)]
                     places = [at[a : a + FIELDS_PER_HMGET] for a in range(0, len(at), FIELDS_PER_HMGET)]
                 else:
-                    reads, places = cc.read_commands(key, names, bits, self._marks.get(s, set()), FIELDS_PER_HMGET)
+                    reads, places = self._read_commands_of(key, list(names), bits, self._marks.get(s, set()),
+                                                           FIELDS_PER_HMGET)
                 commands += [*reads, ("HGET", key, "n")]
                 plans.append(places)
             with self._errors():
@@ -130,7 +134,7 @@ class CompactIndex(RedisIndex):
                 count = next(rest)
                 if count is not None:
                     self._counts[s] = int(count)
-                columns.append(cc.column_of(got, places, len(names)))
+                columns.append(self._column_of(got, places, len(names)))
             if all(read[s] == known[s] for s in slices):
                 break
             known = {s: read[s] for s in slices}  # made (or made again) meanwhile: read with its bits
@@ -332,8 +336,8 @@ class CompactIndex(RedisIndex):
             if bits is None:
                 bits = made[s] = cc.slice_bits(self._counts.get(s - 1))
                 commands.append(("HSET", meta, f"k:{s}", bits))
-            commands += cc.write_commands(f"{self._spre}{s}", pairs, bits, self._marks.get(s, set()), count, 0, ttl,
-                                          FIELDS_PER_CALL)
+            commands += self._write_commands_of(f"{self._spre}{s}", pairs, bits, self._marks.get(s, set()), count, 0,
+                                                ttl, FIELDS_PER_CALL)
         if seq != start:
             commands.append(("HSET", meta, "seq", seq, "layout", cc.LAYOUT))
         if hwm != stored_hwm:
