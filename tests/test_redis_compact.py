@@ -1,0 +1,168 @@
+"""The compact slot layout (filters/index/redis_compact.py, `?layout=compact`) against a real Redis: the behaviour
+tests of tests/test_redis_index.py that hold for any layout, run again on it (they take this module's `make`),
+and the layout's own: where its fields live, the refusal of a namespace of the layout before."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import redis
+
+from filters.config import FilterConfig
+from filters.engine import Message, NearDupFilter
+from filters.errors import ConfigError
+from filters.index import Entry, Query
+from filters.index.redis import RedisIndex
+from filters.index.redis_compact import CompactIndex
+from tests.test_index_contract import generated_messages, with_query
+from tests.test_redis_index import (
+    WINDOW,
+    _put,
+    entry,
+    ids,
+    test_a_near_duplicate_inserted_during_a_lookup_is_seen,
+    test_after_a_stream_every_key_has_a_ttl,
+    test_an_insert_after_close_is_checked_by_the_script,
+    test_insert_returns_what_entered_the_buckets_since_the_lookup,
+    test_own_inserts_never_conflict,
+    test_random_interleavings_never_make_two_near_duplicates_unique,
+    test_replay_of_an_id_never_conflicts_with_itself,
+    test_route_batch_on_redis_decides_like_the_memory_index,
+    test_stats_from_another_thread_while_batches_are_routed,
+)
+
+__all__ = [  # collected here again, each with this module's `make`: the compact layout
+    "test_a_near_duplicate_inserted_during_a_lookup_is_seen",
+    "test_after_a_stream_every_key_has_a_ttl",
+    "test_an_insert_after_close_is_checked_by_the_script",
+    "test_insert_returns_what_entered_the_buckets_since_the_lookup",
+    "test_own_inserts_never_conflict",
+    "test_random_interleavings_never_make_two_near_duplicates_unique",
+    "test_replay_of_an_id_never_conflicts_with_itself",
+    "test_route_batch_on_redis_decides_like_the_memory_index",
+    "test_stats_from_another_thread_while_batches_are_routed",
+]
+
+
+@pytest.fixture
+def make(redis_url: str, prefix: str) -> Iterator[Callable[..., RedisIndex]]:
+    made: list[RedisIndex] = []
+
+    def make(namespace: str = "ns", window: float = WINDOW, bucket_cap: int = 8, **query: str) -> RedisIndex:
+        query.setdefault("prefix", prefix)
+        query.setdefault("layout", "compact")
+        index = CompactIndex(with_query(redis_url, **query), window=window, bucket_cap=bucket_cap, namespace=namespace)
+        made.append(index)
+        return index
+
+    yield make
+    for index in made:
+        index.close()
+
+
+def test_a_stream_leaves_its_fields_in_small_listpack_hashes(make: Callable[..., RedisIndex], redis_url: str,
+                                                             prefix: str) -> None:
+    """After a stream: the buckets and ids in small hashes Redis keeps as listpacks, records of 16 bytes, the
+    entries in the slice hash keyed by seq; the meta hash says the layout and the bits of its slice."""
+    index = make()
+    verdicts = NearDupFilter(FilterConfig(window=WINDOW), index=index).check_batch(generated_messages(600, seed=3))
+    assert sum(not v.duplicate for v in verdicts) >= 100
+    with redis.Redis.from_url(redis_url) as client:
+        meta = client.hgetall(f"{{{prefix}:ns}}:meta")
+        assert meta[b"layout"] == b"compact"
+        (slice_field,) = [f for f in meta if f.startswith(b"k:")]
+        bits = int(meta[slice_field])
+        slice_key = f"{{{prefix}:ns}}:c:{slice_field[2:].decode()}"
+        small = [f"{slice_key}:{j}" for j in range(2**bits)]
+        assert {client.object("encoding", key) for key in small if client.exists(key)} == {b"listpack"}
+        fields = {f: v for key in small for f, v in client.hgetall(key).items()}
+        assert {f[:1] for f in fields} == {b"b", b"i"}
+        assert all(len(v) % 16 == 0 for f, v in fields.items() if v != b"\x00")
+        entries = [f for f in client.hkeys(slice_key) if f.startswith(b"e")]
+        assert sum(f.startswith(b"i") for f in fields) == int(client.hget(slice_key, "n")) == len(entries) >= 100
+        assert all(len(f) == 9 for f in entries)
+    slot = RedisIndex(with_query(redis_url, prefix=prefix), window=WINDOW, bucket_cap=8, namespace="slot")
+    try:  # the same verdicts as the slot layout, and as many entries
+        assert NearDupFilter(FilterConfig(window=WINDOW), index=slot).check_batch(generated_messages(600, seed=3)) \
+            == verdicts
+        assert slot.stats()["entries"] == len(entries)
+    finally:
+        slot.close()
+
+
+def _counting_watched(index: CompactIndex) -> list[bool | None]:
+    """Records what each WATCH-guarded transaction of `index` gave (None: Redis refused it)."""
+    results: list[bool | None] = []
+    write = index._write_watched_compact
+
+    def counted(*args: Any) -> bool | None:
+        result = write(*args)
+        results.append(result)
+        return result
+
+    index._write_watched_compact = counted  # type: ignore[method-assign]
+    return results
+
+
+def test_an_uncontended_insert_is_a_watched_transaction_that_a_foreign_write_refuses(
+        make: Callable[..., CompactIndex]) -> None:
+    """As tests/test_redis_index.py's: alone, the round goes as MULTI/EXEC under the lookup's WATCH, and the
+    next round of the same lookup too; a foreign insert after the lookup makes Redis refuse the transaction,
+    and the script reports the conflict."""
+    a, b = make(), make()
+    results = _counting_watched(a)
+    a.lookup([Query("a", 1000.0, (1, 2)), Query("c", 1000.0, (5, 6))], 8)
+    assert a.insert([(entry("a"), (1, 2))]) == [None]
+    assert a.insert([(entry("c"), (5, 6))]) == [None]
+    assert results == [True, True]
+    a.lookup([Query("d", 1000.0, (1, 3))], 8)
+    _put(b, "x", 1000.0, (3,))
+    assert [ids(c) for c in a.insert([(entry("d"), (1, 3))])] == [["x"]]
+    assert results == [True, True, None]
+    assert sorted(ids(b.lookup([Query("q", 1000.0, (1, 3, 5))], 8)[0][1])) == ["a", "c", "x"]
+
+
+def test_a_reconnect_between_lookup_and_insert_never_sends_the_transaction_unguarded(
+        make: Callable[..., CompactIndex]) -> None:
+    a, b = make(), make()
+    results = _counting_watched(a)
+    a.lookup([Query("a", 1000.0, (1, 2))], 8)
+    _put(b, "x", 1000.0, (2,))
+    a._conn.disconnect()  # as after an error of another command: the next send reconnects
+    assert [ids(c) for c in a.insert([(entry("a"), (1, 2))])] == [["x"]]
+    assert results == [None]
+
+
+def test_a_replayed_duplicate_finds_its_memo(make: Callable[..., CompactIndex]) -> None:
+    """A duplicate replayed after its original left every bucket (cap 1) gets its first verdict."""
+    config = FilterConfig(bucket_cap=1)
+    index = make(window=config.window, bucket_cap=1)
+    engine = NearDupFilter(config, index=index)
+    original = "Congratulations! You have won a 1000 dollar gift card, call 555-0100 now to claim your prize today"
+    copy = "Congratulations!! You have won a 1000 dollar gift voucher, call 555-0177 now to claim your prize"
+    assert not engine.check_batch([Message("a", original, 100.0)])[0].duplicate
+    [first] = engine.check_batch([Message("b", copy, 101.0)])
+    assert first.duplicate_of == "a"
+    keys = tuple(dict.fromkeys(engine.fingerprinter.fingerprint(original).keys
+                               + engine.fingerprinter.fingerprint(copy).keys))
+    index.lookup([Query("filler", 102.0, keys)], 8)
+    assert index.insert([(Entry("filler", 102.0, 7, 500, np.arange(1, 129, dtype=np.uint32)), keys)]) == [None]
+    assert engine.check_batch([Message("b", copy, 101.0)]) == [first]
+    assert index.stats()["memos"] == 1
+
+
+def test_a_namespace_of_the_layout_before_is_refused_with_one_line(make: Callable[..., RedisIndex], redis_url: str,
+                                                                    prefix: str) -> None:
+    old = RedisIndex(with_query(redis_url, prefix=prefix), window=WINDOW, bucket_cap=8, namespace="old")
+    try:
+        old.lookup([Query("a", 1000.0, (1, 2))], 8)
+        old.insert([(entry("a"), (1, 2))])
+    finally:
+        old.close()
+    index = make("old")
+    with pytest.raises(ConfigError, match="another layout.*give a new prefix") as caught:
+        index.lookup([Query("b", 1001.0, (1, 2))], 8)
+    assert "\n" not in str(caught.value)
