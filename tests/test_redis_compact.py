@@ -4,8 +4,10 @@ and the layout's own: where its fields live, the refusal of a namespace of the l
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
+from urllib.parse import urlsplit
 
 import numpy as np
 import pytest
@@ -18,11 +20,16 @@ from filters.index import Entry, Query
 from filters.index.redis import RedisIndex
 from filters.index.redis_compact import CompactIndex
 from tests.test_index_contract import generated_messages, with_query
-from tests.test_redis_index import (
+from tests.test_redis_index import (  # noqa: F401 (race_url: a fixture)
     WINDOW,
+    PausedLookup,
     _put,
+    cluster_url,
+    drop_cluster_namespace,
     entry,
     ids,
+    race,
+    race_url,
     test_a_near_duplicate_inserted_during_a_lookup_is_seen,
     test_after_a_stream_every_key_has_a_ttl,
     test_an_insert_after_close_is_checked_by_the_script,
@@ -166,3 +173,30 @@ def test_a_namespace_of_the_layout_before_is_refused_with_one_line(make: Callabl
     with pytest.raises(ConfigError, match="another layout.*give a new prefix") as caught:
         index.lookup([Query("b", 1001.0, (1, 2))], 8)
     assert "\n" not in str(caught.value)
+
+
+class _PausedCompact(PausedLookup, CompactIndex):
+    """The compact layout, paused between lookup and insert (`PausedLookup`)."""
+
+
+@pytest.mark.parametrize("paused", [True, False], ids=["paused-between-lookup-and-insert", "free-running"])
+def test_near_duplicates_at_the_same_moment_make_exactly_one_unique(race_url: str, paused: bool) -> None:  # noqa: F811
+    """Standalone and Redis Cluster (where every insert round is the checking script)."""
+    uniques = race(race_url, racy=False, paused=paused, index=_PausedCompact)
+    assert uniques == [1] * len(uniques)
+
+
+def test_a_cluster_routes_as_the_memory_index(redis_cluster_url: str) -> None:
+    """On Redis Cluster (no WATCH: the checking script every round, its keys all of one hash tag) the compact
+    layout decides a stream as the memory index."""
+    url = with_query(cluster_url(redis_cluster_url), prefix=f"neardup-test-{uuid.uuid4().hex[:10]}")
+    messages = generated_messages(400, seed=5)
+    config = FilterConfig(window=WINDOW)
+    index = CompactIndex(url, window=WINDOW, bucket_cap=config.bucket_cap, namespace="ns")
+    try:
+        got = [v for at in range(0, 400, 50) for v in NearDupFilter(config, index=index).check_batch(messages[at : at + 50])]
+    finally:
+        index.close()
+    memory = NearDupFilter(config)
+    assert got == [v for at in range(0, 400, 50) for v in memory.check_batch(messages[at : at + 50])]
+    drop_cluster_namespace(cluster_url(redis_cluster_url), urlsplit(url).query.split("=")[1])
