@@ -100,10 +100,9 @@ class CompactIndex(RedisIndex):
                 key = f"{self._spre}{s}"
                 bits = known[s]
                 if bits is None:  # no small hash yet: only the fields of the slice hash
-                    at = [p for p, name in enumerate(names) if cc.field_hash(name, 0) is None]
-                    reads = [("HMGET", key, *(names[p] for p in at[a : a + FIELDS_PER_HMGET]))
-                             for a in range(0, len(at), FIELDS_PER_HMGET)]
-                    places = [at[a : a + FIELDS_PER_HMGET] for a in range(0, len(at), FIELDS_PER_HMGET)]
+                    reads, places = self._read_commands_of(key, list(names), 0, set(), FIELDS_PER_HMGET)
+                    kept = [k for k, command in enumerate(reads) if command[1] == key]
+                    reads, places = [reads[k] for k in kept], [places[k] for k in kept]
                 else:
                     reads, places = self._read_commands_of(key, list(names), bits, self._marks.get(s, set()),
                                                            FIELDS_PER_HMGET)
