@@ -200,3 +200,24 @@ def test_a_cluster_routes_as_the_memory_index(redis_cluster_url: str) -> None:
     memory = NearDupFilter(config)
     assert got == [v for at in range(0, 400, 50) for v in memory.check_batch(messages[at : at + 50])]
     drop_cluster_namespace(cluster_url(redis_cluster_url), urlsplit(url).query.split("=")[1])
+
+
+def test_a_slice_that_left_the_window_goes_with_its_small_hashes(make: Callable[..., CompactIndex], redis_url: str,
+                                                                  prefix: str) -> None:
+    """The insert that moves the window unlinks the slice hash of the slice that left it; the next lookups
+    unlink its small hashes (a few UNLINKs with each) and then its bits."""
+    index = make(window=100.0)
+    for id, ts in (("a", 10.0), ("b", 150.0), ("c", 250.0)):  # slices 0, 1, 2
+        index.lookup([Query(id, ts, (1,))], 8)
+        assert index.insert([(entry(id, ts), (1,))]) == [None]
+    with redis.Redis.from_url(redis_url) as client:
+        def slices() -> list[str]:
+            return sorted({k.decode().split(":")[3] for k in client.scan_iter(match=f"{{{prefix}:ns}}:c:*")})
+
+        assert slices() == ["0", "1", "2"]  # slice 0's slice hash is gone, its small hashes not yet
+        assert not client.exists(f"{{{prefix}:ns}}:c:0")
+        for ts in (251.0, 252.0):  # the first lookup finds slice 0's bits, the second unlinks its small hashes
+            index.lookup([Query("q", ts, (1,))], 8)
+        assert slices() == ["1", "2"]
+        assert client.hget(f"{{{prefix}:ns}}:meta", "k:0") is None
+        assert client.hget(f"{{{prefix}:ns}}:meta", "k:1") is not None

@@ -10,6 +10,7 @@ the checking script with nothing to compare), unlinking the small hashes of a sl
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from importlib import resources
 from typing import Any, cast
@@ -41,7 +42,9 @@ except ImportError:  # pragma: no cover - exercised on machines without a compil
 _FIB = 0x9E3779B97F4A7C15
 _MASK64 = (1 << 64) - 1
 STATS_SAMPLE = 1024  # small hashes a slice whose fields `stats` counts
-MARKS_KEPT = 1 << 16  # marked buckets a client remembers a slice (read in the slice hash straight away)
+MARKS_KEPT = 1 << 16  # marked buckets a client remembers a slice (read in the slice hash at once)
+REAP_KEYS = 1024  # small hashes an UNLINK of a slice that left the window names ...
+REAP_COMMANDS = 4  # ... and such commands sent with a lookup
 
 
 def _script() -> _Script:
@@ -72,6 +75,10 @@ class CompactIndex(RedisIndex):
         self._marks: dict[int, set[bytes]] = {}  # slice -> buckets read as the mark (kept in the slice hash)
         self._counts: dict[int, int] = {}  # slice -> its count of entries as last read
         self._by_seq: dict[int, Entry] = {}  # entries written or read lately, by seq
+        # Slices that left the window whose small hashes this client unlinks, a few commands a lookup:
+        # [slice, bits, the next small hash to unlink] (`_reap_commands`).
+        self._reaping: list[list[int]] = []
+        self._stored_top = -math.inf  # the namespace's high-water mark as the last read found it
         self._alone_compact = _native.alone_compact if _native is not None else cc.alone_round
         self._rank_compact = _native.rank_compact if _native is not None else cc.rank_records
         self._read_commands_of = _native.read_commands if _native is not None else cc.read_commands
@@ -91,10 +98,15 @@ class CompactIndex(RedisIndex):
         there): the meta hash first (its layout and the bits of each slice), then each slice's small hashes
         and slice hash; a slice whose bits the client did not know is read again with them."""
         known: dict[int, int | None] = {s: self._bits.get(s) for s in slices}
+        gone = self._gone()
+        probes = [gone - 1, gone] if gone is not None else []
+        reap = self._reap_commands()
         for _ in range(3):
-            commands: list[Sequence[Any]] = [("UNWATCH",), ("WATCH", self._meta)] if watch else []
+            # The reaping first: its HDEL of the meta hash must come before the WATCH, not dirty it.
+            commands: list[Sequence[Any]] = [*reap, ("UNWATCH",), ("WATCH", self._meta)] if watch else [*reap]
             commands.append(("HMGET", self._meta, "seq", "hwm", *((MARKER,) if self.fenced else ()), "layout",
-                             *(f"k:{s}" for s in slices)))
+                             *(f"k:{s}" for s in slices), *(f"k:{g}" for g in probes)))
+            skip = len(commands) - 1
             plans = []
             for s in slices:
                 key = f"{self._spre}{s}"
@@ -111,8 +123,8 @@ class CompactIndex(RedisIndex):
             with self._errors():
                 replies = self._execute(commands)
                 _raise_any(replies)
-            if watch:
-                replies = replies[2:]
+            replies = replies[skip:]
+            reap = []
             state = replies[0]
             seq, stored = self._state(state)
             extra = 3 if self.fenced else 2
@@ -123,6 +135,10 @@ class CompactIndex(RedisIndex):
                                   "layout: give a new prefix (?prefix=...), which starts empty or is rebuilt from "
                                   "the index changelog")
             read = {s: int(k) if k is not None else None for s, k in zip(slices, state[extra + 1 :])}
+            self._stored_top = max(self._stored_top, _stored_time(stored))
+            for g, k in zip(probes, state[extra + 1 + len(slices) :]):
+                if k is not None and all(r[0] != g for r in self._reaping):
+                    self._reaping.append([g, int(k), 0])
             for s, bits in read.items():
                 if bits is not None:
                     self._bits[s] = bits
@@ -145,6 +161,29 @@ class CompactIndex(RedisIndex):
             for s in [s for s in cache if s < low]:
                 del cache[s]
         return seq, stored, columns
+
+    def _gone(self) -> int | None:
+        """The newest slice that left the window of the window's clock (as the insert's unlink tells it:
+        the caller's clock if set, else the newest event time stored), None before anything was read."""
+        clock = self._clock if self._clock is not None else self._stored_top
+        return math.floor((clock - self.window) / self.slice_length) - 1 if math.isfinite(clock) else None
+
+    def _reap_commands(self) -> list[Sequence[Any]]:
+        """The next `REAP_COMMANDS` UNLINKs of the small hashes of slices that left the window (their slice
+        hash went with the insert that moved the window), and the HDEL of a slice's bits once all its small
+        hashes were named. Keys the TTL took first are simply absent; a client that stops midway leaves the
+        rest to the TTL and the bits to the next client that reads them."""
+        commands: list[Sequence[Any]] = []
+        while self._reaping and len(commands) < REAP_COMMANDS:
+            job = self._reaping[0]
+            g, bits, at = job
+            stop = min(1 << bits, at + REAP_KEYS)
+            commands.append(("UNLINK", *(f"{self._spre}{g}:{j}" for j in range(at, stop))))
+            job[2] = stop
+            if stop == 1 << bits:
+                commands.append(("HDEL", self._meta, f"k:{g}"))
+                self._reaping.pop(0)
+        return commands
 
     def _resolve_marks(self, names: Sequence[bytes], slices: Sequence[int],
                        columns: list[list[bytes | None]]) -> None:
@@ -343,8 +382,8 @@ class CompactIndex(RedisIndex):
             commands.append(("HSET", meta, "hwm", hwm))
         if seq != start or hwm != stored_hwm or made:
             commands.append(("PEXPIRE", meta, ttl))
-        if gone is not None:
-            commands += [("UNLINK", f"{self._spre}{gone}"), ("HDEL", meta, f"k:{gone}")]
+        if gone is not None:  # its small hashes: `_reap_commands`, with the next lookups
+            commands.append(("UNLINK", f"{self._spre}{gone}"))
         commands += self._memo_commands()
         commands += [("EXEC",), ("WATCH", meta), ("HMGET", meta, "seq", "hwm")]
         self._guarded = True
@@ -367,6 +406,7 @@ class CompactIndex(RedisIndex):
                 self._conn.disconnect()
             raise
         self._bits.update(made)
+        self._stored_top = max(self._stored_top, _stored_time(hwm))
         now_seq, now_hwm = replies[-1]
         return int(now_seq or 0) == seq and (now_hwm or b"") == hwm
 
@@ -388,6 +428,7 @@ class CompactIndex(RedisIndex):
         if lost == -2:
             raise ConfigError(f"the Redis index at {self._where} holds namespace {self.namespace!r} in another "
                               "layout; this one is the compact layout: give a new prefix (?prefix=...)")
+        self._stored_top = max(self._stored_top, _stored_time(hwm))
         return lost, hwm, list(results)
 
     def _checked(self, entries: Sequence[tuple[Entry, tuple[int, ...]]],

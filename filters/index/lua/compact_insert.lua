@@ -227,9 +227,9 @@ if seq > start then
   local clock = hwm
   if ARGV[10] ~= '' then clock = tonumber(ARGV[10]) end
   local gone = math.floor((clock - window) / slice_len) - 1
-  -- Its small hashes go with their TTL (a slice of 2^k keys: too many for one script call).
+  -- Its small hashes (2^k keys: too many for one script call) are unlinked by the clients' lookups, which
+  -- find its bits `k:<n>` still in the meta hash (filters/index/redis_compact.py, `_reap_commands`).
   redis.call('UNLINK', big(gone))
-  redis.call('HDEL', meta, 'k:' .. string.format('%d', gone))
 end
 if hwm > stored_hwm then redis.call('HSET', meta, 'hwm', hwm_s) end
 if seq > start or hwm > stored_hwm then redis.call('PEXPIRE', meta, ttl) end
