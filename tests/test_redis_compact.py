@@ -17,12 +17,14 @@ from filters.config import FilterConfig
 from filters.engine import Message, NearDupFilter
 from filters.errors import ConfigError
 from filters.index import Entry, Query
+from filters.index import compact_codec as cc
 from filters.index.redis import RedisIndex
 from filters.index.redis_compact import CompactIndex
 from tests.test_index_contract import generated_messages, with_query
 from tests.test_redis_index import (  # noqa: F401 (race_url: a fixture)
     WINDOW,
     PausedLookup,
+    _namespace_dump,
     _put,
     cluster_url,
     drop_cluster_namespace,
@@ -30,27 +32,43 @@ from tests.test_redis_index import (  # noqa: F401 (race_url: a fixture)
     ids,
     race,
     race_url,
+    test_a_foreign_insert_while_a_read_is_ahead_is_seen,
     test_a_near_duplicate_inserted_during_a_lookup_is_seen,
+    test_a_read_ahead_lost_with_its_connection_is_read_again,
+    test_a_read_sent_ahead_stores_and_decides_as_reading_after_the_insert,
     test_after_a_stream_every_key_has_a_ttl,
     test_an_insert_after_close_is_checked_by_the_script,
     test_insert_returns_what_entered_the_buckets_since_the_lookup,
     test_own_inserts_never_conflict,
     test_random_interleavings_never_make_two_near_duplicates_unique,
+    test_random_interleavings_of_workers_reading_ahead_never_make_two_near_duplicates_unique,
+    test_reading_ahead_can_be_switched_off,
+    test_reading_ahead_on_redis_routes_as_batch_after_batch,
     test_replay_of_an_id_never_conflicts_with_itself,
     test_route_batch_on_redis_decides_like_the_memory_index,
     test_stats_from_another_thread_while_batches_are_routed,
+    test_the_next_lookup_sees_the_memos_the_batch_wrote_after_the_read_went_out,
+    test_the_next_lookup_sees_what_the_batch_inserted_after_the_read_went_out,
 )
 
 __all__ = [  # collected here again, each with this module's `make`: the compact layout
+    "test_a_foreign_insert_while_a_read_is_ahead_is_seen",
     "test_a_near_duplicate_inserted_during_a_lookup_is_seen",
+    "test_a_read_ahead_lost_with_its_connection_is_read_again",
+    "test_a_read_sent_ahead_stores_and_decides_as_reading_after_the_insert",
     "test_after_a_stream_every_key_has_a_ttl",
     "test_an_insert_after_close_is_checked_by_the_script",
     "test_insert_returns_what_entered_the_buckets_since_the_lookup",
     "test_own_inserts_never_conflict",
     "test_random_interleavings_never_make_two_near_duplicates_unique",
+    "test_random_interleavings_of_workers_reading_ahead_never_make_two_near_duplicates_unique",
+    "test_reading_ahead_can_be_switched_off",
+    "test_reading_ahead_on_redis_routes_as_batch_after_batch",
     "test_replay_of_an_id_never_conflicts_with_itself",
     "test_route_batch_on_redis_decides_like_the_memory_index",
     "test_stats_from_another_thread_while_batches_are_routed",
+    "test_the_next_lookup_sees_the_memos_the_batch_wrote_after_the_read_went_out",
+    "test_the_next_lookup_sees_what_the_batch_inserted_after_the_read_went_out",
 ]
 
 
@@ -202,10 +220,15 @@ def test_a_cluster_routes_as_the_memory_index(redis_cluster_url: str) -> None:
     drop_cluster_namespace(cluster_url(redis_cluster_url), urlsplit(url).query.split("=")[1])
 
 
+@pytest.mark.parametrize("inline", [True, False], ids=["by-the-insert", "by-the-next-lookups"])
 def test_a_slice_that_left_the_window_goes_with_its_small_hashes(make: Callable[..., CompactIndex], redis_url: str,
-                                                                  prefix: str) -> None:
-    """The insert that moves the window unlinks the slice hash of the slice that left it; the next lookups
-    unlink its small hashes (a few UNLINKs with each) and then its bits."""
+                                                                  prefix: str, inline: bool,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The insert that moves the window unlinks the slice hash of the slice that left it, and its small hashes
+    when they are few (`UNLINK_INLINE_BITS`); more are unlinked by the next lookups (a few UNLINKs with each),
+    and then its bits."""
+    if not inline:
+        monkeypatch.setattr(cc, "UNLINK_INLINE_BITS", 0)
     index = make(window=100.0)
     for id, ts in (("a", 10.0), ("b", 150.0), ("c", 250.0)):  # slices 0, 1, 2
         index.lookup([Query(id, ts, (1,))], 8)
@@ -214,10 +237,44 @@ def test_a_slice_that_left_the_window_goes_with_its_small_hashes(make: Callable[
         def slices() -> list[str]:
             return sorted({k.decode().split(":")[3] for k in client.scan_iter(match=f"{{{prefix}:ns}}:c:*")})
 
-        assert slices() == ["0", "1", "2"]  # slice 0's slice hash is gone, its small hashes not yet
         assert not client.exists(f"{{{prefix}:ns}}:c:0")
-        for ts in (251.0, 252.0):  # the first lookup finds slice 0's bits, the second unlinks its small hashes
-            index.lookup([Query("q", ts, (1,))], 8)
+        if not inline:
+            assert slices() == ["0", "1", "2"]  # slice 0's small hashes not yet
+            for ts in (251.0, 252.0):  # the first lookup finds slice 0's bits, the second unlinks its small hashes
+                index.lookup([Query("q", ts, (1,))], 8)
         assert slices() == ["1", "2"]
         assert client.hget(f"{{{prefix}:ns}}:meta", "k:0") is None
         assert client.hget(f"{{{prefix}:ns}}:meta", "k:1") is not None
+
+
+@pytest.mark.parametrize(("window", "cap"), [(3600.0, 8), (30.0, 2)])
+def test_uncontended_inserts_store_what_the_checking_script_stores(make: Callable[..., CompactIndex], redis_url: str,
+                                                                   prefix: str, window: float, cap: int) -> None:
+    """As tests/test_redis_index.py's: the uncontended rounds (the watched transaction), the checking script
+    alone, and the uncontended rounds on the Python references of the compiled helpers leave the very same
+    keys and bytes (records, marks, trims, entries, ids, bits, seq and high-water mark, slices unlinked)."""
+    config = FilterConfig(window=window, bucket_cap=cap)
+    fast, checked = make("fast", window=window, bucket_cap=cap), make("checked", window=window, bucket_cap=cap)
+    checked.alone_inserts = False
+    reference = make("reference", window=window, bucket_cap=cap)
+    reference._alone_compact, reference._rank_compact = cc.alone_round, cc.rank_records
+    reference._read_commands_of, reference._column_of = cc.read_commands, cc.column_of
+    reference._write_commands_of = cc.write_commands
+    calls = {"fast": 0}
+    alone = fast._alone
+
+    def counted(*args: Any) -> Any:
+        result = alone(*args)
+        calls["fast"] += result is not None
+        return result
+
+    fast._alone = counted  # type: ignore[method-assign]
+    messages = generated_messages(600, seed=3)
+    verdicts = []
+    for index in (fast, checked, reference):
+        engine = NearDupFilter(config, index=index)
+        verdicts.append([v for at in range(0, len(messages), 50) for v in engine.check_batch(messages[at : at + 50])])
+    assert verdicts[0] == verdicts[1] == verdicts[2]
+    assert calls["fast"] >= 10
+    assert _namespace_dump(redis_url, prefix, "fast") == _namespace_dump(redis_url, prefix, "checked")
+    assert _namespace_dump(redis_url, prefix, "reference") == _namespace_dump(redis_url, prefix, "checked")

@@ -26,6 +26,9 @@ SMALL_FILL = 128
 K_FIRST = 10  # bits of a slice with no slice before it (2^10 small hashes: up to ~40,000 messages a slice)
 K_MIN = K_FIRST  # the fewest bits a slice gets: 1,024 small hashes cost ~100 KB, nothing against a slice's entries
 K_MAX = 30
+# A slice that left the window of up to 2^12 small hashes is unlinked whole by the insert that moves the window
+# (a few ms of the server); a bigger one by the clients' next rounds, a few thousand keys each.
+UNLINK_INLINE_BITS = 12
 _FIB = 0x9E3779B97F4A7C15  # Fibonacci hashing: a key's own top bits carry its method's tag
 _MASK64 = (1 << 64) - 1
 _FNV_OFFSET = 0xCBF29CE484222325

@@ -2,10 +2,9 @@
 protocol, its records of (event time, seq) in small listpack hashes and its entries keyed by seq.
 
 Chosen by `?layout=compact` while it is being built (it is to become the slot layout). What it does not do
-yet, against `RedisIndex`: read ahead (`prefetch` sends nothing), the uncontended round without WATCH (Redis
-Cluster runs the checking script), the restore's transactions and the rebuild's bulk writes (a restore runs
-the checking script with nothing to compare), unlinking the small hashes of a slice that left the window
-(their TTL takes them).
+yet, against `RedisIndex`: the uncontended round without WATCH (Redis Cluster runs the checking script), the
+restore's transactions and the rebuild's bulk writes (a restore runs the checking script with nothing to
+compare).
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ from filters.index.redis import (
     _event_time,
     _raise_any,
     _Script,
+    _SentRead,
     _stored_time,
     _View,
     _WatchLost,
@@ -50,7 +50,7 @@ REAP_COMMANDS = 4  # ... and such commands sent with a lookup
 def _script() -> _Script:
     sources = [resources.files("filters.index").joinpath("lua", name).read_text(encoding="utf-8")
                for name in ("trim16.lua", "compact_insert.lua")]
-    bits = f"{cc.K_FIRST}, {cc.K_MIN}, {cc.K_MAX}, {cc.FIELDS_PER_ENTRY}, {cc.SMALL_FILL}"
+    bits = f"{cc.K_FIRST}, {cc.K_MIN}, {cc.K_MAX}, {cc.FIELDS_PER_ENTRY}, {cc.SMALL_FILL}, {cc.UNLINK_INLINE_BITS}"
     return _Script.of("\n".join(sources).replace("FIELDS_PER_CALL", str(FIELDS_PER_CALL))
                       .replace("COMPACT_BITS", bits))
 
@@ -70,7 +70,9 @@ class CompactIndex(RedisIndex):
     def __init__(self, url: str, *, window: float, bucket_cap: int, namespace: str, fenced: bool = False) -> None:
         super().__init__(url, window=window, bucket_cap=bucket_cap, namespace=namespace, fenced=fenced)
         self._spre = f"{{{self.prefix}:{namespace}}}:c:"
-        self.read_ahead = False
+        # The plan of the read sent ahead (`prefetch`): per slice its reads' places, the bits it was read with,
+        # and its number of replies.
+        self._ahead_plan: tuple[list[list[list[int]]], dict[int, int | None], int, list[int]] | None = None
         self._bits: dict[int, int] = {}  # slice -> its bits, as its meta field `k:<n>` says (never changes)
         self._marks: dict[int, set[bytes]] = {}  # slice -> buckets read as the mark (kept in the slice hash)
         self._counts: dict[int, int] = {}  # slice -> its count of entries as last read
@@ -104,55 +106,16 @@ class CompactIndex(RedisIndex):
         for _ in range(3):
             # The reaping first: its HDEL of the meta hash must come before the WATCH, not dirty it.
             commands: list[Sequence[Any]] = [*reap, ("UNWATCH",), ("WATCH", self._meta)] if watch else [*reap]
-            commands.append(("HMGET", self._meta, "seq", "hwm", *((MARKER,) if self.fenced else ()), "layout",
-                             *(f"k:{s}" for s in slices), *(f"k:{g}" for g in probes)))
-            skip = len(commands) - 1
-            plans = []
-            for s in slices:
-                key = f"{self._spre}{s}"
-                bits = known[s]
-                if bits is None:  # no small hash yet: only the fields of the slice hash
-                    reads, places = self._read_commands_of(key, list(names), 0, set(), FIELDS_PER_HMGET)
-                    kept = [k for k, command in enumerate(reads) if command[1] == key]
-                    reads, places = [reads[k] for k in kept], [places[k] for k in kept]
-                else:
-                    reads, places = self._read_commands_of(key, list(names), bits, self._marks.get(s, set()),
-                                                           FIELDS_PER_HMGET)
-                commands += [*reads, ("HGET", key, "n")]
-                plans.append(places)
+            skip = len(commands)
+            reads, plans = self._read_plan(names, slices, known, probes)
             with self._errors():
-                replies = self._execute(commands)
+                replies = self._execute(commands + reads)
                 _raise_any(replies)
-            replies = replies[skip:]
             reap = []
-            state = replies[0]
-            seq, stored = self._state(state)
-            extra = 3 if self.fenced else 2
-            layout = state[extra]
-            if state[0] is not None and layout != cc.LAYOUT.encode():
-                raise ConfigError(f"the Redis index at {self._where} holds namespace {self.namespace!r} in another "
-                                  f"layout ({(layout or b'slot, records by id').decode()}); this one is the compact "
-                                  "layout: give a new prefix (?prefix=...), which starts empty or is rebuilt from "
-                                  "the index changelog")
-            read = {s: int(k) if k is not None else None for s, k in zip(slices, state[extra + 1 :])}
-            self._stored_top = max(self._stored_top, _stored_time(stored))
-            for g, k in zip(probes, state[extra + 1 + len(slices) :]):
-                if k is not None and all(r[0] != g for r in self._reaping):
-                    self._reaping.append([g, int(k), 0])
-            for s, bits in read.items():
-                if bits is not None:
-                    self._bits[s] = bits
-            rest = iter(replies[1:])
-            columns = []
-            for s, places in zip(slices, plans):
-                got = [next(rest) for _ in places]
-                count = next(rest)
-                if count is not None:
-                    self._counts[s] = int(count)
-                columns.append(self._column_of(got, places, len(names)))
+            seq, stored, columns, read = self._parse_read(replies[skip:], names, slices, plans, probes)
             if all(read[s] == known[s] for s in slices):
                 break
-            known = {s: read[s] for s in slices}  # made (or made again) meanwhile: read with its bits
+            known = read  # made (or made again) meanwhile: read with its bits
         else:
             raise IndexCorrupt(f"the Redis index at {self._where}: the bits of its slices keep changing")
         self._resolve_marks(names, slices, columns)
@@ -161,6 +124,117 @@ class CompactIndex(RedisIndex):
             for s in [s for s in cache if s < low]:
                 del cache[s]
         return seq, stored, columns
+
+    def _read_plan(self, names: Sequence[bytes], slices: Sequence[int], known: dict[int, int | None],
+                   probes: Sequence[int]) -> tuple[list[Sequence[Any]], list[list[list[int]]]]:
+        """A read's commands (the meta hash's `HMGET`, then per slice its reads and its count) and, per slice,
+        the places of the names each of its reads reads. A slice of unknown bits reads its slice hash only."""
+        commands: list[Sequence[Any]] = [("HMGET", self._meta, "seq", "hwm", *((MARKER,) if self.fenced else ()),
+                                          "layout", *(f"k:{s}" for s in slices), *(f"k:{g}" for g in probes))]
+        plans = []
+        for s in slices:
+            key = f"{self._spre}{s}"
+            bits = known[s]
+            if bits is None:  # no small hash yet: only the fields of the slice hash
+                reads, places = self._read_commands_of(key, list(names), 0, set(), FIELDS_PER_HMGET)
+                kept = [k for k, command in enumerate(reads) if command[1] == key]
+                reads, places = [reads[k] for k in kept], [places[k] for k in kept]
+            else:
+                reads, places = self._read_commands_of(key, list(names), bits, self._marks.get(s, set()),
+                                                       FIELDS_PER_HMGET)
+            commands += [*reads, ("HGET", key, "n")]
+            plans.append(places)
+        return commands, plans
+
+    def _parse_read(self, replies: Sequence[Any], names: Sequence[bytes], slices: Sequence[int],
+                    plans: Sequence[list[list[int]]], probes: Sequence[int]) -> tuple[
+                        int, bytes, list[list[bytes | None]], dict[int, int | None]]:
+        """(seq, stored high-water mark, columns, the bits of each slice as the meta hash says) of the replies of
+        `_read_plan`'s commands; refuses a namespace of another layout; learns the bits and counts."""
+        state = replies[0]
+        seq, stored = self._state(state)
+        extra = 3 if self.fenced else 2
+        layout = state[extra]
+        if state[0] is not None and layout != cc.LAYOUT.encode():
+            raise ConfigError(f"the Redis index at {self._where} holds namespace {self.namespace!r} in another "
+                              f"layout ({(layout or b'slot, records by id').decode()}); this one is the compact "
+                              "layout: give a new prefix (?prefix=...), which starts empty or is rebuilt from "
+                              "the index changelog")
+        read = {s: int(k) if k is not None else None for s, k in zip(slices, state[extra + 1 :])}
+        self._stored_top = max(self._stored_top, _stored_time(stored))
+        for g, k in zip(probes, state[extra + 1 + len(slices) :]):
+            if k is not None and all(r[0] != g for r in self._reaping):
+                self._reaping.append([g, int(k), 0])
+        for s, bits in read.items():
+            if bits is not None:
+                self._bits[s] = bits
+        rest = iter(replies[1:])
+        columns = []
+        for s, places in zip(slices, plans):
+            got = [next(rest) for _ in places]
+            count = next(rest)
+            if count is not None:
+                self._counts[s] = int(count)
+            columns.append(self._column_of(got, places, len(names)))
+        return seq, stored, columns, read
+
+    def prefetch(self, queries: Sequence[Query]) -> None:
+        """`RedisIndex.prefetch` in this layout: the first round of the next lookup's read sent now; its
+        marks are read, and this batch's writes added, when the lookup takes it (`_taken`)."""
+        self._ahead = None
+        self._ahead_plan = None
+        view = self._view
+        if not self.read_ahead or not queries or not self._watchable() or view.watch != self._epoch \
+                or not view.exact or view.inserted or view.reread:
+            return
+        hwm = self._hwm
+        try:
+            low = max(hwm, _event_time(queries[0].ts, queries[0].id, self.slice_length))
+            for q in queries:
+                hwm = max(hwm, _event_time(q.ts, q.id, self.slice_length))
+            names, key_fields, positions, id_places = self._planned(queries)
+        except ValueError:
+            return  # the lookup raises it
+        slices = self._slices(low, hwm)
+        known: dict[int, int | None] = {s: self._bits.get(s) for s in slices}
+        gone = self._gone()
+        probes = [gone - 1, gone] if gone is not None else []
+        commands, plans = self._read_plan(names, slices, known, probes)
+        with self._errors():
+            conn = self._pinned()
+            self._drain()
+            self._pack_and_send(conn, commands)
+            epoch = self._epoch
+        self._ahead = _SentRead(queries, names, key_fields, positions, id_places, slices, epoch, view, len(commands))
+        self._ahead_plan = (plans, known, len(commands), probes)
+
+    def _taken(self, ahead: _SentRead, low_mark: float, high_mark: float) -> tuple[int, bytes, tuple[int, ...],
+                                                                              list[list[bytes | None]]] | None:
+        """`RedisIndex._taken` in this layout: the read sent ahead, its marks read now and the batch's writes
+        added; None if it cannot stand for a read made now (then the lookup reads afresh)."""
+        view, plan = ahead.view, self._ahead_plan
+        self._ahead_plan = None
+        if plan is None:
+            return None
+        plans, known, count, probes = plan
+        if (ahead.epoch != self._epoch or view is not self._view or view.watch != self._epoch or not view.exact
+                or view.reread or len(ahead.replies) != count):
+            return None
+        with self._errors():
+            _raise_any(ahead.replies)
+        seq_read, stored, columns, read = self._parse_read(ahead.replies, ahead.names, ahead.slices, plans, probes)
+        if seq_read != view.mark or any(read[s] != known[s] for s in ahead.slices):
+            return None  # somebody inserted, or made a slice, between the last lookup and this read
+        seq, stored = view.mark + view.inserted, view.hwm if view.inserted else stored
+        need = set(self._slices(low_mark, high_mark)) | set(self._slices(low_mark, max(high_mark, _stored_time(stored))))
+        if not need <= set(ahead.slices):
+            return None
+        kept = [(s, column) for s, column in zip(ahead.slices, columns) if s in need]
+        # The marks read now see this batch's writes too (the transaction went through before this).
+        self._resolve_marks(ahead.names, [s for s, _ in kept], [column for _, column in kept])
+        if view.written:
+            self._overlay(ahead.names, view.names, kept, view.written)
+        return seq, stored, tuple(s for s, _ in kept), [column for _, column in kept]
 
     def _gone(self) -> int | None:
         """The newest slice that left the window of the window's clock (as the insert's unlink tells it:
@@ -203,7 +277,11 @@ class CompactIndex(RedisIndex):
                     marks.add(names[p])
 
     def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | Verdict | None, list[Candidate]]]:
-        self._ahead = None
+        ahead = self._ahead
+        if ahead is not None:
+            with self._errors():
+                self._drain()  # its replies come first on the connection
+            self._ahead = None
         if not queries:
             return []
         marks = []
@@ -211,15 +289,22 @@ class CompactIndex(RedisIndex):
         for q in queries:
             hwm = max(hwm, _event_time(q.ts, q.id, self.slice_length))
             marks.append(hwm)
-        names, key_fields, positions, id_places = self._planned(queries)
-        watch = self._watchable()
-        if watch:
-            with self._errors():
-                self._pinned()
-        epoch = self._epoch
-        seq, stored, slices, columns = self._read_covering(names, self._slices(marks[0], hwm), marks[0], hwm,
-                                                           watch=watch)
-        watch = watch and self._epoch == epoch
+        read = self._taken(ahead, marks[0], hwm) if ahead is not None and ahead.queries is queries else None
+        if read is not None:
+            assert ahead is not None
+            names, key_fields, positions, id_places = ahead.names, ahead.key_fields, ahead.positions, ahead.id_places
+            seq, stored, slices, columns = read
+            epoch, watch = self._epoch, True
+        else:
+            names, key_fields, positions, id_places = self._planned(queries)
+            watch = self._watchable()
+            if watch:
+                with self._errors():
+                    self._pinned()
+            epoch = self._epoch
+            seq, stored, slices, columns = self._read_covering(names, self._slices(marks[0], hwm), marks[0], hwm,
+                                                               watch=watch)
+            watch = watch and self._epoch == epoch
         self._hwm = hwm
         ids = [q.id for q in queries]
         self._view = _View(slices, dict(zip(slices, columns)), names, seq, stored, dict(zip(ids, range(len(ids)))),
@@ -382,8 +467,14 @@ class CompactIndex(RedisIndex):
             commands.append(("HSET", meta, "hwm", hwm))
         if seq != start or hwm != stored_hwm or made:
             commands.append(("PEXPIRE", meta, ttl))
-        if gone is not None:  # its small hashes: `_reap_commands`, with the next lookups
+        if gone is not None:
             commands.append(("UNLINK", f"{self._spre}{gone}"))
+            bits = self._bits.get(gone)
+            if bits is not None and bits <= cc.UNLINK_INLINE_BITS:  # its small hashes too, as the script does
+                keys = [f"{self._spre}{gone}:{j}" for j in range(1 << bits)]
+                commands += [("UNLINK", *keys[a : a + REAP_KEYS]) for a in range(0, len(keys), REAP_KEYS)]
+                commands.append(("HDEL", meta, f"k:{gone}"))
+        commands += self._reap_commands()  # in the transaction: its HDEL does not dirty the WATCH
         commands += self._memo_commands()
         commands += [("EXEC",), ("WATCH", meta), ("HMGET", meta, "seq", "hwm")]
         self._guarded = True

@@ -17,7 +17,7 @@ local window, slice_len, cap, ttl = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumb
 local hwm = tonumber(ARGV[6])
 local ABSENT = string.rep('\0', 8)
 local MARK, LISTPACK = '\0', 64
-local K_FIRST, K_MIN, K_MAX, PER_ENTRY, FILL = COMPACT_BITS
+local K_FIRST, K_MIN, K_MAX, PER_ENTRY, FILL, INLINE_BITS = COMPACT_BITS
 local FIRST, PER_CALL = 12, FIELDS_PER_CALL
 local state = redis.call('HMGET', meta, 'seq', 'hwm', 'epoch', 'layout')
 if ARGV[11] ~= '' and state[3] ~= ARGV[11] then return {-1, '', {}} end
@@ -227,9 +227,19 @@ if seq > start then
   local clock = hwm
   if ARGV[10] ~= '' then clock = tonumber(ARGV[10]) end
   local gone = math.floor((clock - window) / slice_len) - 1
-  -- Its small hashes (2^k keys: too many for one script call) are unlinked by the clients' lookups, which
-  -- find its bits `k:<n>` still in the meta hash (filters/index/redis_compact.py, `_reap_commands`).
   redis.call('UNLINK', big(gone))
+  -- Its small hashes: here when they are few; else (2^k keys: too many for one script call) by the clients'
+  -- next rounds, which find its bits `k:<n>` still in the meta hash (redis_compact.py, `_reap_commands`).
+  local gone_bits = tonumber(redis.call('HGET', meta, 'k:' .. string.format('%d', gone)) or '')
+  if gone_bits and gone_bits <= INLINE_BITS then
+    local keys = {}
+    for j = 0, 2 ^ gone_bits - 1 do
+      keys[#keys + 1] = big(gone) .. ':' .. string.format('%d', j)
+      if #keys == 1024 then redis.call('UNLINK', unpack(keys)); keys = {} end
+    end
+    if #keys > 0 then redis.call('UNLINK', unpack(keys)) end
+    redis.call('HDEL', meta, 'k:' .. string.format('%d', gone))
+  end
 end
 if hwm > stored_hwm then redis.call('HSET', meta, 'hwm', hwm_s) end
 if seq > start or hwm > stored_hwm then redis.call('PEXPIRE', meta, ttl) end
