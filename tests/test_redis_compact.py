@@ -23,7 +23,7 @@ from filters.index.redis_compact import CompactIndex
 from tests.test_changelog import _entry as changelog_entry
 from tests.test_changelog import _keys, _mark, drop_index, redis_namespace
 from tests.test_changelog import messages as changelog_messages
-from tests.test_index_contract import generated_messages, with_query
+from tests.test_index_contract import drop_namespace, generated_messages, with_query
 from tests.test_redis_index import (  # noqa: F401 (race_url: a fixture)
     WINDOW,
     PausedLookup,
@@ -390,3 +390,18 @@ def test_a_conflict_re_read_after_a_rebuild_is_refused(redis_url: str) -> None:
         finally:
             a.close()
             b.close()
+
+
+def test_a_namespace_lost_and_made_again_is_not_taken_for_the_one_before(make: Callable[..., CompactIndex],
+                                                                         redis_url: str, prefix: str) -> None:
+    """Lost and made again by another client, the namespace's seqs name other entries, at the same event
+    times: the client that kept the entries of the namespace before must read them again, not take its own."""
+    a, b = make(), make()
+    a.lookup([Query("a", 1000.0, (1,))], 8)
+    assert a.insert([(entry("a"), (1,))]) == [None]
+    assert ids(a.lookup([Query("q", 1000.0, (1,))], 8)[0][1]) == ["a"]
+    drop_namespace(redis_url, prefix)  # the loss (unfenced: `neardup filter --index redis://`)
+    b.lookup([Query("b", 1000.0, (1,))], 8)
+    assert b.insert([(entry("b", seed=1), (1,))]) == [None]  # seq 1 again, at the same event time
+    [(_, found)] = a.lookup([Query("q", 1000.0, (1,))], 8)
+    assert ids(found) == ["b"] and found[0].entry.exact == entry("b", seed=1).exact

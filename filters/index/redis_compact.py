@@ -10,6 +10,7 @@ compare).
 from __future__ import annotations
 
 import math
+import uuid
 from collections.abc import Iterable, Sequence
 from importlib import resources
 from typing import Any, cast
@@ -116,6 +117,12 @@ class CompactIndex(RedisIndex):
         # [slice, bits, the next small hash to unlink] (`_reap_commands`).
         self._reaping: list[list[int]] = []
         self._stored_top = -math.inf  # the namespace's high-water mark as the last read found it
+        # The namespace as the last read found it: its seq, marker and token (`_check_continuity`); the token
+        # this client leaves if it makes the namespace.
+        self._top_seq = 0
+        self._seen_marker: bytes | None = None
+        self._gen: bytes | None = None
+        self._token = uuid.uuid4().hex
         self._alone_compact = _native.alone_compact if _native is not None else cc.alone_round
         self._rank_compact = _native.rank_compact if _native is not None else cc.rank_records
         self._read_commands_of = _native.read_commands if _native is not None else cc.read_commands
@@ -196,7 +203,8 @@ class CompactIndex(RedisIndex):
         """A read's commands (the meta hash's `HMGET`, then per slice its reads and its count) and, per slice,
         the places of the names each of its reads reads. A slice of unknown bits reads its slice hash only."""
         commands: list[Sequence[Any]] = [("HMGET", self._meta, "seq", "hwm", *((MARKER,) if self.fenced else ()),
-                                          "layout", *(f"k:{s}" for s in slices), *(f"k:{g}" for g in probes))]
+                                          "layout", "gen", *(f"k:{s}" for s in slices),
+                                          *(f"k:{g}" for g in probes))]
         plans = []
         for s in slices:
             key = f"{self._spre}{s}"
@@ -218,17 +226,18 @@ class CompactIndex(RedisIndex):
         """(seq, stored high-water mark, columns, the bits of each slice as the meta hash says) of the replies of
         `_read_plan`'s commands; refuses a namespace of another layout; learns the bits and counts."""
         state = replies[0]
-        seq, stored = self._state(state)
         extra = 3 if self.fenced else 2
+        self._check_continuity(state, state[extra + 1])
+        seq, stored = self._state(state)
         layout = state[extra]
         if state[0] is not None and layout != cc.LAYOUT.encode():
             raise ConfigError(f"the Redis index at {self._where} holds namespace {self.namespace!r} in another "
                               f"layout ({(layout or b'slot, records by id').decode()}); this one is the compact "
                               "layout: give a new prefix (?prefix=...), which starts empty or is rebuilt from "
                               "the index changelog")
-        read = {s: int(k) if k is not None else None for s, k in zip(slices, state[extra + 1 :])}
+        read = {s: int(k) if k is not None else None for s, k in zip(slices, state[extra + 2 :])}
         self._stored_top = max(self._stored_top, _stored_time(stored))
-        for g, k in zip(probes, state[extra + 1 + len(slices) :]):
+        for g, k in zip(probes, state[extra + 2 + len(slices) :]):
             if k is not None and all(r[0] != g for r in self._reaping):
                 self._reaping.append([g, int(k), 0])
         for s, bits in read.items():
@@ -301,6 +310,22 @@ class CompactIndex(RedisIndex):
         if view.written:
             self._overlay(ahead.names, view.names, kept, view.written)
         return seq, stored, tuple(s for s, _ in kept), [column for _, column in kept]
+
+    def _check_continuity(self, state: Sequence[Any], gen: bytes | None) -> None:
+        """Forgets what this client keeps of the namespace (entries by seq, bits, marks, counts) when the meta
+        hash read (`state`: seq, hwm, [marker]; `gen`: the token its first writer left) says the namespace is
+        not the one it was: lost, or expired, and made again (another token, or none yet), or rebuilt (another
+        marker). A seq of a namespace made again names another entry, which may have the same event time: a
+        kept entry would stand for it."""
+        marker = state[2] if self.fenced else None
+        if gen != self._gen or (self.fenced and marker != self._seen_marker) or int(state[0] or 0) < self._top_seq:
+            self._by_seq.clear()
+            self._bits.clear()
+            self._marks.clear()
+            self._counts.clear()
+            self._reaping.clear()
+            self._stored_top = -math.inf
+        self._gen, self._seen_marker, self._top_seq = gen, marker, int(state[0] or 0)
 
     def _gone(self) -> int | None:
         """The newest slice that left the window of the window's clock (as the insert's unlink tells it:
@@ -528,7 +553,7 @@ class CompactIndex(RedisIndex):
             commands += self._write_commands_of(f"{self._spre}{s}", pairs, bits, self._marks.get(s, set()), count, 0,
                                                 ttl, FIELDS_PER_CALL)
         if seq != start:
-            commands.append(("HSET", meta, "seq", seq, "layout", cc.LAYOUT))
+            commands += [("HSET", meta, "seq", seq, "layout", cc.LAYOUT), ("HSETNX", meta, "gen", self._token)]
         if hwm != stored_hwm:
             commands.append(("HSET", meta, "hwm", hwm))
         if seq != start or hwm != stored_hwm or made:
@@ -571,7 +596,7 @@ class CompactIndex(RedisIndex):
                      marker: bytes, slices: str, mark: int, inserted: int) -> list[Any]:
         """COMPACT_INSERT's arguments; `entries`: (id, event time, stored bytes, field names, expected tails)."""
         args: list[Any] = [self._spre, repr(self.window), repr(self.slice_length), self.bucket_cap, self._ttl_ms,
-                           repr(self._hwm), slices, mark, inserted, self._clock_arg(), marker]
+                           repr(self._hwm), slices, mark, inserted, self._clock_arg(), marker, self._token]
         for id, ts, blob, fields, expected in entries:
             hashes = b"".join(_mixed32(int.from_bytes(f[1:], "big")) for f in fields) + _mixed32(cc.id_hash(id))
             args += [id.encode("utf-8", "surrogatepass"), repr(ts), blob, len(fields), expected, hashes, *fields]

@@ -4,7 +4,8 @@
 -- ARGV: slice key prefix, window, slice length, bucket cap, TTL (ms), the caller's high-water mark of
 --       event time, the slices the caller read (comma-separated, in the order of its tails), the seq at its
 --       lookup and how many it inserted since, the window's clock ('' for the high-water mark), the marker
---       the caller's lookup read ('' for no check), then per entry: id, event time, encoded entry, the
+--       the caller's lookup read ('' for no check), a token that names the namespace if this call makes it
+--       (`gen`: a namespace lost and made again gets another), then per entry: id, event time, encoded entry, the
 --       number n of its buckets, what the caller saw of them (per slice it read, the last 8 bytes of each
 --       bucket field, zeros if absent; '' for no check), the 32-bit mixed hashes of its n bucket keys and
 --       of its id (4 bytes big-endian each: a field's small hash is the top k bits), and its n bucket field
@@ -18,7 +19,7 @@ local hwm = tonumber(ARGV[6])
 local ABSENT = string.rep('\0', 8)
 local MARK, LISTPACK = '\0', 64
 local K_FIRST, K_MIN, K_MAX, PER_ENTRY, FILL, INLINE_BITS = COMPACT_BITS
-local FIRST, PER_CALL = 12, FIELDS_PER_CALL
+local FIRST, PER_CALL = 13, FIELDS_PER_CALL
 local state = redis.call('HMGET', meta, 'seq', 'hwm', 'epoch', 'layout')
 if ARGV[11] ~= '' and state[3] ~= ARGV[11] then return {-1, '', {}} end
 if state[1] and state[4] ~= 'compact' then return {-2, '', {}} end
@@ -224,6 +225,7 @@ end
 local hwm_s = string.format('%.17g', hwm)
 if seq > start then
   redis.call('HSET', meta, 'seq', string.format('%d', seq), 'layout', 'compact')
+  redis.call('HSETNX', meta, 'gen', ARGV[12])
   local clock = hwm
   if ARGV[10] ~= '' then clock = tonumber(ARGV[10]) end
   local gone = math.floor((clock - window) / slice_len) - 1
