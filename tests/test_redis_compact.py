@@ -405,3 +405,19 @@ def test_a_namespace_lost_and_made_again_is_not_taken_for_the_one_before(make: C
     assert b.insert([(entry("b", seed=1), (1,))]) == [None]  # seq 1 again, at the same event time
     [(_, found)] = a.lookup([Query("q", 1000.0, (1,))], 8)
     assert ids(found) == ["b"] and found[0].entry.exact == entry("b", seed=1).exact
+
+
+def test_a_small_hash_renewed_in_this_period_gets_its_ttl_again_once_the_namespace_was_lost(
+        make: Callable[..., CompactIndex], redis_url: str, prefix: str) -> None:
+    """A small hash's TTL is set once a period (grace / 2) by a client, not at each write; a namespace lost and
+    made again starts the periods afresh: every key it writes has a TTL again."""
+    index = make(grace="600")
+    for id, ts in (("a", 1000.0), ("b", 1001.0)):
+        index.lookup([Query(id, ts, (1, 2))], 8)
+        assert index.insert([(entry(id, ts), (1, 2))]) == [None]
+    drop_namespace(redis_url, prefix)
+    index.lookup([Query("c", 1002.0, (1, 2))], 8)
+    assert index.insert([(entry("c", 1002.0), (1, 2))]) == [None]
+    with redis.Redis.from_url(redis_url) as client:
+        keys = list(client.scan_iter(match=f"{{{prefix}:ns}}:*"))
+        assert len(keys) >= 3 and all(0 < client.pttl(key) <= (WINDOW + 600) * 1000 for key in keys)

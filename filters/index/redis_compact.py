@@ -10,6 +10,7 @@ compare).
 from __future__ import annotations
 
 import math
+import time
 import uuid
 from collections.abc import Iterable, Sequence
 from importlib import resources
@@ -123,6 +124,10 @@ class CompactIndex(RedisIndex):
         self._seen_marker: bytes | None = None
         self._gen: bytes | None = None
         self._token = uuid.uuid4().hex
+        # Small hashes whose TTL this client set in the current period, a bitset a slice (`_renewing`).
+        self._renew_period = max(0.0, self._ttl_ms / 1000 - self.window) / 2
+        self._renewed: dict[int, bytearray] = {}
+        self._renewed_at = -math.inf
         self._alone_compact = _native.alone_compact if _native is not None else cc.alone_round
         self._rank_compact = _native.rank_compact if _native is not None else cc.rank_records
         self._read_commands_of = _native.read_commands if _native is not None else cc.read_commands
@@ -193,7 +198,7 @@ class CompactIndex(RedisIndex):
             raise IndexCorrupt(f"the Redis index at {self._where}: the bits of its slices keep changing")
         self._resolve_marks(names, slices, columns)
         low = min(slices, default=0) - 1
-        for cache in (self._bits, self._marks, self._counts):
+        for cache in (self._bits, self._marks, self._counts, self._renewed):
             for s in [s for s in cache if s < low]:
                 del cache[s]
         return seq, stored, columns
@@ -324,6 +329,7 @@ class CompactIndex(RedisIndex):
             self._marks.clear()
             self._counts.clear()
             self._reaping.clear()
+            self._renewed.clear()
             self._stored_top = -math.inf
         self._gen, self._seen_marker, self._top_seq = gen, marker, int(state[0] or 0)
 
@@ -545,13 +551,19 @@ class CompactIndex(RedisIndex):
         meta, ttl = self._meta, self._ttl_ms
         commands: list[Sequence[Any]] = [("MULTI",)]
         made = {}
+        now = time.monotonic()
+        if now - self._renewed_at >= self._renew_period:  # a new period: every small hash written is renewed
+            self._renewed.clear()
+            self._renewed_at = now
+        renewed: list[tuple[int, int]] = []  # (slice, small hash) renewed by this transaction
         for s, (count, pairs) in groups.items():
             bits = self._bits.get(s)
             if bits is None:
                 bits = made[s] = cc.slice_bits(self._counts.get(s - 1))
                 commands.append(("HSET", meta, f"k:{s}", bits))
-            commands += self._write_commands_of(f"{self._spre}{s}", pairs, bits, self._marks.get(s, set()), count, 0,
-                                                ttl, FIELDS_PER_CALL)
+            written = cast("list[Sequence[Any]]", self._write_commands_of(
+                f"{self._spre}{s}", pairs, bits, self._marks.get(s, set()), count, 0, ttl, FIELDS_PER_CALL))
+            commands += self._renewing(s, bits, written, renewed)
         if seq != start:
             commands += [("HSET", meta, "seq", seq, "layout", cc.LAYOUT), ("HSETNX", meta, "gen", self._token)]
         if hwm != stored_hwm:
@@ -588,9 +600,35 @@ class CompactIndex(RedisIndex):
                 self._conn.disconnect()
             raise
         self._bits.update(made)
+        for s, j in renewed:  # only now: a transaction refused renewed nothing
+            self._renewed[s][j >> 3] |= 1 << (j & 7)
         self._stored_top = max(self._stored_top, _stored_time(hwm))
         now_seq, now_hwm = replies[-1]
         return int(now_seq or 0) == seq and (now_hwm or b"") == hwm
+
+    def _renewing(self, s: int, bits: int, commands: list[Sequence[Any]],
+                  renewed: list[tuple[int, int]]) -> list[Sequence[Any]]:
+        """`commands` of slice `s` without the `PEXPIRE` of a small hash whose TTL this client set in the current
+        period (grace / 2 of wall clock): its TTL runs at least window + grace / 2 past any write since, and
+        the key cannot have gone meanwhile (the TTL is not up; a slice is unlinked only behind the window; a
+        loss moves the meta hash, so the WATCH refuses the transaction, and the next read forgets the periods:
+        `_check_continuity`). The small hashes renewed here go to `renewed`. About a third of a round's
+        commands."""
+        if not self._renew_period:
+            return commands
+        seen = self._renewed.get(s)
+        if seen is None or len(seen) * 8 < 1 << bits:
+            seen = self._renewed[s] = bytearray(((1 << bits) + 7) // 8)
+        out = []
+        prefix = f"{self._spre}{s}:"
+        for command in commands:
+            if command[0] == "PEXPIRE" and command[1].startswith(prefix):
+                j = int(command[1][len(prefix) :])
+                if seen[j >> 3] >> (j & 7) & 1:
+                    continue
+                renewed.append((s, j))
+            out.append(command)
+        return out
 
     def _script_args(self, entries: Sequence[tuple[str, float, bytes, Sequence[bytes], bytes]],
                      marker: bytes, slices: str, mark: int, inserted: int) -> list[Any]:
