@@ -19,11 +19,12 @@ from filters.errors import ConfigError, IndexLost
 from filters.index import Entry, Query
 from filters.index import compact_codec as cc
 from filters.index.redis import MARKER, RedisIndex
+from filters.index.redis_codec import stored_of
 from filters.index.redis_compact import CompactIndex
 from tests.test_changelog import _entry as changelog_entry
 from tests.test_changelog import _keys, _mark, drop_index, redis_namespace
 from tests.test_changelog import messages as changelog_messages
-from tests.test_index_contract import drop_namespace, generated_messages, with_query
+from tests.test_index_contract import _view, drop_namespace, generated_messages, with_query
 from tests.test_redis_index import (  # noqa: F401 (race_url: a fixture)
     WINDOW,
     PausedLookup,
@@ -421,3 +422,39 @@ def test_a_small_hash_renewed_in_this_period_gets_its_ttl_again_once_the_namespa
     with redis.Redis.from_url(redis_url) as client:
         keys = list(client.scan_iter(match=f"{{{prefix}:ns}}:*"))
         assert len(keys) >= 3 and all(0 < client.pttl(key) <= (WINDOW + 600) * 1000 for key in keys)
+
+
+def test_a_rebuild_into_a_fenced_index_goes_in_guarded_transactions(redis_url: str) -> None:
+    """A fenced index without its marker (lost: the guard rebuilds it from the changelog) takes a restore, in
+    WATCH-guarded transactions (no script), and decides as the index it was once the marker is set."""
+    cfg = FilterConfig()
+    with redis_namespace(redis_url) as url:
+        _mark(url)
+        original = _fenced(url)
+        journal = [(Entry(f"j{i}", 1000.0 + i, i, 30, np.arange(8, dtype=np.uint64) + i), (i % 7, 100 + i % 3))
+                   for i in range(40)]
+        for e, keys in journal:
+            original.lookup([Query(e.id, e.ts, keys)], 8)
+            assert original.insert([(e, keys)]) == [None]
+        queries = [Query("q", 1100.0, (3, 101)), Query("j5", 1100.0, (5,))]
+        before = original.lookup(queries, 8)
+        original.close()
+        drop_index(url)
+        rebuilt = _fenced(url)
+        watched = []
+        restore_watched = rebuilt._restore_watched
+
+        def counted(rows: Any) -> Any:
+            done = restore_watched(rows)
+            watched.append(done is not None)
+            return done
+
+        rebuilt._restore_watched = counted  # type: ignore[method-assign]
+        try:
+            assert rebuilt.restore([stored_of(journal)]) == 40
+            assert watched and all(watched)
+            _mark(url, "e2")
+            assert _view(rebuilt.lookup(queries, 8)) == _view(before)
+            assert any(v.duplicate for v in NearDupFilter(cfg, index=rebuilt).check_batch(changelog_messages()))
+        finally:
+            rebuilt.close()

@@ -3,8 +3,7 @@ protocol, its records of (event time, seq) in small listpack hashes and its entr
 
 Chosen by `?layout=compact` while it is being built (it is to become the slot layout). What it does not do
 yet, against `RedisIndex`: the uncontended round without WATCH (Redis Cluster runs the checking script), the
-restore's transactions and the rebuild's bulk writes (a restore runs the checking script with nothing to
-compare).
+rebuild's bulk writes (a rebuild restores in guarded transactions, as a restore beside other writers).
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ from redis.exceptions import ResponseError
 from filters.errors import ConfigError, IndexCorrupt
 from filters.index import Candidate, Entry, Query, Stored, new_candidate
 from filters.index import compact_codec as cc
+from filters.index import redis as slot  # its restore's chunk and attempts, read when restoring
 from filters.index.redis import (
     FIELDS_PER_CALL,
     FIELDS_PER_HMGET,
@@ -128,6 +128,7 @@ class CompactIndex(RedisIndex):
         self._renew_period = max(0.0, self._ttl_ms / 1000 - self.window) / 2
         self._renewed: dict[int, bytearray] = {}
         self._renewed_at = -math.inf
+        self._restoring = False  # a restore is running (`restore`): the reads ask for no marker
         self._alone_compact = _native.alone_compact if _native is not None else cc.alone_round
         self._rank_compact = _native.rank_compact if _native is not None else cc.rank_records
         self._read_commands_of = _native.read_commands if _native is not None else cc.read_commands
@@ -233,7 +234,10 @@ class CompactIndex(RedisIndex):
         state = replies[0]
         extra = 3 if self.fenced else 2
         self._check_continuity(state, state[extra + 1])
-        seq, stored = self._state(state)
+        if self._restoring:  # a rebuild writes before the guard sets the marker: none is asked for
+            seq, stored = int(state[0] or 0), state[1] or b""
+        else:
+            seq, stored = self._state(state)
         layout = state[extra]
         if state[0] is not None and layout != cc.LAYOUT.encode():
             raise ConfigError(f"the Redis index at {self._where} holds namespace {self.namespace!r} in another "
@@ -513,8 +517,15 @@ class CompactIndex(RedisIndex):
         view = self._view
         if not view.exact or not view.slices or any(p is None for p in places_of) or view.watch != self._epoch:
             return None
+        return self._alone_rows([e.id for e, _ in entries],
+                                [_event_time(e.ts, e.id, self.slice_length) for e, _ in entries],
+                                self._encode(list(entries), encode_entry), fields_of, places_of)
+
+    def _alone_rows(self, ids: list[str], times: list[float], blobs: list[bytes], fields_of: Sequence[list[bytes]],
+                    places_of: Sequence[list[int] | None]) -> list[int] | None:
+        """`_alone` of entries given by id, event time and stored bytes (an insert's, or a restore's)."""
+        view = self._view
         window, cap = self.window, self.bucket_cap
-        times = [_event_time(e.ts, e.id, self.slice_length) for e, _ in entries]
         stored_hwm = _stored_time(view.hwm)
         hwm = max(self._hwm, stored_hwm)
         slices = range(self._slice(max(hwm, min(times)) - window), self._slice(max(hwm, max(times))) + 1)
@@ -524,9 +535,9 @@ class CompactIndex(RedisIndex):
         writes: dict[int, dict[int, bytes]] = {s: dict(view.written.get(s, {})) for s in slices}
         looked = view.looked
         results, groups, pending, hwm, seq = self._alone_compact(
-            [e.id for e, _ in entries], times, self._encode(list(entries), encode_entry), list(fields_of),
-            cast("list[list[int]]", list(places_of)), [view.entry_places[looked[e.id]] for e, _ in entries],
-            tuple(slices), view.columns, writes, hwm, window, self.slice_length, cap, seq)
+            ids, times, blobs, list(fields_of), cast("list[list[int]]", list(places_of)),
+            [view.entry_places[looked[id]] for id in ids], tuple(slices), view.columns, writes, hwm, window,
+            self.slice_length, cap, seq)
         hwm_bytes = view.hwm if hwm <= stored_hwm else (b"%.17g" % hwm)
         clock = hwm if self._clock is None else self._clock
         gone = self._slice(clock - window) - 1 if seq > start else None
@@ -700,16 +711,59 @@ class CompactIndex(RedisIndex):
 
     # -- restoring, stats ----------------------------------------------------------------------------
     def restore(self, parts: Iterable[Stored]) -> int:
-        """See `CandidateIndex.restore`: the checking script with nothing to compare, `INSERT_CHUNK` entries a call."""
+        """See `CandidateIndex.restore`. Per chunk of `RESTORE_CHUNK` entries, as the uncontended insert: a read
+        of what its fields hold (after a WATCH of the meta hash), the writes computed here (`alone_compact`, as
+        the insert script would insert them with nothing to compare) and one MULTI/EXEC, which Redis refuses if
+        anybody wrote meanwhile; after `RESTORE_ATTEMPTS` refusals, and on Redis Cluster, the checking script
+        with nothing to compare. A fenced index without its marker is being rebuilt: its marker is not asked
+        for here (the guard sets it after)."""
         self._forget_view()
+        self._restoring = True
         written = 0
-        for part in parts:
-            rows = [(id, float(part.times[i]), blob, part.keys_of(i)) for i, (id, blob) in enumerate(zip(part.ids, part.blobs))]
-            for row in rows:
-                _event_time(row[1], row[0], self.slice_length)
-            for at in range(0, len(rows), INSERT_CHUNK):
-                written += self._insert_unchecked(rows[at : at + INSERT_CHUNK])
+        try:
+            for part in parts:
+                times = [_event_time(float(t), id, self.slice_length) for id, t in zip(part.ids, part.times)]
+                chunk = slot.RESTORE_CHUNK
+                for at in range(0, len(part.ids), chunk):
+                    stop = min(at + chunk, len(part.ids))
+                    # A key given twice counts once (as the memory index and the slot layout's restore count it).
+                    rows = [(part.ids[i], times[i], part.blobs[i], tuple(dict.fromkeys(part.keys_of(i))))
+                            for i in range(at, stop)]
+                    written += self._restore_rows(rows)
+        finally:
+            self._restoring = False
+            self._forget_view()
         return written
+
+    def _restore_rows(self, rows: list[tuple[str, float, bytes, tuple[int, ...]]]) -> int:
+        for _ in range(slot.RESTORE_ATTEMPTS if self._watchable() else 0):
+            done = self._restore_watched(rows)
+            if done is not None:
+                return done
+        return sum(self._insert_unchecked(rows[a : a + INSERT_CHUNK]) for a in range(0, len(rows), INSERT_CHUNK))
+
+    def _restore_watched(self, rows: list[tuple[str, float, bytes, tuple[int, ...]]]) -> int | None:
+        """One chunk of a restore as an uncontended insert round; None if Redis refused it (nothing written)."""
+        ids = [id for id, _, _, _ in rows]
+        times = [ts for _, ts, _, _ in rows]
+        names, key_fields, positions, id_places = self._planned([Query(id, ts, keys) for id, ts, _, keys in rows])
+        low = max(self._hwm, times[0])
+        high = max(low, max(times))
+        with self._errors():
+            self._pinned()
+        epoch = self._epoch
+        seq, stored, slices, columns = self._read_covering(names, self._slices(low, high), low, high, watch=True)
+        if self._epoch != epoch:
+            return None
+        self._view = _View(slices, dict(zip(slices, columns)), names, seq, stored, dict(zip(ids, range(len(ids)))),
+                           [keys for _, _, _, keys in rows], key_fields, positions, id_places, watch=epoch,
+                           marker=self._marker)
+        try:
+            results = self._alone_rows(ids, times, [blob for _, _, blob, _ in rows], key_fields,
+                                       cast("list[list[int] | None]", positions))
+        finally:
+            self._view = _View()
+        return None if results is None else sum(1 for r in results if r > 0)
 
     def stats(self) -> dict[str, int]:
         """`entries` and `memos` of the slices of the window, `inserted`, and `buckets` from the fields of the
