@@ -522,13 +522,16 @@ class CompactIndex(RedisIndex):
                                 self._encode(list(entries), encode_entry), fields_of, places_of)
 
     def _alone_rows(self, ids: list[str], times: list[float], blobs: list[bytes], fields_of: Sequence[list[bytes]],
-                    places_of: Sequence[list[int] | None]) -> list[int] | None:
-        """`_alone` of entries given by id, event time and stored bytes (an insert's, or a restore's)."""
+                    places_of: Sequence[list[int] | None], low: float | None = None) -> list[int] | None:
+        """`_alone` of entries given by id, event time and stored bytes (an insert's, or a restore's). `low`: the
+        event time whose window the first entry's live id is looked for in (a restore's: the namespace's newest
+        event time before it, as the slot layout's restore reads it), else the insert script's."""
         view = self._view
         window, cap = self.window, self.bucket_cap
         stored_hwm = _stored_time(view.hwm)
         hwm = max(self._hwm, stored_hwm)
-        slices = range(self._slice(max(hwm, min(times)) - window), self._slice(max(hwm, max(times))) + 1)
+        first = max(hwm, min(times)) if low is None else low
+        slices = range(self._slice(first - window), self._slice(max(hwm, max(times))) + 1)
         if slices[0] < view.slices[0] or slices[-1] > view.slices[-1]:
             return None
         start = seq = view.mark + view.inserted
@@ -720,6 +723,10 @@ class CompactIndex(RedisIndex):
         self._forget_view()
         self._restoring = True
         written = 0
+        with self._errors():  # the namespace's newest event time: the window its first entries' live ids are in
+            replies = self._execute([("HMGET", self._meta, "hwm")])
+            _raise_any(replies)
+        self._stored_top = max(self._stored_top, _stored_time(replies[0][0] or b""))
         try:
             for part in parts:
                 times = [_event_time(float(t), id, self.slice_length) for id, t in zip(part.ids, part.times)]
@@ -747,7 +754,10 @@ class CompactIndex(RedisIndex):
         ids = [id for id, _, _, _ in rows]
         times = [ts for _, ts, _, _ in rows]
         names, key_fields, positions, id_places = self._planned([Query(id, ts, keys) for id, ts, _, keys in rows])
-        low = max(self._hwm, times[0])
+        # An id is live as the slot layout's restore sees it: stored inside the window of the newest event time
+        # before it, which is the namespace's for the chunk's first entry, whatever event times come after.
+        top = max(self._hwm, self._stored_top)
+        low = top if math.isfinite(top) else min(times)
         high = max(low, max(times))
         with self._errors():
             self._pinned()
@@ -760,7 +770,7 @@ class CompactIndex(RedisIndex):
                            marker=self._marker)
         try:
             results = self._alone_rows(ids, times, [blob for _, _, blob, _ in rows], key_fields,
-                                       cast("list[list[int] | None]", positions))
+                                       cast("list[list[int] | None]", positions), low)
         finally:
             self._view = _View()
         return None if results is None else sum(1 for r in results if r > 0)
