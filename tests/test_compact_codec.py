@@ -102,3 +102,11 @@ def test_an_entry_carries_its_id() -> None:
     for bad in (b"", b"\x05\x00", b"ab\xff\x01\x00"):
         with pytest.raises(IndexCorrupt):
             cc.split_entry_value(bad)
+
+
+def test_a_restore_expects_the_entries_of_its_rate_in_a_slice() -> None:
+    times = [1000.0 + i * 0.02 for i in range(5000)]  # 5,000 in 100 s of a slice of 1,000 s: 50,000 a slice
+    [(slice_, expected)] = cc.expected_counts(times, 1000.0).items()
+    assert slice_ == 1 and 50_000 <= expected <= 50_020
+    assert cc.expected_counts([5.0] * 10 + [995.0], 1000.0) == {0: 12}  # the whole slice covered: their count
+    assert cc.expected_counts([7.0] * 3, 1000.0) == {0: 3 * 1024}  # one moment: at most 1,024 times

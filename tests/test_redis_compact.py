@@ -458,3 +458,15 @@ def test_a_rebuild_into_a_fenced_index_goes_in_guarded_transactions(redis_url: s
             assert any(v.duplicate for v in NearDupFilter(cfg, index=rebuilt).check_batch(changelog_messages()))
         finally:
             rebuilt.close()
+
+
+def test_a_restore_makes_a_slice_with_the_small_hashes_of_its_rate(make: Callable[..., CompactIndex], redis_url: str,
+                                                                   prefix: str) -> None:
+    """A rebuilt namespace has no slice before its first: the restore sizes the slices it makes for the rate
+    its entries show (5,000 in a tenth of a slice: 50,000 a slice), not the first slice's 2^10."""
+    index = make(window=1000.0)
+    made = [(Entry(f"r{i}", 1000.0 + i * 0.02, i, 30, np.arange(8, dtype=np.uint64) + i), (i, 10**6 + i))
+            for i in range(5000)]
+    assert index.restore([stored_of(made)]) == 5000
+    with redis.Redis.from_url(redis_url) as client:
+        assert int(client.hget(f"{{{prefix}:ns}}:meta", "k:1")) == cc.slice_bits(50_000) > cc.K_FIRST

@@ -68,6 +68,24 @@ def slice_bits(previous: int | None) -> int:
     return min(K_MAX, max(K_MIN, (hashes - 1).bit_length() if hashes > 1 else 0))
 
 
+def expected_counts(times: Sequence[float], slice_length: float) -> dict[int, int]:
+    """Per slice of `times` (event times of entries to restore, in order), how many entries a slice of their
+    rate holds: their count there, times the slice's length over the span of event times they cover (at
+    least 1/1024 of a slice: a burst at one moment says little of the rate)."""
+    seen: dict[int, list[float]] = {}
+    for ts in times:
+        s = math.floor(ts / slice_length)
+        got = seen.get(s)
+        if got is None:
+            seen[s] = [1, ts, ts]
+        else:
+            got[0] += 1
+            got[1] = min(got[1], ts)
+            got[2] = max(got[2], ts)
+    return {s: math.ceil(count * slice_length / max(high - low, slice_length / 1024))
+            for s, (count, low, high) in seen.items()}
+
+
 def parse_records(value: bytes) -> list[tuple[float, int]]:
     """A bucket value's records as (event time, seq), in insertion order."""
     if len(value) % RECORD_SIZE:

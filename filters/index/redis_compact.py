@@ -129,6 +129,9 @@ class CompactIndex(RedisIndex):
         self._renewed: dict[int, bytearray] = {}
         self._renewed_at = -math.inf
         self._restoring = False  # a restore is running (`restore`): the reads ask for no marker
+        # Entries a restore expects in each slice, from the rate its entries show there (`restore`): a slice it
+        # makes gets the bits for them, not only for the slice before it (a rebuilt namespace has none).
+        self._expected: dict[int, int] = {}
         self._alone_compact = _native.alone_compact if _native is not None else cc.alone_round
         self._rank_compact = _native.rank_compact if _native is not None else cc.rank_records
         self._read_commands_of = _native.read_commands if _native is not None else cc.read_commands
@@ -573,7 +576,8 @@ class CompactIndex(RedisIndex):
         for s, (count, pairs) in groups.items():
             bits = self._bits.get(s)
             if bits is None:
-                bits = made[s] = cc.slice_bits(self._counts.get(s - 1))
+                bits = made[s] = max(cc.slice_bits(self._counts.get(s - 1)),
+                                     cc.slice_bits(self._expected.get(s, 0)))
                 commands.append(("HSET", meta, f"k:{s}", bits))
             written = cast("list[Sequence[Any]]", self._write_commands_of(
                 f"{self._spre}{s}", pairs, bits, self._marks.get(s, set()), count, 0, ttl, FIELDS_PER_CALL))
@@ -730,6 +734,7 @@ class CompactIndex(RedisIndex):
         try:
             for part in parts:
                 times = [_event_time(float(t), id, self.slice_length) for id, t in zip(part.ids, part.times)]
+                self._expected = cc.expected_counts(times, self.slice_length)
                 chunk = slot.RESTORE_CHUNK
                 for at in range(0, len(part.ids), chunk):
                     stop = min(at + chunk, len(part.ids))
@@ -739,6 +744,7 @@ class CompactIndex(RedisIndex):
                     written += self._restore_rows(rows)
         finally:
             self._restoring = False
+            self._expected = {}
             self._forget_view()
         return written
 
