@@ -9,7 +9,7 @@ numpy/Python reference it computes bit for bit: `filters/_shingles.pxi` (`filter
 verification), `filters/index/_table.pxi` (`PyTable` in `filters/index/memory.py`),
 `filters/index/_redis_codec.pxi` (`filters/index/redis_codec.py`), `filters/index/_compact_codec.pxi`
 (`filters/index/compact_codec.py`), `filters/_records.pxi` (`filters/records.py`)
-and `filters/_normalize.pxi` (`filters/normalize.py`, the per-character stages of
+and `filters/_normalize.pxi` (`filters/normalize.py`, the stages of
 `Normalizer.normalize_batch`). `tests/test_native.py` proves it on the development
 stream and with hypothesis. The reference stays the specification and the fallback where no compiler
 was available at install time.
@@ -63,6 +63,7 @@ cdef extern from "Python.h":
     int PyUnicode_4BYTE_KIND
     int PyUnicode_KIND(object o)
     void *PyUnicode_DATA(object o)
+    bint PyUnicode_IS_ASCII(object o)
 
 
 # One extension module, its source split by concern, each part beside the Python reference it is held to.

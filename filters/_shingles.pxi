@@ -105,6 +105,34 @@ cdef inline void ngram_hashes(const uint32_t *cps, Py_ssize_t length, int n, uin
             out[p] = mix64(h)
 
 
+cdef Py_ssize_t utf8_encode(const uint32_t *cps, Py_ssize_t length, uint8_t *out) noexcept nogil:
+    """The UTF-8 of `length` code points into `out` (room for 4 bytes each); how many bytes. A surrogate is
+    encoded as any code point of its range, which is what `str.encode("utf-8", "surrogatepass")` does."""
+    cdef Py_ssize_t i, j = 0
+    cdef uint32_t c
+    for i in range(length):
+        c = cps[i]
+        if c < 0x80:
+            out[j] = <uint8_t>c
+            j += 1
+        elif c < 0x800:
+            out[j] = <uint8_t>(0xC0 | (c >> 6))
+            out[j + 1] = <uint8_t>(0x80 | (c & 0x3F))
+            j += 2
+        elif c < 0x10000:
+            out[j] = <uint8_t>(0xE0 | (c >> 12))
+            out[j + 1] = <uint8_t>(0x80 | ((c >> 6) & 0x3F))
+            out[j + 2] = <uint8_t>(0x80 | (c & 0x3F))
+            j += 3
+        else:
+            out[j] = <uint8_t>(0xF0 | (c >> 18))
+            out[j + 1] = <uint8_t>(0x80 | ((c >> 12) & 0x3F))
+            out[j + 2] = <uint8_t>(0x80 | ((c >> 6) & 0x3F))
+            out[j + 3] = <uint8_t>(0x80 | (c & 0x3F))
+            j += 4
+    return j
+
+
 cdef inline void copy_code_points(str text, Py_ssize_t length, uint32_t *out) noexcept:
     """`text`'s `length` code points into `out`, by the width the string stores them in (no per-character
     dispatch on it)."""
@@ -228,7 +256,8 @@ def shingle(list texts, int n, int k, int m, int target, uint64_t seed, int exac
     cdef uint64_t *scratch = NULL
     cdef uint32_t *counts = NULL
     cdef str text
-    keep_alive = []  # surrogate-carrying texts' UTF-8 (surrogatepass), alive until the hashing is done
+    cdef uint8_t *wide_utf8 = NULL  # the UTF-8 of the texts that are not ASCII, end to end
+    cdef Py_ssize_t wide_cps = 0, u = 0
     try:
         if not cp_start or not lengths or not utf8 or not utf8_len:
             raise MemoryError()
@@ -245,7 +274,10 @@ def shingle(list texts, int n, int k, int m, int target, uint64_t seed, int exac
                 mg_cap += max(length - short_m + 1, 0)
             if length <= short_text:
                 short_cps += length
+            if not PyUnicode_IS_ASCII(text):
+                wide_cps += length
         cps = <uint32_t *>PyMem_Malloc((total_cps + 1) * sizeof(uint32_t))
+        wide_utf8 = <uint8_t *>PyMem_Malloc(4 * wide_cps + 1)
         hashes = <uint64_t *>PyMem_Malloc((max_len + 1) * sizeof(uint64_t))
         kept = <uint64_t *>PyMem_Malloc((max_len + 1) * sizeof(uint64_t))
         scratch = <uint64_t *>PyMem_Malloc((max_len + 1) * sizeof(uint64_t))
@@ -261,7 +293,7 @@ def shingle(list texts, int n, int k, int m, int target, uint64_t seed, int exac
         out.key_start = <Py_ssize_t *>PyMem_Malloc((count + 1) * sizeof(Py_ssize_t))
         out.chars = <uint32_t *>PyMem_Malloc((short_cps + 1) * sizeof(uint32_t))
         out.ch_start = <Py_ssize_t *>PyMem_Malloc((count + 1) * sizeof(Py_ssize_t))
-        if (not cps or not hashes or not kept or not scratch or not counts or not out.exact_lo or not out.exact_hi or not out.size
+        if (not cps or not wide_utf8 or not hashes or not kept or not scratch or not counts or not out.exact_lo or not out.exact_hi or not out.size
                 or not out.sketch or not out.sk_start or not out.mgram or not out.mg_start or not out.keys
                 or not out.key_start or not out.chars or not out.ch_start):
             raise MemoryError()
@@ -281,13 +313,13 @@ def shingle(list texts, int n, int k, int m, int target, uint64_t seed, int exac
                 cps[p + j] = PAD
             if out.ch_start[i + 1] > out.ch_start[i]:
                 memcpy(out.chars + out.ch_start[i], cps + cp_start[i], lengths[i] * sizeof(uint32_t))
-            try:
-                utf8[i] = PyUnicode_AsUTF8AndSize(text, &utf8_len[i])
-            except UnicodeEncodeError:  # lone surrogates: hashed as "surrogatepass" encodes them
-                data = text.encode("utf-8", "surrogatepass")
-                keep_alive.append(data)
-                utf8[i] = <const char *>(<bytes>data)
-                utf8_len[i] = len(<bytes>data)
+            if PyUnicode_IS_ASCII(text):  # its own bytes are its UTF-8
+                utf8[i] = <const char *>PyUnicode_DATA(text)
+                utf8_len[i] = lengths[i]
+            else:  # encoded from its code points here: str's encoder keeps a copy on the str, and is slower
+                utf8[i] = <const char *>(wide_utf8 + u)
+                utf8_len[i] = utf8_encode(cps + cp_start[i], lengths[i], wide_utf8 + u)
+                u += utf8_len[i]
         with nogil:
             _hash_batch(out, cps, cp_start, lengths, utf8, utf8_len, hashes, kept, scratch, counts, n, k, m, target, seed,
                         exact_at, with_mgram, short_m, short_keys)
@@ -295,6 +327,7 @@ def shingle(list texts, int n, int k, int m, int target, uint64_t seed, int exac
     finally:
         PyMem_Free(cp_start); PyMem_Free(lengths); PyMem_Free(utf8); PyMem_Free(utf8_len)
         PyMem_Free(cps); PyMem_Free(hashes); PyMem_Free(kept); PyMem_Free(scratch); PyMem_Free(counts)
+        PyMem_Free(wide_utf8)
 
 
 cdef enum:

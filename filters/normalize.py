@@ -52,8 +52,9 @@ text, the per-character steps (everything up to `casefold`; then `l` → `i`, se
 the pinyin codes) are lookups in one table per stage applied with numpy, and the patterns run once
 per stage (URL and e-mail patterns only where a literal such as `://`, `@` or `.com` says they can
 match). A single text takes the same stages with `str.translate`/`bytes.translate`
-(and pure-ASCII text skips the Unicode ones). The step-by-step path (`trace`, and options the fused
-stages do not cover) is the reference; tests hold both to it.
+(and pure-ASCII text skips the Unicode ones). With the compiled core (`filters/_normalize.pxi`) every stage
+runs text by text on code points instead (`Normalizer._compiled`). The step-by-step path (`trace`, and options
+the fused stages do not cover) is the reference; tests hold both to it.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ import functools
 import itertools
 import re
 import unicodedata
+from bisect import bisect_right
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Literal
@@ -91,33 +93,50 @@ NUMBER_MARK = "\U0001E802"
 # (`\S`, `[\w.+-]`, `_SEP`) and treats it like the end of the text (`_END`, `\b`, lookbehinds).
 _JOIN = "\x1e"
 
+
+class _Lazy:
+    """A pattern compiled when first used (call it): the compiled stages use none of these, and compiling them
+    all was ≈ 1.5 ms of every process's start."""
+
+    __slots__ = ("_compiled", "_source")
+
+    def __init__(self, source: str) -> None:
+        self._source = source
+        self._compiled: re.Pattern[str] | None = None
+
+    def __call__(self) -> re.Pattern[str]:
+        if self._compiled is None:
+            self._compiled = re.compile(self._source)
+        return self._compiled
+
+
 _TLD_WORDS = ("com", "net", "org", "info", "biz", "co", "uk", "cn", "io", "ly", "me", "us", "de", "ru", "jp", "tv")
 _TLDS = f"(?:{'|'.join(_TLD_WORDS)})"
 # URL and e-mail masking runs after casefold, so the patterns are lower-case only. Each starts with
 # something literal or rare so the regex engine skips most positions.
-_SCHEME_URL = re.compile(r"(?:(?:https?|ftp)://|www\.)\S+")
-_EMAIL = re.compile(r"(?<![\w.+-])[\w.+-]+@[\w-]+(?:\.[\w-]+)+")
-_HAS_TLD = re.compile(r"\." + _TLDS + r"\b")
-_BARE_DOMAIN = re.compile(r"\b(?:[a-z0-9-]+\.)+" + _TLDS + r"\b(?:/\S*)?")
+_SCHEME_URL = _Lazy(r"(?:(?:https?|ftp)://|www\.)\S+")
+_EMAIL = _Lazy(r"(?<![\w.+-])[\w.+-]+@[\w-]+(?:\.[\w-]+)+")
+_HAS_TLD = _Lazy(r"\." + _TLDS + r"\b")
+_BARE_DOMAIN = _Lazy(r"\b(?:[a-z0-9-]+\.)+" + _TLDS + r"\b(?:/\S*)?")
 _DOMAIN_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789.-")
-_SEPARATORS = re.compile(r"[\W_]+")
+_SEPARATORS = _Lazy(r"[\W_]+")
 _SEP = r"(?:[^\w\x1e]|_)"  # one separator character, never the batch joiner
 _END = r"(?:[a-z]|\x1e|\Z)"  # a letter, or the end of the text
 # Symbols read as letters: `@` after a letter (`c@sh`, `w@17`, `sant@`) or between a digit and a letter
 # (`5@nt@`), never at the start of a word (a mention); `$` before a letter (`$ale`) or ending a word after
 # a letter, or a letter and a digit (`ca$`, `0n3$`), never before a digit (a price); `!` inside a word
 # (`pr!ze`, `1!k3`, `hour!5h`), not ending one (an exclamation).
-_LEET_AT = re.compile(r"@(?:(?<=[a-z]@)|(?<=[0-9]@)(?=[a-z]))")
-_LEET_DOLLAR = re.compile(r"\$(?:(?=[a-z])|(?:(?<=[a-z]\$)|(?<=[a-z][0-9]\$))(?![0-9a-z]))")
-_LEET_BANG = re.compile(r"!(?:(?<=[a-z0-9]!)(?=[a-z@$])|(?<=[a-z]!)(?=[0-9]))")
+_LEET_AT = _Lazy(r"@(?:(?<=[a-z]@)|(?<=[0-9]@)(?=[a-z]))")
+_LEET_DOLLAR = _Lazy(r"\$(?:(?=[a-z])|(?:(?<=[a-z]\$)|(?<=[a-z][0-9]\$))(?![0-9a-z]))")
+_LEET_BANG = _Lazy(r"!(?:(?<=[a-z0-9]!)(?=[a-z@$])|(?<=[a-z]!)(?=[0-9]))")
 # Spaced-out text ("f r 3 3  c 4 $ h", "p @ y"): three or more one-character tokens at most three spaces
 # apart, starting after a space, a line break or the batch joiner; joined when they hold a letter, two
 # letters or @ $ !, and a digit or symbol, so that the rules for words apply to them.
-_SPACED = re.compile(r"[ \n\x1e][a-z0-9@$!](?: {1,3}[a-z0-9@$!]){2,}(?![\w@$!])")
+_SPACED = _Lazy(r"[ \n\x1e][a-z0-9@$!](?: {1,3}[a-z0-9@$!]){2,}(?![\w@$!])")
 _SPACED_LEET = frozenset("0123456789@$!")
-_WORD_GAP = re.compile(" {2,}")
+_WORD_GAP = _Lazy(" {2,}")
 _LEET_DIGITS = str.maketrans("0123456789", "oizeasgtbg")
-_NUMBER = re.compile(rf"[0-9]++(?:{_SEP}*+[0-9]++)*+")
+_NUMBER = _Lazy(rf"[0-9]++(?:{_SEP}*+[0-9]++)*+")
 # Every number, the leet ones in the group `leet`: at most two digits, and right after a letter and
 # followed by a letter or the end; or right before a letter and 1-3 separators after one; or between
 # one-letter tokens 1-3 separators away (spaced-out text: " ".join("hav3 won") puts three between words).
@@ -146,10 +165,11 @@ def _number_or_leet() -> re.Pattern[str]:
     )
 
 
-_LATIN_RUN = re.compile(r"[a-z]{1,40}")
+_LATIN_RUN = _Lazy(r"[a-z]{1,40}")
 _HAN = r"[\u3400-\u9fff]"  # compiled on first use (`_han`): 1 ms, and the compiled stages never need it
 _PINYIN_CODE = 0xF0000
 _COMBINING_RANGES = ((0x300, 0x36F), (0x1AB0, 0x1AFF), (0x1DC0, 0x1DFF), (0x20D0, 0x20FF), (0xFE20, 0xFE2F))
+_COMBINING_STARTS = tuple(lo for lo, _ in _COMBINING_RANGES)
 _DROP = 0xFFFFFFFF  # in the uint32 tables
 _MULTI = 0xFFFFFFFE
 
@@ -191,8 +211,12 @@ def _is_mark(ch: str) -> bool:
     """A combining mark strip_accents drops: in the combining diacritic blocks, or with a nonzero combining
     class (the only ones canonical ordering moves, so none is left to reorder)."""
     cp = ord(ch)
-    in_block = 0x300 <= cp <= 0xFE2F and any(lo <= cp <= hi for lo, hi in _COMBINING_RANGES)
-    return _scanned(cp) and (bool(unicodedata.combining(ch)) or in_block)
+    if not _scanned(cp):
+        return False
+    if unicodedata.combining(ch):
+        return True
+    at = bisect_right(_COMBINING_STARTS, cp) - 1  # (asked once per code point a text brings: no generator)
+    return at >= 0 and cp <= _COMBINING_RANGES[at][1]
 
 
 @functools.cache
@@ -212,18 +236,17 @@ def _marks_pattern() -> re.Pattern[str]:
 
 # Characters NFKC would make something they do not look like (see `charmaps.BEFORE_NFKC_FROM`): the nfkc
 # step maps them first.
-_BEFORE_NFKC = re.compile(f"[{_char_class(charmaps.BEFORE_NFKC_FROM)}]")
+_BEFORE_NFKC = _Lazy(f"[{_char_class(charmaps.BEFORE_NFKC_FROM)}]")
 _BEFORE_NFKC_MAP = dict(zip(charmaps.BEFORE_NFKC_FROM, charmaps.BEFORE_NFKC_TO, strict=True))
 
 
-Spans = Callable[[str], list[tuple[int, int]]]  # where a pattern matches in a text: `m.span()` of its `finditer`
 _UNSEEN = object()
 _SEGMENTED_MAX = 1 << 16  # remembered pinyin splits per Normalizer (a bound on its memory)
 
 
 def _keep_look(text: str) -> str:
     # A substitution, not str.translate: they are rare, and translate looks up every character (5x slower).
-    return _BEFORE_NFKC.sub(_keep_look_char, text)
+    return _BEFORE_NFKC().sub(_keep_look_char, text)
 
 
 def _keep_look_char(m: re.Match[str]) -> str:
@@ -321,17 +344,10 @@ class Normalizer:
         self._steps_unpatterned = [(name, twins.get(name, step)) for name, step in self._steps]
         fusable = _fusable(self.options)
         self._core = None
-        self._spaced: Callable[[str], list[tuple[int, int]]] | None = None
-        self._numbers: Callable[[str, bool, frozenset[str]], str] | None = None
-        self._url_spans: tuple[Spans, Spans, Spans] | None = None
         if fusable and _native is not None and native is not False:
             o = self.options
-            self._core = _native.NormalizeStages(_stage1(o), o.leet, o.pinyin, charmaps.PINYIN_CODES, charmaps.PINYIN_BASE,
-                                                 _BEFORE_NFKC_MAP)
-            self._spaced = _native.spaced_runs
-            self._numbers = _native.numbers_or_leet
-            domain_spans = _native.domain_spans
-            self._url_spans = (_native.scheme_url_spans, _native.email_spans, lambda t: domain_spans(t, _TLD_WORDS))
+            self._core = _native.NormalizeStages(_decomposed(o), o.leet, o.pinyin, charmaps.PINYIN_CODES,
+                                                 charmaps.PINYIN_BASE, o.mask_urls, o.mask_numbers, _UNITS, _TLD_WORDS)
         # The numpy tables take ≈ 0.3 s to build: only without the compiled stages.
         self._stages = _stages(self.options) if fusable and self._core is None else None
 
@@ -389,32 +405,18 @@ class Normalizer:
 
     # -- fused stages ------------------------------------------------------------------------
     def _compiled(self, texts: Sequence[str]) -> list[str]:
-        """`normalize_batch` with stages 1 and 3 compiled. ASCII texts form a batch of their own, as in the
-        reference: they skip decomposition, and the patterns run faster on a string of one byte a character."""
-        core, o = self._core, self.options
+        """`normalize_batch` by the compiled stages (`NormalizeStages.each`: the decomposition with stage 1, the word
+        stage and stage 3, text by text; see `_decomposed`)."""
+        core = self._core
         assert core is not None
-        clean = [t.replace(_JOIN, "") if _JOIN in t else t for t in texts]
-        ascii_at = [i for i, t in enumerate(clean) if t.isascii()]
-        groups = [ascii_at]
-        if len(ascii_at) < len(clean):
-            groups.append([i for i, t in enumerate(clean) if not t.isascii()] if ascii_at else list(range(len(clean))))
-        out: list[str] = [""] * len(texts)
-        for group in groups:
-            if not group:
-                continue
-            joined = _JOIN.join([clean[i] for i in group])
-            if group is not ascii_at and (o.nfkc or o.strip_accents):
-                if o.nfkc:
-                    joined = core.keep_look(joined)
-                joined = unicodedata.normalize("NFKD" if o.nfkc else "NFD", joined)
-            done, latin_next_to_pinyin = core.words(self._words_stage(core.chars(joined)))
-            for k in latin_next_to_pinyin:
-                done[k] = self._latin_pinyin(done[k])
-            for i, s in zip(group, done, strict=True):
-                out[i] = s
+        done, latin_next_to_pinyin, emptied = core.each(texts if isinstance(texts, list) else list(texts))
+        for k in latin_next_to_pinyin:
+            done[k] = self._latin_pinyin(done[k])
         # Texts of separators only: by the steps, with the per-character twins of the two steps that use a
         # pattern (building those patterns would cost every process ≈ 0.5 s, the texts are short).
-        return [s if s or not t else self._stepwise(t, self._steps_unpatterned) for s, t in zip(out, texts, strict=True)]
+        for k in emptied:
+            done[k] = self._stepwise(texts[k], self._steps_unpatterned)
+        return done  # type: ignore[no-any-return]
 
     def _fused(self, text: str, st: _Stages) -> str:
         if _JOIN in text:
@@ -429,7 +431,7 @@ class Normalizer:
             text = unicodedata.normalize(st.decompose, text)
         text = self._words_stage(text.translate(st.chars))
         han = self.options.pinyin and _han().search(text) is not None
-        text = _SEPARATORS.sub("", text)
+        text = _SEPARATORS().sub("", text)
         if st.words:
             text = text.translate(st.words)
         return self._latin_pinyin(text) if han else text
@@ -459,15 +461,12 @@ class Normalizer:
         """mask_urls, then leet and mask_numbers as far as they need context (patterns)."""
         o = self.options
         if o.mask_urls:
-            text = self._mask_urls(text, self._url_spans)
+            text = self._mask_urls(text)
         if o.leet:
-            text = _leet_symbols(text, self._spaced)
-            if self._numbers is not None:
-                text = self._numbers(text, o.mask_numbers, _UNITS)
-            else:
-                text = _number_or_leet().sub(_leet_or_mask if o.mask_numbers else _leet_or_keep, text)
+            text = _leet_symbols(text)
+            text = _number_or_leet().sub(_leet_or_mask if o.mask_numbers else _leet_or_keep, text)
         elif o.mask_numbers:
-            text = _NUMBER.sub(NUMBER_MARK, text)
+            text = _NUMBER().sub(NUMBER_MARK, text)
         return text
 
     def _words_batch(self, joined: str, st: _Stages) -> tuple[str, set[int]]:
@@ -515,21 +514,15 @@ class Normalizer:
         return text.lower() if text.isascii() else text.casefold()
 
     @staticmethod
-    def _mask_urls(text: str, spans: tuple[Spans, Spans, Spans] | None = None) -> str:
-        """`spans`: where `_SCHEME_URL`, `_EMAIL` and `_BARE_DOMAIN` match (the compiled `scheme_url_spans`,
-        `email_spans` and `domain_spans`), else the patterns are tried where a literal says they may match."""
+    def _mask_urls(text: str) -> str:
+        """The patterns are tried where a literal says they may match (the compiled stages: `scheme_url_spans`,
+        `email_spans` and `domain_spans`)."""
         if "://" in text or "www." in text:
-            repl = f" {URL_MARK} "
-            text = _sub_at(_SCHEME_URL, text, repl, _scheme_starts(text)) if spans is None else \
-                _replaced(text, spans[0](text), repl)
+            text = _sub_at(_SCHEME_URL(), text, f" {URL_MARK} ", _scheme_starts(text))
         if "@" in text:
-            repl = f" {EMAIL_MARK} "
-            text = _sub_at(_EMAIL, text, repl, _email_starts(text)) if spans is None else \
-                _replaced(text, spans[1](text), repl)
+            text = _sub_at(_EMAIL(), text, f" {EMAIL_MARK} ", _email_starts(text))
         if "." in text:
-            repl = f" {URL_MARK} "
-            text = _sub_at(_BARE_DOMAIN, text, repl, _domain_starts(text)) if spans is None else \
-                _replaced(text, spans[2](text), repl)
+            text = _sub_at(_BARE_DOMAIN(), text, f" {URL_MARK} ", _domain_starts(text))
         return text
 
     @staticmethod
@@ -538,11 +531,11 @@ class Normalizer:
 
     @staticmethod
     def _mask_numbers(text: str) -> str:
-        return _NUMBER.sub(NUMBER_MARK, text)
+        return _NUMBER().sub(NUMBER_MARK, text)
 
     @staticmethod
     def _strip_separators(text: str) -> str:
-        out = _SEPARATORS.sub("", text)
+        out = _SEPARATORS().sub("", text)
         return out if out or not text else "".join(text.split())
 
     def _pinyin(self, text: str) -> str:
@@ -552,7 +545,7 @@ class Normalizer:
 
     def _latin_pinyin(self, coded: str) -> str:
         # Latin letters that stand between Han characters are pinyin substitutions ("转fa微博").
-        return _LATIN_RUN.sub(self._pinyin_run, coded) if _LATIN_RUN.search(coded) else coded
+        return _LATIN_RUN().sub(self._pinyin_run, coded) if _LATIN_RUN().search(coded) else coded
 
     def _pinyin_run(self, m: re.Match[str]) -> str:
         s, start, end = m.string, m.start(), m.end()
@@ -610,20 +603,6 @@ def _sub_at(pattern: re.Pattern[str], text: str, repl: str, starts: Sequence[int
     return "".join(out)
 
 
-def _replaced(text: str, spans: list[tuple[int, int]], repl: str) -> str:
-    """`text` with each of `spans` (ascending, apart) replaced by `repl`."""
-    if not spans:
-        return text
-    out = []
-    pos = 0
-    for start, end in spans:
-        out.append(text[pos:start])
-        out.append(repl)
-        pos = end
-    out.append(text[pos:])
-    return "".join(out)
-
-
 def _find_all(text: str, literal: str) -> list[int]:
     out = []
     at = text.find(literal)
@@ -655,7 +634,7 @@ def _email_starts(text: str) -> list[int]:
 def _domain_starts(text: str) -> list[int]:
     """A bare domain starts at a word boundary inside the run of [a-z0-9.-] before one of its TLDs."""
     starts: set[int] = set()
-    for m in _HAS_TLD.finditer(text):
+    for m in _HAS_TLD().finditer(text):
         q = m.start()
         p = q
         while p and text[p - 1] in _DOMAIN_CHARS:
@@ -677,42 +656,21 @@ def _join_run(run: str) -> str:
     if not letters or letters + sum(c in "@$!" for c in run) < 2 or not _SPACED_LEET.intersection(run):
         return run
     # One space between the letters of a word, more between words (" ".join("y0u won") → "y 0 u   w o n").
-    return run[0] + " ".join(word.replace(" ", "") for word in _WORD_GAP.split(run[1:]))
+    return run[0] + " ".join(word.replace(" ", "") for word in _WORD_GAP().split(run[1:]))
 
 
-def _leet_symbols(text: str, spaced: Callable[[str], list[tuple[int, int]]] | None = None) -> str:
-    """`spaced`: where `_SPACED` matches in `" " + text`, one less (the compiled `spaced_runs`), else the
-    pattern finds them."""
+def _leet_symbols(text: str) -> str:
+    """Spaced-out runs joined, then `!`, `@` and `$` read as letters where they are part of a word (the compiled
+    stages: `spaced_runs` and `_leet_symbol`)."""
     if " " in text:
-        if spaced is None:
-            text = _SPACED.sub(_join_spaced, " " + text)[1:]
-        else:
-            text = _joined_at(text, spaced(text))
+        text = _SPACED().sub(_join_spaced, " " + text)[1:]
     if "!" in text:
-        text = _sub_at(_LEET_BANG, text, "i", _find_all(text, "!"))
+        text = _sub_at(_LEET_BANG(), text, "i", _find_all(text, "!"))
     if "@" in text:
-        text = _sub_at(_LEET_AT, text, "a", _find_all(text, "@"))
+        text = _sub_at(_LEET_AT(), text, "a", _find_all(text, "@"))
     if "$" in text:
-        text = _sub_at(_LEET_DOLLAR, text, "s", _find_all(text, "$"))
+        text = _sub_at(_LEET_DOLLAR(), text, "s", _find_all(text, "$"))
     return text
-
-
-def _joined_at(text: str, runs: list[tuple[int, int]]) -> str:
-    """`_SPACED.sub(_join_spaced, " " + text)[1:]` given its matches' spans in `text` (a start of -1: the
-    space before the text), without copying the whole text twice more."""
-    if not runs:
-        return text
-    out = []
-    pos = 0
-    for start, end in runs:
-        if start >= 0:
-            out.append(text[pos:start])
-            out.append(_join_run(text[start:end]))
-        else:
-            out.append(_join_run(" " + text[:end])[1:])
-        pos = end
-    out.append(text[pos:])
-    return "".join(out)
 
 
 def _leet_or_keep(m: re.Match[str]) -> str:
@@ -729,8 +687,8 @@ def _is_syllable_code(ch: str) -> bool:
 
 def _stage1(o: NormalizeOptions) -> Callable[[int], str]:
     """Stage 1 of `_stages(o)` for one code point, without its tables: the steps applied to the
-    character if it is one `_stages` looks at (else it is its own value). For the compiled stages,
-    which ask once per code point they meet."""
+    character if it is one `_stages` looks at (else it is its own value). For the compiled stages
+    (`_decomposed`), which ask once per code point they meet."""
     confusables, t2s, _ = _translation_tables()
     n = Normalizer(NormalizeOptions(**{name: False for name in NormalizeOptions.step_names()}), native=False)
     per_char = [
@@ -755,6 +713,25 @@ def _stage1(o: NormalizeOptions) -> Callable[[int], str]:
         return ch
 
     return value
+
+
+def _decomposed(o: NormalizeOptions) -> Callable[[int], str]:
+    """`_stage1(o)` of each character of a code point's decomposition (NFKD after the nfkc step's `_keep_look`, or
+    NFD with strip_accents alone), for the compiled stages, which ask once per code point they meet: no text is
+    decomposed whole. A text's decomposition is each character's, then its combining marks reordered where they
+    meet; stage 1 drops every mark (strip_accents: `_fusable` decomposes only with it), so the order of those it
+    reorders never shows."""
+    value = _stage1(o)
+    form: Literal["NFKD", "NFD"] | None = "NFKD" if o.nfkc else "NFD" if o.strip_accents else None
+    if form is None:
+        return value
+
+    def decomposed(cp: int) -> str:
+        ch = chr(cp)
+        parts = unicodedata.normalize(form, _BEFORE_NFKC_MAP.get(ch, ch) if o.nfkc else ch)
+        return value(cp) if parts == ch else "".join([value(ord(c)) for c in parts])
+
+    return decomposed
 
 
 def _drop_invisible(text: str) -> str:

@@ -297,11 +297,29 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+CORE_COMMANDS = ("filter", "explain", "eval")  # this module's: the others are stream.commands' (Kafka, Redis)
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The command line's parser; given one of `CORE_COMMANDS`, with that command's parser alone (what parsing it
+    needs: building the others' ≈ 400 options was most of a short `neardup filter`'s set-up)."""
     parser = OneLineParser(prog="neardup", description="Streaming near-duplicate text filter.")
     parser.add_argument("--version", action=_VersionAction, help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
+    if command in (None, "filter"):
+        _add_filter(sub)
+    if command in (None, "explain"):
+        _add_explain(sub)
+    if command in (None, "eval"):
+        _add_eval(sub)
+    if command not in CORE_COMMANDS:
+        from stream.commands import add_commands  # needs only the core: the Kafka extra is imported when run
 
+        add_commands(sub)
+    return parser
+
+
+def _add_filter(sub: Any) -> None:
     p = sub.add_parser("filter", help="route JSONL/text records from files or stdin to unique/duplicates/rejected",
                        description="Route records to unique (stdout), duplicates and rejected. Inputs may be "
                                    "gzip-compressed. Settings also come from NEARDUP_* variables and --config.")
@@ -324,12 +342,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_filter_options(p)
     p.set_defaults(func=cmd_filter)
 
+
+def _add_explain(sub: Any) -> None:
     p = sub.add_parser("explain", help="show normalization, fingerprints, shared buckets and the verdict for A, B")
     p.add_argument("a", help="the first text")
     p.add_argument("b", help="the second text (its verdict after A is shown)")
     _add_filter_options(p)
     p.set_defaults(func=cmd_explain)
 
+
+def _add_eval(sub: Any) -> None:
     p = sub.add_parser("eval", help="precision/recall/F1 on a labelled stream (truth format: docs/cli.md)")
     p.add_argument("stream", nargs="?", help="JSONL stream of {id, text, ts} records")
     p.add_argument("truth", nargs="?", help="JSONL truth, one {id, cluster, corpus, ptype, gray} row per record")
@@ -337,11 +359,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=_positive_int, default=512, help="records routed together (default 512)")
     _add_filter_options(p)
     p.set_defaults(func=cmd_eval)
-
-    from stream.commands import add_commands  # needs only the core: the Kafka extra is imported when run
-
-    add_commands(sub)
-    return parser
 
 
 def _positive_int(text: str) -> int:
@@ -386,7 +403,8 @@ def _missing_extra(exc: ModuleNotFoundError, args: argparse.Namespace) -> str | 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(_glue_normalize_value(sys.argv[1:] if argv is None else argv))
+    argv = _glue_normalize_value(sys.argv[1:] if argv is None else argv)
+    args = build_parser(argv[0] if argv and argv[0] in CORE_COMMANDS else None).parse_args(argv)
     try:
         return int(args.func(args))
     except NeardupError as exc:

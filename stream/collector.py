@@ -19,7 +19,7 @@ OLDER_THRESHOLDS = (20, 100)  # young collections per middle one, middle ones pe
 
 
 def tune_collector() -> None:
-    """Freezes what exists now (call it once start-up is done) and spaces the collections out."""
-    gc.collect()
+    """Freezes what exists now (call it once start-up is done) and spaces the collections out. No collection
+    first: it walks every object of start-up (≈ 6 ms, a tenth of a short run's set-up) to free a handful."""
     gc.freeze()
     gc.set_threshold(YOUNG_THRESHOLD, *OLDER_THRESHOLDS)

@@ -889,13 +889,19 @@ def test_compiled_normalization_as_the_numpy_reference(texts: list[str], options
 
 
 def test_compiled_stages_map_every_code_point_as_the_tables() -> None:
-    """Stage 1 (asked per code point met) and stage 3 (`\\w` as Py_UNICODE_ISALNUM) over all of Unicode."""
+    """Stage 1 with the decomposition (asked per code point met: `_decomposed`) against NFKD of the whole text and
+    the tables, and stage 3 (`\\w` as Py_UNICODE_ISALNUM), over all of Unicode in order (combining marks next to
+    each other, which the whole text's NFKD reorders)."""
     options = NormalizeOptions()
     core = Normalizer(options, native=True)._core
     reference = Normalizer(options, native=False)
-    tables = dataclasses.replace(_stages(options), decompose=None)
+    tables = _stages(options)
     every = "".join(map(chr, range(0x110000)))
     assert core.chars(every) == reference._chars_batch(every, tables)
+    for o in _NORM_OPTIONS:  # and by each option's own decomposition, where the stages are fused
+        if _fusable(o):
+            assert Normalizer(o, native=True)._core.chars(every) == Normalizer(o, native=False)._chars_batch(
+                every, _stages(o))
     texts, touching = core.words(every)
     want, want_touching = reference._words_batch(every, tables)
     assert "\x1e".join(texts) == want and set(touching) == want_touching
@@ -904,7 +910,7 @@ def test_compiled_stages_map_every_code_point_as_the_tables() -> None:
 @settings(max_examples=300, deadline=None)
 @given(text=st.text(alphabet=st.sampled_from([*" \n\x1eab1@$!_.z9", "é", "\u3000", "😀"]), max_size=40))
 def test_spaced_runs_are_where_the_pattern_matches(text: str) -> None:
-    assert _native.spaced_runs(text) == [(m.start() - 1, m.end() - 1) for m in _SPACED.finditer(" " + text)]
+    assert _native.spaced_runs(text) == [(m.start() - 1, m.end() - 1) for m in _SPACED().finditer(" " + text)]
 
 
 # What the number/leet pattern looks at: digits (look-alike or not), letters and units, the separators between
@@ -932,9 +938,49 @@ def test_url_and_email_spans_are_where_the_patterns_match(text: str) -> None:
     """The compiled scans of `_SCHEME_URL`, `_EMAIL` and `_BARE_DOMAIN`: schemes with and without something after
     them, any whitespace ending one (Unicode's, the batch joiner), addresses back to back, local parts shared by
     two @, domains whose last labels are no TLD (backing off a label), TLDs inside words, paths."""
-    assert _native.scheme_url_spans(text) == [m.span() for m in _SCHEME_URL.finditer(text)]
-    assert _native.email_spans(text) == [m.span() for m in _EMAIL.finditer(text)]
-    assert _native.domain_spans(text, _TLD_WORDS) == [m.span() for m in _BARE_DOMAIN.finditer(text)]
+    assert _native.scheme_url_spans(text) == [m.span() for m in _SCHEME_URL().finditer(text)]
+    assert _native.email_spans(text) == [m.span() for m in _EMAIL().finditer(text)]
+    assert _native.domain_spans(text, _TLD_WORDS) == [m.span() for m in _BARE_DOMAIN().finditer(text)]
+
+
+# What the word stage acts on, packed close together: schemes, addresses, domains and paths, spaced-out runs
+# (one, two and three spaces apart), `!@$` between letters and digits, numbers with units and separators, the
+# placeholders themselves, and characters that put a text among the decomposed ones or widen it.
+_WORD_STAGE_PIECES = st.sampled_from([
+    *"ab1l0$@!.:/- \n_", "https://", "http://x", "ftp://", "www.", "x.co", ".com/p", "me@x.io", "a.b@c.uk",
+    "f r 3 3", "c 4 $ h", "p @ y", "w i n  n o w", "  ", "   ", "fr33", "he11o", "10pm", "3mins", "2nd", "555-0100",
+    "$100", "ca$h", "pr!ze", "w@17", "\U0001e802", "\U0001e800", "é", "Ａ", "在", "转fa", "😀", "\u200b", "ß",
+])
+_WORD_STAGE_TEXTS = st.lists(_WORD_STAGE_PIECES, max_size=16).map("".join)
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(texts=st.lists(_WORD_STAGE_TEXTS, max_size=6), options=st.sampled_from(_NORM_OPTIONS))
+def test_compiled_word_stage_as_the_patterns(texts: list[str], options: NormalizeOptions) -> None:
+    """The compiled stages text by text (`NormalizeStages.each`) against the reference's patterns on the joined
+    batch: masks next to spaced-out runs, leet symbols and numbers,
+    each stage on the output of the one before, with each option of the word stage on and off."""
+    compiled, reference = Normalizer(options, native=True), Normalizer(options, native=False)
+    assert compiled.normalize_batch(texts) == reference.normalize_batch(texts)
+
+
+def test_the_stages_of_a_text_called_while_another_writes_have_buffers_of_their_own() -> None:
+    """`each` keeps its buffers from batch to batch, as `chars` does: a call made meanwhile (from `stage1`, which
+    is Python) writes to buffers of its own."""
+    from filters import charmaps
+
+    inner: list[tuple[list[str], list[int], list[int]]] = []
+
+    def stage1(cp: int) -> str:
+        if cp == ord("é") and not inner:
+            inner.append(stages.each(["w i n 5 x.co"]))
+        return chr(cp)
+
+    stages = _native.NormalizeStages(stage1, True, True, charmaps.PINYIN_CODES, charmaps.PINYIN_BASE, True, True,
+                                     _UNITS, _TLD_WORDS)
+    assert stages.each(["ab cd" * 1000, "é 1"]) == (["abcd" * 1000, "é\U0001e802"], [], [])
+    assert inner == [(["win\U0001e802\U0001e800"], [], [])] == [stages.each(["w i n 5 x.co"])]  # (5 before no letter)
+    assert stages.each(["x 1", "", " !", "a\x1eb"]) == (["xi", "", "", "ab"], [], [2])  # the kept buffers lent again
 
 
 def test_normalization_matches_the_reference_on_the_sample() -> None:
@@ -954,7 +1000,7 @@ def test_a_stage_called_while_another_writes_has_a_buffer_of_its_own() -> None:
             inner.append(stages.chars("xyz" * 1000))
         return chr(cp).upper()
 
-    stages = _native.NormalizeStages(stage1, True, True, charmaps.PINYIN_CODES, charmaps.PINYIN_BASE, {})
+    stages = _native.NormalizeStages(stage1, True, True, charmaps.PINYIN_CODES, charmaps.PINYIN_BASE)
     assert stages.chars("abc" * 1000 + "é" + "def") == "ABC" * 1000 + "É" + "DEF"
     assert inner == ["XYZ" * 1000]
     assert stages.chars("abcé") == "ABCÉ"  # and the kept buffer is lent again afterwards

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import random
 import socket
 import threading
@@ -38,6 +40,7 @@ from filters.index.redis_codec import (
     memo_time,
     parse_records,
 )
+from stream.align import RedisMarks
 from stream.codec import RecordFormat
 from stream.metrics import TimedIndex
 from stream.runner import DUPLICATE, RawRecord, route_batch, route_batches
@@ -1459,3 +1462,91 @@ def test_a_rebuild_that_finds_another_writer_hands_the_rest_to_guarded_chunks(re
         assert _view(index.lookup(queries, 8)) == _view(reference.lookup(queries, 8))
     finally:
         index.close()
+
+
+# --- a Redis ACL user made by the rule docs/operations.md gives ------------------------------------------------
+
+
+def _acl_rule(user: str, password: str, prefix: str) -> list[str]:
+    """The arguments after `ACL` of the `ACL SETUSER` line of docs/operations.md, for `user`, `password`, `prefix`."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "operations.md").read_text()
+    line = next(line for line in doc.splitlines() if line.startswith("ACL SETUSER neardup "))
+    words = line.replace("PASSWORD", password).replace("PREFIX", prefix).split()
+    return ["SETUSER", user, *words[3:]]
+
+
+@contextlib.contextmanager
+def _acl_user(node_url: str, prefix: str, *, cluster: bool = False) -> Iterator[str]:
+    """`node_url` (a Redis, or a node of a cluster) as a fresh user that the documented rule made on every node."""
+    user, password = f"nd-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    parts = urlsplit(node_url)
+    nodes: list[tuple[str, int]] = [(str(parts.hostname), int(parts.port or 6379))]
+    if cluster:
+        with redis.Redis.from_url(node_url) as client:
+            addresses = client.cluster("nodes")  # "host:port" -> what the node is
+        nodes = [(host, int(port)) for host, port in (address.rsplit(":", 1) for address in addresses)]
+    clients = [redis.Redis(host=host, port=port) for host, port in nodes]
+    try:
+        for client in clients:
+            client.execute_command("ACL", *_acl_rule(user, password, prefix))
+        yield parts._replace(netloc=f"{user}:{password}@{parts.hostname}:{parts.port}").geturl()
+    finally:
+        for client in clients:
+            client.execute_command("ACL", "DELUSER", user)
+            client.close()
+
+
+def _routed_in_turn(*urls: str) -> list[tuple[str, str | None]]:
+    """The sample's routing, its batches decided in turn by filters on the indexes at `urls` (two on one shared
+    index: each finds the other's writes since its last lookup, the checking insert's way)."""
+    lines = (Path(__file__).resolve().parent / "data" / "sample.jsonl").read_bytes().splitlines()
+    fmt = RecordFormat()
+    records = [RawRecord(line, str(i), 0.0) for i, line in enumerate(lines)]
+    filters = [NearDupFilter(FilterConfig(), index=url) for url in urls]
+    try:
+        out = []
+        for turn, at in enumerate(range(0, len(records), 40)):
+            out += [(r.kind, r.verdict.duplicate_of if r.verdict else None)
+                    for r in route_batch(filters[turn % len(filters)], records[at : at + 40], fmt)]
+        return out
+    finally:
+        for nd in filters:
+            nd.index.close()
+
+
+def test_a_user_made_by_the_documented_acl_rule_runs_the_index_its_restore_and_the_marks(redis_url: str,
+                                                                                     prefix: str) -> None:
+    with _acl_user(redis_url, prefix) as url:
+        routed = _routed_in_turn(*[with_query(url, prefix=prefix)] * 2)
+        assert routed == _routed_in_turn("memory://")
+        assert sum(kind == DUPLICATE for kind, _ in routed) > 50
+        made = [(entry(f"m{n}", float(n), seed=n), (n % 5, 100 + n)) for n in range(60)]
+        index = RedisIndex(with_query(url, prefix=prefix), window=100, bucket_cap=4, namespace="restored",
+                           fenced=True)
+        try:
+            assert index.restore([redis_codec.stored_of(made)]) == 60
+        finally:
+            index.close()
+
+        async def marks() -> tuple[float | None, float | None]:
+            one, two = (RedisMarks(with_query(url, prefix=prefix), namespace="marks", group="g") for _ in range(2))
+            try:
+                await one.publish(10.0, [("in", 0)], [("in", 0), ("in", 1)])
+                seen = (await two.publish(20.0, [("in", 1)], [("in", 0), ("in", 1)])).low
+                moved = await one.moved(5.0)  # two's mark, published on the channel the rule grants
+                return seen, None if moved is None else moved.low
+            finally:
+                await one.close()
+                await two.close()
+
+        assert asyncio.run(marks()) == (10.0, 20.0)
+
+
+def test_a_user_made_by_the_documented_acl_rule_runs_the_spread_layout(redis_cluster_url: str) -> None:
+    prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
+    try:
+        with _acl_user(redis_cluster_url, prefix, cluster=True) as url:
+            spread = with_query(cluster_url(url), prefix=prefix, layout="spread")
+            assert _routed_in_turn(spread, spread) == _routed_in_turn("memory://")
+    finally:
+        drop_cluster_namespace(cluster_url(redis_cluster_url), prefix)

@@ -30,7 +30,7 @@ from filters.index import Candidate, Entry, Memo, Query
 from filters.index import claims as cl
 from filters.index.backends import open_index
 from filters.index.redis_codec import encode_entry, field_of, parse_records
-from filters.index.redis_spread import _APPEND, _CLAIM, SLOTS, SpreadIndex, _View, key_slot, shard_tags
+from filters.index.redis_spread import _CLAIM, SLOTS, SpreadIndex, _Transaction, _View, key_slot, shard_tags
 from filters.records import Verdict
 from stream.codec import RecordFormat
 from stream.runner import RawRecord, route_batch
@@ -271,7 +271,7 @@ def test_an_inserts_memos_go_with_the_home_calls(make: Callable[..., SpreadIndex
 
     def spy(commands: Sequence[tuple[int, Sequence[Any]]], scripts: dict[bytes, str], resent: set[int] | None = None
             ) -> list[Any]:
-        sent.extend(c[0] for _, c in commands)
+        sent.extend("MULTI" if isinstance(c, _Transaction) else c[0] for _, c in commands)  # the records' HSETs
         return execute(commands, scripts, resent)
 
     index._nodes.execute = spy  # type: ignore[method-assign]
@@ -300,7 +300,8 @@ def test_claims_are_written_at_once_unless_another_writer_wrote_there_since_the_
 
     def spy(commands: Sequence[tuple[int, Sequence[Any]]], scripts: dict[bytes, str], resent: set[int] | None = None
             ) -> list[Any]:
-        sent.extend({_APPEND.sha: "append", _CLAIM.sha: "claim"}.get(c[1], "") for _, c in commands if c[0] == "EVALSHA")
+        sent.extend("append" if isinstance(c, _Transaction) else "claim" if c[:2] == ("EVALSHA", _CLAIM.sha) else ""
+                    for _, c in commands)
         return execute(commands, scripts, resent)
 
     a._nodes.execute = spy  # type: ignore[method-assign]
@@ -324,6 +325,57 @@ def test_claims_are_written_at_once_unless_another_writer_wrote_there_since_the_
     assert taken is not None and [c.entry.id for c in taken] == ["w"]
     [columns] = a._ops([cl.Read(0, (field_of(11),))])
     assert sorted(id for column in columns for _, _, id in parse_records(column[0] or b"")) == ["v", "w"]
+
+
+def test_an_append_whose_gate_does_not_let_it_write_leaves_the_slice_as_it_was(make: Callable[..., SpreadIndex],
+                                                                             redis_url: str) -> None:
+    """spread_append.lua's transaction blocks the slices it writes to before its gate runs: when the gate finds a
+    mark moved, or is missing from the node's script cache, the HSETs write nothing and each slice is put back as
+    it was (its fields, its TTL; no holding key, no string left), and the claims go to spread_claim.lua; a gate
+    that finds every mark lets them write (and then is in the cache)."""
+    a, b = make(shards="1"), make(shards="1")
+    key = a._slice_key(0, a._slice(5.0))
+    gates: list[tuple[Any, bool]] = []  # per transaction: its gate's reply, the slice unchanged by it
+    execute = a._nodes.execute
+
+    def spy(commands: Sequence[tuple[int, Sequence[Any] | _Transaction]], scripts: dict[bytes, str],
+            resent: set[int] | None = None) -> list[Any]:
+        if not any(isinstance(c, _Transaction) for _, c in commands):
+            return execute(commands, scripts, resent)
+        with redis.Redis.from_url(redis_url) as client:
+            before = client.hgetall(key)
+            replies = execute(commands, scripts, resent)
+            after = client.hgetall(key)
+            assert client.type(key) == b"hash" and client.pttl(key) > 0
+            assert not list(client.scan_iter(match=f"{{{a.tags[0]}}}:held:*"))
+        [reply] = [r for (_, c), r in zip(commands, replies, strict=True) if isinstance(c, _Transaction)]
+        gates.append((reply[2], before == after))
+        return replies
+
+    a._nodes.execute = spy  # type: ignore[method-assign]
+
+    def entry(id: str, ts: float) -> Entry:
+        return Entry(id, ts, 7, 3, np.arange(4, dtype=np.uint32))
+
+    a.lookup([Query("x", 5.0, (1, 2, 3))], 8)
+    assert a.insert([(entry("x", 5.0), (1, 2, 3))]) == [None]
+    assert gates == [(1, False)]  # written
+    a.lookup([Query("y", 5.0, (4, 5))], 8)
+    b.lookup([Query("z", 5.0, (6,))], 8)
+    assert b.insert([(entry("z", 5.0), (6,))]) == [None]
+    assert a.insert([(entry("y", 5.0), (4, 5))]) == [None]
+    assert gates[1] == (0, True)  # a mark moved: nothing written by the transaction
+    with redis.Redis.from_url(redis_url) as client:
+        client.script_flush()
+    a.lookup([Query("v", 5.0, (7, 8))], 8)
+    assert a.insert([(entry("v", 5.0), (7, 8))]) == [None]
+    assert isinstance(gates[2][0], redis.exceptions.NoScriptError) and gates[2][1]
+    a.lookup([Query("w", 5.0, (9,))], 8)
+    assert a.insert([(entry("w", 5.0), (9,))]) == [None]
+    assert gates[3] == (1, False)
+    [columns] = a._ops([cl.Read(0, tuple(field_of(k) for k in range(1, 10)))])
+    assert [sorted(id for column in columns for _, _, id in parse_records(column[j] or b"")) for j in range(9)] == \
+        [["x"]] * 3 + [["y"]] * 2 + [["z"]] + [["v"]] * 2 + [["w"]]
 
 
 def test_a_pending_claim_past_its_deadline_is_aborted_by_a_poll(make: Callable[..., SpreadIndex]) -> None:

@@ -19,9 +19,9 @@ candidates, pending ones are claims the protocol must resolve; entries known com
 
 Inserting is the claim protocol (`filters.index.claims`): the `Resolver` says what to ask each shard, this
 module asks it (`_round`: the home ops of a shard, and the insert's memos there, in one call of
-`spread_home.lua`, its claims in one call
-of `spread_append.lua` when no slice's mark moved since the lookup, else of `spread_claim.lua` (`_ClaimPlan`),
-reads as HMGETs), in one round trip per round (two when a mark moved).
+`spread_home.lua`, its claims in one MULTI/EXEC of plain HSETs gated by `spread_append.lua` when no slice's
+mark moved since the lookup, else in one call of `spread_claim.lua` (`_ClaimPlan`), reads as HMGETs), in one
+round trip per round (two when a mark moved).
 
 Redirects. A reply MOVED (the slot has a new owner: failover, resharding), ASK (the slot is being migrated
 and the keys are on the target) or TRYAGAIN (a script's keys are split between the two) means the command
@@ -250,7 +250,7 @@ class _Nodes:
                 raise IndexUnavailable(f"Redis index at {self.where}: ASK to unknown node {host}:{port}")
         return node.name, node
 
-    def execute(self, commands: Sequence[tuple[int, Sequence[Any]]], scripts: dict[bytes, str],
+    def execute(self, commands: Sequence[tuple[int, Sequence[Any] | _Transaction]], scripts: dict[bytes, str],
                 resent: set[int] | None = None) -> list[Any]:
         """Runs (slot, command) pairs, each where its slot is served, in one round trip per node (more if
         redirected); returns the replies in order (error replies raised, after redirects are followed).
@@ -287,29 +287,44 @@ class _Nodes:
                         for i in at:
                             if i in asked:
                                 packed.append(("ASKING",))
-                            packed.append(commands[i][1])
+                            command = commands[i][1]
+                            if isinstance(command, _Transaction):
+                                packed += [("MULTI",), *command.commands, ("EXEC",)]
+                            else:
+                                packed.append(command)
                         _send(conn, packed)
                         sent.append((name, conn, at))
                     if self.meanwhile is not None and self.meanwhile():
                         self.meanwhile = None
                     for _, conn, at in sent:
+                        sizes = [_size(commands[i][1]) for i in at]
                         if asked:
-                            for i in at:
+                            for i, size in zip(at, sizes):
                                 if i in asked:
                                     _read(conn)  # ASKING's OK
-                                replies[i] = _read(conn)
+                                replies[i] = _read(conn) if size == 1 else _exec_reply([_read(conn) for _ in range(size)])
                         else:
-                            for i, reply in zip(at, _read_many(conn, len(at)), strict=True):
-                                replies[i] = reply
+                            got = _read_many(conn, sum(sizes))
+                            p = 0
+                            for i, size in zip(at, sizes):
+                                replies[i] = got[p] if size == 1 else _exec_reply(got[p : p + size])
+                                p += size
                 except BaseException:
                     self.drop()
                     raise
                 again, moved, retry = [], False, False
                 for i in todo:
                     reply = replies[i]
+                    command = commands[i][1]
+                    if isinstance(command, _Transaction) and isinstance(reply, list):
+                        for c, r in zip(command.commands, reply, strict=True):
+                            if isinstance(r, NoScriptError):  # its gate wrote nothing: loaded for the next one
+                                self.redirects["NOSCRIPT"] += 1
+                                self._load(sent_to[i][0], scripts[c[1] if isinstance(c[1], bytes) else c[1].encode()])
+                        continue
                     if isinstance(reply, NoScriptError):  # to the same node again (ASKING too, if asked)
                         self.redirects["NOSCRIPT"] += 1
-                        sha = commands[i][1][1]
+                        sha = cast(Sequence[Any], commands[i][1])[1]
                         self._load(sent_to[i][0], scripts[sha if isinstance(sha, bytes) else sha.encode()])
                         again.append(i)
                         continue
@@ -367,6 +382,24 @@ class _Nodes:
     def close(self) -> None:
         self.drop()
         self.client.close()
+
+
+@dataclass(frozen=True, slots=True)
+class _Transaction:
+    """Commands sent as one MULTI/EXEC (`_Nodes.execute`). Its reply is EXEC's list of replies, or None when
+    Redis refused the transaction (a key moved or a slot being migrated, out of memory: any command refused
+    when queued): then nothing of it ran, and nothing is sent again."""
+
+    commands: tuple[Sequence[Any], ...]
+
+
+def _size(command: Sequence[Any] | _Transaction) -> int:
+    """The replies a command takes: MULTI's, each command's (QUEUED) and EXEC's for a transaction."""
+    return len(command.commands) + 2 if isinstance(command, _Transaction) else 1
+
+
+def _exec_reply(replies: list[Any]) -> list[Any] | None:
+    return replies[-1] if isinstance(replies[-1], list) else None
 
 
 def _is_moved(reply: AskError) -> bool:
@@ -681,6 +714,10 @@ class SpreadIndex:
     def _slice_key(self, shard: int, s: int) -> str:
         return f"{{{self.tags[shard]}}}:s:{s}"
 
+    def _held_key(self, shard: int, s: int) -> str:
+        """Where spread_append.lua's transaction holds a slice while it blocks writes there (never outside it)."""
+        return f"{{{self.tags[shard]}}}:held:{s}"
+
     def _slices(self, low_mark: float, high_mark: float) -> tuple[int, ...]:
         if not math.isfinite(high_mark):
             return ()
@@ -857,8 +894,8 @@ class SpreadIndex:
 
     def _ops(self, ops: Sequence[cl.Op]) -> list[Any]:
         """Runs a round's ops in one round trip per node: per shard, its home ops and the insert's memos still to
-        write in one call of spread_home.lua, its claims in one call of spread_append.lua or spread_claim.lua
-        (`_ClaimPlan`), its reads as HMGETs. Returns the replies in the order of `ops`."""
+        write in one call of spread_home.lua, its claims in one transaction gated by spread_append.lua or one
+        call of spread_claim.lua (`_ClaimPlan`), its reads as HMGETs. Returns the replies in the order of `ops`."""
         homes: dict[int, list[int]] = {}
         claims: list[int] = []
         reads: list[int] = []
@@ -874,7 +911,7 @@ class SpreadIndex:
                 reads.append(i)
             else:
                 homes.setdefault(op.shard, []).append(i)
-        commands: list[tuple[int, Sequence[Any]]] = []
+        commands: list[tuple[int, Sequence[Any] | _Transaction]] = []
         takes: list[tuple[str, list[int]]] = []  # per command: what it answers
         for shard, at in homes.items():
             commands.append((self._slots[shard], self._home_call(shard, [ops[i] for i in at])))
@@ -901,9 +938,16 @@ class SpreadIndex:
         out: list[Any] = [None] * len(ops)
         it = iter(replies[: len(replies) - (len(plan.commands) if plan is not None else 0)])
         for kind, at in takes:
-            if kind == "home":
-                for i, reply in zip(at, next(it), strict=True):
-                    out[i] = _home_reply(reply) if i < n else None
+            if kind == "home":  # a flat list: three values an op, one a memo's
+                flat, p = next(it), 0
+                for i in at:
+                    if i < n:
+                        out[i] = _home_reply(flat[p : p + 3])
+                        p += 3
+                    else:
+                        p += 1
+                if p != len(flat):
+                    raise IndexCorrupt(f"spread_home.lua answered {len(flat)} values for {len(at)} ops")
             elif kind == "read":
                 out[at[0]] = [next(it) for _ in slices]
             else:
@@ -929,7 +973,7 @@ class SpreadIndex:
         horizon = self._hwm - self.window  # an entry at or after it is live (as in the slot layout's insert)
         created = [op.ts for op in ops if isinstance(op, (cl.Create, _Put))]
         args: list[Any] = [round(self.claim_ttl * 1000), self._ttl_ms, repr(horizon) if math.isfinite(horizon) else "-inf",
-                           ",".join(map(str, range(2, len(keys) + 1))), repr(max(created)) if created else ""]
+                           len(live), repr(max(created)) if created else ""]
         layout: list[bytes] = []
         for op in ops:
             key = self._slice_key(shard, self._slice(op.ts))
@@ -953,9 +997,10 @@ class _ClaimPlan:
     compared with what its lookup saw of its fields (the values, and each slice's mark), unless it has
     nothing to compare with (not looked up, a field the lookup did not read, a second attempt): then it
     changed. When every claim of a shard is compared and its lookup read the slice it writes to, the
-    values its records make are computed here and written by spread_append.lua if no mark moved since
-    the lookup (`fast`); else (a mark moved: others wrote there meanwhile), and for the other shards,
-    spread_claim.lua appends the records and compares field by field."""
+    values its records make are computed here and written as plain HSETs in a transaction that
+    spread_append.lua lets write if no mark moved since the lookup (`fast`); else (a mark moved: others
+    wrote there meanwhile), and for the other shards, spread_claim.lua appends the records and compares
+    field by field."""
 
     def __init__(self, index: SpreadIndex, claims: Sequence[tuple[int, cl.Claim]], fast: bool) -> None:
         self.index = index
@@ -984,7 +1029,7 @@ class _ClaimPlan:
             else:
                 old, fresh = list(op.fields), []
             self.calls.setdefault(op.shard, {}).setdefault(target, []).append((i, record, check, old, fresh))
-        self.commands: list[tuple[int, Sequence[Any]]] = []
+        self.commands: list[tuple[int, Sequence[Any] | _Transaction]] = []
         self.order: list[tuple[int, list[int]]] = []  # per command: its shard (-1: spread_claim.lua), its claims
         for shard, sections in self.calls.items():
             marks = [view.slice_marks.get((shard, s)) for s in slices]
@@ -1002,16 +1047,17 @@ class _ClaimPlan:
         return lo, [self.index._slice_key(shard, s) for s in range(lo, hi + 1)]
 
     def _append(self, shard: int, sections: dict[int, list[tuple[int, bytes, bool, list[bytes], list[bytes]]]],
-                marks: list[int]) -> tuple[Any, ...]:
-        """spread_append.lua's call: the values the records make of what the lookup read (as spread_claim.lua
-        makes them: a record's seq is above its field's last, the field trimmed to `bucket_cap` records once
-        it holds twice as many)."""
+                marks: list[int]) -> _Transaction:
+        """spread_append.lua's transaction (see the script): the slices written to blocked, the script (the gate:
+        it unblocks them if no mark moved), an HSET per slice written to of the values the records make of what
+        the lookup read (as spread_claim.lua makes them: a record's seq is above its field's last, the field
+        trimmed to `bucket_cap` records once it holds twice as many), the slices still blocked put back."""
         index, view = self.index, self.index._view
         at, columns, slices = view.at, view.columns, view.slices
         cap = index.bucket_cap
         lo, keys = self._keys(shard, sections)
-        layout: list[bytes] = []
-        pairs: list[bytes] = []
+        keys += [index._held_key(shard, s) for s in range(lo, lo + len(keys))]
+        writes: list[Sequence[Any]] = []
         for target, entries in sections.items():
             column = columns[slices.index(target)]
             values: dict[bytes, bytes] = {}
@@ -1027,11 +1073,14 @@ class _ClaimPlan:
                     last = SEQ.unpack_from(v, len(v) - 8)[0]
                     r = record if last < seq else record[:-8] + SEQ.pack(last + 1)
                     values[f] = (trim_records(v, cap) if len(v) > 2 * cap * len(r) else v) + r
-            layout.append(_SECTION.pack(target, len(values)))
-            for f, v in values.items():
-                pairs += (f, v)
-        return ("EVALSHA", _APPEND.sha, len(keys), *keys, index._ttl_ms, lo, len(slices), *slices, *marks,
-                b"".join(layout), *pairs)
+            writes.append(("HSET", index._slice_key(shard, target), *(x for pair in values.items() for x in pair)))
+        held = [(index._slice_key(shard, s), index._held_key(shard, s)) for s in sections]
+        return _Transaction((
+            *(c for key, aside in held for c in (("RENAME", key, aside), ("SET", key, "blocked"))),
+            ("EVALSHA", _APPEND.sha, len(keys), *keys, index._ttl_ms, lo, len(slices), *slices, *marks, len(held),
+             *sections),
+            *writes,
+            *(c for key, aside in held for c in (("GETDEL", key), ("RENAMENX", aside, key)))))
 
     def _claim(self, shard: int, sections: dict[int, list[tuple[int, bytes, bool, list[bytes], list[bytes]]]]
                ) -> tuple[Any, ...]:
@@ -1058,16 +1107,17 @@ class _ClaimPlan:
         return ("EVALSHA", _CLAIM.sha, len(keys), *keys, index.bucket_cap, index._ttl_ms, lo, len(slices), *slices,
                 *marks, b"".join(seen), b"".join(layout), *records)
 
-    def results(self, replies: Sequence[Any]) -> tuple[dict[int, int], list[tuple[int, Sequence[Any]]], list[list[int]]]:
+    def results(self, replies: Sequence[Any]
+                ) -> tuple[dict[int, int], list[tuple[int, Sequence[Any] | _Transaction]], list[list[int]]]:
         """Each claim's reply (CLAIM_SAME or CLAIM_CHANGED) but those of the shards whose spread_append.lua
         found a mark moved: their spread_claim.lua calls (to send), and the claims each answers."""
         out: dict[int, int] = {}
-        again: list[tuple[int, Sequence[Any]]] = []
+        again: list[tuple[int, Sequence[Any] | _Transaction]] = []
         answers: list[list[int]] = []
         for (shard, claims), reply in zip(self.order, replies, strict=True):
             if shard < 0:
                 out.update(self.answer(claims, reply))
-            elif reply == 1:
+            elif _appended(reply, len(self.calls[shard])):
                 out.update((i, cl.CLAIM_SAME) for i in claims)
             else:
                 again.append((self.index._slots[shard], self._claim(shard, self.calls[shard])))
@@ -1079,6 +1129,19 @@ class _ClaimPlan:
         """The claims of a spread_claim.lua call, by its reply."""
         return {i: cl.CLAIM_SAME if result == cl.CLAIM_SAME else cl.CLAIM_CHANGED
                 for i, result in zip(claims, reply, strict=True)}
+
+
+def _appended(reply: list[Any] | None, slices: int) -> bool:
+    """Whether a transaction of spread_append.lua writing to `slices` slices wrote (its gate found every mark
+    the lookup read): False if Redis refused it, or the gate did not let its HSETs write (nothing written).
+    The commands around the gate fail as they may (a RENAME of a slice that is not there, a GETDEL of a slice
+    that is a hash again); the HSETs fail only if blocked."""
+    if reply is None:
+        return False
+    gate, writes = reply[2 * slices], reply[2 * slices + 1 : 3 * slices + 1]
+    if gate == 1 and any(isinstance(r, Exception) for r in writes):
+        raise IndexCorrupt(f"spread_append.lua's writes failed: {[r for r in writes if isinstance(r, Exception)]}")
+    return bool(gate == 1)
 
 
 def _home_reply(reply: Any) -> cl.Home:

@@ -1,40 +1,47 @@
--- Claims' records in one shard of a spread namespace when nothing was written there since the lookup: the
--- values the records make, computed by the caller from what its lookup read, written if every slice the
--- lookup read still has the mark it read (spread_claim.lua moves a slice's mark `w` whenever it writes
--- records there, and so does this; a slice dropped and made again takes a higher mark). Else nothing is
--- written and the caller sends the claims to spread_claim.lua, which compares field by field.
--- KEYS: the shard's slice hashes lo, lo + 1, ... (those read and those written, all declared).
--- ARGV: TTL (ms), lo, the number k of slices the lookup read, those k slice numbers, the k marks it read,
---       the layout of the rest: per slice written to, its number (>i4) and its number of fields (>I4);
---       then per slice written to, per field: its name and its value.
--- Returns 1 (written) or 0 (a mark moved: nothing written).
+-- Claims' records in one shard of a spread namespace when nothing was written there since the lookup: the gate
+-- of a MULTI/EXEC transaction that writes the values the records make, computed by the caller from what its
+-- lookup read, as plain HSETs (moving them in and out of the Lua VM cost more than the writes: an argument
+-- costs a string in the VM, hashed byte by byte, and another on its way back to Redis). The transaction, per
+-- slice written to: RENAME it to its holding key and SET a string in its place (blocked: an HSET there fails,
+-- WRONGTYPE); then this script; the HSETs; then per slice written to GETDEL (deletes it if it is a string,
+-- still blocked) and RENAMENX of its holding key back (if this script did not). So the writes happen only if
+-- this script ran and found every mark the lookup read (a script missing from the node's cache writes
+-- nothing), nobody sees a slice blocked (one transaction), and a transaction Redis refuses when queued (a key
+-- moved, a slot being migrated: a holding key never exists; out of memory) runs nothing.
+-- KEYS: the shard's slice hashes lo, lo + 1, ..., hi (those read and those written, all declared), then as
+-- many holding keys, in the same order.
+-- ARGV: TTL (ms), lo, the number k of slices the lookup read, those k slice numbers, the k marks it read, the
+--       number t of slices written to, those t slice numbers.
+-- If every slice the lookup read still has the mark it read (a slice written to: in its holding key), each
+-- slice written to is put back in place, its mark `w` moved (to the higher of its value + 1 and this node's
+-- clock in µs: a slice dropped and made again does not take an old mark again; spread_claim.lua moves it
+-- likewise) and its TTL renewed: 1. Else nothing: 0 (the caller sends the claims to spread_claim.lua, which
+-- compares field by field).
+local n = #KEYS / 2
 local ttl, lo, k = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-local PER_CALL = FIELDS_PER_CALL
-local marks = {}  -- slice -> its mark
+local t = tonumber(ARGV[4 + 2 * k])
+local held = {}  -- slice -> its place in KEYS, if written to (held aside)
+for c = 1, t do
+  local s = tonumber(ARGV[4 + 2 * k + c])
+  held[s] = 1 + s - lo
+end
+local marks = {}
 for c = 1, k do
   local s = tonumber(ARGV[3 + c])
-  local m = tonumber(redis.call('HGET', KEYS[1 + s - lo], 'w') or '0')
+  local at = held[s]
+  local m = tonumber(redis.call('HGET', at and KEYS[at + n] or KEYS[1 + s - lo], 'w') or '0')
   if m ~= tonumber(ARGV[3 + k + c]) then return 0 end
   marks[s] = m
 end
-local layout = ARGV[4 + 2 * k]
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local i, at = 5 + 2 * k, 1
-while at <= #layout do
-  local s, n
-  s, n, at = struct.unpack('>i4>I4', layout, at)
-  local key = KEYS[1 + s - lo]
-  local m = marks[s]
-  if not m then m = tonumber(redis.call('HGET', key, 'w') or '0') end
-  m = m + 1
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
+for s, at in pairs(held) do
+  local key = KEYS[at]
+  redis.call('DEL', key)
+  if redis.call('EXISTS', KEYS[at + n]) == 1 then redis.call('RENAME', KEYS[at + n], key) end
+  local m = (marks[s] or tonumber(redis.call('HGET', key, 'w') or '0')) + 1
   if now > m then m = now end
-  local stop = i + 2 * n - 1
-  redis.call('HSET', key, 'w', string.format('%.0f', m), unpack(ARGV, i, math.min(i + 2 * PER_CALL - 1, stop)))
-  for a = i + 2 * PER_CALL, stop, 2 * PER_CALL do
-    redis.call('HSET', key, unpack(ARGV, a, math.min(a + 2 * PER_CALL - 1, stop)))
-  end
+  redis.call('HSET', key, 'w', string.format('%.0f', m))
   redis.call('PEXPIRE', key, ttl)
-  i = stop + 1
 end
 return 1
