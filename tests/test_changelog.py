@@ -196,7 +196,7 @@ def _keys(url: str) -> list[bytes]:
     base, _, query = url.partition("?")
     prefix = dict(item.split("=", 1) for item in query.split("&"))["prefix"]
     with redis.Redis.from_url(base) as client:
-        return sorted(client.scan_iter(match=f"{{{prefix}:*"))
+        return sorted(set(client.scan_iter(match=f"{{{prefix}:*")))  # SCAN may name a key twice
 
 
 def _mark(url: str, epoch: str = "e1") -> None:
@@ -420,7 +420,7 @@ def _indexed(index_url: str) -> list[str]:
     base, _, query = index_url.partition("?")
     prefix = dict(item.split("=", 1) for item in query.split("&"))["prefix"]
     with redis.Redis.from_url(base) as client:
-        return [field[1:].decode() for key in client.scan_iter(match=f"{{{prefix}:*}}:s:*")
+        return [field[1:].decode() for key in set(client.scan_iter(match=f"{{{prefix}:*}}:s:*"))
                 for field in client.hkeys(key) if field[:1] == b"e"]
 
 

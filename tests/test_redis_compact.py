@@ -420,7 +420,7 @@ def test_a_small_hash_renewed_in_this_period_gets_its_ttl_again_once_the_namespa
     index.lookup([Query("c", 1002.0, (1, 2))], 8)
     assert index.insert([(entry("c", 1002.0), (1, 2))]) == [None]
     with redis.Redis.from_url(redis_url) as client:
-        keys = list(client.scan_iter(match=f"{{{prefix}:ns}}:*"))
+        keys = set(client.scan_iter(match=f"{{{prefix}:ns}}:*"))  # SCAN may name a key twice
         assert len(keys) >= 3 and all(0 < client.pttl(key) <= (WINDOW + 600) * 1000 for key in keys)
 
 

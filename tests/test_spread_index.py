@@ -444,7 +444,7 @@ def _check(index: SpreadIndex, copy: int, id: str, ts: float) -> Any:
 
 def _pending(redis_url: str, prefix: str) -> list[bytes]:
     with redis.Redis.from_url(redis_url) as client:
-        return [f for key in client.scan_iter(match=f"{{{prefix}:*:s:*") for f in client.hkeys(key)
+        return [f for key in set(client.scan_iter(match=f"{{{prefix}:*:s:*")) for f in client.hkeys(key)
                 if f.startswith(b"c")]
 
 
@@ -717,7 +717,7 @@ def _pending_on(port: int, prefix: str) -> list[bytes]:
         with redis.Redis(port=node.port) as client:
             if client.execute_command("ROLE")[0] != b"master":
                 continue
-            for key in client.scan_iter(match=f"{{{prefix}:*:s:*", count=1000):
+            for key in set(client.scan_iter(match=f"{{{prefix}:*:s:*", count=1000)):  # SCAN may name a key twice
                 found += [f for f in client.hkeys(key) if f.startswith(b"c")]
     return found
 
