@@ -424,40 +424,132 @@ def test_a_small_hash_renewed_in_this_period_gets_its_ttl_again_once_the_namespa
         assert len(keys) >= 3 and all(0 < client.pttl(key) <= (WINDOW + 600) * 1000 for key in keys)
 
 
-def test_a_rebuild_into_a_fenced_index_goes_in_guarded_transactions(redis_url: str) -> None:
-    """A fenced index without its marker (lost: the guard rebuilds it from the changelog) takes a restore, in
-    WATCH-guarded transactions (no script), and decides as the index it was once the marker is set."""
-    cfg = FilterConfig()
-    with redis_namespace(redis_url) as url:
-        _mark(url)
-        original = _fenced(url)
-        journal = [(Entry(f"j{i}", 1000.0 + i, i, 30, np.arange(8, dtype=np.uint64) + i), (i % 7, 100 + i % 3))
-                   for i in range(40)]
+def _journal(n: int = 40) -> list[tuple[Entry, tuple[int, ...]]]:
+    return [(Entry(f"j{i}", 1000.0 + i, i, 30, np.arange(8, dtype=np.uint64) + i), (i % 7, 100 + i % 3))
+            for i in range(n)]
+
+
+def _original(url: str, journal: list[tuple[Entry, tuple[int, ...]]],
+              queries: list[Query]) -> list[tuple[object, ...]]:
+    """What an index that inserted `journal` one after another answers to `queries`; the index is dropped after
+    (a loss: the guard rebuilds it from the changelog)."""
+    _mark(url)
+    original = _fenced(url)
+    try:
         for e, keys in journal:
             original.lookup([Query(e.id, e.ts, keys)], 8)
             assert original.insert([(e, keys)]) == [None]
-        queries = [Query("q", 1100.0, (3, 101)), Query("j5", 1100.0, (5,))]
-        before = original.lookup(queries, 8)
+        return _view(original.lookup(queries, 8))
+    finally:
         original.close()
         drop_index(url)
+
+
+_QUERIES = [Query("q", 1100.0, (3, 101)), Query("j5", 1100.0, (5,)), Query("x", 1100.0, (999,))]
+
+
+def test_a_rebuild_holds_the_fields_and_writes_each_small_hash_once(redis_url: str) -> None:
+    """A fenced index without its marker (lost: the guard rebuilds it from the changelog) takes a restore with
+    no transaction and no read of what it wrote: each small hash is written by one HSET, every key it leaves
+    has a TTL, and it decides as the index it was once the marker is set."""
+    cfg = FilterConfig()
+    with redis_namespace(redis_url) as url:
+        journal = _journal()
+        before = _original(url, journal, _QUERIES)
         rebuilt = _fenced(url)
-        watched = []
+        sent: list[Any] = []
+        execute = rebuilt._execute
+
+        def recorded(commands: Any, **options: Any) -> Any:
+            sent.extend(commands)
+            return execute(commands, **options)
+
+        rebuilt._execute = recorded  # type: ignore[method-assign]
+        try:
+            assert rebuilt.restore([stored_of(journal)]) == 40
+            names = [c[0] for c in sent]
+            assert "MULTI" not in names and "WATCH" not in names and "EVALSHA" not in names
+            small = [c[1] for c in sent if c[0] == "HSET" and str(c[1]).count(":c:") and str(c[1]).count(":") == 4]
+            assert small and len(small) == len(set(small))
+            with redis.Redis.from_url(redis_url) as client:
+                assert all(client.pttl(k) > 0 for k in _keys(url))
+                assert not client.hexists(f"{{{url.partition('prefix=')[2]}:ns}}:meta", "rebuilding")
+            rebuilt._execute = execute  # type: ignore[method-assign]
+            _mark(url, "e2")
+            assert _view(rebuilt.lookup(_QUERIES, 8)) == before
+            assert any(v.duplicate for v in NearDupFilter(cfg, index=rebuilt).check_batch(changelog_messages()))
+        finally:
+            rebuilt.close()
+
+
+def test_a_rebuild_after_one_that_died_drops_what_it_left(redis_url: str) -> None:
+    """A rebuild that died left entries whose fields it still held (its `rebuilding` field says so): the next
+    rebuild unlinks what the namespace holds first, and decides as the index it was."""
+    with redis_namespace(redis_url) as url:
+        journal = _journal()
+        before = _original(url, journal, _QUERIES)
+        prefix = url.partition("prefix=")[2]
+        with redis.Redis.from_url(redis_url) as client:
+            client.hset(f"{{{prefix}:ns}}:meta", mapping={"rebuilding": "1", "seq": "7", "hwm": "9000",
+                                                         "layout": "compact"})
+            client.hset(f"{{{prefix}:ns}}:c:9", "n", "3")
+        rebuilt = _fenced(url)
+        try:
+            assert rebuilt.restore([stored_of(journal)]) == 40
+            with redis.Redis.from_url(redis_url) as client:
+                assert not client.exists(f"{{{prefix}:ns}}:c:9")
+                assert client.hget(f"{{{prefix}:ns}}:meta", "seq") == b"40"
+            _mark(url, "e2")
+            assert _view(rebuilt.lookup(_QUERIES, 8)) == before
+        finally:
+            rebuilt.close()
+
+
+def test_a_rebuild_that_finds_another_writer_hands_the_rest_to_guarded_chunks(redis_url: str,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Somebody else writes during a rebuild (an unfenced client): the rebuild sees the seq move, writes what it
+    holds merged with what Redis holds, and restores the rest in guarded transactions. Both are kept."""
+    import filters.index.redis as slot
+
+    monkeypatch.setattr(slot, "REBUILD_CHUNK", 10)
+    with redis_namespace(redis_url) as url:
+        journal = _journal()
+        before = _original(url, journal, _QUERIES[:2])
+        rebuilt = _fenced(url)
+        other = CompactIndex(url, window=3600.0, bucket_cap=8, namespace="ns")
+        execute = rebuilt._execute
+        intruded: list[bool] = []
+        watched: list[bool] = []
         restore_watched = rebuilt._restore_watched
+
+        def intruding(commands: Any, **options: Any) -> Any:
+            replies = execute(commands, **options)
+            if not intruded and any(c[0] == "HSET" and c[2] == "hwm" for c in commands):
+                intruded.append(True)
+                other.lookup([Query("x", 1020.0, (3, 999))], 8)
+                assert other.insert([(Entry("x", 1020.0, 1, 30, np.arange(8, dtype=np.uint64)), (3, 999))]) == [None]
+            return replies
 
         def counted(rows: Any) -> Any:
             done = restore_watched(rows)
             watched.append(done is not None)
             return done
 
+        rebuilt._execute = intruding  # type: ignore[method-assign]
         rebuilt._restore_watched = counted  # type: ignore[method-assign]
         try:
             assert rebuilt.restore([stored_of(journal)]) == 40
-            assert watched and all(watched)
+            assert intruded and watched and all(watched)
+            rebuilt._execute = execute  # type: ignore[method-assign]
             _mark(url, "e2")
-            assert _view(rebuilt.lookup(queries, 8)) == _view(before)
-            assert any(v.duplicate for v in NearDupFilter(cfg, index=rebuilt).check_batch(changelog_messages()))
+            assert _view(rebuilt.lookup(_QUERIES[:2], 8)) == before
+            [(_, found)] = rebuilt.lookup([Query("y", 1100.0, (999,))], 8)
+            assert [c.entry.id for c in found] == ["x"]
+            [(_, found)] = rebuilt.lookup([Query("y", 1100.0, (3,))], 8)
+            assert "x" in [c.entry.id for c in found] and len(found) > 1
         finally:
             rebuilt.close()
+            other.close()
 
 
 def test_a_restore_makes_a_slice_with_the_small_hashes_of_its_rate(make: Callable[..., CompactIndex], redis_url: str,

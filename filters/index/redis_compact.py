@@ -2,8 +2,8 @@
 protocol, its records of (event time, seq) in small listpack hashes and its entries keyed by seq.
 
 Chosen by `?layout=compact` while it is being built (it is to become the slot layout). What it does not do
-yet, against `RedisIndex`: the uncontended round without WATCH (Redis Cluster runs the checking script), the
-rebuild's bulk writes (a rebuild restores in guarded transactions, as a restore beside other writers).
+yet, against `RedisIndex`: the uncontended round without WATCH (Redis Cluster runs the checking script), a
+rebuild of a window of more than `HOLD_FIELDS` fields at its speed (the rest goes in guarded transactions).
 """
 
 from __future__ import annotations
@@ -11,10 +11,12 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from importlib import resources
+from itertools import chain
 from typing import Any, cast
 
+import numpy as np
 from redis.exceptions import ResponseError
 
 from filters.errors import ConfigError, IndexCorrupt
@@ -26,6 +28,7 @@ from filters.index.redis import (
     FIELDS_PER_HMGET,
     INSERT_CHUNK,
     MARKER,
+    REBUILDING,
     RedisIndex,
     _event_time,
     _raise_any,
@@ -35,7 +38,7 @@ from filters.index.redis import (
     _View,
     _WatchLost,
 )
-from filters.index.redis_codec import ABSENT, SEQ, decode_entry, decode_memo, encode_entry, memo_time, plan_fields
+from filters.index.redis_codec import ABSENT, SEQ, decode_entry, decode_memo, encode_entry, memo_time
 from filters.records import Verdict
 
 try:  # the compiled core; absent when it could not be built at install time (no C++ compiler)
@@ -57,6 +60,7 @@ STATS_SAMPLE = 1024  # small hashes a slice whose fields `stats` counts
 MARKS_KEPT = 1 << 16  # marked buckets a client remembers a slice (read in the slice hash at once)
 REAP_KEYS = 1024  # small hashes an UNLINK of a slice that left the window names ...
 REAP_COMMANDS = 4  # ... and such commands sent with a lookup
+HOLD_FIELDS = 1 << 22  # bucket and id fields a rebuild holds (~150 bytes each) before it writes them and hands on
 
 
 def _script() -> _Script:
@@ -172,7 +176,8 @@ class CompactIndex(RedisIndex):
     # -- reading -------------------------------------------------------------------------------------
     def _planned(self, queries: Sequence[Query]) -> tuple[list[bytes], list[list[bytes]], list[list[int]], list[int]]:
         try:
-            return plan_fields([q.keys for q in queries], [cc.id_field(q.id) for q in queries])
+            return cast("tuple[list[bytes], list[list[bytes]], list[list[int]], list[int]]",
+                        self._plan([q.keys for q in queries], [cc.id_field(q.id) for q in queries]))
         except (OverflowError, ValueError):
             raise ValueError(f"bucket keys must be unsigned 64-bit ints: {[q.keys for q in queries]!r}") from None
 
@@ -718,35 +723,212 @@ class CompactIndex(RedisIndex):
 
     # -- restoring, stats ----------------------------------------------------------------------------
     def restore(self, parts: Iterable[Stored]) -> int:
-        """See `CandidateIndex.restore`. Per chunk of `RESTORE_CHUNK` entries, as the uncontended insert: a read
-        of what its fields hold (after a WATCH of the meta hash), the writes computed here (`alone_compact`, as
-        the insert script would insert them with nothing to compare) and one MULTI/EXEC, which Redis refuses if
-        anybody wrote meanwhile; after `RESTORE_ATTEMPTS` refusals, and on Redis Cluster, the checking script
-        with nothing to compare. A fenced index without its marker is being rebuilt: its marker is not asked
-        for here (the guard sets it after)."""
+        """See `CandidateIndex.restore`. A fenced index without its marker, empty (or left by a rebuild that
+        died), is being rebuilt: nobody else writes it, and `_rebuild_compact` holds the fields and writes each
+        small hash once. Otherwise (and for what a rebuild hands on) per chunk of `RESTORE_CHUNK` entries, as
+        the uncontended insert: a read of what its fields hold (after a WATCH of the meta hash), the writes
+        computed here (`alone_compact`, as the insert script would insert them with nothing to compare) and
+        one MULTI/EXEC, which Redis refuses if anybody wrote meanwhile; after `RESTORE_ATTEMPTS` refusals, and
+        on Redis Cluster, the checking script with nothing to compare. A fenced index without its marker is
+        being rebuilt: its marker is not asked for here (the guard sets it after)."""
         self._forget_view()
         self._restoring = True
         written = 0
         with self._errors():  # the namespace's newest event time: the window its first entries' live ids are in
-            replies = self._execute([("HMGET", self._meta, "hwm")])
+            replies = self._execute([("HMGET", self._meta, "hwm", MARKER, "seq", REBUILDING, "layout")])
             _raise_any(replies)
-        self._stored_top = max(self._stored_top, _stored_time(replies[0][0] or b""))
+        stored_hwm, marker, stored_seq, rebuilding, layout = replies[0]
+        died = rebuilding is not None and layout == cc.LAYOUT.encode()  # (a slot namespace is refused by the reads)
+        self._stored_top = max(self._stored_top, _stored_time(stored_hwm or b""))
         try:
-            for part in parts:
+            rest: Iterable[tuple[Stored, int]] = ((part, 0) for part in parts)
+            if self.fenced and marker is None and (stored_seq is None or died):
+                rest, written = self._rebuild_compact(iter(parts), died)
+            for part, begin in rest:
                 times = [_event_time(float(t), id, self.slice_length) for id, t in zip(part.ids, part.times)]
                 self._expected = cc.expected_counts(times, self.slice_length)
                 chunk = slot.RESTORE_CHUNK
-                for at in range(0, len(part.ids), chunk):
+                for at in range(begin, len(part.ids), chunk):
                     stop = min(at + chunk, len(part.ids))
-                    # A key given twice counts once (as the memory index and the slot layout's restore count it).
-                    rows = [(part.ids[i], times[i], part.blobs[i], tuple(dict.fromkeys(part.keys_of(i))))
-                            for i in range(at, stop)]
-                    written += self._restore_rows(rows)
+                    written += self._restore_rows(self._rows(part, times, at, stop))
         finally:
             self._restoring = False
             self._expected = {}
             self._forget_view()
         return written
+
+    @staticmethod
+    def _rows(part: Stored, times: Sequence[float], at: int, stop: int) -> list[tuple[str, float, bytes, tuple[int, ...]]]:
+        """Entries `at` to `stop` of `part` as rows (id, event time, stored bytes, keys). A key given twice
+        counts once (as the memory index and the slot layout's restore count it)."""
+        return [(part.ids[i], times[i], part.blobs[i], tuple(dict.fromkeys(part.keys_of(i)))) for i in range(at, stop)]
+
+    def _rebuild_compact(self, parts: Iterator[Stored], died: bool) -> tuple[Iterator[tuple[Stored, int]], int]:
+        """Restores `parts` into a fenced namespace without its marker that nobody else writes (`restore`; `died`:
+        a rebuild before this one left its `rebuilding` field: what it wrote goes first). Per chunk of
+        `REBUILD_CHUNK` entries, which entries the insert would take and their seqs are told here from the
+        fields held (`alone_compact` over columns read from them, not from Redis), their entries written at
+        once (with the seq, by HINCRBY, and a read of the seq and the marker: anybody else writing shows);
+        the bucket and id fields are held and each slice written at the end, each small hash once
+        (`write_commands`), with the bits of the rate its entries show. A slice that left the window is
+        forgotten and unlinked (its entries went). Once more than `HOLD_FIELDS` fields are held, or somebody
+        else wrote, what is held goes (merged with what Redis holds, in the latter case) and the rest is
+        handed to the guarded chunks. Returns (the rest: (part, first entry not restored); entries written)."""
+        meta, ttl, window, cap = self._meta, self._ttl_ms, self.window, self.bucket_cap
+        held: dict[int, dict[bytes, bytes]] = {}  # slice -> field -> value, bucket and id fields not written yet
+        counts: dict[int, int] = {}  # slice -> entries written there
+        rates: dict[int, list[float]] = {}  # slice -> [entries, earliest, latest event time] restored there
+        written = 0
+        start: list[Sequence[Any]] = []
+        if died:  # its entries would pass for live, its fields are held nowhere: the changelog has them all
+            with self._errors():
+                keys = list(dict.fromkeys(self._client.scan_iter(match=f"{self._spre}*", count=1000)))
+            start += [("UNLINK", *keys[a : a + REAP_KEYS]) for a in range(0, len(keys), REAP_KEYS)]
+            start.append(("DEL", meta))
+            self._stored_top = -math.inf
+        start += [("HSET", meta, REBUILDING, "1", "layout", cc.LAYOUT), ("HSETNX", meta, "gen", self._token),
+                  ("PEXPIRE", meta, ttl), ("HMGET", meta, "seq", "hwm")]
+        with self._errors():
+            replies = self._execute(start)
+            _raise_any(replies)
+        seq = int(replies[-1][0] or 0)
+        hwm = max(self._hwm, self._stored_top, _stored_time(replies[-1][1] or b""))
+        parts_left = parts
+        for part in parts_left:
+            times = [_event_time(float(t), id, self.slice_length) for id, t in zip(part.ids, part.times)]
+            array = np.asarray(times, dtype=np.float64)
+            of_slice = np.floor(array / self.slice_length)
+            for s in np.unique(of_slice).tolist():
+                there = array[of_slice == s]
+                rate = rates.setdefault(int(s), [0, math.inf, -math.inf])
+                rate[0] += len(there)
+                rate[1], rate[2] = min(rate[1], float(there.min())), max(rate[2], float(there.max()))
+            chunk = slot.REBUILD_CHUNK
+            for at in range(0, len(part.ids), chunk):
+                rows = self._rows(part, times, at, min(at + chunk, len(part.ids)))
+                ids, tss = [r[0] for r in rows], [r[1] for r in rows]
+                names, key_fields, positions, id_places = self._planned([Query(id, ts, keys)
+                                                                         for id, ts, _, keys in rows])
+                low = hwm if math.isfinite(hwm) else min(tss)
+                slices = tuple(range(self._slice(low - window), self._slice(max(hwm, max(tss))) + 1))
+                none: list[bytes | None] = [None] * len(names)
+                columns = {s: list(map(held[s].get, names)) if s in held else none for s in slices}
+                blobs = [r[2] for r in rows]
+                results, groups, _, new_hwm, new_seq = self._alone_compact(
+                    ids, tss, blobs, key_fields, positions, id_places, slices, columns, {s: {} for s in slices},
+                    hwm, window, self.slice_length, cap, seq)
+                alone = True
+                if new_seq != seq:  # its seqs taken first: a seq names one entry, whoever else inserts
+                    with self._errors():
+                        replies = self._execute([("HINCRBY", meta, "seq", new_seq - seq)])
+                        _raise_any(replies)
+                    if replies[0] != new_seq:  # somebody else took some meanwhile: the chunk's are those after
+                        alone = False
+                        seq = replies[0] - (new_seq - seq)
+                        results, groups, _, new_hwm, new_seq = self._alone_compact(
+                            ids, tss, blobs, key_fields, positions, id_places, slices, columns,
+                            {s: {} for s in slices}, hwm, window, self.slice_length, cap, seq)
+                commands: list[Sequence[Any]] = []
+                step = 2 * FIELDS_PER_CALL
+                taken: dict[int, list[int]] = {}
+                for seq_i, (_, ts, _, _) in zip(results, rows):
+                    if seq_i > 0:
+                        taken.setdefault(self._slice(ts), []).append(seq_i)
+                for s, (count, pairs) in groups.items():
+                    fields = held.setdefault(s, {})
+                    fields.update(zip(pairs[0::2], pairs[1::2]))  # the entries taken out again below
+                    entries: list[bytes] = []
+                    for name in map(cc.entry_field, taken[s]):
+                        entries += (name, fields.pop(name))
+                    counts[s] = counts.get(s, 0) + count
+                    key = f"{self._spre}{s}"
+                    commands += [("HSET", key, *entries[a : a + step]) for a in range(0, len(entries), step)]
+                    commands.append(("PEXPIRE", key, ttl))
+                gone = [s for s in held if s < self._slice(new_hwm - window)]
+                for s in gone:
+                    del held[s]
+                    commands.append(("UNLINK", f"{self._spre}{s}"))
+                if new_seq != seq:
+                    commands.append(("HSET", meta, "hwm", b"%.17g" % new_hwm))
+                commands += [("PEXPIRE", meta, ttl), ("HMGET", meta, "seq", MARKER)]
+                with self._errors():
+                    replies = self._execute(commands)
+                    _raise_any(replies)
+                written += sum(1 for r in results if r > 0)
+                now_seq, marker = replies[-1]
+                alone = alone and marker is None and int(now_seq or 0) == new_seq
+                seq, hwm = new_seq, new_hwm
+                if not alone or sum(map(len, held.values())) > HOLD_FIELDS:
+                    self._write_held(held, counts, rates, merge=not alone)
+                    self._stored_top = max(self._stored_top, hwm)  # the guarded chunks' first live ids
+                    rest = chain([(part, min(at + chunk, len(part.ids)))], ((p, 0) for p in parts_left))
+                    return rest, written
+        self._write_held(held, counts, rates, merge=False)
+        self._stored_top = max(self._stored_top, hwm)
+        return iter(()), written
+
+    def _write_held(self, held: dict[int, dict[bytes, bytes]], counts: dict[int, int],
+                    rates: dict[int, list[float]], *, merge: bool) -> None:
+        """Writes a rebuild's held fields (`_rebuild_compact`), each small hash once, a slice with the bits the
+        meta hash gives it (somebody else made it meanwhile), else those of the rate its entries show (its
+        count, the count of the slice before, the rate restored there: `expected_counts`), and its count of
+        entries; then sets the bits and drops `rebuilding`. `merge`: somebody else wrote too: each field's
+        value in Redis goes first (its records before the held ones, the cap's newest kept; an id kept)."""
+        meta, ttl = self._meta, self._ttl_ms
+        slices = sorted(held)
+        with self._errors():
+            replies = self._execute([("HMGET", meta, *(f"k:{s}" for s in slices))] if slices else [])
+            _raise_any(replies)
+        known = replies[0] if slices else []
+        commands: list[Sequence[Any]] = []
+        made: list[Any] = []
+        for s, k in zip(slices, known):
+            fields = held[s]
+            if k is not None:
+                bits = int(k)
+            else:
+                count, low, high = rates.get(s, [0, 0.0, 0.0])
+                expected = math.ceil(count * self.slice_length / max(high - low, self.slice_length / 1024))
+                bits = max(cc.slice_bits(counts.get(s - 1)), cc.slice_bits(counts.get(s, 0)), cc.slice_bits(expected))
+                made += (f"k:{s}", bits)
+            key = f"{self._spre}{s}"
+            marked: set[bytes] = set()
+            pairs: list[bytes] = []
+            if merge:
+                olds = self._held_olds(key, list(fields), bits, marked)
+                for name, value in fields.items():
+                    old = olds.get(name)
+                    if old is not None:
+                        value = old if name[:1] == b"i" else cc.trim_records(old + value, self.bucket_cap)
+                    pairs += (name, value)
+            else:
+                pairs = list(chain.from_iterable(fields.items()))
+            commands += self._write_commands_of(key, pairs, bits, marked, counts.get(s, 0), 0, ttl, FIELDS_PER_CALL)
+        if made:
+            commands.append(("HSET", meta, *made))
+        commands += [("HDEL", meta, REBUILDING), ("PEXPIRE", meta, ttl)]
+        with self._errors():
+            replies = self._execute(commands)
+            _raise_any(replies)
+        held.clear()
+
+    def _held_olds(self, key: str, names: list[bytes], bits: int, marked: set[bytes]) -> dict[bytes, bytes]:
+        """What Redis holds of a slice's `names` (its small hashes, and the slice hash for those read as the mark,
+        which go to `marked`)."""
+        reads, places = self._read_commands_of(key, names, bits, set(), FIELDS_PER_HMGET)
+        with self._errors():
+            replies = self._execute(reads)
+            _raise_any(replies)
+        column = self._column_of(replies, places, len(names))
+        olds = {name: value for name, value in zip(names, column) if value is not None}
+        marked.update(name for name, value in olds.items() if value == cc.MARK)
+        if marked:
+            at = sorted(marked)
+            with self._errors():
+                replies = self._execute([("HMGET", key, *at)])
+                _raise_any(replies)
+            olds.update({name: value for name, value in zip(at, replies[0]) if value is not None})
+        return olds
 
     def _restore_rows(self, rows: list[tuple[str, float, bytes, tuple[int, ...]]]) -> int:
         for _ in range(slot.RESTORE_ATTEMPTS if self._watchable() else 0):
