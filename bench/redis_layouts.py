@@ -534,8 +534,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for run in range(args.runs):
             for layout in layouts:  # alternating; what each layout holds and its writing cost: its first run's
                 r.flushdb()
-                before = used(r)
-                start = server_cpu(r)
+                if not run:
+                    before, start = used(r), server_cpu(r)
                 if layout == "today" or layout.startswith("compact"):
                     write_rounds(r, layout, slices, args.round)
                 else:

@@ -28,8 +28,6 @@ import time
 import uuid
 from pathlib import Path
 
-import orjson
-
 try:
     import redis
 except ModuleNotFoundError as exc:  # one line naming what to install, not a traceback
@@ -41,11 +39,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import needs  # noqa: E402
-from filters.config import FilterConfig  # noqa: E402
-from filters.engine import Message, NearDupFilter  # noqa: E402
-from filters.index.backends import open_index  # noqa: E402
+from bench.spread_scale import BATCH, decide, engine_at, first_messages  # noqa: E402
+from filters.engine import Message  # noqa: E402
 
-BATCH = 512
 DEFAULT_STREAM = ROOT.parent / "shared" / "eval" / "stream.jsonl"
 SLOTS = 16384
 IDLE = 5.0  # seconds of idle counting per cluster
@@ -129,12 +125,9 @@ def measure(n: int, layout: str, messages: list[Message], warm: int, port: int) 
     with tempfile.TemporaryDirectory(prefix="neardup-ir-") as tmp:
         servers = Masters(n, port, Path(tmp))
         try:
-            config = FilterConfig()
-            index = open_index(f"{servers.url}?layout={layout}&prefix=ir-{uuid.uuid4().hex[:6]}&socket_timeout=120",
-                               window=config.window, bucket_cap=config.bucket_cap, namespace="ir")
-            engine = NearDupFilter(config, index=index)
-            for at in range(0, warm, BATCH):
-                engine.check_batch(messages[at:min(at + BATCH, warm)])
+            engine = engine_at(f"{servers.url}?layout={layout}&prefix=ir-{uuid.uuid4().hex[:6]}&socket_timeout=120",
+                               "ir")
+            decide(engine, messages, 0, warm)
             # What a master runs idle (its cron, the cluster bus), per second: taken out of the measured window's
             # counts, which would otherwise grow with callgrind's slowness and the number of masters.
             servers.zero()
@@ -143,11 +136,10 @@ def measure(n: int, layout: str, messages: list[Message], warm: int, port: int) 
             idle = [c / (time.monotonic() - t0) for c in servers.counts()]
             servers.zero()
             t0 = time.monotonic()
-            for at in range(warm, len(messages), BATCH):
-                engine.check_batch(messages[at:min(at + BATCH, len(messages))])
+            decide(engine, messages, warm, len(messages))
             seconds = time.monotonic() - t0
             counts = [c - rate * seconds for c, rate in zip(servers.counts(), idle, strict=True)]
-            index.close()
+            engine.index.close()
         finally:
             servers.stop()
     return [c / (len(messages) - warm) for c in counts]
@@ -166,8 +158,7 @@ def main() -> int:
     needs.tool(__file__, "redis-server", install="apt-get install redis-server")
     needs.tool(__file__, "valgrind", install="apt-get install valgrind")
     counts = [int(n) for n in args.masters.split(",") if n]
-    rows = orjson.loads(b"[" + b",".join(args.stream.read_bytes().splitlines()[: args.warm + args.messages]) + b"]")
-    messages = [Message(str(r["id"]), r["text"], float(r["ts"])) for r in rows]
+    messages = [Message(*m) for m in first_messages(args.stream, args.warm + args.messages)]
     slot: list[float] = []
     spread: dict[int, list[list[float]]] = {n: [] for n in counts}
     for run in range(args.runs):

@@ -55,15 +55,32 @@ def masters(node: str) -> list[redis.Redis]:
         return [redis.Redis(host=n.host or "127.0.0.1", port=n.port) for n in cluster.get_primaries()]
 
 
+def first_messages(stream: str | Path, n: int) -> list[tuple[str, str, float]]:
+    """(id, text, event time) of the first `n` records of `stream` (tuples: they go to worker processes)."""
+    rows = orjson.loads(b"[" + b",".join(Path(stream).read_bytes().splitlines()[:n]) + b"]")
+    return [(str(r["id"]), r["text"], float(r["ts"])) for r in rows]
+
+
+def engine_at(url: str, namespace: str) -> NearDupFilter:
+    """The default filter on the index at `url` (close `engine.index` after)."""
+    config = FilterConfig()
+    return NearDupFilter(config, index=open_index(url, window=config.window, bucket_cap=config.bucket_cap,
+                                                  namespace=namespace))
+
+
+def decide(engine: NearDupFilter, messages: list[Message], start: int, stop: int) -> None:
+    """messages[start:stop] decided in batches of BATCH."""
+    for at in range(start, stop, BATCH):
+        engine.check_batch(messages[at : min(at + BATCH, stop)])
+
+
 def _work(url: str, messages: list[tuple[str, str, float]], w: int, workers: int, warm: int,
           ready: Any, go: Any, done: Any) -> None:
-    config = FilterConfig()
-    index = open_index(url, window=config.window, bucket_cap=config.bucket_cap, namespace="scale")
-    engine = NearDupFilter(config, index=index)
+    engine = engine_at(url, "scale")
+    index = engine.index
     batch = [Message(*m) for m in messages]
     if w == 0:
-        for at in range(0, warm, BATCH):
-            engine.check_batch(batch[at : min(at + BATCH, warm)])
+        decide(engine, batch, 0, warm)
     mine = [batch[at : at + BATCH] for at in range(warm, len(batch), BATCH)][w::workers]
     ready.wait()
     go.wait()
@@ -144,9 +161,7 @@ def main() -> int:
     args.cluster = args.cluster or [os.environ.get("NEARDUP_TEST_REDIS_CLUSTER_URL", "redis://127.0.0.1:7001")]
     for node in args.cluster:
         needs.redis(__file__, node)
-    with open(args.stream, "rb") as f:
-        rows = [orjson.loads(line) for line in f.read().splitlines()[: args.warm + args.messages]]
-    messages = [(str(r["id"]), r["text"], float(r["ts"])) for r in rows]
+    messages = first_messages(args.stream, args.warm + args.messages)
     setups = [(node, "spread") for node in args.cluster] + ([(args.cluster[0], "slot")] if args.slot else [])
     results: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for _ in range(args.runs):

@@ -26,7 +26,7 @@ cdef extern from "Python.h":
 
 from libc.stdint cimport int32_t, uint16_t, uint64_t
 from cython.operator cimport dereference as deref
-from libcpp.algorithm cimport binary_search, lower_bound
+from libcpp.algorithm cimport binary_search
 from libcpp.vector cimport vector
 
 cdef uint32_t NORM_JOIN = 0x1E  # normalize._JOIN: ends a text of the joined batch, kept by every stage
@@ -106,7 +106,7 @@ cdef class NormalizeStages:
 
     def __init__(self, stage1, bint leet, bint pinyin, str pinyin_codes, int pinyin_base, bint mask_urls=False, bint mask_numbers=False, frozenset units=frozenset(), tuple tlds=()):
         """`mask_urls`, `mask_numbers`, `units` (normalize._UNITS) and `tlds` (normalize._TLD_WORDS): what
-        `texts` needs of the word stage besides `leet`."""
+        `each` needs of the word stage besides `leet`."""
         self.stage1 = stage1
         self.multi = []
         self.leet = leet
@@ -471,8 +471,8 @@ cdef Py_ssize_t _masked(vector[uint32_t] &a, vector[uint32_t] &b, Py_ssize_t n, 
 
 
 cdef Py_ssize_t _joined_runs(const uint32_t *a, Py_ssize_t n, vector[Py_ssize_t] &spans, uint32_t *out) noexcept nogil:
-    """`normalize._joined_at(a[:n], spans)` into `out` (never longer): each spaced-out run (`_spaced_runs`) that
-    `_join_run` joins has its one-space gaps removed and its wider ones made one space."""
+    """`normalize._leet_symbols`'s joining of spaced-out runs (`_SPACED`, `_join_run`) of `a[:n]` at `spans`, into
+    `out` (never longer): each spaced-out run (`_spaced_runs`) that `_join_run` joins has its one-space gaps removed and its wider ones made one space."""
     cdef Py_ssize_t k, q, g, start, end, pos = 0, j = 0, letters, symbols
     cdef bint leet
     cdef uint32_t c

@@ -94,49 +94,39 @@ NUMBER_MARK = "\U0001E802"
 _JOIN = "\x1e"
 
 
-class _Lazy:
-    """A pattern compiled when first used (call it): the compiled stages use none of these, and compiling them
-    all was ≈ 1.5 ms of every process's start."""
-
-    __slots__ = ("_compiled", "_source")
-
-    def __init__(self, source: str) -> None:
-        self._source = source
-        self._compiled: re.Pattern[str] | None = None
-
-    def __call__(self) -> re.Pattern[str]:
-        if self._compiled is None:
-            self._compiled = re.compile(self._source)
-        return self._compiled
+def _lazy(source: str) -> Callable[[], re.Pattern[str]]:
+    """A pattern compiled when first used (call it), as the `functools.cache`d patterns below: the compiled stages
+    use none of these, and compiling them all was ≈ 1.5 ms of every process's start."""
+    return functools.cache(functools.partial(re.compile, source))
 
 
 _TLD_WORDS = ("com", "net", "org", "info", "biz", "co", "uk", "cn", "io", "ly", "me", "us", "de", "ru", "jp", "tv")
 _TLDS = f"(?:{'|'.join(_TLD_WORDS)})"
 # URL and e-mail masking runs after casefold, so the patterns are lower-case only. Each starts with
 # something literal or rare so the regex engine skips most positions.
-_SCHEME_URL = _Lazy(r"(?:(?:https?|ftp)://|www\.)\S+")
-_EMAIL = _Lazy(r"(?<![\w.+-])[\w.+-]+@[\w-]+(?:\.[\w-]+)+")
-_HAS_TLD = _Lazy(r"\." + _TLDS + r"\b")
-_BARE_DOMAIN = _Lazy(r"\b(?:[a-z0-9-]+\.)+" + _TLDS + r"\b(?:/\S*)?")
+_SCHEME_URL = _lazy(r"(?:(?:https?|ftp)://|www\.)\S+")
+_EMAIL = _lazy(r"(?<![\w.+-])[\w.+-]+@[\w-]+(?:\.[\w-]+)+")
+_HAS_TLD = _lazy(r"\." + _TLDS + r"\b")
+_BARE_DOMAIN = _lazy(r"\b(?:[a-z0-9-]+\.)+" + _TLDS + r"\b(?:/\S*)?")
 _DOMAIN_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789.-")
-_SEPARATORS = _Lazy(r"[\W_]+")
+_SEPARATORS = _lazy(r"[\W_]+")
 _SEP = r"(?:[^\w\x1e]|_)"  # one separator character, never the batch joiner
 _END = r"(?:[a-z]|\x1e|\Z)"  # a letter, or the end of the text
 # Symbols read as letters: `@` after a letter (`c@sh`, `w@17`, `sant@`) or between a digit and a letter
 # (`5@nt@`), never at the start of a word (a mention); `$` before a letter (`$ale`) or ending a word after
 # a letter, or a letter and a digit (`ca$`, `0n3$`), never before a digit (a price); `!` inside a word
 # (`pr!ze`, `1!k3`, `hour!5h`), not ending one (an exclamation).
-_LEET_AT = _Lazy(r"@(?:(?<=[a-z]@)|(?<=[0-9]@)(?=[a-z]))")
-_LEET_DOLLAR = _Lazy(r"\$(?:(?=[a-z])|(?:(?<=[a-z]\$)|(?<=[a-z][0-9]\$))(?![0-9a-z]))")
-_LEET_BANG = _Lazy(r"!(?:(?<=[a-z0-9]!)(?=[a-z@$])|(?<=[a-z]!)(?=[0-9]))")
+_LEET_AT = _lazy(r"@(?:(?<=[a-z]@)|(?<=[0-9]@)(?=[a-z]))")
+_LEET_DOLLAR = _lazy(r"\$(?:(?=[a-z])|(?:(?<=[a-z]\$)|(?<=[a-z][0-9]\$))(?![0-9a-z]))")
+_LEET_BANG = _lazy(r"!(?:(?<=[a-z0-9]!)(?=[a-z@$])|(?<=[a-z]!)(?=[0-9]))")
 # Spaced-out text ("f r 3 3  c 4 $ h", "p @ y"): three or more one-character tokens at most three spaces
 # apart, starting after a space, a line break or the batch joiner; joined when they hold a letter, two
 # letters or @ $ !, and a digit or symbol, so that the rules for words apply to them.
-_SPACED = _Lazy(r"[ \n\x1e][a-z0-9@$!](?: {1,3}[a-z0-9@$!]){2,}(?![\w@$!])")
+_SPACED = _lazy(r"[ \n\x1e][a-z0-9@$!](?: {1,3}[a-z0-9@$!]){2,}(?![\w@$!])")
 _SPACED_LEET = frozenset("0123456789@$!")
-_WORD_GAP = _Lazy(" {2,}")
+_WORD_GAP = _lazy(" {2,}")
 _LEET_DIGITS = str.maketrans("0123456789", "oizeasgtbg")
-_NUMBER = _Lazy(rf"[0-9]++(?:{_SEP}*+[0-9]++)*+")
+_NUMBER = _lazy(rf"[0-9]++(?:{_SEP}*+[0-9]++)*+")
 # Every number, the leet ones in the group `leet`: at most two digits, and right after a letter and
 # followed by a letter or the end; or right before a letter and 1-3 separators after one; or between
 # one-letter tokens 1-3 separators away (spaced-out text: " ".join("hav3 won") puts three between words).
@@ -165,8 +155,8 @@ def _number_or_leet() -> re.Pattern[str]:
     )
 
 
-_LATIN_RUN = _Lazy(r"[a-z]{1,40}")
-_HAN = r"[\u3400-\u9fff]"  # compiled on first use (`_han`): 1 ms, and the compiled stages never need it
+_LATIN_RUN = _lazy(r"[a-z]{1,40}")
+_han = _lazy(r"[\u3400-\u9fff]")  # 1 ms to compile, and the compiled stages never need it
 _PINYIN_CODE = 0xF0000
 _COMBINING_RANGES = ((0x300, 0x36F), (0x1AB0, 0x1AFF), (0x1DC0, 0x1DFF), (0x20D0, 0x20FF), (0xFE20, 0xFE2F))
 _COMBINING_STARTS = tuple(lo for lo, _ in _COMBINING_RANGES)
@@ -179,11 +169,6 @@ def _scanned_chars() -> Iterator[str]:
     invisibles, the tables): planes 0-1 and the tags/variation selectors of plane 14. (Not a constant:
     4 ms of every start-up to build, and only the reference's tables use it.)"""
     return map(chr, itertools.chain(range(0x20000), range(0xE0000, 0xE1000)))
-
-
-@functools.cache
-def _han() -> re.Pattern[str]:
-    return re.compile(_HAN)
 
 
 def _char_class(chars: Sequence[str]) -> str:
@@ -236,7 +221,7 @@ def _marks_pattern() -> re.Pattern[str]:
 
 # Characters NFKC would make something they do not look like (see `charmaps.BEFORE_NFKC_FROM`): the nfkc
 # step maps them first.
-_BEFORE_NFKC = _Lazy(f"[{_char_class(charmaps.BEFORE_NFKC_FROM)}]")
+_BEFORE_NFKC = _lazy(f"[{_char_class(charmaps.BEFORE_NFKC_FROM)}]")
 _BEFORE_NFKC_MAP = dict(zip(charmaps.BEFORE_NFKC_FROM, charmaps.BEFORE_NFKC_TO, strict=True))
 
 

@@ -7,7 +7,7 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from typing import IO, Any, NoReturn
@@ -297,21 +297,15 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
-CORE_COMMANDS = ("filter", "explain", "eval")  # this module's: the others are stream.commands' (Kafka, Redis)
-
-
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The command line's parser; given one of `CORE_COMMANDS`, with that command's parser alone (what parsing it
     needs: building the others' ≈ 400 options was most of a short `neardup filter`'s set-up)."""
     parser = OneLineParser(prog="neardup", description="Streaming near-duplicate text filter.")
     parser.add_argument("--version", action=_VersionAction, help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
-    if command in (None, "filter"):
-        _add_filter(sub)
-    if command in (None, "explain"):
-        _add_explain(sub)
-    if command in (None, "eval"):
-        _add_eval(sub)
+    for name, add in _CORE.items():
+        if command in (None, name):
+            add(sub)
     if command not in CORE_COMMANDS:
         from stream.commands import add_commands  # needs only the core: the Kafka extra is imported when run
 
@@ -359,6 +353,10 @@ def _add_eval(sub: Any) -> None:
     p.add_argument("--batch-size", type=_positive_int, default=512, help="records routed together (default 512)")
     _add_filter_options(p)
     p.set_defaults(func=cmd_eval)
+
+
+_CORE: dict[str, Callable[[Any], None]] = {"filter": _add_filter, "explain": _add_explain, "eval": _add_eval}
+CORE_COMMANDS = tuple(_CORE)  # this module's commands: the others are stream.commands' (Kafka, Redis)
 
 
 def _positive_int(text: str) -> int:

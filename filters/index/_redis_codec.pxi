@@ -922,7 +922,7 @@ def decode_entries(list ids, list blobs, make, fallback) -> dict:
                     end = at + 1 + (<Py_ssize_t>n_sketch * width + 7) // 8
                     if 1 <= width <= 32 and end <= length:
                         view = sketch
-                        if not (n_sketch and unpack_sketch(p + at + 1, n_sketch, width, &view[0])):
+                        if not unpack_sketch(p + at + 1, n_sketch, width, &view[0]):  # False for none
                             end = -1
                     else:
                         end = -1

@@ -319,13 +319,10 @@ class _Nodes:
                     if isinstance(command, _Transaction) and isinstance(reply, list):
                         for c, r in zip(command.commands, reply, strict=True):
                             if isinstance(r, NoScriptError):  # its gate wrote nothing: loaded for the next one
-                                self.redirects["NOSCRIPT"] += 1
-                                self._load(sent_to[i][0], scripts[c[1] if isinstance(c[1], bytes) else c[1].encode()])
+                                self._reload(sent_to[i][0], c, scripts)
                         continue
                     if isinstance(reply, NoScriptError):  # to the same node again (ASKING too, if asked)
-                        self.redirects["NOSCRIPT"] += 1
-                        sha = cast(Sequence[Any], commands[i][1])[1]
-                        self._load(sent_to[i][0], scripts[sha if isinstance(sha, bytes) else sha.encode()])
+                        self._reload(sent_to[i][0], cast(Sequence[Any], command), scripts)
                         again.append(i)
                         continue
                     asked.pop(i, None)
@@ -360,6 +357,12 @@ class _Nodes:
                         self.stale = True
                     raise reply
             return replies
+
+    def _reload(self, name: str, evalsha: Sequence[Any], scripts: dict[bytes, str]) -> None:
+        """The script of `evalsha` (an EVALSHA node `name` answered NOSCRIPT) loaded there, and counted."""
+        self.redirects["NOSCRIPT"] += 1
+        sha = evalsha[1]
+        self._load(name, scripts[sha if isinstance(sha, bytes) else sha.encode()])
 
     def _load(self, name: str, source: str) -> None:
         conn = self.conns[name]
@@ -1056,7 +1059,8 @@ class _ClaimPlan:
         at, columns, slices = view.at, view.columns, view.slices
         cap = index.bucket_cap
         lo, keys = self._keys(shard, sections)
-        keys += [index._held_key(shard, s) for s in range(lo, lo + len(keys))]
+        m = len(keys)  # slice s's key is keys[s - lo], its holding key keys[m + s - lo]
+        keys += [index._held_key(shard, s) for s in range(lo, lo + m)]
         writes: list[Sequence[Any]] = []
         for target, entries in sections.items():
             column = columns[slices.index(target)]
@@ -1073,8 +1077,8 @@ class _ClaimPlan:
                     last = SEQ.unpack_from(v, len(v) - 8)[0]
                     r = record if last < seq else record[:-8] + SEQ.pack(last + 1)
                     values[f] = (trim_records(v, cap) if len(v) > 2 * cap * len(r) else v) + r
-            writes.append(("HSET", index._slice_key(shard, target), *(x for pair in values.items() for x in pair)))
-        held = [(index._slice_key(shard, s), index._held_key(shard, s)) for s in sections]
+            writes.append(("HSET", keys[target - lo], *(x for pair in values.items() for x in pair)))
+        held = [(keys[s - lo], keys[m + s - lo]) for s in sections]
         return _Transaction((
             *(c for key, aside in held for c in (("RENAME", key, aside), ("SET", key, "blocked"))),
             ("EVALSHA", _APPEND.sha, len(keys), *keys, index._ttl_ms, lo, len(slices), *slices, *marks, len(held),

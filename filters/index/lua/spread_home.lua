@@ -74,6 +74,9 @@ local function delete_fields(key, fields)
     redis.call('HDEL', key, unpack(fields, a, math.min(a + PER_CALL - 1, #fields)))
   end
 end
+local function upgraded(c, e)  -- an older state ('P' <deadline> <notes>) as this one's, with its entry `e`'s time
+  return e and 'Q' .. sub(c, 2, 9) .. sub(e, 2, 9) .. sub(c, 10)
+end
 local function fresh_state()  -- 'Q' and a deadline claim_ttl ahead of this node's clock (ms)
   local t = redis.call('TIME')
   return 'Q' .. struct.pack('>d', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + claim_ttl), t
@@ -142,7 +145,7 @@ if creating then
       local here = got[k]
       local e, c = here[p], here[p + 1]
       if c and byte(c) == 80 then  -- a state of an older version ('P' <deadline> <notes>) as this one's
-        c = e and 'Q' .. sub(c, 2, 9) .. sub(e, 2, 9) .. sub(c, 10)
+        c = upgraded(c, e)
       end
       if e and unpack_('<d', e, 2) < horizon then e, c = false, false end  -- left the window: as if absent
       local there = e
@@ -226,7 +229,7 @@ if committing then
     else  -- absent, or of an older version ('P'): its entry is read
       local e = redis.call('HGET', KEYS[k], 'e' .. ARGV[i])
       if c then
-        decide(o, k, ts, seen, e and 'Q' .. sub(c, 2, 9) .. sub(e, 2, 9) .. sub(c, 10))
+        decide(o, k, ts, seen, upgraded(c, e))
       else
         local n = 3 * o - 2
         out[n] = (e and unpack_('<d', e, 2) == ts) and 'C' or 'G'
@@ -320,7 +323,7 @@ for o = 1, n do  -- a state of an older version ('P' <deadline> <notes>) as this
   local c = v and v[cf]
   if c and byte(c) == 80 then
     local e = v[efs[o]]
-    v[cf] = e and 'Q' .. sub(c, 2, 9) .. sub(e, 2, 9) .. sub(c, 10)
+    v[cf] = upgraded(c, e)
   end
 end
 local function elsewhere(key, ef)  -- a live entry of the id in another of the live slices
@@ -364,10 +367,10 @@ for o = 1, n do
     local creates = code == CREATE or code == PUT
     if code == COMMIT and c then
       -- The state alone was read: its event time says whose claim it is.
-      if struct.unpack('<d', c, 10) ~= ts then c = false end
+      if unpack_('<d', c, 10) ~= ts then c = false end
       e = c and true
     elseif e then
-      local at = struct.unpack('<d', e, 2)
+      local at = unpack_('<d', e, 2)
       if creates then
         if at < horizon then e, c = false, false end  -- left the window: as if absent
       elseif at ~= ts then
@@ -392,22 +395,22 @@ for o = 1, n do
         reply = COMMITTED  -- committed already: a replay
       elseif code == CREATE then
         put(key, ef, arg)
-        put(key, cf, fresh .. string.sub(arg, 2, 9))
+        put(key, cf, fresh .. sub(arg, 2, 9))
         touched[key] = true
         reply = PENDING
       else
         reply = GONE
       end
     else
-      local deadline = struct.unpack('>d', c, 2)
-      local notes = string.sub(c, 18)
+      local deadline = unpack_('>d', c, 2)
+      local notes = sub(c, 18)
       if code == CREATE or code == REFRESH then  -- taken over / kept alive: a fresh deadline, the rest stays
-        put(key, cf, fresh .. string.sub(c, 10))
+        put(key, cf, fresh .. sub(c, 10))
         touched[key] = true
         reply = {'P', '', notes}
       elseif code == NOTE then
         notes = notes .. arg
-        put(key, cf, string.sub(c, 1, 17) .. notes)
+        put(key, cf, sub(c, 1, 17) .. notes)
         reply = {'P', e, notes}
       elseif code == COMMIT then
         if notes_in(notes) <= seens[o] then
