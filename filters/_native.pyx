@@ -27,6 +27,8 @@ from libc.math cimport ceil, floor, rint
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memcmp, memcpy, memmove, memset
 from libcpp.algorithm cimport sort as cpp_sort
+from libcpp.pair cimport pair
+from libcpp.vector cimport vector
 
 import builtins
 import inspect

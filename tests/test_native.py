@@ -468,6 +468,24 @@ def test_field_routing_as_the_reference(names: list[bytes], bits: int, per: int,
     entries, memos = data.draw(st.integers(0, 2)), data.draw(st.integers(0, 2))
     assert (_native.write_commands("{p:ns}:c:3", pairs, bits, marked, entries, memos, 500, per)
             == compact_codec.write_commands("{p:ns}:c:3", pairs, bits, marked, entries, memos, 500, per))
+    # Packed as RESP at once: the reference's bytes (hiredis's packing of its commands), places and renewals.
+    for known in (bits, None):
+        packed = _native.pack_reads("{p:ns}:c:3", names, known, marked, per)
+        assert packed == compact_codec.pack_reads("{p:ns}:c:3", names, known, marked, per)
+    commands, places = compact_codec.read_commands("{p:ns}:c:3", names, bits, marked, per)
+    assert compact_codec.pack_reads("{p:ns}:c:3", names, bits, marked, per) == (
+        b"".join(hiredis.pack_command(c) for c in commands), places)
+    renewed = data.draw(st.none() | st.binary(max_size=1 << max(0, bits - 3)).map(bytearray))
+    written = _native.pack_writes("{p:ns}:c:3", pairs, bits, marked, entries, memos, 500, per, renewed)
+    assert written == compact_codec.pack_writes("{p:ns}:c:3", pairs, bits, marked, entries, memos, 500, per, renewed)
+    kept = [c for c in compact_codec.write_commands("{p:ns}:c:3", pairs, bits, marked, entries, memos, 500, per)
+            if renewed is None or c[0] != "PEXPIRE" or c[1] == "{p:ns}:c:3"
+            or int(c[1].rsplit(":", 1)[1]) not in _set_bits(renewed)]
+    assert written[:2] == (b"".join(hiredis.pack_command(c) for c in kept), len(kept))
+
+
+def _set_bits(bitset: bytearray) -> set[int]:
+    return {j for j in range(8 * len(bitset)) if bitset[j >> 3] >> (j & 7) & 1}
 
 
 def test_small_hashes_refuse_keys_and_bits_out_of_range() -> None:

@@ -336,7 +336,7 @@ def read_commands(str slice_key, list names, int bits, marked, Py_ssize_t per_co
         if at is None:
             at = groups[j] = []
         at.append(place)
-    for jj, at in groups.items():
+    for jj, at in sorted(groups.items()):  # the slice hash first, then the small hashes in order
         key = slice_key if jj < 0 else f"{slice_key}:{jj}"
         m = len(at)
         for a in range(0, m, per_command):
@@ -392,7 +392,7 @@ def write_commands(str slice_key, list pairs, int bits, marked, Py_ssize_t entri
         counts.append(("HINCRBY", slice_key, "n", entries))
     if memos:
         counts.append(("HINCRBY", slice_key, "m", memos))
-    for jj, flat in groups.items():
+    for jj, flat in sorted(groups.items()):  # the slice hash first, then the small hashes in order
         key = slice_key if jj < 0 else f"{slice_key}:{jj}"
         for a in range(0, len(flat), step):
             commands.append(("HSET", key, *flat[a : a + step]))
@@ -403,3 +403,247 @@ def write_commands(str slice_key, list pairs, int bits, marked, Py_ssize_t entri
         commands += counts
         commands.append(("PEXPIRE", slice_key, ttl_ms))
     return commands
+
+
+# --- a slice's reads and writes packed as RESP at once (the twins of `compact_codec.pack_reads`,
+# `pack_writes`): no Python object a command or an argument, the fields grouped by a sort ---------------------
+
+ctypedef pair[long long, Py_ssize_t] _Placed  # (small hash, -1 the slice hash; a field's place)
+
+
+cdef struct _Out:
+    char *p  # where the next byte goes; NULL while only counting
+    Py_ssize_t size
+    Py_ssize_t commands
+
+
+cdef inline void _o_header(_Out *o, char mark, Py_ssize_t n) noexcept:
+    if o.p != NULL:
+        o.p = put_header(o.p, mark, n)
+    o.size += 3 + decimal_size(n)
+
+
+cdef inline void _o_bulk(_Out *o, const char *data, Py_ssize_t n) noexcept:
+    _o_header(o, 36, n)
+    if o.p != NULL:
+        memcpy(o.p, data, n)
+        o.p[n] = 13
+        o.p[n + 1] = 10
+        o.p += n + 2
+    o.size += n + 2
+
+
+cdef inline Py_ssize_t _digits(char *buf, unsigned long long v) noexcept:
+    """Writes `v` in decimal at `buf` (24 bytes); returns its length."""
+    cdef char tmp[24]
+    cdef Py_ssize_t d = 0, k
+    while True:
+        tmp[d] = <char>(48 + v % 10)
+        d += 1
+        v //= 10
+        if v == 0:
+            break
+    for k in range(d):
+        buf[k] = tmp[d - 1 - k]
+    return d
+
+
+cdef inline void _o_int(_Out *o, unsigned long long v) noexcept:
+    cdef char buf[24]
+    _o_bulk(o, buf, _digits(buf, v))
+
+
+cdef inline void _o_key(_Out *o, const char *key, Py_ssize_t key_len, long long j) noexcept:
+    """The bulk string of the slice hash's name (j < 0) or of its small hash j's (`<key>:<j>`)."""
+    cdef char buf[24]
+    cdef Py_ssize_t d
+    if j < 0:
+        _o_bulk(o, key, key_len)
+        return
+    d = _digits(buf, <unsigned long long>j)
+    _o_header(o, 36, key_len + 1 + d)
+    if o.p != NULL:
+        memcpy(o.p, key, key_len)
+        o.p[key_len] = 58
+        memcpy(o.p + key_len + 1, buf, d)
+        o.p[key_len + 1 + d] = 13
+        o.p[key_len + 2 + d] = 10
+        o.p += key_len + 3 + d
+    o.size += key_len + 3 + d
+
+
+cdef void _o_reads(_Out *o, vector[_Placed] &placed, list names, const char *key, Py_ssize_t key_len,
+                   Py_ssize_t per_command, list places):
+    """The HMGETs of `placed` (sorted): a command per small hash, at most `per_command` names each; `places`
+    (not None) gets each command's places."""
+    cdef Py_ssize_t m = placed.size(), start = 0, stop, k
+    cdef long long j
+    cdef bytes name
+    cdef list at
+    while start < m:
+        j = placed[start].first
+        stop = start + 1
+        while stop < m and placed[stop].first == j and stop - start < per_command:
+            stop += 1
+        _o_header(o, 42, 2 + stop - start)
+        _o_bulk(o, "HMGET", 5)
+        _o_key(o, key, key_len, j)
+        if places is not None:
+            at = []
+            for k in range(start, stop):
+                at.append(placed[k].second)
+            places.append(at)
+        for k in range(start, stop):
+            name = <bytes>names[placed[k].second]
+            _o_bulk(o, name, len(name))
+        o.commands += 1
+        start = stop
+
+
+def pack_reads(str slice_key, list names, bits, marked, Py_ssize_t per_command) -> tuple:
+    """`filters.index.compact_codec.pack_reads`, compiled."""
+    cdef bint only_slice = bits is None
+    cdef int b = 0 if only_slice else bits
+    cdef Py_ssize_t n = len(names), i, key_len
+    cdef long long j
+    cdef bint any_marked = len(marked) > 0
+    cdef vector[_Placed] placed
+    cdef object name
+    cdef _Out o
+    if not 0 <= b <= 64:
+        raise ValueError(f"bits must be 0 to 64, got {bits!r}")
+    if per_command < 1:
+        raise ValueError(f"per_command must be >= 1, got {per_command}")
+    placed.reserve(n)
+    for i in range(n):
+        name = names[i]
+        if type(name) is not bytes:
+            raise TypeError(f"a field name must be bytes, got {type(name).__name__}")
+        j = -1 if any_marked and name in marked else field_small(<bytes>name, b)
+        if not (only_slice and j >= 0):
+            placed.push_back(_Placed(j, i))
+    cpp_sort(placed.begin(), placed.end())
+    cdef const char *key = PyUnicode_AsUTF8AndSize(slice_key, &key_len)
+    o.p = NULL
+    o.size = o.commands = 0
+    _o_reads(&o, placed, names, key, key_len, per_command, None)
+    out = PyBytes_FromStringAndSize(NULL, o.size)
+    places = []
+    o.p = PyBytes_AS_STRING(out)
+    o.size = o.commands = 0
+    _o_reads(&o, placed, names, key, key_len, per_command, places)
+    return out, places
+
+
+cdef void _o_writes(_Out *o, vector[_Placed] &placed, list pairs, const char *key, Py_ssize_t key_len,
+                    Py_ssize_t per_command, unsigned long long entries, unsigned long long memos,
+                    unsigned long long ttl, const unsigned char *renewed, Py_ssize_t renewed_bits,
+                    list renewing):
+    """`write_commands`' commands of `placed` (sorted; a place is 2 × the pair's index, + 1 for the mark in
+    place of its value); `renewed` (not NULL): the PEXPIRE of a small hash whose bit is set left out, the others
+    named in `renewing` (not None)."""
+    cdef Py_ssize_t m = placed.size(), start = 0, stop, k, a
+    cdef long long j
+    cdef bint slice_written = m > 0 and placed[0].first < 0
+    cdef bytes name, value
+    while start < m:
+        j = placed[start].first
+        stop = start
+        while stop < m and placed[stop].first == j:  # a group: its HSETs, then its counts and TTL
+            a = stop
+            while stop < m and placed[stop].first == j and stop - a < per_command:
+                stop += 1
+            _o_header(o, 42, 2 + 2 * (stop - a))
+            _o_bulk(o, "HSET", 4)
+            _o_key(o, key, key_len, j)
+            for k in range(a, stop):
+                name = <bytes>pairs[placed[k].second & ~1]
+                _o_bulk(o, name, len(name))
+                if placed[k].second & 1:
+                    _o_bulk(o, "\x00", 1)
+                else:
+                    value = <bytes>pairs[(placed[k].second & ~1) + 1]
+                    _o_bulk(o, value, len(value))
+            o.commands += 1
+        if j < 0:
+            _o_counts(o, key, key_len, entries, memos)
+        if j >= 0 and renewed != NULL:
+            if j < renewed_bits and renewed[j >> 3] >> (j & 7) & 1:
+                start = stop
+                continue
+            if renewing is not None:
+                renewing.append(j)
+        _o_expire(o, key, key_len, j, ttl)
+        start = stop
+    if not slice_written and (entries or memos):
+        _o_counts(o, key, key_len, entries, memos)
+        _o_expire(o, key, key_len, -1, ttl)
+
+
+cdef inline void _o_counts(_Out *o, const char *key, Py_ssize_t key_len, unsigned long long entries,
+                           unsigned long long memos) noexcept:
+    if entries:
+        _o_header(o, 42, 4)
+        _o_bulk(o, "HINCRBY", 7)
+        _o_bulk(o, key, key_len)
+        _o_bulk(o, "n", 1)
+        _o_int(o, entries)
+        o.commands += 1
+    if memos:
+        _o_header(o, 42, 4)
+        _o_bulk(o, "HINCRBY", 7)
+        _o_bulk(o, key, key_len)
+        _o_bulk(o, "m", 1)
+        _o_int(o, memos)
+        o.commands += 1
+
+
+cdef inline void _o_expire(_Out *o, const char *key, Py_ssize_t key_len, long long j,
+                           unsigned long long ttl) noexcept:
+    _o_header(o, 42, 3)
+    _o_bulk(o, "PEXPIRE", 7)
+    _o_key(o, key, key_len, j)
+    _o_int(o, ttl)
+    o.commands += 1
+
+
+def pack_writes(str slice_key, list pairs, int bits, marked, Py_ssize_t entries, Py_ssize_t memos, ttl_ms,
+                Py_ssize_t per_command, renewed) -> tuple:
+    """`filters.index.compact_codec.pack_writes`, compiled."""
+    cdef Py_ssize_t n = len(pairs), a, key_len, renewed_bits = 0
+    cdef long long j
+    cdef bint any_marked = len(marked) > 0
+    cdef vector[_Placed] placed
+    cdef object name, value
+    cdef const unsigned char *seen = NULL
+    cdef unsigned long long ttl = ttl_ms
+    cdef _Out o
+    if not 0 <= bits <= 64:
+        raise ValueError(f"bits must be 0 to 64, got {bits!r}")
+    if per_command < 1 or n % 2 or entries < 0 or memos < 0:
+        raise ValueError("pairs of name and value, per_command >= 1 and counts >= 0 expected")
+    if renewed is not None:
+        seen = <const unsigned char *>PyByteArray_AS_STRING(<bytearray>renewed)
+        renewed_bits = 8 * len(<bytearray>renewed)
+    placed.reserve(n)
+    for a in range(0, n, 2):
+        name, value = pairs[a], pairs[a + 1]
+        if type(name) is not bytes or type(value) is not bytes:
+            raise TypeError("field names and values must be bytes")
+        j = -1 if any_marked and name in marked else field_small(<bytes>name, bits)
+        if j >= 0 and len(<bytes>value) > 64:  # too long for a listpack: in the slice hash, the mark here
+            placed.push_back(_Placed(j, a + 1))
+            j = -1
+        placed.push_back(_Placed(j, a))
+    cpp_sort(placed.begin(), placed.end())
+    cdef const char *key = PyUnicode_AsUTF8AndSize(slice_key, &key_len)
+    o.p = NULL
+    o.size = o.commands = 0
+    _o_writes(&o, placed, pairs, key, key_len, per_command, entries, memos, ttl, seen, renewed_bits, None)
+    out = PyBytes_FromStringAndSize(NULL, o.size)
+    renewing: list = []
+    o.p = PyBytes_AS_STRING(out)
+    o.size = o.commands = 0
+    _o_writes(&o, placed, pairs, key, key_len, per_command, entries, memos, ttl, seen, renewed_bits,
+              renewing if renewed is not None else None)
+    return out, o.commands, renewing

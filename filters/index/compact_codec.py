@@ -177,15 +177,16 @@ def small_key(slice_key: str, j: int) -> str:
 def read_commands(slice_key: str, names: Sequence[bytes], bits: int, marked: frozenset[bytes] | set[bytes],
                   per_command: int) -> tuple[list[Command], list[list[int]]]:
     """The `HMGET`s that read `names` (distinct) of one slice: per small hash the names it holds, at most
-    `per_command` a command, the slice hash the others (and the buckets in `marked`, known to be kept there).
-    Returns the commands and, per command, the places in `names` of the names it reads, in order."""
+    `per_command` a command, the slice hash the others (and the buckets in `marked`, known to be kept there);
+    the slice hash's commands first, then the small hashes' in order. Returns the commands and, per command,
+    the places in `names` of the names it reads, in order."""
     groups: dict[int, list[int]] = {}
     for place, name in enumerate(names):
         j = None if name in marked else field_hash(name, bits)
         groups.setdefault(-1 if j is None else j, []).append(place)
     commands: list[Command] = []
     places: list[list[int]] = []
-    for j, at in groups.items():
+    for j, at in sorted(groups.items()):  # the slice hash first, then the small hashes in order
         key = slice_key if j < 0 else small_key(slice_key, j)
         for a in range(0, len(at), per_command):
             part = at[a : a + per_command]
@@ -226,7 +227,7 @@ def write_commands(slice_key: str, pairs: Sequence[bytes], bits: int, marked: fr
         groups.setdefault(-1 if j is None else j, []).extend((name, value))
     commands: list[Command] = []
     step = 2 * per_command
-    for j, flat in groups.items():
+    for j, flat in sorted(groups.items()):  # the slice hash first, then the small hashes in order
         key = slice_key if j < 0 else small_key(slice_key, j)
         commands += [("HSET", key, *flat[a : a + step]) for a in range(0, len(flat), step)]
         if j < 0:
@@ -237,6 +238,49 @@ def write_commands(slice_key: str, pairs: Sequence[bytes], bits: int, marked: fr
         commands.append(("PEXPIRE", slice_key, ttl_ms))
     return commands
 
+
+
+def resp(commands: Sequence[Command]) -> bytes:
+    """Redis commands (bytes, str or int arguments) as one RESP request: what `hiredis.pack_command` gives for
+    each, joined."""
+    out = bytearray()
+    for command in commands:
+        out += b"*%d\r\n" % len(command)
+        for arg in command:
+            raw = arg if isinstance(arg, bytes) else str(arg).encode()
+            out += b"$%d\r\n%s\r\n" % (len(raw), raw)
+    return bytes(out)
+
+
+def pack_reads(slice_key: str, names: Sequence[bytes], bits: int | None, marked: frozenset[bytes] | set[bytes],
+               per_command: int) -> tuple[bytes, list[list[int]]]:
+    """`read_commands` packed as one RESP request (`resp`), and its places: a lookup's reads of a slice without a
+    Python object a command (the compiled twin writes the bytes at once). `bits` None: a slice whose small
+    hashes are not known yet: only the commands of its slice hash."""
+    commands, places = read_commands(slice_key, names, 0 if bits is None else bits, marked, per_command)
+    if bits is None:
+        kept = [k for k, command in enumerate(commands) if command[1] == slice_key]
+        commands, places = [commands[k] for k in kept], [places[k] for k in kept]
+    return resp(commands), places
+
+
+def pack_writes(slice_key: str, pairs: Sequence[bytes], bits: int, marked: frozenset[bytes] | set[bytes],
+                entries: int, memos: int, ttl_ms: int, per_command: int,
+                renewed: bytearray | None) -> tuple[bytes, int, list[int]]:
+    """`write_commands` packed as one RESP request (`resp`): (the request, its number of commands, the small
+    hashes whose TTL it sets). `renewed`: a bitset of the slice's small hashes whose TTL is set already in the
+    current period (their `PEXPIRE` is left out), None for a TTL set on every small hash written."""
+    prefix = f"{slice_key}:"
+    kept: list[Command] = []
+    renewing: list[int] = []
+    for command in write_commands(slice_key, pairs, bits, marked, entries, memos, ttl_ms, per_command):
+        if renewed is not None and command[0] == "PEXPIRE" and command[1].startswith(prefix):
+            j = int(command[1][len(prefix) :])
+            if j < 8 * len(renewed) and renewed[j >> 3] >> (j & 7) & 1:
+                continue
+            renewing.append(j)
+        kept.append(command)
+    return resp(kept), len(kept), renewing
 
 def entry_value(blob: bytes, id: str) -> bytes:
     """An `e<seq>` value: the entry's bytes (`encode_entry`), its id (UTF-8), the id's length (u16 LE)."""

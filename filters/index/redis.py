@@ -1622,8 +1622,12 @@ class RedisIndex:
 
     def _watchable(self) -> bool:
         """Can the uncontended insert go as a transaction guarded by WATCH (`_write_watched`)?"""
-        return self.alone_inserts and not isinstance(self._client, RedisCluster) and (
-            hiredis is not None or _native is not None)
+        return self.alone_inserts and self._direct()
+
+    def _direct(self) -> bool:
+        """Do `_execute`'s commands go packed as RESP on one connection (standalone Redis, packed in C), not
+        through redis-py's pipeline?"""
+        return not isinstance(self._client, RedisCluster) and (hiredis is not None or _native is not None)
 
     def _connected(self, conn: Any) -> None:
         self._epoch += 1  # a new connection watches nothing

@@ -12,6 +12,7 @@ import math
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from importlib import resources
 from itertools import chain
 from typing import Any, cast
@@ -45,6 +46,11 @@ try:  # the compiled core; absent when it could not be built at install time (no
     import filters._native as _native
 except ImportError:  # pragma: no cover - exercised on machines without a compiler
     _native = None
+
+try:  # redis-py's C protocol parser (the `redis` extra); packs commands where the compiled core is absent
+    import hiredis
+except ImportError:  # pragma: no cover - without the extra, the commands go through redis-py's pipeline
+    hiredis = None  # type: ignore[assignment]
 
 _HIREDIS: tuple[Any, Any] | None  # redis-py's hiredis parser and its "not enough data yet" (`_read_replies`)
 try:
@@ -99,6 +105,27 @@ def _read_replies(conn: Any, n: int) -> list[Any]:
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class _Packed:
+    """Commands packed as RESP already (`compact_codec.pack_reads`, `pack_writes`), in a list of commands that
+    `CompactIndex._send` sends: their bytes and their number (of replies)."""
+
+    data: bytes
+    count: int
+
+
+def _replies(commands: Sequence[Sequence[Any] | _Packed]) -> int:
+    """The number of replies `commands` get."""
+    return sum(c.count if type(c) is _Packed else 1 for c in commands)
+
+
+def _pack(commands: list[Sequence[Any]]) -> bytes:
+    """Commands as one RESP request (as `RedisIndex._pack_and_send` packs them)."""
+    if _native is not None:
+        return cast(bytes, _native.pack_commands(commands))
+    return b"".join(hiredis.pack_command(tuple(command)) for command in commands)
+
+
 def _mixed32(h: int) -> bytes:
     """The top 32 bits of a 64-bit hash times the Fibonacci constant: a small hash is their top k bits."""
     return ((h * _FIB & _MASK64) >> 32).to_bytes(4, "big")
@@ -141,21 +168,51 @@ class CompactIndex(RedisIndex):
         self._read_commands_of = _native.read_commands if _native is not None else cc.read_commands
         self._column_of = _native.column_of if _native is not None else cc.column_of
         self._write_commands_of = _native.write_commands if _native is not None else cc.write_commands
+        self._pack_reads = _native.pack_reads if _native is not None else cc.pack_reads
+        self._pack_writes = _native.pack_writes if _native is not None else cc.pack_writes
+        # A slice's reads and writes go packed at once (`_Packed`) where the commands go packed on one connection.
+        self._packs = self._direct()
 
     # -- plumbing ------------------------------------------------------------------------------------
     def _send(self, conn: Any, commands: Sequence[Sequence[str | int | bytes]], *, pinned: bool = False,
               share: bool = True) -> list[Any]:
-        """`RedisIndex._send`, its replies read in bulk (`_read_replies`)."""
+        """`RedisIndex._send`, commands packed already among them (`_Packed`), its replies read in bulk
+        (`_read_replies`)."""
         try:
-            self._pack_and_send(conn, commands)
+            count = self._pack_send(conn, commands)
             if pinned and share and self.meanwhile is not None and self.meanwhile():
                 self.meanwhile = None
             if pinned:
                 self._drain()
-            return _read_replies(conn, len(commands))
+            return _read_replies(conn, count)
         except BaseException:
             conn.disconnect()  # replies may still be on their way: never reuse it (it reconnects)
             raise
+
+    @staticmethod
+    def _pack_send(conn: Any, commands: Sequence[Sequence[str | int | bytes] | _Packed]) -> int:
+        """`RedisIndex._pack_and_send` of commands some of which are packed already (`_Packed`); returns the
+        number of replies they get."""
+        if not any(type(c) is _Packed for c in commands):
+            RedisIndex._pack_and_send(conn, cast("Sequence[Sequence[str | int | bytes]]", commands))
+            return len(commands)
+        blobs: list[bytes] = []
+        run: list[Any] = []
+        count = 0
+        for command in commands:
+            if type(command) is _Packed:
+                if run:
+                    blobs.append(_pack(run))
+                    run = []
+                blobs.append(command.data)
+                count += command.count
+            else:
+                run.append(command)
+                count += 1
+        if run:
+            blobs.append(_pack(run))
+        conn.send_packed_command([b"".join(blobs)])
+        return count
 
     def _drain(self) -> None:
         """`RedisIndex._drain`, its replies read in bulk (`_read_replies`)."""
@@ -193,7 +250,7 @@ class CompactIndex(RedisIndex):
         for _ in range(3):
             # The reaping first: its HDEL of the meta hash must come before the WATCH, not dirty it.
             commands: list[Sequence[Any]] = [*reap, ("UNWATCH",), ("WATCH", self._meta)] if watch else [*reap]
-            skip = len(commands)
+            skip = _replies(commands)
             reads, plans = self._read_plan(names, slices, known, probes)
             with self._errors():
                 replies = self._execute(commands + reads)
@@ -216,13 +273,18 @@ class CompactIndex(RedisIndex):
                    probes: Sequence[int]) -> tuple[list[Sequence[Any]], list[list[list[int]]]]:
         """A read's commands (the meta hash's `HMGET`, then per slice its reads and its count) and, per slice,
         the places of the names each of its reads reads. A slice of unknown bits reads its slice hash only."""
-        commands: list[Sequence[Any]] = [("HMGET", self._meta, "seq", "hwm", *((MARKER,) if self.fenced else ()),
+        commands: list[Any] = [("HMGET", self._meta, "seq", "hwm", *((MARKER,) if self.fenced else ()),
                                           "layout", "gen", *(f"k:{s}" for s in slices),
                                           *(f"k:{g}" for g in probes))]
         plans = []
         for s in slices:
             key = f"{self._spre}{s}"
             bits = known[s]
+            if self._packs:  # no small hash yet (bits None): only the fields of the slice hash
+                blob, places = self._pack_reads(key, list(names), bits, self._marks.get(s, set()), FIELDS_PER_HMGET)
+                commands += [_Packed(blob, len(places)), ("HGET", key, "n")]
+                plans.append(places)
+                continue
             if bits is None:  # no small hash yet: only the fields of the slice hash
                 reads, places = self._read_commands_of(key, list(names), 0, set(), FIELDS_PER_HMGET)
                 kept = [k for k, command in enumerate(reads) if command[1] == key]
@@ -295,10 +357,10 @@ class CompactIndex(RedisIndex):
         with self._errors():
             conn = self._pinned()
             self._drain()
-            self._pack_and_send(conn, commands)
+            count = self._pack_send(conn, commands)
             epoch = self._epoch
-        self._ahead = _SentRead(queries, names, key_fields, positions, id_places, slices, epoch, view, len(commands))
-        self._ahead_plan = (plans, known, len(commands), probes)
+        self._ahead = _SentRead(queries, names, key_fields, positions, id_places, slices, epoch, view, count)
+        self._ahead_plan = (plans, known, count, probes)
 
     def _taken(self, ahead: _SentRead, low_mark: float, high_mark: float) -> tuple[int, bytes, tuple[int, ...],
                                                                               list[list[bytes | None]]] | None:
@@ -571,7 +633,7 @@ class CompactIndex(RedisIndex):
         """`RedisIndex._write_watched` with the writes where this layout keeps them; a slice written for the
         first time gets its bits."""
         meta, ttl = self._meta, self._ttl_ms
-        commands: list[Sequence[Any]] = [("MULTI",)]
+        commands: list[Any] = [("MULTI",)]
         made = {}
         now = time.monotonic()
         if now - self._renewed_at >= self._renew_period:  # a new period: every small hash written is renewed
@@ -584,6 +646,12 @@ class CompactIndex(RedisIndex):
                 bits = made[s] = max(cc.slice_bits(self._counts.get(s - 1)),
                                      cc.slice_bits(self._expected.get(s, 0)))
                 commands.append(("HSET", meta, f"k:{s}", bits))
+            if self._packs:
+                blob, n, renewing = self._pack_writes(f"{self._spre}{s}", pairs, bits, self._marks.get(s, set()),
+                                                      count, 0, ttl, FIELDS_PER_CALL, self._renewal_bits(s, bits))
+                commands.append(_Packed(blob, n))
+                renewed += [(s, j) for j in renewing]
+                continue
             written = cast("list[Sequence[Any]]", self._write_commands_of(
                 f"{self._spre}{s}", pairs, bits, self._marks.get(s, set()), count, 0, ttl, FIELDS_PER_CALL))
             commands += self._renewing(s, bits, written, renewed)
@@ -637,11 +705,9 @@ class CompactIndex(RedisIndex):
         loss moves the meta hash, so the WATCH refuses the transaction, and the next read forgets the periods:
         `_check_continuity`). The small hashes renewed here go to `renewed`. About a third of a round's
         commands."""
-        if not self._renew_period:
+        seen = self._renewal_bits(s, bits)
+        if seen is None:
             return commands
-        seen = self._renewed.get(s)
-        if seen is None or len(seen) * 8 < 1 << bits:
-            seen = self._renewed[s] = bytearray(((1 << bits) + 7) // 8)
         out = []
         prefix = f"{self._spre}{s}:"
         for command in commands:
@@ -652,6 +718,16 @@ class CompactIndex(RedisIndex):
                 renewed.append((s, j))
             out.append(command)
         return out
+
+    def _renewal_bits(self, s: int, bits: int) -> bytearray | None:
+        """The bitset of slice `s`'s small hashes whose TTL this client set in the current period (`_renewing`),
+        None when every write sets it (no period: no grace)."""
+        if not self._renew_period:
+            return None
+        seen = self._renewed.get(s)
+        if seen is None or len(seen) * 8 < 1 << bits:
+            seen = self._renewed[s] = bytearray(((1 << bits) + 7) // 8)
+        return seen
 
     def _script_args(self, entries: Sequence[tuple[str, float, bytes, Sequence[bytes], bytes]],
                      marker: bytes, slices: str, mark: int, inserted: int) -> list[Any]:
