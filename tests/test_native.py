@@ -462,7 +462,10 @@ def test_field_routing_as_the_reference(names: list[bytes], bits: int, per: int,
     reads = _native.read_commands("{p:ns}:c:3", names, bits, marked, per)
     assert reads == compact_codec.read_commands("{p:ns}:c:3", names, bits, marked, per)
     replies = [[data.draw(st.none() | st.binary(max_size=4)) for _ in command[2:]] for command in reads[0]]
-    assert _native.column_of(replies, reads[1], len(names)) == compact_codec.column_of(replies, reads[1], len(names))
+    column = _native.column_of(replies, reads[1], len(names))
+    assert column == compact_codec.column_of(replies, reads[1], len(names))
+    column += [compact_codec.MARK, b"\x00\x00", b"", None, b"\x01"]
+    assert _native.marked_places(column) == compact_codec.marked_places(column)
     values = [data.draw(st.binary(max_size=80)) for _ in names]
     pairs = [x for kv in zip(names, values) for x in kv]
     entries, memos = data.draw(st.integers(0, 2)), data.draw(st.integers(0, 2))

@@ -362,6 +362,18 @@ def column_of(list replies, list places, Py_ssize_t n) -> list:
     return column
 
 
+def marked_places(list column) -> list:
+    """`filters.index.compact_codec.marked_places`, compiled."""
+    cdef list out = []
+    cdef Py_ssize_t p
+    cdef object value
+    for p in range(len(column)):
+        value = column[p]
+        if type(value) is bytes and len(<bytes>value) == 1 and (<const char *>(<bytes>value))[0] == 0:
+            out.append(p)
+    return out
+
+
 def write_commands(str slice_key, list pairs, int bits, marked, Py_ssize_t entries, Py_ssize_t memos,
                    ttl_ms, Py_ssize_t per_command) -> list:
     """`filters.index.compact_codec.write_commands`, compiled."""

@@ -167,6 +167,7 @@ class CompactIndex(RedisIndex):
         self._rank_compact = _native.rank_compact if _native is not None else cc.rank_records
         self._read_commands_of = _native.read_commands if _native is not None else cc.read_commands
         self._column_of = _native.column_of if _native is not None else cc.column_of
+        self._marked_places = _native.marked_places if _native is not None else cc.marked_places
         self._write_commands_of = _native.write_commands if _native is not None else cc.write_commands
         self._pack_reads = _native.pack_reads if _native is not None else cc.pack_reads
         self._pack_writes = _native.pack_writes if _native is not None else cc.pack_writes
@@ -433,7 +434,7 @@ class CompactIndex(RedisIndex):
     def _resolve_marks(self, names: Sequence[bytes], slices: Sequence[int],
                        columns: list[list[bytes | None]]) -> None:
         """Reads the buckets read as the mark in their slice hash (one round trip, when any), and remembers them."""
-        wanted = [(s, column, cc.marked_places(column)) for s, column in zip(slices, columns)]
+        wanted = [(s, column, self._marked_places(column)) for s, column in zip(slices, columns)]
         wanted = [w for w in wanted if w[2]]
         if not wanted:
             return
