@@ -18,7 +18,7 @@ from filters.engine import Message, NearDupFilter
 from filters.errors import ConfigError, IndexLost
 from filters.index import Entry, Query
 from filters.index import compact_codec as cc
-from filters.index.redis import MARKER, RedisIndex
+from filters.index.redis import MARKER, RedisIndex, RedisTarget
 from filters.index.redis_codec import stored_of
 from filters.index.redis_compact import CompactIndex
 from tests.test_changelog import _entry as changelog_entry
@@ -562,3 +562,25 @@ def test_a_restore_makes_a_slice_with_the_small_hashes_of_its_rate(make: Callabl
     assert index.restore([stored_of(made)]) == 5000
     with redis.Redis.from_url(redis_url) as client:
         assert int(client.hget(f"{{{prefix}:ns}}:meta", "k:1")) == cc.slice_bits(50_000) > cc.K_FIRST
+
+
+@pytest.mark.parametrize("path", ["transaction", "checking script"])
+def test_the_first_slice_gets_the_small_hashes_of_the_rate_the_url_names(make: Callable[..., CompactIndex],
+                                                                         redis_url: str, prefix: str,
+                                                                         path: str) -> None:
+    """`?rate=` (messages a second) sizes a slice made with no slice before it (else 2^K_FIRST): 20 a second over
+    a window of 1,000 s is 20,000 a slice; the checking script (as on Cluster, and when contended) alike."""
+    index = make(window=1000.0, rate="20")
+    index.alone_inserts = path == "transaction"
+    NearDupFilter(FilterConfig(window=1000.0), index=index).check_batch(generated_messages(50, seed=5))
+    with redis.Redis.from_url(redis_url) as client:
+        (bits,) = [int(v) for f, v in client.hgetall(f"{{{prefix}:ns}}:meta").items() if f.startswith(b"k:")]
+    assert bits == cc.slice_bits(20_000) > cc.K_FIRST
+
+
+def test_rate_is_an_option_of_the_compact_layout_only() -> None:
+    assert RedisTarget.parse("redis://h/0?layout=compact&rate=2.5").rate == 2.5
+    for url in ("redis://h/0?rate=3", "redis://h/0?layout=compact&rate=0", "redis://h/0?layout=compact&rate=x",
+                "redis://h/0?layout=compact&rate=inf"):
+        with pytest.raises(ConfigError):
+            RedisTarget.parse(url)

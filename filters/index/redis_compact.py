@@ -31,6 +31,7 @@ from filters.index.redis import (
     MARKER,
     REBUILDING,
     RedisIndex,
+    RedisTarget,
     _event_time,
     _raise_any,
     _Script,
@@ -163,6 +164,10 @@ class CompactIndex(RedisIndex):
         # Entries a restore expects in each slice, from the rate its entries show there (`restore`): a slice it
         # makes gets the bits for them, not only for the slice before it (a rebuilt namespace has none).
         self._expected: dict[int, int] = {}
+        # Entries a slice is expected to hold at the rate the URL names (`rate`, messages a second; 0 for none):
+        # a slice made with no slice before it (or after one that held fewer) gets the small hashes for them.
+        rate = RedisTarget.parse(url).rate
+        self._rate_count = math.ceil(rate * self.slice_length) if rate else 0
         self._alone_compact = _native.alone_compact if _native is not None else cc.alone_round
         self._rank_compact = _native.rank_compact if _native is not None else cc.rank_records
         self._read_commands_of = _native.read_commands if _native is not None else cc.read_commands
@@ -645,7 +650,7 @@ class CompactIndex(RedisIndex):
             bits = self._bits.get(s)
             if bits is None:
                 bits = made[s] = max(cc.slice_bits(self._counts.get(s - 1)),
-                                     cc.slice_bits(self._expected.get(s, 0)))
+                                     cc.slice_bits(self._expected.get(s, self._rate_count)))
                 commands.append(("HSET", meta, f"k:{s}", bits))
             if self._packs:
                 blob, n, renewing = self._pack_writes(f"{self._spre}{s}", pairs, bits, self._marks.get(s, set()),
@@ -734,7 +739,8 @@ class CompactIndex(RedisIndex):
                      marker: bytes, slices: str, mark: int, inserted: int) -> list[Any]:
         """COMPACT_INSERT's arguments; `entries`: (id, event time, stored bytes, field names, expected tails)."""
         args: list[Any] = [self._spre, repr(self.window), repr(self.slice_length), self.bucket_cap, self._ttl_ms,
-                           repr(self._hwm), slices, mark, inserted, self._clock_arg(), marker, self._token]
+                           repr(self._hwm), slices, mark, inserted, self._clock_arg(), marker, self._token,
+                           self._rate_count]
         for id, ts, blob, fields, expected in entries:
             hashes = b"".join(_mixed32(int.from_bytes(f[1:], "big")) for f in fields) + _mixed32(cc.id_hash(id))
             args += [id.encode("utf-8", "surrogatepass"), repr(ts), blob, len(fields), expected, hashes, *fields]
@@ -966,7 +972,8 @@ class CompactIndex(RedisIndex):
             else:
                 count, low, high = rates.get(s, [0, 0.0, 0.0])
                 expected = math.ceil(count * self.slice_length / max(high - low, self.slice_length / 1024))
-                bits = max(cc.slice_bits(counts.get(s - 1)), cc.slice_bits(counts.get(s, 0)), cc.slice_bits(expected))
+                bits = max(cc.slice_bits(counts.get(s - 1)), cc.slice_bits(counts.get(s, 0)), cc.slice_bits(expected),
+                           cc.slice_bits(self._rate_count))
                 made += (f"k:{s}", bits)
             key = f"{self._spre}{s}"
             marked: set[bytes] = set()

@@ -5,7 +5,9 @@
 --       event time, the slices the caller read (comma-separated, in the order of its tails), the seq at its
 --       lookup and how many it inserted since, the window's clock ('' for the high-water mark), the marker
 --       the caller's lookup read ('' for no check), a token that names the namespace if this call makes it
---       (`gen`: a namespace lost and made again gets another), then per entry: id, event time, encoded entry, the
+--       (`gen`: a namespace lost and made again gets another), the entries a slice is expected to hold (the
+--       `rate` option's: a slice made here gets small hashes for at least that many; 0 for none), then per
+--       entry: id, event time, encoded entry, the
 --       number n of its buckets, what the caller saw of them (per slice it read, the last 8 bytes of each
 --       bucket field, zeros if absent; '' for no check), the 32-bit mixed hashes of its n bucket keys and
 --       of its id (4 bytes big-endian each: a field's small hash is the top k bits), and its n bucket field
@@ -19,7 +21,8 @@ local hwm = tonumber(ARGV[6])
 local ABSENT = string.rep('\0', 8)
 local MARK, LISTPACK = '\0', 64
 local K_FIRST, K_MIN, K_MAX, PER_ENTRY, FILL, INLINE_BITS = COMPACT_BITS
-local FIRST, PER_CALL = 13, FIELDS_PER_CALL
+local FIRST, PER_CALL = 14, FIELDS_PER_CALL
+local expected = tonumber(ARGV[13])
 local state = redis.call('HMGET', meta, 'seq', 'hwm', 'epoch', 'layout')
 if ARGV[11] ~= '' and state[3] ~= ARGV[11] then return {-1, '', {}} end
 if state[1] and state[4] ~= 'compact' then return {-2, '', {}} end
@@ -152,11 +155,11 @@ for _, e in ipairs(entries) do
         local seq_bytes = struct.pack('>I8', seq)
         local rec = struct.pack('<d', ts) .. seq_bytes
         local s = math.floor(ts / slice_len)
-        if bits[s] == nil then  -- the slice's first write: its small hashes for the rate of the slice before
+        if bits[s] == nil then  -- the slice's first write: small hashes for the rate of the slice before
           local prev = tonumber(redis.call('HGET', big(s - 1), 'n') or '')
           local b = K_FIRST
-          if prev then
-            local want_hashes = math.ceil(prev * PER_ENTRY / FILL)
+          if prev or expected > 0 then  -- (or the rate expected, if more)
+            local want_hashes = math.ceil(math.max(prev or 0, expected) * PER_ENTRY / FILL)
             b = 0
             while 2 ^ b < want_hashes do b = b + 1 end
             b = math.min(K_MAX, math.max(K_MIN, b))
