@@ -24,7 +24,7 @@ def test_bytes_that_are_not_records_are_refused() -> None:
 
 def test_a_slice_gets_the_small_hashes_the_slice_before_it_filled() -> None:
     assert cc.slice_bits(None) == cc.K_FIRST
-    assert cc.slice_bits(15_000) == 11  # 195,000 fields in 2,048 hashes of ~95
+    assert cc.slice_bits(15_000) == 12  # 195,000 fields in 4,096 hashes of ~48
     assert cc.slice_bits(0) == cc.slice_bits(5) == cc.K_MIN
     assert cc.slice_bits(10**12) == cc.K_MAX
     for previous in (100, 15_000, 5_600_000_000):

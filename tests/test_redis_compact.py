@@ -555,7 +555,7 @@ def test_a_rebuild_that_finds_another_writer_hands_the_rest_to_guarded_chunks(re
 def test_a_restore_makes_a_slice_with_the_small_hashes_of_its_rate(make: Callable[..., CompactIndex], redis_url: str,
                                                                    prefix: str) -> None:
     """A rebuilt namespace has no slice before its first: the restore sizes the slices it makes for the rate
-    its entries show (5,000 in a tenth of a slice: 50,000 a slice), not the first slice's 2^10."""
+    its entries show (5,000 in a tenth of a slice: 50,000 a slice), not the first slice's 2^K_FIRST."""
     index = make(window=1000.0)
     made = [(Entry(f"r{i}", 1000.0 + i * 0.02, i, 30, np.arange(8, dtype=np.uint64) + i), (i, 10**6 + i))
             for i in range(5000)]

@@ -19,12 +19,14 @@ SEQ = struct.Struct(">Q")
 LISTPACK_VALUE = 64  # Redis's default hash-max-listpack-value: a longer value goes to the slice hash
 MARK = b"\x00"  # a small hash's value for a bucket whose records are in the slice hash
 FIELDS_PER_ENTRY = 13  # small-hash fields an indexed message adds (its ~12 bucket keys and its `i<id>`)
-# Fields a small hash holds at most when its slice's rate is that of the slice before: a quarter of Redis's
-# hash-max-listpack-entries (512), so that a slice of 4 times the rate of the one before (or a first slice
-# that was only a part of one) still stays in listpacks.
-SMALL_FILL = 128
-K_FIRST = 10  # bits of a slice with no slice before it (2^10 small hashes: up to ~40,000 messages a slice)
-K_MIN = K_FIRST  # the fewest bits a slice gets: 1,024 small hashes cost ~100 KB, nothing against a slice's entries
+# Fields a small hash holds at most when its slice's rate is that of the slice before: an eighth of Redis's
+# hash-max-listpack-entries (512), so that a slice of 8 times the rate of the one before (or a first slice
+# that was only a part of one) still stays in listpacks. A listpack is read and written by scanning it: half the
+# fill halves the scans for a small hash's key more a slice (~3 bytes a message), and fewer fields a small hash
+# (32) cost more commands than they save (docs/design.md, "Where the server's CPU goes").
+SMALL_FILL = 64
+K_FIRST = 11  # bits of a slice with no slice before it (2^11 small hashes: listpacks up to ~80,000 messages)
+K_MIN = K_FIRST  # the fewest bits a slice gets: 2,048 small hashes cost ~200 KB, nothing against a slice's entries
 K_MAX = 30
 # A slice that left the window of up to 2^12 small hashes is unlinked whole by the insert that moves the window
 # (a few ms of the server); a bigger one by the clients' next rounds, a few thousand keys each.

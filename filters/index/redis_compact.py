@@ -63,7 +63,7 @@ except (ImportError, AttributeError):  # pragma: no cover - another redis-py
 
 _FIB = 0x9E3779B97F4A7C15
 _MASK64 = (1 << 64) - 1
-STATS_SAMPLE = 1024  # small hashes a slice whose fields `stats` counts
+STATS_SAMPLE = 1 << cc.K_MIN  # small hashes a slice whose fields `stats` counts (all of a slice of the fewest)
 MARKS_KEPT = 1 << 16  # marked buckets a client remembers a slice (read in the slice hash at once)
 REAP_KEYS = 1024  # small hashes an UNLINK of a slice that left the window names ...
 REAP_COMMANDS = 4  # ... and such commands sent with a lookup
