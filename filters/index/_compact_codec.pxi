@@ -423,6 +423,31 @@ def write_commands(str slice_key, list pairs, int bits, marked, Py_ssize_t entri
 ctypedef pair[long long, Py_ssize_t] _Placed  # (small hash, -1 the slice hash; a field's place)
 
 
+cdef void _sort_placed(vector[_Placed] &placed, int bits):
+    """Sorts `placed` (pushed in the order of their places) by small hash, then place: by counting where the
+    small hashes are few against the fields (stable: places stay in order), else by `std::sort`."""
+    cdef Py_ssize_t m = placed.size(), k, b, nb
+    cdef vector[Py_ssize_t] starts
+    cdef vector[_Placed] out
+    if m < 2:
+        return
+    if bits > 20 or (<Py_ssize_t>1 << bits) > 4 * m:
+        cpp_sort(placed.begin(), placed.end())
+        return
+    nb = (<Py_ssize_t>1 << bits) + 1  # bucket j + 1: the slice hash's (-1) first
+    starts.assign(nb + 1, 0)
+    for k in range(m):
+        starts[placed[k].first + 2] += 1
+    for b in range(1, nb + 1):
+        starts[b] += starts[b - 1]
+    out.resize(m)
+    for k in range(m):
+        b = placed[k].first + 1
+        out[starts[b]] = placed[k]
+        starts[b] += 1
+    placed.swap(out)
+
+
 cdef struct _Out:
     char *p  # where the next byte goes; NULL while only counting
     Py_ssize_t size
@@ -487,7 +512,8 @@ cdef inline void _o_key(_Out *o, const char *key, Py_ssize_t key_len, long long 
 cdef void _o_reads(_Out *o, vector[_Placed] &placed, list names, const char *key, Py_ssize_t key_len,
                    Py_ssize_t per_command, list places):
     """The HMGETs of `placed` (sorted): a command per small hash, at most `per_command` names each; `places`
-    (not None) gets each command's places."""
+    (not None) gets each command's places. While counting (`o.p` NULL) the names' bulk strings are left out
+    (the caller counted them)."""
     cdef Py_ssize_t m = placed.size(), start = 0, stop, k
     cdef long long j
     cdef bytes name
@@ -505,9 +531,10 @@ cdef void _o_reads(_Out *o, vector[_Placed] &placed, list names, const char *key
             for k in range(start, stop):
                 at.append(placed[k].second)
             places.append(at)
-        for k in range(start, stop):
-            name = <bytes>names[placed[k].second]
-            _o_bulk(o, name, len(name))
+        if o.p != NULL:
+            for k in range(start, stop):
+                name = <bytes>names[placed[k].second]
+                _o_bulk(o, name, len(name))
         o.commands += 1
         start = stop
 
@@ -516,7 +543,7 @@ def pack_reads(str slice_key, list names, bits, marked, Py_ssize_t per_command) 
     """`filters.index.compact_codec.pack_reads`, compiled."""
     cdef bint only_slice = bits is None
     cdef int b = 0 if only_slice else bits
-    cdef Py_ssize_t n = len(names), i, key_len
+    cdef Py_ssize_t n = len(names), i, key_len, size, names_size = 0
     cdef long long j
     cdef bint any_marked = len(marked) > 0
     cdef vector[_Placed] placed
@@ -534,16 +561,20 @@ def pack_reads(str slice_key, list names, bits, marked, Py_ssize_t per_command) 
         j = -1 if any_marked and name in marked else field_small(<bytes>name, b)
         if not (only_slice and j >= 0):
             placed.push_back(_Placed(j, i))
-    cpp_sort(placed.begin(), placed.end())
+            size = len(<bytes>name)
+            names_size += 5 + decimal_size(size) + size
+    _sort_placed(placed, b)
     cdef const char *key = PyUnicode_AsUTF8AndSize(slice_key, &key_len)
     o.p = NULL
     o.size = o.commands = 0
     _o_reads(&o, placed, names, key, key_len, per_command, None)
-    out = PyBytes_FromStringAndSize(NULL, o.size)
+    out = PyBytes_FromStringAndSize(NULL, o.size + names_size)
     places = []
     o.p = PyBytes_AS_STRING(out)
     o.size = o.commands = 0
     _o_reads(&o, placed, names, key, key_len, per_command, places)
+    if o.size != len(out):  # the two passes disagree: never send what was not written
+        raise SystemError(f"pack_reads wrote {o.size} bytes of {len(out)}")
     return out, places
 
 
@@ -553,7 +584,8 @@ cdef void _o_writes(_Out *o, vector[_Placed] &placed, list pairs, const char *ke
                     list renewing):
     """`write_commands`' commands of `placed` (sorted; a place is 2 × the pair's index, + 1 for the mark in
     place of its value); `renewed` (not NULL): the PEXPIRE of a small hash whose bit is set left out, the others
-    named in `renewing` (not None)."""
+    named in `renewing` (not None). While counting (`o.p` NULL) the names' and values' bulk strings are left
+    out (the caller counted them)."""
     cdef Py_ssize_t m = placed.size(), start = 0, stop, k, a
     cdef long long j
     cdef bint slice_written = m > 0 and placed[0].first < 0
@@ -569,6 +601,8 @@ cdef void _o_writes(_Out *o, vector[_Placed] &placed, list pairs, const char *ke
             _o_bulk(o, "HSET", 4)
             _o_key(o, key, key_len, j)
             for k in range(a, stop):
+                if o.p == NULL:
+                    break
                 name = <bytes>pairs[placed[k].second & ~1]
                 _o_bulk(o, name, len(name))
                 if placed[k].second & 1:
@@ -622,7 +656,7 @@ cdef inline void _o_expire(_Out *o, const char *key, Py_ssize_t key_len, long lo
 def pack_writes(str slice_key, list pairs, int bits, marked, Py_ssize_t entries, Py_ssize_t memos, ttl_ms,
                 Py_ssize_t per_command, renewed) -> tuple:
     """`filters.index.compact_codec.pack_writes`, compiled."""
-    cdef Py_ssize_t n = len(pairs), a, key_len, renewed_bits = 0
+    cdef Py_ssize_t n = len(pairs), a, key_len, renewed_bits = 0, size, pairs_size = 0
     cdef long long j
     cdef bint any_marked = len(marked) > 0
     cdef vector[_Placed] placed
@@ -643,19 +677,25 @@ def pack_writes(str slice_key, list pairs, int bits, marked, Py_ssize_t entries,
         if type(name) is not bytes or type(value) is not bytes:
             raise TypeError("field names and values must be bytes")
         j = -1 if any_marked and name in marked else field_small(<bytes>name, bits)
+        size = len(<bytes>name)
+        size = 5 + decimal_size(size) + size
+        pairs_size += size + 5 + decimal_size(len(<bytes>value)) + len(<bytes>value)
         if j >= 0 and len(<bytes>value) > 64:  # too long for a listpack: in the slice hash, the mark here
             placed.push_back(_Placed(j, a + 1))
+            pairs_size += size + 7  # the name again, and the mark
             j = -1
         placed.push_back(_Placed(j, a))
-    cpp_sort(placed.begin(), placed.end())
+    _sort_placed(placed, bits)
     cdef const char *key = PyUnicode_AsUTF8AndSize(slice_key, &key_len)
     o.p = NULL
     o.size = o.commands = 0
     _o_writes(&o, placed, pairs, key, key_len, per_command, entries, memos, ttl, seen, renewed_bits, None)
-    out = PyBytes_FromStringAndSize(NULL, o.size)
+    out = PyBytes_FromStringAndSize(NULL, o.size + pairs_size)
     renewing: list = []
     o.p = PyBytes_AS_STRING(out)
     o.size = o.commands = 0
     _o_writes(&o, placed, pairs, key, key_len, per_command, entries, memos, ttl, seen, renewed_bits,
               renewing if renewed is not None else None)
+    if o.size != len(out):  # the two passes disagree: never send what was not written
+        raise SystemError(f"pack_writes wrote {o.size} bytes of {len(out)}")
     return out, o.commands, renewing
