@@ -20,7 +20,7 @@ from filters.index import Entry, Query
 from filters.index import compact_codec as cc
 from filters.index.redis import MARKER, RedisIndex, RedisTarget
 from filters.index.redis_codec import stored_of
-from filters.index.redis_compact import CompactIndex
+from filters.index.redis_compact import CompactIndex, _Packed
 from tests.test_changelog import _entry as changelog_entry
 from tests.test_changelog import _keys, _mark, drop_index, redis_namespace
 from tests.test_changelog import messages as changelog_messages
@@ -448,6 +448,23 @@ def _original(url: str, journal: list[tuple[Entry, tuple[int, ...]]],
 _QUERIES = [Query("q", 1100.0, (3, 101)), Query("j5", 1100.0, (5,)), Query("x", 1100.0, (999,))]
 
 
+def _unpacked(data: bytes) -> list[tuple[Any, ...]]:
+    """The commands of a RESP request (`_Packed`): name and key as str, the rest bytes."""
+    out: list[tuple[Any, ...]] = []
+    at = 0
+    while at < len(data):
+        end = data.index(b"\r\n", at)
+        count, at = int(data[at + 1 : end]), end + 2
+        args: list[Any] = []
+        for _ in range(count):
+            end = data.index(b"\r\n", at)
+            size, at = int(data[at + 1 : end]), end + 2
+            args.append(data[at : at + size])
+            at += size + 2
+        out.append((args[0].decode(), args[1].decode(), *args[2:]))
+    return out
+
+
 def test_a_rebuild_holds_the_fields_and_writes_each_small_hash_once(redis_url: str) -> None:
     """A fenced index without its marker (lost: the guard rebuilds it from the changelog) takes a restore with
     no transaction and no read of what it wrote: each small hash is written by one HSET, every key it leaves
@@ -461,7 +478,8 @@ def test_a_rebuild_holds_the_fields_and_writes_each_small_hash_once(redis_url: s
         execute = rebuilt._execute
 
         def recorded(commands: Any, **options: Any) -> Any:
-            sent.extend(commands)
+            for command in commands:
+                sent.extend(_unpacked(command.data) if isinstance(command, _Packed) else [command])
             return execute(commands, **options)
 
         rebuilt._execute = recorded  # type: ignore[method-assign]

@@ -328,11 +328,12 @@ class CompactIndex(RedisIndex):
         for s, bits in read.items():
             if bits is not None:
                 self._bits[s] = bits
-        rest = iter(replies[1:])
         columns = []
+        at = 1
         for s, places in zip(slices, plans):
-            got = [next(rest) for _ in places]
-            count = next(rest)
+            got = list(replies[at : at + len(places)])
+            count = replies[at + len(places)]
+            at += len(places) + 1
             if count is not None:
                 self._counts[s] = int(count)
             columns.append(self._column_of(got, places, len(names)))
@@ -963,7 +964,7 @@ class CompactIndex(RedisIndex):
             replies = self._execute([("HMGET", meta, *(f"k:{s}" for s in slices))] if slices else [])
             _raise_any(replies)
         known = replies[0] if slices else []
-        commands: list[Sequence[Any]] = []
+        commands: list[Any] = []
         made: list[Any] = []
         for s, k in zip(slices, known):
             fields = held[s]
@@ -987,7 +988,13 @@ class CompactIndex(RedisIndex):
                     pairs += (name, value)
             else:
                 pairs = list(chain.from_iterable(fields.items()))
-            commands += self._write_commands_of(key, pairs, bits, marked, counts.get(s, 0), 0, ttl, FIELDS_PER_CALL)
+            if self._packs:  # packed at once: a rebuild writes every small hash of its slices
+                blob, n, _ = self._pack_writes(key, pairs, bits, marked, counts.get(s, 0), 0, ttl, FIELDS_PER_CALL,
+                                               None)
+                commands.append(_Packed(blob, n))
+            else:
+                commands += self._write_commands_of(key, pairs, bits, marked, counts.get(s, 0), 0, ttl,
+                                                    FIELDS_PER_CALL)
         if made:
             commands.append(("HSET", meta, *made))
         commands += [("HDEL", meta, REBUILDING), ("PEXPIRE", meta, ttl)]
