@@ -602,3 +602,19 @@ def test_rate_is_an_option_of_the_compact_layout_only() -> None:
                 "redis://h/0?layout=compact&rate=inf"):
         with pytest.raises(ConfigError):
             RedisTarget.parse(url)
+
+
+def test_without_the_compiled_core_the_python_reference_decides_alike(make: Callable[..., CompactIndex],
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compact layout on its Python reference (a slice's reads and writes packed by `compact_codec`, the
+    rest of the round through hiredis): the verdicts of the compiled core, batch after batch."""
+    import filters.index.redis_compact as redis_compact
+
+    messages = generated_messages(900, seed=11)
+    verdicts = {}
+    for name, native in (("compiled", redis_compact._native), ("reference", None)):
+        monkeypatch.setattr(redis_compact, "_native", native)
+        nd = NearDupFilter(FilterConfig(window=WINDOW), index=make(name))
+        verdicts[name] = [v for at in range(0, len(messages), 128) for v in nd.check_batch(messages[at : at + 128])]
+    assert verdicts["reference"] == verdicts["compiled"]
+    assert sum(v.duplicate for v in verdicts["compiled"]) > 0
