@@ -4,10 +4,12 @@ table answers, the same verdicts, and memory that tracemalloc (the benchmark's m
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import random
 import struct
 import tracemalloc
+from collections.abc import Iterator
 from pathlib import Path
 
 import hiredis
@@ -1025,3 +1027,25 @@ def test_a_stage_called_while_another_writes_has_a_buffer_of_its_own() -> None:
     assert stages.chars("abc" * 1000 + "é" + "def") == "ABC" * 1000 + "É" + "DEF"
     assert inner == ["XYZ" * 1000]
     assert stages.chars("abcé") == "ABCÉ"  # and the kept buffer is lent again afterwards
+
+
+_REPLY = st.one_of(st.none(), st.binary(max_size=4), st.integers(-5, 5),
+                   st.lists(st.none() | st.binary(max_size=3), max_size=3),
+                   st.sampled_from([ValueError("x"), KeyError("y")]))
+
+
+@given(replies=st.lists(_REPLY, max_size=12), gaps=st.lists(st.integers(0, 3), max_size=12))
+def test_replies_gathered_and_their_first_error_as_the_reference(replies: list[object], gaps: list[int]) -> None:
+    """The compact layout's reading of replies (a reader that has none yet now and then) and its check for an
+    error reply among them: the compiled twins give the reference's replies, calls and error."""
+    for gather in (_native.gather_replies, compact_codec.gather_replies):
+        not_enough = object()
+        script = [r for at, reply in enumerate(replies) for r in [not_enough] * (gaps[at] if at < len(gaps) else 0)
+                  + [reply]]
+        feed: Iterator[object] = iter(script)
+        reads: list[int] = []
+        got = gather(feed.__next__, functools.partial(reads.append, 1), len(replies), not_enough)
+        assert got == replies and len(reads) == len(script) - len(replies)
+    first = compact_codec.first_error(replies)
+    assert _native.first_error(replies) is first
+    assert first is next((r for r in replies if isinstance(r, Exception)), None)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from filters.errors import IndexCorrupt
@@ -283,6 +283,27 @@ def pack_writes(slice_key: str, pairs: Sequence[bytes], bits: int, marked: froze
             renewing.append(j)
         kept.append(command)
     return resp(kept), len(kept), renewing
+
+
+def gather_replies(gets: Callable[[], Any], more: Callable[[], Any], n: int, not_enough: Any) -> list[Any]:
+    """The next `n` replies of a reader: `gets()` gives one, or `not_enough` while the bytes read so far hold
+    none (then `more()` reads more)."""
+    out: list[Any] = []
+    while len(out) < n:
+        reply = gets()
+        if reply is not_enough:
+            more()
+        else:
+            out.append(reply)
+    return out
+
+
+def first_error(replies: Sequence[Any]) -> Exception | None:
+    """The first error reply among `replies` (they come back in their places), None if there is none."""
+    for reply in replies:
+        if isinstance(reply, Exception):
+            return reply
+    return None
 
 def entry_value(blob: bytes, id: str) -> bytes:
     """An `e<seq>` value: the entry's bytes (`encode_entry`), its id (UTF-8), the id's length (u16 LE)."""

@@ -33,7 +33,6 @@ from filters.index.redis import (
     RedisIndex,
     RedisTarget,
     _event_time,
-    _raise_any,
     _Script,
     _SentRead,
     _stored_time,
@@ -96,14 +95,8 @@ def _read_replies(conn: Any, n: int) -> list[Any]:
             except ResponseError as exc:  # read whole: the connection stays in step
                 out.append(exc)
         return out
-    gets, more = reader.gets, parser.read_from_socket
-    while len(out) < n:
-        reply = gets()
-        if reply is _HIREDIS[1]:
-            more()
-        else:
-            out.append(reply)
-    return out
+    gather = _native.gather_replies if _native is not None else cc.gather_replies
+    return cast("list[Any]", gather(reader.gets, parser.read_from_socket, n, _HIREDIS[1]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +168,7 @@ class CompactIndex(RedisIndex):
         self._marked_places = _native.marked_places if _native is not None else cc.marked_places
         self._write_commands_of = _native.write_commands if _native is not None else cc.write_commands
         self._pack_reads = _native.pack_reads if _native is not None else cc.pack_reads
+        self._first_error = _native.first_error if _native is not None else cc.first_error
         self._pack_writes = _native.pack_writes if _native is not None else cc.pack_writes
         # A slice's reads and writes go packed at once (`_Packed`) where the commands go packed on one connection.
         self._packs = self._direct()
@@ -194,6 +188,12 @@ class CompactIndex(RedisIndex):
         except BaseException:
             conn.disconnect()  # replies may still be on their way: never reuse it (it reconnects)
             raise
+
+    def _raise_any(self, replies: Sequence[Any]) -> None:
+        """Raises the first error reply among `replies`, if any (`RedisIndex`'s `_raise_any`, compiled)."""
+        error = self._first_error(replies)
+        if error is not None:
+            raise error
 
     @staticmethod
     def _pack_send(conn: Any, commands: Sequence[Sequence[str | int | bytes] | _Packed]) -> int:
@@ -260,7 +260,7 @@ class CompactIndex(RedisIndex):
             reads, plans = self._read_plan(names, slices, known, probes)
             with self._errors():
                 replies = self._execute(commands + reads)
-                _raise_any(replies)
+                self._raise_any(replies)
             reap = []
             seq, stored, columns, read = self._parse_read(replies[skip:], names, slices, plans, probes)
             if all(read[s] == known[s] for s in slices):
@@ -382,7 +382,7 @@ class CompactIndex(RedisIndex):
                 or view.reread or len(ahead.replies) != count):
             return None
         with self._errors():
-            _raise_any(ahead.replies)
+            self._raise_any(ahead.replies)
         seq_read, stored, columns, read = self._parse_read(ahead.replies, ahead.names, ahead.slices, plans, probes)
         if seq_read != view.mark or any(read[s] != known[s] for s in ahead.slices):
             return None  # somebody inserted, or made a slice, between the last lookup and this read
@@ -446,7 +446,7 @@ class CompactIndex(RedisIndex):
             return
         with self._errors():
             replies = self._execute([("HMGET", f"{self._spre}{s}", *(names[p] for p in at)) for s, _, at in wanted])
-            _raise_any(replies)
+            self._raise_any(replies)
         for (s, column, at), values in zip(wanted, replies):
             marks = self._marks.setdefault(s, set())
             for p, value in zip(at, values):
@@ -542,7 +542,7 @@ class CompactIndex(RedisIndex):
         with self._errors():
             replies = self._execute([("HMGET", f"{self._spre}{s}", *map(cc.entry_field, seqs))
                                      for s, seqs in by_slice.items()], share=False)
-            _raise_any(replies)
+            self._raise_any(replies)
         read = {}
         for seqs, values in zip(by_slice.values(), replies):
             for seq, value in zip(seqs, values):
@@ -688,11 +688,11 @@ class CompactIndex(RedisIndex):
             self._guarded = False
         try:
             with self._errors():
-                _raise_any(replies)
+                self._raise_any(replies)
                 done = replies[-3]
                 if done is None:
                     return None
-                _raise_any(done)
+                self._raise_any(done)
         except BaseException:
             if self._conn is not None:
                 self._conn.disconnect()
@@ -820,7 +820,7 @@ class CompactIndex(RedisIndex):
         written = 0
         with self._errors():  # the namespace's newest event time: the window its first entries' live ids are in
             replies = self._execute([("HMGET", self._meta, "hwm", MARKER, "seq", REBUILDING, "layout")])
-            _raise_any(replies)
+            self._raise_any(replies)
         stored_hwm, marker, stored_seq, rebuilding, layout = replies[0]
         died = rebuilding is not None and layout == cc.LAYOUT.encode()  # (a slot namespace is refused by the reads)
         self._stored_top = max(self._stored_top, _stored_time(stored_hwm or b""))
@@ -874,7 +874,7 @@ class CompactIndex(RedisIndex):
                   ("PEXPIRE", meta, ttl), ("HMGET", meta, "seq", "hwm")]
         with self._errors():
             replies = self._execute(start)
-            _raise_any(replies)
+            self._raise_any(replies)
         seq = int(replies[-1][0] or 0)
         hwm = max(self._hwm, self._stored_top, _stored_time(replies[-1][1] or b""))
         parts_left = parts
@@ -905,7 +905,7 @@ class CompactIndex(RedisIndex):
                 if new_seq != seq:  # its seqs taken first: a seq names one entry, whoever else inserts
                     with self._errors():
                         replies = self._execute([("HINCRBY", meta, "seq", new_seq - seq)])
-                        _raise_any(replies)
+                        self._raise_any(replies)
                     if replies[0] != new_seq:  # somebody else took some meanwhile: the chunk's are those after
                         alone = False
                         seq = replies[0] - (new_seq - seq)
@@ -937,7 +937,7 @@ class CompactIndex(RedisIndex):
                 commands += [("PEXPIRE", meta, ttl), ("HMGET", meta, "seq", MARKER)]
                 with self._errors():
                     replies = self._execute(commands)
-                    _raise_any(replies)
+                    self._raise_any(replies)
                 written += sum(1 for r in results if r > 0)
                 now_seq, marker = replies[-1]
                 alone = alone and marker is None and int(now_seq or 0) == new_seq
@@ -962,7 +962,7 @@ class CompactIndex(RedisIndex):
         slices = sorted(held)
         with self._errors():
             replies = self._execute([("HMGET", meta, *(f"k:{s}" for s in slices))] if slices else [])
-            _raise_any(replies)
+            self._raise_any(replies)
         known = replies[0] if slices else []
         commands: list[Any] = []
         made: list[Any] = []
@@ -1000,7 +1000,7 @@ class CompactIndex(RedisIndex):
         commands += [("HDEL", meta, REBUILDING), ("PEXPIRE", meta, ttl)]
         with self._errors():
             replies = self._execute(commands)
-            _raise_any(replies)
+            self._raise_any(replies)
         held.clear()
 
     def _held_olds(self, key: str, names: list[bytes], bits: int, marked: set[bytes]) -> dict[bytes, bytes]:
@@ -1009,7 +1009,7 @@ class CompactIndex(RedisIndex):
         reads, places = self._read_commands_of(key, names, bits, set(), FIELDS_PER_HMGET)
         with self._errors():
             replies = self._execute(reads)
-            _raise_any(replies)
+            self._raise_any(replies)
         column = self._column_of(replies, places, len(names))
         olds = {name: value for name, value in zip(names, column) if value is not None}
         marked.update(name for name, value in olds.items() if value == cc.MARK)
@@ -1017,7 +1017,7 @@ class CompactIndex(RedisIndex):
             at = sorted(marked)
             with self._errors():
                 replies = self._execute([("HMGET", key, *at)])
-                _raise_any(replies)
+                self._raise_any(replies)
             olds.update({name: value for name, value in zip(at, replies[0]) if value is not None})
         return olds
 
@@ -1073,7 +1073,7 @@ class CompactIndex(RedisIndex):
                 sampled.append((n, len(sample)))
                 commands += [("HLEN", f"{self._spre}{s}:{j}") for j in sample]
             replies = self._execute(commands, pinned=False)
-            _raise_any(replies)
+            self._raise_any(replies)
         entries = memos = buckets = 0
         rest = iter(replies)
         for n, taken in sampled:
