@@ -1049,3 +1049,36 @@ def test_replies_gathered_and_their_first_error_as_the_reference(replies: list[o
     first = compact_codec.first_error(replies)
     assert _native.first_error(replies) is first
     assert first is next((r for r in replies if isinstance(r, Exception)), None)
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), n_buckets=st.integers(1, 6), n_queries=st.integers(1, 4), n_slices=st.integers(1, 2),
+       limit=st.integers(1, 6), cap=st.integers(1, 4))
+def test_rank_all_compact_as_the_reference(data: st.DataObject, n_buckets: int, n_queries: int, n_slices: int,
+                                           limit: int, cap: int) -> None:
+    """A compact lookup's per-query work in one call (own entry by `i<id>` inside the window, else the memo,
+    then the ranking): the compiled twin gives `compact_codec.rank_all`'s answers, and its refusal of an id
+    value that is not one record."""
+    ids = [f"q{q}" for q in range(n_queries)]
+    own = st.none() | _compact_record.map(lambda r: compact_codec.record(*r))
+    columns = []
+    for _ in range(n_slices):
+        column = [data.draw(_compact_value) for _ in range(n_buckets)]
+        for _ in ids:
+            column += [data.draw(own), data.draw(st.none() | st.binary(min_size=1, max_size=6))]
+        columns.append(column)
+    positions = [data.draw(st.lists(st.integers(0, n_buckets - 1), min_size=1, max_size=n_buckets, unique=True))
+                 for _ in ids]
+    id_places = [n_buckets + 2 * q for q in range(n_queries)]
+    floors = [data.draw(st.integers(1, 3)) for _ in ids]
+    horizons = [data.draw(st.sampled_from(_TIMES)) - 0.5 for _ in ids]
+
+    def memo_time(blob: bytes, id: str) -> float:
+        return float(len(blob) + len(id))
+
+    args = (columns, positions, id_places, ids, floors, limit, horizons, cap, memo_time)
+    assert _native.rank_all_compact(*args) == compact_codec.rank_all(*args)
+    columns[0][id_places[0]] = compact_codec.record(1.0, 1) + b"x"
+    for rank in (_native.rank_all_compact, compact_codec.rank_all):
+        with pytest.raises(IndexCorrupt):
+            rank(*args)

@@ -35,6 +35,44 @@ def rank_compact(list values, list positions, uint64_t own, Py_ssize_t floor, Py
     return _rank_compact(values, positions, own, floor, limit, horizon, cap, since, mine, _RankScratch())
 
 
+def rank_all_compact(list columns, list positions, list id_places, list ids, list floors, Py_ssize_t limit,
+                     list horizons, Py_ssize_t cap, memo_time) -> list:
+    """`filters.index.compact_codec.rank_all`, compiled."""
+    cdef list out = [], column
+    cdef Py_ssize_t q, e, n = len(positions)
+    cdef double horizon, ts
+    cdef uint64_t own_seq
+    cdef object value, own, memo
+    cdef _RankScratch scratch = _RankScratch()
+    if not (len(id_places) == len(ids) == len(floors) == len(horizons) == n):
+        raise ValueError("one id place, id, floor and horizon a query expected")
+    for q in range(n):
+        e = id_places[q]
+        horizon = horizons[q]
+        own = None
+        memo = None
+        for column in columns:
+            value = column[e]
+            if value is not None:
+                if len(<bytes>value) != 16:
+                    from filters.errors import IndexCorrupt
+                    raise IndexCorrupt(f"an id's field holds {len(<bytes>value)} bytes, not one record")
+                memcpy(&ts, <const char *>(<bytes>value), 8)
+                if ts >= horizon:
+                    own = (be64(<const char *>(<bytes>value) + 8), ts)
+                    break
+        if own is None:
+            for column in columns:
+                value = column[e + 1]
+                if value is not None and memo_time(value, ids[q]) >= horizon:
+                    memo = value
+                    break
+        own_seq = own[0] if own is not None else 0
+        out.append((own, memo, _rank_compact(columns, positions[q], own_seq, floors[q], limit, horizon, cap, -1,
+                                             None, scratch)))
+    return out
+
+
 cdef list _rank_compact(list values, list positions, uint64_t own, Py_ssize_t floor, Py_ssize_t limit,
                         double horizon, Py_ssize_t cap, long long since, object mine, _RankScratch scratch):
     cdef Py_ssize_t nkeys = len(positions), nslices = len(values), k, s, present = 0, total = 0, nrec, j, t

@@ -147,6 +147,38 @@ def rank_records(values: Sequence[Sequence[bytes | None]], positions: Sequence[i
     return [(seq, shared, first, ts) for seq, (shared, first, ts) in items[: max(limit, 1)]]
 
 
+
+def rank_all(columns: Sequence[Sequence[bytes | None]], positions: Sequence[Sequence[int]], id_places: Sequence[int],
+             ids: Sequence[str], floors: Sequence[int], limit: int, horizons: Sequence[float], cap: int,
+             memo_time: Callable[[bytes, str], float]) -> list[tuple[tuple[int, float] | None, bytes | None,
+                                                                     list[tuple[int, int, int, float]]]]:
+    """A lookup's per-query work over the columns it read: per query, its own entry (seq, event time) where its
+    `i<id>` (at `id_places[q]`) is inside its window (`horizons[q]` on) in the first column that holds it, else
+    its memo (right after it) inside the window, and `rank_records` of its buckets (`positions[q]`; its own seq
+    left out). An `i<id>` value is one record."""
+    out = []
+    for where, e, id, floor, horizon in zip(positions, id_places, ids, floors, horizons, strict=True):
+        own: tuple[int, float] | None = None
+        memo = None
+        for column in columns:
+            value = column[e]
+            if value is not None:
+                if len(value) != RECORD_SIZE:
+                    raise IndexCorrupt(f"an id's field holds {len(value)} bytes, not one record")
+                ts, seq = RECORD.unpack(value)
+                if ts >= horizon:
+                    own = (SEQ.unpack(seq)[0], ts)
+                    break
+        if own is None:
+            for column in columns:
+                blob = column[e + 1]
+                if blob is not None and memo_time(blob, id) >= horizon:
+                    memo = blob
+                    break
+        out.append((own, memo, rank_records(columns, where, own[0] if own else 0, floor, limit, horizon, cap, -1,
+                                            None)))
+    return out
+
 # --- where a slice's fields live: its small hashes and its slice hash -----------------------------------------
 
 Command = tuple[Any, ...]

@@ -163,6 +163,7 @@ class CompactIndex(RedisIndex):
         self._rate_count = math.ceil(rate * self.slice_length) if rate else 0
         self._alone_compact = _native.alone_compact if _native is not None else cc.alone_round
         self._rank_compact = _native.rank_compact if _native is not None else cc.rank_records
+        self._rank_batch = _native.rank_all_compact if _native is not None else cc.rank_all
         self._read_commands_of = _native.read_commands if _native is not None else cc.read_commands
         self._column_of = _native.column_of if _native is not None else cc.column_of
         self._marked_places = _native.marked_places if _native is not None else cc.marked_places
@@ -488,32 +489,11 @@ class CompactIndex(RedisIndex):
         self._view = _View(slices, dict(zip(slices, columns)), names, seq, stored, dict(zip(ids, range(len(ids)))),
                            [q.keys for q in queries], key_fields, positions, id_places,
                            watch=epoch if watch else -1, marker=self._marker)
-        window, cap = self.window, self.bucket_cap
-        found = []
-        wanted: set[tuple[int, float]] = set()
-        for q, where, e, mark in zip(queries, positions, id_places, marks):
-            horizon = mark - window
-            own: tuple[int, float] | None = None
-            memo = None
-            for column in columns:
-                value = column[e]
-                if value is not None:
-                    (ts, seq_own), = cc.parse_records(value)
-                    if ts >= horizon:
-                        own = (seq_own, ts)
-                        break
-            if own is None:
-                for column in columns:
-                    blob = column[e + 1]
-                    if blob is not None and memo_time(blob, q.id) >= horizon:
-                        memo = blob
-                        break
-            ranked = self._rank_compact(columns, where, own[0] if own else 0, q.min_shared, limit, horizon, cap, -1,
-                                        None)
-            found.append((own, memo, ranked))
-            wanted.update((s, ts) for s, _, _, ts in ranked)
-            if own is not None:
-                wanted.add(own)
+        window = self.window
+        found = self._rank_batch(columns, positions, id_places, ids, [q.min_shared for q in queries], limit,
+                                 [mark - window for mark in marks], self.bucket_cap, memo_time)
+        wanted: set[tuple[int, float]] = {(s, ts) for _, _, ranked in found for s, _, _, ts in ranked}
+        wanted.update(own for own, _, _ in found if own is not None)
         entries = self._entries_by_seq(wanted)
         out: list[tuple[Entry | Verdict | None, list[Candidate]]] = []
         for q, (own, memo, ranked) in zip(queries, found):
