@@ -281,13 +281,12 @@ class CompactIndex(RedisIndex):
         """A read's commands (the meta hash's `HMGET`, then per slice its reads and its count) and, per slice,
         the places of the names each of its reads reads. A slice of unknown bits reads its slice hash only."""
         commands: list[Any] = [("HMGET", self._meta, "seq", "hwm", *((MARKER,) if self.fenced else ()),
-                                          "layout", "gen", *(f"k:{s}" for s in slices),
-                                          *(f"k:{g}" for g in probes))]
+                                "layout", "gen", *(f"k:{s}" for s in slices), *(f"k:{g}" for g in probes))]
         plans = []
         for s in slices:
             key = f"{self._spre}{s}"
             bits = known[s]
-            if self._packs:  # no small hash yet (bits None): only the fields of the slice hash
+            if self._packs:  # packed at once; bits None (no small hash yet): the slice hash's fields only
                 blob, places = self._pack_reads(key, list(names), bits, self._marks.get(s, set()), FIELDS_PER_HMGET)
                 commands += [_Packed(blob, len(places)), ("HGET", key, "n")]
                 plans.append(places)
