@@ -1,7 +1,8 @@
 """Benchmark: the client's instructions per short message on the Redis index, counted by callgrind.
 
     eval "$(bash docker/services.sh env)"
-    python bench/client_cost.py [--redis URL | --memory] [--messages 8192] [--batch 512]
+    python bench/client_cost.py [--redis URL | --memory] [--messages 8192] [--batch 512] [--layout slot|compact]
+                                [--keep FILE]
 
 Wall and CPU time drift by up to 2× within minutes on a shared machine; an instruction count does not
 (runs differ by under 0.2 %: Python's per-process string hashing changes set and dict orders), so two
@@ -14,6 +15,8 @@ Redis server's work is not counted, the client's waiting costs nothing. The firs
 (`stream/collector.py`). Prints instructions per message. It imports the
 `filters` and `stream` packages of the checkout it lives in, so copying it into an older checkout
 measures that release the same way. `--memory`: the same on the embedded index (`memory://`), no Redis.
+`--layout compact`: the compact layout of the Redis index; `--keep FILE`: callgrind's output kept there
+(`callgrind_annotate FILE`: where the instructions go).
 """
 
 from __future__ import annotations
@@ -51,7 +54,8 @@ def measure(args: argparse.Namespace) -> None:
     fmt = RecordFormat()
     batches = [[RawRecord(line, str(i + j), 0.0) for j, line in enumerate(lines[i : i + args.batch])]
                for i in range(0, len(lines), args.batch)]
-    index = "memory://" if args.memory else f"{args.redis.split('?')[0]}?prefix=cost-{uuid.uuid4().hex[:10]}"
+    index = ("memory://" if args.memory else
+             f"{args.redis.split('?')[0]}?prefix=cost-{uuid.uuid4().hex[:10]}&layout={args.layout}")
     nd = NearDupFilter(FilterConfig(window=1e9), index=index)
     route_batch(nd, batches[0], fmt)  # warm-up, not counted
     # Counted: everything inside this reduce (callgrind --toggle-collect=functools_reduce).
@@ -67,6 +71,8 @@ def main() -> int:
     p.add_argument("--messages", type=int, default=8192)
     p.add_argument("--batch", type=int, default=512)
     p.add_argument("--memory", action="store_true", help="the embedded index (memory://) instead of Redis")
+    p.add_argument("--layout", choices=("slot", "compact"), default="slot", help="the Redis index's layout")
+    p.add_argument("--keep", help="keep callgrind's output in this file")
     p.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if not args.inside:
@@ -84,7 +90,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         out = subprocess.run(
             ["valgrind", "--tool=callgrind", "--collect-atstart=no", "--toggle-collect=functools_reduce",
-             f"--callgrind-out-file={tmp}/callgrind.out", sys.executable, __file__, "--inside", *sys.argv[1:]],
+             f"--callgrind-out-file={args.keep or f'{tmp}/callgrind.out'}", sys.executable, __file__, "--inside",
+             *sys.argv[1:]],
             capture_output=True, text=True, check=False)
     found = re.search(r"Collected : ([\d,]+)", out.stderr)
     if out.returncode != 0 or found is None:
@@ -92,7 +99,7 @@ def main() -> int:
         return 1
     counted = int(found.group(1).replace(",", ""))
     messages = min(args.messages, 16946) - args.batch
-    where = "memory://" if args.memory else "Redis"
+    where = "memory://" if args.memory else f"Redis ({args.layout} layout)"
     print(f"client instructions per short message on {where} (callgrind, {messages} messages after a warm-up batch): "
           f"{counted / messages:,.0f}")
     return 0

@@ -2,7 +2,8 @@
 
     eval "$(bash docker/services.sh env)"       # or pass the URLs below
     python bench/redis_bench.py [--limit 20000] [--runs 3] [--batch 512] [--sets all,short]
-                                [--backends memory,redis,redis-serial,redis-unaided,rediss,cluster,datasketch] [--db 9]
+                                [--backends memory,redis,redis-compact,redis-serial,redis-unaided,rediss,cluster,datasketch]
+                                [--db 9]
                                 [--redis URL --tls URL --cluster URL]
 
 Each set of messages is run through each backend in stream order, starting empty, `--runs` times,
@@ -11,7 +12,8 @@ them alike; the table shows the median messages/s and the ratio to the memory in
 as `neardup filter FILE` works: `route_batches` over the raw JSONL records in batches of `--batch` (decode,
 fingerprint, look up, verify, insert); `redis-serial` routes batch after batch as the Kafka worker does,
 `redis-unaided` as `redis` without the next batch's read sent ahead and without the entries the client
-keeps (every lookup reads when it is made, and every candidate's entry). datasketch is used as
+keeps (every lookup reads when it is made, and every candidate's entry), `redis-compact` as `redis` in the
+compact layout (`?layout=compact`: docs/design.md, "The compact slot layout"). datasketch is used as
 bench/filter_bench.py uses it (MinHashLSH, 128 permutations, threshold 0.5, character 5-grams of
 normalized text; query, then insert if there is no match), on its Redis storage
 (`storage_config={'type': 'redis', ...}`) on the same server.
@@ -101,6 +103,10 @@ def server_cpu(r: redis.Redis) -> float:
     """The server's CPU seconds so far (`INFO cpu`: user and system)."""
     info = r.info("cpu")
     return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+def with_layout(url: str, layout: str) -> str:
+    return f"{url}{'&' if '?' in url else '?'}layout={layout}"
 
 
 def with_prefix(url: str, prefix: str) -> str:
@@ -197,13 +203,15 @@ def backends(args: argparse.Namespace) -> list[Backend]:
         if name == "memory":
             out.append(Backend("neardup, memory://", "", lambda c, tag: run_neardup("memory://", c, args.batch),
                                lambda tag: ""))
-        elif name in ("redis", "redis-serial", "redis-unaided", "rediss", "cluster"):
-            url = {"redis": plain, "redis-serial": plain, "redis-unaided": plain,
+        elif name in ("redis", "redis-compact", "redis-serial", "redis-unaided", "rediss", "cluster"):
+            url = {"redis": plain, "redis-compact": with_layout(plain, "compact"), "redis-serial": plain,
+                   "redis-unaided": plain,
                    "rediss": with_db(args.tls, args.db) if args.tls else "", "cluster": args.cluster}[name]
             if not url:
                 print(f"  (no URL for {name}: skipped)", file=sys.stderr)
                 continue
-            label = {"redis": "redis:// (plain)", "redis-serial": "redis:// (plain), batch after batch",
+            label = {"redis": "redis:// (plain)", "redis-compact": "redis://?layout=compact",
+                     "redis-serial": "redis:// (plain), batch after batch",
                      "redis-unaided": "redis:// (plain), no read sent ahead, no entries kept",
                      "rediss": "rediss:// (TLS)", "cluster": "Redis Cluster"}[name]
             out.append(Backend(f"neardup, {label}", url,
@@ -293,7 +301,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         memory: dict[str, tuple[float, float, int]] = {}
         if not args.no_memory:
             for b in todo:
-                if b.url and not b.url.startswith(("rediss", "redis+cluster")) and b.url.endswith(f"/{args.db}"):
+                if b.url and not b.url.startswith(("rediss", "redis+cluster")) and urlsplit(b.url).path == f"/{args.db}":
                     memory[b.name] = redis_memory(b, corpus)
         base = statistics.median(rates[todo[0].name]) if todo else 1.0
         reference = verdicts[todo[0].name] if todo else []

@@ -2,13 +2,14 @@
 
     eval "$(bash docker/services.sh env)"
     python bench/redis_cpu.py [--redis URL] [--corpora sms_en,tweets_en,reviews_zh] [--runs 3]
-                              [--collector default|tuned]
+                              [--layout slot|compact|slot,compact] [--collector default|tuned]
 
 Runs `NearDupFilter.check_batch` over the messages (batches of 512, a fresh namespace each run) on
 the Redis index and reads the server's `INFO cpu` (user + sys), `INFO stats` (bytes in and out) and
 `INFO commandstats` before and after: nothing else should use that Redis meanwhile. Prints the median
 per message of the server's CPU, the client's CPU (this process), the wall time, the bytes Redis
-received and sent, and the server's busiest commands. It imports
+received and sent, and the server's busiest commands. `--layout slot,compact` measures both layouts in the
+one call, run after run alternating, and prints their ratios. It imports
 the `filters` package of the checkout it lives in, so copying it into an older checkout measures that
 release the same way (README: "What Redis spends").
 """
@@ -43,6 +44,9 @@ from filters.engine import Message, NearDupFilter  # noqa: E402
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--redis", default=os.environ.get("NEARDUP_TEST_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    p.add_argument("--layout", default="slot",
+                   help="the index's layout, slot or compact (docs/design.md, \"The compact slot layout\"); "
+                        "several, comma-separated: measured alternating")
     p.add_argument("--stream", default=str(ROOT.parent / "shared" / "eval" / "stream.jsonl"))
     p.add_argument("--truth", default=str(ROOT.parent / "shared" / "eval" / "truth.jsonl"))
     p.add_argument("--corpora", default="sms_en,tweets_en,reviews_zh")
@@ -71,42 +75,58 @@ def main() -> int:
             collections[0] += time.perf_counter() - started[0]
 
     gc.callbacks.append(collecting)
-    rows: dict[str, list[float]] = {"server CPU µs": [], "client CPU µs": [], "of it garbage collection µs": [],
-                                    "wall µs": [], "bytes Redis received": [], "bytes Redis sent": []}
-    commands: dict[str, list[float]] = {}
+    layouts = args.layout.split(",")
+    if not set(layouts) <= {"slot", "compact"}:
+        p.error(f"--layout: slot or compact, not {args.layout!r}")
+    names = ("server CPU µs", "client CPU µs", "of it garbage collection µs", "wall µs", "bytes Redis received",
+             "bytes Redis sent")
+    rows: dict[str, dict[str, list[float]]] = {layout: {name: [] for name in names} for layout in layouts}
+    commands: dict[str, dict[str, list[float]]] = {layout: {} for layout in layouts}
+    calls: dict[str, dict[str, list[float]]] = {layout: {} for layout in layouts}
     for _ in range(args.runs):
-        prefix = f"cpu-{uuid.uuid4().hex[:10]}"
-        nd = NearDupFilter(FilterConfig(window=1e9), index=f"{args.redis.split('?')[0]}?prefix={prefix}")
-        server.config_resetstat()
-        cpu, net = server.info("cpu"), server.info("stats")
-        collections[0] = 0.0
-        c0, p0, t0 = cpu["used_cpu_user"] + cpu["used_cpu_sys"], time.process_time(), time.perf_counter()
-        for at in range(0, len(msgs), 512):
-            nd.check_batch(msgs[at : at + 512])
-        wall, client = time.perf_counter() - t0, time.process_time() - p0
-        cpu, after = server.info("cpu"), server.info("stats")
-        n = len(msgs)
-        rows["bytes Redis received"].append((after["total_net_input_bytes"] - net["total_net_input_bytes"]) / n)
-        rows["bytes Redis sent"].append((after["total_net_output_bytes"] - net["total_net_output_bytes"]) / n)
-        rows["server CPU µs"].append((cpu["used_cpu_user"] + cpu["used_cpu_sys"] - c0) / n * 1e6)
-        rows["client CPU µs"].append(client / n * 1e6)
-        rows["of it garbage collection µs"].append(collections[0] / n * 1e6)
-        rows["wall µs"].append(wall / n * 1e6)
-        for name, stat in server.info("commandstats").items():
-            commands.setdefault(name.removeprefix("cmdstat_"), []).append(stat["usec"] / n)
-        nd.index.close()
-        keys = list(server.scan_iter(match=f"{{{prefix}:*", count=1000))
-        for at in range(0, len(keys), 500):
-            server.delete(*keys[at : at + 500])
+        for layout in layouts:  # alternating: the machine's load moves both alike
+            row = rows[layout]
+            prefix = f"cpu-{uuid.uuid4().hex[:10]}"
+            url = f"{args.redis.split('?')[0]}?prefix={prefix}&layout={layout}"
+            nd = NearDupFilter(FilterConfig(window=1e9), index=url)
+            server.config_resetstat()
+            cpu, net = server.info("cpu"), server.info("stats")
+            collections[0] = 0.0
+            c0, p0, t0 = cpu["used_cpu_user"] + cpu["used_cpu_sys"], time.process_time(), time.perf_counter()
+            for at in range(0, len(msgs), 512):
+                nd.check_batch(msgs[at : at + 512])
+            wall, client = time.perf_counter() - t0, time.process_time() - p0
+            cpu, after = server.info("cpu"), server.info("stats")
+            n = len(msgs)
+            row["bytes Redis received"].append((after["total_net_input_bytes"] - net["total_net_input_bytes"]) / n)
+            row["bytes Redis sent"].append((after["total_net_output_bytes"] - net["total_net_output_bytes"]) / n)
+            row["server CPU µs"].append((cpu["used_cpu_user"] + cpu["used_cpu_sys"] - c0) / n * 1e6)
+            row["client CPU µs"].append(client / n * 1e6)
+            row["of it garbage collection µs"].append(collections[0] / n * 1e6)
+            row["wall µs"].append(wall / n * 1e6)
+            for name, stat in server.info("commandstats").items():
+                commands[layout].setdefault(name.removeprefix("cmdstat_"), []).append(stat["usec"] / n)
+                calls[layout].setdefault(name.removeprefix("cmdstat_"), []).append(stat["calls"] / n)
+            nd.index.close()
+            keys = list(server.scan_iter(match=f"{{{prefix}:*", count=1000))
+            for at in range(0, len(keys), 500):
+                server.delete(*keys[at : at + 500])
     print(f"{len(msgs)} messages of {args.corpora}, {args.runs} runs (median per message)\n")
-    print("| measure | per message |\n|---|---|")
-    for name, values in rows.items():
-        print(f"| {name} | {statistics.median(values):.1f} |")
-    print(f"| messages/s | {1e6 / statistics.median(rows['wall µs']):,.0f} |")
-    busiest = sorted(commands.items(), key=lambda kv: -statistics.median(kv[1]))[:5]
-    print("\n| server command (incl. those run by scripts) | µs per message |\n|---|---|")
-    for name, values in busiest:
-        print(f"| {name} | {statistics.median(values):.1f} |")
+    print(f"| measure | {' | '.join(layouts)} |{' ÷ '.join(reversed(layouts)) + ' |' if len(layouts) == 2 else ''}")
+    print(f"|---|{'---|' * (len(layouts) + (len(layouts) == 2))}")
+    med = {layout: {name: statistics.median(v) for name, v in rows[layout].items()} for layout in layouts}
+    for name in names:
+        ratio = (f" {med[layouts[1]][name] / med[layouts[0]][name]:.2f} |"
+                 if len(layouts) == 2 and med[layouts[0]][name] else "")
+        print(f"| {name} | {' | '.join(f'{med[layout][name]:.1f}' for layout in layouts)} |{ratio}")
+    rates = " | ".join(f"{1e6 / med[layout]['wall µs']:,.0f}" for layout in layouts)
+    print(f"| messages/s | {rates} |")
+    for layout in layouts:
+        busiest = sorted(commands[layout].items(), key=lambda kv: -statistics.median(kv[1]))[:8]
+        print(f"\n{layout}: | server command (incl. those run by scripts) | µs per message | calls per message |")
+        print("|---|---|---|")
+        for name, values in busiest:
+            print(f"| {name} | {statistics.median(values):.2f} | {statistics.median(calls[layout][name]):.2f} |")
     return 0
 
 

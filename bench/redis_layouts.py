@@ -1,8 +1,8 @@
 """Benchmark: what the Redis index holds per message, and the same content in other layouts, measured against each other.
 
     eval "$(bash docker/services.sh env)"       # or pass --redis
-    python bench/redis_layouts.py [--stream ../shared/eval/stream.jsonl] [--db 10] [--runs 3] [--lookups 4096]
-                                  [--layouts today,short,shards128,shards256,zset,string]
+    python bench/redis_layouts.py [--stream ../shared/eval/stream.jsonl] [--db 10] [--runs 3] [--lookups 4096] [--batch 512]
+                                  [--layouts today,short,shards256,compact128,compact256,compactboth256,zset,string]
 
 1. The stream goes through `neardup filter --index redis://.../<db>` (the real index, default configuration) in
    a flushed database `--db` (FLUSHed before and after: do not point it at a database that holds anything
@@ -19,15 +19,28 @@
      k from the slice's field count), small enough for Redis's listpack encoding (`hash-max-listpack-entries`
      512, `-value` 64 bytes by default): a bucket whose records pass 64 bytes lives in the slice's hash and
      its shard holds a one-byte mark for it (a second read).
+   - `compactN` (the design of docs/design.md, "Compact layout"): records of 16 bytes (event time, seq), the
+     bucket fields and `i<id>` (event time and seq of the id's entry) in small hashes of about N fields
+     (2^k a slice, k from the slice's count of those fields; a bucket field's by its key's mixed top bits,
+     an `i<id>`'s by a hash of the id), the entries in the slice's hash keyed by seq (`e<seq>`, 8 bytes
+     big-endian; the entry's bytes and then its id), the memos there as today. A bucket whose records
+     pass 64 bytes lives in the slice's hash and its small hash holds a one-byte mark for it, read again
+     in a second round when met. `compactbothN`: the same without the mark; the lookup reads every bucket
+     field in the slice's hash as well, in the same round.
    - `zset`: a sorted set per bucket (member the id, score the event time), with its TTL.
    - `string`: a string per bucket (today's records appended), with its TTL.
 3. Server CPU of lookups (`INFO cpu`, user + system of the server process, per message looked up): the
    fields `--lookups` indexed messages read (their bucket fields, in the slice of each of their records,
-   and their entry and memo fields), in batches of 512 as the index reads them (an `HMGET` per hash per
-   batch, pipelined; `short` and `shardsN` also read the ids of up to 8 records a message), each layout in
-   turn, `--runs` times; medians. And the server CPU of writing the content in each layout (in pipelined
-   `HSET`s of up to 500 fields, not in the index's rounds), per message indexed: the layouts' write costs
-   against each other, not the index's.
+   and their entry and memo fields), in batches of `--batch` (512: as the index reads them; fewer: as many small
+   hashes a field as a namespace of a higher rate has: one command a field read) (an `HMGET` per hash per
+   batch, pipelined; `short` and `shardsN` also read the ids of up to 8 records a message; `today` and
+   `compact*` read, in a second round, the entries of up to 8 candidates a message: the first 8 distinct ids
+   of its buckets' records, as the index reads its `max_candidates` best-ranked), each layout in
+   turn, `--runs` times; medians. And the server CPU of writing the content in each layout, per message
+   indexed: `today` and `compact*` in the index's uncontended insert rounds (`--round` entries a MULTI/EXEC,
+   `write_rounds`), the others in pipelined `HSET`s of up to 500 fields.
+   A `compactN` of a small N (16) has as many small hashes a slice as a namespace of a high rate has with
+   N = 256 (a field a small hash a round): its CPU columns are those of such a namespace, its memory is not.
 """
 
 from __future__ import annotations
@@ -63,6 +76,11 @@ PER_HMGET = 256 * 16  # fields an HMGET reads at most (the index's LOOKUP_CHUNK 
 MARK = b"\x00"  # a shard's value for a bucket kept in the slice's hash
 TTL_MS = 3_600_000
 _SHORT = struct.Struct("<dI")  # a short record: event time, the entry's number in its slice
+_TS = struct.Struct("<d")
+_RECORD = struct.Struct("<dI")  # today's record: event time, id length; then the id and the seq
+_SEQ = struct.Struct(">Q")
+LISTPACK_VALUE = 64  # Redis's default hash-max-listpack-value: a longer field or value makes a hash a hashtable
+CANDIDATES = 8  # entries a lookup reads a message (FilterConfig.max_candidates)
 
 
 @dataclass
@@ -76,6 +94,8 @@ class Slice:
     memos: dict[bytes, bytes] = field(default_factory=dict)  # d<id> -> memo
     other: dict[bytes, bytes] = field(default_factory=dict)  # n, m
     number: dict[str, int] = field(default_factory=dict)  # id -> its number in the slice (insertion order)
+    seq: dict[str, int] = field(default_factory=dict)  # id -> the seq of its entry
+    ts: dict[str, float] = field(default_factory=dict)  # id -> its entry's event time
 
 
 def client(url: str, db: int) -> redis.Redis:
@@ -87,13 +107,14 @@ def used(r: redis.Redis) -> int:
     return int(r.info("memory")["used_memory"])
 
 
-def run_index(url: str, db: int, stream: Path) -> int:
-    """The stream through `neardup filter` into the flushed db: the used_memory it added."""
+def run_index(url: str, db: int, stream: Path, query: str = "") -> int:
+    """The stream through `neardup filter` into the flushed db (`query`: the index URL's options): the
+    used_memory it added."""
     r = client(url, db)
     r.flushdb()
     before = used(r)
     out = subprocess.run([sys.executable, "-c", "from stream.cli import main; raise SystemExit(main())", "filter",
-                          str(stream), "--index", with_db(url, db), "--unique", os.devnull, "-q"],
+                          str(stream), "--index", with_db(url, db) + query, "--unique", os.devnull, "-q"],
                          capture_output=True, text=True, cwd=ROOT)
     if out.returncode:
         raise SystemExit(f"neardup filter failed: {out.stderr.strip()[-500:]}")
@@ -128,11 +149,20 @@ def read_back(r: redis.Redis) -> tuple[list[Slice], dict[str, object]]:
             else:
                 s.other[f] = v
         seqs = {id: seq for records in s.buckets.values() for _, seq, id in records}
+        s.seq = dict(seqs)
         for number, id in enumerate(sorted(seqs, key=seqs.__getitem__)):
             s.number[id] = number
         for f in s.entries:  # an entry without any record left (its buckets trimmed): numbered too
             s.number.setdefault(f[1:].decode("utf-8", "surrogatepass"), len(s.number))
+        for f, v in s.entries.items():
+            s.ts[f[1:].decode("utf-8", "surrogatepass")] = _TS.unpack_from(v, 1)[0]
         slices.append(s)
+    top = max((seq for s in slices for seq in s.seq.values()), default=0)
+    for s in slices:  # an entry without any record left: a seq of its own (the index gave it one)
+        for id in s.ts:
+            if id not in s.seq:
+                top += 1
+                s.seq[id] = top
     return slices, {"kinds": dict(kinds), "keys": dict(keys), "usage": usage, "no_ttl": no_ttl}
 
 
@@ -147,6 +177,31 @@ def shard_bits(fields: int, fill: int) -> int:
 def shard_of(name: bytes, bits: int) -> int:
     """The shard of a bucket field: its key mixed (Fibonacci hashing: a key's own top bits carry its method's tag)."""
     return (int.from_bytes(name[1:9], "big") * 0x9E3779B97F4A7C15 & (1 << 64) - 1) >> (64 - bits) if bits else 0
+
+
+def id_shard(id: str, bits: int) -> int:
+    """The small hash of an `i<id>` field: the top bits of the id's FNV-1a hash (64 bits), mixed as a key."""
+    h = 0xCBF29CE484222325
+    for byte in id.encode("utf-8", "surrogatepass"):
+        h = (h ^ byte) * 0x100000001B3 & (1 << 64) - 1
+    return shard_of(b"i" + h.to_bytes(8, "big"), bits)
+
+
+def compact_bits(s: Slice, fill: int) -> int:
+    return shard_bits(len(s.buckets) + len(s.ts), fill)
+
+
+def id_name(id: str) -> bytes:
+    return b"i" + id.encode("utf-8", "surrogatepass")
+
+
+def compact_small(name: bytes) -> bool:
+    """Whether an `i<id>` field lives in a small hash (else in the slice's: a name a listpack does not hold)."""
+    return len(name) <= LISTPACK_VALUE
+
+
+def entry_name(seq: int) -> bytes:
+    return b"e" + _SEQ.pack(seq)
 
 
 def write(r: redis.Redis, layout: str, slices: Sequence[Slice]) -> None:
@@ -186,6 +241,36 @@ def write(r: redis.Redis, layout: str, slices: Sequence[Slice]) -> None:
                 pipe.pexpire(key, TTL_MS)
             base |= {b"q" + struct.pack("<I", number): id.encode("utf-8", "surrogatepass")
                      for id, number in s.number.items()}
+        elif layout.startswith("compact"):
+            both = layout.startswith("compactboth")
+            bits = compact_bits(s, int(layout.removeprefix("compactboth").removeprefix("compact")))
+            base = dict(s.memos) | dict(s.other)
+            small: dict[int, dict[bytes, bytes]] = collections.defaultdict(dict)
+            for f, recs in s.buckets.items():
+                value = b"".join(_TS.pack(ts) + _SEQ.pack(seq) for ts, seq, _ in recs)
+                if len(value) > LISTPACK_VALUE:
+                    base[f] = value
+                    if both:
+                        continue
+                    value = MARK
+                small[shard_of(f, bits)][f] = value
+            for f, blob in s.entries.items():
+                id = f[1:].decode("utf-8", "surrogatepass")
+                raw = f[1:]
+                base[entry_name(s.seq[id])] = blob + raw + bytes([len(raw)])  # its id, then the id's length
+                name = id_name(id)
+                value = _TS.pack(s.ts[id]) + _SEQ.pack(s.seq[id])
+                if compact_small(name):
+                    small[id_shard(id, bits)][name] = value
+                else:
+                    base[name] = value
+            for j, pairs in small.items():
+                key = s.name + b":%d" % j
+                items = list(pairs.items())
+                for a in range(0, len(items), 500):
+                    pipe.hset(key, mapping=dict(items[a : a + 500]))
+                    flush()
+                pipe.pexpire(key, TTL_MS)
         elif layout in ("zset", "string"):
             for f, recs in s.buckets.items():
                 key = s.name + b":" + f
@@ -205,6 +290,81 @@ def write(r: redis.Redis, layout: str, slices: Sequence[Slice]) -> None:
     flush(force=True)
 
 
+def write_rounds(r: redis.Redis, layout: str, slices: Sequence[Slice], per_round: int) -> None:
+    """The content of `slices` in `today` or `compact*`, written as the index's uncontended insert rounds write
+    it: `per_round` entries a round in seq order, one MULTI/EXEC each: the bucket fields the round's records
+    touch (each with its value after the round), the entries, the count `n`, a PEXPIRE of every key written
+    (compact: each small hash the round touches; a bucket value passing 64 bytes goes to the slice's hash and
+    leaves its mark in its small hash). The memos and the other fields go in a last round."""
+    compact = layout.startswith("compact")
+    fill = int(layout.removeprefix("compactboth").removeprefix("compact")) if compact else 0
+    both = layout.startswith("compactboth")
+    touching: dict[int, list[tuple[Slice, bytes]]] = collections.defaultdict(list)  # seq -> its bucket fields
+    order: list[tuple[int, Slice, str]] = []
+    for s in slices:
+        for f, recs in s.buckets.items():
+            for _, seq, _ in recs:
+                touching[seq].append((s, f))
+        order += [(s.seq[id], s, id) for id in s.ts]
+    order.sort(key=lambda x: x[0])
+    bits = {s.name: compact_bits(s, fill) if compact else 0 for s in slices}
+    marked: set[tuple[bytes, bytes]] = set()
+    for at in range(0, len(order), per_round):
+        part = order[at : at + per_round]
+        top = part[-1][0]
+        writes: dict[bytes, dict[bytes, bytes]] = collections.defaultdict(dict)
+        count: collections.Counter[bytes] = collections.Counter()
+        for seq, s, id in part:
+            count[s.name] += 1
+            raw = id.encode("utf-8", "surrogatepass")
+            if compact:
+                writes[s.name][entry_name(seq)] = s.entries[b"e" + raw] + raw + bytes([len(raw)])
+                name, value = id_name(id), _TS.pack(s.ts[id]) + _SEQ.pack(seq)
+                writes[s.name + b":%d" % id_shard(id, bits[s.name]) if compact_small(name) else s.name][name] = value
+            else:
+                writes[s.name][b"e" + raw] = s.entries[b"e" + raw]
+            for s2, f in touching[seq]:
+                recs = [x for x in s2.buckets[f] if x[1] <= top]
+                if not compact:
+                    writes[s2.name][f] = b"".join(_RECORD.pack(ts, len(i.encode("utf-8", "surrogatepass")))
+                                                  + i.encode("utf-8", "surrogatepass") + _SEQ.pack(q)
+                                                  for ts, q, i in recs)
+                    continue
+                value = b"".join(_TS.pack(ts) + _SEQ.pack(q) for ts, q, _ in recs)
+                small = s2.name + b":%d" % shard_of(f, bits[s2.name])
+                if len(value) > LISTPACK_VALUE:
+                    writes[s2.name][f] = value
+                    if not both and (s2.name, f) not in marked:
+                        marked.add((s2.name, f))
+                        writes[small][f] = MARK
+                else:
+                    writes[small][f] = value
+        pipe = r.pipeline(transaction=True)
+        for key, pairs in writes.items():
+            pipe.hset(key, mapping=pairs)
+            if key in count:
+                pipe.hincrby(key, "n", count[key])
+            pipe.pexpire(key, TTL_MS)
+        pipe.execute()
+    pipe = r.pipeline(transaction=False)
+    for s in slices:
+        pipe.hset(s.name, mapping=dict(s.memos) | {k: v for k, v in s.other.items() if k != b"n"})
+        pipe.pexpire(s.name, TTL_MS)
+    pipe.execute()
+
+
+def candidates(where: Sequence[tuple[Slice, bytes]], efield: bytes) -> list[tuple[Slice, str]]:
+    """The first `CANDIDATES` distinct ids (and the slice of their entry) of the records of a message's
+    buckets, itself left out: the entries its lookup reads."""
+    out: dict[str, Slice] = {}
+    me = efield[1:].decode("utf-8", "surrogatepass")
+    for s, f in where:
+        for _, _, id in reversed(s.buckets[f]):
+            if id != me and id in s.ts and id not in out:
+                out[id] = s
+    return [(s, id) for id, s in list(out.items())[:CANDIDATES]]
+
+
 def sample_lookups(slices: Sequence[Slice], n: int) -> list[tuple[bytes, list[tuple[Slice, bytes]]]]:
     """`n` indexed messages, spread over the stream: (entry field, [(slice, bucket field)] of its records)."""
     fields_of: dict[bytes, list[tuple[Slice, bytes]]] = collections.defaultdict(list)
@@ -220,6 +380,9 @@ def sample_lookups(slices: Sequence[Slice], n: int) -> list[tuple[bytes, list[tu
 def lookup(r: redis.Redis, layout: str, slices: Sequence[Slice], batch: Sequence[tuple[bytes, list[tuple[Slice, bytes]]]],
            bits: dict[bytes, int]) -> None:
     """The reads of one batch of lookups in `layout`: every slice's fields (pipelined), then the ids."""
+    if layout.startswith("compact"):
+        lookup_compact(r, layout, slices, batch, bits)
+        return
     pipe = r.pipeline(transaction=False)
     wanted: dict[bytes, list[bytes]] = collections.defaultdict(list)  # key -> fields
     for efield, where in batch:
@@ -243,6 +406,14 @@ def lookup(r: redis.Redis, layout: str, slices: Sequence[Slice], batch: Sequence
                 pipe.hmget(key, fields[a : a + PER_HMGET])
                 order.append((key, fields[a : a + PER_HMGET]))
     replies = pipe.execute()
+    if layout == "today":  # the candidates' entries, by id
+        by_slice: dict[bytes, list[bytes]] = collections.defaultdict(list)
+        for efield, where in batch:
+            for s, id in candidates(where, efield):
+                by_slice[s.name].append(b"e" + id.encode("utf-8", "surrogatepass"))
+        for key, fields in by_slice.items():
+            pipe.hmget(key, fields)
+        pipe.execute()
     if layout not in ("short",) and not layout.startswith("shards"):
         return
     # Second round: buckets kept in the slice's hash (shards: their mark), and the ids of up to 8 records a
@@ -263,6 +434,49 @@ def lookup(r: redis.Redis, layout: str, slices: Sequence[Slice], batch: Sequence
     pipe.execute()
 
 
+def lookup_compact(r: redis.Redis, layout: str, slices: Sequence[Slice],
+                   batch: Sequence[tuple[bytes, list[tuple[Slice, bytes]]]], bits: dict[bytes, int]) -> None:
+    """One batch of lookups in `compactN` / `compactbothN`: per slice read, the small hashes' bucket and
+    `i<id>` fields and the slice hash's memos (and, for `compactboth`, every bucket field again), in one
+    round; then the buckets marked as kept in the slice hash (`compactN`, a round when any); then the
+    candidates' entries, by seq."""
+    both = layout.startswith("compactboth")
+    pipe = r.pipeline(transaction=False)
+    wanted: dict[bytes, list[bytes]] = collections.defaultdict(list)  # key -> fields
+    for efield, where in batch:
+        id = efield[1:].decode("utf-8", "surrogatepass")
+        name = id_name(id)
+        for s in slices:  # its i<id> and memo, in every slice read
+            wanted[s.name + b":%d" % id_shard(id, bits[s.name]) if compact_small(name) else s.name].append(name)
+            wanted[s.name].append(b"d" + efield[1:])
+        for s, f in where:
+            wanted[s.name + b":%d" % shard_of(f, bits[s.name])].append(f)
+            if both:
+                wanted[s.name].append(f)
+    order = []
+    for key, fields in wanted.items():
+        for a in range(0, len(fields), PER_HMGET):
+            pipe.hmget(key, fields[a : a + PER_HMGET])
+            order.append((key, fields[a : a + PER_HMGET]))
+    replies = pipe.execute()
+    marked = collections.defaultdict(list)
+    for (key, fields), reply in zip(order, replies):
+        for f, v in zip(fields, reply):
+            if v == MARK:
+                marked[key.rsplit(b":", 1)[0]].append(f)
+    if marked:
+        for key, fields in marked.items():
+            pipe.hmget(key, fields)
+        pipe.execute()
+    by_slice: dict[bytes, list[bytes]] = collections.defaultdict(list)
+    for efield, where in batch:
+        for s, id in candidates(where, efield):
+            by_slice[s.name].append(entry_name(s.seq[id]))
+    for key, fields in by_slice.items():
+        pipe.hmget(key, fields)
+    pipe.execute()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stream", type=Path, default=ROOT.parent / "shared" / "eval" / "stream.jsonl")
@@ -270,13 +484,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--db", type=int, default=10, help="the database this benchmark owns (FLUSHed)")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--lookups", type=int, default=4096)
-    p.add_argument("--layouts", default="today,short,shards128,shards256,zset,string")
+    p.add_argument("--compact-index", action="store_true",
+                   help="also run the stream through the compact layout's index (?layout=compact) and measure it")
+    p.add_argument("--round", type=int, default=512, help="entries a write round of `today` and `compact*` writes")
+    p.add_argument("--batch", type=int, default=BATCH, help="lookups a round reads (fewer: fewer fields per small hash)")
+    p.add_argument("--layouts", default="today,short,shards256,compact128,compact256,compactboth256,zset,string")
     args = p.parse_args(argv)
     needs.files(__file__, args.stream, what="the stream (give --stream)")
     needs.redis(__file__, args.redis)
     r = client(args.redis, args.db)
     layouts = args.layouts.split(",")
     try:
+        if args.compact_index:  # the compact layout's own index (?layout=compact), measured first
+            compact_delta = run_index(args.redis, args.db, args.stream, "?layout=compact")
+            usage, encodings, no_ttl, entries = 0, collections.Counter(), 0, 0
+            for key in r.scan_iter(count=1000):
+                usage += r.memory_usage(key, samples=0) or 0
+                encodings[r.object("encoding", key).decode()] += 1
+                no_ttl += r.pttl(key) < 0
+                if key.count(b":") == 3 and b":c:" in key:  # a slice hash: its count of entries
+                    entries += int(r.hget(key, "n") or 0)
+            print(f"The compact index (?layout=compact) as `neardup filter` leaves it: {entries:,} messages indexed, "
+                  f"used_memory {compact_delta / entries:,.0f} bytes per message indexed, MEMORY USAGE "
+                  f"{usage / entries:,.0f}; keys by encoding {dict(encodings.most_common())}; keys without a TTL: "
+                  f"{no_ttl}\n")
         delta = run_index(args.redis, args.db, args.stream)
         slices, today = read_back(r)
         indexed = sum(len(s.entries) for s in slices)
@@ -305,7 +536,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 r.flushdb()
                 if not run:
                     before, start = used(r), server_cpu(r)
-                write(r, layout, slices)
+                if layout == "today" or layout.startswith("compact"):
+                    write_rounds(r, layout, slices, args.round)
+                else:
+                    write(r, layout, slices)
                 if not run:
                     writing[layout] = (server_cpu(r) - start) / indexed * 1e6
                     after = used(r)
@@ -316,12 +550,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                         encodings[r.object("encoding", key).decode()] += 1
                     memory[layout] = ((after - before) / indexed, usage / indexed,
                                       ", ".join(f"{k} {v:,}" for k, v in encodings.most_common()))
-                bits = {s.name: shard_bits(len(s.buckets), int(layout[6:])) if layout.startswith("shards") else 0
-                        for s in slices}
+                bits = {s.name: shard_bits(len(s.buckets), int(layout[6:])) if layout.startswith("shards") else
+                        compact_bits(s, int(layout.removeprefix("compactboth").removeprefix("compact")))
+                        if layout.startswith("compact") else 0 for s in slices}
                 r.config_resetstat()
                 start = server_cpu(r)
-                for at in range(0, len(sample), BATCH):
-                    lookup(r, layout, slices, sample[at : at + BATCH], bits)
+                for at in range(0, len(sample), args.batch):
+                    lookup(r, layout, slices, sample[at : at + args.batch], bits)
                 cpu[layout].append((server_cpu(r) - start) / len(sample) * 1e6)
         print(f"\n| layout | used_memory bytes per message indexed | MEMORY USAGE | ÷ today | keys by encoding "
               f"| server CPU µs per lookup (median of {args.runs}) | min–max | server CPU µs per message written |")

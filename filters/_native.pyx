@@ -7,7 +7,8 @@ One extension module; its source is split by concern into the files it includes,
 numpy/Python reference it computes bit for bit: `filters/_shingles.pxi` (`filters/shingles.py`),
 `filters/_edits.pxi` (`filters/edits.py`), `filters/_sketch.pxi` (`filters/sketch.py`, the engine's sketch
 verification), `filters/index/_table.pxi` (`PyTable` in `filters/index/memory.py`),
-`filters/index/_redis_codec.pxi` (`filters/index/redis_codec.py`), `filters/_records.pxi` (`filters/records.py`)
+`filters/index/_redis_codec.pxi` (`filters/index/redis_codec.py`), `filters/index/_compact_codec.pxi`
+(`filters/index/compact_codec.py`), `filters/_records.pxi` (`filters/records.py`)
 and `filters/_normalize.pxi` (`filters/normalize.py`, the stages of
 `Normalizer.normalize_batch`). `tests/test_native.py` proves it on the development
 stream and with hypothesis. The reference stays the specification and the fallback where no compiler
@@ -26,6 +27,8 @@ from libc.math cimport ceil, floor, rint
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memcmp, memcpy, memmove, memset
 from libcpp.algorithm cimport sort as cpp_sort
+from libcpp.pair cimport pair
+from libcpp.vector cimport vector
 
 import builtins
 import inspect
@@ -71,5 +74,6 @@ include "_edits.pxi"
 include "_sketch.pxi"
 include "index/_table.pxi"
 include "index/_redis_codec.pxi"
+include "index/_compact_codec.pxi"
 include "_records.pxi"
 include "_normalize.pxi"

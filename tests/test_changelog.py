@@ -93,13 +93,13 @@ def test_records_read_back_as_the_entries_and_keys_they_were_made_of() -> None:
             decode_records(b"x", broken)
 
 
-@pytest.fixture(params=["memory", "redis", "redis-spread"])
+@pytest.fixture(params=["memory", "redis", "redis-spread", "redis-compact"])
 def index_url(request: pytest.FixtureRequest) -> Iterator[str]:
     if request.param == "memory":
         yield "memory://"
         return
     with redis_namespace(request.getfixturevalue("redis_url")) as url:
-        yield url + ("&layout=spread" if request.param == "redis-spread" else "")
+        yield url + {"redis-spread": "&layout=spread", "redis-compact": "&layout=compact"}.get(request.param, "")
 
 
 def _shared(url: str, cfg: FilterConfig) -> NearDupFilter:
@@ -142,7 +142,8 @@ def test_an_index_restored_from_the_journal_decides_as_the_original(index_url: s
         restored = NearDupFilter(cfg, index=restored_index)
     else:
         with redis_namespace(index_url.split("?")[0]) as other:
-            restored = _shared(other + ("&layout=spread" if "layout=spread" in index_url else ""), cfg)
+            restored = _shared(other + "".join(f"&layout={layout}" for layout in ("spread", "compact")
+                                               if f"layout={layout}" in index_url), cfg)
             try:
                 _restore_and_compare(original, restored, made, later)
             finally:

@@ -12,8 +12,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("filters", "stream", "bench", "tests")
-# The modules of filters/ that talk to the outside world: the Redis backend (its slot and spread layouts).
-IO_MODULES = {"filters.index.redis", "filters.index.redis_spread"}
+# The modules of filters/ that talk to the outside world: the Redis backend (its slot, spread and compact layouts).
+IO_MODULES = {"filters.index.redis", "filters.index.redis_spread", "filters.index.redis_compact"}
 IO_IMPORTS = ("socket", "redis", "asyncio", "aiokafka", "aiohttp", "urllib.request", "http", "subprocess", "faust")
 
 
@@ -158,6 +158,7 @@ COMPILED_PARTS = {
     "filters/_sketch.pxi": "filters/sketch.py",
     "filters/index/_table.pxi": "filters/index/memory.py",
     "filters/index/_redis_codec.pxi": "filters/index/redis_codec.py",
+    "filters/index/_compact_codec.pxi": "filters/index/compact_codec.py",
     "filters/_records.pxi": "filters/records.py",
     "filters/_normalize.pxi": "filters/normalize.py",
 }

@@ -37,11 +37,12 @@ def drop_namespace(url: str, prefix: str) -> None:
             client.delete(*keys[at : at + 500])
 
 
-@pytest.fixture(params=["memory", "memory-python", "redis", "redis-spread"])
+@pytest.fixture(params=["memory", "memory-python", "redis", "redis-spread", "redis-compact"])
 def make_index(request: pytest.FixtureRequest) -> Iterator[MakeIndex]:
     """A factory of fresh, empty indexes of one backend (Redis: a fresh prefix, cleaned up after).
     `memory` is the embedded index on its compiled table, `memory-python` on the reference `PyTable`;
-    `redis-spread` the spread layout (filters/index/redis_spread.py) on one Redis, over 4 shards."""
+    `redis-spread` the spread layout (filters/index/redis_spread.py) on one Redis, over 4 shards;
+    `redis-compact` the compact layout (filters/index/redis_compact.py)."""
     made: list[CandidateIndex] = []
     prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
     url = request.getfixturevalue("redis_url") if request.param.startswith("redis") else ""
@@ -51,7 +52,8 @@ def make_index(request: pytest.FixtureRequest) -> Iterator[MakeIndex]:
             return MemoryIndex(window, bucket_cap, native=request.param == "memory")
         from filters.index.backends import open_index
 
-        query = {"prefix": prefix, **({"layout": "spread", "shards": "4"} if request.param == "redis-spread" else {})}
+        query = {"prefix": prefix, **({"layout": "spread", "shards": "4"} if request.param == "redis-spread" else
+                                      {"layout": "compact"} if request.param == "redis-compact" else {})}
         index = open_index(with_query(url, **query), window=window, bucket_cap=bucket_cap,
                            namespace=uuid.uuid4().hex[:12])
         made.append(index)
@@ -286,13 +288,16 @@ def test_matches_the_reference_for_any_batches(
 RestoreInto = Callable[[float, int, Stored], tuple[CandidateIndex, int]]
 
 
-@pytest.fixture(params=["memory", "memory-python", "redis", "redis-rebuild"])
+@pytest.fixture(params=["memory", "memory-python", "redis", "redis-rebuild", "redis-compact",
+                        "redis-compact-rebuild"])
 def restore_into(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[RestoreInto]:
     """Restores entries into a fresh index of one backend: (the index, what `restore` returned). `redis`
     restores as beside other writers (a guarded transaction a chunk); `redis-rebuild` into a fenced index
     without its marker, as after a loss (streamed: nobody else writes), its marker set after. Redis chunks
     of 3 and 5 entries, and a rebuild holding 6 bucket records at most, written 2 fields at a time, so that
-    every boundary is crossed."""
+    every boundary is crossed. `redis-compact`: the compact layout (filters/index/redis_compact.py);
+    `redis-compact-rebuild` its rebuild (held fields, each small hash written once), holding 12 fields at most,
+    then handing on to guarded chunks."""
     made: list[CandidateIndex] = []
     prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
     url = request.getfixturevalue("redis_url") if request.param.startswith("redis") else ""
@@ -303,6 +308,9 @@ def restore_into(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
         monkeypatch.setattr(redis_index, "REBUILD_CHUNK", 5)
         monkeypatch.setattr(redis_index, "HOLD_RECORDS", 6)  # a rebuild's held records dropped and written early
         monkeypatch.setattr(redis_index, "FLUSH_FIELDS", 2)  # ... in pieces of 2 fields
+        import filters.index.redis_compact as compact_index
+
+        monkeypatch.setattr(compact_index, "HOLD_FIELDS", 12)  # a compact rebuild's fields written, the rest guarded
 
     def restore(window: float, bucket_cap: int, stored: Stored) -> tuple[CandidateIndex, int]:
         if request.param.startswith("memory"):
@@ -311,11 +319,18 @@ def restore_into(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
         from filters.index.redis import MARKER, RedisIndex, meta_key
 
         namespace = uuid.uuid4().hex[:12]
-        index = RedisIndex(with_query(url, prefix=prefix), window=window, bucket_cap=bucket_cap, namespace=namespace,
-                           fenced=request.param == "redis-rebuild")
+        if request.param.startswith("redis-compact"):
+            from filters.index.redis_compact import CompactIndex
+
+            index = CompactIndex(with_query(url, prefix=prefix, layout="compact"), window=window,
+                                 bucket_cap=bucket_cap, namespace=namespace,
+                                 fenced=request.param == "redis-compact-rebuild")
+        else:
+            index = RedisIndex(with_query(url, prefix=prefix), window=window, bucket_cap=bucket_cap,
+                               namespace=namespace, fenced=request.param == "redis-rebuild")
         made.append(index)
         written = index.restore([stored])
-        if request.param == "redis-rebuild":
+        if request.param in ("redis-rebuild", "redis-compact-rebuild"):
             with redis.Redis.from_url(url) as client:
                 client.hset(meta_key(prefix, namespace), MARKER, "1")
         return index, written

@@ -4,10 +4,12 @@ table answers, the same verdicts, and memory that tracemalloc (the benchmark's m
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import random
 import struct
 import tracemalloc
+from collections.abc import Iterator
 from pathlib import Path
 
 import hiredis
@@ -24,7 +26,7 @@ from filters.edits import edit_match, lcs_length
 from filters.engine import Message, NearDupFilter, Verdict
 from filters.errors import IndexCorrupt
 from filters.fingerprint import _MGRAM_TAG, _TAG_ROOM, Fingerprinter
-from filters.index import Candidate, Entry
+from filters.index import Candidate, Entry, compact_codec
 from filters.index.memory import MemoryIndex, PyTable, make_table, native_available
 from filters.index.redis_codec import decode_entry, encode_entry, encode_entry_v2, rank_records
 from filters.index.shared import against
@@ -364,6 +366,145 @@ def test_rank_records_as_the_reference(buckets: list[list[list[tuple[float, int,
     positions = list(range(len(buckets)))
     args = (values, positions, "q", floor, limit, horizon, cap, since, own if since >= 0 else None)
     assert _native.rank_records(*args) == rank_records(*args)
+
+
+# The compact layout's records: (event time, seq), a seq one entry (its event time fixed by it).
+_compact_record = st.integers(1, 60).map(lambda seq: (_TIMES[seq % 5], seq))
+
+
+def _compact_bucket(records: list[tuple[float, int]]) -> bytes | None:
+    return b"".join(compact_codec.record(ts, seq) for ts, seq in records) if records else None
+
+
+@settings(max_examples=400, deadline=None)
+@given(buckets=st.lists(st.lists(st.lists(_compact_record, max_size=6), min_size=1, max_size=3), max_size=8),
+       floor=st.integers(-1, 4), limit=st.integers(0, 5), horizon=st.sampled_from([-1e9, 994.0, 1000.0]),
+       cap=st.integers(1, 4), since=st.sampled_from([-1, 0, 20, 40]), mine=st.sets(st.integers(1, 60), max_size=5),
+       own=st.sampled_from([0, 1, 7, 30]))
+def test_rank_compact_as_the_reference(buckets: list[list[list[tuple[float, int]]]], floor: int, limit: int,
+                                       horizon: float, cap: int, since: int, mine: set[int], own: int) -> None:
+    """The compiled ranking of the compact layout's buckets (two slices read, records in and out of the window,
+    over the cap, a seq twice in a bucket, the query's own seq) against `compact_codec.rank_records`."""
+    slices = max((len(b) for b in buckets), default=1)
+    values = [[_compact_bucket(b[s]) if s < len(b) else None for b in buckets] for s in range(slices)]
+    positions = list(range(len(buckets)))
+    args = (values, positions, own, floor, limit, horizon, cap, since, mine if since >= 0 else None)
+    assert _native.rank_compact(*args) == compact_codec.rank_records(*args)
+
+
+def test_rank_compact_refuses_what_is_not_records() -> None:
+    for rank in (_native.rank_compact, compact_codec.rank_records):
+        with pytest.raises(IndexCorrupt):
+            rank([[compact_codec.record(1.0, 1) + b"x"]], [0], 0, 1, 8, -1e9, 8, -1, None)
+
+
+@settings(max_examples=300, deadline=None)
+@given(key=st.integers(0, 2**64 - 1), bits=st.integers(0, 64), id=st.text(max_size=20) | st.sampled_from(["x\udc80"]))
+def test_small_hashes_as_the_reference(key: int, bits: int, id: str) -> None:
+    """Which small hash a bucket field and an `i<id>` field go to: the compiled twins give the reference's."""
+    assert _native.small_hash(key, bits) == compact_codec.small_hash(key, bits) < 2**bits
+    assert _native.id_small_hash(id, bits) == compact_codec.id_small_hash(id, bits) < 2**bits
+
+
+_compact_value = st.none() | st.lists(_compact_record, min_size=1, max_size=10).map(_compact_bucket)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), n_buckets=st.integers(1, 6), n_entries=st.integers(0, 6), cap=st.integers(1, 3),
+       hwm=st.sampled_from([-math.inf, 120.0, 180.0]))
+def test_alone_compact_as_the_reference(data: st.DataObject, n_buckets: int, n_entries: int, cap: int,
+                                        hwm: float) -> None:
+    """The compiled uncontended round of the compact layout (live ids read or written earlier in the round,
+    entries outside the window, buckets shared within the round, values trimmed) against
+    `compact_codec.alone_round`: the same results, writes, pairs and seqs."""
+    ids = data.draw(st.lists(st.sampled_from(["a", "b", "ü", "x\udc80"]), min_size=n_entries, max_size=n_entries))
+    names = [b"b" + k.to_bytes(8, "big") for k in range(n_buckets)] + [compact_codec.id_field(id) for id in dict.fromkeys(ids)]
+    id_at = {id: n_buckets + k for k, id in enumerate(dict.fromkeys(ids))}
+    slices = (0, 1)
+    columns = {s: data.draw(st.lists(_compact_value, min_size=len(names), max_size=len(names))) for s in slices}
+    for s in slices:  # an i<id> holds one record
+        for p in id_at.values():
+            if columns[s][p] is not None:
+                columns[s][p] = columns[s][p][:16]  # type: ignore[index]
+    places_of = [data.draw(st.lists(st.integers(0, n_buckets - 1), unique=True, max_size=n_buckets)) for _ in ids]
+    fields_of = [[names[p] for p in places] for places in places_of]
+    times = [data.draw(st.sampled_from([20.0, 90.0, 150.0, 199.0])) for _ in ids]
+    blobs = [b"\x03entry%d" % i for i in range(len(ids))]
+
+    def run(round_: object) -> tuple[object, ...]:
+        writes: dict[int, dict[int, bytes]] = {s: {} for s in slices}
+        out = round_(list(ids), list(times), blobs, fields_of, places_of, [id_at[id] for id in ids], slices,  # type: ignore[operator]
+                     {s: list(c) for s, c in columns.items()}, writes, hwm, 100.0, 100.0, cap, 40)
+        return (*out, writes)
+
+    assert run(_native.alone_compact) == run(compact_codec.alone_round)
+
+
+@settings(max_examples=300, deadline=None)
+@given(records=st.lists(_compact_record, max_size=12), cap=st.integers(1, 6))
+def test_trim_compact_as_the_reference(records: list[tuple[float, int]], cap: int) -> None:
+    value = _compact_bucket(records) or b""
+    assert _native.trim_compact(value, cap) == compact_codec.trim_records(value, cap)
+
+
+_FIELD_NAME = st.one_of(st.binary(min_size=8, max_size=8).map(lambda k: b"b" + k),
+                        st.binary(max_size=70).map(lambda id: b"i" + id), st.binary(max_size=12).map(lambda x: b"e" + x),
+                        st.sampled_from([b"dmemo", b"n", b"b", b"i"]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(names=st.lists(_FIELD_NAME, unique=True, max_size=30), bits=st.integers(0, 12), per=st.integers(1, 5),
+       data=st.data())
+def test_field_routing_as_the_reference(names: list[bytes], bits: int, per: int, data: st.DataObject) -> None:
+    """Where the compact layout reads and writes a slice's fields (small hash, slice hash, the mark of a bucket
+    kept there): the compiled twins give the reference's commands, places and column."""
+    marked = set(data.draw(st.lists(st.sampled_from(names), max_size=3))) if names else set()
+    for name in names:
+        assert _native.field_hash(name, bits) == compact_codec.field_hash(name, bits)
+    reads = _native.read_commands("{p:ns}:c:3", names, bits, marked, per)
+    assert reads == compact_codec.read_commands("{p:ns}:c:3", names, bits, marked, per)
+    replies = [[data.draw(st.none() | st.binary(max_size=4)) for _ in command[2:]] for command in reads[0]]
+    column = _native.column_of(replies, reads[1], len(names))
+    assert column == compact_codec.column_of(replies, reads[1], len(names))
+    column += [compact_codec.MARK, b"\x00\x00", b"", None, b"\x01"]
+    assert _native.marked_places(column) == compact_codec.marked_places(column)
+    values = [data.draw(st.binary(max_size=80)) for _ in names]
+    pairs = [x for kv in zip(names, values) for x in kv]
+    entries, memos = data.draw(st.integers(0, 2)), data.draw(st.integers(0, 2))
+    assert (_native.write_commands("{p:ns}:c:3", pairs, bits, marked, entries, memos, 500, per)
+            == compact_codec.write_commands("{p:ns}:c:3", pairs, bits, marked, entries, memos, 500, per))
+    # Packed as RESP at once: the reference's bytes (hiredis's packing of its commands), places and renewals.
+    for known in (bits, None):
+        packed = _native.pack_reads("{p:ns}:c:3", names, known, marked, per)
+        assert packed == compact_codec.pack_reads("{p:ns}:c:3", names, known, marked, per)
+    commands, places = compact_codec.read_commands("{p:ns}:c:3", names, bits, marked, per)
+    assert compact_codec.pack_reads("{p:ns}:c:3", names, bits, marked, per) == (
+        b"".join(hiredis.pack_command(c) for c in commands), places)
+    renewed = data.draw(st.none() | st.binary(max_size=1 << max(0, bits - 3)).map(bytearray))
+    written = _native.pack_writes("{p:ns}:c:3", pairs, bits, marked, entries, memos, 500, per, renewed)
+    assert written == compact_codec.pack_writes("{p:ns}:c:3", pairs, bits, marked, entries, memos, 500, per, renewed)
+    kept = [c for c in compact_codec.write_commands("{p:ns}:c:3", pairs, bits, marked, entries, memos, 500, per)
+            if renewed is None or c[0] != "PEXPIRE" or c[1] == "{p:ns}:c:3"
+            or int(c[1].rsplit(":", 1)[1]) not in _set_bits(renewed)]
+    assert written[:2] == (b"".join(hiredis.pack_command(c) for c in kept), len(kept))
+
+
+def _set_bits(bitset: bytearray) -> set[int]:
+    return {j for j in range(8 * len(bitset)) if bitset[j >> 3] >> (j & 7) & 1}
+
+
+def test_small_hashes_refuse_keys_and_bits_out_of_range() -> None:
+    for small in (_native.small_hash, compact_codec.small_hash):
+        for key, bits in ((-1, 4), (2**64, 4), (1, 65), (1, -1)):
+            with pytest.raises(ValueError):
+                small(key, bits)
+
+
+def test_small_hashes_spread_keys_evenly() -> None:
+    """Bucket keys share their method's tag in the top bits: the small hashes still get equal shares."""
+    keys = [(4 << 60) | (i * 0x2545F4914F6CDD1D & (1 << 60) - 1) for i in range(1 << 14)]
+    counts = np.bincount([compact_codec.small_hash(k, 6) for k in keys], minlength=64)
+    assert counts.min() > 0.7 * len(keys) / 64 and counts.max() < 1.3 * len(keys) / 64
 
 
 def test_rank_records_refuses_what_is_not_records() -> None:
@@ -888,3 +1029,58 @@ def test_a_stage_called_while_another_writes_has_a_buffer_of_its_own() -> None:
     assert stages.chars("abc" * 1000 + "é" + "def") == "ABC" * 1000 + "É" + "DEF"
     assert inner == ["XYZ" * 1000]
     assert stages.chars("abcé") == "ABCÉ"  # and the kept buffer is lent again afterwards
+
+
+_REPLY = st.one_of(st.none(), st.binary(max_size=4), st.integers(-5, 5),
+                   st.lists(st.none() | st.binary(max_size=3), max_size=3),
+                   st.sampled_from([ValueError("x"), KeyError("y")]))
+
+
+@given(replies=st.lists(_REPLY, max_size=12), gaps=st.lists(st.integers(0, 3), max_size=12))
+def test_replies_gathered_and_their_first_error_as_the_reference(replies: list[object], gaps: list[int]) -> None:
+    """The compact layout's reading of replies (a reader that has none yet now and then) and its check for an
+    error reply among them: the compiled twins give the reference's replies, calls and error."""
+    for gather in (_native.gather_replies, compact_codec.gather_replies):
+        not_enough = object()
+        script = [r for at, reply in enumerate(replies) for r in [not_enough] * (gaps[at] if at < len(gaps) else 0)
+                  + [reply]]
+        feed: Iterator[object] = iter(script)
+        reads: list[int] = []
+        got = gather(feed.__next__, functools.partial(reads.append, 1), len(replies), not_enough)
+        assert got == replies and len(reads) == len(script) - len(replies)
+    first = compact_codec.first_error(replies)
+    assert _native.first_error(replies) is first
+    assert first is next((r for r in replies if isinstance(r, Exception)), None)
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), n_buckets=st.integers(1, 6), n_queries=st.integers(1, 4), n_slices=st.integers(1, 2),
+       limit=st.integers(1, 6), cap=st.integers(1, 4))
+def test_rank_all_compact_as_the_reference(data: st.DataObject, n_buckets: int, n_queries: int, n_slices: int,
+                                           limit: int, cap: int) -> None:
+    """A compact lookup's per-query work in one call (own entry by `i<id>` inside the window, else the memo,
+    then the ranking): the compiled twin gives `compact_codec.rank_all`'s answers, and its refusal of an id
+    value that is not one record."""
+    ids = [f"q{q}" for q in range(n_queries)]
+    own = st.none() | _compact_record.map(lambda r: compact_codec.record(*r))
+    columns = []
+    for _ in range(n_slices):
+        column = [data.draw(_compact_value) for _ in range(n_buckets)]
+        for _ in ids:
+            column += [data.draw(own), data.draw(st.none() | st.binary(min_size=1, max_size=6))]
+        columns.append(column)
+    positions = [data.draw(st.lists(st.integers(0, n_buckets - 1), min_size=1, max_size=n_buckets, unique=True))
+                 for _ in ids]
+    id_places = [n_buckets + 2 * q for q in range(n_queries)]
+    floors = [data.draw(st.integers(1, 3)) for _ in ids]
+    horizons = [data.draw(st.sampled_from(_TIMES)) - 0.5 for _ in ids]
+
+    def memo_time(blob: bytes, id: str) -> float:
+        return float(len(blob) + len(id))
+
+    args = (columns, positions, id_places, ids, floors, limit, horizons, cap, memo_time)
+    assert _native.rank_all_compact(*args) == compact_codec.rank_all(*args)
+    columns[0][id_places[0]] = compact_codec.record(1.0, 1) + b"x"
+    for rank in (_native.rank_all_compact, compact_codec.rank_all):
+        with pytest.raises(IndexCorrupt):
+            rank(*args)

@@ -26,5 +26,9 @@ def open_index(url: str, *, window: float, bucket_cap: int, namespace: str,
             from filters.index.redis_spread import SpreadIndex
 
             return SpreadIndex(url, window=window, bucket_cap=bucket_cap, namespace=namespace)
+        if RedisTarget.parse(url).layout == "compact":
+            from filters.index.redis_compact import CompactIndex
+
+            return CompactIndex(url, window=window, bucket_cap=bucket_cap, namespace=namespace, fenced=fenced)
         return RedisIndex(url, window=window, bucket_cap=bucket_cap, namespace=namespace, fenced=fenced)
     raise ConfigError(f"unknown index URL scheme {scheme!r} in {url!r}: use memory:// or redis://")

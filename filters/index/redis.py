@@ -262,8 +262,10 @@ class RedisTarget:
     prefix: str
     grace: float
     entry_cache: int = DEFAULT_ENTRY_CACHE
-    layout: str = "slot"  # "slot": a namespace is one hash tag; "spread": over many (filters/index/redis_spread.py)
+    layout: str = "slot"  # "slot": a namespace is one hash tag; "spread": over many (filters/index/redis_spread.py);
+    # "compact": the slot layout's records by seq in small hashes (filters/index/redis_compact.py, being built)
     spread: tuple[tuple[str, str], ...] = ()  # the spread layout's own options, checked there
+    rate: float = 0.0  # layout=compact: messages a second a namespace expects (its first slice's size); 0: unsaid
 
     @classmethod
     def parse(cls, url: str) -> RedisTarget:
@@ -275,14 +277,14 @@ class RedisTarget:
         if scheme not in ("redis", "rediss", "unix"):
             raise ConfigError(f"not a Redis URL: {redact_url(url)}")
         query: list[tuple[str, str]] = []
-        prefix, grace, entry_cache, layout = DEFAULT_PREFIX, DEFAULT_GRACE, DEFAULT_ENTRY_CACHE, "slot"
+        prefix, grace, entry_cache, layout, rate = DEFAULT_PREFIX, DEFAULT_GRACE, DEFAULT_ENTRY_CACHE, "slot", 0.0
         spread: list[tuple[str, str]] = []
         for name, value in parse_qsl(parts.query, keep_blank_values=True):
             if name == "prefix":
                 prefix = value
             elif name == "layout":
-                if value not in ("slot", "spread"):
-                    raise ConfigError(f"layout must be slot or spread, got {value!r}")
+                if value not in ("slot", "spread", "compact"):
+                    raise ConfigError(f"layout must be slot, spread or compact, got {value!r}")
                 layout = value
             elif name in SPREAD_OPTIONS:
                 spread.append((name, value))
@@ -293,6 +295,13 @@ class RedisTarget:
                     raise ConfigError(f"entry_cache must be a number of entries, got {value!r}") from None
                 if entry_cache < 0:
                     raise ConfigError(f"entry_cache must be >= 0, got {value!r}")
+            elif name == "rate":
+                try:
+                    rate = float(value)
+                except ValueError:
+                    raise ConfigError(f"rate must be messages a second, got {value!r}") from None
+                if not math.isfinite(rate) or rate <= 0:
+                    raise ConfigError(f"rate must be > 0 messages a second, got {value!r}")
             elif name == "grace":
                 try:
                     grace = float(value)
@@ -306,13 +315,15 @@ class RedisTarget:
             raise ConfigError(f"prefix must match {_NAME.pattern}, got {prefix!r}")
         if spread and layout != "spread":
             raise ConfigError(f"{', '.join(name for name, _ in spread)}: options of layout=spread only")
+        if rate and layout != "compact":
+            raise ConfigError("rate: an option of layout=compact only")
         path = parts.path
         if cluster:
             if path.strip("/") not in ("", "0"):
                 raise ConfigError(f"Redis Cluster has only database 0: {redact_url(url)}")
             path = ""
         client_url = urlunsplit((scheme, parts.netloc, path, urlencode(query), ""))
-        return cls(client_url, cluster, prefix, grace, entry_cache, layout, tuple(spread))
+        return cls(client_url, cluster, prefix, grace, entry_cache, layout, tuple(spread), rate)
 
 
 def redact_url(url: str) -> str:
@@ -1621,8 +1632,12 @@ class RedisIndex:
 
     def _watchable(self) -> bool:
         """Can the uncontended insert go as a transaction guarded by WATCH (`_write_watched`)?"""
-        return self.alone_inserts and not isinstance(self._client, RedisCluster) and (
-            hiredis is not None or _native is not None)
+        return self.alone_inserts and self._direct()
+
+    def _direct(self) -> bool:
+        """Do `_execute`'s commands go packed as RESP on one connection (standalone Redis, packed in C), not
+        through redis-py's pipeline?"""
+        return not isinstance(self._client, RedisCluster) and (hiredis is not None or _native is not None)
 
     def _connected(self, conn: Any) -> None:
         self._epoch += 1  # a new connection watches nothing

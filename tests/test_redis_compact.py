@@ -1,0 +1,620 @@
+"""The compact slot layout (filters/index/redis_compact.py, `?layout=compact`) against a real Redis: the behaviour
+tests of tests/test_redis_index.py that hold for any layout, run again on it (they take this module's `make`),
+and the layout's own: where its fields live, the refusal of a namespace of the layout before."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+from urllib.parse import urlsplit
+
+import numpy as np
+import pytest
+import redis
+
+from filters.config import FilterConfig
+from filters.engine import Message, NearDupFilter
+from filters.errors import ConfigError, IndexLost
+from filters.index import Entry, Query
+from filters.index import compact_codec as cc
+from filters.index.redis import MARKER, RedisIndex, RedisTarget
+from filters.index.redis_codec import stored_of
+from filters.index.redis_compact import CompactIndex, _Packed
+from tests.test_changelog import _entry as changelog_entry
+from tests.test_changelog import _keys, _mark, drop_index, redis_namespace
+from tests.test_changelog import messages as changelog_messages
+from tests.test_index_contract import _view, drop_namespace, generated_messages, with_query
+from tests.test_redis_index import (  # noqa: F401 (race_url: a fixture)
+    WINDOW,
+    PausedLookup,
+    _namespace_dump,
+    _put,
+    cluster_url,
+    drop_cluster_namespace,
+    entry,
+    ids,
+    race,
+    race_url,
+    test_a_foreign_insert_while_a_read_is_ahead_is_seen,
+    test_a_near_duplicate_inserted_during_a_lookup_is_seen,
+    test_a_read_ahead_lost_with_its_connection_is_read_again,
+    test_a_read_sent_ahead_stores_and_decides_as_reading_after_the_insert,
+    test_after_a_stream_every_key_has_a_ttl,
+    test_an_insert_after_close_is_checked_by_the_script,
+    test_insert_returns_what_entered_the_buckets_since_the_lookup,
+    test_own_inserts_never_conflict,
+    test_random_interleavings_never_make_two_near_duplicates_unique,
+    test_random_interleavings_of_workers_reading_ahead_never_make_two_near_duplicates_unique,
+    test_reading_ahead_can_be_switched_off,
+    test_reading_ahead_on_redis_routes_as_batch_after_batch,
+    test_replay_of_an_id_never_conflicts_with_itself,
+    test_route_batch_on_redis_decides_like_the_memory_index,
+    test_stats_from_another_thread_while_batches_are_routed,
+    test_the_next_lookup_sees_the_memos_the_batch_wrote_after_the_read_went_out,
+    test_the_next_lookup_sees_what_the_batch_inserted_after_the_read_went_out,
+)
+
+__all__ = [  # collected here again, each with this module's `make`: the compact layout
+    "test_a_foreign_insert_while_a_read_is_ahead_is_seen",
+    "test_a_near_duplicate_inserted_during_a_lookup_is_seen",
+    "test_a_read_ahead_lost_with_its_connection_is_read_again",
+    "test_a_read_sent_ahead_stores_and_decides_as_reading_after_the_insert",
+    "test_after_a_stream_every_key_has_a_ttl",
+    "test_an_insert_after_close_is_checked_by_the_script",
+    "test_insert_returns_what_entered_the_buckets_since_the_lookup",
+    "test_own_inserts_never_conflict",
+    "test_random_interleavings_never_make_two_near_duplicates_unique",
+    "test_random_interleavings_of_workers_reading_ahead_never_make_two_near_duplicates_unique",
+    "test_reading_ahead_can_be_switched_off",
+    "test_reading_ahead_on_redis_routes_as_batch_after_batch",
+    "test_replay_of_an_id_never_conflicts_with_itself",
+    "test_route_batch_on_redis_decides_like_the_memory_index",
+    "test_stats_from_another_thread_while_batches_are_routed",
+    "test_the_next_lookup_sees_the_memos_the_batch_wrote_after_the_read_went_out",
+    "test_the_next_lookup_sees_what_the_batch_inserted_after_the_read_went_out",
+]
+
+
+@pytest.fixture
+def make(redis_url: str, prefix: str) -> Iterator[Callable[..., RedisIndex]]:
+    made: list[RedisIndex] = []
+
+    def make(namespace: str = "ns", window: float = WINDOW, bucket_cap: int = 8, **query: str) -> RedisIndex:
+        query.setdefault("prefix", prefix)
+        query.setdefault("layout", "compact")
+        index = CompactIndex(with_query(redis_url, **query), window=window, bucket_cap=bucket_cap, namespace=namespace)
+        made.append(index)
+        return index
+
+    yield make
+    for index in made:
+        index.close()
+
+
+def test_a_stream_leaves_its_fields_in_small_listpack_hashes(make: Callable[..., RedisIndex], redis_url: str,
+                                                             prefix: str) -> None:
+    """After a stream: the buckets and ids in small hashes Redis keeps as listpacks, records of 16 bytes, the
+    entries in the slice hash keyed by seq; the meta hash says the layout and the bits of its slice."""
+    index = make()
+    verdicts = NearDupFilter(FilterConfig(window=WINDOW), index=index).check_batch(generated_messages(600, seed=3))
+    assert sum(not v.duplicate for v in verdicts) >= 100
+    with redis.Redis.from_url(redis_url) as client:
+        meta = client.hgetall(f"{{{prefix}:ns}}:meta")
+        assert meta[b"layout"] == b"compact"
+        (slice_field,) = [f for f in meta if f.startswith(b"k:")]
+        bits = int(meta[slice_field])
+        slice_key = f"{{{prefix}:ns}}:c:{slice_field[2:].decode()}"
+        small = [f"{slice_key}:{j}" for j in range(2**bits)]
+        assert {client.object("encoding", key) for key in small if client.exists(key)} == {b"listpack"}
+        fields = {f: v for key in small for f, v in client.hgetall(key).items()}
+        assert {f[:1] for f in fields} == {b"b", b"i"}
+        assert all(len(v) % 16 == 0 for f, v in fields.items() if v != b"\x00")
+        entries = [f for f in client.hkeys(slice_key) if f.startswith(b"e")]
+        assert sum(f.startswith(b"i") for f in fields) == int(client.hget(slice_key, "n")) == len(entries) >= 100
+        assert all(len(f) == 9 for f in entries)
+    slot = RedisIndex(with_query(redis_url, prefix=prefix), window=WINDOW, bucket_cap=8, namespace="slot")
+    try:  # the same verdicts as the slot layout, and as many entries
+        assert NearDupFilter(FilterConfig(window=WINDOW), index=slot).check_batch(generated_messages(600, seed=3)) \
+            == verdicts
+        assert slot.stats()["entries"] == len(entries)
+    finally:
+        slot.close()
+
+
+def _counting_watched(index: CompactIndex) -> list[bool | None]:
+    """Records what each WATCH-guarded transaction of `index` gave (None: Redis refused it)."""
+    results: list[bool | None] = []
+    write = index._write_watched_compact
+
+    def counted(*args: Any) -> bool | None:
+        result = write(*args)
+        results.append(result)
+        return result
+
+    index._write_watched_compact = counted  # type: ignore[method-assign]
+    return results
+
+
+def test_an_uncontended_insert_is_a_watched_transaction_that_a_foreign_write_refuses(
+        make: Callable[..., CompactIndex]) -> None:
+    """As tests/test_redis_index.py's: alone, the round goes as MULTI/EXEC under the lookup's WATCH, and the
+    next round of the same lookup too; a foreign insert after the lookup makes Redis refuse the transaction,
+    and the script reports the conflict."""
+    a, b = make(), make()
+    results = _counting_watched(a)
+    a.lookup([Query("a", 1000.0, (1, 2)), Query("c", 1000.0, (5, 6))], 8)
+    assert a.insert([(entry("a"), (1, 2))]) == [None]
+    assert a.insert([(entry("c"), (5, 6))]) == [None]
+    assert results == [True, True]
+    a.lookup([Query("d", 1000.0, (1, 3))], 8)
+    _put(b, "x", 1000.0, (3,))
+    assert [ids(c) for c in a.insert([(entry("d"), (1, 3))])] == [["x"]]
+    assert results == [True, True, None]
+    assert sorted(ids(b.lookup([Query("q", 1000.0, (1, 3, 5))], 8)[0][1])) == ["a", "c", "x"]
+
+
+def test_a_reconnect_between_lookup_and_insert_never_sends_the_transaction_unguarded(
+        make: Callable[..., CompactIndex]) -> None:
+    a, b = make(), make()
+    results = _counting_watched(a)
+    a.lookup([Query("a", 1000.0, (1, 2))], 8)
+    _put(b, "x", 1000.0, (2,))
+    a._conn.disconnect()  # as after an error of another command: the next send reconnects
+    assert [ids(c) for c in a.insert([(entry("a"), (1, 2))])] == [["x"]]
+    assert results == [None]
+
+
+def test_a_replayed_duplicate_finds_its_memo(make: Callable[..., CompactIndex]) -> None:
+    """A duplicate replayed after its original left every bucket (cap 1) gets its first verdict."""
+    config = FilterConfig(bucket_cap=1)
+    index = make(window=config.window, bucket_cap=1)
+    engine = NearDupFilter(config, index=index)
+    original = "Congratulations! You have won a 1000 dollar gift card, call 555-0100 now to claim your prize today"
+    copy = "Congratulations!! You have won a 1000 dollar gift voucher, call 555-0177 now to claim your prize"
+    assert not engine.check_batch([Message("a", original, 100.0)])[0].duplicate
+    [first] = engine.check_batch([Message("b", copy, 101.0)])
+    assert first.duplicate_of == "a"
+    keys = tuple(dict.fromkeys(engine.fingerprinter.fingerprint(original).keys
+                               + engine.fingerprinter.fingerprint(copy).keys))
+    index.lookup([Query("filler", 102.0, keys)], 8)
+    assert index.insert([(Entry("filler", 102.0, 7, 500, np.arange(1, 129, dtype=np.uint32)), keys)]) == [None]
+    assert engine.check_batch([Message("b", copy, 101.0)]) == [first]
+    assert index.stats()["memos"] == 1
+
+
+def test_a_namespace_of_the_layout_before_is_refused_with_one_line(make: Callable[..., RedisIndex], redis_url: str,
+                                                                    prefix: str) -> None:
+    old = RedisIndex(with_query(redis_url, prefix=prefix), window=WINDOW, bucket_cap=8, namespace="old")
+    try:
+        old.lookup([Query("a", 1000.0, (1, 2))], 8)
+        old.insert([(entry("a"), (1, 2))])
+    finally:
+        old.close()
+    index = make("old")
+    with pytest.raises(ConfigError, match="another layout.*give a new prefix") as caught:
+        index.lookup([Query("b", 1001.0, (1, 2))], 8)
+    assert "\n" not in str(caught.value)
+
+
+class _PausedCompact(PausedLookup, CompactIndex):
+    """The compact layout, paused between lookup and insert (`PausedLookup`)."""
+
+
+@pytest.mark.parametrize("paused", [True, False], ids=["paused-between-lookup-and-insert", "free-running"])
+def test_near_duplicates_at_the_same_moment_make_exactly_one_unique(race_url: str, paused: bool) -> None:  # noqa: F811
+    """Standalone and Redis Cluster (where every insert round is the checking script)."""
+    uniques = race(race_url, racy=False, paused=paused, index=_PausedCompact)
+    assert uniques == [1] * len(uniques)
+
+
+def test_a_cluster_routes_as_the_memory_index(redis_cluster_url: str) -> None:
+    """On Redis Cluster (no WATCH: the checking script every round, its keys all of one hash tag) the compact
+    layout decides a stream as the memory index."""
+    url = with_query(cluster_url(redis_cluster_url), prefix=f"neardup-test-{uuid.uuid4().hex[:10]}")
+    messages = generated_messages(400, seed=5)
+    config = FilterConfig(window=WINDOW)
+    index = CompactIndex(url, window=WINDOW, bucket_cap=config.bucket_cap, namespace="ns")
+    try:
+        got = [v for at in range(0, 400, 50) for v in NearDupFilter(config, index=index).check_batch(messages[at : at + 50])]
+    finally:
+        index.close()
+    memory = NearDupFilter(config)
+    assert got == [v for at in range(0, 400, 50) for v in memory.check_batch(messages[at : at + 50])]
+    drop_cluster_namespace(cluster_url(redis_cluster_url), urlsplit(url).query.split("=")[1])
+
+
+@pytest.mark.parametrize("inline", [True, False], ids=["by-the-insert", "by-the-next-lookups"])
+def test_a_slice_that_left_the_window_goes_with_its_small_hashes(make: Callable[..., CompactIndex], redis_url: str,
+                                                                  prefix: str, inline: bool,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The insert that moves the window unlinks the slice hash of the slice that left it, and its small hashes
+    when they are few (`UNLINK_INLINE_BITS`); more are unlinked by the next lookups (a few UNLINKs with each),
+    and then its bits."""
+    if not inline:
+        monkeypatch.setattr(cc, "UNLINK_INLINE_BITS", 0)
+    index = make(window=100.0)
+    for id, ts in (("a", 10.0), ("b", 150.0), ("c", 250.0)):  # slices 0, 1, 2
+        index.lookup([Query(id, ts, (1,))], 8)
+        assert index.insert([(entry(id, ts), (1,))]) == [None]
+    with redis.Redis.from_url(redis_url) as client:
+        def slices() -> list[str]:
+            return sorted({k.decode().split(":")[3] for k in client.scan_iter(match=f"{{{prefix}:ns}}:c:*")})
+
+        assert not client.exists(f"{{{prefix}:ns}}:c:0")
+        if not inline:
+            assert slices() == ["0", "1", "2"]  # slice 0's small hashes not yet
+            for ts in (251.0, 252.0):  # the first lookup finds slice 0's bits, the second unlinks its small hashes
+                index.lookup([Query("q", ts, (1,))], 8)
+        assert slices() == ["1", "2"]
+        assert client.hget(f"{{{prefix}:ns}}:meta", "k:0") is None
+        assert client.hget(f"{{{prefix}:ns}}:meta", "k:1") is not None
+
+
+@pytest.mark.parametrize(("window", "cap"), [(3600.0, 8), (30.0, 2)])
+def test_uncontended_inserts_store_what_the_checking_script_stores(make: Callable[..., CompactIndex], redis_url: str,
+                                                                   prefix: str, window: float, cap: int) -> None:
+    """As tests/test_redis_index.py's: the uncontended rounds (the watched transaction), the checking script
+    alone, and the uncontended rounds on the Python references of the compiled helpers leave the very same
+    keys and bytes (records, marks, trims, entries, ids, bits, seq and high-water mark, slices unlinked)."""
+    config = FilterConfig(window=window, bucket_cap=cap)
+    fast, checked = make("fast", window=window, bucket_cap=cap), make("checked", window=window, bucket_cap=cap)
+    checked.alone_inserts = False
+    reference = make("reference", window=window, bucket_cap=cap)
+    reference._alone_compact, reference._rank_compact = cc.alone_round, cc.rank_records
+    reference._read_commands_of, reference._column_of = cc.read_commands, cc.column_of
+    reference._write_commands_of = cc.write_commands
+    calls = {"fast": 0}
+    alone = fast._alone
+
+    def counted(*args: Any) -> Any:
+        result = alone(*args)
+        calls["fast"] += result is not None
+        return result
+
+    fast._alone = counted  # type: ignore[method-assign]
+    messages = generated_messages(600, seed=3)
+    verdicts = []
+    for index in (fast, checked, reference):
+        engine = NearDupFilter(config, index=index)
+        verdicts.append([v for at in range(0, len(messages), 50) for v in engine.check_batch(messages[at : at + 50])])
+    assert verdicts[0] == verdicts[1] == verdicts[2]
+    assert calls["fast"] >= 10
+    assert _namespace_dump(redis_url, prefix, "fast") == _namespace_dump(redis_url, prefix, "checked")
+    assert _namespace_dump(redis_url, prefix, "reference") == _namespace_dump(redis_url, prefix, "checked")
+
+
+def test_the_checking_script_is_loaded_again_after_a_script_flush(make: Callable[..., CompactIndex],
+                                                                   redis_url: str) -> None:
+    """NOSCRIPT comes back in its place among the replies read in bulk, and the script is loaded again."""
+    index = make()
+    index.alone_inserts = False
+    for id in ("a", "b"):
+        with redis.Redis.from_url(redis_url) as client:
+            client.script_flush()
+        index.lookup([Query(id, 1000.0, (1,))], 8)
+        assert index.insert([(entry(id), (1,))]) == [None]
+    assert ids(index.lookup([Query("q", 1000.0, (1,))], 8)[0][1]) == ["b", "a"]
+
+
+@pytest.mark.parametrize("parser", ["hiredis", "python"])
+def test_replies_read_in_bulk_are_those_of_read_response(redis_url: str, parser: str) -> None:
+    """Values, nils, arrays and error replies, in order, with redis-py's hiredis reader or its Python one."""
+    from redis._parsers import _HiredisParser, _RESP2Parser
+
+    from filters.index.redis_compact import _read_replies
+
+    client = redis.Redis.from_url(redis_url, parser_class=_HiredisParser if parser == "hiredis" else _RESP2Parser)
+    conn = client.connection_pool.get_connection()
+    try:
+        commands = [("SET", "{t}:x", "1"), ("HSET", "{t}:x", "f", "v"), ("GET", "{t}:x"), ("HMGET", "{t}:h", "a", "b"),
+                    *[("ECHO", b"y" * 100)] * 2000]
+        conn.send_packed_command(conn.pack_commands(commands))
+        replies = _read_replies(conn, len(commands))
+        assert replies[0] is True or replies[0] == b"OK"
+        assert isinstance(replies[1], redis.ResponseError) and "WRONGTYPE" in str(replies[1])
+        assert replies[2:4] == [b"1", [None, None]]
+        assert replies[4:] == [b"y" * 100] * 2000
+        assert conn.send_command("PING") is None and conn.read_response() in (b"PONG", True)  # still in step
+    finally:
+        client.connection_pool.release(conn)
+        client.delete("{t}:x")
+        client.close()
+
+
+# --- the fence (docs/design.md, "The index changelog"): as tests/test_changelog.py's, in the compact layout ---
+
+def _fenced(url: str) -> CompactIndex:
+    return CompactIndex(url, window=3600.0, bucket_cap=8, namespace="ns", fenced=True)
+
+
+def test_a_fenced_index_without_its_marker_refuses_to_decide(redis_url: str) -> None:
+    cfg = FilterConfig()
+    with redis_namespace(redis_url) as url:
+        fenced, plain = _fenced(url), CompactIndex(url, window=3600.0, bucket_cap=8, namespace="ns")
+        try:
+            with pytest.raises(IndexLost):
+                NearDupFilter(cfg, index=fenced).check_batch(changelog_messages())
+            with pytest.raises(IndexLost):
+                fenced.insert([(changelog_entry("x"), (1, 2))])
+            assert _keys(url) == []
+            assert any(v.duplicate for v in NearDupFilter(cfg, index=plain).check_batch(changelog_messages()))
+            drop_index(url)
+            _mark(url)
+            assert any(v.duplicate for v in NearDupFilter(cfg, index=fenced).check_batch(changelog_messages()))
+        finally:
+            fenced.close()
+            plain.close()
+
+
+@pytest.mark.parametrize("path", ["transaction", "script (as on Cluster)", "checking script"])
+@pytest.mark.parametrize("rebuilt", [False, True], ids=["lost", "rebuilt"])
+def test_a_batch_looked_up_before_a_loss_writes_nothing_after_it(redis_url: str, path: str, rebuilt: bool) -> None:
+    with redis_namespace(redis_url) as url:
+        _mark(url)
+        index = _fenced(url)
+        if path == "script (as on Cluster)":
+            index._watchable = lambda: False  # type: ignore[method-assign]
+        elif path == "checking script":
+            index.alone_inserts = False
+        try:
+            assert index.lookup([Query("a", 1000.0, (1, 2))], 8) == [(None, [])]
+            drop_index(url)
+            if rebuilt:
+                _mark(url, "e2")
+            with pytest.raises(IndexLost):
+                index.insert([(changelog_entry("a"), (1, 2))])
+            with redis.Redis.from_url(redis_url) as client:
+                assert [client.hgetall(k) for k in _keys(url)] == ([{MARKER.encode(): b"e2"}] if rebuilt else [])
+        finally:
+            index.close()
+
+
+def test_a_conflict_re_read_after_a_rebuild_is_refused(redis_url: str) -> None:
+    with redis_namespace(redis_url) as url:
+        _mark(url)
+        a, b = _fenced(url), _fenced(url)
+        a.alone_inserts = False
+        try:
+            a.lookup([Query("a", 1000.0, (1, 2))], 8)
+            b.lookup([Query("b", 1000.0, (2, 3))], 8)
+            assert b.insert([(changelog_entry("b"), (2, 3))]) == [None]
+            read = a._read_covering
+
+            def rebuilt_first(*args: Any, **options: Any) -> Any:
+                _mark(url, "e2")
+                return read(*args, **options)
+
+            a._read_covering = rebuilt_first  # type: ignore[method-assign]
+            with pytest.raises(IndexLost):
+                a.insert([(changelog_entry("a"), (1, 2))])
+        finally:
+            a.close()
+            b.close()
+
+
+def test_a_namespace_lost_and_made_again_is_not_taken_for_the_one_before(make: Callable[..., CompactIndex],
+                                                                         redis_url: str, prefix: str) -> None:
+    """Lost and made again by another client, the namespace's seqs name other entries, at the same event
+    times: the client that kept the entries of the namespace before must read them again, not take its own."""
+    a, b = make(), make()
+    a.lookup([Query("a", 1000.0, (1,))], 8)
+    assert a.insert([(entry("a"), (1,))]) == [None]
+    assert ids(a.lookup([Query("q", 1000.0, (1,))], 8)[0][1]) == ["a"]
+    drop_namespace(redis_url, prefix)  # the loss (unfenced: `neardup filter --index redis://`)
+    b.lookup([Query("b", 1000.0, (1,))], 8)
+    assert b.insert([(entry("b", seed=1), (1,))]) == [None]  # seq 1 again, at the same event time
+    [(_, found)] = a.lookup([Query("q", 1000.0, (1,))], 8)
+    assert ids(found) == ["b"] and found[0].entry.exact == entry("b", seed=1).exact
+
+
+def test_a_small_hash_renewed_in_this_period_gets_its_ttl_again_once_the_namespace_was_lost(
+        make: Callable[..., CompactIndex], redis_url: str, prefix: str) -> None:
+    """A small hash's TTL is set once a period (grace / 2) by a client, not at each write; a namespace lost and
+    made again starts the periods afresh: every key it writes has a TTL again."""
+    index = make(grace="600")
+    for id, ts in (("a", 1000.0), ("b", 1001.0)):
+        index.lookup([Query(id, ts, (1, 2))], 8)
+        assert index.insert([(entry(id, ts), (1, 2))]) == [None]
+    drop_namespace(redis_url, prefix)
+    index.lookup([Query("c", 1002.0, (1, 2))], 8)
+    assert index.insert([(entry("c", 1002.0), (1, 2))]) == [None]
+    with redis.Redis.from_url(redis_url) as client:
+        keys = set(client.scan_iter(match=f"{{{prefix}:ns}}:*"))  # SCAN may name a key twice
+        assert len(keys) >= 3 and all(0 < client.pttl(key) <= (WINDOW + 600) * 1000 for key in keys)
+
+
+def _journal(n: int = 40) -> list[tuple[Entry, tuple[int, ...]]]:
+    return [(Entry(f"j{i}", 1000.0 + i, i, 30, np.arange(8, dtype=np.uint64) + i), (i % 7, 100 + i % 3))
+            for i in range(n)]
+
+
+def _original(url: str, journal: list[tuple[Entry, tuple[int, ...]]],
+              queries: list[Query]) -> list[tuple[object, ...]]:
+    """What an index that inserted `journal` one after another answers to `queries`; the index is dropped after
+    (a loss: the guard rebuilds it from the changelog)."""
+    _mark(url)
+    original = _fenced(url)
+    try:
+        for e, keys in journal:
+            original.lookup([Query(e.id, e.ts, keys)], 8)
+            assert original.insert([(e, keys)]) == [None]
+        return _view(original.lookup(queries, 8))
+    finally:
+        original.close()
+        drop_index(url)
+
+
+_QUERIES = [Query("q", 1100.0, (3, 101)), Query("j5", 1100.0, (5,)), Query("x", 1100.0, (999,))]
+
+
+def _unpacked(data: bytes) -> list[tuple[Any, ...]]:
+    """The commands of a RESP request (`_Packed`): name and key as str, the rest bytes."""
+    out: list[tuple[Any, ...]] = []
+    at = 0
+    while at < len(data):
+        end = data.index(b"\r\n", at)
+        count, at = int(data[at + 1 : end]), end + 2
+        args: list[Any] = []
+        for _ in range(count):
+            end = data.index(b"\r\n", at)
+            size, at = int(data[at + 1 : end]), end + 2
+            args.append(data[at : at + size])
+            at += size + 2
+        out.append((args[0].decode(), args[1].decode(), *args[2:]))
+    return out
+
+
+def test_a_rebuild_holds_the_fields_and_writes_each_small_hash_once(redis_url: str) -> None:
+    """A fenced index without its marker (lost: the guard rebuilds it from the changelog) takes a restore with
+    no transaction and no read of what it wrote: each small hash is written by one HSET, every key it leaves
+    has a TTL, and it decides as the index it was once the marker is set."""
+    cfg = FilterConfig()
+    with redis_namespace(redis_url) as url:
+        journal = _journal()
+        before = _original(url, journal, _QUERIES)
+        rebuilt = _fenced(url)
+        sent: list[Any] = []
+        execute = rebuilt._execute
+
+        def recorded(commands: Any, **options: Any) -> Any:
+            for command in commands:
+                sent.extend(_unpacked(command.data) if isinstance(command, _Packed) else [command])
+            return execute(commands, **options)
+
+        rebuilt._execute = recorded  # type: ignore[method-assign]
+        try:
+            assert rebuilt.restore([stored_of(journal)]) == 40
+            names = [c[0] for c in sent]
+            assert "MULTI" not in names and "WATCH" not in names and "EVALSHA" not in names
+            small = [c[1] for c in sent if c[0] == "HSET" and str(c[1]).count(":c:") and str(c[1]).count(":") == 4]
+            assert small and len(small) == len(set(small))
+            with redis.Redis.from_url(redis_url) as client:
+                assert all(client.pttl(k) > 0 for k in _keys(url))
+                assert not client.hexists(f"{{{url.partition('prefix=')[2]}:ns}}:meta", "rebuilding")
+            rebuilt._execute = execute  # type: ignore[method-assign]
+            _mark(url, "e2")
+            assert _view(rebuilt.lookup(_QUERIES, 8)) == before
+            assert any(v.duplicate for v in NearDupFilter(cfg, index=rebuilt).check_batch(changelog_messages()))
+        finally:
+            rebuilt.close()
+
+
+def test_a_rebuild_after_one_that_died_drops_what_it_left(redis_url: str) -> None:
+    """A rebuild that died left entries whose fields it still held (its `rebuilding` field says so): the next
+    rebuild unlinks what the namespace holds first, and decides as the index it was."""
+    with redis_namespace(redis_url) as url:
+        journal = _journal()
+        before = _original(url, journal, _QUERIES)
+        prefix = url.partition("prefix=")[2]
+        with redis.Redis.from_url(redis_url) as client:
+            client.hset(f"{{{prefix}:ns}}:meta", mapping={"rebuilding": "1", "seq": "7", "hwm": "9000",
+                                                         "layout": "compact"})
+            client.hset(f"{{{prefix}:ns}}:c:9", "n", "3")
+        rebuilt = _fenced(url)
+        try:
+            assert rebuilt.restore([stored_of(journal)]) == 40
+            with redis.Redis.from_url(redis_url) as client:
+                assert not client.exists(f"{{{prefix}:ns}}:c:9")
+                assert client.hget(f"{{{prefix}:ns}}:meta", "seq") == b"40"
+            _mark(url, "e2")
+            assert _view(rebuilt.lookup(_QUERIES, 8)) == before
+        finally:
+            rebuilt.close()
+
+
+def test_a_rebuild_that_finds_another_writer_hands_the_rest_to_guarded_chunks(redis_url: str,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Somebody else writes during a rebuild (an unfenced client): the rebuild sees the seq move, writes what it
+    holds merged with what Redis holds, and restores the rest in guarded transactions. Both are kept."""
+    import filters.index.redis as slot
+
+    monkeypatch.setattr(slot, "REBUILD_CHUNK", 10)
+    with redis_namespace(redis_url) as url:
+        journal = _journal()
+        before = _original(url, journal, _QUERIES[:2])
+        rebuilt = _fenced(url)
+        other = CompactIndex(url, window=3600.0, bucket_cap=8, namespace="ns")
+        execute = rebuilt._execute
+        intruded: list[bool] = []
+        watched: list[bool] = []
+        restore_watched = rebuilt._restore_watched
+
+        def intruding(commands: Any, **options: Any) -> Any:
+            replies = execute(commands, **options)
+            if not intruded and any(c[0] == "HSET" and c[2] == "hwm" for c in commands):
+                intruded.append(True)
+                other.lookup([Query("x", 1020.0, (3, 999))], 8)
+                assert other.insert([(Entry("x", 1020.0, 1, 30, np.arange(8, dtype=np.uint64)), (3, 999))]) == [None]
+            return replies
+
+        def counted(rows: Any) -> Any:
+            done = restore_watched(rows)
+            watched.append(done is not None)
+            return done
+
+        rebuilt._execute = intruding  # type: ignore[method-assign]
+        rebuilt._restore_watched = counted  # type: ignore[method-assign]
+        try:
+            assert rebuilt.restore([stored_of(journal)]) == 40
+            assert intruded and watched and all(watched)
+            rebuilt._execute = execute  # type: ignore[method-assign]
+            _mark(url, "e2")
+            assert _view(rebuilt.lookup(_QUERIES[:2], 8)) == before
+            [(_, found)] = rebuilt.lookup([Query("y", 1100.0, (999,))], 8)
+            assert [c.entry.id for c in found] == ["x"]
+            [(_, found)] = rebuilt.lookup([Query("y", 1100.0, (3,))], 8)
+            assert "x" in [c.entry.id for c in found] and len(found) > 1
+        finally:
+            rebuilt.close()
+            other.close()
+
+
+def test_a_restore_makes_a_slice_with_the_small_hashes_of_its_rate(make: Callable[..., CompactIndex], redis_url: str,
+                                                                   prefix: str) -> None:
+    """A rebuilt namespace has no slice before its first: the restore sizes the slices it makes for the rate
+    its entries show (5,000 in a tenth of a slice: 50,000 a slice), not the first slice's 2^K_FIRST."""
+    index = make(window=1000.0)
+    made = [(Entry(f"r{i}", 1000.0 + i * 0.02, i, 30, np.arange(8, dtype=np.uint64) + i), (i, 10**6 + i))
+            for i in range(5000)]
+    assert index.restore([stored_of(made)]) == 5000
+    with redis.Redis.from_url(redis_url) as client:
+        assert int(client.hget(f"{{{prefix}:ns}}:meta", "k:1")) == cc.slice_bits(50_000) > cc.K_FIRST
+
+
+@pytest.mark.parametrize("path", ["transaction", "checking script"])
+def test_the_first_slice_gets_the_small_hashes_of_the_rate_the_url_names(make: Callable[..., CompactIndex],
+                                                                         redis_url: str, prefix: str,
+                                                                         path: str) -> None:
+    """`?rate=` (messages a second) sizes a slice made with no slice before it (else 2^K_FIRST): 20 a second over
+    a window of 1,000 s is 20,000 a slice; the checking script (as on Cluster, and when contended) alike."""
+    index = make(window=1000.0, rate="20")
+    index.alone_inserts = path == "transaction"
+    NearDupFilter(FilterConfig(window=1000.0), index=index).check_batch(generated_messages(50, seed=5))
+    with redis.Redis.from_url(redis_url) as client:
+        (bits,) = [int(v) for f, v in client.hgetall(f"{{{prefix}:ns}}:meta").items() if f.startswith(b"k:")]
+    assert bits == cc.slice_bits(20_000) > cc.K_FIRST
+
+
+def test_rate_is_an_option_of_the_compact_layout_only() -> None:
+    assert RedisTarget.parse("redis://h/0?layout=compact&rate=2.5").rate == 2.5
+    for url in ("redis://h/0?rate=3", "redis://h/0?layout=compact&rate=0", "redis://h/0?layout=compact&rate=x",
+                "redis://h/0?layout=compact&rate=inf"):
+        with pytest.raises(ConfigError):
+            RedisTarget.parse(url)
+
+
+def test_without_the_compiled_core_the_python_reference_decides_alike(make: Callable[..., CompactIndex],
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compact layout on its Python reference (a slice's reads and writes packed by `compact_codec`, the
+    rest of the round through hiredis): the verdicts of the compiled core, batch after batch."""
+    import filters.index.redis_compact as redis_compact
+
+    messages = generated_messages(900, seed=11)
+    verdicts = {}
+    for name, native in (("compiled", redis_compact._native), ("reference", None)):
+        monkeypatch.setattr(redis_compact, "_native", native)
+        nd = NearDupFilter(FilterConfig(window=WINDOW), index=make(name))
+        verdicts[name] = [v for at in range(0, len(messages), 128) for v in nd.check_batch(messages[at : at + 128])]
+    assert verdicts["reference"] == verdicts["compiled"]
+    assert sum(v.duplicate for v in verdicts["compiled"]) > 0
