@@ -263,7 +263,7 @@ class RedisTarget:
     grace: float
     entry_cache: int = DEFAULT_ENTRY_CACHE
     layout: str = "slot"  # "slot": a namespace is one hash tag; "spread": over many (filters/index/redis_spread.py);
-    # "compact": the slot layout's records by seq in small hashes (filters/index/redis_compact.py, being built)
+    # "compact": the slot layout's records by seq in small hashes (filters/index/redis_compact.py)
     spread: tuple[tuple[str, str], ...] = ()  # the spread layout's own options, checked there
     rate: float = 0.0  # layout=compact: messages a second a namespace expects (its first slice's size); 0: unsaid
 
