@@ -278,7 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--generated", action="store_true", help="the generated backlog even when --stream exists")
     p.add_argument("--limit", type=int, default=40_000, help="records of the stream at most")
     p.add_argument("--max-skew", type=float, default=5.0, help="seconds of event time (the setting max_skew)")
-    p.add_argument("--max-batch", type=int, default=500)
+    p.add_argument("--max-batch", type=int, default=Settings().max_batch)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--guarantee", default="at_least_once", choices=("at_least_once", "exactly_once"))
     p.add_argument("--workers", default="1,2", help="worker counts to run, comma-separated")

@@ -2,7 +2,7 @@
 
     eval "$(bash docker/services.sh env)"
     python bench/index_loss.py [--stream ../shared/eval/stream.jsonl] [--losses restart,flushall,kill,none]
-                               [--guarantee exactly_once] [--at 0.5] [--max-batch 500] [--runs 1]
+                               [--guarantee exactly_once] [--at 0.5] [--max-batch 2000] [--runs 1]
                                [--align on,off] [--max-skew 5] [--compress 1]
 
 The labelled development stream (`--stream`, its `truth.jsonl` beside it), each record in a random partition
@@ -46,6 +46,7 @@ from bench.reliability import Serve, create_topics, read, scenario_settings, ser
 from filters.engine import NearDupFilter  # noqa: E402
 from filters.records import Verdict  # noqa: E402
 from stream.backlog import Item, differences, reference  # noqa: E402
+from stream.config import Settings  # noqa: E402
 from stream.evaluate import read_truth, score  # noqa: E402
 
 DEFAULT_STREAM = ROOT.parent / "shared" / "eval" / "stream.jsonl"
@@ -120,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--losses", default="restart,flushall,none", help="comma-separated: restart, flushall, none")
     p.add_argument("--guarantee", default="exactly_once", choices=("at_least_once", "exactly_once"))
     p.add_argument("--at", type=float, default=0.5, help="fraction of the records routed when Redis loses its data")
-    p.add_argument("--max-batch", type=int, default=500)
+    p.add_argument("--max-batch", type=int, default=Settings().max_batch)
     p.add_argument("--runs", type=int, default=1)
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--align", type=modes, default="on", help="comma-separated: on, off (each loss with each, alternating)")

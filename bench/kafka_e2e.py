@@ -2,7 +2,7 @@
 
     eval "$(bash docker/services.sh env)"
     python bench/kafka_e2e.py [--bootstrap HOST:PORT] [--redis URL] [--messages 10000] [--rate 2000]
-                              [--seconds 20] [--runtime aiokafka,faust] [--max-batch 500]
+                              [--seconds 20] [--runtime aiokafka,faust] [--max-batch 2000]
 
 Throughput: the first `--messages` short messages of the eval stream (corpora `--corpora`, in stream
 order) are preloaded into a fresh single-partition input topic; one `neardup serve` process is started
@@ -276,7 +276,7 @@ def add_service_arguments(p: argparse.ArgumentParser, messages: int) -> None:
     p.add_argument("--truth", type=Path, default=ROOT.parent / "shared" / "eval" / "truth.jsonl")
     p.add_argument("--corpora", default="sms_en,tweets_en,reviews_zh", help="comma-separated, or all")
     p.add_argument("--messages", type=int, default=messages)
-    p.add_argument("--max-batch", type=int, default=500)
+    p.add_argument("--max-batch", type=int, default=Settings().max_batch)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -185,7 +185,7 @@ class Settings:
     # -- worker ----------------------------------------------------------------------------------
     runtime: str = field(default="aiokafka", metadata=_meta(
         "consume/produce/commit loop: aiokafka (default, faster) or faust"))
-    max_batch: int = field(default=500, metadata=_meta("records routed per batch, at most", kind="int"))
+    max_batch: int = field(default=2000, metadata=_meta("records routed per batch, at most", kind="int"))
     batch_within: float = field(default=0.05, metadata=_meta(
         "wait at most this long to fill a batch: 50ms, 1s", kind="duration"))
     align: bool = field(default=True, metadata=_meta(
