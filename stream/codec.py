@@ -11,7 +11,7 @@ subclass whose `reason` goes to the dead-letter output.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -93,22 +93,52 @@ class Raw(Protocol):
 def decode_batch(raws: Sequence[Raw], fmt: RecordFormat) -> list[Decoded | RejectedInput]:
     """`decode` of each raw record, in order: its `Decoded`, or the `RejectedInput` it raises. The common
     record (a JSON object with a non-blank string text, a non-empty string id or none, a number of
-    seconds in range or none) is decoded here without `decode`'s calls per field; any other goes to
-    `decode` itself, so each rule stays written once (tests/test_properties.py holds the two equal)."""
-    out: list[Decoded | RejectedInput] = []
+    seconds in range or none) is decoded by `_decode_common` (compiled: `filters._native.decode_common`)
+    without `decode`'s calls per field; any other goes to `decode` itself, so each rule stays written once
+    (tests/test_properties.py holds the two equal)."""
+    return decoded_batch(raws, fmt)[0]
+
+
+def decoded_batch(raws: Sequence[Raw], fmt: RecordFormat,
+                  common: Callable[..., tuple[list[Any], list[int]]] | None = None,
+                  ) -> tuple[list[Decoded | RejectedInput], int]:
+    """`decode_batch`, and how many of the records it rejected. `common`: the common records' decoder
+    (`_decode_common` or its compiled twin, the default)."""
     if fmt.format != "json":
-        fast = False
+        out: list[Any] = [None] * len(raws)
+        left: Sequence[int] = range(len(raws))
     else:
-        fast = True
-        loads, limit = orjson.loads, fmt.max_record_bytes
-        text_field, id_field, ts_field = fmt.text_field, fmt.id_field, fmt.ts_field
-    for raw in raws:
+        out, left = (common or _common)(
+            raws if isinstance(raws, list) else list(raws), orjson.loads, orjson.JSONDecodeError, fmt.text_field,
+            fmt.id_field, fmt.ts_field, fmt.max_record_bytes, MAX_EVENT_TIME, _new_message, _new_decoded)
+    rejected = 0
+    for i in left:
+        raw = raws[i]
+        try:
+            out[i] = decode(raw.value, fmt, fallback_id=raw.fallback_id, fallback_ts=raw.fallback_ts)
+        except RejectedInput as exc:
+            out[i] = exc
+            rejected += 1
+    return out, rejected
+
+
+def _decode_common(raws: list[Raw], loads: Callable[[bytes], Any], error: type[Exception], text_field: str,
+                   id_field: str, ts_field: str, limit: int, max_ts: float, new_message: Callable[..., Message],
+                   new_decoded: Callable[..., Decoded]) -> tuple[list[Decoded | None], list[int]]:
+    """Per raw record the `Decoded` of a common JSON line (`loads` of it a dict with a non-blank string text, a
+    non-empty string id or none, a number of seconds from 0 to `max_ts` or none; `error`: what `loads` raises
+    on invalid JSON), else None (a byte-order mark, too long, any other rule: `decode` says); and the places
+    of the Nones, in order. The reference of `filters._native.decode_common`."""
+    out: list[Decoded | None] = []
+    left: list[int] = []
+    for i, raw in enumerate(raws):
         value = raw.value
-        if fast and len(value) <= limit:  # (with a byte-order mark orjson refuses it: `decode` strips it)
+        made = None
+        if len(value) <= limit:  # (with a byte-order mark orjson refuses it: `decode` strips it)
             try:
                 record = loads(value)
-            except orjson.JSONDecodeError:
-                record = None  # `decode` says why
+            except error:
+                record = None
             if type(record) is dict:
                 text = record.get(text_field)
                 id = record.get(id_field)
@@ -116,19 +146,22 @@ def decode_batch(raws: Sequence[Raw], fmt: RecordFormat) -> list[Decoded | Rejec
                 if type(text) is str and text and not text.isspace() and (id is None or (type(id) is str and id)):
                     if ts is None:
                         ts = raw.fallback_ts
-                    elif (type(ts) is float or type(ts) is int) and 0 <= ts <= MAX_EVENT_TIME:  # NaN fails both
+                    elif (type(ts) is float or type(ts) is int) and 0 <= ts <= max_ts:  # NaN fails both
                         ts = float(ts)
                     else:
                         ts = _INVALID
                     if ts is not _INVALID:
-                        out.append(_new_decoded(_new_message(raw.fallback_id if id is None else id, text, ts),
-                                                record))
-                        continue
-        try:
-            out.append(decode(value, fmt, fallback_id=raw.fallback_id, fallback_ts=raw.fallback_ts))
-        except RejectedInput as exc:
-            out.append(exc)
-    return out
+                        made = new_decoded(new_message(raw.fallback_id if id is None else id, text, ts), record)
+        if made is None:
+            left.append(i)
+        out.append(made)
+    return out, left
+
+
+try:  # the compiled twin of `_decode_common`; absent when the core could not be built at install time
+    from filters._native import decode_common as _common
+except ImportError:  # pragma: no cover - exercised on machines without a compiler
+    _common = _decode_common
 
 
 def event_time(raw: bytes, fmt: RecordFormat, fallback_ts: float) -> float | None:

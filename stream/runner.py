@@ -15,7 +15,7 @@ from typing import Any, Protocol
 from filters.engine import Message, NearDupFilter, Verdict
 from filters.errors import RejectedInput
 from filters.records import maker
-from stream.codec import Decoded, RecordFormat, decode_batch, duplicate_record, rejected_record
+from stream.codec import Decoded, RecordFormat, decoded_batch, duplicate_record, rejected_record
 
 UNIQUE, DUPLICATE, REJECTED = "unique", "duplicate", "rejected"
 
@@ -107,8 +107,8 @@ class _Step:
     def __init__(self, batch: Sequence[RawRecord], fmt: RecordFormat) -> None:
         self.batch = batch
         self.out: list[Routed | None] = [None] * len(batch)
-        results = decode_batch(batch, fmt)
-        if not any([isinstance(d, RejectedInput) for d in results]):  # (a list: faster than a generator)
+        results, rejected = decoded_batch(batch, fmt)
+        if not rejected:
             self.places: list[int] = list(range(len(batch)))
             self.decoded: list[Decoded] = results  # type: ignore[assignment]
         else:

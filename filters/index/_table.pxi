@@ -449,9 +449,10 @@ cdef class Table:
     # -- insert ------------------------------------------------------------------------------------
     cdef int _insert(self, object id, double ts, uint64_t exact_lo, uint64_t exact_hi, int64_t size,
                      const uint64_t *sketch, Py_ssize_t nsk, const uint64_t *keys, Py_ssize_t nkeys,
-                     const uint32_t *chars, Py_ssize_t nch, object payload) except -1:
-        """`MemoryIndex.insert_one`: nothing when the id is live or the event time already left the window."""
-        if id in self.by_id:
+                     const uint32_t *chars, Py_ssize_t nch, object payload, bint absent=False) except -1:
+        """`MemoryIndex.insert_one`: nothing when the id is live or the event time already left the window.
+        `absent`: the caller found the id not live (`decide`): its dict is not probed twice."""
+        if not absent and id in self.by_id:
             return 0
         if ts > self.watermark:
             self._advance(ts)
@@ -788,7 +789,7 @@ cdef class Table:
                 out.append(memo)
             else:
                 self._insert(id, ts, batch.exact_lo[i], batch.exact_hi[i], size_a, self.probe, nsk, keys, nkeys,
-                             chars, nch, None)
+                             chars, nch, None, True)
                 out.append(verdict(id, False, None, 0.0, None))
         return out
 
