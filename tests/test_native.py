@@ -44,6 +44,7 @@ from filters.normalize import (
     _stages,
 )
 from filters.shingles import Batch
+from filters.sketch import Probe
 from tests.test_index_contract import assert_same_entry
 
 SAMPLE = Path(__file__).parent / "data" / "sample.jsonl"
@@ -79,6 +80,21 @@ def test_the_sketch_sort_sorts(bits: int, data: st.DataObject) -> None:
         st.lists(st.just(top), max_size=40),
     ))
     assert _native.sorted_hashes(values, top) == sorted(values)
+
+
+@settings(max_examples=400, deadline=None)
+@given(wide=st.booleans(), data=st.data())
+def test_compiled_estimates_as_the_probe(wide: bool, data: st.DataObject) -> None:
+    """The compiled sketch comparison (its merge steps without a branch) gives `Probe.estimates`' three
+    figures, on 32- and 64-bit sketches: repeated values (a 32-bit sketch may hold one twice), few distinct
+    values shared many times, sketches that hold their whole text or a sample of it, empty ones."""
+    dtype = np.uint64 if wide else np.uint32
+    top = data.draw(st.sampled_from([3, 40, 2**32 - 1] + ([2**64 - 1] if wide else [])))
+    value = st.integers(0, top)
+    a, b = (np.array(sorted(data.draw(st.lists(value, max_size=40))), dtype=dtype) for _ in range(2))
+    size_a = data.draw(st.integers(0, 2 * len(a) + 1))
+    size_b = data.draw(st.integers(0, 2 * len(b) + 1))
+    assert _native.sketch_estimates(a, size_a, b, size_b) == Probe(a, size_a).estimates(b, size_b)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -8,6 +8,25 @@ cdef extern from "Python.h":
     void PyObject_GC_UnTrack(void *o)
 
 
+cdef extern from * nogil:
+    """
+    #if defined(__linux__)
+    #include <sys/mman.h>
+    #endif
+    #define ND_HUGE ((size_t)2 << 20)
+    /* Asks for 2 MiB pages under [p, p + n) (Linux, where transparent huge pages are on "madvise"); a hint. */
+    static inline void nd_huge_pages(void *p, size_t n) {
+    #if defined(__linux__) && defined(MADV_HUGEPAGE)
+        madvise(p, n, MADV_HUGEPAGE);
+    #else
+        (void)p; (void)n;
+    #endif
+    }
+    """
+    size_t ND_HUGE
+    void nd_huge_pages(void *p, size_t n)
+
+
 cdef struct CEntry:
     uint64_t seq
     double ts
@@ -47,6 +66,28 @@ cdef struct Hit:  # one candidate while counting: how many of the query's bucket
     uint32_t shared
     uint32_t first
     uint32_t stamp
+
+
+cdef Bucket *new_slots(Py_ssize_t n, void **held) except NULL:
+    """An array of `n` empty buckets; `held[0]` is what to free. One of 2 MiB or more lies on huge pages, where
+    the system gives them: a full table is as large as the cache, its look-ups land anywhere in it, and with
+    4 KiB pages each one also missed the TLB (and each page was a fault of its own as the table grew)."""
+    cdef size_t size = n * sizeof(Bucket)
+    cdef char *raw
+    cdef Bucket *slots
+    if size < 2 * ND_HUGE:
+        raw = <char *>PyMem_Malloc(size)
+        slots = <Bucket *>raw
+    else:
+        raw = <char *>PyMem_Malloc(size + ND_HUGE)
+        slots = <Bucket *>((<size_t>raw + ND_HUGE - 1) & ~(ND_HUGE - 1))
+        if raw:
+            nd_huge_pages(slots, size)
+    if not raw:
+        raise MemoryError()
+    memset(slots, 0, size)
+    held[0] = raw
+    return slots
 
 
 cdef int regrow(void **buf, Py_ssize_t *cap, Py_ssize_t need, size_t item) except -1:
@@ -160,6 +201,7 @@ cdef class Table:
     cdef readonly int bucket_cap
     cdef object make_entry
     cdef Bucket *slots
+    cdef void *slots_held  # the allocation `slots` lies in (see `new_slots`)
     cdef uint64_t mask
     cdef Py_ssize_t used
     cdef CEntry **ents
@@ -198,7 +240,7 @@ cdef class Table:
         self.bucket_cap = bucket_cap
         self.make_entry = make_entry
         self.mask = 1023
-        self.slots = <Bucket *>PyMem_Malloc((self.mask + 1) * sizeof(Bucket))
+        self.slots = new_slots(self.mask + 1, &self.slots_held)
         self.ecap = 1024
         self.ents = <CEntry **>PyMem_Malloc(self.ecap * sizeof(CEntry *))
         self.ebase = 1
@@ -218,7 +260,6 @@ cdef class Table:
         if (not self.slots or not self.ents or not self.due.items or not self.memo_due.items or not self.hits or not self.ranked
                 or not self.found or not self.probe or not self.other):
             raise MemoryError()
-        memset(self.slots, 0, (self.mask + 1) * sizeof(Bucket))
         memset(self.ents, 0, self.ecap * sizeof(CEntry *))
         memset(self.hits, 0, (self.hmask + 1) * sizeof(Hit))
         self.by_id = {}
@@ -232,7 +273,7 @@ cdef class Table:
             for i in range(<Py_ssize_t>self.mask + 1):
                 if self.slots[i].n > 1:
                     PyMem_Free(self.slots[i].d.many)
-            PyMem_Free(self.slots)
+            PyMem_Free(self.slots_held)
         if self.ents:
             for i in range(self.ecap):
                 if self.ents[i]:
@@ -281,11 +322,10 @@ cdef class Table:
     cdef int _grow_slots(self) except -1:
         cdef uint64_t old_mask = self.mask, i, j
         cdef Bucket *old = self.slots
+        cdef void *old_held = self.slots_held
         cdef uint64_t mask = old_mask * 2 + 1
-        cdef Bucket *slots = <Bucket *>PyMem_Malloc((mask + 1) * sizeof(Bucket))
-        if not slots:
-            raise MemoryError()
-        memset(slots, 0, (mask + 1) * sizeof(Bucket))
+        cdef void *held
+        cdef Bucket *slots = new_slots(mask + 1, &held)
         for i in range(old_mask + 1):
             if old[i].n:
                 j = mix64(old[i].key) & mask
@@ -293,8 +333,9 @@ cdef class Table:
                     j = (j + 1) & mask
                 slots[j] = old[i]
         self.slots = slots
+        self.slots_held = held
         self.mask = mask
-        PyMem_Free(old)
+        PyMem_Free(old_held)
         return 0
 
     cdef void _drop_slot(self, Bucket *b) noexcept:
@@ -739,6 +780,7 @@ cdef class Table:
         cdef CEntry *e
         cdef int64_t size_a
         cdef bint matched
+        cdef Estimates est
         cdef Rules rules = rules_of(cfg)
         cdef double min_shared = rules.min_shared
         cdef Py_ssize_t limit = rules.limit
@@ -777,8 +819,11 @@ cdef class Table:
                     memo = verdict(id, True, <object>e.id, 1.0, "exact")
                     matched = True
                     break
-                sim = similarity(estimates(self.probe, nsk, size_a, self._wide(e), e.nsk, e.size), size_a, e.size,
-                                 &rules, chars, nch, e.chars, e.nch)
+                if e.narrow:  # (as a fingerprint's: compared as stored, 32 bits each)
+                    est = estimates(batch.sketch + batch.sk_start[i], nsk, size_a, <uint32_t *>e.sketch, e.nsk, e.size)
+                else:
+                    est = estimates(<const uint64_t *>self.probe, nsk, size_a, self._wide(e), e.nsk, e.size)
+                sim = similarity(est, size_a, e.size, &rules, chars, nch, e.chars, e.nch)
                 if sim >= 0.0:
                     memo = verdict(id, True, <object>e.id, py_round(sim, 4),
                                    method_names[keys[self.ranked[c].first] >> 60])
@@ -918,7 +963,7 @@ cdef class Table:
                     nch_b = code_points_of(entry.chars, &self.ochars, &self.ochars_cap) if nch else 0
                     chars_b = self.ochars
                     match_id = entry.id
-                sim = similarity(estimates(self.probe, nsk, size_a, other, nsk_b, size_b), size_a, size_b,
+                sim = similarity(estimates(<const uint64_t *>self.probe, nsk, size_a, other, nsk_b, size_b), size_a, size_b,
                                  &rules, self.pchars, nch, chars_b, nch_b)
                 if sim >= 0.0:
                     memo = verdict(id, True, match_id, py_round(sim, 4), method_names[item.first_key >> 60])
