@@ -674,6 +674,11 @@ cdef class Table:
         if total > self.ranked_cap:
             regrow(<void **>&self.ranked, &self.ranked_cap, total, sizeof(Hit *))
         cdef Py_ssize_t distinct = 0
+        # (the loop's state in locals: stores through `hit` would make the compiler reload the table's fields)
+        cdef Hit *hits = self.hits
+        cdef Hit **ranked = self.ranked
+        cdef uint64_t hmask = self.hmask
+        cdef uint32_t stamp = self.stamp
         for k in range(nkeys):
             b = self.found[k]
             if b == NULL:
@@ -681,23 +686,24 @@ cdef class Table:
             seqs = self._members(b)
             for j in range(b.n):
                 s = seqs[j]
-                h = mix64(s) & self.hmask
+                # Seqs are handed out in order: their low bits spread them over the map as they are (no mixing).
+                h = s & hmask
                 while True:
-                    hit = &self.hits[h]
-                    if hit.stamp != self.stamp:
-                        hit.stamp = self.stamp
+                    hit = &hits[h]
+                    if hit.stamp != stamp:
+                        hit.stamp = stamp
                         hit.seq = s
                         hit.shared = 1
                         hit.first = <uint32_t>k
                         distinct += 1
                         if s != own:
-                            self.ranked[n_ranked] = hit
+                            ranked[n_ranked] = hit
                             n_ranked += 1
                         break
                     if hit.seq == s:
                         hit.shared += 1
                         break
-                    h = (h + 1) & self.hmask
+                    h = (h + 1) & hmask
         if floor > 1 and distinct == total:
             return 0  # every entry was in one bucket only
         # Keep those with enough shared keys, then rank (insertion sort: a handful, nearly always).
