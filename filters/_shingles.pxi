@@ -452,12 +452,18 @@ cdef void _hash_batch(Shingled out, const uint32_t *cps, const Py_ssize_t *cp_st
         sort_hashes(kept, q, limit >> (64 - HASH_BITS), scratch, counts)
         distinct = 0
         out.sk_start[i] = sk
-        for p in range(q):
+        p = 0
+        while p < q and distinct < k:  # the first k distinct values: the sketch
             if p == 0 or kept[p] != kept[p - 1]:
-                if distinct < k:
-                    out.sketch[sk] = <uint32_t>(kept[p] >> (HASH_BITS - 32))
-                    sk += 1
+                out.sketch[sk] = <uint32_t>(kept[p] >> (HASH_BITS - 32))
+                sk += 1
                 distinct += 1
+            p += 1
+        if p == 0 and q > 0:  # (k == 0: the first value is still one)
+            distinct = 1
+            p = 1
+        for j in range(p, q):  # the rest are only counted, without a branch
+            distinct += kept[j] != kept[j - 1]
         if keep >= 1.0:
             out.size[i] = distinct
         else:
