@@ -82,6 +82,16 @@ def test_the_sketch_sort_sorts(bits: int, data: st.DataObject) -> None:
     assert _native.sorted_hashes(values, top) == sorted(values)
 
 
+@settings(max_examples=300, deadline=None)
+@given(code_points=st.lists(st.integers(0, 0x10FFFF) | st.integers(97, 122), max_size=40), n=st.integers(1, 9),
+       seed=st.integers(0, 2**64 - 1))
+def test_gram_hashes_on_wide_lanes_as_one_at_a_time(code_points: list[int], n: int, seed: int) -> None:
+    """The n-gram hashes eight positions at a time (512-bit lanes, where the processor has them: the kernel's
+    path here when `wide_lanes()`) are the one-at-a-time loop's, for any length (the rest after the last
+    eight) and gram size (4 and 6 written out, the others by the general loop)."""
+    assert _native.gram_hashes(code_points, n, seed, True) == _native.gram_hashes(code_points, n, seed, False)
+
+
 @settings(max_examples=400, deadline=None)
 @given(wide=st.booleans(), data=st.data())
 def test_compiled_estimates_as_the_probe(wide: bool, data: st.DataObject) -> None:
