@@ -104,6 +104,38 @@ cdef extern from * nogil:
         }
         return p;
     }
+    /* The selections after hashing, 8 values at a time: `values[p] >> shift` of each `values[p] <= limit`
+       (`nd_below_512`), `(values[p] >> 4) | tag` of each `values[p] & mask == 0` (`nd_sampled_512`), appended
+       at out[*at] in order; each returns how many values it looked at (a multiple of 8). */
+    __attribute__((target("avx512f,avx512dq")))
+    static Py_ssize_t nd_below_512(const uint64_t *values, Py_ssize_t count, uint64_t limit, int shift,
+                                   uint64_t *out, Py_ssize_t *at) {
+        const __m512i lim = _mm512_set1_epi64((long long)limit);
+        Py_ssize_t p = 0, q = *at;
+        for (; p + 8 <= count; p += 8) {
+            __m512i v = _mm512_loadu_si512((const void *)(values + p));
+            __mmask8 keep = _mm512_cmple_epu64_mask(v, lim);
+            _mm512_mask_compressstoreu_epi64((void *)(out + q), keep, _mm512_srli_epi64(v, (unsigned)shift));
+            q += __builtin_popcount((unsigned)keep);
+        }
+        *at = q;
+        return p;
+    }
+    __attribute__((target("avx512f,avx512dq")))
+    static Py_ssize_t nd_sampled_512(const uint64_t *values, Py_ssize_t count, uint64_t mask, uint64_t tag,
+                                     uint64_t *out, Py_ssize_t *at) {
+        const __m512i m = _mm512_set1_epi64((long long)mask);
+        const __m512i t = _mm512_set1_epi64((long long)tag);
+        Py_ssize_t p = 0, q = *at;
+        for (; p + 8 <= count; p += 8) {
+            __m512i v = _mm512_loadu_si512((const void *)(values + p));
+            __mmask8 keep = _mm512_testn_epi64_mask(v, m);
+            _mm512_mask_compressstoreu_epi64((void *)(out + q), keep, _mm512_or_si512(_mm512_srli_epi64(v, 4), t));
+            q += __builtin_popcount((unsigned)keep);
+        }
+        *at = q;
+        return p;
+    }
     static int nd_has_512(void) {
         __builtin_cpu_init();
         return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
@@ -111,10 +143,20 @@ cdef extern from * nogil:
     #else
     static Py_ssize_t nd_ngram_hashes_512(const uint32_t *cps, Py_ssize_t count, int n, uint64_t seedc,
                                           uint64_t *out) { (void)cps; (void)count; (void)n; (void)seedc; (void)out; return 0; }
+    static Py_ssize_t nd_below_512(const uint64_t *values, Py_ssize_t count, uint64_t limit, int shift,
+                                   uint64_t *out, Py_ssize_t *at) {
+        (void)values; (void)count; (void)limit; (void)shift; (void)out; (void)at; return 0; }
+    static Py_ssize_t nd_sampled_512(const uint64_t *values, Py_ssize_t count, uint64_t mask, uint64_t tag,
+                                     uint64_t *out, Py_ssize_t *at) {
+        (void)values; (void)count; (void)mask; (void)tag; (void)out; (void)at; return 0; }
     static int nd_has_512(void) { return 0; }
     #endif
     """
     Py_ssize_t nd_ngram_hashes_512(const uint32_t *cps, Py_ssize_t count, int n, uint64_t seedc, uint64_t *out)
+    Py_ssize_t nd_below_512(const uint64_t *values, Py_ssize_t count, uint64_t limit, int shift, uint64_t *out,
+                            Py_ssize_t *at)
+    Py_ssize_t nd_sampled_512(const uint64_t *values, Py_ssize_t count, uint64_t mask, uint64_t tag, uint64_t *out,
+                              Py_ssize_t *at)
     int nd_has_512()
 
 
@@ -515,7 +557,8 @@ cdef void _hash_batch(Shingled out, const uint32_t *cps, const Py_ssize_t *cp_st
             fraction = keep if keep < 0.999 else 0.999
             limit = <uint64_t>(fraction * 18446744073709551616.0)
         q = 0
-        for p in range(count):  # without a branch: which hashes pass is random, a branch mispredicts
+        start = nd_below_512(hashes, count, limit, 64 - HASH_BITS, kept, &q) if WIDE_LANES else 0
+        for p in range(start, count):  # without a branch: which hashes pass is random, a branch mispredicts
             kept[q] = hashes[p] >> (64 - HASH_BITS)
             q += hashes[p] <= limit
         sort_hashes(kept, q, limit >> (64 - HASH_BITS), scratch, counts)
@@ -545,7 +588,8 @@ cdef void _hash_batch(Shingled out, const uint32_t *cps, const Py_ssize_t *cp_st
             rate = 1
             while <uint64_t>count >= 2 * rate * <uint64_t>target:
                 rate *= 2
-            for p in range(count):  # (without a branch, as above: out.mgram has room for one per position)
+            start = nd_sampled_512(hashes, count, rate - 1, MGRAM_TAG, out.mgram, &mg) if WIDE_LANES else 0
+            for p in range(start, count):  # (without a branch, as above: out.mgram has room for one per position)
                 v = hashes[p]
                 out.mgram[mg] = (v >> 4) | MGRAM_TAG
                 mg += (v & (rate - 1)) == 0
