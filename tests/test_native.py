@@ -224,6 +224,28 @@ def test_compiled_table_answers_as_the_reference(ops: list[tuple], window: float
     assert [tables[0].get(s).id for s in tables[0].seqs()] == [tables[1].get(s).id for s in tables[1].seqs()]
 
 
+def test_compiled_table_finds_ids_as_the_reference_as_they_come_and_go() -> None:
+    """The compiled table's own map of live ids (open addressing on their hashes, grown, emptied by expiry
+    with its runs moved up): thousands of ids inserted out of order, expired as the window slides, some
+    inserted again; every id's live entry (or none) is `PyTable`'s at every step."""
+    rng = random.Random(7)
+    tables = [make_table(10.0, 4, native=True), PyTable(10.0, 4)]
+    names = [f"id{i}" for i in range(1500)] + [str(i) for i in range(300)]
+    for step in range(4000):
+        id = rng.choice(names)
+        ts = step / 100 + rng.uniform(-3, 3)
+        answers = [table.insert(_entry(id, ts, step % 4), (step % 17, 100 + step % 5)) for table in tables]
+        assert answers[0] == answers[1]
+        if step % 250 == 0:
+            for probe in rng.sample(names, 200):
+                own = [table.lookup(probe, ts, (), 1, 1)[0] for table in tables]
+                got = [(table.get(seq).id, table.get(seq).ts) if seq else None
+                       for table, seq in zip(tables, own, strict=True)]
+                assert got[0] == got[1], (step, probe)
+    assert tables[0].stats() == tables[1].stats()
+    assert [tables[0].get(s).id for s in tables[0].seqs()] == [tables[1].get(s).id for s in tables[1].seqs()]
+
+
 def test_entries_made_by_decide_read_back_as_their_fingerprint() -> None:
     nd = NearDupFilter(native=True)
     text = "WIN a FREE iPhone now!!! call 555-0100"

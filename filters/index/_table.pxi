@@ -56,6 +56,11 @@ cdef struct Bucket:
     BucketData d
 
 
+cdef struct IdSlot:  # a live entry's id by its hash: the entry's seq (0: an empty slot)
+    Py_hash_t hash
+    uint64_t seq
+
+
 cdef struct Due:
     double ts
     uint64_t seq
@@ -210,7 +215,12 @@ cdef class Table:
     cdef uint64_t seq
     cdef Py_ssize_t live
     cdef Heap due  # (event time, seq) of the entries
-    cdef dict by_id
+    # ids -> seq of the live entries: an open-addressing table of (hash, seq) whose key is the entry's own id. A
+    # dict of them missed the cache three times a look-up (its index, its entry, the key's hash in the str); here
+    # a look-up of an absent id (nearly every message's) reads one slot, and an id is compared only on equal hashes.
+    cdef IdSlot *id_slots
+    cdef uint64_t id_mask
+    cdef Py_ssize_t id_used
     # Memos: id -> the verdict of a duplicate (a new reference in `memo_due`, whose seq is its address).
     cdef dict memos
     cdef Heap memo_due
@@ -262,7 +272,11 @@ cdef class Table:
             raise MemoryError()
         memset(self.ents, 0, self.ecap * sizeof(CEntry *))
         memset(self.hits, 0, (self.hmask + 1) * sizeof(Hit))
-        self.by_id = {}
+        self.id_mask = 1023
+        self.id_slots = <IdSlot *>PyMem_Malloc((self.id_mask + 1) * sizeof(IdSlot))
+        if not self.id_slots:
+            raise MemoryError()
+        memset(self.id_slots, 0, (self.id_mask + 1) * sizeof(IdSlot))
         self.memos = {}
         self.watermark = -float("inf")
         self.newest = -float("inf")
@@ -285,7 +299,7 @@ cdef class Table:
         PyMem_Free(self.due.items); PyMem_Free(self.memo_due.items)
         PyMem_Free(self.hits); PyMem_Free(self.ranked); PyMem_Free(self.found)
         PyMem_Free(self.probe); PyMem_Free(self.other); PyMem_Free(self.qkeys); PyMem_Free(self.merged)
-        PyMem_Free(self.pchars); PyMem_Free(self.ochars)
+        PyMem_Free(self.pchars); PyMem_Free(self.ochars); PyMem_Free(self.id_slots)
 
     def __len__(self):
         return self.live
@@ -356,6 +370,69 @@ cdef class Table:
 
     cdef inline uint64_t *_members(self, Bucket *b) noexcept:
         return &b.d.one if b.n == 1 else b.d.many
+
+    # -- ids of the live entries ---------------------------------------------------------------------
+    cdef uint64_t _id_seq(self, object id, Py_hash_t h) except? 0:
+        """The seq of the live entry whose id equals `id` (of hash `h`), or 0 (as `by_id.get(id)` of a dict)."""
+        cdef uint64_t i = <uint64_t>h & self.id_mask
+        cdef IdSlot *slot
+        cdef CEntry *e
+        while True:
+            slot = &self.id_slots[i]
+            if slot.seq == 0:
+                return 0
+            if slot.hash == h:
+                e = self._entry(slot.seq)
+                if <PyObject *>id == e.id or id == <object>e.id:
+                    return slot.seq
+            i = (i + 1) & self.id_mask
+
+    cdef int _id_add(self, Py_hash_t h, uint64_t seq) except -1:
+        """Records a new live entry's id (absent before) by its hash."""
+        cdef uint64_t i, j, mask
+        cdef IdSlot *grown
+        if (self.id_used + 1) * 2 > <Py_ssize_t>(self.id_mask + 1):
+            mask = self.id_mask * 2 + 1
+            grown = <IdSlot *>PyMem_Malloc((mask + 1) * sizeof(IdSlot))
+            if not grown:
+                raise MemoryError()
+            memset(grown, 0, (mask + 1) * sizeof(IdSlot))
+            for i in range(self.id_mask + 1):
+                if self.id_slots[i].seq:
+                    j = <uint64_t>self.id_slots[i].hash & mask
+                    while grown[j].seq:
+                        j = (j + 1) & mask
+                    grown[j] = self.id_slots[i]
+            PyMem_Free(self.id_slots)
+            self.id_slots = grown
+            self.id_mask = mask
+        i = <uint64_t>h & self.id_mask
+        while self.id_slots[i].seq:
+            i = (i + 1) & self.id_mask
+        self.id_slots[i].hash = h
+        self.id_slots[i].seq = seq
+        self.id_used += 1
+        return 0
+
+    cdef void _id_drop(self, Py_hash_t h, uint64_t seq) noexcept:
+        """Forgets the id of the entry `seq` (of hash `h`), if recorded; later slots of its run move up (as
+        `_drop_slot`)."""
+        cdef uint64_t i = <uint64_t>h & self.id_mask, j, home
+        while self.id_slots[i].seq != seq:
+            if self.id_slots[i].seq == 0:
+                return
+            i = (i + 1) & self.id_mask
+        self.id_used -= 1
+        j = i
+        while True:
+            j = (j + 1) & self.id_mask
+            if self.id_slots[j].seq == 0:
+                break
+            home = <uint64_t>self.id_slots[j].hash & self.id_mask
+            if (j > i and (home <= i or home > j)) or (j < i and (home <= i and home > j)):
+                self.id_slots[i] = self.id_slots[j]
+                i = j
+        self.id_slots[i].seq = 0
 
     # -- entries -----------------------------------------------------------------------------------
     cdef inline CEntry *_entry(self, uint64_t seq) noexcept:
@@ -428,9 +505,7 @@ cdef class Table:
             self.ents[due.seq - self.ebase] = NULL
             self.live -= 1
             gone += 1
-            held = self.by_id.get(<object>e.id)
-            if held is not None and <uint64_t>held == e.seq:
-                del self.by_id[<object>e.id]
+            self._id_drop(PyObject_Hash(<object>e.id), e.seq)
             for k in range(e.nkeys):
                 b = self._find(e.keys[k])
                 if b == NULL:
@@ -492,8 +567,9 @@ cdef class Table:
                      const uint64_t *sketch, Py_ssize_t nsk, const uint64_t *keys, Py_ssize_t nkeys,
                      const uint32_t *chars, Py_ssize_t nch, object payload, bint absent=False) except -1:
         """`MemoryIndex.insert_one`: nothing when the id is live or the event time already left the window.
-        `absent`: the caller found the id not live (`decide`): its dict is not probed twice."""
-        if not absent and id in self.by_id:
+        `absent`: the caller found the id not live (`decide`): it is not looked up twice."""
+        cdef Py_hash_t h = PyObject_Hash(id)
+        if not absent and self._id_seq(id, h):
             return 0
         if ts > self.watermark:
             self._advance(ts)
@@ -544,7 +620,7 @@ cdef class Table:
             self._free_entry(e)
             raise
         self.live += 1
-        self.by_id[id] = e.seq
+        self._id_add(h, e.seq)
         heap_push(&self.due, ts, e.seq)
         cdef bint in_order = ts >= self.newest
         if in_order:
@@ -733,8 +809,7 @@ cdef class Table:
     def lookup(self, object id, double ts, tuple keys, Py_ssize_t floor, Py_ssize_t limit) -> tuple:
         """(own seq or 0, [(seq, shared, first key)]): `MemoryIndex.lookup_keys` by seq."""
         self._advance(ts)
-        own = self.by_id.get(id)
-        cdef uint64_t own_seq = 0 if own is None else <uint64_t>own
+        cdef uint64_t own_seq = self._id_seq(id, PyObject_Hash(id))
         cdef Py_ssize_t nkeys = len(keys), n, j
         if nkeys >= self.other_cap:
             self._grow_scratch(&self.other, &self.other_cap, nkeys + 1)
@@ -797,7 +872,7 @@ cdef class Table:
             id = ids[i]
             ts = tss[i]
             self._advance(ts)
-            if id in self.by_id:
+            if self._id_seq(id, PyObject_Hash(id)):
                 out.append(verdict(id, False, None, 0.0, "replay"))
                 continue
             memo = self.memos.get(id)
@@ -879,7 +954,7 @@ cdef class Table:
             ts = tss[i]
             self._advance(ts)
             own, cands = looked[i]
-            if (own is not None and type(own) is not memo_type) or id in self.by_id:
+            if (own is not None and type(own) is not memo_type) or self._id_seq(id, PyObject_Hash(id)):
                 out.append(verdict(id, False, None, 0.0, "replay"))
                 continue
             memo = own if own is not None else self.memos.get(id)
