@@ -1106,3 +1106,49 @@ cdef int _domain_spans(const ucs_t *data, Py_ssize_t n, const char *words, vecto
         out.push_back(i)
         out.push_back(end)
         pos = d = end
+
+
+# -- Latin letters between pinyin codes (`Normalizer._latin_pinyin`) ----------------------------------------
+
+def latin_pinyin(str coded, dict segmented, miss, uint32_t code_lo, uint32_t code_hi):
+    """`Normalizer._latin_pinyin(coded)`: each run of [a-z] (in pieces of at most 40, as `_LATIN_RUN` matches) with
+    a pinyin syllable code (`code_lo` <= c < `code_hi`) right before or after it becomes its pinyin split, the
+    one in `segmented` (its memo of splits: None for a run that is not pinyin, kept as it is), or what
+    `miss(run)` gives (it splits the run and remembers it there); without a Python call per run."""
+    cdef Py_ssize_t n = len(coded), i = 0, start, end, last = 0
+    cdef int kind = PyUnicode_KIND(coded)
+    cdef void *data = PyUnicode_DATA(coded)
+    cdef uint32_t c, before, after
+    cdef PyObject *held
+    cdef list parts = None
+    while i < n:
+        c = PyUnicode_READ(kind, data, i)
+        if c < 0x61 or c > 0x7A:
+            i += 1
+            continue
+        start = i
+        end = i + 1
+        while end < n and end - start < 40:
+            c = PyUnicode_READ(kind, data, end)
+            if c < 0x61 or c > 0x7A:
+                break
+            end += 1
+        i = end
+        before = PyUnicode_READ(kind, data, start - 1) if start else 0
+        after = PyUnicode_READ(kind, data, end) if end < n else 0
+        if not (code_lo <= before < code_hi or code_lo <= after < code_hi):
+            continue
+        run = coded[start:end]
+        held = PyDict_GetItemWithError(segmented, run)
+        done = <object>held if held != NULL else miss(run)
+        if not done:  # (not pinyin: kept)
+            continue
+        if parts is None:
+            parts = []
+        parts.append(coded[last:start])
+        parts.append(done)
+        last = end
+    if parts is None:
+        return coded
+    parts.append(coded[last:])
+    return "".join(parts)

@@ -31,6 +31,7 @@ from filters.index.shared import against
 from filters.normalize import (
     _BARE_DOMAIN,
     _EMAIL,
+    _PINYIN_CODE,
     _SCHEME_URL,
     _SPACED,
     _TLD_WORDS,
@@ -882,6 +883,26 @@ _WORD_STAGE_PIECES = st.sampled_from([
     "$100", "ca$h", "pr!ze", "w@17", "\U0001e802", "\U0001e800", "é", "Ａ", "在", "转fa", "😀", "\u200b", "ß",
 ])
 _WORD_STAGE_TEXTS = st.lists(_WORD_STAGE_PIECES, max_size=16).map("".join)
+
+
+# Latin runs and pinyin syllable codes side by side: syllables that split one way or several, letters that are
+# no pinyin, runs longer than the pattern's 40, other characters between.
+_LATIN_PINYIN_PIECES = st.sampled_from([
+    "fa", "xian", "fangan", "minguo", "zhongguo", "ni", "hao", "abc", "q", "x" * 45, "nihao" * 9, " ", "A", "转", "1",
+    *(chr(_PINYIN_CODE + j) for j in (0, 1, 7, 0xFFF)), chr(_PINYIN_CODE + 0x1000), chr(_PINYIN_CODE - 1),
+])
+
+
+@settings(max_examples=400, deadline=None)
+@given(texts=st.lists(st.lists(_LATIN_PINYIN_PIECES, max_size=12).map("".join), max_size=8))
+def test_compiled_latin_pinyin_as_the_reference(texts: list[str]) -> None:
+    """`_native.latin_pinyin` (what the compiled stages call) is `Normalizer._latin_pinyin` (a pattern and a Python
+    call per run), text by text, with the memo of splits filled by either and shared."""
+    compiled, reference = Normalizer(native=True), Normalizer(native=False)
+    for text in texts:
+        got = _native.latin_pinyin(text, compiled._segmented, compiled._split_run, _PINYIN_CODE, _PINYIN_CODE + 0x1000)
+        assert got == reference._latin_pinyin(text)
+        assert got == compiled._latin_pinyin(text)  # (its memo as the compiled one left it)
 
 
 @settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
