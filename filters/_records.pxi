@@ -56,20 +56,36 @@ cdef class Frozen:
 
     def __call__(self, *values):
         cdef Py_ssize_t i
-        cdef PyObject *obj
-        cdef object value
         if len(values) != self.n:
             raise TypeError(f"{self.cls.__name__} takes {self.n} values, got {len(values)}")
-        obj = (<PyTypeObject *>self.cls).tp_alloc(<PyTypeObject *>self.cls, 0)  # what object.__new__ calls
+        cdef PyObject *held[FROZEN_MAX_FIELDS]
+        for i in range(self.n):
+            held[i] = <PyObject *>values[i]
+        return self._made(held)
+
+    cdef object _made(self, PyObject **values):
+        """The instance of `n` values (borrowed: each gets a reference of its own)."""
+        cdef Py_ssize_t i
+        cdef PyObject *obj = (<PyTypeObject *>self.cls).tp_alloc(<PyTypeObject *>self.cls, 0)  # as object.__new__
         if obj == NULL:
             raise MemoryError()
         for i in range(self.n):  # fresh slots hold NULL: nothing to release
-            value = values[i]
-            Py_INCREF(value)
-            (<PyObject **>(<char *>obj + self.offsets[i]))[0] = <PyObject *>value
+            Py_INCREF(<object>values[i])
+            (<PyObject **>(<char *>obj + self.offsets[i]))[0] = values[i]
         made = <object>obj  # a second reference: the one tp_alloc gave is released
         Py_DECREF(made)
         return made
+
+
+cdef inline object made_of(maker, int n, object a, object b, object c, object d, object e):
+    """`maker(a, b, ...)` of the first `n` values (those after them are not used): straight into the instance when `maker` is a `Frozen` of that
+    many fields (the compiled loops' records: no call through Python, no tuple of arguments), else called."""
+    cdef PyObject *held[5]
+    if type(maker) is Frozen and (<Frozen>maker).n == n:
+        held[0] = <PyObject *>a; held[1] = <PyObject *>b; held[2] = <PyObject *>c
+        held[3] = <PyObject *>d; held[4] = <PyObject *>e
+        return (<Frozen>maker)._made(held)
+    return maker(*(a, b, c, d, e)[:n])
 
 
 # --- the common JSON line, decoded without a Python step per field ------------------------------------
@@ -107,7 +123,7 @@ def decode_common(list raws, loads, error, str text_field, str id_field, str ts_
     cdef bint valid
     cdef list out = PyList_New(n)
     cdef list left = []
-    cdef object value, record, text, id, ts, made
+    cdef object value, record, text, id, ts, made, message
     for i in range(n):
         raw = raws[i]
         made = None
@@ -141,7 +157,8 @@ def decode_common(list raws, loads, error, str text_field, str id_field, str ts_
                     else:
                         valid = False
                     if valid:
-                        made = new_decoded(new_message(raw.fallback_id if id is None else id, text, ts), record)
+                        message = made_of(new_message, 3, raw.fallback_id if id is None else id, text, ts, None, None)
+                        made = made_of(new_decoded, 2, message, record, None, None, None)
         if made is None:
             left.append(i)
         Py_INCREF(made)

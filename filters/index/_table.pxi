@@ -916,7 +916,7 @@ cdef class Table:
             else:
                 self._insert(id, ts, batch.exact_lo[i], batch.exact_hi[i], size_a, self.probe, nsk, keys, nkeys,
                              chars, nch, None, True)
-                out.append(verdict(id, False, None, 0.0, None))
+                out.append(made_of(verdict, 5, id, False, None, 0.0, None))
         return out
 
     def decide_shared(self, list ids, list tss, list fps, list looked, cfg, tuple method_names, verdict) -> tuple:
@@ -1056,7 +1056,7 @@ cdef class Table:
                 remembered.append(i)
             else:
                 self._insert(id, ts, lo, hi, size_a, self.probe, nsk, self.qkeys, nkeys, self.pchars, nch, None)
-                out.append(verdict(id, False, None, 0.0, None))
+                out.append(made_of(verdict, 5, id, False, None, 0.0, None))
                 unique.append(i)
         return out, unique, remembered
 
