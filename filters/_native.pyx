@@ -66,7 +66,8 @@ cdef extern from "Python.h":
 
 
 # One extension module, its source split by concern, each part beside the Python reference it is held to.
-include "_records.pxi"  # (first: the loops of the others make their records with it)
+# `_records.pxi` first: the loops of the others make their records with it.
+include "_records.pxi"
 include "_shingles.pxi"
 include "_edits.pxi"
 include "_sketch.pxi"

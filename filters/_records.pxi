@@ -111,7 +111,7 @@ cdef inline bint blank(str text) noexcept:
 
 def decode_common(list raws, loads, error, str text_field, str id_field, str ts_field, Py_ssize_t limit,
                   double max_ts, new_message, new_decoded) -> tuple:
-    """`stream.codec._decode_common`, the Python reference, computed here: per raw record (`.value`,
+    """`filters.records.decode_common`, the Python reference, computed here: per raw record (`.value`,
     `.fallback_id`, `.fallback_ts`) the `Decoded` of a common JSON line (`loads` of it a dict with a non-blank
     string text, a non-empty string id or none, a number of seconds from 0 to `max_ts` or none; `error`:
     what `loads` raises on invalid JSON), else None; and the places of the Nones, in order."""

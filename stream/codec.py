@@ -19,7 +19,7 @@ import orjson
 
 from filters.engine import Message, Verdict
 from filters.errors import DecodeError, MissingText, RejectedInput
-from filters.records import maker
+from filters.records import decode_common, maker
 
 # Event times above it are units mistaken for seconds (ms, µs, ns): refused, not let loose on the window.
 MAX_EVENT_TIME = 1e11
@@ -46,7 +46,6 @@ _BOM = b"\xef\xbb\xbf"
 # One of each per record: from all field values, without the dataclass __init__'s cost.
 _new_message = maker(Message)
 _new_decoded = maker(Decoded)
-_INVALID = object()  # a timestamp `decode_batch` leaves to `decode`
 
 
 def decode(raw: bytes, fmt: RecordFormat, *, fallback_id: str, fallback_ts: float) -> Decoded:
@@ -93,7 +92,7 @@ class Raw(Protocol):
 def decode_batch(raws: Sequence[Raw], fmt: RecordFormat) -> list[Decoded | RejectedInput]:
     """`decode` of each raw record, in order: its `Decoded`, or the `RejectedInput` it raises. The common
     record (a JSON object with a non-blank string text, a non-empty string id or none, a number of
-    seconds in range or none) is decoded by `_decode_common` (compiled: `filters._native.decode_common`)
+    seconds in range or none) is decoded by `filters.records.decode_common` (compiled: `filters._native`'s)
     without `decode`'s calls per field; any other goes to `decode` itself, so each rule stays written once
     (tests/test_properties.py holds the two equal)."""
     return decoded_batch(raws, fmt)[0]
@@ -103,7 +102,7 @@ def decoded_batch(raws: Sequence[Raw], fmt: RecordFormat,
                   common: Callable[..., tuple[list[Any], list[int]]] | None = None,
                   ) -> tuple[list[Decoded | RejectedInput], int]:
     """`decode_batch`, and how many of the records it rejected. `common`: the common records' decoder
-    (`_decode_common` or its compiled twin, the default)."""
+    (`filters.records.decode_common` or its compiled twin, the default)."""
     if fmt.format != "json":
         out: list[Any] = [None] * len(raws)
         left: Sequence[int] = range(len(raws))
@@ -122,46 +121,10 @@ def decoded_batch(raws: Sequence[Raw], fmt: RecordFormat,
     return out, rejected
 
 
-def _decode_common(raws: list[Raw], loads: Callable[[bytes], Any], error: type[Exception], text_field: str,
-                   id_field: str, ts_field: str, limit: int, max_ts: float, new_message: Callable[..., Message],
-                   new_decoded: Callable[..., Decoded]) -> tuple[list[Decoded | None], list[int]]:
-    """Per raw record the `Decoded` of a common JSON line (`loads` of it a dict with a non-blank string text, a
-    non-empty string id or none, a number of seconds from 0 to `max_ts` or none; `error`: what `loads` raises
-    on invalid JSON), else None (a byte-order mark, too long, any other rule: `decode` says); and the places
-    of the Nones, in order. The reference of `filters._native.decode_common`."""
-    out: list[Decoded | None] = []
-    left: list[int] = []
-    for i, raw in enumerate(raws):
-        value = raw.value
-        made = None
-        if len(value) <= limit:  # (with a byte-order mark orjson refuses it: `decode` strips it)
-            try:
-                record = loads(value)
-            except error:
-                record = None
-            if type(record) is dict:
-                text = record.get(text_field)
-                id = record.get(id_field)
-                ts = record.get(ts_field)
-                if type(text) is str and text and not text.isspace() and (id is None or (type(id) is str and id)):
-                    if ts is None:
-                        ts = raw.fallback_ts
-                    elif (type(ts) is float or type(ts) is int) and 0 <= ts <= max_ts:  # NaN fails both
-                        ts = float(ts)
-                    else:
-                        ts = _INVALID
-                    if ts is not _INVALID:
-                        made = new_decoded(new_message(raw.fallback_id if id is None else id, text, ts), record)
-        if made is None:
-            left.append(i)
-        out.append(made)
-    return out, left
-
-
-try:  # the compiled twin of `_decode_common`; absent when the core could not be built at install time
+try:  # the compiled twin of `filters.records.decode_common`; absent when the core could not be built at install time
     from filters._native import decode_common as _common
 except ImportError:  # pragma: no cover - exercised on machines without a compiler
-    _common = _decode_common
+    _common = decode_common
 
 
 def event_time(raw: bytes, fmt: RecordFormat, fallback_ts: float) -> float | None:

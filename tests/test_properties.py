@@ -19,8 +19,9 @@ from filters.engine import NearDupFilter, Verdict
 from filters.errors import RejectedInput
 from filters.fingerprint import Fingerprinter, key_method
 from filters.normalize import Normalizer
+from filters.records import decode_common
 from filters.sketch import overlap
-from stream.codec import Decoded, RecordFormat, _decode_common, decode, decode_batch, decoded_batch
+from stream.codec import Decoded, RecordFormat, decode, decode_batch, decoded_batch
 from stream.runner import RawRecord
 
 REPO = Path(__file__).resolve().parents[1]
@@ -285,7 +286,7 @@ def test_decode_batch_is_decode_of_each(raws: list[bytes], fmt: str, fallback_ts
     got = decode_batch(batch, form)
     assert len(got) == len(batch)
     # The Python reference of the common records' decoding gives the very same (the default is its compiled twin).
-    reference, rejected = decoded_batch(batch, form, common=_decode_common)
+    reference, rejected = decoded_batch(batch, form, common=decode_common)
     assert rejected == sum(isinstance(d, RejectedInput) for d in got)
     for d, r in zip(got, reference, strict=True):
         assert type(d) is type(r)
