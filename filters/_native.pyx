@@ -69,11 +69,12 @@ cdef extern from "Python.h":
 
 
 # One extension module, its source split by concern, each part beside the Python reference it is held to.
+# `_records.pxi` first: the loops of the others make their records with it.
+include "_records.pxi"
 include "_shingles.pxi"
 include "_edits.pxi"
 include "_sketch.pxi"
 include "index/_table.pxi"
 include "index/_redis_codec.pxi"
 include "index/_compact_codec.pxi"
-include "_records.pxi"
 include "_normalize.pxi"

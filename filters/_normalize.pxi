@@ -25,6 +25,59 @@ cdef extern from "Python.h":
     bint Py_UNICODE_ISSPACE(uint32_t ch) nogil
 
 from libc.stdint cimport int32_t, uint16_t, uint64_t
+
+
+cdef extern from * nogil:
+    """
+    #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    #include <immintrin.h>
+    /* Scans of the word stage over 16 code points at a time (AVX-512, called where `nd_has_512`): each returns
+       the first index from `i` where its test holds, or where it stopped (`n`; for `nd_spaced_512`, the first
+       i with i + 2 >= n), as the one-at-a-time loop it stands in front of. */
+    __attribute__((target("avx512f")))
+    static Py_ssize_t nd_find2_512(const uint32_t *d, Py_ssize_t i, Py_ssize_t n, uint32_t a, uint32_t b) {
+        const __m512i va = _mm512_set1_epi32((int)a), vb = _mm512_set1_epi32((int)b);
+        for (; i + 16 <= n; i += 16) {
+            __m512i v = _mm512_loadu_si512((const void *)(d + i));
+            unsigned m = (unsigned)(_mm512_cmpeq_epi32_mask(v, va) | _mm512_cmpeq_epi32_mask(v, vb));
+            if (m) return i + __builtin_ctz(m);
+        }
+        for (; i < n; i++) if (d[i] == a || d[i] == b) return i;
+        return i;
+    }
+    __attribute__((target("avx512f")))
+    static Py_ssize_t nd_digit_512(const uint32_t *d, Py_ssize_t i, Py_ssize_t n) {
+        const __m512i zero = _mm512_set1_epi32(0x30), nine = _mm512_set1_epi32(9);
+        for (; i + 16 <= n; i += 16) {
+            __m512i v = _mm512_sub_epi32(_mm512_loadu_si512((const void *)(d + i)), zero);
+            unsigned m = (unsigned)_mm512_cmple_epu32_mask(v, nine);
+            if (m) return i + __builtin_ctz(m);
+        }
+        for (; i < n; i++) if (d[i] - 0x30u <= 9u) return i;
+        return i;
+    }
+    __attribute__((target("avx512f")))
+    static Py_ssize_t nd_spaced_512(const uint32_t *d, Py_ssize_t i, Py_ssize_t n) {
+        const __m512i space = _mm512_set1_epi32(0x20), other = _mm512_set1_epi32((int)~0x2Au);
+        for (; i + 18 <= n; i += 16) {
+            __m512i here = _mm512_loadu_si512((const void *)(d + i));
+            __m512i two = _mm512_loadu_si512((const void *)(d + i + 2));
+            unsigned m = (unsigned)(_mm512_cmpeq_epi32_mask(two, space) & _mm512_testn_epi32_mask(here, other));
+            if (m) return i + __builtin_ctz(m);
+        }
+        for (; i + 2 < n; i++) if (((d[i + 2] ^ 0x20u) | (d[i] & ~0x2Au)) == 0) return i;
+        return i;
+    }
+    #else
+    static Py_ssize_t nd_find2_512(const uint32_t *d, Py_ssize_t i, Py_ssize_t n, uint32_t a, uint32_t b) {
+        (void)d; (void)n; (void)a; (void)b; return i; }
+    static Py_ssize_t nd_digit_512(const uint32_t *d, Py_ssize_t i, Py_ssize_t n) { (void)d; (void)n; return i; }
+    static Py_ssize_t nd_spaced_512(const uint32_t *d, Py_ssize_t i, Py_ssize_t n) { (void)d; (void)n; return i; }
+    #endif
+    """
+    Py_ssize_t nd_find2_512(const uint32_t *d, Py_ssize_t i, Py_ssize_t n, uint32_t a, uint32_t b)
+    Py_ssize_t nd_digit_512(const uint32_t *d, Py_ssize_t i, Py_ssize_t n)
+    Py_ssize_t nd_spaced_512(const uint32_t *d, Py_ssize_t i, Py_ssize_t n)
 from cython.operator cimport dereference as deref
 from libcpp.algorithm cimport binary_search
 from libcpp.vector cimport vector
@@ -578,6 +631,9 @@ cdef int _spaced_runs(const ucs_t *data, Py_ssize_t n, vector[Py_ssize_t] &out) 
             while True:
                 # A space two places further and a space or line break here (a few more characters pass, 0x28 and
                 # others, and fail below): one test a character, without the token's.
+                if ucs_t is uint32_t:
+                    if WIDE_LANES:  # (16 at a time, then the loop below stops at once)
+                        i = nd_spaced_512(data, i, n)
                 while i + 2 < n and ((data[i + 2] ^ 0x20) | (data[i] & ~0x2Au)) != 0:
                     i += 1
                 if i + 2 >= n or spaced_start(data, i):
@@ -797,6 +853,9 @@ cdef Py_ssize_t nl_scan(const ucs_t *data, Py_ssize_t n, bint leet_on, bint mask
     cdef Py_ssize_t i = 0, j = 0, end, q
     cdef uint32_t c, bits = 0
     cdef bint leet, found = False
+    if ucs_t is uint32_t:
+        if WIDE_LANES:  # the text before its first number
+            i = nd_digit_512(data, 0, n)
     while i < n:
         c = data[i]
         if not nl_digit(c):
@@ -875,6 +934,11 @@ cdef int _scheme_url_spans(const ucs_t *data, Py_ssize_t n, vector[Py_ssize_t] &
     cdef Py_ssize_t q = 0, s, k, e
     cdef uint32_t c
     while q < n:
+        if ucs_t is uint32_t:
+            if WIDE_LANES:
+                q = nd_find2_512(data, q, n, 0x3A, 0x2E)
+                if q >= n:
+                    break
         c = data[q]
         if c != 0x3A and c != 0x2E:
             q += 1
@@ -1001,6 +1065,9 @@ cdef int _domain_spans(const ucs_t *data, Py_ssize_t n, const char *words, vecto
     cdef Py_ssize_t pos = 0, d = 0, i, e, q, end
     cdef vector[Py_ssize_t] dots  # after each `label.` of the match: where the next one (or the TLD) starts
     while True:
+        if ucs_t is uint32_t:
+            if WIDE_LANES:
+                d = nd_find2_512(data, d, n, 0x2E, 0x2E)
         while d < n and data[d] != 0x2E:
             d += 1
         if d >= n:
@@ -1039,3 +1106,49 @@ cdef int _domain_spans(const ucs_t *data, Py_ssize_t n, const char *words, vecto
         out.push_back(i)
         out.push_back(end)
         pos = d = end
+
+
+# -- Latin letters between pinyin codes (`Normalizer._latin_pinyin`) ----------------------------------------
+
+def latin_pinyin(str coded, dict segmented, miss, uint32_t code_lo, uint32_t code_hi):
+    """`Normalizer._latin_pinyin(coded)`: each run of [a-z] (in pieces of at most 40, as `_LATIN_RUN` matches) with
+    a pinyin syllable code (`code_lo` <= c < `code_hi`) right before or after it becomes its pinyin split, the
+    one in `segmented` (its memo of splits: None for a run that is not pinyin, kept as it is), or what
+    `miss(run)` gives (it splits the run and remembers it there); without a Python call per run."""
+    cdef Py_ssize_t n = len(coded), i = 0, start, end, last = 0
+    cdef int kind = PyUnicode_KIND(coded)
+    cdef void *data = PyUnicode_DATA(coded)
+    cdef uint32_t c, before, after
+    cdef PyObject *held
+    cdef list parts = None
+    while i < n:
+        c = PyUnicode_READ(kind, data, i)
+        if c < 0x61 or c > 0x7A:
+            i += 1
+            continue
+        start = i
+        end = i + 1
+        while end < n and end - start < 40:
+            c = PyUnicode_READ(kind, data, end)
+            if c < 0x61 or c > 0x7A:
+                break
+            end += 1
+        i = end
+        before = PyUnicode_READ(kind, data, start - 1) if start else 0
+        after = PyUnicode_READ(kind, data, end) if end < n else 0
+        if not (code_lo <= before < code_hi or code_lo <= after < code_hi):
+            continue
+        run = coded[start:end]
+        held = PyDict_GetItemWithError(segmented, run)
+        done = <object>held if held != NULL else miss(run)
+        if not done:  # (not pinyin: kept)
+            continue
+        if parts is None:
+            parts = []
+        parts.append(coded[last:start])
+        parts.append(done)
+        last = end
+    if parts is None:
+        return coded
+    parts.append(coded[last:])
+    return "".join(parts)

@@ -75,22 +75,114 @@ def hash128(bytes data, uint32_t seed):
     return (<object>hi) << 64 | lo
 
 
+cdef extern from * nogil:
+    """
+    #include <stdint.h>
+    #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    #include <immintrin.h>
+    /* `ngram_hashes` 8 positions at a time (AVX-512: 64-bit lanes, their products kept low as in C); returns how
+       many positions it did, a multiple of 8: the caller does the rest. Compiled for these instructions only
+       and called only where the processor has them (`nd_has_512`). */
+    __attribute__((target("avx512f,avx512dq")))
+    static Py_ssize_t nd_ngram_hashes_512(const uint32_t *cps, Py_ssize_t count, int n, uint64_t seedc,
+                                          uint64_t *out) {
+        const __m512i mul = _mm512_set1_epi64((long long)0x9E3779B97F4A7C15ULL);
+        const __m512i m1 = _mm512_set1_epi64((long long)0xBF58476D1CE4E5B9ULL);
+        const __m512i m2 = _mm512_set1_epi64((long long)0x94D049BB133111EBULL);
+        const __m512i seed = _mm512_set1_epi64((long long)seedc);
+        Py_ssize_t p = 0;
+        for (; p + 8 <= count; p += 8) {
+            __m512i h = seed;
+            for (int j = 0; j < n; j++) {
+                __m512i c = _mm512_cvtepu32_epi64(_mm256_loadu_si256((const __m256i *)(cps + p + j)));
+                h = _mm512_mullo_epi64(_mm512_xor_si512(h, c), mul);
+            }
+            h = _mm512_mullo_epi64(_mm512_xor_si512(h, _mm512_srli_epi64(h, 30)), m1);
+            h = _mm512_mullo_epi64(_mm512_xor_si512(h, _mm512_srli_epi64(h, 27)), m2);
+            h = _mm512_xor_si512(h, _mm512_srli_epi64(h, 31));
+            _mm512_storeu_si512((void *)(out + p), h);
+        }
+        return p;
+    }
+    /* The selections after hashing, 8 values at a time: `values[p] >> shift` of each `values[p] <= limit`
+       (`nd_below_512`), `(values[p] >> 4) | tag` of each `values[p] & mask == 0` (`nd_sampled_512`), appended
+       at out[*at] in order; each returns how many values it looked at (a multiple of 8). */
+    __attribute__((target("avx512f,avx512dq")))
+    static Py_ssize_t nd_below_512(const uint64_t *values, Py_ssize_t count, uint64_t limit, int shift,
+                                   uint64_t *out, Py_ssize_t *at) {
+        const __m512i lim = _mm512_set1_epi64((long long)limit);
+        Py_ssize_t p = 0, q = *at;
+        for (; p + 8 <= count; p += 8) {
+            __m512i v = _mm512_loadu_si512((const void *)(values + p));
+            __mmask8 keep = _mm512_cmple_epu64_mask(v, lim);
+            _mm512_mask_compressstoreu_epi64((void *)(out + q), keep, _mm512_srli_epi64(v, (unsigned)shift));
+            q += __builtin_popcount((unsigned)keep);
+        }
+        *at = q;
+        return p;
+    }
+    __attribute__((target("avx512f,avx512dq")))
+    static Py_ssize_t nd_sampled_512(const uint64_t *values, Py_ssize_t count, uint64_t mask, uint64_t tag,
+                                     uint64_t *out, Py_ssize_t *at) {
+        const __m512i m = _mm512_set1_epi64((long long)mask);
+        const __m512i t = _mm512_set1_epi64((long long)tag);
+        Py_ssize_t p = 0, q = *at;
+        for (; p + 8 <= count; p += 8) {
+            __m512i v = _mm512_loadu_si512((const void *)(values + p));
+            __mmask8 keep = _mm512_testn_epi64_mask(v, m);
+            _mm512_mask_compressstoreu_epi64((void *)(out + q), keep, _mm512_or_si512(_mm512_srli_epi64(v, 4), t));
+            q += __builtin_popcount((unsigned)keep);
+        }
+        *at = q;
+        return p;
+    }
+    static int nd_has_512(void) {
+        __builtin_cpu_init();
+        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+    }
+    #else
+    static Py_ssize_t nd_ngram_hashes_512(const uint32_t *cps, Py_ssize_t count, int n, uint64_t seedc,
+                                          uint64_t *out) { (void)cps; (void)count; (void)n; (void)seedc; (void)out; return 0; }
+    static Py_ssize_t nd_below_512(const uint64_t *values, Py_ssize_t count, uint64_t limit, int shift,
+                                   uint64_t *out, Py_ssize_t *at) {
+        (void)values; (void)count; (void)limit; (void)shift; (void)out; (void)at; return 0; }
+    static Py_ssize_t nd_sampled_512(const uint64_t *values, Py_ssize_t count, uint64_t mask, uint64_t tag,
+                                     uint64_t *out, Py_ssize_t *at) {
+        (void)values; (void)count; (void)mask; (void)tag; (void)out; (void)at; return 0; }
+    static int nd_has_512(void) { return 0; }
+    #endif
+    """
+    Py_ssize_t nd_ngram_hashes_512(const uint32_t *cps, Py_ssize_t count, int n, uint64_t seedc, uint64_t *out)
+    Py_ssize_t nd_below_512(const uint64_t *values, Py_ssize_t count, uint64_t limit, int shift, uint64_t *out,
+                            Py_ssize_t *at)
+    Py_ssize_t nd_sampled_512(const uint64_t *values, Py_ssize_t count, uint64_t mask, uint64_t tag, uint64_t *out,
+                              Py_ssize_t *at)
+    int nd_has_512()
+
+
+# The processor's 512-bit lanes, where it has them: the n-gram hashes 8 at a time (a fact of the machine, read once).
+cdef bint WIDE_LANES = nd_has_512()
+
+
 cdef inline void ngram_hashes(const uint32_t *cps, Py_ssize_t length, int n, uint64_t seedc,
-                              uint64_t *out, Py_ssize_t count) noexcept nogil:
+                              uint64_t *out, Py_ssize_t count, bint lanes=True) noexcept nogil:
     """The hash of every n-gram position of one text (`Batch.ngrams`): `cps` is followed by ≥ n - 1 pads.
-    The default sizes (shingles of 4, m-grams of 6) are written out: the loop over a gram's characters
-    was half of the instructions of the whole hashing."""
-    cdef Py_ssize_t p
+    Eight positions at a time where the processor has 512-bit lanes (`lanes`: if so), then one at a time; the
+    default sizes (shingles of 4, m-grams of 6) are written out: the loop over a gram's characters was half
+    of the instructions of the whole hashing."""
+    cdef Py_ssize_t p, start = 0
     cdef int j
     cdef uint64_t h
+    if lanes and WIDE_LANES:
+        start = nd_ngram_hashes_512(cps, count, n, seedc, out)
     if n == 4:
-        for p in range(count):
+        for p in range(start, count):
             h = (seedc ^ cps[p]) * MUL
             h = (h ^ cps[p + 1]) * MUL
             h = (h ^ cps[p + 2]) * MUL
             out[p] = mix64((h ^ cps[p + 3]) * MUL)
     elif n == 6:
-        for p in range(count):
+        for p in range(start, count):
             h = (seedc ^ cps[p]) * MUL
             h = (h ^ cps[p + 1]) * MUL
             h = (h ^ cps[p + 2]) * MUL
@@ -98,11 +190,30 @@ cdef inline void ngram_hashes(const uint32_t *cps, Py_ssize_t length, int n, uin
             h = (h ^ cps[p + 4]) * MUL
             out[p] = mix64((h ^ cps[p + 5]) * MUL)
     else:
-        for p in range(count):
+        for p in range(start, count):
             h = seedc
             for j in range(n):
                 h = (h ^ cps[p + j]) * MUL
             out[p] = mix64(h)
+
+
+def gram_hashes(list code_points, int n, uint64_t seed, bint lanes) -> list:
+    """`ngram_hashes` of a text's code points (pads after them), with the 512-bit lanes where the processor has
+    them (`lanes`) or one position at a time: the same values, for the tests."""
+    cdef Py_ssize_t length = len(code_points), count = length - n + 1 if length - n + 1 > 1 else 1, i
+    cdef vector[uint32_t] cps
+    cdef vector[uint64_t] out
+    cps.resize(length + n + 8, PAD)
+    for i in range(length):
+        cps[i] = code_points[i]
+    out.resize(count)
+    ngram_hashes(cps.data(), length, n, mix64(seed + <uint64_t>n) | 1, out.data(), count, lanes)
+    return [out[i] for i in range(count)]
+
+
+def wide_lanes() -> bool:
+    """Whether the n-gram hashes run on 512-bit lanes here."""
+    return WIDE_LANES
 
 
 cdef Py_ssize_t utf8_encode(const uint32_t *cps, Py_ssize_t length, uint8_t *out) noexcept nogil:
@@ -446,18 +557,25 @@ cdef void _hash_batch(Shingled out, const uint32_t *cps, const Py_ssize_t *cp_st
             fraction = keep if keep < 0.999 else 0.999
             limit = <uint64_t>(fraction * 18446744073709551616.0)
         q = 0
-        for p in range(count):  # without a branch: which hashes pass is random, a branch mispredicts
+        start = nd_below_512(hashes, count, limit, 64 - HASH_BITS, kept, &q) if WIDE_LANES else 0
+        for p in range(start, count):  # without a branch: which hashes pass is random, a branch mispredicts
             kept[q] = hashes[p] >> (64 - HASH_BITS)
             q += hashes[p] <= limit
         sort_hashes(kept, q, limit >> (64 - HASH_BITS), scratch, counts)
         distinct = 0
         out.sk_start[i] = sk
-        for p in range(q):
+        p = 0
+        while p < q and distinct < k:  # the first k distinct values: the sketch
             if p == 0 or kept[p] != kept[p - 1]:
-                if distinct < k:
-                    out.sketch[sk] = <uint32_t>(kept[p] >> (HASH_BITS - 32))
-                    sk += 1
+                out.sketch[sk] = <uint32_t>(kept[p] >> (HASH_BITS - 32))
+                sk += 1
                 distinct += 1
+            p += 1
+        if p == 0 and q > 0:  # (k == 0: the first value is still one)
+            distinct = 1
+            p = 1
+        for j in range(p, q):  # the rest are only counted, without a branch
+            distinct += kept[j] != kept[j - 1]
         if keep >= 1.0:
             out.size[i] = distinct
         else:
@@ -470,7 +588,8 @@ cdef void _hash_batch(Shingled out, const uint32_t *cps, const Py_ssize_t *cp_st
             rate = 1
             while <uint64_t>count >= 2 * rate * <uint64_t>target:
                 rate *= 2
-            for p in range(count):  # (without a branch, as above: out.mgram has room for one per position)
+            start = nd_sampled_512(hashes, count, rate - 1, MGRAM_TAG, out.mgram, &mg) if WIDE_LANES else 0
+            for p in range(start, count):  # (without a branch, as above: out.mgram has room for one per position)
                 v = hashes[p]
                 out.mgram[mg] = (v >> 4) | MGRAM_TAG
                 mg += (v & (rate - 1)) == 0

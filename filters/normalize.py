@@ -395,8 +395,8 @@ class Normalizer:
         core = self._core
         assert core is not None
         done, latin_next_to_pinyin, emptied = core.each(texts if isinstance(texts, list) else list(texts))
-        for k in latin_next_to_pinyin:
-            done[k] = self._latin_pinyin(done[k])
+        for k in latin_next_to_pinyin:  # (`_latin_pinyin`, compiled: `_native.latin_pinyin`)
+            done[k] = _native.latin_pinyin(done[k], self._segmented, self._split_run, _PINYIN_CODE, _PINYIN_CODE + 0x1000)
         # Texts of separators only: by the steps, with the per-character twins of the two steps that use a
         # pattern (building those patterns would cost every process ≈ 0.5 s, the texts are short).
         for k in emptied:
@@ -541,10 +541,15 @@ class Normalizer:
         run = m.group()
         done = self._segmented.get(run, _UNSEEN)
         if done is _UNSEEN:
-            if len(self._segmented) >= _SEGMENTED_MAX:
-                self._segmented.clear()
-            done = self._segmented[run] = self._segment_pinyin(run)
+            done = self._split_run(run)
         return done or run  # type: ignore[return-value]
+
+    def _split_run(self, run: str) -> str | None:
+        """`_segment_pinyin(run)`, remembered in `_segmented` (emptied when full)."""
+        if len(self._segmented) >= _SEGMENTED_MAX:
+            self._segmented.clear()
+        done = self._segmented[run] = self._segment_pinyin(run)
+        return done
 
     def _segment_pinyin(self, run: str) -> str | None:
         """Split a Latin run into pinyin syllables, None if it is not pinyin. Of the ways to split it, the

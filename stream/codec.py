@@ -11,7 +11,7 @@ subclass whose `reason` goes to the dead-letter output.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -19,7 +19,7 @@ import orjson
 
 from filters.engine import Message, Verdict
 from filters.errors import DecodeError, MissingText, RejectedInput
-from filters.records import maker
+from filters.records import decode_common, maker
 
 # Event times above it are units mistaken for seconds (ms, µs, ns): refused, not let loose on the window.
 MAX_EVENT_TIME = 1e11
@@ -46,7 +46,6 @@ _BOM = b"\xef\xbb\xbf"
 # One of each per record: from all field values, without the dataclass __init__'s cost.
 _new_message = maker(Message)
 _new_decoded = maker(Decoded)
-_INVALID = object()  # a timestamp `decode_columns` leaves to `decode`
 
 
 def decode(raw: bytes, fmt: RecordFormat, *, fallback_id: str, fallback_ts: float) -> Decoded:
@@ -91,64 +90,56 @@ class Raw(Protocol):
 
     @property
     def decoded(self) -> Decoded | RejectedInput | None:
-        """Its decoding, when it was decoded before (`decode_columns`), else None."""
+        """Its decoding, when it was decoded before (the Kafka worker's, on arrival), else None."""
         ...
 
 
 def decode_batch(raws: Sequence[Raw], fmt: RecordFormat) -> list[Decoded | RejectedInput]:
     """`decode` of each raw record, in order: its `Decoded`, or the `RejectedInput` it raises. A record
-    decoded before (its `decoded`, by `decode_columns`: the worker decodes each record once, on arrival, for
-    its event time) is taken as it is."""
-    if all([r.decoded is not None for r in raws]):  # (a list: faster than a generator)
-        return [r.decoded for r in raws]  # type: ignore[misc]
-    fresh = [i for i, r in enumerate(raws) if r.decoded is None]
-    got = decode_columns([raws[i].value for i in fresh], [raws[i].fallback_id for i in fresh],
-                         [raws[i].fallback_ts for i in fresh], fmt)
-    out: list[Decoded | RejectedInput] = [r.decoded for r in raws]  # type: ignore[misc]
-    for i, d in zip(fresh, got, strict=True):
-        out[i] = d
-    return out
+    decoded before (its `decoded`: the Kafka worker decodes each record once, on arrival, for its event time)
+    is taken as it is. The common record (a JSON object with a non-blank string text, a non-empty string id or
+    none, a number of seconds in range or none) is decoded by `filters.records.decode_common` (compiled:
+    `filters._native`'s) without `decode`'s calls per field; any other goes to `decode` itself, so each rule
+    stays written once (tests/test_properties.py holds the two equal)."""
+    return decoded_batch(raws, fmt)[0]
 
 
-def decode_columns(values: Sequence[bytes], fallback_ids: Sequence[str], fallback_tss: Sequence[float],
-                   fmt: RecordFormat) -> list[Decoded | RejectedInput]:
-    """`decode` of each record given column by column (values and their fallbacks), in order: its `Decoded`,
-    or the `RejectedInput` it raises. The common record (a JSON object with a non-blank string text, a
-    non-empty string id or none, a number of seconds in range or none) is decoded here without `decode`'s
-    calls per field; any other goes to `decode` itself, so each rule stays written once
-    (tests/test_properties.py holds the two equal)."""
-    out: list[Decoded | RejectedInput] = []
+def decoded_batch(raws: Sequence[Raw], fmt: RecordFormat,
+                  common: Callable[..., tuple[list[Any], list[int]]] | None = None,
+                  ) -> tuple[list[Decoded | RejectedInput], int]:
+    """`decode_batch`, and how many of the records it rejected. `common`: the common records' decoder
+    (`filters.records.decode_common` or its compiled twin, the default)."""
+    out: list[Any]
+    left: Sequence[int]
+    if any([r.decoded is not None for r in raws]):  # decoded on arrival (the others, none as the worker routes, here)
+        out = [r.decoded for r in raws]
+        rest = [i for i, d in enumerate(out) if d is None]
+        if rest:
+            got, _ = decoded_batch([raws[i] for i in rest], fmt, common)
+            for i, d in zip(rest, got, strict=True):
+                out[i] = d
+        return out, sum([type(d) is not Decoded for d in out])
     if fmt.format != "json":
-        fast = False
+        out, left = [None] * len(raws), range(len(raws))
     else:
-        fast = True
-        loads, limit = orjson.loads, fmt.max_record_bytes
-        text_field, id_field, ts_field = fmt.text_field, fmt.id_field, fmt.ts_field
-    for value, fallback_id, fallback_ts in zip(values, fallback_ids, fallback_tss, strict=True):
-        if fast and len(value) <= limit:  # (with a byte-order mark orjson refuses it: `decode` strips it)
-            try:
-                record = loads(value)
-            except orjson.JSONDecodeError:
-                record = None  # `decode` says why
-            if type(record) is dict:
-                text = record.get(text_field)
-                id = record.get(id_field)
-                ts = record.get(ts_field)
-                if type(text) is str and text and not text.isspace() and (id is None or (type(id) is str and id)):
-                    if ts is None:
-                        ts = fallback_ts
-                    elif (type(ts) is float or type(ts) is int) and 0 <= ts <= MAX_EVENT_TIME:  # NaN fails both
-                        ts = float(ts)
-                    else:
-                        ts = _INVALID
-                    if ts is not _INVALID:
-                        out.append(_new_decoded(_new_message(fallback_id if id is None else id, text, ts), record))
-                        continue
+        out, left = (common or _common)(
+            raws if isinstance(raws, list) else list(raws), orjson.loads, orjson.JSONDecodeError, fmt.text_field,
+            fmt.id_field, fmt.ts_field, fmt.max_record_bytes, MAX_EVENT_TIME, _new_message, _new_decoded)
+    rejected = 0
+    for i in left:
+        raw = raws[i]
         try:
-            out.append(decode(value, fmt, fallback_id=fallback_id, fallback_ts=fallback_ts))
+            out[i] = decode(raw.value, fmt, fallback_id=raw.fallback_id, fallback_ts=raw.fallback_ts)
         except RejectedInput as exc:
-            out.append(exc)
-    return out
+            out[i] = exc
+            rejected += 1
+    return out, rejected
+
+
+try:  # the compiled twin of `filters.records.decode_common`; absent when the core could not be built at install time
+    from filters._native import decode_common as _common
+except ImportError:  # pragma: no cover - exercised on machines without a compiler
+    _common = decode_common
 
 
 def event_time(raw: bytes, fmt: RecordFormat, fallback_ts: float) -> float | None:

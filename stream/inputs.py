@@ -21,6 +21,9 @@ GZIP_MAGIC = b"\x1f\x8b"
 IDLE = b""
 IDLE_SECONDS = 0.05
 _SNIFF = 8192  # a NUL byte in this much of the start means binary input (as grep decides)
+# A file is read this much at a time: with the default buffer (the file system's block, 4 KiB) the dev stream
+# took ≈ 3,500 read calls.
+_READ_BYTES = 1 << 20
 
 
 class InputError(NeardupError):
@@ -52,7 +55,7 @@ class Inputs:
                 self._files.append(("stdin", None, None))
                 continue
             try:
-                raw = stack.enter_context(open(path, "rb"))  # closed by the stack
+                raw = stack.enter_context(open(path, "rb", buffering=_READ_BYTES))  # closed by the stack
                 total += os.fstat(raw.fileno()).st_size
                 head = raw.peek(_SNIFF)[:_SNIFF] if isinstance(raw, io.BufferedReader) else b""
             except IsADirectoryError:

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 from filters.engine import Message, NearDupFilter, Verdict
 from filters.errors import RejectedInput
 from filters.records import maker
-from stream.codec import Decoded, RecordFormat, decode_batch, duplicate_record, rejected_record
+from stream.codec import Decoded, RecordFormat, decoded_batch, duplicate_record, rejected_record
 
 UNIQUE, DUPLICATE, REJECTED = "unique", "duplicate", "rejected"
 
@@ -51,12 +51,17 @@ def route_batch(nd: NearDupFilter, batch: Sequence[RawRecord], fmt: RecordFormat
 def route_batches(nd: NearDupFilter, batches: Iterable[Sequence[RawRecord]], fmt: RecordFormat) -> Iterator[list[Routed]]:
     """`route_batch` of each batch in turn, reading two batches ahead (`ReadAhead`). The same results as
     `route_batch` one by one."""
+    return (step.routed() for step in decided_batches(nd, batches, fmt))
+
+
+def decided_batches(nd: NearDupFilter, batches: Iterable[Sequence[RawRecord]], fmt: RecordFormat) -> Iterator[Decided]:
+    """`route_batches` as each batch's `Decided`, whose records are made only where asked for."""
     ahead = ReadAhead(fmt)
     it = iter(batches)
     batch, following = next(it, None), next(it, None)
     while batch is not None:
         then = next(it, None)
-        yield ahead.route(nd, batch, following, then)
+        yield ahead.decided(nd, batch, following, then)
         batch, following = following, then
 
 
@@ -77,12 +82,17 @@ class ReadAhead:
         """The routing of `batch` by `nd` (as `route_batch`); `following` (and `then`), if given, are prepared
         meanwhile and used when they are routed next (by the same filter). An error preparing one is raised
         when it is routed."""
+        return self.decided(nd, batch, following, then).routed()
+
+    def decided(self, nd: NearDupFilter, batch: Sequence[RawRecord], following: Sequence[RawRecord] | None = None,
+                then: Sequence[RawRecord] | None = None) -> Decided:
+        """`route` as the batch's `Decided`."""
         kept, self._ahead = self._ahead, []
         step, prepared = self._taken(kept, nd, batch).result()
         if not step.messages:
             prepared = None
         if not following:
-            return step.routed(nd.decide(step.messages, prepared) if step.messages else [])
+            return Decided(step, nd.decide(step.messages, prepared) if step.messages else [])
         upcoming = None
         if then:
             ready = self._taken(kept, nd, following)  # prepared during the last batch, or now
@@ -93,7 +103,7 @@ class ReadAhead:
             share = self._taken(kept, nd, following)
         verdicts = nd.decide(step.messages, prepared, meanwhile=share.run, upcoming=upcoming) if step.messages else []
         self._ahead.append(share)
-        return step.routed(verdicts)
+        return Decided(step, verdicts)
 
     def _taken(self, kept: list[_Ahead], nd: NearDupFilter, batch: Sequence[RawRecord]) -> _Ahead:
         """The preparation of `batch` kept from before (by the same filter: the worker times each batch's
@@ -110,8 +120,8 @@ class _Step:
     def __init__(self, batch: Sequence[RawRecord], fmt: RecordFormat) -> None:
         self.batch = batch
         self.out: list[Routed | None] = [None] * len(batch)
-        results = decode_batch(batch, fmt)
-        if not any([isinstance(d, RejectedInput) for d in results]):  # (a list: faster than a generator)
+        results, rejected = decoded_batch(batch, fmt)
+        if not rejected:
             self.places: list[int] = list(range(len(batch)))
             self.decoded: list[Decoded] = results  # type: ignore[assignment]
         else:
@@ -124,11 +134,42 @@ class _Step:
                     self.places.append(i)
         self.messages = [d.message for d in self.decoded]
 
-    def routed(self, verdicts: Sequence[Verdict]) -> list[Routed]:
-        for i, d, v in zip(self.places, self.decoded, verdicts, strict=True):
-            self.out[i] = _new_routed(DUPLICATE if v.duplicate else UNIQUE, self.batch[i], d, v, None)
-        assert all(r is not None for r in self.out)
-        return self.out  # type: ignore[return-value]
+
+class Decided:
+    """One batch decided: its records' `Routed`s (`routed`), or only those of the records not unique (`others`)."""
+
+    def __init__(self, step: _Step, verdicts: Sequence[Verdict]) -> None:
+        if len(verdicts) != len(step.places):
+            raise ValueError(f"{len(verdicts)} verdicts for {len(step.places)} messages")
+        self.step, self.verdicts = step, verdicts
+        self.batch = step.batch
+
+    def routed(self) -> list[Routed]:
+        """Every record's `Routed`, in input order."""
+        step, batch, out = self.step, self.batch, self.step.out
+        for i, d, v in zip(step.places, step.decoded, self.verdicts, strict=True):
+            out[i] = _new_routed(DUPLICATE if v.duplicate else UNIQUE, batch[i], d, v, None)
+        assert all(r is not None for r in out)
+        return out  # type: ignore[return-value]
+
+    def others(self) -> list[tuple[int, Routed]]:
+        """The place and `Routed` of each record routed duplicate or rejected, in input order: the rest are unique."""
+        step, batch = self.step, self.batch
+        found = [(i, _new_routed(DUPLICATE, batch[i], d, v, None))
+                 for i, d, v in zip(step.places, step.decoded, self.verdicts) if v.duplicate]
+        if len(step.places) < len(batch):  # rejected records: routed already
+            found += [(i, r) for i, r in enumerate(step.out) if r is not None and r.kind == REJECTED]
+            found.sort(key=_place)
+        return found
+
+
+def _place(found: tuple[int, Routed]) -> int:
+    return found[0]
+
+
+def _lines(raws: Sequence[RawRecord]) -> list[bytes]:
+    """The records' values as output lines (without their line ends)."""
+    return [r.value.rstrip(b"\r\n") for r in raws]
 
 
 class _Ahead:
@@ -287,18 +328,21 @@ def run_filter(
         if batch:
             yield batch
 
-    routed = route_batches(nd, batches(), fmt) if read_ahead else (route_batch(nd, b, fmt) for b in batches())
+    decided = (decided_batches(nd, batches(), fmt) if read_ahead
+               else (ReadAhead(fmt).decided(nd, b, None, None) for b in batches()))
     add = summary.add
-    for rows in routed:
+    for step in decided:
         # Unique records go out a batch at a time (`write_many`), but before any other record of the batch is
-        # written: two outputs may be one stream (`--duplicates -`), and its lines stay in input order.
+        # written: two outputs may be one stream (`--duplicates -`), and its lines stay in input order. Only
+        # the records routed otherwise get a `Routed`; the unique ones go out as runs of lines between them.
+        batch = step.batch
         uniques: list[bytes] = []
-        keep = uniques.append
         count = 0
-        for r in rows:
-            if r.kind == UNIQUE:  # counted by the batch (`Summary.add_uniques`)
-                keep(r.raw.value.rstrip(b"\r\n"))
-                continue
+        start = 0
+        for at, r in step.others():
+            if at > start:  # the unique records before it
+                uniques += _lines(batch[start:at])
+            start = at + 1
             add(r)
             sink = duplicates if r.kind == DUPLICATE else rejected
             if sink is not None and uniques:  # the uniques before it first
@@ -315,6 +359,7 @@ def run_filter(
                     rejected.write(rejected_record(r.raw.value.rstrip(b"\r\n"), r.error, r.raw.fallback_id))
                 if on_rejected is not None:
                     on_rejected(r)
+        uniques += _lines(batch[start:])
         count += len(uniques)
         unique.write_many(uniques)
         summary.add_uniques(count)

@@ -33,6 +33,7 @@ from filters.index.shared import against
 from filters.normalize import (
     _BARE_DOMAIN,
     _EMAIL,
+    _PINYIN_CODE,
     _SCHEME_URL,
     _SPACED,
     _TLD_WORDS,
@@ -46,6 +47,7 @@ from filters.normalize import (
     _stages,
 )
 from filters.shingles import Batch
+from filters.sketch import Probe
 from tests.test_index_contract import assert_same_entry
 
 SAMPLE = Path(__file__).parent / "data" / "sample.jsonl"
@@ -81,6 +83,31 @@ def test_the_sketch_sort_sorts(bits: int, data: st.DataObject) -> None:
         st.lists(st.just(top), max_size=40),
     ))
     assert _native.sorted_hashes(values, top) == sorted(values)
+
+
+@settings(max_examples=300, deadline=None)
+@given(code_points=st.lists(st.integers(0, 0x10FFFF) | st.integers(97, 122), max_size=40), n=st.integers(1, 9),
+       seed=st.integers(0, 2**64 - 1))
+def test_gram_hashes_on_wide_lanes_as_one_at_a_time(code_points: list[int], n: int, seed: int) -> None:
+    """The n-gram hashes eight positions at a time (512-bit lanes, where the processor has them: the kernel's
+    path here when `wide_lanes()`) are the one-at-a-time loop's, for any length (the rest after the last
+    eight) and gram size (4 and 6 written out, the others by the general loop)."""
+    assert _native.gram_hashes(code_points, n, seed, True) == _native.gram_hashes(code_points, n, seed, False)
+
+
+@settings(max_examples=400, deadline=None)
+@given(wide=st.booleans(), data=st.data())
+def test_compiled_estimates_as_the_probe(wide: bool, data: st.DataObject) -> None:
+    """The compiled sketch comparison (its merge steps without a branch) gives `Probe.estimates`' three
+    figures, on 32- and 64-bit sketches: repeated values (a 32-bit sketch may hold one twice), few distinct
+    values shared many times, sketches that hold their whole text or a sample of it, empty ones."""
+    dtype = np.uint64 if wide else np.uint32
+    top = data.draw(st.sampled_from([3, 40, 2**32 - 1] + ([2**64 - 1] if wide else [])))
+    value = st.integers(0, top)
+    a, b = (np.array(sorted(data.draw(st.lists(value, max_size=40))), dtype=dtype) for _ in range(2))
+    size_a = data.draw(st.integers(0, 2 * len(a) + 1))
+    size_b = data.draw(st.integers(0, 2 * len(b) + 1))
+    assert _native.sketch_estimates(a, size_a, b, size_b) == Probe(a, size_a).estimates(b, size_b)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -196,6 +223,28 @@ def test_compiled_table_answers_as_the_reference(ops: list[tuple], window: float
             else:
                 answers.append(table.expire(ts))
         assert answers[0] == answers[1], (op, id, ts, keys)
+    assert tables[0].stats() == tables[1].stats()
+    assert [tables[0].get(s).id for s in tables[0].seqs()] == [tables[1].get(s).id for s in tables[1].seqs()]
+
+
+def test_compiled_table_finds_ids_as_the_reference_as_they_come_and_go() -> None:
+    """The compiled table's own map of live ids (open addressing on their hashes, grown, emptied by expiry
+    with its runs moved up): thousands of ids inserted out of order, expired as the window slides, some
+    inserted again; every id's live entry (or none) is `PyTable`'s at every step."""
+    rng = random.Random(7)
+    tables = [make_table(10.0, 4, native=True), PyTable(10.0, 4)]
+    names = [f"id{i}" for i in range(1500)] + [str(i) for i in range(300)]
+    for step in range(4000):
+        id = rng.choice(names)
+        ts = step / 100 + rng.uniform(-3, 3)
+        answers = [table.insert(_entry(id, ts, step % 4), (step % 17, 100 + step % 5)) for table in tables]
+        assert answers[0] == answers[1]
+        if step % 250 == 0:
+            for probe in rng.sample(names, 200):
+                own = [table.lookup(probe, ts, (), 1, 1)[0] for table in tables]
+                got = [(table.get(seq).id, table.get(seq).ts) if seq else None
+                       for table, seq in zip(tables, own, strict=True)]
+                assert got[0] == got[1], (step, probe)
     assert tables[0].stats() == tables[1].stats()
     assert [tables[0].get(s).id for s in tables[0].seqs()] == [tables[1].get(s).id for s in tables[1].seqs()]
 
@@ -977,6 +1026,26 @@ _WORD_STAGE_PIECES = st.sampled_from([
     "$100", "ca$h", "pr!ze", "w@17", "\U0001e802", "\U0001e800", "é", "Ａ", "在", "转fa", "😀", "\u200b", "ß",
 ])
 _WORD_STAGE_TEXTS = st.lists(_WORD_STAGE_PIECES, max_size=16).map("".join)
+
+
+# Latin runs and pinyin syllable codes side by side: syllables that split one way or several, letters that are
+# no pinyin, runs longer than the pattern's 40, other characters between.
+_LATIN_PINYIN_PIECES = st.sampled_from([
+    "fa", "xian", "fangan", "minguo", "zhongguo", "ni", "hao", "abc", "q", "x" * 45, "nihao" * 9, " ", "A", "转", "1",
+    *(chr(_PINYIN_CODE + j) for j in (0, 1, 7, 0xFFF)), chr(_PINYIN_CODE + 0x1000), chr(_PINYIN_CODE - 1),
+])
+
+
+@settings(max_examples=400, deadline=None)
+@given(texts=st.lists(st.lists(_LATIN_PINYIN_PIECES, max_size=12).map("".join), max_size=8))
+def test_compiled_latin_pinyin_as_the_reference(texts: list[str]) -> None:
+    """`_native.latin_pinyin` (what the compiled stages call) is `Normalizer._latin_pinyin` (a pattern and a Python
+    call per run), text by text, with the memo of splits filled by either and shared."""
+    compiled, reference = Normalizer(native=True), Normalizer(native=False)
+    for text in texts:
+        got = _native.latin_pinyin(text, compiled._segmented, compiled._split_run, _PINYIN_CODE, _PINYIN_CODE + 0x1000)
+        assert got == reference._latin_pinyin(text)
+        assert got == compiled._latin_pinyin(text)  # (its memo as the compiled one left it)
 
 
 @settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])

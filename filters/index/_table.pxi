@@ -8,6 +8,25 @@ cdef extern from "Python.h":
     void PyObject_GC_UnTrack(void *o)
 
 
+cdef extern from * nogil:
+    """
+    #if defined(__linux__)
+    #include <sys/mman.h>
+    #endif
+    #define ND_HUGE ((size_t)2 << 20)
+    /* Asks for 2 MiB pages under [p, p + n) (Linux, where transparent huge pages are on "madvise"); a hint. */
+    static inline void nd_huge_pages(void *p, size_t n) {
+    #if defined(__linux__) && defined(MADV_HUGEPAGE)
+        madvise(p, n, MADV_HUGEPAGE);
+    #else
+        (void)p; (void)n;
+    #endif
+    }
+    """
+    size_t ND_HUGE
+    void nd_huge_pages(void *p, size_t n)
+
+
 cdef struct CEntry:
     uint64_t seq
     double ts
@@ -37,6 +56,11 @@ cdef struct Bucket:
     BucketData d
 
 
+cdef struct IdSlot:  # a live entry's id by its hash: the entry's seq (0: an empty slot)
+    Py_hash_t hash
+    uint64_t seq
+
+
 cdef struct Due:
     double ts
     uint64_t seq
@@ -47,6 +71,28 @@ cdef struct Hit:  # one candidate while counting: how many of the query's bucket
     uint32_t shared
     uint32_t first
     uint32_t stamp
+
+
+cdef Bucket *new_slots(Py_ssize_t n, void **held) except NULL:
+    """An array of `n` empty buckets; `held[0]` is what to free. One of 2 MiB or more lies on huge pages, where
+    the system gives them: a full table is as large as the cache, its look-ups land anywhere in it, and with
+    4 KiB pages each one also missed the TLB (and each page was a fault of its own as the table grew)."""
+    cdef size_t size = n * sizeof(Bucket)
+    cdef char *raw
+    cdef Bucket *slots
+    if size < 2 * ND_HUGE:
+        raw = <char *>PyMem_Malloc(size)
+        slots = <Bucket *>raw
+    else:
+        raw = <char *>PyMem_Malloc(size + ND_HUGE)
+        slots = <Bucket *>((<size_t>raw + ND_HUGE - 1) & ~(ND_HUGE - 1))
+        if raw:
+            nd_huge_pages(slots, size)
+    if not raw:
+        raise MemoryError()
+    memset(slots, 0, size)
+    held[0] = raw
+    return slots
 
 
 cdef int regrow(void **buf, Py_ssize_t *cap, Py_ssize_t need, size_t item) except -1:
@@ -160,6 +206,7 @@ cdef class Table:
     cdef readonly int bucket_cap
     cdef object make_entry
     cdef Bucket *slots
+    cdef void *slots_held  # the allocation `slots` lies in (see `new_slots`)
     cdef uint64_t mask
     cdef Py_ssize_t used
     cdef CEntry **ents
@@ -168,7 +215,12 @@ cdef class Table:
     cdef uint64_t seq
     cdef Py_ssize_t live
     cdef Heap due  # (event time, seq) of the entries
-    cdef dict by_id
+    # ids -> seq of the live entries: an open-addressing table of (hash, seq) whose key is the entry's own id. A
+    # dict of them missed the cache three times a look-up (its index, its entry, the key's hash in the str); here
+    # a look-up of an absent id (nearly every message's) reads one slot, and an id is compared only on equal hashes.
+    cdef IdSlot *id_slots
+    cdef uint64_t id_mask
+    cdef Py_ssize_t id_used
     # Memos: id -> the verdict of a duplicate (a new reference in `memo_due`, whose seq is its address).
     cdef dict memos
     cdef Heap memo_due
@@ -198,7 +250,7 @@ cdef class Table:
         self.bucket_cap = bucket_cap
         self.make_entry = make_entry
         self.mask = 1023
-        self.slots = <Bucket *>PyMem_Malloc((self.mask + 1) * sizeof(Bucket))
+        self.slots = new_slots(self.mask + 1, &self.slots_held)
         self.ecap = 1024
         self.ents = <CEntry **>PyMem_Malloc(self.ecap * sizeof(CEntry *))
         self.ebase = 1
@@ -218,10 +270,13 @@ cdef class Table:
         if (not self.slots or not self.ents or not self.due.items or not self.memo_due.items or not self.hits or not self.ranked
                 or not self.found or not self.probe or not self.other):
             raise MemoryError()
-        memset(self.slots, 0, (self.mask + 1) * sizeof(Bucket))
         memset(self.ents, 0, self.ecap * sizeof(CEntry *))
         memset(self.hits, 0, (self.hmask + 1) * sizeof(Hit))
-        self.by_id = {}
+        self.id_mask = 1023
+        self.id_slots = <IdSlot *>PyMem_Malloc((self.id_mask + 1) * sizeof(IdSlot))
+        if not self.id_slots:
+            raise MemoryError()
+        memset(self.id_slots, 0, (self.id_mask + 1) * sizeof(IdSlot))
         self.memos = {}
         self.watermark = -float("inf")
         self.newest = -float("inf")
@@ -232,7 +287,7 @@ cdef class Table:
             for i in range(<Py_ssize_t>self.mask + 1):
                 if self.slots[i].n > 1:
                     PyMem_Free(self.slots[i].d.many)
-            PyMem_Free(self.slots)
+            PyMem_Free(self.slots_held)
         if self.ents:
             for i in range(self.ecap):
                 if self.ents[i]:
@@ -244,7 +299,7 @@ cdef class Table:
         PyMem_Free(self.due.items); PyMem_Free(self.memo_due.items)
         PyMem_Free(self.hits); PyMem_Free(self.ranked); PyMem_Free(self.found)
         PyMem_Free(self.probe); PyMem_Free(self.other); PyMem_Free(self.qkeys); PyMem_Free(self.merged)
-        PyMem_Free(self.pchars); PyMem_Free(self.ochars)
+        PyMem_Free(self.pchars); PyMem_Free(self.ochars); PyMem_Free(self.id_slots)
 
     def __len__(self):
         return self.live
@@ -281,11 +336,10 @@ cdef class Table:
     cdef int _grow_slots(self) except -1:
         cdef uint64_t old_mask = self.mask, i, j
         cdef Bucket *old = self.slots
+        cdef void *old_held = self.slots_held
         cdef uint64_t mask = old_mask * 2 + 1
-        cdef Bucket *slots = <Bucket *>PyMem_Malloc((mask + 1) * sizeof(Bucket))
-        if not slots:
-            raise MemoryError()
-        memset(slots, 0, (mask + 1) * sizeof(Bucket))
+        cdef void *held
+        cdef Bucket *slots = new_slots(mask + 1, &held)
         for i in range(old_mask + 1):
             if old[i].n:
                 j = mix64(old[i].key) & mask
@@ -293,8 +347,9 @@ cdef class Table:
                     j = (j + 1) & mask
                 slots[j] = old[i]
         self.slots = slots
+        self.slots_held = held
         self.mask = mask
-        PyMem_Free(old)
+        PyMem_Free(old_held)
         return 0
 
     cdef void _drop_slot(self, Bucket *b) noexcept:
@@ -315,6 +370,69 @@ cdef class Table:
 
     cdef inline uint64_t *_members(self, Bucket *b) noexcept:
         return &b.d.one if b.n == 1 else b.d.many
+
+    # -- ids of the live entries ---------------------------------------------------------------------
+    cdef uint64_t _id_seq(self, object id, Py_hash_t h) except? 0:
+        """The seq of the live entry whose id equals `id` (of hash `h`), or 0 (as `by_id.get(id)` of a dict)."""
+        cdef uint64_t i = <uint64_t>h & self.id_mask
+        cdef IdSlot *slot
+        cdef CEntry *e
+        while True:
+            slot = &self.id_slots[i]
+            if slot.seq == 0:
+                return 0
+            if slot.hash == h:
+                e = self._entry(slot.seq)
+                if <PyObject *>id == e.id or id == <object>e.id:
+                    return slot.seq
+            i = (i + 1) & self.id_mask
+
+    cdef int _id_add(self, Py_hash_t h, uint64_t seq) except -1:
+        """Records a new live entry's id (absent before) by its hash."""
+        cdef uint64_t i, j, mask
+        cdef IdSlot *grown
+        if (self.id_used + 1) * 2 > <Py_ssize_t>(self.id_mask + 1):
+            mask = self.id_mask * 2 + 1
+            grown = <IdSlot *>PyMem_Malloc((mask + 1) * sizeof(IdSlot))
+            if not grown:
+                raise MemoryError()
+            memset(grown, 0, (mask + 1) * sizeof(IdSlot))
+            for i in range(self.id_mask + 1):
+                if self.id_slots[i].seq:
+                    j = <uint64_t>self.id_slots[i].hash & mask
+                    while grown[j].seq:
+                        j = (j + 1) & mask
+                    grown[j] = self.id_slots[i]
+            PyMem_Free(self.id_slots)
+            self.id_slots = grown
+            self.id_mask = mask
+        i = <uint64_t>h & self.id_mask
+        while self.id_slots[i].seq:
+            i = (i + 1) & self.id_mask
+        self.id_slots[i].hash = h
+        self.id_slots[i].seq = seq
+        self.id_used += 1
+        return 0
+
+    cdef void _id_drop(self, Py_hash_t h, uint64_t seq) noexcept:
+        """Forgets the id of the entry `seq` (of hash `h`), if recorded; later slots of its run move up (as
+        `_drop_slot`)."""
+        cdef uint64_t i = <uint64_t>h & self.id_mask, j, home
+        while self.id_slots[i].seq != seq:
+            if self.id_slots[i].seq == 0:
+                return
+            i = (i + 1) & self.id_mask
+        self.id_used -= 1
+        j = i
+        while True:
+            j = (j + 1) & self.id_mask
+            if self.id_slots[j].seq == 0:
+                break
+            home = <uint64_t>self.id_slots[j].hash & self.id_mask
+            if (j > i and (home <= i or home > j)) or (j < i and (home <= i and home > j)):
+                self.id_slots[i] = self.id_slots[j]
+                i = j
+        self.id_slots[i].seq = 0
 
     # -- entries -----------------------------------------------------------------------------------
     cdef inline CEntry *_entry(self, uint64_t seq) noexcept:
@@ -387,9 +505,7 @@ cdef class Table:
             self.ents[due.seq - self.ebase] = NULL
             self.live -= 1
             gone += 1
-            held = self.by_id.get(<object>e.id)
-            if held is not None and <uint64_t>held == e.seq:
-                del self.by_id[<object>e.id]
+            self._id_drop(PyObject_Hash(<object>e.id), e.seq)
             for k in range(e.nkeys):
                 b = self._find(e.keys[k])
                 if b == NULL:
@@ -449,9 +565,11 @@ cdef class Table:
     # -- insert ------------------------------------------------------------------------------------
     cdef int _insert(self, object id, double ts, uint64_t exact_lo, uint64_t exact_hi, int64_t size,
                      const uint64_t *sketch, Py_ssize_t nsk, const uint64_t *keys, Py_ssize_t nkeys,
-                     const uint32_t *chars, Py_ssize_t nch, object payload) except -1:
-        """`MemoryIndex.insert_one`: nothing when the id is live or the event time already left the window."""
-        if id in self.by_id:
+                     const uint32_t *chars, Py_ssize_t nch, object payload, bint absent=False) except -1:
+        """`MemoryIndex.insert_one`: nothing when the id is live or the event time already left the window.
+        `absent`: the caller found the id not live (`decide`): it is not looked up twice."""
+        cdef Py_hash_t h = PyObject_Hash(id)
+        if not absent and self._id_seq(id, h):
             return 0
         if ts > self.watermark:
             self._advance(ts)
@@ -502,7 +620,7 @@ cdef class Table:
             self._free_entry(e)
             raise
         self.live += 1
-        self.by_id[id] = e.seq
+        self._id_add(h, e.seq)
         heap_push(&self.due, ts, e.seq)
         cdef bint in_order = ts >= self.newest
         if in_order:
@@ -632,6 +750,11 @@ cdef class Table:
         if total > self.ranked_cap:
             regrow(<void **>&self.ranked, &self.ranked_cap, total, sizeof(Hit *))
         cdef Py_ssize_t distinct = 0
+        # (the loop's state in locals: stores through `hit` would make the compiler reload the table's fields)
+        cdef Hit *hits = self.hits
+        cdef Hit **ranked = self.ranked
+        cdef uint64_t hmask = self.hmask
+        cdef uint32_t stamp = self.stamp
         for k in range(nkeys):
             b = self.found[k]
             if b == NULL:
@@ -639,23 +762,24 @@ cdef class Table:
             seqs = self._members(b)
             for j in range(b.n):
                 s = seqs[j]
-                h = mix64(s) & self.hmask
+                # Seqs are handed out in order: their low bits spread them over the map as they are (no mixing).
+                h = s & hmask
                 while True:
-                    hit = &self.hits[h]
-                    if hit.stamp != self.stamp:
-                        hit.stamp = self.stamp
+                    hit = &hits[h]
+                    if hit.stamp != stamp:
+                        hit.stamp = stamp
                         hit.seq = s
                         hit.shared = 1
                         hit.first = <uint32_t>k
                         distinct += 1
                         if s != own:
-                            self.ranked[n_ranked] = hit
+                            ranked[n_ranked] = hit
                             n_ranked += 1
                         break
                     if hit.seq == s:
                         hit.shared += 1
                         break
-                    h = (h + 1) & self.hmask
+                    h = (h + 1) & hmask
         if floor > 1 and distinct == total:
             return 0  # every entry was in one bucket only
         # Keep those with enough shared keys, then rank (insertion sort: a handful, nearly always).
@@ -685,8 +809,7 @@ cdef class Table:
     def lookup(self, object id, double ts, tuple keys, Py_ssize_t floor, Py_ssize_t limit) -> tuple:
         """(own seq or 0, [(seq, shared, first key)]): `MemoryIndex.lookup_keys` by seq."""
         self._advance(ts)
-        own = self.by_id.get(id)
-        cdef uint64_t own_seq = 0 if own is None else <uint64_t>own
+        cdef uint64_t own_seq = self._id_seq(id, PyObject_Hash(id))
         cdef Py_ssize_t nkeys = len(keys), n, j
         if nkeys >= self.other_cap:
             self._grow_scratch(&self.other, &self.other_cap, nkeys + 1)
@@ -738,6 +861,7 @@ cdef class Table:
         cdef CEntry *e
         cdef int64_t size_a
         cdef bint matched
+        cdef Estimates est
         cdef Rules rules = rules_of(cfg)
         cdef double min_shared = rules.min_shared
         cdef Py_ssize_t limit = rules.limit
@@ -748,7 +872,7 @@ cdef class Table:
             id = ids[i]
             ts = tss[i]
             self._advance(ts)
-            if id in self.by_id:
+            if self._id_seq(id, PyObject_Hash(id)):
                 out.append(verdict(id, False, None, 0.0, "replay"))
                 continue
             memo = self.memos.get(id)
@@ -776,8 +900,11 @@ cdef class Table:
                     memo = verdict(id, True, <object>e.id, 1.0, "exact")
                     matched = True
                     break
-                sim = similarity(estimates(self.probe, nsk, size_a, self._wide(e), e.nsk, e.size), size_a, e.size,
-                                 &rules, chars, nch, e.chars, e.nch)
+                if e.narrow:  # (as a fingerprint's: compared as stored, 32 bits each)
+                    est = estimates(batch.sketch + batch.sk_start[i], nsk, size_a, <uint32_t *>e.sketch, e.nsk, e.size)
+                else:
+                    est = estimates(<const uint64_t *>self.probe, nsk, size_a, self._wide(e), e.nsk, e.size)
+                sim = similarity(est, size_a, e.size, &rules, chars, nch, e.chars, e.nch)
                 if sim >= 0.0:
                     memo = verdict(id, True, <object>e.id, py_round(sim, 4),
                                    method_names[keys[self.ranked[c].first] >> 60])
@@ -788,8 +915,8 @@ cdef class Table:
                 out.append(memo)
             else:
                 self._insert(id, ts, batch.exact_lo[i], batch.exact_hi[i], size_a, self.probe, nsk, keys, nkeys,
-                             chars, nch, None)
-                out.append(verdict(id, False, None, 0.0, None))
+                             chars, nch, None, True)
+                out.append(made_of(verdict, 5, id, False, None, 0.0, None))
         return out
 
     def decide_shared(self, list ids, list tss, list fps, list looked, cfg, tuple method_names, verdict) -> tuple:
@@ -827,7 +954,7 @@ cdef class Table:
             ts = tss[i]
             self._advance(ts)
             own, cands = looked[i]
-            if (own is not None and type(own) is not memo_type) or id in self.by_id:
+            if (own is not None and type(own) is not memo_type) or self._id_seq(id, PyObject_Hash(id)):
                 out.append(verdict(id, False, None, 0.0, "replay"))
                 continue
             memo = own if own is not None else self.memos.get(id)
@@ -917,7 +1044,7 @@ cdef class Table:
                     nch_b = code_points_of(entry.chars, &self.ochars, &self.ochars_cap) if nch else 0
                     chars_b = self.ochars
                     match_id = entry.id
-                sim = similarity(estimates(self.probe, nsk, size_a, other, nsk_b, size_b), size_a, size_b,
+                sim = similarity(estimates(<const uint64_t *>self.probe, nsk, size_a, other, nsk_b, size_b), size_a, size_b,
                                  &rules, self.pchars, nch, chars_b, nch_b)
                 if sim >= 0.0:
                     memo = verdict(id, True, match_id, py_round(sim, 4), method_names[item.first_key >> 60])
@@ -929,7 +1056,7 @@ cdef class Table:
                 remembered.append(i)
             else:
                 self._insert(id, ts, lo, hi, size_a, self.probe, nsk, self.qkeys, nkeys, self.pchars, nch, None)
-                out.append(verdict(id, False, None, 0.0, None))
+                out.append(made_of(verdict, 5, id, False, None, 0.0, None))
                 unique.append(i)
         return out, unique, remembered
 
