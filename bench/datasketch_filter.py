@@ -1,7 +1,7 @@
 """Benchmark peer: datasketch MinHashLSH as a whole process over a JSONL stream, for timing against
 `neardup filter` process to process (start-up included):
 
-    farm-bench -n 3 --vs "python bench/datasketch_filter.py --stream STREAM" -- neardup filter -q STREAM
+    python bench/alternate.py -n 3 --vs "python bench/datasketch_filter.py --stream STREAM" -- neardup filter -q STREAM
 
 Used as bench/filter_bench.py uses it (128 permutations, threshold 0.5, character 5-grams of NFKC +
 lower-case + punctuation-stripped text; query, then insert if no match); prints the unique records'

@@ -8,7 +8,7 @@ from typing import Any
 
 from filters.errors import RejectedInput
 from filters.records import maker
-from stream.codec import Decoded, RecordFormat, decode, decode_columns, event_time
+from stream.codec import Decoded, RecordFormat, decode, decoded_batch, event_time
 from stream.config import Settings
 from stream.kafka_tools import Headers, KafkaRecord, new_kafka_record
 from stream.runner import DUPLICATE, UNIQUE, RawRecord, Routed
@@ -58,8 +58,8 @@ def raw_record(record: KafkaRecord) -> RawRecord:
 
 def arrived(msgs: Sequence[Any], fmt: RecordFormat) -> list[KafkaRecord]:
     """aiokafka's ConsumerRecords of one partition (as `getmany` returns them) as KafkaRecords, each decoded
-    once, here (`decode_columns`: a batch at a time, column by column): its event time (`record_time`) and its
-    routing (`raw_record`) take that decoding, as `raw_record` and `decode` would have made it."""
+    once, here (`decoded_batch`, a batch at a time): its event time (`record_time`) and its routing
+    (`raw_record`) take that decoding, as `raw_record` and `decode` would have made it."""
     if not msgs:
         return []
     topic, partition = msgs[0].topic, msgs[0].partition
@@ -67,9 +67,10 @@ def arrived(msgs: Sequence[Any], fmt: RecordFormat) -> list[KafkaRecord]:
     where = [f"{topic}/{partition}/{m.offset}" for m in msgs]  # `KafkaRecord.coordinates`
     times = [m.timestamp / 1000.0 for m in msgs]
     new_raw, new_record = _new_raw_record, new_kafka_record
+    decoded, _ = decoded_batch([new_raw(v, c, t, None) for v, c, t in zip(values, where, times, strict=True)], fmt)
     return [new_record(topic, partition, m.offset, m.timestamp, m.key, m.value,
                        tuple([(k, bytes(v)) for k, v in m.headers]) if m.headers else (), new_raw(v, c, t, d))
-            for m, v, c, t, d in zip(msgs, values, where, times, decode_columns(values, where, times, fmt), strict=True)]
+            for m, v, c, t, d in zip(msgs, values, where, times, decoded, strict=True)]
 
 
 def record_time(record: KafkaRecord, fmt: RecordFormat) -> float | None:

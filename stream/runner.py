@@ -25,7 +25,7 @@ class RawRecord:
     value: bytes
     fallback_id: str  # used when the record has no id field (line number, topic/partition/offset)
     fallback_ts: float  # used when it has no timestamp field (arrival time, Kafka timestamp)
-    # Its decoding when it was decoded before routing (`stream.codec.decode_columns`: the Kafka worker decodes
+    # Its decoding when it was decoded before routing (`stream.outputs.arrived`: the Kafka worker decodes
     # each record once, on arrival, for its event time), else None: `decode_batch` takes it as it is.
     decoded: Decoded | RejectedInput | None = field(default=None, compare=False)  # (derived: not compared)
 
