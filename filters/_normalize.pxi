@@ -59,13 +59,15 @@ cdef extern from * nogil:
     __attribute__((target("avx512f")))
     static Py_ssize_t nd_spaced_512(const uint32_t *d, Py_ssize_t i, Py_ssize_t n) {
         const __m512i space = _mm512_set1_epi32(0x20), other = _mm512_set1_epi32((int)~0x2Au);
+        const __m512i joiner = _mm512_set1_epi32(0x1E);
         for (; i + 18 <= n; i += 16) {
             __m512i here = _mm512_loadu_si512((const void *)(d + i));
             __m512i two = _mm512_loadu_si512((const void *)(d + i + 2));
-            unsigned m = (unsigned)(_mm512_cmpeq_epi32_mask(two, space) & _mm512_testn_epi32_mask(here, other));
+            unsigned m = (unsigned)(_mm512_cmpeq_epi32_mask(two, space)
+                                    & (_mm512_testn_epi32_mask(here, other) | _mm512_cmpeq_epi32_mask(here, joiner)));
             if (m) return i + __builtin_ctz(m);
         }
-        for (; i + 2 < n; i++) if (((d[i + 2] ^ 0x20u) | (d[i] & ~0x2Au)) == 0) return i;
+        for (; i + 2 < n; i++) if (d[i + 2] == 0x20u && ((d[i] & ~0x2Au) == 0 || d[i] == 0x1Eu)) return i;
         return i;
     }
     #else
@@ -629,12 +631,13 @@ cdef int _spaced_runs(const ucs_t *data, Py_ssize_t n, vector[Py_ssize_t] &out) 
         # A run's first token is followed by a space (else it is one token: as the loop below would find)
         if i >= 0:
             while True:
-                # A space two places further and a space or line break here (a few more characters pass, 0x28 and
-                # others, and fail below): one test a character, without the token's.
+                # A space two places further and a space, line break or joiner here (a few more characters pass,
+                # 0x28 and others, and fail below): one test a character, without the token's.
                 if ucs_t is uint32_t:
                     if WIDE_LANES:  # (16 at a time, then the loop below stops at once)
                         i = nd_spaced_512(data, i, n)
-                while i + 2 < n and ((data[i + 2] ^ 0x20) | (data[i] & ~0x2Au)) != 0:
+                while i + 2 < n and ((data[i + 2] ^ 0x20) | (data[i] & ~0x2Au)) != 0 \
+                        and (data[i] != 0x1E or data[i + 2] != 0x20):
                     i += 1
                 if i + 2 >= n or spaced_start(data, i):
                     break

@@ -17,7 +17,7 @@ import mmh3
 import numpy as np
 import orjson
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from filters import _native
@@ -983,6 +983,8 @@ def test_compiled_stages_map_every_code_point_as_the_tables() -> None:
 
 @settings(max_examples=300, deadline=None)
 @given(text=st.text(alphabet=st.sampled_from([*" \n\x1eab1@$!_.z9", "é", "\u3000", "😀"]), max_size=40))
+@example("\x1e1 1 1")  # the joiner starts a run (the scan's first test once let only a space or line break)
+@example("😀" + "q" * 20 + "\x1e1 1 1 z")  # the same in the 16-wide scan of a 4-byte text
 def test_spaced_runs_are_where_the_pattern_matches(text: str) -> None:
     assert _native.spaced_runs(text) == [(m.start() - 1, m.end() - 1) for m in _SPACED().finditer(" " + text)]
 
