@@ -575,14 +575,18 @@ class RedisIndex:
         finish(left)
         return verdicts
 
-    def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | Verdict | None, list[Candidate]]]:
+    def _read_view(self, queries: Sequence[Query]) -> tuple[list[float], list[str], list[list[bytes | None]],
+                                                            list[list[int]], list[int]] | None:
+        """A lookup's read (the one sent ahead by `prefetch`, when it is still good, else a new one), kept as
+        the view the batch's inserts go by: each query's high-water mark, the ids, and the columns read with
+        the queries' places in them; None for no queries. Shared by the layouts that read by slice."""
         ahead = self._ahead
         if ahead is not None:
             with self._errors():
                 self._drain()  # its replies come first on the connection
             self._ahead = None
         if not queries:
-            return []
+            return None
         marks = []  # each query's high-water mark: its own event time and those before it count
         hwm = self._hwm
         for q in queries:
@@ -610,6 +614,13 @@ class RedisIndex:
         self._view = _View(slices, dict(zip(slices, columns)), names, seq, stored, dict(zip(ids, range(len(ids)))),
                            keys_of, key_fields, positions, id_places, watch=epoch if watch else -1,
                            marker=self._marker)
+        return marks, ids, columns, positions, id_places
+
+    def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | Verdict | None, list[Candidate]]]:
+        read = self._read_view(queries)
+        if read is None:
+            return []
+        marks, ids, columns, positions, id_places = read
         window = self.window
         found = self._rank_all(columns, positions, id_places, ids, [q.min_shared for q in queries], limit,
                                [mark - window for mark in marks], self.bucket_cap,
@@ -1355,7 +1366,7 @@ class RedisIndex:
         results = self._alone(entries, fields_of, places_of) if self.alone_inserts else None
         if results is None:
             results = self._checked(entries, fields_of)
-        self._remember([entry for (entry, _), result in zip(entries, results) if result > 0])
+        self._keep_inserted(entries, results)
         out: list[list[Candidate] | None] = [None] * len(entries)
         again = [i for i, result in enumerate(results) if result < 0]
         if again:
@@ -1363,6 +1374,10 @@ class RedisIndex:
             for i, cands in zip(again, conflicts):
                 out[i] = cands
         return out
+
+    def _keep_inserted(self, entries: Sequence[tuple[Entry, tuple[int, ...]]], results: Sequence[int]) -> None:
+        """Keeps the entries `_insert_chunk` inserted (a result > 0) for later reads of them."""
+        self._remember([entry for (entry, _), result in zip(entries, results) if result > 0])
 
     def _places(self, id: str, fields: Sequence[bytes]) -> Sequence[int | None]:
         view = self._view

@@ -456,39 +456,10 @@ class CompactIndex(RedisIndex):
                     marks.add(names[p])
 
     def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | Verdict | None, list[Candidate]]]:
-        ahead = self._ahead
-        if ahead is not None:
-            with self._errors():
-                self._drain()  # its replies come first on the connection
-            self._ahead = None
-        if not queries:
+        read = self._read_view(queries)
+        if read is None:
             return []
-        marks = []
-        hwm = self._hwm
-        for q in queries:
-            hwm = max(hwm, _event_time(q.ts, q.id, self.slice_length))
-            marks.append(hwm)
-        read = self._taken(ahead, marks[0], hwm) if ahead is not None and ahead.queries is queries else None
-        if read is not None:
-            assert ahead is not None
-            names, key_fields, positions, id_places = ahead.names, ahead.key_fields, ahead.positions, ahead.id_places
-            seq, stored, slices, columns = read
-            epoch, watch = self._epoch, True
-        else:
-            names, key_fields, positions, id_places = self._planned(queries)
-            watch = self._watchable()
-            if watch:
-                with self._errors():
-                    self._pinned()
-            epoch = self._epoch
-            seq, stored, slices, columns = self._read_covering(names, self._slices(marks[0], hwm), marks[0], hwm,
-                                                               watch=watch)
-            watch = watch and self._epoch == epoch
-        self._hwm = hwm
-        ids = [q.id for q in queries]
-        self._view = _View(slices, dict(zip(slices, columns)), names, seq, stored, dict(zip(ids, range(len(ids)))),
-                           [q.keys for q in queries], key_fields, positions, id_places,
-                           watch=epoch if watch else -1, marker=self._marker)
+        marks, ids, columns, positions, id_places = read
         window = self.window
         found = self._rank_batch(columns, positions, id_places, ids, [q.min_shared for q in queries], limit,
                                  [mark - window for mark in marks], self.bucket_cap, memo_time)
@@ -543,30 +514,9 @@ class CompactIndex(RedisIndex):
             self._by_seq = dict(list(known.items())[len(known) - cap :])
 
     # -- inserting -----------------------------------------------------------------------------------
-    def _insert_chunk(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]:
-        view = self._view
-        looked = view.looked
-        fields_of: list[list[bytes]] = []
-        places_of: list[list[int] | None] = []
-        for entry, keys in entries:
-            q = looked.get(entry.id)
-            if q is not None and (view.keys_of[q] is keys or view.keys_of[q] == keys):
-                fields_of.append(view.fields_of[q])
-                places_of.append(view.places_of[q])
-            else:
-                fields_of.append([b"b" + k.to_bytes(8, "big") for k in keys])
-                places_of.append(None)
-        results = self._alone(entries, fields_of, places_of) if self.alone_inserts else None
-        if results is None:
-            results = self._checked(entries, fields_of)
+    def _keep_inserted(self, entries: Sequence[tuple[Entry, tuple[int, ...]]], results: Sequence[int]) -> None:
+        """Keeps the inserted entries by their seq (the result > 0)."""
         self._keep({seq: entry for (entry, _), seq in zip(entries, results) if seq > 0})
-        out: list[list[Candidate] | None] = [None] * len(entries)
-        again = [i for i, result in enumerate(results) if result < 0]
-        if again:
-            conflicts = self._reread([entries[i] for i in again], [fields_of[i] for i in again])
-            for i, cands in zip(again, conflicts):
-                out[i] = cands
-        return out
 
     def _alone(self, entries: Sequence[tuple[Entry, tuple[int, ...]]], fields_of: Sequence[list[bytes]],
                places_of: Sequence[list[int] | None]) -> list[int] | None:
