@@ -1495,6 +1495,19 @@ class RedisIndex:
             commands.append(("UNLINK", gone))
         commands += self._memo_commands()  # in the transaction: written with the entries, or not at all
         commands += [("EXEC",), ("WATCH", meta), ("HMGET", meta, "seq", "hwm")]
+        replies = self._exec_watched(commands)
+        if replies is None:
+            return None
+        now_seq, now_hwm = replies[-1]
+        return int(now_seq or 0) == seq and (now_hwm or b"") == hwm
+
+    def _raise_any(self, replies: Sequence[Any]) -> None:
+        """`_raise_any` of the module; a layout may read its replies' errors its own way."""
+        _raise_any(replies)
+
+    def _exec_watched(self, commands: Sequence[Sequence[str | int | bytes]]) -> list[Any] | None:
+        """Sends a `_write_watched` transaction (MULTI ... EXEC, WATCH, HMGET of the meta hash) on the pinned
+        connection; its replies, or None if Redis refused it (nothing written)."""
         self._guarded = True
         try:
             with self._errors():
@@ -1505,18 +1518,17 @@ class RedisIndex:
             self._guarded = False
         try:
             with self._errors():
-                _raise_any(replies)
+                self._raise_any(replies)
                 done = replies[-3]
                 if done is None:
                     return None
-                _raise_any(done)  # a command that failed inside the transaction (the others did run)
+                self._raise_any(done)  # a command that failed inside the transaction (the others did run)
         except BaseException:
             # Redis before 6.2 stays in MULTI after refusing EXEC itself: start afresh, whatever happened.
             if self._conn is not None:
                 self._conn.disconnect()
             raise
-        now_seq, now_hwm = replies[-1]
-        return int(now_seq or 0) == seq and (now_hwm or b"") == hwm
+        return replies
 
     def _reread(self, entries: Sequence[tuple[Entry, tuple[int, ...]]],
                 fields_of: Sequence[list[bytes]]) -> list[list[Candidate]]:

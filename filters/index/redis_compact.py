@@ -38,7 +38,6 @@ from filters.index.redis import (
     _SentRead,
     _stored_time,
     _View,
-    _WatchLost,
 )
 from filters.index.redis_codec import ABSENT, SEQ, decode_entry, decode_memo, encode_entry, memo_time
 from filters.records import Verdict
@@ -608,25 +607,9 @@ class CompactIndex(RedisIndex):
         commands += self._reap_commands()  # in the transaction: its HDEL does not dirty the WATCH
         commands += self._memo_commands()
         commands += [("EXEC",), ("WATCH", meta), ("HMGET", meta, "seq", "hwm")]
-        self._guarded = True
-        try:
-            with self._errors():
-                replies = self._execute(commands)
-        except _WatchLost:
+        replies = self._exec_watched(cast("list[Sequence[str | int | bytes]]", commands))
+        if replies is None:
             return None
-        finally:
-            self._guarded = False
-        try:
-            with self._errors():
-                self._raise_any(replies)
-                done = replies[-3]
-                if done is None:
-                    return None
-                self._raise_any(done)
-        except BaseException:
-            if self._conn is not None:
-                self._conn.disconnect()
-            raise
         self._bits.update(made)
         for s, j in renewed:  # only now: a transaction refused renewed nothing
             self._renewed[s][j >> 3] |= 1 << (j & 7)
