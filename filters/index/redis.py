@@ -587,11 +587,8 @@ class RedisIndex:
             self._ahead = None
         if not queries:
             return None
-        marks = []  # each query's high-water mark: its own event time and those before it count
-        hwm = self._hwm
-        for q in queries:
-            hwm = max(hwm, _event_time(q.ts, q.id, self.slice_length))
-            marks.append(hwm)
+        marks = high_marks(queries, self._hwm, self.slice_length)
+        hwm = marks[-1]
         read = self._taken(ahead, marks[0], hwm) if ahead is not None and ahead.queries is queries else None
         if read is not None:
             assert ahead is not None
@@ -646,18 +643,10 @@ class RedisIndex:
         error) makes the lookup read afresh. Standalone Redis only (Cluster has no WATCH here)."""
         self._ahead = None
         view = self._view
-        if not self.read_ahead or not queries or not self._watchable() or view.watch != self._epoch \
-                or not view.exact or view.inserted or view.reread:
+        planned = self._plan_ahead(queries)
+        if planned is None:
             return
-        hwm = self._hwm
-        try:
-            low = max(hwm, _event_time(queries[0].ts, queries[0].id, self.slice_length))
-            for q in queries:
-                hwm = max(hwm, _event_time(q.ts, q.id, self.slice_length))
-            names, key_fields, positions, id_places = self._planned(queries)
-        except ValueError:
-            return  # the lookup raises it
-        slices = self._slices(low, hwm)
+        names, key_fields, positions, id_places, slices = planned
         commands = self._read_commands(names, slices, watch=False)
         with self._errors():
             conn = self._pinned()
@@ -665,6 +654,21 @@ class RedisIndex:
             self._pack_and_send(conn, commands)
             epoch = self._epoch  # after sending: a reconnect on the way sent it on the new connection
         self._ahead = _SentRead(queries, names, key_fields, positions, id_places, slices, epoch, view, len(commands))
+
+    def _plan_ahead(self, queries: Sequence[Query]) -> tuple[list[bytes], list[list[bytes]], list[list[int]],
+                                                             list[int], tuple[int, ...]] | None:
+        """What `prefetch` reads (`_planned`, and the slices the queries' marks cover), or None when no read
+        may go ahead: see `prefetch`."""
+        view = self._view
+        if not self.read_ahead or not queries or not self._watchable() or view.watch != self._epoch \
+                or not view.exact or view.inserted or view.reread:
+            return None
+        try:
+            marks = high_marks(queries, self._hwm, self.slice_length)
+            names, key_fields, positions, id_places = self._planned(queries)
+        except ValueError:
+            return None  # the lookup raises it
+        return names, key_fields, positions, id_places, self._slices(marks[0], marks[-1])
 
     def _planned(self, queries: Sequence[Query]) -> tuple[list[bytes], list[list[bytes]], list[list[int]], list[int]]:
         """Every field name the batch reads, and its place in a column (`plan_fields`: each query's entry
@@ -1882,3 +1886,12 @@ def _event_time(ts: float, id: str, slice_length: float) -> float:
     if not (_MIN_TS < ts < math.inf and abs(ts / slice_length) < _MAX_SLICE):  # also rejects NaN
         raise ValueError(f"event time of {id!r} must be finite, > -2^52 and below 2^50 windows, got {ts!r}")
     return ts
+
+
+def high_marks(queries: Sequence[Query], hwm: float, slice_length: float) -> list[float]:
+    """Each query's high-water mark, from `hwm` on: its own event time and those before it count."""
+    marks = []
+    for q in queries:
+        hwm = max(hwm, _event_time(q.ts, q.id, slice_length))
+        marks.append(hwm)
+    return marks

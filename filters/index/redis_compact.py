@@ -345,18 +345,10 @@ class CompactIndex(RedisIndex):
         self._ahead = None
         self._ahead_plan = None
         view = self._view
-        if not self.read_ahead or not queries or not self._watchable() or view.watch != self._epoch \
-                or not view.exact or view.inserted or view.reread:
+        planned = self._plan_ahead(queries)
+        if planned is None:
             return
-        hwm = self._hwm
-        try:
-            low = max(hwm, _event_time(queries[0].ts, queries[0].id, self.slice_length))
-            for q in queries:
-                hwm = max(hwm, _event_time(q.ts, q.id, self.slice_length))
-            names, key_fields, positions, id_places = self._planned(queries)
-        except ValueError:
-            return  # the lookup raises it
-        slices = self._slices(low, hwm)
+        names, key_fields, positions, id_places, slices = planned
         known: dict[int, int | None] = {s: self._bits.get(s) for s in slices}
         gone = self._gone()
         probes = [gone - 1, gone] if gone is not None else []
