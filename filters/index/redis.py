@@ -1146,12 +1146,7 @@ class RedisIndex:
             if conn is None:
                 replies: list[Any] = sent
             else:
-                replies = []
-                for _ in range(sent):
-                    try:
-                        replies.append(conn.read_response())
-                    except ResponseError as exc:  # read whole: the connection stays in step
-                        replies.append(exc)
+                replies = read_responses(conn, sent)
             _raise_any(replies)
         return replies
 
@@ -1621,13 +1616,7 @@ class RedisIndex:
                 self.meanwhile = None
             if pinned:
                 self._drain()  # a read sent ahead on this connection: its replies come first
-            replies: list[Any] = []
-            for _ in commands:
-                try:
-                    replies.append(conn.read_response())
-                except ResponseError as exc:  # read whole: the connection stays in step
-                    replies.append(exc)
-            return replies
+            return read_responses(conn, len(commands))
         except BaseException:
             conn.disconnect()  # replies may still be on their way: never reuse it (it reconnects)
             raise
@@ -1651,15 +1640,16 @@ class RedisIndex:
             return
         conn, n, ahead.pending = self._conn, ahead.pending, 0
         try:
-            for _ in range(n):
-                try:
-                    ahead.replies.append(conn.read_response())
-                except ResponseError as exc:
-                    ahead.replies.append(exc)
+            ahead.replies.extend(self._read_many(conn, n))
         except BaseException:
             self._ahead = None
             conn.disconnect()
             raise
+
+    @staticmethod
+    def _read_many(conn: Any, n: int) -> list[Any]:
+        """The next `n` replies on `conn` (`read_responses`); a layout may read them its own faster way."""
+        return read_responses(conn, n)
 
     def _watchable(self) -> bool:
         """Can the uncontended insert go as a transaction guarded by WATCH (`_write_watched`)?"""
@@ -1895,3 +1885,14 @@ def high_marks(queries: Sequence[Query], hwm: float, slice_length: float) -> lis
         hwm = max(hwm, _event_time(q.ts, q.id, slice_length))
         marks.append(hwm)
     return marks
+
+
+def read_responses(conn: Any, n: int) -> list[Any]:
+    """The next `n` replies on `conn`, an error reply in its place (as `RedisIndex._send` gives them)."""
+    out: list[Any] = []
+    for _ in range(n):
+        try:
+            out.append(conn.read_response())
+        except ResponseError as exc:  # read whole: the connection stays in step
+            out.append(exc)
+    return out

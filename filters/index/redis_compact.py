@@ -19,7 +19,6 @@ from itertools import chain
 from typing import Any, cast
 
 import numpy as np
-from redis.exceptions import ResponseError
 
 from filters.errors import ConfigError, IndexCorrupt
 from filters.index import Candidate, Entry, Query, Stored, new_candidate
@@ -87,14 +86,8 @@ def _read_replies(conn: Any, n: int) -> list[Any]:
     sends: a command per small hash); through `read_response` where redis-py has no such reader."""
     parser: Any = getattr(conn, "_parser", None)
     reader: Any = getattr(parser, "_reader", None)
-    out: list[Any] = []
     if _HIREDIS is None or type(parser) is not _HIREDIS[0] or reader is None:
-        for _ in range(n):
-            try:
-                out.append(conn.read_response())
-            except ResponseError as exc:  # read whole: the connection stays in step
-                out.append(exc)
-        return out
+        return slot.read_responses(conn, n)
     gather = _native.gather_replies if _native is not None else cc.gather_replies
     return cast("list[Any]", gather(reader.gets, parser.read_from_socket, n, _HIREDIS[1]))
 
@@ -221,21 +214,10 @@ class CompactIndex(RedisIndex):
         conn.send_packed_command([b"".join(blobs)])
         return count
 
-    def _drain(self) -> None:
-        """`RedisIndex._drain`, its replies read in bulk (`_read_replies`)."""
-        ahead = self._ahead
-        if ahead is None or not ahead.pending:
-            return
-        if ahead.epoch != self._epoch or self._conn is None:
-            self._ahead = None
-            return
-        conn, n, ahead.pending = self._conn, ahead.pending, 0
-        try:
-            ahead.replies.extend(_read_replies(conn, n))
-        except BaseException:
-            self._ahead = None
-            conn.disconnect()
-            raise
+    @staticmethod
+    def _read_many(conn: Any, n: int) -> list[Any]:
+        """`RedisIndex._read_many` in bulk (`_read_replies`)."""
+        return _read_replies(conn, n)
 
     # -- reading -------------------------------------------------------------------------------------
     def _planned(self, queries: Sequence[Query]) -> tuple[list[bytes], list[list[bytes]], list[list[int]], list[int]]:
