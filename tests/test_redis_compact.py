@@ -34,14 +34,17 @@ from tests.test_redis_index import (  # noqa: F401 (race_url: a fixture)
     drop_cluster_namespace,
     entry,
     ids,
+    made_indexes,
     race,
     race_url,
     test_a_foreign_insert_while_a_read_is_ahead_is_seen,
     test_a_near_duplicate_inserted_during_a_lookup_is_seen,
     test_a_read_ahead_lost_with_its_connection_is_read_again,
     test_a_read_sent_ahead_stores_and_decides_as_reading_after_the_insert,
+    test_a_reconnect_between_lookup_and_insert_never_sends_the_transaction_unguarded,
     test_after_a_stream_every_key_has_a_ttl,
     test_an_insert_after_close_is_checked_by_the_script,
+    test_an_uncontended_insert_is_a_watched_transaction_that_a_foreign_write_refuses,
     test_insert_returns_what_entered_the_buckets_since_the_lookup,
     test_own_inserts_never_conflict,
     test_random_interleavings_never_make_two_near_duplicates_unique,
@@ -60,8 +63,10 @@ __all__ = [  # collected here again, each with this module's `make`: the compact
     "test_a_near_duplicate_inserted_during_a_lookup_is_seen",
     "test_a_read_ahead_lost_with_its_connection_is_read_again",
     "test_a_read_sent_ahead_stores_and_decides_as_reading_after_the_insert",
+    "test_a_reconnect_between_lookup_and_insert_never_sends_the_transaction_unguarded",
     "test_after_a_stream_every_key_has_a_ttl",
     "test_an_insert_after_close_is_checked_by_the_script",
+    "test_an_uncontended_insert_is_a_watched_transaction_that_a_foreign_write_refuses",
     "test_insert_returns_what_entered_the_buckets_since_the_lookup",
     "test_own_inserts_never_conflict",
     "test_random_interleavings_never_make_two_near_duplicates_unique",
@@ -78,18 +83,12 @@ __all__ = [  # collected here again, each with this module's `make`: the compact
 
 @pytest.fixture
 def make(redis_url: str, prefix: str) -> Iterator[Callable[..., RedisIndex]]:
-    made: list[RedisIndex] = []
+    yield from made_indexes(CompactIndex, redis_url, prefix, layout="compact")
 
-    def make(namespace: str = "ns", window: float = WINDOW, bucket_cap: int = 8, **query: str) -> RedisIndex:
-        query.setdefault("prefix", prefix)
-        query.setdefault("layout", "compact")
-        index = CompactIndex(with_query(redis_url, **query), window=window, bucket_cap=bucket_cap, namespace=namespace)
-        made.append(index)
-        return index
 
-    yield make
-    for index in made:
-        index.close()
+@pytest.fixture
+def watched() -> str:
+    return "_write_watched_compact"
 
 
 def test_a_stream_leaves_its_fields_in_small_listpack_hashes(make: Callable[..., RedisIndex], redis_url: str,
@@ -120,49 +119,6 @@ def test_a_stream_leaves_its_fields_in_small_listpack_hashes(make: Callable[...,
         assert slot.stats()["entries"] == len(entries)
     finally:
         slot.close()
-
-
-def _counting_watched(index: CompactIndex) -> list[bool | None]:
-    """Records what each WATCH-guarded transaction of `index` gave (None: Redis refused it)."""
-    results: list[bool | None] = []
-    write = index._write_watched_compact
-
-    def counted(*args: Any) -> bool | None:
-        result = write(*args)
-        results.append(result)
-        return result
-
-    index._write_watched_compact = counted  # type: ignore[method-assign]
-    return results
-
-
-def test_an_uncontended_insert_is_a_watched_transaction_that_a_foreign_write_refuses(
-        make: Callable[..., CompactIndex]) -> None:
-    """As tests/test_redis_index.py's: alone, the round goes as MULTI/EXEC under the lookup's WATCH, and the
-    next round of the same lookup too; a foreign insert after the lookup makes Redis refuse the transaction,
-    and the script reports the conflict."""
-    a, b = make(), make()
-    results = _counting_watched(a)
-    a.lookup([Query("a", 1000.0, (1, 2)), Query("c", 1000.0, (5, 6))], 8)
-    assert a.insert([(entry("a"), (1, 2))]) == [None]
-    assert a.insert([(entry("c"), (5, 6))]) == [None]
-    assert results == [True, True]
-    a.lookup([Query("d", 1000.0, (1, 3))], 8)
-    _put(b, "x", 1000.0, (3,))
-    assert [ids(c) for c in a.insert([(entry("d"), (1, 3))])] == [["x"]]
-    assert results == [True, True, None]
-    assert sorted(ids(b.lookup([Query("q", 1000.0, (1, 3, 5))], 8)[0][1])) == ["a", "c", "x"]
-
-
-def test_a_reconnect_between_lookup_and_insert_never_sends_the_transaction_unguarded(
-        make: Callable[..., CompactIndex]) -> None:
-    a, b = make(), make()
-    results = _counting_watched(a)
-    a.lookup([Query("a", 1000.0, (1, 2))], 8)
-    _put(b, "x", 1000.0, (2,))
-    a._conn.disconnect()  # as after an error of another command: the next send reconnects
-    assert [ids(c) for c in a.insert([(entry("a"), (1, 2))])] == [["x"]]
-    assert results == [None]
 
 
 def test_a_replayed_duplicate_finds_its_memo(make: Callable[..., CompactIndex]) -> None:
