@@ -15,14 +15,21 @@ import redis
 
 from filters.config import FilterConfig
 from filters.engine import Message, NearDupFilter
-from filters.errors import ConfigError, IndexLost
+from filters.errors import ConfigError
 from filters.index import Entry, Query
 from filters.index import compact_codec as cc
-from filters.index.redis import MARKER, RedisIndex, RedisTarget
+from filters.index.redis import RedisIndex, RedisTarget
 from filters.index.redis_codec import stored_of
 from filters.index.redis_compact import CompactIndex, _Packed
-from tests.test_changelog import _entry as changelog_entry
-from tests.test_changelog import _keys, _mark, drop_index, redis_namespace
+from tests.test_changelog import (
+    _keys,
+    _mark,
+    drop_index,
+    redis_namespace,
+    test_a_batch_looked_up_before_a_loss_writes_nothing_after_it,
+    test_a_conflict_re_read_after_a_rebuild_is_refused,
+    test_a_fenced_index_without_its_marker_refuses_to_decide,
+)
 from tests.test_changelog import messages as changelog_messages
 from tests.test_index_contract import _view, drop_namespace, generated_messages, with_query
 from tests.test_redis_index import (  # noqa: F401 (race_url: a fixture)
@@ -58,7 +65,10 @@ from tests.test_redis_index import (  # noqa: F401 (race_url: a fixture)
     test_the_next_lookup_sees_what_the_batch_inserted_after_the_read_went_out,
 )
 
-__all__ = [  # collected here again, each with this module's `make`: the compact layout
+__all__ = [  # collected here again, each with this module's `make` or `layout`: the compact layout
+    "test_a_batch_looked_up_before_a_loss_writes_nothing_after_it",
+    "test_a_conflict_re_read_after_a_rebuild_is_refused",
+    "test_a_fenced_index_without_its_marker_refuses_to_decide",
     "test_a_foreign_insert_while_a_read_is_ahead_is_seen",
     "test_a_near_duplicate_inserted_during_a_lookup_is_seen",
     "test_a_read_ahead_lost_with_its_connection_is_read_again",
@@ -284,69 +294,9 @@ def _fenced(url: str) -> CompactIndex:
     return CompactIndex(url, window=3600.0, bucket_cap=8, namespace="ns", fenced=True)
 
 
-def test_a_fenced_index_without_its_marker_refuses_to_decide(redis_url: str) -> None:
-    cfg = FilterConfig()
-    with redis_namespace(redis_url) as url:
-        fenced, plain = _fenced(url), CompactIndex(url, window=3600.0, bucket_cap=8, namespace="ns")
-        try:
-            with pytest.raises(IndexLost):
-                NearDupFilter(cfg, index=fenced).check_batch(changelog_messages())
-            with pytest.raises(IndexLost):
-                fenced.insert([(changelog_entry("x"), (1, 2))])
-            assert _keys(url) == []
-            assert any(v.duplicate for v in NearDupFilter(cfg, index=plain).check_batch(changelog_messages()))
-            drop_index(url)
-            _mark(url)
-            assert any(v.duplicate for v in NearDupFilter(cfg, index=fenced).check_batch(changelog_messages()))
-        finally:
-            fenced.close()
-            plain.close()
-
-
-@pytest.mark.parametrize("path", ["transaction", "script (as on Cluster)", "checking script"])
-@pytest.mark.parametrize("rebuilt", [False, True], ids=["lost", "rebuilt"])
-def test_a_batch_looked_up_before_a_loss_writes_nothing_after_it(redis_url: str, path: str, rebuilt: bool) -> None:
-    with redis_namespace(redis_url) as url:
-        _mark(url)
-        index = _fenced(url)
-        if path == "script (as on Cluster)":
-            index._watchable = lambda: False  # type: ignore[method-assign]
-        elif path == "checking script":
-            index.alone_inserts = False
-        try:
-            assert index.lookup([Query("a", 1000.0, (1, 2))], 8) == [(None, [])]
-            drop_index(url)
-            if rebuilt:
-                _mark(url, "e2")
-            with pytest.raises(IndexLost):
-                index.insert([(changelog_entry("a"), (1, 2))])
-            with redis.Redis.from_url(redis_url) as client:
-                assert [client.hgetall(k) for k in _keys(url)] == ([{MARKER.encode(): b"e2"}] if rebuilt else [])
-        finally:
-            index.close()
-
-
-def test_a_conflict_re_read_after_a_rebuild_is_refused(redis_url: str) -> None:
-    with redis_namespace(redis_url) as url:
-        _mark(url)
-        a, b = _fenced(url), _fenced(url)
-        a.alone_inserts = False
-        try:
-            a.lookup([Query("a", 1000.0, (1, 2))], 8)
-            b.lookup([Query("b", 1000.0, (2, 3))], 8)
-            assert b.insert([(changelog_entry("b"), (2, 3))]) == [None]
-            read = a._read_covering
-
-            def rebuilt_first(*args: Any, **options: Any) -> Any:
-                _mark(url, "e2")
-                return read(*args, **options)
-
-            a._read_covering = rebuilt_first  # type: ignore[method-assign]
-            with pytest.raises(IndexLost):
-                a.insert([(changelog_entry("a"), (1, 2))])
-        finally:
-            a.close()
-            b.close()
+@pytest.fixture
+def layout() -> type[RedisIndex]:
+    return CompactIndex
 
 
 def test_a_namespace_lost_and_made_again_is_not_taken_for_the_one_before(make: Callable[..., CompactIndex],
