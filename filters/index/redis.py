@@ -223,7 +223,7 @@ def _lua(*names: str) -> str:
     return "\n".join(sources).replace("FIELDS_PER_CALL", str(FIELDS_PER_CALL))
 
 
-INSERT_LUA = _lua("trim.lua", "insert.lua")
+INSERT_LUA = _lua("trim.lua", "insert_slices.lua", "insert.lua")
 
 # The insert of a caller that nobody else inserted anything since its lookup: it read every field its
 # batch writes, so it computed the writes itself (`RedisIndex._alone`), and this only checks that the

@@ -14,7 +14,6 @@ import time
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from importlib import resources
 from itertools import chain
 from typing import Any, cast
 
@@ -33,6 +32,7 @@ from filters.index.redis import (
     RedisIndex,
     RedisTarget,
     _event_time,
+    _lua,
     _Script,
     _SentRead,
     _stored_time,
@@ -69,11 +69,8 @@ HOLD_FIELDS = 1 << 22  # bucket and id fields a rebuild holds (~150 bytes each) 
 
 
 def _script() -> _Script:
-    sources = [resources.files("filters.index").joinpath("lua", name).read_text(encoding="utf-8")
-               for name in ("trim16.lua", "compact_insert.lua")]
     bits = f"{cc.K_FIRST}, {cc.K_MIN}, {cc.K_MAX}, {cc.FIELDS_PER_ENTRY}, {cc.SMALL_FILL}, {cc.UNLINK_INLINE_BITS}"
-    return _Script.of("\n".join(sources).replace("FIELDS_PER_CALL", str(FIELDS_PER_CALL))
-                      .replace("COMPACT_BITS", bits))
+    return _Script.of(_lua("trim16.lua", "insert_slices.lua", "compact_insert.lua").replace("COMPACT_BITS", bits))
 
 
 COMPACT_INSERT = _script()
