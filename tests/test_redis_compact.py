@@ -37,6 +37,7 @@ from tests.test_redis_index import (  # noqa: F401 (race_url: a fixture)
     PausedLookup,
     _namespace_dump,
     _put,
+    assert_stored_alike,
     cluster_url,
     drop_cluster_namespace,
     entry,
@@ -230,24 +231,7 @@ def test_uncontended_inserts_store_what_the_checking_script_stores(make: Callabl
     reference._alone_compact, reference._rank_compact = cc.alone_round, cc.rank_records
     reference._read_commands_of, reference._column_of = cc.read_commands, cc.column_of
     reference._write_commands_of = cc.write_commands
-    calls = {"fast": 0}
-    alone = fast._alone
-
-    def counted(*args: Any) -> Any:
-        result = alone(*args)
-        calls["fast"] += result is not None
-        return result
-
-    fast._alone = counted  # type: ignore[method-assign]
-    messages = generated_messages(600, seed=3)
-    verdicts = []
-    for index in (fast, checked, reference):
-        engine = NearDupFilter(config, index=index)
-        verdicts.append([v for at in range(0, len(messages), 50) for v in engine.check_batch(messages[at : at + 50])])
-    assert verdicts[0] == verdicts[1] == verdicts[2]
-    assert calls["fast"] >= 10
-    assert _namespace_dump(redis_url, prefix, "fast") == _namespace_dump(redis_url, prefix, "checked")
-    assert _namespace_dump(redis_url, prefix, "reference") == _namespace_dump(redis_url, prefix, "checked")
+    assert_stored_alike(config, fast, checked, reference, redis_url, prefix)
 
 
 def test_the_checking_script_is_loaded_again_after_a_script_flush(make: Callable[..., CompactIndex],

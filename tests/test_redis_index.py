@@ -999,6 +999,14 @@ def test_uncontended_inserts_store_what_the_checking_script_stores(make: Callabl
         redis_codec.plan_fields, redis_codec.rank_records, redis_codec.alone_round, redis_codec.decode_entries,
         redis_codec.rank_lookup)
     reference._encode = redis_codec.encode_entries
+    assert_stored_alike(config, fast, checked, reference, redis_url, prefix)
+
+
+def assert_stored_alike(config: FilterConfig, fast: RedisIndex, checked: RedisIndex, reference: RedisIndex,
+                        redis_url: str, prefix: str) -> None:
+    """The same batches through `fast` (uncontended rounds), `checked` (the checking script alone) and
+    `reference` (the Python references), namespaces "fast", "checked" and "reference" under `prefix`: the
+    same verdicts and the very same keys and bytes stored."""
     calls = {"fast": 0}
     alone = fast._alone
 
