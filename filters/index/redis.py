@@ -1462,14 +1462,21 @@ class RedisIndex:
             if not done:
                 self._memos_sent()  # written beside the script, whatever it answered
                 return None
-        view.hwm = hwm_bytes
+        self._wrote_round(hwm_bytes, pending, groups, writes)
+        return results
+
+    def _wrote_round(self, hwm: bytes, pending: list[tuple[int, int, list[int]]], groups: dict[int, list[Any]],
+                     writes: dict[int, dict[int, bytes]]) -> None:
+        """Keeps in the view what an uncontended round wrote (the high-water mark, its entries (seq, slice,
+        places) and the slices' values); its memos went with it, in the transaction or beside the script."""
+        view = self._view
+        view.hwm = hwm
         view.own.update([seq_i for seq_i, _, _ in pending])
         view.inserted += len(pending)
         view._unsettled.append(pending)
         for s in groups:
             view.written[s] = writes[s]
-        self._memos_sent()  # in the transaction, or beside the script
-        return results
+        self._memos_sent()
 
     def _write_watched(self, start: int, seq: int, stored_hwm: bytes, hwm: bytes, gone: str,
                        groups: dict[int, list[Any]]) -> bool | None:

@@ -526,13 +526,7 @@ class CompactIndex(RedisIndex):
             return None
         if not written:
             view.watch = -1
-        view.hwm = hwm_bytes
-        view.own.update([seq_i for seq_i, _, _ in pending])
-        view.inserted += len(pending)
-        view._unsettled.append(pending)
-        for s in groups:
-            view.written[s] = writes[s]
-        self._memos_sent()
+        self._wrote_round(hwm_bytes, pending, groups, writes)
         return list(results)
 
     def _write_watched_compact(self, start: int, seq: int, stored_hwm: bytes, hwm: bytes, gone: int | None,
