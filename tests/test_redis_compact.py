@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from filters.config import FilterConfig
-from filters.engine import Message, NearDupFilter
+from filters.engine import NearDupFilter
 from filters.errors import ConfigError
 from filters.index import Entry, Query
 from filters.index import compact_codec as cc
@@ -50,6 +50,7 @@ from tests.test_redis_index import (  # noqa: F401 (race_url: a fixture)
     test_a_read_ahead_lost_with_its_connection_is_read_again,
     test_a_read_sent_ahead_stores_and_decides_as_reading_after_the_insert,
     test_a_reconnect_between_lookup_and_insert_never_sends_the_transaction_unguarded,
+    test_a_replayed_duplicate_finds_its_memo_on_any_redis,
     test_after_a_stream_every_key_has_a_ttl,
     test_an_insert_after_close_is_checked_by_the_script,
     test_an_uncontended_insert_is_a_watched_transaction_that_a_foreign_write_refuses,
@@ -75,6 +76,7 @@ __all__ = [  # collected here again, each with this module's `make` or `layout`:
     "test_a_read_ahead_lost_with_its_connection_is_read_again",
     "test_a_read_sent_ahead_stores_and_decides_as_reading_after_the_insert",
     "test_a_reconnect_between_lookup_and_insert_never_sends_the_transaction_unguarded",
+    "test_a_replayed_duplicate_finds_its_memo_on_any_redis",
     "test_after_a_stream_every_key_has_a_ttl",
     "test_an_insert_after_close_is_checked_by_the_script",
     "test_an_uncontended_insert_is_a_watched_transaction_that_a_foreign_write_refuses",
@@ -130,24 +132,6 @@ def test_a_stream_leaves_its_fields_in_small_listpack_hashes(make: Callable[...,
         assert slot.stats()["entries"] == len(entries)
     finally:
         slot.close()
-
-
-def test_a_replayed_duplicate_finds_its_memo(make: Callable[..., CompactIndex]) -> None:
-    """A duplicate replayed after its original left every bucket (cap 1) gets its first verdict."""
-    config = FilterConfig(bucket_cap=1)
-    index = make(window=config.window, bucket_cap=1)
-    engine = NearDupFilter(config, index=index)
-    original = "Congratulations! You have won a 1000 dollar gift card, call 555-0100 now to claim your prize today"
-    copy = "Congratulations!! You have won a 1000 dollar gift voucher, call 555-0177 now to claim your prize"
-    assert not engine.check_batch([Message("a", original, 100.0)])[0].duplicate
-    [first] = engine.check_batch([Message("b", copy, 101.0)])
-    assert first.duplicate_of == "a"
-    keys = tuple(dict.fromkeys(engine.fingerprinter.fingerprint(original).keys
-                               + engine.fingerprinter.fingerprint(copy).keys))
-    index.lookup([Query("filler", 102.0, keys)], 8)
-    assert index.insert([(Entry("filler", 102.0, 7, 500, np.arange(1, 129, dtype=np.uint32)), keys)]) == [None]
-    assert engine.check_batch([Message("b", copy, 101.0)]) == [first]
-    assert index.stats()["memos"] == 1
 
 
 def test_a_namespace_of_the_layout_before_is_refused_with_one_line(make: Callable[..., RedisIndex], redis_url: str,

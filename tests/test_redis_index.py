@@ -80,6 +80,12 @@ def make(redis_url: str, prefix: str) -> Iterator[Callable[..., RedisIndex]]:
 
 
 @pytest.fixture
+def layout() -> type[RedisIndex]:
+    """The class of the index the tests that make their own run on (tests/test_redis_compact.py gives its own)."""
+    return RedisIndex
+
+
+@pytest.fixture
 def watched() -> str:
     """The index's method that sends the WATCH-guarded transaction (`_counting_watched` counts its calls)."""
     return "_write_watched"
@@ -1170,11 +1176,11 @@ def test_the_next_lookup_sees_the_memos_the_batch_wrote_after_the_read_went_out(
     assert make().lookup([Query("b", 1000, (1,))], 8)[0][0] == memo  # and it is stored
 
 
-def test_a_replayed_duplicate_finds_its_memo_on_any_redis(race_url: str) -> None:
+def test_a_replayed_duplicate_finds_its_memo_on_any_redis(race_url: str, layout: type[RedisIndex]) -> None:
     """Standalone and Cluster (whose insert round is a script, not a transaction): a duplicate replayed after
     its original left every bucket (cap 1) gets its first verdict."""
     config = FilterConfig(bucket_cap=1)
-    index = RedisIndex(race_url, window=config.window, bucket_cap=1, namespace=uuid.uuid4().hex[:12])
+    index = layout(race_url, window=config.window, bucket_cap=1, namespace=uuid.uuid4().hex[:12])
     engine = NearDupFilter(config, index=index)
     original = "Congratulations! You have won a 1000 dollar gift card, call 555-0100 now to claim your prize today"
     copy = "Congratulations!! You have won a 1000 dollar gift voucher, call 555-0177 now to claim your prize"
