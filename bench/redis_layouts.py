@@ -215,6 +215,16 @@ def write(r: redis.Redis, layout: str, slices: Sequence[Slice]) -> None:
         if force or n % 2000 == 0:
             pipe.execute()
 
+    def write_small(name: bytes, small: dict[int, dict[bytes, bytes]]) -> None:
+        """The small hashes of slice `name` (`name:<j>`), 500 fields a command, each with its TTL."""
+        for j, pairs in small.items():
+            key = name + b":%d" % j
+            items = list(pairs.items())
+            for a in range(0, len(items), 500):
+                pipe.hset(key, mapping=dict(items[a : a + 500]))
+                flush()
+            pipe.pexpire(key, TTL_MS)
+
     for s in slices:
         base = dict(s.entries) | dict(s.memos) | dict(s.other)
         if layout == "today":
@@ -232,13 +242,7 @@ def write(r: redis.Redis, layout: str, slices: Sequence[Slice]) -> None:
                     base[f] = value
                     value = MARK
                 shards[shard_of(f, bits)][f] = value
-            for j, pairs in shards.items():
-                key = s.name + b":%d" % j
-                items = list(pairs.items())
-                for a in range(0, len(items), 500):
-                    pipe.hset(key, mapping=dict(items[a : a + 500]))
-                    flush()
-                pipe.pexpire(key, TTL_MS)
+            write_small(s.name, shards)
             base |= {b"q" + struct.pack("<I", number): id.encode("utf-8", "surrogatepass")
                      for id, number in s.number.items()}
         elif layout.startswith("compact"):
@@ -264,13 +268,7 @@ def write(r: redis.Redis, layout: str, slices: Sequence[Slice]) -> None:
                     small[id_shard(id, bits)][name] = value
                 else:
                     base[name] = value
-            for j, pairs in small.items():
-                key = s.name + b":%d" % j
-                items = list(pairs.items())
-                for a in range(0, len(items), 500):
-                    pipe.hset(key, mapping=dict(items[a : a + 500]))
-                    flush()
-                pipe.pexpire(key, TTL_MS)
+            write_small(s.name, small)
         elif layout in ("zset", "string"):
             for f, recs in s.buckets.items():
                 key = s.name + b":" + f

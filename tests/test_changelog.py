@@ -205,20 +205,26 @@ def _mark(url: str, epoch: str = "e1") -> None:
         client.hset(meta_key(url.partition("prefix=")[2], "ns"), MARKER, epoch)
 
 
-def _fenced(url: str) -> RedisIndex:
-    return RedisIndex(url, window=3600.0, bucket_cap=8, namespace="ns", fenced=True)
+def _fenced(url: str, layout: type[RedisIndex] = RedisIndex) -> RedisIndex:
+    return layout(url, window=3600.0, bucket_cap=8, namespace="ns", fenced=True)
+
+
+@pytest.fixture
+def layout() -> type[RedisIndex]:
+    """The slot layout's class the fence tests below run on (tests/test_redis_compact.py runs them on its own)."""
+    return RedisIndex
 
 
 def _entry(id: str) -> Entry:
     return Entry(id, 1000.0, 7, 30, np.arange(8, dtype=np.uint64))
 
 
-def test_a_fenced_index_without_its_marker_refuses_to_decide(redis_url: str) -> None:
+def test_a_fenced_index_without_its_marker_refuses_to_decide(redis_url: str, layout: type[RedisIndex]) -> None:
     """Fenced (a worker with a changelog), the index refuses a batch while its marker is missing: nothing is
     decided, nothing written. Unfenced (`neardup filter --index redis://`), it decides as always."""
     cfg = FilterConfig()
     with redis_namespace(redis_url) as url:
-        fenced, plain = _fenced(url), RedisIndex(url, window=3600.0, bucket_cap=8, namespace="ns")
+        fenced, plain = _fenced(url, layout), layout(url, window=3600.0, bucket_cap=8, namespace="ns")
         try:
             with pytest.raises(IndexLost):
                 NearDupFilter(cfg, index=fenced).check_batch(messages())
@@ -278,17 +284,18 @@ def test_a_rebuild_between_two_batches_is_told_once_and_the_guard_has_the_worker
             index.close()
 
 
-@pytest.mark.parametrize("path", ["transaction", "alone script", "checking script"])
+@pytest.mark.parametrize("path", ["transaction", "script (as on Cluster)", "checking script"])
 @pytest.mark.parametrize("rebuilt", [False, True], ids=["lost", "rebuilt"])
-def test_a_batch_looked_up_before_a_loss_writes_nothing_after_it(redis_url: str, path: str, rebuilt: bool) -> None:
+def test_a_batch_looked_up_before_a_loss_writes_nothing_after_it(redis_url: str, layout: type[RedisIndex], path: str,
+                                                                 rebuilt: bool) -> None:
     """The lookup ran before the loss, the insert after it: whether the index is still empty or was rebuilt
     meanwhile (another marker), the insert is refused (`IndexLost`) on each of its paths, and nothing of the
     batch is written: the worker decides it again against the index as it is now."""
     with redis_namespace(redis_url) as url:
         _mark(url)
-        index = _fenced(url)
-        if path == "alone script":
-            index._watchable = lambda: False  # type: ignore[method-assign]  # as on Cluster: INSERT_ALONE_LUA
+        index = _fenced(url, layout)
+        if path == "script (as on Cluster)":
+            index._watchable = lambda: False  # type: ignore[method-assign]  # the slot layout: INSERT_ALONE_LUA
         elif path == "checking script":
             index.alone_inserts = False  # INSERT_LUA
         try:
@@ -304,13 +311,13 @@ def test_a_batch_looked_up_before_a_loss_writes_nothing_after_it(redis_url: str,
             index.close()
 
 
-def test_a_conflict_re_read_after_a_rebuild_is_refused(redis_url: str) -> None:
+def test_a_conflict_re_read_after_a_rebuild_is_refused(redis_url: str, layout: type[RedisIndex]) -> None:
     """Another worker's insert makes this one's conflict; the index is rebuilt before the re-read: the
     re-read finds another marker than the lookup did and refuses the batch (its verification was made
     against an index that no longer is)."""
     with redis_namespace(redis_url) as url:
         _mark(url)
-        a, b = _fenced(url), _fenced(url)
+        a, b = _fenced(url, layout), _fenced(url, layout)
         a.alone_inserts = False
         try:
             a.lookup([Query("a", 1000.0, (1, 2))], 8)

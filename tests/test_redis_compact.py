@@ -14,15 +14,22 @@ import pytest
 import redis
 
 from filters.config import FilterConfig
-from filters.engine import Message, NearDupFilter
-from filters.errors import ConfigError, IndexLost
+from filters.engine import NearDupFilter
+from filters.errors import ConfigError
 from filters.index import Entry, Query
 from filters.index import compact_codec as cc
-from filters.index.redis import MARKER, RedisIndex, RedisTarget
+from filters.index.redis import RedisIndex, RedisTarget
 from filters.index.redis_codec import stored_of
 from filters.index.redis_compact import CompactIndex, _Packed
-from tests.test_changelog import _entry as changelog_entry
-from tests.test_changelog import _keys, _mark, drop_index, redis_namespace
+from tests.test_changelog import (
+    _keys,
+    _mark,
+    drop_index,
+    redis_namespace,
+    test_a_batch_looked_up_before_a_loss_writes_nothing_after_it,
+    test_a_conflict_re_read_after_a_rebuild_is_refused,
+    test_a_fenced_index_without_its_marker_refuses_to_decide,
+)
 from tests.test_changelog import messages as changelog_messages
 from tests.test_index_contract import _view, drop_namespace, generated_messages, with_query
 from tests.test_redis_index import (  # noqa: F401 (race_url: a fixture)
@@ -30,18 +37,23 @@ from tests.test_redis_index import (  # noqa: F401 (race_url: a fixture)
     PausedLookup,
     _namespace_dump,
     _put,
+    assert_stored_alike,
     cluster_url,
     drop_cluster_namespace,
     entry,
     ids,
+    made_indexes,
     race,
     race_url,
     test_a_foreign_insert_while_a_read_is_ahead_is_seen,
     test_a_near_duplicate_inserted_during_a_lookup_is_seen,
     test_a_read_ahead_lost_with_its_connection_is_read_again,
     test_a_read_sent_ahead_stores_and_decides_as_reading_after_the_insert,
+    test_a_reconnect_between_lookup_and_insert_never_sends_the_transaction_unguarded,
+    test_a_replayed_duplicate_finds_its_memo_on_any_redis,
     test_after_a_stream_every_key_has_a_ttl,
     test_an_insert_after_close_is_checked_by_the_script,
+    test_an_uncontended_insert_is_a_watched_transaction_that_a_foreign_write_refuses,
     test_insert_returns_what_entered_the_buckets_since_the_lookup,
     test_own_inserts_never_conflict,
     test_random_interleavings_never_make_two_near_duplicates_unique,
@@ -55,13 +67,19 @@ from tests.test_redis_index import (  # noqa: F401 (race_url: a fixture)
     test_the_next_lookup_sees_what_the_batch_inserted_after_the_read_went_out,
 )
 
-__all__ = [  # collected here again, each with this module's `make`: the compact layout
+__all__ = [  # collected here again, each with this module's `make` or `layout`: the compact layout
+    "test_a_batch_looked_up_before_a_loss_writes_nothing_after_it",
+    "test_a_conflict_re_read_after_a_rebuild_is_refused",
+    "test_a_fenced_index_without_its_marker_refuses_to_decide",
     "test_a_foreign_insert_while_a_read_is_ahead_is_seen",
     "test_a_near_duplicate_inserted_during_a_lookup_is_seen",
     "test_a_read_ahead_lost_with_its_connection_is_read_again",
     "test_a_read_sent_ahead_stores_and_decides_as_reading_after_the_insert",
+    "test_a_reconnect_between_lookup_and_insert_never_sends_the_transaction_unguarded",
+    "test_a_replayed_duplicate_finds_its_memo_on_any_redis",
     "test_after_a_stream_every_key_has_a_ttl",
     "test_an_insert_after_close_is_checked_by_the_script",
+    "test_an_uncontended_insert_is_a_watched_transaction_that_a_foreign_write_refuses",
     "test_insert_returns_what_entered_the_buckets_since_the_lookup",
     "test_own_inserts_never_conflict",
     "test_random_interleavings_never_make_two_near_duplicates_unique",
@@ -78,18 +96,12 @@ __all__ = [  # collected here again, each with this module's `make`: the compact
 
 @pytest.fixture
 def make(redis_url: str, prefix: str) -> Iterator[Callable[..., RedisIndex]]:
-    made: list[RedisIndex] = []
+    yield from made_indexes(CompactIndex, redis_url, prefix, layout="compact")
 
-    def make(namespace: str = "ns", window: float = WINDOW, bucket_cap: int = 8, **query: str) -> RedisIndex:
-        query.setdefault("prefix", prefix)
-        query.setdefault("layout", "compact")
-        index = CompactIndex(with_query(redis_url, **query), window=window, bucket_cap=bucket_cap, namespace=namespace)
-        made.append(index)
-        return index
 
-    yield make
-    for index in made:
-        index.close()
+@pytest.fixture
+def watched() -> str:
+    return "_write_watched_compact"
 
 
 def test_a_stream_leaves_its_fields_in_small_listpack_hashes(make: Callable[..., RedisIndex], redis_url: str,
@@ -120,67 +132,6 @@ def test_a_stream_leaves_its_fields_in_small_listpack_hashes(make: Callable[...,
         assert slot.stats()["entries"] == len(entries)
     finally:
         slot.close()
-
-
-def _counting_watched(index: CompactIndex) -> list[bool | None]:
-    """Records what each WATCH-guarded transaction of `index` gave (None: Redis refused it)."""
-    results: list[bool | None] = []
-    write = index._write_watched_compact
-
-    def counted(*args: Any) -> bool | None:
-        result = write(*args)
-        results.append(result)
-        return result
-
-    index._write_watched_compact = counted  # type: ignore[method-assign]
-    return results
-
-
-def test_an_uncontended_insert_is_a_watched_transaction_that_a_foreign_write_refuses(
-        make: Callable[..., CompactIndex]) -> None:
-    """As tests/test_redis_index.py's: alone, the round goes as MULTI/EXEC under the lookup's WATCH, and the
-    next round of the same lookup too; a foreign insert after the lookup makes Redis refuse the transaction,
-    and the script reports the conflict."""
-    a, b = make(), make()
-    results = _counting_watched(a)
-    a.lookup([Query("a", 1000.0, (1, 2)), Query("c", 1000.0, (5, 6))], 8)
-    assert a.insert([(entry("a"), (1, 2))]) == [None]
-    assert a.insert([(entry("c"), (5, 6))]) == [None]
-    assert results == [True, True]
-    a.lookup([Query("d", 1000.0, (1, 3))], 8)
-    _put(b, "x", 1000.0, (3,))
-    assert [ids(c) for c in a.insert([(entry("d"), (1, 3))])] == [["x"]]
-    assert results == [True, True, None]
-    assert sorted(ids(b.lookup([Query("q", 1000.0, (1, 3, 5))], 8)[0][1])) == ["a", "c", "x"]
-
-
-def test_a_reconnect_between_lookup_and_insert_never_sends_the_transaction_unguarded(
-        make: Callable[..., CompactIndex]) -> None:
-    a, b = make(), make()
-    results = _counting_watched(a)
-    a.lookup([Query("a", 1000.0, (1, 2))], 8)
-    _put(b, "x", 1000.0, (2,))
-    a._conn.disconnect()  # as after an error of another command: the next send reconnects
-    assert [ids(c) for c in a.insert([(entry("a"), (1, 2))])] == [["x"]]
-    assert results == [None]
-
-
-def test_a_replayed_duplicate_finds_its_memo(make: Callable[..., CompactIndex]) -> None:
-    """A duplicate replayed after its original left every bucket (cap 1) gets its first verdict."""
-    config = FilterConfig(bucket_cap=1)
-    index = make(window=config.window, bucket_cap=1)
-    engine = NearDupFilter(config, index=index)
-    original = "Congratulations! You have won a 1000 dollar gift card, call 555-0100 now to claim your prize today"
-    copy = "Congratulations!! You have won a 1000 dollar gift voucher, call 555-0177 now to claim your prize"
-    assert not engine.check_batch([Message("a", original, 100.0)])[0].duplicate
-    [first] = engine.check_batch([Message("b", copy, 101.0)])
-    assert first.duplicate_of == "a"
-    keys = tuple(dict.fromkeys(engine.fingerprinter.fingerprint(original).keys
-                               + engine.fingerprinter.fingerprint(copy).keys))
-    index.lookup([Query("filler", 102.0, keys)], 8)
-    assert index.insert([(Entry("filler", 102.0, 7, 500, np.arange(1, 129, dtype=np.uint32)), keys)]) == [None]
-    assert engine.check_batch([Message("b", copy, 101.0)]) == [first]
-    assert index.stats()["memos"] == 1
 
 
 def test_a_namespace_of_the_layout_before_is_refused_with_one_line(make: Callable[..., RedisIndex], redis_url: str,
@@ -264,24 +215,7 @@ def test_uncontended_inserts_store_what_the_checking_script_stores(make: Callabl
     reference._alone_compact, reference._rank_compact = cc.alone_round, cc.rank_records
     reference._read_commands_of, reference._column_of = cc.read_commands, cc.column_of
     reference._write_commands_of = cc.write_commands
-    calls = {"fast": 0}
-    alone = fast._alone
-
-    def counted(*args: Any) -> Any:
-        result = alone(*args)
-        calls["fast"] += result is not None
-        return result
-
-    fast._alone = counted  # type: ignore[method-assign]
-    messages = generated_messages(600, seed=3)
-    verdicts = []
-    for index in (fast, checked, reference):
-        engine = NearDupFilter(config, index=index)
-        verdicts.append([v for at in range(0, len(messages), 50) for v in engine.check_batch(messages[at : at + 50])])
-    assert verdicts[0] == verdicts[1] == verdicts[2]
-    assert calls["fast"] >= 10
-    assert _namespace_dump(redis_url, prefix, "fast") == _namespace_dump(redis_url, prefix, "checked")
-    assert _namespace_dump(redis_url, prefix, "reference") == _namespace_dump(redis_url, prefix, "checked")
+    assert_stored_alike(config, fast, checked, reference, redis_url, prefix)
 
 
 def test_the_checking_script_is_loaded_again_after_a_script_flush(make: Callable[..., CompactIndex],
@@ -328,69 +262,9 @@ def _fenced(url: str) -> CompactIndex:
     return CompactIndex(url, window=3600.0, bucket_cap=8, namespace="ns", fenced=True)
 
 
-def test_a_fenced_index_without_its_marker_refuses_to_decide(redis_url: str) -> None:
-    cfg = FilterConfig()
-    with redis_namespace(redis_url) as url:
-        fenced, plain = _fenced(url), CompactIndex(url, window=3600.0, bucket_cap=8, namespace="ns")
-        try:
-            with pytest.raises(IndexLost):
-                NearDupFilter(cfg, index=fenced).check_batch(changelog_messages())
-            with pytest.raises(IndexLost):
-                fenced.insert([(changelog_entry("x"), (1, 2))])
-            assert _keys(url) == []
-            assert any(v.duplicate for v in NearDupFilter(cfg, index=plain).check_batch(changelog_messages()))
-            drop_index(url)
-            _mark(url)
-            assert any(v.duplicate for v in NearDupFilter(cfg, index=fenced).check_batch(changelog_messages()))
-        finally:
-            fenced.close()
-            plain.close()
-
-
-@pytest.mark.parametrize("path", ["transaction", "script (as on Cluster)", "checking script"])
-@pytest.mark.parametrize("rebuilt", [False, True], ids=["lost", "rebuilt"])
-def test_a_batch_looked_up_before_a_loss_writes_nothing_after_it(redis_url: str, path: str, rebuilt: bool) -> None:
-    with redis_namespace(redis_url) as url:
-        _mark(url)
-        index = _fenced(url)
-        if path == "script (as on Cluster)":
-            index._watchable = lambda: False  # type: ignore[method-assign]
-        elif path == "checking script":
-            index.alone_inserts = False
-        try:
-            assert index.lookup([Query("a", 1000.0, (1, 2))], 8) == [(None, [])]
-            drop_index(url)
-            if rebuilt:
-                _mark(url, "e2")
-            with pytest.raises(IndexLost):
-                index.insert([(changelog_entry("a"), (1, 2))])
-            with redis.Redis.from_url(redis_url) as client:
-                assert [client.hgetall(k) for k in _keys(url)] == ([{MARKER.encode(): b"e2"}] if rebuilt else [])
-        finally:
-            index.close()
-
-
-def test_a_conflict_re_read_after_a_rebuild_is_refused(redis_url: str) -> None:
-    with redis_namespace(redis_url) as url:
-        _mark(url)
-        a, b = _fenced(url), _fenced(url)
-        a.alone_inserts = False
-        try:
-            a.lookup([Query("a", 1000.0, (1, 2))], 8)
-            b.lookup([Query("b", 1000.0, (2, 3))], 8)
-            assert b.insert([(changelog_entry("b"), (2, 3))]) == [None]
-            read = a._read_covering
-
-            def rebuilt_first(*args: Any, **options: Any) -> Any:
-                _mark(url, "e2")
-                return read(*args, **options)
-
-            a._read_covering = rebuilt_first  # type: ignore[method-assign]
-            with pytest.raises(IndexLost):
-                a.insert([(changelog_entry("a"), (1, 2))])
-        finally:
-            a.close()
-            b.close()
+@pytest.fixture
+def layout() -> type[RedisIndex]:
+    return CompactIndex
 
 
 def test_a_namespace_lost_and_made_again_is_not_taken_for_the_one_before(make: Callable[..., CompactIndex],

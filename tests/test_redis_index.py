@@ -57,20 +57,38 @@ def cluster_url(url: str) -> str:
     return f"{parts.scheme}+cluster://{parts.netloc}"
 
 
-@pytest.fixture
-def make(redis_url: str, prefix: str) -> Iterator[Callable[..., RedisIndex]]:
+def made_indexes(cls: type[RedisIndex], redis_url: str, prefix: str,
+                 **fixed: str) -> Iterator[Callable[..., RedisIndex]]:
+    """A `make` fixture's body: indexes of `cls` on `redis_url` under `prefix` (and the query options
+    `fixed`, unless a call names them), all closed after the test."""
     made: list[RedisIndex] = []
 
     def make(namespace: str = "ns", window: float = WINDOW, bucket_cap: int = 8, **query: str) -> RedisIndex:
-        query.setdefault("prefix", prefix)
-        index = RedisIndex(with_query(redis_url, **query), window=window,
-                           bucket_cap=bucket_cap, namespace=namespace)
+        query = {"prefix": prefix, **fixed, **query}
+        index = cls(with_query(redis_url, **query), window=window, bucket_cap=bucket_cap, namespace=namespace)
         made.append(index)
         return index
 
     yield make
     for index in made:
         index.close()
+
+
+@pytest.fixture
+def make(redis_url: str, prefix: str) -> Iterator[Callable[..., RedisIndex]]:
+    yield from made_indexes(RedisIndex, redis_url, prefix)
+
+
+@pytest.fixture
+def layout() -> type[RedisIndex]:
+    """The class of the index the tests that make their own run on (tests/test_redis_compact.py gives its own)."""
+    return RedisIndex
+
+
+@pytest.fixture
+def watched() -> str:
+    """The index's method that sends the WATCH-guarded transaction (`_counting_watched` counts its calls)."""
+    return "_write_watched"
 
 
 def entry(id: str, ts: float = 1000.0, seed: int = 0) -> Entry:
@@ -756,27 +774,28 @@ def test_random_interleavings_of_workers_reading_ahead_never_make_two_near_dupli
     assert True in taken and False in taken  # reads ahead were taken, and some had to be read afresh
 
 
-def _counting_watched(index: RedisIndex) -> list[bool | None]:
-    """Records what each WATCH-guarded transaction of `index` gave (None: Redis refused it)."""
+def _counting_watched(index: RedisIndex, watched: str) -> list[bool | None]:
+    """Records what each WATCH-guarded transaction of `index` (its method `watched`) gave (None: Redis
+    refused it)."""
     results: list[bool | None] = []
-    write = index._write_watched
+    write = getattr(index, watched)
 
     def counted(*args: object) -> bool | None:
-        result = write(*args)  # type: ignore[arg-type]
+        result: bool | None = write(*args)
         results.append(result)
         return result
 
-    index._write_watched = counted  # type: ignore[method-assign]
+    setattr(index, watched, counted)
     return results
 
 
 def test_an_uncontended_insert_is_a_watched_transaction_that_a_foreign_write_refuses(
-        make: Callable[..., RedisIndex]) -> None:
+        make: Callable[..., RedisIndex], watched: str) -> None:
     """Alone, the round goes as MULTI/EXEC under the lookup's WATCH, and the next round of the same lookup
     too (re-armed); a foreign insert after the lookup makes Redis refuse the transaction: nothing of it is
     written and the script path reports the conflict."""
     a, b = make(), make()
-    results = _counting_watched(a)
+    results = _counting_watched(a, watched)
     a.lookup([Query("a", 1000.0, (1, 2)), Query("c", 1000.0, (5, 6))], 8)
     assert a.insert([(entry("a"), (1, 2))]) == [None]
     assert a.insert([(entry("c"), (5, 6))]) == [None]
@@ -789,11 +808,11 @@ def test_an_uncontended_insert_is_a_watched_transaction_that_a_foreign_write_ref
 
 
 def test_a_reconnect_between_lookup_and_insert_never_sends_the_transaction_unguarded(
-        make: Callable[..., RedisIndex]) -> None:
+        make: Callable[..., RedisIndex], watched: str) -> None:
     """A new connection watches nothing: were the transaction sent on it, it would pass whatever arrived
     since the lookup. redis-py reconnects when it sends, so the reconnect itself must stop it."""
     a, b = make(), make()
-    results = _counting_watched(a)
+    results = _counting_watched(a, watched)
     a.lookup([Query("a", 1000.0, (1, 2))], 8)
     _put(b, "x", 1000.0, (2,))
     a._conn.disconnect()  # as after an error of another command: the next send reconnects
@@ -801,12 +820,12 @@ def test_a_reconnect_between_lookup_and_insert_never_sends_the_transaction_ungua
     assert results == [None]
 
 
-def test_an_insert_after_close_is_checked_by_the_script(make: Callable[..., RedisIndex]) -> None:
+def test_an_insert_after_close_is_checked_by_the_script(make: Callable[..., RedisIndex], watched: str) -> None:
     """`close` drops the connection and its WATCH; an insert of the lookup's view after it (a routing
     thread still finishing at shutdown) opens a new one, which must not count as watched (found by
     review: the new connection was made without moving the epoch)."""
     a, b = make(), make()
-    results = _counting_watched(a)
+    results = _counting_watched(a, watched)
     a.lookup([Query("a", 1000.0, (1, 2))], 8)
     _put(b, "x", 1000.0, (2,))
     a.close()
@@ -986,6 +1005,14 @@ def test_uncontended_inserts_store_what_the_checking_script_stores(make: Callabl
         redis_codec.plan_fields, redis_codec.rank_records, redis_codec.alone_round, redis_codec.decode_entries,
         redis_codec.rank_lookup)
     reference._encode = redis_codec.encode_entries
+    assert_stored_alike(config, fast, checked, reference, redis_url, prefix)
+
+
+def assert_stored_alike(config: FilterConfig, fast: RedisIndex, checked: RedisIndex, reference: RedisIndex,
+                        redis_url: str, prefix: str) -> None:
+    """The same batches through `fast` (uncontended rounds), `checked` (the checking script alone) and
+    `reference` (the Python references), namespaces "fast", "checked" and "reference" under `prefix`: the
+    same verdicts and the very same keys and bytes stored."""
     calls = {"fast": 0}
     alone = fast._alone
 
@@ -1149,11 +1176,11 @@ def test_the_next_lookup_sees_the_memos_the_batch_wrote_after_the_read_went_out(
     assert make().lookup([Query("b", 1000, (1,))], 8)[0][0] == memo  # and it is stored
 
 
-def test_a_replayed_duplicate_finds_its_memo_on_any_redis(race_url: str) -> None:
+def test_a_replayed_duplicate_finds_its_memo_on_any_redis(race_url: str, layout: type[RedisIndex]) -> None:
     """Standalone and Cluster (whose insert round is a script, not a transaction): a duplicate replayed after
     its original left every bucket (cap 1) gets its first verdict."""
     config = FilterConfig(bucket_cap=1)
-    index = RedisIndex(race_url, window=config.window, bucket_cap=1, namespace=uuid.uuid4().hex[:12])
+    index = layout(race_url, window=config.window, bucket_cap=1, namespace=uuid.uuid4().hex[:12])
     engine = NearDupFilter(config, index=index)
     original = "Congratulations! You have won a 1000 dollar gift card, call 555-0100 now to claim your prize today"
     copy = "Congratulations!! You have won a 1000 dollar gift voucher, call 555-0177 now to claim your prize"

@@ -223,7 +223,7 @@ def _lua(*names: str) -> str:
     return "\n".join(sources).replace("FIELDS_PER_CALL", str(FIELDS_PER_CALL))
 
 
-INSERT_LUA = _lua("trim.lua", "insert.lua")
+INSERT_LUA = _lua("trim.lua", "insert_slices.lua", "insert.lua")
 
 # The insert of a caller that nobody else inserted anything since its lookup: it read every field its
 # batch writes, so it computed the writes itself (`RedisIndex._alone`), and this only checks that the
@@ -575,19 +575,20 @@ class RedisIndex:
         finish(left)
         return verdicts
 
-    def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | Verdict | None, list[Candidate]]]:
+    def _read_view(self, queries: Sequence[Query]) -> tuple[list[float], list[str], list[list[bytes | None]],
+                                                            list[list[int]], list[int]] | None:
+        """A lookup's read (the one sent ahead by `prefetch`, when it is still good, else a new one), kept as
+        the view the batch's inserts go by: each query's high-water mark, the ids, and the columns read with
+        the queries' places in them; None for no queries. Shared by the layouts that read by slice."""
         ahead = self._ahead
         if ahead is not None:
             with self._errors():
                 self._drain()  # its replies come first on the connection
             self._ahead = None
         if not queries:
-            return []
-        marks = []  # each query's high-water mark: its own event time and those before it count
-        hwm = self._hwm
-        for q in queries:
-            hwm = max(hwm, _event_time(q.ts, q.id, self.slice_length))
-            marks.append(hwm)
+            return None
+        marks = high_marks(queries, self._hwm, self.slice_length)
+        hwm = marks[-1]
         read = self._taken(ahead, marks[0], hwm) if ahead is not None and ahead.queries is queries else None
         if read is not None:
             assert ahead is not None
@@ -610,6 +611,13 @@ class RedisIndex:
         self._view = _View(slices, dict(zip(slices, columns)), names, seq, stored, dict(zip(ids, range(len(ids)))),
                            keys_of, key_fields, positions, id_places, watch=epoch if watch else -1,
                            marker=self._marker)
+        return marks, ids, columns, positions, id_places
+
+    def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | Verdict | None, list[Candidate]]]:
+        read = self._read_view(queries)
+        if read is None:
+            return []
+        marks, ids, columns, positions, id_places = read
         window = self.window
         found = self._rank_all(columns, positions, id_places, ids, [q.min_shared for q in queries], limit,
                                [mark - window for mark in marks], self.bucket_cap,
@@ -635,18 +643,10 @@ class RedisIndex:
         error) makes the lookup read afresh. Standalone Redis only (Cluster has no WATCH here)."""
         self._ahead = None
         view = self._view
-        if not self.read_ahead or not queries or not self._watchable() or view.watch != self._epoch \
-                or not view.exact or view.inserted or view.reread:
+        planned = self._plan_ahead(queries)
+        if planned is None:
             return
-        hwm = self._hwm
-        try:
-            low = max(hwm, _event_time(queries[0].ts, queries[0].id, self.slice_length))
-            for q in queries:
-                hwm = max(hwm, _event_time(q.ts, q.id, self.slice_length))
-            names, key_fields, positions, id_places = self._planned(queries)
-        except ValueError:
-            return  # the lookup raises it
-        slices = self._slices(low, hwm)
+        names, key_fields, positions, id_places, slices = planned
         commands = self._read_commands(names, slices, watch=False)
         with self._errors():
             conn = self._pinned()
@@ -654,6 +654,21 @@ class RedisIndex:
             self._pack_and_send(conn, commands)
             epoch = self._epoch  # after sending: a reconnect on the way sent it on the new connection
         self._ahead = _SentRead(queries, names, key_fields, positions, id_places, slices, epoch, view, len(commands))
+
+    def _plan_ahead(self, queries: Sequence[Query]) -> tuple[list[bytes], list[list[bytes]], list[list[int]],
+                                                             list[int], tuple[int, ...]] | None:
+        """What `prefetch` reads (`_planned`, and the slices the queries' marks cover), or None when no read
+        may go ahead: see `prefetch`."""
+        view = self._view
+        if not self.read_ahead or not queries or not self._watchable() or view.watch != self._epoch \
+                or not view.exact or view.inserted or view.reread:
+            return None
+        try:
+            marks = high_marks(queries, self._hwm, self.slice_length)
+            names, key_fields, positions, id_places = self._planned(queries)
+        except ValueError:
+            return None  # the lookup raises it
+        return names, key_fields, positions, id_places, self._slices(marks[0], marks[-1])
 
     def _planned(self, queries: Sequence[Query]) -> tuple[list[bytes], list[list[bytes]], list[list[int]], list[int]]:
         """Every field name the batch reads, and its place in a column (`plan_fields`: each query's entry
@@ -1131,12 +1146,7 @@ class RedisIndex:
             if conn is None:
                 replies: list[Any] = sent
             else:
-                replies = []
-                for _ in range(sent):
-                    try:
-                        replies.append(conn.read_response())
-                    except ResponseError as exc:  # read whole: the connection stays in step
-                        replies.append(exc)
+                replies = read_responses(conn, sent)
             _raise_any(replies)
         return replies
 
@@ -1355,7 +1365,7 @@ class RedisIndex:
         results = self._alone(entries, fields_of, places_of) if self.alone_inserts else None
         if results is None:
             results = self._checked(entries, fields_of)
-        self._remember([entry for (entry, _), result in zip(entries, results) if result > 0])
+        self._keep_inserted(entries, results)
         out: list[list[Candidate] | None] = [None] * len(entries)
         again = [i for i, result in enumerate(results) if result < 0]
         if again:
@@ -1363,6 +1373,10 @@ class RedisIndex:
             for i, cands in zip(again, conflicts):
                 out[i] = cands
         return out
+
+    def _keep_inserted(self, entries: Sequence[tuple[Entry, tuple[int, ...]]], results: Sequence[int]) -> None:
+        """Keeps the entries `_insert_chunk` inserted (a result > 0) for later reads of them."""
+        self._remember([entry for (entry, _), result in zip(entries, results) if result > 0])
 
     def _places(self, id: str, fields: Sequence[bytes]) -> Sequence[int | None]:
         view = self._view
@@ -1448,14 +1462,21 @@ class RedisIndex:
             if not done:
                 self._memos_sent()  # written beside the script, whatever it answered
                 return None
-        view.hwm = hwm_bytes
+        self._wrote_round(hwm_bytes, pending, groups, writes)
+        return results
+
+    def _wrote_round(self, hwm: bytes, pending: list[tuple[int, int, list[int]]], groups: dict[int, list[Any]],
+                     writes: dict[int, dict[int, bytes]]) -> None:
+        """Keeps in the view what an uncontended round wrote (the high-water mark, its entries (seq, slice,
+        places) and the slices' values); its memos went with it, in the transaction or beside the script."""
+        view = self._view
+        view.hwm = hwm
         view.own.update([seq_i for seq_i, _, _ in pending])
         view.inserted += len(pending)
         view._unsettled.append(pending)
         for s in groups:
             view.written[s] = writes[s]
-        self._memos_sent()  # in the transaction, or beside the script
-        return results
+        self._memos_sent()
 
     def _write_watched(self, start: int, seq: int, stored_hwm: bytes, hwm: bytes, gone: str,
                        groups: dict[int, list[Any]]) -> bool | None:
@@ -1480,6 +1501,19 @@ class RedisIndex:
             commands.append(("UNLINK", gone))
         commands += self._memo_commands()  # in the transaction: written with the entries, or not at all
         commands += [("EXEC",), ("WATCH", meta), ("HMGET", meta, "seq", "hwm")]
+        replies = self._exec_watched(commands)
+        if replies is None:
+            return None
+        now_seq, now_hwm = replies[-1]
+        return int(now_seq or 0) == seq and (now_hwm or b"") == hwm
+
+    def _raise_any(self, replies: Sequence[Any]) -> None:
+        """`_raise_any` of the module; a layout may read its replies' errors its own way."""
+        _raise_any(replies)
+
+    def _exec_watched(self, commands: Sequence[Sequence[str | int | bytes]]) -> list[Any] | None:
+        """Sends a `_write_watched` transaction (MULTI ... EXEC, WATCH, HMGET of the meta hash) on the pinned
+        connection; its replies, or None if Redis refused it (nothing written)."""
         self._guarded = True
         try:
             with self._errors():
@@ -1490,18 +1524,17 @@ class RedisIndex:
             self._guarded = False
         try:
             with self._errors():
-                _raise_any(replies)
+                self._raise_any(replies)
                 done = replies[-3]
                 if done is None:
                     return None
-                _raise_any(done)  # a command that failed inside the transaction (the others did run)
+                self._raise_any(done)  # a command that failed inside the transaction (the others did run)
         except BaseException:
             # Redis before 6.2 stays in MULTI after refusing EXEC itself: start afresh, whatever happened.
             if self._conn is not None:
                 self._conn.disconnect()
             raise
-        now_seq, now_hwm = replies[-1]
-        return int(now_seq or 0) == seq and (now_hwm or b"") == hwm
+        return replies
 
     def _reread(self, entries: Sequence[tuple[Entry, tuple[int, ...]]],
                 fields_of: Sequence[list[bytes]]) -> list[list[Candidate]]:
@@ -1590,13 +1623,7 @@ class RedisIndex:
                 self.meanwhile = None
             if pinned:
                 self._drain()  # a read sent ahead on this connection: its replies come first
-            replies: list[Any] = []
-            for _ in commands:
-                try:
-                    replies.append(conn.read_response())
-                except ResponseError as exc:  # read whole: the connection stays in step
-                    replies.append(exc)
-            return replies
+            return read_responses(conn, len(commands))
         except BaseException:
             conn.disconnect()  # replies may still be on their way: never reuse it (it reconnects)
             raise
@@ -1620,15 +1647,16 @@ class RedisIndex:
             return
         conn, n, ahead.pending = self._conn, ahead.pending, 0
         try:
-            for _ in range(n):
-                try:
-                    ahead.replies.append(conn.read_response())
-                except ResponseError as exc:
-                    ahead.replies.append(exc)
+            ahead.replies.extend(self._read_many(conn, n))
         except BaseException:
             self._ahead = None
             conn.disconnect()
             raise
+
+    @staticmethod
+    def _read_many(conn: Any, n: int) -> list[Any]:
+        """The next `n` replies on `conn` (`read_responses`); a layout may read them its own faster way."""
+        return read_responses(conn, n)
 
     def _watchable(self) -> bool:
         """Can the uncontended insert go as a transaction guarded by WATCH (`_write_watched`)?"""
@@ -1855,3 +1883,23 @@ def _event_time(ts: float, id: str, slice_length: float) -> float:
     if not (_MIN_TS < ts < math.inf and abs(ts / slice_length) < _MAX_SLICE):  # also rejects NaN
         raise ValueError(f"event time of {id!r} must be finite, > -2^52 and below 2^50 windows, got {ts!r}")
     return ts
+
+
+def high_marks(queries: Sequence[Query], hwm: float, slice_length: float) -> list[float]:
+    """Each query's high-water mark, from `hwm` on: its own event time and those before it count."""
+    marks = []
+    for q in queries:
+        hwm = max(hwm, _event_time(q.ts, q.id, slice_length))
+        marks.append(hwm)
+    return marks
+
+
+def read_responses(conn: Any, n: int) -> list[Any]:
+    """The next `n` replies on `conn`, an error reply in its place (as `RedisIndex._send` gives them)."""
+    out: list[Any] = []
+    for _ in range(n):
+        try:
+            out.append(conn.read_response())
+        except ResponseError as exc:  # read whole: the connection stays in step
+            out.append(exc)
+    return out

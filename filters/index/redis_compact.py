@@ -14,12 +14,10 @@ import time
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from importlib import resources
 from itertools import chain
 from typing import Any, cast
 
 import numpy as np
-from redis.exceptions import ResponseError
 
 from filters.errors import ConfigError, IndexCorrupt
 from filters.index import Candidate, Entry, Query, Stored, new_candidate
@@ -34,11 +32,11 @@ from filters.index.redis import (
     RedisIndex,
     RedisTarget,
     _event_time,
+    _lua,
     _Script,
     _SentRead,
     _stored_time,
     _View,
-    _WatchLost,
 )
 from filters.index.redis_codec import ABSENT, SEQ, decode_entry, decode_memo, encode_entry, memo_time
 from filters.records import Verdict
@@ -71,11 +69,8 @@ HOLD_FIELDS = 1 << 22  # bucket and id fields a rebuild holds (~150 bytes each) 
 
 
 def _script() -> _Script:
-    sources = [resources.files("filters.index").joinpath("lua", name).read_text(encoding="utf-8")
-               for name in ("trim16.lua", "compact_insert.lua")]
     bits = f"{cc.K_FIRST}, {cc.K_MIN}, {cc.K_MAX}, {cc.FIELDS_PER_ENTRY}, {cc.SMALL_FILL}, {cc.UNLINK_INLINE_BITS}"
-    return _Script.of("\n".join(sources).replace("FIELDS_PER_CALL", str(FIELDS_PER_CALL))
-                      .replace("COMPACT_BITS", bits))
+    return _Script.of(_lua("trim16.lua", "insert_slices.lua", "compact_insert.lua").replace("COMPACT_BITS", bits))
 
 
 COMPACT_INSERT = _script()
@@ -88,14 +83,8 @@ def _read_replies(conn: Any, n: int) -> list[Any]:
     sends: a command per small hash); through `read_response` where redis-py has no such reader."""
     parser: Any = getattr(conn, "_parser", None)
     reader: Any = getattr(parser, "_reader", None)
-    out: list[Any] = []
     if _HIREDIS is None or type(parser) is not _HIREDIS[0] or reader is None:
-        for _ in range(n):
-            try:
-                out.append(conn.read_response())
-            except ResponseError as exc:  # read whole: the connection stays in step
-                out.append(exc)
-        return out
+        return slot.read_responses(conn, n)
     gather = _native.gather_replies if _native is not None else cc.gather_replies
     return cast("list[Any]", gather(reader.gets, parser.read_from_socket, n, _HIREDIS[1]))
 
@@ -222,21 +211,10 @@ class CompactIndex(RedisIndex):
         conn.send_packed_command([b"".join(blobs)])
         return count
 
-    def _drain(self) -> None:
-        """`RedisIndex._drain`, its replies read in bulk (`_read_replies`)."""
-        ahead = self._ahead
-        if ahead is None or not ahead.pending:
-            return
-        if ahead.epoch != self._epoch or self._conn is None:
-            self._ahead = None
-            return
-        conn, n, ahead.pending = self._conn, ahead.pending, 0
-        try:
-            ahead.replies.extend(_read_replies(conn, n))
-        except BaseException:
-            self._ahead = None
-            conn.disconnect()
-            raise
+    @staticmethod
+    def _read_many(conn: Any, n: int) -> list[Any]:
+        """`RedisIndex._read_many` in bulk (`_read_replies`)."""
+        return _read_replies(conn, n)
 
     # -- reading -------------------------------------------------------------------------------------
     def _planned(self, queries: Sequence[Query]) -> tuple[list[bytes], list[list[bytes]], list[list[int]], list[int]]:
@@ -346,18 +324,10 @@ class CompactIndex(RedisIndex):
         self._ahead = None
         self._ahead_plan = None
         view = self._view
-        if not self.read_ahead or not queries or not self._watchable() or view.watch != self._epoch \
-                or not view.exact or view.inserted or view.reread:
+        planned = self._plan_ahead(queries)
+        if planned is None:
             return
-        hwm = self._hwm
-        try:
-            low = max(hwm, _event_time(queries[0].ts, queries[0].id, self.slice_length))
-            for q in queries:
-                hwm = max(hwm, _event_time(q.ts, q.id, self.slice_length))
-            names, key_fields, positions, id_places = self._planned(queries)
-        except ValueError:
-            return  # the lookup raises it
-        slices = self._slices(low, hwm)
+        names, key_fields, positions, id_places, slices = planned
         known: dict[int, int | None] = {s: self._bits.get(s) for s in slices}
         gone = self._gone()
         probes = [gone - 1, gone] if gone is not None else []
@@ -456,39 +426,10 @@ class CompactIndex(RedisIndex):
                     marks.add(names[p])
 
     def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | Verdict | None, list[Candidate]]]:
-        ahead = self._ahead
-        if ahead is not None:
-            with self._errors():
-                self._drain()  # its replies come first on the connection
-            self._ahead = None
-        if not queries:
+        read = self._read_view(queries)
+        if read is None:
             return []
-        marks = []
-        hwm = self._hwm
-        for q in queries:
-            hwm = max(hwm, _event_time(q.ts, q.id, self.slice_length))
-            marks.append(hwm)
-        read = self._taken(ahead, marks[0], hwm) if ahead is not None and ahead.queries is queries else None
-        if read is not None:
-            assert ahead is not None
-            names, key_fields, positions, id_places = ahead.names, ahead.key_fields, ahead.positions, ahead.id_places
-            seq, stored, slices, columns = read
-            epoch, watch = self._epoch, True
-        else:
-            names, key_fields, positions, id_places = self._planned(queries)
-            watch = self._watchable()
-            if watch:
-                with self._errors():
-                    self._pinned()
-            epoch = self._epoch
-            seq, stored, slices, columns = self._read_covering(names, self._slices(marks[0], hwm), marks[0], hwm,
-                                                               watch=watch)
-            watch = watch and self._epoch == epoch
-        self._hwm = hwm
-        ids = [q.id for q in queries]
-        self._view = _View(slices, dict(zip(slices, columns)), names, seq, stored, dict(zip(ids, range(len(ids)))),
-                           [q.keys for q in queries], key_fields, positions, id_places,
-                           watch=epoch if watch else -1, marker=self._marker)
+        marks, ids, columns, positions, id_places = read
         window = self.window
         found = self._rank_batch(columns, positions, id_places, ids, [q.min_shared for q in queries], limit,
                                  [mark - window for mark in marks], self.bucket_cap, memo_time)
@@ -543,30 +484,9 @@ class CompactIndex(RedisIndex):
             self._by_seq = dict(list(known.items())[len(known) - cap :])
 
     # -- inserting -----------------------------------------------------------------------------------
-    def _insert_chunk(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]:
-        view = self._view
-        looked = view.looked
-        fields_of: list[list[bytes]] = []
-        places_of: list[list[int] | None] = []
-        for entry, keys in entries:
-            q = looked.get(entry.id)
-            if q is not None and (view.keys_of[q] is keys or view.keys_of[q] == keys):
-                fields_of.append(view.fields_of[q])
-                places_of.append(view.places_of[q])
-            else:
-                fields_of.append([b"b" + k.to_bytes(8, "big") for k in keys])
-                places_of.append(None)
-        results = self._alone(entries, fields_of, places_of) if self.alone_inserts else None
-        if results is None:
-            results = self._checked(entries, fields_of)
+    def _keep_inserted(self, entries: Sequence[tuple[Entry, tuple[int, ...]]], results: Sequence[int]) -> None:
+        """Keeps the inserted entries by their seq (the result > 0)."""
         self._keep({seq: entry for (entry, _), seq in zip(entries, results) if seq > 0})
-        out: list[list[Candidate] | None] = [None] * len(entries)
-        again = [i for i, result in enumerate(results) if result < 0]
-        if again:
-            conflicts = self._reread([entries[i] for i in again], [fields_of[i] for i in again])
-            for i, cands in zip(again, conflicts):
-                out[i] = cands
-        return out
 
     def _alone(self, entries: Sequence[tuple[Entry, tuple[int, ...]]], fields_of: Sequence[list[bytes]],
                places_of: Sequence[list[int] | None]) -> list[int] | None:
@@ -606,13 +526,7 @@ class CompactIndex(RedisIndex):
             return None
         if not written:
             view.watch = -1
-        view.hwm = hwm_bytes
-        view.own.update([seq_i for seq_i, _, _ in pending])
-        view.inserted += len(pending)
-        view._unsettled.append(pending)
-        for s in groups:
-            view.written[s] = writes[s]
-        self._memos_sent()
+        self._wrote_round(hwm_bytes, pending, groups, writes)
         return list(results)
 
     def _write_watched_compact(self, start: int, seq: int, stored_hwm: bytes, hwm: bytes, gone: int | None,
@@ -658,25 +572,9 @@ class CompactIndex(RedisIndex):
         commands += self._reap_commands()  # in the transaction: its HDEL does not dirty the WATCH
         commands += self._memo_commands()
         commands += [("EXEC",), ("WATCH", meta), ("HMGET", meta, "seq", "hwm")]
-        self._guarded = True
-        try:
-            with self._errors():
-                replies = self._execute(commands)
-        except _WatchLost:
+        replies = self._exec_watched(cast("list[Sequence[str | int | bytes]]", commands))
+        if replies is None:
             return None
-        finally:
-            self._guarded = False
-        try:
-            with self._errors():
-                self._raise_any(replies)
-                done = replies[-3]
-                if done is None:
-                    return None
-                self._raise_any(done)
-        except BaseException:
-            if self._conn is not None:
-                self._conn.disconnect()
-            raise
         self._bits.update(made)
         for s, j in renewed:  # only now: a transaction refused renewed nothing
             self._renewed[s][j >> 3] |= 1 << (j & 7)

@@ -62,6 +62,7 @@ from filters.index.redis import (
     _event_time,
     _lua,
     _Script,
+    high_marks,
     redact_url,
     redis_errors,
 )
@@ -560,11 +561,8 @@ class SpreadIndex:
         if not queries:
             self._view = _View()
             return []
-        marks = []
-        hwm = self._hwm
-        for q in queries:
-            hwm = max(hwm, _event_time(q.ts, q.id, self.slice_length))
-            marks.append(hwm)
+        marks = high_marks(queries, self._hwm, self.slice_length)
+        hwm = marks[-1]
         ids = [q.id for q in queries]
         keys_of = [q.keys for q in queries]
         names, key_fields, positions, id_places = self._plan(keys_of, [id_field(id) for id in ids])

@@ -1,5 +1,6 @@
--- One caller's insert round in the compact layout, atomically (trim16.lua comes before this): insert.lua's
--- checks and writes, the fields where the layout keeps them (docs/design.md, "The compact slot layout").
+-- One caller's insert round in the compact layout, atomically (trim16.lua and insert_slices.lua come before
+-- this): insert.lua's checks and writes, the fields where the layout keeps them (docs/design.md, "The compact
+-- slot layout").
 -- KEYS[1]: the namespace's meta hash.
 -- ARGV: slice key prefix, window, slice length, bucket cap, TTL (ms), the caller's high-water mark of
 --       event time, the slices the caller read (comma-separated, in the order of its tails), the seq at its
@@ -31,26 +32,8 @@ if stored_hwm > hwm then hwm = stored_hwm end
 local start = tonumber(state[1] or '0')
 local seq = start
 local alone = start == tonumber(ARGV[8]) + tonumber(ARGV[9])
-local entries = {}
-local low, top = math.huge, hwm
-local i = FIRST
-while i <= #ARGV do
-  local n = tonumber(ARGV[i + 3])
-  local ts = tonumber(ARGV[i + 1])
-  entries[#entries + 1] = {i, ts, n}
-  if ts < low then low = ts end
-  if ts > top then top = ts end
-  i = i + 6 + n
-end
-if hwm > low then low = hwm end
-local slices = {}
-for s = math.floor((low - window) / slice_len), math.floor(top / slice_len) do slices[#slices + 1] = s end
-local seen_at = {}
-local k = 0
-for s in string.gmatch(ARGV[7], '[^,]+') do seen_at[tonumber(s)] = k; k = k + 1 end
-for _, s in ipairs(slices) do
-  if not seen_at[s] then alone = false end
-end
+local entries, slices, seen_at, read_all = insert_slices(FIRST, 6, hwm, window, slice_len)
+if not read_all then alone = false end
 -- The bits of each slice (nil: nothing written there yet).
 local bits = {}
 do

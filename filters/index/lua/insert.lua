@@ -1,4 +1,5 @@
--- One caller's insert round, atomically (trim.lua comes before this). KEYS[1]: the namespace's meta hash.
+-- One caller's insert round, atomically (trim.lua and insert_slices.lua come before this).
+-- KEYS[1]: the namespace's meta hash.
 -- ARGV: slice key prefix, window, slice length, bucket cap, TTL (ms), the caller's high-water mark of
 --       event time, the slices the caller read (comma-separated, in the order of its tails), the seq
 --       at its lookup and how many it inserted since, the window's clock ('' for the high-water mark:
@@ -23,28 +24,8 @@ local seq = start
 -- Nobody else inserted since the caller's lookup (and it read every slice, below): no bucket can
 -- differ from what it saw.
 local alone = start == tonumber(ARGV[8]) + tonumber(ARGV[9])
--- Entries, and the slices a record that can still match may be in: from the lowest horizon of this
--- call to the highest event time.
-local entries = {}
-local low, top = math.huge, hwm
-local i = FIRST
-while i <= #ARGV do
-  local n = tonumber(ARGV[i + 3])
-  local ts = tonumber(ARGV[i + 1])
-  entries[#entries + 1] = {i, ts, n}
-  if ts < low then low = ts end
-  if ts > top then top = ts end
-  i = i + 5 + n
-end
-if hwm > low then low = hwm end
-local slices = {}
-for s = math.floor((low - window) / slice_len), math.floor(top / slice_len) do slices[#slices + 1] = s end
-local seen_at = {}  -- slice -> its place among the caller's
-local k = 0
-for s in string.gmatch(ARGV[7], '[^,]+') do seen_at[tonumber(s)] = k; k = k + 1 end
-for _, s in ipairs(slices) do
-  if not seen_at[s] then alone = false end
-end
+local entries, slices, seen_at, read_all = insert_slices(FIRST, 5, hwm, window, slice_len)
+if not read_all then alone = false end
 -- What each slice holds of the fields this call needs: every id and, to compare with what the caller
 -- saw, every bucket field (when alone, only those of the slices written to).
 local wanted = {}

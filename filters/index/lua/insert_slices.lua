@@ -1,0 +1,29 @@
+-- Shared by the insert scripts of the slot layouts (loaded in front of insert.lua and compact_insert.lua).
+-- An insert round's entries ({place of the entry's first argument, event time, number n of its buckets}),
+-- read from ARGV[first] on, each entry `width` + n arguments; the slices a record that can still match may
+-- be in (from the lowest horizon of the round to its highest event time); the slices the caller read
+-- (ARGV[7], comma-separated) by their place among the caller's; and whether the caller read them all.
+local function insert_slices(first, width, hwm, window, slice_len)
+  local entries = {}
+  local low, top = math.huge, hwm
+  local i = first
+  while i <= #ARGV do
+    local n = tonumber(ARGV[i + 3])
+    local ts = tonumber(ARGV[i + 1])
+    entries[#entries + 1] = {i, ts, n}
+    if ts < low then low = ts end
+    if ts > top then top = ts end
+    i = i + width + n
+  end
+  if hwm > low then low = hwm end
+  local slices = {}
+  for s = math.floor((low - window) / slice_len), math.floor(top / slice_len) do slices[#slices + 1] = s end
+  local seen_at = {}
+  local k = 0
+  for s in string.gmatch(ARGV[7], '[^,]+') do seen_at[tonumber(s)] = k; k = k + 1 end
+  local read_all = true
+  for _, s in ipairs(slices) do
+    if not seen_at[s] then read_all = false end
+  end
+  return entries, slices, seen_at, read_all
+end
