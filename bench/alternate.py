@@ -49,13 +49,14 @@ def ratios(a: list[float], b: list[float]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-n", "--pairs", type=int, default=7, help="runs of each command")
-    p.add_argument("--vs", required=True, help="command B (the baseline), one string split as a shell splits words")
+    p.add_argument("--vs", help="command B (the baseline), one string split as a shell splits words")
     p.add_argument("command", nargs=argparse.REMAINDER, help="command A, after --")
     args = p.parse_args()
     a_argv = args.command[1:] if args.command[:1] == ["--"] else args.command
-    if not a_argv:
-        p.error("command A is missing (give it after --)")
-    b_argv = shlex.split(args.vs)
+    b_argv = shlex.split(args.vs or "")
+    if not a_argv or not b_argv:
+        print("alternate.py needs two commands: --vs 'COMMAND B' -- COMMAND A", file=sys.stderr)
+        sys.exit(2)
     a: list[Run] = []
     b: list[Run] = []
     try:
