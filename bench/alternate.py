@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import NoReturn
 
 
 @dataclass(frozen=True)
@@ -41,13 +42,19 @@ def run_once(argv: list[str]) -> Run:
     return Run(usage.ru_utime + usage.ru_stime, wall, usage.ru_maxrss / 1024.0)
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, as every benchmark says what it needs
+        print(f"alternate.py needs two commands: --vs 'COMMAND B' -- COMMAND A ({message})", file=sys.stderr)
+        sys.exit(2)
+
+
 def ratios(a: list[float], b: list[float]) -> str:
     r = [x / y for x, y in zip(a, b, strict=True) if y > 0]
     return f"{statistics.median(r):.3f} ({min(r):.3f}-{max(r):.3f})" if r else "-"
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-n", "--pairs", type=int, default=7, help="runs of each command")
     p.add_argument("--vs", help="command B (the baseline), one string split as a shell splits words")
     p.add_argument("command", nargs=argparse.REMAINDER, help="command A, after --")
