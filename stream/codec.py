@@ -130,8 +130,8 @@ def decoded_batch(raws: Sequence[Raw], fmt: RecordFormat,
         raw = raws[i]
         try:
             out[i] = decode(raw.value, fmt, fallback_id=raw.fallback_id, fallback_ts=raw.fallback_ts)
-        except RejectedInput as exc:
-            out[i] = exc
+        except RejectedInput as exc:  # kept with the record (buffered by the worker): no frame kept alive with it
+            out[i] = exc.with_traceback(None)
             rejected += 1
     return out, rejected
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from filters.errors import RejectedInput
 from filters.records import maker
-from stream.codec import Decoded, RecordFormat, decode, decoded_batch, event_time
+from stream.codec import Decoded, RecordFormat, decoded_batch, event_time
 from stream.config import Settings
 from stream.kafka_tools import Headers, KafkaRecord, new_kafka_record
 from stream.runner import DUPLICATE, UNIQUE, RawRecord, Routed
@@ -138,16 +138,13 @@ def late_output(out: OutRecord, behind: float) -> OutRecord:
 def unchecked_records(records: Sequence[KafkaRecord], settings: Settings) -> list[OutRecord]:
     """What `--on-index-error unchecked` does while the index is down: decodable records go to unique
     with `neardup-verdict: unchecked` (not indexed, not checked), the others to the dead-letter topic."""
-    fmt = settings.record_format()
+    raws = [raw_record(rec) for rec in records]
     outs = []
-    for rec in records:
-        raw = raw_record(rec)
-        try:
-            message = decode(raw.value, fmt, fallback_id=raw.fallback_id, fallback_ts=raw.fallback_ts).message
-        except RejectedInput as exc:
-            outs.append(output_of(rec, Routed(REJECTED, raw, error=exc), settings))
+    for rec, raw, got in zip(records, raws, decoded_batch(raws, settings.record_format())[0], strict=True):
+        if isinstance(got, RejectedInput):  # (decoded on arrival, or just now)
+            outs.append(output_of(rec, Routed(REJECTED, raw, error=got), settings))
             continue
-        headers = (*rec.headers, (H_VERDICT, UNCHECKED.encode()), (H_ID, message.id.encode()),
-                   (H_SOURCE, rec.coordinates.encode()))
+        headers = (*rec.headers, (H_VERDICT, UNCHECKED.encode()), (H_ID, got.message.id.encode()),
+                   (H_SOURCE, raw.fallback_id.encode()))
         outs.append(OutRecord(settings.unique_topic, rec.key, rec.value, headers))
     return outs
