@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from filters.errors import IndexCorrupt
+from filters.index.redis_codec import live_memo
 
 LAYOUT = "compact"  # the meta hash's `layout` of a namespace of this layout
 RECORD = struct.Struct("<d8s")  # a record: event time (f64 LE), then the seq (u64 BE: a value's last 8 bytes)
@@ -170,11 +171,7 @@ def rank_all(columns: Sequence[Sequence[bytes | None]], positions: Sequence[Sequ
                     own = (SEQ.unpack(seq)[0], ts)
                     break
         if own is None:
-            for column in columns:
-                blob = column[e + 1]
-                if blob is not None and memo_time(blob, id) >= horizon:
-                    memo = blob
-                    break
+            memo = live_memo(columns, e, id, horizon, memo_time)
         out.append((own, memo, rank_records(columns, where, own[0] if own else 0, floor, limit, horizon, cap, -1,
                                             None)))
     return out

@@ -336,6 +336,17 @@ def decode_memo(data: bytes, id: str) -> Verdict:
     return new_verdict(id, True, duplicate_of, similarity, method or None)
 
 
+def live_memo(columns: Sequence[Sequence[bytes | None]], e: int, id: str, horizon: float,
+              memo_time: Any) -> bytes | None:
+    """The first of the slices' memos of `id` (at `e + 1` of each column) whose event time (`memo_time`) is inside
+    the window (from `horizon`), else None: the Python references of both layouts' lookups."""
+    for column in columns:
+        blob = column[e + 1]
+        if blob is not None and memo_time(blob, id) >= horizon:
+            return blob
+    return None
+
+
 def memo_time(blob: bytes, id: str) -> float:
     """The event time of a stored memo (`encode_memo`)."""
     try:
@@ -563,11 +574,7 @@ def rank_lookup(columns: list[list[bytes | None]], positions_of: list[list[int]]
                 own = blob
                 break
         if own is None:
-            for column in columns:
-                blob = column[e + 1]
-                if blob is not None and memo_time(blob, id) >= horizon:
-                    memo = blob
-                    break
+            memo = live_memo(columns, e, id, horizon, memo_time)
         out.append((own, memo, rank_records(columns, where, id, floor, limit, horizon, cap)))
     return out
 
