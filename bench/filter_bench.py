@@ -30,6 +30,7 @@ from bench import needs
 from filters.config import FilterConfig
 from filters.engine import Message, NearDupFilter, Verdict
 from stream.evaluate import score
+from stream.runner import FILE_BATCH
 
 _PUNCT = re.compile(r"[\W_]+")
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,7 +40,7 @@ def _norm(text: str) -> str:
     return _PUNCT.sub("", unicodedata.normalize("NFKC", text).lower())
 
 
-def run_neardup(msgs: Sequence[Message], batch: int = 512, native: bool | None = None,
+def run_neardup(msgs: Sequence[Message], batch: int = FILE_BATCH, native: bool | None = None,
                 index: str = "memory://") -> tuple[list[Verdict], object]:
     nd = NearDupFilter(FilterConfig(window=1e9), index=index, native=native)
     out: list[Verdict] = []

@@ -62,7 +62,7 @@ from filters.index.redis import RedisTarget  # noqa: E402
 from stream.codec import RecordFormat  # noqa: E402
 from stream.collector import tune_collector  # noqa: E402
 from stream.evaluate import score  # noqa: E402
-from stream.runner import RawRecord, route_batch, route_batches  # noqa: E402
+from stream.runner import FILE_BATCH, RawRecord, route_batch, route_batches  # noqa: E402
 
 SHORT = "sms_en,tweets_en,reviews_zh"
 FMT = RecordFormat()
@@ -257,7 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--truth", type=Path, default=ROOT.parent / "shared" / "eval" / "truth.jsonl")
     p.add_argument("--limit", type=int, default=20_000)
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--batch", type=int, default=512)
+    p.add_argument("--batch", type=int, default=FILE_BATCH, help="records routed together (as neardup filter)")
     p.add_argument("--sets", default="all,short")
     p.add_argument("--short-corpora", default=SHORT)
     p.add_argument("--backends", default="memory,redis,rediss,cluster,datasketch")

@@ -1,7 +1,7 @@
 """Benchmark: what one message costs the Redis server (CPU µs, commands) and the client, for this checkout.
 
     eval "$(bash docker/services.sh env)"
-    python bench/redis_cpu.py [--redis URL] [--corpora sms_en,tweets_en,reviews_zh] [--runs 3]
+    python bench/redis_cpu.py [--redis URL] [--corpora sms_en,tweets_en,reviews_zh|all] [--runs 3]
                               [--layout slot|compact|slot,compact] [--collector default|tuned]
 
 Runs `NearDupFilter.check_batch` over the messages (batches of 512, a fresh namespace each run) on
@@ -49,17 +49,20 @@ def main() -> int:
                         "several, comma-separated: measured alternating")
     p.add_argument("--stream", default=str(ROOT.parent / "shared" / "eval" / "stream.jsonl"))
     p.add_argument("--truth", default=str(ROOT.parent / "shared" / "eval" / "truth.jsonl"))
-    p.add_argument("--corpora", default="sms_en,tweets_en,reviews_zh")
+    p.add_argument("--corpora", default="sms_en,tweets_en,reviews_zh",
+                   help="the corpora of the stream to take (comma-separated), or all")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--collector", choices=("default", "tuned"), default="default",
                    help="tuned: the garbage collector as `neardup filter` and `serve` run it (stream/collector.py)")
     args = p.parse_args()
     needs.files(__file__, args.stream, args.truth)
     needs.redis(__file__, args.redis)
-    wanted = set(args.corpora.split(","))
+    wanted = None if args.corpora == "all" else set(args.corpora.split(","))
     with open(args.stream, "rb") as s, open(args.truth, "rb") as t:
         msgs = [Message(r["id"], r["text"], r["ts"]) for r, label in zip(map(orjson.loads, s), map(orjson.loads, t))
-                if label["corpus"] in wanted]
+                if wanted is None or label["corpus"] in wanted]
+    if not msgs:
+        p.error(f"no message of the stream is in the corpora {args.corpora!r}")
     server = redis.Redis.from_url(args.redis)
     if args.collector == "tuned":
         from stream.collector import tune_collector

@@ -20,7 +20,7 @@ from stream.collector import tune_collector
 from stream.config import FILTER, add_settings_arguments, settings_from_args
 from stream.inputs import InputError, Inputs
 from stream.logs import LOG_FORMATS, setup_logging, warn_if_interpreted
-from stream.runner import DUPLICATE, UNIQUE, RawRecord, Summary, route_batch, run_filter
+from stream.runner import DUPLICATE, FILE_BATCH, UNIQUE, RawRecord, Summary, route_batch, run_filter
 
 SHOWN_CHARS = 200  # of a rejected record, on stderr
 
@@ -328,7 +328,8 @@ def _add_filter(sub: Any) -> None:
     p.add_argument("--id-field", default="id", help="JSON field holding the id (default id); absent: the line number")
     p.add_argument("--ts-field", default="ts", help="JSON field of seconds since the epoch (default ts); "
                                                     "absent: arrival time")
-    p.add_argument("--batch-size", type=_positive_int, default=512, help="records routed together (default 512)")
+    p.add_argument("--batch-size", type=_positive_int, default=FILE_BATCH,
+                   help=f"records routed together (default {FILE_BATCH})")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress, rejected notices or summary")
     p.add_argument("--log-format", choices=LOG_FORMATS, default="plain",
                    help="plain (default: progress bar and summary as text) or json (the summary as one JSON line, "
@@ -350,7 +351,8 @@ def _add_eval(sub: Any) -> None:
     p.add_argument("stream", nargs="?", help="JSONL stream of {id, text, ts} records")
     p.add_argument("truth", nargs="?", help="JSONL truth, one {id, cluster, corpus, ptype, gray} row per record")
     p.add_argument("--sample", action="store_true", help="the labelled sample in the clone's tests/data/")
-    p.add_argument("--batch-size", type=_positive_int, default=512, help="records routed together (default 512)")
+    p.add_argument("--batch-size", type=_positive_int, default=FILE_BATCH,
+                   help=f"records routed together (default {FILE_BATCH})")
     _add_filter_options(p)
     p.set_defaults(func=cmd_eval)
 

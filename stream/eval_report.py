@@ -28,6 +28,7 @@ from filters.fingerprint import key_method
 from filters.index import Candidate, Entry
 from filters.sketch import overlap, size_ratio
 from stream.evaluate import Report, Tally, _count, score
+from stream.runner import FILE_BATCH
 
 LENGTH_BANDS: tuple[tuple[str, int], ...] = (("<=30", 30), ("31-70", 70), ("71-200", 200), (">200", 1 << 62))
 
@@ -119,7 +120,7 @@ def score_lengths(truth: Sequence[dict[str, Any]], texts: Sequence[str],
 
 
 def run(stream: Sequence[dict[str, Any]], config: FilterConfig, index: str = "memory://",
-        batch_size: int = 512) -> tuple[NearDupFilter, list[Verdict], float]:
+        batch_size: int = FILE_BATCH) -> tuple[NearDupFilter, list[Verdict], float]:
     nd = NearDupFilter(config, index=index)
     verdicts: list[Verdict] = []
     started = time.perf_counter()

@@ -17,6 +17,10 @@ from filters.errors import RejectedInput
 from filters.records import maker
 from stream.codec import Decoded, RecordFormat, decoded_batch, duplicate_record, rejected_record
 
+# Records routed together from a file (`neardup filter`, `neardup eval`): the Kafka worker's batches are
+# whatever it fetched, up to `Settings.max_batch`.
+FILE_BATCH = 512
+
 UNIQUE, DUPLICATE, REJECTED = "unique", "duplicate", "rejected"
 
 
@@ -292,7 +296,7 @@ def run_filter(
     duplicates: Sink | None,
     rejected: Sink | None,
     fmt: RecordFormat,
-    batch_size: int = 512,
+    batch_size: int = FILE_BATCH,
     clock: Callable[[], float] = time.time,
     progress: Callable[[Summary], None] | None = None,
     read_ahead: bool = True,
