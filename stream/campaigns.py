@@ -37,6 +37,7 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from importlib import resources
 from typing import Any, Protocol
 from urllib.parse import urlparse
 
@@ -292,120 +293,15 @@ class MemoryCampaigns:
 
 # -- Redis -----------------------------------------------------------------------------------------
 
-# KEYS[1]: the size zset. ARGV: the key prefix of the view ({p:ns}:c:), window (s), minutes kept
-# (both growth windows), TTL (ms), samples kept, then (representative, copies, text, JSON list of the
-# batch's latest copies) per cluster of the batch.
-RECORD_LUA = """
-if redis.replicate_commands then redis.replicate_commands() end  -- TIME before writes (Redis < 7)
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local minute = math.floor(now / 60)
-local size_key, pre = KEYS[1], ARGV[1]
-local window, keep, ttl, nsamples = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-local last_key, first_key, text_key, samples_key = pre .. 'last', pre .. 'first', pre .. 'text', pre .. 'samples'
-local minute_key = pre .. 'm:' .. string.format('%d', minute)
-local stale = redis.call('ZRANGEBYSCORE', last_key, '-inf', '(' .. (now - window), 'LIMIT', 0, STALE_PER_BATCH)
-for _, id in ipairs(stale) do
-  redis.call('ZREM', size_key, id)
-  redis.call('ZREM', last_key, id)
-  redis.call('HDEL', first_key, id)
-  redis.call('HDEL', text_key, id)
-  redis.call('HDEL', samples_key, id)
-end
-local stamp = string.format('%.3f', now)
-for i = 6, #ARGV, 4 do
-  local id, n, text, fresh = ARGV[i], tonumber(ARGV[i + 1]), ARGV[i + 2], cjson.decode(ARGV[i + 3])
-  redis.call('ZINCRBY', size_key, n, id)
-  redis.call('ZADD', last_key, now, id)
-  redis.call('HSETNX', first_key, id, stamp)
-  redis.call('HSETNX', text_key, id, text)
-  redis.call('ZINCRBY', minute_key, n, id)
-  local old = redis.call('HGET', samples_key, id)
-  local samples = old and cjson.decode(old) or {}
-  for _, s in ipairs(fresh) do samples[#samples + 1] = s end
-  local from = math.max(1, #samples - nsamples + 1)
-  local kept = {}
-  for j = from, #samples do kept[#kept + 1] = samples[j] end
-  redis.call('HSET', samples_key, id, cjson.encode(kept))
-end
-for _, k in ipairs({size_key, last_key, first_key, text_key, samples_key}) do redis.call('PEXPIRE', k, ttl) end
--- A minute is read while it is in one of the two growth windows: then it can go.
-redis.call('PEXPIRE', minute_key, math.min(ttl, (keep + 1) * 60000))
-return #stale
-""".replace("STALE_PER_BATCH", str(_STALE_PER_BATCH))
 
-# Shared by the read scripts: one cluster as id, first, last, text, size, then its copies per minute
-# over the `keep` minutes up to `minute`, oldest first.
-_ENTRY_LUA = """
-local function entry(pre, size_key, id, minute, keep)
-  local first = redis.call('HGET', pre .. 'first', id)
-  local last = redis.call('ZSCORE', pre .. 'last', id)
-  if not first or not last then return nil end
-  local counts = {}
-  for m = minute - keep + 1, minute do
-    counts[#counts + 1] = redis.call('ZSCORE', pre .. 'm:' .. string.format('%d', m), id) or '0'
-  end
-  return {id, first, last, redis.call('HGET', pre .. 'text', id) or '', redis.call('ZSCORE', size_key, id) or '0',
-          counts}
-end
-"""
+def _lua(name: str) -> str:
+    return resources.files("stream").joinpath(f"lua/{name}").read_text(encoding="utf-8")
 
-# Read-only. KEYS[1]: the size zset. ARGV: the view's key prefix, window (s), sort, limit, minutes kept,
-# growth candidates. Returns now, the clusters in the window, then one `entry` per cluster shown.
-TOP_LUA = _ENTRY_LUA + """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local size_key, pre = KEYS[1], ARGV[1]
-local last_key = pre .. 'last'
-local window = tonumber(ARGV[2])
-local cutoff = string.format('(%.6f', now - window)
-local sort, limit, keep = ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
-local minute = math.floor(now / 60)
-local total = redis.call('ZCOUNT', last_key, cutoff, '+inf')
-local ids = {}
-if sort == 'size' then
-  -- The largest may include clusters out of the window that no write has dropped yet: skip them.
-  local start = 0
-  while #ids < limit do
-    local page = redis.call('ZREVRANGE', size_key, start, start + limit - 1)
-    if #page == 0 then break end
-    for _, id in ipairs(page) do
-      local last = redis.call('ZSCORE', last_key, id)
-      if last and tonumber(last) > now - window and #ids < limit then ids[#ids + 1] = id end
-    end
-    start = start + limit
-  end
-elseif sort == 'last' then
-  ids = redis.call('ZREVRANGEBYSCORE', last_key, '+inf', cutoff, 'LIMIT', 0, limit)
-else
-  local since = math.max(now - window, (minute - keep + 1) * 60)
-  ids = redis.call('ZREVRANGEBYSCORE', last_key, '+inf', since, 'LIMIT', 0, tonumber(ARGV[6]))
-end
-local out = {string.format('%.6f', now), total}
-for _, id in ipairs(ids) do
-  local e = entry(pre, size_key, id, minute, keep)
-  if e then out[#out + 1] = e end
-end
-return out
-"""
 
-# Read-only. KEYS[1]: the size zset. ARGV: the view's key prefix, window (s), minutes kept, the id.
-# Returns now, then (when the cluster is in the window) its `entry` and its samples as JSON.
-DETAIL_LUA = _ENTRY_LUA + """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local size_key, pre, id = KEYS[1], ARGV[1], ARGV[4]
-local out = {string.format('%.6f', now)}
-local last = redis.call('ZSCORE', pre .. 'last', id)
-if last and tonumber(last) > now - tonumber(ARGV[2]) then
-  local e = entry(pre, size_key, id, math.floor(now / 60), tonumber(ARGV[3]))
-  if e then
-    out[2] = e
-    out[3] = redis.call('HGET', pre .. 'samples', id) or '[]'
-  end
-end
-return out
-"""
+# The campaign view's scripts: what each takes and returns is at the top of its file.
+RECORD_LUA = _lua("campaign_record.lua")
+TOP_LUA = _lua("campaign_entry.lua") + _lua("campaign_top.lua")
+DETAIL_LUA = _lua("campaign_entry.lua") + _lua("campaign_detail.lua")
 
 REDIS_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster", "unix")
 DEFAULT_SOCKET_TIMEOUT = 5.0
@@ -448,7 +344,8 @@ class RedisCampaigns:
     def record(self, sightings: Sequence[Sighting]) -> None:
         if not sightings:
             return
-        args: list[str | int | float] = [self._pre, repr(self.window), 2 * self.minutes, self._ttl_ms, SAMPLES]
+        args: list[str | int | float] = [self._pre, repr(self.window), 2 * self.minutes, self._ttl_ms, SAMPLES,
+                                            _STALE_PER_BATCH]
         for rep, count, text, latest in summarize(sightings, self.snippet):
             args += [rep, count, text, json.dumps(latest, ensure_ascii=False)]
         with self._errors():
