@@ -30,7 +30,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
@@ -55,6 +55,20 @@ log = logging.getLogger("neardup.worker")
 # The broker refused a record batch as larger than the topic's max.message.bytes (Kafka's
 # MESSAGE_TOO_LARGE / RecordTooLarge, and RECORD_LIST_TOO_LARGE).
 _TOO_LARGE = (MessageSizeTooLargeError, RecordListTooLargeError)
+
+
+def capped_batch_bytes(batch_bytes: int, limits: Mapping[str, int]) -> tuple[int, str | None]:
+    """The producer's record batch size for output topics with these `max.message.bytes` (topic → bytes):
+    `batch_bytes`, lowered to the smallest limit, and the topic that lowered it (None: not lowered).
+
+    No overhead is taken off: aiokafka's `max_batch_size` bounds the whole record batch, its 61-byte header
+    included, which is what the broker compares with max.message.bytes (a batch of exactly the limit is
+    accepted, one byte more refused: tests/test_worker.py). A record larger than the batch still goes in a
+    batch of its own, and its topic may refuse it (at-least-once: dead-lettered, `AtLeastOnce._delivered`)."""
+    if not limits:
+        return batch_bytes, None
+    topic = min(limits, key=lambda t: (limits[t], t))
+    return (limits[topic], topic) if limits[topic] < batch_bytes else (batch_bytes, None)
 
 
 @dataclass
@@ -248,6 +262,9 @@ class AtLeastOnce:
         self.link = link
         self.sender = Sender(link.producer, keep_failures=True)
         self._in_flight: _InFlight | None = None
+        # Outputs sent again alone because their record batch was refused as too large (a topic's
+        # max.message.bytes below the batch size, or a record too large for its topic among them).
+        self.resent_alone = 0
 
     @staticmethod
     def producer_options(settings: Settings) -> dict[str, Any]:
@@ -316,13 +333,15 @@ class AtLeastOnce:
         while pending:
             results = await asyncio.gather(*pending.values(), return_exceptions=True)
             again: dict[int, asyncio.Future[Any]] = {}
-            resent = 0
+            resent = split = 0
             for i, result in zip(list(pending), results, strict=True):
                 if not isinstance(result, BaseException):
                     continue
                 if isinstance(result, _TOO_LARGE):
                     if i not in alone:
                         alone.add(i)
+                        self.resent_alone += 1
+                        split += 1
                     elif outs[i].topic != self.settings.dead_letter_topic:
                         outs[i] = refused_output(records[i], outs[i], result, self.settings)
                         log.warning("output of %s refused as too large: dead-lettered without its value (%s)",
@@ -343,6 +362,8 @@ class AtLeastOnce:
                     raise result
             if resent:
                 log.info("%d outputs not delivered during the outage sent again", resent)
+            if split:
+                log.info("%d outputs sent again one by one: their record batches were refused as too large", split)
             pending = again
         return outs
 

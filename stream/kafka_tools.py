@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import orjson
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import (
     AuthenticationFailedError,
     AuthenticationMethodNotSupported,
@@ -32,6 +33,7 @@ from aiokafka.errors import (
     TopicAlreadyExistsError,
     TopicAuthorizationFailedError,
     UnsupportedSaslMechanismError,
+    for_code,
 )
 from aiokafka.helpers import create_ssl_context
 
@@ -160,59 +162,77 @@ def client_options(settings: Settings) -> dict[str, Any]:
 # -- admin ---------------------------------------------------------------------------------------
 
 
-async def ensure_topics(settings: Settings, topics: Sequence[str], partitions: int | None = None,
-                        configs: dict[str, str] | None = None) -> list[str]:
-    """Create those of `topics` that do not exist (with the topic `configs` given); returns the ones created."""
+@asynccontextmanager
+async def admin_client(settings: Settings) -> AsyncIterator[AIOKafkaAdminClient]:
+    """An admin client, started (aiokafka errors inside the block mapped to neardup errors)."""
     admin = AIOKafkaAdminClient(**client_options(settings))
     with broker_errors(settings):
         await admin.start()
         try:
-            existing = set(await admin.list_topics())
-            missing = sorted(set(topics) - existing)
-            if not missing:
-                return []
-            n = partitions or settings.partitions
-            new = [NewTopic(t, num_partitions=n, replication_factor=settings.replication_factor,
-                            topic_configs=configs or {}) for t in missing]
-            try:
-                response = await admin.create_topics(new)
-            except TopicAlreadyExistsError:
-                return []  # another worker created them meanwhile
-            created = []
-            for topic, code, *_ in response.topic_errors:
-                if code == 0:
-                    created.append(topic)
-                elif code != TopicAlreadyExistsError.errno:
-                    raise ServiceError(f"Kafka at {settings.kafka_bootstrap}: cannot create topic {topic!r}: "
-                                       f"error code {code}")
-            if created:
-                log.info("created topic(s) %s with %d partition(s)", ", ".join(created), n)
-            return created
+            yield admin
         finally:
             await admin.close()
+
+
+async def ensure_topics(settings: Settings, topics: Sequence[str], partitions: int | None = None,
+                        configs: dict[str, str] | None = None) -> list[str]:
+    """Create those of `topics` that do not exist (with the topic `configs` given); returns the ones created."""
+    async with admin_client(settings) as admin:
+        return await create_missing(admin, settings, topics, partitions, configs)
+
+
+async def create_missing(admin: AIOKafkaAdminClient, settings: Settings, topics: Sequence[str],
+                         partitions: int | None = None, configs: dict[str, str] | None = None) -> list[str]:
+    """`ensure_topics` with an admin client already started."""
+    existing = set(await admin.list_topics())
+    missing = sorted(set(topics) - existing)
+    if not missing:
+        return []
+    n = partitions or settings.partitions
+    new = [NewTopic(t, num_partitions=n, replication_factor=settings.replication_factor,
+                    topic_configs=configs or {}) for t in missing]
+    try:
+        response = await admin.create_topics(new)
+    except TopicAlreadyExistsError:
+        return []  # another worker created them meanwhile
+    created = []
+    for topic, code, *_ in response.topic_errors:
+        if code == 0:
+            created.append(topic)
+        elif code != TopicAlreadyExistsError.errno:
+            raise ServiceError(f"Kafka at {settings.kafka_bootstrap}: cannot create topic {topic!r}: "
+                               f"error code {code}")
+    if created:
+        log.info("created topic(s) %s with %d partition(s)", ", ".join(created), n)
+    return created
+
+
+async def max_message_bytes(admin: AIOKafkaAdminClient, topics: Sequence[str]) -> dict[str, int]:
+    """The `max.message.bytes` of each of `topics` (DescribeConfigs: the topic's own value, else the broker's
+    message.max.bytes). A topic the broker does not describe (not permitted, unknown) raises its KafkaError."""
+    resources = [ConfigResource(ConfigResourceType.TOPIC, t, {"max.message.bytes": None}) for t in dict.fromkeys(topics)]
+    limits: dict[str, int] = {}
+    for response in await admin.describe_configs(resources):
+        for code, message, _, name, entries, *_ in response.resources:
+            if code:
+                raise for_code(code)(f"DescribeConfigs of topic {name!r}" + (f": {message}" if message else ""))
+            for key, value, *_ in entries:
+                if key == "max.message.bytes" and value is not None:
+                    limits[name] = int(value)
+    return limits
 
 
 async def missing_topics(settings: Settings, topics: Sequence[str]) -> list[str]:
     """Those of `topics` the broker does not have."""
-    admin = AIOKafkaAdminClient(**client_options(settings))
-    with broker_errors(settings):
-        await admin.start()
-        try:
-            return sorted(set(topics) - set(await admin.list_topics()))
-        finally:
-            await admin.close()
+    async with admin_client(settings) as admin:
+        return sorted(set(topics) - set(await admin.list_topics()))
 
 
 async def delete_topics(settings: Settings, topics: Sequence[str]) -> None:
-    admin = AIOKafkaAdminClient(**client_options(settings))
-    with broker_errors(settings):
-        await admin.start()
-        try:
-            existing = set(await admin.list_topics())
-            if doomed := [t for t in topics if t in existing]:
-                await admin.delete_topics(doomed)
-        finally:
-            await admin.close()
+    async with admin_client(settings) as admin:
+        existing = set(await admin.list_topics())
+        if doomed := [t for t in topics if t in existing]:
+            await admin.delete_topics(doomed)
 
 
 # -- produce -------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import IllegalStateError, KafkaError
 
 from filters.engine import NearDupFilter
@@ -46,14 +47,16 @@ from stream.changelog import (
     retention,
 )
 from stream.config import Settings
-from stream.delivery import AtLeastOnce, Delivery, ExactlyOnce, Link, Outgoing
+from stream.delivery import AtLeastOnce, Delivery, ExactlyOnce, Link, Outgoing, capped_batch_bytes
 from stream.faust_worker import FaustWorker
 from stream.kafka_tools import (
     KafkaRecord,
+    admin_client,
     broker_errors,
     client_options,
-    ensure_topics,
+    create_missing,
     lags_of,
+    max_message_bytes,
     partition_positions,
     producer,
     transient,
@@ -119,6 +122,8 @@ class AiokafkaWorker(WorkerCore):
         self._queued: list[Outgoing] = []
         self._consumer: AIOKafkaConsumer | None = None
         self._producer: Any = None
+        # The producer's record batch size: `batch_bytes`, or less when an output topic accepts less (`run`).
+        self.batch_bytes = settings.batch_bytes
         fmt = settings.record_format()
         # Event-time order across the assigned partitions (stream/align.py); off: the order fetched.
         self._format = fmt
@@ -162,10 +167,12 @@ class AiokafkaWorker(WorkerCore):
 
     async def run(self) -> WorkerStats:
         s = self.settings
-        if s.create_topics:
-            await ensure_topics(s, [*s.input_topics, *s.output_topics])
-        if self.journal is not None:
-            await self._open_changelog()
+        async with admin_client(s) as admin:  # one admin connection for the checks at start
+            if s.create_topics:
+                await create_missing(admin, s, [*s.input_topics, *s.output_topics])
+            if self.journal is not None:
+                await self._open_changelog(admin)
+            self.batch_bytes = await self._batch_size(admin)
         consumer = AIOKafkaConsumer(
             group_id=s.group_id,
             enable_auto_commit=False,
@@ -190,8 +197,10 @@ class AiokafkaWorker(WorkerCore):
             consumer.subscribe(list(s.input_topics), listener=self._rebalance)
             options = self._guarantee.producer_options(s)
             # Record batches of `batch_bytes` (aiokafka's default is 16 KB: some 35 outputs of 450 bytes, and a
-            # batch, its future and its part of a produce request for each; bench/worker_steady.py).
-            async with producer(s, max_request_size=MAX_OUTPUT_BYTES, max_batch_size=s.batch_bytes, **options) as prod:
+            # batch, its future and its part of a produce request for each; bench/worker_steady.py), at most
+            # what the output topics accept (`_batch_size`).
+            async with producer(s, max_request_size=MAX_OUTPUT_BYTES, max_batch_size=self.batch_bytes,
+                                **options) as prod:
                 self._producer = prod
                 self.delivery = self._guarantee(s, Link(
                     consumer=consumer, producer=prod, kafka=self.kafka, stopping=self.stop_event.is_set,
@@ -488,12 +497,31 @@ class AiokafkaWorker(WorkerCore):
             outs = [late_output(o, behind) if behind else o for o, behind in zip(outs, taken.late, strict=True)]
         await self._hand_over(Outgoing(records, outs, assignment, logged))
 
-    async def _open_changelog(self) -> None:
+    async def _batch_size(self, admin: AIOKafkaAdminClient) -> int:
+        """The producer's record batch size: `batch_bytes`, lowered to the smallest max.message.bytes of the
+        topics this producer writes to (a topic refuses a larger batch whole, and under exactly-once that
+        stops the worker). Not permitted to read them (DescribeConfigs): `batch_bytes`, with a warning."""
+        s = self.settings
+        topics = [*s.output_topics, *([s.changelog_name] if self.journal is not None else [])]
+        try:
+            limits = await max_message_bytes(admin, topics)
+        except (KafkaError, TimeoutError) as exc:
+            log.warning("cannot read the max.message.bytes of the output topics (%s: %s): record batches stay at "
+                        "batch_bytes %d, which a topic with a smaller max.message.bytes refuses (allow "
+                        "DescribeConfigs on the output topics)", type(exc).__name__, exc, s.batch_bytes)
+            return s.batch_bytes
+        size, topic = capped_batch_bytes(s.batch_bytes, limits)
+        if topic is not None:
+            log.info("record batches of up to %d bytes: batch_bytes %d lowered to the max.message.bytes of topic %s",
+                     size, s.batch_bytes, topic)
+        return size
+
+    async def _open_changelog(self, admin: AIOKafkaAdminClient) -> None:
         """The changelog topic (created with time retention: the window plus a margin), and the index's guard."""
         s = self.settings
         keep_ms = str(round(retention(s.window) * 1000))
         if s.create_topics:
-            await ensure_topics(s, [s.changelog_name], configs={
+            await create_missing(admin, s, [s.changelog_name], configs={
                 "cleanup.policy": "delete", "retention.ms": keep_ms,
                 "segment.ms": str(max(60_000, round(s.window * 1000 / 4))),
                 # Its records are read back only by a restore, which needs every one a commit covers.

@@ -19,6 +19,7 @@ from stream.config import (
     parse_duration,
     settings_from_args,
 )
+from stream.delivery import capped_batch_bytes
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -299,3 +300,13 @@ def test_transient_kafka_errors_at_start_are_not_logged_as_errors() -> None:
         logging.getLogger().removeHandler(handler)
     lines = out.getvalue().splitlines()
     assert [line.split(" ", 3)[2] for line in lines] == ["INFO", "INFO", "ERROR"], lines
+
+
+def test_batch_bytes_is_capped_to_the_smallest_max_message_bytes_of_the_output_topics() -> None:
+    """The effective record batch size: batch_bytes stays the ceiling, the smallest topic limit below it wins
+    (and is named, for the log line); nothing known (no limits read) keeps batch_bytes."""
+    assert capped_batch_bytes(65536, {}) == (65536, None)
+    assert capped_batch_bytes(65536, {"unique": 1048588, "duplicate": 20000, "dead": 32768}) == (20000, "duplicate")
+    assert capped_batch_bytes(65536, {"unique": 65536, "duplicate": 1048588}) == (65536, None)  # equal: not lowered
+    assert capped_batch_bytes(16384, {"unique": 20000}) == (16384, None)  # a larger limit does not raise it
+    assert capped_batch_bytes(65536, {"b": 20000, "a": 20000}) == (20000, "a")  # a tie names the same topic each time

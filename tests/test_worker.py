@@ -9,11 +9,13 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
-from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient, RecordsToDelete
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic, RecordsToDelete
+from aiokafka.errors import MessageSizeTooLargeError
 from aiokafka.partitioner import DefaultPartitioner
 
 from bench.kafka_support import (
@@ -29,10 +31,11 @@ from bench.kafka_support import (
     settings_for,
     unique_name,
 )
-from bench.reliability import KEEP
+from bench.reliability import KEEP, cluster_text
 from filters.errors import ConfigError
 from stream import commands
-from stream.delivery import ExactlyOnce
+from stream.config import Settings
+from stream.delivery import AtLeastOnce, Delivery, ExactlyOnce, capped_batch_bytes
 from stream.kafka_tools import KafkaRecord, client_options, ensure_topics
 from stream.outputs import OutRecord, raw_record
 from stream.router import Lookahead, route_records
@@ -557,3 +560,154 @@ def test_records_the_broker_deleted_before_they_were_read_are_said_and_counted(
     assert [m.split(": ", 1)[1].split(" were")[0] for m in said] == ["20 records (offsets 10 to 29)",
                                                                     "10 records (offsets 40 to 49)"]
     assert offsets == {0: 40}  # the last worker routed nothing: its commit stays where reading stopped
+
+
+# -- output record batches within the output topics' max.message.bytes ---------------------------
+
+SMALL_LIMIT = 20_000  # an output topic's max.message.bytes below the default batch_bytes (64 KB)
+
+
+def records_of_500_bytes(n: int) -> list[bytes]:
+    """`n` JSON records of some 480 bytes; every fourth a near-duplicate of an earlier one."""
+    lines = []
+    for i in range(n):
+        cluster, copy = (i // 4, 1) if i % 4 == 3 else (i, 0)
+        text = f"{cluster_text(cluster, copy)} {cluster_text(cluster + 100_000, copy)}"
+        lines.append(orjson.dumps({"id": f"m{i}", "text": text}))
+    return lines
+
+
+async def create_topics_with(settings: Settings, limits: dict[str, int]) -> None:
+    """The settings' input and output topics (one partition each), those in `limits` with that max.message.bytes."""
+    admin = AIOKafkaAdminClient(**client_options(settings))
+    await admin.start()
+    try:
+        await admin.create_topics([
+            NewTopic(t, 1, 1, topic_configs={"max.message.bytes": str(limits[t])} if t in limits else {})
+            for t in (*settings.input_topics, *settings.output_topics)])
+    finally:
+        await admin.close()
+
+
+@pytest.mark.parametrize("guarantee", ["exactly_once", "at_least_once"])
+def test_record_batches_fit_an_output_topic_with_a_small_max_message_bytes(
+        kafka_bootstrap: str, index_url: str, guarantee: str, caplog: pytest.LogCaptureFixture) -> None:
+    """The unique topic accepts record batches of at most 20,000 bytes, less than batch_bytes (64 KB): the
+    worker reads that at start and sends smaller batches, so its 400 records of ~500 bytes (several batches'
+    worth on unique) are routed without a refusal. Exactly-once does not stop, at-least-once sends nothing
+    again one by one; every input lands once, with the verdict a single memory-index run gives it."""
+    settings = settings_for(kafka_bootstrap, index_url, id_field="id", processing_guarantee=guarantee)
+    assert settings.batch_bytes > SMALL_LIMIT
+    lines = records_of_500_bytes(400)
+    topic = settings.input_topics[0]
+    caplog.set_level(logging.INFO, logger="neardup")
+    worker = make_worker(settings)
+    assert isinstance(worker, AiokafkaWorker)
+    deliveries: list[Delivery] = []
+
+    async def note_delivery() -> None:
+        if worker.delivery is not None and not deliveries:
+            deliveries.append(worker.delivery)
+
+    async def scenario() -> list[KafkaRecord]:
+        await create_topics_with(settings, {settings.unique_topic: SMALL_LIMIT})
+        await produce(settings, topic, [(None, line, ()) for line in lines])
+        await run_until(worker, lambda s: s.seen >= len(lines), timeout=60, during=note_delivery)
+        return await outputs(settings, len(lines), timeout=30, settle=0.5)  # and nothing more arrives
+
+    got = by_source(asyncio.run(scenario()))
+    assert worker.batch_bytes == SMALL_LIMIT
+    lowered = [r for r in caplog.records if "record batches of up to" in r.getMessage()]
+    assert [(r.levelno, r.getMessage()) for r in lowered] == [
+        (logging.INFO, f"record batches of up to {SMALL_LIMIT} bytes: batch_bytes {settings.batch_bytes} lowered "
+                       f"to the max.message.bytes of topic {settings.unique_topic}")]
+    reference = reference_verdicts(lines, settings, topic)
+    assert set(got) == set(reference)  # every input routed
+    assert all(len(records) == 1 for records in got.values())  # once each (uncommitted reads included)
+    for source, (r,) in got.items():
+        ref = reference[source]
+        assert ref.verdict is not None
+        assert (r.topic, verdict(r)) == ({"unique": settings.unique_topic, "duplicate": settings.duplicate_topic}[
+            ref.kind], (ref.kind, ref.verdict.duplicate_of)), source
+    unique = [r for (r,) in got.values() if r.topic == settings.unique_topic]
+    assert sum(len(r.value or b"") for r in unique) > 5 * SMALL_LIMIT  # several batches' worth
+    assert any(r.topic == settings.duplicate_topic for (r,) in got.values())
+    assert not [r for r in caplog.records if "one by one" in r.getMessage() or r.exc_info]
+    (delivery,) = deliveries
+    if isinstance(delivery, AtLeastOnce):
+        assert delivery.resent_alone == 0  # no batch was refused
+
+
+def test_a_record_batch_of_the_capped_size_is_accepted_and_one_byte_more_refused(kafka_bootstrap: str) -> None:
+    """`capped_batch_bytes` takes nothing off a topic's max.message.bytes: aiokafka's max_batch_size bounds
+    the whole record batch, header included, as the broker counts it. Plain and transactional."""
+    settings = settings_for(kafka_bootstrap, "memory://")
+    topic = settings.unique_topic
+    size, lowered_by = capped_batch_bytes(settings.batch_bytes, {topic: SMALL_LIMIT})
+    assert (size, lowered_by) == (SMALL_LIMIT, topic)
+
+    def batch_of(prod: AIOKafkaProducer, total: int) -> Any:
+        """A record batch of exactly `total` bytes: one record (a first record always fits)."""
+        for n in range(total - 100, total):
+            batch = prod.create_batch()
+            batch.append(key=None, value=b"x" * n, timestamp=None, headers=[])
+            if batch.size() == total:
+                return batch
+        raise AssertionError(f"no record makes a batch of {total} bytes")
+
+    async def sent(prod: AIOKafkaProducer, total: int, transactional: bool) -> str:
+        if transactional:
+            await prod.begin_transaction()
+        try:
+            await (await prod.send_batch(batch_of(prod, total), topic, partition=0))
+        except MessageSizeTooLargeError:
+            if transactional:
+                await prod.abort_transaction()
+            return "refused"
+        if transactional:
+            await prod.commit_transaction()
+        return "accepted"
+
+    async def scenario() -> list[tuple[bool, int, str]]:
+        await create_topics_with(settings, {topic: SMALL_LIMIT})
+        results = []
+        for transactional in (False, True):
+            options = {"transactional_id": unique_name("txn")} if transactional else {}
+            prod = AIOKafkaProducer(**client_options(settings), acks="all", max_batch_size=size, **options)
+            await prod.start()
+            try:
+                for total in (size, size + 1):
+                    results.append((transactional, total, await sent(prod, total, transactional)))
+            finally:
+                await prod.stop()
+        return results
+
+    assert asyncio.run(scenario()) == [(False, SMALL_LIMIT, "accepted"), (False, SMALL_LIMIT + 1, "refused"),
+                                       (True, SMALL_LIMIT, "accepted"), (True, SMALL_LIMIT + 1, "refused")]
+
+
+def test_topic_limits_unreadable_keep_batch_bytes_with_one_warning(kafka_bootstrap: str, index_url: str,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """When the broker does not describe an output topic (here: it does not exist yet, and the worker may not
+    create topics; a missing DescribeConfigs permission is answered the same way), the worker keeps
+    batch_bytes and says so in one warning, without a traceback, and routes on."""
+    settings = settings_for(kafka_bootstrap, index_url, id_field="id", create_topics=False)
+    topic = settings.input_topics[0]
+    caplog.set_level(logging.INFO, logger="neardup")
+    worker = make_worker(settings)
+    assert isinstance(worker, AiokafkaWorker)
+
+    async def scenario() -> list[KafkaRecord]:
+        await ensure_topics(settings, [topic, settings.unique_topic, settings.duplicate_topic, settings.changelog_name],
+                            partitions=1)  # not the dead-letter topic
+        await produce(settings, topic, GOOD)
+        await run_until(worker, lambda s: s.seen >= len(GOOD))
+        return await outputs(settings, len(GOOD))
+
+    assert len(by_source(asyncio.run(scenario()))) == len(GOOD)
+    assert worker.batch_bytes == settings.batch_bytes
+    (warning,) = [r for r in caplog.records if "max.message.bytes" in r.getMessage()]
+    assert warning.levelno == logging.WARNING and warning.exc_info is None
+    message = warning.getMessage()
+    assert "UnknownTopicOrPartitionError" in message and settings.dead_letter_topic in message
+    assert f"batch_bytes {settings.batch_bytes}" in message and "DescribeConfigs" in message
