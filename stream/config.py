@@ -212,8 +212,8 @@ class Settings:
     linger: float = field(default=0.005, metadata=_meta("producer linger: batch output records this long",
                                                        kind="duration"))
     batch_bytes: int = field(default=64 * 1024, metadata=_meta(
-        "producer record batches up to this many bytes (aiokafka runtime; at most the output topics' "
-        "max.message.bytes, default 1 MB: a topic refuses a larger batch whole)", kind="int"))
+        "producer record batches up to this many bytes (aiokafka runtime; lowered at start to the output "
+        "topics' smallest max.message.bytes: a topic refuses a larger batch whole)", kind="int"))
     state_dir: str = field(default="", metadata=_meta(
         "faust runtime: its data directory (empty: a temporary directory)"))
     log_level: str = field(default="info", metadata=_meta("debug, info, warning, error"))

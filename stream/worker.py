@@ -506,9 +506,9 @@ class AiokafkaWorker(WorkerCore):
         try:
             limits = await max_message_bytes(admin, topics)
         except (KafkaError, TimeoutError) as exc:
-            log.warning("cannot read the max.message.bytes of the output topics (%s: %s): record batches stay at "
+            log.warning("cannot read the max.message.bytes of the output topics (%s): record batches stay at "
                         "batch_bytes %d, which a topic with a smaller max.message.bytes refuses (allow "
-                        "DescribeConfigs on the output topics)", type(exc).__name__, exc, s.batch_bytes)
+                        "DescribeConfigs on the output topics)", str(exc) or type(exc).__name__, s.batch_bytes)
             return s.batch_bytes
         size, topic = capped_batch_bytes(s.batch_bytes, limits)
         if topic is not None:
