@@ -20,7 +20,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from filters.engine import NearDupFilter
 from stream.config import Settings
 from stream.faust_worker import FaustWorker
-from stream.kafka_tools import Headers, KafkaRecord, client_options, collect, producer, read_topics
+from stream.kafka_tools import Headers, KafkaRecord, client_options, collect, ensure_topics, producer, read_topics
 from stream.router import WorkerStats
 from stream.runner import RawRecord, Routed, route_batch
 from stream.worker import AiokafkaWorker
@@ -117,6 +117,14 @@ def reference_verdicts(lines: Sequence[bytes], settings: Settings, topic: str) -
     nd = NearDupFilter(settings.filter_config(), index="memory://")
     raws = [RawRecord(line, f"{topic}/0/{i}", 0.0) for i, line in enumerate(lines)]
     return {r.raw.fallback_id: r for r in route_batch(nd, raws, settings.record_format())}
+
+
+async def create_topics_with(settings: Settings, limits: dict[str, int]) -> None:
+    """The settings' input and output topics, one partition each; those in `limits` with that
+    max.message.bytes."""
+    for topic, limit in limits.items():
+        await ensure_topics(settings, [topic], 1, {"max.message.bytes": str(limit)})
+    await ensure_topics(settings, [*settings.input_topics, *settings.output_topics], 1)
 
 
 def free_port() -> int:

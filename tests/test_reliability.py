@@ -22,7 +22,7 @@ import redis
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from bench import reliability as rs
-from bench.kafka_support import committed, redis_namespace, run_until
+from bench.kafka_support import committed, create_topics_with, redis_namespace, run_until
 from filters.config import FilterConfig
 from filters.errors import ConfigError, ServiceError
 from stream import commands
@@ -305,18 +305,6 @@ def test_hostile_input_through_kafka(kafka_bootstrap: str, redis_url: str, index
     assert MAX_OUTPUT_BYTES > 16 * 1024 * 1024  # what the codec accepts, the producer can pass through
 
 
-async def _create_topics_with(settings: Settings, limits: dict[str, int]) -> None:
-    """The scenario's topics, those in `limits` with that max.message.bytes."""
-    admin = AIOKafkaAdminClient(**client_options(settings))
-    await admin.start()
-    try:
-        await admin.create_topics([
-            NewTopic(t, 1, 1, topic_configs={"max.message.bytes": str(limits[t])} if t in limits else {})
-            for t in (*settings.input_topics, *settings.output_topics)])
-    finally:
-        await admin.close()
-
-
 async def _committed(settings: Settings) -> int | None:
     return next(iter((await committed(settings)).values()), None)
 
@@ -342,7 +330,7 @@ def test_output_refused_as_too_large_is_dead_lettered_and_the_batch_commits(kafk
     later = orjson.dumps({"id": "later", "text": rs.cluster_text(50, 0)})
 
     async def scenario() -> tuple[list[KafkaRecord], int | None, int]:
-        await _create_topics_with(settings, {settings.unique_topic: 2000, settings.duplicate_topic: 2000})
+        await create_topics_with(settings, {settings.unique_topic: 2000, settings.duplicate_topic: 2000})
         await rs.produce_to(settings, records)
         await run_until(make_worker(settings), lambda s: s.seen >= len(records), timeout=60)
         first = await _committed(settings)
@@ -380,7 +368,7 @@ def test_dead_letter_topic_refusing_a_record_stops_without_committing(kafka_boot
     big = orjson.dumps({"id": "big", "text": " ".join(rs.cluster_text(900 + i, 0) for i in range(25))})
 
     async def scenario() -> int | None:
-        await _create_topics_with(settings, {settings.unique_topic: 2000, settings.dead_letter_topic: 100})
+        await create_topics_with(settings, {settings.unique_topic: 2000, settings.dead_letter_topic: 100})
         await rs.produce_to(settings, [(0, None, _small(1)), (0, None, big)])
         with pytest.raises(ServiceError, match="dead-letter topic .* refused"):
             await run_until(make_worker(settings), lambda s: False, timeout=60)

@@ -14,13 +14,14 @@ from typing import Any
 import orjson
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic, RecordsToDelete
+from aiokafka.admin import AIOKafkaAdminClient, RecordsToDelete
 from aiokafka.errors import MessageSizeTooLargeError
 from aiokafka.partitioner import DefaultPartitioner
 
 from bench.kafka_support import (
     TcpProxy,
     committed,
+    create_topics_with,
     drop_index,
     free_port,
     outputs,
@@ -34,7 +35,6 @@ from bench.kafka_support import (
 from bench.reliability import KEEP, cluster_text
 from filters.errors import ConfigError
 from stream import commands
-from stream.config import Settings
 from stream.delivery import AtLeastOnce, Delivery, ExactlyOnce, capped_batch_bytes
 from stream.kafka_tools import KafkaRecord, client_options, ensure_topics
 from stream.outputs import OutRecord, raw_record
@@ -575,18 +575,6 @@ def records_of_500_bytes(n: int) -> list[bytes]:
         text = f"{cluster_text(cluster, copy)} {cluster_text(cluster + 100_000, copy)}"
         lines.append(orjson.dumps({"id": f"m{i}", "text": text}))
     return lines
-
-
-async def create_topics_with(settings: Settings, limits: dict[str, int]) -> None:
-    """The settings' input and output topics (one partition each), those in `limits` with that max.message.bytes."""
-    admin = AIOKafkaAdminClient(**client_options(settings))
-    await admin.start()
-    try:
-        await admin.create_topics([
-            NewTopic(t, 1, 1, topic_configs={"max.message.bytes": str(limits[t])} if t in limits else {})
-            for t in (*settings.input_topics, *settings.output_topics)])
-    finally:
-        await admin.close()
 
 
 @pytest.mark.parametrize("guarantee", ["exactly_once", "at_least_once"])
