@@ -248,7 +248,10 @@ def group_spec(layout: str) -> tuple[int, bool, int]:
     mark = rest.startswith("mark")
     rest = rest.removeprefix("mark")
     short = rest.startswith("short")
-    return int(rest.removeprefix("short")), mark, 4 if short else 8
+    fill = rest.removeprefix("short")
+    if not fill.isdigit() or not int(fill):
+        raise SystemExit(f"unknown layout {layout!r}: group[mark][short]N, N records a group")
+    return int(fill), mark, 4 if short else 8
 
 
 def group_place(mixed: int, bits: int, width: int, key: bytes) -> tuple[int, bytes]:
@@ -697,6 +700,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     needs.redis(__file__, args.redis)
     r = client(args.redis, args.db)
     layouts = args.layouts.split(",")
+    for layout in layouts:  # a misspelt group layout: one line before the stream's run
+        if layout.startswith("group"):
+            group_spec(layout)
     try:
         if args.compact_index:  # the compact layout's own index (?layout=compact), measured first
             compact_delta = run_index(args.redis, args.db, args.stream, "?layout=compact")
