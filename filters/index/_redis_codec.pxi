@@ -15,12 +15,55 @@ cdef struct Tally:  # one candidate id: its buckets, first bucket, newest seq an
     uint32_t stamp
 
 
+cdef extern from * nogil:
+    """
+    #include <stdint.h>
+    #include <string.h>
+    /* A bucket record's seq (8 bytes big-endian) in one load, not eight. */
+    static inline uint64_t nd_load_be64(const char *p) {
+        uint64_t v;
+        memcpy(&v, p, 8);
+    #if defined(__GNUC__) && defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+        return __builtin_bswap64(v);
+    #else
+        const unsigned char *b = (const unsigned char *)p;
+        return ((uint64_t)b[0] << 56) | ((uint64_t)b[1] << 48) | ((uint64_t)b[2] << 40) | ((uint64_t)b[3] << 32)
+             | ((uint64_t)b[4] << 24) | ((uint64_t)b[5] << 16) | ((uint64_t)b[6] << 8) | (uint64_t)b[7];
+    #endif
+    }
+    static inline void nd_store_be64(char *p, uint64_t v) {
+    #if defined(__GNUC__) && defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+        v = __builtin_bswap64(v);
+        memcpy(p, &v, 8);
+    #else
+        for (int j = 0; j < 8; j++) p[j] = (char)((v >> (56 - 8 * j)) & 0xFF);
+    #endif
+    }
+    /* The bytes of an id, 8 at a time (a tally table's hash: only its spread matters, never its value). */
+    static inline uint64_t nd_bytes_hash(const char *p, uint32_t n) {
+        uint64_t h = 0x9E3779B97F4A7C15ULL ^ ((uint64_t)n * 0xC2B2AE3D27D4EB4FULL), w;
+        while (n >= 8) {
+            memcpy(&w, p, 8);
+            h = (h ^ w) * 0xFF51AFD7ED558CCDULL;
+            h ^= h >> 32;
+            p += 8;
+            n -= 8;
+        }
+        if (n) {
+            w = 0;
+            memcpy(&w, p, n);
+            h = (h ^ w) * 0xFF51AFD7ED558CCDULL;
+        }
+        return h;
+    }
+    """
+    uint64_t nd_load_be64(const char *p)
+    void nd_store_be64(char *p, uint64_t v)
+    uint64_t nd_bytes_hash(const char *p, uint32_t n)
+
+
 cdef inline uint64_t id_hash(const char *p, uint32_t n) noexcept nogil:
-    cdef uint64_t h = 0xcbf29ce484222325ULL
-    cdef uint32_t i
-    for i in range(n):
-        h = (h ^ <uint8_t>p[i]) * 0x100000001b3ULL
-    return mix64(h)
+    return mix64(nd_bytes_hash(p, n))
 
 
 cdef extern from * nogil:
@@ -43,11 +86,7 @@ cdef extern from * nogil:
 
 
 cdef inline uint64_t be64(const char *p) noexcept nogil:
-    cdef uint64_t v = 0
-    cdef int j
-    for j in range(8):
-        v = (v << 8) | <uint8_t>p[j]
-    return v
+    return nd_load_be64(p)
 
 
 cdef class _RankScratch:
@@ -392,112 +431,7 @@ def plan_fields(list keys_of, list id_fields) -> tuple:
 # --- the uncontended insert of the Redis index ------------------------------------------------------------
 
 cdef inline void put_be64(char *p, uint64_t v) noexcept nogil:
-    cdef int j
-    for j in range(8):
-        p[j] = <char>((v >> (56 - 8 * j)) & 0xFF)
-
-
-def alone_round(list ids, list tss, list blobs, list fields_of, list places_of, list entry_places, tuple slices,
-                dict columns, dict writes, double hwm, double window, double slice_length,
-                Py_ssize_t cap, uint64_t seq, entry_time, trim) -> tuple:
-    """The loop of `RedisIndex._alone` (which it documents), compiled: per entry, live already (0), out
-    of the window (0) or its seq; the writes per slice (`groups`: slice -> [entries, field-value pairs]);
-    `writes` (slice -> place -> value) updated; (seq, slice, places) per entry written. Returns
-    (results, groups, written, hwm, seq)."""
-    cdef Py_ssize_t count = len(ids), i, j, nf, n_id
-    cdef double ts, old_ts
-    cdef bint live
-    cdef object e, old, column, mine, p, v, f
-    cdef list fields, places, pairs, results = [], written = []
-    cdef dict groups = {}, at_of = {}
-    cdef bytearray at_buf
-    cdef Py_ssize_t *at  # per place of the slice: where its value is in the slice's pairs, or -1
-    cdef Py_ssize_t place, k
-    cdef bytes id_bytes, record, blob
-    cdef char *rp
-    cdef Py_ssize_t too_long
-    cdef long long s, sl
-    for i in range(count):
-        e = entry_places[i]
-        id_bytes = (<str>ids[i]).encode("utf-8", "surrogatepass")
-        live = False
-        for s in slices:
-            old = (<dict>writes[s]).get(e)
-            if old is None:
-                column = columns.get(s)
-                old = (<list>column)[e] if column is not None else None
-            if old:
-                if len(<bytes>old) >= 9:
-                    memcpy(&old_ts, <const char *>(<bytes>old) + 1, 8)
-                else:
-                    old_ts = entry_time(old, ids[i])  # raises: too short for an entry
-                if old_ts >= hwm - window:
-                    live = True
-                    break
-        if live:
-            results.append(0)
-            continue
-        ts = tss[i]
-        if ts > hwm:
-            hwm = ts
-        if not ts >= hwm - window:
-            results.append(0)
-            continue
-        seq += 1
-        n_id = len(id_bytes)
-        record = PyBytes_FromStringAndSize(NULL, 12 + n_id + 8)
-        rp = PyBytes_AS_STRING(record)
-        memcpy(rp, &ts, 8)
-        (<uint32_t *>(rp + 8))[0] = <uint32_t>n_id  # little-endian machines only (x86-64, arm64)
-        memcpy(rp + 12, <const char *>id_bytes, n_id)
-        put_be64(rp + 12 + n_id, seq)
-        sl = <long long>floor_div(ts, slice_length)
-        mine = writes[sl]
-        column = columns[sl]
-        fields = fields_of[i]
-        places = places_of[i]
-        nf = len(fields)
-        group = groups.get(sl)
-        if group is None:
-            group = groups[sl] = [0, []]
-            at_of[sl] = bytearray(b"\xff" * (len(<list>column) * sizeof(Py_ssize_t)))
-        group[0] += 1
-        pairs = <list>group[1]
-        at_buf = <bytearray>at_of[sl]
-        at = <Py_ssize_t *>PyByteArray_AS_STRING(at_buf)
-        too_long = 2 * cap * len(record)
-        for j in range(nf):
-            f = fields[j]
-            p = places[j]
-            v = (<dict>mine).get(p)
-            if v is None:
-                v = (<list>column)[p]
-            if v is None:
-                v = record
-            else:
-                if len(<bytes>v) > too_long:
-                    v = trim(v, cap)
-                v = <bytes>v + record
-            (<dict>mine)[p] = v
-            # Each field once in the slice's pairs, with its last value: a bucket several entries of the
-            # batch share is sent once, not once per entry with every record again.
-            place = p
-            if place < 0 or place >= len(<list>column):  # `at` is a C array: no place outside it
-                raise IndexError(f"field place {place} outside the {len(<list>column)} read")
-            k = at[place]
-            if k < 0:
-                at[place] = len(pairs) + 1
-                pairs.append(f)
-                pairs.append(v)
-            else:
-                pairs[k] = v
-        blob = blobs[i]
-        (<dict>mine)[e] = blob
-        pairs.append(b"e" + id_bytes)
-        pairs.append(blob)
-        written.append((seq, sl, places))
-        results.append(seq)
-    return results, groups, written, hwm, seq
+    nd_store_be64(p, v)
 
 
 # --- a restore's writes (the twin of `redis_codec.restore_round`, which documents it) ---------------------
@@ -580,6 +514,171 @@ cdef bytes newest_pieces(nd_piece *pieces, Py_ssize_t count, Py_ssize_t cap):
         memcpy(o, pieces[j].p, pieces[j].n)
         o += pieces[j].n
     return out
+
+
+cdef extern from "Python.h":
+    object _PyDict_NewPresized(Py_ssize_t minused)  # (CPython 3.11+) a dict that takes `minused` items unresized
+    int PyDict_Update(object a, object b) except -1
+    int PyDict_SetItem(object d, object key, object value) except -1
+    int PyList_Append(object l, object item) except -1
+
+
+cdef inline bytes joined(bytes a, bytes b):
+    """a + b, without the generic number protocol's dispatch."""
+    cdef Py_ssize_t na = len(a), nb = len(b)
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, na + nb)
+    cdef char *o = PyBytes_AS_STRING(out)
+    memcpy(o, <const char *>a, na)
+    memcpy(o + na, <const char *>b, nb)
+    return out
+
+
+cdef bytes trim_value(bytes value, Py_ssize_t cap):
+    """`redis_codec.trim_records`: the `cap` newest records (event time, then seq) of a bucket value, in their
+    order; the value itself when it holds no more."""
+    cdef const char *p = value
+    cdef Py_ssize_t n = len(value), count = record_count(p, n)
+    cdef nd_piece *pieces
+    if count <= cap:
+        return value
+    pieces = <nd_piece *>PyMem_Malloc(count * sizeof(nd_piece))
+    if pieces == NULL:
+        raise MemoryError()
+    try:
+        add_pieces(pieces, 0, p, n)
+        return newest_pieces(pieces, count, cap)
+    finally:
+        PyMem_Free(pieces)
+
+
+def trim_slot(bytes value, Py_ssize_t cap) -> bytes:
+    """`filters.index.redis_codec.trim_records`, compiled."""
+    if cap < 0:
+        raise ValueError("cap must be >= 0")
+    return trim_value(value, cap)
+
+
+def alone_round(list ids, list tss, list blobs, list fields_of, list places_of, list entry_places, tuple slices,
+                dict columns, dict writes, double hwm, double window, double slice_length,
+                Py_ssize_t cap, uint64_t seq, entry_time) -> tuple:
+    """The loop of `RedisIndex._alone` (which it documents), compiled: per entry, live already (0), out
+    of the window (0) or its seq; the writes per slice (`groups`: slice -> [entries, field-value pairs]);
+    `writes` (slice -> place -> value) updated; (seq, slice, places) per entry written. Returns
+    (results, groups, written, hwm, seq)."""
+    cdef Py_ssize_t count = len(ids), i, j, nf, n_id, n_col
+    cdef double ts, old_ts
+    cdef bint live
+    cdef object e, column, mine, p, f
+    cdef PyObject *got
+    cdef object old, v
+    cdef list fields, places, pairs, results = [], written = []
+    cdef dict groups = {}, at_of = {}
+    cdef bytearray at_buf
+    cdef Py_ssize_t *at  # per place of the slice: where its value is in the slice's pairs, or -1
+    cdef Py_ssize_t place, k
+    cdef bytes id_bytes, record, blob
+    cdef char *rp
+    cdef Py_ssize_t too_long
+    cdef long long s, sl
+    for i in range(count):
+        e = entry_places[i]
+        id_bytes = (<str>ids[i]).encode("utf-8", "surrogatepass")
+        live = False
+        for s in slices:
+            got = PyDict_GetItemWithError(writes[s], e)
+            if got != NULL:
+                old = <object>got
+            else:
+                column = columns.get(s)
+                if column is None:
+                    old = None
+                else:
+                    place = e
+                    if place < 0 or place >= len(<list>column):
+                        raise IndexError(f"entry place {place} outside the {len(<list>column)} read")
+                    old = (<list>column)[place]
+            if old:
+                if len(<bytes>old) >= 9:
+                    memcpy(&old_ts, <const char *>(<bytes>old) + 1, 8)
+                else:
+                    old_ts = entry_time(old, ids[i])  # raises: too short for an entry
+                if old_ts >= hwm - window:
+                    live = True
+                    break
+        if live:
+            results.append(0)
+            continue
+        ts = tss[i]
+        if ts > hwm:
+            hwm = ts
+        if not ts >= hwm - window:
+            results.append(0)
+            continue
+        seq += 1
+        n_id = len(id_bytes)
+        record = PyBytes_FromStringAndSize(NULL, 12 + n_id + 8)
+        rp = PyBytes_AS_STRING(record)
+        memcpy(rp, &ts, 8)
+        (<uint32_t *>(rp + 8))[0] = <uint32_t>n_id  # little-endian machines only (x86-64, arm64)
+        memcpy(rp + 12, <const char *>id_bytes, n_id)
+        put_be64(rp + 12 + n_id, seq)
+        sl = <long long>floor_div(ts, slice_length)
+        mine = writes[sl]
+        column = columns[sl]
+        n_col = len(<list>column)
+        fields = fields_of[i]
+        places = places_of[i]
+        nf = len(fields)
+        if len(places) != nf:
+            raise ValueError("an entry's fields and places differ in length")
+        group = groups.get(sl)
+        if group is None:
+            group = groups[sl] = [0, []]
+            at_of[sl] = bytearray(b"\xff" * (n_col * sizeof(Py_ssize_t)))
+            # The slice's writes of this round, sized for all of them at once (a dict grown a field at a time
+            # rehashes itself a dozen times over a batch): the same items.
+            presized = _PyDict_NewPresized(len(<dict>mine) + (count - i) * (nf + 1))
+            PyDict_Update(presized, mine)
+            writes[sl] = mine = presized
+        group[0] += 1
+        pairs = <list>group[1]
+        at_buf = <bytearray>at_of[sl]
+        at = <Py_ssize_t *>PyByteArray_AS_STRING(at_buf)
+        too_long = 2 * cap * len(record)
+        for j in range(nf):
+            f = fields[j]
+            p = places[j]
+            place = p
+            if place < 0 or place >= n_col:  # `at` is a C array: no place outside it
+                raise IndexError(f"field place {place} outside the {n_col} read")
+            got = PyDict_GetItemWithError(mine, p)
+            if got != NULL:
+                v = <object>got
+            else:
+                v = (<list>column)[place]
+            if v is None:
+                v = record
+            else:
+                if len(<bytes>v) > too_long:
+                    v = trim_value(<bytes>v, cap)
+                v = joined(<bytes>v, record)
+            PyDict_SetItem(mine, p, v)
+            # Each field once in the slice's pairs, with its last value: a bucket several entries of the
+            # batch share is sent once, not once per entry with every record again.
+            k = at[place]
+            if k < 0:
+                at[place] = len(pairs) + 1
+                PyList_Append(pairs, f)
+                PyList_Append(pairs, v)
+            else:
+                pairs[k] = v
+        blob = blobs[i]
+        PyDict_SetItem(mine, e, blob)
+        PyList_Append(pairs, b"e" + id_bytes)
+        PyList_Append(pairs, blob)
+        written.append((seq, sl, places))
+        results.append(seq)
+    return results, groups, written, hwm, seq
 
 
 def restore_round(list ids, times, slices, bounds, keys, list blobs, dict held, double hwm, double window,

@@ -165,7 +165,6 @@ from filters.index.redis_codec import (
     rank_records,
     restore_accept,
     restore_round,
-    trim_records,
 )
 from filters.index.shared import SharedDecider
 from filters.records import Verdict
@@ -1441,7 +1440,7 @@ class RedisIndex:
             [e.id for e, _ in entries], times, self._encode(list(entries), encode_entry), list(fields_of),
             cast("list[list[int]]", list(places_of)), [view.entry_places[looked[e.id]] for e, _ in entries],
             tuple(slices), view.columns, writes,
-            hwm, window, self.slice_length, cap, seq, entry_time, trim_records)
+            hwm, window, self.slice_length, cap, seq, entry_time)
         hwm_bytes = view.hwm if hwm <= stored_hwm else (b"%.17g" % hwm)
         clock = hwm if self._clock is None else self._clock
         gone = f"{self._spre}{self._slice(clock - window) - 1}" if seq > start else ""
