@@ -49,9 +49,14 @@ cdef extern from * nogil:
             p += 8;
             n -= 8;
         }
-        if (n) {
-            w = 0;
-            memcpy(&w, p, n);
+        if (n >= 4) {  /* 4 to 7 bytes: two loads of 4 that overlap */
+            uint32_t a, b;
+            memcpy(&a, p, 4);
+            memcpy(&b, p + n - 4, 4);
+            h = (h ^ ((uint64_t)a | ((uint64_t)b << 32))) * 0xFF51AFD7ED558CCDULL;
+        } else if (n) {  /* 1 to 3 bytes: the first, the middle and the last */
+            w = (uint64_t)(unsigned char)p[0] | ((uint64_t)(unsigned char)p[n >> 1] << 8)
+                | ((uint64_t)(unsigned char)p[n - 1] << 16);
             h = (h ^ w) * 0xFF51AFD7ED558CCDULL;
         }
         return h;
@@ -76,6 +81,19 @@ cdef extern from * nogil:
             return a.ts > b.ts || (a.ts == b.ts && a.seq > b.seq);
         });
     }
+    /* The `cap` newest records first, newest first (as `nd_sort_newest_first` puts them): of many, selected
+       in a pass and only those sorted. */
+    static void nd_select_newest(nd_record *first, Py_ssize_t cap, nd_record *last) {
+        auto newer = [](const nd_record &a, const nd_record &b) {
+            return a.ts > b.ts || (a.ts == b.ts && a.seq > b.seq);
+        };
+        if (last - first > 2 * cap) {
+            std::nth_element(first, first + cap - 1, last, newer);
+            std::sort(first, first + cap, newer);
+        } else {
+            std::sort(first, last, newer);
+        }
+    }
     """
     struct nd_record:  # one bucket record of a Redis lookup
         double ts
@@ -83,6 +101,7 @@ cdef extern from * nogil:
         const char *id
         uint32_t n
     void nd_sort_newest_first(nd_record *first, nd_record *last)
+    void nd_select_newest(nd_record *first, Py_ssize_t cap, nd_record *last)
 
 
 cdef inline uint64_t be64(const char *p) noexcept nogil:
@@ -203,7 +222,7 @@ cdef list _rank_records(list values, list positions, str id, Py_ssize_t floor, P
         if bad:
             break
         if nrec > cap:
-            nd_sort_newest_first(recs, recs + nrec)
+            nd_select_newest(recs, cap, recs + nrec)
             nrec = cap
         for j in range(nrec):
             if recs[j].n == own_n and memcmp(recs[j].id, own_p, own_n) == 0:
@@ -359,11 +378,24 @@ cdef Py_ssize_t open_table(Py_ssize_t n, uint64_t **slot_key, Py_ssize_t **slot_
     return cap
 
 
-def plan_fields(list keys_of, list id_fields) -> tuple:
+cdef inline object place_number(list numbers, Py_ssize_t at):
+    """The int `at`, from `numbers` (0, 1, 2, ...: extended here as needed), so that a batch's places are not
+    made (and freed) afresh each batch."""
+    cdef Py_ssize_t n = len(numbers)
+    while n <= at:
+        numbers.append(n)
+        n += 1
+    return numbers[at]
+
+
+def plan_fields(list keys_of, list id_fields, list numbers=None) -> tuple:
     """`RedisIndex.lookup`'s naming of what a batch reads: per query its bucket keys' field names and their
     places, then per query its entry field's place, its memo field (`d` for the entry field's first byte)
     right after it, every distinct name placed once in first-seen order. Returns (names, fields per
-    query, places per query, entry places)."""
+    query, places per query, entry places). `numbers`: the ints 0, 1, 2, ... to take the places from (kept
+    by the caller from batch to batch; extended as needed)."""
+    if numbers is None:
+        numbers = []
     cdef dict id_at = {}
     cdef list names = [], fields_of = [], places_of = [], id_places = []
     cdef list fields, places, place_objs = []
@@ -399,7 +431,7 @@ def plan_fields(list keys_of, list id_fields) -> tuple:
                     slot_at[slot] = at
                     slot_key[slot] = key
                     names.append(bucket_field(key))
-                    place_objs.append(at)
+                    place_objs.append(place_number(numbers, at))
                 name = names[at]
                 place = place_objs[at]  # one int object per place, shared by every query naming it
                 Py_INCREF(name)
@@ -415,7 +447,7 @@ def plan_fields(list keys_of, list id_fields) -> tuple:
     for name in id_fields:
         place = id_at.get(name)
         if place is None:
-            place = len(names)
+            place = place_number(numbers, len(names))
             id_at[name] = place
             names.append(name)
             n = len(<bytes>name)
@@ -520,7 +552,6 @@ cdef extern from "Python.h":
     object _PyDict_NewPresized(Py_ssize_t minused)  # (CPython 3.11+) a dict that takes `minused` items unresized
     int PyDict_Update(object a, object b) except -1
     int PyDict_SetItem(object d, object key, object value) except -1
-    int PyList_Append(object l, object item) except -1
 
 
 cdef inline bytes joined(bytes a, bytes b):
@@ -668,14 +699,14 @@ def alone_round(list ids, list tss, list blobs, list fields_of, list places_of, 
             k = at[place]
             if k < 0:
                 at[place] = len(pairs) + 1
-                PyList_Append(pairs, f)
-                PyList_Append(pairs, v)
+                pairs.append(f)
+                pairs.append(v)
             else:
                 pairs[k] = v
         blob = blobs[i]
         PyDict_SetItem(mine, e, blob)
-        PyList_Append(pairs, b"e" + id_bytes)
-        PyList_Append(pairs, blob)
+        pairs.append(b"e" + id_bytes)
+        pairs.append(blob)
         written.append((seq, sl, places))
         results.append(seq)
     return results, groups, written, hwm, seq

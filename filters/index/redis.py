@@ -512,6 +512,7 @@ class RedisIndex:
         self._known_cap = target.entry_cache
         self._rank = _native.rank_records if _native is not None else rank_records
         self._plan = _native.plan_fields if _native is not None else plan_fields
+        self._numbers: list[int] = []  # the ints `plan_fields` takes a batch's places from, kept from batch to batch
         self._round = _native.alone_round if _native is not None else alone_round
         self._restore_round = _native.restore_round if _native is not None else restore_round
         self._restore_accept = _native.restore_accept if _native is not None else restore_accept
@@ -673,7 +674,7 @@ class RedisIndex:
         """Every field name the batch reads, and its place in a column (`plan_fields`: each query's entry
         field, and its memo field right after it)."""
         try:
-            return self._plan([q.keys for q in queries], [id_field(q.id) for q in queries])
+            return self._plan([q.keys for q in queries], [id_field(q.id) for q in queries], self._numbers)
         except (struct.error, OverflowError):
             raise ValueError(f"bucket keys must be unsigned 64-bit ints: {[q.keys for q in queries]!r}") from None
 

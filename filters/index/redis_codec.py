@@ -579,12 +579,12 @@ def rank_lookup(columns: list[list[bytes | None]], positions_of: list[list[int]]
     return out
 
 
-def plan_fields(keys_of: Sequence[Sequence[int]], id_fields: Sequence[bytes]) -> tuple[
+def plan_fields(keys_of: Sequence[Sequence[int]], id_fields: Sequence[bytes], numbers: list[int] | None = None) -> tuple[
         list[bytes], list[list[bytes]], list[list[int]], list[int]]:
     """What a lookup reads: every distinct field name once, in first-seen order, and its place; per query
     its bucket keys' field names and places; per query its entry field's place, its memo field (`d` for
     the entry field's first byte: `memo_field`) right after it (`_native.plan_fields` is the compiled
-    twin)."""
+    twin, which takes the places from `numbers`, the ints 0, 1, 2, ... the caller keeps: the same values)."""
     at: dict[bytes, int] = {}
     place = at.setdefault
     fields_of = [[_FIELD(b"b", key) for key in keys] for keys in keys_of]
