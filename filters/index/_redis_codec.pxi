@@ -81,13 +81,24 @@ cdef extern from * nogil:
             return a.ts > b.ts || (a.ts == b.ts && a.seq > b.seq);
         });
     }
-    /* The `cap` newest records first, newest first (as `nd_sort_newest_first` puts them): of many, selected
-       in a pass and only those sorted. */
+    /* The `cap` newest records first, newest first (as `nd_sort_newest_first` puts them). A bucket's records
+       come oldest first (in insertion order, slice after slice): reversed, they are nearly in order, and an
+       insertion sort takes them in a pass or two. Records far out of order (event times that came late) make
+       it give up after a few passes' worth of moves: then the newest are selected (of many) and sorted. */
     static void nd_select_newest(nd_record *first, Py_ssize_t cap, nd_record *last) {
         auto newer = [](const nd_record &a, const nd_record &b) {
             return a.ts > b.ts || (a.ts == b.ts && a.seq > b.seq);
         };
-        if (last - first > 2 * cap) {
+        Py_ssize_t n = last - first, moves = 0, limit = 4 * n, i, j;
+        std::reverse(first, last);
+        for (i = 1; i < n && moves <= limit; i++) {
+            nd_record x = first[i];
+            for (j = i; j > 0 && newer(x, first[j - 1]); j--) first[j] = first[j - 1];
+            first[j] = x;
+            moves += i - j;
+        }
+        if (i >= n && moves <= limit) return;
+        if (n > 2 * cap) {
             std::nth_element(first, first + cap - 1, last, newer);
             std::sort(first, first + cap, newer);
         } else {
@@ -287,6 +298,12 @@ cdef list _rank_records(list values, list positions, str id, Py_ssize_t floor, P
 
 cdef inline Py_ssize_t decimal_size(Py_ssize_t n) noexcept:
     cdef Py_ssize_t size = 1
+    if n < 10:  # (most arguments: field names of 9 bytes, records, entries of a few hundred)
+        return 1
+    if n < 100:
+        return 2
+    if n < 1000:
+        return 3
     while n >= 10:
         n //= 10
         size += 1
@@ -295,8 +312,14 @@ cdef inline Py_ssize_t decimal_size(Py_ssize_t n) noexcept:
 
 cdef inline char *put_header(char *p, char mark, Py_ssize_t n) noexcept:
     """Writes `<mark><n>\\r\\n` (n >= 0)."""
-    cdef Py_ssize_t size = decimal_size(n), j
+    cdef Py_ssize_t size, j
     p[0] = mark
+    if n < 10:
+        p[1] = <char>(48 + n)
+        p[2] = 13
+        p[3] = 10
+        return p + 4
+    size = decimal_size(n)
     for j in range(size, 0, -1):
         p[j] = <char>(48 + n % 10)
         n //= 10
@@ -598,12 +621,13 @@ def alone_round(list ids, list tss, list blobs, list fields_of, list places_of, 
     (results, groups, written, hwm, seq)."""
     cdef Py_ssize_t count = len(ids), i, j, nf, n_id, n_col
     cdef double ts, old_ts
-    cdef bint live
+    cdef bint live, prior
     cdef object e, column, mine, p, f
     cdef PyObject *got
     cdef object old, v
-    cdef list fields, places, pairs, results = [], written = []
-    cdef dict groups = {}, at_of = {}
+    cdef list fields, places, pairs, order, results = [], written = []
+    cdef dict groups = {}, state_of = {}
+    cdef tuple state
     cdef bytearray at_buf
     cdef Py_ssize_t *at  # per place of the slice: where its value is in the slice's pairs, or -1
     cdef Py_ssize_t place, k
@@ -665,15 +689,21 @@ def alone_round(list ids, list tss, list blobs, list fields_of, list places_of, 
         group = groups.get(sl)
         if group is None:
             group = groups[sl] = [0, []]
-            at_of[sl] = bytearray(b"\xff" * (n_col * sizeof(Py_ssize_t)))
             # The slice's writes of this round, sized for all of them at once (a dict grown a field at a time
             # rehashes itself a dozen times over a batch): the same items.
             presized = _PyDict_NewPresized(len(<dict>mine) + (count - i) * (nf + 1))
             PyDict_Update(presized, mine)
             writes[sl] = mine = presized
+            # A bucket field's value in this round is in the pairs (`at`); `mine` gets the last values once,
+            # at the end, in the order of `order`. What it holds before them: values written before this round.
+            state = state_of[sl] = (bytearray(b"\xff" * (n_col * sizeof(Py_ssize_t))), [], len(<dict>mine) > 0)
+        else:
+            state = <tuple>state_of[sl]
         group[0] += 1
         pairs = <list>group[1]
-        at_buf = <bytearray>at_of[sl]
+        at_buf = <bytearray>state[0]
+        order = <list>state[1]
+        prior = state[2]
         at = <Py_ssize_t *>PyByteArray_AS_STRING(at_buf)
         too_long = 2 * cap * len(record)
         for j in range(nf):
@@ -682,25 +712,25 @@ def alone_round(list ids, list tss, list blobs, list fields_of, list places_of, 
             place = p
             if place < 0 or place >= n_col:  # `at` is a C array: no place outside it
                 raise IndexError(f"field place {place} outside the {n_col} read")
-            got = PyDict_GetItemWithError(mine, p)
-            if got != NULL:
-                v = <object>got
+            k = at[place]
+            if k >= 0:
+                v = pairs[k]
             else:
-                v = (<list>column)[place]
+                got = PyDict_GetItemWithError(mine, p) if prior else NULL
+                v = <object>got if got != NULL else (<list>column)[place]
             if v is None:
                 v = record
             else:
                 if len(<bytes>v) > too_long:
                     v = trim_value(<bytes>v, cap)
                 v = joined(<bytes>v, record)
-            PyDict_SetItem(mine, p, v)
             # Each field once in the slice's pairs, with its last value: a bucket several entries of the
             # batch share is sent once, not once per entry with every record again.
-            k = at[place]
             if k < 0:
                 at[place] = len(pairs) + 1
                 pairs.append(f)
                 pairs.append(v)
+                order.append(p)
             else:
                 pairs[k] = v
         blob = blobs[i]
@@ -709,6 +739,12 @@ def alone_round(list ids, list tss, list blobs, list fields_of, list places_of, 
         pairs.append(blob)
         written.append((seq, sl, places))
         results.append(seq)
+    for sl, state in state_of.items():
+        mine = writes[sl]
+        pairs = <list>(<list>groups[sl])[1]
+        at = <Py_ssize_t *>PyByteArray_AS_STRING(<bytearray>state[0])
+        for p in <list>state[1]:
+            PyDict_SetItem(mine, p, pairs[at[<Py_ssize_t>p]])
     return results, groups, written, hwm, seq
 
 
@@ -1204,16 +1240,31 @@ def encode_entries(list entries, fallback) -> list:
     cdef uint64_t lo, hi
     cdef uint32_t size, count
     cdef int width
+    cdef Py_buffer view
+    cdef bint held
+    cdef const uint32_t *values
     np = np_()
+    u32 = np.uint32
     for item in entries:
         entry = (<tuple>item)[0]
+        if entry.simhash is not None or entry.minhash is not None or entry.sentences:
+            out.append(fallback(entry))
+            continue
         sk = entry.sketch
         exact = entry.exact
-        if (entry.simhash is None and entry.minhash is None and not entry.sentences and sk.dtype == np.uint32
-                and 0 <= exact < (1 << 128) and 0 <= entry.size < (1 << 32)):
-            sketch = sk
-            n = sketch.shape[0]
-            width = packed_width(&sketch[0], n) if n else 0
+        held = native_u32(sk, &view)  # a uint32 sketch, read as it is (else through a typed memoryview)
+        try:
+            if not ((held or sk.dtype == u32) and 0 <= exact < (1 << 128) and 0 <= entry.size < (1 << 32)):
+                out.append(fallback(entry))
+                continue
+            if held:
+                n = view.len // 4
+                values = <const uint32_t *>view.buf
+            else:
+                sketch = sk
+                n = sketch.shape[0]
+                values = &sketch[0] if n else NULL
+            width = packed_width(values, n) if n else 0
             body = 1 + (n * width + 7) // 8 if width else 4 * n
             chars = (<str>entry.chars).encode("utf-8", "surrogatepass") if entry.chars else b""
             size = entry.size
@@ -1233,14 +1284,15 @@ def encode_entries(list entries, fallback) -> list:
             p = put_varint(put_varint(p + 26, size), count)
             if width:
                 p[0] = <char>width
-                pack_sketch(&sketch[0], n, width, p + 1)
+                pack_sketch(values, n, width, p + 1)
             elif n:
-                memcpy(p, &sketch[0], 4 * n)
+                memcpy(p, values, 4 * n)
             if chars:
                 memcpy(p + body, <const char *>(<bytes>chars), len(<bytes>chars))
             out.append(blob)
-        else:
-            out.append(fallback(entry))
+        finally:
+            if held:
+                PyBuffer_Release(&view)
     return out
 
 
