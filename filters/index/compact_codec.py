@@ -8,7 +8,10 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Callable, Sequence
+from itertools import pairwise
 from typing import Any
+
+import numpy as np
 
 from filters.errors import IndexCorrupt
 from filters.index.redis_codec import live_memo
@@ -441,8 +444,9 @@ def entry_pairs(ids: Sequence[str], blobs: Sequence[bytes], seqs: Sequence[int],
     return out
 
 
-def held_pairs(keys: Sequence[int], bounds: Sequence[int], times: Sequence[float], seqs: Sequence[int],
-               ids: Sequence[str], olds: dict[bytes, bytes], cap: int, old_ids: bool) -> list[bytes]:
+def held_pairs(keys: Sequence[int] | np.ndarray, bounds: Sequence[int] | np.ndarray,
+               times: Sequence[float] | np.ndarray, seqs: Sequence[int] | np.ndarray, ids: Sequence[str],
+               olds: dict[bytes, bytes], cap: int, old_ids: bool) -> list[bytes]:
     """The bucket and id fields of one slice that a rebuild held, as the field-value pairs to write (name, value,
     ...; each name once, in the order first written): per entry n in order (its bucket keys
     `keys[bounds[n]:bounds[n + 1]]`, a key given twice counting once; its event time, seq and id), what the
@@ -451,7 +455,7 @@ def held_pairs(keys: Sequence[int], bounds: Sequence[int], times: Sequence[float
     `olds` (what Redis holds of it: written by an earlier flush of the rebuild, or by somebody else) goes on
     from that value; with `old_ids`, an `i<id>` of `olds` is kept as it is (`_native.held_pairs` is the compiled
     twin)."""
-    if len(bounds) != len(ids) + 1 or any(not 0 <= a <= b <= len(keys) for a, b in zip(bounds, bounds[1:])):
+    if len(bounds) != len(ids) + 1 or any(not 0 <= a <= b <= len(keys) for a, b in pairwise(bounds)):
         raise ValueError(f"bounds must rise within the {len(keys)} keys")
     values: dict[bytes, bytes] = {}
     last: dict[bytes, int] = {}  # field -> the entry that appended to it last (a key given twice counts once)
