@@ -140,8 +140,9 @@ def test_a_rebuild_holds_what_the_insert_round_writes(data: st.DataObject, n: in
     def held(at: list[int], olds: dict[bytes, bytes]) -> list[bytes]:
         keys = np.asarray([k for i in at for k in keys_of[i]], dtype=np.uint64)
         bounds = np.cumsum([0, *(len(keys_of[i]) for i in at)])
-        return cc.held_pairs(keys, bounds, [times[i] for i in at], [results[i] for i in at], [ids[i] for i in at],
-                             olds, cap, False)
+        [pairs] = cc.held_pairs(keys, bounds, [times[i] for i in at], [results[i] for i in at], [ids[i] for i in at],
+                                olds, cap, False)
+        return pairs
 
     assert held(took, {}) == [x for pair in expected.items() for x in pair]
     cut = data.draw(st.integers(0, len(took)))

@@ -69,6 +69,7 @@ REAP_KEYS = 1024  # small hashes an UNLINK of a slice that left the window names
 REAP_COMMANDS = 4  # ... and such commands sent with a lookup
 HOLD_RECORDS = 1 << 24  # bucket records a rebuild holds (~20 bytes each) before it writes them and goes on ...
 HOLD_IDS = 1 << 22  # ... and ids inside the window it knows (~100 bytes each) before it hands the rest on
+WRITE_SHARE_BITS = 4  # a rebuild writes a slice's small hashes in 16 shares, each made while the last is sent
 
 
 def _script() -> _Script:
@@ -905,8 +906,9 @@ class CompactIndex(RedisIndex):
             replies = self._execute([("HMGET", meta, *(f"k:{s}" for s in slices))] if slices else [])
             self._raise_any(replies)
         known = replies[0] if slices else []
-        commands: list[Any] = []
         made: list[Any] = []
+        # Per slice: its key, bits, buckets kept in the slice hash, entries to count, and what `held_pairs` takes.
+        pieces: list[tuple[str, int, set[bytes], int, tuple[Any, ...]]] = []
         for s, k in zip(slices, known):
             if k is not None:
                 bits = int(k)
@@ -923,23 +925,48 @@ class CompactIndex(RedisIndex):
             if intruded or s in held.written:
                 names = [b"b" + raw for raw in _distinct_keys(keys)] + list(dict.fromkeys(map(cc.id_field, ids)))
                 olds = self._held_olds(key, names, bits, marked)
-            pairs = self._held_pairs(keys, bounds, times, seqs, ids, olds, self.bucket_cap, intruded)
             entries = counts.get(s, 0) - held.counted.get(s, 0)
             held.counted[s] = counts.get(s, 0)
             held.written[s] = bits
-            if self._packs:  # packed at once: a rebuild writes every small hash of its slices
-                blob, n, _ = self._pack_writes(key, pairs, bits, marked, entries, 0, ttl, FIELDS_PER_CALL, None)
-                commands.append(_Packed(blob, n))
-            else:
-                commands += self._write_commands_of(key, pairs, bits, marked, entries, 0, ttl, FIELDS_PER_CALL)
+            pieces.append((key, bits, marked, entries, (keys, bounds, times, seqs, ids, olds)))
+        commands: list[Sequence[Any]] = []
         if made:
             commands.append(("HSET", meta, *made))
         if done:
             commands.append(("HDEL", meta, REBUILDING))
         commands.append(("PEXPIRE", meta, ttl))
-        with self._errors():
-            replies = self._execute(commands)
-            self._raise_any(replies)
+        cap = self.bucket_cap
+
+        def shares() -> Iterator[tuple[str, list[bytes], int, set[bytes], int]]:
+            """Each slice's fields a share of its small hashes at a time (`held_pairs`), its count with the first."""
+            for key, bits, marked, entries, (keys, bounds, times, seqs, ids, olds) in pieces:
+                for j, pairs in enumerate(self._held_pairs(keys, bounds, times, seqs, ids, olds, cap, intruded,
+                                                           WRITE_SHARE_BITS)):
+                    yield key, pairs, bits, marked, entries if j == 0 else 0
+
+        if not self._packs:  # Cluster: redis-py's pipeline
+            writes = [c for key, pairs, bits, marked, entries in shares()
+                      for c in self._write_commands_of(key, pairs, bits, marked, entries, 0, ttl, FIELDS_PER_CALL)]
+            with self._errors():
+                replies = self._execute([*writes, *commands])
+                self._raise_any(replies)
+        else:  # each share packed while the one before is sent (a thread of its own) and written by Redis
+            with self._errors():
+                conn = self._pinned()
+                self._drain()
+                sender = slot._Sender(conn)
+                try:
+                    for key, pairs, bits, marked, entries in shares():
+                        blob, n, _ = self._pack_writes(key, pairs, bits, marked, entries, 0, ttl, FIELDS_PER_CALL,
+                                                       None)
+                        sender.send(blob, n)
+                    sender.send(_pack(commands), len(commands))
+                    replies = _read_replies(conn, sender.close())
+                except BaseException:
+                    sender.close(raising=False)
+                    conn.disconnect()  # replies may still be on their way: never reuse it (it reconnects)
+                    raise
+                self._raise_any(replies)
         held.clear()
 
     def _held_olds(self, key: str, names: list[bytes], bits: int, marked: set[bytes]) -> dict[bytes, bytes]:
