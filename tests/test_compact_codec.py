@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from itertools import pairwise
 
 import numpy as np
 import pytest
@@ -140,9 +141,8 @@ def test_a_rebuild_holds_what_the_insert_round_writes(data: st.DataObject, n: in
     def held(at: list[int], olds: dict[bytes, bytes]) -> list[bytes]:
         keys = np.asarray([k for i in at for k in keys_of[i]], dtype=np.uint64)
         bounds = np.cumsum([0, *(len(keys_of[i]) for i in at)])
-        [pairs] = cc.held_pairs(keys, bounds, [times[i] for i in at], [results[i] for i in at], [ids[i] for i in at],
-                                olds, cap, False)
-        return pairs
+        return cc.held_pairs(keys, bounds, [times[i] for i in at], [results[i] for i in at], [ids[i] for i in at],
+                             olds, cap, False)
 
     assert held(took, {}) == [x for pair in expected.items() for x in pair]
     cut = data.draw(st.integers(0, len(took)))
@@ -150,3 +150,17 @@ def test_a_rebuild_holds_what_the_insert_round_writes(data: st.DataObject, n: in
     written = dict(zip(first[0::2], first[1::2], strict=True))
     second = held(took[cut:], written)
     assert written | dict(zip(second[0::2], second[1::2], strict=True)) == expected
+    # Written a share of the small hashes at a time (each share its bucket keys and its ids): each share's
+    # pairs are the whole's of that share, in the same order.
+    keys = np.asarray([k for i in took for k in keys_of[i]], dtype=np.uint64)
+    bounds = np.cumsum([0, *(len(keys_of[i]) for i in took)])
+    whole = held(took, {})
+    for share in range(4):
+        mine = [cc.small_hash(int(k), 2) == share for k in keys]
+        sizes = [sum(mine[a:b]) for a, b in pairwise(bounds)]
+        shares = cc.id_shares([ids[i] for i in took], 2)
+        part = cc.held_pairs(keys[mine] if len(keys) else keys, np.cumsum([0, *sizes]), [times[i] for i in took],
+                             [results[i] for i in took], [ids[i] if j == share else None for i, j in zip(took, shares)],
+                             {}, cap, False)
+        assert part == [x for a in range(0, len(whole), 2) if (cc.field_hash(whole[a], 2) or 0) == share
+                        for x in whole[a : a + 2]]

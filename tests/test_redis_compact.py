@@ -20,7 +20,7 @@ from filters.index import Entry, Query
 from filters.index import compact_codec as cc
 from filters.index.redis import RedisIndex, RedisTarget
 from filters.index.redis_codec import stored_of
-from filters.index.redis_compact import CompactIndex, _Packed
+from filters.index.redis_compact import CompactIndex
 from tests.test_changelog import (
     _keys,
     _mark,
@@ -323,7 +323,7 @@ _QUERIES = [Query("q", 1100.0, (3, 101)), Query("j5", 1100.0, (5,)), Query("x", 
 
 
 def _unpacked(data: bytes) -> list[tuple[Any, ...]]:
-    """The commands of a RESP request (`_Packed`): name and key as str, the rest bytes."""
+    """The commands of a RESP request (`_Packed`): name and key (if any) as str, the rest bytes."""
     out: list[tuple[Any, ...]] = []
     at = 0
     while at < len(data):
@@ -335,8 +335,24 @@ def _unpacked(data: bytes) -> list[tuple[Any, ...]]:
             size, at = int(data[at + 1 : end]), end + 2
             args.append(data[at : at + size])
             at += size + 2
-        out.append((args[0].decode(), args[1].decode(), *args[2:]))
+        out.append((*(a.decode() for a in args[:2]), *args[2:]))
     return out
+
+
+def _recording(index: CompactIndex) -> list[tuple[Any, ...]]:
+    """Every command `index` sends on its own connection from now on (as `_unpacked` reads them), the rebuild's
+    writes sent from a thread of their own among them."""
+    sent: list[tuple[Any, ...]] = []
+    conn = index._pinned()
+    send = conn.send_packed_command
+
+    def recorded(command: Any, check_health: bool = True) -> None:
+        for part in command if isinstance(command, list) else [command]:
+            sent.extend(_unpacked(bytes(part)))
+        send(command, check_health)
+
+    conn.send_packed_command = recorded
+    return sent
 
 
 def test_a_rebuild_holds_the_fields_and_writes_each_small_hash_once(redis_url: str) -> None:
@@ -348,15 +364,7 @@ def test_a_rebuild_holds_the_fields_and_writes_each_small_hash_once(redis_url: s
         journal = _journal()
         before = _original(url, journal, _QUERIES)
         rebuilt = _fenced(url)
-        sent: list[Any] = []
-        execute = rebuilt._execute
-
-        def recorded(commands: Any, **options: Any) -> Any:
-            for command in commands:
-                sent.extend(_unpacked(command.data) if isinstance(command, _Packed) else [command])
-            return execute(commands, **options)
-
-        rebuilt._execute = recorded  # type: ignore[method-assign]
+        sent = _recording(rebuilt)
         try:
             assert rebuilt.restore([stored_of(journal)]) == 40
             names = [c[0] for c in sent]
@@ -366,7 +374,6 @@ def test_a_rebuild_holds_the_fields_and_writes_each_small_hash_once(redis_url: s
             with redis.Redis.from_url(redis_url) as client:
                 assert all(client.pttl(k) > 0 for k in _keys(url))
                 assert not client.hexists(f"{{{url.partition('prefix=')[2]}:ns}}:meta", "rebuilding")
-            rebuilt._execute = execute  # type: ignore[method-assign]
             _mark(url, "e2")
             assert _view(rebuilt.lookup(_QUERIES, 8)) == before
             assert any(v.duplicate for v in NearDupFilter(cfg, index=rebuilt).check_batch(changelog_messages()))
@@ -407,15 +414,7 @@ def test_a_rebuild_that_holds_more_than_it_may_writes_it_and_goes_on(redis_url: 
         assert whole.restore([stored_of(journal)]) == 300
         monkeypatch.setattr(compact, "HOLD_RECORDS", 30)
         rebuilt = CompactIndex(url, window=3600.0, bucket_cap=cap, namespace="ns", fenced=True)
-        sent: list[Any] = []
-        execute = rebuilt._execute
-
-        def recorded(commands: Any, **options: Any) -> Any:
-            for command in commands:
-                sent.extend(_unpacked(command.data) if isinstance(command, _Packed) else [command])
-            return execute(commands, **options)
-
-        rebuilt._execute = recorded  # type: ignore[method-assign]
+        sent = _recording(rebuilt)
         rebuilt._restore_watched = None  # type: ignore[assignment,method-assign] # never called
         try:
             assert rebuilt.restore([stored_of(journal)]) == 300
@@ -432,7 +431,6 @@ def test_a_rebuild_that_holds_more_than_it_may_writes_it_and_goes_on(redis_url: 
                 assert dumps[1] == dumps[0]
             else:  # a bucket written long midway, trimmed short after, stays in the slice hash: a mark never goes back
                 assert _resolved(dumps[1]) == _resolved(dumps[0]) and dumps[1] != dumps[0]
-            rebuilt._execute = execute  # type: ignore[method-assign]
             _mark(url, "e2")
             _mark(whole_url, "e2")
             assert _view(rebuilt.lookup(queries, 8)) == _view(whole.lookup(queries, 8))

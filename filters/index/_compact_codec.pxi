@@ -816,7 +816,7 @@ cdef inline void _put_record(char *p, double ts, uint64_t seq) noexcept:
     put_be64(p + 8, seq)
 
 
-def held_pairs(keys, bounds, times, seqs, list ids, dict olds, Py_ssize_t cap, bint old_ids, int share_bits=0) -> list:
+def held_pairs(keys, bounds, times, seqs, list ids, dict olds, Py_ssize_t cap, bint old_ids) -> list:
     """`filters.index.compact_codec.held_pairs`, compiled: each bucket field's records chained in order through
     an open-addressing table (as `newest_records`); a value that is never trimmed (no old value, at most twice
     the cap's records and one) made in one piece, the others appended a record at a time as the insert does."""
@@ -834,15 +834,12 @@ def held_pairs(keys, bounds, times, seqs, list ids, dict olds, Py_ssize_t cap, b
     cdef vector[int64_t] order  # the fields as first written: a bucket field's group (>= 0), else -1 - its id's
     cdef vector[int64_t] id_entry  # per id field: the last entry that wrote it
     cdef dict id_at = {}
-    cdef list id_names = [], out, share
+    cdef list id_names = [], out = []
     cdef bytes name, value, rec
     cdef object old, at
     cdef char *rp
     if not (len(t) == len(q) == n and len(b) == n + 1):
         raise ValueError("one event time and seq an id, and one more bound, expected")
-    if not 0 <= share_bits <= 16:
-        raise ValueError(f"share_bits must be 0 to 16, got {share_bits!r}")
-    out = [[] for _ in range(1 << share_bits)]
     for e in range(n):
         if b[e] < 0 or b[e] > b[e + 1] or b[e + 1] > n_rec:
             raise ValueError(f"bounds must rise within the {n_rec} keys")
@@ -883,6 +880,8 @@ def held_pairs(keys, bounds, times, seqs, list ids, dict olds, Py_ssize_t cap, b
                 following[g_last[g]] = r
                 g_last[g] = r
                 g_count[g] += 1
+            if ids[e] is None:  # its id in another share
+                continue
             name = b"i" + (<str>ids[e]).encode("utf-8", "surrogatepass")
             at = id_at.get(name)
             if at is None:
@@ -901,9 +900,8 @@ def held_pairs(keys, bounds, times, seqs, list ids, dict olds, Py_ssize_t cap, b
                     continue
                 value = PyBytes_FromStringAndSize(NULL, 16)
                 _put_record(PyBytes_AS_STRING(value), t[e], q[e])
-                share = <list>out[field_small(name, share_bits) if len(name) <= 64 else 0]
-                share.append(name)
-                share.append(value)
+                out.append(name)
+                out.append(value)
                 continue
             name = PyBytes_FromStringAndSize(NULL, 9)
             rp = PyBytes_AS_STRING(name)
@@ -931,10 +929,23 @@ def held_pairs(keys, bounds, times, seqs, list ids, dict olds, Py_ssize_t cap, b
                             value = _trim16(value, cap)
                         value = value + rec
                     r = following[r]
-            share = <list>out[fib_hash(k[g_first[g]], share_bits)]
-            share.append(name)
-            share.append(value)
+            out.append(name)
+            out.append(value)
     finally:
         PyMem_Free(slot_key); PyMem_Free(slot_at)
         PyMem_Free(g_first); PyMem_Free(g_last); PyMem_Free(g_count); PyMem_Free(following); PyMem_Free(entry_of)
+    return out
+
+
+def id_shares(list ids, int bits) -> list:
+    """`filters.index.compact_codec.id_shares`, compiled."""
+    cdef list out = []
+    cdef bytes raw
+    cdef long long j
+    if not 0 <= bits <= 64:
+        raise ValueError(f"bits must be 0 to 64, got {bits!r}")
+    for id in ids:
+        raw = b"i" + (<str>id).encode("utf-8", "surrogatepass")
+        j = field_small(raw, bits)
+        out.append(j if j > 0 else 0)
     return out

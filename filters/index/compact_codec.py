@@ -445,18 +445,16 @@ def entry_pairs(ids: Sequence[str], blobs: Sequence[bytes], seqs: Sequence[int],
 
 
 def held_pairs(keys: Sequence[int] | np.ndarray, bounds: Sequence[int] | np.ndarray,
-               times: Sequence[float] | np.ndarray, seqs: Sequence[int] | np.ndarray, ids: Sequence[str],
-               olds: dict[bytes, bytes], cap: int, old_ids: bool, share_bits: int = 0) -> list[list[bytes]]:
+               times: Sequence[float] | np.ndarray, seqs: Sequence[int] | np.ndarray, ids: Sequence[str | None],
+               olds: dict[bytes, bytes], cap: int, old_ids: bool) -> list[bytes]:
     """The bucket and id fields of one slice that a rebuild held, as the field-value pairs to write (name, value,
     ...; each name once, in the order first written): per entry n in order (its bucket keys
     `keys[bounds[n]:bounds[n + 1]]`, a key given twice counting once; its event time, seq and id), what the
     insert writes (`alone_round`): its record appended to each of its bucket fields, a value that holds more
-    than twice the cap's records trimmed to the cap's newest first, and written as its `i<id>`. A field of
-    `olds` (what Redis holds of it: written by an earlier flush of the rebuild, or by somebody else) goes on
-    from that value; with `old_ids`, an `i<id>` of `olds` is kept as it is. The pairs come in 2^`share_bits`
-    lists, a field's by the top `share_bits` bits of its small hash (`field_hash`; a field of the slice hash in
-    the first): a slice of at least `share_bits` bits has each small hash in one list, written while the next is
-    made (`_native.held_pairs` is the compiled twin)."""
+    than twice the cap's records trimmed to the cap's newest first, and written as its `i<id>` (an id None: not
+    here, a share of the small hashes without it). A field of `olds` (what Redis holds of it: written by an
+    earlier flush of the rebuild, or by somebody else) goes on from that value; with `old_ids`, an `i<id>` of
+    `olds` is kept as it is (`_native.held_pairs` is the compiled twin)."""
     if len(bounds) != len(ids) + 1 or any(not 0 <= a <= b <= len(keys) for a, b in pairwise(bounds)):
         raise ValueError(f"bounds must rise within the {len(keys)} keys")
     values: dict[bytes, bytes] = {}
@@ -471,10 +469,15 @@ def held_pairs(keys: Sequence[int] | np.ndarray, bounds: Sequence[int] | np.ndar
             last[name] = n
             value = values.get(name, olds.get(name))
             values[name] = rec if value is None else (trim_records(value, cap) if len(value) > too_long else value) + rec
-        name = id_field(id)
-        if not (old_ids and name in olds):
-            values[name] = rec
-    out: list[list[bytes]] = [[] for _ in range(1 << share_bits)]
-    for name, value in values.items():
-        out[field_hash(name, share_bits) or 0] += (name, value)
-    return out
+        if id is not None:
+            name = id_field(id)
+            if not (old_ids and name in olds):
+                values[name] = rec
+    return [x for pair in values.items() for x in pair]
+
+
+def id_shares(ids: Sequence[str], bits: int) -> list[int]:
+    """The share of each id's `i<id>` field among 2^`bits` shares of a slice's small hashes: the top `bits` bits of
+    its small hash (`field_hash`), 0 for a name that lives in the slice hash (`_native.id_shares` is the compiled
+    twin)."""
+    return [field_hash(id_field(id), bits) or 0 for id in ids]

@@ -69,7 +69,9 @@ REAP_KEYS = 1024  # small hashes an UNLINK of a slice that left the window names
 REAP_COMMANDS = 4  # ... and such commands sent with a lookup
 HOLD_RECORDS = 1 << 24  # bucket records a rebuild holds (~20 bytes each) before it writes them and goes on ...
 HOLD_IDS = 1 << 22  # ... and ids inside the window it knows (~100 bytes each) before it hands the rest on
-WRITE_SHARE_BITS = 4  # a rebuild writes a slice's small hashes in 16 shares, each made while the last is sent
+# A rebuild writes a slice's small hashes in 16 shares (a slice has at least 2^K_MIN), each made while the one
+# before is sent: what a share's values take in memory a sixteenth of the slice's.
+WRITE_SHARE_BITS = 4
 
 
 def _script() -> _Script:
@@ -218,6 +220,7 @@ class CompactIndex(RedisIndex):
         self._pack_writes = _native.pack_writes if _native is not None else cc.pack_writes
         self._entry_pairs = _native.entry_pairs if _native is not None else cc.entry_pairs
         self._held_pairs = _native.held_pairs if _native is not None else cc.held_pairs
+        self._id_shares = _native.id_shares if _native is not None else cc.id_shares
         # A slice's reads and writes go packed at once (`_Packed`) where the commands go packed on one connection.
         self._packs = self._direct()
 
@@ -938,10 +941,21 @@ class CompactIndex(RedisIndex):
         cap = self.bucket_cap
 
         def shares() -> Iterator[tuple[str, list[bytes], int, set[bytes], int]]:
-            """Each slice's fields a share of its small hashes at a time (`held_pairs`), its count with the first."""
+            """Each slice's fields a share of its small hashes at a time (its bucket keys and ids in that share:
+            `held_pairs` of them, what it holds of the slice a sixteenth at a time), its count with the first."""
+            top = np.uint64(64 - WRITE_SHARE_BITS)
             for key, bits, marked, entries, (keys, bounds, times, seqs, ids, olds) in pieces:
-                for j, pairs in enumerate(self._held_pairs(keys, bounds, times, seqs, ids, olds, cap, intruded,
-                                                           WRITE_SHARE_BITS)):
+                key_shares = (keys * np.uint64(_FIB)) >> top  # (wraps: the product mod 2^64, as `small_hash`)
+                id_shares = np.asarray(self._id_shares(ids, WRITE_SHARE_BITS), dtype=np.int64)
+                for j in range(1 << WRITE_SHARE_BITS):
+                    mine = key_shares == j
+                    before = np.concatenate(([0], np.cumsum(mine)))
+                    sizes = before[bounds[1:]] - before[bounds[:-1]]
+                    has_id = id_shares == j
+                    took = np.flatnonzero((sizes > 0) | has_id)
+                    pairs = self._held_pairs(keys[mine], np.concatenate(([0], np.cumsum(sizes[took]))), times[took],
+                                             seqs[took], [ids[i] if has_id[i] else None for i in took.tolist()],
+                                             olds, cap, intruded)
                     yield key, pairs, bits, marked, entries if j == 0 else 0
 
         if not self._packs:  # Cluster: redis-py's pipeline
