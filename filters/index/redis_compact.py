@@ -72,6 +72,8 @@ HOLD_IDS = 1 << 22  # ... and ids inside the window it knows (~100 bytes each) b
 # A rebuild writes a slice's small hashes in 16 shares (a slice has at least 2^K_MIN), each made while the one
 # before is sent: what a share's values take in memory a sixteenth of the slice's.
 WRITE_SHARE_BITS = 4
+SEND_BYTES = 1 << 20  # ... sent in pieces of at most this many bytes, each within the socket's timeout
+READ_COMMANDS = 1 << 16  # a rebuild's reads of what Redis holds go this many commands a round trip
 
 
 def _script() -> _Script:
@@ -932,6 +934,7 @@ class CompactIndex(RedisIndex):
             held.counted[s] = counts.get(s, 0)
             held.written[s] = bits
             pieces.append((key, bits, marked, entries, (keys, bounds, times, seqs, ids, olds)))
+        held.clear()  # its arrays are in `pieces` now: not twice in memory while written
         commands: list[Sequence[Any]] = []
         if made:
             commands.append(("HSET", meta, *made))
@@ -973,7 +976,8 @@ class CompactIndex(RedisIndex):
                     for key, pairs, bits, marked, entries in shares():
                         blob, n, _ = self._pack_writes(key, pairs, bits, marked, entries, 0, ttl, FIELDS_PER_CALL,
                                                        None)
-                        sender.send(blob, n)
+                        for a in range(0, len(blob), SEND_BYTES):  # the socket's timeout bounds each piece's send
+                            sender.send(blob[a : a + SEND_BYTES], n if a == 0 else 0)
                     sender.send(_pack(commands), len(commands))
                     replies = _read_replies(conn, sender.close())
                 except BaseException:
@@ -981,15 +985,17 @@ class CompactIndex(RedisIndex):
                     conn.disconnect()  # replies may still be on their way: never reuse it (it reconnects)
                     raise
                 self._raise_any(replies)
-        held.clear()
 
     def _held_olds(self, key: str, names: list[bytes], bits: int, marked: set[bytes]) -> dict[bytes, bytes]:
         """What Redis holds of a slice's `names` (its small hashes, and the slice hash for those read as the mark,
         which go to `marked`)."""
         reads, places = self._read_commands_of(key, names, bits, set(), FIELDS_PER_HMGET)
-        with self._errors():
-            replies = self._execute(reads)
-            self._raise_any(replies)
+        replies: list[Any] = []
+        for a in range(0, len(reads), READ_COMMANDS):  # a command a small hash: millions in a slice of many
+            with self._errors():
+                got = self._execute(reads[a : a + READ_COMMANDS])
+                self._raise_any(got)
+            replies += got
         column = self._column_of(replies, places, len(names))
         olds = {name: value for name, value in zip(names, column) if value is not None}
         marked.update(name for name, value in olds.items() if value == cc.MARK)
