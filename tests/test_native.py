@@ -489,6 +489,41 @@ def test_alone_compact_as_the_reference(data: st.DataObject, n_buckets: int, n_e
     assert run(_native.alone_compact) == run(compact_codec.alone_round)
 
 
+_HELD_IDS = ["a", "b", "ü", "x\udc80", "l" * 70]
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), n_entries=st.integers(0, 14), cap=st.integers(1, 3), old_ids=st.booleans())
+def test_held_pairs_as_the_reference(data: st.DataObject, n_entries: int, cap: int, old_ids: bool) -> None:
+    """A rebuild's held fields of a slice as the pairs it writes (buckets shared, a key given twice by an entry,
+    values trimmed, an id written twice, an id left to another share, values Redis holds already, ids kept or
+    not, long ids): the compiled twin gives the reference's pairs, in the same order; and the shares of ids."""
+    ids = data.draw(st.lists(st.sampled_from([*_HELD_IDS, None]), min_size=n_entries, max_size=n_entries))
+    keys_of = [data.draw(st.lists(st.integers(0, 5) | st.integers(0, 2**64 - 1), max_size=5)) for _ in ids]
+    bounds = np.cumsum([0, *map(len, keys_of)]).astype(np.int64)
+    keys = np.asarray([k for keys in keys_of for k in keys], dtype=np.uint64)
+    times = np.asarray([data.draw(st.sampled_from([20.0, 90.0, 150.0])) for _ in ids], dtype=np.float64)
+    seqs = np.arange(1, len(ids) + 1, dtype=np.uint64) * 3
+    names = [b"b" + k.to_bytes(8, "big") for k in range(6)] + [compact_codec.id_field(id) for id in _HELD_IDS]
+    olds = {name: value for name in data.draw(st.lists(st.sampled_from(names), unique=True, max_size=4))
+            if (value := data.draw(st.lists(_compact_record, min_size=1, max_size=10).map(_compact_bucket)))}
+    args = (keys, bounds, times, seqs, ids, olds, cap, old_ids)
+    assert _native.held_pairs(*args) == compact_codec.held_pairs(*args)
+    bits = data.draw(st.integers(0, 8))
+    assert _native.id_shares(_HELD_IDS, bits) == compact_codec.id_shares(_HELD_IDS, bits)
+    taken = [data.draw(st.integers(0, 3)) for _ in ids]
+    slices = [data.draw(st.integers(-1, 1)) for _ in ids]
+    blobs = [b"\x03entry%d" % i for i in range(len(ids))]
+    named = [id or "z" for id in ids]
+    assert _native.entry_pairs(named, blobs, taken, slices) == compact_codec.entry_pairs(named, blobs, taken, slices)
+
+
+def test_held_pairs_refuse_bounds_outside_the_keys() -> None:
+    for held in (_native.held_pairs, compact_codec.held_pairs):
+        with pytest.raises((ValueError, IndexError)):
+            held(np.zeros(2, np.uint64), np.asarray([0, 3]), np.zeros(1), np.ones(1, np.uint64), ["a"], {}, 2, False)
+
+
 @settings(max_examples=300, deadline=None)
 @given(records=st.lists(_compact_record, max_size=12), cap=st.integers(1, 6))
 def test_trim_compact_as_the_reference(records: list[tuple[float, int]], cap: int) -> None:
