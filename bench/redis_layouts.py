@@ -633,14 +633,20 @@ def lookup_compact(r: redis.Redis, layout: str, slices: Sequence[Slice],
         for key, fields in marked.items():
             pipe.hmget(key, fields)
         pipe.execute()
+    read_entries(pipe, batch)
+    return got
+
+
+def read_entries(pipe: redis.client.Pipeline, batch: Sequence[tuple[bytes, list[tuple[Slice, bytes]]]]) -> None:
+    """The second round of a lookup by seq (compact and group layouts): the candidates' entries `e<seq>`, an
+    `HMGET` a slice."""
     by_slice: dict[bytes, list[bytes]] = collections.defaultdict(list)
     for efield, where in batch:
         for s, id in candidates(where, efield):
             by_slice[s.name].append(entry_name(s.seq[id]))
-    for key, fields in by_slice.items():
-        pipe.hmget(key, fields)
+    for key, names in by_slice.items():
+        pipe.hmget(key, names)
     pipe.execute()
-    return got
 
 
 def lookup_group(r: redis.Redis, slices: Sequence[Slice], batch: Sequence[tuple[bytes, list[tuple[Slice, bytes]]]],
@@ -673,13 +679,7 @@ def lookup_group(r: redis.Redis, slices: Sequence[Slice], batch: Sequence[tuple[
         for key, fields in marked.items():
             pipe.hmget(key, list(fields))
         pipe.execute()
-    by_slice: dict[bytes, list[bytes]] = collections.defaultdict(list)
-    for efield, where in batch:
-        for s, id in candidates(where, efield):
-            by_slice[s.name].append(entry_name(s.seq[id]))
-    for key, names in by_slice.items():
-        pipe.hmget(key, names)
-    pipe.execute()
+    read_entries(pipe, batch)
     return got
 
 
