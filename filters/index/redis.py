@@ -1888,7 +1888,9 @@ def _stored_time(stored: bytes) -> float:
 
 def _event_time(ts: float, id: str, slice_length: float) -> float:
     ts = float(ts)
-    # Slice numbers must stay exact integers, in Lua (doubles) as in Python: |ts / slice| < 2^50.
+    # Slice numbers must stay exact integers, in Lua (doubles) as in Python: |ts / slice| < 2^50. The same test
+    # is written inline in `high_marks` and `_memo_writes` (a call a message counts there), each calling this
+    # one to raise; tests/test_redis_index.py refuses the same bad times through lookup and insert.
     if not (_MIN_TS < ts < math.inf and abs(ts / slice_length) < _MAX_SLICE):  # also rejects NaN
         raise ValueError(f"event time of {id!r} must be finite, > -2^52 and below 2^50 windows, got {ts!r}")
     return ts
