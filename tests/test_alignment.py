@@ -449,18 +449,24 @@ def _produce(settings, items: Sequence[Item]) -> None:  # type: ignore[no-untype
     asyncio.run(go())
 
 
+async def _seen(workers: Sequence[AiokafkaWorker], tasks: Sequence[asyncio.Future[object]], count: int,
+                deadline: float) -> None:
+    """Until the workers have routed `count` records between them (a worker that stopped raises its error)."""
+    while sum(w.stats.seen for w in workers) < count:
+        for t in tasks:
+            if t.done():
+                t.result()
+        assert time.monotonic() < deadline, [w.stats.line() for w in workers]
+        await asyncio.sleep(0.05)
+
+
 def _run_workers(settings, count: int, total: int) -> dict[str, str]:  # type: ignore[no-untyped-def]
     async def go() -> list[KafkaRecord]:
         workers = [AiokafkaWorker(settings) for _ in range(count)]
         tasks = [asyncio.ensure_future(w.run()) for w in workers]
         deadline = time.monotonic() + 120
         try:
-            while sum(w.stats.seen for w in workers) < total:
-                for t in tasks:
-                    if t.done():
-                        t.result()
-                assert time.monotonic() < deadline, [w.stats.line() for w in workers]
-                await asyncio.sleep(0.05)
+            await _seen(workers, tasks, total, deadline)
         finally:
             for w in workers:
                 w.stop()
@@ -509,15 +515,9 @@ def test_two_exactly_once_workers_fit_a_small_max_message_bytes_on_a_backlog_and
         tasks = [asyncio.ensure_future(w.run()) for w in workers]
         deadline = time.monotonic() + 120
         try:
-            while sum(w.stats.seen for w in workers) < half // 4:  # routing the backlog
-                assert not [t.result() for t in tasks if t.done()]
-                assert time.monotonic() < deadline, [w.stats.line() for w in workers]
-                await asyncio.sleep(0.05)
+            await _seen(workers, tasks, half // 4, deadline)  # routing the backlog
             await produce_to(settings, [(i.partition, i.id.encode(), i.value) for i in items[half:]])  # live
-            while sum(w.stats.seen for w in workers) < len(items):
-                assert not [t.result() for t in tasks if t.done()]
-                assert time.monotonic() < deadline, [w.stats.line() for w in workers]
-                await asyncio.sleep(0.05)
+            await _seen(workers, tasks, len(items), deadline)
         finally:
             for w in workers:
                 w.stop()
