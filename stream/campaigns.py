@@ -150,6 +150,7 @@ class CampaignStore(Protocol):
 
     window: float
     minutes: int
+    in_process: bool  # whether `record` runs in this process (else it waits on the network: run it off the loop)
 
     def record(self, sightings: Sequence[Sighting]) -> None:
         """Count one batch's duplicates (atomically for the batch)."""
@@ -165,6 +166,11 @@ class CampaignStore(Protocol):
 
     def ping(self) -> None:
         """Raise `IndexUnavailable` when the store cannot be reached."""
+        ...
+
+    def unknown_view(self) -> str | None:
+        """One line saying that the store holds campaign views, none of them for these settings (a wrong
+        `prefix=` or other filter settings than the workers'), and which it holds; None when that is not so."""
         ...
 
     def close(self) -> None: ...
@@ -219,6 +225,8 @@ class _Cluster:
 
 class MemoryCampaigns:
     """The campaign view of one process (the embedded mode, `memory://` index). Thread-safe."""
+
+    in_process = True
 
     def __init__(self, window: float, minutes: int = DEFAULT_MINUTES, *, clock: Callable[[], float] = time.time,
                  snippet: int = SNIPPET) -> None:
@@ -287,6 +295,9 @@ class MemoryCampaigns:
     def ping(self) -> None:
         pass
 
+    def unknown_view(self) -> str | None:
+        return None  # one process's view: there is no other to mistake it for
+
     def close(self) -> None:
         pass
 
@@ -309,6 +320,8 @@ DEFAULT_SOCKET_TIMEOUT = 5.0
 
 class RedisCampaigns:
     """The campaign view in Redis, shared by every worker of one index namespace."""
+
+    in_process = False
 
     def __init__(self, url: str, *, namespace: str, window: float, minutes: int = DEFAULT_MINUTES,
                  snippet: int = SNIPPET) -> None:
@@ -410,6 +423,22 @@ class RedisCampaigns:
             for key in keys:
                 found.add(key.decode(errors="replace").partition("}")[0].lstrip("{"))
         return sorted(found)
+
+    def unknown_view(self) -> str | None:
+        # An empty Redis is no error: the view is empty until a worker records a duplicate.
+        if self.exists():  # the usual case, without scanning the keyspace
+            return None
+        found = self.prefixes()
+        mine = f"{self.prefix}:{self.namespace}"
+        if not found or mine in found:
+            return None
+        prefixes = sorted({f.partition(":")[0] for f in found})
+        if self.prefix in prefixes:
+            what = f"no campaign view for these filter settings (namespace {self.namespace}) under prefix {self.prefix!r}"
+        else:
+            what = f"unknown prefix {self.prefix!r}: no campaign view under it"
+        return (f"{what} at {self.where}; found prefix:namespace "
+                f"{', '.join(found[:10])}{' …' if len(found) > 10 else ''}")
 
     def ping(self) -> None:
         with self._errors():

@@ -118,8 +118,8 @@ def _duration(text: str) -> float:
 
 
 def cmd_top(args: argparse.Namespace) -> int:
-    from stream.campaigns import RedisCampaigns, open_campaigns
-    from stream.top import from_http, from_store, run_top, unknown_view
+    from stream.campaigns import open_campaigns
+    from stream.top import from_http, from_store, run_top
 
     settings = settings_from_args(args)
     _logging(settings.log_level, settings.log_format)
@@ -132,8 +132,8 @@ def cmd_top(args: argparse.Namespace) -> int:
     store = open_campaigns(settings.index, namespace=settings.filter_config().digest(), window=settings.window,
                            minutes=settings.campaign_minutes)
     try:
-        if isinstance(store, RedisCampaigns) and (wrong := unknown_view(store)):
-            print(wrong, file=sys.stderr)
+        if wrong := store.unknown_view():
+            print(f"neardup top: {wrong}", file=sys.stderr)
             return 1
         return run_top(from_store(store), limit=args.limit, sort=args.sort, interval=args.interval, once=args.once)
     finally:

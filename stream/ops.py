@@ -13,14 +13,14 @@ import contextlib
 import logging
 import signal
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 
 from filters.errors import NeardupError, RejectedInput
-from stream.campaigns import CampaignDetail, CampaignStore, CampaignView, MemoryCampaigns, Sighting, open_campaigns
+from stream.campaigns import CampaignDetail, CampaignStore, CampaignView, Sighting, open_campaigns
 from stream.codec import decode
 from stream.collector import tune_collector
 from stream.config import Settings
@@ -33,6 +33,7 @@ from stream.worker import AiokafkaWorker, make_worker
 from stream.worker import log as worker_log
 
 log = logging.getLogger("neardup.ops")
+T = TypeVar("T")
 
 INFO_EVERY = 10.0  # seconds between INFO batch lines (every batch gets a DEBUG line otherwise)
 INDEX_STATS_EVERY = 30.0  # seconds between index size refreshes (a few O(1) Redis commands)
@@ -149,10 +150,7 @@ class Ops:
             return
         t0 = time.perf_counter()
         try:
-            if isinstance(self.store, MemoryCampaigns):
-                self.store.record(sightings)
-            else:
-                await asyncio.to_thread(self.store.record, sightings)
+            await self._in_store(self.store.record, sightings)
         except NeardupError as exc:
             self.metrics.campaign_errors.inc()
             if not self._campaign_failing:
@@ -246,14 +244,16 @@ class Ops:
         return ok, {"status": "ready" if ok else "not ready", "checks": checks}
 
     async def campaigns(self, limit: int, sort: str) -> CampaignView:
-        if isinstance(self.store, MemoryCampaigns):
-            return self.store.top(limit, sort)
-        return await asyncio.to_thread(self.store.top, limit, sort)
+        return await self._in_store(self.store.top, limit, sort)
 
     async def campaign(self, campaign_id: str) -> CampaignDetail | None:
-        if isinstance(self.store, MemoryCampaigns):
-            return self.store.detail(campaign_id)
-        return await asyncio.to_thread(self.store.detail, campaign_id)
+        return await self._in_store(self.store.detail, campaign_id)
+
+    async def _in_store(self, call: Callable[..., T], *args: Any) -> T:
+        # A store over the network waits off the event loop; one in this process answers at once.
+        if self.store.in_process:
+            return call(*args)
+        return await asyncio.to_thread(call, *args)
 
     async def _kafka_check(self) -> str:
         try:
@@ -271,7 +271,7 @@ class Ops:
             return f"unreachable: {type(exc).__name__}: {exc}"[:300]
 
     async def _redis_check(self) -> str:
-        if isinstance(self.store, MemoryCampaigns):
+        if self.store.in_process:
             return "not used"
         try:
             await asyncio.wait_for(asyncio.to_thread(self.store.ping), PROBE_TIMEOUT)

@@ -25,7 +25,7 @@ from urllib.parse import urlencode
 import orjson
 
 from filters.errors import ConfigError, NeardupError, ServiceError
-from stream.campaigns import CampaignStore, CampaignView, RedisCampaigns
+from stream.campaigns import CampaignStore, CampaignView
 from stream.ops_http import ago, sparkline
 
 CLEAR = "\x1b[H\x1b[2J"
@@ -61,25 +61,6 @@ def from_http(base: str, timeout: float = 5.0) -> Fetch:
             raise ServiceError(f"{url}: not a campaign view: {exc}") from exc
 
     return fetch
-
-
-def unknown_view(store: RedisCampaigns) -> str | None:
-    """One line saying that Redis holds campaign views, none of them this store's (a wrong `prefix=`
-    or other filter settings than the workers'), and which it holds; None when that is not so. An
-    empty Redis is no error: the view is empty until a worker records a duplicate."""
-    if store.exists():  # the usual case, without scanning the keyspace
-        return None
-    found = store.prefixes()
-    mine = f"{store.prefix}:{store.namespace}"
-    if not found or mine in found:
-        return None
-    prefixes = sorted({f.partition(":")[0] for f in found})
-    if store.prefix in prefixes:
-        what = f"no campaign view for these filter settings (namespace {store.namespace}) under prefix {store.prefix!r}"
-    else:
-        what = f"unknown prefix {store.prefix!r}: no campaign view under it"
-    return (f"neardup top: {what} at {store.where}; found prefix:namespace "
-            f"{', '.join(found[:10])}{' …' if len(found) > 10 else ''}")
 
 
 def _cells(ch: str) -> int:
