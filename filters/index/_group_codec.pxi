@@ -1,0 +1,298 @@
+# The group layout's compiled per-batch work (included by filters/_native.pyx, after index/_compact_codec.pxi):
+# the twins of filters/index/group_codec.py, held to it by tests/test_group_codec.py.
+
+cdef enum:
+    GROUP_RECORD = 20
+    GROUP_K_MAX = 30
+
+
+cdef inline uint64_t _load_be64(const unsigned char *p) noexcept nogil:
+    cdef uint64_t v = 0
+    cdef int i
+    for i in range(8):
+        v = (v << 8) | p[i]
+    return v
+
+
+cdef inline void _store_be32(unsigned char *p, uint32_t v) noexcept nogil:
+    p[0] = <unsigned char>(v >> 24)
+    p[1] = <unsigned char>(v >> 16)
+    p[2] = <unsigned char>(v >> 8)
+    p[3] = <unsigned char>v
+
+
+cdef inline void _store_be64(unsigned char *p, uint64_t v) noexcept nogil:
+    cdef int i
+    for i in range(8):
+        p[i] = <unsigned char>(v >> (56 - 8 * i))
+
+
+cdef inline int _group_place(bytes name, int bits, uint64_t *j, uint32_t *key) except -1:
+    """1 for a bucket, 2 for an id, 0 for a field of the slice hash itself (`group_codec.place`)."""
+    cdef Py_ssize_t n = len(name), i
+    cdef const unsigned char *p = <const unsigned char *>PyBytes_AS_STRING(name)
+    cdef uint64_t h, m
+    cdef int kind
+    if n == 9 and p[0] == 98:  # b"b"
+        h = _load_be64(p + 1)
+        kind = 1
+    elif n >= 1 and p[0] == 105:  # b"i"
+        h = 0xcbf29ce484222325ULL
+        for i in range(1, n):
+            h = (h ^ p[i]) * 0x100000001b3ULL
+        kind = 2
+    else:
+        return 0
+    m = h * 0x9E3779B97F4A7C15ULL
+    j[0] = (m >> (64 - bits)) if bits else 0
+    key[0] = <uint32_t>m
+    return kind
+
+
+cdef inline bint _rec_is(const unsigned char *r, uint32_t key, bint is_id) noexcept nogil:
+    return (((<uint32_t>r[0] << 24) | (<uint32_t>r[1] << 16) | (<uint32_t>r[2] << 8) | r[3]) == key
+            and ((r[12] & 0x80) != 0) == is_id)
+
+
+cdef inline Py_ssize_t _group_len(object group) except -1:
+    cdef Py_ssize_t n = len(<bytes>group)
+    if n % GROUP_RECORD:
+        from filters.errors import IndexCorrupt
+        raise IndexCorrupt(f"a group holds {n} bytes that are not records of {GROUP_RECORD}")
+    return n // GROUP_RECORD
+
+
+cdef object _bucket_records(object group, uint32_t key):
+    if group is None:
+        return None
+    cdef Py_ssize_t n = _group_len(group), r, found = 0
+    if n == 0:
+        return None
+    cdef const unsigned char *g = <const unsigned char *>PyBytes_AS_STRING(group)
+    for r in range(n):
+        if _rec_is(g + r * GROUP_RECORD, key, False):
+            found += 1
+    if not found:
+        return None
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, found * 16)
+    cdef char *o = PyBytes_AS_STRING(out)
+    for r in range(n):
+        if _rec_is(g + r * GROUP_RECORD, key, False):
+            memcpy(o, g + r * GROUP_RECORD + 4, 16)
+            o += 16
+    return out
+
+
+cdef object _id_record(object group, uint32_t key):
+    if group is None:
+        return None
+    cdef Py_ssize_t n = _group_len(group), r, best = -1
+    cdef const unsigned char *g = <const unsigned char *>PyBytes_AS_STRING(group)
+    cdef double ts, best_ts = 0
+    cdef uint64_t seq, best_seq = 0
+    for r in range(n):
+        if _rec_is(g + r * GROUP_RECORD, key, True):
+            memcpy(&ts, g + r * GROUP_RECORD + 4, 8)
+            seq = _load_be64(g + r * GROUP_RECORD + 12) & 0x7FFFFFFFFFFFFFFFULL
+            if best < 0 or ts > best_ts or (ts == best_ts and seq > best_seq):
+                best, best_ts, best_seq = r, ts, seq
+    if best < 0:
+        return None
+    cdef bytes out = PyBytes_FromStringAndSize(<const char *>(g + best * GROUP_RECORD + 4), 16)
+    (<unsigned char *>PyBytes_AS_STRING(out))[8] &= 0x7F
+    return out
+
+
+def group_bucket_records(group, bytes key) -> object:
+    """`filters.index.group_codec.bucket_records`, compiled."""
+    if len(key) != 4:
+        raise ValueError("a record key is 4 bytes")
+    return _bucket_records(group if group else None, _key32(key))
+
+
+def group_id_record(group, bytes key) -> object:
+    """`filters.index.group_codec.id_record`, compiled."""
+    if len(key) != 4:
+        raise ValueError("a record key is 4 bytes")
+    return _id_record(group if group else None, _key32(key))
+
+
+cdef inline uint32_t _key32(bytes key) noexcept:
+    cdef const unsigned char *p = <const unsigned char *>PyBytes_AS_STRING(key)
+    return (<uint32_t>p[0] << 24) | (<uint32_t>p[1] << 16) | (<uint32_t>p[2] << 8) | p[3]
+
+
+cdef bytes _trim_bucket(bytes group, uint32_t key, Py_ssize_t cap):
+    """`group_codec.trim_bucket`: the bucket's `cap` newest (event time, then seq bytes) kept in place."""
+    cdef Py_ssize_t n = _group_len(group), r, m = 0, k
+    cdef const unsigned char *g = <const unsigned char *>PyBytes_AS_STRING(group)
+    for r in range(n):
+        if _rec_is(g + r * GROUP_RECORD, key, False):
+            m += 1
+    if m <= cap:
+        return group
+    cdef vector[pair[pair[double, uint64_t], Py_ssize_t]] mine
+    cdef double ts
+    for r in range(n):
+        if _rec_is(g + r * GROUP_RECORD, key, False):
+            memcpy(&ts, g + r * GROUP_RECORD + 4, 8)
+            mine.push_back(pair[pair[double, uint64_t], Py_ssize_t](
+                pair[double, uint64_t](ts, _load_be64(g + r * GROUP_RECORD + 12)), r))
+    cpp_sort(mine.begin(), mine.end())  # oldest first: the first m - cap go
+    cdef vector[char] drop = vector[char](n, 0)
+    for k in range(m - cap):
+        drop[mine[k].second] = 1
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, (n - (m - cap)) * GROUP_RECORD)
+    cdef char *o = PyBytes_AS_STRING(out)
+    for r in range(n):
+        if not drop[r]:
+            memcpy(o, g + r * GROUP_RECORD, GROUP_RECORD)
+            o += GROUP_RECORD
+    return out
+
+
+def group_trim_bucket(bytes group, bytes key, Py_ssize_t cap) -> bytes:
+    """`filters.index.group_codec.trim_bucket`, compiled."""
+    if len(key) != 4:
+        raise ValueError("a record key is 4 bytes")
+    return _trim_bucket(group, _key32(key), cap)
+
+
+cdef bytes _append(bytes group, uint32_t key, double ts, uint64_t seq, Py_ssize_t cap, bint is_id):
+    cdef Py_ssize_t n = _group_len(group), r, m = 0
+    cdef const unsigned char *g
+    if not is_id:
+        g = <const unsigned char *>PyBytes_AS_STRING(group)
+        for r in range(n):
+            if _rec_is(g + r * GROUP_RECORD, key, False):
+                m += 1
+        if m > 2 * cap:
+            group = _trim_bucket(group, key, cap)
+    cdef Py_ssize_t size = len(group)
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, size + GROUP_RECORD)
+    cdef unsigned char *o = <unsigned char *>PyBytes_AS_STRING(out)
+    memcpy(o, PyBytes_AS_STRING(group), size)
+    _store_be32(o + size, key)
+    memcpy(o + size + 4, &ts, 8)
+    _store_be64(o + size + 12, seq | (0x8000000000000000ULL if is_id else 0))
+    return out
+
+
+def group_append_record(bytes group, bytes key, double ts, uint64_t seq, Py_ssize_t cap) -> bytes:
+    """`filters.index.group_codec.append_record`, compiled."""
+    if len(key) != 4:
+        raise ValueError("a record key is 4 bytes")
+    return _append(group, _key32(key), ts, seq, cap, False)
+
+
+def group_append_id(bytes group, bytes key, double ts, uint64_t seq) -> bytes:
+    """`filters.index.group_codec.append_id`, compiled."""
+    if len(key) != 4:
+        raise ValueError("a record key is 4 bytes")
+    return _append(group, _key32(key), ts, seq, 0, True)
+
+
+cdef inline bytes _group_name(uint64_t j):
+    return b"g%d" % j
+
+
+def group_read_fields(list names, object bits) -> tuple:
+    """`filters.index.group_codec.read_fields`, compiled."""
+    cdef list fields = [], places = []
+    cdef dict at = {}
+    cdef bytes name, field
+    cdef uint64_t j
+    cdef uint32_t key
+    cdef int kind, b = 0 if bits is None else bits
+    cdef bint unknown = bits is None
+    cdef object k
+    if not 0 <= b <= GROUP_K_MAX:
+        raise ValueError(f"bits must be 0 to {GROUP_K_MAX}, got {bits!r}")
+    for name in names:
+        kind = _group_place(name, b, &j, &key)
+        if kind and unknown:
+            places.append(-1)
+            continue
+        field = _group_name(j) if kind else name
+        k = at.get(field)
+        if k is None:
+            k = at[field] = len(fields)
+            fields.append(field)
+        places.append(k)
+    return fields, places
+
+
+def group_column_of(list values, list places, list names, object bits) -> list:
+    """`filters.index.group_codec.column_of`, compiled."""
+    cdef Py_ssize_t n = len(names), p, k
+    cdef list column = PyList_New(n)
+    cdef object value, out
+    cdef uint64_t j
+    cdef uint32_t key
+    cdef int kind, b = 0 if bits is None else bits
+    if len(places) != n:
+        raise ValueError("one place a name expected")
+    for p in range(n):
+        k = places[p]
+        if k < 0:
+            out = None
+        else:
+            value = values[k]
+            kind = 0 if bits is None else _group_place(<bytes>names[p], b, &j, &key)
+            if kind == 0:
+                out = value
+            elif kind == 2:
+                out = _id_record(value if value else None, key)
+            else:
+                out = _bucket_records(value if value else None, key)
+        Py_INCREF(out)
+        PyList_SET_ITEM(column, p, out)
+    return column
+
+
+def group_apply_round(dict groups, list names, int bits, list entries, Py_ssize_t cap) -> list:
+    """`filters.index.group_codec.apply_round`, compiled."""
+    cdef dict changed = {}
+    cdef object entry, p, old
+    cdef uint64_t j, seq
+    cdef uint32_t key
+    cdef double ts
+    cdef bytes field
+    cdef int kind
+    if not 0 <= bits <= GROUP_K_MAX:
+        raise ValueError(f"bits must be 0 to {GROUP_K_MAX}, got {bits!r}")
+    for entry in entries:
+        seq, ts = entry[0], entry[1]
+        for p in entry[2]:
+            kind = _group_place(<bytes>names[p], bits, &j, &key)
+            if kind != 1:
+                raise ValueError(f"not a bucket field: {names[p]!r}")
+            field = _group_name(j)
+            old = groups.get(field, b"")
+            groups[field] = _append(<bytes>old, key, ts, seq, cap, False)
+            changed[field] = None
+        kind = _group_place(<bytes>names[entry[3]], bits, &j, &key)
+        if kind != 2:
+            raise ValueError(f"not an id field: {names[entry[3]]!r}")
+        field = _group_name(j)
+        old = groups.get(field, b"")
+        groups[field] = _append(<bytes>old, key, ts, seq, 0, True)
+        changed[field] = None
+    return list(changed)
+
+
+def group_count_buckets(list groups) -> int:
+    """`filters.index.group_codec.count_buckets`, compiled."""
+    cdef Py_ssize_t total = 0, n, r
+    cdef const unsigned char *g
+    cdef object group
+    cdef set keys
+    for group in groups:
+        n = _group_len(group)
+        g = <const unsigned char *>PyBytes_AS_STRING(group)
+        keys = set()
+        for r in range(n):
+            if not (g[r * GROUP_RECORD + 12] & 0x80):
+                keys.add(PyBytes_FromStringAndSize(<const char *>(g + r * GROUP_RECORD), 4))
+        total += len(keys)
+    return total

@@ -1,0 +1,160 @@
+"""The group layout's stored forms (filters/index/group_codec.py) and their compiled twins (filters/_native's
+`group_*`, from filters/index/_group_codec.pxi): the same bytes, by hypothesis."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from filters import _native
+from filters.errors import IndexCorrupt
+from filters.index import compact_codec as cc
+from filters.index import group_codec as gc
+
+U64 = (1 << 64) - 1
+_TIMES = [1.0, 2.5, 2.5, 7.0, -3.0]
+
+
+def _rec(key: bytes, ts: float, seq: int, is_id: bool = False) -> bytes:
+    return key + gc._TS.pack(ts) + gc._SEQ.pack(seq | (gc.ID_TAG if is_id else 0))
+
+
+# A group: records of a few keys (some of them ids), seqs distinct.
+_keys = st.sampled_from([b"\x00\x00\x00\x01", b"\xff\x00\x00\x01", b"abcd", b"\x00\x00\x00\x00"])
+
+
+@st.composite
+def groups(draw: st.DrawFn) -> bytes:
+    rows = draw(st.lists(st.tuples(_keys, st.sampled_from(_TIMES), st.booleans()), max_size=40))
+    return b"".join(_rec(key, ts, seq + 1, is_id) for seq, (key, ts, is_id) in enumerate(rows))
+
+
+def test_a_record_is_20_bytes_its_seq_last() -> None:
+    value = gc.append_record(b"", b"abcd", 1700000000.5, 42, 4)
+    assert len(value) == gc.RECORD_SIZE == 20
+    assert value[:4] == b"abcd" and value[-8:] == (42).to_bytes(8, "big")
+    assert gc.bucket_records(value, b"abcd") == cc.record(1700000000.5, 42)  # the compact layout's value
+    assert gc.bucket_tail(value, b"abcd") == (42).to_bytes(8, "big")
+    assert gc.bucket_tail(value, b"abce") == gc.ABSENT
+
+
+def test_a_key_and_an_id_name_their_group_and_record_key_from_one_mixed_value() -> None:
+    key = 0x0123456789ABCDEF
+    m = key * 0x9E3779B97F4A7C15 & U64
+    assert gc.group_of(key, 15) == m >> 49 == cc.small_hash(key, 15)  # compact's small hash: the same top bits
+    assert gc.record_key(key) == (m & 0xFFFFFFFF).to_bytes(4, "big")
+    assert gc.place(b"b" + key.to_bytes(8, "big"), 15) == (m >> 49, gc.record_key(key), False)
+    h = cc.id_hash("msg-1")
+    assert gc.place(b"imsg-1", 12) == (gc.group_of(h, 12), gc.record_key(h), True)
+    assert gc.place(b"dmsg-1", 12) is None and gc.place(b"e" + bytes(8), 12) is None
+    with pytest.raises(ValueError):
+        gc.group_of(1 << 64, 3)
+
+
+def test_a_slice_gets_the_groups_the_slice_before_it_filled() -> None:
+    assert gc.slice_bits(None) == gc.K_FIRST
+    assert gc.slice_bits(0) == gc.slice_bits(5) == gc.K_MIN
+    assert gc.slice_bits(10**12) == gc.K_MAX
+    for previous in (100, 45_000, 200_000, 5_600_000_000):
+        bits = gc.slice_bits(previous)
+        assert previous * cc.FIELDS_PER_ENTRY / 2**bits <= gc.GROUP_FILL or bits == gc.K_MAX
+        assert previous * cc.FIELDS_PER_ENTRY / 2**bits > gc.GROUP_FILL / 2 or bits == gc.K_MIN
+
+
+def test_a_bucket_is_found_among_others_and_ids_apart() -> None:
+    g = (_rec(b"aaaa", 1.0, 1) + _rec(b"bbbb", 2.0, 2) + _rec(b"aaaa", 3.0, 3, is_id=True) + _rec(b"aaaa", 4.0, 4)
+         + _rec(b"aaaa", 0.5, 9, is_id=True))
+    assert gc.bucket_records(g, b"aaaa") == cc.record(1.0, 1) + cc.record(4.0, 4)
+    assert gc.id_record(g, b"aaaa") == cc.record(3.0, 3)  # the newest of an id's records, its tag cleared
+    assert gc.id_record(g, b"bbbb") is None and gc.bucket_records(g, b"cccc") is None
+    assert gc.bucket_records(None, b"aaaa") is None and gc.id_record(b"", b"aaaa") is None
+    with pytest.raises(IndexCorrupt):
+        gc.bucket_records(g[:-1], b"aaaa")
+
+
+def test_trimming_keeps_a_buckets_newest_in_place() -> None:
+    recs = [(5.0, 1), (9.0, 2), (1.0, 3), (9.0, 4), (7.0, 5)]
+    g = b"".join(_rec(b"aaaa", ts, seq) + _rec(b"bbbb", ts, 100 + seq) for ts, seq in recs)
+    out = gc.trim_bucket(g, b"aaaa", 3)
+    assert gc.bucket_records(out, b"aaaa") == cc.trim_records(gc.bucket_records(g, b"aaaa") or b"", 3)
+    assert gc.bucket_records(out, b"bbbb") == gc.bucket_records(g, b"bbbb")
+    assert gc.trim_bucket(g, b"aaaa", 5) == g
+    # Appending trims first once the bucket holds more than twice the cap, as the compact layout's round does.
+    assert gc.append_record(g, b"aaaa", 8.0, 6, 2) == gc.trim_bucket(g, b"aaaa", 2) + _rec(b"aaaa", 8.0, 6)
+    assert gc.append_record(g, b"aaaa", 8.0, 6, 3) == g + _rec(b"aaaa", 8.0, 6)
+
+
+@settings(max_examples=300, deadline=None)
+@given(group=groups(), key=_keys, cap=st.integers(1, 8), ts=st.sampled_from(_TIMES), seq=st.integers(1, U64 >> 1))
+def test_the_compiled_record_loops_as_the_reference(group: bytes, key: bytes, cap: int, ts: float, seq: int) -> None:
+    assert _native.group_bucket_records(group, key) == gc.bucket_records(group, key)
+    assert _native.group_id_record(group, key) == gc.id_record(group, key)
+    assert _native.group_trim_bucket(group, key, cap) == gc.trim_bucket(group, key, cap)
+    assert _native.group_append_record(group, key, ts, seq, cap) == gc.append_record(group, key, ts, seq, cap)
+    assert _native.group_append_id(group, key, ts, seq) == gc.append_id(group, key, ts, seq)
+    assert _native.group_count_buckets([group, group]) == gc.count_buckets([group, group])
+    # What a bucket's records are after an append: the compact layout's value, trimmed past twice the cap.
+    before = gc.bucket_records(group, key) or b""
+    after = gc.bucket_records(gc.append_record(group, key, ts, seq, cap), key)
+    kept = cc.trim_records(before, cap) if len(before) > 2 * cap * 16 else before
+    assert after == kept + cc.record(ts, seq)
+
+
+_names = st.one_of(
+    st.integers(0, 40).map(lambda k: b"b" + ((k * 0x0101010101 if k % 3 else k << 59) & U64).to_bytes(8, "big")),
+    st.sampled_from(["a", "b", "é", "x" * 70]).map(lambda id: b"i" + id.encode()),
+    st.sampled_from([b"da", b"db", b"n"]),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(names=st.lists(_names, unique=True, max_size=20), bits=st.one_of(st.none(), st.integers(0, 4)),
+       data=st.data())
+def test_the_compiled_reads_as_the_reference(names: list[bytes], bits: int | None, data: st.DataObject) -> None:
+    fields, places = gc.read_fields(names, bits)
+    assert _native.group_read_fields(names, bits) == (fields, places)
+    assert len(set(fields)) == len(fields)
+    values = [data.draw(st.one_of(st.none(), groups())) for _ in fields]
+    column = gc.column_of(values, places, names, bits)
+    assert _native.group_column_of(values, places, names, bits) == column
+    for name, k, value in zip(names, places, column):
+        where = gc.place(name, bits or 0)
+        if bits is None and where is not None:
+            assert k == -1 and value is None
+        elif where is None:
+            assert fields[k] == name and value == values[k]
+        else:
+            assert fields[k] == gc.group_field(where[0])
+
+
+@settings(max_examples=200, deadline=None)
+@given(bits=st.integers(0, 3), cap=st.integers(1, 3),
+       rows=st.lists(st.tuples(st.lists(st.integers(0, 7), min_size=1, max_size=4, unique=True), st.integers(0, 2),
+                               st.sampled_from(_TIMES)), max_size=12))
+def test_a_round_goes_into_the_groups_as_the_compact_round_into_its_fields(
+        bits: int, cap: int, rows: list[tuple[list[int], int, float]]) -> None:
+    """`apply_round` (and its twin) leaves each bucket and id of the groups with what the compact layout's
+    round leaves in its fields: the view's columns stay the compact layout's."""
+    names = [b"b" + (k * 0x0123456789).to_bytes(8, "big") for k in range(8)] + [b"ia", b"ib", b"ic"]
+    entries = [(seq, ts, keys, 8 + who) for seq, (keys, who, ts) in enumerate(rows, start=1)]
+    groups_py: dict[bytes, bytes] = {}
+    groups_c: dict[bytes, bytes] = {}
+    changed = gc.apply_round(groups_py, names, bits, entries, cap)
+    assert _native.group_apply_round(groups_c, names, bits, entries, cap) == changed
+    assert groups_c == groups_py
+    compact: dict[int, bytes] = {}
+    for seq, ts, keys, e in entries:
+        rec = cc.record(ts, seq)
+        for p in keys:
+            v = compact.get(p)
+            compact[p] = rec if v is None else (cc.trim_records(v, cap) if len(v) > 2 * cap * 16 else v) + rec
+        compact[e] = rec
+    fields, places = gc.read_fields(names, bits)
+    column = gc.column_of([groups_py.get(f) for f in fields], places, names, bits)
+    for p, name in enumerate(names):
+        if name[:1] == b"b":
+            assert column[p] == compact.get(p)
+        else:
+            newest = max(((ts, seq) for seq, ts, _, e in entries if e == p), default=None)
+            assert column[p] == (None if newest is None else cc.record(*newest))
