@@ -93,13 +93,14 @@ def test_records_read_back_as_the_entries_and_keys_they_were_made_of() -> None:
             decode_records(b"x", broken)
 
 
-@pytest.fixture(params=["memory", "redis", "redis-spread", "redis-compact"])
+@pytest.fixture(params=["memory", "redis", "redis-spread", "redis-compact", "redis-group"])
 def index_url(request: pytest.FixtureRequest) -> Iterator[str]:
     if request.param == "memory":
         yield "memory://"
         return
     with redis_namespace(request.getfixturevalue("redis_url")) as url:
-        yield url + {"redis-spread": "&layout=spread", "redis-compact": "&layout=compact"}.get(request.param, "")
+        yield url + {"redis-spread": "&layout=spread", "redis-compact": "&layout=compact",
+                     "redis-group": "&layout=group"}.get(request.param, "")
 
 
 def _shared(url: str, cfg: FilterConfig) -> NearDupFilter:

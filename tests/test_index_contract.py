@@ -37,12 +37,13 @@ def drop_namespace(url: str, prefix: str) -> None:
             client.delete(*keys[at : at + 500])
 
 
-@pytest.fixture(params=["memory", "memory-python", "redis", "redis-spread", "redis-compact"])
+@pytest.fixture(params=["memory", "memory-python", "redis", "redis-spread", "redis-compact", "redis-group"])
 def make_index(request: pytest.FixtureRequest) -> Iterator[MakeIndex]:
     """A factory of fresh, empty indexes of one backend (Redis: a fresh prefix, cleaned up after).
     `memory` is the embedded index on its compiled table, `memory-python` on the reference `PyTable`;
     `redis-spread` the spread layout (filters/index/redis_spread.py) on one Redis, over 4 shards;
-    `redis-compact` the compact layout (filters/index/redis_compact.py)."""
+    `redis-compact` the compact layout (filters/index/redis_compact.py), `redis-group` the group layout
+    (filters/index/redis_group.py)."""
     made: list[CandidateIndex] = []
     prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
     url = request.getfixturevalue("redis_url") if request.param.startswith("redis") else ""
@@ -53,7 +54,8 @@ def make_index(request: pytest.FixtureRequest) -> Iterator[MakeIndex]:
         from filters.index.backends import open_index
 
         query = {"prefix": prefix, **({"layout": "spread", "shards": "4"} if request.param == "redis-spread" else
-                                      {"layout": "compact"} if request.param == "redis-compact" else {})}
+                                      {"layout": "compact"} if request.param == "redis-compact" else
+                                      {"layout": "group"} if request.param == "redis-group" else {})}
         index = open_index(with_query(url, **query), window=window, bucket_cap=bucket_cap,
                            namespace=uuid.uuid4().hex[:12])
         made.append(index)
@@ -289,7 +291,7 @@ RestoreInto = Callable[[float, int, Stored], tuple[CandidateIndex, int]]
 
 
 @pytest.fixture(params=["memory", "memory-python", "redis", "redis-rebuild", "redis-compact",
-                        "redis-compact-rebuild"])
+                        "redis-compact-rebuild", "redis-group", "redis-group-rebuild"])
 def restore_into(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[RestoreInto]:
     """Restores entries into a fresh index of one backend: (the index, what `restore` returned). `redis`
     restores as beside other writers (a guarded transaction a chunk); `redis-rebuild` into a fenced index
@@ -297,7 +299,8 @@ def restore_into(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     of 3 and 5 entries, and a rebuild holding 6 bucket records at most, written 2 fields at a time, so that
     every boundary is crossed. `redis-compact`: the compact layout (filters/index/redis_compact.py);
     `redis-compact-rebuild` its rebuild (held fields, each small hash written once), holding 12 fields at most,
-    then handing on to guarded chunks."""
+    then handing on to guarded chunks. `redis-group`, `redis-group-rebuild`: the group layout
+    (filters/index/redis_group.py), whose rebuild is guarded chunks so far."""
     made: list[CandidateIndex] = []
     prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
     url = request.getfixturevalue("redis_url") if request.param.startswith("redis") else ""
@@ -325,12 +328,17 @@ def restore_into(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
             index = CompactIndex(with_query(url, prefix=prefix, layout="compact"), window=window,
                                  bucket_cap=bucket_cap, namespace=namespace,
                                  fenced=request.param == "redis-compact-rebuild")
+        elif request.param.startswith("redis-group"):
+            from filters.index.redis_group import GroupIndex
+
+            index = GroupIndex(with_query(url, prefix=prefix, layout="group"), window=window, bucket_cap=bucket_cap,
+                               namespace=namespace, fenced=request.param == "redis-group-rebuild")
         else:
             index = RedisIndex(with_query(url, prefix=prefix), window=window, bucket_cap=bucket_cap,
                                namespace=namespace, fenced=request.param == "redis-rebuild")
         made.append(index)
         written = index.restore([stored])
-        if request.param in ("redis-rebuild", "redis-compact-rebuild"):
+        if request.param in ("redis-rebuild", "redis-compact-rebuild", "redis-group-rebuild"):
             with redis.Redis.from_url(url) as client:
                 client.hset(meta_key(prefix, namespace), MARKER, "1")
         return index, written

@@ -263,7 +263,8 @@ class RedisTarget:
     grace: float
     entry_cache: int = DEFAULT_ENTRY_CACHE
     layout: str = "slot"  # "slot": a namespace is one hash tag; "spread": over many (filters/index/redis_spread.py);
-    # "compact": the slot layout's records by seq in small hashes (filters/index/redis_compact.py)
+    # "compact": the slot layout's records by seq in small hashes (filters/index/redis_compact.py); "group": its
+    # records grouped in fields of the slice hash (filters/index/redis_group.py)
     spread: tuple[tuple[str, str], ...] = ()  # the spread layout's own options, checked there
     rate: float = 0.0  # layout=compact: messages a second a namespace expects (its first slice's size); 0: unsaid
 
@@ -283,8 +284,8 @@ class RedisTarget:
             if name == "prefix":
                 prefix = value
             elif name == "layout":
-                if value not in ("slot", "spread", "compact"):
-                    raise ConfigError(f"layout must be slot, spread or compact, got {value!r}")
+                if value not in ("slot", "spread", "compact", "group"):
+                    raise ConfigError(f"layout must be slot, spread, compact or group, got {value!r}")
                 layout = value
             elif name in SPREAD_OPTIONS:
                 spread.append((name, value))
@@ -315,8 +316,8 @@ class RedisTarget:
             raise ConfigError(f"prefix must match {_NAME.pattern}, got {prefix!r}")
         if spread and layout != "spread":
             raise ConfigError(f"{', '.join(name for name, _ in spread)}: options of layout=spread only")
-        if rate and layout != "compact":
-            raise ConfigError("rate: an option of layout=compact only")
+        if rate and layout not in ("compact", "group"):
+            raise ConfigError("rate: an option of layout=compact and layout=group only")
         path = parts.path
         if cluster:
             if path.strip("/") not in ("", "0"):

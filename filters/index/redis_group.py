@@ -1,0 +1,458 @@
+"""The group layout of the Redis index (docs/design.md, "The group layout"): the compact layout's protocol and
+records by seq, its bucket records grouped in fields `g<j>` of the slice hash (`group_codec`).
+
+Chosen by `?layout=group`. A lookup reads one `HMGET` a slice (the distinct groups of the batch's buckets and
+ids, its memos), which `group_codec.column_of` turns into the compact layout's columns, so the ranking, the
+uncontended round, the tails and the read sent ahead are the compact layout's (`CompactIndex`); a round's
+writes go back into whole groups (`group_codec.apply_round`) in the watched transaction. What it does not do
+yet: the checking script (a contended round here is a guarded read, check and transaction, tried again when
+refused: standalone Redis only), Redis Cluster, a rebuild at the slot layout's speed (a restore is guarded
+chunks).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any, cast
+
+from filters.errors import ConfigError, IndexUnavailable
+from filters.index import Candidate, Entry, Query, Stored, new_candidate
+from filters.index import compact_codec as cc
+from filters.index import group_codec as gc
+from filters.index import redis as slot
+from filters.index.redis import (
+    FIELDS_PER_CALL,
+    FIELDS_PER_HMGET,
+    MARKER,
+    REBUILDING,
+    RedisTarget,
+    _event_time,
+    _SentRead,
+    _stored_time,
+)
+from filters.index.redis_codec import ABSENT, SEQ, decode_memo, encode_entry, live_memo, memo_time
+from filters.index.redis_compact import CompactIndex
+from filters.records import Verdict
+
+try:  # the compiled core; absent when it could not be built at install time (no C++ compiler)
+    import filters._native as _native
+except ImportError:  # pragma: no cover - exercised on machines without a compiler
+    _native = None
+
+CHECK_ATTEMPTS = 16  # guarded rounds (read, check, transaction) refused before a contended insert gives up
+STATS_FIELDS = 4096  # fields of a slice hash `stats` reads all of; of a bigger one, that many of its groups
+
+# A slice's read plan: its fields, the place of each name's field, the bits it was read with, its HMGETs.
+_Plan = tuple[list[bytes], list[int], "int | None", int]
+
+
+class GroupIndex(CompactIndex):
+    """`RedisIndex` in the group layout (`?layout=group`); see the module's docstring for what it does not do
+    yet."""
+
+    def __init__(self, url: str, *, window: float, bucket_cap: int, namespace: str, fenced: bool = False) -> None:
+        if RedisTarget.parse(url).cluster:
+            raise ConfigError("layout=group runs on a standalone Redis only so far (not Redis Cluster)")
+        super().__init__(url, window=window, bucket_cap=bucket_cap, namespace=namespace, fenced=fenced)
+        self._spre = f"{{{self.prefix}:{namespace}}}:g:"
+        # The groups of the last read (slice -> group field -> value), with this client's writes since: what an
+        # uncontended round rewrites whole; and the groups written since the view's read (a read sent ahead
+        # lacks them).
+        self._last_raw: dict[int, dict[bytes, bytes]] = {}
+        self._raw_written: dict[int, dict[bytes, bytes]] = {}
+        self._read_fields = _native.group_read_fields if _native is not None else gc.read_fields
+        self._group_column = _native.group_column_of if _native is not None else gc.column_of
+        self._apply_round = _native.group_apply_round if _native is not None else gc.apply_round
+        self._count_buckets = _native.group_count_buckets if _native is not None else gc.count_buckets
+
+    # -- reading -------------------------------------------------------------------------------------
+    def _gone(self) -> int | None:
+        return None  # no small hashes to reap: a slice's groups go with its hash
+
+    def _reap_commands(self) -> list[Sequence[Any]]:
+        return []
+
+    def _read_plan(self, names: Sequence[bytes], slices: Sequence[int], known: dict[int, int | None],
+                   probes: Sequence[int]) -> tuple[list[Sequence[Any]], list[Any]]:
+        """A read's commands (the meta hash's `HMGET`, then per slice the `HMGET` of its groups and other fields,
+        and its count) and, per slice, its plan (`_Plan`). A slice of unknown bits reads its other fields only."""
+        commands: list[Any] = [("HMGET", self._meta, "seq", "hwm", *((MARKER,) if self.fenced else ()),
+                                "layout", "gen", *(f"k:{s}" for s in slices))]
+        plans: list[_Plan] = []
+        listed = list(names)
+        step = FIELDS_PER_HMGET
+        for s in slices:
+            key = f"{self._spre}{s}"
+            bits = known[s]
+            fields, places = self._read_fields(listed, bits)
+            reads = [("HMGET", key, *fields[a : a + step]) for a in range(0, len(fields), step)]
+            commands += [*reads, ("HGET", key, "n")]
+            plans.append((fields, places, bits, len(reads)))
+        return commands, plans
+
+    def _parse_read(self, replies: Sequence[Any], names: Sequence[bytes], slices: Sequence[int],
+                    plans: Sequence[Any], probes: Sequence[int]) -> tuple[
+                        int, bytes, list[list[bytes | None]], dict[int, int | None]]:
+        """(seq, stored high-water mark, columns in the compact layout's terms, the bits of each slice as the meta
+        hash says) of `_read_plan`'s replies; refuses a namespace of another layout; keeps the groups read."""
+        state = replies[0]
+        extra = 3 if self.fenced else 2
+        self._check_continuity(state, state[extra + 1])
+        if self._restoring:
+            seq, stored = int(state[0] or 0), state[1] or b""
+        else:
+            seq, stored = self._state(state)
+        layout = state[extra]
+        if state[0] is not None and layout != gc.LAYOUT.encode():
+            raise ConfigError(f"the Redis index at {self._where} holds namespace {self.namespace!r} in another "
+                              f"layout ({(layout or b'slot, records by id').decode()}); this one is the group "
+                              "layout: give a new prefix (?prefix=...), which starts empty or is rebuilt from the "
+                              "index changelog")
+        read = {s: int(k) if k is not None else None for s, k in zip(slices, state[extra + 2 :])}
+        self._stored_top = max(self._stored_top, _stored_time(stored))
+        for s, bits in read.items():
+            if bits is not None:
+                self._bits[s] = bits
+        listed = list(names)
+        columns = []
+        raw: dict[int, dict[bytes, bytes]] = {}
+        at = 1
+        for s, (fields, places, bits, n) in zip(slices, plans):
+            values = [v for reply in replies[at : at + n] for v in reply]
+            count = replies[at + n]
+            at += n + 1
+            if count is not None:
+                self._counts[s] = int(count)
+            columns.append(self._group_column(values, places, listed, bits))
+            raw[s] = {f: v for f, v in zip(fields, values) if v is not None and f[:1] == b"g"}
+        self._last_raw = raw
+        return seq, stored, columns, read
+
+    def _resolve_marks(self, names: Sequence[bytes], slices: Sequence[int],
+                       columns: list[list[bytes | None]]) -> None:
+        return  # no marks: a bucket of any length lives in its group
+
+    def _read_view(self, queries: Sequence[Query]) -> tuple[list[float], list[str], list[list[bytes | None]],
+                                                            list[list[int]], list[int]] | None:
+        read = super()._read_view(queries)
+        self._raw_written = {}  # the groups written since this read
+        return read
+
+    def _taken(self, ahead: _SentRead, low_mark: float, high_mark: float) -> tuple[int, bytes, tuple[int, ...],
+                                                                              list[list[bytes | None]]] | None:
+        """`CompactIndex._taken`, the groups read ahead overlaid with those this batch wrote since (whole)."""
+        written = self._raw_written
+        got = super()._taken(ahead, low_mark, high_mark)
+        if got is not None:
+            for s, groups in written.items():
+                self._last_raw.setdefault(s, {}).update(groups)
+        return got
+
+    def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | Verdict | None, list[Candidate]]]:
+        """`CompactIndex.lookup`; an id's record is its own only when its entry holds the id (another id alike in
+        its 32 bits is not), and a candidate holding the query's id is its own entry (a replay)."""
+        read = self._read_view(queries)
+        if read is None:
+            return []
+        marks, ids, columns, positions, id_places = read
+        window, cap = self.window, self.bucket_cap
+        floors = [q.min_shared for q in queries]
+        found = self._rank_batch(columns, positions, id_places, ids, floors, limit, [m - window for m in marks], cap,
+                                 memo_time)
+        wanted: set[tuple[int, float]] = {(s, ts) for _, _, ranked in found for s, _, _, ts in ranked}
+        wanted.update(own for own, _, _ in found if own is not None)
+        entries = self._entries_by_seq(wanted)
+        for i, (own, _, _) in enumerate(found):
+            if own is not None and own[0] in entries and entries[own[0]].id != ids[i]:
+                # Another id's record: this id is not stored. Ranked again with that seq a candidate, its memo
+                # looked for, and its place in the view emptied (the insert must not take it as live).
+                horizon = marks[i] - window
+                ranked = self._rank_compact(columns, positions[i], 0, floors[i], limit, horizon, cap, -1, None)
+                found[i] = (None, live_memo(columns, id_places[i], ids[i], horizon, memo_time), ranked)
+                entries.update(self._entries_by_seq({(s, ts) for s, _, _, ts in ranked}))
+                for column in self._view.columns.values():
+                    column[id_places[i]] = None
+        out: list[tuple[Entry | Verdict | None, list[Candidate]]] = []
+        for q, (own, memo, ranked) in zip(queries, found):
+            mine: Entry | Verdict | None = None
+            if own is not None and own[0] in entries:
+                mine = entries[own[0]]
+            cands = []
+            for s, shared, first, _ in ranked:
+                entry = entries.get(s)
+                if entry is None:
+                    continue
+                if entry.id == q.id:  # its own entry, its id's record lost among others alike: a replay
+                    mine = entry
+                    continue
+                cands.append(new_candidate(entry, shared, q.keys[first]))
+            if mine is None and memo is not None:
+                mine = decode_memo(memo, q.id)
+            out.append((mine, cands))
+        return out
+
+    # -- inserting -----------------------------------------------------------------------------------
+    def _alone_rows(self, ids: list[str], times: list[float], blobs: list[bytes], fields_of: Sequence[list[bytes]],
+                    places_of: Sequence[list[int] | None], low: float | None = None) -> list[int] | None:
+        """`CompactIndex._alone_rows`, its writes put into whole groups (`_write_groups`)."""
+        view = self._view
+        window, cap = self.window, self.bucket_cap
+        stored_hwm = _stored_time(view.hwm)
+        hwm = max(self._hwm, stored_hwm)
+        first = max(hwm, min(times)) if low is None else low
+        slices = range(self._slice(first - window), self._slice(max(hwm, max(times))) + 1)
+        if slices[0] < view.slices[0] or slices[-1] > view.slices[-1]:
+            return None
+        start = seq = view.mark + view.inserted
+        writes: dict[int, dict[int, bytes]] = {s: dict(view.written.get(s, {})) for s in slices}
+        looked = view.looked
+        id_places = [view.entry_places[looked[id]] for id in ids]
+        results, groups, pending, hwm, seq = self._alone_compact(
+            ids, times, blobs, list(fields_of), cast("list[list[int]]", list(places_of)), id_places, tuple(slices),
+            view.columns, writes, hwm, window, self.slice_length, cap, seq)
+        hwm_bytes = view.hwm if hwm <= stored_hwm else (b"%.17g" % hwm)
+        rows = [(r, ts, places, e) for r, ts, places, e in zip(results, times, places_of, id_places) if r > 0]
+        written = self._write_groups(start, seq, view.hwm, hwm_bytes, hwm, groups, rows, view.names, self._last_raw)
+        if written is None:
+            return None
+        if not written:
+            view.watch = -1
+        self._wrote_round(hwm_bytes, pending, groups, writes)
+        return list(results)
+
+    def _write_groups(self, start: int, seq: int, stored_hwm: bytes, hwm_bytes: bytes, hwm: float,
+                      groups: dict[int, list[Any]], rows: Sequence[tuple[int, float, Any, int]],
+                      names: Sequence[bytes], raw: dict[int, dict[bytes, bytes]]) -> bool | None:
+        """The uncontended round's transaction (`_transact`), under the lookup's WATCH."""
+        return self._transact(start, seq, stored_hwm, hwm_bytes, hwm, groups, rows, names, raw)
+
+    def _transact(self, start: int, seq: int, stored_hwm: bytes, hwm_bytes: bytes, hwm: float,
+                  groups: dict[int, list[Any]], rows: Sequence[tuple[int, float, Any, int]],
+                  names: Sequence[bytes], raw: dict[int, dict[bytes, bytes]]) -> bool | None:
+        """A round's writes (`groups`: per slice its count and the compact layout's field-value pairs, of which
+        the entries are taken; `rows`: (seq, event time, places of its buckets in `names`, place of its id) of
+        each entry written) as a watched MULTI/EXEC: each group touched rewritten whole from `raw` (the groups
+        read, updated once Redis took the transaction), a slice written for the first time given its bits.
+        None: refused, nothing written; else whether the meta hash still held what this wrote."""
+        meta, ttl, cap = self._meta, self._ttl_ms, self.bucket_cap
+        commands: list[Any] = [("MULTI",)]
+        made: dict[int, int] = {}
+        new: dict[int, dict[bytes, bytes]] = {}
+        step = 2 * FIELDS_PER_CALL
+        for s, (count, pairs) in groups.items():
+            bits = self._bits.get(s)
+            if bits is None:
+                bits = made[s] = max(gc.slice_bits(self._counts.get(s - 1)),
+                                     gc.slice_bits(self._expected.get(s, self._rate_count)))
+                commands.append(("HSET", meta, f"k:{s}", bits))
+            mine = [(r, ts, places, e) for r, ts, places, e in rows if self._slice(ts) == s]
+            current = dict(raw.get(s, {}))
+            changed = self._apply_round(current, list(names), bits, mine, cap)
+            new[s] = {f: current[f] for f in changed}
+            flat: list[bytes] = []
+            for f in changed:
+                flat += (f, current[f])
+            for a in range(0, len(pairs), 2):
+                if pairs[a][:1] == b"e":
+                    flat += (pairs[a], pairs[a + 1])
+            key = f"{self._spre}{s}"
+            commands += [("HSET", key, *flat[a : a + step]) for a in range(0, len(flat), step)]
+            commands += [("HINCRBY", key, "n", count), ("PEXPIRE", key, ttl)]
+        if seq != start:
+            commands += [("HSET", meta, "seq", seq, "layout", gc.LAYOUT), ("HSETNX", meta, "gen", self._token)]
+        if hwm_bytes != stored_hwm:
+            commands.append(("HSET", meta, "hwm", hwm_bytes))
+        if seq != start or hwm_bytes != stored_hwm or made:
+            commands.append(("PEXPIRE", meta, ttl))
+        if seq != start:
+            clock = hwm if self._clock is None else self._clock
+            gone = self._slice(clock - self.window) - 1
+            commands += [("UNLINK", f"{self._spre}{gone}"), ("HDEL", meta, f"k:{gone}")]
+        commands += self._memo_commands()
+        commands += [("EXEC",), ("WATCH", meta), ("HMGET", meta, "seq", "hwm")]
+        replies = self._exec_watched(cast("list[Sequence[str | int | bytes]]", commands))
+        if replies is None:
+            return None
+        self._bits.update(made)
+        for s, fields in new.items():
+            raw.setdefault(s, {}).update(fields)
+            self._raw_written.setdefault(s, {}).update(fields)
+        self._stored_top = max(self._stored_top, _stored_time(hwm_bytes))
+        now_seq, now_hwm = replies[-1]
+        return int(now_seq or 0) == seq and (now_hwm or b"") == hwm_bytes
+
+    def _guarded_round(self, ids: list[str], times: list[float], blobs: list[bytes], fields_of: Sequence[list[bytes]],
+                 check: Sequence[bool]) -> tuple[list[int], bytes]:
+        """The contended round (what the checking script will do): a read of the entries' fields after a WATCH of
+        the meta hash, each entry whose buckets changed since its lookup (`check`: compared with the view's
+        tails) a conflict (-1), the others inserted as the uncontended round inserts them, in one transaction;
+        all again when Redis refuses it. Returns (per entry its seq, 0 or -1; the high-water mark stored)."""
+        view = self._view
+        window = self.window
+        names = list(dict.fromkeys([*(f for fields in fields_of for f in fields), *map(cc.id_field, ids)]))
+        at = {name: p for p, name in enumerate(names)}
+        places_of = [[at[f] for f in fields] for fields in fields_of]
+        id_places = [at[cc.id_field(id)] for id in ids]
+        if not self._direct():
+            raise ConfigError("layout=group needs a standalone Redis reached directly (MULTI/EXEC with WATCH)")
+        for _ in range(CHECK_ATTEMPTS):
+            with self._errors():
+                self._pinned()
+            top = max(self._hwm, self._stored_top)
+            low = max(top, min(times)) if math.isfinite(top) else min(times)
+            high = max(low, max(times))
+            seq0, stored, slices, columns = self._read_covering(names, self._slices(low, high), low, high, watch=True)
+            if view.marker and self._marker != view.marker:
+                raise self._lost()
+            by_slice = dict(zip(slices, columns))
+            alone = seq0 == view.mark + view.inserted and set(slices) <= set(view.slices)
+            stored_hwm = _stored_time(stored)
+            hwm = max(self._hwm, stored_hwm)
+            seq = seq0
+            writes: dict[int, dict[int, bytes]] = {s: {} for s in slices}
+            groups: dict[int, list[Any]] = {}
+            results = [0] * len(ids)
+            for i, (id, fields) in enumerate(zip(ids, fields_of)):
+                # As the script: a live id first (its first entry kept), then the window, then the check.
+                e = id_places[i]
+                if any(v is not None and cc._first_time(v) >= hwm - window
+                       for v in (writes[s].get(e, by_slice[s][e]) for s in slices)):
+                    continue
+                top = max(hwm, times[i])
+                if times[i] >= top - window and check[i] and not alone and self._changed(
+                        id, fields, places_of[i], slices, by_slice):
+                    hwm = top
+                    results[i] = -1
+                    continue
+                got, round_groups, _, hwm, seq = self._alone_compact(
+                    [id], [times[i]], [blobs[i]], [fields], [places_of[i]], [e], tuple(slices), by_slice, writes, hwm,
+                    window, self.slice_length, self.bucket_cap, seq)
+                results[i] = got[0]
+                for s, (count, pairs) in round_groups.items():
+                    merged = groups.setdefault(s, [0, []])
+                    merged[0] += count
+                    merged[1] += pairs
+            hwm_bytes = stored if hwm <= stored_hwm else (b"%.17g" % hwm)
+            rows = [(r, times[i], places_of[i], id_places[i]) for i, r in enumerate(results) if r > 0]
+            if not rows and not self._memos and hwm_bytes == stored:
+                return results, hwm_bytes
+            done = self._transact(seq0, seq, stored, hwm_bytes, hwm, groups, rows, names, self._last_raw)
+            if done is not None:
+                self._memos_sent()
+                return results, hwm_bytes
+        raise IndexUnavailable(f"the Redis index at {self._where}: {CHECK_ATTEMPTS} insert rounds in a row were "
+                               "refused (others kept writing the namespace); retry")
+
+    def _changed(self, id: str, fields: Sequence[bytes], places: Sequence[int], slices: Sequence[int],
+                 by_slice: dict[int, list[bytes | None]]) -> bool:
+        """Whether any of an entry's buckets holds, in a slice now read, another newest record than the view's
+        tails for it (the slot layout's check): a slice the lookup did not read counts as absent there."""
+        view = self._view
+        mine = self._places(id, fields)
+        expected = view.expected(id, cast("list[int]", mine)) if None not in mine else b""
+        if not expected:
+            return False
+        n = len(fields)
+        seen_at = {s: k for k, s in enumerate(view.slices)}
+        for s in slices:
+            column = by_slice[s]
+            seen = b"".join((column[p] or b"")[-8:] or ABSENT for p in places)
+            k = seen_at.get(s)
+            want = expected[k * n * 8 : (k + 1) * n * 8] if k is not None else ABSENT * n
+            if seen != want:
+                return True
+        return False
+
+    def _checked(self, entries: Sequence[tuple[Entry, tuple[int, ...]]],
+                 fields_of: Sequence[list[bytes]]) -> list[int]:
+        view = self._view
+        ids = [entry.id for entry, _ in entries]
+        times = [_event_time(entry.ts, entry.id, self.slice_length) for entry, _ in entries]
+        results, hwm = self._guarded_round(ids, times, [encode_entry(e) for e, _ in entries], fields_of,
+                                     [True] * len(entries))
+        view.hwm = hwm
+        view.exact = False  # the view's columns are not what Redis holds now
+        for (entry, _), fields, result in zip(entries, fields_of, results):
+            if result > 0:
+                self._inserted(result, self._slice(float(entry.ts)), self._places(entry.id, fields),
+                               SEQ.pack(result), view.basis(entry.id))
+        return results
+
+    def _insert_unchecked(self, entries: Sequence[tuple[str, float, bytes, tuple[int, ...]]]) -> int:
+        rows = list(entries)
+        fields_of = [[b"b" + k.to_bytes(8, "big") for k in keys] for _, _, _, keys in rows]
+        results, _ = self._guarded_round([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], fields_of,
+                                   [False] * len(rows))
+        self._view.exact = False
+        return sum(1 for r in results if r > 0)
+
+    # -- restoring, stats ----------------------------------------------------------------------------
+    def restore(self, parts: Iterable[Stored]) -> int:
+        """See `CandidateIndex.restore`: per chunk of `RESTORE_CHUNK` entries, as the uncontended insert (a read
+        after a WATCH of the meta hash, the writes computed here, one MULTI/EXEC), the guarded round after
+        `RESTORE_ATTEMPTS` refusals. A fenced index without its marker is being rebuilt: its marker is not asked
+        for (the guard sets it after)."""
+        self._forget_view()
+        self._restoring = True
+        written = 0
+        with self._errors():
+            replies = self._execute([("HMGET", self._meta, "hwm", MARKER, "seq", REBUILDING, "layout")])
+            self._raise_any(replies)
+        self._stored_top = max(self._stored_top, _stored_time(replies[0][0] or b""))
+        try:
+            for part in parts:
+                times = [_event_time(float(t), id, self.slice_length) for id, t in zip(part.ids, part.times)]
+                self._expected = cc.expected_counts(times, self.slice_length)
+                chunk = slot.RESTORE_CHUNK
+                for at in range(0, len(part.ids), chunk):
+                    written += self._restore_rows(self._rows(part, times, at, min(at + chunk, len(part.ids))))
+        finally:
+            self._restoring = False
+            self._expected = {}
+            self._forget_view()
+        return written
+
+    def stats(self) -> dict[str, int]:
+        """`entries` and `memos` of the slices of the window, `inserted`, and `buckets`: the distinct record keys
+        of each group, counted exactly in a slice hash of up to `STATS_FIELDS` fields, estimated from
+        `STATS_FIELDS` of its groups in a bigger one."""
+        with self._errors():
+            seq, stored = self._client.hmget(self._meta, "seq", "hwm")
+            top = _stored_time(cast("bytes | None", stored) or b"")
+            slices = self._slices(top, top)
+            bits = self._client.hmget(self._meta, [f"k:{s}" for s in slices]) if slices else []
+            sizes = self._execute([("HLEN", f"{self._spre}{s}") for s in slices], pinned=False)
+            self._raise_any(sizes)
+            commands: list[Sequence[Any]] = []
+            sampled = []
+            for s, k, size in zip(slices, bits, sizes):
+                key = f"{self._spre}{s}"
+                n = 1 << int(k) if k is not None else 0
+                commands.append(("HMGET", key, "n", "m"))
+                if size <= STATS_FIELDS:
+                    commands.append(("HGETALL", key))
+                    sampled.append((1, 1))
+                else:
+                    step = max(1, n // STATS_FIELDS)
+                    sample = range(0, n, step)
+                    commands.append(("HMGET", key, *map(gc.group_field, sample)))
+                    sampled.append((n, len(sample)))
+            replies = self._execute(commands, pinned=False)
+            self._raise_any(replies)
+        entries = memos = buckets = 0
+        rest = iter(replies)
+        for n, taken in sampled:
+            count, memo = next(rest)
+            entries += int(count or 0)
+            memos += int(memo or 0)
+            got = next(rest)
+            if isinstance(got, dict):
+                values = [v for f, v in got.items() if f[:1] == b"g"]
+            else:
+                values = [v for v in got if v is not None]
+            buckets += round(self._count_buckets(values) * n / taken) if taken else 0
+        return {"entries": entries, "buckets": buckets, "memos": memos, "inserted": int(seq or 0)}
+
+    def __repr__(self) -> str:
+        return f"GroupIndex({self._where!r}, namespace={self.namespace!r}, window={self.window})"

@@ -1,0 +1,266 @@
+"""The group layout of the Redis index (filters/index/redis_group.py): the slot layout's tests run again on it, and
+its own: what it stores, the refusal of another layout, ids confirmed by their entry, the contended round."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+import redis
+
+from filters.config import FilterConfig
+from filters.engine import NearDupFilter
+from filters.errors import ConfigError
+from filters.index import Query
+from filters.index import compact_codec as cc
+from filters.index import group_codec as gc
+from filters.index.redis import RedisIndex, RedisTarget
+from filters.index.redis_compact import CompactIndex
+from filters.index.redis_group import GroupIndex
+from tests.test_index_contract import drop_namespace, generated_messages, with_query
+from tests.test_redis_index import (  # tests collected again here, with this module's fixtures
+    WINDOW,
+    PausedLookup,
+    assert_stored_alike,
+    entry,
+    ids,
+    made_indexes,
+    race,
+    test_a_foreign_insert_while_a_read_is_ahead_is_seen,
+    test_a_near_duplicate_inserted_during_a_lookup_is_seen,
+    test_a_read_ahead_lost_with_its_connection_is_read_again,
+    test_a_read_sent_ahead_stores_and_decides_as_reading_after_the_insert,
+    test_a_reconnect_between_lookup_and_insert_never_sends_the_transaction_unguarded,
+    test_a_replayed_duplicate_finds_its_memo_on_any_redis,
+    test_after_a_stream_every_key_has_a_ttl,
+    test_an_insert_after_close_is_checked_by_the_script,
+    test_an_uncontended_insert_is_a_watched_transaction_that_a_foreign_write_refuses,
+    test_insert_returns_what_entered_the_buckets_since_the_lookup,
+    test_own_inserts_never_conflict,
+    test_random_interleavings_never_make_two_near_duplicates_unique,
+    test_random_interleavings_of_workers_reading_ahead_never_make_two_near_duplicates_unique,
+    test_reading_ahead_can_be_switched_off,
+    test_reading_ahead_on_redis_routes_as_batch_after_batch,
+    test_replay_of_an_id_never_conflicts_with_itself,
+    test_route_batch_on_redis_decides_like_the_memory_index,
+    test_stats_from_another_thread_while_batches_are_routed,
+    test_the_next_lookup_sees_the_memos_the_batch_wrote_after_the_read_went_out,
+    test_the_next_lookup_sees_what_the_batch_inserted_after_the_read_went_out,
+)
+
+__all__ = [  # collected here again, each with this module's `make`, `watched` and `race_url`: the group layout
+    "test_a_foreign_insert_while_a_read_is_ahead_is_seen",
+    "test_a_near_duplicate_inserted_during_a_lookup_is_seen",
+    "test_a_read_ahead_lost_with_its_connection_is_read_again",
+    "test_a_read_sent_ahead_stores_and_decides_as_reading_after_the_insert",
+    "test_a_reconnect_between_lookup_and_insert_never_sends_the_transaction_unguarded",
+    "test_a_replayed_duplicate_finds_its_memo_on_any_redis",
+    "test_after_a_stream_every_key_has_a_ttl",
+    "test_an_insert_after_close_is_checked_by_the_script",
+    "test_an_uncontended_insert_is_a_watched_transaction_that_a_foreign_write_refuses",
+    "test_insert_returns_what_entered_the_buckets_since_the_lookup",
+    "test_own_inserts_never_conflict",
+    "test_random_interleavings_never_make_two_near_duplicates_unique",
+    "test_random_interleavings_of_workers_reading_ahead_never_make_two_near_duplicates_unique",
+    "test_reading_ahead_can_be_switched_off",
+    "test_reading_ahead_on_redis_routes_as_batch_after_batch",
+    "test_replay_of_an_id_never_conflicts_with_itself",
+    "test_route_batch_on_redis_decides_like_the_memory_index",
+    "test_stats_from_another_thread_while_batches_are_routed",
+    "test_the_next_lookup_sees_the_memos_the_batch_wrote_after_the_read_went_out",
+    "test_the_next_lookup_sees_what_the_batch_inserted_after_the_read_went_out",
+]
+
+
+@pytest.fixture
+def make(redis_url: str, prefix: str) -> Iterator[Callable[..., RedisIndex]]:
+    yield from made_indexes(GroupIndex, redis_url, prefix, layout="group")
+
+
+@pytest.fixture
+def watched() -> str:
+    return "_write_groups"
+
+
+@pytest.fixture
+def layout() -> type[RedisIndex]:
+    return GroupIndex
+
+
+@pytest.fixture
+def race_url(redis_url: str) -> Iterator[str]:
+    """Standalone Redis only: the group layout has no checking script for Redis Cluster yet."""
+    prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
+    yield with_query(redis_url, prefix=prefix, layout="group")
+    drop_namespace(redis_url, prefix)
+
+
+def test_a_stream_leaves_its_records_in_groups_of_the_slice_hash(make: Callable[..., RedisIndex], redis_url: str,
+                                                                  prefix: str) -> None:
+    """After a stream: one slice hash, its fields the groups `g<j>` (records of 20 bytes: each entry's id record
+    once), the entries keyed by seq, the counts; the meta hash says the layout and the bits of the slice; the
+    verdicts and entries of the slot layout."""
+    index = make()
+    verdicts = NearDupFilter(FilterConfig(window=WINDOW), index=index).check_batch(generated_messages(600, seed=3))
+    assert sum(not v.duplicate for v in verdicts) >= 100
+    with redis.Redis.from_url(redis_url) as client:
+        meta = client.hgetall(f"{{{prefix}:ns}}:meta")
+        assert meta[b"layout"] == b"group"
+        (slice_field,) = [f for f in meta if f.startswith(b"k:")]
+        assert int(meta[slice_field]) == gc.K_FIRST
+        keys = sorted(client.scan_iter(match=f"{{{prefix}:ns}}:*"))
+        slice_key = f"{{{prefix}:ns}}:g:{slice_field[2:].decode()}".encode()
+        assert keys == sorted([f"{{{prefix}:ns}}:meta".encode(), slice_key])
+        fields = client.hgetall(slice_key)
+    groups = {f: v for f, v in fields.items() if f.startswith(b"g")}
+    entries = [f for f in fields if f.startswith(b"e")]
+    memos = [f for f in fields if f.startswith(b"d")]
+    assert set(fields) == {*groups, *entries, *memos, b"n", b"m"} and all(len(f) == 9 for f in entries)
+    assert all(len(v) % gc.RECORD_SIZE == 0 for v in groups.values())
+    records = [v[r : r + gc.RECORD_SIZE] for v in groups.values() for r in range(0, len(v), gc.RECORD_SIZE)]
+    assert sum(1 for r in records if r[12] & 0x80) == int(fields[b"n"]) == len(entries) == index.stats()["entries"]
+    slot = RedisIndex(with_query(redis_url, prefix=prefix), window=WINDOW, bucket_cap=8, namespace="slot")
+    try:  # the same verdicts as the slot layout, as many entries and buckets
+        assert NearDupFilter(FilterConfig(window=WINDOW), index=slot).check_batch(generated_messages(600, seed=3)) \
+            == verdicts
+        assert slot.stats()["entries"] == len(entries)
+        assert slot.stats()["buckets"] == index.stats()["buckets"]
+    finally:
+        slot.close()
+
+
+@pytest.mark.parametrize("other", ["slot", "compact"])
+def test_a_namespace_of_another_layout_is_refused_with_one_line(make: Callable[..., RedisIndex], redis_url: str,
+                                                                 prefix: str, other: str) -> None:
+    cls = RedisIndex if other == "slot" else CompactIndex
+    query = {"prefix": prefix, **({"layout": "compact"} if other == "compact" else {})}
+    old = cls(with_query(redis_url, **query), window=WINDOW, bucket_cap=8, namespace="old")
+    try:
+        old.lookup([Query("a", 1000.0, (1, 2))], 8)
+        old.insert([(entry("a"), (1, 2))])
+    finally:
+        old.close()
+    index = make("old")
+    with pytest.raises(ConfigError, match="another layout.*group layout: give a new prefix") as caught:
+        index.lookup([Query("b", 1001.0, (1, 2))], 8)
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize(("window", "cap"), [(3600.0, 8), (30.0, 2)])
+def test_uncontended_inserts_store_what_the_guarded_round_stores(make: Callable[..., GroupIndex], redis_url: str,
+                                                                 prefix: str, window: float, cap: int) -> None:
+    """The uncontended rounds (the watched transaction), the contended round alone (a guarded read, check and
+    transaction) and the uncontended rounds on the Python references leave the very same keys and bytes
+    (records in their groups and their order, trims, entries, bits, seq and high-water mark, slices unlinked)."""
+    config = FilterConfig(window=window, bucket_cap=cap)
+    fast, checked = make("fast", window=window, bucket_cap=cap), make("checked", window=window, bucket_cap=cap)
+    checked.alone_inserts = False
+    reference = make("reference", window=window, bucket_cap=cap)
+    reference._alone_compact, reference._rank_compact = cc.alone_round, cc.rank_records
+    reference._read_fields, reference._group_column = gc.read_fields, gc.column_of  # type: ignore[assignment]
+    reference._apply_round = gc.apply_round  # type: ignore[assignment]
+    assert_stored_alike(config, fast, checked, reference, redis_url, prefix)
+
+
+def test_an_id_record_of_another_id_alike_in_its_32_bits_is_not_a_replay(make: Callable[..., GroupIndex],
+                                                                           redis_url: str, prefix: str) -> None:
+    """The record of id a, copied under the record key of id q in q's group (as two ids alike in their 32 bits
+    and group would be, 2^-32 a pair): q's lookup reads a's entry for it, whose id is not q's, so q is not a
+    replay; a's entry is its candidate as any entry sharing its buckets; q is then inserted."""
+    index = make()
+    index.lookup([Query("a", 1000.0, (1, 2))], 8)
+    assert index.insert([(entry("a"), (1, 2))]) == [None]
+    with redis.Redis.from_url(redis_url) as client:
+        meta = client.hgetall(f"{{{prefix}:ns}}:meta")
+        (slice_field,) = [f for f in meta if f.startswith(b"k:")]
+        bits = int(meta[slice_field])
+        key = f"{{{prefix}:ns}}:g:{slice_field[2:].decode()}"
+        a_hash, q_hash = cc.id_hash("a"), cc.id_hash("q")
+        a_group = client.hget(key, gc.group_field(gc.group_of(a_hash, bits)))
+        assert a_group is not None
+        (record,) = [a_group[r : r + 20] for r in range(0, len(a_group), 20)
+                     if a_group[r : r + 4] == gc.record_key(a_hash)]
+        q_field = gc.group_field(gc.group_of(q_hash, bits))
+        client.hset(key, q_field, (client.hget(key, q_field) or b"") + gc.record_key(q_hash) + record[4:])
+    other = make()
+    [(own, cands)] = other.lookup([Query("q", 1000.0, (2, 3))], 8)
+    assert own is None and ids(cands) == ["a"]
+    assert other.insert([(entry("q", seed=1), (2, 3))]) == [None]
+    [(own, _)] = other.lookup([Query("q", 1000.0, (2, 3))], 8)
+    assert own is not None and own.id == "q"  # its own record now, the newest of the two alike
+    [(own, cands)] = make().lookup([Query("a", 1000.0, (1,))], 8)
+    assert own is not None and own.id == "a" and cands == []
+
+
+class _PausedGroup(PausedLookup, GroupIndex):
+    """The group layout, paused between lookup and insert (`PausedLookup`)."""
+
+
+@pytest.mark.parametrize("paused", [True, False], ids=["paused-between-lookup-and-insert", "free-running"])
+def test_near_duplicates_at_the_same_moment_make_exactly_one_unique(race_url: str, paused: bool) -> None:
+    """Real threads on real Redis: each worker's copy of a spam at the same moment; the contended rounds (a
+    refused transaction, then the guarded round) let exactly one through."""
+    uniques = race(race_url, racy=False, paused=paused, index=_PausedGroup)
+    assert uniques == [1] * len(uniques)
+
+
+def test_contended_workers_all_get_through(make: Callable[..., GroupIndex]) -> None:
+    """Four threads inserting distinct messages into the same buckets at once: every round gets through (a refused
+    transaction is tried again), each entry once."""
+    workers = [make() for _ in range(4)]
+    errors: list[BaseException] = []
+
+    def run(w: int) -> None:
+        try:
+            for k in range(25):
+                id = f"w{w}-{k}"
+                workers[w].lookup([Query(id, 1000.0 + k, (1, 2, 3))], 8)
+                for _ in range(50):  # a conflict: verified (unique: distinct messages) and inserted again
+                    if workers[w].insert([(entry(id, 1000.0 + k, seed=w * 100 + k), (1, 2, 3))]) == [None]:
+                        break
+                else:
+                    raise AssertionError(f"{id} never got in")
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert workers[0].stats()["entries"] == 100
+
+
+def test_the_first_slice_gets_the_groups_of_the_rate_the_url_names(make: Callable[..., GroupIndex], redis_url: str,
+                                                                   prefix: str) -> None:
+    """`?rate=` sizes a slice made with no slice before it: 100 a second over a window of 1,000 s is 100,000."""
+    index = make(window=1000.0, rate="100")
+    NearDupFilter(FilterConfig(window=1000.0), index=index).check_batch(generated_messages(50, seed=5))
+    with redis.Redis.from_url(redis_url) as client:
+        (bits,) = [int(v) for f, v in client.hgetall(f"{{{prefix}:ns}}:meta").items() if f.startswith(b"k:")]
+    assert bits == gc.slice_bits(100_000) > gc.K_FIRST
+    assert RedisTarget.parse("redis://h/0?layout=group&rate=2.5").rate == 2.5
+
+
+def test_redis_cluster_is_refused_with_one_line() -> None:
+    with pytest.raises(ConfigError, match="standalone Redis only"):
+        GroupIndex("redis+cluster://127.0.0.1:1/0?layout=group", window=WINDOW, bucket_cap=8, namespace="ns")
+
+
+def test_without_the_compiled_core_the_python_reference_decides_alike(make: Callable[..., GroupIndex],
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import filters.index.redis_compact as redis_compact
+    import filters.index.redis_group as redis_group
+
+    messages = generated_messages(900, seed=11)
+    verdicts = {}
+    for name, native in (("compiled", redis_group._native), ("reference", None)):
+        monkeypatch.setattr(redis_group, "_native", native)
+        monkeypatch.setattr(redis_compact, "_native", native)
+        nd = NearDupFilter(FilterConfig(window=WINDOW), index=make(name))
+        verdicts[name] = [v for at in range(0, len(messages), 128) for v in nd.check_batch(messages[at : at + 128])]
+    assert verdicts["reference"] == verdicts["compiled"]
+    assert sum(v.duplicate for v in verdicts["compiled"]) > 0
