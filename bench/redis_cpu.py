@@ -2,7 +2,7 @@
 
     eval "$(bash docker/services.sh env)"
     python bench/redis_cpu.py [--redis URL] [--corpora sms_en,tweets_en,reviews_zh|all] [--runs 3]
-                              [--layout slot|compact|slot,compact] [--collector default|tuned]
+                              [--layout slot|compact|group|slot,compact,group] [--collector default|tuned]
 
 Runs `NearDupFilter.check_batch` over the messages (batches of 512, a fresh namespace each run) on
 the Redis index and reads the server's `INFO cpu` (user + sys), `INFO stats` (bytes in and out) and
@@ -45,7 +45,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--redis", default=os.environ.get("NEARDUP_TEST_REDIS_URL", "redis://127.0.0.1:6379/0"))
     p.add_argument("--layout", default="slot",
-                   help="the index's layout, slot or compact (docs/design.md, \"The compact slot layout\"); "
+                   help="the index's layout, slot, compact or group (docs/design.md, \"The compact slot layout\", "
+                        "\"The group layout\"); "
                         "several, comma-separated: measured alternating")
     p.add_argument("--stream", default=str(ROOT.parent / "shared" / "eval" / "stream.jsonl"))
     p.add_argument("--truth", default=str(ROOT.parent / "shared" / "eval" / "truth.jsonl"))
@@ -79,8 +80,8 @@ def main() -> int:
 
     gc.callbacks.append(collecting)
     layouts = args.layout.split(",")
-    if not set(layouts) <= {"slot", "compact"}:
-        p.error(f"--layout: slot or compact, not {args.layout!r}")
+    if not set(layouts) <= {"slot", "compact", "group"}:
+        p.error(f"--layout: slot, compact or group, not {args.layout!r}")
     names = ("server CPU µs", "client CPU µs", "of it garbage collection µs", "wall µs", "bytes Redis received",
              "bytes Redis sent")
     rows: dict[str, dict[str, list[float]]] = {layout: {name: [] for name in names} for layout in layouts}
@@ -115,12 +116,12 @@ def main() -> int:
             for at in range(0, len(keys), 500):
                 server.delete(*keys[at : at + 500])
     print(f"{len(msgs)} messages of {args.corpora}, {args.runs} runs (median per message)\n")
-    print(f"| measure | {' | '.join(layouts)} |{' ÷ '.join(reversed(layouts)) + ' |' if len(layouts) == 2 else ''}")
-    print(f"|---|{'---|' * (len(layouts) + (len(layouts) == 2))}")
+    first, others = layouts[0], layouts[1:]  # each of the others against the first
+    print(f"| measure | {' | '.join(layouts)} |{''.join(f' {o} ÷ {first} |' for o in others)}")
+    print(f"|---|{'---|' * (len(layouts) + len(others))}")
     med = {layout: {name: statistics.median(v) for name, v in rows[layout].items()} for layout in layouts}
     for name in names:
-        ratio = (f" {med[layouts[1]][name] / med[layouts[0]][name]:.2f} |"
-                 if len(layouts) == 2 and med[layouts[0]][name] else "")
+        ratio = "".join(f" {med[o][name] / med[first][name]:.2f} |" if med[first][name] else " – |" for o in others)
         print(f"| {name} | {' | '.join(f'{med[layout][name]:.1f}' for layout in layouts)} |{ratio}")
     rates = " | ".join(f"{1e6 / med[layout]['wall µs']:,.0f}" for layout in layouts)
     print(f"| messages/s | {rates} |")
