@@ -1,13 +1,14 @@
-"""Benchmark: the client's instructions per short message on the Redis index, counted by callgrind.
+"""Benchmark: the client's instructions per message on the Redis index, counted by callgrind.
 
     eval "$(bash docker/services.sh env)"
     python bench/client_cost.py [--redis URL | --memory] [--messages 8192] [--batch 512] [--layout slot|compact]
-                                [--keep FILE]
+                                [--corpora sms_en,tweets_en,reviews_zh | --corpora all] [--keep FILE]
 
 Wall and CPU time drift by up to 2× within minutes on a shared machine; an instruction count does not
 (runs differ by under 0.2 %: Python's per-process string hashing changes set and dict orders), so two
 versions of the client can be compared with a run or two each. The script runs itself under valgrind's
-callgrind (`apt-get install valgrind`), routes the first `--messages` short messages of the eval stream
+callgrind (`apt-get install valgrind`), routes the first `--messages` messages of the eval stream's
+`--corpora` (by default the short-message ones; `--corpora all --messages 36650`: the whole stream)
 (`route_batch`, as the Kafka worker does, on a fresh Redis namespace) and counts only the instructions
 executed inside that loop (callgrind's `--toggle-collect` on the one C function that wraps it): the
 Redis server's work is not counted, the client's waiting costs nothing. The first batch warms up
@@ -47,10 +48,10 @@ def measure(args: argparse.Namespace) -> None:
     from stream.runner import RawRecord, route_batch
 
     tune_collector()  # as `neardup filter` and `serve` run
-    wanted = set(SHORT.split(","))
+    wanted = set(args.corpora.split(","))
     with open(args.stream, "rb") as s, open(args.truth, "rb") as t:
         lines = [orjson.dumps(r) for r, label in zip(map(orjson.loads, s), map(orjson.loads, t))
-                 if label["corpus"] in wanted][: args.messages]
+                 if args.corpora == "all" or label["corpus"] in wanted][: args.messages]
     fmt = RecordFormat()
     batches = [[RawRecord(line, str(i + j), 0.0) for j, line in enumerate(lines[i : i + args.batch])]
                for i in range(0, len(lines), args.batch)]
@@ -61,6 +62,7 @@ def measure(args: argparse.Namespace) -> None:
     # Counted: everything inside this reduce (callgrind --toggle-collect=functools_reduce).
     functools.reduce(lambda _, batch: route_batch(nd, batch, fmt), batches[1:], None)
     nd.index.close()
+    print(f"counted {sum(map(len, batches[1:]))}")  # read by main()
 
 
 def main() -> int:
@@ -71,6 +73,8 @@ def main() -> int:
     p.add_argument("--messages", type=int, default=8192)
     p.add_argument("--batch", type=int, default=512)
     p.add_argument("--memory", action="store_true", help="the embedded index (memory://) instead of Redis")
+    p.add_argument("--corpora", default=SHORT,
+                   help="the corpora whose messages are routed, comma-separated; all: the whole stream")
     p.add_argument("--layout", choices=("slot", "compact"), default="slot", help="the Redis index's layout")
     p.add_argument("--keep", help="keep callgrind's output in this file")
     p.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
@@ -94,13 +98,15 @@ def main() -> int:
              *sys.argv[1:]],
             capture_output=True, text=True, check=False)
     found = re.search(r"Collected : ([\d,]+)", out.stderr)
-    if out.returncode != 0 or found is None:
+    routed = re.search(r"^counted (\d+)$", out.stdout, re.M)
+    if out.returncode != 0 or found is None or routed is None or int(routed.group(1)) == 0:
         print(out.stderr[-3000:], file=sys.stderr)
         return 1
     counted = int(found.group(1).replace(",", ""))
-    messages = min(args.messages, 16946) - args.batch
+    messages = int(routed.group(1))
     where = "memory://" if args.memory else f"Redis ({args.layout} layout)"
-    print(f"client instructions per short message on {where} (callgrind, {messages} messages after a warm-up batch): "
+    which = "short message" if args.corpora == SHORT else "message" if args.corpora == "all" else f"message of {args.corpora}"
+    print(f"client instructions per {which} on {where} (callgrind, {messages} messages after a warm-up batch): "
           f"{counted / messages:,.0f}")
     return 0
 

@@ -390,6 +390,26 @@ def write(r: redis.Redis, layout: str, slices: Sequence[Slice]) -> None:
     flush(force=True)
 
 
+def write_round(r: redis.Redis, writes: dict[bytes, dict[bytes, bytes]], count: collections.Counter[bytes]) -> None:
+    """One uncontended insert round: each key's fields, a slice's count `n` raised, a TTL each, in one MULTI/EXEC."""
+    pipe = r.pipeline(transaction=True)
+    for key, pairs in writes.items():
+        pipe.hset(key, mapping=pairs)
+        if key in count:
+            pipe.hincrby(key, "n", count[key])
+        pipe.pexpire(key, TTL_MS)
+    pipe.execute()
+
+
+def write_rest(r: redis.Redis, slices: Sequence[Slice]) -> None:
+    """The slices' memos and other fields (all but the count), after the rounds."""
+    pipe = r.pipeline(transaction=False)
+    for s in slices:
+        pipe.hset(s.name, mapping=dict(s.memos) | {k: v for k, v in s.other.items() if k != b"n"})
+        pipe.pexpire(s.name, TTL_MS)
+    pipe.execute()
+
+
 def write_rounds(r: redis.Redis, layout: str, slices: Sequence[Slice], per_round: int) -> None:
     """The content of `slices` in `today` or `compact*`, written as the index's uncontended insert rounds write
     it: `per_round` entries a round in seq order, one MULTI/EXEC each: the bucket fields the round's records
@@ -439,18 +459,8 @@ def write_rounds(r: redis.Redis, layout: str, slices: Sequence[Slice], per_round
                         writes[small][f] = MARK
                 else:
                     writes[small][f] = value
-        pipe = r.pipeline(transaction=True)
-        for key, pairs in writes.items():
-            pipe.hset(key, mapping=pairs)
-            if key in count:
-                pipe.hincrby(key, "n", count[key])
-            pipe.pexpire(key, TTL_MS)
-        pipe.execute()
-    pipe = r.pipeline(transaction=False)
-    for s in slices:
-        pipe.hset(s.name, mapping=dict(s.memos) | {k: v for k, v in s.other.items() if k != b"n"})
-        pipe.pexpire(s.name, TTL_MS)
-    pipe.execute()
+        write_round(r, writes, count)
+    write_rest(r, slices)
 
 
 def write_group_rounds(r: redis.Redis, slices: Sequence[Slice], per_round: int, plans: dict[bytes, Groups]) -> None:
@@ -487,18 +497,8 @@ def write_group_rounds(r: redis.Redis, slices: Sequence[Slice], per_round: int, 
                         writes[s2.name][f] = b"".join(_TS.pack(ts) + _SEQ.pack(q) for ts, q in recs)
         for name, j in touched:
             writes[name][group_name(j)] = group_value(plans[name], j, top)
-        pipe = r.pipeline(transaction=True)
-        for key, pairs in writes.items():
-            pipe.hset(key, mapping=pairs)
-            if key in count:
-                pipe.hincrby(key, "n", count[key])
-            pipe.pexpire(key, TTL_MS)
-        pipe.execute()
-    pipe = r.pipeline(transaction=False)
-    for s in slices:
-        pipe.hset(s.name, mapping=dict(s.memos) | {k: v for k, v in s.other.items() if k != b"n"})
-        pipe.pexpire(s.name, TTL_MS)
-    pipe.execute()
+        write_round(r, writes, count)
+    write_rest(r, slices)
 
 
 def value_bytes(replies: Sequence[object]) -> int:
@@ -633,14 +633,20 @@ def lookup_compact(r: redis.Redis, layout: str, slices: Sequence[Slice],
         for key, fields in marked.items():
             pipe.hmget(key, fields)
         pipe.execute()
+    read_entries(pipe, batch)
+    return got
+
+
+def read_entries(pipe: redis.client.Pipeline, batch: Sequence[tuple[bytes, list[tuple[Slice, bytes]]]]) -> None:
+    """The second round of a lookup by seq (compact and group layouts): the candidates' entries `e<seq>`, an
+    `HMGET` a slice."""
     by_slice: dict[bytes, list[bytes]] = collections.defaultdict(list)
     for efield, where in batch:
         for s, id in candidates(where, efield):
             by_slice[s.name].append(entry_name(s.seq[id]))
-    for key, fields in by_slice.items():
-        pipe.hmget(key, fields)
+    for key, names in by_slice.items():
+        pipe.hmget(key, names)
     pipe.execute()
-    return got
 
 
 def lookup_group(r: redis.Redis, slices: Sequence[Slice], batch: Sequence[tuple[bytes, list[tuple[Slice, bytes]]]],
@@ -673,13 +679,7 @@ def lookup_group(r: redis.Redis, slices: Sequence[Slice], batch: Sequence[tuple[
         for key, fields in marked.items():
             pipe.hmget(key, list(fields))
         pipe.execute()
-    by_slice: dict[bytes, list[bytes]] = collections.defaultdict(list)
-    for efield, where in batch:
-        for s, id in candidates(where, efield):
-            by_slice[s.name].append(entry_name(s.seq[id]))
-    for key, names in by_slice.items():
-        pipe.hmget(key, names)
-    pipe.execute()
+    read_entries(pipe, batch)
     return got
 
 

@@ -39,9 +39,10 @@ class JsonFormatter(logging.Formatter):
 
 
 # aiokafka logs these at ERROR while a group forms or a broker starts (the coordinator is being elected, a
-# connection is not ready yet) and retries them itself: at a healthy start they are not errors.
+# connection is not ready yet, a topic just created has no leader yet) and retries them itself: at a healthy
+# start they are not errors.
 TRANSIENT_KAFKA = ("GroupCoordinatorNotAvailable", "CoordinatorNotAvailable", "CoordinatorLoadInProgress",
-                   "NotCoordinator", "NodeNotReady")
+                   "NotCoordinator", "NodeNotReady", "NotLeaderForPartition")
 
 
 class TransientKafkaFilter(logging.Filter):

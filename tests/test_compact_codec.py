@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import math
+from itertools import pairwise
+
+import numpy as np
 import pytest
 import redis
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from filters.errors import IndexCorrupt
 from filters.index import compact_codec as cc
@@ -110,3 +116,51 @@ def test_a_restore_expects_the_entries_of_its_rate_in_a_slice() -> None:
     assert slice_ == 1 and 50_000 <= expected <= 50_020
     assert cc.expected_counts([5.0] * 10 + [995.0], 1000.0) == {0: 12}  # the whole slice covered: their count
     assert cc.expected_counts([7.0] * 3, 1000.0) == {0: 3 * 1024}  # one moment: at most 1,024 times
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), n=st.integers(0, 14), cap=st.integers(1, 3))
+def test_a_rebuild_holds_what_the_insert_round_writes(data: st.DataObject, n: int, cap: int) -> None:
+    """The bucket and id fields a rebuild holds and writes at the end (`held_pairs` of the entries it took) are
+    what the uncontended insert round (`alone_round`) leaves, in the order it first writes them; held in two
+    pieces, the second going on from what the first wrote (a rebuild that wrote what it held midway), the same
+    values."""
+    ids = data.draw(st.lists(st.sampled_from(["a", "b", "c"]), min_size=n, max_size=n))
+    keys_of = [data.draw(st.lists(st.integers(0, 5), max_size=5)) for _ in ids]
+    times = [data.draw(st.sampled_from([20.0, 90.0, 150.0, 199.0])) for _ in ids]
+    names = [b"b" + k.to_bytes(8, "big") for k in range(6)] + [cc.id_field(id) for id in "abc"]
+    fields_of = [[names[k] for k in dict.fromkeys(keys)] for keys in keys_of]
+    places_of = [list(dict.fromkeys(keys)) for keys in keys_of]
+    results, groups, _, _, _ = cc.alone_round(
+        ids, times, [b"\x03x"] * n, fields_of, places_of, [6 + "abc".index(id) for id in ids], (0,),
+        {0: [None] * len(names)}, {0: {}}, -math.inf, 100.0, 1000.0, cap, 0)
+    pairs = groups[0][1] if groups else []
+    expected = {name: value for name, value in zip(pairs[0::2], pairs[1::2], strict=True) if name[:1] != b"e"}
+    took = [i for i, seq in enumerate(results) if seq > 0]
+
+    def held(at: list[int], olds: dict[bytes, bytes]) -> list[bytes]:
+        keys = np.asarray([k for i in at for k in keys_of[i]], dtype=np.uint64)
+        bounds = np.cumsum([0, *(len(keys_of[i]) for i in at)])
+        return cc.held_pairs(keys, bounds, [times[i] for i in at], [results[i] for i in at], [ids[i] for i in at],
+                             olds, cap, False)
+
+    assert held(took, {}) == [x for pair in expected.items() for x in pair]
+    cut = data.draw(st.integers(0, len(took)))
+    first = held(took[:cut], {})
+    written = dict(zip(first[0::2], first[1::2], strict=True))
+    second = held(took[cut:], written)
+    assert written | dict(zip(second[0::2], second[1::2], strict=True)) == expected
+    # Written a share of the small hashes at a time (each share its bucket keys and its ids): each share's
+    # pairs are the whole's of that share, in the same order.
+    keys = np.asarray([k for i in took for k in keys_of[i]], dtype=np.uint64)
+    bounds = np.cumsum([0, *(len(keys_of[i]) for i in took)])
+    whole = held(took, {})
+    for share in range(4):
+        mine = [cc.small_hash(int(k), 2) == share for k in keys]
+        sizes = [sum(mine[a:b]) for a, b in pairwise(bounds)]
+        shares = cc.id_shares([ids[i] for i in took], 2)
+        part = cc.held_pairs(keys[mine] if len(keys) else keys, np.cumsum([0, *sizes]), [times[i] for i in took],
+                             [results[i] for i in took], [ids[i] if j == share else None for i, j in zip(took, shares)],
+                             {}, cap, False)
+        assert part == [x for a in range(0, len(whole), 2) if (cc.field_hash(whole[a], 2) or 0) == share
+                        for x in whole[a : a + 2]]

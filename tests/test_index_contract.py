@@ -298,9 +298,10 @@ def restore_into(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     without its marker, as after a loss (streamed: nobody else writes), its marker set after. Redis chunks
     of 3 and 5 entries, and a rebuild holding 6 bucket records at most, written 2 fields at a time, so that
     every boundary is crossed. `redis-compact`: the compact layout (filters/index/redis_compact.py);
-    `redis-compact-rebuild` its rebuild (held fields, each small hash written once), holding 12 fields at most,
-    then handing on to guarded chunks. `redis-group`, `redis-group-rebuild`: the group layout
-    (filters/index/redis_group.py), whose rebuild is guarded chunks so far."""
+    `redis-compact-rebuild` its rebuild (held fields, each small hash written once), holding 6 bucket records at
+    most (written and read back when named again), then handing on to guarded chunks past 8 ids inside the
+    window. `redis-group`, `redis-group-rebuild`: the group layout (filters/index/redis_group.py), whose rebuild
+    is guarded chunks so far."""
     made: list[CandidateIndex] = []
     prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
     url = request.getfixturevalue("redis_url") if request.param.startswith("redis") else ""
@@ -313,7 +314,8 @@ def restore_into(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
         monkeypatch.setattr(redis_index, "FLUSH_FIELDS", 2)  # ... in pieces of 2 fields
         import filters.index.redis_compact as compact_index
 
-        monkeypatch.setattr(compact_index, "HOLD_FIELDS", 12)  # a compact rebuild's fields written, the rest guarded
+        monkeypatch.setattr(compact_index, "HOLD_RECORDS", 6)  # a compact rebuild's held fields written, then on
+        monkeypatch.setattr(compact_index, "HOLD_IDS", 8)  # ... until more ids are inside the window: guarded
 
     def restore(window: float, bucket_cap: int, stored: Stored) -> tuple[CandidateIndex, int]:
         if request.param.startswith("memory"):

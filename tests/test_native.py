@@ -26,7 +26,7 @@ from filters.edits import edit_match, lcs_length
 from filters.engine import Message, NearDupFilter, Verdict
 from filters.errors import IndexCorrupt
 from filters.fingerprint import _MGRAM_TAG, _TAG_ROOM, Fingerprinter
-from filters.index import Candidate, Entry, compact_codec
+from filters.index import Candidate, Entry, compact_codec, redis_codec
 from filters.index.memory import MemoryIndex, PyTable, make_table, native_available
 from filters.index.redis_codec import decode_entry, encode_entry, encode_entry_v2, rank_records
 from filters.index.shared import against
@@ -391,8 +391,8 @@ def test_memory_is_visible_to_tracemalloc_and_freed_by_the_window() -> None:
 # A seq names one record of the namespace (one id at one event time), as the insert's counter makes it; ids
 # and event times still repeat across seqs (an id inserted again, records of one event time).
 _TIMES = (990.0, 995.0, 1000.0, 1000.0, 1005.0)
-_IDS = ("a", "b", "c", "ünï", "q", "x\udc80")
-_record = st.integers(1, 60).map(lambda seq: (_TIMES[seq % 5], seq, _IDS[(seq * 7) % 6]))
+_IDS = ("a", "b", "c", "ünï", "q", "x\udc80", "sixteen-bytes-id", "an id of 21 bytes, ü")  # (hashed 8 bytes at a time)
+_record = st.integers(1, 60).map(lambda seq: (_TIMES[seq % 5], seq, _IDS[(seq * 7) % len(_IDS)]))
 
 
 def _bucket(records: list[tuple[float, int, str]]) -> bytes | None:
@@ -489,11 +489,96 @@ def test_alone_compact_as_the_reference(data: st.DataObject, n_buckets: int, n_e
     assert run(_native.alone_compact) == run(compact_codec.alone_round)
 
 
+_HELD_IDS = ["a", "b", "ü", "x\udc80", "l" * 70]
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), n_entries=st.integers(0, 14), cap=st.integers(1, 3), old_ids=st.booleans())
+def test_held_pairs_as_the_reference(data: st.DataObject, n_entries: int, cap: int, old_ids: bool) -> None:
+    """A rebuild's held fields of a slice as the pairs it writes (buckets shared, a key given twice by an entry,
+    values trimmed, an id written twice, an id left to another share, values Redis holds already, ids kept or
+    not, long ids): the compiled twin gives the reference's pairs, in the same order; and the shares of ids."""
+    ids = data.draw(st.lists(st.sampled_from([*_HELD_IDS, None]), min_size=n_entries, max_size=n_entries))
+    keys_of = [data.draw(st.lists(st.integers(0, 5) | st.integers(0, 2**64 - 1), max_size=5)) for _ in ids]
+    bounds = np.cumsum([0, *map(len, keys_of)]).astype(np.int64)
+    keys = np.asarray([k for keys in keys_of for k in keys], dtype=np.uint64)
+    times = np.asarray([data.draw(st.sampled_from([20.0, 90.0, 150.0])) for _ in ids], dtype=np.float64)
+    seqs = np.arange(1, len(ids) + 1, dtype=np.uint64) * 3
+    names = [b"b" + k.to_bytes(8, "big") for k in range(6)] + [compact_codec.id_field(id) for id in _HELD_IDS]
+    olds = {name: value for name in data.draw(st.lists(st.sampled_from(names), unique=True, max_size=4))
+            if (value := data.draw(st.lists(_compact_record, min_size=1, max_size=10).map(_compact_bucket)))}
+    args = (keys, bounds, times, seqs, ids, olds, cap, old_ids)
+    assert _native.held_pairs(*args) == compact_codec.held_pairs(*args)
+    bits = data.draw(st.integers(0, 8))
+    assert _native.id_shares(_HELD_IDS, bits) == compact_codec.id_shares(_HELD_IDS, bits)
+    taken = [data.draw(st.integers(0, 3)) for _ in ids]
+    slices = [data.draw(st.integers(-1, 1)) for _ in ids]
+    blobs = [b"\x03entry%d" % i for i in range(len(ids))]
+    named = [id or "z" for id in ids]
+    assert _native.entry_pairs(named, blobs, taken, slices) == compact_codec.entry_pairs(named, blobs, taken, slices)
+
+
+def test_held_pairs_refuse_bounds_outside_the_keys() -> None:
+    for held in (_native.held_pairs, compact_codec.held_pairs):
+        with pytest.raises((ValueError, IndexError)):
+            held(np.zeros(2, np.uint64), np.asarray([0, 3]), np.zeros(1), np.ones(1, np.uint64), ["a"], {}, 2, False)
+
+
 @settings(max_examples=300, deadline=None)
 @given(records=st.lists(_compact_record, max_size=12), cap=st.integers(1, 6))
 def test_trim_compact_as_the_reference(records: list[tuple[float, int]], cap: int) -> None:
     value = _compact_bucket(records) or b""
     assert _native.trim_compact(value, cap) == compact_codec.trim_records(value, cap)
+
+
+@settings(max_examples=300, deadline=None)
+@given(records=st.lists(_record, max_size=12), cap=st.integers(0, 6))
+def test_trim_slot_as_the_reference(records: list[tuple[float, int, str]], cap: int) -> None:
+    """The compiled trim of a slot-layout bucket value (`alone_round` trims with it) against `trim_records`."""
+    value = _bucket(records) or b""
+    assert _native.trim_slot(value, cap) == redis_codec.trim_records(value, cap)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), n_buckets=st.integers(1, 6), n_entries=st.integers(0, 6), cap=st.integers(1, 3),
+       hwm=st.sampled_from([-math.inf, 995.0, 1100.0]))
+def test_alone_round_as_the_reference(data: st.DataObject, n_buckets: int, n_entries: int, cap: int, hwm: float) -> None:
+    """The compiled uncontended round of the slot layout (live ids read or written earlier in the round, or
+    written before it, entries outside the window, buckets shared within the round, values trimmed) against
+    `redis_codec.alone_round`: the same results, writes, pairs and seqs."""
+    ids = data.draw(st.lists(st.sampled_from(_IDS), min_size=n_entries, max_size=n_entries))
+    distinct = list(dict.fromkeys(ids))
+    names = [b"b" + k.to_bytes(8, "big") for k in range(n_buckets)]
+    id_at = {}
+    for id in distinct:  # an entry field, its memo field right after it (`plan_fields`)
+        id_at[id] = len(names)
+        names += [redis_codec.id_field(id), redis_codec.memo_field(id)]
+    slices = (9, 10)
+    entry = st.none() | st.sampled_from([900.0, 1000.0, 1080.0]).map(lambda ts: struct.pack("<Bd", 3, ts) + b"rest")
+    columns: dict[int, list[bytes | None]] = {}
+    for s in slices:
+        columns[s] = [_bucket(data.draw(st.lists(_record, max_size=7))) for _ in range(n_buckets)]
+        for _ in distinct:
+            columns[s] += [data.draw(entry), None]
+    earlier = {s: {p: data.draw(st.sampled_from([b"\x03", struct.pack("<Bd", 3, 1050.0)]))
+                   for p in data.draw(st.lists(st.sampled_from(list(id_at.values()) or [0]), max_size=2))
+                   if p in id_at.values()} for s in slices}  # entries the caller wrote since the lookup
+    places_of = [data.draw(st.lists(st.integers(0, n_buckets - 1), unique=True, max_size=n_buckets)) for _ in ids]
+    fields_of = [[names[p] for p in places] for places in places_of]
+    times = [data.draw(st.sampled_from([950.0, 1000.0, 1040.0, 1099.0])) for _ in ids]
+    blobs = [struct.pack("<Bd", 3, ts) + b"entry%d" % i for i, ts in enumerate(times)]
+
+    def run(round_: object) -> tuple[object, ...]:
+        writes = {s: dict(earlier[s]) for s in slices}
+        try:
+            out = round_(list(ids), list(times), blobs, fields_of, places_of, [id_at[id] for id in ids], slices,  # type: ignore[operator]
+                         {s: list(c) for s, c in columns.items()}, writes, hwm, 100.0, 100.0, cap, 40,
+                         redis_codec.entry_time)
+        except IndexCorrupt as exc:
+            return ("corrupt", str(exc))
+        return (*out, writes)
+
+    assert run(_native.alone_round) == run(redis_codec.alone_round)
 
 
 _FIELD_NAME = st.one_of(st.binary(min_size=8, max_size=8).map(lambda k: b"b" + k),

@@ -766,3 +766,186 @@ def first_error(replies):
         if isinstance(reply, Exception):
             return reply
     return None
+
+
+# --- a rebuild's held fields (the twins of `compact_codec.entry_pairs`, `held_pairs`) -------------------------
+
+def entry_pairs(list ids, list blobs, list seqs, list slices) -> dict:
+    """`filters.index.compact_codec.entry_pairs`, compiled: each value made in one piece."""
+    cdef Py_ssize_t n = len(ids), i, n_id, n_blob
+    cdef dict out = {}
+    cdef list pairs
+    cdef bytes id_bytes, blob, value, name
+    cdef char *rp
+    cdef object seq_obj, s
+    cdef uint64_t seq
+    if not (len(blobs) == len(seqs) == len(slices) == n):
+        raise ValueError("one blob, seq and slice an id expected")
+    for i in range(n):
+        seq_obj = seqs[i]
+        if seq_obj <= 0:
+            continue
+        seq = <uint64_t>seq_obj
+        id_bytes = (<str>ids[i]).encode("utf-8", "surrogatepass")
+        n_id = len(id_bytes)
+        if n_id > 0xFFFF:
+            raise ValueError(f"ids must be at most 65,535 bytes of UTF-8, got {n_id:,}")
+        blob = blobs[i]
+        n_blob = len(blob)
+        value = PyBytes_FromStringAndSize(NULL, n_blob + n_id + 2)
+        rp = PyBytes_AS_STRING(value)
+        memcpy(rp, <const char *>blob, n_blob)
+        memcpy(rp + n_blob, <const char *>id_bytes, n_id)
+        rp[n_blob + n_id] = <char>(n_id & 0xFF)
+        rp[n_blob + n_id + 1] = <char>(n_id >> 8)
+        name = PyBytes_FromStringAndSize(NULL, 9)
+        rp = PyBytes_AS_STRING(name)
+        rp[0] = b'e'
+        put_be64(rp + 1, seq)
+        s = int(slices[i])
+        pairs = out.get(s)
+        if pairs is None:
+            pairs = out[s] = []
+        pairs.append(name)
+        pairs.append(value)
+    return out
+
+
+cdef inline void _put_record(char *p, double ts, uint64_t seq) noexcept:
+    memcpy(p, &ts, 8)
+    put_be64(p + 8, seq)
+
+
+def held_pairs(keys, bounds, times, seqs, list ids, dict olds, Py_ssize_t cap, bint old_ids) -> list:
+    """`filters.index.compact_codec.held_pairs`, compiled: each bucket field's records chained in order through
+    an open-addressing table (as `newest_records`); a value that is never trimmed (no old value, at most twice
+    the cap's records and one) made in one piece, the others appended a record at a time as the insert does."""
+    np = np_()
+    cdef const uint64_t[::1] k = np.ascontiguousarray(keys, dtype=np.uint64)
+    cdef const int64_t[::1] b = np.ascontiguousarray(bounds, dtype=np.int64)
+    cdef const double[::1] t = np.ascontiguousarray(times, dtype=np.float64)
+    cdef const uint64_t[::1] q = np.ascontiguousarray(seqs, dtype=np.uint64)
+    cdef Py_ssize_t n = len(ids), n_rec = len(k), e, r, g, slot, mask, size, n_groups = 0, m, j
+    cdef Py_ssize_t too_long = 2 * cap * 16
+    cdef int shift = 64
+    cdef uint64_t key
+    cdef uint64_t *slot_key = NULL
+    cdef Py_ssize_t *slot_at = NULL
+    cdef vector[int64_t] order  # the fields as first written: a bucket field's group (>= 0), else -1 - its id's
+    cdef vector[int64_t] id_entry  # per id field: the last entry that wrote it
+    cdef dict id_at = {}
+    cdef list id_names = [], out = []
+    cdef bytes name, value, rec
+    cdef object old, at
+    cdef char *rp
+    if not (len(t) == len(q) == n and len(b) == n + 1):
+        raise ValueError("one event time and seq an id, and one more bound, expected")
+    for e in range(n):
+        if b[e] < 0 or b[e] > b[e + 1] or b[e + 1] > n_rec:
+            raise ValueError(f"bounds must rise within the {n_rec} keys")
+    # Per group (a bucket key, numbered as first seen): its first and last record and its count; per record the
+    # next of its key (-1: none) and its entry.
+    cdef Py_ssize_t *g_first = <Py_ssize_t *>PyMem_Malloc((n_rec + 1) * sizeof(Py_ssize_t))
+    cdef Py_ssize_t *g_last = <Py_ssize_t *>PyMem_Malloc((n_rec + 1) * sizeof(Py_ssize_t))
+    cdef Py_ssize_t *g_count = <Py_ssize_t *>PyMem_Malloc((n_rec + 1) * sizeof(Py_ssize_t))
+    cdef Py_ssize_t *following = <Py_ssize_t *>PyMem_Malloc((n_rec + 1) * sizeof(Py_ssize_t))
+    cdef Py_ssize_t *entry_of = <Py_ssize_t *>PyMem_Malloc((n_rec + 1) * sizeof(Py_ssize_t))
+    try:
+        if g_first == NULL or g_last == NULL or g_count == NULL or following == NULL or entry_of == NULL:
+            raise MemoryError()
+        size = open_table(n_rec, &slot_key, &slot_at)
+        mask = size - 1
+        while size > 1:
+            size >>= 1
+            shift -= 1
+        for e in range(n):
+            for r in range(b[e], b[e + 1]):
+                key = k[r]
+                entry_of[r] = e
+                following[r] = -1
+                slot = <Py_ssize_t>((mix64(key) * MUL) >> shift)
+                while slot_at[slot] >= 0 and slot_key[slot] != key:
+                    slot = (slot + 1) & mask
+                if slot_at[slot] < 0:
+                    slot_key[slot] = key
+                    slot_at[slot] = n_groups
+                    g_first[n_groups] = g_last[n_groups] = r
+                    g_count[n_groups] = 1
+                    order.push_back(n_groups)
+                    n_groups += 1
+                    continue
+                g = slot_at[slot]
+                if entry_of[g_last[g]] == e:  # the entry gave the key twice: its record once
+                    continue
+                following[g_last[g]] = r
+                g_last[g] = r
+                g_count[g] += 1
+            if ids[e] is None:  # its id in another share
+                continue
+            name = b"i" + (<str>ids[e]).encode("utf-8", "surrogatepass")
+            at = id_at.get(name)
+            if at is None:
+                id_at[name] = len(id_names)
+                order.push_back(-1 - len(id_names))
+                id_names.append(name)
+                id_entry.push_back(e)
+            else:
+                id_entry[<Py_ssize_t>at] = e
+        for j in range(<Py_ssize_t>order.size()):
+            g = order[j]
+            if g < 0:
+                e = id_entry[-1 - g]
+                name = id_names[-1 - g]
+                if old_ids and name in olds:
+                    continue
+                value = PyBytes_FromStringAndSize(NULL, 16)
+                _put_record(PyBytes_AS_STRING(value), t[e], q[e])
+                out.append(name)
+                out.append(value)
+                continue
+            name = PyBytes_FromStringAndSize(NULL, 9)
+            rp = PyBytes_AS_STRING(name)
+            rp[0] = b'b'
+            put_be64(rp + 1, k[g_first[g]])
+            old = olds.get(name) if olds else None
+            m = g_count[g]
+            r = g_first[g]
+            if old is None and m <= 2 * cap + 1:  # never trimmed: its records as they come
+                value = PyBytes_FromStringAndSize(NULL, 16 * m)
+                rp = PyBytes_AS_STRING(value)
+                while r >= 0:
+                    _put_record(rp, t[entry_of[r]], q[entry_of[r]])
+                    rp += 16
+                    r = following[r]
+            else:
+                value = old
+                while r >= 0:
+                    rec = PyBytes_FromStringAndSize(NULL, 16)
+                    _put_record(PyBytes_AS_STRING(rec), t[entry_of[r]], q[entry_of[r]])
+                    if value is None:
+                        value = rec
+                    else:
+                        if len(value) > too_long:
+                            value = _trim16(value, cap)
+                        value = value + rec
+                    r = following[r]
+            out.append(name)
+            out.append(value)
+    finally:
+        PyMem_Free(slot_key); PyMem_Free(slot_at)
+        PyMem_Free(g_first); PyMem_Free(g_last); PyMem_Free(g_count); PyMem_Free(following); PyMem_Free(entry_of)
+    return out
+
+
+def id_shares(list ids, int bits) -> list:
+    """`filters.index.compact_codec.id_shares`, compiled."""
+    cdef list out = []
+    cdef bytes raw
+    cdef long long j
+    if not 0 <= bits <= 64:
+        raise ValueError(f"bits must be 0 to 64, got {bits!r}")
+    for id in ids:
+        raw = b"i" + (<str>id).encode("utf-8", "surrogatepass")
+        j = field_small(raw, bits)
+        out.append(j if j > 0 else 0)
+    return out

@@ -15,12 +15,60 @@ cdef struct Tally:  # one candidate id: its buckets, first bucket, newest seq an
     uint32_t stamp
 
 
+cdef extern from * nogil:
+    """
+    #include <stdint.h>
+    #include <string.h>
+    /* A bucket record's seq (8 bytes big-endian) in one load, not eight. */
+    static inline uint64_t nd_load_be64(const char *p) {
+        uint64_t v;
+        memcpy(&v, p, 8);
+    #if defined(__GNUC__) && defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+        return __builtin_bswap64(v);
+    #else
+        const unsigned char *b = (const unsigned char *)p;
+        return ((uint64_t)b[0] << 56) | ((uint64_t)b[1] << 48) | ((uint64_t)b[2] << 40) | ((uint64_t)b[3] << 32)
+             | ((uint64_t)b[4] << 24) | ((uint64_t)b[5] << 16) | ((uint64_t)b[6] << 8) | (uint64_t)b[7];
+    #endif
+    }
+    static inline void nd_store_be64(char *p, uint64_t v) {
+    #if defined(__GNUC__) && defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+        v = __builtin_bswap64(v);
+        memcpy(p, &v, 8);
+    #else
+        for (int j = 0; j < 8; j++) p[j] = (char)((v >> (56 - 8 * j)) & 0xFF);
+    #endif
+    }
+    /* The bytes of an id, 8 at a time (a tally table's hash: only its spread matters, never its value). */
+    static inline uint64_t nd_bytes_hash(const char *p, uint32_t n) {
+        uint64_t h = 0x9E3779B97F4A7C15ULL ^ ((uint64_t)n * 0xC2B2AE3D27D4EB4FULL), w;
+        while (n >= 8) {
+            memcpy(&w, p, 8);
+            h = (h ^ w) * 0xFF51AFD7ED558CCDULL;
+            h ^= h >> 32;
+            p += 8;
+            n -= 8;
+        }
+        if (n >= 4) {  /* 4 to 7 bytes: two loads of 4 that overlap */
+            uint32_t a, b;
+            memcpy(&a, p, 4);
+            memcpy(&b, p + n - 4, 4);
+            h = (h ^ ((uint64_t)a | ((uint64_t)b << 32))) * 0xFF51AFD7ED558CCDULL;
+        } else if (n) {  /* 1 to 3 bytes: the first, the middle and the last */
+            w = (uint64_t)(unsigned char)p[0] | ((uint64_t)(unsigned char)p[n >> 1] << 8)
+                | ((uint64_t)(unsigned char)p[n - 1] << 16);
+            h = (h ^ w) * 0xFF51AFD7ED558CCDULL;
+        }
+        return h;
+    }
+    """
+    uint64_t nd_load_be64(const char *p)
+    void nd_store_be64(char *p, uint64_t v)
+    uint64_t nd_bytes_hash(const char *p, uint32_t n)
+
+
 cdef inline uint64_t id_hash(const char *p, uint32_t n) noexcept nogil:
-    cdef uint64_t h = 0xcbf29ce484222325ULL
-    cdef uint32_t i
-    for i in range(n):
-        h = (h ^ <uint8_t>p[i]) * 0x100000001b3ULL
-    return mix64(h)
+    return mix64(nd_bytes_hash(p, n))
 
 
 cdef extern from * nogil:
@@ -33,6 +81,30 @@ cdef extern from * nogil:
             return a.ts > b.ts || (a.ts == b.ts && a.seq > b.seq);
         });
     }
+    /* The `cap` newest records first, newest first (as `nd_sort_newest_first` puts them). A bucket's records
+       come oldest first (in insertion order, slice after slice): reversed, they are nearly in order, and an
+       insertion sort takes them in a pass or two. Records far out of order (event times that came late) make
+       it give up after a few passes' worth of moves: then the newest are selected (of many) and sorted. */
+    static void nd_select_newest(nd_record *first, Py_ssize_t cap, nd_record *last) {
+        auto newer = [](const nd_record &a, const nd_record &b) {
+            return a.ts > b.ts || (a.ts == b.ts && a.seq > b.seq);
+        };
+        Py_ssize_t n = last - first, moves = 0, limit = 4 * n, i, j;
+        std::reverse(first, last);
+        for (i = 1; i < n && moves <= limit; i++) {
+            nd_record x = first[i];
+            for (j = i; j > 0 && newer(x, first[j - 1]); j--) first[j] = first[j - 1];
+            first[j] = x;
+            moves += i - j;
+        }
+        if (i >= n && moves <= limit) return;
+        if (n > 2 * cap) {
+            std::nth_element(first, first + cap - 1, last, newer);
+            std::sort(first, first + cap, newer);
+        } else {
+            std::sort(first, last, newer);
+        }
+    }
     """
     struct nd_record:  # one bucket record of a Redis lookup
         double ts
@@ -40,14 +112,11 @@ cdef extern from * nogil:
         const char *id
         uint32_t n
     void nd_sort_newest_first(nd_record *first, nd_record *last)
+    void nd_select_newest(nd_record *first, Py_ssize_t cap, nd_record *last)
 
 
 cdef inline uint64_t be64(const char *p) noexcept nogil:
-    cdef uint64_t v = 0
-    cdef int j
-    for j in range(8):
-        v = (v << 8) | <uint8_t>p[j]
-    return v
+    return nd_load_be64(p)
 
 
 cdef class _RankScratch:
@@ -164,7 +233,7 @@ cdef list _rank_records(list values, list positions, str id, Py_ssize_t floor, P
         if bad:
             break
         if nrec > cap:
-            nd_sort_newest_first(recs, recs + nrec)
+            nd_select_newest(recs, cap, recs + nrec)
             nrec = cap
         for j in range(nrec):
             if recs[j].n == own_n and memcmp(recs[j].id, own_p, own_n) == 0:
@@ -229,6 +298,12 @@ cdef list _rank_records(list values, list positions, str id, Py_ssize_t floor, P
 
 cdef inline Py_ssize_t decimal_size(Py_ssize_t n) noexcept:
     cdef Py_ssize_t size = 1
+    if n < 10:  # (most arguments: field names of 9 bytes, records, entries of a few hundred)
+        return 1
+    if n < 100:
+        return 2
+    if n < 1000:
+        return 3
     while n >= 10:
         n //= 10
         size += 1
@@ -237,8 +312,14 @@ cdef inline Py_ssize_t decimal_size(Py_ssize_t n) noexcept:
 
 cdef inline char *put_header(char *p, char mark, Py_ssize_t n) noexcept:
     """Writes `<mark><n>\\r\\n` (n >= 0)."""
-    cdef Py_ssize_t size = decimal_size(n), j
+    cdef Py_ssize_t size, j
     p[0] = mark
+    if n < 10:
+        p[1] = <char>(48 + n)
+        p[2] = 13
+        p[3] = 10
+        return p + 4
+    size = decimal_size(n)
     for j in range(size, 0, -1):
         p[j] = <char>(48 + n % 10)
         n //= 10
@@ -320,11 +401,24 @@ cdef Py_ssize_t open_table(Py_ssize_t n, uint64_t **slot_key, Py_ssize_t **slot_
     return cap
 
 
-def plan_fields(list keys_of, list id_fields) -> tuple:
+cdef inline object place_number(list numbers, Py_ssize_t at):
+    """The int `at`, from `numbers` (0, 1, 2, ...: extended here as needed), so that a batch's places are not
+    made (and freed) afresh each batch."""
+    cdef Py_ssize_t n = len(numbers)
+    while n <= at:
+        numbers.append(n)
+        n += 1
+    return numbers[at]
+
+
+def plan_fields(list keys_of, list id_fields, list numbers=None) -> tuple:
     """`RedisIndex.lookup`'s naming of what a batch reads: per query its bucket keys' field names and their
     places, then per query its entry field's place, its memo field (`d` for the entry field's first byte)
     right after it, every distinct name placed once in first-seen order. Returns (names, fields per
-    query, places per query, entry places)."""
+    query, places per query, entry places). `numbers`: the ints 0, 1, 2, ... to take the places from (kept
+    by the caller from batch to batch; extended as needed)."""
+    if numbers is None:
+        numbers = []
     cdef dict id_at = {}
     cdef list names = [], fields_of = [], places_of = [], id_places = []
     cdef list fields, places, place_objs = []
@@ -360,7 +454,7 @@ def plan_fields(list keys_of, list id_fields) -> tuple:
                     slot_at[slot] = at
                     slot_key[slot] = key
                     names.append(bucket_field(key))
-                    place_objs.append(at)
+                    place_objs.append(place_number(numbers, at))
                 name = names[at]
                 place = place_objs[at]  # one int object per place, shared by every query naming it
                 Py_INCREF(name)
@@ -376,7 +470,7 @@ def plan_fields(list keys_of, list id_fields) -> tuple:
     for name in id_fields:
         place = id_at.get(name)
         if place is None:
-            place = len(names)
+            place = place_number(numbers, len(names))
             id_at[name] = place
             names.append(name)
             n = len(<bytes>name)
@@ -392,112 +486,7 @@ def plan_fields(list keys_of, list id_fields) -> tuple:
 # --- the uncontended insert of the Redis index ------------------------------------------------------------
 
 cdef inline void put_be64(char *p, uint64_t v) noexcept nogil:
-    cdef int j
-    for j in range(8):
-        p[j] = <char>((v >> (56 - 8 * j)) & 0xFF)
-
-
-def alone_round(list ids, list tss, list blobs, list fields_of, list places_of, list entry_places, tuple slices,
-                dict columns, dict writes, double hwm, double window, double slice_length,
-                Py_ssize_t cap, uint64_t seq, entry_time, trim) -> tuple:
-    """The loop of `RedisIndex._alone` (which it documents), compiled: per entry, live already (0), out
-    of the window (0) or its seq; the writes per slice (`groups`: slice -> [entries, field-value pairs]);
-    `writes` (slice -> place -> value) updated; (seq, slice, places) per entry written. Returns
-    (results, groups, written, hwm, seq)."""
-    cdef Py_ssize_t count = len(ids), i, j, nf, n_id
-    cdef double ts, old_ts
-    cdef bint live
-    cdef object e, old, column, mine, p, v, f
-    cdef list fields, places, pairs, results = [], written = []
-    cdef dict groups = {}, at_of = {}
-    cdef bytearray at_buf
-    cdef Py_ssize_t *at  # per place of the slice: where its value is in the slice's pairs, or -1
-    cdef Py_ssize_t place, k
-    cdef bytes id_bytes, record, blob
-    cdef char *rp
-    cdef Py_ssize_t too_long
-    cdef long long s, sl
-    for i in range(count):
-        e = entry_places[i]
-        id_bytes = (<str>ids[i]).encode("utf-8", "surrogatepass")
-        live = False
-        for s in slices:
-            old = (<dict>writes[s]).get(e)
-            if old is None:
-                column = columns.get(s)
-                old = (<list>column)[e] if column is not None else None
-            if old:
-                if len(<bytes>old) >= 9:
-                    memcpy(&old_ts, <const char *>(<bytes>old) + 1, 8)
-                else:
-                    old_ts = entry_time(old, ids[i])  # raises: too short for an entry
-                if old_ts >= hwm - window:
-                    live = True
-                    break
-        if live:
-            results.append(0)
-            continue
-        ts = tss[i]
-        if ts > hwm:
-            hwm = ts
-        if not ts >= hwm - window:
-            results.append(0)
-            continue
-        seq += 1
-        n_id = len(id_bytes)
-        record = PyBytes_FromStringAndSize(NULL, 12 + n_id + 8)
-        rp = PyBytes_AS_STRING(record)
-        memcpy(rp, &ts, 8)
-        (<uint32_t *>(rp + 8))[0] = <uint32_t>n_id  # little-endian machines only (x86-64, arm64)
-        memcpy(rp + 12, <const char *>id_bytes, n_id)
-        put_be64(rp + 12 + n_id, seq)
-        sl = <long long>floor_div(ts, slice_length)
-        mine = writes[sl]
-        column = columns[sl]
-        fields = fields_of[i]
-        places = places_of[i]
-        nf = len(fields)
-        group = groups.get(sl)
-        if group is None:
-            group = groups[sl] = [0, []]
-            at_of[sl] = bytearray(b"\xff" * (len(<list>column) * sizeof(Py_ssize_t)))
-        group[0] += 1
-        pairs = <list>group[1]
-        at_buf = <bytearray>at_of[sl]
-        at = <Py_ssize_t *>PyByteArray_AS_STRING(at_buf)
-        too_long = 2 * cap * len(record)
-        for j in range(nf):
-            f = fields[j]
-            p = places[j]
-            v = (<dict>mine).get(p)
-            if v is None:
-                v = (<list>column)[p]
-            if v is None:
-                v = record
-            else:
-                if len(<bytes>v) > too_long:
-                    v = trim(v, cap)
-                v = <bytes>v + record
-            (<dict>mine)[p] = v
-            # Each field once in the slice's pairs, with its last value: a bucket several entries of the
-            # batch share is sent once, not once per entry with every record again.
-            place = p
-            if place < 0 or place >= len(<list>column):  # `at` is a C array: no place outside it
-                raise IndexError(f"field place {place} outside the {len(<list>column)} read")
-            k = at[place]
-            if k < 0:
-                at[place] = len(pairs) + 1
-                pairs.append(f)
-                pairs.append(v)
-            else:
-                pairs[k] = v
-        blob = blobs[i]
-        (<dict>mine)[e] = blob
-        pairs.append(b"e" + id_bytes)
-        pairs.append(blob)
-        written.append((seq, sl, places))
-        results.append(seq)
-    return results, groups, written, hwm, seq
+    nd_store_be64(p, v)
 
 
 # --- a restore's writes (the twin of `redis_codec.restore_round`, which documents it) ---------------------
@@ -580,6 +569,183 @@ cdef bytes newest_pieces(nd_piece *pieces, Py_ssize_t count, Py_ssize_t cap):
         memcpy(o, pieces[j].p, pieces[j].n)
         o += pieces[j].n
     return out
+
+
+cdef extern from "Python.h":
+    object _PyDict_NewPresized(Py_ssize_t minused)  # (CPython 3.11+) a dict that takes `minused` items unresized
+    int PyDict_Update(object a, object b) except -1
+    int PyDict_SetItem(object d, object key, object value) except -1
+
+
+cdef inline bytes joined(bytes a, bytes b):
+    """a + b, without the generic number protocol's dispatch."""
+    cdef Py_ssize_t na = len(a), nb = len(b)
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, na + nb)
+    cdef char *o = PyBytes_AS_STRING(out)
+    memcpy(o, <const char *>a, na)
+    memcpy(o + na, <const char *>b, nb)
+    return out
+
+
+cdef bytes trim_value(bytes value, Py_ssize_t cap):
+    """`redis_codec.trim_records`: the `cap` newest records (event time, then seq) of a bucket value, in their
+    order; the value itself when it holds no more."""
+    cdef const char *p = value
+    cdef Py_ssize_t n = len(value), count = record_count(p, n)
+    cdef nd_piece *pieces
+    if count <= cap:
+        return value
+    pieces = <nd_piece *>PyMem_Malloc(count * sizeof(nd_piece))
+    if pieces == NULL:
+        raise MemoryError()
+    try:
+        add_pieces(pieces, 0, p, n)
+        return newest_pieces(pieces, count, cap)
+    finally:
+        PyMem_Free(pieces)
+
+
+def trim_slot(bytes value, Py_ssize_t cap) -> bytes:
+    """`filters.index.redis_codec.trim_records`, compiled."""
+    if cap < 0:
+        raise ValueError("cap must be >= 0")
+    return trim_value(value, cap)
+
+
+def alone_round(list ids, list tss, list blobs, list fields_of, list places_of, list entry_places, tuple slices,
+                dict columns, dict writes, double hwm, double window, double slice_length,
+                Py_ssize_t cap, uint64_t seq, entry_time) -> tuple:
+    """The loop of `RedisIndex._alone` (which it documents), compiled: per entry, live already (0), out
+    of the window (0) or its seq; the writes per slice (`groups`: slice -> [entries, field-value pairs]);
+    `writes` (slice -> place -> value) updated; (seq, slice, places) per entry written. Returns
+    (results, groups, written, hwm, seq)."""
+    cdef Py_ssize_t count = len(ids), i, j, nf, n_id, n_col
+    cdef double ts, old_ts
+    cdef bint live, prior
+    cdef object e, column, mine, p, f
+    cdef PyObject *got
+    cdef object old, v
+    cdef list fields, places, pairs, order, results = [], written = []
+    cdef dict groups = {}, state_of = {}
+    cdef tuple state
+    cdef bytearray at_buf
+    cdef Py_ssize_t *at  # per place of the slice: where its value is in the slice's pairs, or -1
+    cdef Py_ssize_t place, k
+    cdef bytes id_bytes, record, blob
+    cdef char *rp
+    cdef Py_ssize_t too_long
+    cdef long long s, sl
+    for i in range(count):
+        e = entry_places[i]
+        id_bytes = (<str>ids[i]).encode("utf-8", "surrogatepass")
+        live = False
+        for s in slices:
+            got = PyDict_GetItemWithError(writes[s], e)
+            if got != NULL:
+                old = <object>got
+            else:
+                column = columns.get(s)
+                if column is None:
+                    old = None
+                else:
+                    place = e
+                    if place < 0 or place >= len(<list>column):
+                        raise IndexError(f"entry place {place} outside the {len(<list>column)} read")
+                    old = (<list>column)[place]
+            if old:
+                if len(<bytes>old) >= 9:
+                    memcpy(&old_ts, <const char *>(<bytes>old) + 1, 8)
+                else:
+                    old_ts = entry_time(old, ids[i])  # raises: too short for an entry
+                if old_ts >= hwm - window:
+                    live = True
+                    break
+        if live:
+            results.append(0)
+            continue
+        ts = tss[i]
+        if ts > hwm:
+            hwm = ts
+        if not ts >= hwm - window:
+            results.append(0)
+            continue
+        seq += 1
+        n_id = len(id_bytes)
+        record = PyBytes_FromStringAndSize(NULL, 12 + n_id + 8)
+        rp = PyBytes_AS_STRING(record)
+        memcpy(rp, &ts, 8)
+        (<uint32_t *>(rp + 8))[0] = <uint32_t>n_id  # little-endian machines only (x86-64, arm64)
+        memcpy(rp + 12, <const char *>id_bytes, n_id)
+        put_be64(rp + 12 + n_id, seq)
+        sl = <long long>floor_div(ts, slice_length)
+        mine = writes[sl]
+        column = columns[sl]
+        n_col = len(<list>column)
+        fields = fields_of[i]
+        places = places_of[i]
+        nf = len(fields)
+        if len(places) != nf:
+            raise ValueError("an entry's fields and places differ in length")
+        group = groups.get(sl)
+        if group is None:
+            group = groups[sl] = [0, []]
+            # The slice's writes of this round, sized for all of them at once (a dict grown a field at a time
+            # rehashes itself a dozen times over a batch): the same items.
+            presized = _PyDict_NewPresized(len(<dict>mine) + (count - i) * (nf + 1))
+            PyDict_Update(presized, mine)
+            writes[sl] = mine = presized
+            # A bucket field's value in this round is in the pairs (`at`); `mine` gets the last values once,
+            # at the end, in the order of `order`. What it holds before them: values written before this round.
+            state = state_of[sl] = (bytearray(b"\xff" * (n_col * sizeof(Py_ssize_t))), [], len(<dict>mine) > 0)
+        else:
+            state = <tuple>state_of[sl]
+        group[0] += 1
+        pairs = <list>group[1]
+        at_buf = <bytearray>state[0]
+        order = <list>state[1]
+        prior = state[2]
+        at = <Py_ssize_t *>PyByteArray_AS_STRING(at_buf)
+        too_long = 2 * cap * len(record)
+        for j in range(nf):
+            f = fields[j]
+            p = places[j]
+            place = p
+            if place < 0 or place >= n_col:  # `at` is a C array: no place outside it
+                raise IndexError(f"field place {place} outside the {n_col} read")
+            k = at[place]
+            if k >= 0:
+                v = pairs[k]
+            else:
+                got = PyDict_GetItemWithError(mine, p) if prior else NULL
+                v = <object>got if got != NULL else (<list>column)[place]
+            if v is None:
+                v = record
+            else:
+                if len(<bytes>v) > too_long:
+                    v = trim_value(<bytes>v, cap)
+                v = joined(<bytes>v, record)
+            # Each field once in the slice's pairs, with its last value: a bucket several entries of the
+            # batch share is sent once, not once per entry with every record again.
+            if k < 0:
+                at[place] = len(pairs) + 1
+                pairs.append(f)
+                pairs.append(v)
+                order.append(p)
+            else:
+                pairs[k] = v
+        blob = blobs[i]
+        PyDict_SetItem(mine, e, blob)
+        pairs.append(b"e" + id_bytes)
+        pairs.append(blob)
+        written.append((seq, sl, places))
+        results.append(seq)
+    for sl, state in state_of.items():
+        mine = writes[sl]
+        pairs = <list>(<list>groups[sl])[1]
+        at = <Py_ssize_t *>PyByteArray_AS_STRING(<bytearray>state[0])
+        for p in <list>state[1]:
+            PyDict_SetItem(mine, p, pairs[at[<Py_ssize_t>p]])
+    return results, groups, written, hwm, seq
 
 
 def restore_round(list ids, times, slices, bounds, keys, list blobs, dict held, double hwm, double window,
@@ -1074,16 +1240,31 @@ def encode_entries(list entries, fallback) -> list:
     cdef uint64_t lo, hi
     cdef uint32_t size, count
     cdef int width
+    cdef Py_buffer view
+    cdef bint held
+    cdef const uint32_t *values
     np = np_()
+    u32 = np.uint32
     for item in entries:
         entry = (<tuple>item)[0]
+        if entry.simhash is not None or entry.minhash is not None or entry.sentences:
+            out.append(fallback(entry))
+            continue
         sk = entry.sketch
         exact = entry.exact
-        if (entry.simhash is None and entry.minhash is None and not entry.sentences and sk.dtype == np.uint32
-                and 0 <= exact < (1 << 128) and 0 <= entry.size < (1 << 32)):
-            sketch = sk
-            n = sketch.shape[0]
-            width = packed_width(&sketch[0], n) if n else 0
+        held = native_u32(sk, &view)  # a uint32 sketch, read as it is (else through a typed memoryview)
+        try:
+            if not ((held or sk.dtype == u32) and 0 <= exact < (1 << 128) and 0 <= entry.size < (1 << 32)):
+                out.append(fallback(entry))
+                continue
+            if held:
+                n = view.len // 4
+                values = <const uint32_t *>view.buf
+            else:
+                sketch = sk
+                n = sketch.shape[0]
+                values = &sketch[0] if n else NULL
+            width = packed_width(values, n) if n else 0
             body = 1 + (n * width + 7) // 8 if width else 4 * n
             chars = (<str>entry.chars).encode("utf-8", "surrogatepass") if entry.chars else b""
             size = entry.size
@@ -1103,14 +1284,15 @@ def encode_entries(list entries, fallback) -> list:
             p = put_varint(put_varint(p + 26, size), count)
             if width:
                 p[0] = <char>width
-                pack_sketch(&sketch[0], n, width, p + 1)
+                pack_sketch(values, n, width, p + 1)
             elif n:
-                memcpy(p, &sketch[0], 4 * n)
+                memcpy(p, values, 4 * n)
             if chars:
                 memcpy(p + body, <const char *>(<bytes>chars), len(<bytes>chars))
             out.append(blob)
-        else:
-            out.append(fallback(entry))
+        finally:
+            if held:
+                PyBuffer_Release(&view)
     return out
 
 

@@ -8,7 +8,10 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Callable, Sequence
+from itertools import pairwise
 from typing import Any
+
+import numpy as np
 
 from filters.errors import IndexCorrupt
 from filters.index.redis_codec import live_memo
@@ -426,3 +429,55 @@ def alone_round(ids: list[str], times: list[float], blobs: list[bytes], fields_o
         written.append((seq, s, places))
         results.append(seq)
     return results, groups, written, hwm, seq
+
+
+# --- a rebuild's held fields (`CompactIndex._rebuild_compact`) ---------------------------------------------
+
+def entry_pairs(ids: Sequence[str], blobs: Sequence[bytes], seqs: Sequence[int],
+                slices: Sequence[int]) -> dict[int, list[bytes]]:
+    """Per slice, the slice hash's field-value pairs (`e<seq>`, `entry_value`) of the entries a rebuild took
+    (`seqs[i]` > 0; `slices[i]`: the slice of entry i), in order (`_native.entry_pairs` is the compiled twin)."""
+    out: dict[int, list[bytes]] = {}
+    for id, blob, seq, s in zip(ids, blobs, seqs, slices, strict=True):
+        if seq > 0:
+            out.setdefault(int(s), []).extend((entry_field(int(seq)), entry_value(blob, id)))
+    return out
+
+
+def held_pairs(keys: Sequence[int] | np.ndarray, bounds: Sequence[int] | np.ndarray,
+               times: Sequence[float] | np.ndarray, seqs: Sequence[int] | np.ndarray, ids: Sequence[str | None],
+               olds: dict[bytes, bytes], cap: int, old_ids: bool) -> list[bytes]:
+    """The bucket and id fields of one slice that a rebuild held, as the field-value pairs to write (name, value,
+    ...; each name once, in the order first written): per entry n in order (its bucket keys
+    `keys[bounds[n]:bounds[n + 1]]`, a key given twice counting once; its event time, seq and id), what the
+    insert writes (`alone_round`): its record appended to each of its bucket fields, a value that holds more
+    than twice the cap's records trimmed to the cap's newest first, and written as its `i<id>` (an id None: not
+    here, a share of the small hashes without it). A field of `olds` (what Redis holds of it: written by an
+    earlier flush of the rebuild, or by somebody else) goes on from that value; with `old_ids`, an `i<id>` of
+    `olds` is kept as it is (`_native.held_pairs` is the compiled twin)."""
+    if len(bounds) != len(ids) + 1 or any(not 0 <= a <= b <= len(keys) for a, b in pairwise(bounds)):
+        raise ValueError(f"bounds must rise within the {len(keys)} keys")
+    values: dict[bytes, bytes] = {}
+    last: dict[bytes, int] = {}  # field -> the entry that appended to it last (a key given twice counts once)
+    too_long = 2 * cap * RECORD_SIZE
+    for n, (ts, seq, id) in enumerate(zip(times, seqs, ids, strict=True)):
+        rec = record(float(ts), int(seq))
+        for key in keys[bounds[n] : bounds[n + 1]]:
+            name = b"b" + int(key).to_bytes(8, "big")
+            if last.get(name) == n:
+                continue
+            last[name] = n
+            value = values.get(name, olds.get(name))
+            values[name] = rec if value is None else (trim_records(value, cap) if len(value) > too_long else value) + rec
+        if id is not None:
+            name = id_field(id)
+            if not (old_ids and name in olds):
+                values[name] = rec
+    return [x for pair in values.items() for x in pair]
+
+
+def id_shares(ids: Sequence[str], bits: int) -> list[int]:
+    """The share of each id's `i<id>` field among 2^`bits` shares of a slice's small hashes: the top `bits` bits of
+    its small hash (`field_hash`), 0 for a name that lives in the slice hash (`_native.id_shares` is the compiled
+    twin)."""
+    return [field_hash(id_field(id), bits) or 0 for id in ids]

@@ -156,7 +156,6 @@ from filters.index.redis_codec import (
     entry_time,
     field_of,
     id_field,
-    memo_field,
     memo_time,
     newest_records,
     overlay_writes,
@@ -165,7 +164,6 @@ from filters.index.redis_codec import (
     rank_records,
     restore_accept,
     restore_round,
-    trim_records,
 )
 from filters.index.shared import SharedDecider
 from filters.records import Verdict
@@ -514,6 +512,7 @@ class RedisIndex:
         self._known_cap = target.entry_cache
         self._rank = _native.rank_records if _native is not None else rank_records
         self._plan = _native.plan_fields if _native is not None else plan_fields
+        self._numbers: list[int] = []  # the ints `plan_fields` takes a batch's places from, kept from batch to batch
         self._round = _native.alone_round if _native is not None else alone_round
         self._restore_round = _native.restore_round if _native is not None else restore_round
         self._restore_accept = _native.restore_accept if _native is not None else restore_accept
@@ -626,7 +625,11 @@ class RedisIndex:
         entries = self._entries({(id, ts) for _, _, ranked in found for id, _, _, ts in ranked})
         out: list[tuple[Entry | Verdict | None, list[Candidate]]] = []
         for q, (own, memo, ranked) in zip(queries, found):
-            cands = [new_candidate(entries[id], shared, q.keys[first]) for id, shared, first, _ in ranked if id in entries]
+            if ranked:  # (a comprehension is a call: none for a query without candidates, most of them)
+                keys = q.keys
+                cands = [new_candidate(entries[id], shared, keys[first]) for id, shared, first, _ in ranked if id in entries]
+            else:
+                cands = []
             out.append((decode_entry(own, q.id) if own is not None else None if memo is None else decode_memo(memo, q.id),
                         cands))
         return out
@@ -675,7 +678,9 @@ class RedisIndex:
         """Every field name the batch reads, and its place in a column (`plan_fields`: each query's entry
         field, and its memo field right after it)."""
         try:
-            return self._plan([q.keys for q in queries], [id_field(q.id) for q in queries])
+            # (`id_field` of each, inline: no Python call a query)
+            return self._plan([q.keys for q in queries], [b"e" + q.id.encode("utf-8", "surrogatepass") for q in queries],
+                              self._numbers)
         except (struct.error, OverflowError):
             raise ValueError(f"bucket keys must be unsigned 64-bit ints: {[q.keys for q in queries]!r}") from None
 
@@ -731,12 +736,16 @@ class RedisIndex:
         horizon = self._hwm - self.window
         pairs: dict[int, list[bytes]] = {}
         written = []
+        length = self.slice_length
         for verdict, ts in memos:
-            ts = _event_time(ts, verdict.id, self.slice_length)
+            ts = float(ts)
+            if not (_MIN_TS < ts < math.inf and abs(ts / length) < _MAX_SLICE):  # `_event_time`'s check, inline
+                _event_time(ts, verdict.id, length)  # raises
             if ts < horizon:
                 continue
-            value, s = encode_memo(verdict, ts), self._slice(ts)
-            pairs.setdefault(s, []).extend((memo_field(verdict.id), value))
+            # (`_slice` and `memo_field`, inline: a duplicate's memo costs one Python call, its encoding)
+            value, s = encode_memo(verdict, ts), math.floor(ts / length)
+            pairs.setdefault(s, []).extend((b"d" + verdict.id.encode("utf-8", "surrogatepass"), value))
             written.append((s, verdict.id, value))
         if not written:
             return None
@@ -1427,7 +1436,7 @@ class RedisIndex:
         if not view.exact or not view.slices or any(p is None for p in places_of):
             return None
         window, cap = self.window, self.bucket_cap
-        times = [_event_time(e.ts, e.id, self.slice_length) for e, _ in entries]
+        times = _event_times(entries, self.slice_length)
         stored_hwm = _stored_time(view.hwm)
         hwm = max(self._hwm, stored_hwm)
         slices = range(self._slice(max(hwm, min(times)) - window), self._slice(max(hwm, max(times))) + 1)
@@ -1442,7 +1451,7 @@ class RedisIndex:
             [e.id for e, _ in entries], times, self._encode(list(entries), encode_entry), list(fields_of),
             cast("list[list[int]]", list(places_of)), [view.entry_places[looked[e.id]] for e, _ in entries],
             tuple(slices), view.columns, writes,
-            hwm, window, self.slice_length, cap, seq, entry_time, trim_records)
+            hwm, window, self.slice_length, cap, seq, entry_time)
         hwm_bytes = view.hwm if hwm <= stored_hwm else (b"%.17g" % hwm)
         clock = hwm if self._clock is None else self._clock
         gone = f"{self._spre}{self._slice(clock - window) - 1}" if seq > start else ""
@@ -1880,18 +1889,35 @@ def _stored_time(stored: bytes) -> float:
 
 def _event_time(ts: float, id: str, slice_length: float) -> float:
     ts = float(ts)
-    # Slice numbers must stay exact integers, in Lua (doubles) as in Python: |ts / slice| < 2^50.
+    # Slice numbers must stay exact integers, in Lua (doubles) as in Python: |ts / slice| < 2^50. The same test
+    # is written inline in `high_marks` and `_memo_writes` (a call a message counts there), each calling this
+    # one to raise; tests/test_redis_index.py refuses the same bad times through lookup and insert.
     if not (_MIN_TS < ts < math.inf and abs(ts / slice_length) < _MAX_SLICE):  # also rejects NaN
         raise ValueError(f"event time of {id!r} must be finite, > -2^52 and below 2^50 windows, got {ts!r}")
     return ts
 
 
+def _event_times(entries: Sequence[tuple[Entry, tuple[int, ...]]], slice_length: float) -> list[float]:
+    """`_event_time` of each entry, checked all at once (the first bad one raises its error)."""
+    times = [float(e.ts) for e, _ in entries]
+    if times and not (_MIN_TS < min(times) and max(times) < math.inf and math.isfinite(math.fsum(times))
+                      and max(abs(min(times)), abs(max(times))) / slice_length < _MAX_SLICE):
+        for (e, _), ts in zip(entries, times):
+            _event_time(ts, e.id, slice_length)
+    return times
+
+
 def high_marks(queries: Sequence[Query], hwm: float, slice_length: float) -> list[float]:
     """Each query's high-water mark, from `hwm` on: its own event time and those before it count."""
-    marks = []
+    marks: list[float] = []
+    mark = marks.append
     for q in queries:
-        hwm = max(hwm, _event_time(q.ts, q.id, slice_length))
-        marks.append(hwm)
+        ts = float(q.ts)
+        if not (_MIN_TS < ts < math.inf and abs(ts / slice_length) < _MAX_SLICE):  # `_event_time`'s check, inline
+            _event_time(ts, q.id, slice_length)  # raises
+        if ts > hwm:
+            hwm = ts
+        mark(hwm)
     return marks
 
 

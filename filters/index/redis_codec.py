@@ -418,8 +418,8 @@ def rank_records(values: Sequence[Sequence[bytes | None]], positions: Sequence[i
 def alone_round(ids: list[str], times: list[float], blobs: list[bytes], fields_of: list[list[bytes]],
                 places_of: list[list[int]], entry_places: list[int], slices: tuple[int, ...],
                 columns: dict[int, list[bytes | None]], writes: dict[int, dict[int, bytes]], hwm: float,
-                window: float, slice_length: float, cap: int, seq: int, entry_time: Any,
-                trim: Any) -> tuple[list[int], dict[int, list[Any]], list[tuple[int, int, list[int]]], float, int]:
+                window: float, slice_length: float, cap: int, seq: int,
+                entry_time: Any) -> tuple[list[int], dict[int, list[Any]], list[tuple[int, int, list[int]]], float, int]:
     """The loop of `RedisIndex._alone` (`_native.alone_round` is the compiled twin): per entry, in order,
     what INSERT_LUA would do when nobody else wrote since the lookup. An entry whose id is live (its
     entry stored inside the window, read or written) or whose event time left the window gets 0; else
@@ -462,7 +462,7 @@ def alone_round(ids: list[str], times: list[float], blobs: list[bytes], fields_o
             if v is None:
                 v = column[p]
             # A field without a value when read, nobody wrote since: its value is the record.
-            v = record if v is None else (trim(v, cap) if len(v) > too_long else v) + record
+            v = record if v is None else (trim_records(v, cap) if len(v) > too_long else v) + record
             mine[p] = v
             # Each field once in the slice's pairs, with its last value: a bucket several entries of the
             # batch share is sent once, not once per entry with every record again.
@@ -579,12 +579,12 @@ def rank_lookup(columns: list[list[bytes | None]], positions_of: list[list[int]]
     return out
 
 
-def plan_fields(keys_of: Sequence[Sequence[int]], id_fields: Sequence[bytes]) -> tuple[
+def plan_fields(keys_of: Sequence[Sequence[int]], id_fields: Sequence[bytes], numbers: list[int] | None = None) -> tuple[
         list[bytes], list[list[bytes]], list[list[int]], list[int]]:
     """What a lookup reads: every distinct field name once, in first-seen order, and its place; per query
     its bucket keys' field names and places; per query its entry field's place, its memo field (`d` for
     the entry field's first byte: `memo_field`) right after it (`_native.plan_fields` is the compiled
-    twin)."""
+    twin, which takes the places from `numbers`, the ints 0, 1, 2, ... the caller keeps: the same values)."""
     at: dict[bytes, int] = {}
     place = at.setdefault
     fields_of = [[_FIELD(b"b", key) for key in keys] for keys in keys_of]

@@ -3,7 +3,7 @@ protocol, its records of (event time, seq) in small listpack hashes and its entr
 
 Chosen by `?layout=compact`: about 0.56 of the slot layout's memory a message for 1.1-1.3 times its CPU. What
 it does not do, against `RedisIndex`: the uncontended round without WATCH (Redis Cluster runs the checking
-script), a rebuild of a window of more than `HOLD_FIELDS` fields at its speed (the rest goes in guarded
+script), a rebuild of a window of more than `HOLD_IDS` ids at its speed (the rest goes in guarded
 transactions).
 """
 
@@ -13,7 +13,7 @@ import math
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any, cast
 
@@ -24,6 +24,8 @@ from filters.index import Candidate, Entry, Query, Stored, new_candidate
 from filters.index import compact_codec as cc
 from filters.index import redis as slot  # its restore's chunk and attempts, read when restoring
 from filters.index.redis import (
+    _MAX_SLICE,
+    _MIN_TS,
     FIELDS_PER_CALL,
     FIELDS_PER_HMGET,
     INSERT_CHUNK,
@@ -65,7 +67,13 @@ STATS_SAMPLE = 1 << cc.K_MIN  # small hashes a slice whose fields `stats` counts
 MARKS_KEPT = 1 << 16  # marked buckets a client remembers a slice (read in the slice hash at once)
 REAP_KEYS = 1024  # small hashes an UNLINK of a slice that left the window names ...
 REAP_COMMANDS = 4  # ... and such commands sent with a lookup
-HOLD_FIELDS = 1 << 22  # bucket and id fields a rebuild holds (~150 bytes each) before it writes them and hands on
+HOLD_RECORDS = 1 << 24  # bucket records a rebuild holds (~20 bytes each) before it writes them and goes on ...
+HOLD_IDS = 1 << 22  # ... and ids inside the window it knows (~100 bytes each) before it hands the rest on
+# A rebuild writes a slice's small hashes in 16 shares (a slice has at least 2^K_MIN), each made while the one
+# before is sent: what a share's values take in memory a sixteenth of the slice's.
+WRITE_SHARE_BITS = 4
+SEND_BYTES = 1 << 20  # ... sent in pieces of at most this many bytes, each within the socket's timeout
+READ_COMMANDS = 1 << 16  # a rebuild's reads of what Redis holds go this many commands a round trip
 
 
 def _script() -> _Script:
@@ -108,6 +116,57 @@ def _pack(commands: list[Sequence[Any]]) -> bytes:
     if _native is not None:
         return cast(bytes, _native.pack_commands(commands))
     return b"".join(hiredis.pack_command(tuple(command)) for command in commands)
+
+
+@dataclass(slots=True)
+class _HeldFields:
+    """A rebuild's bucket and id fields not written yet (`CompactIndex._rebuild_compact`), in flat arrays: per
+    slice, a chunk at a time, the bucket keys of the entries it took there (all of them, in order) and each
+    entry's number of keys, event time, seq and id (`held_pairs` makes the fields of them); and per slice the
+    rebuild wrote entries to, the bits an earlier write of what was held gave it (its fields are read back
+    when written again) and the entries its count holds."""
+
+    parts: dict[int, list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[str]]]] = field(
+        default_factory=dict)
+    slices: set[int] = field(default_factory=set)  # slices the rebuild wrote entries to, not dropped
+    written: dict[int, int] = field(default_factory=dict)  # slice -> its bits, once held fields were written there
+    counted: dict[int, int] = field(default_factory=dict)  # slice -> the entries its count `n` holds
+    records: int = 0  # bucket records held
+
+    def add(self, s: int, keys: np.ndarray, sizes: np.ndarray, times: np.ndarray, seqs: np.ndarray,
+            ids: list[str]) -> None:
+        """Entries taken into slice `s`: their bucket keys, number of keys, event times, seqs and ids."""
+        self.parts.setdefault(s, []).append((keys, sizes, times, seqs, ids))
+        self.slices.add(s)
+        self.records += len(keys)
+
+    def columns(self, s: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[str]]:
+        """What is held of slice `s` as `held_pairs` takes it: keys, bounds, event times, seqs, ids."""
+        parts = self.parts.get(s, [])
+        sizes = np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, np.int64)
+        return (np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.uint64),
+                np.concatenate(([0], np.cumsum(sizes))).astype(np.int64),
+                np.concatenate([p[2] for p in parts]) if parts else np.zeros(0),
+                np.concatenate([p[3] for p in parts]) if parts else np.zeros(0, np.uint64),
+                [id for p in parts for id in p[4]])
+
+    def drop(self, s: int) -> int | None:
+        """Forgets slice `s` (it left the window); returns the bits it was written with, None if never."""
+        self.records -= sum(len(p[0]) for p in self.parts.pop(s, []))
+        self.slices.discard(s)
+        self.counted.pop(s, None)
+        return self.written.pop(s, None)
+
+    def clear(self) -> None:
+        """Forgets what is held (it was written), not the slices written."""
+        self.parts = {}
+        self.records = 0
+
+
+def _distinct_keys(keys: np.ndarray) -> list[bytes]:
+    """The distinct bucket keys of `keys`, each as its 8 bytes big-endian."""
+    raw = np.unique(keys).astype(">u8").tobytes()
+    return [raw[a : a + 8] for a in range(0, len(raw), 8)]
 
 
 def _mixed32(h: int) -> bytes:
@@ -161,6 +220,9 @@ class CompactIndex(RedisIndex):
         self._pack_reads = _native.pack_reads if _native is not None else cc.pack_reads
         self._first_error = _native.first_error if _native is not None else cc.first_error
         self._pack_writes = _native.pack_writes if _native is not None else cc.pack_writes
+        self._entry_pairs = _native.entry_pairs if _native is not None else cc.entry_pairs
+        self._held_pairs = _native.held_pairs if _native is not None else cc.held_pairs
+        self._id_shares = _native.id_shares if _native is not None else cc.id_shares
         # A slice's reads and writes go packed at once (`_Packed`) where the commands go packed on one connection.
         self._packs = self._direct()
 
@@ -728,18 +790,21 @@ class CompactIndex(RedisIndex):
     def _rebuild_compact(self, parts: Iterator[Stored], died: bool) -> tuple[Iterator[tuple[Stored, int]], int]:
         """Restores `parts` into a fenced namespace without its marker that nobody else writes (`restore`; `died`:
         a rebuild before this one left its `rebuilding` field: what it wrote goes first). Per chunk of
-        `REBUILD_CHUNK` entries, which entries the insert would take and their seqs are told here from the
-        fields held (`alone_compact` over columns read from them, not from Redis), their entries written at
-        once (with the seq, by HINCRBY, and a read of the seq and the marker: anybody else writing shows);
-        the bucket and id fields are held and each slice written at the end, each small hash once
-        (`write_commands`), with the bits of the rate its entries show. A slice that left the window is
-        forgotten and unlinked (its entries went). Once more than `HOLD_FIELDS` fields are held, or somebody
-        else wrote, what is held goes (merged with what Redis holds, in the latter case) and the rest is
-        handed to the guarded chunks. Returns (the rest: (part, first entry not restored); entries written)."""
-        meta, ttl, window, cap = self._meta, self._ttl_ms, self.window, self.bucket_cap
-        held: dict[int, dict[bytes, bytes]] = {}  # slice -> field -> value, bucket and id fields not written yet
+        `REBUILD_CHUNK` entries, which entries the insert would take and their seqs are told here from the ids
+        it took (`restore_accept`: an id stays live as long as its newest entry is inside the window; nothing is
+        read from Redis), their entries written at once (with the seq, by HINCRBY, and a read of the seq and the
+        marker: anybody else writing shows); their bucket keys and ids are held in flat arrays (`_HeldFields`)
+        and each slice written at the end, each small hash once (`held_pairs`, `write_commands`), with the bits
+        of the rate its entries show. A slice that left the window is forgotten and unlinked (its entries went).
+        Once more than `HOLD_RECORDS` bucket records are held, what is held is written and the rebuild goes on
+        (a field written is read back when written again); once more than `HOLD_IDS` ids are inside the window,
+        or somebody else wrote, what is held goes (merged with what Redis holds, in the latter case) and the rest
+        is handed to the guarded chunks. Returns (the rest: (part, first entry not restored); entries written)."""
+        meta, ttl, window, length = self._meta, self._ttl_ms, self.window, self.slice_length
+        held = _HeldFields()
         counts: dict[int, int] = {}  # slice -> entries written there
         rates: dict[int, list[float]] = {}  # slice -> [entries, earliest, latest event time] restored there
+        live: dict[str, float] = {}  # id -> event time of its newest entry taken (`restore_accept`)
         written = 0
         start: list[Sequence[Any]] = []
         if died:  # its entries would pass for live, its fields are held nowhere: the changelog has them all
@@ -755,30 +820,25 @@ class CompactIndex(RedisIndex):
             self._raise_any(replies)
         seq = int(replies[-1][0] or 0)
         hwm = max(self._hwm, self._stored_top, _stored_time(replies[-1][1] or b""))
-        parts_left = parts
-        for part in parts_left:
-            times = [_event_time(float(t), id, self.slice_length) for id, t in zip(part.ids, part.times)]
-            array = np.asarray(times, dtype=np.float64)
-            of_slice = np.floor(array / self.slice_length)
+        step = 2 * FIELDS_PER_CALL
+        for part in parts:
+            array = np.asarray(part.times, dtype=np.float64)
+            bad = ~(np.isfinite(array) & (array > _MIN_TS) & (np.abs(array / length) < _MAX_SLICE))
+            if bad.any():
+                at = int(np.flatnonzero(bad)[0])
+                _event_time(float(array[at]), part.ids[at], length)  # raises its ValueError
+            of_slice = np.floor(array / length).astype(np.int64)
             for s in np.unique(of_slice).tolist():
                 there = array[of_slice == s]
                 rate = rates.setdefault(int(s), [0, math.inf, -math.inf])
                 rate[0] += len(there)
                 rate[1], rate[2] = min(rate[1], float(there.min())), max(rate[2], float(there.max()))
+            sizes: np.ndarray = np.diff(np.asarray(part.bounds, dtype=np.int64))
             chunk = slot.REBUILD_CHUNK
             for at in range(0, len(part.ids), chunk):
-                rows = self._rows(part, times, at, min(at + chunk, len(part.ids)))
-                ids, tss = [r[0] for r in rows], [r[1] for r in rows]
-                names, key_fields, positions, id_places = self._planned([Query(id, ts, keys)
-                                                                         for id, ts, _, keys in rows])
-                low = hwm if math.isfinite(hwm) else min(tss)
-                slices = tuple(range(self._slice(low - window), self._slice(max(hwm, max(tss))) + 1))
-                none: list[bytes | None] = [None] * len(names)
-                columns = {s: list(map(held[s].get, names)) if s in held else none for s in slices}
-                blobs = [r[2] for r in rows]
-                results, groups, _, new_hwm, new_seq = self._alone_compact(
-                    ids, tss, blobs, key_fields, positions, id_places, slices, columns, {s: {} for s in slices},
-                    hwm, window, self.slice_length, cap, seq)
+                stop = min(at + chunk, len(part.ids))
+                ids, tss, slices = part.ids[at:stop], array[at:stop], of_slice[at:stop]
+                seqs, new_hwm, new_seq = self._restore_accept(ids, tss, live, hwm, window, seq)
                 alone = True
                 if new_seq != seq:  # its seqs taken first: a seq names one entry, whoever else inserts
                     with self._errors():
@@ -786,66 +846,75 @@ class CompactIndex(RedisIndex):
                         self._raise_any(replies)
                     if replies[0] != new_seq:  # somebody else took some meanwhile: the chunk's are those after
                         alone = False
-                        seq = replies[0] - (new_seq - seq)
-                        results, groups, _, new_hwm, new_seq = self._alone_compact(
-                            ids, tss, blobs, key_fields, positions, id_places, slices, columns,
-                            {s: {} for s in slices}, hwm, window, self.slice_length, cap, seq)
+                        seqs[seqs > 0] += np.uint64(replies[0] - new_seq)
+                        new_seq = replies[0]
+                taken = seqs > 0
+                groups = self._entry_pairs(ids, part.blobs[at:stop], seqs.tolist(), slices.tolist())
                 commands: list[Sequence[Any]] = []
-                step = 2 * FIELDS_PER_CALL
-                taken: dict[int, list[int]] = {}
-                for seq_i, (_, ts, _, _) in zip(results, rows):
-                    if seq_i > 0:
-                        taken.setdefault(self._slice(ts), []).append(seq_i)
-                for s, (count, pairs) in groups.items():
-                    fields = held.setdefault(s, {})
-                    fields.update(zip(pairs[0::2], pairs[1::2]))  # the entries taken out again below
-                    entries: list[bytes] = []
-                    for name in map(cc.entry_field, taken[s]):
-                        entries += (name, fields.pop(name))
-                    counts[s] = counts.get(s, 0) + count
+                for s, pairs in groups.items():
+                    counts[s] = counts.get(s, 0) + len(pairs) // 2
                     key = f"{self._spre}{s}"
-                    commands += [("HSET", key, *entries[a : a + step]) for a in range(0, len(entries), step)]
+                    commands += [("HSET", key, *pairs[a : a + step]) for a in range(0, len(pairs), step)]
                     commands.append(("PEXPIRE", key, ttl))
-                gone = [s for s in held if s < self._slice(new_hwm - window)]
-                for s in gone:
-                    del held[s]
-                    commands.append(("UNLINK", f"{self._spre}{s}"))
+                chunk_keys = np.asarray(part.keys[int(part.bounds[at]) : int(part.bounds[stop])], dtype=np.uint64)
+                for s in groups:
+                    mine = taken & (slices == s)
+                    held.add(s, chunk_keys[np.repeat(mine, sizes[at:stop])], sizes[at:stop][mine], tss[mine], seqs[mine],
+                             [ids[i] for i in np.flatnonzero(mine).tolist()])
+                for s in [s for s in held.slices if s < self._slice(new_hwm - window)]:
+                    commands += self._forget_slice(held, s)
                 if new_seq != seq:
                     commands.append(("HSET", meta, "hwm", b"%.17g" % new_hwm))
                 commands += [("PEXPIRE", meta, ttl), ("HMGET", meta, "seq", MARKER)]
                 with self._errors():
                     replies = self._execute(commands)
                     self._raise_any(replies)
-                written += sum(1 for r in results if r > 0)
+                written += int(np.count_nonzero(taken))
                 now_seq, marker = replies[-1]
                 alone = alone and marker is None and int(now_seq or 0) == new_seq
                 seq, hwm = new_seq, new_hwm
-                if not alone or sum(map(len, held.values())) > HOLD_FIELDS:
-                    self._write_held(held, counts, rates, merge=not alone)
+                if alone and len(live) > HOLD_IDS:  # those that left the window are never live again
+                    live = {id: ts for id, ts in live.items() if ts >= hwm - window}
+                if not alone or len(live) > HOLD_IDS:
+                    self._write_held(held, counts, rates, intruded=not alone, done=True)
                     self._stored_top = max(self._stored_top, hwm)  # the guarded chunks' first live ids
-                    rest = chain([(part, min(at + chunk, len(part.ids)))], ((p, 0) for p in parts_left))
+                    rest = chain([(part, stop)], ((p, 0) for p in parts))
                     return rest, written
-        self._write_held(held, counts, rates, merge=False)
+                if held.records > HOLD_RECORDS:  # written now, read back where named again
+                    self._write_held(held, counts, rates, intruded=False, done=False)
+        self._write_held(held, counts, rates, intruded=False, done=True)
         self._stored_top = max(self._stored_top, hwm)
         return iter(()), written
 
-    def _write_held(self, held: dict[int, dict[bytes, bytes]], counts: dict[int, int],
-                    rates: dict[int, list[float]], *, merge: bool) -> None:
+    def _forget_slice(self, held: _HeldFields, s: int) -> list[Sequence[Any]]:
+        """The commands that unlink slice `s` of a rebuild, which left the window (its small hashes too where an
+        earlier write of what was held made them), and forgets what is held of it."""
+        commands: list[Sequence[Any]] = [("UNLINK", f"{self._spre}{s}")]
+        bits = held.drop(s)
+        if bits is not None:
+            keys = [f"{self._spre}{s}:{j}" for j in range(1 << bits)]
+            commands += [("UNLINK", *keys[a : a + REAP_KEYS]) for a in range(0, len(keys), REAP_KEYS)]
+            commands.append(("HDEL", self._meta, f"k:{s}"))
+        return commands
+
+    def _write_held(self, held: _HeldFields, counts: dict[int, int], rates: dict[int, list[float]], *,
+                    intruded: bool, done: bool) -> None:
         """Writes a rebuild's held fields (`_rebuild_compact`), each small hash once, a slice with the bits the
-        meta hash gives it (somebody else made it meanwhile), else those of the rate its entries show (its
-        count, the count of the slice before, the rate restored there: `expected_counts`), and its count of
-        entries; then sets the bits and drops `rebuilding`. `merge`: somebody else wrote too: each field's
-        value in Redis goes first (its records before the held ones, the cap's newest kept; an id kept)."""
+        meta hash gives it (set by an earlier write, or by somebody else meanwhile), else those of the rate its
+        entries show (its count, the count of the slice before, the rate restored there: `expected_counts`), and
+        the count of entries written since; then sets the bits, and drops `rebuilding` when `done`. A field that
+        Redis may hold already (`intruded`: somebody else wrote too; or in a slice written before) goes on from
+        the value there; an id that somebody else wrote is kept."""
         meta, ttl = self._meta, self._ttl_ms
-        slices = sorted(held)
+        slices = sorted(held.parts)
         with self._errors():
             replies = self._execute([("HMGET", meta, *(f"k:{s}" for s in slices))] if slices else [])
             self._raise_any(replies)
         known = replies[0] if slices else []
-        commands: list[Any] = []
         made: list[Any] = []
+        # Per slice: its key, bits, buckets kept in the slice hash, entries to count, and what `held_pairs` takes.
+        pieces: list[tuple[str, int, set[bytes], int, tuple[Any, ...]]] = []
         for s, k in zip(slices, known):
-            fields = held[s]
             if k is not None:
                 bits = int(k)
             else:
@@ -855,39 +924,78 @@ class CompactIndex(RedisIndex):
                            cc.slice_bits(self._rate_count))
                 made += (f"k:{s}", bits)
             key = f"{self._spre}{s}"
+            keys, bounds, times, seqs, ids = held.columns(s)
             marked: set[bytes] = set()
-            pairs: list[bytes] = []
-            if merge:
-                olds = self._held_olds(key, list(fields), bits, marked)
-                for name, value in fields.items():
-                    old = olds.get(name)
-                    if old is not None:
-                        value = old if name[:1] == b"i" else cc.trim_records(old + value, self.bucket_cap)
-                    pairs += (name, value)
-            else:
-                pairs = list(chain.from_iterable(fields.items()))
-            if self._packs:  # packed at once: a rebuild writes every small hash of its slices
-                blob, n, _ = self._pack_writes(key, pairs, bits, marked, counts.get(s, 0), 0, ttl, FIELDS_PER_CALL,
-                                               None)
-                commands.append(_Packed(blob, n))
-            else:
-                commands += self._write_commands_of(key, pairs, bits, marked, counts.get(s, 0), 0, ttl,
-                                                    FIELDS_PER_CALL)
+            olds: dict[bytes, bytes] = {}
+            if intruded or s in held.written:
+                names = [b"b" + raw for raw in _distinct_keys(keys)] + list(dict.fromkeys(map(cc.id_field, ids)))
+                olds = self._held_olds(key, names, bits, marked)
+            entries = counts.get(s, 0) - held.counted.get(s, 0)
+            held.counted[s] = counts.get(s, 0)
+            held.written[s] = bits
+            pieces.append((key, bits, marked, entries, (keys, bounds, times, seqs, ids, olds)))
+        held.clear()  # its arrays are in `pieces` now: not twice in memory while written
+        commands: list[Sequence[Any]] = []
         if made:
             commands.append(("HSET", meta, *made))
-        commands += [("HDEL", meta, REBUILDING), ("PEXPIRE", meta, ttl)]
-        with self._errors():
-            replies = self._execute(commands)
-            self._raise_any(replies)
-        held.clear()
+        if done:
+            commands.append(("HDEL", meta, REBUILDING))
+        commands.append(("PEXPIRE", meta, ttl))
+        cap = self.bucket_cap
+
+        def shares() -> Iterator[tuple[str, list[bytes], int, set[bytes], int]]:
+            """Each slice's fields a share of its small hashes at a time (its bucket keys and ids in that share:
+            `held_pairs` of them, what it holds of the slice a sixteenth at a time), its count with the first."""
+            top = np.uint64(64 - WRITE_SHARE_BITS)
+            for key, bits, marked, entries, (keys, bounds, times, seqs, ids, olds) in pieces:
+                key_shares = (keys * np.uint64(_FIB)) >> top  # (wraps: the product mod 2^64, as `small_hash`)
+                id_shares = np.asarray(self._id_shares(ids, WRITE_SHARE_BITS), dtype=np.int64)
+                for j in range(1 << WRITE_SHARE_BITS):
+                    mine = key_shares == j
+                    before = np.concatenate(([0], np.cumsum(mine)))
+                    sizes = before[bounds[1:]] - before[bounds[:-1]]
+                    has_id = id_shares == j
+                    took = np.flatnonzero((sizes > 0) | has_id)
+                    pairs = self._held_pairs(keys[mine], np.concatenate(([0], np.cumsum(sizes[took]))), times[took],
+                                             seqs[took], [ids[i] if has_id[i] else None for i in took.tolist()],
+                                             olds, cap, intruded)
+                    yield key, pairs, bits, marked, entries if j == 0 else 0
+
+        if not self._packs:  # Cluster: redis-py's pipeline
+            writes = [c for key, pairs, bits, marked, entries in shares()
+                      for c in self._write_commands_of(key, pairs, bits, marked, entries, 0, ttl, FIELDS_PER_CALL)]
+            with self._errors():
+                replies = self._execute([*writes, *commands])
+                self._raise_any(replies)
+        else:  # each share packed while the one before is sent (a thread of its own) and written by Redis
+            with self._errors():
+                conn = self._pinned()
+                self._drain()
+                sender = slot._Sender(conn)
+                try:
+                    for key, pairs, bits, marked, entries in shares():
+                        blob, n, _ = self._pack_writes(key, pairs, bits, marked, entries, 0, ttl, FIELDS_PER_CALL,
+                                                       None)
+                        for a in range(0, len(blob), SEND_BYTES):  # the socket's timeout bounds each piece's send
+                            sender.send(blob[a : a + SEND_BYTES], n if a == 0 else 0)
+                    sender.send(_pack(commands), len(commands))
+                    replies = _read_replies(conn, sender.close())
+                except BaseException:
+                    sender.close(raising=False)
+                    conn.disconnect()  # replies may still be on their way: never reuse it (it reconnects)
+                    raise
+                self._raise_any(replies)
 
     def _held_olds(self, key: str, names: list[bytes], bits: int, marked: set[bytes]) -> dict[bytes, bytes]:
         """What Redis holds of a slice's `names` (its small hashes, and the slice hash for those read as the mark,
         which go to `marked`)."""
         reads, places = self._read_commands_of(key, names, bits, set(), FIELDS_PER_HMGET)
-        with self._errors():
-            replies = self._execute(reads)
-            self._raise_any(replies)
+        replies: list[Any] = []
+        for a in range(0, len(reads), READ_COMMANDS):  # a command a small hash: millions in a slice of many
+            with self._errors():
+                got = self._execute(reads[a : a + READ_COMMANDS])
+                self._raise_any(got)
+            replies += got
         column = self._column_of(replies, places, len(names))
         olds = {name: value for name, value in zip(names, column) if value is not None}
         marked.update(name for name, value in olds.items() if value == cc.MARK)

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from filters.fingerprint import METHOD_NAMES, Fingerprint
-from filters.index import Batch, Candidate, Entry, Memo, Query, Verifier, new_query
+from filters.index import Batch, Candidate, Entry, Memo, Query, Verifier, new_entry, new_query
 from filters.index.memory import MemoryIndex
 from filters.records import Message, Verdict, new_verdict
 
@@ -65,11 +65,11 @@ class SharedDecider:
         if sent is not None and sent[0] is messages and sent[1] is fps:
             queries = sent[2]
         else:
-            queries = [_query(verifier, m, fp) for m, fp in zip(messages, fps)]
+            queries = _queries(verifier, messages, fps)
         looked = _timed(batch.observe, "lookup", lambda: rounds.lookup(queries, limit))
         upcoming = batch.upcoming
         if upcoming is not None and upcoming[0] and isinstance(upcoming[1], list | tuple):
-            following = [_query(verifier, m, fp) for m, fp in zip(*upcoming)]
+            following = _queries(verifier, *upcoming)
             self._upcoming = (upcoming[0], upcoming[1], following)
             rounds.prefetch(following)
         verdicts, pending, remembered = against(verifier, messages, fps, looked)
@@ -121,8 +121,19 @@ def _point_at_representatives(messages: Sequence[Message], verdicts: list[Verdic
             verdicts[i] = Verdict(v.id, True, target, v.similarity, v.method)
 
 
-def _query(verifier: Verifier, msg: Message, fp: Fingerprint) -> Query:
-    return new_query(msg.id, msg.ts, fp.keys, verifier.floor(len(fp.keys)))
+def _queries(verifier: Verifier, messages: Sequence[Message], fps: Sequence[Fingerprint]) -> list[Query]:
+    """A batch's queries: no Python call a message (a batch's messages have a few numbers of keys: the
+    verifier's floor is asked once for each)."""
+    floors: dict[int, int] = {}
+    out = []
+    for m, fp in zip(messages, fps):
+        keys = fp.keys
+        n = len(keys)
+        floor = floors.get(n)
+        if floor is None:
+            floor = floors[n] = verifier.floor(n)
+        out.append(new_query(m.id, m.ts, keys, floor))
+    return out
 
 
 def against(verifier: Verifier, messages: Sequence[Message], fps: Sequence[Fingerprint],
@@ -141,8 +152,9 @@ def against(verifier: Verifier, messages: Sequence[Message], fps: Sequence[Finge
         verdicts, unique, remembered = batch_local.table.decide_shared(  # type: ignore[attr-defined]
             [m.id for m in messages], [m.ts for m in messages], list(fps), list(looked), cfg, METHOD_NAMES,
             new_verdict)
-        for i in unique:
-            pending[i] = Entry.of(messages[i].id, messages[i].ts, fps[i])
+        for i in unique:  # `Entry.of`, inline: one call an entry fewer
+            m, fp = messages[i], fps[i]
+            pending[i] = new_entry(m.id, m.ts, fp.exact, fp.size, fp.sketch, fp.simhash, fp.minhash, fp.sentences, fp.chars)
         return verdicts, pending, remembered
     verdicts = []
     remembered = []
