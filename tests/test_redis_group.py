@@ -3,9 +3,11 @@ its own: what it stores, the refusal of another layout, ids confirmed by their e
 
 from __future__ import annotations
 
+import random
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import pytest
 import redis
@@ -24,6 +26,8 @@ from tests.test_redis_index import (  # tests collected again here, with this mo
     WINDOW,
     PausedLookup,
     assert_stored_alike,
+    cluster_url,
+    drop_cluster_namespace,
     entry,
     ids,
     made_indexes,
@@ -89,12 +93,18 @@ def layout() -> type[RedisIndex]:
     return GroupIndex
 
 
-@pytest.fixture
-def race_url(redis_url: str) -> Iterator[str]:
-    """Standalone Redis only: the group layout has no checking script for Redis Cluster yet."""
+@pytest.fixture(params=["standalone", "cluster"])
+def race_url(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Standalone Redis, and Redis Cluster (where every round is the checking script)."""
     prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
-    yield with_query(redis_url, prefix=prefix, layout="group")
-    drop_namespace(redis_url, prefix)
+    if request.param == "standalone":
+        base = request.getfixturevalue("redis_url")
+        yield with_query(base, prefix=prefix, layout="group")
+        drop_namespace(base, prefix)
+    else:
+        base = cluster_url(request.getfixturevalue("redis_cluster_url"))
+        yield with_query(base, prefix=prefix, layout="group")
+        drop_cluster_namespace(base, prefix)
 
 
 def test_a_stream_leaves_its_records_in_groups_of_the_slice_hash(make: Callable[..., RedisIndex], redis_url: str,
@@ -245,9 +255,25 @@ def test_the_first_slice_gets_the_groups_of_the_rate_the_url_names(make: Callabl
     assert RedisTarget.parse("redis://h/0?layout=group&rate=2.5").rate == 2.5
 
 
-def test_redis_cluster_is_refused_with_one_line() -> None:
-    with pytest.raises(ConfigError, match="standalone Redis only"):
-        GroupIndex("redis+cluster://127.0.0.1:1/0?layout=group", window=WINDOW, bucket_cap=8, namespace="ns")
+def test_a_cluster_routes_as_the_memory_index(redis_cluster_url: str) -> None:
+    """On Redis Cluster (no WATCH: the checking script every round, its keys all of one hash tag) the group layout
+    decides a stream as the memory index, its keys all on one master."""
+    prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
+    url = with_query(cluster_url(redis_cluster_url), prefix=prefix, layout="group")
+    messages = generated_messages(400, seed=5)
+    config = FilterConfig(window=WINDOW)
+    index = GroupIndex(url, window=WINDOW, bucket_cap=config.bucket_cap, namespace="ns")
+    try:
+        got = [v for at in range(0, 400, 50) for v in NearDupFilter(config, index=index).check_batch(messages[at : at + 50])]
+    finally:
+        index.close()
+    memory = NearDupFilter(config)
+    assert got == [v for at in range(0, 400, 50) for v in memory.check_batch(messages[at : at + 50])]
+    with redis.RedisCluster.from_url(redis_cluster_url) as cluster:
+        holding = [node for node in cluster.get_primaries()
+                   if list(cluster.scan_iter(match=f"{{{prefix}:*", target_nodes=node))]
+        assert len(holding) == 1
+    drop_cluster_namespace(cluster_url(redis_cluster_url), prefix)
 
 
 def test_without_the_compiled_core_the_python_reference_decides_alike(make: Callable[..., GroupIndex],
@@ -264,3 +290,161 @@ def test_without_the_compiled_core_the_python_reference_decides_alike(make: Call
         verdicts[name] = [v for at in range(0, len(messages), 128) for v in nd.check_batch(messages[at : at + 128])]
     assert verdicts["reference"] == verdicts["compiled"]
     assert sum(v.duplicate for v in verdicts["compiled"]) > 0
+
+
+def _slice_groups(client: Any, key: str) -> dict[bytes, bytes]:
+    return {f: v for f, v in client.hgetall(key).items() if f.startswith(b"g")}
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_checking_script_writes_the_groups_apply_round_writes(make: Callable[..., GroupIndex], redis_url: str,
+                                                                   prefix: str, seed: int) -> None:
+    """Seeded random rounds: a slice of few groups holding records already (buckets past twice the cap, other ids'
+    records, equal event times), then a round of entries through the checking script (`_guarded_round`, nothing
+    to compare), whose buckets crowd those groups (a key given twice too): the groups Redis then holds are
+    `group_codec.apply_round`'s of the groups before, byte for byte, and the entries, count, seq and high-water
+    mark are the round's."""
+    rng = random.Random(seed)
+    window, cap = 100.0, rng.choice([1, 2, 3])
+    bits = rng.choice([0, 1, 2, 4, gc.K_FIRST])
+    s = rng.choice([17, -3])
+    low = s * window
+    pool = [rng.getrandbits(64) for _ in range(rng.choice([3, 8]))]
+    times = [low + rng.choice([0.0, 1.5, 1.5, 40.25, 99.0]) for _ in range(60)]
+    # What the slice holds before: records of the pool's buckets (some with more than twice the cap), ids' records.
+    before: dict[bytes, bytes] = {}
+    start = 50
+    for n in range(1, start + 1):
+        h, is_id = (cc.id_hash(f"old-{n}"), True) if rng.random() < 0.2 else (rng.choice(pool), False)
+        field = gc.group_field(gc.group_of(h, bits))
+        rec = gc.record_key(h) + gc._TS.pack(rng.choice(times)) + gc._SEQ.pack(n | (gc.ID_TAG if is_id else 0))
+        before[field] = before.get(field, b"") + rec
+    index = make(window=window, bucket_cap=cap)
+    meta, key = f"{{{prefix}:ns}}:meta", f"{{{prefix}:ns}}:g:{s}"
+    with redis.Redis.from_url(redis_url) as client:
+        client.hset(meta, mapping={"seq": start, "hwm": repr(low), "layout": "group", f"k:{s}": bits})
+        client.hset(key, mapping=before)
+        count = rng.randint(1, 14)
+        ids = [f"new-{seed}-{i}" for i in range(count)]
+        entry_times = [rng.choice(times) for _ in ids]
+        fields_of = []
+        for _ in ids:
+            keys = rng.sample(pool, rng.randint(1, len(pool)))
+            if rng.random() < 0.4:
+                keys.append(keys[0])  # a key given twice: appended twice, as `apply_round` appends it
+            fields_of.append([b"b" + k.to_bytes(8, "big") for k in keys])
+        blobs = [rng.randbytes(rng.randint(0, 40)) for _ in ids]
+        results, hwm = index._guarded_round(ids, entry_times, blobs, fields_of, [False] * count)
+        assert results == list(range(start + 1, start + count + 1))
+        names = list(dict.fromkeys([*(f for fields in fields_of for f in fields), *map(cc.id_field, ids)]))
+        at = {name: p for p, name in enumerate(names)}
+        rows = [(seq, ts, [at[f] for f in fields], at[cc.id_field(id)])
+                for seq, ts, fields, id in zip(results, entry_times, fields_of, ids)]
+        expected = dict(before)
+        gc.apply_round(expected, names, bits, rows, cap)
+        stored = client.hgetall(key)
+        assert {f: v for f, v in stored.items() if f.startswith(b"g")} == expected
+        assert {f: v for f, v in stored.items() if f.startswith(b"e")} == {
+            cc.entry_field(seq): cc.entry_value(blob, id) for seq, blob, id in zip(results, blobs, ids)}
+        assert int(stored[b"n"]) == count
+        state = client.hmget(meta, "seq", "hwm", f"k:{s}")
+    top = max(low, *entry_times)
+    assert state == [str(start + count).encode(), hwm, str(bits).encode()]
+    assert hwm == (repr(low).encode() if top == low else b"%.17g" % top)
+
+
+def _bucket_tops(url: str, prefix: str, pool: Sequence[int], cap: int) -> tuple[dict[int, list[tuple[float, str]]],
+                                                                                 list[str]]:
+    """Per bucket key of `pool`, the `cap` newest (event time, id) of its records in the namespace's slices, and
+    the ids whose records the slices hold (each once per entry)."""
+    client: Any = redis.RedisCluster.from_url(url.replace("+cluster", "")) if "+cluster" in url \
+        else redis.Redis.from_url(url)
+    with client:
+        meta = client.hgetall(f"{{{prefix}:ns}}:meta")
+        slices = {int(f[2:]): int(v) for f, v in meta.items() if f.startswith(b"k:")}
+        stored = {s: client.hgetall(f"{{{prefix}:ns}}:g:{s}") for s in slices}
+    by_seq = {}
+    for fields in stored.values():
+        for f, v in fields.items():
+            if f.startswith(b"e"):
+                by_seq[int.from_bytes(f[1:], "big")] = cc.split_entry_value(v)[1]
+    tops = {}
+    for h in pool:
+        records = []
+        for s, bits in slices.items():
+            value = gc.bucket_records(stored[s].get(gc.group_field(gc.group_of(h, bits))), gc.record_key(h)) or b""
+            for r in range(0, len(value), 16):
+                records.append((gc._TS.unpack_from(value, r)[0], by_seq[int.from_bytes(value[r + 8 : r + 16], "big")]))
+        tops[h] = sorted(records, reverse=True)[:cap]
+    owners = []
+    for fields in stored.values():
+        for f, v in fields.items():
+            if f.startswith(b"g"):
+                for r in range(0, len(v), gc.RECORD_SIZE):
+                    if v[r + 12] & 0x80:
+                        owners.append(by_seq[int.from_bytes(v[r + 12 : r + 20], "big") & ~gc.ID_TAG])
+    return tops, sorted(owners)
+
+
+@pytest.mark.parametrize(("where", "alone"), [("standalone", True), ("standalone", False), ("cluster", False)],
+                         ids=["standalone-transactions-and-script", "standalone-script", "cluster-script"])
+def test_two_clients_writing_the_same_buckets_at_once_store_what_one_after_the_other_stores(
+        request: pytest.FixtureRequest, where: str, alone: bool) -> None:
+    """Two clients insert distinct messages into the same few buckets, each step looked up by both before either
+    inserts (a conflict every step: re-read, then inserted again through the checking script); against the same
+    messages inserted by one client after the other: every entry once, each id's record once, and every bucket's
+    newest records (what a lookup ranks) the same."""
+    base = request.getfixturevalue("redis_url") if where == "standalone" else \
+        cluster_url(request.getfixturevalue("redis_cluster_url"))
+    rng = random.Random(7)
+    pool = [rng.getrandbits(64) for _ in range(6)]
+    cap, steps = 4, 30
+    plan = [[(f"w{w}-{k}", 1000.0 + 2 * k + w, tuple(rng.sample(pool, 3))) for k in range(steps)] for w in range(2)]
+    got = {}
+    for run in ("together", "serial"):
+        prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
+        url = with_query(base, prefix=prefix, layout="group")
+        workers = [GroupIndex(url, window=WINDOW, bucket_cap=cap, namespace="ns") for _ in range(2)]
+        for w in workers:
+            w.alone_inserts = alone
+        step = threading.Barrier(2) if run == "together" else None
+        errors: list[BaseException] = []
+        conflicts = [0, 0]
+
+        def work(w: int, step: threading.Barrier | None = step, workers: list[GroupIndex] = workers,
+                 conflicts: list[int] = conflicts, errors: list[BaseException] = errors) -> None:
+            try:
+                for id, ts, keys in plan[w]:
+                    workers[w].lookup([Query(id, ts, keys)], 8)
+                    if step is not None:
+                        step.wait()
+                    while workers[w].insert([(entry(id, ts, seed=int(ts)), keys)]) != [None]:
+                        conflicts[w] += 1  # distinct messages: verified unique, inserted again
+            except BaseException as exc:
+                errors.append(exc)
+                if step is not None:
+                    step.abort()
+
+        try:
+            if step is None:
+                for w in range(2):
+                    work(w)
+            else:
+                threads = [threading.Thread(target=work, args=(w,)) for w in range(2)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+            assert errors == []
+            assert workers[0].stats()["entries"] == 2 * steps
+            got[run] = _bucket_tops(base, prefix, pool, cap)
+            if run == "together":
+                assert sum(conflicts) >= steps // 2  # they did contend
+            else:
+                assert conflicts == [0, 0]
+        finally:
+            for w in workers:
+                w.close()
+            (drop_namespace if where == "standalone" else drop_cluster_namespace)(base, prefix)
+    assert got["together"] == got["serial"]
+    assert got["serial"][1] == sorted(id for mine in plan for id, _, _ in mine)

@@ -12,11 +12,10 @@ chunks).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
-from filters.errors import ConfigError, IndexUnavailable
+from filters.errors import ConfigError
 from filters.index import Candidate, Entry, Query, Stored, new_candidate
 from filters.index import compact_codec as cc
 from filters.index import group_codec as gc
@@ -26,12 +25,13 @@ from filters.index.redis import (
     FIELDS_PER_HMGET,
     MARKER,
     REBUILDING,
-    RedisTarget,
     _event_time,
+    _lua,
+    _Script,
     _SentRead,
     _stored_time,
 )
-from filters.index.redis_codec import ABSENT, SEQ, decode_memo, encode_entry, live_memo, memo_time
+from filters.index.redis_codec import SEQ, decode_memo, encode_entry, live_memo, memo_time
 from filters.index.redis_compact import CompactIndex
 from filters.records import Verdict
 
@@ -40,8 +40,23 @@ try:  # the compiled core; absent when it could not be built at install time (no
 except ImportError:  # pragma: no cover - exercised on machines without a compiler
     _native = None
 
-CHECK_ATTEMPTS = 16  # guarded rounds (read, check, transaction) refused before a contended insert gives up
 STATS_FIELDS = 4096  # fields of a slice hash `stats` reads all of; of a bigger one, that many of its groups
+
+
+
+def _script() -> _Script:
+    bits = f"{gc.K_FIRST}, {gc.K_MIN}, {gc.K_MAX}, {cc.FIELDS_PER_ENTRY}, {gc.GROUP_FILL}"
+    return _Script.of(_lua("insert_slices.lua", "group_insert.lua").replace("GROUP_BITS", bits))
+
+
+GROUP_INSERT = _script()  # the checking script: a contended round, and every round on Redis Cluster
+
+
+def _mixed(h: int) -> bytes:
+    """A bucket key's (or an id hash's) mixed value as the checking script takes it (8 bytes big-endian: its group
+    the top bits, its records' key the low 32)."""
+    return gc.mixed(h).to_bytes(8, "big")
+
 
 # A slice's read plan: its fields, the place of each name's field, the bits it was read with, its HMGETs.
 _Plan = tuple[list[bytes], list[int], "int | None", int]
@@ -52,8 +67,6 @@ class GroupIndex(CompactIndex):
     yet."""
 
     def __init__(self, url: str, *, window: float, bucket_cap: int, namespace: str, fenced: bool = False) -> None:
-        if RedisTarget.parse(url).cluster:
-            raise ConfigError("layout=group runs on a standalone Redis only so far (not Redis Cluster)")
         super().__init__(url, window=window, bucket_cap=bucket_cap, namespace=namespace, fenced=fenced)
         self._spre = f"{{{self.prefix}:{namespace}}}:g:"
         # The groups of the last read (slice -> group field -> value), with this client's writes since: what an
@@ -284,85 +297,36 @@ class GroupIndex(CompactIndex):
 
     def _guarded_round(self, ids: list[str], times: list[float], blobs: list[bytes], fields_of: Sequence[list[bytes]],
                  check: Sequence[bool]) -> tuple[list[int], bytes]:
-        """The contended round (what the checking script will do): a read of the entries' fields after a WATCH of
-        the meta hash, each entry whose buckets changed since its lookup (`check`: compared with the view's
-        tails) a conflict (-1), the others inserted as the uncontended round inserts them, in one transaction;
-        all again when Redis refuses it. Returns (per entry its seq, 0 or -1; the high-water mark stored)."""
+        """The contended round: one call of the checking script (`GROUP_INSERT`), which reads the entries' groups,
+        counts an entry whose id is live 0, one whose buckets changed since its lookup (`check`: compared with
+        the view's tails) -1, and inserts the others as the uncontended round inserts them (`apply_round`'s
+        bytes), atomically; the memos go with it. Returns (per entry its seq, 0 or -1; the high-water mark
+        stored)."""
         view = self._view
-        window = self.window
-        names = list(dict.fromkeys([*(f for fields in fields_of for f in fields), *map(cc.id_field, ids)]))
-        at = {name: p for p, name in enumerate(names)}
-        places_of = [[at[f] for f in fields] for fields in fields_of]
-        id_places = [at[cc.id_field(id)] for id in ids]
-        if not self._direct():
-            raise ConfigError("layout=group needs a standalone Redis reached directly (MULTI/EXEC with WATCH)")
-        for _ in range(CHECK_ATTEMPTS):
-            with self._errors():
-                self._pinned()
-            top = max(self._hwm, self._stored_top)
-            low = max(top, min(times)) if math.isfinite(top) else min(times)
-            high = max(low, max(times))
-            seq0, stored, slices, columns = self._read_covering(names, self._slices(low, high), low, high, watch=True)
-            if view.marker and self._marker != view.marker:
-                raise self._lost()
-            by_slice = dict(zip(slices, columns))
-            alone = seq0 == view.mark + view.inserted and set(slices) <= set(view.slices)
-            stored_hwm = _stored_time(stored)
-            hwm = max(self._hwm, stored_hwm)
-            seq = seq0
-            writes: dict[int, dict[int, bytes]] = {s: {} for s in slices}
-            groups: dict[int, list[Any]] = {}
-            results = [0] * len(ids)
-            for i, (id, fields) in enumerate(zip(ids, fields_of)):
-                # As the script: a live id first (its first entry kept), then the window, then the check.
-                e = id_places[i]
-                if any(v is not None and cc._first_time(v) >= hwm - window
-                       for v in (writes[s].get(e, by_slice[s][e]) for s in slices)):
-                    continue
-                top = max(hwm, times[i])
-                if times[i] >= top - window and check[i] and not alone and self._changed(
-                        id, fields, places_of[i], slices, by_slice):
-                    hwm = top
-                    results[i] = -1
-                    continue
-                got, round_groups, _, hwm, seq = self._alone_compact(
-                    [id], [times[i]], [blobs[i]], [fields], [places_of[i]], [e], tuple(slices), by_slice, writes, hwm,
-                    window, self.slice_length, self.bucket_cap, seq)
-                results[i] = got[0]
-                for s, (count, pairs) in round_groups.items():
-                    merged = groups.setdefault(s, [0, []])
-                    merged[0] += count
-                    merged[1] += pairs
-            hwm_bytes = stored if hwm <= stored_hwm else (b"%.17g" % hwm)
-            rows = [(r, times[i], places_of[i], id_places[i]) for i, r in enumerate(results) if r > 0]
-            if not rows and not self._memos and hwm_bytes == stored:
-                return results, hwm_bytes
-            done = self._transact(seq0, seq, stored, hwm_bytes, hwm, groups, rows, names, self._last_raw)
-            if done is not None:
-                self._memos_sent()
-                return results, hwm_bytes
-        raise IndexUnavailable(f"the Redis index at {self._where}: {CHECK_ATTEMPTS} insert rounds in a row were "
-                               "refused (others kept writing the namespace); retry")
-
-    def _changed(self, id: str, fields: Sequence[bytes], places: Sequence[int], slices: Sequence[int],
-                 by_slice: dict[int, list[bytes | None]]) -> bool:
-        """Whether any of an entry's buckets holds, in a slice now read, another newest record than the view's
-        tails for it (the slot layout's check): a slice the lookup did not read counts as absent there."""
-        view = self._view
-        mine = self._places(id, fields)
-        expected = view.expected(id, cast("list[int]", mine)) if None not in mine else b""
-        if not expected:
-            return False
-        n = len(fields)
-        seen_at = {s: k for k, s in enumerate(view.slices)}
-        for s in slices:
-            column = by_slice[s]
-            seen = b"".join((column[p] or b"")[-8:] or ABSENT for p in places)
-            k = seen_at.get(s)
-            want = expected[k * n * 8 : (k + 1) * n * 8] if k is not None else ABSENT * n
-            if seen != want:
-                return True
-        return False
+        rows = []
+        for id, ts, blob, fields, checked in zip(ids, times, blobs, fields_of, check, strict=True):
+            expected = b""
+            if checked:
+                mine = self._places(id, fields)
+                expected = view.expected(id, cast("list[int]", mine)) if None not in mine else b""
+            rows.append((id, ts, blob, fields, expected))
+        marker = self._expected_marker() if any(check) else b""
+        rate = max([self._rate_count, *(self._expected.get(self._slice(ts), 0) for ts in times)])
+        args: list[Any] = [self._spre, repr(self.window), repr(self.slice_length), self.bucket_cap, self._ttl_ms,
+                           repr(self._hwm), ",".join(map(str, view.slices)), view.mark, view.inserted,
+                           self._clock_arg(), marker, self._token, rate]
+        for id, ts, blob, fields, expected in rows:
+            args += [id.encode("utf-8", "surrogatepass"), repr(ts), blob, len(fields), expected,
+                     _mixed(cc.id_hash(id)), *(_mixed(int.from_bytes(f[1:], "big")) for f in fields)]
+        [(lost, hwm, results)] = self._eval_pipelined(GROUP_INSERT, [args], self._memo_commands())
+        self._memos_sent()  # written beside the script, whatever it answered
+        if lost == -1:
+            raise self._lost()
+        if lost == -2:
+            raise ConfigError(f"the Redis index at {self._where} holds namespace {self.namespace!r} in another "
+                              "layout; this one is the group layout: give a new prefix (?prefix=...)")
+        self._stored_top = max(self._stored_top, _stored_time(hwm))
+        return list(results), hwm
 
     def _checked(self, entries: Sequence[tuple[Entry, tuple[int, ...]]],
                  fields_of: Sequence[list[bytes]]) -> list[int]:
