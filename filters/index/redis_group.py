@@ -317,7 +317,7 @@ class GroupIndex(CompactIndex):
                            self._clock_arg(), marker, self._token, rate]
         for id, ts, blob, fields, expected in rows:
             args += [id.encode("utf-8", "surrogatepass"), repr(ts), blob, len(fields), expected,
-                     _mixed(cc.id_hash(id)), *(_mixed(int.from_bytes(f[1:], "big")) for f in fields)]
+                     _mixed(cc.id_hash(id)) + b"".join([_mixed(int.from_bytes(f[1:], "big")) for f in fields])]
         [(lost, hwm, results)] = self._eval_pipelined(GROUP_INSERT, [args], self._memo_commands())
         self._memos_sent()  # written beside the script, whatever it answered
         if lost == -1:

@@ -8,9 +8,9 @@
 --       the caller's lookup read ('' for no check), a token that names the namespace if this call makes it
 --       (`gen`), the entries a slice is expected to hold (the `rate` option's; 0 for none), then per entry:
 --       id, event time, encoded entry, the number n of its buckets, what the caller saw of them (per slice it
---       read, the seq of each bucket's newest record, zeros if absent; '' for no check), the mixed value of its
---       id's FNV-1a hash (8 bytes big-endian: its key times 0x9E3779B97F4A7C15 mod 2^64, whose top k bits are
---       the group and low 32 bits the record's key), then those of its n bucket keys.
+--       read, the seq of each bucket's newest record, zeros if absent; '' for no check), and the mixed values
+--       of its id's FNV-1a hash and of its n bucket keys (8 bytes big-endian each: the key times
+--       0x9E3779B97F4A7C15 mod 2^64, whose top k bits are the group and low 32 bits the records' key).
 -- Returns {seq, high-water mark, per entry: its seq (inserted), 0 (its id is live, or it is outside the
 --          window) or -1 (a bucket changed since the caller saw it: not inserted)}, {-1, '', {}} when the
 --          marker is not the caller's, {-2, '', {}} when the namespace is of another layout: nothing written.
@@ -22,6 +22,7 @@ local SIZE, TAG, TWO32 = 20, 2147483648, 4294967296
 local K_FIRST, K_MIN, K_MAX, PER_ENTRY, FILL = GROUP_BITS
 local FIRST, PER_CALL = 14, FIELDS_PER_CALL
 local expected = tonumber(ARGV[13])
+local find, sub, byte, floor, unpack_ = string.find, string.sub, string.byte, math.floor, struct.unpack
 local state = redis.call('HMGET', meta, 'seq', 'hwm', 'epoch', 'layout')
 if ARGV[11] ~= '' and state[3] ~= ARGV[11] then return {-1, '', {}} end
 if state[1] and state[4] ~= 'group' then return {-2, '', {}} end
@@ -30,13 +31,13 @@ if stored_hwm > hwm then hwm = stored_hwm end
 local start = tonumber(state[1] or '0')
 local seq = start
 local alone = start == tonumber(ARGV[8]) + tonumber(ARGV[9])
-local entries, slices, seen_at, read_all = insert_slices(FIRST, 6, hwm, window, slice_len)
+local entries, slices, seen_at, read_all = insert_slices(FIRST, 6, hwm, window, slice_len, true)
 -- A round whose event times all come after the high-water mark (a restore's: no lookup raised the caller's)
 -- finds its first entries' live ids inside the window of that mark: its slices too (records are never newer
 -- than the mark, so the slices in between hold nothing).
 if hwm > -math.huge then
   local low = {}
-  for s = math.floor((hwm - window) / slice_len), math.min(math.floor(hwm / slice_len), slices[1] - 1) do
+  for s = floor((hwm - window) / slice_len), math.min(floor(hwm / slice_len), slices[1] - 1) do
     low[#low + 1] = s
     if not seen_at[s] then read_all = false end
   end
@@ -60,70 +61,78 @@ do
   for j, s in ipairs(slices) do bits[s] = tonumber(ks[j]) end
 end
 local function big(s) return spre .. string.format('%d', s) end
--- The group field of a mixed value (8 bytes) in a slice of b bits, and the key its records carry.
-local function group_of(m, b)
-  return 'g' .. string.format('%d', math.floor(struct.unpack('>I4', m, 1) / 2 ^ (32 - b)))
+-- The group (a number) of the j-th mixed value (from 0) of an entry's argument m, in a slice of b bits.
+local function group_of(m, j, b)
+  return floor(unpack_('>I4', m, 8 * j + 1) / 2 ^ (32 - b))
 end
-local function seq_of(r, g)  -- the seq of record r (from 0) of group g, its tag cleared
-  local hi, lo = struct.unpack('>I4>I4', g, r * SIZE + 13)
+-- The places (from 1) of the records of key `key` in group g, an id's (`tagged`) or a bucket's: found by a
+-- plain search (the 4 bytes at a record's start only), most records never looked at from Lua.
+local function places(g, key, tagged)
+  local out, init = {}, 1
+  while true do
+    local p = find(g, key, init, true)
+    if p == nil then return out end
+    if (p - 1) % SIZE == 0 then
+      if (byte(g, p + 12) >= 128) == tagged then out[#out + 1] = p end
+      init = p + SIZE
+    else
+      init = p + 1
+    end
+  end
+end
+local function count(g, key)  -- the records of bucket `key` in group g
+  local c, init = 0, 1
+  while true do
+    local p = find(g, key, init, true)
+    if p == nil then return c end
+    if (p - 1) % SIZE == 0 then
+      if byte(g, p + 12) < 128 then c = c + 1 end
+      init = p + SIZE
+    else
+      init = p + 1
+    end
+  end
+end
+local function seq_at(g, p)  -- the seq of the record at place p of group g, its tag cleared
+  local hi, lo = unpack_('>I4>I4', g, p + 12)
   if hi >= TAG then hi = hi - TAG end
   return hi * TWO32 + lo
 end
--- The groups each slice holds of what this call needs: every id's and, when comparing, every bucket's
--- (else only the buckets' of the slice each entry goes to).
-local orig, cur, dirty, order = {}, {}, {}, {}
+-- The groups each slice holds of what this call needs (group number -> value): every id's and, when comparing,
+-- every bucket's (else only the buckets' of the slice each entry goes to).
+local orig = {}
 for _, s in ipairs(slices) do
   local o = {}
   local b = bits[s]
   if b ~= nil then
-    local names, seen = {}, {}
-    local function want(m)
-      local f = group_of(m, b)
-      if not seen[f] then seen[f] = true; names[#names + 1] = f end
-    end
+    local wanted, seen, div = {}, {}, 2 ^ (32 - b)
     for _, e in ipairs(entries) do
-      local at, n = e[1], e[3]
-      want(ARGV[at + 5])
-      if compare or s == math.floor(e[2] / slice_len) then
-        for j = at + 6, at + 5 + n do want(ARGV[j]) end
+      local m, n = ARGV[e[1] + 5], e[3]
+      local last = (compare or s == floor(e[2] / slice_len)) and n or 0
+      for j = 0, last do
+        local g = floor(unpack_('>I4', m, 8 * j + 1) / div)
+        if not seen[g] then seen[g] = true; wanted[#wanted + 1] = g end
       end
     end
-    for a = 1, #names, PER_CALL do
-      local part = {unpack(names, a, math.min(a + PER_CALL - 1, #names))}
-      local values = redis.call('HMGET', big(s), unpack(part))
-      for j = 1, #part do o[part[j]] = values[j] or nil end
+    for a = 1, #wanted, PER_CALL do
+      local part, names = {}, {}
+      for j = a, math.min(a + PER_CALL - 1, #wanted) do
+        part[#part + 1] = wanted[j]
+        names[#names + 1] = 'g' .. string.format('%d', wanted[j])
+      end
+      local values = redis.call('HMGET', big(s), unpack(names))
+      for j = 1, #part do
+        if values[j] then o[part[j]] = values[j] end
+      end
     end
   end
-  orig[s], cur[s], dirty[s], order[s] = o, {}, {}, {}
-end
-local function now(s, f)
-  local v = cur[s][f]
-  if v == nil then v = orig[s][f] end
-  return v or ''
-end
-local function put(s, f, v)
-  cur[s][f] = v
-  if not dirty[s][f] then dirty[s][f] = true; order[s][#order[s] + 1] = f end
-end
--- The seq (8 bytes) of a bucket's last record in group g: what the caller's tails name.
-local function tail(g, key)
-  local t = ABSENT
-  for r = 0, #g / SIZE - 1 do
-    local p = r * SIZE
-    if string.sub(g, p + 1, p + 4) == key and string.byte(g, p + 13) < 128 then t = string.sub(g, p + 13, p + 20) end
-  end
-  return t
+  orig[s] = o
 end
 -- A bucket's records in g cut to the cap newest (event time, then seq; the first written first among equals),
 -- every other record and the order kept: group_codec.trim_bucket.
 local function trim(g, key)
   local mine = {}
-  for r = 0, #g / SIZE - 1 do
-    local p = r * SIZE
-    if string.sub(g, p + 1, p + 4) == key and string.byte(g, p + 13) < 128 then
-      mine[#mine + 1] = {struct.unpack('<d', g, p + 5), seq_of(r, g), r}
-    end
-  end
+  for _, p in ipairs(places(g, key, false)) do mine[#mine + 1] = {unpack_('<d', g, p + 4), seq_at(g, p), p} end
   if #mine <= cap then return g end
   table.sort(mine, function(x, y)
     if x[1] ~= y[1] then return x[1] > y[1] end
@@ -133,73 +142,80 @@ local function trim(g, key)
   local dropped = {}
   for j = cap + 1, #mine do dropped[mine[j][3]] = true end
   local out = {}
-  for r = 0, #g / SIZE - 1 do
-    if not dropped[r] then out[#out + 1] = string.sub(g, r * SIZE + 1, r * SIZE + SIZE) end
+  for p = 1, #g, SIZE do
+    if not dropped[p] then out[#out + 1] = sub(g, p, p + SIZE - 1) end
   end
   return table.concat(out)
 end
-local function count(g, key)
-  local c = 0
-  for r = 0, #g / SIZE - 1 do
-    local p = r * SIZE
-    if string.sub(g, p + 1, p + 4) == key and string.byte(g, p + 13) < 128 then c = c + 1 end
+-- What this call writes, per slice: per group written {its value as it stands but the records appended since,
+-- those records, its buckets' counts of records (counted once, then kept)}; the groups in the order first
+-- written; the entries' fields and values.
+local written, order, entries_of = {}, {}, {}
+local function joined(w)  -- the whole group of a written group's state (one string made: Lua hashes each whole)
+  local a = w[2]
+  if #a > 0 then
+    table.insert(a, 1, w[1])
+    w[1] = table.concat(a)
+    w[2] = {}
   end
-  return c
+  return w[1]
 end
--- The id stored at the end of entry e<seq> of slice s (this call's, or Redis's); nil when there is none.
-local written_ids = {}
-local function entry_id(s, seq_bytes)
-  local id = written_ids[s .. ':' .. seq_bytes]
-  if id ~= nil then return id end
-  local v = redis.call('HGET', big(s), 'e' .. seq_bytes)
+-- The id stored at the end of entry e<seq> of slice s; nil when there is none.
+local function entry_id(s, seq_number)
+  local v = redis.call('HGET', big(s), 'e' .. struct.pack('>I8', seq_number))
   if not v or #v < 2 then return nil end
-  local len = struct.unpack('<I2', v, #v - 1)
-  return string.sub(v, #v - 1 - len, #v - 2)
+  local len = unpack_('<I2', v, #v - 1)
+  return sub(v, #v - 1 - len, #v - 2)
 end
--- Whether an id (its mixed value m) has a record inside the window in a slice read, whose entry is the id's
--- (another id alike in its 32 bits and group is not it).
+-- Whether an id (m: its entry's mixed values, the id's first) has a record inside the window: one this call
+-- wrote, or one read in a slice whose entry is the id's (another id alike in its 32 bits and group is not it).
+local written_at = {}  -- id -> the newest event time this call wrote it at
 local function live(id, m)
-  local key = string.sub(m, 5, 8)
+  local horizon = hwm - window
+  local mine = written_at[id]
+  if mine ~= nil and mine >= horizon then return true end
+  local key = sub(m, 5, 8)
   for _, s in ipairs(slices) do
     local b = bits[s]
-    if b ~= nil then
-      local g = now(s, group_of(m, b))
-      for r = 0, #g / SIZE - 1 do
-        local p = r * SIZE
-        if string.sub(g, p + 1, p + 4) == key and string.byte(g, p + 13) >= 128
-            and struct.unpack('<d', g, p + 5) >= hwm - window
-            and entry_id(s, struct.pack('>I8', seq_of(r, g))) == id then
-          return true
-        end
+    local g = b and orig[s][group_of(m, 0, b)]
+    if g and find(g, key, 1, true) then
+      for _, p in ipairs(places(g, key, true)) do
+        if unpack_('<d', g, p + 4) >= horizon and entry_id(s, seq_at(g, p)) == id then return true end
       end
     end
   end
   return false
 end
+-- The seq (8 bytes) of a bucket's last record in group g, as read: what the caller's tails name.
+local function tail(g, key)
+  local at = places(g, key, false)
+  if #at == 0 then return ABSENT end
+  return sub(g, at[#at] + 12, at[#at] + 19)
+end
 local results, added = {}, {}
 for _, e in ipairs(entries) do
   local at, ts, n = e[1], e[2], e[3]
-  local id, blob, tails = ARGV[at], ARGV[at + 2], ARGV[at + 4]
+  local id, blob, tails, m = ARGV[at], ARGV[at + 2], ARGV[at + 4], ARGV[at + 5]
   local result = 0
-  if not live(id, ARGV[at + 5]) then
+  if not live(id, m) then
     if ts > hwm then hwm = ts end
     if ts >= hwm - window then
       if tails ~= '' and not alone then
         for _, s in ipairs(slices) do
           local b, o, seen = bits[s], orig[s], {}
           for j = 1, n do
-            local m = ARGV[at + 5 + j]
-            seen[j] = b and tail(o[group_of(m, b)] or '', string.sub(m, 5, 8)) or ABSENT
+            local g = b and o[group_of(m, j, b)]
+            seen[j] = g and tail(g, sub(m, 8 * j + 5, 8 * j + 8)) or ABSENT
           end
-          local base = seen_at[s]
-          local want = base and string.sub(tails, base * n * 8 + 1, (base + 1) * n * 8) or string.rep(ABSENT, n)
+          local base_at = seen_at[s]
+          local want = base_at and sub(tails, base_at * n * 8 + 1, (base_at + 1) * n * 8) or string.rep(ABSENT, n)
           if table.concat(seen) ~= want then result = -1; break end
         end
       end
       if result == 0 then
         seq = seq + 1
         local seq_bytes = struct.pack('>I8', seq)
-        local s = math.floor(ts / slice_len)
+        local s = floor(ts / slice_len)
         if bits[s] == nil then  -- the slice's first write: groups for the rate of the slice before (or expected)
           local prev = tonumber(redis.call('HGET', big(s - 1), 'n') or '')
           local function bits_for(entries_expected)
@@ -214,20 +230,37 @@ for _, e in ipairs(entries) do
           redis.call('HSET', meta, 'k:' .. string.format('%d', s), b)
         end
         local b = bits[s]
+        local ws, os, o = written[s], order[s], orig[s]
+        if ws == nil then ws, os = {}, {}; written[s], order[s], entries_of[s] = ws, os, {} end
         local rec = struct.pack('<d', ts) .. seq_bytes
-        for j = at + 6, at + 5 + n do
-          local m = ARGV[j]
-          local f, key = group_of(m, b), string.sub(m, 5, 8)
-          local g = now(s, f)
-          if count(g, key) > 2 * cap then g = trim(g, key) end
-          put(s, f, g .. key .. rec)
+        local div = 2 ^ (32 - b)
+        for j = 1, n do
+          local g = floor(unpack_('>I4', m, 8 * j + 1) / div)
+          local w = ws[g]
+          if w == nil then w = {o[g] or '', {}, {}}; ws[g] = w; os[#os + 1] = g end
+          local key = sub(m, 8 * j + 5, 8 * j + 8)
+          local counts = w[3]
+          local c = counts[key]
+          -- (none of its records among those appended here yet: they would have counted it)
+          if c == nil then c = w[1] == '' and 0 or count(w[1], key) end
+          if c > 2 * cap then
+            w[1] = trim(joined(w), key)
+            c = cap
+          end
+          local a = w[2]
+          a[#a + 1] = key
+          a[#a + 1] = rec
+          counts[key] = c + 1
         end
-        local m = ARGV[at + 5]
-        local f = group_of(m, b)
-        put(s, f, now(s, f) .. string.sub(m, 5, 8) .. struct.pack('<d', ts)
-                  .. struct.pack('>I4>I4', math.floor(seq / TWO32) + TAG, seq % TWO32))
-        put(s, 'e' .. seq_bytes, blob .. id .. struct.pack('<I2', #id))
-        written_ids[s .. ':' .. seq_bytes] = id
+        local g = group_of(m, 0, b)
+        local w = ws[g]
+        if w == nil then w = {o[g] or '', {}, {}}; ws[g] = w; os[#os + 1] = g end
+        local a = w[2]
+        a[#a + 1] = sub(m, 5, 8) .. struct.pack('<d>I4>I4', ts, floor(seq / TWO32) + TAG, seq % TWO32)
+        if (written_at[id] or -math.huge) < ts then written_at[id] = ts end
+        local es = entries_of[s]
+        es[#es + 1] = 'e' .. seq_bytes
+        es[#es + 1] = blob .. id .. struct.pack('<I2', #id)
         added[s] = (added[s] or 0) + 1
         result = seq
       end
@@ -237,10 +270,10 @@ for _, e in ipairs(entries) do
 end
 for _, s in ipairs(slices) do
   if added[s] then
-    local key, c, args = big(s), cur[s], {}
-    for _, f in ipairs(order[s]) do
-      args[#args + 1] = f
-      args[#args + 1] = c[f]
+    local key, args, ws = big(s), entries_of[s], written[s]
+    for _, g in ipairs(order[s]) do
+      args[#args + 1] = 'g' .. string.format('%d', g)
+      args[#args + 1] = joined(ws[g])
     end
     for a = 1, #args, 2 * PER_CALL do
       redis.call('HSET', key, unpack(args, a, math.min(a + 2 * PER_CALL - 1, #args)))
@@ -259,7 +292,7 @@ if seq > start then
   redis.call('HSETNX', meta, 'gen', ARGV[12])
   local clock = hwm
   if ARGV[10] ~= '' then clock = tonumber(ARGV[10]) end
-  local gone = math.floor((clock - window) / slice_len) - 1
+  local gone = floor((clock - window) / slice_len) - 1
   redis.call('UNLINK', big(gone))
   redis.call('HDEL', meta, 'k:' .. string.format('%d', gone))
 end
