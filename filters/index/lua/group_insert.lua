@@ -61,6 +61,12 @@ do
   for j, s in ipairs(slices) do bits[s] = tonumber(ks[j]) end
 end
 local function big(s) return spre .. string.format('%d', s) end
+local names_of = {}  -- group number -> its field name (made once: Lua hashes every string it makes)
+local function group_field(g)
+  local f = names_of[g]
+  if f == nil then f = 'g' .. string.format('%d', g); names_of[g] = f end
+  return f
+end
 -- The group (a number) of the j-th mixed value (from 0) of an entry's argument m, in a slice of b bits.
 local function group_of(m, j, b)
   return floor(unpack_('>I4', m, 8 * j + 1) / 2 ^ (32 - b))
@@ -118,7 +124,7 @@ for _, s in ipairs(slices) do
       local part, names = {}, {}
       for j = a, math.min(a + PER_CALL - 1, #wanted) do
         part[#part + 1] = wanted[j]
-        names[#names + 1] = 'g' .. string.format('%d', wanted[j])
+        names[#names + 1] = group_field(wanted[j])
       end
       local values = redis.call('HMGET', big(s), unpack(names))
       for j = 1, #part do
@@ -272,7 +278,7 @@ for _, s in ipairs(slices) do
   if added[s] then
     local key, args, ws = big(s), entries_of[s], written[s]
     for _, g in ipairs(order[s]) do
-      args[#args + 1] = 'g' .. string.format('%d', g)
+      args[#args + 1] = group_field(g)
       args[#args + 1] = joined(ws[g])
     end
     for a = 1, #args, 2 * PER_CALL do
