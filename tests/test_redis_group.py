@@ -159,11 +159,11 @@ def test_a_namespace_of_another_layout_is_refused_with_one_line(make: Callable[.
 
 
 @pytest.mark.parametrize(("window", "cap"), [(3600.0, 8), (30.0, 2)])
-def test_uncontended_inserts_store_what_the_guarded_round_stores(make: Callable[..., GroupIndex], redis_url: str,
-                                                                 prefix: str, window: float, cap: int) -> None:
-    """The uncontended rounds (the watched transaction), the contended round alone (a guarded read, check and
-    transaction) and the uncontended rounds on the Python references leave the very same keys and bytes
-    (records in their groups and their order, trims, entries, bits, seq and high-water mark, slices unlinked)."""
+def test_uncontended_inserts_store_what_the_checking_script_stores(make: Callable[..., GroupIndex], redis_url: str,
+                                                                    prefix: str, window: float, cap: int) -> None:
+    """The uncontended rounds (the watched transaction), the contended round alone (the checking script) and the
+    uncontended rounds on the Python references leave the very same keys and bytes (records in their groups and
+    their order, trims, entries, bits, seq and high-water mark, slices unlinked)."""
     config = FilterConfig(window=window, bucket_cap=cap)
     fast, checked = make("fast", window=window, bucket_cap=cap), make("checked", window=window, bucket_cap=cap)
     checked.alone_inserts = False
@@ -211,7 +211,8 @@ class _PausedGroup(PausedLookup, GroupIndex):
 @pytest.mark.parametrize("paused", [True, False], ids=["paused-between-lookup-and-insert", "free-running"])
 def test_near_duplicates_at_the_same_moment_make_exactly_one_unique(race_url: str, paused: bool) -> None:
     """Real threads on real Redis: each worker's copy of a spam at the same moment; the contended rounds (a
-    refused transaction, then the guarded round) let exactly one through."""
+    refused transaction, then the checking script; on Redis Cluster the script every round) let exactly one
+    through."""
     uniques = race(race_url, racy=False, paused=paused, index=_PausedGroup)
     assert uniques == [1] * len(uniques)
 
