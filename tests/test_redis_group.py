@@ -293,8 +293,17 @@ def test_without_the_compiled_core_the_python_reference_decides_alike(make: Call
     assert sum(v.duplicate for v in verdicts["compiled"]) > 0
 
 
-def _slice_groups(client: Any, key: str) -> dict[bytes, bytes]:
-    return {f: v for f, v in client.hgetall(key).items() if f.startswith(b"g")}
+def test_the_checking_script_is_loaded_again_after_a_script_flush(make: Callable[..., GroupIndex],
+                                                                   redis_url: str) -> None:
+    """A server that forgot the script (a restart, a failover) answers NOSCRIPT: it is loaded and run again."""
+    index = make()
+    index.alone_inserts = False
+    for id in ("a", "b"):
+        with redis.Redis.from_url(redis_url) as client:
+            client.script_flush()
+        index.lookup([Query(id, 1000.0, (1,))], 8)
+        assert index.insert([(entry(id), (1,))]) == [None]
+    assert ids(index.lookup([Query("q", 1000.0, (1,))], 8)[0][1]) == ["b", "a"]
 
 
 @pytest.mark.parametrize("seed", range(40))
