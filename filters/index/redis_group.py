@@ -43,7 +43,6 @@ except ImportError:  # pragma: no cover - exercised on machines without a compil
 STATS_FIELDS = 4096  # fields of a slice hash `stats` reads all of; of a bigger one, that many of its groups
 
 
-
 def _script() -> _Script:
     bits = f"{gc.K_FIRST}, {gc.K_MIN}, {gc.K_MAX}, {cc.FIELDS_PER_ENTRY}, {gc.GROUP_FILL}"
     return _Script.of(_lua("insert_slices.lua", "group_insert.lua").replace("GROUP_BITS", bits))
