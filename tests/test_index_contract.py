@@ -63,14 +63,14 @@ def _drop(url: str, prefix: str) -> None:
 
 
 @pytest.fixture(params=["memory", "memory-python", "redis", "redis-spread", "redis-compact", "redis-group",
-                        "redis-group-cluster"])
+                        "redis-cluster", "redis-compact-cluster", "redis-group-cluster"])
 def make_index(request: pytest.FixtureRequest) -> Iterator[MakeIndex]:
     """A factory of fresh, empty indexes of one backend (Redis: a fresh prefix, cleaned up after).
     `memory` is the embedded index on its compiled table, `memory-python` on the reference `PyTable`;
     `redis-spread` the spread layout (filters/index/redis_spread.py) on one Redis, over 4 shards;
     `redis-compact` the compact layout (filters/index/redis_compact.py), `redis-group` the group layout
-    (filters/index/redis_group.py), `redis-group-cluster` it on a Redis Cluster (every round the checking
-    script)."""
+    (filters/index/redis_group.py); `redis-cluster`, `redis-compact-cluster`, `redis-group-cluster` the slot,
+    compact and group layouts on a Redis Cluster (every round of the last two the checking script)."""
     made: list[CandidateIndex] = []
     prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
     url = _base_url(request)
@@ -81,7 +81,7 @@ def make_index(request: pytest.FixtureRequest) -> Iterator[MakeIndex]:
         from filters.index.backends import open_index
 
         query = {"prefix": prefix, **({"layout": "spread", "shards": "4"} if request.param == "redis-spread" else
-                                      {"layout": "compact"} if request.param == "redis-compact" else
+                                      {"layout": "compact"} if request.param.startswith("redis-compact") else
                                       {"layout": "group"} if request.param.startswith("redis-group") else {})}
         index = open_index(with_query(url, **query), window=window, bucket_cap=bucket_cap,
                            namespace=uuid.uuid4().hex[:12])
@@ -318,8 +318,8 @@ RestoreInto = Callable[[float, int, Stored], tuple[CandidateIndex, int]]
 
 
 @pytest.fixture(params=["memory", "memory-python", "redis", "redis-rebuild", "redis-compact",
-                        "redis-compact-rebuild", "redis-group", "redis-group-rebuild", "redis-group-cluster",
-                        "redis-group-cluster-rebuild"])
+                        "redis-compact-rebuild", "redis-group", "redis-group-rebuild", "redis-cluster",
+                        "redis-compact-cluster", "redis-group-cluster", "redis-group-cluster-rebuild"])
 def restore_into(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[RestoreInto]:
     """Restores entries into a fresh index of one backend: (the index, what `restore` returned). `redis`
     restores as beside other writers (a guarded transaction a chunk); `redis-rebuild` into a fenced index
@@ -329,8 +329,8 @@ def restore_into(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     `redis-compact-rebuild` its rebuild (held fields, each small hash written once), holding 6 bucket records at
     most (written and read back when named again), then handing on to guarded chunks past 8 ids inside the
     window. `redis-group`, `redis-group-rebuild`: the group layout (filters/index/redis_group.py), whose rebuild
-    is guarded chunks so far; `redis-group-cluster`, `redis-group-cluster-rebuild`: those on a Redis Cluster
-    (the checking script a chunk)."""
+    is guarded chunks so far; `redis-cluster`, `redis-compact-cluster`, `redis-group-cluster`,
+    `redis-group-cluster-rebuild`: those on a Redis Cluster (the insert script a chunk)."""
     made: list[CandidateIndex] = []
     prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
     url = _base_url(request)

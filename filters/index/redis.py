@@ -815,9 +815,10 @@ class RedisIndex:
             done = self._restore_chunk(part)
             if done is not None:
                 return done
-        # Cluster, or others kept writing meanwhile: the script appends atomically.
+        # Cluster, or others kept writing meanwhile: the script appends atomically (a key given twice counts once,
+        # as everywhere else: the script would append it twice).
         flat, ends = part.keys.tolist(), part.bounds.tolist()
-        entries = [(id, ts, blob, tuple(flat[a:b]))
+        entries = [(id, ts, blob, tuple(dict.fromkeys(flat[a:b])))
                    for id, ts, blob, a, b in zip(part.ids, part.times.tolist(), part.blobs, ends, ends[1:])]
         return sum(self._insert_unchecked(entries[a : a + INSERT_CHUNK]) for a in range(0, len(entries), INSERT_CHUNK))
 

@@ -32,18 +32,6 @@ local start = tonumber(state[1] or '0')
 local seq = start
 local alone = start == tonumber(ARGV[8]) + tonumber(ARGV[9])
 local entries, slices, seen_at, read_all = insert_slices(FIRST, 6, hwm, window, slice_len, true)
--- A round whose event times all come after the high-water mark (a restore's: no lookup raised the caller's)
--- finds its first entries' live ids inside the window of that mark: its slices too (records are never newer
--- than the mark, so the slices in between hold nothing).
-if hwm > -math.huge then
-  local low = {}
-  for s = floor((hwm - window) / slice_len), math.min(floor(hwm / slice_len), slices[1] - 1) do
-    low[#low + 1] = s
-    if not seen_at[s] then read_all = false end
-  end
-  for _, s in ipairs(slices) do low[#low + 1] = s end
-  slices = low
-end
 if not read_all then alone = false end
 -- Every slice's buckets are read only to be compared: when some entry has tails to compare, and others wrote.
 local compare = false
