@@ -1,6 +1,8 @@
 # The group layout's compiled per-batch work (included by filters/_native.pyx, after index/_compact_codec.pxi):
 # the twins of filters/index/group_codec.py, held to it by tests/test_group_codec.py.
 
+from libcpp.string cimport string
+
 cdef enum:
     GROUP_RECORD = 20
     GROUP_K_MAX = 30
@@ -123,32 +125,14 @@ cdef inline uint32_t _key32(bytes key) noexcept:
 
 
 cdef bytes _trim_bucket(bytes group, uint32_t key, Py_ssize_t cap):
-    """`group_codec.trim_bucket`: the bucket's `cap` newest (event time, then seq bytes) kept in place."""
-    cdef Py_ssize_t n = _group_len(group), r, m = 0, k
-    cdef const unsigned char *g = <const unsigned char *>PyBytes_AS_STRING(group)
-    for r in range(n):
-        if _rec_is(g + r * GROUP_RECORD, key, False):
-            m += 1
-    if m <= cap:
+    """`group_codec.trim_bucket` (`_trim_in_place` on a copy)."""
+    _group_len(group)
+    cdef string g = string(PyBytes_AS_STRING(group), len(group))
+    cdef Py_ssize_t size = g.size()
+    _trim_in_place(g, key, cap)
+    if <Py_ssize_t>g.size() == size:
         return group
-    cdef vector[pair[pair[double, uint64_t], Py_ssize_t]] mine
-    cdef double ts
-    for r in range(n):
-        if _rec_is(g + r * GROUP_RECORD, key, False):
-            memcpy(&ts, g + r * GROUP_RECORD + 4, 8)
-            mine.push_back(pair[pair[double, uint64_t], Py_ssize_t](
-                pair[double, uint64_t](ts, _load_be64(g + r * GROUP_RECORD + 12)), r))
-    cpp_sort(mine.begin(), mine.end())  # oldest first: the first m - cap go
-    cdef vector[char] drop = vector[char](n, 0)
-    for k in range(m - cap):
-        drop[mine[k].second] = 1
-    cdef bytes out = PyBytes_FromStringAndSize(NULL, (n - (m - cap)) * GROUP_RECORD)
-    cdef char *o = PyBytes_AS_STRING(out)
-    for r in range(n):
-        if not drop[r]:
-            memcpy(o, g + r * GROUP_RECORD, GROUP_RECORD)
-            o += GROUP_RECORD
-    return out
+    return PyBytes_FromStringAndSize(g.data(), g.size())
 
 
 def group_trim_bucket(bytes group, bytes key, Py_ssize_t cap) -> bytes:
@@ -193,7 +177,10 @@ def group_append_id(bytes group, bytes key, double ts, uint64_t seq) -> bytes:
 
 
 cdef inline bytes _group_name(uint64_t j):
-    return b"g%d" % j
+    """`group_codec.group_field`: b"g<j>" (j in decimal), made without Python's formatting."""
+    cdef char buf[24]
+    buf[0] = 103  # b"g"
+    return PyBytes_FromStringAndSize(buf, 1 + _digits(buf + 1, j))
 
 
 def group_read_fields(list names, object bits) -> tuple:
@@ -251,34 +238,13 @@ def group_column_of(list values, list places, list names, object bits) -> list:
 
 
 def group_apply_round(dict groups, list names, int bits, list entries, Py_ssize_t cap) -> list:
-    """`filters.index.group_codec.apply_round`, compiled."""
-    cdef dict changed = {}
-    cdef object entry, p, old
-    cdef uint64_t j, seq
-    cdef uint32_t key
-    cdef double ts
-    cdef bytes field
-    cdef int kind
-    if not 0 <= bits <= GROUP_K_MAX:
-        raise ValueError(f"bits must be 0 to {GROUP_K_MAX}, got {bits!r}")
-    for entry in entries:
-        seq, ts = entry[0], entry[1]
-        for p in entry[2]:
-            kind = _group_place(<bytes>names[p], bits, &j, &key)
-            if kind != 1:
-                raise ValueError(f"not a bucket field: {names[p]!r}")
-            field = _group_name(j)
-            old = groups.get(field, b"")
-            groups[field] = _append(<bytes>old, key, ts, seq, cap, False)
-            changed[field] = None
-        kind = _group_place(<bytes>names[entry[3]], bits, &j, &key)
-        if kind != 2:
-            raise ValueError(f"not an id field: {names[entry[3]]!r}")
-        field = _group_name(j)
-        old = groups.get(field, b"")
-        groups[field] = _append(<bytes>old, key, ts, seq, 0, True)
-        changed[field] = None
-    return list(changed)
+    """`filters.index.group_codec.apply_round`, compiled: each group touched copied once and written in place."""
+    cdef vector[string] out
+    cdef list fields = _round_into(groups, names, bits, entries, False, 0, 1, cap, out)
+    cdef Py_ssize_t k
+    for k in range(len(fields)):
+        groups[fields[k]] = PyBytes_FromStringAndSize(out[k].data(), out[k].size())
+    return fields
 
 
 def group_count_buckets(list groups) -> int:
@@ -296,3 +262,279 @@ def group_count_buckets(list groups) -> int:
                 keys.add(PyBytes_FromStringAndSize(<const char *>(g + r * GROUP_RECORD), 4))
         total += len(keys)
     return total
+
+
+
+# --- a slice's read and a round's writes at once (the twins of `group_codec.pack_reads`, `slice_column`,
+# `slice_writes`): what a batch reads and writes went through Python and dicts of names (~7,000 names a batch) -
+
+cdef class _GroupSlots:
+    """Group j -> a number given when j is first met, open addressing: a batch touches thousands of groups of a
+    slice of up to 2^30, so neither a dict of their names nor an array of all groups."""
+    cdef vector[uint64_t] keys  # j + 1; 0: empty
+    cdef vector[Py_ssize_t] values
+    cdef uint64_t mask
+    cdef int shift
+
+    def __cinit__(self, Py_ssize_t most):
+        cdef int b = 4
+        while (<Py_ssize_t>1 << b) < 2 * most:
+            b += 1
+        self.keys.assign(<size_t>1 << b, 0)
+        self.values.assign(<size_t>1 << b, 0)
+        self.mask = (<uint64_t>1 << b) - 1
+        self.shift = 64 - b
+
+    cdef inline Py_ssize_t get(self, uint64_t j, Py_ssize_t fresh) noexcept:
+        """The number of group j; `fresh` (given it now) when j is new. At most `most` groups."""
+        cdef uint64_t at = ((j + 1) * 0x9E3779B97F4A7C15ULL) >> self.shift
+        while True:
+            if self.keys[at] == j + 1:
+                return self.values[at]
+            if self.keys[at] == 0:
+                self.keys[at] = j + 1
+                self.values[at] = fresh
+                return fresh
+            at = (at + 1) & self.mask
+
+
+cdef inline object _place_int(Py_ssize_t k):
+    return _PLACES[k] if 0 <= k < (1 << 13) else k
+
+
+cdef tuple _pack_fields(str slice_key, Py_ssize_t per_command, list fields, list places):
+    """`pack_reads`' result from the fields and places of `read_fields`."""
+    cdef Py_ssize_t n = len(fields), a, stop, k, key_len, size = 0
+    cdef const char *key = PyUnicode_AsUTF8AndSize(slice_key, &key_len)
+    cdef bytes field
+    cdef _Out o
+    for k in range(n):
+        size += 5 + decimal_size(len(<bytes>fields[k])) + len(<bytes>fields[k])
+    o.p = NULL
+    o.size = o.commands = 0
+    for _ in range(2):  # counted, then written
+        a = 0
+        while a < n:
+            stop = min(n, a + per_command)
+            _o_header(&o, 42, 2 + stop - a)
+            _o_bulk(&o, "HMGET", 5)
+            _o_bulk(&o, key, key_len)
+            if o.p != NULL:
+                for k in range(a, stop):
+                    field = <bytes>fields[k]
+                    _o_bulk(&o, field, len(field))
+            o.commands += 1
+            a = stop
+        _o_header(&o, 42, 3)
+        _o_bulk(&o, "HGET", 4)
+        _o_bulk(&o, key, key_len)
+        _o_bulk(&o, "n", 1)
+        if o.p == NULL:
+            out = PyBytes_FromStringAndSize(NULL, o.size + size)
+            o.p = PyBytes_AS_STRING(out)
+            o.size = o.commands = 0
+    if o.size != len(out):  # the two passes disagree: never send what was not written
+        raise SystemError(f"group_pack_reads wrote {o.size} bytes of {len(out)}")
+    return out, o.commands, fields, places
+
+
+def group_pack_reads(str slice_key, list names, object bits, Py_ssize_t per_command) -> tuple:
+    """`filters.index.group_codec.pack_reads`, compiled: the groups told apart by number (`_GroupSlots`), each
+    one's field made once, the RESP written at once."""
+    cdef Py_ssize_t n = len(names), i, k
+    cdef list fields = [], places = []
+    cdef dict at = {}
+    cdef bytes name
+    cdef object known
+    cdef uint64_t j
+    cdef uint32_t key
+    cdef int kind, b = 0 if bits is None else bits
+    cdef bint unknown = bits is None
+    if not 0 <= b <= GROUP_K_MAX:
+        raise ValueError(f"bits must be 0 to {GROUP_K_MAX}, got {bits!r}")
+    if per_command < 1:
+        raise ValueError(f"per_command must be >= 1, got {per_command}")
+    cdef _GroupSlots slots = _GroupSlots(n)
+    for i in range(n):
+        name = <bytes?>names[i]
+        kind = _group_place(name, b, &j, &key)
+        if kind:
+            if unknown:
+                places.append(-1)
+                continue
+            k = slots.get(j, len(fields))
+            if k == len(fields):
+                fields.append(_group_name(j))
+        else:
+            if len(name) > 1 and PyBytes_AS_STRING(name)[0] == 103:
+                # b"g...", which may spell a group's field: the reference's one dict of fields
+                fields, places = group_read_fields(names, bits)
+                return _pack_fields(slice_key, per_command, fields, places)
+            known = at.get(name)
+            if known is None:
+                k = len(fields)
+                at[name] = k
+                fields.append(name)
+            else:
+                k = known
+        places.append(_place_int(k))
+    return _pack_fields(slice_key, per_command, fields, places)
+
+
+def group_slice_column(list replies, list places, list names, object bits, list fields) -> tuple:
+    """`filters.index.group_codec.slice_column`, compiled."""
+    cdef Py_ssize_t n = len(names), m = len(fields), p, k, total = 0
+    cdef vector[PyObject *] values
+    cdef object reply, value, out
+    cdef list column
+    cdef dict raw = {}
+    cdef bytes field
+    cdef uint64_t j
+    cdef uint32_t key
+    cdef int kind, b = 0 if bits is None else bits
+    if len(places) != n:
+        raise ValueError("one place a name expected")
+    values.reserve(m)
+    for reply in replies:
+        for value in <list?>reply:
+            values.push_back(<PyObject *>value)
+    if <Py_ssize_t>values.size() != m:
+        raise ValueError(f"{values.size()} values for {m} fields")
+    for k in range(m):
+        value = <object>values[k]
+        field = <bytes>fields[k]
+        if value is not None and len(field) > 0 and PyBytes_AS_STRING(field)[0] == 103:
+            raw[field] = value
+    column = PyList_New(n)
+    for p in range(n):
+        k = places[p]
+        if k < 0:
+            out = None
+        else:
+            if k >= m:
+                raise IndexError("a place past the fields")
+            value = <object>values[k]
+            kind = 0 if bits is None else _group_place(<bytes>names[p], b, &j, &key)
+            if kind == 0:
+                out = value
+            elif kind == 2:
+                out = _id_record(value if value else None, key)
+            else:
+                out = _bucket_records(value if value else None, key)
+        Py_INCREF(out)
+        PyList_SET_ITEM(column, p, out)
+    return column, raw
+
+
+cdef void _trim_in_place(string &g, uint32_t key, Py_ssize_t cap):
+    """`group_codec.trim_bucket` on a group being written: the bucket's `cap` newest (event time, then seq; of
+    equals, the first) kept, every other record and the order kept."""
+    cdef Py_ssize_t n = <Py_ssize_t>g.size() // GROUP_RECORD, r, m, w = 0
+    cdef unsigned char *p = <unsigned char *>&g[0]
+    cdef vector[pair[pair[double, uint64_t], Py_ssize_t]] mine
+    cdef double ts
+    for r in range(n):
+        if _rec_is(p + r * GROUP_RECORD, key, False):
+            memcpy(&ts, p + r * GROUP_RECORD + 4, 8)
+            # -r: of equal records the later sort first, so go first (the reference's stable sort keeps the first)
+            mine.push_back(pair[pair[double, uint64_t], Py_ssize_t](
+                pair[double, uint64_t](ts, _load_be64(p + r * GROUP_RECORD + 12)), -r))
+    m = mine.size()
+    if m <= cap:
+        return
+    cpp_sort(mine.begin(), mine.end())  # oldest first: the first m - cap go
+    cdef vector[char] drop = vector[char](n, 0)
+    for r in range(m - cap):
+        drop[-mine[r].second] = 1
+    for r in range(n):
+        if not drop[r]:
+            if w != r:
+                memmove(p + w * GROUP_RECORD, p + r * GROUP_RECORD, GROUP_RECORD)
+            w += 1
+    g.resize(w * GROUP_RECORD)
+
+
+cdef inline void _append_in_place(string &g, uint32_t key, double ts, uint64_t seq, Py_ssize_t cap, bint is_id):
+    """`group_codec.append_record` (`append_id`) on a group being written."""
+    cdef Py_ssize_t n = <Py_ssize_t>g.size() // GROUP_RECORD, r, m = 0
+    cdef const unsigned char *p
+    cdef unsigned char rec[GROUP_RECORD]
+    if not is_id and n > 2 * cap:
+        p = <const unsigned char *>g.data()
+        for r in range(n):
+            if _rec_is(p + r * GROUP_RECORD, key, False):
+                m += 1
+        if m > 2 * cap:
+            _trim_in_place(g, key, cap)
+    _store_be32(rec, key)
+    memcpy(rec + 4, &ts, 8)
+    _store_be64(rec + 12, seq | (0x8000000000000000ULL if is_id else 0))
+    g.append(<const char *>rec, GROUP_RECORD)
+
+
+cdef list _round_into(dict groups, list names, int bits, list rows, bint one_slice, double s, double slice_length,
+                      Py_ssize_t cap, vector[string] &out):
+    """A round's rows applied to `groups` (left as they are), each group touched copied once into `out` and
+    written there in place; returns the fields of `out`, in the order first changed (`apply_round`). With
+    `one_slice`, only the rows whose event time is in slice `s`."""
+    cdef list fields = []
+    cdef object row, p, old
+    cdef list places
+    cdef uint64_t j, seq
+    cdef uint32_t key
+    cdef double ts
+    cdef bytes field
+    cdef int kind
+    cdef Py_ssize_t k, a
+    if not 0 <= bits <= GROUP_K_MAX:
+        raise ValueError(f"bits must be 0 to {GROUP_K_MAX}, got {bits!r}")
+    cdef Py_ssize_t most = 0
+    for row in rows:
+        most += len(row[2]) + 1
+    cdef _GroupSlots slots = _GroupSlots(most)  # a group for each record at most
+    for row in rows:
+        ts = row[1]
+        if one_slice and floor(ts / slice_length) != s:
+            continue
+        seq = row[0]
+        places = row[2] if type(row[2]) is list else list(row[2])
+        for a in range(len(places) + 1):
+            p = places[a] if a < len(places) else row[3]
+            kind = _group_place(<bytes>names[p], bits, &j, &key)
+            if kind != (2 if a == len(places) else 1):
+                raise ValueError(f"not {'an id' if a == len(places) else 'a bucket'} field: {names[p]!r}")
+            k = slots.get(j, out.size())
+            if k == <Py_ssize_t>out.size():
+                field = _group_name(j)
+                old = groups.get(field)
+                out.push_back(string())
+                if old is not None:
+                    _group_len(old)  # a whole number of records, else IndexCorrupt
+                    out.back().assign(PyBytes_AS_STRING(old), len(<bytes>old))
+                fields.append(field)
+            _append_in_place(out[k], key, ts, seq, cap, kind == 2)
+    return fields
+
+
+def group_slice_writes(dict groups, list names, int bits, list rows, long long s, double slice_length,
+                       Py_ssize_t cap, list pairs) -> tuple:
+    """`filters.index.group_codec.slice_writes`, compiled: each group touched copied once and written in place."""
+    cdef vector[string] out
+    cdef list fields = _round_into(groups, names, bits, rows, True, <double>s, slice_length, cap, out)
+    cdef dict new = {}
+    cdef list flat = []
+    cdef Py_ssize_t k, a, n = len(pairs)
+    cdef bytes value, name
+    if n % 2:
+        raise ValueError("pairs of name and value expected")
+    for k in range(len(fields)):
+        value = PyBytes_FromStringAndSize(out[k].data(), out[k].size())
+        new[fields[k]] = value
+        flat.append(fields[k])
+        flat.append(value)
+    for a in range(0, n, 2):
+        name = <bytes?>pairs[a]
+        if len(name) > 0 and PyBytes_AS_STRING(name)[0] == 101:  # b"e": an entry
+            flat.append(name)
+            flat.append(pairs[a + 1])
+    return new, flat

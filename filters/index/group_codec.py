@@ -21,7 +21,7 @@ import struct
 from collections.abc import Sequence
 
 from filters.errors import IndexCorrupt
-from filters.index.compact_codec import FIELDS_PER_ENTRY, id_hash
+from filters.index.compact_codec import FIELDS_PER_ENTRY, id_hash, resp
 
 LAYOUT = "group"  # the meta hash's `layout` of a namespace of this layout
 RECORD_SIZE = 20
@@ -162,6 +162,7 @@ def append_record(group: bytes, key: bytes, ts: float, seq: int, cap: int) -> by
 
 def append_id(group: bytes, key: bytes, ts: float, seq: int) -> bytes:
     """An id's record appended to its group (its seq tagged)."""
+    _records(group)
     return group + key + _TS.pack(ts) + _SEQ.pack(seq | ID_TAG)
 
 
@@ -207,6 +208,49 @@ def column_of(values: Sequence[bytes | None], places: Sequence[int], names: Sequ
         else:
             column.append(bucket_records(value, where[1]))
     return column
+
+
+def pack_reads(slice_key: str, names: Sequence[bytes], bits: int | None,
+               per_command: int) -> tuple[bytes, int, list[bytes], list[int]]:
+    """A slice's read as RESP: the `HMGET`s of `read_fields` (at most `per_command` fields each), then the `HGET`
+    of its count `n`. Returns (the bytes, the number of HMGETs, the fields, the place of each name's field)."""
+    if per_command < 1:
+        raise ValueError(f"per_command must be >= 1, got {per_command}")
+    fields, places = read_fields(names, bits)
+    reads = [("HMGET", slice_key, *fields[a : a + per_command]) for a in range(0, len(fields), per_command)]
+    return resp([*reads, ("HGET", slice_key, "n")]), len(reads), fields, places
+
+
+def slice_column(replies: Sequence[Sequence[bytes | None]], places: Sequence[int], names: Sequence[bytes],
+                 bits: int | None, fields: Sequence[bytes]) -> tuple[list[bytes | None], dict[bytes, bytes]]:
+    """A slice's column in the compact layout's terms (`column_of`) from the replies of its HMGETs (`pack_reads`),
+    and the groups read (field -> value, those Redis holds)."""
+    values = [v for reply in replies for v in reply]
+    if len(values) != len(fields):
+        raise ValueError(f"{len(values)} values for {len(fields)} fields")
+    raw = {f: v for f, v in zip(fields, values) if v is not None and f[:1] == b"g"}
+    return column_of(values, places, names, bits), raw
+
+
+def slice_writes(groups: dict[bytes, bytes], names: Sequence[bytes], bits: int,
+                 rows: Sequence[tuple[int, float, Sequence[int], int]], s: int, slice_length: float, cap: int,
+                 pairs: Sequence[bytes]) -> tuple[dict[bytes, bytes], list[bytes]]:
+    """A round's writes to slice `s`: its rows (seq, event time, places of its buckets, place of its id; those
+    whose event time is in slice `s`, by `slice_length`) applied to its groups read (`groups`, left as they are)
+    as `apply_round` applies them; and the slice's `HSET` arguments: each group changed (in the order first
+    changed) with its value, then the entries (`e<seq>`) of the compact layout's `pairs`. Returns (the groups
+    changed, the arguments)."""
+    mine = [row for row in rows if math.floor(row[1] / slice_length) == s]
+    current = dict(groups)
+    changed = apply_round(current, names, bits, mine, cap)
+    new = {f: current[f] for f in changed}
+    flat: list[bytes] = []
+    for f, v in new.items():
+        flat += (f, v)
+    for a in range(0, len(pairs), 2):
+        if pairs[a][:1] == b"e":
+            flat += (pairs[a], pairs[a + 1])
+    return new, flat
 
 
 def apply_round(groups: dict[bytes, bytes], names: Sequence[bytes], bits: int,

@@ -32,7 +32,7 @@ from filters.index.redis import (
     _stored_time,
 )
 from filters.index.redis_codec import ABSENT, SEQ, decode_memo, encode_entry, live_memo, memo_time
-from filters.index.redis_compact import CompactIndex
+from filters.index.redis_compact import CompactIndex, _Packed
 from filters.records import Verdict
 
 try:  # the compiled core; absent when it could not be built at install time (no C++ compiler)
@@ -62,8 +62,9 @@ class GroupIndex(CompactIndex):
         self._last_raw: dict[int, dict[bytes, bytes]] = {}
         self._raw_written: dict[int, dict[bytes, bytes]] = {}
         self._read_fields = _native.group_read_fields if _native is not None else gc.read_fields
-        self._group_column = _native.group_column_of if _native is not None else gc.column_of
-        self._apply_round = _native.group_apply_round if _native is not None else gc.apply_round
+        self._pack_group_reads = _native.group_pack_reads if _native is not None else gc.pack_reads
+        self._slice_column = _native.group_slice_column if _native is not None else gc.slice_column
+        self._slice_writes = _native.group_slice_writes if _native is not None else gc.slice_writes
         self._count_buckets = _native.group_count_buckets if _native is not None else gc.count_buckets
 
     # -- reading -------------------------------------------------------------------------------------
@@ -85,6 +86,11 @@ class GroupIndex(CompactIndex):
         for s in slices:
             key = f"{self._spre}{s}"
             bits = known[s]
+            if self._packs:  # packed at once (`pack_reads`), with the count's HGET
+                blob, n, fields, places = self._pack_group_reads(key, listed, bits, step)
+                commands.append(_Packed(blob, n + 1))
+                plans.append((fields, places, bits, n))
+                continue
             fields, places = self._read_fields(listed, bits)
             reads = [("HMGET", key, *fields[a : a + step]) for a in range(0, len(fields), step)]
             commands += [*reads, ("HGET", key, "n")]
@@ -119,13 +125,12 @@ class GroupIndex(CompactIndex):
         raw: dict[int, dict[bytes, bytes]] = {}
         at = 1
         for s, (fields, places, bits, n) in zip(slices, plans):
-            values = [v for reply in replies[at : at + n] for v in reply]
             count = replies[at + n]
-            at += n + 1
             if count is not None:
                 self._counts[s] = int(count)
-            columns.append(self._group_column(values, places, listed, bits))
-            raw[s] = {f: v for f, v in zip(fields, values) if v is not None and f[:1] == b"g"}
+            column, raw[s] = self._slice_column(list(replies[at : at + n]), places, listed, bits, fields)
+            columns.append(column)
+            at += n + 1
         self._last_raw = raw
         return seq, stored, columns, read
 
@@ -240,22 +245,17 @@ class GroupIndex(CompactIndex):
         made: dict[int, int] = {}
         new: dict[int, dict[bytes, bytes]] = {}
         step = 2 * FIELDS_PER_CALL
+        listed, listed_rows = list(names), list(rows)
         for s, (count, pairs) in groups.items():
             bits = self._bits.get(s)
             if bits is None:
                 bits = made[s] = max(gc.slice_bits(self._counts.get(s - 1)),
                                      gc.slice_bits(self._expected.get(s, self._rate_count)))
                 commands.append(("HSET", meta, f"k:{s}", bits))
-            mine = [(r, ts, places, e) for r, ts, places, e in rows if self._slice(ts) == s]
-            current = dict(raw.get(s, {}))
-            changed = self._apply_round(current, list(names), bits, mine, cap)
-            new[s] = {f: current[f] for f in changed}
-            flat: list[bytes] = []
-            for f in changed:
-                flat += (f, current[f])
-            for a in range(0, len(pairs), 2):
-                if pairs[a][:1] == b"e":
-                    flat += (pairs[a], pairs[a + 1])
+            # The slice's groups changed (each built once from the groups read, which stay as read until Redis
+            # takes the transaction) and its HSET arguments, entries last.
+            new[s], flat = self._slice_writes(raw.get(s, {}), listed, bits, listed_rows, s, self.slice_length, cap,
+                                              pairs)
             key = f"{self._spre}{s}"
             commands += [("HSET", key, *flat[a : a + step]) for a in range(0, len(flat), step)]
             commands += [("HINCRBY", key, "n", count), ("PEXPIRE", key, ttl)]
