@@ -174,10 +174,10 @@ def test_a_slices_packed_read_and_its_column_as_the_reference(names: list[bytes]
     assert blob == cc.resp([*reads, ("HGET", "{p:ns}:g:7", "n")]) and n == len(reads)
     values = [data.draw(st.one_of(st.none(), groups())) for _ in fields]
     replies = [values[a : a + per_command] for a in range(0, len(values), per_command)]
-    column, raw = gc.slice_column(replies, places, names, bits, fields)
-    assert _native.group_slice_column(replies, places, names, bits, fields) == (column, raw)
-    assert column == gc.column_of(values, places, names, bits)
-    assert raw == {f: v for f, v in zip(fields, values) if v is not None and f[:1] == b"g"}
+    column, flat = gc.slice_column(replies, places, names, bits, fields)
+    assert _native.group_slice_column(replies, places, names, bits, fields) == (column, flat)
+    assert column == gc.column_of(values, places, names, bits) and flat == values
+    assert gc.groups_read(fields, values) == {f: v for f, v in zip(fields, values) if v is not None and f[:1] == b"g"}
     with pytest.raises(ValueError):
         _native.group_slice_column([*replies, [None]], places, names, bits, fields)
 
@@ -195,30 +195,36 @@ def test_a_name_spelt_as_a_group_is_read_as_the_reference() -> None:
 _GROUP_NAMES = [b"b" + (k * 0x0123456789).to_bytes(8, "big") for k in range(8)] + [b"ia", b"ib", b"ic"]
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(bits=st.integers(0, 3), cap=st.integers(1, 3),
        rows=st.lists(st.tuples(st.lists(st.integers(0, 7), min_size=1, max_size=4, unique=True), st.integers(0, 2),
                                st.sampled_from(_TIMES)), max_size=16),
-       base=st.lists(st.one_of(st.none(), groups()), min_size=8, max_size=8), length=st.sampled_from([1.0, 2.5, 4.0]),
-       s=st.integers(-1, 2))
+       base=st.lists(st.one_of(st.none(), groups()), min_size=8, max_size=8),
+       since=st.lists(st.one_of(st.none(), groups()), min_size=8, max_size=8), unread=st.booleans(),
+       length=st.sampled_from([1.0, 2.5, 4.0]), s=st.integers(-1, 2))
 def test_a_slices_writes_as_the_reference(bits: int, cap: int, rows: list[tuple[list[int], int, float]],
-                                          base: list[bytes | None], length: float, s: int) -> None:
-    """`slice_writes`, compiled as the reference: the groups read left as they were, the groups changed those
-    `apply_round` leaves of the slice's rows, then the entries of the compact layout's pairs."""
-    read = {gc.group_field(j): g for j, g in enumerate(base) if g is not None}
+                                          base: list[bytes | None], since: list[bytes | None], unread: bool,
+                                          length: float, s: int) -> None:
+    """`slice_writes`, compiled as the reference: the groups read (by the place of each name's field) and those
+    written since (in their place) left as they were, the groups changed those `apply_round` leaves of the
+    slice's rows, then the entries of the compact layout's pairs."""
+    names = [*_GROUP_NAMES, b"dmemo"]
+    fields, places = gc.read_fields(names, bits)
+    read = None if unread else (fields, places, [base[k % 8] if f[:1] == b"g" else b"memo" for k, f in enumerate(fields)])
+    written = {gc.group_field(j): g for j, g in enumerate(since) if g is not None and j < 1 << bits}
     entries = [(seq, ts, keys, 8 + who) for seq, (keys, who, ts) in enumerate(rows, start=1)]
-    pairs = [b"ia", b"x" * 16, cc.entry_field(3), b"entry-3", _GROUP_NAMES[0], b"y" * 16, cc.entry_field(9), b"e9"]
-    before = dict(read)
-    new, flat = gc.slice_writes(read, _GROUP_NAMES, bits, entries, s, length, cap, pairs)
-    assert _native.group_slice_writes(read, _GROUP_NAMES, bits, entries, s, length, cap, pairs) == (new, flat)
-    assert read == before
-    applied = dict(read)
+    pairs = [b"ia", b"x" * 16, cc.entry_field(3), b"entry-3", names[0], b"y" * 16, cc.entry_field(9), b"e9"]
+    before = (dict(written), None if read is None else list(read[2]))
+    new, flat = gc.slice_writes(written, read, names, bits, entries, s, length, cap, pairs)
+    assert _native.group_slice_writes(written, read, names, bits, entries, s, length, cap, pairs) == (new, flat)
+    assert (written, None if read is None else read[2]) == before
+    applied = {**(gc.groups_read(fields, read[2]) if read is not None else {}), **written}
     mine = [e for e in entries if e[1] // length == s]
-    changed = gc.apply_round(applied, _GROUP_NAMES, bits, mine, cap)
+    changed = gc.apply_round(applied, names, bits, mine, cap)
     assert list(new) == changed and all(applied[f] == v for f, v in new.items())
     assert flat == [x for f, v in new.items() for x in (f, v)] + pairs[2:4] + pairs[6:8]
-    twin = dict(read)
-    assert _native.group_apply_round(twin, _GROUP_NAMES, bits, mine, cap) == changed and twin == applied
+    twin = {**(gc.groups_read(fields, read[2]) if read is not None else {}), **written}
+    assert _native.group_apply_round(twin, names, bits, mine, cap) == changed and twin == applied
 
 
 def test_trimming_equal_records_keeps_the_first_as_the_reference() -> None:
@@ -228,8 +234,8 @@ def test_trimming_equal_records_keeps_the_first_as_the_reference() -> None:
     group = b"".join(_rec(key, ts, 5) for ts in (0.0, -0.0, -0.0, 0.0, -0.0, 0.0))
     names = [b"b" + (7).to_bytes(8, "big"), b"ia"]
     field = gc.group_field(gc.group_of(7, 0))
-    got = gc.slice_writes({field: group}, names, 0, [(99, -1.0, [0], 1)], -1, 10.0, 2, [])
-    assert _native.group_slice_writes({field: group}, names, 0, [(99, -1.0, [0], 1)], -1, 10.0, 2, []) == got
+    got = gc.slice_writes({field: group}, None, names, 0, [(99, -1.0, [0], 1)], -1, 10.0, 2, [])
+    assert _native.group_slice_writes({field: group}, None, names, 0, [(99, -1.0, [0], 1)], -1, 10.0, 2, []) == got
     assert got[0][field][:40] == group[:40]  # the first two kept
     assert gc.trim_bucket(group, key, 2) == _native.group_trim_bucket(group, key, 2) == group[:40]
 
@@ -239,4 +245,6 @@ def test_a_corrupt_group_is_refused_when_written() -> None:
     field = gc.group_field(gc.group_of(7, 0))
     for slice_writes in (gc.slice_writes, _native.group_slice_writes):
         with pytest.raises(IndexCorrupt):
-            slice_writes({field: b"x" * 21}, names, 0, [(1, 1.0, [0], 1)], 0, 10.0, 2, [])
+            slice_writes({field: b"x" * 21}, None, names, 0, [(1, 1.0, [0], 1)], 0, 10.0, 2, [])
+        with pytest.raises(IndexCorrupt):  # read so
+            slice_writes({}, ([field], [0, 0], [b"x" * 21]), names, 0, [(1, 1.0, [0], 1)], 0, 10.0, 2, [])

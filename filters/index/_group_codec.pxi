@@ -3,6 +3,10 @@
 
 from libcpp.string cimport string
 
+cdef extern from "Python.h":
+    Py_ssize_t PyBytes_GET_SIZE(object o)
+    PyObject *PyList_GET_ITEM(object o, Py_ssize_t i)
+
 cdef enum:
     GROUP_RECORD = 20
     GROUP_K_MAX = 30
@@ -238,12 +242,12 @@ def group_column_of(list values, list places, list names, object bits) -> list:
 
 
 def group_apply_round(dict groups, list names, int bits, list entries, Py_ssize_t cap) -> list:
-    """`filters.index.group_codec.apply_round`, compiled: each group touched copied once and written in place."""
-    cdef vector[string] out
-    cdef list fields = _round_into(groups, names, bits, entries, False, 0, 1, cap, out)
+    """`filters.index.group_codec.apply_round`, compiled: each group touched made once (`_round_into`)."""
+    cdef list fields, values
+    fields, values = _round_into(groups, None, names, bits, entries, False, 0, 1, cap)
     cdef Py_ssize_t k
     for k in range(len(fields)):
-        groups[fields[k]] = PyBytes_FromStringAndSize(out[k].data(), out[k].size())
+        groups[fields[k]] = values[k]
     return fields
 
 
@@ -298,8 +302,20 @@ cdef class _GroupSlots:
             at = (at + 1) & self.mask
 
 
+cdef list _GROUP_PLACES = None  # the ints 0 .. 2^16 - 1, made when first needed: a batch's places, not allocated
+
+
 cdef inline object _place_int(Py_ssize_t k):
-    return _PLACES[k] if 0 <= k < (1 << 13) else k
+    global _GROUP_PLACES
+    if _GROUP_PLACES is None:
+        _GROUP_PLACES = list(range(1 << 16))
+    return _GROUP_PLACES[k] if 0 <= k < (1 << 16) else k
+
+
+cdef inline void _list_put(list out, Py_ssize_t i, object value):
+    """Item `i` of a list made by PyList_New (its items NULL) set to `value`."""
+    Py_INCREF(value)
+    PyList_SET_ITEM(out, i, value)
 
 
 cdef tuple _pack_fields(str slice_key, Py_ssize_t per_command, list fields, list places):
@@ -340,9 +356,9 @@ cdef tuple _pack_fields(str slice_key, Py_ssize_t per_command, list fields, list
 
 def group_pack_reads(str slice_key, list names, object bits, Py_ssize_t per_command) -> tuple:
     """`filters.index.group_codec.pack_reads`, compiled: the groups told apart by number (`_GroupSlots`), each
-    one's field made once, the RESP written at once."""
-    cdef Py_ssize_t n = len(names), i, k
-    cdef list fields = [], places = []
+    one's field made once, the lists made at their size, the RESP written at once."""
+    cdef Py_ssize_t n = len(names), i, k, m = 0
+    cdef list fields = PyList_New(n), places = PyList_New(n)
     cdef dict at = {}
     cdef bytes name
     cdef object known
@@ -354,17 +370,20 @@ def group_pack_reads(str slice_key, list names, object bits, Py_ssize_t per_comm
         raise ValueError(f"bits must be 0 to {GROUP_K_MAX}, got {bits!r}")
     if per_command < 1:
         raise ValueError(f"per_command must be >= 1, got {per_command}")
+    for i in range(n):  # (filled before anything can raise: a list with NULL items is never left behind)
+        _list_put(places, i, -1)
+        _list_put(fields, i, None)
     cdef _GroupSlots slots = _GroupSlots(n)
     for i in range(n):
         name = <bytes?>names[i]
         kind = _group_place(name, b, &j, &key)
         if kind:
             if unknown:
-                places.append(-1)
                 continue
-            k = slots.get(j, len(fields))
-            if k == len(fields):
-                fields.append(_group_name(j))
+            k = slots.get(j, m)
+            if k == m:
+                fields[m] = _group_name(j)
+                m += 1
         else:
             if len(name) > 1 and PyBytes_AS_STRING(name)[0] == 103:
                 # b"g...", which may spell a group's field: the reference's one dict of fields
@@ -372,12 +391,14 @@ def group_pack_reads(str slice_key, list names, object bits, Py_ssize_t per_comm
                 return _pack_fields(slice_key, per_command, fields, places)
             known = at.get(name)
             if known is None:
-                k = len(fields)
+                k = m
                 at[name] = k
-                fields.append(name)
+                fields[m] = name
+                m += 1
             else:
                 k = known
-        places.append(_place_int(k))
+        places[i] = _place_int(k)
+    del fields[m:]
     return _pack_fields(slice_key, per_command, fields, places)
 
 
@@ -386,9 +407,7 @@ def group_slice_column(list replies, list places, list names, object bits, list 
     cdef Py_ssize_t n = len(names), m = len(fields), p, k, total = 0
     cdef vector[PyObject *] values
     cdef object reply, value, out
-    cdef list column
-    cdef dict raw = {}
-    cdef bytes field
+    cdef list column, flat
     cdef uint64_t j
     cdef uint32_t key
     cdef int kind, b = 0 if bits is None else bits
@@ -400,11 +419,9 @@ def group_slice_column(list replies, list places, list names, object bits, list 
             values.push_back(<PyObject *>value)
     if <Py_ssize_t>values.size() != m:
         raise ValueError(f"{values.size()} values for {m} fields")
+    flat = PyList_New(m)
     for k in range(m):
-        value = <object>values[k]
-        field = <bytes>fields[k]
-        if value is not None and len(field) > 0 and PyBytes_AS_STRING(field)[0] == 103:
-            raw[field] = value
+        _list_put(flat, k, <object>values[k])
     column = PyList_New(n)
     for p in range(n):
         k = places[p]
@@ -417,20 +434,21 @@ def group_slice_column(list replies, list places, list names, object bits, list 
             kind = 0 if bits is None else _group_place(<bytes>names[p], b, &j, &key)
             if kind == 0:
                 out = value
+            elif value is None or (type(value) is bytes and PyBytes_GET_SIZE(value) == 0):
+                out = None
             elif kind == 2:
-                out = _id_record(value if value else None, key)
+                out = _id_record(value, key)
             else:
-                out = _bucket_records(value if value else None, key)
+                out = _bucket_records(value, key)
         Py_INCREF(out)
         PyList_SET_ITEM(column, p, out)
-    return column, raw
+    return column, flat
 
 
-cdef void _trim_in_place(string &g, uint32_t key, Py_ssize_t cap):
-    """`group_codec.trim_bucket` on a group being written: the bucket's `cap` newest (event time, then seq; of
-    equals, the first) kept, every other record and the order kept."""
-    cdef Py_ssize_t n = <Py_ssize_t>g.size() // GROUP_RECORD, r, m, w = 0
-    cdef unsigned char *p = <unsigned char *>&g[0]
+cdef Py_ssize_t _trim_records(unsigned char *p, Py_ssize_t n, uint32_t key, Py_ssize_t cap):
+    """`group_codec.trim_bucket` in place on the `n` records at `p`: the bucket's `cap` newest (event time, then
+    seq; of equals, the first) kept, every other record and the order kept. Returns the records left."""
+    cdef Py_ssize_t r, m, w = 0
     cdef vector[pair[pair[double, uint64_t], Py_ssize_t]] mine
     cdef double ts
     for r in range(n):
@@ -441,7 +459,7 @@ cdef void _trim_in_place(string &g, uint32_t key, Py_ssize_t cap):
                 pair[double, uint64_t](ts, _load_be64(p + r * GROUP_RECORD + 12)), -r))
     m = mine.size()
     if m <= cap:
-        return
+        return n
     cpp_sort(mine.begin(), mine.end())  # oldest first: the first m - cap go
     cdef vector[char] drop = vector[char](n, 0)
     for r in range(m - cap):
@@ -451,48 +469,63 @@ cdef void _trim_in_place(string &g, uint32_t key, Py_ssize_t cap):
             if w != r:
                 memmove(p + w * GROUP_RECORD, p + r * GROUP_RECORD, GROUP_RECORD)
             w += 1
-    g.resize(w * GROUP_RECORD)
+    return w
 
 
-cdef inline void _append_in_place(string &g, uint32_t key, double ts, uint64_t seq, Py_ssize_t cap, bint is_id):
-    """`group_codec.append_record` (`append_id`) on a group being written."""
-    cdef Py_ssize_t n = <Py_ssize_t>g.size() // GROUP_RECORD, r, m = 0
-    cdef const unsigned char *p
-    cdef unsigned char rec[GROUP_RECORD]
-    if not is_id and n > 2 * cap:
-        p = <const unsigned char *>g.data()
-        for r in range(n):
-            if _rec_is(p + r * GROUP_RECORD, key, False):
-                m += 1
-        if m > 2 * cap:
-            _trim_in_place(g, key, cap)
-    _store_be32(rec, key)
-    memcpy(rec + 4, &ts, 8)
-    _store_be64(rec + 12, seq | (0x8000000000000000ULL if is_id else 0))
-    g.append(<const char *>rec, GROUP_RECORD)
+cdef void _trim_in_place(string &g, uint32_t key, Py_ssize_t cap):
+    """`_trim_records` of a group held in a string."""
+    cdef Py_ssize_t n = <Py_ssize_t>g.size() // GROUP_RECORD
+    if n:
+        g.resize(_trim_records(<unsigned char *>&g[0], n, key, cap) * GROUP_RECORD)
 
 
-cdef list _round_into(dict groups, list names, int bits, list rows, bint one_slice, double s, double slice_length,
-                      Py_ssize_t cap, vector[string] &out):
-    """A round's rows applied to `groups` (left as they are), each group touched copied once into `out` and
-    written there in place; returns the fields of `out`, in the order first changed (`apply_round`). With
-    `one_slice`, only the rows whose event time is in slice `s`."""
-    cdef list fields = []
+cdef struct _GroupAppend:
+    Py_ssize_t slot  # the group's number in the round (its field's place)
+    uint32_t key
+    bint is_id
+    double ts
+    uint64_t seq
+
+
+cdef tuple _round_into(dict groups, object read, list names, int bits, list rows, bint one_slice, double s,
+                       double slice_length, Py_ssize_t cap):
+    """A round's rows applied, as `apply_round` applies them, to the groups of a slice's read of `names` (`read`:
+    its fields, each name's place among them, their values; or None) and `groups` (written since; in their place);
+    both left as they are. With `one_slice`, only the rows whose event time is in slice `s`. Returns (the fields
+    changed, in the order first changed; their values). A group is found by its name's place in the read (no dict
+    and no name made, where nothing was written since), and made once: its records counted first, its bytes then
+    allocated at their size, the group before copied in and the records written in place (a bucket trimmed in
+    place)."""
+    cdef list fields = [], values
     cdef object row, p, old
     cdef list places
     cdef uint64_t j, seq
     cdef uint32_t key
     cdef double ts
-    cdef bytes field
     cdef int kind
-    cdef Py_ssize_t k, a
+    cdef Py_ssize_t k, a, n_names = len(names), at, m, r, n, size
+    cdef object value
+    cdef vector[_GroupAppend] appends
+    cdef vector[Py_ssize_t] counts, sizes
+    cdef _GroupAppend op
+    cdef unsigned char *g
     if not 0 <= bits <= GROUP_K_MAX:
         raise ValueError(f"bits must be 0 to {GROUP_K_MAX}, got {bits!r}")
     cdef Py_ssize_t most = 0
     for row in rows:
         most += len(row[2]) + 1
     cdef _GroupSlots slots = _GroupSlots(most)  # a group for each record at most
-    for row in rows:
+    cdef list olds = []
+    cdef list read_fields = None, read_places = None, read_values = None
+    cdef Py_ssize_t n_read = 0, kk
+    cdef bint written = len(groups) > 0
+    if read is not None:
+        read_fields, read_places, read_values = read
+        n_read = len(read_fields)
+        if len(read_places) != n_names or len(read_values) != n_read:
+            raise ValueError("a read of other names")
+    appends.reserve(most)
+    for row in rows:  # what goes where, in order
         ts = row[1]
         if one_slice and floor(ts / slice_length) != s:
             continue
@@ -500,41 +533,88 @@ cdef list _round_into(dict groups, list names, int bits, list rows, bint one_sli
         places = row[2] if type(row[2]) is list else list(row[2])
         for a in range(len(places) + 1):
             p = places[a] if a < len(places) else row[3]
-            kind = _group_place(<bytes>names[p], bits, &j, &key)
+            at = p
+            if not 0 <= at < n_names:
+                raise IndexError(f"place {at} of {n_names} names")
+            kind = _group_place(<bytes>PyList_GET_ITEM(names, at), bits, &j, &key)
             if kind != (2 if a == len(places) else 1):
-                raise ValueError(f"not {'an id' if a == len(places) else 'a bucket'} field: {names[p]!r}")
-            k = slots.get(j, out.size())
-            if k == <Py_ssize_t>out.size():
-                field = _group_name(j)
-                old = groups.get(field)
-                out.push_back(string())
+                raise ValueError(f"not {'an id' if a == len(places) else 'a bucket'} field: {names[at]!r}")
+            k = slots.get(j, len(fields))
+            if k == len(fields):
+                kk = <Py_ssize_t>(<object>PyList_GET_ITEM(read_places, at)) if read is not None else -1
+                if not kk < n_read:
+                    raise IndexError(f"place {kk} of {n_read} fields read")
+                old = None
+                if kk >= 0:  # the read's field (its hash known) and value
+                    fields.append(<object>PyList_GET_ITEM(read_fields, kk))
+                    old = <object>PyList_GET_ITEM(read_values, kk)
+                else:
+                    fields.append(_group_name(j))
+                if written:
+                    old = groups.get(fields[k], old)
                 if old is not None:
                     _group_len(old)  # a whole number of records, else IndexCorrupt
-                    out.back().assign(PyBytes_AS_STRING(old), len(<bytes>old))
-                fields.append(field)
-            _append_in_place(out[k], key, ts, seq, cap, kind == 2)
-    return fields
+                    sizes.push_back(len(<bytes>old))
+                else:
+                    sizes.push_back(0)
+                olds.append(old)
+                counts.push_back(0)
+            counts[k] += 1
+            op.slot, op.key, op.is_id, op.ts, op.seq = k, key, kind == 2, ts, seq
+            appends.push_back(op)
+    m = len(fields)
+    values = PyList_New(m)
+    for k in range(m):  # each group's bytes at most as long as it can get, the group read first
+        value = PyBytes_FromStringAndSize(NULL, sizes[k] + counts[k] * GROUP_RECORD)
+        if sizes[k]:
+            memcpy(PyBytes_AS_STRING(value), PyBytes_AS_STRING(olds[k]), sizes[k])
+        _list_put(values, k, value)
+    for op in appends:  # (sizes: each group's bytes written so far)
+        g = <unsigned char *>PyBytes_AS_STRING(<object>PyList_GET_ITEM(values, op.slot))
+        size = sizes[op.slot]
+        if not op.is_id and size > 2 * cap * GROUP_RECORD:
+            n = 0
+            for r in range(size // GROUP_RECORD):
+                if _rec_is(g + r * GROUP_RECORD, op.key, False):
+                    n += 1
+            if n > 2 * cap:
+                size = _trim_records(g, size // GROUP_RECORD, op.key, cap) * GROUP_RECORD
+        _store_be32(g + size, op.key)
+        memcpy(g + size + 4, &op.ts, 8)
+        _store_be64(g + size + 12, op.seq | (0x8000000000000000ULL if op.is_id else 0))
+        sizes[op.slot] = size + GROUP_RECORD
+    for k in range(m):  # shorter where a bucket was trimmed
+        if sizes[k] != PyBytes_GET_SIZE(<object>PyList_GET_ITEM(values, k)):
+            values[k] = PyBytes_FromStringAndSize(PyBytes_AS_STRING(<object>PyList_GET_ITEM(values, k)), sizes[k])
+    return fields, values
 
 
-def group_slice_writes(dict groups, list names, int bits, list rows, long long s, double slice_length,
+def group_slice_writes(dict groups, object read, list names, int bits, list rows, long long s, double slice_length,
                        Py_ssize_t cap, list pairs) -> tuple:
-    """`filters.index.group_codec.slice_writes`, compiled: each group touched copied once and written in place."""
-    cdef vector[string] out
-    cdef list fields = _round_into(groups, names, bits, rows, True, <double>s, slice_length, cap, out)
-    cdef dict new = {}
-    cdef list flat = []
-    cdef Py_ssize_t k, a, n = len(pairs)
-    cdef bytes value, name
+    """`filters.index.group_codec.slice_writes`, compiled: each group touched made once (`_round_into`)."""
+    cdef list fields, values, flat
+    fields, values = _round_into(groups, read, names, bits, rows, True, <double>s, slice_length, cap)
+    cdef Py_ssize_t k, a, n = len(pairs), m = len(fields), e = 0
+    cdef dict new = _PyDict_NewPresized(m)
+    cdef object name
     if n % 2:
         raise ValueError("pairs of name and value expected")
-    for k in range(len(fields)):
-        value = PyBytes_FromStringAndSize(out[k].data(), out[k].size())
-        new[fields[k]] = value
-        flat.append(fields[k])
-        flat.append(value)
     for a in range(0, n, 2):
-        name = <bytes?>pairs[a]
-        if len(name) > 0 and PyBytes_AS_STRING(name)[0] == 101:  # b"e": an entry
-            flat.append(name)
-            flat.append(pairs[a + 1])
+        name = pairs[a]
+        if type(name) is not bytes:
+            raise TypeError("field names must be bytes")
+        if PyBytes_GET_SIZE(name) > 0 and PyBytes_AS_STRING(name)[0] == 101:  # b"e": an entry
+            e += 1
+    flat = PyList_New(2 * (m + e))
+    for k in range(m):
+        new[<object>PyList_GET_ITEM(fields, k)] = <object>PyList_GET_ITEM(values, k)
+        _list_put(flat, 2 * k, <object>PyList_GET_ITEM(fields, k))
+        _list_put(flat, 2 * k + 1, <object>PyList_GET_ITEM(values, k))
+    k = 2 * m
+    for a in range(0, n, 2):
+        name = pairs[a]
+        if PyBytes_GET_SIZE(name) > 0 and PyBytes_AS_STRING(name)[0] == 101:
+            _list_put(flat, k, name)
+            _list_put(flat, k + 1, pairs[a + 1])
+            k += 2
     return new, flat

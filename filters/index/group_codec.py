@@ -222,26 +222,33 @@ def pack_reads(slice_key: str, names: Sequence[bytes], bits: int | None,
 
 
 def slice_column(replies: Sequence[Sequence[bytes | None]], places: Sequence[int], names: Sequence[bytes],
-                 bits: int | None, fields: Sequence[bytes]) -> tuple[list[bytes | None], dict[bytes, bytes]]:
+                 bits: int | None, fields: Sequence[bytes]) -> tuple[list[bytes | None], list[bytes | None]]:
     """A slice's column in the compact layout's terms (`column_of`) from the replies of its HMGETs (`pack_reads`),
-    and the groups read (field -> value, those Redis holds)."""
+    and the values of its fields (`fields`, in order): the groups read, which a round's writes start from
+    (`slice_writes`)."""
     values = [v for reply in replies for v in reply]
     if len(values) != len(fields):
         raise ValueError(f"{len(values)} values for {len(fields)} fields")
-    raw = {f: v for f, v in zip(fields, values) if v is not None and f[:1] == b"g"}
-    return column_of(values, places, names, bits), raw
+    return column_of(values, places, names, bits), values
 
 
-def slice_writes(groups: dict[bytes, bytes], names: Sequence[bytes], bits: int,
-                 rows: Sequence[tuple[int, float, Sequence[int], int]], s: int, slice_length: float, cap: int,
-                 pairs: Sequence[bytes]) -> tuple[dict[bytes, bytes], list[bytes]]:
-    """A round's writes to slice `s`: its rows (seq, event time, places of its buckets, place of its id; those
-    whose event time is in slice `s`, by `slice_length`) applied to its groups read (`groups`, left as they are)
-    as `apply_round` applies them; and the slice's `HSET` arguments: each group changed (in the order first
-    changed) with its value, then the entries (`e<seq>`) of the compact layout's `pairs`. Returns (the groups
-    changed, the arguments)."""
+def groups_read(fields: Sequence[bytes], values: Sequence[bytes | None]) -> dict[bytes, bytes]:
+    """The groups of a slice's read (field -> value; those Redis holds) from its fields and their values."""
+    return {f: v for f, v in zip(fields, values, strict=True) if v is not None and f[:1] == b"g"}
+
+
+def slice_writes(groups: dict[bytes, bytes], read: tuple[list[bytes], list[int], list[bytes | None]] | None,
+                 names: Sequence[bytes], bits: int, rows: Sequence[tuple[int, float, Sequence[int], int]], s: int,
+                 slice_length: float, cap: int, pairs: Sequence[bytes]) -> tuple[dict[bytes, bytes], list[bytes]]:
+    """A round's writes to slice `s`: its rows (seq, event time, places of its buckets in `names`, place of its id;
+    those whose event time is in slice `s`, by `slice_length`) applied as `apply_round` applies them to the
+    slice's groups: those of its read of `names` (`read`: its fields, each name's place among them, their values;
+    `pack_reads`, `slice_column`), those in `groups` (written since) in their place; both left as they are. And
+    the slice's `HSET` arguments: each group changed (in the order first changed) with its value, then the
+    entries (`e<seq>`) of the compact layout's `pairs`. Returns (the groups changed, the arguments)."""
     mine = [row for row in rows if math.floor(row[1] / slice_length) == s]
-    current = dict(groups)
+    current = groups_read(read[0], read[2]) if read is not None else {}
+    current.update(groups)
     changed = apply_round(current, names, bits, mine, cap)
     new = {f: current[f] for f in changed}
     flat: list[bytes] = []

@@ -61,6 +61,11 @@ class GroupIndex(CompactIndex):
         # lacks them).
         self._last_raw: dict[int, dict[bytes, bytes]] = {}
         self._raw_written: dict[int, dict[bytes, bytes]] = {}
+        # The last read itself: per slice (of known bits) its fields, each name's place among them, their values
+        # and its bits (`slice_writes` finds a group there by its name's place), and the names it read. `_last_raw`
+        # then holds only the groups written since.
+        self._last_read: dict[int, tuple[list[bytes], list[int], list[bytes | None], int]] = {}
+        self._read_names: Sequence[bytes] | None = None
         self._read_fields = _native.group_read_fields if _native is not None else gc.read_fields
         self._pack_group_reads = _native.group_pack_reads if _native is not None else gc.pack_reads
         self._slice_column = _native.group_slice_column if _native is not None else gc.slice_column
@@ -101,7 +106,8 @@ class GroupIndex(CompactIndex):
                     plans: Sequence[Any], probes: Sequence[int]) -> tuple[
                         int, bytes, list[list[bytes | None]], dict[int, int | None]]:
         """(seq, stored high-water mark, columns in the compact layout's terms, the bits of each slice as the meta
-        hash says) of `_read_plan`'s replies; refuses a namespace of another layout; keeps the groups read."""
+        hash says) of `_read_plan`'s replies; refuses a namespace of another layout; keeps the groups read
+        (`_last_read`)."""
         state = replies[0]
         extra = 3 if self.fenced else 2
         self._check_continuity(state, state[extra + 1])
@@ -122,16 +128,18 @@ class GroupIndex(CompactIndex):
                 self._bits[s] = bits
         listed = list(names)
         columns = []
-        raw: dict[int, dict[bytes, bytes]] = {}
+        kept: dict[int, tuple[list[bytes], list[int], list[bytes | None], int]] = {}
         at = 1
         for s, (fields, places, bits, n) in zip(slices, plans):
             count = replies[at + n]
             if count is not None:
                 self._counts[s] = int(count)
-            column, raw[s] = self._slice_column(list(replies[at : at + n]), places, listed, bits, fields)
+            column, values = self._slice_column(list(replies[at : at + n]), places, listed, bits, fields)
             columns.append(column)
+            if bits is not None:
+                kept[s] = (fields, places, values, bits)
             at += n + 1
-        self._last_raw = raw
+        self._last_read, self._read_names, self._last_raw = kept, names, {}
         return seq, stored, columns, read
 
     def _resolve_marks(self, names: Sequence[bytes], slices: Sequence[int],
@@ -252,10 +260,15 @@ class GroupIndex(CompactIndex):
                 bits = made[s] = max(gc.slice_bits(self._counts.get(s - 1)),
                                      gc.slice_bits(self._expected.get(s, self._rate_count)))
                 commands.append(("HSET", meta, f"k:{s}", bits))
-            # The slice's groups changed (each built once from the groups read, which stay as read until Redis
-            # takes the transaction) and its HSET arguments, entries last.
-            new[s], flat = self._slice_writes(raw.get(s, {}), listed, bits, listed_rows, s, self.slice_length, cap,
-                                              pairs)
+            # The slice's groups changed (each built once from those read and written since, which stay as they
+            # are until Redis takes the transaction) and its HSET arguments, entries last.
+            written, read = raw.get(s, {}), self._last_read.get(s)
+            if read is not None and (read[3] != bits or names is not self._read_names):  # (not so: the read's terms)
+                if read[3] == bits:
+                    written = {**gc.groups_read(read[0], read[2]), **written}
+                read = None
+            new[s], flat = self._slice_writes(written, read[:3] if read is not None else None, listed, bits,
+                                              listed_rows, s, self.slice_length, cap, pairs)
             key = f"{self._spre}{s}"
             commands += [("HSET", key, *flat[a : a + step]) for a in range(0, len(flat), step)]
             commands += [("HINCRBY", key, "n", count), ("PEXPIRE", key, ttl)]
@@ -275,9 +288,11 @@ class GroupIndex(CompactIndex):
         if replies is None:
             return None
         self._bits.update(made)
+        ahead = self._ahead is not None  # a read sent ahead lacks these groups (`_taken`); one sent after has them
         for s, fields in new.items():
             raw.setdefault(s, {}).update(fields)
-            self._raw_written.setdefault(s, {}).update(fields)
+            if ahead:
+                self._raw_written.setdefault(s, {}).update(fields)
         self._stored_top = max(self._stored_top, _stored_time(hwm_bytes))
         now_seq, now_hwm = replies[-1]
         return int(now_seq or 0) == seq and (now_hwm or b"") == hwm_bytes
