@@ -215,16 +215,25 @@ def test_a_slices_writes_as_the_reference(bits: int, cap: int, rows: list[tuple[
     entries = [(seq, ts, keys, 8 + who) for seq, (keys, who, ts) in enumerate(rows, start=1)]
     pairs = [b"ia", b"x" * 16, cc.entry_field(3), b"entry-3", names[0], b"y" * 16, cc.entry_field(9), b"e9"]
     before = (dict(written), None if read is None else list(read[2]))
-    new, flat = gc.slice_writes(written, read, names, bits, entries, s, length, cap, pairs)
-    assert _native.group_slice_writes(written, read, names, bits, entries, s, length, cap, pairs) == (new, flat)
+    flat, taken = gc.slice_writes(written, read, names, bits, entries, s, length, cap, pairs)
+    assert _native.group_slice_writes(written, read, names, bits, entries, s, length, cap, pairs) == (flat, taken)
     assert (written, None if read is None else read[2]) == before
     applied = {**(gc.groups_read(fields, read[2]) if read is not None else {}), **written}
     mine = [e for e in entries if e[1] // length == s]
     changed = gc.apply_round(applied, names, bits, mine, cap)
-    assert list(new) == changed and all(applied[f] == v for f, v in new.items())
-    assert flat == [x for f, v in new.items() for x in (f, v)] + pairs[2:4] + pairs[6:8]
+    assert flat == [x for f in changed for x in (f, applied[f])] + pairs[2:4] + pairs[6:8]
+    assert taken == [fields.index(f) if read is not None else -1 for f in changed]
     twin = {**(gc.groups_read(fields, read[2]) if read is not None else {}), **written}
     assert _native.group_apply_round(twin, names, bits, mine, cap) == changed and twin == applied
+    # Kept once Redis took them: the next round finds what this one left, compiled as the reference.
+    kept = []
+    for keep in (gc.keep_written, _native.group_keep_written):
+        groups, values, also = dict(written), None if read is None else list(read[2]), {}
+        keep(groups, values, flat, taken, also)
+        assert also == {f: applied[f] for f in changed}
+        assert {**(gc.groups_read(fields, values) if values is not None else {}), **groups} == applied
+        kept.append((groups, values))
+    assert kept[0] == kept[1]
 
 
 def test_trimming_equal_records_keeps_the_first_as_the_reference() -> None:
@@ -236,7 +245,7 @@ def test_trimming_equal_records_keeps_the_first_as_the_reference() -> None:
     field = gc.group_field(gc.group_of(7, 0))
     got = gc.slice_writes({field: group}, None, names, 0, [(99, -1.0, [0], 1)], -1, 10.0, 2, [])
     assert _native.group_slice_writes({field: group}, None, names, 0, [(99, -1.0, [0], 1)], -1, 10.0, 2, []) == got
-    assert got[0][field][:40] == group[:40]  # the first two kept
+    assert got[0][0] == field and got[0][1][:40] == group[:40]  # the first two kept
     assert gc.trim_bucket(group, key, 2) == _native.group_trim_bucket(group, key, 2) == group[:40]
 
 

@@ -12,12 +12,21 @@ cdef enum:
     GROUP_K_MAX = 30
 
 
+cdef extern from * nogil:
+    """
+    static inline unsigned long long nd_load_be64(const unsigned char *p) {
+        unsigned long long v; memcpy(&v, p, 8); return __builtin_bswap64(v);
+    }
+    static inline void nd_store_be64(unsigned char *p, unsigned long long v) {
+        v = __builtin_bswap64(v); memcpy(p, &v, 8);
+    }
+    """
+    unsigned long long nd_load_be64(const unsigned char *p)
+    void nd_store_be64(unsigned char *p, unsigned long long v)
+
+
 cdef inline uint64_t _load_be64(const unsigned char *p) noexcept nogil:
-    cdef uint64_t v = 0
-    cdef int i
-    for i in range(8):
-        v = (v << 8) | p[i]
-    return v
+    return nd_load_be64(p)
 
 
 cdef inline void _store_be32(unsigned char *p, uint32_t v) noexcept nogil:
@@ -28,9 +37,7 @@ cdef inline void _store_be32(unsigned char *p, uint32_t v) noexcept nogil:
 
 
 cdef inline void _store_be64(unsigned char *p, uint64_t v) noexcept nogil:
-    cdef int i
-    for i in range(8):
-        p[i] = <unsigned char>(v >> (56 - 8 * i))
+    nd_store_be64(p, v)
 
 
 cdef inline int _group_place(bytes name, int bits, uint64_t *j, uint32_t *key) except -1:
@@ -244,7 +251,7 @@ def group_column_of(list values, list places, list names, object bits) -> list:
 def group_apply_round(dict groups, list names, int bits, list entries, Py_ssize_t cap) -> list:
     """`filters.index.group_codec.apply_round`, compiled: each group touched made once (`_round_into`)."""
     cdef list fields, values
-    fields, values = _round_into(groups, None, names, bits, entries, False, 0, 1, cap)
+    fields, values, _ = _round_into(groups, None, names, bits, entries, False, 0, 1, cap)
     cdef Py_ssize_t k
     for k in range(len(fields)):
         groups[fields[k]] = values[k]
@@ -312,7 +319,7 @@ cdef inline object _place_int(Py_ssize_t k):
     return _GROUP_PLACES[k] if 0 <= k < (1 << 16) else k
 
 
-cdef inline void _list_put(list out, Py_ssize_t i, object value):
+cdef inline void _list_put(list out, Py_ssize_t i, object value) noexcept:
     """Item `i` of a list made by PyList_New (its items NULL) set to `value`."""
     Py_INCREF(value)
     PyList_SET_ITEM(out, i, value)
@@ -370,19 +377,19 @@ def group_pack_reads(str slice_key, list names, object bits, Py_ssize_t per_comm
         raise ValueError(f"bits must be 0 to {GROUP_K_MAX}, got {bits!r}")
     if per_command < 1:
         raise ValueError(f"per_command must be >= 1, got {per_command}")
-    for i in range(n):  # (filled before anything can raise: a list with NULL items is never left behind)
-        _list_put(places, i, -1)
-        _list_put(fields, i, None)
+    # (The lists' items are set once each, in order: a list left behind by an error has NULL items past them,
+    # which its deallocation skips.)
     cdef _GroupSlots slots = _GroupSlots(n)
     for i in range(n):
         name = <bytes?>names[i]
         kind = _group_place(name, b, &j, &key)
         if kind:
             if unknown:
+                _list_put(places, i, _place_int(-1))
                 continue
             k = slots.get(j, m)
             if k == m:
-                fields[m] = _group_name(j)
+                _list_put(fields, m, _group_name(j))
                 m += 1
         else:
             if len(name) > 1 and PyBytes_AS_STRING(name)[0] == 103:
@@ -393,11 +400,11 @@ def group_pack_reads(str slice_key, list names, object bits, Py_ssize_t per_comm
             if known is None:
                 k = m
                 at[name] = k
-                fields[m] = name
+                _list_put(fields, m, name)
                 m += 1
             else:
                 k = known
-        places[i] = _place_int(k)
+        _list_put(places, i, _place_int(k))
     del fields[m:]
     return _pack_fields(slice_key, per_command, fields, places)
 
@@ -492,11 +499,12 @@ cdef tuple _round_into(dict groups, object read, list names, int bits, list rows
     """A round's rows applied, as `apply_round` applies them, to the groups of a slice's read of `names` (`read`:
     its fields, each name's place among them, their values; or None) and `groups` (written since; in their place);
     both left as they are. With `one_slice`, only the rows whose event time is in slice `s`. Returns (the fields
-    changed, in the order first changed; their values). A group is found by its name's place in the read (no dict
+    changed, in the order first changed; their values; the place of each one's field in the read, -1 for none). A
+    group is found by its name's place in the read (no dict
     and no name made, where nothing was written since), and made once: its records counted first, its bytes then
     allocated at their size, the group before copied in and the records written in place (a bucket trimmed in
     place)."""
-    cdef list fields = [], values
+    cdef list fields = [], values, taken = []
     cdef object row, p, old
     cdef list places
     cdef uint64_t j, seq
@@ -544,6 +552,7 @@ cdef tuple _round_into(dict groups, object read, list names, int bits, list rows
                 kk = <Py_ssize_t>(<object>PyList_GET_ITEM(read_places, at)) if read is not None else -1
                 if not kk < n_read:
                     raise IndexError(f"place {kk} of {n_read} fields read")
+                taken.append(_place_int(kk))
                 old = None
                 if kk >= 0:  # the read's field (its hash known) and value
                     fields.append(<object>PyList_GET_ITEM(read_fields, kk))
@@ -586,16 +595,15 @@ cdef tuple _round_into(dict groups, object read, list names, int bits, list rows
     for k in range(m):  # shorter where a bucket was trimmed
         if sizes[k] != PyBytes_GET_SIZE(<object>PyList_GET_ITEM(values, k)):
             values[k] = PyBytes_FromStringAndSize(PyBytes_AS_STRING(<object>PyList_GET_ITEM(values, k)), sizes[k])
-    return fields, values
+    return fields, values, taken
 
 
 def group_slice_writes(dict groups, object read, list names, int bits, list rows, long long s, double slice_length,
                        Py_ssize_t cap, list pairs) -> tuple:
     """`filters.index.group_codec.slice_writes`, compiled: each group touched made once (`_round_into`)."""
-    cdef list fields, values, flat
-    fields, values = _round_into(groups, read, names, bits, rows, True, <double>s, slice_length, cap)
+    cdef list fields, values, taken, flat
+    fields, values, taken = _round_into(groups, read, names, bits, rows, True, <double>s, slice_length, cap)
     cdef Py_ssize_t k, a, n = len(pairs), m = len(fields), e = 0
-    cdef dict new = _PyDict_NewPresized(m)
     cdef object name
     if n % 2:
         raise ValueError("pairs of name and value expected")
@@ -607,7 +615,6 @@ def group_slice_writes(dict groups, object read, list names, int bits, list rows
             e += 1
     flat = PyList_New(2 * (m + e))
     for k in range(m):
-        new[<object>PyList_GET_ITEM(fields, k)] = <object>PyList_GET_ITEM(values, k)
         _list_put(flat, 2 * k, <object>PyList_GET_ITEM(fields, k))
         _list_put(flat, 2 * k + 1, <object>PyList_GET_ITEM(values, k))
     k = 2 * m
@@ -617,4 +624,25 @@ def group_slice_writes(dict groups, object read, list names, int bits, list rows
             _list_put(flat, k, name)
             _list_put(flat, k + 1, pairs[a + 1])
             k += 2
-    return new, flat
+    return flat, taken
+
+
+def group_keep_written(dict groups, object values, list flat, list taken, object also) -> None:
+    """`filters.index.group_codec.keep_written`, compiled."""
+    cdef Py_ssize_t i, k, m = len(taken)
+    cdef object field, value
+    cdef bint any_written = len(groups) > 0
+    if len(flat) < 2 * m:
+        raise ValueError("a field and value for each group taken")
+    for i in range(m):
+        field = <object>PyList_GET_ITEM(flat, 2 * i)
+        value = <object>PyList_GET_ITEM(flat, 2 * i + 1)
+        k = <Py_ssize_t>(<object>PyList_GET_ITEM(taken, i))
+        if k >= 0:
+            (<list?>values)[k] = value
+            if any_written:
+                groups.pop(field, None)
+        else:
+            groups[field] = value
+        if also is not None:
+            (<dict?>also)[field] = value

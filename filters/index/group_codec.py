@@ -239,25 +239,43 @@ def groups_read(fields: Sequence[bytes], values: Sequence[bytes | None]) -> dict
 
 def slice_writes(groups: dict[bytes, bytes], read: tuple[list[bytes], list[int], list[bytes | None]] | None,
                  names: Sequence[bytes], bits: int, rows: Sequence[tuple[int, float, Sequence[int], int]], s: int,
-                 slice_length: float, cap: int, pairs: Sequence[bytes]) -> tuple[dict[bytes, bytes], list[bytes]]:
+                 slice_length: float, cap: int, pairs: Sequence[bytes]) -> tuple[list[bytes], list[int]]:
     """A round's writes to slice `s`: its rows (seq, event time, places of its buckets in `names`, place of its id;
     those whose event time is in slice `s`, by `slice_length`) applied as `apply_round` applies them to the
     slice's groups: those of its read of `names` (`read`: its fields, each name's place among them, their values;
-    `pack_reads`, `slice_column`), those in `groups` (written since) in their place; both left as they are. And
-    the slice's `HSET` arguments: each group changed (in the order first changed) with its value, then the
-    entries (`e<seq>`) of the compact layout's `pairs`. Returns (the groups changed, the arguments)."""
+    `pack_reads`, `slice_column`), those in `groups` (written since) in their place; both left as they are.
+    Returns the slice's `HSET` arguments (each group changed, in the order first changed, with its value; then the
+    entries (`e<seq>`) of the compact layout's `pairs`) and, per group changed, the place of its field in the read
+    (-1: not read): what `keep_written` keeps once Redis took them."""
     mine = [row for row in rows if math.floor(row[1] / slice_length) == s]
     current = groups_read(read[0], read[2]) if read is not None else {}
     current.update(groups)
     changed = apply_round(current, names, bits, mine, cap)
-    new = {f: current[f] for f in changed}
     flat: list[bytes] = []
-    for f, v in new.items():
-        flat += (f, v)
+    for f in changed:
+        flat += (f, current[f])
     for a in range(0, len(pairs), 2):
         if pairs[a][:1] == b"e":
             flat += (pairs[a], pairs[a + 1])
-    return new, flat
+    at = {f: k for k, f in enumerate(read[0])} if read is not None else {}
+    return flat, [at.get(f, -1) for f in changed]
+
+
+def keep_written(groups: dict[bytes, bytes], values: list[bytes | None] | None, flat: Sequence[bytes],
+                 taken: Sequence[int], also: dict[bytes, bytes] | None) -> None:
+    """Once Redis took a round's writes to a slice (`slice_writes`: `flat`, `taken`), each group changed kept
+    where the next round finds it: at its place in the read's `values`, else in `groups` (written since the
+    read); and in `also` too, when given (the groups a read sent ahead lacks)."""
+    for i, k in enumerate(taken):
+        field, value = flat[2 * i], flat[2 * i + 1]
+        if k >= 0:
+            assert values is not None
+            values[k] = value
+            groups.pop(field, None)
+        else:
+            groups[field] = value
+        if also is not None:
+            also[field] = value
 
 
 def apply_round(groups: dict[bytes, bytes], names: Sequence[bytes], bits: int,

@@ -70,6 +70,7 @@ class GroupIndex(CompactIndex):
         self._pack_group_reads = _native.group_pack_reads if _native is not None else gc.pack_reads
         self._slice_column = _native.group_slice_column if _native is not None else gc.slice_column
         self._slice_writes = _native.group_slice_writes if _native is not None else gc.slice_writes
+        self._keep_written = _native.group_keep_written if _native is not None else gc.keep_written
         self._count_buckets = _native.group_count_buckets if _native is not None else gc.count_buckets
 
     # -- reading -------------------------------------------------------------------------------------
@@ -251,7 +252,7 @@ class GroupIndex(CompactIndex):
         meta, ttl, cap = self._meta, self._ttl_ms, self.bucket_cap
         commands: list[Any] = [("MULTI",)]
         made: dict[int, int] = {}
-        new: dict[int, dict[bytes, bytes]] = {}
+        kept: list[tuple[int, list[bytes | None] | None, list[bytes], list[int]]] = []
         step = 2 * FIELDS_PER_CALL
         listed, listed_rows = list(names), list(rows)
         for s, (count, pairs) in groups.items():
@@ -267,8 +268,9 @@ class GroupIndex(CompactIndex):
                 if read[3] == bits:
                     written = {**gc.groups_read(read[0], read[2]), **written}
                 read = None
-            new[s], flat = self._slice_writes(written, read[:3] if read is not None else None, listed, bits,
-                                              listed_rows, s, self.slice_length, cap, pairs)
+            flat, taken = self._slice_writes(written, read[:3] if read is not None else None, listed, bits,
+                                             listed_rows, s, self.slice_length, cap, pairs)
+            kept.append((s, read[2] if read is not None else None, flat, taken))
             key = f"{self._spre}{s}"
             commands += [("HSET", key, *flat[a : a + step]) for a in range(0, len(flat), step)]
             commands += [("HINCRBY", key, "n", count), ("PEXPIRE", key, ttl)]
@@ -289,10 +291,9 @@ class GroupIndex(CompactIndex):
             return None
         self._bits.update(made)
         ahead = self._ahead is not None  # a read sent ahead lacks these groups (`_taken`); one sent after has them
-        for s, fields in new.items():
-            raw.setdefault(s, {}).update(fields)
-            if ahead:
-                self._raw_written.setdefault(s, {}).update(fields)
+        for s, values, flat, taken in kept:
+            self._keep_written(raw.setdefault(s, {}), values, flat, taken,
+                               self._raw_written.setdefault(s, {}) if ahead else None)
         self._stored_top = max(self._stored_top, _stored_time(hwm_bytes))
         now_seq, now_hwm = replies[-1]
         return int(now_seq or 0) == seq and (now_hwm or b"") == hwm_bytes
