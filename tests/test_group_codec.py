@@ -257,3 +257,19 @@ def test_a_corrupt_group_is_refused_when_written() -> None:
             slice_writes({field: b"x" * 21}, None, names, 0, [(1, 1.0, [0], 1)], 0, 10.0, 2, [])
         with pytest.raises(IndexCorrupt):  # read so
             slice_writes({}, ([field], [0, 0], [b"x" * 21]), names, 0, [(1, 1.0, [0], 1)], 0, 10.0, 2, [])
+
+
+@settings(max_examples=100, deadline=None)
+@given(flat=st.lists(st.binary(max_size=30), max_size=14).map(lambda xs: xs[: len(xs) // 2 * 2]),
+       per_command=st.sampled_from([2, 4, 6]), entries=st.integers(-3, 600), ttl=st.integers(0, 10**12))
+def test_a_slices_packed_writes_as_the_reference(flat: list[bytes], per_command: int, entries: int, ttl: int) -> None:
+    """`pack_writes`: the HSETs of a round's arguments, the count's HINCRBY and the TTL, as RESP; compiled as the
+    reference."""
+    blob, n = gc.pack_writes("{p:ns}:g:3", flat, per_command, entries, ttl)
+    assert _native.group_pack_writes("{p:ns}:g:3", flat, per_command, entries, ttl) == (blob, n)
+    hsets = [("HSET", "{p:ns}:g:3", *flat[a : a + per_command]) for a in range(0, len(flat), per_command)]
+    assert blob == cc.resp([*hsets, ("HINCRBY", "{p:ns}:g:3", "n", entries), ("PEXPIRE", "{p:ns}:g:3", ttl)])
+    assert n == len(hsets) + 2
+    for pack in (gc.pack_writes, _native.group_pack_writes):
+        with pytest.raises(ValueError):
+            pack("k", [b"a"], 2, 1, 1)

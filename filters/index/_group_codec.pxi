@@ -40,6 +40,15 @@ cdef inline void _store_be64(unsigned char *p, uint64_t v) noexcept nogil:
     nd_store_be64(p, v)
 
 
+cdef inline int _group_kind(bytes name) noexcept:
+    """`_group_place`'s kind of `name` alone."""
+    cdef Py_ssize_t n = PyBytes_GET_SIZE(name)
+    cdef const unsigned char *p = <const unsigned char *>PyBytes_AS_STRING(name)
+    if n == 9 and p[0] == 98:
+        return 1
+    return 2 if n >= 1 and p[0] == 105 else 0
+
+
 cdef inline int _group_place(bytes name, int bits, uint64_t *j, uint32_t *key) except -1:
     """1 for a bucket, 2 for an id, 0 for a field of the slice hash itself (`group_codec.place`)."""
     cdef Py_ssize_t n = len(name), i
@@ -382,7 +391,10 @@ def group_pack_reads(str slice_key, list names, object bits, Py_ssize_t per_comm
     cdef _GroupSlots slots = _GroupSlots(n)
     for i in range(n):
         name = <bytes?>names[i]
-        kind = _group_place(name, b, &j, &key)
+        if unknown:  # its groups are not read: only which names are a group's (no hashing)
+            kind = _group_kind(name)
+        else:
+            kind = _group_place(name, b, &j, &key)
         if kind:
             if unknown:
                 _list_put(places, i, _place_int(-1))
@@ -646,3 +658,58 @@ def group_keep_written(dict groups, object values, list flat, list taken, object
             groups[field] = value
         if also is not None:
             (<dict?>also)[field] = value
+
+
+def group_pack_writes(str slice_key, list flat, Py_ssize_t per_command, long long entries,
+                      unsigned long long ttl_ms) -> tuple:
+    """`filters.index.group_codec.pack_writes`, compiled."""
+    cdef Py_ssize_t n = len(flat), a, stop, k, key_len, size = 0
+    cdef const char *key = PyUnicode_AsUTF8AndSize(slice_key, &key_len)
+    cdef char buf[24]
+    cdef Py_ssize_t d
+    cdef object arg
+    cdef _Out o
+    if per_command < 2 or per_command % 2 or n % 2:
+        raise ValueError("pairs of arguments, an even per_command >= 2 expected")
+    for k in range(n):
+        arg = <object>PyList_GET_ITEM(flat, k)
+        if type(arg) is not bytes:
+            raise TypeError("field names and values must be bytes")
+        size += 5 + decimal_size(PyBytes_GET_SIZE(arg)) + PyBytes_GET_SIZE(arg)
+    if entries < 0:
+        d = _digits(buf + 1, <unsigned long long>(-entries)) + 1
+        buf[0] = 45  # b"-"
+    else:
+        d = _digits(buf, <unsigned long long>entries)
+    o.p = NULL
+    o.size = o.commands = 0
+    for _ in range(2):  # counted, then written
+        a = 0
+        while a < n:
+            stop = min(n, a + per_command)
+            _o_header(&o, 42, 2 + stop - a)
+            _o_bulk(&o, "HSET", 4)
+            _o_bulk(&o, key, key_len)
+            if o.p != NULL:
+                for k in range(a, stop):
+                    arg = <object>PyList_GET_ITEM(flat, k)
+                    _o_bulk(&o, PyBytes_AS_STRING(arg), PyBytes_GET_SIZE(arg))
+            o.commands += 1
+            a = stop
+        _o_header(&o, 42, 4)
+        _o_bulk(&o, "HINCRBY", 7)
+        _o_bulk(&o, key, key_len)
+        _o_bulk(&o, "n", 1)
+        _o_bulk(&o, buf, d)
+        _o_header(&o, 42, 3)
+        _o_bulk(&o, "PEXPIRE", 7)
+        _o_bulk(&o, key, key_len)
+        _o_int(&o, ttl_ms)
+        o.commands += 2
+        if o.p == NULL:
+            out = PyBytes_FromStringAndSize(NULL, o.size + size)
+            o.p = PyBytes_AS_STRING(out)
+            o.size = o.commands = 0
+    if o.size != len(out):  # the two passes disagree: never send what was not written
+        raise SystemError(f"group_pack_writes wrote {o.size} bytes of {len(out)}")
+    return out, o.commands

@@ -278,6 +278,18 @@ def keep_written(groups: dict[bytes, bytes], values: list[bytes | None] | None, 
             also[field] = value
 
 
+def pack_writes(slice_key: str, flat: Sequence[bytes], per_command: int, entries: int, ttl_ms: int) -> tuple[bytes, int]:
+    """A round's writes to a slice as RESP: the `HSET`s of its arguments (`slice_writes`; at most `per_command`
+    arguments each), the `HINCRBY` of its count `n` by `entries`, its `PEXPIRE`. Returns (the bytes, the number of
+    commands)."""
+    if per_command < 2 or per_command % 2 or len(flat) % 2:
+        raise ValueError("pairs of arguments, an even per_command >= 2 expected")
+    commands: list[tuple[str | int | bytes, ...]] = [
+        ("HSET", slice_key, *flat[a : a + per_command]) for a in range(0, len(flat), per_command)]
+    commands += [("HINCRBY", slice_key, "n", entries), ("PEXPIRE", slice_key, ttl_ms)]
+    return resp(commands), len(commands)
+
+
 def apply_round(groups: dict[bytes, bytes], names: Sequence[bytes], bits: int,
                 entries: Sequence[tuple[int, float, Sequence[int], int]], cap: int) -> list[bytes]:
     """An uncontended round's entries of one slice written into its groups, as the checking script writes them:

@@ -13,6 +13,7 @@ chunks).
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
@@ -71,9 +72,20 @@ class GroupIndex(CompactIndex):
         self._slice_column = _native.group_slice_column if _native is not None else gc.slice_column
         self._slice_writes = _native.group_slice_writes if _native is not None else gc.slice_writes
         self._keep_written = _native.group_keep_written if _native is not None else gc.keep_written
+        self._pack_group_writes = _native.group_pack_writes if _native is not None else gc.pack_writes
         self._count_buckets = _native.group_count_buckets if _native is not None else gc.count_buckets
 
     # -- reading -------------------------------------------------------------------------------------
+    def _planned(self, queries: Sequence[Query]) -> tuple[list[bytes], list[list[bytes]], list[list[int]], list[int]]:
+        """`CompactIndex._planned`, its places taken from the ints kept from batch to batch (as the slot layout's)
+        and each id's field made inline (no Python call a query)."""
+        try:
+            return cast("tuple[list[bytes], list[list[bytes]], list[list[int]], list[int]]",
+                        self._plan([q.keys for q in queries],
+                                   [b"i" + q.id.encode("utf-8", "surrogatepass") for q in queries], self._numbers))
+        except (struct.error, OverflowError, ValueError):
+            raise ValueError(f"bucket keys must be unsigned 64-bit ints: {[q.keys for q in queries]!r}") from None
+
     def _gone(self) -> int | None:
         return None  # no small hashes to reap: a slice's groups go with its hash
 
@@ -306,6 +318,9 @@ class GroupIndex(CompactIndex):
                                              listed_rows, s, self.slice_length, cap, pairs)
             kept.append((s, read[2] if read is not None else None, flat, taken))
             key = f"{self._spre}{s}"
+            if self._packs:  # packed at once (`pack_writes`)
+                commands.append(_Packed(*self._pack_group_writes(key, flat, step, count, ttl)))
+                continue
             commands += [("HSET", key, *flat[a : a + step]) for a in range(0, len(flat), step)]
             commands += [("HINCRBY", key, "n", count), ("PEXPIRE", key, ttl)]
         if seq != start:
