@@ -321,11 +321,20 @@ cdef class _GroupSlots:
 cdef list _GROUP_PLACES = None  # the ints 0 .. 2^16 - 1, made when first needed: a batch's places, not allocated
 
 
-cdef inline object _place_int(Py_ssize_t k):
+cdef list _group_places():
     global _GROUP_PLACES
     if _GROUP_PLACES is None:
         _GROUP_PLACES = list(range(1 << 16))
-    return _GROUP_PLACES[k] if 0 <= k < (1 << 16) else k
+    return _GROUP_PLACES
+
+
+cdef inline object _place_int(Py_ssize_t k):
+    return _place_in(_group_places(), k)
+
+
+cdef inline object _place_in(list ints, Py_ssize_t k):
+    """The int `k`, from `ints` (`_group_places()`) where it is there."""
+    return <object>PyList_GET_ITEM(ints, k) if 0 <= k < (1 << 16) else k
 
 
 cdef inline void _list_put(list out, Py_ssize_t i, object value) noexcept:
@@ -388,7 +397,9 @@ def group_pack_reads(str slice_key, list names, object bits, Py_ssize_t per_comm
         raise ValueError(f"per_command must be >= 1, got {per_command}")
     # (The lists' items are set once each, in order: a list left behind by an error has NULL items past them,
     # which its deallocation skips.)
-    cdef _GroupSlots slots = _GroupSlots(n)
+    cdef _GroupSlots slots = None if unknown else _GroupSlots(n)
+    cdef list ints = _group_places()
+    cdef object minus = _place_in(ints, -1)
     for i in range(n):
         name = <bytes?>names[i]
         if unknown:  # its groups are not read: only which names are a group's (no hashing)
@@ -397,7 +408,7 @@ def group_pack_reads(str slice_key, list names, object bits, Py_ssize_t per_comm
             kind = _group_place(name, b, &j, &key)
         if kind:
             if unknown:
-                _list_put(places, i, _place_int(-1))
+                _list_put(places, i, minus)
                 continue
             k = slots.get(j, m)
             if k == m:
@@ -416,7 +427,7 @@ def group_pack_reads(str slice_key, list names, object bits, Py_ssize_t per_comm
                 m += 1
             else:
                 k = known
-        _list_put(places, i, _place_int(k))
+        _list_put(places, i, _place_in(ints, k))
     del fields[m:]
     return _pack_fields(slice_key, per_command, fields, places)
 

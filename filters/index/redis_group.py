@@ -33,7 +33,7 @@ from filters.index.redis import (
     _stored_time,
 )
 from filters.index.redis_codec import ABSENT, SEQ, decode_entry, decode_memo, encode_entry, live_memo, memo_time
-from filters.index.redis_compact import CompactIndex, _Packed
+from filters.index.redis_compact import CompactIndex, _pack, _Packed
 from filters.records import Verdict
 
 try:  # the compiled core; absent when it could not be built at install time (no C++ compiler)
@@ -74,6 +74,31 @@ class GroupIndex(CompactIndex):
         self._keep_written = _native.group_keep_written if _native is not None else gc.keep_written
         self._pack_group_writes = _native.group_pack_writes if _native is not None else gc.pack_writes
         self._count_buckets = _native.group_count_buckets if _native is not None else gc.count_buckets
+
+    @staticmethod
+    def _pack_send(conn: Any, commands: Sequence[Sequence[str | int | bytes] | _Packed]) -> int:
+        """`CompactIndex._pack_send`, its pieces (the commands packed already, and each run of the others packed)
+        sent one after the other, not joined first: a round's groups (megabytes a batch) are not copied once more
+        on their way. Returns the number of replies."""
+        if not any(type(c) is _Packed for c in commands):
+            return CompactIndex._pack_send(conn, commands)
+        blobs: list[bytes] = []
+        run: list[Any] = []
+        count = 0
+        for command in commands:
+            if type(command) is _Packed:
+                if run:
+                    blobs.append(_pack(run))
+                    run = []
+                blobs.append(command.data)
+                count += command.count
+            else:
+                run.append(command)
+                count += 1
+        if run:
+            blobs.append(_pack(run))
+        conn.send_packed_command(blobs)
+        return count
 
     # -- reading -------------------------------------------------------------------------------------
     def _planned(self, queries: Sequence[Query]) -> tuple[list[bytes], list[list[bytes]], list[list[int]], list[int]]:
