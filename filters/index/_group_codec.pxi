@@ -288,32 +288,39 @@ def group_count_buckets(list groups) -> int:
 # --- a slice's read and a round's writes at once (the twins of `group_codec.pack_reads`, `slice_column`,
 # `slice_writes`): what a batch reads and writes went through Python and dicts of names (~7,000 names a batch) -
 
+cdef struct _GroupSlot:
+    uint64_t key  # j + 1; 0: empty
+    Py_ssize_t value
+
+
 cdef class _GroupSlots:
     """Group j -> a number given when j is first met, open addressing: a batch touches thousands of groups of a
     slice of up to 2^30, so neither a dict of their names nor an array of all groups."""
-    cdef vector[uint64_t] keys  # j + 1; 0: empty
-    cdef vector[Py_ssize_t] values
+    cdef vector[_GroupSlot] slots
     cdef uint64_t mask
     cdef int shift
 
     def __cinit__(self, Py_ssize_t most):
         cdef int b = 4
+        cdef _GroupSlot empty
+        empty.key, empty.value = 0, 0
         while (<Py_ssize_t>1 << b) < 2 * most:
             b += 1
-        self.keys.assign(<size_t>1 << b, 0)
-        self.values.assign(<size_t>1 << b, 0)
+        self.slots.assign(<size_t>1 << b, empty)
         self.mask = (<uint64_t>1 << b) - 1
         self.shift = 64 - b
 
     cdef inline Py_ssize_t get(self, uint64_t j, Py_ssize_t fresh) noexcept:
         """The number of group j; `fresh` (given it now) when j is new. At most `most` groups."""
         cdef uint64_t at = ((j + 1) * 0x9E3779B97F4A7C15ULL) >> self.shift
+        cdef _GroupSlot *slot
         while True:
-            if self.keys[at] == j + 1:
-                return self.values[at]
-            if self.keys[at] == 0:
-                self.keys[at] = j + 1
-                self.values[at] = fresh
+            slot = &self.slots[at]
+            if slot.key == j + 1:
+                return slot.value
+            if slot.key == 0:
+                slot.key = j + 1
+                slot.value = fresh
                 return fresh
             at = (at + 1) & self.mask
 
@@ -383,14 +390,15 @@ def group_pack_reads(str slice_key, list names, object bits, Py_ssize_t per_comm
     """`filters.index.group_codec.pack_reads`, compiled: the groups told apart by number (`_GroupSlots`), each
     one's field made once, the lists made at their size, the RESP written at once."""
     cdef Py_ssize_t n = len(names), i, k, m = 0
-    cdef list fields = PyList_New(n), places = PyList_New(n)
+    cdef bint unknown = bits is None
+    # (A slice of unknown bits reads only the names of its hash itself: its fields appended, few.)
+    cdef list fields = [] if unknown else PyList_New(n), places = PyList_New(n)
     cdef dict at = {}
     cdef bytes name
     cdef object known
     cdef uint64_t j
     cdef uint32_t key
     cdef int kind, b = 0 if bits is None else bits
-    cdef bint unknown = bits is None
     if not 0 <= b <= GROUP_K_MAX:
         raise ValueError(f"bits must be 0 to {GROUP_K_MAX}, got {bits!r}")
     if per_command < 1:
@@ -422,13 +430,17 @@ def group_pack_reads(str slice_key, list names, object bits, Py_ssize_t per_comm
             known = at.get(name)
             if known is None:
                 k = m
-                at[name] = k
-                _list_put(fields, m, name)
+                at[name] = _place_in(ints, k)
+                if unknown:
+                    fields.append(name)
+                else:
+                    _list_put(fields, m, name)
                 m += 1
             else:
                 k = known
         _list_put(places, i, _place_in(ints, k))
-    del fields[m:]
+    if not unknown:
+        del fields[m:]
     return _pack_fields(slice_key, per_command, fields, places)
 
 
@@ -546,7 +558,10 @@ cdef tuple _round_into(dict groups, object read, list names, int bits, list rows
     for row in rows:
         most += len(row[2]) + 1
     cdef _GroupSlots slots = _GroupSlots(most)  # a group for each record at most
-    cdef list olds = []
+    cdef vector[PyObject *] olds  # (borrowed: the read's values and `groups` hold them through the call)
+    olds.reserve(most)
+    sizes.reserve(most)
+    counts.reserve(most)
     cdef list read_fields = None, read_places = None, read_values = None
     cdef Py_ssize_t n_read = 0, kk
     cdef bint written = len(groups) > 0
@@ -589,7 +604,7 @@ cdef tuple _round_into(dict groups, object read, list names, int bits, list rows
                     sizes.push_back(len(<bytes>old))
                 else:
                     sizes.push_back(0)
-                olds.append(old)
+                olds.push_back(<PyObject *>old)
                 counts.push_back(0)
             counts[k] += 1
             op.slot, op.key, op.is_id, op.ts, op.seq = k, key, kind == 2, ts, seq
@@ -599,7 +614,7 @@ cdef tuple _round_into(dict groups, object read, list names, int bits, list rows
     for k in range(m):  # each group's bytes at most as long as it can get, the group read first
         value = PyBytes_FromStringAndSize(NULL, sizes[k] + counts[k] * GROUP_RECORD)
         if sizes[k]:
-            memcpy(PyBytes_AS_STRING(value), PyBytes_AS_STRING(olds[k]), sizes[k])
+            memcpy(PyBytes_AS_STRING(value), PyBytes_AS_STRING(<object>olds[k]), sizes[k])
         _list_put(values, k, value)
     for op in appends:  # (sizes: each group's bytes written so far)
         g = <unsigned char *>PyBytes_AS_STRING(<object>PyList_GET_ITEM(values, op.slot))
