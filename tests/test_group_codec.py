@@ -169,6 +169,10 @@ def test_a_slices_packed_read_and_its_column_as_the_reference(names: list[bytes]
     and the groups read, from those HMGETs' replies), compiled as the reference."""
     blob, n, fields, places = gc.pack_reads("{p:ns}:g:7", names, bits, per_command)
     assert _native.group_pack_reads("{p:ns}:g:7", names, bits, per_command) == (blob, n, fields, places)
+    cache: list[bytes | None] = [None] * 8  # the fields made kept from call to call (groups 0-7): the same result
+    for _ in range(2):
+        assert _native.group_pack_reads("{p:ns}:g:7", names, bits, per_command, cache) == (blob, n, fields, places)
+    assert all(f is None or f == gc.group_field(j) for j, f in enumerate(cache))
     assert (fields, places) == gc.read_fields(names, bits)
     reads = [("HMGET", "{p:ns}:g:7", *fields[a : a + per_command]) for a in range(0, len(fields), per_command)]
     assert blob == cc.resp([*reads, ("HGET", "{p:ns}:g:7", "n")]) and n == len(reads)

@@ -6,6 +6,7 @@ from libcpp.string cimport string
 cdef extern from "Python.h":
     Py_ssize_t PyBytes_GET_SIZE(object o)
     PyObject *PyList_GET_ITEM(object o, Py_ssize_t i)
+    Py_ssize_t PyList_GET_SIZE(object o)
 
 cdef enum:
     GROUP_RECORD = 20
@@ -91,12 +92,21 @@ cdef object _bucket_records(object group, uint32_t key):
     if n == 0:
         return None
     cdef const unsigned char *g = <const unsigned char *>PyBytes_AS_STRING(group)
+    cdef unsigned char buf[64 * 16]  # (a group's records of one bucket gathered here at once, up to 64)
+    cdef bytes out
+    for r in range(n):
+        if _rec_is(g + r * GROUP_RECORD, key, False):
+            if found == 64:
+                break
+            memcpy(buf + found * 16, g + r * GROUP_RECORD + 4, 16)
+            found += 1
+    else:
+        return PyBytes_FromStringAndSize(<const char *>buf, found * 16) if found else None
+    found = 0  # more than 64: counted, then copied
     for r in range(n):
         if _rec_is(g + r * GROUP_RECORD, key, False):
             found += 1
-    if not found:
-        return None
-    cdef bytes out = PyBytes_FromStringAndSize(NULL, found * 16)
+    out = PyBytes_FromStringAndSize(NULL, found * 16)
     cdef char *o = PyBytes_AS_STRING(out)
     for r in range(n):
         if _rec_is(g + r * GROUP_RECORD, key, False):
@@ -386,9 +396,21 @@ cdef tuple _pack_fields(str slice_key, Py_ssize_t per_command, list fields, list
     return out, o.commands, fields, places
 
 
-def group_pack_reads(str slice_key, list names, object bits, Py_ssize_t per_command) -> tuple:
+cdef inline object _group_name_in(list cache, uint64_t j):
+    """`_group_name(j)`, kept in `cache` (a list indexed by j; None: none) where j is inside it."""
+    cdef object name
+    if cache is None or j >= <uint64_t>PyList_GET_SIZE(cache):
+        return _group_name(j)
+    name = <object>PyList_GET_ITEM(cache, j)
+    if name is None:
+        name = _group_name(j)
+        cache[j] = name
+    return name
+
+
+def group_pack_reads(str slice_key, list names, object bits, Py_ssize_t per_command, list cache=None) -> tuple:
     """`filters.index.group_codec.pack_reads`, compiled: the groups told apart by number (`_GroupSlots`), each
-    one's field made once, the lists made at their size, the RESP written at once."""
+    one's field made once (or taken from `cache`), the lists made at their size, the RESP written at once."""
     cdef Py_ssize_t n = len(names), i, k, m = 0
     cdef bint unknown = bits is None
     # (A slice of unknown bits reads only the names of its hash itself: its fields appended, few.)
@@ -420,7 +442,7 @@ def group_pack_reads(str slice_key, list names, object bits, Py_ssize_t per_comm
                 continue
             k = slots.get(j, m)
             if k == m:
-                _list_put(fields, m, _group_name(j))
+                _list_put(fields, m, _group_name_in(cache, j))
                 m += 1
         else:
             if len(name) > 1 and PyBytes_AS_STRING(name)[0] == 103:

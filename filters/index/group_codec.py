@@ -210,10 +210,12 @@ def column_of(values: Sequence[bytes | None], places: Sequence[int], names: Sequ
     return column
 
 
-def pack_reads(slice_key: str, names: Sequence[bytes], bits: int | None,
-               per_command: int) -> tuple[bytes, int, list[bytes], list[int]]:
+def pack_reads(slice_key: str, names: Sequence[bytes], bits: int | None, per_command: int,
+               cache: list[bytes | None] | None = None) -> tuple[bytes, int, list[bytes], list[int]]:
     """A slice's read as RESP: the `HMGET`s of `read_fields` (at most `per_command` fields each), then the `HGET`
-    of its count `n`. Returns (the bytes, the number of HMGETs, the fields, the place of each name's field)."""
+    of its count `n`. Returns (the bytes, the number of HMGETs, the fields, the place of each name's field).
+    `cache`: where the compiled twin keeps the groups' fields it made (`cache[j]`, j inside it), from call to
+    call; the same result."""
     if per_command < 1:
         raise ValueError(f"per_command must be >= 1, got {per_command}")
     fields, places = read_fields(names, bits)

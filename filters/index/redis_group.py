@@ -43,6 +43,7 @@ except ImportError:  # pragma: no cover - exercised on machines without a compil
 
 CHECK_ATTEMPTS = 16  # guarded rounds (read, check, transaction) refused before a contended insert gives up
 STATS_FIELDS = 4096  # fields of a slice hash `stats` reads all of; of a bigger one, that many of its groups
+NAMES_KEPT_BITS = 17  # the groups' fields a client keeps made: those of 2^17 groups at most (~6 MB)
 
 # A slice's read plan: its fields, the place of each name's field, the bits it was read with, its HMGETs.
 _Plan = tuple[list[bytes], list[int], "int | None", int]
@@ -67,6 +68,7 @@ class GroupIndex(CompactIndex):
         # then holds only the groups written since.
         self._last_read: dict[int, tuple[list[bytes], list[int], list[bytes | None], int]] = {}
         self._read_names: Sequence[bytes] | None = None
+        self._names_kept: list[bytes | None] = []  # group j's field at j, once made (`_group_names`)
         self._read_fields = _native.group_read_fields if _native is not None else gc.read_fields
         self._pack_group_reads = _native.group_pack_reads if _native is not None else gc.pack_reads
         self._slice_column = _native.group_slice_column if _native is not None else gc.slice_column
@@ -130,7 +132,7 @@ class GroupIndex(CompactIndex):
             key = f"{self._spre}{s}"
             bits = known[s]
             if self._packs:  # packed at once (`pack_reads`), with the count's HGET
-                blob, n, fields, places = self._pack_group_reads(key, listed, bits, step)
+                blob, n, fields, places = self._pack_group_reads(key, listed, bits, step, self._group_names(bits))
                 commands.append(_Packed(blob, n + 1))
                 plans.append((fields, places, bits, n))
                 continue
@@ -139,6 +141,16 @@ class GroupIndex(CompactIndex):
             commands += [*reads, ("HGET", key, "n")]
             plans.append((fields, places, bits, len(reads)))
         return commands, plans
+
+    def _group_names(self, bits: int | None) -> list[bytes | None] | None:
+        """The groups' fields made so far (`pack_reads`' cache), as many as a slice of `bits` has, up to
+        2^`NAMES_KEPT_BITS`: a batch reads thousands of groups, most of them read by the batches before."""
+        if bits is None:
+            return None
+        want = 1 << min(bits, NAMES_KEPT_BITS)
+        if len(self._names_kept) < want:
+            self._names_kept += [None] * (want - len(self._names_kept))
+        return self._names_kept
 
     def _parse_read(self, replies: Sequence[Any], names: Sequence[bytes], slices: Sequence[int],
                     plans: Sequence[Any], probes: Sequence[int]) -> tuple[
