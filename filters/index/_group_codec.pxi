@@ -78,7 +78,18 @@ cdef inline bint _rec_is(const unsigned char *r, uint32_t key, bint is_id) noexc
 
 
 cdef inline Py_ssize_t _group_len(object group) except -1:
-    cdef Py_ssize_t n = len(<bytes>group)
+    """The records of a group (bytes), IndexCorrupt when its length is not a whole number of them."""
+    cdef Py_ssize_t n
+    if type(group) is not bytes:
+        return _group_len_slow(group)
+    n = PyBytes_GET_SIZE(group)
+    if n % GROUP_RECORD:
+        return _group_len_slow(group)
+    return n // GROUP_RECORD
+
+
+cdef Py_ssize_t _group_len_slow(object group) except -1:
+    cdef Py_ssize_t n = len(<bytes?>group)
     if n % GROUP_RECORD:
         from filters.errors import IndexCorrupt
         raise IndexCorrupt(f"a group holds {n} bytes that are not records of {GROUP_RECORD}")
@@ -345,10 +356,6 @@ cdef list _group_places():
     return _GROUP_PLACES
 
 
-cdef inline object _place_int(Py_ssize_t k):
-    return _place_in(_group_places(), k)
-
-
 cdef inline object _place_in(list ints, Py_ssize_t k):
     """The int `k`, from `ints` (`_group_places()`) where it is there."""
     return <object>PyList_GET_ITEM(ints, k) if 0 <= k < (1 << 16) else k
@@ -580,6 +587,7 @@ cdef tuple _round_into(dict groups, object read, list names, int bits, list rows
     for row in rows:
         most += len(row[2]) + 1
     cdef _GroupSlots slots = _GroupSlots(most)  # a group for each record at most
+    cdef list ints = _group_places()
     cdef vector[PyObject *] olds  # (borrowed: the read's values and `groups` hold them through the call)
     olds.reserve(most)
     sizes.reserve(most)
@@ -612,7 +620,7 @@ cdef tuple _round_into(dict groups, object read, list names, int bits, list rows
                 kk = <Py_ssize_t>(<object>PyList_GET_ITEM(read_places, at)) if read is not None else -1
                 if not kk < n_read:
                     raise IndexError(f"place {kk} of {n_read} fields read")
-                taken.append(_place_int(kk))
+                taken.append(_place_in(ints, kk))
                 old = None
                 if kk >= 0:  # the read's field (its hash known) and value
                     fields.append(<object>PyList_GET_ITEM(read_fields, kk))
