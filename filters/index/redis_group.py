@@ -2,9 +2,10 @@
 records by seq, its bucket records grouped in fields `g<j>` of the slice hash (`group_codec`).
 
 Chosen by `?layout=group`. A lookup reads one `HMGET` a slice (the distinct groups of the batch's buckets and
-ids, its memos), which `group_codec.column_of` turns into the compact layout's columns, so the ranking, the
-uncontended round, the tails and the read sent ahead are the compact layout's (`CompactIndex`); a round's
-writes go back into whole groups (`group_codec.apply_round`) in the watched transaction. What it does not do
+ids, its memos: `group_codec.pack_reads`), which `slice_column` turns into the compact layout's columns, so the
+ranking, the uncontended round, the tails and the read sent ahead are the compact layout's (`CompactIndex`); a
+round's writes go back into whole groups (`slice_writes`, `pack_writes`, as `apply_round` writes them) in the
+watched transaction, and are kept where the next round finds them (`keep_written`). What it does not do
 yet: the checking script (a contended round here is a guarded read, check and transaction, tried again when
 refused: standalone Redis only), Redis Cluster, a rebuild at the slot layout's speed (a restore is guarded
 chunks).
