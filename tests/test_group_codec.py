@@ -158,3 +158,122 @@ def test_a_round_goes_into_the_groups_as_the_compact_round_into_its_fields(
         else:
             newest = max(((ts, seq) for seq, ts, _, e in entries if e == p), default=None)
             assert column[p] == (None if newest is None else cc.record(*newest))
+
+
+@settings(max_examples=200, deadline=None)
+@given(names=st.lists(_names, unique=True, max_size=24), bits=st.one_of(st.none(), st.integers(0, 4)),
+       per_command=st.integers(1, 5), data=st.data())
+def test_a_slices_packed_read_and_its_column_as_the_reference(names: list[bytes], bits: int | None, per_command: int,
+                                                              data: st.DataObject) -> None:
+    """`pack_reads` (the HMGETs of `read_fields` and the count's HGET, as RESP) and `slice_column` (the column
+    and the groups read, from those HMGETs' replies), compiled as the reference."""
+    blob, n, fields, places = gc.pack_reads("{p:ns}:g:7", names, bits, per_command)
+    assert _native.group_pack_reads("{p:ns}:g:7", names, bits, per_command) == (blob, n, fields, places)
+    cache: list[bytes | None] = [None] * 8  # the fields made kept from call to call (groups 0-7): the same result
+    for _ in range(2):
+        assert _native.group_pack_reads("{p:ns}:g:7", names, bits, per_command, cache) == (blob, n, fields, places)
+    assert all(f is None or f == gc.group_field(j) for j, f in enumerate(cache))
+    assert (fields, places) == gc.read_fields(names, bits)
+    reads = [("HMGET", "{p:ns}:g:7", *fields[a : a + per_command]) for a in range(0, len(fields), per_command)]
+    assert blob == cc.resp([*reads, ("HGET", "{p:ns}:g:7", "n")]) and n == len(reads)
+    values = [data.draw(st.one_of(st.none(), groups())) for _ in fields]
+    replies = [values[a : a + per_command] for a in range(0, len(values), per_command)]
+    column, flat = gc.slice_column(replies, places, names, bits, fields)
+    assert _native.group_slice_column(replies, places, names, bits, fields) == (column, flat)
+    assert column == gc.column_of(values, places, names, bits) and flat == values
+    assert gc.groups_read(fields, values) == {f: v for f, v in zip(fields, values) if v is not None and f[:1] == b"g"}
+    with pytest.raises(ValueError):
+        _native.group_slice_column([*replies, [None]], places, names, bits, fields)
+
+
+def test_a_name_spelt_as_a_group_is_read_as_the_reference() -> None:
+    """A field of the slice hash spelt b"g<j>" shares the group's field (the reference's one dict of fields)."""
+    key = b"b" + (5).to_bytes(8, "big")
+    j = gc.place(key, 3)
+    assert j is not None
+    names = [key, b"g%d" % j[0], b"g99", b"imsg"]
+    assert _native.group_pack_reads("k", names, 3, 2) == gc.pack_reads("k", names, 3, 2)
+    assert gc.read_fields(names, 3)[1][:2] == [0, 0]
+
+
+_GROUP_NAMES = [b"b" + (k * 0x0123456789).to_bytes(8, "big") for k in range(8)] + [b"ia", b"ib", b"ic"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(bits=st.integers(0, 3), cap=st.integers(1, 3),
+       rows=st.lists(st.tuples(st.lists(st.integers(0, 7), min_size=1, max_size=4, unique=True), st.integers(0, 2),
+                               st.sampled_from(_TIMES)), max_size=16),
+       base=st.lists(st.one_of(st.none(), groups()), min_size=8, max_size=8),
+       since=st.lists(st.one_of(st.none(), groups()), min_size=8, max_size=8), unread=st.booleans(),
+       length=st.sampled_from([1.0, 2.5, 4.0]), s=st.integers(-1, 2))
+def test_a_slices_writes_as_the_reference(bits: int, cap: int, rows: list[tuple[list[int], int, float]],
+                                          base: list[bytes | None], since: list[bytes | None], unread: bool,
+                                          length: float, s: int) -> None:
+    """`slice_writes`, compiled as the reference: the groups read (by the place of each name's field) and those
+    written since (in their place) left as they were, the groups changed those `apply_round` leaves of the
+    slice's rows, then the entries of the compact layout's pairs."""
+    names = [*_GROUP_NAMES, b"dmemo"]
+    fields, places = gc.read_fields(names, bits)
+    read = None if unread else (fields, places, [base[k % 8] if f[:1] == b"g" else b"memo" for k, f in enumerate(fields)])
+    written = {gc.group_field(j): g for j, g in enumerate(since) if g is not None and j < 1 << bits}
+    entries = [(seq, ts, keys, 8 + who) for seq, (keys, who, ts) in enumerate(rows, start=1)]
+    pairs = [b"ia", b"x" * 16, cc.entry_field(3), b"entry-3", names[0], b"y" * 16, cc.entry_field(9), b"e9"]
+    before = (dict(written), None if read is None else list(read[2]))
+    flat, taken = gc.slice_writes(written, read, names, bits, entries, s, length, cap, pairs)
+    assert _native.group_slice_writes(written, read, names, bits, entries, s, length, cap, pairs) == (flat, taken)
+    assert (written, None if read is None else read[2]) == before
+    applied = {**(gc.groups_read(fields, read[2]) if read is not None else {}), **written}
+    mine = [e for e in entries if e[1] // length == s]
+    changed = gc.apply_round(applied, names, bits, mine, cap)
+    assert flat == [x for f in changed for x in (f, applied[f])] + pairs[2:4] + pairs[6:8]
+    assert taken == [fields.index(f) if read is not None else -1 for f in changed]
+    twin = {**(gc.groups_read(fields, read[2]) if read is not None else {}), **written}
+    assert _native.group_apply_round(twin, names, bits, mine, cap) == changed and twin == applied
+    # Kept once Redis took them: the next round finds what this one left, compiled as the reference.
+    kept = []
+    for keep in (gc.keep_written, _native.group_keep_written):
+        groups, values, also = dict(written), None if read is None else list(read[2]), {}
+        keep(groups, values, flat, taken, also)
+        assert also == {f: applied[f] for f in changed}
+        assert {**(gc.groups_read(fields, values) if values is not None else {}), **groups} == applied
+        kept.append((groups, values))
+    assert kept[0] == kept[1]
+
+
+def test_trimming_equal_records_keeps_the_first_as_the_reference() -> None:
+    """Of a bucket's records equal in event time and seq (0.0 and -0.0: equal, not the same bytes; never written so,
+    but a group read may hold anything), the trim keeps the first, compiled as the reference."""
+    key = gc.record_key(7)
+    group = b"".join(_rec(key, ts, 5) for ts in (0.0, -0.0, -0.0, 0.0, -0.0, 0.0))
+    names = [b"b" + (7).to_bytes(8, "big"), b"ia"]
+    field = gc.group_field(gc.group_of(7, 0))
+    got = gc.slice_writes({field: group}, None, names, 0, [(99, -1.0, [0], 1)], -1, 10.0, 2, [])
+    assert _native.group_slice_writes({field: group}, None, names, 0, [(99, -1.0, [0], 1)], -1, 10.0, 2, []) == got
+    assert got[0][0] == field and got[0][1][:40] == group[:40]  # the first two kept
+    assert gc.trim_bucket(group, key, 2) == _native.group_trim_bucket(group, key, 2) == group[:40]
+
+
+def test_a_corrupt_group_is_refused_when_written() -> None:
+    names = [b"b" + (7).to_bytes(8, "big"), b"ia"]
+    field = gc.group_field(gc.group_of(7, 0))
+    for slice_writes in (gc.slice_writes, _native.group_slice_writes):
+        with pytest.raises(IndexCorrupt):
+            slice_writes({field: b"x" * 21}, None, names, 0, [(1, 1.0, [0], 1)], 0, 10.0, 2, [])
+        with pytest.raises(IndexCorrupt):  # read so
+            slice_writes({}, ([field], [0, 0], [b"x" * 21]), names, 0, [(1, 1.0, [0], 1)], 0, 10.0, 2, [])
+
+
+@settings(max_examples=100, deadline=None)
+@given(flat=st.lists(st.binary(max_size=30), max_size=14).map(lambda xs: xs[: len(xs) // 2 * 2]),
+       per_command=st.sampled_from([2, 4, 6]), entries=st.integers(-3, 600), ttl=st.integers(0, 10**12))
+def test_a_slices_packed_writes_as_the_reference(flat: list[bytes], per_command: int, entries: int, ttl: int) -> None:
+    """`pack_writes`: the HSETs of a round's arguments, the count's HINCRBY and the TTL, as RESP; compiled as the
+    reference."""
+    blob, n = gc.pack_writes("{p:ns}:g:3", flat, per_command, entries, ttl)
+    assert _native.group_pack_writes("{p:ns}:g:3", flat, per_command, entries, ttl) == (blob, n)
+    hsets = [("HSET", "{p:ns}:g:3", *flat[a : a + per_command]) for a in range(0, len(flat), per_command)]
+    assert blob == cc.resp([*hsets, ("HINCRBY", "{p:ns}:g:3", "n", entries), ("PEXPIRE", "{p:ns}:g:3", ttl)])
+    assert n == len(hsets) + 2
+    for pack in (gc.pack_writes, _native.group_pack_writes):
+        with pytest.raises(ValueError):
+            pack("k", [b"a"], 2, 1, 1)

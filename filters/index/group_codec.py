@@ -11,7 +11,9 @@ pair) read as one, which only adds candidates that verification judges. An id's 
 To the index above it, a read of groups looks like the compact layout's columns (`column_of`: per name read,
 a bucket's records as <event time: f64 LE><seq: u64 BE>, an id's newest record, a memo as read): its ranking,
 its uncontended round and its tails are the compact layout's. A round's writes go back into the groups as the
-checking script would make them, entry after entry (`apply_round`).
+checking script would make them, entry after entry (`apply_round`; `slice_writes` for a slice's round, from its
+read). `pack_reads`, `slice_column`, `slice_writes`, `keep_written` and `pack_writes` are a batch's read and
+round as the client makes them, the compiled twins doing each at once.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import struct
 from collections.abc import Sequence
 
 from filters.errors import IndexCorrupt
-from filters.index.compact_codec import FIELDS_PER_ENTRY, id_hash
+from filters.index.compact_codec import FIELDS_PER_ENTRY, id_hash, resp
 
 LAYOUT = "group"  # the meta hash's `layout` of a namespace of this layout
 RECORD_SIZE = 20
@@ -162,6 +164,7 @@ def append_record(group: bytes, key: bytes, ts: float, seq: int, cap: int) -> by
 
 def append_id(group: bytes, key: bytes, ts: float, seq: int) -> bytes:
     """An id's record appended to its group (its seq tagged)."""
+    _records(group)
     return group + key + _TS.pack(ts) + _SEQ.pack(seq | ID_TAG)
 
 
@@ -207,6 +210,88 @@ def column_of(values: Sequence[bytes | None], places: Sequence[int], names: Sequ
         else:
             column.append(bucket_records(value, where[1]))
     return column
+
+
+def pack_reads(slice_key: str, names: Sequence[bytes], bits: int | None, per_command: int,
+               cache: list[bytes | None] | None = None) -> tuple[bytes, int, list[bytes], list[int]]:
+    """A slice's read as RESP: the `HMGET`s of `read_fields` (at most `per_command` fields each), then the `HGET`
+    of its count `n`. Returns (the bytes, the number of HMGETs, the fields, the place of each name's field).
+    `cache`: where the compiled twin keeps the groups' fields it made (`cache[j]`, j inside it), from call to
+    call; the same result."""
+    if per_command < 1:
+        raise ValueError(f"per_command must be >= 1, got {per_command}")
+    fields, places = read_fields(names, bits)
+    reads = [("HMGET", slice_key, *fields[a : a + per_command]) for a in range(0, len(fields), per_command)]
+    return resp([*reads, ("HGET", slice_key, "n")]), len(reads), fields, places
+
+
+def slice_column(replies: Sequence[Sequence[bytes | None]], places: Sequence[int], names: Sequence[bytes],
+                 bits: int | None, fields: Sequence[bytes]) -> tuple[list[bytes | None], list[bytes | None]]:
+    """A slice's column in the compact layout's terms (`column_of`) from the replies of its HMGETs (`pack_reads`),
+    and the values of its fields (`fields`, in order): the groups read, which a round's writes start from
+    (`slice_writes`)."""
+    values = [v for reply in replies for v in reply]
+    if len(values) != len(fields):
+        raise ValueError(f"{len(values)} values for {len(fields)} fields")
+    return column_of(values, places, names, bits), values
+
+
+def groups_read(fields: Sequence[bytes], values: Sequence[bytes | None]) -> dict[bytes, bytes]:
+    """The groups of a slice's read (field -> value; those Redis holds) from its fields and their values."""
+    return {f: v for f, v in zip(fields, values, strict=True) if v is not None and f[:1] == b"g"}
+
+
+def slice_writes(groups: dict[bytes, bytes], read: tuple[list[bytes], list[int], list[bytes | None]] | None,
+                 names: Sequence[bytes], bits: int, rows: Sequence[tuple[int, float, Sequence[int], int]], s: int,
+                 slice_length: float, cap: int, pairs: Sequence[bytes]) -> tuple[list[bytes], list[int]]:
+    """A round's writes to slice `s`: its rows (seq, event time, places of its buckets in `names`, place of its id;
+    those whose event time is in slice `s`, by `slice_length`) applied as `apply_round` applies them to the
+    slice's groups: those of its read of `names` (`read`: its fields, each name's place among them, their values;
+    `pack_reads`, `slice_column`), those in `groups` (written since) in their place; both left as they are.
+    Returns the slice's `HSET` arguments (each group changed, in the order first changed, with its value; then the
+    entries (`e<seq>`) of the compact layout's `pairs`) and, per group changed, the place of its field in the read
+    (-1: not read): what `keep_written` keeps once Redis took them."""
+    mine = [row for row in rows if math.floor(row[1] / slice_length) == s]
+    current = groups_read(read[0], read[2]) if read is not None else {}
+    current.update(groups)
+    changed = apply_round(current, names, bits, mine, cap)
+    flat: list[bytes] = []
+    for f in changed:
+        flat += (f, current[f])
+    for a in range(0, len(pairs), 2):
+        if pairs[a][:1] == b"e":
+            flat += (pairs[a], pairs[a + 1])
+    at = {f: k for k, f in enumerate(read[0])} if read is not None else {}
+    return flat, [at.get(f, -1) for f in changed]
+
+
+def keep_written(groups: dict[bytes, bytes], values: list[bytes | None] | None, flat: Sequence[bytes],
+                 taken: Sequence[int], also: dict[bytes, bytes] | None) -> None:
+    """Once Redis took a round's writes to a slice (`slice_writes`: `flat`, `taken`), each group changed kept
+    where the next round finds it: at its place in the read's `values`, else in `groups` (written since the
+    read); and in `also` too, when given (the groups a read sent ahead lacks)."""
+    for i, k in enumerate(taken):
+        field, value = flat[2 * i], flat[2 * i + 1]
+        if k >= 0:
+            assert values is not None
+            values[k] = value
+            groups.pop(field, None)
+        else:
+            groups[field] = value
+        if also is not None:
+            also[field] = value
+
+
+def pack_writes(slice_key: str, flat: Sequence[bytes], per_command: int, entries: int, ttl_ms: int) -> tuple[bytes, int]:
+    """A round's writes to a slice as RESP: the `HSET`s of its arguments (`slice_writes`; at most `per_command`
+    arguments each), the `HINCRBY` of its count `n` by `entries`, its `PEXPIRE`. Returns (the bytes, the number of
+    commands)."""
+    if per_command < 2 or per_command % 2 or len(flat) % 2:
+        raise ValueError("pairs of arguments, an even per_command >= 2 expected")
+    commands: list[tuple[str | int | bytes, ...]] = [
+        ("HSET", slice_key, *flat[a : a + per_command]) for a in range(0, len(flat), per_command)]
+    commands += [("HINCRBY", slice_key, "n", entries), ("PEXPIRE", slice_key, ttl_ms)]
+    return resp(commands), len(commands)
 
 
 def apply_round(groups: dict[bytes, bytes], names: Sequence[bytes], bits: int,

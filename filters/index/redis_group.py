@@ -2,9 +2,10 @@
 records by seq, its bucket records grouped in fields `g<j>` of the slice hash (`group_codec`).
 
 Chosen by `?layout=group`. A lookup reads one `HMGET` a slice (the distinct groups of the batch's buckets and
-ids, its memos), which `group_codec.column_of` turns into the compact layout's columns, so the ranking, the
-uncontended round, the tails and the read sent ahead are the compact layout's (`CompactIndex`); a round's
-writes go back into whole groups (`group_codec.apply_round`) in the watched transaction. Any other round (a
+ids, its memos: `group_codec.pack_reads`), which `slice_column` turns into the compact layout's columns, so the
+ranking, the uncontended round, the tails and the read sent ahead are the compact layout's (`CompactIndex`); a
+round's writes go back into whole groups (`slice_writes`, `pack_writes`, as `apply_round` writes them) in the
+watched transaction, and are kept where the next round finds them (`keep_written`). Any other round (a
 contended one, a restore's chunk refused, every round on Redis Cluster, where a namespace's keys share one hash
 tag as the slot layout's) is the checking script, `lua/group_insert.lua`, which writes `apply_round`'s bytes.
 What it does not do yet: a rebuild at the slot layout's speed (a restore is guarded chunks).
@@ -12,11 +13,12 @@ What it does not do yet: a rebuild at the slot layout's speed (a restore is guar
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
 from filters.errors import ConfigError
-from filters.index import Candidate, Entry, Query, Stored, new_candidate
+from filters.index import Candidate, Entry, Query, Stored, new_candidate, new_entry
 from filters.index import compact_codec as cc
 from filters.index import group_codec as gc
 from filters.index import redis as slot
@@ -31,8 +33,8 @@ from filters.index.redis import (
     _SentRead,
     _stored_time,
 )
-from filters.index.redis_codec import SEQ, decode_memo, encode_entry, live_memo, memo_time
-from filters.index.redis_compact import CompactIndex
+from filters.index.redis_codec import SEQ, decode_entry, decode_memo, encode_entry, live_memo, memo_time
+from filters.index.redis_compact import CompactIndex, _pack, _Packed
 from filters.records import Verdict
 
 try:  # the compiled core; absent when it could not be built at install time (no C++ compiler)
@@ -41,6 +43,7 @@ except ImportError:  # pragma: no cover - exercised on machines without a compil
     _native = None
 
 STATS_FIELDS = 4096  # fields of a slice hash `stats` reads all of; of a bigger one, that many of its groups
+NAMES_KEPT_BITS = 17  # the groups' fields a client keeps made: those of 2^17 groups at most (~6 MB)
 
 
 def _script() -> _Script:
@@ -73,12 +76,56 @@ class GroupIndex(CompactIndex):
         # lacks them).
         self._last_raw: dict[int, dict[bytes, bytes]] = {}
         self._raw_written: dict[int, dict[bytes, bytes]] = {}
+        # The last read itself: per slice (of known bits) its fields, each name's place among them, their values
+        # and its bits (`slice_writes` finds a group there by its name's place), and the names it read. `_last_raw`
+        # then holds only the groups written since.
+        self._last_read: dict[int, tuple[list[bytes], list[int], list[bytes | None], int]] = {}
+        self._read_names: Sequence[bytes] | None = None
+        self._names_kept: list[bytes | None] = []  # group j's field at j, once made (`_group_names`)
         self._read_fields = _native.group_read_fields if _native is not None else gc.read_fields
-        self._group_column = _native.group_column_of if _native is not None else gc.column_of
-        self._apply_round = _native.group_apply_round if _native is not None else gc.apply_round
+        self._pack_group_reads = _native.group_pack_reads if _native is not None else gc.pack_reads
+        self._slice_column = _native.group_slice_column if _native is not None else gc.slice_column
+        self._slice_writes = _native.group_slice_writes if _native is not None else gc.slice_writes
+        self._keep_written = _native.group_keep_written if _native is not None else gc.keep_written
+        self._pack_group_writes = _native.group_pack_writes if _native is not None else gc.pack_writes
         self._count_buckets = _native.group_count_buckets if _native is not None else gc.count_buckets
 
+    @staticmethod
+    def _pack_send(conn: Any, commands: Sequence[Sequence[str | int | bytes] | _Packed]) -> int:
+        """`CompactIndex._pack_send`, its pieces (the commands packed already, and each run of the others packed)
+        sent one after the other, not joined first: a round's groups (megabytes a batch) are not copied once more
+        on their way. Returns the number of replies."""
+        if not any(type(c) is _Packed for c in commands):
+            return CompactIndex._pack_send(conn, commands)
+        blobs: list[bytes] = []
+        run: list[Any] = []
+        count = 0
+        for command in commands:
+            if type(command) is _Packed:
+                if run:
+                    blobs.append(_pack(run))
+                    run = []
+                blobs.append(command.data)
+                count += command.count
+            else:
+                run.append(command)
+                count += 1
+        if run:
+            blobs.append(_pack(run))
+        conn.send_packed_command(blobs)
+        return count
+
     # -- reading -------------------------------------------------------------------------------------
+    def _planned(self, queries: Sequence[Query]) -> tuple[list[bytes], list[list[bytes]], list[list[int]], list[int]]:
+        """`CompactIndex._planned`, its places taken from the ints kept from batch to batch (as the slot layout's)
+        and each id's field made inline (no Python call a query)."""
+        try:
+            return cast("tuple[list[bytes], list[list[bytes]], list[list[int]], list[int]]",
+                        self._plan([q.keys for q in queries],
+                                   [b"i" + q.id.encode("utf-8", "surrogatepass") for q in queries], self._numbers))
+        except (struct.error, OverflowError, ValueError):
+            raise ValueError(f"bucket keys must be unsigned 64-bit ints: {[q.keys for q in queries]!r}") from None
+
     def _gone(self) -> int | None:
         return None  # no small hashes to reap: a slice's groups go with its hash
 
@@ -97,17 +144,33 @@ class GroupIndex(CompactIndex):
         for s in slices:
             key = f"{self._spre}{s}"
             bits = known[s]
+            if self._packs:  # packed at once (`pack_reads`), with the count's HGET
+                blob, n, fields, places = self._pack_group_reads(key, listed, bits, step, self._group_names(bits))
+                commands.append(_Packed(blob, n + 1))
+                plans.append((fields, places, bits, n))
+                continue
             fields, places = self._read_fields(listed, bits)
             reads = [("HMGET", key, *fields[a : a + step]) for a in range(0, len(fields), step)]
             commands += [*reads, ("HGET", key, "n")]
             plans.append((fields, places, bits, len(reads)))
         return commands, plans
 
+    def _group_names(self, bits: int | None) -> list[bytes | None] | None:
+        """The groups' fields made so far (`pack_reads`' cache), as many as a slice of `bits` has, up to
+        2^`NAMES_KEPT_BITS`: a batch reads thousands of groups, most of them read by the batches before."""
+        if bits is None:
+            return None
+        want = 1 << min(bits, NAMES_KEPT_BITS)
+        if len(self._names_kept) < want:
+            self._names_kept += [None] * (want - len(self._names_kept))
+        return self._names_kept
+
     def _parse_read(self, replies: Sequence[Any], names: Sequence[bytes], slices: Sequence[int],
                     plans: Sequence[Any], probes: Sequence[int]) -> tuple[
                         int, bytes, list[list[bytes | None]], dict[int, int | None]]:
         """(seq, stored high-water mark, columns in the compact layout's terms, the bits of each slice as the meta
-        hash says) of `_read_plan`'s replies; refuses a namespace of another layout; keeps the groups read."""
+        hash says) of `_read_plan`'s replies; refuses a namespace of another layout; keeps the groups read
+        (`_last_read`)."""
         state = replies[0]
         extra = 3 if self.fenced else 2
         self._check_continuity(state, state[extra + 1])
@@ -128,17 +191,18 @@ class GroupIndex(CompactIndex):
                 self._bits[s] = bits
         listed = list(names)
         columns = []
-        raw: dict[int, dict[bytes, bytes]] = {}
+        kept: dict[int, tuple[list[bytes], list[int], list[bytes | None], int]] = {}
         at = 1
         for s, (fields, places, bits, n) in zip(slices, plans):
-            values = [v for reply in replies[at : at + n] for v in reply]
             count = replies[at + n]
-            at += n + 1
             if count is not None:
                 self._counts[s] = int(count)
-            columns.append(self._group_column(values, places, listed, bits))
-            raw[s] = {f: v for f, v in zip(fields, values) if v is not None and f[:1] == b"g"}
-        self._last_raw = raw
+            column, values = self._slice_column(list(replies[at : at + n]), places, listed, bits, fields)
+            columns.append(column)
+            if bits is not None:
+                kept[s] = (fields, places, values, bits)
+            at += n + 1
+        self._last_read, self._read_names, self._last_raw = kept, names, {}
         return seq, stored, columns, read
 
     def _resolve_marks(self, names: Sequence[bytes], slices: Sequence[int],
@@ -204,6 +268,40 @@ class GroupIndex(CompactIndex):
             out.append((mine, cands))
         return out
 
+    def _entries_by_seq(self, wanted: set[tuple[int, float]]) -> dict[int, Entry]:
+        """`CompactIndex._entries_by_seq`, the entries read decoded at once by the compiled decoder of the slot
+        layout (`decode_entries`; numpy's unpacking of one entry at a time cost ~80,000 instructions an entry)."""
+        out: dict[int, Entry] = {}
+        by_slice: dict[int, list[int]] = {}
+        for seq, ts in sorted(wanted):
+            entry = self._by_seq.get(seq)
+            if entry is not None:
+                out[seq] = entry
+            else:
+                by_slice.setdefault(self._slice(ts), []).append(seq)
+        if not by_slice:
+            return out
+        with self._errors():
+            replies = self._execute([("HMGET", f"{self._spre}{s}", *map(cc.entry_field, seqs))
+                                     for s, seqs in by_slice.items()], share=False)
+            self._raise_any(replies)
+        seqs, ids, blobs = [], [], []
+        for at, values in zip(by_slice.values(), replies):
+            for seq, value in zip(at, values):
+                if value is not None:
+                    blob, id = cc.split_entry_value(value)
+                    seqs.append(seq)
+                    ids.append(id)
+                    blobs.append(blob)
+        if len(set(ids)) == len(ids):  # (decoded by id: an id of two entries read, each on its own)
+            by_id = self._decode(ids, blobs, new_entry, decode_entry)
+            read = {seq: by_id[id] for seq, id in zip(seqs, ids)}
+        else:
+            read = {seq: self._decode([id], [blob], new_entry, decode_entry)[id] for seq, id, blob in zip(seqs, ids, blobs)}
+        out.update(read)
+        self._keep(read)
+        return out
+
     # -- inserting -----------------------------------------------------------------------------------
     def _alone_rows(self, ids: list[str], times: list[float], blobs: list[bytes], fields_of: Sequence[list[bytes]],
                     places_of: Sequence[list[int] | None], low: float | None = None) -> list[int] | None:
@@ -250,25 +348,29 @@ class GroupIndex(CompactIndex):
         meta, ttl, cap = self._meta, self._ttl_ms, self.bucket_cap
         commands: list[Any] = [("MULTI",)]
         made: dict[int, int] = {}
-        new: dict[int, dict[bytes, bytes]] = {}
+        kept: list[tuple[int, list[bytes | None] | None, list[bytes], list[int]]] = []
         step = 2 * FIELDS_PER_CALL
+        listed, listed_rows = list(names), list(rows)
         for s, (count, pairs) in groups.items():
             bits = self._bits.get(s)
             if bits is None:
                 bits = made[s] = max(gc.slice_bits(self._counts.get(s - 1)),
                                      gc.slice_bits(self._expected.get(s, self._rate_count)))
                 commands.append(("HSET", meta, f"k:{s}", bits))
-            mine = [(r, ts, places, e) for r, ts, places, e in rows if self._slice(ts) == s]
-            current = dict(raw.get(s, {}))
-            changed = self._apply_round(current, list(names), bits, mine, cap)
-            new[s] = {f: current[f] for f in changed}
-            flat: list[bytes] = []
-            for f in changed:
-                flat += (f, current[f])
-            for a in range(0, len(pairs), 2):
-                if pairs[a][:1] == b"e":
-                    flat += (pairs[a], pairs[a + 1])
+            # The slice's groups changed (each built once from those read and written since, which stay as they
+            # are until Redis takes the transaction) and its HSET arguments, entries last.
+            written, read = raw.get(s, {}), self._last_read.get(s)
+            if read is not None and (read[3] != bits or names is not self._read_names):  # (not so: the read's terms)
+                if read[3] == bits:
+                    written = {**gc.groups_read(read[0], read[2]), **written}
+                read = None
+            flat, taken = self._slice_writes(written, read[:3] if read is not None else None, listed, bits,
+                                             listed_rows, s, self.slice_length, cap, pairs)
+            kept.append((s, read[2] if read is not None else None, flat, taken))
             key = f"{self._spre}{s}"
+            if self._packs:  # packed at once (`pack_writes`)
+                commands.append(_Packed(*self._pack_group_writes(key, flat, step, count, ttl)))
+                continue
             commands += [("HSET", key, *flat[a : a + step]) for a in range(0, len(flat), step)]
             commands += [("HINCRBY", key, "n", count), ("PEXPIRE", key, ttl)]
         if seq != start:
@@ -287,9 +389,10 @@ class GroupIndex(CompactIndex):
         if replies is None:
             return None
         self._bits.update(made)
-        for s, fields in new.items():
-            raw.setdefault(s, {}).update(fields)
-            self._raw_written.setdefault(s, {}).update(fields)
+        ahead = self._ahead is not None  # a read sent ahead lacks these groups (`_taken`); one sent after has them
+        for s, values, flat, taken in kept:
+            self._keep_written(raw.setdefault(s, {}), values, flat, taken,
+                               self._raw_written.setdefault(s, {}) if ahead else None)
         self._stored_top = max(self._stored_top, _stored_time(hwm_bytes))
         now_seq, now_hwm = replies[-1]
         return int(now_seq or 0) == seq and (now_hwm or b"") == hwm_bytes
