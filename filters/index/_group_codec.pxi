@@ -296,3 +296,163 @@ def group_count_buckets(list groups) -> int:
                 keys.add(PyBytes_FromStringAndSize(<const char *>(g + r * GROUP_RECORD), 4))
         total += len(keys)
     return total
+
+
+# --- a rebuild's groups, each field made once (filters/index/redis_group.py, `GroupIndex._rebuild_groups`) -----
+
+def group_mixed_ids(list ids):
+    """`filters.index.group_codec.mixed_ids`, compiled."""
+    np = np_()
+    cdef Py_ssize_t n = len(ids), i, k, size
+    out = np.empty(n, dtype=np.uint64)
+    cdef uint64_t[::1] o = out
+    cdef uint64_t h
+    cdef bytes raw
+    cdef const unsigned char *p
+    for i in range(n):
+        raw = (<str>ids[i]).encode("utf-8", "surrogatepass")
+        p = <const unsigned char *>PyBytes_AS_STRING(raw)
+        size = len(raw)
+        h = 0xcbf29ce484222325ULL
+        for k in range(size):
+            h = (h ^ p[k]) * 0x100000001b3ULL
+        o[i] = h * 0x9E3779B97F4A7C15ULL
+    return out
+
+
+cdef struct _GroupRec:
+    uint64_t j      # its group
+    uint64_t order  # its place in the fold: records of one group go in this order
+    uint32_t key
+    uint32_t e      # its entry
+    bint is_id
+
+
+cdef inline bint _grec_less(const _GroupRec &a, const _GroupRec &b) noexcept nogil:
+    return a.j < b.j or (a.j == b.j and a.order < b.order)
+
+
+cdef void _trim_vec(vector[unsigned char] &buf, uint32_t key, Py_ssize_t cap) except *:
+    """`group_codec.trim_bucket` in place: the bucket's `cap` newest (event time, then seq; of records alike, the
+    first) kept, in order."""
+    cdef Py_ssize_t n = buf.size() // GROUP_RECORD, r, m = 0, k, w = 0
+    cdef unsigned char *g = buf.data()
+    cdef vector[pair[pair[double, uint64_t], Py_ssize_t]] mine
+    cdef double ts
+    for r in range(n):
+        if _rec_is(g + r * GROUP_RECORD, key, False):
+            memcpy(&ts, g + r * GROUP_RECORD + 4, 8)
+            mine.push_back(pair[pair[double, uint64_t], Py_ssize_t](
+                pair[double, uint64_t](ts, _load_be64(g + r * GROUP_RECORD + 12)), -r))
+    m = mine.size()
+    if m <= cap:
+        return
+    cpp_sort(mine.begin(), mine.end())  # oldest first: the first m - cap go
+    cdef vector[char] drop = vector[char](n, 0)
+    for k in range(m - cap):
+        drop[-mine[k].second] = 1
+    for r in range(n):
+        if not drop[r]:
+            if w != r:
+                memmove(g + w * GROUP_RECORD, g + r * GROUP_RECORD, GROUP_RECORD)
+            w += 1
+    buf.resize(w * GROUP_RECORD)
+
+
+def group_held_groups(keys, bounds, times, seqs, ids_mixed, int bits, Py_ssize_t cap, dict olds, int share=0,
+                      int share_bits=0) -> list:
+    """`filters.index.group_codec.held_groups`, compiled: the share's records listed in fold order, sorted by
+    group (then that order), each group folded in a buffer of its own, a bucket trimmed in place."""
+    np = np_()
+    cdef const uint64_t[::1] k = np.ascontiguousarray(keys, dtype=np.uint64)
+    cdef const int64_t[::1] b = np.ascontiguousarray(bounds, dtype=np.int64)
+    cdef const double[::1] t = np.ascontiguousarray(times, dtype=np.float64)
+    cdef const uint64_t[::1] q = np.ascontiguousarray(seqs, dtype=np.uint64)
+    cdef const uint64_t[::1] idm = np.ascontiguousarray(ids_mixed, dtype=np.uint64)
+    cdef Py_ssize_t n = len(q), n_rec = len(k), e, r, r2, at, stop, m, size
+    cdef uint64_t mk, j, order = 0
+    cdef int shift
+    cdef bint dup
+    cdef vector[_GroupRec] recs
+    cdef _GroupRec rec
+    cdef vector[unsigned char] buf
+    cdef list out = []
+    cdef bytes field
+    cdef object old
+    cdef double ts
+    cdef uint64_t seq
+    if not 0 <= bits <= GROUP_K_MAX:
+        raise ValueError(f"bits must be 0 to {GROUP_K_MAX}, got {bits!r}")
+    if not 0 <= share_bits <= bits:
+        raise ValueError(f"share_bits must be 0 to bits ({bits}), got {share_bits!r}")
+    if not (len(t) == len(idm) == n and len(b) == n + 1):
+        raise ValueError("one event time, seq and id an entry, and one more bound, expected")
+    for e in range(n):
+        if b[e] < 0 or b[e] > b[e + 1] or b[e + 1] > n_rec:
+            raise ValueError(f"bounds must rise within the {n_rec} keys")
+    shift = bits - share_bits
+    rec.is_id = False
+    for e in range(n):
+        rec.e = <uint32_t>e
+        for r in range(b[e], b[e + 1]):
+            dup = False
+            for r2 in range(b[e], r):  # a key given twice by one entry: its record once
+                if k[r2] == k[r]:
+                    dup = True
+                    break
+            if dup:
+                continue
+            mk = k[r] * 0x9E3779B97F4A7C15ULL
+            j = (mk >> (64 - bits)) if bits else 0
+            if (j >> shift) != <uint64_t>share:
+                continue
+            rec.j = j
+            rec.order = order
+            rec.key = <uint32_t>mk
+            rec.is_id = False
+            order += 1
+            recs.push_back(rec)
+        mk = idm[e]
+        j = (mk >> (64 - bits)) if bits else 0
+        if (j >> shift) == <uint64_t>share:
+            rec.j = j
+            rec.order = order
+            rec.key = <uint32_t>mk
+            rec.is_id = True
+            order += 1
+            recs.push_back(rec)
+    cpp_sort(recs.begin(), recs.end(), _grec_less)
+    at = 0
+    m = recs.size()
+    while at < m:
+        j = recs[at].j
+        field = _group_name(j)
+        buf.clear()
+        old = olds.get(field)
+        if old:
+            _group_len(old)
+            size = len(<bytes>old)
+            buf.resize(size)
+            memcpy(buf.data(), PyBytes_AS_STRING(old), size)
+        stop = at
+        while stop < m and recs[stop].j == j:
+            rec = recs[stop]
+            if not rec.is_id:
+                size = 0
+                for r in range(<Py_ssize_t>(buf.size() // GROUP_RECORD)):
+                    if _rec_is(buf.data() + r * GROUP_RECORD, rec.key, False):
+                        size += 1
+                if size > 2 * cap:
+                    _trim_vec(buf, rec.key, cap)
+            size = buf.size()
+            buf.resize(size + GROUP_RECORD)
+            _store_be32(buf.data() + size, rec.key)
+            ts = t[rec.e]
+            memcpy(buf.data() + size + 4, &ts, 8)
+            seq = q[rec.e]
+            _store_be64(buf.data() + size + 12, seq | (0x8000000000000000ULL if rec.is_id else 0))
+            stop += 1
+        out.append(field)
+        out.append(PyBytes_FromStringAndSize(<const char *>buf.data(), buf.size()))
+        at = stop
+    return out
