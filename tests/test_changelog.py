@@ -143,7 +143,7 @@ def test_an_index_restored_from_the_journal_decides_as_the_original(index_url: s
         restored = NearDupFilter(cfg, index=restored_index)
     else:
         with redis_namespace(index_url.split("?")[0]) as other:
-            restored = _shared(other + "".join(f"&layout={layout}" for layout in ("spread", "compact")
+            restored = _shared(other + "".join(f"&layout={layout}" for layout in ("spread", "compact", "group")
                                                if f"layout={layout}" in index_url), cfg)
             try:
                 _restore_and_compare(original, restored, made, later)

@@ -300,8 +300,8 @@ def restore_into(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     every boundary is crossed. `redis-compact`: the compact layout (filters/index/redis_compact.py);
     `redis-compact-rebuild` its rebuild (held fields, each small hash written once), holding 6 bucket records at
     most (written and read back when named again), then handing on to guarded chunks past 8 ids inside the
-    window. `redis-group`, `redis-group-rebuild`: the group layout (filters/index/redis_group.py), whose rebuild
-    is guarded chunks so far."""
+    window. `redis-group`, `redis-group-rebuild`: the group layout (filters/index/redis_group.py) and its rebuild
+    (held records, each group written once), with the compact rebuild's limits lowered alike."""
     made: list[CandidateIndex] = []
     prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
     url = request.getfixturevalue("redis_url") if request.param.startswith("redis") else ""
