@@ -164,13 +164,15 @@ _ids = ["a", "b", "é", "x" * 70, "\udcff"]
 
 
 @settings(max_examples=200, deadline=None)
-@given(bits=st.integers(0, 4), cap=st.integers(0, 3), share_bits=st.integers(0, 2), data=st.data(),
+@given(bits=st.sampled_from([0, 1, 2, 3, 4, 20, gc.K_MAX]), cap=st.integers(0, 3), share_bits=st.integers(0, 2),
+       data=st.data(),
        rows=st.lists(st.tuples(st.lists(st.integers(0, 9), max_size=5), st.sampled_from(_ids),
                                st.sampled_from(_TIMES)), max_size=16))
 def test_a_rebuilds_groups_are_what_its_rounds_leave_entry_after_entry(
         bits: int, cap: int, share_bits: int, data: st.DataObject, rows: list[tuple[list[int], str, float]]) -> None:
     """`held_groups` (and its twin) makes each group once, as `apply_round` leaves it after the same entries one
-    after another from what Redis held (`olds`; a key given twice by an entry counts once), share by share."""
+    after another from what Redis held (`olds`; a key given twice by an entry counts once), share by share (the
+    twin counts the records of a share of few groups into place, and sorts those of many)."""
     share_bits = min(share_bits, bits)
     hashes = [(k * 0x0123456789ABCDEF if k % 4 else k << 60) & U64 for k in range(10)]
     names = [b"b" + h.to_bytes(8, "big") for h in hashes] + [cc.id_field(id) for id in _ids]

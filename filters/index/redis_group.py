@@ -4,10 +4,11 @@ records by seq, its bucket records grouped in fields `g<j>` of the slice hash (`
 Chosen by `?layout=group`. A lookup reads one `HMGET` a slice (the distinct groups of the batch's buckets and
 ids, its memos), which `group_codec.column_of` turns into the compact layout's columns, so the ranking, the
 uncontended round, the tails and the read sent ahead are the compact layout's (`CompactIndex`); a round's
-writes go back into whole groups (`group_codec.apply_round`) in the watched transaction. What it does not do
-yet: the checking script (a contended round here is a guarded read, check and transaction, tried again when
-refused: standalone Redis only), Redis Cluster, a rebuild at the slot layout's speed (a restore is guarded
-chunks).
+writes go back into whole groups (`group_codec.apply_round`) in the watched transaction. A rebuild (a fenced
+index without its marker) holds its entries' records and writes each group once (`group_codec.held_groups`),
+leaving the bytes the guarded chunks of any other restore leave. What it does not do yet: the checking script (a
+contended round here is a guarded read, check and transaction, tried again when refused: standalone Redis only),
+Redis Cluster.
 """
 
 from __future__ import annotations
