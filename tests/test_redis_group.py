@@ -426,3 +426,42 @@ def test_a_rebuild_that_finds_another_writer_hands_the_rest_to_guarded_chunks(re
         guarded.close()
         drop_namespace(redis_url, prefix)
         drop_namespace(redis_url, guarded_prefix)
+
+
+def test_a_rebuild_past_its_ids_hands_the_rest_to_guarded_chunks(redis_url: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past `HOLD_IDS` ids inside the window (20 here, for 2^22), a rebuild writes what it holds and restores the
+    rest in guarded chunks: the namespace holds what guarded chunks alone leave, and decides as it."""
+    import filters.index.redis as slot
+    import filters.index.redis_compact as compact
+
+    monkeypatch.setattr(slot, "REBUILD_CHUNK", 12)
+    monkeypatch.setattr(slot, "RESTORE_CHUNK", 12)  # (the chunks after the hand-off begin where the guarded ones do)
+    journal = _hours()
+    guarded, guarded_prefix, _, written = _restored(redis_url, journal, 8, fenced=False)
+    monkeypatch.setattr(compact, "HOLD_IDS", 20)
+    prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
+    rebuilt = GroupIndex(with_query(redis_url, prefix=prefix, layout="group"), window=3600.0, bucket_cap=8,
+                         namespace="ns", fenced=True)
+    watched: list[bool] = []
+    restore_watched = rebuilt._restore_watched
+
+    def counted(rows: Any) -> Any:
+        done = restore_watched(rows)
+        watched.append(done is not None)
+        return done
+
+    rebuilt._restore_watched = counted  # type: ignore[method-assign]
+    try:
+        assert rebuilt.restore([stored_of(journal)]) == written
+        assert watched and all(watched) and len(watched) < -(-len(journal) // 12)  # (not every chunk guarded)
+        dumps = [_namespace_dump(redis_url, p, "ns") for p in (guarded_prefix, prefix)]
+        assert dumps[1] == dumps[0]
+        with redis.Redis.from_url(redis_url) as client:
+            client.hset(f"{{{prefix}:ns}}:meta", MARKER, "e1")
+        assert _view(rebuilt.lookup(_LATER, 8)) == _view(guarded.lookup(_LATER, 8))
+    finally:
+        rebuilt.close()
+        guarded.close()
+        drop_namespace(redis_url, prefix)
+        drop_namespace(redis_url, guarded_prefix)
