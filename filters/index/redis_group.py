@@ -470,7 +470,7 @@ class GroupIndex(CompactIndex):
             self._raise_any(replies)
         seq = int(replies[-1][0] or 0)
         hwm = max(self._hwm, self._stored_top, _stored_time(replies[-1][1] or b""))
-        plan = _GuardedPlan(self, counts, dict(self._counts))
+        plan = _GuardedPlan(self, counts)
         step = 2 * FIELDS_PER_CALL
         for part in parts:
             array = np.asarray(part.times, dtype=np.float64)
@@ -668,10 +668,12 @@ class _GuardedPlan:
     the rate of the part's entries there: `GroupIndex._transact`), and the slice each round that wrote unlinks
     (the one before the window)."""
 
-    def __init__(self, index: GroupIndex, counts: dict[int, int], seen: dict[int, int]) -> None:
+    def __init__(self, index: GroupIndex, counts: dict[int, int]) -> None:
         self._index = index
         self.counts = counts  # slice -> entries stored there (the rebuild's)
-        self.seen = seen  # slice -> its count as the last chunk's read found it (the index's `_counts`)
+        # slice -> its count as the last chunk's read found it (`_counts`; those of a namespace before are
+        # forgotten by the first read of one made again)
+        self.seen: dict[int, int] = {}
         self.bits: dict[int, int] = {}  # slice -> its bits, once made
         self._times: np.ndarray = np.zeros(0)
         self._expected: dict[int, int] = {}
