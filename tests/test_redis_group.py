@@ -287,29 +287,33 @@ _LATER = [Query("q", 7400.0, (3, 101)), Query("j5", 7400.0, (5,)), Query("x", 74
           Query("j260", 7400.0, (1, 2, 3, 4, 5, 6))]
 
 
-def _restored(redis_url: str, journal: list[tuple[Entry, tuple[int, ...]]], cap: int, *,
-              fenced: bool) -> tuple[GroupIndex, str, bytearray, int]:
-    """A group index of a namespace of its own that restored `journal` (`fenced`: a rebuild, no marker yet), its
-    prefix, what it sent meanwhile (`_recording`) and the entries it wrote."""
+def _restored(redis_url: str, journal: list[tuple[Entry, tuple[int, ...]]], cap: int, *, fenced: bool,
+              clock: float | None = None) -> tuple[GroupIndex, str, bytearray, int]:
+    """A group index of a namespace of its own that restored `journal` (`fenced`: a rebuild, no marker yet; `clock`:
+    the window's clock its `expire` set first), its prefix, what it sent meanwhile (`_recording`) and the entries
+    it wrote."""
     prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
     index = GroupIndex(with_query(redis_url, prefix=prefix, layout="group"), window=3600.0, bucket_cap=cap,
                        namespace="ns", fenced=fenced)
+    if clock is not None:
+        index.expire(clock)
     raw = _recording(index)
     if fenced:
         index._restore_watched = None  # type: ignore[assignment,method-assign] # never called
     return index, prefix, raw, index.restore([stored_of(journal)])
 
 
-@pytest.mark.parametrize("cap", [8, 2])
+@pytest.mark.parametrize(("cap", "clock"), [(8, None), (2, None), (8, 8000.0)])
 @pytest.mark.parametrize("held", ["all", "30 records"])
 def test_a_rebuild_writes_each_group_once_and_leaves_what_the_guarded_chunks_leave(
-        redis_url: str, monkeypatch: pytest.MonkeyPatch, cap: int, held: str) -> None:
+        redis_url: str, monkeypatch: pytest.MonkeyPatch, cap: int, clock: float | None, held: str) -> None:
     """A fenced index without its marker (lost: the guard rebuilds it from the changelog) takes a restore with
     no transaction and no script: it holds the records and writes each group once, and leaves the very bytes
     that guarded chunks leave (an unfenced index's restore: records, trims, entries, counts, bits, the slices
     that left the window unlinked as they unlink them), every key with a TTL; it decides as they do. Past
     `HOLD_RECORDS` (30 here, for 2^24) it writes what it holds and goes on: a group written is read back and
-    goes on from what Redis holds, and the bytes are the same."""
+    goes on from what Redis holds, and the bytes are the same. With the window's clock set (`expire`: aligned
+    workers), each round unlinks the slice before the clock's window, as the entries come."""
     import filters.index.redis as slot
     import filters.index.redis_compact as compact
 
@@ -318,12 +322,12 @@ def test_a_rebuild_writes_each_group_once_and_leaves_what_the_guarded_chunks_lea
     monkeypatch.setattr(gc, "K_MIN", 1)  # few groups: each slice's bits follow the counts the guarded chunks read
     monkeypatch.setattr(gc, "K_FIRST", 2)
     journal = _hours()
-    guarded, guarded_prefix, _, written = _restored(redis_url, journal, cap, fenced=False)
+    guarded, guarded_prefix, _, written = _restored(redis_url, journal, cap, fenced=False, clock=clock)
     if held != "all":
         monkeypatch.setattr(compact, "HOLD_RECORDS", 30)
-    rebuilt, prefix, raw, rewritten = _restored(redis_url, journal, cap, fenced=True)
+    rebuilt, prefix, raw, rewritten = _restored(redis_url, journal, cap, fenced=True, clock=clock)
     try:
-        assert rewritten == written == 250  # (the ids made again are live: kept as they are)
+        assert rewritten == written == (250 if clock is None else 310)  # (ids again: live, unless their slice went)
         sent = _unpacked(bytes(raw))
         names = [c[0] for c in sent]
         assert "MULTI" not in names and "WATCH" not in names and "EVALSHA" not in names

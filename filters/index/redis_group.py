@@ -496,19 +496,27 @@ class GroupIndex(CompactIndex):
                         seqs[seqs > 0] += np.uint64(replies[0] - new_seq)
                         new_seq = replies[0]
                 taken = seqs > 0
-                groups = self._entry_pairs(ids, part.blobs[at:stop], seqs.tolist(), slices.tolist())
                 commands: list[Sequence[Any]] = []
-                for s, pairs in groups.items():
-                    commands += [("HSET", f"{self._spre}{s}", *pairs[a : a + step]) for a in range(0, len(pairs), step)]
-                    commands.append(("PEXPIRE", f"{self._spre}{s}", ttl))
-                chunk_keys = np.asarray(part.keys[int(part.bounds[at]) : int(part.bounds[stop])], dtype=np.uint64)
-                for s in groups:
-                    mine = taken & (slices == s)
-                    held.add(s, chunk_keys[np.repeat(mine, sizes[at:stop])], sizes[at:stop][mine], tss[mine],
-                             seqs[mine], [ids[i] for i in np.flatnonzero(mine).tolist()])
-                for s in gone:  # as a guarded round unlinks the slice before the window (after its writes)
-                    commands += [("UNLINK", f"{self._spre}{s}"), ("HDEL", meta, f"k:{s}")]
-                    held.drop(s)
+                begin = 0
+                # The entries up to each round that unlinks a slice (the slice before the window), then the unlink.
+                for end, unlinked in [*gone, (stop - at, None)]:
+                    groups = self._entry_pairs(ids[begin:end], part.blobs[at + begin : at + end],
+                                               seqs[begin:end].tolist(), slices[begin:end].tolist())
+                    for s, pairs in groups.items():
+                        key = f"{self._spre}{s}"
+                        commands += [("HSET", key, *pairs[a : a + step]) for a in range(0, len(pairs), step)]
+                        commands.append(("PEXPIRE", key, ttl))
+                    its_keys = np.asarray(part.keys[int(part.bounds[at + begin]) : int(part.bounds[at + end])],
+                                          dtype=np.uint64)
+                    counted = sizes[at + begin : at + end]
+                    for s in groups:
+                        mine = taken[begin:end] & (slices[begin:end] == s)
+                        held.add(s, its_keys[np.repeat(mine, counted)], counted[mine], tss[begin:end][mine],
+                                 seqs[begin:end][mine], [ids[begin + i] for i in np.flatnonzero(mine).tolist()])
+                    if unlinked is not None:
+                        commands += [("UNLINK", f"{self._spre}{unlinked}"), ("HDEL", meta, f"k:{unlinked}")]
+                        held.drop(unlinked)
+                    begin = end
                 if new_seq != seq:
                     commands.append(("HSET", meta, "hwm", b"%.17g" % new_hwm))
                 commands += [("PEXPIRE", meta, ttl), ("HMGET", meta, "seq", MARKER)]
@@ -678,6 +686,9 @@ class _GuardedPlan:
         self._times: np.ndarray = np.zeros(0)
         self._expected: dict[int, int] = {}
         self._start_seq = 0  # the seq before the current chunk's round
+        # With the window's clock set (`expire`), slice -> the ids taken there: the slice a round unlinks may hold
+        # entries inside the window of the event times, and their ids are live no more.
+        self._ids_of: dict[int, list[str]] = {}
 
     def part(self, times: np.ndarray) -> None:
         """A part begins (its event times): its chunks count from its first entry, its rate is its own."""
@@ -685,13 +696,13 @@ class _GuardedPlan:
         self._expected = cc.expected_counts(times.tolist(), self._index.slice_length)
 
     def accept(self, ids: Sequence[str], at: int, live: dict[str, float], hwm: float,
-               seq: int) -> tuple[np.ndarray, float, int, list[int]]:
+               seq: int) -> tuple[np.ndarray, float, int, list[tuple[int, int]]]:
         """Entries `at` to `at + len(ids)` of the part: (seq or 0 each, as uint64; high-water mark; seq; the
-        slices unlinked after them, in order)."""
+        slices unlinked among them, in order, each after the entries before `at` + its first number)."""
         index, small, times = self._index, slot.RESTORE_CHUNK, self._times
         length, window, n = index.slice_length, index.window, len(times)
         out = np.zeros(len(ids), np.uint64)
-        gone: list[int] = []
+        gone: list[tuple[int, int]] = []
         a, stop = at, at + len(ids)
         while a < stop:
             b = min(stop, (a // small + 1) * small)
@@ -708,12 +719,19 @@ class _GuardedPlan:
                         self.bits[s] = max(gc.slice_bits(self.seen.get(s - 1)),
                                            gc.slice_bits(self._expected.get(s, index._rate_count)))
                     self.counts[s] = self.counts.get(s, 0) + count
+                if index._clock is not None:
+                    for i in np.flatnonzero(took).tolist():
+                        self._ids_of.setdefault(math.floor(times[a + i] / length), []).append(ids[a - at + i])
             if (b % small == 0 or b == n) and seq != self._start_seq:  # the chunk's round wrote: its unlink
                 clock = hwm if index._clock is None else index._clock
                 g = index._slice(clock - window) - 1
-                gone.append(g)
+                gone.append((b - at, g))
                 self.counts.pop(g, None)
                 self.bits.pop(g, None)
+                for id in self._ids_of.pop(g, []):
+                    ts = live.get(id)
+                    if ts is not None and math.floor(ts / length) == g:
+                        del live[id]
             a = b
         return out, hwm, seq, gone
 
