@@ -469,3 +469,27 @@ def test_a_rebuild_past_its_ids_hands_the_rest_to_guarded_chunks(redis_url: str,
         guarded.close()
         drop_namespace(redis_url, prefix)
         drop_namespace(redis_url, guarded_prefix)
+
+
+def test_a_rebuild_without_the_compiled_core_leaves_the_same_bytes(redis_url: str,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rebuild's Python references (`held_groups`, `mixed_ids`, and the compact layout's) leave what the
+    compiled core leaves."""
+    import filters.index.redis as slot
+    import filters.index.redis_compact as redis_compact
+    import filters.index.redis_group as redis_group
+
+    monkeypatch.setattr(slot, "REBUILD_CHUNK", 7)
+    journal = _hours()
+    compiled, compiled_prefix, _, written = _restored(redis_url, journal, 2, fenced=True)
+    for module in (slot, redis_compact, redis_group):
+        monkeypatch.setattr(module, "_native", None)
+    reference, prefix, _, rewritten = _restored(redis_url, journal, 2, fenced=True)
+    try:
+        assert rewritten == written
+        assert _namespace_dump(redis_url, prefix, "ns") == _namespace_dump(redis_url, compiled_prefix, "ns")
+    finally:
+        compiled.close()
+        reference.close()
+        drop_namespace(redis_url, prefix)
+        drop_namespace(redis_url, compiled_prefix)
