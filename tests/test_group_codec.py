@@ -277,3 +277,55 @@ def test_a_slices_packed_writes_as_the_reference(flat: list[bytes], per_command:
     for pack in (gc.pack_writes, _native.group_pack_writes):
         with pytest.raises(ValueError):
             pack("k", [b"a"], 2, 1, 1)
+
+_ids = ["a", "b", "é", "x" * 70, "\udcff"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(bits=st.sampled_from([0, 1, 2, 3, 4, 20, gc.K_MAX]), cap=st.integers(0, 3), share_bits=st.integers(0, 2),
+       data=st.data(),
+       rows=st.lists(st.tuples(st.lists(st.integers(0, 9), max_size=5), st.sampled_from(_ids),
+                               st.sampled_from(_TIMES)), max_size=16))
+def test_a_rebuilds_groups_are_what_its_rounds_leave_entry_after_entry(
+        bits: int, cap: int, share_bits: int, data: st.DataObject, rows: list[tuple[list[int], str, float]]) -> None:
+    """`held_groups` (and its twin) makes each group once, as `apply_round` leaves it after the same entries one
+    after another from what Redis held (`olds`; a key given twice by an entry counts once), share by share (the
+    twin counts the records of a share of few groups into place, and sorts those of many)."""
+    share_bits = min(share_bits, bits)
+    hashes = [(k * 0x0123456789ABCDEF if k % 4 else k << 60) & U64 for k in range(10)]
+    names = [b"b" + h.to_bytes(8, "big") for h in hashes] + [cc.id_field(id) for id in _ids]
+    olds = {gc.group_field(j): data.draw(groups()) for j in data.draw(st.sets(st.integers(0, (1 << bits) - 1)))}
+    expected = dict(olds)
+    entries = [(seq, ts, list(dict.fromkeys(keys)), 10 + _ids.index(id))
+               for seq, (keys, id, ts) in enumerate(rows, start=1)]
+    changed = gc.apply_round(expected, names, bits, entries, cap)
+    keys = [hashes[k] for keys, _, _ in rows for k in keys]
+    bounds = [0]
+    for row in rows:
+        bounds.append(bounds[-1] + len(row[0]))
+    times = [ts for _, _, ts in rows]
+    seqs = list(range(1, len(rows) + 1))
+    mixed = gc.mixed_ids([id for _, id, _ in rows])
+    assert _native.group_mixed_ids([id for _, id, _ in rows]).tolist() == mixed.tolist()
+    made: dict[bytes, bytes] = {}
+    for share in range(1 << share_bits):
+        pairs = gc.held_groups(keys, bounds, times, seqs, mixed, bits, cap, olds, share, share_bits)
+        assert _native.group_held_groups(keys, bounds, times, seqs, mixed, bits, cap, olds, share,
+                                         share_bits) == pairs
+        fields = pairs[0::2]
+        assert fields == sorted(fields, key=lambda f: int(f[1:]))
+        assert all(int(f[1:]) >> (bits - share_bits) == share for f in fields)
+        made.update(zip(fields, pairs[1::2]))
+    assert made == {f: expected[f] for f in changed}
+
+
+def test_a_rebuilds_groups_refuse_what_is_not_a_slice_of_entries() -> None:
+    for fold in (gc.held_groups, _native.group_held_groups):
+        with pytest.raises(ValueError):
+            fold([1], [0, 1], [1.0], [1], gc.mixed_ids(["a"]), gc.K_MAX + 1, 2, {})
+        with pytest.raises(ValueError):
+            fold([1], [0, 2], [1.0], [1], gc.mixed_ids(["a"]), 3, 2, {})
+        with pytest.raises(ValueError):
+            fold([1], [0, 1], [1.0, 2.0], [1], gc.mixed_ids(["a"]), 3, 2, {})
+        with pytest.raises(IndexCorrupt):
+            fold([1], [0, 1], [1.0], [1], gc.mixed_ids(["a"]), 0, 2, {b"g0": b"x"})

@@ -328,9 +328,10 @@ def restore_into(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     every boundary is crossed. `redis-compact`: the compact layout (filters/index/redis_compact.py);
     `redis-compact-rebuild` its rebuild (held fields, each small hash written once), holding 6 bucket records at
     most (written and read back when named again), then handing on to guarded chunks past 8 ids inside the
-    window. `redis-group`, `redis-group-rebuild`: the group layout (filters/index/redis_group.py), whose rebuild
-    is guarded chunks so far; `redis-cluster`, `redis-compact-cluster`, `redis-group-cluster`,
-    `redis-group-cluster-rebuild`: those on a Redis Cluster (the insert script a chunk)."""
+    window. `redis-group`, `redis-group-rebuild`: the group layout (filters/index/redis_group.py) and its rebuild
+    (held records, each group written once), with the compact rebuild's limits lowered alike; `redis-cluster`,
+    `redis-compact-cluster`, `redis-group-cluster`, `redis-group-cluster-rebuild`: those on a Redis Cluster (the
+    insert script a chunk, but for the rebuild)."""
     made: list[CandidateIndex] = []
     prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
     url = _base_url(request)

@@ -9,22 +9,26 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import pytest
 import redis
 
 from filters.config import FilterConfig
 from filters.engine import NearDupFilter
 from filters.errors import ConfigError
-from filters.index import Query
+from filters.index import Entry, Query
 from filters.index import compact_codec as cc
 from filters.index import group_codec as gc
-from filters.index.redis import RedisIndex, RedisTarget
+from filters.index.redis import MARKER, RedisIndex, RedisTarget
+from filters.index.redis_codec import stored_of
 from filters.index.redis_compact import CompactIndex
 from filters.index.redis_group import GroupIndex
-from tests.test_index_contract import drop_namespace, generated_messages, with_query
+from tests.test_index_contract import _view, drop_namespace, generated_messages, with_query
+from tests.test_redis_compact import _recording, _unpacked
 from tests.test_redis_index import (  # tests collected again here, with this module's fixtures
     WINDOW,
     PausedLookup,
+    _namespace_dump,
     assert_stored_alike,
     cluster_url,
     drop_cluster_namespace,
@@ -458,3 +462,227 @@ def test_two_clients_writing_the_same_buckets_at_once_store_what_one_after_the_o
             (drop_namespace if where == "standalone" else drop_cluster_namespace)(base, prefix)
     assert got["together"] == got["serial"]
     assert got["serial"][1] == sorted(id for mine in plan for id, _, _ in mine)
+
+
+# -- rebuilding ----------------------------------------------------------------------------------------------
+
+def _hours(n: int = 310) -> list[tuple[Entry, tuple[int, ...]]]:
+    """A changelog over three slices of an hour: 158 entries in the first (the bits of the second follow its
+    count as a guarded chunk read it), 142 in the second, a few in the third (the first leaves the window);
+    buckets shared by many entries (trimmed), ids made again, a key given twice."""
+    times = [3000.0 + i * 3 if i < 158 else 3600.0 + (i - 158) * 25 if i < 300 else 7200.0 + (i - 300) * 20
+             for i in range(n)]
+    return [(Entry(f"j{i % 250}", ts, i, 30, np.arange(8, dtype=np.uint64) + i), (i % 7, 100 + i % 3, 1000 + i, i % 7))
+            for i, ts in enumerate(times)]
+
+
+_LATER = [Query("q", 7400.0, (3, 101)), Query("j5", 7400.0, (5,)), Query("x", 7400.0, (1290,)),
+          Query("j260", 7400.0, (1, 2, 3, 4, 5, 6))]
+
+
+def _restored(redis_url: str, journal: list[tuple[Entry, tuple[int, ...]]], cap: int, *, fenced: bool,
+              clock: float | None = None) -> tuple[GroupIndex, str, bytearray, int]:
+    """A group index of a namespace of its own that restored `journal` (`fenced`: a rebuild, no marker yet; `clock`:
+    the window's clock its `expire` set first), its prefix, what it sent meanwhile (`_recording`) and the entries
+    it wrote."""
+    prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
+    index = GroupIndex(with_query(redis_url, prefix=prefix, layout="group"), window=3600.0, bucket_cap=cap,
+                       namespace="ns", fenced=fenced)
+    if clock is not None:
+        index.expire(clock)
+    raw = _recording(index)
+    if fenced:
+        index._restore_watched = None  # type: ignore[assignment,method-assign] # never called
+    return index, prefix, raw, index.restore([stored_of(journal)])
+
+
+@pytest.mark.parametrize(("cap", "clock"), [(8, None), (2, None), (8, 8000.0)])
+@pytest.mark.parametrize("held", ["all", "30 records"])
+def test_a_rebuild_writes_each_group_once_and_leaves_what_the_guarded_chunks_leave(
+        redis_url: str, monkeypatch: pytest.MonkeyPatch, cap: int, clock: float | None, held: str) -> None:
+    """A fenced index without its marker (lost: the guard rebuilds it from the changelog) takes a restore with
+    no transaction and no script: it holds the records and writes each group once, and leaves the very bytes
+    that guarded chunks leave (an unfenced index's restore: records, trims, entries, counts, bits, the slices
+    that left the window unlinked as they unlink them), every key with a TTL; it decides as they do. Past
+    `HOLD_RECORDS` (30 here, for 2^24) it writes what it holds and goes on: a group written is read back and
+    goes on from what Redis holds, and the bytes are the same. With the window's clock set (`expire`: aligned
+    workers), each round unlinks the slice before the clock's window, as the entries come."""
+    import filters.index.redis as slot
+    import filters.index.redis_compact as compact
+
+    monkeypatch.setattr(slot, "RESTORE_CHUNK", 11)  # the guarded chunks' boundaries, which the rebuild follows
+    monkeypatch.setattr(slot, "REBUILD_CHUNK", 7)
+    monkeypatch.setattr(gc, "K_MIN", 1)  # few groups: each slice's bits follow the counts the guarded chunks read
+    monkeypatch.setattr(gc, "K_FIRST", 2)
+    journal = _hours()
+    guarded, guarded_prefix, _, written = _restored(redis_url, journal, cap, fenced=False, clock=clock)
+    if held != "all":
+        monkeypatch.setattr(compact, "HOLD_RECORDS", 30)
+    rebuilt, prefix, raw, rewritten = _restored(redis_url, journal, cap, fenced=True, clock=clock)
+    try:
+        assert rewritten == written == (250 if clock is None else 310)  # (ids again: live, unless their slice went)
+        sent = _unpacked(bytes(raw))
+        names = [c[0] for c in sent]
+        assert "MULTI" not in names and "WATCH" not in names and "EVALSHA" not in names
+        fields = [(c[1], f) for c in sent if c[0] == "HSET" and ":g:" in c[1] for f in c[2::2] if f[:1] == b"g"]
+        assert fields
+        if held == "all":
+            assert len(fields) == len(set(fields))
+        else:
+            assert len(fields) > len(set(fields))  # groups written more than once ...
+            assert [c for c in sent if c[0] == "HMGET" and ":g:" in c[1]]  # ... and read back
+        assert any(c[0] == "UNLINK" and ":g:" in c[1] for c in sent)  # a slice left the window
+        dumps = [_namespace_dump(redis_url, p, "ns") for p in (guarded_prefix, prefix)]
+        assert dumps[1] == dumps[0]
+        assert len([k for k in dumps[0] if b":g:" in k]) > 1
+        assert len({v for f, v in dumps[0][b":meta"].items() if f[:2] == b"k:"}) > 1
+        with redis.Redis.from_url(redis_url) as client:
+            keys = list(client.scan_iter(match=f"{{{prefix}:*"))
+            assert keys and all(client.pttl(k) > 0 for k in keys)
+        with redis.Redis.from_url(redis_url) as client:
+            client.hset(f"{{{prefix}:ns}}:meta", MARKER, "e1")
+        assert _view(rebuilt.lookup(_LATER, 8)) == _view(guarded.lookup(_LATER, 8))
+    finally:
+        rebuilt.close()
+        guarded.close()
+        drop_namespace(redis_url, prefix)
+        drop_namespace(redis_url, guarded_prefix)
+
+
+def test_a_rebuild_after_one_that_died_drops_what_it_left(redis_url: str) -> None:
+    """A rebuild that died left entries whose records it still held (its `rebuilding` field says so): the next
+    rebuild unlinks what the namespace holds first, and leaves what a rebuild of an empty namespace leaves."""
+    journal = _hours(60)
+    clean, clean_prefix, _, _ = _restored(redis_url, journal, 8, fenced=True)
+    prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
+    with redis.Redis.from_url(redis_url) as client:
+        client.hset(f"{{{prefix}:ns}}:meta", mapping={"rebuilding": "1", "seq": "7", "hwm": "9000", "layout": "group"})
+        client.hset(f"{{{prefix}:ns}}:g:99", "n", "3")
+    rebuilt = GroupIndex(with_query(redis_url, prefix=prefix, layout="group"), window=3600.0, bucket_cap=8,
+                         namespace="ns", fenced=True)
+    try:
+        assert rebuilt.restore([stored_of(journal)]) == 60
+        dumps = [_namespace_dump(redis_url, p, "ns") for p in (clean_prefix, prefix)]
+        assert dumps[1] == dumps[0] and b":g:99" not in dumps[1]
+    finally:
+        rebuilt.close()
+        clean.close()
+        drop_namespace(redis_url, prefix)
+        drop_namespace(redis_url, clean_prefix)
+
+
+def test_a_rebuild_that_finds_another_writer_hands_the_rest_to_guarded_chunks(redis_url: str,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Somebody else writes during a rebuild (an unfenced client): the rebuild sees the seq move, writes what it
+    holds merged with what Redis holds, and restores the rest in guarded transactions. Both are kept, and the
+    rebuilt index decides on the journal as the one that restored it in guarded chunks."""
+    import filters.index.redis as slot
+
+    monkeypatch.setattr(slot, "REBUILD_CHUNK", 10)
+    journal = _hours(40)
+    guarded, guarded_prefix, _, _ = _restored(redis_url, journal, 8, fenced=False)
+    prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
+    url = with_query(redis_url, prefix=prefix, layout="group")
+    rebuilt = GroupIndex(url, window=3600.0, bucket_cap=8, namespace="ns", fenced=True)
+    other = GroupIndex(url, window=3600.0, bucket_cap=8, namespace="ns")
+    execute = rebuilt._execute
+    intruded: list[bool] = []
+    watched: list[bool] = []
+    restore_watched = rebuilt._restore_watched
+
+    def intruding(commands: Any, **options: Any) -> Any:
+        replies = execute(commands, **options)
+        if not intruded and any(c[0] == "HSET" and c[2] == "hwm" for c in commands):
+            intruded.append(True)
+            other.lookup([Query("x", 1020.0, (3, 999))], 8)
+            assert other.insert([(Entry("x", 1020.0, 1, 30, np.arange(8, dtype=np.uint64)), (3, 999))]) == [None]
+        return replies
+
+    def counted(rows: Any) -> Any:
+        done = restore_watched(rows)
+        watched.append(done is not None)
+        return done
+
+    rebuilt._execute = intruding  # type: ignore[method-assign]
+    rebuilt._restore_watched = counted  # type: ignore[method-assign]
+    try:
+        assert rebuilt.restore([stored_of(journal)]) == 40
+        assert intruded and watched and all(watched)
+        rebuilt._execute = execute  # type: ignore[method-assign]
+        with redis.Redis.from_url(redis_url) as client:
+            client.hset(f"{{{prefix}:ns}}:meta", MARKER, "e1")
+        queries = [Query("q", 1100.0, (5, 101)), Query("j5", 1100.0, (5,))]
+        assert _view(rebuilt.lookup(queries, 8)) == _view(guarded.lookup(queries, 8))
+        [(_, found)] = rebuilt.lookup([Query("y", 1100.0, (999,))], 8)
+        assert [c.entry.id for c in found] == ["x"]
+        [(_, found)] = rebuilt.lookup([Query("y", 1100.0, (3,))], 8)
+        assert "x" in [c.entry.id for c in found] and len(found) > 1
+    finally:
+        rebuilt.close()
+        other.close()
+        guarded.close()
+        drop_namespace(redis_url, prefix)
+        drop_namespace(redis_url, guarded_prefix)
+
+
+def test_a_rebuild_past_its_ids_hands_the_rest_to_guarded_chunks(redis_url: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past `HOLD_IDS` ids inside the window (20 here, for 2^22), a rebuild writes what it holds and restores the
+    rest in guarded chunks: the namespace holds what guarded chunks alone leave, and decides as it."""
+    import filters.index.redis as slot
+    import filters.index.redis_compact as compact
+
+    monkeypatch.setattr(slot, "REBUILD_CHUNK", 12)
+    monkeypatch.setattr(slot, "RESTORE_CHUNK", 12)  # (the chunks after the hand-off begin where the guarded ones do)
+    journal = _hours()
+    guarded, guarded_prefix, _, written = _restored(redis_url, journal, 8, fenced=False)
+    monkeypatch.setattr(compact, "HOLD_IDS", 20)
+    prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
+    rebuilt = GroupIndex(with_query(redis_url, prefix=prefix, layout="group"), window=3600.0, bucket_cap=8,
+                         namespace="ns", fenced=True)
+    watched: list[bool] = []
+    restore_watched = rebuilt._restore_watched
+
+    def counted(rows: Any) -> Any:
+        done = restore_watched(rows)
+        watched.append(done is not None)
+        return done
+
+    rebuilt._restore_watched = counted  # type: ignore[method-assign]
+    try:
+        assert rebuilt.restore([stored_of(journal)]) == written
+        assert watched and all(watched) and len(watched) < -(-len(journal) // 12)  # (not every chunk guarded)
+        dumps = [_namespace_dump(redis_url, p, "ns") for p in (guarded_prefix, prefix)]
+        assert dumps[1] == dumps[0]
+        with redis.Redis.from_url(redis_url) as client:
+            client.hset(f"{{{prefix}:ns}}:meta", MARKER, "e1")
+        assert _view(rebuilt.lookup(_LATER, 8)) == _view(guarded.lookup(_LATER, 8))
+    finally:
+        rebuilt.close()
+        guarded.close()
+        drop_namespace(redis_url, prefix)
+        drop_namespace(redis_url, guarded_prefix)
+
+
+def test_a_rebuild_without_the_compiled_core_leaves_the_same_bytes(redis_url: str,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rebuild's Python references (`held_groups`, `mixed_ids`, and the compact layout's) leave what the
+    compiled core leaves."""
+    import filters.index.redis as slot
+    import filters.index.redis_compact as redis_compact
+    import filters.index.redis_group as redis_group
+
+    monkeypatch.setattr(slot, "REBUILD_CHUNK", 7)
+    journal = _hours()
+    compiled, compiled_prefix, _, written = _restored(redis_url, journal, 2, fenced=True)
+    for module in (slot, redis_compact, redis_group):
+        monkeypatch.setattr(module, "_native", None)
+    reference, prefix, _, rewritten = _restored(redis_url, journal, 2, fenced=True)
+    try:
+        assert rewritten == written
+        assert _namespace_dump(redis_url, prefix, "ns") == _namespace_dump(redis_url, compiled_prefix, "ns")
+    finally:
+        compiled.close()
+        reference.close()
+        drop_namespace(redis_url, prefix)
+        drop_namespace(redis_url, compiled_prefix)

@@ -22,6 +22,8 @@ import math
 import struct
 from collections.abc import Sequence
 
+import numpy as np
+
 from filters.errors import IndexCorrupt
 from filters.index.compact_codec import FIELDS_PER_ENTRY, id_hash, resp
 
@@ -330,3 +332,54 @@ def count_buckets(groups: Sequence[bytes]) -> int:
                 keys.add(group[at : at + 4])
         total += len(keys)
     return total
+
+
+# --- a rebuild's groups, each field made once (filters/index/redis_group.py, `GroupIndex._rebuild_groups`) -----
+
+def mixed_ids(ids: Sequence[str]) -> np.ndarray:
+    """Each id's FNV-1a hash (`compact_codec.id_hash`) mixed (`mixed`), as uint64: its group and record key."""
+    return np.array([mixed(id_hash(id)) for id in ids], dtype=np.uint64)
+
+
+def held_groups(keys: Sequence[int] | np.ndarray, bounds: Sequence[int] | np.ndarray,
+                times: Sequence[float] | np.ndarray, seqs: Sequence[int] | np.ndarray,
+                ids_mixed: Sequence[int] | np.ndarray, bits: int, cap: int, olds: dict[bytes, bytes],
+                share: int = 0, share_bits: int = 0) -> list[bytes]:
+    """The groups of a rebuild's entries of one slice, each made once, as `apply_round` makes them entry after
+    entry: entry e (its bucket keys `keys[bounds[e]:bounds[e + 1]]`, a key given twice once; event time, seq,
+    mixed id `ids_mixed[e]`: `mixed_ids`) appends its record to each of its buckets' groups (a bucket trimmed
+    first past twice the cap), then its id's record; a group starts from `olds` (field -> value Redis holds),
+    else empty. Only the groups of share `share` (their top `share_bits` bits) are made. Returns the field-value
+    pairs, groups in ascending order (`_native.group_held_groups` is the compiled twin)."""
+    if not 0 <= bits <= K_MAX:
+        raise ValueError(f"bits must be 0 to {K_MAX}, got {bits!r}")
+    if not 0 <= share_bits <= bits:
+        raise ValueError(f"share_bits must be 0 to bits ({bits}), got {share_bits!r}")
+    if not (len(times) == len(ids_mixed) == len(seqs) and len(bounds) == len(seqs) + 1):
+        raise ValueError("one event time, seq and id an entry, and one more bound, expected")
+    groups: dict[int, bytes] = {}
+    shift = bits - share_bits
+
+    def group(m: int) -> int:
+        return m >> (64 - bits) if bits else 0
+
+    for e in range(len(seqs)):
+        ts, seq = float(times[e]), int(seqs[e])
+        a, b = int(bounds[e]), int(bounds[e + 1])
+        if not 0 <= a <= b <= len(keys):
+            raise ValueError(f"bounds must rise within the {len(keys)} keys")
+        for key in dict.fromkeys(int(h) for h in keys[a:b]):
+            m = mixed(key)
+            j = group(m)
+            if j >> shift == share:
+                old = groups.get(j, olds.get(group_field(j), b""))
+                groups[j] = append_record(old, (m & 0xFFFFFFFF).to_bytes(4, "big"), ts, seq, cap)
+        m = int(ids_mixed[e])
+        j = group(m)
+        if j >> shift == share:
+            groups[j] = append_id(groups.get(j, olds.get(group_field(j), b"")), (m & 0xFFFFFFFF).to_bytes(4, "big"),
+                                  ts, seq)
+    out: list[bytes] = []
+    for j in sorted(groups):
+        out += (group_field(j), groups[j])
+    return out
