@@ -649,24 +649,35 @@ class GroupIndex(CompactIndex):
             commands.append(("HDEL", meta, REBUILDING))
         commands.append(("PEXPIRE", meta, ttl))
         step = 2 * FIELDS_PER_CALL
-        with self._errors():
+
+        def shares() -> Iterator[list[Sequence[Any]]]:
+            """Each share's writes, its groups made when it is asked for."""
+            for key, bits, entries, (keys, bounds, times, seqs, mixed, olds) in pieces:
+                share_bits = min(WRITE_SHARE_BITS, bits)
+                for j in range(1 << share_bits):
+                    pairs = fold(keys, bounds, times, seqs, mixed, bits, cap, olds, j, share_bits)
+                    writes: list[Sequence[Any]] = [("HSET", key, *pairs[a : a + step])
+                                                   for a in range(0, len(pairs), step)]
+                    if j == 0 and entries:
+                        writes.append(("HINCRBY", key, "n", entries))
+                    if j == (1 << share_bits) - 1:
+                        writes.append(("PEXPIRE", key, ttl))
+                    yield writes
+
+        if not self._packs:  # Cluster: redis-py's pipeline, as the compact rebuild's
+            with self._errors():
+                replies = self._execute([*(c for writes in shares() for c in writes), *commands])
+                self._raise_any(replies)
+            return
+        with self._errors():  # each share packed while the one before is sent (a thread of its own)
             conn = self._pinned()
             self._drain()
             sender = slot._Sender(conn)
             try:
-                for key, bits, entries, (keys, bounds, times, seqs, mixed, olds) in pieces:
-                    share_bits = min(WRITE_SHARE_BITS, bits)
-                    for j in range(1 << share_bits):
-                        pairs = fold(keys, bounds, times, seqs, mixed, bits, cap, olds, j, share_bits)
-                        writes: list[Sequence[Any]] = [("HSET", key, *pairs[a : a + step])
-                                                       for a in range(0, len(pairs), step)]
-                        if j == 0 and entries:
-                            writes.append(("HINCRBY", key, "n", entries))
-                        if j == (1 << share_bits) - 1:
-                            writes.append(("PEXPIRE", key, ttl))
-                        blob = _pack(writes)
-                        for a in range(0, len(blob), SEND_BYTES):  # the socket's timeout bounds each piece's send
-                            sender.send(blob[a : a + SEND_BYTES], len(writes) if a == 0 else 0)
+                for writes in shares():
+                    blob = _pack(writes)
+                    for a in range(0, len(blob), SEND_BYTES):  # the socket's timeout bounds each piece's send
+                        sender.send(blob[a : a + SEND_BYTES], len(writes) if a == 0 else 0)
                 sender.send(_pack(commands), len(commands))
                 replies = _read_replies(conn, sender.close())
             except BaseException:
