@@ -1,7 +1,7 @@
 """Benchmark: the client's instructions per message on the Redis index, counted by callgrind.
 
     eval "$(bash docker/services.sh env)"
-    python bench/client_cost.py [--redis URL | --memory] [--messages 8192] [--batch 512] [--layout slot|compact]
+    python bench/client_cost.py [--redis URL | --memory] [--messages 8192] [--batch 512] [--layout slot|compact|group]
                                 [--corpora sms_en,tweets_en,reviews_zh | --corpora all] [--keep FILE]
 
 Wall and CPU time drift by up to 2× within minutes on a shared machine; an instruction count does not
@@ -16,7 +16,7 @@ Redis server's work is not counted, the client's waiting costs nothing. The firs
 (`stream/collector.py`). Prints instructions per message. It imports the
 `filters` and `stream` packages of the checkout it lives in, so copying it into an older checkout
 measures that release the same way. `--memory`: the same on the embedded index (`memory://`), no Redis.
-`--layout compact`: the compact layout of the Redis index; `--keep FILE`: callgrind's output kept there
+`--layout compact` / `group`: the compact or the group layout of the Redis index; `--keep FILE`: callgrind's output kept there
 (`callgrind_annotate FILE`: where the instructions go).
 """
 
@@ -75,7 +75,7 @@ def main() -> int:
     p.add_argument("--memory", action="store_true", help="the embedded index (memory://) instead of Redis")
     p.add_argument("--corpora", default=SHORT,
                    help="the corpora whose messages are routed, comma-separated; all: the whole stream")
-    p.add_argument("--layout", choices=("slot", "compact"), default="slot", help="the Redis index's layout")
+    p.add_argument("--layout", choices=("slot", "compact", "group"), default="slot", help="the Redis index's layout")
     p.add_argument("--keep", help="keep callgrind's output in this file")
     p.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()

@@ -38,8 +38,16 @@ def index_url_with_prefix(redis_url: str) -> str:
 
 
 def drop_index(url: str) -> None:
+    """Deletes every key of the index URL's prefix, on a standalone Redis or (`redis+cluster://`) every master."""
     base, _, query = url.partition("?")
     prefix = dict(item.split("=", 1) for item in query.split("&"))["prefix"]
+    if "+cluster" in base:
+        with redis.RedisCluster.from_url(base.replace("+cluster", "")) as cluster:
+            for node in cluster.get_primaries():
+                keys = list(cluster.scan_iter(match=f"{{{prefix}:*", count=1000, target_nodes=node))
+                for i in range(0, len(keys), 500):
+                    cluster.delete(*keys[i : i + 500])  # one prefix and namespace: one slot
+        return
     client = redis.Redis.from_url(base)
     try:
         keys = list(client.scan_iter(match=f"{{{prefix}:*", count=1000))

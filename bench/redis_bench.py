@@ -2,7 +2,8 @@
 
     eval "$(bash docker/services.sh env)"       # or pass the URLs below
     python bench/redis_bench.py [--limit 20000] [--runs 3] [--batch 512] [--sets all,short]
-                                [--backends memory,redis,redis-compact,redis-serial,redis-unaided,rediss,cluster,datasketch]
+                                [--backends memory,redis,redis-compact,redis-group,redis-serial,redis-unaided,rediss,
+                                            cluster,datasketch]
                                 [--db 9]
                                 [--redis URL --tls URL --cluster URL]
 
@@ -13,7 +14,8 @@ as `neardup filter FILE` works: `route_batches` over the raw JSONL records in ba
 fingerprint, look up, verify, insert); `redis-serial` routes batch after batch as the Kafka worker does,
 `redis-unaided` as `redis` without the next batch's read sent ahead and without the entries the client
 keeps (every lookup reads when it is made, and every candidate's entry), `redis-compact` as `redis` in the
-compact layout (`?layout=compact`: docs/design.md, "The compact slot layout"). datasketch is used as
+compact layout (`?layout=compact`: docs/design.md, "The compact slot layout"), `redis-group` in the group layout
+(`?layout=group`: docs/design.md, "The group layout"). datasketch is used as
 bench/filter_bench.py uses it (MinHashLSH, 128 permutations, threshold 0.5, character 5-grams of
 normalized text; query, then insert if there is no match), on its Redis storage
 (`storage_config={'type': 'redis', ...}`) on the same server.
@@ -203,14 +205,16 @@ def backends(args: argparse.Namespace) -> list[Backend]:
         if name == "memory":
             out.append(Backend("neardup, memory://", "", lambda c, tag: run_neardup("memory://", c, args.batch),
                                lambda tag: ""))
-        elif name in ("redis", "redis-compact", "redis-serial", "redis-unaided", "rediss", "cluster"):
-            url = {"redis": plain, "redis-compact": with_layout(plain, "compact"), "redis-serial": plain,
+        elif name in ("redis", "redis-compact", "redis-group", "redis-serial", "redis-unaided", "rediss", "cluster"):
+            url = {"redis": plain, "redis-compact": with_layout(plain, "compact"),
+                   "redis-group": with_layout(plain, "group"), "redis-serial": plain,
                    "redis-unaided": plain,
                    "rediss": with_db(args.tls, args.db) if args.tls else "", "cluster": args.cluster}[name]
             if not url:
                 print(f"  (no URL for {name}: skipped)", file=sys.stderr)
                 continue
             label = {"redis": "redis:// (plain)", "redis-compact": "redis://?layout=compact",
+                     "redis-group": "redis://?layout=group",
                      "redis-serial": "redis:// (plain), batch after batch",
                      "redis-unaided": "redis:// (plain), no read sent ahead, no entries kept",
                      "rediss": "rediss:// (TLS)", "cluster": "Redis Cluster"}[name]

@@ -2,11 +2,15 @@
 
     eval "$(bash docker/services.sh env)"
     python bench/redis_cpu.py [--redis URL] [--corpora sms_en,tweets_en,reviews_zh|all] [--runs 3]
-                              [--layout slot|compact|slot,compact] [--collector default|tuned]
+                              [--layout slot|compact|group|slot,compact,group] [--collector default|tuned]
+                              [--rounds uncontended|checked]
 
 Runs `NearDupFilter.check_batch` over the messages (batches of 512, a fresh namespace each run) on
 the Redis index and reads the server's `INFO cpu` (user + sys), `INFO stats` (bytes in and out) and
-`INFO commandstats` before and after: nothing else should use that Redis meanwhile. Prints the median
+`INFO commandstats` before and after: nothing else should use that Redis meanwhile. A Redis Cluster URL
+(`redis+cluster://host:port`) sums those of every master (a namespace lives on one). `--rounds checked` makes
+every insert round the contended one (the checking script: what a round that others wrote beside costs, and
+every round on Redis Cluster). Prints the median
 per message of the server's CPU, the client's CPU (this process), the wall time, the bytes Redis
 received and sent, and the server's busiest commands. `--layout slot,compact` measures both layouts in the
 one call, run after run alternating, and prints their ratios. It imports
@@ -24,6 +28,8 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import orjson
 
@@ -41,11 +47,52 @@ from filters.config import FilterConfig  # noqa: E402
 from filters.engine import Message, NearDupFilter  # noqa: E402
 
 
+class _Servers:
+    """The Redis an index URL names: one server, or every master of a Redis Cluster (`redis+cluster://`), whose
+    `INFO` figures are summed."""
+
+    def __init__(self, url: str) -> None:
+        parts = urlsplit(url)
+        base = urlunsplit((parts.scheme.removesuffix("+cluster"), parts.netloc, parts.path, "", ""))
+        if parts.scheme.endswith("+cluster"):
+            with redis.RedisCluster.from_url(base) as cluster:
+                nodes = [(node.host, node.port) for node in cluster.get_primaries()]
+            self.clients = [redis.Redis(host=host, port=port, username=parts.username, password=parts.password,
+                                        ssl=parts.scheme.startswith("rediss")) for host, port in nodes]
+        else:
+            self.clients = [redis.Redis.from_url(base)]
+
+    def config_resetstat(self) -> None:
+        for client in self.clients:
+            client.config_resetstat()
+
+    def info(self, section: str) -> dict[str, Any]:
+        """`INFO section` summed over the servers (per command, for `commandstats`)."""
+        out: dict[str, Any] = {}
+        for client in self.clients:
+            for name, value in client.info(section).items():
+                if isinstance(value, dict):
+                    into = out.setdefault(name, {})
+                    for k, v in value.items():
+                        if isinstance(v, (int, float)):
+                            into[k] = into.get(k, 0) + v
+                elif isinstance(value, (int, float)):
+                    out[name] = out.get(name, 0) + value
+        return out
+
+    def drop(self, prefix: str) -> None:
+        for client in self.clients:
+            keys = list(client.scan_iter(match=f"{{{prefix}:*", count=1000))
+            for at in range(0, len(keys), 500):
+                client.delete(*keys[at : at + 500])
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--redis", default=os.environ.get("NEARDUP_TEST_REDIS_URL", "redis://127.0.0.1:6379/0"))
     p.add_argument("--layout", default="slot",
-                   help="the index's layout, slot or compact (docs/design.md, \"The compact slot layout\"); "
+                   help="the index's layout, slot, compact or group (docs/design.md, \"The compact slot layout\", "
+                        "\"The group layout\"); "
                         "several, comma-separated: measured alternating")
     p.add_argument("--stream", default=str(ROOT.parent / "shared" / "eval" / "stream.jsonl"))
     p.add_argument("--truth", default=str(ROOT.parent / "shared" / "eval" / "truth.jsonl"))
@@ -54,6 +101,9 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--collector", choices=("default", "tuned"), default="default",
                    help="tuned: the garbage collector as `neardup filter` and `serve` run it (stream/collector.py)")
+    p.add_argument("--rounds", choices=("uncontended", "checked"), default="uncontended",
+                   help="checked: every insert round the contended one (the checking script), as if others always "
+                        "wrote beside")
     args = p.parse_args()
     needs.files(__file__, args.stream, args.truth)
     needs.redis(__file__, args.redis)
@@ -63,7 +113,7 @@ def main() -> int:
                 if wanted is None or label["corpus"] in wanted]
     if not msgs:
         p.error(f"no message of the stream is in the corpora {args.corpora!r}")
-    server = redis.Redis.from_url(args.redis)
+    server = _Servers(args.redis)
     if args.collector == "tuned":
         from stream.collector import tune_collector
 
@@ -79,8 +129,8 @@ def main() -> int:
 
     gc.callbacks.append(collecting)
     layouts = args.layout.split(",")
-    if not set(layouts) <= {"slot", "compact"}:
-        p.error(f"--layout: slot or compact, not {args.layout!r}")
+    if not set(layouts) <= {"slot", "compact", "group"}:
+        p.error(f"--layout: slot, compact or group, not {args.layout!r}")
     names = ("server CPU µs", "client CPU µs", "of it garbage collection µs", "wall µs", "bytes Redis received",
              "bytes Redis sent")
     rows: dict[str, dict[str, list[float]]] = {layout: {name: [] for name in names} for layout in layouts}
@@ -92,6 +142,8 @@ def main() -> int:
             prefix = f"cpu-{uuid.uuid4().hex[:10]}"
             url = f"{args.redis.split('?')[0]}?prefix={prefix}&layout={layout}"
             nd = NearDupFilter(FilterConfig(window=1e9), index=url)
+            if args.rounds == "checked":
+                nd.index.alone_inserts = False  # type: ignore[attr-defined]
             server.config_resetstat()
             cpu, net = server.info("cpu"), server.info("stats")
             collections[0] = 0.0
@@ -111,16 +163,15 @@ def main() -> int:
                 commands[layout].setdefault(name.removeprefix("cmdstat_"), []).append(stat["usec"] / n)
                 calls[layout].setdefault(name.removeprefix("cmdstat_"), []).append(stat["calls"] / n)
             nd.index.close()
-            keys = list(server.scan_iter(match=f"{{{prefix}:*", count=1000))
-            for at in range(0, len(keys), 500):
-                server.delete(*keys[at : at + 500])
-    print(f"{len(msgs)} messages of {args.corpora}, {args.runs} runs (median per message)\n")
-    print(f"| measure | {' | '.join(layouts)} |{' ÷ '.join(reversed(layouts)) + ' |' if len(layouts) == 2 else ''}")
-    print(f"|---|{'---|' * (len(layouts) + (len(layouts) == 2))}")
+            server.drop(prefix)
+    print(f"{len(msgs)} messages of {args.corpora}, {args.runs} runs (median per message), {args.rounds} rounds, "
+          f"{len(server.clients)} server(s)\n")
+    first, others = layouts[0], layouts[1:]  # each of the others against the first
+    print(f"| measure | {' | '.join(layouts)} |{''.join(f' {o} ÷ {first} |' for o in others)}")
+    print(f"|---|{'---|' * (len(layouts) + len(others))}")
     med = {layout: {name: statistics.median(v) for name, v in rows[layout].items()} for layout in layouts}
     for name in names:
-        ratio = (f" {med[layouts[1]][name] / med[layouts[0]][name]:.2f} |"
-                 if len(layouts) == 2 and med[layouts[0]][name] else "")
+        ratio = "".join(f" {med[o][name] / med[first][name]:.2f} |" if med[first][name] else " – |" for o in others)
         print(f"| {name} | {' | '.join(f'{med[layout][name]:.1f}' for layout in layouts)} |{ratio}")
     rates = " | ".join(f"{1e6 / med[layout]['wall µs']:,.0f}" for layout in layouts)
     print(f"| messages/s | {rates} |")

@@ -9,8 +9,9 @@ messages) to a fresh topic of `--partitions` partitions, then times what a worke
 index lost: read the changelog (`read_committed`) and write every entry into an empty Redis namespace
 (`CandidateIndex.restore`), reading and writing overlapped. Prints entries read and written, seconds,
 entries per second, seconds per million, the restore's CPU seconds (this process, and Redis's from
-`INFO cpu`: nothing else should use that Redis meanwhile) and the index's memory per entry (Redis
-`MEMORY USAGE` over the namespace's keys), per run (`--runs` restores of the same changelog, each into a
+`INFO cpu`: nothing else should use that Redis meanwhile), the index's memory per entry (Redis
+`MEMORY USAGE` over the namespace's keys) and the client's peak resident memory above where the restore began
+(`PeakMemory`), per run (`--runs` restores of the same changelog, each into a
 namespace of its own), and their median. The topic and the namespaces are deleted afterwards.
 """
 
@@ -22,6 +23,7 @@ import os
 import random
 import statistics
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -107,6 +109,38 @@ async def restore(bootstrap: str, topic: str, partitions: int, namespace: str, u
     return read_n, written, seconds
 
 
+class PeakMemory:
+    """This process's resident memory sampled every few milliseconds from a thread of its own (Linux:
+    /proc/self/statm) while in the `with`: `peak` is its highest above what it was on entering, in bytes (0
+    where /proc is absent)."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="peak-memory", daemon=True)
+
+    @staticmethod
+    def resident() -> int:
+        try:
+            with open("/proc/self/statm", "rb") as f:
+                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except OSError:
+            return 0
+
+    def _run(self) -> None:
+        start = self.resident()
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, self.resident() - start)
+
+    def __enter__(self) -> PeakMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def memory_per_entry(url: str, prefix: str, entries: int) -> float:
     client = redis.Redis.from_url(url.partition("?")[0])
     try:
@@ -138,21 +172,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"changelog of {args.entries:,} entries written in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     server = redis.Redis.from_url(args.redis.partition("?")[0])
     print("| run | entries read | written | seconds | entries/s | s per million | client CPU s | Redis CPU s "
-          "| Redis bytes per entry |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| Redis bytes per entry | client peak MB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     per_million: list[float] = []
     ok = True
     try:
         for run in range(1, args.runs + 1):  # each into a namespace of its own, dropped after
             url = f"{args.redis}{'&' if '?' in args.redis else '?'}prefix={name}-{run}"
             redis_cpu, cpu = server_cpu(server), time.process_time()
-            read, written, seconds = asyncio.run(restore(args.bootstrap, name, args.partitions, namespace, url, cfg))
+            with PeakMemory() as memory:
+                read, written, seconds = asyncio.run(restore(args.bootstrap, name, args.partitions, namespace, url,
+                                                             cfg))
             cpu, redis_cpu = time.process_time() - cpu, server_cpu(server) - redis_cpu
             per_entry = memory_per_entry(url, f"{name}-{run}", written)
             per_million.append(seconds * 1e6 / max(1, read))
             ok = ok and written == read == args.entries
             print(f"| {run} | {read:,} | {written:,} | {seconds:.1f} | {read / seconds:,.0f} | {per_million[-1]:.1f} "
-                  f"| {cpu:.1f} | {redis_cpu:.1f} | {per_entry:,.0f} |", flush=True)
+                  f"| {cpu:.1f} | {redis_cpu:.1f} | {per_entry:,.0f} | {memory.peak / 2**20:,.0f} |", flush=True)
     finally:
         async def drop() -> None:
             admin = AIOKafkaAdminClient(bootstrap_servers=args.bootstrap)

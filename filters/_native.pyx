@@ -8,7 +8,7 @@ numpy/Python reference it computes bit for bit: `filters/_shingles.pxi` (`filter
 `filters/_edits.pxi` (`filters/edits.py`), `filters/_sketch.pxi` (`filters/sketch.py`, the engine's sketch
 verification), `filters/index/_table.pxi` (`PyTable` in `filters/index/memory.py`),
 `filters/index/_redis_codec.pxi` (`filters/index/redis_codec.py`), `filters/index/_compact_codec.pxi`
-(`filters/index/compact_codec.py`), `filters/_records.pxi` (`filters/records.py`)
+(`filters/index/compact_codec.py`), `filters/index/_group_codec.pxi` (`filters/index/group_codec.py`), `filters/_records.pxi` (`filters/records.py`)
 and `filters/_normalize.pxi` (`filters/normalize.py`, the stages of
 `Normalizer.normalize_batch`). `tests/test_native.py` proves it on the development
 stream and with hypothesis. The reference stays the specification and the fallback where no compiler
@@ -77,4 +77,5 @@ include "_sketch.pxi"
 include "index/_table.pxi"
 include "index/_redis_codec.pxi"
 include "index/_compact_codec.pxi"
+include "index/_group_codec.pxi"
 include "_normalize.pxi"

@@ -8,6 +8,7 @@ import asyncio
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import numpy as np
 import pytest
@@ -93,13 +94,20 @@ def test_records_read_back_as_the_entries_and_keys_they_were_made_of() -> None:
             decode_records(b"x", broken)
 
 
-@pytest.fixture(params=["memory", "redis", "redis-spread", "redis-compact"])
+@pytest.fixture(params=["memory", "redis", "redis-spread", "redis-compact", "redis-group", "redis-group-cluster"])
 def index_url(request: pytest.FixtureRequest) -> Iterator[str]:
+    """`redis-group-cluster`: the group layout on a Redis Cluster (every round its checking script)."""
     if request.param == "memory":
         yield "memory://"
         return
+    if request.param == "redis-group-cluster":
+        node = urlsplit(request.getfixturevalue("redis_cluster_url")).netloc
+        with redis_namespace(f"redis+cluster://{node}?layout=group") as url:
+            yield url
+        return
     with redis_namespace(request.getfixturevalue("redis_url")) as url:
-        yield url + {"redis-spread": "&layout=spread", "redis-compact": "&layout=compact"}.get(request.param, "")
+        yield url + {"redis-spread": "&layout=spread", "redis-compact": "&layout=compact",
+                     "redis-group": "&layout=group"}.get(request.param, "")
 
 
 def _shared(url: str, cfg: FilterConfig) -> NearDupFilter:
@@ -142,7 +150,7 @@ def test_an_index_restored_from_the_journal_decides_as_the_original(index_url: s
         restored = NearDupFilter(cfg, index=restored_index)
     else:
         with redis_namespace(index_url.split("?")[0]) as other:
-            restored = _shared(other + "".join(f"&layout={layout}" for layout in ("spread", "compact")
+            restored = _shared(other + "".join(f"&layout={layout}" for layout in ("spread", "compact", "group")
                                                if f"layout={layout}" in index_url), cfg)
             try:
                 _restore_and_compare(original, restored, made, later)

@@ -159,6 +159,7 @@ COMPILED_PARTS = {
     "filters/index/_table.pxi": "filters/index/memory.py",
     "filters/index/_redis_codec.pxi": "filters/index/redis_codec.py",
     "filters/index/_compact_codec.pxi": "filters/index/compact_codec.py",
+    "filters/index/_group_codec.pxi": "filters/index/group_codec.py",
     "filters/_records.pxi": "filters/records.py",
     "filters/_normalize.pxi": "filters/normalize.py",
 }

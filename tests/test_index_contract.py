@@ -37,15 +37,43 @@ def drop_namespace(url: str, prefix: str) -> None:
             client.delete(*keys[at : at + 500])
 
 
-@pytest.fixture(params=["memory", "memory-python", "redis", "redis-spread", "redis-compact"])
+def cluster_url(url: str) -> str:
+    """The fixture's `redis://host:port/0` of a cluster node as this index spells a cluster."""
+    parts = urlsplit(url)
+    return f"{parts.scheme}+cluster://{parts.netloc}"
+
+
+def drop_cluster_namespace(url: str, prefix: str) -> None:
+    with redis.RedisCluster.from_url(url.replace("+cluster", "")) as cluster:
+        for node in cluster.get_primaries():
+            keys = list(cluster.scan_iter(match=f"{{{prefix}:*", target_nodes=node))
+            for at in range(0, len(keys), 500):
+                cluster.delete(*keys[at : at + 500])  # one namespace: one slot
+
+
+def _base_url(request: pytest.FixtureRequest) -> str:
+    """The Redis a backend of the fixtures below runs on: a `...-cluster` one on the 3-master Redis Cluster."""
+    if request.param.endswith("-cluster") or "-cluster-" in request.param:
+        return cluster_url(request.getfixturevalue("redis_cluster_url"))
+    return request.getfixturevalue("redis_url") if request.param.startswith("redis") else ""
+
+
+def _drop(url: str, prefix: str) -> None:
+    (drop_cluster_namespace if "+cluster" in url else drop_namespace)(url, prefix)
+
+
+@pytest.fixture(params=["memory", "memory-python", "redis", "redis-spread", "redis-compact", "redis-group",
+                        "redis-cluster", "redis-compact-cluster", "redis-group-cluster"])
 def make_index(request: pytest.FixtureRequest) -> Iterator[MakeIndex]:
     """A factory of fresh, empty indexes of one backend (Redis: a fresh prefix, cleaned up after).
     `memory` is the embedded index on its compiled table, `memory-python` on the reference `PyTable`;
     `redis-spread` the spread layout (filters/index/redis_spread.py) on one Redis, over 4 shards;
-    `redis-compact` the compact layout (filters/index/redis_compact.py)."""
+    `redis-compact` the compact layout (filters/index/redis_compact.py), `redis-group` the group layout
+    (filters/index/redis_group.py); `redis-cluster`, `redis-compact-cluster`, `redis-group-cluster` the slot,
+    compact and group layouts on a Redis Cluster (every round of the last two the checking script)."""
     made: list[CandidateIndex] = []
     prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
-    url = request.getfixturevalue("redis_url") if request.param.startswith("redis") else ""
+    url = _base_url(request)
 
     def make(window: float = 100.0, bucket_cap: int = 4) -> CandidateIndex:
         if request.param.startswith("memory"):
@@ -53,7 +81,8 @@ def make_index(request: pytest.FixtureRequest) -> Iterator[MakeIndex]:
         from filters.index.backends import open_index
 
         query = {"prefix": prefix, **({"layout": "spread", "shards": "4"} if request.param == "redis-spread" else
-                                      {"layout": "compact"} if request.param == "redis-compact" else {})}
+                                      {"layout": "compact"} if request.param.startswith("redis-compact") else
+                                      {"layout": "group"} if request.param.startswith("redis-group") else {})}
         index = open_index(with_query(url, **query), window=window, bucket_cap=bucket_cap,
                            namespace=uuid.uuid4().hex[:12])
         made.append(index)
@@ -63,7 +92,7 @@ def make_index(request: pytest.FixtureRequest) -> Iterator[MakeIndex]:
     for index in made:
         index.close()
     if url:
-        drop_namespace(url, prefix)
+        _drop(url, prefix)
 
 
 def entry(id: str, ts: float, seed: int = 0, **fields: object) -> Entry:
@@ -289,7 +318,8 @@ RestoreInto = Callable[[float, int, Stored], tuple[CandidateIndex, int]]
 
 
 @pytest.fixture(params=["memory", "memory-python", "redis", "redis-rebuild", "redis-compact",
-                        "redis-compact-rebuild"])
+                        "redis-compact-rebuild", "redis-group", "redis-group-rebuild", "redis-cluster",
+                        "redis-compact-cluster", "redis-group-cluster", "redis-group-cluster-rebuild"])
 def restore_into(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[RestoreInto]:
     """Restores entries into a fresh index of one backend: (the index, what `restore` returned). `redis`
     restores as beside other writers (a guarded transaction a chunk); `redis-rebuild` into a fenced index
@@ -298,10 +328,13 @@ def restore_into(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     every boundary is crossed. `redis-compact`: the compact layout (filters/index/redis_compact.py);
     `redis-compact-rebuild` its rebuild (held fields, each small hash written once), holding 6 bucket records at
     most (written and read back when named again), then handing on to guarded chunks past 8 ids inside the
-    window."""
+    window. `redis-group`, `redis-group-rebuild`: the group layout (filters/index/redis_group.py) and its rebuild
+    (held records, each group written once), with the compact rebuild's limits lowered alike; `redis-cluster`,
+    `redis-compact-cluster`, `redis-group-cluster`, `redis-group-cluster-rebuild`: those on a Redis Cluster (the
+    insert script a chunk, but for the rebuild)."""
     made: list[CandidateIndex] = []
     prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
-    url = request.getfixturevalue("redis_url") if request.param.startswith("redis") else ""
+    url = _base_url(request)
     if url:
         import filters.index.redis as redis_index
 
@@ -327,13 +360,20 @@ def restore_into(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
             index = CompactIndex(with_query(url, prefix=prefix, layout="compact"), window=window,
                                  bucket_cap=bucket_cap, namespace=namespace,
                                  fenced=request.param == "redis-compact-rebuild")
+        elif request.param.startswith("redis-group"):
+            from filters.index.redis_group import GroupIndex
+
+            index = GroupIndex(with_query(url, prefix=prefix, layout="group"), window=window, bucket_cap=bucket_cap,
+                               namespace=namespace, fenced=request.param.endswith("-rebuild"))
         else:
             index = RedisIndex(with_query(url, prefix=prefix), window=window, bucket_cap=bucket_cap,
                                namespace=namespace, fenced=request.param == "redis-rebuild")
         made.append(index)
         written = index.restore([stored])
-        if request.param in ("redis-rebuild", "redis-compact-rebuild"):
-            with redis.Redis.from_url(url) as client:
+        if request.param.endswith("-rebuild"):
+            client: redis.Redis | redis.RedisCluster = redis.RedisCluster.from_url(url.replace("+cluster", "")) \
+                if "+cluster" in url else redis.Redis.from_url(url)
+            with client:
                 client.hset(meta_key(prefix, namespace), MARKER, "1")
         return index, written
 
@@ -341,7 +381,7 @@ def restore_into(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     for index in made:
         index.close()
     if url:
-        drop_namespace(url, prefix)
+        _drop(url, prefix)
 
 
 _restored = st.lists(st.tuples(st.sampled_from("abcdefgh"), st.integers(0, 60).map(lambda t: t / 2),

@@ -7,6 +7,7 @@ import contextlib
 import random
 import socket
 import threading
+import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -44,17 +45,19 @@ from stream.align import RedisMarks
 from stream.codec import RecordFormat
 from stream.metrics import TimedIndex
 from stream.runner import DUPLICATE, RawRecord, route_batch, route_batches
-from tests.test_index_contract import _view, assert_same_entry, drop_namespace, generated_messages, with_query
+from tests.test_index_contract import (
+    _view,
+    assert_same_entry,
+    cluster_url,
+    drop_cluster_namespace,
+    drop_namespace,
+    generated_messages,
+    with_query,
+)
 
 U64 = (1 << 64) - 1
 WINDOW = 3600.0
 SAMPLE = Path(__file__).parent / "data" / "sample.jsonl"
-
-
-def cluster_url(url: str) -> str:
-    """The fixture's `redis://host:port/0` of a cluster node as this index spells a cluster."""
-    parts = urlsplit(url)
-    return f"{parts.scheme}+cluster://{parts.netloc}"
 
 
 def made_indexes(cls: type[RedisIndex], redis_url: str, prefix: str,
@@ -852,11 +855,15 @@ def test_stats_from_another_thread_while_batches_are_routed(make: Callable[..., 
     poller = threading.Thread(target=poll)
     poller.start()
     try:
+        while polls[0] == 0 and not errors and poller.is_alive():  # the batches start once the polls have
+            time.sleep(0.001)
         verdicts = [v for at in range(0, len(messages), 20) for v in engine.check_batch(messages[at : at + 20])]
+        seen = polls[0]
     finally:
         stop.set()
         poller.join()
-    assert errors == [] and polls[0] > 10
+    # (how many polls fit in the routing depends on the layout's stats and the machine: at least one more did)
+    assert errors == [] and seen > 1
     quiet = NearDupFilter(FilterConfig(), index=make("quiet"))
     assert verdicts == [v for at in range(0, len(messages), 20) for v in quiet.check_batch(messages[at : at + 20])]
 
@@ -1314,14 +1321,6 @@ def race(url: str, *, racy: bool, paused: bool, workers: int = 3, clusters: int 
         for c, v in enumerate(verdicts[w]):
             assert not v.duplicate or (v.duplicate_of or "").startswith(f"c{c}-")
     return uniques
-
-
-def drop_cluster_namespace(url: str, prefix: str) -> None:
-    with redis.RedisCluster.from_url(url.replace("+cluster", "")) as cluster:
-        for node in cluster.get_primaries():
-            keys = list(cluster.scan_iter(match=f"{{{prefix}:*", target_nodes=node))
-            for at in range(0, len(keys), 500):
-                cluster.delete(*keys[at : at + 500])  # one namespace: one slot
 
 
 @pytest.fixture(params=["standalone", "cluster"])

@@ -30,5 +30,9 @@ def open_index(url: str, *, window: float, bucket_cap: int, namespace: str,
             from filters.index.redis_compact import CompactIndex
 
             return CompactIndex(url, window=window, bucket_cap=bucket_cap, namespace=namespace, fenced=fenced)
+        if RedisTarget.parse(url).layout == "group":
+            from filters.index.redis_group import GroupIndex
+
+            return GroupIndex(url, window=window, bucket_cap=bucket_cap, namespace=namespace, fenced=fenced)
         return RedisIndex(url, window=window, bucket_cap=bucket_cap, namespace=namespace, fenced=fenced)
     raise ConfigError(f"unknown index URL scheme {scheme!r} in {url!r}: use memory:// or redis://")

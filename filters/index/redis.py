@@ -261,7 +261,8 @@ class RedisTarget:
     grace: float
     entry_cache: int = DEFAULT_ENTRY_CACHE
     layout: str = "slot"  # "slot": a namespace is one hash tag; "spread": over many (filters/index/redis_spread.py);
-    # "compact": the slot layout's records by seq in small hashes (filters/index/redis_compact.py)
+    # "compact": the slot layout's records by seq in small hashes (filters/index/redis_compact.py); "group": its
+    # records grouped in fields of the slice hash (filters/index/redis_group.py)
     spread: tuple[tuple[str, str], ...] = ()  # the spread layout's own options, checked there
     rate: float = 0.0  # layout=compact: messages a second a namespace expects (its first slice's size); 0: unsaid
 
@@ -281,8 +282,8 @@ class RedisTarget:
             if name == "prefix":
                 prefix = value
             elif name == "layout":
-                if value not in ("slot", "spread", "compact"):
-                    raise ConfigError(f"layout must be slot, spread or compact, got {value!r}")
+                if value not in ("slot", "spread", "compact", "group"):
+                    raise ConfigError(f"layout must be slot, spread, compact or group, got {value!r}")
                 layout = value
             elif name in SPREAD_OPTIONS:
                 spread.append((name, value))
@@ -313,8 +314,8 @@ class RedisTarget:
             raise ConfigError(f"prefix must match {_NAME.pattern}, got {prefix!r}")
         if spread and layout != "spread":
             raise ConfigError(f"{', '.join(name for name, _ in spread)}: options of layout=spread only")
-        if rate and layout != "compact":
-            raise ConfigError("rate: an option of layout=compact only")
+        if rate and layout not in ("compact", "group"):
+            raise ConfigError("rate: an option of layout=compact and layout=group only")
         path = parts.path
         if cluster:
             if path.strip("/") not in ("", "0"):
@@ -814,9 +815,10 @@ class RedisIndex:
             done = self._restore_chunk(part)
             if done is not None:
                 return done
-        # Cluster, or others kept writing meanwhile: the script appends atomically.
+        # Cluster, or others kept writing meanwhile: the script appends atomically (a key given twice counts once,
+        # as everywhere else: the script would append it twice).
         flat, ends = part.keys.tolist(), part.bounds.tolist()
-        entries = [(id, ts, blob, tuple(flat[a:b]))
+        entries = [(id, ts, blob, tuple(dict.fromkeys(flat[a:b])))
                    for id, ts, blob, a, b in zip(part.ids, part.times.tolist(), part.blobs, ends, ends[1:])]
         return sum(self._insert_unchecked(entries[a : a + INSERT_CHUNK]) for a in range(0, len(entries), INSERT_CHUNK))
 

@@ -1,9 +1,11 @@
--- Shared by the insert scripts of the slot layouts (loaded in front of insert.lua and compact_insert.lua).
--- An insert round's entries ({place of the entry's first argument, event time, number n of its buckets}),
--- read from ARGV[first] on, each entry `width` + n arguments; the slices a record that can still match may
--- be in (from the lowest horizon of the round to its highest event time); the slices the caller read
+-- Shared by the insert scripts of the slot layouts (loaded in front of insert.lua, compact_insert.lua and
+-- group_insert.lua). An insert round's entries ({place of the entry's first argument, event time, number n of
+-- its buckets}), read from ARGV[first] on, each entry `width` + n arguments (`width` only, when `fixed`: its
+-- buckets in one argument); the slices a record that can still match may
+-- be in (from the lowest horizon of the round to its highest event time, and those of the high-water mark's
+-- window); the slices the caller read
 -- (ARGV[7], comma-separated) by their place among the caller's; and whether the caller read them all.
-local function insert_slices(first, width, hwm, window, slice_len)
+local function insert_slices(first, width, hwm, window, slice_len, fixed)
   local entries = {}
   local low, top = math.huge, hwm
   local i = first
@@ -13,11 +15,20 @@ local function insert_slices(first, width, hwm, window, slice_len)
     entries[#entries + 1] = {i, ts, n}
     if ts < low then low = ts end
     if ts > top then top = ts end
-    i = i + width + n
+    i = i + width + (fixed and 0 or n)
   end
   if hwm > low then low = hwm end
   local slices = {}
-  for s = math.floor((low - window) / slice_len), math.floor(top / slice_len) do slices[#slices + 1] = s end
+  local first = math.floor((low - window) / slice_len)
+  -- A round whose event times all come after the high-water mark (a restore's: no lookup raised the caller's)
+  -- finds its first entries' live ids inside the window of that mark: its slices too (records are never newer
+  -- than the mark, so the slices in between hold nothing).
+  if hwm > -math.huge then
+    for s = math.floor((hwm - window) / slice_len), math.min(math.floor(hwm / slice_len), first - 1) do
+      slices[#slices + 1] = s
+    end
+  end
+  for s = first, math.floor(top / slice_len) do slices[#slices + 1] = s end
   local seen_at = {}
   local k = 0
   for s in string.gmatch(ARGV[7], '[^,]+') do seen_at[tonumber(s)] = k; k = k + 1 end

@@ -1,0 +1,688 @@
+"""The group layout of the Redis index (filters/index/redis_group.py): the slot layout's tests run again on it, and
+its own: what it stores, the refusal of another layout, ids confirmed by their entry, the contended round."""
+
+from __future__ import annotations
+
+import random
+import threading
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+import redis
+
+from filters.config import FilterConfig
+from filters.engine import NearDupFilter
+from filters.errors import ConfigError
+from filters.index import Entry, Query
+from filters.index import compact_codec as cc
+from filters.index import group_codec as gc
+from filters.index.redis import MARKER, RedisIndex, RedisTarget
+from filters.index.redis_codec import stored_of
+from filters.index.redis_compact import CompactIndex
+from filters.index.redis_group import GroupIndex
+from tests.test_index_contract import _view, drop_namespace, generated_messages, with_query
+from tests.test_redis_compact import _recording, _unpacked
+from tests.test_redis_index import (  # tests collected again here, with this module's fixtures
+    WINDOW,
+    PausedLookup,
+    _namespace_dump,
+    assert_stored_alike,
+    cluster_url,
+    drop_cluster_namespace,
+    entry,
+    ids,
+    made_indexes,
+    race,
+    test_a_foreign_insert_while_a_read_is_ahead_is_seen,
+    test_a_near_duplicate_inserted_during_a_lookup_is_seen,
+    test_a_read_ahead_lost_with_its_connection_is_read_again,
+    test_a_read_sent_ahead_stores_and_decides_as_reading_after_the_insert,
+    test_a_reconnect_between_lookup_and_insert_never_sends_the_transaction_unguarded,
+    test_a_replayed_duplicate_finds_its_memo_on_any_redis,
+    test_after_a_stream_every_key_has_a_ttl,
+    test_an_insert_after_close_is_checked_by_the_script,
+    test_an_uncontended_insert_is_a_watched_transaction_that_a_foreign_write_refuses,
+    test_insert_returns_what_entered_the_buckets_since_the_lookup,
+    test_own_inserts_never_conflict,
+    test_random_interleavings_never_make_two_near_duplicates_unique,
+    test_random_interleavings_of_workers_reading_ahead_never_make_two_near_duplicates_unique,
+    test_reading_ahead_can_be_switched_off,
+    test_reading_ahead_on_redis_routes_as_batch_after_batch,
+    test_replay_of_an_id_never_conflicts_with_itself,
+    test_route_batch_on_redis_decides_like_the_memory_index,
+    test_stats_from_another_thread_while_batches_are_routed,
+    test_the_next_lookup_sees_the_memos_the_batch_wrote_after_the_read_went_out,
+    test_the_next_lookup_sees_what_the_batch_inserted_after_the_read_went_out,
+)
+
+__all__ = [  # collected here again, each with this module's `make`, `watched` and `race_url`: the group layout
+    "test_a_foreign_insert_while_a_read_is_ahead_is_seen",
+    "test_a_near_duplicate_inserted_during_a_lookup_is_seen",
+    "test_a_read_ahead_lost_with_its_connection_is_read_again",
+    "test_a_read_sent_ahead_stores_and_decides_as_reading_after_the_insert",
+    "test_a_reconnect_between_lookup_and_insert_never_sends_the_transaction_unguarded",
+    "test_a_replayed_duplicate_finds_its_memo_on_any_redis",
+    "test_after_a_stream_every_key_has_a_ttl",
+    "test_an_insert_after_close_is_checked_by_the_script",
+    "test_an_uncontended_insert_is_a_watched_transaction_that_a_foreign_write_refuses",
+    "test_insert_returns_what_entered_the_buckets_since_the_lookup",
+    "test_own_inserts_never_conflict",
+    "test_random_interleavings_never_make_two_near_duplicates_unique",
+    "test_random_interleavings_of_workers_reading_ahead_never_make_two_near_duplicates_unique",
+    "test_reading_ahead_can_be_switched_off",
+    "test_reading_ahead_on_redis_routes_as_batch_after_batch",
+    "test_replay_of_an_id_never_conflicts_with_itself",
+    "test_route_batch_on_redis_decides_like_the_memory_index",
+    "test_stats_from_another_thread_while_batches_are_routed",
+    "test_the_next_lookup_sees_the_memos_the_batch_wrote_after_the_read_went_out",
+    "test_the_next_lookup_sees_what_the_batch_inserted_after_the_read_went_out",
+]
+
+
+@pytest.fixture
+def make(redis_url: str, prefix: str) -> Iterator[Callable[..., RedisIndex]]:
+    yield from made_indexes(GroupIndex, redis_url, prefix, layout="group")
+
+
+@pytest.fixture
+def watched() -> str:
+    return "_write_groups"
+
+
+@pytest.fixture
+def layout() -> type[RedisIndex]:
+    return GroupIndex
+
+
+@pytest.fixture(params=["standalone", "cluster"])
+def race_url(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Standalone Redis, and Redis Cluster (where every round is the checking script)."""
+    prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
+    if request.param == "standalone":
+        base = request.getfixturevalue("redis_url")
+        yield with_query(base, prefix=prefix, layout="group")
+        drop_namespace(base, prefix)
+    else:
+        base = cluster_url(request.getfixturevalue("redis_cluster_url"))
+        yield with_query(base, prefix=prefix, layout="group")
+        drop_cluster_namespace(base, prefix)
+
+
+def test_a_stream_leaves_its_records_in_groups_of_the_slice_hash(make: Callable[..., RedisIndex], redis_url: str,
+                                                                  prefix: str) -> None:
+    """After a stream: one slice hash, its fields the groups `g<j>` (records of 20 bytes: each entry's id record
+    once), the entries keyed by seq, the counts; the meta hash says the layout and the bits of the slice; the
+    verdicts and entries of the slot layout."""
+    index = make()
+    verdicts = NearDupFilter(FilterConfig(window=WINDOW), index=index).check_batch(generated_messages(600, seed=3))
+    assert sum(not v.duplicate for v in verdicts) >= 100
+    with redis.Redis.from_url(redis_url) as client:
+        meta = client.hgetall(f"{{{prefix}:ns}}:meta")
+        assert meta[b"layout"] == b"group"
+        (slice_field,) = [f for f in meta if f.startswith(b"k:")]
+        assert int(meta[slice_field]) == gc.K_FIRST
+        keys = sorted(client.scan_iter(match=f"{{{prefix}:ns}}:*"))
+        slice_key = f"{{{prefix}:ns}}:g:{slice_field[2:].decode()}".encode()
+        assert keys == sorted([f"{{{prefix}:ns}}:meta".encode(), slice_key])
+        fields = client.hgetall(slice_key)
+    groups = {f: v for f, v in fields.items() if f.startswith(b"g")}
+    entries = [f for f in fields if f.startswith(b"e")]
+    memos = [f for f in fields if f.startswith(b"d")]
+    assert set(fields) == {*groups, *entries, *memos, b"n", b"m"} and all(len(f) == 9 for f in entries)
+    assert all(len(v) % gc.RECORD_SIZE == 0 for v in groups.values())
+    records = [v[r : r + gc.RECORD_SIZE] for v in groups.values() for r in range(0, len(v), gc.RECORD_SIZE)]
+    assert sum(1 for r in records if r[12] & 0x80) == int(fields[b"n"]) == len(entries) == index.stats()["entries"]
+    slot = RedisIndex(with_query(redis_url, prefix=prefix), window=WINDOW, bucket_cap=8, namespace="slot")
+    try:  # the same verdicts as the slot layout, as many entries and buckets
+        assert NearDupFilter(FilterConfig(window=WINDOW), index=slot).check_batch(generated_messages(600, seed=3)) \
+            == verdicts
+        assert slot.stats()["entries"] == len(entries)
+        assert slot.stats()["buckets"] == index.stats()["buckets"]
+    finally:
+        slot.close()
+
+
+@pytest.mark.parametrize("other", ["slot", "compact"])
+def test_a_namespace_of_another_layout_is_refused_with_one_line(make: Callable[..., RedisIndex], redis_url: str,
+                                                                 prefix: str, other: str) -> None:
+    cls = RedisIndex if other == "slot" else CompactIndex
+    query = {"prefix": prefix, **({"layout": "compact"} if other == "compact" else {})}
+    old = cls(with_query(redis_url, **query), window=WINDOW, bucket_cap=8, namespace="old")
+    try:
+        old.lookup([Query("a", 1000.0, (1, 2))], 8)
+        old.insert([(entry("a"), (1, 2))])
+    finally:
+        old.close()
+    index = make("old")
+    with pytest.raises(ConfigError, match="another layout.*group layout: give a new prefix") as caught:
+        index.lookup([Query("b", 1001.0, (1, 2))], 8)
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize(("window", "cap"), [(3600.0, 8), (30.0, 2)])
+def test_uncontended_inserts_store_what_the_checking_script_stores(make: Callable[..., GroupIndex], redis_url: str,
+                                                                    prefix: str, window: float, cap: int) -> None:
+    """The uncontended rounds (the watched transaction), the contended round alone (the checking script) and the
+    uncontended rounds on the Python references leave the very same keys and bytes (records in their groups and
+    their order, trims, entries, bits, seq and high-water mark, slices unlinked)."""
+    config = FilterConfig(window=window, bucket_cap=cap)
+    fast, checked = make("fast", window=window, bucket_cap=cap), make("checked", window=window, bucket_cap=cap)
+    checked.alone_inserts = False
+    reference = make("reference", window=window, bucket_cap=cap)
+    reference._alone_compact, reference._rank_compact = cc.alone_round, cc.rank_records
+    reference._read_fields, reference._group_column = gc.read_fields, gc.column_of  # type: ignore[assignment]
+    reference._apply_round = gc.apply_round  # type: ignore[assignment]
+    assert_stored_alike(config, fast, checked, reference, redis_url, prefix)
+
+
+def test_an_id_record_of_another_id_alike_in_its_32_bits_is_not_a_replay(make: Callable[..., GroupIndex],
+                                                                           redis_url: str, prefix: str) -> None:
+    """The record of id a, copied under the record key of id q in q's group (as two ids alike in their 32 bits
+    and group would be, 2^-32 a pair): q's lookup reads a's entry for it, whose id is not q's, so q is not a
+    replay; a's entry is its candidate as any entry sharing its buckets; q is then inserted."""
+    index = make()
+    index.lookup([Query("a", 1000.0, (1, 2))], 8)
+    assert index.insert([(entry("a"), (1, 2))]) == [None]
+    with redis.Redis.from_url(redis_url) as client:
+        meta = client.hgetall(f"{{{prefix}:ns}}:meta")
+        (slice_field,) = [f for f in meta if f.startswith(b"k:")]
+        bits = int(meta[slice_field])
+        key = f"{{{prefix}:ns}}:g:{slice_field[2:].decode()}"
+        a_hash, q_hash = cc.id_hash("a"), cc.id_hash("q")
+        a_group = client.hget(key, gc.group_field(gc.group_of(a_hash, bits)))
+        assert a_group is not None
+        (record,) = [a_group[r : r + 20] for r in range(0, len(a_group), 20)
+                     if a_group[r : r + 4] == gc.record_key(a_hash)]
+        q_field = gc.group_field(gc.group_of(q_hash, bits))
+        client.hset(key, q_field, (client.hget(key, q_field) or b"") + gc.record_key(q_hash) + record[4:])
+    other = make()
+    [(own, cands)] = other.lookup([Query("q", 1000.0, (2, 3))], 8)
+    assert own is None and ids(cands) == ["a"]
+    assert other.insert([(entry("q", seed=1), (2, 3))]) == [None]
+    [(own, _)] = other.lookup([Query("q", 1000.0, (2, 3))], 8)
+    assert own is not None and own.id == "q"  # its own record now, the newest of the two alike
+    [(own, cands)] = make().lookup([Query("a", 1000.0, (1,))], 8)
+    assert own is not None and own.id == "a" and cands == []
+
+
+class _PausedGroup(PausedLookup, GroupIndex):
+    """The group layout, paused between lookup and insert (`PausedLookup`)."""
+
+
+@pytest.mark.parametrize("paused", [True, False], ids=["paused-between-lookup-and-insert", "free-running"])
+def test_near_duplicates_at_the_same_moment_make_exactly_one_unique(race_url: str, paused: bool) -> None:
+    """Real threads on real Redis: each worker's copy of a spam at the same moment; the contended rounds (a
+    refused transaction, then the checking script; on Redis Cluster the script every round) let exactly one
+    through."""
+    uniques = race(race_url, racy=False, paused=paused, index=_PausedGroup)
+    assert uniques == [1] * len(uniques)
+
+
+def test_contended_workers_all_get_through(make: Callable[..., GroupIndex]) -> None:
+    """Four threads inserting distinct messages into the same buckets at once: every round gets through (a refused
+    transaction is tried again), each entry once."""
+    workers = [make() for _ in range(4)]
+    errors: list[BaseException] = []
+
+    def run(w: int) -> None:
+        try:
+            for k in range(25):
+                id = f"w{w}-{k}"
+                workers[w].lookup([Query(id, 1000.0 + k, (1, 2, 3))], 8)
+                for _ in range(50):  # a conflict: verified (unique: distinct messages) and inserted again
+                    if workers[w].insert([(entry(id, 1000.0 + k, seed=w * 100 + k), (1, 2, 3))]) == [None]:
+                        break
+                else:
+                    raise AssertionError(f"{id} never got in")
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert workers[0].stats()["entries"] == 100
+
+
+def test_the_first_slice_gets_the_groups_of_the_rate_the_url_names(make: Callable[..., GroupIndex], redis_url: str,
+                                                                   prefix: str) -> None:
+    """`?rate=` sizes a slice made with no slice before it: 100 a second over a window of 1,000 s is 100,000."""
+    index = make(window=1000.0, rate="100")
+    NearDupFilter(FilterConfig(window=1000.0), index=index).check_batch(generated_messages(50, seed=5))
+    with redis.Redis.from_url(redis_url) as client:
+        (bits,) = [int(v) for f, v in client.hgetall(f"{{{prefix}:ns}}:meta").items() if f.startswith(b"k:")]
+    assert bits == gc.slice_bits(100_000) > gc.K_FIRST
+    assert RedisTarget.parse("redis://h/0?layout=group&rate=2.5").rate == 2.5
+
+
+def test_a_cluster_routes_as_the_memory_index(redis_cluster_url: str) -> None:
+    """On Redis Cluster (no WATCH: the checking script every round, its keys all of one hash tag) the group layout
+    decides a stream as the memory index, its keys all on one master."""
+    prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
+    url = with_query(cluster_url(redis_cluster_url), prefix=prefix, layout="group")
+    messages = generated_messages(400, seed=5)
+    config = FilterConfig(window=WINDOW)
+    index = GroupIndex(url, window=WINDOW, bucket_cap=config.bucket_cap, namespace="ns")
+    try:
+        got = [v for at in range(0, 400, 50) for v in NearDupFilter(config, index=index).check_batch(messages[at : at + 50])]
+    finally:
+        index.close()
+    memory = NearDupFilter(config)
+    assert got == [v for at in range(0, 400, 50) for v in memory.check_batch(messages[at : at + 50])]
+    with redis.RedisCluster.from_url(redis_cluster_url) as cluster:
+        holding = [node for node in cluster.get_primaries()
+                   if list(cluster.scan_iter(match=f"{{{prefix}:*", target_nodes=node))]
+        assert len(holding) == 1
+    drop_cluster_namespace(cluster_url(redis_cluster_url), prefix)
+
+
+def test_without_the_compiled_core_the_python_reference_decides_alike(make: Callable[..., GroupIndex],
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import filters.index.redis_compact as redis_compact
+    import filters.index.redis_group as redis_group
+
+    messages = generated_messages(900, seed=11)
+    verdicts = {}
+    for name, native in (("compiled", redis_group._native), ("reference", None)):
+        monkeypatch.setattr(redis_group, "_native", native)
+        monkeypatch.setattr(redis_compact, "_native", native)
+        nd = NearDupFilter(FilterConfig(window=WINDOW), index=make(name))
+        verdicts[name] = [v for at in range(0, len(messages), 128) for v in nd.check_batch(messages[at : at + 128])]
+    assert verdicts["reference"] == verdicts["compiled"]
+    assert sum(v.duplicate for v in verdicts["compiled"]) > 0
+
+
+def test_the_checking_script_is_loaded_again_after_a_script_flush(make: Callable[..., GroupIndex],
+                                                                   redis_url: str) -> None:
+    """A server that forgot the script (a restart, a failover) answers NOSCRIPT: it is loaded and run again."""
+    index = make()
+    index.alone_inserts = False
+    for id in ("a", "b"):
+        with redis.Redis.from_url(redis_url) as client:
+            client.script_flush()
+        index.lookup([Query(id, 1000.0, (1,))], 8)
+        assert index.insert([(entry(id), (1,))]) == [None]
+    assert ids(index.lookup([Query("q", 1000.0, (1,))], 8)[0][1]) == ["b", "a"]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_checking_script_writes_the_groups_apply_round_writes(make: Callable[..., GroupIndex], redis_url: str,
+                                                                   prefix: str, seed: int) -> None:
+    """Seeded random rounds: a slice of few groups holding records already (buckets past twice the cap, other ids'
+    records, equal event times), then a round of entries through the checking script (`_guarded_round`, nothing
+    to compare), whose buckets crowd those groups (a key given twice too): the groups Redis then holds are
+    `group_codec.apply_round`'s of the groups before, byte for byte, and the entries, count, seq and high-water
+    mark are the round's."""
+    rng = random.Random(seed)
+    window, cap = 100.0, rng.choice([1, 2, 3])
+    bits = rng.choice([0, 1, 2, 4, gc.K_FIRST])
+    s = rng.choice([17, -3])
+    low = s * window
+    pool = [rng.getrandbits(64) for _ in range(rng.choice([3, 8]))]
+    times = [low + rng.choice([0.0, 1.5, 1.5, 40.25, 99.0]) for _ in range(60)]
+    # What the slice holds before: records of the pool's buckets (some with more than twice the cap), ids' records.
+    before: dict[bytes, bytes] = {}
+    start = 50
+    for n in range(1, start + 1):
+        h, is_id = (cc.id_hash(f"old-{n}"), True) if rng.random() < 0.2 else (rng.choice(pool), False)
+        field = gc.group_field(gc.group_of(h, bits))
+        rec = gc.record_key(h) + gc._TS.pack(rng.choice(times)) + gc._SEQ.pack(n | (gc.ID_TAG if is_id else 0))
+        before[field] = before.get(field, b"") + rec
+    index = make(window=window, bucket_cap=cap)
+    meta, key = f"{{{prefix}:ns}}:meta", f"{{{prefix}:ns}}:g:{s}"
+    with redis.Redis.from_url(redis_url) as client:
+        client.hset(meta, mapping={"seq": start, "hwm": repr(low), "layout": "group", f"k:{s}": bits})
+        client.hset(key, mapping=before)
+        count = rng.randint(1, 14)
+        ids = [f"new-{seed}-{i}" for i in range(count)]
+        entry_times = [rng.choice(times) for _ in ids]
+        fields_of = []
+        for _ in ids:
+            keys = rng.sample(pool, rng.randint(1, len(pool)))
+            if rng.random() < 0.4:
+                keys.append(keys[0])  # a key given twice: appended twice, as `apply_round` appends it
+            fields_of.append([b"b" + k.to_bytes(8, "big") for k in keys])
+        blobs = [rng.randbytes(rng.randint(0, 40)) for _ in ids]
+        results, hwm = index._guarded_round(ids, entry_times, blobs, fields_of, [False] * count)
+        assert results == list(range(start + 1, start + count + 1))
+        names = list(dict.fromkeys([*(f for fields in fields_of for f in fields), *map(cc.id_field, ids)]))
+        at = {name: p for p, name in enumerate(names)}
+        rows = [(seq, ts, [at[f] for f in fields], at[cc.id_field(id)])
+                for seq, ts, fields, id in zip(results, entry_times, fields_of, ids)]
+        expected = dict(before)
+        gc.apply_round(expected, names, bits, rows, cap)
+        stored = client.hgetall(key)
+        assert {f: v for f, v in stored.items() if f.startswith(b"g")} == expected
+        assert {f: v for f, v in stored.items() if f.startswith(b"e")} == {
+            cc.entry_field(seq): cc.entry_value(blob, id) for seq, blob, id in zip(results, blobs, ids)}
+        assert int(stored[b"n"]) == count
+        state = client.hmget(meta, "seq", "hwm", f"k:{s}")
+    top = max(low, *entry_times)
+    assert state == [str(start + count).encode(), hwm, str(bits).encode()]
+    assert hwm == (repr(low).encode() if top == low else b"%.17g" % top)
+
+
+def _bucket_tops(url: str, prefix: str, pool: Sequence[int], cap: int) -> tuple[dict[int, list[tuple[float, str]]],
+                                                                                 list[str]]:
+    """Per bucket key of `pool`, the `cap` newest (event time, id) of its records in the namespace's slices, and
+    the ids whose records the slices hold (each once per entry)."""
+    client: Any = redis.RedisCluster.from_url(url.replace("+cluster", "")) if "+cluster" in url \
+        else redis.Redis.from_url(url)
+    with client:
+        meta = client.hgetall(f"{{{prefix}:ns}}:meta")
+        slices = {int(f[2:]): int(v) for f, v in meta.items() if f.startswith(b"k:")}
+        stored = {s: client.hgetall(f"{{{prefix}:ns}}:g:{s}") for s in slices}
+    by_seq = {}
+    for fields in stored.values():
+        for f, v in fields.items():
+            if f.startswith(b"e"):
+                by_seq[int.from_bytes(f[1:], "big")] = cc.split_entry_value(v)[1]
+    tops = {}
+    for h in pool:
+        records = []
+        for s, bits in slices.items():
+            value = gc.bucket_records(stored[s].get(gc.group_field(gc.group_of(h, bits))), gc.record_key(h)) or b""
+            for r in range(0, len(value), 16):
+                records.append((gc._TS.unpack_from(value, r)[0], by_seq[int.from_bytes(value[r + 8 : r + 16], "big")]))
+        tops[h] = sorted(records, reverse=True)[:cap]
+    owners = []
+    for fields in stored.values():
+        for f, v in fields.items():
+            if f.startswith(b"g"):
+                for r in range(0, len(v), gc.RECORD_SIZE):
+                    if v[r + 12] & 0x80:
+                        owners.append(by_seq[int.from_bytes(v[r + 12 : r + 20], "big") & ~gc.ID_TAG])
+    return tops, sorted(owners)
+
+
+@pytest.mark.parametrize(("where", "alone"), [("standalone", True), ("standalone", False), ("cluster", False)],
+                         ids=["standalone-transactions-and-script", "standalone-script", "cluster-script"])
+def test_two_clients_writing_the_same_buckets_at_once_store_what_one_after_the_other_stores(
+        request: pytest.FixtureRequest, where: str, alone: bool) -> None:
+    """Two clients insert distinct messages into the same few buckets, each step looked up by both before either
+    inserts (a conflict every step: re-read, then inserted again through the checking script); against the same
+    messages inserted by one client after the other: every entry once, each id's record once, and every bucket's
+    newest records (what a lookup ranks) the same."""
+    base = request.getfixturevalue("redis_url") if where == "standalone" else \
+        cluster_url(request.getfixturevalue("redis_cluster_url"))
+    rng = random.Random(7)
+    pool = [rng.getrandbits(64) for _ in range(6)]
+    cap, steps = 4, 30
+    plan = [[(f"w{w}-{k}", 1000.0 + 2 * k + w, tuple(rng.sample(pool, 3))) for k in range(steps)] for w in range(2)]
+    got = {}
+    for run in ("together", "serial"):
+        prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
+        url = with_query(base, prefix=prefix, layout="group")
+        workers = [GroupIndex(url, window=WINDOW, bucket_cap=cap, namespace="ns") for _ in range(2)]
+        for w in workers:
+            w.alone_inserts = alone
+        step = threading.Barrier(2) if run == "together" else None
+        errors: list[BaseException] = []
+        conflicts = [0, 0]
+
+        def work(w: int, step: threading.Barrier | None = step, workers: list[GroupIndex] = workers,
+                 conflicts: list[int] = conflicts, errors: list[BaseException] = errors) -> None:
+            try:
+                for id, ts, keys in plan[w]:
+                    workers[w].lookup([Query(id, ts, keys)], 8)
+                    if step is not None:
+                        step.wait()
+                    while workers[w].insert([(entry(id, ts, seed=int(ts)), keys)]) != [None]:
+                        conflicts[w] += 1  # distinct messages: verified unique, inserted again
+            except BaseException as exc:
+                errors.append(exc)
+                if step is not None:
+                    step.abort()
+
+        try:
+            if step is None:
+                for w in range(2):
+                    work(w)
+            else:
+                threads = [threading.Thread(target=work, args=(w,)) for w in range(2)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+            assert errors == []
+            assert workers[0].stats()["entries"] == 2 * steps
+            got[run] = _bucket_tops(base, prefix, pool, cap)
+            if run == "together":
+                assert sum(conflicts) >= steps // 2  # they did contend
+            else:
+                assert conflicts == [0, 0]
+        finally:
+            for w in workers:
+                w.close()
+            (drop_namespace if where == "standalone" else drop_cluster_namespace)(base, prefix)
+    assert got["together"] == got["serial"]
+    assert got["serial"][1] == sorted(id for mine in plan for id, _, _ in mine)
+
+
+# -- rebuilding ----------------------------------------------------------------------------------------------
+
+def _hours(n: int = 310) -> list[tuple[Entry, tuple[int, ...]]]:
+    """A changelog over three slices of an hour: 158 entries in the first (the bits of the second follow its
+    count as a guarded chunk read it), 142 in the second, a few in the third (the first leaves the window);
+    buckets shared by many entries (trimmed), ids made again, a key given twice."""
+    times = [3000.0 + i * 3 if i < 158 else 3600.0 + (i - 158) * 25 if i < 300 else 7200.0 + (i - 300) * 20
+             for i in range(n)]
+    return [(Entry(f"j{i % 250}", ts, i, 30, np.arange(8, dtype=np.uint64) + i), (i % 7, 100 + i % 3, 1000 + i, i % 7))
+            for i, ts in enumerate(times)]
+
+
+_LATER = [Query("q", 7400.0, (3, 101)), Query("j5", 7400.0, (5,)), Query("x", 7400.0, (1290,)),
+          Query("j260", 7400.0, (1, 2, 3, 4, 5, 6))]
+
+
+def _restored(redis_url: str, journal: list[tuple[Entry, tuple[int, ...]]], cap: int, *, fenced: bool,
+              clock: float | None = None) -> tuple[GroupIndex, str, bytearray, int]:
+    """A group index of a namespace of its own that restored `journal` (`fenced`: a rebuild, no marker yet; `clock`:
+    the window's clock its `expire` set first), its prefix, what it sent meanwhile (`_recording`) and the entries
+    it wrote."""
+    prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
+    index = GroupIndex(with_query(redis_url, prefix=prefix, layout="group"), window=3600.0, bucket_cap=cap,
+                       namespace="ns", fenced=fenced)
+    if clock is not None:
+        index.expire(clock)
+    raw = _recording(index)
+    if fenced:
+        index._restore_watched = None  # type: ignore[assignment,method-assign] # never called
+    return index, prefix, raw, index.restore([stored_of(journal)])
+
+
+@pytest.mark.parametrize(("cap", "clock"), [(8, None), (2, None), (8, 8000.0)])
+@pytest.mark.parametrize("held", ["all", "30 records"])
+def test_a_rebuild_writes_each_group_once_and_leaves_what_the_guarded_chunks_leave(
+        redis_url: str, monkeypatch: pytest.MonkeyPatch, cap: int, clock: float | None, held: str) -> None:
+    """A fenced index without its marker (lost: the guard rebuilds it from the changelog) takes a restore with
+    no transaction and no script: it holds the records and writes each group once, and leaves the very bytes
+    that guarded chunks leave (an unfenced index's restore: records, trims, entries, counts, bits, the slices
+    that left the window unlinked as they unlink them), every key with a TTL; it decides as they do. Past
+    `HOLD_RECORDS` (30 here, for 2^24) it writes what it holds and goes on: a group written is read back and
+    goes on from what Redis holds, and the bytes are the same. With the window's clock set (`expire`: aligned
+    workers), each round unlinks the slice before the clock's window, as the entries come."""
+    import filters.index.redis as slot
+    import filters.index.redis_compact as compact
+
+    monkeypatch.setattr(slot, "RESTORE_CHUNK", 11)  # the guarded chunks' boundaries, which the rebuild follows
+    monkeypatch.setattr(slot, "REBUILD_CHUNK", 7)
+    monkeypatch.setattr(gc, "K_MIN", 1)  # few groups: each slice's bits follow the counts the guarded chunks read
+    monkeypatch.setattr(gc, "K_FIRST", 2)
+    journal = _hours()
+    guarded, guarded_prefix, _, written = _restored(redis_url, journal, cap, fenced=False, clock=clock)
+    if held != "all":
+        monkeypatch.setattr(compact, "HOLD_RECORDS", 30)
+    rebuilt, prefix, raw, rewritten = _restored(redis_url, journal, cap, fenced=True, clock=clock)
+    try:
+        assert rewritten == written == (250 if clock is None else 310)  # (ids again: live, unless their slice went)
+        sent = _unpacked(bytes(raw))
+        names = [c[0] for c in sent]
+        assert "MULTI" not in names and "WATCH" not in names and "EVALSHA" not in names
+        fields = [(c[1], f) for c in sent if c[0] == "HSET" and ":g:" in c[1] for f in c[2::2] if f[:1] == b"g"]
+        assert fields
+        if held == "all":
+            assert len(fields) == len(set(fields))
+        else:
+            assert len(fields) > len(set(fields))  # groups written more than once ...
+            assert [c for c in sent if c[0] == "HMGET" and ":g:" in c[1]]  # ... and read back
+        assert any(c[0] == "UNLINK" and ":g:" in c[1] for c in sent)  # a slice left the window
+        dumps = [_namespace_dump(redis_url, p, "ns") for p in (guarded_prefix, prefix)]
+        assert dumps[1] == dumps[0]
+        assert len([k for k in dumps[0] if b":g:" in k]) > 1
+        assert len({v for f, v in dumps[0][b":meta"].items() if f[:2] == b"k:"}) > 1
+        with redis.Redis.from_url(redis_url) as client:
+            keys = list(client.scan_iter(match=f"{{{prefix}:*"))
+            assert keys and all(client.pttl(k) > 0 for k in keys)
+        with redis.Redis.from_url(redis_url) as client:
+            client.hset(f"{{{prefix}:ns}}:meta", MARKER, "e1")
+        assert _view(rebuilt.lookup(_LATER, 8)) == _view(guarded.lookup(_LATER, 8))
+    finally:
+        rebuilt.close()
+        guarded.close()
+        drop_namespace(redis_url, prefix)
+        drop_namespace(redis_url, guarded_prefix)
+
+
+def test_a_rebuild_after_one_that_died_drops_what_it_left(redis_url: str) -> None:
+    """A rebuild that died left entries whose records it still held (its `rebuilding` field says so): the next
+    rebuild unlinks what the namespace holds first, and leaves what a rebuild of an empty namespace leaves."""
+    journal = _hours(60)
+    clean, clean_prefix, _, _ = _restored(redis_url, journal, 8, fenced=True)
+    prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
+    with redis.Redis.from_url(redis_url) as client:
+        client.hset(f"{{{prefix}:ns}}:meta", mapping={"rebuilding": "1", "seq": "7", "hwm": "9000", "layout": "group"})
+        client.hset(f"{{{prefix}:ns}}:g:99", "n", "3")
+    rebuilt = GroupIndex(with_query(redis_url, prefix=prefix, layout="group"), window=3600.0, bucket_cap=8,
+                         namespace="ns", fenced=True)
+    try:
+        assert rebuilt.restore([stored_of(journal)]) == 60
+        dumps = [_namespace_dump(redis_url, p, "ns") for p in (clean_prefix, prefix)]
+        assert dumps[1] == dumps[0] and b":g:99" not in dumps[1]
+    finally:
+        rebuilt.close()
+        clean.close()
+        drop_namespace(redis_url, prefix)
+        drop_namespace(redis_url, clean_prefix)
+
+
+def test_a_rebuild_that_finds_another_writer_hands_the_rest_to_guarded_chunks(redis_url: str,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Somebody else writes during a rebuild (an unfenced client): the rebuild sees the seq move, writes what it
+    holds merged with what Redis holds, and restores the rest in guarded transactions. Both are kept, and the
+    rebuilt index decides on the journal as the one that restored it in guarded chunks."""
+    import filters.index.redis as slot
+
+    monkeypatch.setattr(slot, "REBUILD_CHUNK", 10)
+    journal = _hours(40)
+    guarded, guarded_prefix, _, _ = _restored(redis_url, journal, 8, fenced=False)
+    prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
+    url = with_query(redis_url, prefix=prefix, layout="group")
+    rebuilt = GroupIndex(url, window=3600.0, bucket_cap=8, namespace="ns", fenced=True)
+    other = GroupIndex(url, window=3600.0, bucket_cap=8, namespace="ns")
+    execute = rebuilt._execute
+    intruded: list[bool] = []
+    watched: list[bool] = []
+    restore_watched = rebuilt._restore_watched
+
+    def intruding(commands: Any, **options: Any) -> Any:
+        replies = execute(commands, **options)
+        if not intruded and any(c[0] == "HSET" and c[2] == "hwm" for c in commands):
+            intruded.append(True)
+            other.lookup([Query("x", 1020.0, (3, 999))], 8)
+            assert other.insert([(Entry("x", 1020.0, 1, 30, np.arange(8, dtype=np.uint64)), (3, 999))]) == [None]
+        return replies
+
+    def counted(rows: Any) -> Any:
+        done = restore_watched(rows)
+        watched.append(done is not None)
+        return done
+
+    rebuilt._execute = intruding  # type: ignore[method-assign]
+    rebuilt._restore_watched = counted  # type: ignore[method-assign]
+    try:
+        assert rebuilt.restore([stored_of(journal)]) == 40
+        assert intruded and watched and all(watched)
+        rebuilt._execute = execute  # type: ignore[method-assign]
+        with redis.Redis.from_url(redis_url) as client:
+            client.hset(f"{{{prefix}:ns}}:meta", MARKER, "e1")
+        queries = [Query("q", 1100.0, (5, 101)), Query("j5", 1100.0, (5,))]
+        assert _view(rebuilt.lookup(queries, 8)) == _view(guarded.lookup(queries, 8))
+        [(_, found)] = rebuilt.lookup([Query("y", 1100.0, (999,))], 8)
+        assert [c.entry.id for c in found] == ["x"]
+        [(_, found)] = rebuilt.lookup([Query("y", 1100.0, (3,))], 8)
+        assert "x" in [c.entry.id for c in found] and len(found) > 1
+    finally:
+        rebuilt.close()
+        other.close()
+        guarded.close()
+        drop_namespace(redis_url, prefix)
+        drop_namespace(redis_url, guarded_prefix)
+
+
+def test_a_rebuild_past_its_ids_hands_the_rest_to_guarded_chunks(redis_url: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past `HOLD_IDS` ids inside the window (20 here, for 2^22), a rebuild writes what it holds and restores the
+    rest in guarded chunks: the namespace holds what guarded chunks alone leave, and decides as it."""
+    import filters.index.redis as slot
+    import filters.index.redis_compact as compact
+
+    monkeypatch.setattr(slot, "REBUILD_CHUNK", 12)
+    monkeypatch.setattr(slot, "RESTORE_CHUNK", 12)  # (the chunks after the hand-off begin where the guarded ones do)
+    journal = _hours()
+    guarded, guarded_prefix, _, written = _restored(redis_url, journal, 8, fenced=False)
+    monkeypatch.setattr(compact, "HOLD_IDS", 20)
+    prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
+    rebuilt = GroupIndex(with_query(redis_url, prefix=prefix, layout="group"), window=3600.0, bucket_cap=8,
+                         namespace="ns", fenced=True)
+    watched: list[bool] = []
+    restore_watched = rebuilt._restore_watched
+
+    def counted(rows: Any) -> Any:
+        done = restore_watched(rows)
+        watched.append(done is not None)
+        return done
+
+    rebuilt._restore_watched = counted  # type: ignore[method-assign]
+    try:
+        assert rebuilt.restore([stored_of(journal)]) == written
+        assert watched and all(watched) and len(watched) < -(-len(journal) // 12)  # (not every chunk guarded)
+        dumps = [_namespace_dump(redis_url, p, "ns") for p in (guarded_prefix, prefix)]
+        assert dumps[1] == dumps[0]
+        with redis.Redis.from_url(redis_url) as client:
+            client.hset(f"{{{prefix}:ns}}:meta", MARKER, "e1")
+        assert _view(rebuilt.lookup(_LATER, 8)) == _view(guarded.lookup(_LATER, 8))
+    finally:
+        rebuilt.close()
+        guarded.close()
+        drop_namespace(redis_url, prefix)
+        drop_namespace(redis_url, guarded_prefix)
+
+
+def test_a_rebuild_without_the_compiled_core_leaves_the_same_bytes(redis_url: str,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rebuild's Python references (`held_groups`, `mixed_ids`, and the compact layout's) leave what the
+    compiled core leaves."""
+    import filters.index.redis as slot
+    import filters.index.redis_compact as redis_compact
+    import filters.index.redis_group as redis_group
+
+    monkeypatch.setattr(slot, "REBUILD_CHUNK", 7)
+    journal = _hours()
+    compiled, compiled_prefix, _, written = _restored(redis_url, journal, 2, fenced=True)
+    for module in (slot, redis_compact, redis_group):
+        monkeypatch.setattr(module, "_native", None)
+    reference, prefix, _, rewritten = _restored(redis_url, journal, 2, fenced=True)
+    try:
+        assert rewritten == written
+        assert _namespace_dump(redis_url, prefix, "ns") == _namespace_dump(redis_url, compiled_prefix, "ns")
+    finally:
+        compiled.close()
+        reference.close()
+        drop_namespace(redis_url, prefix)
+        drop_namespace(redis_url, compiled_prefix)
