@@ -460,6 +460,26 @@ async def _seen(workers: Sequence[AiokafkaWorker], tasks: Sequence[asyncio.Futur
         await asyncio.sleep(0.05)
 
 
+async def _backlog_then_live(settings, items: Sequence[Item]) -> list[AiokafkaWorker]:  # type: ignore[no-untyped-def]
+    """Half the items a backlog on four partitions, the other half produced once two workers are routing it;
+    the workers, stopped once they routed every item between them."""
+    half = len(items) // 2
+    await create_topics(settings, 4)
+    await produce_to(settings, [(i.partition, i.id.encode(), i.value) for i in items[:half]])
+    workers = [AiokafkaWorker(settings) for _ in range(2)]
+    tasks = [asyncio.ensure_future(w.run()) for w in workers]
+    deadline = time.monotonic() + 120
+    try:
+        await _seen(workers, tasks, half // 4, deadline)  # routing the backlog
+        await produce_to(settings, [(i.partition, i.id.encode(), i.value) for i in items[half:]])  # live
+        await _seen(workers, tasks, len(items), deadline)
+    finally:
+        for w in workers:
+            w.stop()
+        await asyncio.gather(*tasks)
+    return workers
+
+
 def _run_workers(settings, count: int, total: int) -> dict[str, str]:  # type: ignore[no-untyped-def]
     async def go() -> list[KafkaRecord]:
         workers = [AiokafkaWorker(settings) for _ in range(count)]
@@ -504,24 +524,11 @@ def test_two_exactly_once_workers_fit_a_small_max_message_bytes_on_a_backlog_and
     want = reference(items, NearDupFilter())
     settings = scenario_settings(kafka_bootstrap, index_url, ts_field="ts", max_batch=100, max_skew=1800.0,
                                  session_timeout=10.0, processing_guarantee="exactly_once")
-    half = len(items) // 2
     caplog.set_level(logging.INFO, logger="neardup")
 
     async def go() -> list[KafkaRecord]:
         await ensure_topics(settings, [settings.unique_topic], 4, {**KEEP, "max.message.bytes": "2048"})
-        await create_topics(settings, 4)
-        await produce_to(settings, [(i.partition, i.id.encode(), i.value) for i in items[:half]])
-        workers = [AiokafkaWorker(settings) for _ in range(2)]
-        tasks = [asyncio.ensure_future(w.run()) for w in workers]
-        deadline = time.monotonic() + 120
-        try:
-            await _seen(workers, tasks, half // 4, deadline)  # routing the backlog
-            await produce_to(settings, [(i.partition, i.id.encode(), i.value) for i in items[half:]])  # live
-            await _seen(workers, tasks, len(items), deadline)
-        finally:
-            for w in workers:
-                w.stop()
-            await asyncio.gather(*tasks)
+        workers = await _backlog_then_live(settings, items)
         assert [w.batch_bytes for w in workers] == [2048, 2048]
         return await read_outputs(settings, committed=True, sources=len(items), settle=0.5)
 
@@ -545,22 +552,9 @@ def test_two_workers_on_the_group_layout_route_a_backlog_and_live_records_as_the
     want = reference(items, NearDupFilter())
     settings = scenario_settings(kafka_bootstrap, f"{index_url}&layout=group", ts_field="ts", max_batch=100,
                                  max_skew=1800.0, session_timeout=10.0)
-    half = len(items) // 2
 
     async def go() -> list[KafkaRecord]:
-        await create_topics(settings, 4)
-        await produce_to(settings, [(i.partition, i.id.encode(), i.value) for i in items[:half]])
-        workers = [AiokafkaWorker(settings) for _ in range(2)]
-        tasks = [asyncio.ensure_future(w.run()) for w in workers]
-        deadline = time.monotonic() + 120
-        try:
-            await _seen(workers, tasks, half // 4, deadline)  # routing the backlog
-            await produce_to(settings, [(i.partition, i.id.encode(), i.value) for i in items[half:]])  # live
-            await _seen(workers, tasks, len(items), deadline)
-        finally:
-            for w in workers:
-                w.stop()
-            await asyncio.gather(*tasks)
+        workers = await _backlog_then_live(settings, items)
         assert all(w.nd.index.stats()["entries"] > 0 for w in workers)  # (the one namespace, seen by both)
         return await read_outputs(settings, sources=len(items), settle=0.5)
 
