@@ -71,7 +71,7 @@ def _script() -> _Script:
     return _Script.of(_lua("insert_slices.lua", "group_insert.lua").replace("GROUP_BITS", bits))
 
 
-GROUP_INSERT = _script()  # the checking script: a contended round, and every round on Redis Cluster
+GROUP_INSERT = _script()  # the checking script: a contended round (on Redis Cluster, one INSERT_ALONE_LUA refused)
 
 
 def _mixed(h: int) -> bytes:
