@@ -10,7 +10,7 @@ the Redis index and reads the server's `INFO cpu` (user + sys), `INFO stats` (by
 `INFO commandstats` before and after: nothing else should use that Redis meanwhile. A Redis Cluster URL
 (`redis+cluster://host:port`) sums those of every master (a namespace lives on one). `--rounds checked` makes
 every insert round the contended one (the checking script: what a round that others wrote beside costs, and
-every round on Redis Cluster). Prints the median
+every round of the compact layout on Redis Cluster). Prints the median
 per message of the server's CPU, the client's CPU (this process), the wall time, the bytes Redis
 received and sent, and the server's busiest commands. `--layout slot,compact` measures both layouts in the
 one call, run after run alternating, and prints their ratios. It imports

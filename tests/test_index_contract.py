@@ -70,7 +70,7 @@ def make_index(request: pytest.FixtureRequest) -> Iterator[MakeIndex]:
     `redis-spread` the spread layout (filters/index/redis_spread.py) on one Redis, over 4 shards;
     `redis-compact` the compact layout (filters/index/redis_compact.py), `redis-group` the group layout
     (filters/index/redis_group.py); `redis-cluster`, `redis-compact-cluster`, `redis-group-cluster` the slot,
-    compact and group layouts on a Redis Cluster (every round of the last two the checking script)."""
+    compact and group layouts on a Redis Cluster (every round of the compact layout the checking script)."""
     made: list[CandidateIndex] = []
     prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
     url = _base_url(request)

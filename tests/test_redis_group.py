@@ -7,7 +7,7 @@ import random
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -19,6 +19,7 @@ from filters.errors import ConfigError
 from filters.index import Entry, Query
 from filters.index import compact_codec as cc
 from filters.index import group_codec as gc
+from filters.index import redis as slot
 from filters.index.redis import MARKER, RedisIndex, RedisTarget
 from filters.index.redis_codec import stored_of
 from filters.index.redis_compact import CompactIndex
@@ -99,7 +100,7 @@ def layout() -> type[RedisIndex]:
 
 @pytest.fixture(params=["standalone", "cluster"])
 def race_url(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Standalone Redis, and Redis Cluster (where every round is the checking script)."""
+    """Standalone Redis, and Redis Cluster (no WATCH: an uncontended round through INSERT_ALONE_LUA)."""
     prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
     if request.param == "standalone":
         base = request.getfixturevalue("redis_url")
@@ -215,8 +216,8 @@ class _PausedGroup(PausedLookup, GroupIndex):
 @pytest.mark.parametrize("paused", [True, False], ids=["paused-between-lookup-and-insert", "free-running"])
 def test_near_duplicates_at_the_same_moment_make_exactly_one_unique(race_url: str, paused: bool) -> None:
     """Real threads on real Redis: each worker's copy of a spam at the same moment; the contended rounds (a
-    refused transaction, then the checking script; on Redis Cluster the script every round) let exactly one
-    through."""
+    refused transaction, then the checking script; on Redis Cluster INSERT_ALONE_LUA refusing, then the script)
+    let exactly one through."""
     uniques = race(race_url, racy=False, paused=paused, index=_PausedGroup)
     assert uniques == [1] * len(uniques)
 
@@ -261,8 +262,8 @@ def test_the_first_slice_gets_the_groups_of_the_rate_the_url_names(make: Callabl
 
 
 def test_a_cluster_routes_as_the_memory_index(redis_cluster_url: str) -> None:
-    """On Redis Cluster (no WATCH: the checking script every round, its keys all of one hash tag) the group layout
-    decides a stream as the memory index, its keys all on one master."""
+    """On Redis Cluster (no WATCH: INSERT_ALONE_LUA or the checking script, its keys all of one hash tag) the group
+    layout decides a stream as the memory index, its keys all on one master."""
     prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
     url = with_query(cluster_url(redis_cluster_url), prefix=prefix, layout="group")
     messages = generated_messages(400, seed=5)
@@ -279,6 +280,59 @@ def test_a_cluster_routes_as_the_memory_index(redis_cluster_url: str) -> None:
                    if list(cluster.scan_iter(match=f"{{{prefix}:*", target_nodes=node))]
         assert len(holding) == 1
     drop_cluster_namespace(cluster_url(redis_cluster_url), prefix)
+
+
+def _cluster_dump(url: str, prefix: str, namespace: str) -> dict[bytes, dict[bytes, bytes]]:
+    """Every key of a namespace on a Redis Cluster (one slot: one master) and what it holds."""
+    with redis.RedisCluster.from_url(url.replace("+cluster", "")) as cluster:
+        keys = sorted({key for node in cluster.get_primaries()
+                       for key in cluster.scan_iter(match=f"{{{prefix}:{namespace}}}:*", target_nodes=node)})
+        return {key.split(b"}", 1)[1]: cluster.hgetall(key) for key in keys}
+
+
+@pytest.mark.parametrize(("window", "cap"), [(3600.0, 8), (30.0, 2)])
+def test_uncontended_rounds_on_a_cluster_store_what_the_checking_script_stores(redis_cluster_url: str, window: float,
+                                                                               cap: int) -> None:
+    """On Redis Cluster (no WATCH) an uncontended round's groups go through INSERT_ALONE_LUA: the same batches
+    through it and through the checking script alone (`alone_inserts` off) leave the very same keys and bytes
+    (groups, entries, counts, bits, layout, seq, high-water mark, the token, slices unlinked: a window of 30 s
+    makes several), and the verdicts of the memory index."""
+    base = cluster_url(redis_cluster_url)
+    prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
+    url = with_query(base, prefix=prefix, layout="group")
+    config = FilterConfig(window=window, bucket_cap=cap)
+    fast = GroupIndex(url, window=window, bucket_cap=cap, namespace="fast")
+    checked = GroupIndex(url, window=window, bucket_cap=cap, namespace="checked")
+    checked.alone_inserts = False
+    checked._token = fast._token  # the `gen` each first writer leaves: the same here, compared too
+    scripts: dict[str, list[Any]] = {"fast": [], "checked": []}
+    for name, index in (("fast", fast), ("checked", checked)):
+        def counted(script: Any, calls: Any, then: Any = (), run: Any = index._eval_pipelined,
+                    seen: list[Any] = scripts[name]) -> list[Any]:
+            replies = run(script, calls, then)
+            seen.extend((script.sha, reply) for reply in replies)
+            return cast("list[Any]", replies)
+
+        index._eval_pipelined = counted  # type: ignore[method-assign]
+    messages = generated_messages(600, seed=3)
+    try:
+        verdicts = []
+        for index in (fast, checked):
+            engine = NearDupFilter(config, index=index)
+            verdicts.append([v for at in range(0, 600, 50) for v in engine.check_batch(messages[at : at + 50])])
+        memory = NearDupFilter(config)
+        assert verdicts[0] == verdicts[1] == [v for at in range(0, 600, 50)
+                                              for v in memory.check_batch(messages[at : at + 50])]
+        alone = slot._INSERT_ALONE.sha
+        assert sum(1 for sha, reply in scripts["fast"] if sha == alone and reply == 1) >= 10  # it did the work
+        assert all(sha != alone for sha, _ in scripts["checked"])
+        fast_dump = _cluster_dump(base, prefix, "fast")
+        assert fast_dump == _cluster_dump(base, prefix, "checked")
+        assert len(fast_dump) >= (4 if window < 60 else 2) and b"gen" in fast_dump[b":meta"]
+    finally:
+        fast.close()
+        checked.close()
+        drop_cluster_namespace(base, prefix)
 
 
 def test_without_the_compiled_core_the_python_reference_decides_alike(make: Callable[..., GroupIndex],

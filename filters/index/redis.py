@@ -1464,7 +1464,7 @@ class RedisIndex:
                 view.watch = -1  # somebody wrote right after: later rounds go through the script's check
         else:
             args: list[str | int | bytes] = [str(start), view.hwm, str(seq), hwm_bytes, self._ttl_ms, gone,
-                                             self._expected_marker()]
+                                             self._expected_marker(), 0, "", ""]
             for s, (count, pairs) in groups.items():
                 args += [f"{self._spre}{s}", count, len(pairs) // 2, *pairs]
             [done] = self._eval_pipelined(_INSERT_ALONE, [args], self._memo_commands())

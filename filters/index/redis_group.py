@@ -5,9 +5,10 @@ Chosen by `?layout=group`. A lookup reads one `HMGET` a slice (the distinct grou
 ids, its memos: `group_codec.pack_reads`), which `slice_column` turns into the compact layout's columns, so the
 ranking, the uncontended round, the tails and the read sent ahead are the compact layout's (`CompactIndex`); a
 round's writes go back into whole groups (`slice_writes`, `pack_writes`, as `apply_round` writes them) in the
-watched transaction, and are kept where the next round finds them (`keep_written`). Any other round (a
-contended one, a restore's chunk refused, every round on Redis Cluster, where a namespace's keys share one hash
-tag as the slot layout's) is the checking script, `lua/group_insert.lua`, which writes `apply_round`'s bytes. A
+watched transaction (on Redis Cluster, where there is no WATCH and a namespace's keys share one hash tag as the
+slot layout's, through the slot layout's `lua/insert_alone.lua`), and are kept where the next round finds them
+(`keep_written`). Any other round (a contended one, a restore's chunk refused) is the checking script,
+`lua/group_insert.lua`, which writes `apply_round`'s bytes. A
 rebuild (a fenced index without its marker) holds its entries' records and writes each group once
 (`group_codec.held_groups`), leaving the bytes the guarded chunks of any other restore leave.
 """
@@ -70,7 +71,7 @@ def _script() -> _Script:
     return _Script.of(_lua("insert_slices.lua", "group_insert.lua").replace("GROUP_BITS", bits))
 
 
-GROUP_INSERT = _script()  # the checking script: a contended round, and every round on Redis Cluster
+GROUP_INSERT = _script()  # the checking script: a contended round (on Redis Cluster, one INSERT_ALONE_LUA refused)
 
 
 def _mixed(h: int) -> bytes:
@@ -350,10 +351,14 @@ class GroupIndex(CompactIndex):
         self._wrote_round(hwm_bytes, pending, groups, writes)
         return list(results)
 
+    def _alone_unwatched(self) -> bool:
+        """Without WATCH (Redis Cluster), an uncontended round's groups go through INSERT_ALONE_LUA (`_transact`)."""
+        return not self._watchable()
+
     def _write_groups(self, start: int, seq: int, stored_hwm: bytes, hwm_bytes: bytes, hwm: float,
                       groups: dict[int, list[Any]], rows: Sequence[tuple[int, float, Any, int]],
                       names: Sequence[bytes], raw: dict[int, dict[bytes, bytes]]) -> bool | None:
-        """The uncontended round's transaction (`_transact`), under the lookup's WATCH."""
+        """The uncontended round's writes (`_transact`), under the lookup's WATCH, or through INSERT_ALONE_LUA."""
         return self._transact(start, seq, stored_hwm, hwm_bytes, hwm, groups, rows, names, raw)
 
     def _transact(self, start: int, seq: int, stored_hwm: bytes, hwm_bytes: bytes, hwm: float,
@@ -363,11 +368,15 @@ class GroupIndex(CompactIndex):
         the entries are taken; `rows`: (seq, event time, places of its buckets in `names`, place of its id) of
         each entry written) as a watched MULTI/EXEC: each group touched rewritten whole from `raw` (the groups
         read, updated once Redis took the transaction), a slice written for the first time given its bits.
-        None: refused, nothing written; else whether the meta hash still held what this wrote."""
+        Where no WATCH guards the round (Redis Cluster) the same writes go through INSERT_ALONE_LUA, which checks
+        that the seq and high-water mark are still what the lookup read. None: refused, nothing written; else
+        whether the meta hash still held what this wrote (after the script, True)."""
         meta, ttl, cap = self._meta, self._ttl_ms, self.bucket_cap
+        watched = self._watchable()
         commands: list[Any] = [("MULTI",)]
         made: dict[int, int] = {}
         kept: list[tuple[int, list[bytes | None] | None, list[bytes], list[int]]] = []
+        slices: list[Any] = []  # INSERT_ALONE_LUA's: per slice its key, entries, pairs and the pairs
         step = 2 * FIELDS_PER_CALL
         listed, listed_rows = list(names), list(rows)
         for s, (count, pairs) in groups.items():
@@ -387,34 +396,54 @@ class GroupIndex(CompactIndex):
                                              listed_rows, s, self.slice_length, cap, pairs)
             kept.append((s, read[2] if read is not None else None, flat, taken))
             key = f"{self._spre}{s}"
-            if self._packs:  # packed at once (`pack_writes`)
+            if not watched:
+                slices += [key, count, len(flat) // 2, *flat]
+            elif self._packs:  # packed at once (`pack_writes`)
                 commands.append(_Packed(*self._pack_group_writes(key, flat, step, count, ttl)))
-                continue
-            commands += [("HSET", key, *flat[a : a + step]) for a in range(0, len(flat), step)]
-            commands += [("HINCRBY", key, "n", count), ("PEXPIRE", key, ttl)]
-        if seq != start:
-            commands += [("HSET", meta, "seq", seq, "layout", gc.LAYOUT), ("HSETNX", meta, "gen", self._token)]
-        if hwm_bytes != stored_hwm:
-            commands.append(("HSET", meta, "hwm", hwm_bytes))
-        if seq != start or hwm_bytes != stored_hwm or made:
-            commands.append(("PEXPIRE", meta, ttl))
+            else:
+                commands += [("HSET", key, *flat[a : a + step]) for a in range(0, len(flat), step)]
+                commands += [("HINCRBY", key, "n", count), ("PEXPIRE", key, ttl)]
+        gone = None
         if seq != start:
             clock = hwm if self._clock is None else self._clock
             gone = self._slice(clock - self.window) - 1
-            commands += [("UNLINK", f"{self._spre}{gone}"), ("HDEL", meta, f"k:{gone}")]
-        commands += self._memo_commands()
-        commands += [("EXEC",), ("WATCH", meta), ("HMGET", meta, "seq", "hwm")]
-        replies = self._exec_watched(cast("list[Sequence[str | int | bytes]]", commands))
-        if replies is None:
-            return None
+        if watched:
+            if seq != start:
+                commands += [("HSET", meta, "seq", seq, "layout", gc.LAYOUT), ("HSETNX", meta, "gen", self._token)]
+            if hwm_bytes != stored_hwm:
+                commands.append(("HSET", meta, "hwm", hwm_bytes))
+            if seq != start or hwm_bytes != stored_hwm or made:
+                commands.append(("PEXPIRE", meta, ttl))
+            if gone is not None:
+                commands += [("UNLINK", f"{self._spre}{gone}"), ("HDEL", meta, f"k:{gone}")]
+            commands += self._memo_commands()
+            commands += [("EXEC",), ("WATCH", meta), ("HMGET", meta, "seq", "hwm")]
+            replies = self._exec_watched(cast("list[Sequence[str | int | bytes]]", commands))
+            if replies is None:
+                return None
+            now_seq, now_hwm = replies[-1]
+            held = int(now_seq or 0) == seq and (now_hwm or b"") == hwm_bytes
+        else:
+            fields: list[Any] = [f for s, bits in made.items() for f in (f"k:{s}", bits)]
+            if seq != start:
+                fields += ["layout", gc.LAYOUT]
+            args = [str(start), stored_hwm, str(seq), hwm_bytes, ttl, "" if gone is None else f"{self._spre}{gone}",
+                    self._expected_marker(), len(fields) // 2, *fields, self._token if seq != start else "",
+                    "" if gone is None else f"k:{gone}", *slices]
+            [done] = self._eval_pipelined(slot._INSERT_ALONE, [args], self._memo_commands())
+            if done == -1:
+                raise self._lost()
+            if not done:
+                self._memos_sent()  # written beside the script, whatever it answered
+                return None
+            held = True
         self._bits.update(made)
         ahead = self._ahead is not None  # a read sent ahead lacks these groups (`_taken`); one sent after has them
         for s, values, flat, taken in kept:
             self._keep_written(raw.setdefault(s, {}), values, flat, taken,
                                self._raw_written.setdefault(s, {}) if ahead else None)
         self._stored_top = max(self._stored_top, _stored_time(hwm_bytes))
-        now_seq, now_hwm = replies[-1]
-        return int(now_seq or 0) == seq and (now_hwm or b"") == hwm_bytes
+        return held
 
     def _guarded_round(self, ids: list[str], times: list[float], blobs: list[bytes], fields_of: Sequence[list[bytes]],
                  check: Sequence[bool]) -> tuple[list[int], bytes]:
