@@ -33,6 +33,7 @@ from tests.test_changelog import (
 from tests.test_changelog import messages as changelog_messages
 from tests.test_index_contract import _view, drop_namespace, generated_messages, with_query
 from tests.test_redis_index import (  # noqa: F401 (race_url: a fixture)
+    ANY_LAYOUT,
     WINDOW,
     PausedLookup,
     _namespace_dump,
@@ -45,52 +46,13 @@ from tests.test_redis_index import (  # noqa: F401 (race_url: a fixture)
     made_indexes,
     race,
     race_url,
-    test_a_foreign_insert_while_a_read_is_ahead_is_seen,
-    test_a_near_duplicate_inserted_during_a_lookup_is_seen,
-    test_a_read_ahead_lost_with_its_connection_is_read_again,
-    test_a_read_sent_ahead_stores_and_decides_as_reading_after_the_insert,
-    test_a_reconnect_between_lookup_and_insert_never_sends_the_transaction_unguarded,
-    test_a_replayed_duplicate_finds_its_memo_on_any_redis,
-    test_after_a_stream_every_key_has_a_ttl,
-    test_an_insert_after_close_is_checked_by_the_script,
-    test_an_uncontended_insert_is_a_watched_transaction_that_a_foreign_write_refuses,
-    test_insert_returns_what_entered_the_buckets_since_the_lookup,
-    test_own_inserts_never_conflict,
-    test_random_interleavings_never_make_two_near_duplicates_unique,
-    test_random_interleavings_of_workers_reading_ahead_never_make_two_near_duplicates_unique,
-    test_reading_ahead_can_be_switched_off,
-    test_reading_ahead_on_redis_routes_as_batch_after_batch,
-    test_replay_of_an_id_never_conflicts_with_itself,
-    test_route_batch_on_redis_decides_like_the_memory_index,
-    test_stats_from_another_thread_while_batches_are_routed,
-    test_the_next_lookup_sees_the_memos_the_batch_wrote_after_the_read_went_out,
-    test_the_next_lookup_sees_what_the_batch_inserted_after_the_read_went_out,
 )
 
-__all__ = [  # collected here again, each with this module's `make` or `layout`: the compact layout
+globals().update(ANY_LAYOUT)  # collected here again, each with this module's `make` or `layout`: the compact layout
+__all__ = [  # idem, the changelog's
     "test_a_batch_looked_up_before_a_loss_writes_nothing_after_it",
     "test_a_conflict_re_read_after_a_rebuild_is_refused",
     "test_a_fenced_index_without_its_marker_refuses_to_decide",
-    "test_a_foreign_insert_while_a_read_is_ahead_is_seen",
-    "test_a_near_duplicate_inserted_during_a_lookup_is_seen",
-    "test_a_read_ahead_lost_with_its_connection_is_read_again",
-    "test_a_read_sent_ahead_stores_and_decides_as_reading_after_the_insert",
-    "test_a_reconnect_between_lookup_and_insert_never_sends_the_transaction_unguarded",
-    "test_a_replayed_duplicate_finds_its_memo_on_any_redis",
-    "test_after_a_stream_every_key_has_a_ttl",
-    "test_an_insert_after_close_is_checked_by_the_script",
-    "test_an_uncontended_insert_is_a_watched_transaction_that_a_foreign_write_refuses",
-    "test_insert_returns_what_entered_the_buckets_since_the_lookup",
-    "test_own_inserts_never_conflict",
-    "test_random_interleavings_never_make_two_near_duplicates_unique",
-    "test_random_interleavings_of_workers_reading_ahead_never_make_two_near_duplicates_unique",
-    "test_reading_ahead_can_be_switched_off",
-    "test_reading_ahead_on_redis_routes_as_batch_after_batch",
-    "test_replay_of_an_id_never_conflicts_with_itself",
-    "test_route_batch_on_redis_decides_like_the_memory_index",
-    "test_stats_from_another_thread_while_batches_are_routed",
-    "test_the_next_lookup_sees_the_memos_the_batch_wrote_after_the_read_went_out",
-    "test_the_next_lookup_sees_what_the_batch_inserted_after_the_read_went_out",
 ]
 
 
@@ -464,6 +426,47 @@ def test_a_rebuild_after_one_that_died_drops_what_it_left(redis_url: str) -> Non
             rebuilt.close()
 
 
+def _intruded(rebuilt: CompactIndex, other: CompactIndex) -> list[bool]:
+    """Makes `other` (an unfenced client of `rebuilt`'s namespace) insert an entry `x` (keys 3 and 999) once
+    `rebuilt` first writes its high-water mark: somebody else writing during a rebuild. Returns a list that holds
+    True once it did."""
+    execute = rebuilt._execute
+    intruded: list[bool] = []
+
+    def intruding(commands: Any, **options: Any) -> Any:
+        replies = execute(commands, **options)
+        if not intruded and any(c[0] == "HSET" and c[2] == "hwm" for c in commands):
+            intruded.append(True)
+            other.lookup([Query("x", 1020.0, (3, 999))], 8)
+            assert other.insert([(Entry("x", 1020.0, 1, 30, np.arange(8, dtype=np.uint64)), (3, 999))]) == [None]
+        return replies
+
+    rebuilt._execute = intruding  # type: ignore[method-assign]
+    return intruded
+
+
+def _watched_rounds(index: CompactIndex) -> list[bool]:
+    """A list that gets, per guarded chunk of `index`'s restores (`_restore_watched`), whether Redis took it."""
+    restore_watched = index._restore_watched
+    watched: list[bool] = []
+
+    def counted(rows: Any) -> Any:
+        done = restore_watched(rows)
+        watched.append(done is not None)
+        return done
+
+    index._restore_watched = counted  # type: ignore[method-assign]
+    return watched
+
+
+def _assert_the_intruder_kept(rebuilt: CompactIndex) -> None:
+    """The entry `_intruded` inserted is a candidate of its keys, beside those of the rebuild."""
+    [(_, found)] = rebuilt.lookup([Query("y", 1100.0, (999,))], 8)
+    assert [c.entry.id for c in found] == ["x"]
+    [(_, found)] = rebuilt.lookup([Query("y", 1100.0, (3,))], 8)
+    assert "x" in [c.entry.id for c in found] and len(found) > 1
+
+
 def test_a_rebuild_that_finds_another_writer_hands_the_rest_to_guarded_chunks(redis_url: str,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """Somebody else writes during a rebuild (an unfenced client): the rebuild sees the seq move, writes what it
@@ -476,36 +479,15 @@ def test_a_rebuild_that_finds_another_writer_hands_the_rest_to_guarded_chunks(re
         before = _original(url, journal, _QUERIES[:2])
         rebuilt = _fenced(url)
         other = CompactIndex(url, window=3600.0, bucket_cap=8, namespace="ns")
-        execute = rebuilt._execute
-        intruded: list[bool] = []
-        watched: list[bool] = []
-        restore_watched = rebuilt._restore_watched
-
-        def intruding(commands: Any, **options: Any) -> Any:
-            replies = execute(commands, **options)
-            if not intruded and any(c[0] == "HSET" and c[2] == "hwm" for c in commands):
-                intruded.append(True)
-                other.lookup([Query("x", 1020.0, (3, 999))], 8)
-                assert other.insert([(Entry("x", 1020.0, 1, 30, np.arange(8, dtype=np.uint64)), (3, 999))]) == [None]
-            return replies
-
-        def counted(rows: Any) -> Any:
-            done = restore_watched(rows)
-            watched.append(done is not None)
-            return done
-
-        rebuilt._execute = intruding  # type: ignore[method-assign]
-        rebuilt._restore_watched = counted  # type: ignore[method-assign]
+        intruded = _intruded(rebuilt, other)
+        watched = _watched_rounds(rebuilt)
         try:
             assert rebuilt.restore([stored_of(journal)]) == 40
             assert intruded and watched and all(watched)
-            rebuilt._execute = execute  # type: ignore[method-assign]
+            del rebuilt._execute  # (the class's again)
             _mark(url, "e2")
             assert _view(rebuilt.lookup(_QUERIES[:2], 8)) == before
-            [(_, found)] = rebuilt.lookup([Query("y", 1100.0, (999,))], 8)
-            assert [c.entry.id for c in found] == ["x"]
-            [(_, found)] = rebuilt.lookup([Query("y", 1100.0, (3,))], 8)
-            assert "x" in [c.entry.id for c in found] and len(found) > 1
+            _assert_the_intruder_kept(rebuilt)
         finally:
             rebuilt.close()
             other.close()
