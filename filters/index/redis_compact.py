@@ -78,7 +78,9 @@ READ_COMMANDS = 1 << 16  # a rebuild's reads of what Redis holds go this many co
 
 def _script() -> _Script:
     bits = f"{cc.K_FIRST}, {cc.K_MIN}, {cc.K_MAX}, {cc.FIELDS_PER_ENTRY}, {cc.SMALL_FILL}, {cc.UNLINK_INLINE_BITS}"
-    return _Script.of(_lua("trim16.lua", "insert_slices.lua", "compact_insert.lua").replace("COMPACT_BITS", bits))
+    source = _lua("trim16.lua", "insert_slices.lua", "round_start.lua", "compact_insert.lua")
+    return _Script.of(source.replace("ROUND_LAYOUT", f"'{cc.LAYOUT}'").replace("ROUND_FIXED", "false")
+                      .replace("COMPACT_BITS", bits))
 
 
 COMPACT_INSERT = _script()

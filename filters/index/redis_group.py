@@ -58,7 +58,9 @@ NAMES_KEPT_BITS = 17  # the groups' fields a client keeps made: those of 2^17 gr
 
 def _script() -> _Script:
     bits = f"{gc.K_FIRST}, {gc.K_MIN}, {gc.K_MAX}, {cc.FIELDS_PER_ENTRY}, {gc.GROUP_FILL}"
-    return _Script.of(_lua("insert_slices.lua", "group_insert.lua").replace("GROUP_BITS", bits))
+    source = _lua("insert_slices.lua", "round_start.lua", "group_insert.lua")  # (an entry's buckets: one argument)
+    return _Script.of(source.replace("ROUND_LAYOUT", f"'{gc.LAYOUT}'").replace("ROUND_FIXED", "true")
+                      .replace("GROUP_BITS", bits))
 
 
 GROUP_INSERT = _script()  # the checking script: a contended round, and every round on Redis Cluster
