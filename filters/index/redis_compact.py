@@ -120,6 +120,27 @@ def _pack(commands: list[Sequence[Any]]) -> bytes:
     return b"".join(hiredis.pack_command(tuple(command)) for command in commands)
 
 
+def _pieces(commands: Sequence[Sequence[Any] | _Packed]) -> tuple[list[bytes], int]:
+    """Commands some of which are packed already (`_Packed`) as pieces of RESP (the packed ones, and each run of
+    the others packed), and the number of replies they get."""
+    blobs: list[bytes] = []
+    run: list[Any] = []
+    count = 0
+    for command in commands:
+        if type(command) is _Packed:
+            if run:
+                blobs.append(_pack(run))
+                run = []
+            blobs.append(command.data)
+            count += command.count
+        else:
+            run.append(command)
+            count += 1
+    if run:
+        blobs.append(_pack(run))
+    return blobs, count
+
+
 @dataclass(slots=True)
 class _HeldFields:
     """A rebuild's bucket and id fields not written yet (`CompactIndex._rebuild_compact`), in flat arrays: per
@@ -325,21 +346,7 @@ class CompactIndex(RedisIndex):
         if not any(type(c) is _Packed for c in commands):
             RedisIndex._pack_and_send(conn, cast("Sequence[Sequence[str | int | bytes]]", commands))
             return len(commands)
-        blobs: list[bytes] = []
-        run: list[Any] = []
-        count = 0
-        for command in commands:
-            if type(command) is _Packed:
-                if run:
-                    blobs.append(_pack(run))
-                    run = []
-                blobs.append(command.data)
-                count += command.count
-            else:
-                run.append(command)
-                count += 1
-        if run:
-            blobs.append(_pack(run))
+        blobs, count = _pieces(commands)
         conn.send_packed_command([b"".join(blobs)])
         return count
 
@@ -596,15 +603,20 @@ class CompactIndex(RedisIndex):
             replies = self._execute([("HMGET", f"{self._spre}{s}", *map(cc.entry_field, seqs))
                                      for s, seqs in by_slice.items()], share=False)
             self._raise_any(replies)
+        read = self._entries_read(by_slice, replies)
+        out.update(read)
+        self._keep(read)
+        return out
+
+    def _entries_read(self, by_slice: dict[int, list[int]], replies: Sequence[Any]) -> dict[int, Entry]:
+        """The entries of `_entries_by_seq`'s reads (per slice its seqs, and the values read of them) by seq."""
         read = {}
         for seqs, values in zip(by_slice.values(), replies):
             for seq, value in zip(seqs, values):
                 if value is not None:
                     blob, id = cc.split_entry_value(value)
                     read[seq] = decode_entry(blob, id)
-        out.update(read)
-        self._keep(read)
-        return out
+        return read
 
     def _keep(self, entries: dict[int, Entry]) -> None:
         cap = self._known_cap
@@ -646,20 +658,27 @@ class CompactIndex(RedisIndex):
         start = seq = view.mark + view.inserted
         writes: dict[int, dict[int, bytes]] = {s: dict(view.written.get(s, {})) for s in slices}
         looked = view.looked
+        id_places = [view.entry_places[looked[id]] for id in ids]
         results, groups, pending, hwm, seq = self._alone_compact(
-            ids, times, blobs, list(fields_of), cast("list[list[int]]", list(places_of)),
-            [view.entry_places[looked[id]] for id in ids], tuple(slices), view.columns, writes, hwm, window,
-            self.slice_length, cap, seq)
+            ids, times, blobs, list(fields_of), cast("list[list[int]]", list(places_of)), id_places, tuple(slices),
+            view.columns, writes, hwm, window, self.slice_length, cap, seq)
         hwm_bytes = view.hwm if hwm <= stored_hwm else (b"%.17g" % hwm)
-        clock = hwm if self._clock is None else self._clock
-        gone = self._slice(clock - window) - 1 if seq > start else None
-        written = self._write_watched_compact(start, seq, view.hwm, hwm_bytes, gone, groups)
+        written = self._write_alone(start, seq, hwm_bytes, hwm, groups, results, times, places_of, id_places)
         if written is None:
             return None
         if not written:
             view.watch = -1
         self._wrote_round(hwm_bytes, pending, groups, writes)
         return list(results)
+
+    def _write_alone(self, start: int, seq: int, hwm_bytes: bytes, hwm: float, groups: dict[int, list[Any]],
+                     results: Sequence[int], times: Sequence[float], places_of: Sequence[list[int] | None],
+                     id_places: Sequence[int]) -> bool | None:
+        """The transaction of `_alone_rows`' round (`_write_watched_compact`), under the lookup's WATCH: None when
+        refused, else whether the meta hash still held what it wrote."""
+        clock = hwm if self._clock is None else self._clock
+        gone = self._slice(clock - self.window) - 1 if seq > start else None
+        return self._write_watched_compact(start, seq, self._view.hwm, hwm_bytes, gone, groups)
 
     def _write_watched_compact(self, start: int, seq: int, stored_hwm: bytes, hwm: bytes, gone: int | None,
                                groups: dict[int, list[Any]]) -> bool | None:

@@ -44,6 +44,7 @@ from filters.index.redis_compact import (
     _HeldFields,
     _pack,
     _Packed,
+    _pieces,
 )
 from filters.records import Verdict
 
@@ -111,21 +112,7 @@ class GroupIndex(CompactIndex):
         on their way. Returns the number of replies."""
         if not any(type(c) is _Packed for c in commands):
             return CompactIndex._pack_send(conn, commands)
-        blobs: list[bytes] = []
-        run: list[Any] = []
-        count = 0
-        for command in commands:
-            if type(command) is _Packed:
-                if run:
-                    blobs.append(_pack(run))
-                    run = []
-                blobs.append(command.data)
-                count += command.count
-            else:
-                run.append(command)
-                count += 1
-        if run:
-            blobs.append(_pack(run))
+        blobs, count = _pieces(commands)
         conn.send_packed_command(blobs)
         return count
 
@@ -282,23 +269,9 @@ class GroupIndex(CompactIndex):
             out.append((mine, cands))
         return out
 
-    def _entries_by_seq(self, wanted: set[tuple[int, float]]) -> dict[int, Entry]:
-        """`CompactIndex._entries_by_seq`, the entries read decoded at once by the compiled decoder of the slot
-        layout (`decode_entries`; numpy's unpacking of one entry at a time cost ~80,000 instructions an entry)."""
-        out: dict[int, Entry] = {}
-        by_slice: dict[int, list[int]] = {}
-        for seq, ts in sorted(wanted):
-            entry = self._by_seq.get(seq)
-            if entry is not None:
-                out[seq] = entry
-            else:
-                by_slice.setdefault(self._slice(ts), []).append(seq)
-        if not by_slice:
-            return out
-        with self._errors():
-            replies = self._execute([("HMGET", f"{self._spre}{s}", *map(cc.entry_field, seqs))
-                                     for s, seqs in by_slice.items()], share=False)
-            self._raise_any(replies)
+    def _entries_read(self, by_slice: dict[int, list[int]], replies: Sequence[Any]) -> dict[int, Entry]:
+        """`CompactIndex._entries_read`, the entries decoded at once by the compiled decoder of the slot layout
+        (`decode_entries`; numpy's unpacking of one entry at a time cost ~80,000 instructions an entry)."""
         seqs, ids, blobs = [], [], []
         for at, values in zip(by_slice.values(), replies):
             for seq, value in zip(at, values):
@@ -312,38 +285,16 @@ class GroupIndex(CompactIndex):
             read = {seq: by_id[id] for seq, id in zip(seqs, ids)}
         else:
             read = {seq: self._decode([id], [blob], new_entry, decode_entry)[id] for seq, id, blob in zip(seqs, ids, blobs)}
-        out.update(read)
-        self._keep(read)
-        return out
+        return read
 
     # -- inserting -----------------------------------------------------------------------------------
-    def _alone_rows(self, ids: list[str], times: list[float], blobs: list[bytes], fields_of: Sequence[list[bytes]],
-                    places_of: Sequence[list[int] | None], low: float | None = None) -> list[int] | None:
-        """`CompactIndex._alone_rows`, its writes put into whole groups (`_write_groups`)."""
+    def _write_alone(self, start: int, seq: int, hwm_bytes: bytes, hwm: float, groups: dict[int, list[Any]],
+                     results: Sequence[int], times: Sequence[float], places_of: Sequence[list[int] | None],
+                     id_places: Sequence[int]) -> bool | None:
+        """`CompactIndex._write_alone`, its writes put into whole groups (`_write_groups`)."""
         view = self._view
-        window, cap = self.window, self.bucket_cap
-        stored_hwm = _stored_time(view.hwm)
-        hwm = max(self._hwm, stored_hwm)
-        first = max(hwm, min(times)) if low is None else low
-        slices = range(self._slice(first - window), self._slice(max(hwm, max(times))) + 1)
-        if slices[0] < view.slices[0] or slices[-1] > view.slices[-1]:
-            return None
-        start = seq = view.mark + view.inserted
-        writes: dict[int, dict[int, bytes]] = {s: dict(view.written.get(s, {})) for s in slices}
-        looked = view.looked
-        id_places = [view.entry_places[looked[id]] for id in ids]
-        results, groups, pending, hwm, seq = self._alone_compact(
-            ids, times, blobs, list(fields_of), cast("list[list[int]]", list(places_of)), id_places, tuple(slices),
-            view.columns, writes, hwm, window, self.slice_length, cap, seq)
-        hwm_bytes = view.hwm if hwm <= stored_hwm else (b"%.17g" % hwm)
         rows = [(r, ts, places, e) for r, ts, places, e in zip(results, times, places_of, id_places) if r > 0]
-        written = self._write_groups(start, seq, view.hwm, hwm_bytes, hwm, groups, rows, view.names, self._last_raw)
-        if written is None:
-            return None
-        if not written:
-            view.watch = -1
-        self._wrote_round(hwm_bytes, pending, groups, writes)
-        return list(results)
+        return self._write_groups(start, seq, view.hwm, hwm_bytes, hwm, groups, rows, view.names, self._last_raw)
 
     def _write_groups(self, start: int, seq: int, stored_hwm: bytes, hwm_bytes: bytes, hwm: float,
                       groups: dict[int, list[Any]], rows: Sequence[tuple[int, float, Any, int]],
