@@ -720,18 +720,27 @@ class CompactIndex(RedisIndex):
                 keys = [f"{self._spre}{gone}:{j}" for j in range(1 << bits)]
                 commands += [("UNLINK", *keys[a : a + REAP_KEYS]) for a in range(0, len(keys), REAP_KEYS)]
                 commands.append(("HDEL", meta, f"k:{gone}"))
-        commands += self._reap_commands()  # in the transaction: its HDEL does not dirty the WATCH
-        commands += self._memo_commands()
-        commands += [("EXEC",), ("WATCH", meta), ("HMGET", meta, "seq", "hwm")]
-        replies = self._exec_watched(cast("list[Sequence[str | int | bytes]]", commands))
+        replies = self._exec_round(commands, made)
         if replies is None:
             return None
-        self._bits.update(made)
         for s, j in renewed:  # only now: a transaction refused renewed nothing
             self._renewed[s][j >> 3] |= 1 << (j & 7)
         self._stored_top = max(self._stored_top, _stored_time(hwm))
         now_seq, now_hwm = replies[-1]
         return int(now_seq or 0) == seq and (now_hwm or b"") == hwm
+
+    def _exec_round(self, commands: list[Any], made: dict[int, int]) -> list[Any] | None:
+        """A round's transaction (`commands`, from its MULTI), closed with the reaps and memos that go with it,
+        then the meta hash watched and read again: its replies, None if Redis refused it (nothing written). Keeps
+        the bits of the slices it `made`."""
+        meta = self._meta
+        commands += self._reap_commands()  # in the transaction: its HDEL does not dirty the WATCH
+        commands += self._memo_commands()
+        commands += [("EXEC",), ("WATCH", meta), ("HMGET", meta, "seq", "hwm")]
+        replies = self._exec_watched(cast("list[Sequence[str | int | bytes]]", commands))
+        if replies is not None:
+            self._bits.update(made)
+        return replies
 
     def _renewing(self, s: int, bits: int, commands: list[Sequence[Any]],
                   renewed: list[tuple[int, int]]) -> list[Sequence[Any]]:
@@ -1165,15 +1174,7 @@ class CompactIndex(RedisIndex):
             top = _stored_time(cast("bytes | None", stored) or b"")
             slices = self._slices(top, top)
             bits = self._client.hmget(self._meta, [f"k:{s}" for s in slices]) if slices else []
-            commands: list[Sequence[Any]] = []
-            sampled = []
-            for s, k in zip(slices, bits):
-                commands.append(("HMGET", f"{self._spre}{s}", "n", "m"))
-                n = 1 << int(k) if k is not None else 0
-                step = max(1, n // STATS_SAMPLE)
-                sample = list(range(0, n, step))
-                sampled.append((n, len(sample)))
-                commands += [("HLEN", f"{self._spre}{s}:{j}") for j in sample]
+            commands, sampled = self._stats_reads(slices, bits)
             replies = self._execute(commands, pinned=False)
             self._raise_any(replies)
         entries = memos = buckets = 0
@@ -1182,10 +1183,29 @@ class CompactIndex(RedisIndex):
             count, memo = next(rest)
             entries += int(count or 0)
             memos += int(memo or 0)
-            lengths = [next(rest) for _ in range(taken)]
-            fields = sum(lengths) * n / taken if taken else 0
-            buckets += max(0, round(fields) - int(count or 0))
+            buckets += self._stats_buckets(rest, n, taken, int(count or 0))
         return {"entries": entries, "buckets": buckets, "memos": memos, "inserted": int(seq or 0)}
+
+    def _stats_reads(self, slices: Sequence[int], bits: Sequence[Any]) -> tuple[list[Sequence[Any]],
+                                                                            list[tuple[int, int]]]:
+        """The reads of `stats`: per slice (of `bits`, as the meta hash holds them), its counts (`HMGET n m`) and
+        those its buckets are counted from (`_stats_buckets`); and per slice (its small hashes, those sampled)."""
+        commands: list[Sequence[Any]] = []
+        sampled = []
+        for s, k in zip(slices, bits):
+            commands.append(("HMGET", f"{self._spre}{s}", "n", "m"))
+            n = 1 << int(k) if k is not None else 0
+            step = max(1, n // STATS_SAMPLE)
+            sample = list(range(0, n, step))
+            sampled.append((n, len(sample)))
+            commands += [("HLEN", f"{self._spre}{s}:{j}") for j in sample]
+        return commands, sampled
+
+    def _stats_buckets(self, rest: Iterator[Any], n: int, taken: int, count: int) -> int:
+        """A slice's buckets from the replies of its `_stats_reads` (next in `rest`; `count`: its entries)."""
+        lengths = [next(rest) for _ in range(taken)]
+        fields = sum(lengths) * n / taken if taken else 0
+        return max(0, round(fields) - count)
 
     def __repr__(self) -> str:
         return f"CompactIndex({self._where!r}, namespace={self.namespace!r}, window={self.window})"

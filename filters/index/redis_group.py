@@ -348,12 +348,9 @@ class GroupIndex(CompactIndex):
             clock = hwm if self._clock is None else self._clock
             gone = self._slice(clock - self.window) - 1
             commands += [("UNLINK", f"{self._spre}{gone}"), ("HDEL", meta, f"k:{gone}")]
-        commands += self._memo_commands()
-        commands += [("EXEC",), ("WATCH", meta), ("HMGET", meta, "seq", "hwm")]
-        replies = self._exec_watched(cast("list[Sequence[str | int | bytes]]", commands))
+        replies = self._exec_round(commands, made)
         if replies is None:
             return None
-        self._bits.update(made)
         ahead = self._ahead is not None  # a read sent ahead lacks these groups (`_taken`); one sent after has them
         for s, values, flat, taken in kept:
             self._keep_written(raw.setdefault(s, {}), values, flat, taken,
@@ -476,46 +473,35 @@ class GroupIndex(CompactIndex):
             olds.update((f, v) for f, v in zip(some, values) if v is not None)
         return olds
 
-    def stats(self) -> dict[str, int]:
-        """`entries` and `memos` of the slices of the window, `inserted`, and `buckets`: the distinct record keys
-        of each group, counted exactly in a slice hash of up to `STATS_FIELDS` fields, estimated from
-        `STATS_FIELDS` of its groups in a bigger one."""
-        with self._errors():
-            seq, stored = self._client.hmget(self._meta, "seq", "hwm")
-            top = _stored_time(cast("bytes | None", stored) or b"")
-            slices = self._slices(top, top)
-            bits = self._client.hmget(self._meta, [f"k:{s}" for s in slices]) if slices else []
-            sizes = self._execute([("HLEN", f"{self._spre}{s}") for s in slices], pinned=False)
-            self._raise_any(sizes)
-            commands: list[Sequence[Any]] = []
-            sampled = []
-            for s, k, size in zip(slices, bits, sizes):
-                key = f"{self._spre}{s}"
-                n = 1 << int(k) if k is not None else 0
-                commands.append(("HMGET", key, "n", "m"))
-                if size <= STATS_FIELDS:
-                    commands.append(("HGETALL", key))
-                    sampled.append((1, 1))
-                else:
-                    step = max(1, n // STATS_FIELDS)
-                    sample = range(0, n, step)
-                    commands.append(("HMGET", key, *map(gc.group_field, sample)))
-                    sampled.append((n, len(sample)))
-            replies = self._execute(commands, pinned=False)
-            self._raise_any(replies)
-        entries = memos = buckets = 0
-        rest = iter(replies)
-        for n, taken in sampled:
-            count, memo = next(rest)
-            entries += int(count or 0)
-            memos += int(memo or 0)
-            got = next(rest)
-            if isinstance(got, dict):
-                values = [v for f, v in got.items() if f[:1] == b"g"]
+    def _stats_reads(self, slices: Sequence[int], bits: Sequence[Any]) -> tuple[list[Sequence[Any]],
+                                                                            list[tuple[int, int]]]:
+        """`CompactIndex._stats_reads`: `buckets` are the distinct record keys of each group, counted exactly in a
+        slice hash of up to `STATS_FIELDS` fields, estimated from `STATS_FIELDS` of its groups in a bigger one."""
+        sizes = self._execute([("HLEN", f"{self._spre}{s}") for s in slices], pinned=False)
+        self._raise_any(sizes)
+        commands: list[Sequence[Any]] = []
+        sampled = []
+        for s, k, size in zip(slices, bits, sizes):
+            key = f"{self._spre}{s}"
+            n = 1 << int(k) if k is not None else 0
+            commands.append(("HMGET", key, "n", "m"))
+            if size <= STATS_FIELDS:
+                commands.append(("HGETALL", key))
+                sampled.append((1, 1))
             else:
-                values = [v for v in got if v is not None]
-            buckets += round(self._count_buckets(values) * n / taken) if taken else 0
-        return {"entries": entries, "buckets": buckets, "memos": memos, "inserted": int(seq or 0)}
+                step = max(1, n // STATS_FIELDS)
+                sample = range(0, n, step)
+                commands.append(("HMGET", key, *map(gc.group_field, sample)))
+                sampled.append((n, len(sample)))
+        return commands, sampled
+
+    def _stats_buckets(self, rest: Iterator[Any], n: int, taken: int, count: int) -> int:
+        got = next(rest)
+        if isinstance(got, dict):
+            values = [v for f, v in got.items() if f[:1] == b"g"]
+        else:
+            values = [v for v in got if v is not None]
+        return round(self._count_buckets(values) * n / taken) if taken else 0
 
     def __repr__(self) -> str:
         return f"GroupIndex({self._where!r}, namespace={self.namespace!r}, window={self.window})"
