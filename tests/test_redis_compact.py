@@ -4,10 +4,10 @@ and the layout's own: where its fields live, the refusal of a namespace of the l
 
 from __future__ import annotations
 
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
-from urllib.parse import urlsplit
 
 import numpy as np
 import pytest
@@ -99,13 +99,19 @@ def test_a_stream_leaves_its_fields_in_small_listpack_hashes(make: Callable[...,
 def test_a_namespace_of_the_layout_before_is_refused_with_one_line(make: Callable[..., RedisIndex], redis_url: str,
                                                                     prefix: str) -> None:
     old = RedisIndex(with_query(redis_url, prefix=prefix), window=WINDOW, bucket_cap=8, namespace="old")
+    assert_refused_after(old, make, "another layout.*give a new prefix")
+
+
+def assert_refused_after(old: RedisIndex, make: Callable[..., RedisIndex], match: str) -> None:
+    """`old` (of namespace `old`, in another layout) inserts; an index of this layout (`make`) of that namespace
+    then refuses to look up, with one line that matches `match`."""
     try:
         old.lookup([Query("a", 1000.0, (1, 2))], 8)
         old.insert([(entry("a"), (1, 2))])
     finally:
         old.close()
     index = make("old")
-    with pytest.raises(ConfigError, match="another layout.*give a new prefix") as caught:
+    with pytest.raises(ConfigError, match=match) as caught:
         index.lookup([Query("b", 1001.0, (1, 2))], 8)
     assert "\n" not in str(caught.value)
 
@@ -119,22 +125,6 @@ def test_near_duplicates_at_the_same_moment_make_exactly_one_unique(race_url: st
     """Standalone and Redis Cluster (where every insert round is the checking script)."""
     uniques = race(race_url, racy=False, paused=paused, index=_PausedCompact)
     assert uniques == [1] * len(uniques)
-
-
-def test_a_cluster_routes_as_the_memory_index(redis_cluster_url: str) -> None:
-    """On Redis Cluster (no WATCH: the checking script every round, its keys all of one hash tag) the compact
-    layout decides a stream as the memory index."""
-    url = with_query(cluster_url(redis_cluster_url), prefix=f"neardup-test-{uuid.uuid4().hex[:10]}")
-    messages = generated_messages(400, seed=5)
-    config = FilterConfig(window=WINDOW)
-    index = CompactIndex(url, window=WINDOW, bucket_cap=config.bucket_cap, namespace="ns")
-    try:
-        got = [v for at in range(0, 400, 50) for v in NearDupFilter(config, index=index).check_batch(messages[at : at + 50])]
-    finally:
-        index.close()
-    memory = NearDupFilter(config)
-    assert got == [v for at in range(0, 400, 50) for v in memory.check_batch(messages[at : at + 50])]
-    drop_cluster_namespace(cluster_url(redis_cluster_url), urlsplit(url).query.split("=")[1])
 
 
 @pytest.mark.parametrize("inline", [True, False], ids=["by-the-insert", "by-the-next-lookups"])
@@ -182,7 +172,8 @@ def test_uncontended_inserts_store_what_the_checking_script_stores(make: Callabl
 
 def test_the_checking_script_is_loaded_again_after_a_script_flush(make: Callable[..., CompactIndex],
                                                                    redis_url: str) -> None:
-    """NOSCRIPT comes back in its place among the replies read in bulk, and the script is loaded again."""
+    """A server that forgot the script (a restart, a failover) answers NOSCRIPT: it comes back in its place among
+    the replies read in bulk, and the script is loaded and run again."""
     index = make()
     index.alone_inserts = False
     for id in ("a", "b"):
@@ -227,6 +218,27 @@ def _fenced(url: str) -> CompactIndex:
 @pytest.fixture
 def layout() -> type[RedisIndex]:
     return CompactIndex
+
+
+def test_a_cluster_routes_as_the_memory_index(redis_cluster_url: str, layout: type[CompactIndex]) -> None:
+    """On Redis Cluster (no WATCH: the checking script every round, its keys all of one hash tag) the layout
+    decides a stream as the memory index, its keys all on one master."""
+    prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
+    url = with_query(cluster_url(redis_cluster_url), prefix=prefix, layout=layout.LAYOUT)
+    messages = generated_messages(400, seed=5)
+    config = FilterConfig(window=WINDOW)
+    index = layout(url, window=WINDOW, bucket_cap=config.bucket_cap, namespace="ns")
+    try:
+        got = [v for at in range(0, 400, 50) for v in NearDupFilter(config, index=index).check_batch(messages[at : at + 50])]
+    finally:
+        index.close()
+    memory = NearDupFilter(config)
+    assert got == [v for at in range(0, 400, 50) for v in memory.check_batch(messages[at : at + 50])]
+    with redis.RedisCluster.from_url(redis_cluster_url) as cluster:
+        holding = [node for node in cluster.get_primaries()
+                   if list(cluster.scan_iter(match=f"{{{prefix}:*", target_nodes=node))]
+        assert len(holding) == 1
+    drop_cluster_namespace(cluster_url(redis_cluster_url), prefix)
 
 
 def test_a_namespace_lost_and_made_again_is_not_taken_for_the_one_before(make: Callable[..., CompactIndex],
@@ -459,6 +471,17 @@ def _watched_rounds(index: CompactIndex) -> list[bool]:
     return watched
 
 
+def _assert_rebuilt_beside_an_intruder(rebuilt: CompactIndex, other: CompactIndex,
+                                       journal: list[tuple[Entry, tuple[int, ...]]]) -> None:
+    """`rebuilt` restores `journal` (40 entries) while `other` writes (`_intruded`): all of them written, what it
+    handed on in guarded chunks, each taken."""
+    intruded = _intruded(rebuilt, other)
+    watched = _watched_rounds(rebuilt)
+    assert rebuilt.restore([stored_of(journal)]) == 40
+    assert intruded and watched and all(watched)
+    del rebuilt._execute  # (the class's again)
+
+
 def _assert_the_intruder_kept(rebuilt: CompactIndex) -> None:
     """The entry `_intruded` inserted is a candidate of its keys, beside those of the rebuild."""
     [(_, found)] = rebuilt.lookup([Query("y", 1100.0, (999,))], 8)
@@ -479,12 +502,8 @@ def test_a_rebuild_that_finds_another_writer_hands_the_rest_to_guarded_chunks(re
         before = _original(url, journal, _QUERIES[:2])
         rebuilt = _fenced(url)
         other = CompactIndex(url, window=3600.0, bucket_cap=8, namespace="ns")
-        intruded = _intruded(rebuilt, other)
-        watched = _watched_rounds(rebuilt)
         try:
-            assert rebuilt.restore([stored_of(journal)]) == 40
-            assert intruded and watched and all(watched)
-            del rebuilt._execute  # (the class's again)
+            _assert_rebuilt_beside_an_intruder(rebuilt, other, journal)
             _mark(url, "e2")
             assert _view(rebuilt.lookup(_QUERIES[:2], 8)) == before
             _assert_the_intruder_kept(rebuilt)
@@ -528,15 +547,17 @@ def test_rate_is_an_option_of_the_compact_layout_only() -> None:
 
 
 def test_without_the_compiled_core_the_python_reference_decides_alike(make: Callable[..., CompactIndex],
+                                                                      layout: type[CompactIndex],
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """The compact layout on its Python reference (a slice's reads and writes packed by `compact_codec`, the
-    rest of the round through hiredis): the verdicts of the compiled core, batch after batch."""
+    """The layout on its Python reference (a slice's reads and writes packed by `compact_codec` or
+    `group_codec`, the rest of the round through hiredis): the verdicts of the compiled core, batch after batch."""
     import filters.index.redis_compact as redis_compact
 
     messages = generated_messages(900, seed=11)
     verdicts = {}
     for name, native in (("compiled", redis_compact._native), ("reference", None)):
-        monkeypatch.setattr(redis_compact, "_native", native)
+        for module in {redis_compact, sys.modules[layout.__module__]}:
+            monkeypatch.setattr(module, "_native", native)
         nd = NearDupFilter(FilterConfig(window=WINDOW), index=make(name))
         verdicts[name] = [v for at in range(0, len(messages), 128) for v in nd.check_batch(messages[at : at + 128])]
     assert verdicts["reference"] == verdicts["compiled"]

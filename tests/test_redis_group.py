@@ -15,7 +15,6 @@ import redis
 
 from filters.config import FilterConfig
 from filters.engine import NearDupFilter
-from filters.errors import ConfigError
 from filters.index import Entry, Query
 from filters.index import compact_codec as cc
 from filters.index import group_codec as gc
@@ -24,7 +23,17 @@ from filters.index.redis_codec import stored_of
 from filters.index.redis_compact import CompactIndex
 from filters.index.redis_group import GroupIndex
 from tests.test_index_contract import _view, drop_namespace, generated_messages, with_query
-from tests.test_redis_compact import _assert_the_intruder_kept, _intruded, _recording, _unpacked, _watched_rounds
+from tests.test_redis_compact import (
+    _assert_rebuilt_beside_an_intruder,
+    _assert_the_intruder_kept,
+    _recording,
+    _unpacked,
+    _watched_rounds,
+    assert_refused_after,
+    test_a_cluster_routes_as_the_memory_index,
+    test_the_checking_script_is_loaded_again_after_a_script_flush,
+    test_without_the_compiled_core_the_python_reference_decides_alike,
+)
 from tests.test_redis_index import (
     ANY_LAYOUT,
     WINDOW,
@@ -40,6 +49,11 @@ from tests.test_redis_index import (
 )
 
 globals().update(ANY_LAYOUT)  # collected here again, each with this module's `make`, `watched` and `race_url`
+__all__ = [  # idem, the compact layout's that hold for this one, with this module's `make` and `layout`
+    "test_a_cluster_routes_as_the_memory_index",
+    "test_the_checking_script_is_loaded_again_after_a_script_flush",
+    "test_without_the_compiled_core_the_python_reference_decides_alike",
+]
 
 
 @pytest.fixture
@@ -111,15 +125,7 @@ def test_a_namespace_of_another_layout_is_refused_with_one_line(make: Callable[.
     cls = RedisIndex if other == "slot" else CompactIndex
     query = {"prefix": prefix, **({"layout": "compact"} if other == "compact" else {})}
     old = cls(with_query(redis_url, **query), window=WINDOW, bucket_cap=8, namespace="old")
-    try:
-        old.lookup([Query("a", 1000.0, (1, 2))], 8)
-        old.insert([(entry("a"), (1, 2))])
-    finally:
-        old.close()
-    index = make("old")
-    with pytest.raises(ConfigError, match="another layout.*group layout: give a new prefix") as caught:
-        index.lookup([Query("b", 1001.0, (1, 2))], 8)
-    assert "\n" not in str(caught.value)
+    assert_refused_after(old, make, "another layout.*group layout: give a new prefix")
 
 
 @pytest.mark.parametrize(("window", "cap"), [(3600.0, 8), (30.0, 2)])
@@ -218,56 +224,6 @@ def test_the_first_slice_gets_the_groups_of_the_rate_the_url_names(make: Callabl
         (bits,) = [int(v) for f, v in client.hgetall(f"{{{prefix}:ns}}:meta").items() if f.startswith(b"k:")]
     assert bits == gc.slice_bits(100_000) > gc.K_FIRST
     assert RedisTarget.parse("redis://h/0?layout=group&rate=2.5").rate == 2.5
-
-
-def test_a_cluster_routes_as_the_memory_index(redis_cluster_url: str) -> None:
-    """On Redis Cluster (no WATCH: the checking script every round, its keys all of one hash tag) the group layout
-    decides a stream as the memory index, its keys all on one master."""
-    prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
-    url = with_query(cluster_url(redis_cluster_url), prefix=prefix, layout="group")
-    messages = generated_messages(400, seed=5)
-    config = FilterConfig(window=WINDOW)
-    index = GroupIndex(url, window=WINDOW, bucket_cap=config.bucket_cap, namespace="ns")
-    try:
-        got = [v for at in range(0, 400, 50) for v in NearDupFilter(config, index=index).check_batch(messages[at : at + 50])]
-    finally:
-        index.close()
-    memory = NearDupFilter(config)
-    assert got == [v for at in range(0, 400, 50) for v in memory.check_batch(messages[at : at + 50])]
-    with redis.RedisCluster.from_url(redis_cluster_url) as cluster:
-        holding = [node for node in cluster.get_primaries()
-                   if list(cluster.scan_iter(match=f"{{{prefix}:*", target_nodes=node))]
-        assert len(holding) == 1
-    drop_cluster_namespace(cluster_url(redis_cluster_url), prefix)
-
-
-def test_without_the_compiled_core_the_python_reference_decides_alike(make: Callable[..., GroupIndex],
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    import filters.index.redis_compact as redis_compact
-    import filters.index.redis_group as redis_group
-
-    messages = generated_messages(900, seed=11)
-    verdicts = {}
-    for name, native in (("compiled", redis_group._native), ("reference", None)):
-        monkeypatch.setattr(redis_group, "_native", native)
-        monkeypatch.setattr(redis_compact, "_native", native)
-        nd = NearDupFilter(FilterConfig(window=WINDOW), index=make(name))
-        verdicts[name] = [v for at in range(0, len(messages), 128) for v in nd.check_batch(messages[at : at + 128])]
-    assert verdicts["reference"] == verdicts["compiled"]
-    assert sum(v.duplicate for v in verdicts["compiled"]) > 0
-
-
-def test_the_checking_script_is_loaded_again_after_a_script_flush(make: Callable[..., GroupIndex],
-                                                                   redis_url: str) -> None:
-    """A server that forgot the script (a restart, a failover) answers NOSCRIPT: it is loaded and run again."""
-    index = make()
-    index.alone_inserts = False
-    for id in ("a", "b"):
-        with redis.Redis.from_url(redis_url) as client:
-            client.script_flush()
-        index.lookup([Query(id, 1000.0, (1,))], 8)
-        assert index.insert([(entry(id), (1,))]) == [None]
-    assert ids(index.lookup([Query("q", 1000.0, (1,))], 8)[0][1]) == ["b", "a"]
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -552,12 +508,8 @@ def test_a_rebuild_that_finds_another_writer_hands_the_rest_to_guarded_chunks(re
     url = with_query(redis_url, prefix=prefix, layout="group")
     rebuilt = GroupIndex(url, window=3600.0, bucket_cap=8, namespace="ns", fenced=True)
     other = GroupIndex(url, window=3600.0, bucket_cap=8, namespace="ns")
-    intruded = _intruded(rebuilt, other)
-    watched = _watched_rounds(rebuilt)
     try:
-        assert rebuilt.restore([stored_of(journal)]) == 40
-        assert intruded and watched and all(watched)
-        del rebuilt._execute  # (the class's again)
+        _assert_rebuilt_beside_an_intruder(rebuilt, other, journal)
         _assert_decides_alike(redis_url, prefix, rebuilt, guarded,
                               [Query("q", 1100.0, (5, 101)), Query("j5", 1100.0, (5,))])
         _assert_the_intruder_kept(rebuilt)
