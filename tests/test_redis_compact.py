@@ -4,10 +4,10 @@ and the layout's own: where its fields live, the refusal of a namespace of the l
 
 from __future__ import annotations
 
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
-from urllib.parse import urlsplit
 
 import numpy as np
 import pytest
@@ -33,6 +33,7 @@ from tests.test_changelog import (
 from tests.test_changelog import messages as changelog_messages
 from tests.test_index_contract import _view, drop_namespace, generated_messages, with_query
 from tests.test_redis_index import (  # noqa: F401 (race_url: a fixture)
+    ANY_LAYOUT,
     WINDOW,
     PausedLookup,
     _namespace_dump,
@@ -45,52 +46,13 @@ from tests.test_redis_index import (  # noqa: F401 (race_url: a fixture)
     made_indexes,
     race,
     race_url,
-    test_a_foreign_insert_while_a_read_is_ahead_is_seen,
-    test_a_near_duplicate_inserted_during_a_lookup_is_seen,
-    test_a_read_ahead_lost_with_its_connection_is_read_again,
-    test_a_read_sent_ahead_stores_and_decides_as_reading_after_the_insert,
-    test_a_reconnect_between_lookup_and_insert_never_sends_the_transaction_unguarded,
-    test_a_replayed_duplicate_finds_its_memo_on_any_redis,
-    test_after_a_stream_every_key_has_a_ttl,
-    test_an_insert_after_close_is_checked_by_the_script,
-    test_an_uncontended_insert_is_a_watched_transaction_that_a_foreign_write_refuses,
-    test_insert_returns_what_entered_the_buckets_since_the_lookup,
-    test_own_inserts_never_conflict,
-    test_random_interleavings_never_make_two_near_duplicates_unique,
-    test_random_interleavings_of_workers_reading_ahead_never_make_two_near_duplicates_unique,
-    test_reading_ahead_can_be_switched_off,
-    test_reading_ahead_on_redis_routes_as_batch_after_batch,
-    test_replay_of_an_id_never_conflicts_with_itself,
-    test_route_batch_on_redis_decides_like_the_memory_index,
-    test_stats_from_another_thread_while_batches_are_routed,
-    test_the_next_lookup_sees_the_memos_the_batch_wrote_after_the_read_went_out,
-    test_the_next_lookup_sees_what_the_batch_inserted_after_the_read_went_out,
 )
 
-__all__ = [  # collected here again, each with this module's `make` or `layout`: the compact layout
+globals().update(ANY_LAYOUT)  # collected here again, each with this module's `make` or `layout`: the compact layout
+__all__ = [  # idem, the changelog's
     "test_a_batch_looked_up_before_a_loss_writes_nothing_after_it",
     "test_a_conflict_re_read_after_a_rebuild_is_refused",
     "test_a_fenced_index_without_its_marker_refuses_to_decide",
-    "test_a_foreign_insert_while_a_read_is_ahead_is_seen",
-    "test_a_near_duplicate_inserted_during_a_lookup_is_seen",
-    "test_a_read_ahead_lost_with_its_connection_is_read_again",
-    "test_a_read_sent_ahead_stores_and_decides_as_reading_after_the_insert",
-    "test_a_reconnect_between_lookup_and_insert_never_sends_the_transaction_unguarded",
-    "test_a_replayed_duplicate_finds_its_memo_on_any_redis",
-    "test_after_a_stream_every_key_has_a_ttl",
-    "test_an_insert_after_close_is_checked_by_the_script",
-    "test_an_uncontended_insert_is_a_watched_transaction_that_a_foreign_write_refuses",
-    "test_insert_returns_what_entered_the_buckets_since_the_lookup",
-    "test_own_inserts_never_conflict",
-    "test_random_interleavings_never_make_two_near_duplicates_unique",
-    "test_random_interleavings_of_workers_reading_ahead_never_make_two_near_duplicates_unique",
-    "test_reading_ahead_can_be_switched_off",
-    "test_reading_ahead_on_redis_routes_as_batch_after_batch",
-    "test_replay_of_an_id_never_conflicts_with_itself",
-    "test_route_batch_on_redis_decides_like_the_memory_index",
-    "test_stats_from_another_thread_while_batches_are_routed",
-    "test_the_next_lookup_sees_the_memos_the_batch_wrote_after_the_read_went_out",
-    "test_the_next_lookup_sees_what_the_batch_inserted_after_the_read_went_out",
 ]
 
 
@@ -137,13 +99,19 @@ def test_a_stream_leaves_its_fields_in_small_listpack_hashes(make: Callable[...,
 def test_a_namespace_of_the_layout_before_is_refused_with_one_line(make: Callable[..., RedisIndex], redis_url: str,
                                                                     prefix: str) -> None:
     old = RedisIndex(with_query(redis_url, prefix=prefix), window=WINDOW, bucket_cap=8, namespace="old")
+    assert_refused_after(old, make, "another layout.*give a new prefix")
+
+
+def assert_refused_after(old: RedisIndex, make: Callable[..., RedisIndex], match: str) -> None:
+    """`old` (of namespace `old`, in another layout) inserts; an index of this layout (`make`) of that namespace
+    then refuses to look up, with one line that matches `match`."""
     try:
         old.lookup([Query("a", 1000.0, (1, 2))], 8)
         old.insert([(entry("a"), (1, 2))])
     finally:
         old.close()
     index = make("old")
-    with pytest.raises(ConfigError, match="another layout.*give a new prefix") as caught:
+    with pytest.raises(ConfigError, match=match) as caught:
         index.lookup([Query("b", 1001.0, (1, 2))], 8)
     assert "\n" not in str(caught.value)
 
@@ -157,22 +125,6 @@ def test_near_duplicates_at_the_same_moment_make_exactly_one_unique(race_url: st
     """Standalone and Redis Cluster (where every insert round is the checking script)."""
     uniques = race(race_url, racy=False, paused=paused, index=_PausedCompact)
     assert uniques == [1] * len(uniques)
-
-
-def test_a_cluster_routes_as_the_memory_index(redis_cluster_url: str) -> None:
-    """On Redis Cluster (no WATCH: the checking script every round, its keys all of one hash tag) the compact
-    layout decides a stream as the memory index."""
-    url = with_query(cluster_url(redis_cluster_url), prefix=f"neardup-test-{uuid.uuid4().hex[:10]}")
-    messages = generated_messages(400, seed=5)
-    config = FilterConfig(window=WINDOW)
-    index = CompactIndex(url, window=WINDOW, bucket_cap=config.bucket_cap, namespace="ns")
-    try:
-        got = [v for at in range(0, 400, 50) for v in NearDupFilter(config, index=index).check_batch(messages[at : at + 50])]
-    finally:
-        index.close()
-    memory = NearDupFilter(config)
-    assert got == [v for at in range(0, 400, 50) for v in memory.check_batch(messages[at : at + 50])]
-    drop_cluster_namespace(cluster_url(redis_cluster_url), urlsplit(url).query.split("=")[1])
 
 
 @pytest.mark.parametrize("inline", [True, False], ids=["by-the-insert", "by-the-next-lookups"])
@@ -220,7 +172,8 @@ def test_uncontended_inserts_store_what_the_checking_script_stores(make: Callabl
 
 def test_the_checking_script_is_loaded_again_after_a_script_flush(make: Callable[..., CompactIndex],
                                                                    redis_url: str) -> None:
-    """NOSCRIPT comes back in its place among the replies read in bulk, and the script is loaded again."""
+    """A server that forgot the script (a restart, a failover) answers NOSCRIPT: it comes back in its place among
+    the replies read in bulk, and the script is loaded and run again."""
     index = make()
     index.alone_inserts = False
     for id in ("a", "b"):
@@ -265,6 +218,27 @@ def _fenced(url: str) -> CompactIndex:
 @pytest.fixture
 def layout() -> type[RedisIndex]:
     return CompactIndex
+
+
+def test_a_cluster_routes_as_the_memory_index(redis_cluster_url: str, layout: type[CompactIndex]) -> None:
+    """On Redis Cluster (no WATCH: the checking script every round, its keys all of one hash tag) the layout
+    decides a stream as the memory index, its keys all on one master."""
+    prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
+    url = with_query(cluster_url(redis_cluster_url), prefix=prefix, layout=layout.LAYOUT)
+    messages = generated_messages(400, seed=5)
+    config = FilterConfig(window=WINDOW)
+    index = layout(url, window=WINDOW, bucket_cap=config.bucket_cap, namespace="ns")
+    try:
+        got = [v for at in range(0, 400, 50) for v in NearDupFilter(config, index=index).check_batch(messages[at : at + 50])]
+    finally:
+        index.close()
+    memory = NearDupFilter(config)
+    assert got == [v for at in range(0, 400, 50) for v in memory.check_batch(messages[at : at + 50])]
+    with redis.RedisCluster.from_url(redis_cluster_url) as cluster:
+        holding = [node for node in cluster.get_primaries()
+                   if list(cluster.scan_iter(match=f"{{{prefix}:*", target_nodes=node))]
+        assert len(holding) == 1
+    drop_cluster_namespace(cluster_url(redis_cluster_url), prefix)
 
 
 def test_a_namespace_lost_and_made_again_is_not_taken_for_the_one_before(make: Callable[..., CompactIndex],
@@ -464,6 +438,58 @@ def test_a_rebuild_after_one_that_died_drops_what_it_left(redis_url: str) -> Non
             rebuilt.close()
 
 
+def _intruded(rebuilt: CompactIndex, other: CompactIndex) -> list[bool]:
+    """Makes `other` (an unfenced client of `rebuilt`'s namespace) insert an entry `x` (keys 3 and 999) once
+    `rebuilt` first writes its high-water mark: somebody else writing during a rebuild. Returns a list that holds
+    True once it did."""
+    execute = rebuilt._execute
+    intruded: list[bool] = []
+
+    def intruding(commands: Any, **options: Any) -> Any:
+        replies = execute(commands, **options)
+        if not intruded and any(c[0] == "HSET" and c[2] == "hwm" for c in commands):
+            intruded.append(True)
+            other.lookup([Query("x", 1020.0, (3, 999))], 8)
+            assert other.insert([(Entry("x", 1020.0, 1, 30, np.arange(8, dtype=np.uint64)), (3, 999))]) == [None]
+        return replies
+
+    rebuilt._execute = intruding  # type: ignore[method-assign]
+    return intruded
+
+
+def _watched_rounds(index: CompactIndex) -> list[bool]:
+    """A list that gets, per guarded chunk of `index`'s restores (`_restore_watched`), whether Redis took it."""
+    restore_watched = index._restore_watched
+    watched: list[bool] = []
+
+    def counted(rows: Any) -> Any:
+        done = restore_watched(rows)
+        watched.append(done is not None)
+        return done
+
+    index._restore_watched = counted  # type: ignore[method-assign]
+    return watched
+
+
+def _assert_rebuilt_beside_an_intruder(rebuilt: CompactIndex, other: CompactIndex,
+                                       journal: list[tuple[Entry, tuple[int, ...]]]) -> None:
+    """`rebuilt` restores `journal` (40 entries) while `other` writes (`_intruded`): all of them written, what it
+    handed on in guarded chunks, each taken."""
+    intruded = _intruded(rebuilt, other)
+    watched = _watched_rounds(rebuilt)
+    assert rebuilt.restore([stored_of(journal)]) == 40
+    assert intruded and watched and all(watched)
+    del rebuilt._execute  # (the class's again)
+
+
+def _assert_the_intruder_kept(rebuilt: CompactIndex) -> None:
+    """The entry `_intruded` inserted is a candidate of its keys, beside those of the rebuild."""
+    [(_, found)] = rebuilt.lookup([Query("y", 1100.0, (999,))], 8)
+    assert [c.entry.id for c in found] == ["x"]
+    [(_, found)] = rebuilt.lookup([Query("y", 1100.0, (3,))], 8)
+    assert "x" in [c.entry.id for c in found] and len(found) > 1
+
+
 def test_a_rebuild_that_finds_another_writer_hands_the_rest_to_guarded_chunks(redis_url: str,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """Somebody else writes during a rebuild (an unfenced client): the rebuild sees the seq move, writes what it
@@ -476,36 +502,11 @@ def test_a_rebuild_that_finds_another_writer_hands_the_rest_to_guarded_chunks(re
         before = _original(url, journal, _QUERIES[:2])
         rebuilt = _fenced(url)
         other = CompactIndex(url, window=3600.0, bucket_cap=8, namespace="ns")
-        execute = rebuilt._execute
-        intruded: list[bool] = []
-        watched: list[bool] = []
-        restore_watched = rebuilt._restore_watched
-
-        def intruding(commands: Any, **options: Any) -> Any:
-            replies = execute(commands, **options)
-            if not intruded and any(c[0] == "HSET" and c[2] == "hwm" for c in commands):
-                intruded.append(True)
-                other.lookup([Query("x", 1020.0, (3, 999))], 8)
-                assert other.insert([(Entry("x", 1020.0, 1, 30, np.arange(8, dtype=np.uint64)), (3, 999))]) == [None]
-            return replies
-
-        def counted(rows: Any) -> Any:
-            done = restore_watched(rows)
-            watched.append(done is not None)
-            return done
-
-        rebuilt._execute = intruding  # type: ignore[method-assign]
-        rebuilt._restore_watched = counted  # type: ignore[method-assign]
         try:
-            assert rebuilt.restore([stored_of(journal)]) == 40
-            assert intruded and watched and all(watched)
-            rebuilt._execute = execute  # type: ignore[method-assign]
+            _assert_rebuilt_beside_an_intruder(rebuilt, other, journal)
             _mark(url, "e2")
             assert _view(rebuilt.lookup(_QUERIES[:2], 8)) == before
-            [(_, found)] = rebuilt.lookup([Query("y", 1100.0, (999,))], 8)
-            assert [c.entry.id for c in found] == ["x"]
-            [(_, found)] = rebuilt.lookup([Query("y", 1100.0, (3,))], 8)
-            assert "x" in [c.entry.id for c in found] and len(found) > 1
+            _assert_the_intruder_kept(rebuilt)
         finally:
             rebuilt.close()
             other.close()
@@ -546,15 +547,17 @@ def test_rate_is_an_option_of_the_compact_layout_only() -> None:
 
 
 def test_without_the_compiled_core_the_python_reference_decides_alike(make: Callable[..., CompactIndex],
+                                                                      layout: type[CompactIndex],
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """The compact layout on its Python reference (a slice's reads and writes packed by `compact_codec`, the
-    rest of the round through hiredis): the verdicts of the compiled core, batch after batch."""
+    """The layout on its Python reference (a slice's reads and writes packed by `compact_codec` or
+    `group_codec`, the rest of the round through hiredis): the verdicts of the compiled core, batch after batch."""
     import filters.index.redis_compact as redis_compact
 
     messages = generated_messages(900, seed=11)
     verdicts = {}
     for name, native in (("compiled", redis_compact._native), ("reference", None)):
-        monkeypatch.setattr(redis_compact, "_native", native)
+        for module in {redis_compact, sys.modules[layout.__module__]}:
+            monkeypatch.setattr(module, "_native", native)
         nd = NearDupFilter(FilterConfig(window=WINDOW), index=make(name))
         verdicts[name] = [v for at in range(0, len(messages), 128) for v in nd.check_batch(messages[at : at + 128])]
     assert verdicts["reference"] == verdicts["compiled"]

@@ -15,7 +15,6 @@ import redis
 
 from filters.config import FilterConfig
 from filters.engine import NearDupFilter
-from filters.errors import ConfigError
 from filters.index import Entry, Query
 from filters.index import compact_codec as cc
 from filters.index import group_codec as gc
@@ -25,8 +24,19 @@ from filters.index.redis_codec import stored_of
 from filters.index.redis_compact import CompactIndex
 from filters.index.redis_group import GroupIndex
 from tests.test_index_contract import _view, drop_namespace, generated_messages, with_query
-from tests.test_redis_compact import _recording, _unpacked
-from tests.test_redis_index import (  # tests collected again here, with this module's fixtures
+from tests.test_redis_compact import (
+    _assert_rebuilt_beside_an_intruder,
+    _assert_the_intruder_kept,
+    _recording,
+    _unpacked,
+    _watched_rounds,
+    assert_refused_after,
+    test_a_cluster_routes_as_the_memory_index,
+    test_the_checking_script_is_loaded_again_after_a_script_flush,
+    test_without_the_compiled_core_the_python_reference_decides_alike,
+)
+from tests.test_redis_index import (
+    ANY_LAYOUT,
     WINDOW,
     PausedLookup,
     _namespace_dump,
@@ -37,49 +47,13 @@ from tests.test_redis_index import (  # tests collected again here, with this mo
     ids,
     made_indexes,
     race,
-    test_a_foreign_insert_while_a_read_is_ahead_is_seen,
-    test_a_near_duplicate_inserted_during_a_lookup_is_seen,
-    test_a_read_ahead_lost_with_its_connection_is_read_again,
-    test_a_read_sent_ahead_stores_and_decides_as_reading_after_the_insert,
-    test_a_reconnect_between_lookup_and_insert_never_sends_the_transaction_unguarded,
-    test_a_replayed_duplicate_finds_its_memo_on_any_redis,
-    test_after_a_stream_every_key_has_a_ttl,
-    test_an_insert_after_close_is_checked_by_the_script,
-    test_an_uncontended_insert_is_a_watched_transaction_that_a_foreign_write_refuses,
-    test_insert_returns_what_entered_the_buckets_since_the_lookup,
-    test_own_inserts_never_conflict,
-    test_random_interleavings_never_make_two_near_duplicates_unique,
-    test_random_interleavings_of_workers_reading_ahead_never_make_two_near_duplicates_unique,
-    test_reading_ahead_can_be_switched_off,
-    test_reading_ahead_on_redis_routes_as_batch_after_batch,
-    test_replay_of_an_id_never_conflicts_with_itself,
-    test_route_batch_on_redis_decides_like_the_memory_index,
-    test_stats_from_another_thread_while_batches_are_routed,
-    test_the_next_lookup_sees_the_memos_the_batch_wrote_after_the_read_went_out,
-    test_the_next_lookup_sees_what_the_batch_inserted_after_the_read_went_out,
 )
 
-__all__ = [  # collected here again, each with this module's `make`, `watched` and `race_url`: the group layout
-    "test_a_foreign_insert_while_a_read_is_ahead_is_seen",
-    "test_a_near_duplicate_inserted_during_a_lookup_is_seen",
-    "test_a_read_ahead_lost_with_its_connection_is_read_again",
-    "test_a_read_sent_ahead_stores_and_decides_as_reading_after_the_insert",
-    "test_a_reconnect_between_lookup_and_insert_never_sends_the_transaction_unguarded",
-    "test_a_replayed_duplicate_finds_its_memo_on_any_redis",
-    "test_after_a_stream_every_key_has_a_ttl",
-    "test_an_insert_after_close_is_checked_by_the_script",
-    "test_an_uncontended_insert_is_a_watched_transaction_that_a_foreign_write_refuses",
-    "test_insert_returns_what_entered_the_buckets_since_the_lookup",
-    "test_own_inserts_never_conflict",
-    "test_random_interleavings_never_make_two_near_duplicates_unique",
-    "test_random_interleavings_of_workers_reading_ahead_never_make_two_near_duplicates_unique",
-    "test_reading_ahead_can_be_switched_off",
-    "test_reading_ahead_on_redis_routes_as_batch_after_batch",
-    "test_replay_of_an_id_never_conflicts_with_itself",
-    "test_route_batch_on_redis_decides_like_the_memory_index",
-    "test_stats_from_another_thread_while_batches_are_routed",
-    "test_the_next_lookup_sees_the_memos_the_batch_wrote_after_the_read_went_out",
-    "test_the_next_lookup_sees_what_the_batch_inserted_after_the_read_went_out",
+globals().update(ANY_LAYOUT)  # collected here again, each with this module's `make`, `watched` and `race_url`
+__all__ = [  # idem, the compact layout's that hold for this one, with this module's `make` and `layout`
+    "test_a_cluster_routes_as_the_memory_index",
+    "test_the_checking_script_is_loaded_again_after_a_script_flush",
+    "test_without_the_compiled_core_the_python_reference_decides_alike",
 ]
 
 
@@ -152,15 +126,7 @@ def test_a_namespace_of_another_layout_is_refused_with_one_line(make: Callable[.
     cls = RedisIndex if other == "slot" else CompactIndex
     query = {"prefix": prefix, **({"layout": "compact"} if other == "compact" else {})}
     old = cls(with_query(redis_url, **query), window=WINDOW, bucket_cap=8, namespace="old")
-    try:
-        old.lookup([Query("a", 1000.0, (1, 2))], 8)
-        old.insert([(entry("a"), (1, 2))])
-    finally:
-        old.close()
-    index = make("old")
-    with pytest.raises(ConfigError, match="another layout.*group layout: give a new prefix") as caught:
-        index.lookup([Query("b", 1001.0, (1, 2))], 8)
-    assert "\n" not in str(caught.value)
+    assert_refused_after(old, make, "another layout.*group layout: give a new prefix")
 
 
 @pytest.mark.parametrize(("window", "cap"), [(3600.0, 8), (30.0, 2)])
@@ -261,27 +227,6 @@ def test_the_first_slice_gets_the_groups_of_the_rate_the_url_names(make: Callabl
     assert RedisTarget.parse("redis://h/0?layout=group&rate=2.5").rate == 2.5
 
 
-def test_a_cluster_routes_as_the_memory_index(redis_cluster_url: str) -> None:
-    """On Redis Cluster (no WATCH: INSERT_ALONE_LUA or the checking script, its keys all of one hash tag) the group
-    layout decides a stream as the memory index, its keys all on one master."""
-    prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
-    url = with_query(cluster_url(redis_cluster_url), prefix=prefix, layout="group")
-    messages = generated_messages(400, seed=5)
-    config = FilterConfig(window=WINDOW)
-    index = GroupIndex(url, window=WINDOW, bucket_cap=config.bucket_cap, namespace="ns")
-    try:
-        got = [v for at in range(0, 400, 50) for v in NearDupFilter(config, index=index).check_batch(messages[at : at + 50])]
-    finally:
-        index.close()
-    memory = NearDupFilter(config)
-    assert got == [v for at in range(0, 400, 50) for v in memory.check_batch(messages[at : at + 50])]
-    with redis.RedisCluster.from_url(redis_cluster_url) as cluster:
-        holding = [node for node in cluster.get_primaries()
-                   if list(cluster.scan_iter(match=f"{{{prefix}:*", target_nodes=node))]
-        assert len(holding) == 1
-    drop_cluster_namespace(cluster_url(redis_cluster_url), prefix)
-
-
 def _cluster_dump(url: str, prefix: str, namespace: str) -> dict[bytes, dict[bytes, bytes]]:
     """Every key of a namespace on a Redis Cluster (one slot: one master) and what it holds."""
     with redis.RedisCluster.from_url(url.replace("+cluster", "")) as cluster:
@@ -333,35 +278,6 @@ def test_uncontended_rounds_on_a_cluster_store_what_the_checking_script_stores(r
         fast.close()
         checked.close()
         drop_cluster_namespace(base, prefix)
-
-
-def test_without_the_compiled_core_the_python_reference_decides_alike(make: Callable[..., GroupIndex],
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    import filters.index.redis_compact as redis_compact
-    import filters.index.redis_group as redis_group
-
-    messages = generated_messages(900, seed=11)
-    verdicts = {}
-    for name, native in (("compiled", redis_group._native), ("reference", None)):
-        monkeypatch.setattr(redis_group, "_native", native)
-        monkeypatch.setattr(redis_compact, "_native", native)
-        nd = NearDupFilter(FilterConfig(window=WINDOW), index=make(name))
-        verdicts[name] = [v for at in range(0, len(messages), 128) for v in nd.check_batch(messages[at : at + 128])]
-    assert verdicts["reference"] == verdicts["compiled"]
-    assert sum(v.duplicate for v in verdicts["compiled"]) > 0
-
-
-def test_the_checking_script_is_loaded_again_after_a_script_flush(make: Callable[..., GroupIndex],
-                                                                   redis_url: str) -> None:
-    """A server that forgot the script (a restart, a failover) answers NOSCRIPT: it is loaded and run again."""
-    index = make()
-    index.alone_inserts = False
-    for id in ("a", "b"):
-        with redis.Redis.from_url(redis_url) as client:
-            client.script_flush()
-        index.lookup([Query(id, 1000.0, (1,))], 8)
-        assert index.insert([(entry(id), (1,))]) == [None]
-    assert ids(index.lookup([Query("q", 1000.0, (1,))], 8)[0][1]) == ["b", "a"]
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -550,6 +466,21 @@ def _restored(redis_url: str, journal: list[tuple[Entry, tuple[int, ...]]], cap:
     return index, prefix, raw, index.restore([stored_of(journal)])
 
 
+def _assert_decides_alike(redis_url: str, prefix: str, rebuilt: GroupIndex, guarded: GroupIndex,
+                          queries: Sequence[Query]) -> None:
+    """`rebuilt` (of namespace `ns` under `prefix`), once the guard marked it, decides `queries` as `guarded`."""
+    with redis.Redis.from_url(redis_url) as client:
+        client.hset(f"{{{prefix}:ns}}:meta", MARKER, "e1")
+    assert _view(rebuilt.lookup(queries, 8)) == _view(guarded.lookup(queries, 8))
+
+
+def _dropped(redis_url: str, *made: tuple[GroupIndex, str]) -> None:
+    """Closes each index and drops its namespace (its prefix)."""
+    for index, prefix in made:
+        index.close()
+        drop_namespace(redis_url, prefix)
+
+
 @pytest.mark.parametrize(("cap", "clock"), [(8, None), (2, None), (8, 8000.0)])
 @pytest.mark.parametrize("held", ["all", "30 records"])
 def test_a_rebuild_writes_each_group_once_and_leaves_what_the_guarded_chunks_leave(
@@ -593,14 +524,9 @@ def test_a_rebuild_writes_each_group_once_and_leaves_what_the_guarded_chunks_lea
         with redis.Redis.from_url(redis_url) as client:
             keys = list(client.scan_iter(match=f"{{{prefix}:*"))
             assert keys and all(client.pttl(k) > 0 for k in keys)
-        with redis.Redis.from_url(redis_url) as client:
-            client.hset(f"{{{prefix}:ns}}:meta", MARKER, "e1")
-        assert _view(rebuilt.lookup(_LATER, 8)) == _view(guarded.lookup(_LATER, 8))
+        _assert_decides_alike(redis_url, prefix, rebuilt, guarded, _LATER)
     finally:
-        rebuilt.close()
-        guarded.close()
-        drop_namespace(redis_url, prefix)
-        drop_namespace(redis_url, guarded_prefix)
+        _dropped(redis_url, (rebuilt, prefix), (guarded, guarded_prefix))
 
 
 def test_a_rebuild_after_one_that_died_drops_what_it_left(redis_url: str) -> None:
@@ -619,10 +545,7 @@ def test_a_rebuild_after_one_that_died_drops_what_it_left(redis_url: str) -> Non
         dumps = [_namespace_dump(redis_url, p, "ns") for p in (clean_prefix, prefix)]
         assert dumps[1] == dumps[0] and b":g:99" not in dumps[1]
     finally:
-        rebuilt.close()
-        clean.close()
-        drop_namespace(redis_url, prefix)
-        drop_namespace(redis_url, clean_prefix)
+        _dropped(redis_url, (rebuilt, prefix), (clean, clean_prefix))
 
 
 def test_a_rebuild_that_finds_another_writer_hands_the_rest_to_guarded_chunks(redis_url: str,
@@ -639,44 +562,14 @@ def test_a_rebuild_that_finds_another_writer_hands_the_rest_to_guarded_chunks(re
     url = with_query(redis_url, prefix=prefix, layout="group")
     rebuilt = GroupIndex(url, window=3600.0, bucket_cap=8, namespace="ns", fenced=True)
     other = GroupIndex(url, window=3600.0, bucket_cap=8, namespace="ns")
-    execute = rebuilt._execute
-    intruded: list[bool] = []
-    watched: list[bool] = []
-    restore_watched = rebuilt._restore_watched
-
-    def intruding(commands: Any, **options: Any) -> Any:
-        replies = execute(commands, **options)
-        if not intruded and any(c[0] == "HSET" and c[2] == "hwm" for c in commands):
-            intruded.append(True)
-            other.lookup([Query("x", 1020.0, (3, 999))], 8)
-            assert other.insert([(Entry("x", 1020.0, 1, 30, np.arange(8, dtype=np.uint64)), (3, 999))]) == [None]
-        return replies
-
-    def counted(rows: Any) -> Any:
-        done = restore_watched(rows)
-        watched.append(done is not None)
-        return done
-
-    rebuilt._execute = intruding  # type: ignore[method-assign]
-    rebuilt._restore_watched = counted  # type: ignore[method-assign]
     try:
-        assert rebuilt.restore([stored_of(journal)]) == 40
-        assert intruded and watched and all(watched)
-        rebuilt._execute = execute  # type: ignore[method-assign]
-        with redis.Redis.from_url(redis_url) as client:
-            client.hset(f"{{{prefix}:ns}}:meta", MARKER, "e1")
-        queries = [Query("q", 1100.0, (5, 101)), Query("j5", 1100.0, (5,))]
-        assert _view(rebuilt.lookup(queries, 8)) == _view(guarded.lookup(queries, 8))
-        [(_, found)] = rebuilt.lookup([Query("y", 1100.0, (999,))], 8)
-        assert [c.entry.id for c in found] == ["x"]
-        [(_, found)] = rebuilt.lookup([Query("y", 1100.0, (3,))], 8)
-        assert "x" in [c.entry.id for c in found] and len(found) > 1
+        _assert_rebuilt_beside_an_intruder(rebuilt, other, journal)
+        _assert_decides_alike(redis_url, prefix, rebuilt, guarded,
+                              [Query("q", 1100.0, (5, 101)), Query("j5", 1100.0, (5,))])
+        _assert_the_intruder_kept(rebuilt)
     finally:
-        rebuilt.close()
         other.close()
-        guarded.close()
-        drop_namespace(redis_url, prefix)
-        drop_namespace(redis_url, guarded_prefix)
+        _dropped(redis_url, (rebuilt, prefix), (guarded, guarded_prefix))
 
 
 def test_a_rebuild_past_its_ids_hands_the_rest_to_guarded_chunks(redis_url: str,
@@ -694,28 +587,15 @@ def test_a_rebuild_past_its_ids_hands_the_rest_to_guarded_chunks(redis_url: str,
     prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
     rebuilt = GroupIndex(with_query(redis_url, prefix=prefix, layout="group"), window=3600.0, bucket_cap=8,
                          namespace="ns", fenced=True)
-    watched: list[bool] = []
-    restore_watched = rebuilt._restore_watched
-
-    def counted(rows: Any) -> Any:
-        done = restore_watched(rows)
-        watched.append(done is not None)
-        return done
-
-    rebuilt._restore_watched = counted  # type: ignore[method-assign]
+    watched = _watched_rounds(rebuilt)
     try:
         assert rebuilt.restore([stored_of(journal)]) == written
         assert watched and all(watched) and len(watched) < -(-len(journal) // 12)  # (not every chunk guarded)
         dumps = [_namespace_dump(redis_url, p, "ns") for p in (guarded_prefix, prefix)]
         assert dumps[1] == dumps[0]
-        with redis.Redis.from_url(redis_url) as client:
-            client.hset(f"{{{prefix}:ns}}:meta", MARKER, "e1")
-        assert _view(rebuilt.lookup(_LATER, 8)) == _view(guarded.lookup(_LATER, 8))
+        _assert_decides_alike(redis_url, prefix, rebuilt, guarded, _LATER)
     finally:
-        rebuilt.close()
-        guarded.close()
-        drop_namespace(redis_url, prefix)
-        drop_namespace(redis_url, guarded_prefix)
+        _dropped(redis_url, (rebuilt, prefix), (guarded, guarded_prefix))
 
 
 def test_a_rebuild_without_the_compiled_core_leaves_the_same_bytes(redis_url: str,
@@ -736,7 +616,4 @@ def test_a_rebuild_without_the_compiled_core_leaves_the_same_bytes(redis_url: st
         assert rewritten == written
         assert _namespace_dump(redis_url, prefix, "ns") == _namespace_dump(redis_url, compiled_prefix, "ns")
     finally:
-        compiled.close()
-        reference.close()
-        drop_namespace(redis_url, prefix)
-        drop_namespace(redis_url, compiled_prefix)
+        _dropped(redis_url, (reference, prefix), (compiled, compiled_prefix))

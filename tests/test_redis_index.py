@@ -1576,3 +1576,30 @@ def test_a_user_made_by_the_documented_acl_rule_runs_the_spread_layout(redis_clu
             assert _routed_in_turn(spread, spread) == _routed_in_turn("memory://")
     finally:
         drop_cluster_namespace(cluster_url(redis_cluster_url), prefix)
+
+
+# The tests above that hold for any layout of the Redis index, by name: tests/test_redis_compact.py and
+# tests/test_redis_group.py collect them again (`globals().update(ANY_LAYOUT)`), each with its own `make`, `watched`
+# and `race_url`.
+ANY_LAYOUT: dict[str, Callable[..., None]] = {test.__name__: test for test in (
+    test_a_foreign_insert_while_a_read_is_ahead_is_seen,
+    test_a_near_duplicate_inserted_during_a_lookup_is_seen,
+    test_a_read_ahead_lost_with_its_connection_is_read_again,
+    test_a_read_sent_ahead_stores_and_decides_as_reading_after_the_insert,
+    test_a_reconnect_between_lookup_and_insert_never_sends_the_transaction_unguarded,
+    test_a_replayed_duplicate_finds_its_memo_on_any_redis,
+    test_after_a_stream_every_key_has_a_ttl,
+    test_an_insert_after_close_is_checked_by_the_script,
+    test_an_uncontended_insert_is_a_watched_transaction_that_a_foreign_write_refuses,
+    test_insert_returns_what_entered_the_buckets_since_the_lookup,
+    test_own_inserts_never_conflict,
+    test_random_interleavings_never_make_two_near_duplicates_unique,
+    test_random_interleavings_of_workers_reading_ahead_never_make_two_near_duplicates_unique,
+    test_reading_ahead_can_be_switched_off,
+    test_reading_ahead_on_redis_routes_as_batch_after_batch,
+    test_replay_of_an_id_never_conflicts_with_itself,
+    test_route_batch_on_redis_decides_like_the_memory_index,
+    test_stats_from_another_thread_while_batches_are_routed,
+    test_the_next_lookup_sees_the_memos_the_batch_wrote_after_the_read_went_out,
+    test_the_next_lookup_sees_what_the_batch_inserted_after_the_read_went_out,
+)}

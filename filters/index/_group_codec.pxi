@@ -770,7 +770,7 @@ def group_pack_writes(str slice_key, list flat, Py_ssize_t per_command, long lon
         raise SystemError(f"group_pack_writes wrote {o.size} bytes of {len(out)}")
     return out, o.commands
 
-# --- a rebuild's groups, each field made once (filters/index/redis_group.py, `GroupIndex._rebuild_groups`) -----
+# --- a rebuild's groups, each field made once (filters/index/redis_group.py, `GroupIndex._held_shares`) --------
 
 def group_mixed_ids(list ids):
     """`filters.index.group_codec.mixed_ids`, compiled."""

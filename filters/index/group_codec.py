@@ -334,7 +334,7 @@ def count_buckets(groups: Sequence[bytes]) -> int:
     return total
 
 
-# --- a rebuild's groups, each field made once (filters/index/redis_group.py, `GroupIndex._rebuild_groups`) -----
+# --- a rebuild's groups, each field made once (filters/index/redis_group.py, `GroupIndex._held_shares`) --------
 
 def mixed_ids(ids: Sequence[str]) -> np.ndarray:
     """Each id's FNV-1a hash (`compact_codec.id_hash`) mixed (`mixed`), as uint64: its group and record key."""

@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Any, cast
+from typing import Any, ClassVar, Protocol, cast
 
 import numpy as np
 
@@ -78,7 +78,9 @@ READ_COMMANDS = 1 << 16  # a rebuild's reads of what Redis holds go this many co
 
 def _script() -> _Script:
     bits = f"{cc.K_FIRST}, {cc.K_MIN}, {cc.K_MAX}, {cc.FIELDS_PER_ENTRY}, {cc.SMALL_FILL}, {cc.UNLINK_INLINE_BITS}"
-    return _Script.of(_lua("trim16.lua", "insert_slices.lua", "compact_insert.lua").replace("COMPACT_BITS", bits))
+    source = _lua("trim16.lua", "insert_slices.lua", "round_start.lua", "compact_insert.lua")
+    return _Script.of(source.replace("ROUND_LAYOUT", f"'{cc.LAYOUT}'").replace("ROUND_FIXED", "false")
+                      .replace("COMPACT_BITS", bits))
 
 
 COMPACT_INSERT = _script()
@@ -116,6 +118,27 @@ def _pack(commands: list[Sequence[Any]]) -> bytes:
     if _native is not None:
         return cast(bytes, _native.pack_commands(commands))
     return b"".join(hiredis.pack_command(tuple(command)) for command in commands)
+
+
+def _pieces(commands: Sequence[Sequence[Any] | _Packed]) -> tuple[list[bytes], int]:
+    """Commands some of which are packed already (`_Packed`) as pieces of RESP (the packed ones, and each run of
+    the others packed), and the number of replies they get."""
+    blobs: list[bytes] = []
+    run: list[Any] = []
+    count = 0
+    for command in commands:
+        if type(command) is _Packed:
+            if run:
+                blobs.append(_pack(run))
+                run = []
+            blobs.append(command.data)
+            count += command.count
+        else:
+            run.append(command)
+            count += 1
+    if run:
+        blobs.append(_pack(run))
+    return blobs, count
 
 
 @dataclass(slots=True)
@@ -163,6 +186,72 @@ class _HeldFields:
         self.records = 0
 
 
+class _RebuildPlan(Protocol):
+    """What a rebuild (`CompactIndex._rebuild_compact`) tells from its entries alone, as its layout's guarded
+    chunks would decide it: which entries the insert takes and their seqs, the entries of each slice, the bits
+    of a slice it makes and the slices that leave the window."""
+
+    counts: dict[int, int]  # slice -> entries taken there (its count `n`)
+
+    def part(self, times: np.ndarray, slices: np.ndarray) -> None:
+        """A part begins: its entries' event times and slices."""
+
+    def accept(self, ids: Sequence[str], at: int, live: dict[str, float], hwm: float,
+               seq: int) -> tuple[np.ndarray, float, int, list[tuple[int, int]]]:
+        """Entries `at` to `at + len(ids)` of the part: (seq or 0 each, as uint64; high-water mark; seq; the
+        slices unlinked among them, in order, each after the entries before `at` + its first number)."""
+        ...
+
+    def left(self, slices: Iterable[int], hwm: float) -> list[int]:
+        """Those of the `slices` held that left the window once the chunk's high-water mark is `hwm`."""
+        ...
+
+    def bits_of(self, s: int) -> int:
+        """The bits of slice `s`, which the rebuild makes."""
+        ...
+
+
+class _RatePlan:
+    """The compact layout's `_RebuildPlan`: the entries the insert takes (`restore_accept`), the rate they show
+    in each slice (a slice made gets the bits of its count, the count of the slice before, the rate restored
+    there: `expected_counts`), and the slices before the window of the chunk's high-water mark."""
+
+    def __init__(self, index: CompactIndex) -> None:
+        self._index = index
+        self.counts: dict[int, int] = {}
+        self._rates: dict[int, list[float]] = {}  # slice -> [entries, earliest, latest event time] restored there
+        self._times: np.ndarray = np.zeros(0)
+        self._slices: np.ndarray = np.zeros(0, np.int64)
+
+    def part(self, times: np.ndarray, slices: np.ndarray) -> None:
+        self._times, self._slices = times, slices
+        for s in np.unique(slices).tolist():
+            there = times[slices == s]
+            rate = self._rates.setdefault(int(s), [0, math.inf, -math.inf])
+            rate[0] += len(there)
+            rate[1], rate[2] = min(rate[1], float(there.min())), max(rate[2], float(there.max()))
+
+    def accept(self, ids: Sequence[str], at: int, live: dict[str, float], hwm: float,
+               seq: int) -> tuple[np.ndarray, float, int, list[tuple[int, int]]]:
+        index, stop = self._index, at + len(ids)
+        seqs, hwm, seq = index._restore_accept(ids, self._times[at:stop], live, hwm, index.window, seq)
+        slices, many = np.unique(self._slices[at:stop][seqs > 0], return_counts=True)
+        for s, count in zip(slices.tolist(), many.tolist()):
+            self.counts[s] = self.counts.get(s, 0) + count
+        return seqs, hwm, seq, []
+
+    def left(self, slices: Iterable[int], hwm: float) -> list[int]:
+        low = self._index._slice(hwm - self._index.window)
+        return [s for s in slices if s < low]
+
+    def bits_of(self, s: int) -> int:
+        length = self._index.slice_length
+        count, low, high = self._rates.get(s, [0, 0.0, 0.0])
+        expected = math.ceil(count * length / max(high - low, length / 1024))
+        return max(cc.slice_bits(self.counts.get(s - 1)), cc.slice_bits(self.counts.get(s, 0)),
+                   cc.slice_bits(expected), cc.slice_bits(self._index._rate_count))
+
+
 def _distinct_keys(keys: np.ndarray) -> list[bytes]:
     """The distinct bucket keys of `keys`, each as its 8 bytes big-endian."""
     raw = np.unique(keys).astype(">u8").tobytes()
@@ -177,6 +266,8 @@ def _mixed32(h: int) -> bytes:
 class CompactIndex(RedisIndex):
     """`RedisIndex` in the compact layout (`?layout=compact`); see the module's docstring for what it does not
     do yet."""
+
+    LAYOUT: ClassVar[str] = cc.LAYOUT  # the meta hash's `layout` of a namespace of this layout
 
     def __init__(self, url: str, *, window: float, bucket_cap: int, namespace: str, fenced: bool = False) -> None:
         super().__init__(url, window=window, bucket_cap=bucket_cap, namespace=namespace, fenced=fenced)
@@ -255,21 +346,7 @@ class CompactIndex(RedisIndex):
         if not any(type(c) is _Packed for c in commands):
             RedisIndex._pack_and_send(conn, cast("Sequence[Sequence[str | int | bytes]]", commands))
             return len(commands)
-        blobs: list[bytes] = []
-        run: list[Any] = []
-        count = 0
-        for command in commands:
-            if type(command) is _Packed:
-                if run:
-                    blobs.append(_pack(run))
-                    run = []
-                blobs.append(command.data)
-                count += command.count
-            else:
-                run.append(command)
-                count += 1
-        if run:
-            blobs.append(_pack(run))
+        blobs, count = _pieces(commands)
         conn.send_packed_command([b"".join(blobs)])
         return count
 
@@ -526,15 +603,20 @@ class CompactIndex(RedisIndex):
             replies = self._execute([("HMGET", f"{self._spre}{s}", *map(cc.entry_field, seqs))
                                      for s, seqs in by_slice.items()], share=False)
             self._raise_any(replies)
+        read = self._entries_read(by_slice, replies)
+        out.update(read)
+        self._keep(read)
+        return out
+
+    def _entries_read(self, by_slice: dict[int, list[int]], replies: Sequence[Any]) -> dict[int, Entry]:
+        """The entries of `_entries_by_seq`'s reads (per slice its seqs, and the values read of them) by seq."""
         read = {}
         for seqs, values in zip(by_slice.values(), replies):
             for seq, value in zip(seqs, values):
                 if value is not None:
                     blob, id = cc.split_entry_value(value)
                     read[seq] = decode_entry(blob, id)
-        out.update(read)
-        self._keep(read)
-        return out
+        return read
 
     def _keep(self, entries: dict[int, Entry]) -> None:
         cap = self._known_cap
@@ -583,20 +665,27 @@ class CompactIndex(RedisIndex):
         start = seq = view.mark + view.inserted
         writes: dict[int, dict[int, bytes]] = {s: dict(view.written.get(s, {})) for s in slices}
         looked = view.looked
+        id_places = [view.entry_places[looked[id]] for id in ids]
         results, groups, pending, hwm, seq = self._alone_compact(
-            ids, times, blobs, list(fields_of), cast("list[list[int]]", list(places_of)),
-            [view.entry_places[looked[id]] for id in ids], tuple(slices), view.columns, writes, hwm, window,
-            self.slice_length, cap, seq)
+            ids, times, blobs, list(fields_of), cast("list[list[int]]", list(places_of)), id_places, tuple(slices),
+            view.columns, writes, hwm, window, self.slice_length, cap, seq)
         hwm_bytes = view.hwm if hwm <= stored_hwm else (b"%.17g" % hwm)
-        clock = hwm if self._clock is None else self._clock
-        gone = self._slice(clock - window) - 1 if seq > start else None
-        written = self._write_watched_compact(start, seq, view.hwm, hwm_bytes, gone, groups)
+        written = self._write_alone(start, seq, hwm_bytes, hwm, groups, results, times, places_of, id_places)
         if written is None:
             return None
         if not written:
             view.watch = -1
         self._wrote_round(hwm_bytes, pending, groups, writes)
         return list(results)
+
+    def _write_alone(self, start: int, seq: int, hwm_bytes: bytes, hwm: float, groups: dict[int, list[Any]],
+                     results: Sequence[int], times: Sequence[float], places_of: Sequence[list[int] | None],
+                     id_places: Sequence[int]) -> bool | None:
+        """The transaction of `_alone_rows`' round (`_write_watched_compact`), under the lookup's WATCH: None when
+        refused, else whether the meta hash still held what it wrote."""
+        clock = hwm if self._clock is None else self._clock
+        gone = self._slice(clock - self.window) - 1 if seq > start else None
+        return self._write_watched_compact(start, seq, self._view.hwm, hwm_bytes, gone, groups)
 
     def _write_watched_compact(self, start: int, seq: int, stored_hwm: bytes, hwm: bytes, gone: int | None,
                                groups: dict[int, list[Any]]) -> bool | None:
@@ -638,18 +727,27 @@ class CompactIndex(RedisIndex):
                 keys = [f"{self._spre}{gone}:{j}" for j in range(1 << bits)]
                 commands += [("UNLINK", *keys[a : a + REAP_KEYS]) for a in range(0, len(keys), REAP_KEYS)]
                 commands.append(("HDEL", meta, f"k:{gone}"))
-        commands += self._reap_commands()  # in the transaction: its HDEL does not dirty the WATCH
-        commands += self._memo_commands()
-        commands += [("EXEC",), ("WATCH", meta), ("HMGET", meta, "seq", "hwm")]
-        replies = self._exec_watched(cast("list[Sequence[str | int | bytes]]", commands))
+        replies = self._exec_round(commands, made)
         if replies is None:
             return None
-        self._bits.update(made)
         for s, j in renewed:  # only now: a transaction refused renewed nothing
             self._renewed[s][j >> 3] |= 1 << (j & 7)
         self._stored_top = max(self._stored_top, _stored_time(hwm))
         now_seq, now_hwm = replies[-1]
         return int(now_seq or 0) == seq and (now_hwm or b"") == hwm
+
+    def _exec_round(self, commands: list[Any], made: dict[int, int]) -> list[Any] | None:
+        """A round's transaction (`commands`, from its MULTI), closed with the reaps and memos that go with it,
+        then the meta hash watched and read again: its replies, None if Redis refused it (nothing written). Keeps
+        the bits of the slices it `made`."""
+        meta = self._meta
+        commands += self._reap_commands()  # in the transaction: its HDEL does not dirty the WATCH
+        commands += self._memo_commands()
+        commands += [("EXEC",), ("WATCH", meta), ("HMGET", meta, "seq", "hwm")]
+        replies = self._exec_watched(cast("list[Sequence[str | int | bytes]]", commands))
+        if replies is not None:
+            self._bits.update(made)
+        return replies
 
     def _renewing(self, s: int, bits: int, commands: list[Sequence[Any]],
                   renewed: list[tuple[int, int]]) -> list[Sequence[Any]]:
@@ -755,10 +853,10 @@ class CompactIndex(RedisIndex):
     # -- restoring, stats ----------------------------------------------------------------------------
     def restore(self, parts: Iterable[Stored]) -> int:
         """See `CandidateIndex.restore`. A fenced index without its marker, empty (or left by a rebuild that
-        died), is being rebuilt: nobody else writes it, and `_rebuild_compact` holds the fields and writes each
-        small hash once. Otherwise (and for what a rebuild hands on) per chunk of `RESTORE_CHUNK` entries, as
-        the uncontended insert: a read of what its fields hold (after a WATCH of the meta hash), the writes
-        computed here (`alone_compact`, as the insert script would insert them with nothing to compare) and
+        died), is being rebuilt: nobody else writes it, and `_rebuild_compact` holds the bucket records and
+        writes each small hash (group) once. Otherwise (and for what a rebuild hands on) per chunk of
+        `RESTORE_CHUNK` entries, as the uncontended insert: a read of what its fields hold (after a WATCH of the
+        meta hash), the writes computed here (as the insert script would insert them with nothing to compare) and
         one MULTI/EXEC, which Redis refuses if anybody wrote meanwhile; after `RESTORE_ATTEMPTS` refusals, and
         on Redis Cluster, the checking script with nothing to compare. A fenced index without its marker is
         being rebuilt: its marker is not asked for here (the guard sets it after)."""
@@ -769,7 +867,7 @@ class CompactIndex(RedisIndex):
             replies = self._execute([("HMGET", self._meta, "hwm", MARKER, "seq", REBUILDING, "layout")])
             self._raise_any(replies)
         stored_hwm, marker, stored_seq, rebuilding, layout = replies[0]
-        died = rebuilding is not None and layout == cc.LAYOUT.encode()  # (a slot namespace is refused by the reads)
+        died = rebuilding is not None and layout == self.LAYOUT.encode()  # (another layout is refused by the reads)
         self._stored_top = max(self._stored_top, _stored_time(stored_hwm or b""))
         try:
             rest: Iterable[tuple[Stored, int]] = ((part, 0) for part in parts)
@@ -796,21 +894,20 @@ class CompactIndex(RedisIndex):
 
     def _rebuild_compact(self, parts: Iterator[Stored], died: bool) -> tuple[Iterator[tuple[Stored, int]], int]:
         """Restores `parts` into a fenced namespace without its marker that nobody else writes (`restore`; `died`:
-        a rebuild before this one left its `rebuilding` field: what it wrote goes first). Per chunk of
-        `REBUILD_CHUNK` entries, which entries the insert would take and their seqs are told here from the ids
-        it took (`restore_accept`: an id stays live as long as its newest entry is inside the window; nothing is
-        read from Redis), their entries written at once (with the seq, by HINCRBY, and a read of the seq and the
-        marker: anybody else writing shows); their bucket keys and ids are held in flat arrays (`_HeldFields`)
-        and each slice written at the end, each small hash once (`held_pairs`, `write_commands`), with the bits
-        of the rate its entries show. A slice that left the window is forgotten and unlinked (its entries went).
-        Once more than `HOLD_RECORDS` bucket records are held, what is held is written and the rebuild goes on
-        (a field written is read back when written again); once more than `HOLD_IDS` ids are inside the window,
-        or somebody else wrote, what is held goes (merged with what Redis holds, in the latter case) and the rest
-        is handed to the guarded chunks. Returns (the rest: (part, first entry not restored); entries written)."""
+        a rebuild before this one left its `rebuilding` field: what it wrote goes first), the compact and the
+        group layout's alike. Per chunk of `REBUILD_CHUNK` entries, which entries the insert would take and their
+        seqs are told here from the ids it took (`_rebuild_plan`'s `accept`: an id stays live as long as its
+        newest entry is inside the window; nothing is read from Redis), their entries written at once (with the
+        seq, by HINCRBY, and a read of the seq and the marker: anybody else writing shows); their bucket keys and
+        ids are held in flat arrays (`_HeldFields`) and each slice written at the end (`_write_held`), each small
+        hash (group) once. A slice that left the window (as the plan tells) is forgotten and unlinked
+        (`_forget_slice`: its entries went). Once more than `HOLD_RECORDS` bucket records are held, what is held
+        is written and the rebuild goes on (a field written is read back when written again); once more than
+        `HOLD_IDS` ids are inside the window, or somebody else wrote, what is held goes (merged with what Redis
+        holds, in the latter case) and the rest is handed to the guarded chunks. Returns (the rest: (part, first
+        entry not restored); entries written)."""
         meta, ttl, window, length = self._meta, self._ttl_ms, self.window, self.slice_length
         held = _HeldFields()
-        counts: dict[int, int] = {}  # slice -> entries written there
-        rates: dict[int, list[float]] = {}  # slice -> [entries, earliest, latest event time] restored there
         live: dict[str, float] = {}  # id -> event time of its newest entry taken (`restore_accept`)
         written = 0
         start: list[Sequence[Any]] = []
@@ -820,13 +917,14 @@ class CompactIndex(RedisIndex):
             start += [("UNLINK", *keys[a : a + REAP_KEYS]) for a in range(0, len(keys), REAP_KEYS)]
             start.append(("DEL", meta))
             self._stored_top = -math.inf
-        start += [("HSET", meta, REBUILDING, "1", "layout", cc.LAYOUT), ("HSETNX", meta, "gen", self._token),
+        start += [("HSET", meta, REBUILDING, "1", "layout", self.LAYOUT), ("HSETNX", meta, "gen", self._token),
                   ("PEXPIRE", meta, ttl), ("HMGET", meta, "seq", "hwm")]
         with self._errors():
             replies = self._execute(start)
             self._raise_any(replies)
         seq = int(replies[-1][0] or 0)
         hwm = max(self._hwm, self._stored_top, _stored_time(replies[-1][1] or b""))
+        plan = self._rebuild_plan()
         step = 2 * FIELDS_PER_CALL
         for part in parts:
             array = np.asarray(part.times, dtype=np.float64)
@@ -835,17 +933,13 @@ class CompactIndex(RedisIndex):
                 at = int(np.flatnonzero(bad)[0])
                 _event_time(float(array[at]), part.ids[at], length)  # raises its ValueError
             of_slice = np.floor(array / length).astype(np.int64)
-            for s in np.unique(of_slice).tolist():
-                there = array[of_slice == s]
-                rate = rates.setdefault(int(s), [0, math.inf, -math.inf])
-                rate[0] += len(there)
-                rate[1], rate[2] = min(rate[1], float(there.min())), max(rate[2], float(there.max()))
+            plan.part(array, of_slice)
             sizes: np.ndarray = np.diff(np.asarray(part.bounds, dtype=np.int64))
             chunk = slot.REBUILD_CHUNK
             for at in range(0, len(part.ids), chunk):
                 stop = min(at + chunk, len(part.ids))
                 ids, tss, slices = part.ids[at:stop], array[at:stop], of_slice[at:stop]
-                seqs, new_hwm, new_seq = self._restore_accept(ids, tss, live, hwm, window, seq)
+                seqs, new_hwm, new_seq, gone = plan.accept(ids, at, live, hwm, seq)
                 alone = True
                 if new_seq != seq:  # its seqs taken first: a seq names one entry, whoever else inserts
                     with self._errors():
@@ -856,19 +950,27 @@ class CompactIndex(RedisIndex):
                         seqs[seqs > 0] += np.uint64(replies[0] - new_seq)
                         new_seq = replies[0]
                 taken = seqs > 0
-                groups = self._entry_pairs(ids, part.blobs[at:stop], seqs.tolist(), slices.tolist())
                 commands: list[Sequence[Any]] = []
-                for s, pairs in groups.items():
-                    counts[s] = counts.get(s, 0) + len(pairs) // 2
-                    key = f"{self._spre}{s}"
-                    commands += [("HSET", key, *pairs[a : a + step]) for a in range(0, len(pairs), step)]
-                    commands.append(("PEXPIRE", key, ttl))
-                chunk_keys = np.asarray(part.keys[int(part.bounds[at]) : int(part.bounds[stop])], dtype=np.uint64)
-                for s in groups:
-                    mine = taken & (slices == s)
-                    held.add(s, chunk_keys[np.repeat(mine, sizes[at:stop])], sizes[at:stop][mine], tss[mine], seqs[mine],
-                             [ids[i] for i in np.flatnonzero(mine).tolist()])
-                for s in [s for s in held.slices if s < self._slice(new_hwm - window)]:
+                begin = 0
+                # The entries up to each slice the plan unlinks among them, then the unlink.
+                for end, unlinked in [*gone, (stop - at, None)]:
+                    groups = self._entry_pairs(ids[begin:end], part.blobs[at + begin : at + end],
+                                               seqs[begin:end].tolist(), slices[begin:end].tolist())
+                    for s, pairs in groups.items():
+                        key = f"{self._spre}{s}"
+                        commands += [("HSET", key, *pairs[a : a + step]) for a in range(0, len(pairs), step)]
+                        commands.append(("PEXPIRE", key, ttl))
+                    its_keys = np.asarray(part.keys[int(part.bounds[at + begin]) : int(part.bounds[at + end])],
+                                          dtype=np.uint64)
+                    counted = sizes[at + begin : at + end]
+                    for s in groups:
+                        mine = taken[begin:end] & (slices[begin:end] == s)
+                        held.add(s, its_keys[np.repeat(mine, counted)], counted[mine], tss[begin:end][mine],
+                                 seqs[begin:end][mine], [ids[begin + i] for i in np.flatnonzero(mine).tolist()])
+                    if unlinked is not None:
+                        commands += self._forget_slice(held, unlinked)
+                    begin = end
+                for s in plan.left(held.slices, new_hwm):
                     commands += self._forget_slice(held, s)
                 if new_seq != seq:
                     commands.append(("HSET", meta, "hwm", b"%.17g" % new_hwm))
@@ -883,15 +985,19 @@ class CompactIndex(RedisIndex):
                 if alone and len(live) > HOLD_IDS:  # those that left the window are never live again
                     live = {id: ts for id, ts in live.items() if ts >= hwm - window}
                 if not alone or len(live) > HOLD_IDS:
-                    self._write_held(held, counts, rates, intruded=not alone, done=True)
+                    self._write_held(held, plan, intruded=not alone, done=True)
                     self._stored_top = max(self._stored_top, hwm)  # the guarded chunks' first live ids
                     rest = chain([(part, stop)], ((p, 0) for p in parts))
                     return rest, written
                 if held.records > HOLD_RECORDS:  # written now, read back where named again
-                    self._write_held(held, counts, rates, intruded=False, done=False)
-        self._write_held(held, counts, rates, intruded=False, done=True)
+                    self._write_held(held, plan, intruded=False, done=False)
+        self._write_held(held, plan, intruded=False, done=True)
         self._stored_top = max(self._stored_top, hwm)
         return iter(()), written
+
+    def _rebuild_plan(self) -> _RebuildPlan:
+        """What a rebuild tells from its entries alone (`_RatePlan`: the rate they show)."""
+        return _RatePlan(self)
 
     def _forget_slice(self, held: _HeldFields, s: int) -> list[Sequence[Any]]:
         """The commands that unlink slice `s` of a rebuild, which left the window (its small hashes too where an
@@ -904,43 +1010,34 @@ class CompactIndex(RedisIndex):
             commands.append(("HDEL", self._meta, f"k:{s}"))
         return commands
 
-    def _write_held(self, held: _HeldFields, counts: dict[int, int], rates: dict[int, list[float]], *,
-                    intruded: bool, done: bool) -> None:
-        """Writes a rebuild's held fields (`_rebuild_compact`), each small hash once, a slice with the bits the
-        meta hash gives it (set by an earlier write, or by somebody else meanwhile), else those of the rate its
-        entries show (its count, the count of the slice before, the rate restored there: `expected_counts`), and
-        the count of entries written since; then sets the bits, and drops `rebuilding` when `done`. A field that
-        Redis may hold already (`intruded`: somebody else wrote too; or in a slice written before) goes on from
-        the value there; an id that somebody else wrote is kept."""
-        meta, ttl = self._meta, self._ttl_ms
+    def _write_held(self, held: _HeldFields, plan: _RebuildPlan, *, intruded: bool, done: bool) -> None:
+        """Writes a rebuild's held records (`_rebuild_compact`), each small hash (group) once, a slice with the
+        bits the meta hash gives it (set by an earlier write, or by somebody else meanwhile), else those the plan
+        gives it (`_RebuildPlan.bits_of`), and the count of entries written since; then sets the bits, and drops
+        `rebuilding` when `done`. What Redis may hold already (`intruded`: somebody else wrote too; or in a slice
+        written before) is read (`_held_slice`) and goes on from the value there. A slice's small hashes (groups)
+        are made a share at a time (`_held_shares`), each packed while the one before is sent (`_Sender`)."""
+        meta, ttl, counts = self._meta, self._ttl_ms, plan.counts
         slices = sorted(held.parts)
         with self._errors():
             replies = self._execute([("HMGET", meta, *(f"k:{s}" for s in slices))] if slices else [])
             self._raise_any(replies)
         known = replies[0] if slices else []
         made: list[Any] = []
-        # Per slice: its key, bits, buckets kept in the slice hash, entries to count, and what `held_pairs` takes.
-        pieces: list[tuple[str, int, set[bytes], int, tuple[Any, ...]]] = []
+        # Per slice: its key, bits, entries to count, and what `_held_shares` takes of it (`_held_slice`).
+        pieces: list[tuple[str, int, int, tuple[Any, ...]]] = []
         for s, k in zip(slices, known):
             if k is not None:
                 bits = int(k)
             else:
-                count, low, high = rates.get(s, [0, 0.0, 0.0])
-                expected = math.ceil(count * self.slice_length / max(high - low, self.slice_length / 1024))
-                bits = max(cc.slice_bits(counts.get(s - 1)), cc.slice_bits(counts.get(s, 0)), cc.slice_bits(expected),
-                           cc.slice_bits(self._rate_count))
+                bits = plan.bits_of(s)
                 made += (f"k:{s}", bits)
             key = f"{self._spre}{s}"
-            keys, bounds, times, seqs, ids = held.columns(s)
-            marked: set[bytes] = set()
-            olds: dict[bytes, bytes] = {}
-            if intruded or s in held.written:
-                names = [b"b" + raw for raw in _distinct_keys(keys)] + list(dict.fromkeys(map(cc.id_field, ids)))
-                olds = self._held_olds(key, names, bits, marked)
+            piece = self._held_slice(key, bits, held.columns(s), intruded or s in held.written)
             entries = counts.get(s, 0) - held.counted.get(s, 0)
             held.counted[s] = counts.get(s, 0)
             held.written[s] = bits
-            pieces.append((key, bits, marked, entries, (keys, bounds, times, seqs, ids, olds)))
+            pieces.append((key, bits, entries, piece))
         held.clear()  # its arrays are in `pieces` now: not twice in memory while written
         commands: list[Sequence[Any]] = []
         if made:
@@ -948,62 +1045,79 @@ class CompactIndex(RedisIndex):
         if done:
             commands.append(("HDEL", meta, REBUILDING))
         commands.append(("PEXPIRE", meta, ttl))
-        cap = self.bucket_cap
-
-        def shares() -> Iterator[tuple[str, list[bytes], int, set[bytes], int]]:
-            """Each slice's fields a share of its small hashes at a time (its bucket keys and ids in that share:
-            `held_pairs` of them, what it holds of the slice a sixteenth at a time), its count with the first."""
-            top = np.uint64(64 - WRITE_SHARE_BITS)
-            for key, bits, marked, entries, (keys, bounds, times, seqs, ids, olds) in pieces:
-                key_shares = (keys * np.uint64(_FIB)) >> top  # (wraps: the product mod 2^64, as `small_hash`)
-                id_shares = np.asarray(self._id_shares(ids, WRITE_SHARE_BITS), dtype=np.int64)
-                for j in range(1 << WRITE_SHARE_BITS):
-                    mine = key_shares == j
-                    before = np.concatenate(([0], np.cumsum(mine)))
-                    sizes = before[bounds[1:]] - before[bounds[:-1]]
-                    has_id = id_shares == j
-                    took = np.flatnonzero((sizes > 0) | has_id)
-                    pairs = self._held_pairs(keys[mine], np.concatenate(([0], np.cumsum(sizes[took]))), times[took],
-                                             seqs[took], [ids[i] if has_id[i] else None for i in took.tolist()],
-                                             olds, cap, intruded)
-                    yield key, pairs, bits, marked, entries if j == 0 else 0
-
         if not self._packs:  # Cluster: redis-py's pipeline
-            writes = [c for key, pairs, bits, marked, entries in shares()
-                      for c in self._write_commands_of(key, pairs, bits, marked, entries, 0, ttl, FIELDS_PER_CALL)]
+            writes = [c for share in self._held_shares(pieces, intruded) for c in self._share_commands(share)]
             with self._errors():
                 replies = self._execute([*writes, *commands])
                 self._raise_any(replies)
-        else:  # each share packed while the one before is sent (a thread of its own) and written by Redis
-            with self._errors():
-                conn = self._pinned()
-                self._drain()
-                sender = slot._Sender(conn)
-                try:
-                    for key, pairs, bits, marked, entries in shares():
-                        blob, n, _ = self._pack_writes(key, pairs, bits, marked, entries, 0, ttl, FIELDS_PER_CALL,
-                                                       None)
-                        for a in range(0, len(blob), SEND_BYTES):  # the socket's timeout bounds each piece's send
-                            sender.send(blob[a : a + SEND_BYTES], n if a == 0 else 0)
-                    sender.send(_pack(commands), len(commands))
-                    replies = _read_replies(conn, sender.close())
-                except BaseException:
-                    sender.close(raising=False)
-                    conn.disconnect()  # replies may still be on their way: never reuse it (it reconnects)
-                    raise
-                self._raise_any(replies)
+            return
+        with self._errors():  # each share packed while the one before is sent (a thread of its own)
+            conn = self._pinned()
+            self._drain()
+            sender = slot._Sender(conn)
+            try:
+                for share in self._held_shares(pieces, intruded):
+                    blob, n = self._share_packed(share)
+                    for a in range(0, len(blob), SEND_BYTES):  # the socket's timeout bounds each piece's send
+                        sender.send(blob[a : a + SEND_BYTES], n if a == 0 else 0)
+                sender.send(_pack(commands), len(commands))
+                replies = _read_replies(conn, sender.close())
+            except BaseException:
+                sender.close(raising=False)
+                conn.disconnect()  # replies may still be on their way: never reuse it (it reconnects)
+                raise
+            self._raise_any(replies)
+
+    def _held_slice(self, key: str, bits: int, columns: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray,
+                                                                list[str]], read: bool) -> tuple[Any, ...]:
+        """What `_held_shares` takes of a slice's held records (`_HeldFields.columns`): them, the bucket and id
+        fields that Redis holds of them where `read` (`_held_olds`), and the buckets of those read as the mark."""
+        keys, bounds, times, seqs, ids = columns
+        marked: set[bytes] = set()
+        olds: dict[bytes, bytes] = {}
+        if read:
+            names = [b"b" + raw for raw in _distinct_keys(keys)] + list(dict.fromkeys(map(cc.id_field, ids)))
+            olds = self._held_olds(key, names, bits, marked)
+        return keys, bounds, times, seqs, ids, olds, marked
+
+    def _held_shares(self, pieces: Sequence[tuple[str, int, int, tuple[Any, ...]]], intruded: bool) -> Iterator[Any]:
+        """Each slice's fields a share of its small hashes at a time (its bucket keys and ids in that share:
+        `held_pairs` of them, what it holds of the slice a sixteenth at a time), its count with the first; each
+        share as `_share_commands` and `_share_packed` take it. An id that somebody else wrote (`intruded`) is
+        kept."""
+        top = np.uint64(64 - WRITE_SHARE_BITS)
+        cap = self.bucket_cap
+        for key, bits, entries, (keys, bounds, times, seqs, ids, olds, marked) in pieces:
+            key_shares = (keys * np.uint64(_FIB)) >> top  # (wraps: the product mod 2^64, as `small_hash`)
+            id_shares = np.asarray(self._id_shares(ids, WRITE_SHARE_BITS), dtype=np.int64)
+            for j in range(1 << WRITE_SHARE_BITS):
+                mine = key_shares == j
+                before = np.concatenate(([0], np.cumsum(mine)))
+                sizes = before[bounds[1:]] - before[bounds[:-1]]
+                has_id = id_shares == j
+                took = np.flatnonzero((sizes > 0) | has_id)
+                pairs = self._held_pairs(keys[mine], np.concatenate(([0], np.cumsum(sizes[took]))), times[took],
+                                         seqs[took], [ids[i] if has_id[i] else None for i in took.tolist()],
+                                         olds, cap, intruded)
+                yield key, pairs, bits, marked, entries if j == 0 else 0
+
+    def _share_commands(self, share: Any) -> list[Sequence[Any]]:
+        """A share of `_held_shares` as commands (`write_commands`)."""
+        key, pairs, bits, marked, entries = share
+        return cast("list[Sequence[Any]]",
+                    self._write_commands_of(key, pairs, bits, marked, entries, 0, self._ttl_ms, FIELDS_PER_CALL))
+
+    def _share_packed(self, share: Any) -> tuple[bytes, int]:
+        """A share of `_held_shares` packed (`pack_writes`): its bytes and number of replies."""
+        key, pairs, bits, marked, entries = share
+        blob, n, _ = self._pack_writes(key, pairs, bits, marked, entries, 0, self._ttl_ms, FIELDS_PER_CALL, None)
+        return blob, n
 
     def _held_olds(self, key: str, names: list[bytes], bits: int, marked: set[bytes]) -> dict[bytes, bytes]:
         """What Redis holds of a slice's `names` (its small hashes, and the slice hash for those read as the mark,
         which go to `marked`)."""
         reads, places = self._read_commands_of(key, names, bits, set(), FIELDS_PER_HMGET)
-        replies: list[Any] = []
-        for a in range(0, len(reads), READ_COMMANDS):  # a command a small hash: millions in a slice of many
-            with self._errors():
-                got = self._execute(reads[a : a + READ_COMMANDS])
-                self._raise_any(got)
-            replies += got
-        column = self._column_of(replies, places, len(names))
+        column = self._column_of(self._read_many_calls(reads), places, len(names))
         olds = {name: value for name, value in zip(names, column) if value is not None}
         marked.update(name for name, value in olds.items() if value == cc.MARK)
         if marked:
@@ -1013,6 +1127,17 @@ class CompactIndex(RedisIndex):
                 self._raise_any(replies)
             olds.update({name: value for name, value in zip(at, replies[0]) if value is not None})
         return olds
+
+    def _read_many_calls(self, reads: Sequence[Sequence[Any]]) -> list[Any]:
+        """The replies of a rebuild's `reads`, `READ_COMMANDS` a round trip (a command a small hash or a few
+        thousand groups: millions in a slice of many)."""
+        replies: list[Any] = []
+        for a in range(0, len(reads), READ_COMMANDS):
+            with self._errors():
+                got = self._execute(reads[a : a + READ_COMMANDS])
+                self._raise_any(got)
+            replies += got
+        return replies
 
     def _restore_rows(self, rows: list[tuple[str, float, bytes, tuple[int, ...]]]) -> int:
         for _ in range(slot.RESTORE_ATTEMPTS if self._watchable() else 0):
@@ -1056,15 +1181,7 @@ class CompactIndex(RedisIndex):
             top = _stored_time(cast("bytes | None", stored) or b"")
             slices = self._slices(top, top)
             bits = self._client.hmget(self._meta, [f"k:{s}" for s in slices]) if slices else []
-            commands: list[Sequence[Any]] = []
-            sampled = []
-            for s, k in zip(slices, bits):
-                commands.append(("HMGET", f"{self._spre}{s}", "n", "m"))
-                n = 1 << int(k) if k is not None else 0
-                step = max(1, n // STATS_SAMPLE)
-                sample = list(range(0, n, step))
-                sampled.append((n, len(sample)))
-                commands += [("HLEN", f"{self._spre}{s}:{j}") for j in sample]
+            commands, sampled = self._stats_reads(slices, bits)
             replies = self._execute(commands, pinned=False)
             self._raise_any(replies)
         entries = memos = buckets = 0
@@ -1073,10 +1190,29 @@ class CompactIndex(RedisIndex):
             count, memo = next(rest)
             entries += int(count or 0)
             memos += int(memo or 0)
-            lengths = [next(rest) for _ in range(taken)]
-            fields = sum(lengths) * n / taken if taken else 0
-            buckets += max(0, round(fields) - int(count or 0))
+            buckets += self._stats_buckets(rest, n, taken, int(count or 0))
         return {"entries": entries, "buckets": buckets, "memos": memos, "inserted": int(seq or 0)}
+
+    def _stats_reads(self, slices: Sequence[int], bits: Sequence[Any]) -> tuple[list[Sequence[Any]],
+                                                                            list[tuple[int, int]]]:
+        """The reads of `stats`: per slice (of `bits`, as the meta hash holds them), its counts (`HMGET n m`) and
+        those its buckets are counted from (`_stats_buckets`); and per slice (its small hashes, those sampled)."""
+        commands: list[Sequence[Any]] = []
+        sampled = []
+        for s, k in zip(slices, bits):
+            commands.append(("HMGET", f"{self._spre}{s}", "n", "m"))
+            n = 1 << int(k) if k is not None else 0
+            step = max(1, n // STATS_SAMPLE)
+            sample = list(range(0, n, step))
+            sampled.append((n, len(sample)))
+            commands += [("HLEN", f"{self._spre}{s}:{j}") for j in sample]
+        return commands, sampled
+
+    def _stats_buckets(self, rest: Iterator[Any], n: int, taken: int, count: int) -> int:
+        """A slice's buckets from the replies of its `_stats_reads` (next in `rest`; `count`: its entries)."""
+        lengths = [next(rest) for _ in range(taken)]
+        fields = sum(lengths) * n / taken if taken else 0
+        return max(0, round(fields) - count)
 
     def __repr__(self) -> str:
         return f"CompactIndex({self._where!r}, namespace={self.namespace!r}, window={self.window})"

@@ -18,24 +18,19 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Iterable, Iterator, Sequence
-from itertools import chain
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import numpy as np
 
 from filters.errors import ConfigError
-from filters.index import Candidate, Entry, Query, Stored, new_candidate, new_entry
+from filters.index import Candidate, Entry, Query, new_candidate, new_entry
 from filters.index import compact_codec as cc
 from filters.index import group_codec as gc
 from filters.index import redis as slot
-from filters.index import redis_compact as compact  # its rebuild's holding limits, read when rebuilding
 from filters.index.redis import (
-    _MAX_SLICE,
-    _MIN_TS,
     FIELDS_PER_CALL,
     FIELDS_PER_HMGET,
     MARKER,
-    REBUILDING,
     _event_time,
     _lua,
     _Script,
@@ -45,15 +40,12 @@ from filters.index.redis import (
 from filters.index.redis_codec import SEQ, decode_entry, decode_memo, encode_entry, live_memo, memo_time
 from filters.index.redis_compact import (
     _FIB,
-    READ_COMMANDS,
-    REAP_KEYS,
-    SEND_BYTES,
     WRITE_SHARE_BITS,
     CompactIndex,
     _HeldFields,
     _pack,
     _Packed,
-    _read_replies,
+    _pieces,
 )
 from filters.records import Verdict
 
@@ -68,7 +60,9 @@ NAMES_KEPT_BITS = 17  # the groups' fields a client keeps made: those of 2^17 gr
 
 def _script() -> _Script:
     bits = f"{gc.K_FIRST}, {gc.K_MIN}, {gc.K_MAX}, {cc.FIELDS_PER_ENTRY}, {gc.GROUP_FILL}"
-    return _Script.of(_lua("insert_slices.lua", "group_insert.lua").replace("GROUP_BITS", bits))
+    source = _lua("insert_slices.lua", "round_start.lua", "group_insert.lua")  # (an entry's buckets: one argument)
+    return _Script.of(source.replace("ROUND_LAYOUT", f"'{gc.LAYOUT}'").replace("ROUND_FIXED", "true")
+                      .replace("GROUP_BITS", bits))
 
 
 GROUP_INSERT = _script()  # the checking script: a contended round (on Redis Cluster, one INSERT_ALONE_LUA refused)
@@ -87,6 +81,8 @@ _Plan = tuple[list[bytes], list[int], "int | None", int]
 class GroupIndex(CompactIndex):
     """`RedisIndex` in the group layout (`?layout=group`); see the module's docstring for what it does not do
     yet."""
+
+    LAYOUT: ClassVar[str] = gc.LAYOUT
 
     def __init__(self, url: str, *, window: float, bucket_cap: int, namespace: str, fenced: bool = False) -> None:
         super().__init__(url, window=window, bucket_cap=bucket_cap, namespace=namespace, fenced=fenced)
@@ -117,21 +113,7 @@ class GroupIndex(CompactIndex):
         on their way. Returns the number of replies."""
         if not any(type(c) is _Packed for c in commands):
             return CompactIndex._pack_send(conn, commands)
-        blobs: list[bytes] = []
-        run: list[Any] = []
-        count = 0
-        for command in commands:
-            if type(command) is _Packed:
-                if run:
-                    blobs.append(_pack(run))
-                    run = []
-                blobs.append(command.data)
-                count += command.count
-            else:
-                run.append(command)
-                count += 1
-        if run:
-            blobs.append(_pack(run))
+        blobs, count = _pieces(commands)
         conn.send_packed_command(blobs)
         return count
 
@@ -288,23 +270,9 @@ class GroupIndex(CompactIndex):
             out.append((mine, cands))
         return out
 
-    def _entries_by_seq(self, wanted: set[tuple[int, float]]) -> dict[int, Entry]:
-        """`CompactIndex._entries_by_seq`, the entries read decoded at once by the compiled decoder of the slot
-        layout (`decode_entries`; numpy's unpacking of one entry at a time cost ~80,000 instructions an entry)."""
-        out: dict[int, Entry] = {}
-        by_slice: dict[int, list[int]] = {}
-        for seq, ts in sorted(wanted):
-            entry = self._by_seq.get(seq)
-            if entry is not None:
-                out[seq] = entry
-            else:
-                by_slice.setdefault(self._slice(ts), []).append(seq)
-        if not by_slice:
-            return out
-        with self._errors():
-            replies = self._execute([("HMGET", f"{self._spre}{s}", *map(cc.entry_field, seqs))
-                                     for s, seqs in by_slice.items()], share=False)
-            self._raise_any(replies)
+    def _entries_read(self, by_slice: dict[int, list[int]], replies: Sequence[Any]) -> dict[int, Entry]:
+        """`CompactIndex._entries_read`, the entries decoded at once by the compiled decoder of the slot layout
+        (`decode_entries`; numpy's unpacking of one entry at a time cost ~80,000 instructions an entry)."""
         seqs, ids, blobs = [], [], []
         for at, values in zip(by_slice.values(), replies):
             for seq, value in zip(at, values):
@@ -318,38 +286,16 @@ class GroupIndex(CompactIndex):
             read = {seq: by_id[id] for seq, id in zip(seqs, ids)}
         else:
             read = {seq: self._decode([id], [blob], new_entry, decode_entry)[id] for seq, id, blob in zip(seqs, ids, blobs)}
-        out.update(read)
-        self._keep(read)
-        return out
+        return read
 
     # -- inserting -----------------------------------------------------------------------------------
-    def _alone_rows(self, ids: list[str], times: list[float], blobs: list[bytes], fields_of: Sequence[list[bytes]],
-                    places_of: Sequence[list[int] | None], low: float | None = None) -> list[int] | None:
-        """`CompactIndex._alone_rows`, its writes put into whole groups (`_write_groups`)."""
+    def _write_alone(self, start: int, seq: int, hwm_bytes: bytes, hwm: float, groups: dict[int, list[Any]],
+                     results: Sequence[int], times: Sequence[float], places_of: Sequence[list[int] | None],
+                     id_places: Sequence[int]) -> bool | None:
+        """`CompactIndex._write_alone`, its writes put into whole groups (`_write_groups`)."""
         view = self._view
-        window, cap = self.window, self.bucket_cap
-        stored_hwm = _stored_time(view.hwm)
-        hwm = max(self._hwm, stored_hwm)
-        first = max(hwm, min(times)) if low is None else low
-        slices = range(self._slice(first - window), self._slice(max(hwm, max(times))) + 1)
-        if slices[0] < view.slices[0] or slices[-1] > view.slices[-1]:
-            return None
-        start = seq = view.mark + view.inserted
-        writes: dict[int, dict[int, bytes]] = {s: dict(view.written.get(s, {})) for s in slices}
-        looked = view.looked
-        id_places = [view.entry_places[looked[id]] for id in ids]
-        results, groups, pending, hwm, seq = self._alone_compact(
-            ids, times, blobs, list(fields_of), cast("list[list[int]]", list(places_of)), id_places, tuple(slices),
-            view.columns, writes, hwm, window, self.slice_length, cap, seq)
-        hwm_bytes = view.hwm if hwm <= stored_hwm else (b"%.17g" % hwm)
         rows = [(r, ts, places, e) for r, ts, places, e in zip(results, times, places_of, id_places) if r > 0]
-        written = self._write_groups(start, seq, view.hwm, hwm_bytes, hwm, groups, rows, view.names, self._last_raw)
-        if written is None:
-            return None
-        if not written:
-            view.watch = -1
-        self._wrote_round(hwm_bytes, pending, groups, writes)
-        return list(results)
+        return self._write_groups(start, seq, view.hwm, hwm_bytes, hwm, groups, rows, view.names, self._last_raw)
 
     def _alone_unwatched(self) -> bool:
         """Without WATCH (Redis Cluster), an uncontended round's groups go through INSERT_ALONE_LUA (`_transact`)."""
@@ -416,9 +362,7 @@ class GroupIndex(CompactIndex):
                 commands.append(("PEXPIRE", meta, ttl))
             if gone is not None:
                 commands += [("UNLINK", f"{self._spre}{gone}"), ("HDEL", meta, f"k:{gone}")]
-            commands += self._memo_commands()
-            commands += [("EXEC",), ("WATCH", meta), ("HMGET", meta, "seq", "hwm")]
-            replies = self._exec_watched(cast("list[Sequence[str | int | bytes]]", commands))
+            replies = self._exec_round(commands, made)
             if replies is None:
                 return None
             now_seq, now_hwm = replies[-1]
@@ -436,8 +380,8 @@ class GroupIndex(CompactIndex):
             if not done:
                 self._memos_sent()  # written beside the script, whatever it answered
                 return None
+            self._bits.update(made)
             held = True
-        self._bits.update(made)
         ahead = self._ahead is not None  # a read sent ahead lacks these groups (`_taken`); one sent after has them
         for s, values, flat, taken in kept:
             self._keep_written(raw.setdefault(s, {}), values, flat, taken,
@@ -501,219 +445,51 @@ class GroupIndex(CompactIndex):
         self._view.exact = False
         return sum(1 for r in results if r > 0)
 
-    # -- restoring, stats ----------------------------------------------------------------------------
-    def restore(self, parts: Iterable[Stored]) -> int:
-        """See `CandidateIndex.restore`. A fenced index without its marker, empty (or left by a rebuild that
-        died), is being rebuilt: nobody else writes it, and `_rebuild_groups` holds the entries' records and
-        writes each group once. Otherwise (and for what a rebuild hands on) per chunk of `RESTORE_CHUNK`
-        entries, as the uncontended insert (a read after a WATCH of the meta hash, the writes computed here, one
-        MULTI/EXEC), the guarded round after `RESTORE_ATTEMPTS` refusals. A fenced index without its marker is
-        being rebuilt: its marker is not asked for (the guard sets it after)."""
-        self._forget_view()
-        self._restoring = True
-        written = 0
-        with self._errors():
-            replies = self._execute([("HMGET", self._meta, "hwm", MARKER, "seq", REBUILDING, "layout")])
-            self._raise_any(replies)
-        stored_hwm, marker, stored_seq, rebuilding, layout = replies[0]
-        died = rebuilding is not None and layout == gc.LAYOUT.encode()  # (another layout is refused by the reads)
-        self._stored_top = max(self._stored_top, _stored_time(stored_hwm or b""))
-        try:
-            rest: Iterable[tuple[Stored, int]] = ((part, 0) for part in parts)
-            if self.fenced and marker is None and (stored_seq is None or died):
-                rest, written = self._rebuild_groups(iter(parts), died)
-            for part, begin in rest:
-                times = [_event_time(float(t), id, self.slice_length) for id, t in zip(part.ids, part.times)]
-                self._expected = cc.expected_counts(times, self.slice_length)
-                chunk = slot.RESTORE_CHUNK
-                for at in range(begin, len(part.ids), chunk):
-                    written += self._restore_rows(self._rows(part, times, at, min(at + chunk, len(part.ids))))
-        finally:
-            self._restoring = False
-            self._expected = {}
-            self._forget_view()
-        return written
+    # -- restoring (`CompactIndex.restore`, `_rebuild_compact`: the group layout's steps), stats ----------
+    def _rebuild_plan(self) -> _GuardedPlan:
+        """What the guarded chunks of a restore decide chunk by chunk, told from the entries alone
+        (`_GuardedPlan`): the bits of a slice they make, and the slice each of their rounds unlinks."""
+        return _GuardedPlan(self)
 
-    def _rebuild_groups(self, parts: Iterator[Stored], died: bool) -> tuple[Iterator[tuple[Stored, int]], int]:
-        """Restores `parts` into a fenced namespace without its marker that nobody else writes (`restore`; `died`:
-        a rebuild before this one left its `rebuilding` field: what it wrote goes first), leaving what the
-        guarded chunks would leave (the same bytes, key by key, field by field). As the compact layout's rebuild
-        (`CompactIndex._rebuild_compact`): per chunk of `REBUILD_CHUNK` entries, which entries the insert would
-        take and their seqs told here (`restore_accept`), their entries written at once (with the seq, by
-        HINCRBY, and a read of the seq and the marker: anybody else writing shows), their bucket keys and ids
-        held (`_HeldFields`) and each slice's groups made once at the end (`held_groups`, `_write_held_groups`).
-        What the guarded chunks decide chunk by chunk is told here the same way (`_GuardedPlan`): the bits of a
-        slice they make, and the slice each of their rounds unlinks. Past `HOLD_RECORDS` bucket records held,
-        what is held is written and the rebuild goes on (a group written is read back when written again); past
-        `HOLD_IDS` ids inside the window, or once somebody else wrote, what is held goes (merged with what Redis
-        holds, in the latter case) and the rest is handed to the guarded chunks. Returns (the rest: (part, first
-        entry not restored); entries written)."""
-        meta, ttl, window, length = self._meta, self._ttl_ms, self.window, self.slice_length
-        held = _HeldFields()
-        counts: dict[int, int] = {}  # slice -> entries written there (its count `n`)
-        live: dict[str, float] = {}  # id -> event time of its newest entry taken (`restore_accept`)
-        written = 0
-        start: list[Sequence[Any]] = []
-        if died:  # its entries would pass for live, its groups are held nowhere: the changelog has them all
-            with self._errors():
-                keys = list(dict.fromkeys(self._client.scan_iter(match=f"{self._spre}*", count=1000)))
-            start += [("UNLINK", *keys[a : a + REAP_KEYS]) for a in range(0, len(keys), REAP_KEYS)]
-            start.append(("DEL", meta))
-            self._stored_top = -math.inf
-        start += [("HSET", meta, REBUILDING, "1", "layout", gc.LAYOUT), ("HSETNX", meta, "gen", self._token),
-                  ("PEXPIRE", meta, ttl), ("HMGET", meta, "seq", "hwm")]
-        with self._errors():
-            replies = self._execute(start)
-            self._raise_any(replies)
-        seq = int(replies[-1][0] or 0)
-        hwm = max(self._hwm, self._stored_top, _stored_time(replies[-1][1] or b""))
-        plan = _GuardedPlan(self, counts)
-        step = 2 * FIELDS_PER_CALL
-        for part in parts:
-            array = np.asarray(part.times, dtype=np.float64)
-            bad = ~(np.isfinite(array) & (array > _MIN_TS) & (np.abs(array / length) < _MAX_SLICE))
-            if bad.any():
-                at = int(np.flatnonzero(bad)[0])
-                _event_time(float(array[at]), part.ids[at], length)  # raises its ValueError
-            of_slice = np.floor(array / length).astype(np.int64)
-            plan.part(array)
-            sizes: np.ndarray = np.diff(np.asarray(part.bounds, dtype=np.int64))
-            chunk = slot.REBUILD_CHUNK
-            for at in range(0, len(part.ids), chunk):
-                stop = min(at + chunk, len(part.ids))
-                ids, tss, slices = part.ids[at:stop], array[at:stop], of_slice[at:stop]
-                seqs, new_hwm, new_seq, gone = plan.accept(ids, at, live, hwm, seq)
-                alone = True
-                if new_seq != seq:  # its seqs taken first: a seq names one entry, whoever else inserts
-                    with self._errors():
-                        replies = self._execute([("HINCRBY", meta, "seq", new_seq - seq)])
-                        self._raise_any(replies)
-                    if replies[0] != new_seq:  # somebody else took some meanwhile: the chunk's are those after
-                        alone = False
-                        seqs[seqs > 0] += np.uint64(replies[0] - new_seq)
-                        new_seq = replies[0]
-                taken = seqs > 0
-                commands: list[Sequence[Any]] = []
-                begin = 0
-                # The entries up to each round that unlinks a slice (the slice before the window), then the unlink.
-                for end, unlinked in [*gone, (stop - at, None)]:
-                    groups = self._entry_pairs(ids[begin:end], part.blobs[at + begin : at + end],
-                                               seqs[begin:end].tolist(), slices[begin:end].tolist())
-                    for s, pairs in groups.items():
-                        key = f"{self._spre}{s}"
-                        commands += [("HSET", key, *pairs[a : a + step]) for a in range(0, len(pairs), step)]
-                        commands.append(("PEXPIRE", key, ttl))
-                    its_keys = np.asarray(part.keys[int(part.bounds[at + begin]) : int(part.bounds[at + end])],
-                                          dtype=np.uint64)
-                    counted = sizes[at + begin : at + end]
-                    for s in groups:
-                        mine = taken[begin:end] & (slices[begin:end] == s)
-                        held.add(s, its_keys[np.repeat(mine, counted)], counted[mine], tss[begin:end][mine],
-                                 seqs[begin:end][mine], [ids[begin + i] for i in np.flatnonzero(mine).tolist()])
-                    if unlinked is not None:
-                        commands += [("UNLINK", f"{self._spre}{unlinked}"), ("HDEL", meta, f"k:{unlinked}")]
-                        held.drop(unlinked)
-                    begin = end
-                if new_seq != seq:
-                    commands.append(("HSET", meta, "hwm", b"%.17g" % new_hwm))
-                commands += [("PEXPIRE", meta, ttl), ("HMGET", meta, "seq", MARKER)]
-                with self._errors():
-                    replies = self._execute(commands)
-                    self._raise_any(replies)
-                written += int(np.count_nonzero(taken))
-                now_seq, marker = replies[-1]
-                alone = alone and marker is None and int(now_seq or 0) == new_seq
-                seq, hwm = new_seq, new_hwm
-                if alone and len(live) > compact.HOLD_IDS:  # those that left the window are never live again
-                    live = {id: ts for id, ts in live.items() if ts >= hwm - window}
-                if not alone or len(live) > compact.HOLD_IDS:
-                    self._write_held_groups(held, counts, plan.bits, intruded=not alone, done=True)
-                    self._stored_top = max(self._stored_top, hwm)  # the guarded chunks' first live ids
-                    rest = chain([(part, stop)], ((p, 0) for p in parts))
-                    return rest, written
-                if held.records > compact.HOLD_RECORDS:  # written now, read back where named again
-                    self._write_held_groups(held, counts, plan.bits, intruded=False, done=False)
-        self._write_held_groups(held, counts, plan.bits, intruded=False, done=True)
-        self._stored_top = max(self._stored_top, hwm)
-        return iter(()), written
+    def _forget_slice(self, held: _HeldFields, s: int) -> list[Sequence[Any]]:
+        """The commands of a guarded round's unlink of slice `s` (its groups go with its hash), and forgets what
+        is held of it."""
+        held.drop(s)
+        return [("UNLINK", f"{self._spre}{s}"), ("HDEL", self._meta, f"k:{s}")]
 
-    def _write_held_groups(self, held: _HeldFields, counts: dict[int, int], bits_of: dict[int, int], *,
-                           intruded: bool, done: bool) -> None:
-        """Writes a rebuild's held records (`_rebuild_groups`), each group once, a slice with the bits the meta
-        hash gives it (set by an earlier write, or by somebody else meanwhile), else those the guarded chunks
-        would have given it (`bits_of`), and the count of entries written since; then sets the bits, and drops
-        `rebuilding` when `done`. A group that Redis may hold already (`intruded`: somebody else wrote too; or
-        in a slice written before) goes on from the value there. A slice's groups are made a share at a time
-        (`WRITE_SHARE_BITS`), each packed while the one before is sent (`_Sender`)."""
-        meta, ttl, cap = self._meta, self._ttl_ms, self.bucket_cap
+    def _held_slice(self, key: str, bits: int, columns: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray,
+                                                                list[str]], read: bool) -> tuple[Any, ...]:
+        """What `_held_shares` takes of a slice's held records (`_HeldFields.columns`): them, their ids mixed
+        (`mixed_ids`), and the groups that Redis holds of them where `read` (`_held_groups_read`)."""
+        keys, bounds, times, seqs, ids = columns
+        mixed = _native.group_mixed_ids(ids) if _native is not None else gc.mixed_ids(ids)
+        olds = self._held_groups_read(key, keys, mixed, bits) if read else {}
+        return keys, bounds, times, seqs, mixed, olds
+
+    def _held_shares(self, pieces: Sequence[tuple[str, int, int, tuple[Any, ...]]],
+                     intruded: bool) -> Iterator[list[Sequence[Any]]]:
+        """Each slice's groups a share at a time (`WRITE_SHARE_BITS`; `held_groups`, made when the share is asked
+        for) as its writes, its count with the first and its TTL with the last. A group that Redis holds goes
+        on from its value there (read, as `intruded` asks, by `_held_slice`)."""
         fold = _native.group_held_groups if _native is not None else gc.held_groups
-        mix = _native.group_mixed_ids if _native is not None else gc.mixed_ids
-        slices = sorted(held.parts)
-        with self._errors():
-            replies = self._execute([("HMGET", meta, *(f"k:{s}" for s in slices))] if slices else [])
-            self._raise_any(replies)
-        known = replies[0] if slices else []
-        made: list[Any] = []
-        # Per slice: its key, bits, entries to count, and what `held_groups` takes.
-        pieces: list[tuple[str, int, int, tuple[Any, ...]]] = []
-        for s, k in zip(slices, known):
-            if k is not None:
-                bits = int(k)
-            else:
-                bits = bits_of[s]
-                made += (f"k:{s}", bits)
-            key = f"{self._spre}{s}"
-            keys, bounds, times, seqs, ids = held.columns(s)
-            mixed = mix(ids)
-            olds = self._held_groups_read(key, keys, mixed, bits) if intruded or s in held.written else {}
-            entries = counts.get(s, 0) - held.counted.get(s, 0)
-            held.counted[s] = counts.get(s, 0)
-            held.written[s] = bits
-            pieces.append((key, bits, entries, (keys, bounds, times, seqs, mixed, olds)))
-        held.clear()  # its arrays are in `pieces` now: not twice in memory while written
-        commands: list[Sequence[Any]] = []
-        if made:
-            commands.append(("HSET", meta, *made))
-        if done:
-            commands.append(("HDEL", meta, REBUILDING))
-        commands.append(("PEXPIRE", meta, ttl))
+        cap, ttl = self.bucket_cap, self._ttl_ms
         step = 2 * FIELDS_PER_CALL
+        for key, bits, entries, (keys, bounds, times, seqs, mixed, olds) in pieces:
+            share_bits = min(WRITE_SHARE_BITS, bits)
+            for j in range(1 << share_bits):
+                pairs = fold(keys, bounds, times, seqs, mixed, bits, cap, olds, j, share_bits)
+                writes: list[Sequence[Any]] = [("HSET", key, *pairs[a : a + step]) for a in range(0, len(pairs), step)]
+                if j == 0 and entries:
+                    writes.append(("HINCRBY", key, "n", entries))
+                if j == (1 << share_bits) - 1:
+                    writes.append(("PEXPIRE", key, ttl))
+                yield writes
 
-        def shares() -> Iterator[list[Sequence[Any]]]:
-            """Each share's writes, its groups made when it is asked for."""
-            for key, bits, entries, (keys, bounds, times, seqs, mixed, olds) in pieces:
-                share_bits = min(WRITE_SHARE_BITS, bits)
-                for j in range(1 << share_bits):
-                    pairs = fold(keys, bounds, times, seqs, mixed, bits, cap, olds, j, share_bits)
-                    writes: list[Sequence[Any]] = [("HSET", key, *pairs[a : a + step])
-                                                   for a in range(0, len(pairs), step)]
-                    if j == 0 and entries:
-                        writes.append(("HINCRBY", key, "n", entries))
-                    if j == (1 << share_bits) - 1:
-                        writes.append(("PEXPIRE", key, ttl))
-                    yield writes
+    def _share_commands(self, share: Any) -> list[Sequence[Any]]:
+        return cast("list[Sequence[Any]]", share)
 
-        if not self._packs:  # Cluster: redis-py's pipeline, as the compact rebuild's
-            with self._errors():
-                replies = self._execute([*(c for writes in shares() for c in writes), *commands])
-                self._raise_any(replies)
-            return
-        with self._errors():  # each share packed while the one before is sent (a thread of its own)
-            conn = self._pinned()
-            self._drain()
-            sender = slot._Sender(conn)
-            try:
-                for writes in shares():
-                    blob = _pack(writes)
-                    for a in range(0, len(blob), SEND_BYTES):  # the socket's timeout bounds each piece's send
-                        sender.send(blob[a : a + SEND_BYTES], len(writes) if a == 0 else 0)
-                sender.send(_pack(commands), len(commands))
-                replies = _read_replies(conn, sender.close())
-            except BaseException:
-                sender.close(raising=False)
-                conn.disconnect()  # replies may still be on their way: never reuse it (it reconnects)
-                raise
-            self._raise_any(replies)
+    def _share_packed(self, share: Any) -> tuple[bytes, int]:
+        return _pack(share), len(share)
 
     def _held_groups_read(self, key: str, keys: np.ndarray, mixed: np.ndarray, bits: int) -> dict[bytes, bytes]:
         """What Redis holds of the groups of a slice's held records (bucket `keys`, `mixed` ids)."""
@@ -723,70 +499,55 @@ class GroupIndex(CompactIndex):
         step = FIELDS_PER_HMGET
         named = [fields[a : a + step] for a in range(0, len(fields), step)]
         olds: dict[bytes, bytes] = {}
-        for a in range(0, len(named), READ_COMMANDS):
-            with self._errors():
-                got = self._execute([("HMGET", key, *some) for some in named[a : a + READ_COMMANDS]])
-                self._raise_any(got)
-            for some, values in zip(named[a : a + READ_COMMANDS], got):
-                olds.update((f, v) for f, v in zip(some, values) if v is not None)
+        for some, values in zip(named, self._read_many_calls([("HMGET", key, *some) for some in named])):
+            olds.update((f, v) for f, v in zip(some, values) if v is not None)
         return olds
 
-    def stats(self) -> dict[str, int]:
-        """`entries` and `memos` of the slices of the window, `inserted`, and `buckets`: the distinct record keys
-        of each group, counted exactly in a slice hash of up to `STATS_FIELDS` fields, estimated from
-        `STATS_FIELDS` of its groups in a bigger one."""
-        with self._errors():
-            seq, stored = self._client.hmget(self._meta, "seq", "hwm")
-            top = _stored_time(cast("bytes | None", stored) or b"")
-            slices = self._slices(top, top)
-            bits = self._client.hmget(self._meta, [f"k:{s}" for s in slices]) if slices else []
-            sizes = self._execute([("HLEN", f"{self._spre}{s}") for s in slices], pinned=False)
-            self._raise_any(sizes)
-            commands: list[Sequence[Any]] = []
-            sampled = []
-            for s, k, size in zip(slices, bits, sizes):
-                key = f"{self._spre}{s}"
-                n = 1 << int(k) if k is not None else 0
-                commands.append(("HMGET", key, "n", "m"))
-                if size <= STATS_FIELDS:
-                    commands.append(("HGETALL", key))
-                    sampled.append((1, 1))
-                else:
-                    step = max(1, n // STATS_FIELDS)
-                    sample = range(0, n, step)
-                    commands.append(("HMGET", key, *map(gc.group_field, sample)))
-                    sampled.append((n, len(sample)))
-            replies = self._execute(commands, pinned=False)
-            self._raise_any(replies)
-        entries = memos = buckets = 0
-        rest = iter(replies)
-        for n, taken in sampled:
-            count, memo = next(rest)
-            entries += int(count or 0)
-            memos += int(memo or 0)
-            got = next(rest)
-            if isinstance(got, dict):
-                values = [v for f, v in got.items() if f[:1] == b"g"]
+    def _stats_reads(self, slices: Sequence[int], bits: Sequence[Any]) -> tuple[list[Sequence[Any]],
+                                                                            list[tuple[int, int]]]:
+        """`CompactIndex._stats_reads`: `buckets` are the distinct record keys of each group, counted exactly in a
+        slice hash of up to `STATS_FIELDS` fields, estimated from `STATS_FIELDS` of its groups in a bigger one."""
+        sizes = self._execute([("HLEN", f"{self._spre}{s}") for s in slices], pinned=False)
+        self._raise_any(sizes)
+        commands: list[Sequence[Any]] = []
+        sampled = []
+        for s, k, size in zip(slices, bits, sizes):
+            key = f"{self._spre}{s}"
+            n = 1 << int(k) if k is not None else 0
+            commands.append(("HMGET", key, "n", "m"))
+            if size <= STATS_FIELDS:
+                commands.append(("HGETALL", key))
+                sampled.append((1, 1))
             else:
-                values = [v for v in got if v is not None]
-            buckets += round(self._count_buckets(values) * n / taken) if taken else 0
-        return {"entries": entries, "buckets": buckets, "memos": memos, "inserted": int(seq or 0)}
+                step = max(1, n // STATS_FIELDS)
+                sample = range(0, n, step)
+                commands.append(("HMGET", key, *map(gc.group_field, sample)))
+                sampled.append((n, len(sample)))
+        return commands, sampled
+
+    def _stats_buckets(self, rest: Iterator[Any], n: int, taken: int, count: int) -> int:
+        got = next(rest)
+        if isinstance(got, dict):
+            values = [v for f, v in got.items() if f[:1] == b"g"]
+        else:
+            values = [v for v in got if v is not None]
+        return round(self._count_buckets(values) * n / taken) if taken else 0
 
     def __repr__(self) -> str:
         return f"GroupIndex({self._where!r}, namespace={self.namespace!r}, window={self.window})"
 
 
 class _GuardedPlan:
-    """What the guarded chunks of a restore (`GroupIndex.restore`: a read, then a round, each `RESTORE_CHUNK`
-    entries of a part) decide that stays in Redis, told from the entries alone for a rebuild that leaves the
-    same (`GroupIndex._rebuild_groups`): which entries the insert takes and their seqs (`restore_accept`, chunk
-    by chunk), the bits of each slice they make (from the count of the slice before as their read found it, and
-    the rate of the part's entries there: `GroupIndex._transact`), and the slice each round that wrote unlinks
-    (the one before the window)."""
+    """The group layout's `_RebuildPlan`: what the guarded chunks of a restore (`CompactIndex.restore`: a read,
+    then a round, each `RESTORE_CHUNK` entries of a part) decide that stays in Redis, told from the entries alone
+    for a rebuild that leaves the same (`CompactIndex._rebuild_compact`): which entries the insert takes and
+    their seqs (`restore_accept`, chunk by chunk), the bits of each slice they make (from the count of the slice
+    before as their read found it, and the rate of the part's entries there: `GroupIndex._transact`), and the
+    slice each round that wrote unlinks (the one before the window)."""
 
-    def __init__(self, index: GroupIndex, counts: dict[int, int]) -> None:
+    def __init__(self, index: GroupIndex) -> None:
         self._index = index
-        self.counts = counts  # slice -> entries stored there (the rebuild's)
+        self.counts: dict[int, int] = {}  # slice -> entries stored there (the rebuild's)
         # slice -> its count as the last chunk's read found it (`_counts`; those of a namespace before are
         # forgotten by the first read of one made again)
         self.seen: dict[int, int] = {}
@@ -798,10 +559,16 @@ class _GuardedPlan:
         # entries inside the window of the event times, and their ids are live no more.
         self._ids_of: dict[int, list[str]] = {}
 
-    def part(self, times: np.ndarray) -> None:
+    def part(self, times: np.ndarray, slices: np.ndarray) -> None:
         """A part begins (its event times): its chunks count from its first entry, its rate is its own."""
         self._times = times
         self._expected = cc.expected_counts(times.tolist(), self._index.slice_length)
+
+    def left(self, slices: Iterable[int], hwm: float) -> list[int]:
+        return []  # what leaves the window goes with the round that unlinks it (`accept`)
+
+    def bits_of(self, s: int) -> int:
+        return self.bits[s]
 
     def accept(self, ids: Sequence[str], at: int, live: dict[str, float], hwm: float,
                seq: int) -> tuple[np.ndarray, float, int, list[tuple[int, int]]]:

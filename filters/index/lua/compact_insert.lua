@@ -1,5 +1,5 @@
--- One caller's insert round in the compact layout, atomically (trim16.lua and insert_slices.lua come before
--- this): insert.lua's checks and writes, the fields where the layout keeps them (docs/design.md, "The compact
+-- One caller's insert round in the compact layout, atomically (trim16.lua, insert_slices.lua and round_start.lua
+-- come before this): insert.lua's checks and writes, the fields where the layout keeps them (docs/design.md, "The compact
 -- slot layout").
 -- KEYS[1]: the namespace's meta hash.
 -- ARGV: slice key prefix, window, slice length, bucket cap, TTL (ms), the caller's high-water mark of
@@ -16,32 +16,8 @@
 -- Returns {seq, high-water mark, per entry: its seq (inserted), 0 (its id is live, or it is outside the
 --          window) or -1 (a bucket changed since the caller saw it: not inserted)}, {-1, '', {}} when the
 --          marker is not the caller's, {-2, '', {}} when the namespace is of another layout: nothing written.
-local meta, spre = KEYS[1], ARGV[1]
-local window, slice_len, cap, ttl = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
-local hwm = tonumber(ARGV[6])
-local ABSENT = string.rep('\0', 8)
 local MARK, LISTPACK = '\0', 64
 local K_FIRST, K_MIN, K_MAX, PER_ENTRY, FILL, INLINE_BITS = COMPACT_BITS
-local FIRST, PER_CALL = 14, FIELDS_PER_CALL
-local expected = tonumber(ARGV[13])
-local state = redis.call('HMGET', meta, 'seq', 'hwm', 'epoch', 'layout')
-if ARGV[11] ~= '' and state[3] ~= ARGV[11] then return {-1, '', {}} end
-if state[1] and state[4] ~= 'compact' then return {-2, '', {}} end
-local stored_hwm = tonumber(state[2] or '-inf')
-if stored_hwm > hwm then hwm = stored_hwm end
-local start = tonumber(state[1] or '0')
-local seq = start
-local alone = start == tonumber(ARGV[8]) + tonumber(ARGV[9])
-local entries, slices, seen_at, read_all = insert_slices(FIRST, 6, hwm, window, slice_len)
-if not read_all then alone = false end
--- The bits of each slice (nil: nothing written there yet).
-local bits = {}
-do
-  local names = {}
-  for j, s in ipairs(slices) do names[j] = 'k:' .. string.format('%d', s) end
-  local ks = redis.call('HMGET', meta, unpack(names))
-  for j, s in ipairs(slices) do bits[s] = tonumber(ks[j]) end
-end
 local hash = {}  -- field -> its 32-bit mixed hash (nil: it lives in the slice hash)
 for _, e in ipairs(entries) do
   local at, n = e[1], e[3]
@@ -50,7 +26,6 @@ for _, e in ipairs(entries) do
   local ifield = 'i' .. ARGV[at]
   if #ifield <= LISTPACK then hash[ifield] = struct.unpack('>I4', hs, 4 * n + 1) end
 end
-local function big(s) return spre .. string.format('%d', s) end
 local function key_of(s, f)  -- where field f of slice s lives (nil: its slice has no small hashes yet)
   local h = hash[f]
   if h == nil then return big(s) end
@@ -198,9 +173,7 @@ for _, s in ipairs(slices) do
   end
   for _, key in ipairs(order) do
     local args = groups[key]
-    for a = 1, #args, 2 * PER_CALL do
-      redis.call('HSET', key, unpack(args, a, math.min(a + 2 * PER_CALL - 1, #args)))
-    end
+    hset_pairs(key, args)
     redis.call('PEXPIRE', key, ttl)
   end
   if added[s] then

@@ -1,4 +1,4 @@
--- One caller's insert round in the group layout, atomically (insert_slices.lua comes before this):
+-- One caller's insert round in the group layout, atomically (insert_slices.lua and round_start.lua come before this):
 -- compact_insert.lua's checks and writes, the records in groups of the slice hash (docs/design.md, "The group
 -- layout"; the stored forms are group_codec.py's, and what this writes is its `apply_round`'s).
 -- KEYS[1]: the namespace's meta hash.
@@ -14,25 +14,9 @@
 -- Returns {seq, high-water mark, per entry: its seq (inserted), 0 (its id is live, or it is outside the
 --          window) or -1 (a bucket changed since the caller saw it: not inserted)}, {-1, '', {}} when the
 --          marker is not the caller's, {-2, '', {}} when the namespace is of another layout: nothing written.
-local meta, spre = KEYS[1], ARGV[1]
-local window, slice_len, cap, ttl = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
-local hwm = tonumber(ARGV[6])
-local ABSENT = string.rep('\0', 8)
 local SIZE, TAG, TWO32 = 20, 2147483648, 4294967296
 local K_FIRST, K_MIN, K_MAX, PER_ENTRY, FILL = GROUP_BITS
-local FIRST, PER_CALL = 14, FIELDS_PER_CALL
-local expected = tonumber(ARGV[13])
 local find, sub, byte, floor, unpack_ = string.find, string.sub, string.byte, math.floor, struct.unpack
-local state = redis.call('HMGET', meta, 'seq', 'hwm', 'epoch', 'layout')
-if ARGV[11] ~= '' and state[3] ~= ARGV[11] then return {-1, '', {}} end
-if state[1] and state[4] ~= 'group' then return {-2, '', {}} end
-local stored_hwm = tonumber(state[2] or '-inf')
-if stored_hwm > hwm then hwm = stored_hwm end
-local start = tonumber(state[1] or '0')
-local seq = start
-local alone = start == tonumber(ARGV[8]) + tonumber(ARGV[9])
-local entries, slices, seen_at, read_all = insert_slices(FIRST, 6, hwm, window, slice_len, true)
-if not read_all then alone = false end
 -- Every slice's buckets are read only to be compared: when some entry has tails to compare, and others wrote.
 local compare = false
 if not alone then
@@ -40,15 +24,6 @@ if not alone then
     if ARGV[e[1] + 4] ~= '' then compare = true end
   end
 end
--- The bits of each slice (nil: nothing written there yet).
-local bits = {}
-do
-  local names = {}
-  for j, s in ipairs(slices) do names[j] = 'k:' .. string.format('%d', s) end
-  local ks = redis.call('HMGET', meta, unpack(names))
-  for j, s in ipairs(slices) do bits[s] = tonumber(ks[j]) end
-end
-local function big(s) return spre .. string.format('%d', s) end
 local names_of = {}  -- group number -> its field name (made once: Lua hashes every string it makes)
 local function group_field(g)
   local f = names_of[g]
@@ -74,19 +49,7 @@ local function places(g, key, tagged)
     end
   end
 end
-local function count(g, key)  -- the records of bucket `key` in group g
-  local c, init = 0, 1
-  while true do
-    local p = find(g, key, init, true)
-    if p == nil then return c end
-    if (p - 1) % SIZE == 0 then
-      if byte(g, p + 12) < 128 then c = c + 1 end
-      init = p + SIZE
-    else
-      init = p + 1
-    end
-  end
-end
+local function count(g, key) return #places(g, key, false) end  -- the records of bucket `key` in group g
 local function seq_at(g, p)  -- the seq of the record at place p of group g, its tag cleared
   local hi, lo = unpack_('>I4>I4', g, p + 12)
   if hi >= TAG then hi = hi - TAG end
@@ -269,9 +232,7 @@ for _, s in ipairs(slices) do
       args[#args + 1] = group_field(g)
       args[#args + 1] = joined(ws[g])
     end
-    for a = 1, #args, 2 * PER_CALL do
-      redis.call('HSET', key, unpack(args, a, math.min(a + 2 * PER_CALL - 1, #args)))
-    end
+    hset_pairs(key, args)
     redis.call('HINCRBY', key, 'n', added[s])
     redis.call('PEXPIRE', key, ttl)
   end

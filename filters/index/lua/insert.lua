@@ -117,9 +117,7 @@ for _, s in ipairs(slices) do
   for f in pairs(dirty[s]) do args[#args + 1] = f; args[#args + 1] = cur[s][f] end
   if #args > 0 then
     local key = spre .. string.format('%d', s)
-    for a = 1, #args, 2 * PER_CALL do
-      redis.call('HSET', key, unpack(args, a, math.min(a + 2 * PER_CALL - 1, #args)))
-    end
+    hset_pairs(key, args)
     redis.call('HINCRBY', key, 'n', added[s])
     redis.call('PEXPIRE', key, ttl)
   end

@@ -1,5 +1,5 @@
 -- Shared by the insert scripts of the slot layouts (loaded in front of insert.lua, compact_insert.lua and
--- group_insert.lua). An insert round's entries ({place of the entry's first argument, event time, number n of
+-- group_insert.lua). `insert_slices`: an insert round's entries ({place of the entry's first argument, event time, number n of
 -- its buckets}), read from ARGV[first] on, each entry `width` + n arguments (`width` only, when `fixed`: its
 -- buckets in one argument); the slices a record that can still match may
 -- be in (from the lowest horizon of the round to its highest event time, and those of the high-water mark's
@@ -37,4 +37,10 @@ local function insert_slices(first, width, hwm, window, slice_len, fixed)
     if not seen_at[s] then read_all = false end
   end
   return entries, slices, seen_at, read_all
+end
+-- Sets the field-value pairs `args` ({field, value, ...}) in hash `key`, FIELDS_PER_CALL pairs a call.
+local function hset_pairs(key, args)
+  for a = 1, #args, 2 * FIELDS_PER_CALL do
+    redis.call('HSET', key, unpack(args, a, math.min(a + 2 * FIELDS_PER_CALL - 1, #args)))
+  end
 end
