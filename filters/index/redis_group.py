@@ -298,18 +298,12 @@ class GroupIndex(CompactIndex):
         return self._write_groups(start, seq, view.hwm, hwm_bytes, hwm, groups, rows, view.names, self._last_raw)
 
     def _alone_unwatched(self) -> bool:
-        """Without WATCH (Redis Cluster), an uncontended round's groups go through INSERT_ALONE_LUA (`_transact`)."""
+        """Without WATCH (Redis Cluster), an uncontended round's groups go through INSERT_ALONE_LUA (`_write_groups`)."""
         return not self._watchable()
 
     def _write_groups(self, start: int, seq: int, stored_hwm: bytes, hwm_bytes: bytes, hwm: float,
                       groups: dict[int, list[Any]], rows: Sequence[tuple[int, float, Any, int]],
                       names: Sequence[bytes], raw: dict[int, dict[bytes, bytes]]) -> bool | None:
-        """The uncontended round's writes (`_transact`), under the lookup's WATCH, or through INSERT_ALONE_LUA."""
-        return self._transact(start, seq, stored_hwm, hwm_bytes, hwm, groups, rows, names, raw)
-
-    def _transact(self, start: int, seq: int, stored_hwm: bytes, hwm_bytes: bytes, hwm: float,
-                  groups: dict[int, list[Any]], rows: Sequence[tuple[int, float, Any, int]],
-                  names: Sequence[bytes], raw: dict[int, dict[bytes, bytes]]) -> bool | None:
         """A round's writes (`groups`: per slice its count and the compact layout's field-value pairs, of which
         the entries are taken; `rows`: (seq, event time, places of its buckets in `names`, place of its id) of
         each entry written) as a watched MULTI/EXEC: each group touched rewritten whole from `raw` (the groups
@@ -542,7 +536,7 @@ class _GuardedPlan:
     then a round, each `RESTORE_CHUNK` entries of a part) decide that stays in Redis, told from the entries alone
     for a rebuild that leaves the same (`CompactIndex._rebuild_compact`): which entries the insert takes and
     their seqs (`restore_accept`, chunk by chunk), the bits of each slice they make (from the count of the slice
-    before as their read found it, and the rate of the part's entries there: `GroupIndex._transact`), and the
+    before as their read found it, and the rate of the part's entries there: `GroupIndex._write_groups`), and the
     slice each round that wrote unlinks (the one before the window)."""
 
     def __init__(self, index: GroupIndex) -> None:
