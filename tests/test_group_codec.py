@@ -240,6 +240,67 @@ def test_a_slices_writes_as_the_reference(bits: int, cap: int, rows: list[tuple[
     assert kept[0] == kept[1]
 
 
+_ROUND_IDS = ["a", "b", "ü", "x\udc80"]
+
+
+def _compact_value(records: list[tuple[float, int]]) -> bytes | None:
+    return b"".join(cc.record(ts, seq) for ts, seq in records) if records else None
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), n_buckets=st.integers(1, 6), n_entries=st.integers(0, 8), cap=st.integers(1, 3),
+       hwm=st.sampled_from([-float("inf"), 120.0, 180.0]), bits=st.sampled_from([0, 1, 2, 3]))
+def test_a_rounds_decisions_and_groups_at_once_as_the_reference(data: st.DataObject, n_buckets: int, n_entries: int,
+                                                                cap: int, hwm: float, bits: int) -> None:
+    """`alone_groups`, compiled as the reference: the compact layout's round over the columns (live ids read or
+    written earlier in the round, entries outside the window, entries in two slices, buckets shared, values
+    trimmed: the same results, seqs, writes and entries), its records put into each slice's groups as
+    `slice_writes` puts them (groups read, written since, not read; trims), without the pairs of buckets and ids."""
+    ids = data.draw(st.lists(st.sampled_from(_ROUND_IDS), min_size=n_entries, max_size=n_entries))
+    names = [b"b" + (k * 0x0123456789ABCD).to_bytes(8, "big") for k in range(n_buckets)]
+    names += [cc.id_field(id) for id in _ROUND_IDS] + [b"dmemo"]
+    id_at = {id: n_buckets + k for k, id in enumerate(_ROUND_IDS)}
+    slices = (0, 1)
+    record = st.integers(1, 60).map(lambda seq: (_TIMES[seq % 5] * 30, seq))
+    columns = {s: data.draw(st.lists(st.none() | st.lists(record, min_size=1, max_size=10).map(_compact_value),
+                                     min_size=len(names), max_size=len(names))) for s in slices}
+    for s in slices:  # an i<id> holds one record
+        for p in id_at.values():
+            if columns[s][p] is not None:
+                columns[s][p] = columns[s][p][:16]  # type: ignore[index]
+    places_of = [data.draw(st.lists(st.integers(0, n_buckets - 1), unique=True, max_size=n_buckets)) for _ in ids]
+    times = [data.draw(st.sampled_from([20.0, 90.0, 150.0, 199.0])) for _ in ids]
+    blobs = [b"\x03entry%d" % i for i in range(len(ids))]
+    sides = {}
+    for s in slices:
+        fields, places = gc.read_fields(names, bits)
+        base = data.draw(st.lists(st.one_of(st.none(), groups()), min_size=len(fields), max_size=len(fields)))
+        read = None if data.draw(st.booleans()) else (
+            fields, places, [base[k] if f[:1] == b"g" else b"memo" for k, f in enumerate(fields)])
+        since = data.draw(st.lists(st.one_of(st.none(), groups()), min_size=1 << bits, max_size=1 << bits))
+        sides[s] = (bits, {gc.group_field(j): g for j, g in enumerate(since) if g is not None}, read)
+    before = {s: (dict(w), None if r is None else list(r[2])) for s, (_, w, r) in sides.items()}
+
+    def run(round_: object) -> tuple[object, ...]:
+        writes: dict[int, dict[int, bytes]] = {s: {} for s in slices}
+        out = round_(list(ids), list(times), blobs, places_of, [id_at[id] for id in ids], slices,  # type: ignore[operator]
+                     {s: list(c) for s, c in columns.items()}, writes, hwm, 100.0, 100.0, cap, 40, names, sides)
+        return (*out, writes)
+
+    got = run(gc.alone_groups)
+    assert run(_native.group_alone_groups) == got
+    assert {s: (dict(w), None if r is None else list(r[2])) for s, (_, w, r) in sides.items()} == before
+    # The reference is the compact layout's round (less its pairs of buckets and ids) and `slice_writes` after it.
+    results, out, pending, _, seq, writes = got
+    compact = run(lambda *a: cc.alone_round(*a[:3], [[names[p] for p in ps] for ps in a[3]], *a[3:13]))
+    assert (compact[0], compact[2], compact[4], compact[5]) == (results, pending, seq, writes)
+    assert set(out) == set(compact[1]) and all(out[s][0] == compact[1][s][0] for s in out)  # type: ignore[index]
+    assert all(sum(1 for _, t, _ in pending if t == s) == count for s, (count, _, _) in out.items())
+    for s, (count, flat, _) in out.items():
+        assert flat[-2 * count :] == [x for a in range(0, len(compact[1][s][1]), 2)  # type: ignore[index]
+                                      if compact[1][s][1][a][:1] == b"e" for x in compact[1][s][1][a : a + 2]]  # type: ignore[index]
+
+
 def test_trimming_equal_records_keeps_the_first_as_the_reference() -> None:
     """Of a bucket's records equal in event time and seq (0.0 and -0.0: equal, not the same bytes; never written so,
     but a group read may hold anything), the trim keeps the first, compiled as the reference."""

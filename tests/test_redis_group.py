@@ -142,6 +142,8 @@ def test_uncontended_inserts_store_what_the_checking_script_stores(make: Callabl
     reference._alone_compact, reference._rank_compact = cc.alone_round, cc.rank_records
     reference._read_fields, reference._group_column = gc.read_fields, gc.column_of  # type: ignore[assignment]
     reference._apply_round = gc.apply_round  # type: ignore[assignment]
+    reference._alone_groups, reference._keep_written = gc.alone_groups, gc.keep_written  # type: ignore[assignment]
+    reference._pack_group_writes = gc.pack_writes  # type: ignore[assignment]
     assert_stored_alike(config, fast, checked, reference, redis_url, prefix)
 
 

@@ -558,112 +558,156 @@ cdef struct _GroupAppend:
     uint64_t seq
 
 
+cdef class _SliceBuild:
+    """One slice's groups as a round writes them (`_round_into`, `group_alone_groups`), as `apply_round` writes
+    them: the records appended (`add`) are listed, then each group touched is made once (`finish`): its records
+    counted first, its bytes allocated at their size, the group before copied in and the records written in place
+    (a bucket trimmed in place). A group is found by its name's place in the slice's read (no dict and no name
+    made, where nothing was written since: `groups`), else made. The read's values and `groups` are left as they
+    are, and must stay so (and alive) until `finish`: their values are held borrowed."""
+    cdef dict groups
+    cdef bint written
+    cdef list names, fields, taken, ints, read_fields, read_places, read_values
+    cdef Py_ssize_t n_names, n_read
+    cdef int bits
+    cdef _GroupSlots slots
+    cdef vector[_GroupAppend] appends
+    cdef vector[Py_ssize_t] counts, sizes
+    cdef vector[PyObject *] olds  # (borrowed: the read's values and `groups` hold them)
+    cdef list entries  # a round's entries for the slice hash: e<seq>, value, ...
+    cdef Py_ssize_t count  # ... and their number
+
+    def __cinit__(self, dict groups, object read, list names, int bits, Py_ssize_t most):
+        if not 0 <= bits <= GROUP_K_MAX:
+            raise ValueError(f"bits must be 0 to {GROUP_K_MAX}, got {bits!r}")
+        self.groups, self.written, self.names, self.bits = groups, len(groups) > 0, names, bits
+        self.n_names = len(names)
+        self.fields, self.taken, self.entries, self.count = [], [], [], 0
+        self.ints = _group_places()
+        self.slots = _GroupSlots(most)  # a group for each record at most
+        self.olds.reserve(most)
+        self.sizes.reserve(most)
+        self.counts.reserve(most)
+        self.appends.reserve(most)
+        self.n_read = 0
+        if read is not None:
+            self.read_fields, self.read_places, self.read_values = read
+            self.n_read = len(self.read_fields)
+            if len(self.read_places) != self.n_names or len(self.read_values) != self.n_read:
+                raise ValueError("a read of other names")
+
+    cdef int add(self, Py_ssize_t at, bint is_id, double ts, uint64_t seq) except -1:
+        """The record of the name at place `at` (a bucket's, or an id's) appended to its group."""
+        cdef uint64_t j
+        cdef uint32_t key
+        cdef int kind
+        cdef Py_ssize_t k, kk
+        cdef object old
+        cdef _GroupAppend op
+        if not 0 <= at < self.n_names:
+            raise IndexError(f"place {at} of {self.n_names} names")
+        kind = _group_place(<bytes>PyList_GET_ITEM(self.names, at), self.bits, &j, &key)
+        if kind != (2 if is_id else 1):
+            raise ValueError(f"not {'an id' if is_id else 'a bucket'} field: {self.names[at]!r}")
+        k = self.slots.get(j, PyList_GET_SIZE(self.fields))
+        if k == PyList_GET_SIZE(self.fields):
+            kk = <Py_ssize_t>(<object>PyList_GET_ITEM(self.read_places, at)) if self.read_places is not None else -1
+            if not kk < self.n_read:
+                raise IndexError(f"place {kk} of {self.n_read} fields read")
+            self.taken.append(_place_in(self.ints, kk))
+            old = None
+            if kk >= 0:  # the read's field (its hash known) and value
+                self.fields.append(<object>PyList_GET_ITEM(self.read_fields, kk))
+                old = <object>PyList_GET_ITEM(self.read_values, kk)
+            else:
+                self.fields.append(_group_name(j))
+            if self.written:
+                old = self.groups.get(<object>PyList_GET_ITEM(self.fields, k), old)
+            if old is not None:
+                _group_len(old)  # a whole number of records, else IndexCorrupt
+                self.sizes.push_back(PyBytes_GET_SIZE(old))
+            else:
+                self.sizes.push_back(0)
+            self.olds.push_back(<PyObject *>old)
+            self.counts.push_back(0)
+        self.counts[k] += 1
+        op.slot, op.key, op.is_id, op.ts, op.seq = k, key, is_id, ts, seq
+        self.appends.push_back(op)
+        return 0
+
+    cdef list finish(self, Py_ssize_t cap):
+        """The groups changed, in the order first changed, their values made (each once)."""
+        cdef Py_ssize_t m = PyList_GET_SIZE(self.fields), k, size, n, r
+        cdef list values = PyList_New(m)
+        cdef object value
+        cdef _GroupAppend op
+        cdef unsigned char *g
+        for k in range(m):  # each group's bytes at most as long as it can get, the group before first
+            value = PyBytes_FromStringAndSize(NULL, self.sizes[k] + self.counts[k] * GROUP_RECORD)
+            if self.sizes[k]:
+                memcpy(PyBytes_AS_STRING(value), PyBytes_AS_STRING(<object>self.olds[k]), self.sizes[k])
+            _list_put(values, k, value)
+        for op in self.appends:  # (sizes: each group's bytes written so far)
+            g = <unsigned char *>PyBytes_AS_STRING(<object>PyList_GET_ITEM(values, op.slot))
+            size = self.sizes[op.slot]
+            if not op.is_id and size > 2 * cap * GROUP_RECORD:
+                n = 0
+                for r in range(size // GROUP_RECORD):
+                    if _rec_is(g + r * GROUP_RECORD, op.key, False):
+                        n += 1
+                if n > 2 * cap:
+                    size = _trim_records(g, size // GROUP_RECORD, op.key, cap) * GROUP_RECORD
+            _store_be32(g + size, op.key)
+            memcpy(g + size + 4, &op.ts, 8)
+            _store_be64(g + size + 12, op.seq | (0x8000000000000000ULL if op.is_id else 0))
+            self.sizes[op.slot] = size + GROUP_RECORD
+        for k in range(m):  # shorter where a bucket was trimmed
+            if self.sizes[k] != PyBytes_GET_SIZE(<object>PyList_GET_ITEM(values, k)):
+                values[k] = PyBytes_FromStringAndSize(PyBytes_AS_STRING(<object>PyList_GET_ITEM(values, k)),
+                                                      self.sizes[k])
+        return values
+
+    cdef list flat(self, Py_ssize_t cap):
+        """`finish`, as the slice's `HSET` arguments: each group changed with its value, then `entries`."""
+        cdef list values = self.finish(cap)
+        cdef Py_ssize_t m = PyList_GET_SIZE(values), k, e = PyList_GET_SIZE(self.entries)
+        cdef list out = PyList_New(2 * m + e)
+        for k in range(m):
+            _list_put(out, 2 * k, <object>PyList_GET_ITEM(self.fields, k))
+            _list_put(out, 2 * k + 1, <object>PyList_GET_ITEM(values, k))
+        for k in range(e):
+            _list_put(out, 2 * m + k, <object>PyList_GET_ITEM(self.entries, k))
+        return out
+
+
 cdef tuple _round_into(dict groups, object read, list names, int bits, list rows, bint one_slice, double s,
                        double slice_length, Py_ssize_t cap):
     """A round's rows applied, as `apply_round` applies them, to the groups of a slice's read of `names` (`read`:
     its fields, each name's place among them, their values; or None) and `groups` (written since; in their place);
-    both left as they are. With `one_slice`, only the rows whose event time is in slice `s`. Returns (the fields
-    changed, in the order first changed; their values; the place of each one's field in the read, -1 for none). A
-    group is found by its name's place in the read (no dict
-    and no name made, where nothing was written since), and made once: its records counted first, its bytes then
-    allocated at their size, the group before copied in and the records written in place (a bucket trimmed in
-    place)."""
-    cdef list fields = [], values, taken = []
-    cdef object row, p, old
+    both left as they are (`_SliceBuild`). With `one_slice`, only the rows whose event time is in slice `s`.
+    Returns (the fields changed, in the order first changed; their values; the place of each one's field in the
+    read, -1 for none)."""
+    cdef object row
     cdef list places
-    cdef uint64_t j, seq
-    cdef uint32_t key
+    cdef uint64_t seq
     cdef double ts
-    cdef int kind
-    cdef Py_ssize_t k, a, n_names = len(names), at, m, r, n, size
-    cdef object value
-    cdef vector[_GroupAppend] appends
-    cdef vector[Py_ssize_t] counts, sizes
-    cdef _GroupAppend op
-    cdef unsigned char *g
-    if not 0 <= bits <= GROUP_K_MAX:
-        raise ValueError(f"bits must be 0 to {GROUP_K_MAX}, got {bits!r}")
+    cdef Py_ssize_t a, n
     cdef Py_ssize_t most = 0
     for row in rows:
         most += len(row[2]) + 1
-    cdef _GroupSlots slots = _GroupSlots(most)  # a group for each record at most
-    cdef list ints = _group_places()
-    cdef vector[PyObject *] olds  # (borrowed: the read's values and `groups` hold them through the call)
-    olds.reserve(most)
-    sizes.reserve(most)
-    counts.reserve(most)
-    cdef list read_fields = None, read_places = None, read_values = None
-    cdef Py_ssize_t n_read = 0, kk
-    cdef bint written = len(groups) > 0
-    if read is not None:
-        read_fields, read_places, read_values = read
-        n_read = len(read_fields)
-        if len(read_places) != n_names or len(read_values) != n_read:
-            raise ValueError("a read of other names")
-    appends.reserve(most)
+    cdef _SliceBuild build = _SliceBuild(groups, read, names, bits, most)
     for row in rows:  # what goes where, in order
         ts = row[1]
         if one_slice and floor(ts / slice_length) != s:
             continue
         seq = row[0]
         places = row[2] if type(row[2]) is list else list(row[2])
-        for a in range(len(places) + 1):
-            p = places[a] if a < len(places) else row[3]
-            at = p
-            if not 0 <= at < n_names:
-                raise IndexError(f"place {at} of {n_names} names")
-            kind = _group_place(<bytes>PyList_GET_ITEM(names, at), bits, &j, &key)
-            if kind != (2 if a == len(places) else 1):
-                raise ValueError(f"not {'an id' if a == len(places) else 'a bucket'} field: {names[at]!r}")
-            k = slots.get(j, len(fields))
-            if k == len(fields):
-                kk = <Py_ssize_t>(<object>PyList_GET_ITEM(read_places, at)) if read is not None else -1
-                if not kk < n_read:
-                    raise IndexError(f"place {kk} of {n_read} fields read")
-                taken.append(_place_in(ints, kk))
-                old = None
-                if kk >= 0:  # the read's field (its hash known) and value
-                    fields.append(<object>PyList_GET_ITEM(read_fields, kk))
-                    old = <object>PyList_GET_ITEM(read_values, kk)
-                else:
-                    fields.append(_group_name(j))
-                if written:
-                    old = groups.get(fields[k], old)
-                if old is not None:
-                    _group_len(old)  # a whole number of records, else IndexCorrupt
-                    sizes.push_back(len(<bytes>old))
-                else:
-                    sizes.push_back(0)
-                olds.push_back(<PyObject *>old)
-                counts.push_back(0)
-            counts[k] += 1
-            op.slot, op.key, op.is_id, op.ts, op.seq = k, key, kind == 2, ts, seq
-            appends.push_back(op)
-    m = len(fields)
-    values = PyList_New(m)
-    for k in range(m):  # each group's bytes at most as long as it can get, the group read first
-        value = PyBytes_FromStringAndSize(NULL, sizes[k] + counts[k] * GROUP_RECORD)
-        if sizes[k]:
-            memcpy(PyBytes_AS_STRING(value), PyBytes_AS_STRING(<object>olds[k]), sizes[k])
-        _list_put(values, k, value)
-    for op in appends:  # (sizes: each group's bytes written so far)
-        g = <unsigned char *>PyBytes_AS_STRING(<object>PyList_GET_ITEM(values, op.slot))
-        size = sizes[op.slot]
-        if not op.is_id and size > 2 * cap * GROUP_RECORD:
-            n = 0
-            for r in range(size // GROUP_RECORD):
-                if _rec_is(g + r * GROUP_RECORD, op.key, False):
-                    n += 1
-            if n > 2 * cap:
-                size = _trim_records(g, size // GROUP_RECORD, op.key, cap) * GROUP_RECORD
-        _store_be32(g + size, op.key)
-        memcpy(g + size + 4, &op.ts, 8)
-        _store_be64(g + size + 12, op.seq | (0x8000000000000000ULL if op.is_id else 0))
-        sizes[op.slot] = size + GROUP_RECORD
-    for k in range(m):  # shorter where a bucket was trimmed
-        if sizes[k] != PyBytes_GET_SIZE(<object>PyList_GET_ITEM(values, k)):
-            values[k] = PyBytes_FromStringAndSize(PyBytes_AS_STRING(<object>PyList_GET_ITEM(values, k)), sizes[k])
-    return fields, values, taken
+        n = len(places)
+        for a in range(n):
+            build.add(places[a], False, ts, seq)
+        build.add(row[3], True, ts, seq)
+    values = build.finish(cap)
+    return build.fields, values, build.taken
 
 
 def group_slice_writes(dict groups, object read, list names, int bits, list rows, long long s, double slice_length,
@@ -693,6 +737,109 @@ def group_slice_writes(dict groups, object read, list names, int bits, list rows
             _list_put(flat, k + 1, pairs[a + 1])
             k += 2
     return flat, taken
+
+
+def group_alone_groups(list ids, list tss, list blobs, list places_of, list id_places, tuple slices,
+                       dict columns, dict writes, double hwm, double window, double slice_length, Py_ssize_t cap,
+                       uint64_t seq, list names, dict sides) -> tuple:
+    """`filters.index.group_codec.alone_groups` (which documents it), compiled: the compact layout's round
+    (`alone_compact`) without its field-value pairs of buckets and ids, each entry's records put straight into
+    its slice's groups (`_SliceBuild`), each group made once."""
+    cdef Py_ssize_t count = len(ids), i, j, nf, n_id, most = 0, place
+    cdef double ts, old_ts
+    cdef bint live
+    cdef object e, old, column, mine, p, v, side
+    cdef list places, results = [], written = []
+    cdef dict builds = {}, out = {}
+    cdef _SliceBuild build
+    cdef bytes id_bytes, rec, blob, value, name
+    cdef char *rp
+    cdef Py_ssize_t too_long = 2 * cap * 16
+    cdef long long s, sl
+    for i in range(count):
+        most += len(<list>places_of[i]) + 1
+    for i in range(count):
+        e = id_places[i]
+        live = False
+        for s in slices:
+            old = (<dict>writes[s]).get(e)
+            if old is None:
+                column = columns.get(s)
+                old = (<list>column)[e] if column is not None else None
+            if old is not None:
+                if len(<bytes>old) < 16 or len(<bytes>old) % 16:
+                    from filters.errors import IndexCorrupt
+                    raise IndexCorrupt(f"a bucket holds {len(<bytes>old)} bytes that are not records of 16")
+                memcpy(&old_ts, <const char *>(<bytes>old), 8)
+                if old_ts >= hwm - window:
+                    live = True
+                    break
+        if live:
+            results.append(0)
+            continue
+        ts = tss[i]
+        if ts > hwm:
+            hwm = ts
+        if not ts >= hwm - window:
+            results.append(0)
+            continue
+        seq += 1
+        rec = PyBytes_FromStringAndSize(NULL, 16)
+        rp = PyBytes_AS_STRING(rec)
+        memcpy(rp, &ts, 8)
+        put_be64(rp + 8, seq)
+        sl = <long long>floor_div(ts, slice_length)
+        mine = writes[sl]
+        column = columns[sl]
+        places = places_of[i]
+        nf = len(places)
+        build = <_SliceBuild>builds.get(sl)
+        if build is None:
+            side = sides[sl]
+            build = _SliceBuild(<dict>side[1], side[2], names, side[0], most)
+            builds[sl] = build
+        build.count += 1
+        for j in range(nf):
+            p = places[j]
+            place = p
+            if place < 0 or place >= len(<list>column):
+                raise IndexError(f"field place {place} outside the {len(<list>column)} read")
+            v = (<dict>mine).get(p)
+            if v is None:
+                v = <object>PyList_GET_ITEM(column, place)
+            if v is None:
+                v = rec
+            else:
+                if len(<bytes>v) > too_long:
+                    v = _trim16(<bytes>v, cap)
+                v = <bytes>v + rec
+            (<dict>mine)[p] = v
+            build.add(place, False, ts, seq)
+        (<dict>mine)[e] = rec
+        build.add(e, True, ts, seq)
+        id_bytes = (<str>ids[i]).encode("utf-8", "surrogatepass")
+        n_id = len(id_bytes)
+        if n_id > 0xFFFF:
+            raise ValueError(f"ids must be at most 65,535 bytes of UTF-8, got {n_id:,}")
+        blob = blobs[i]
+        value = PyBytes_FromStringAndSize(NULL, len(blob) + n_id + 2)
+        rp = PyBytes_AS_STRING(value)
+        memcpy(rp, <const char *>blob, len(blob))
+        memcpy(rp + len(blob), <const char *>id_bytes, n_id)
+        rp[len(blob) + n_id] = <char>(n_id & 0xFF)
+        rp[len(blob) + n_id + 1] = <char>(n_id >> 8)
+        name = PyBytes_FromStringAndSize(NULL, 9)
+        rp = PyBytes_AS_STRING(name)
+        rp[0] = b'e'
+        put_be64(rp + 1, seq)
+        build.entries.append(name)
+        build.entries.append(value)
+        written.append((seq, sl, places))
+        results.append(seq)
+    for sl, side in builds.items():
+        build = <_SliceBuild>side
+        out[sl] = (build.count, build.flat(cap), build.taken)
+    return results, out, written, hwm, seq
 
 
 def group_keep_written(dict groups, object values, list flat, list taken, object also) -> None:

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from filters.errors import IndexCorrupt
-from filters.index.compact_codec import FIELDS_PER_ENTRY, id_hash, resp
+from filters.index.compact_codec import FIELDS_PER_ENTRY, alone_round, id_hash, resp
 
 LAYOUT = "group"  # the meta hash's `layout` of a namespace of this layout
 RECORD_SIZE = 20
@@ -265,6 +265,32 @@ def slice_writes(groups: dict[bytes, bytes], read: tuple[list[bytes], list[int],
             flat += (pairs[a], pairs[a + 1])
     at = {f: k for k, f in enumerate(read[0])} if read is not None else {}
     return flat, [at.get(f, -1) for f in changed]
+
+
+def alone_groups(ids: list[str], times: list[float], blobs: list[bytes], places_of: list[list[int]],
+                 id_places: list[int], slices: tuple[int, ...], columns: dict[int, list[bytes | None]],
+                 writes: dict[int, dict[int, bytes]], hwm: float, window: float, slice_length: float, cap: int,
+                 seq: int, names: list[bytes],
+                 sides: dict[int, tuple[int, dict[bytes, bytes], tuple[list[bytes], list[int], list[bytes | None]] | None]],
+                 ) -> tuple[list[int], dict[int, tuple[int, list[bytes], list[int]]], list[tuple[int, int, list[int]]],
+                            float, int]:
+    """An uncontended round in this layout, at once: the compact layout's round (`compact_codec.alone_round`, over
+    the columns of `names` read, `writes` updated as it updates them: what it decides, its entries) and each
+    slice's writes (`slice_writes`; per slice of `slices` in `sides`: its bits, the groups written since its read
+    and its read, or None). Returns (results, per slice written (its entries, `slice_writes`' HSET arguments, the
+    places of the groups changed in the read), (seq, slice, places) per entry written, high-water mark, seq): the
+    compact layout's field-value pairs of buckets and ids, which this layout does not write, are not made by the
+    compiled twin (`_native.group_alone_groups`)."""
+    fields_of = [[names[p] for p in places] for places in places_of]
+    results, groups, pending, hwm, seq = alone_round(ids, times, blobs, fields_of, places_of, id_places, slices,
+                                                     columns, writes, hwm, window, slice_length, cap, seq)
+    rows = [(r, ts, places, e) for r, ts, places, e in zip(results, times, places_of, id_places) if r > 0]
+    out: dict[int, tuple[int, list[bytes], list[int]]] = {}
+    for s, (count, pairs) in groups.items():
+        bits, written, read = sides[s]
+        flat, taken = slice_writes(written, read, names, bits, rows, s, slice_length, cap, pairs)
+        out[s] = (count, flat, taken)
+    return results, out, pending, hwm, seq
 
 
 def keep_written(groups: dict[bytes, bytes], values: list[bytes | None] | None, flat: Sequence[bytes],

@@ -655,7 +655,7 @@ class CompactIndex(RedisIndex):
         event time whose window the first entry's live id is looked for in (a restore's: the namespace's newest
         event time before it, as the slot layout's restore reads it), else the insert script's."""
         view = self._view
-        window, cap = self.window, self.bucket_cap
+        window = self.window
         stored_hwm = _stored_time(view.hwm)
         hwm = max(self._hwm, stored_hwm)
         first = max(hwm, min(times)) if low is None else low
@@ -666,9 +666,9 @@ class CompactIndex(RedisIndex):
         writes: dict[int, dict[int, bytes]] = {s: dict(view.written.get(s, {})) for s in slices}
         looked = view.looked
         id_places = [view.entry_places[looked[id]] for id in ids]
-        results, groups, pending, hwm, seq = self._alone_compact(
+        results, groups, pending, hwm, seq = self._alone_round(
             ids, times, blobs, list(fields_of), cast("list[list[int]]", list(places_of)), id_places, tuple(slices),
-            view.columns, writes, hwm, window, self.slice_length, cap, seq)
+            writes, hwm, seq)
         hwm_bytes = view.hwm if hwm <= stored_hwm else (b"%.17g" % hwm)
         written = self._write_alone(start, seq, hwm_bytes, hwm, groups, results, times, places_of, id_places)
         if written is None:
@@ -677,6 +677,16 @@ class CompactIndex(RedisIndex):
             view.watch = -1
         self._wrote_round(hwm_bytes, pending, groups, writes)
         return list(results)
+
+    def _alone_round(self, ids: list[str], times: list[float], blobs: list[bytes], fields_of: list[list[bytes]],
+                     places_of: list[list[int]], id_places: list[int], slices: tuple[int, ...],
+                     writes: dict[int, dict[int, bytes]], hwm: float, seq: int) -> tuple[
+                         list[int], dict[int, Any], list[tuple[int, int, list[int]]], float, int]:
+        """`_alone_rows`' round over the view's columns (`alone_compact`: its results, its writes per slice as
+        `_write_alone` takes them, its entries (seq, slice, places), high-water mark and seq); `writes` updated."""
+        return cast("tuple[list[int], dict[int, Any], list[tuple[int, int, list[int]]], float, int]",
+                    self._alone_compact(ids, times, blobs, fields_of, places_of, id_places, slices, self._view.columns,
+                                        writes, hwm, self.window, self.slice_length, self.bucket_cap, seq))
 
     def _write_alone(self, start: int, seq: int, hwm_bytes: bytes, hwm: float, groups: dict[int, list[Any]],
                      results: Sequence[int], times: Sequence[float], places_of: Sequence[list[int] | None],

@@ -101,7 +101,7 @@ class GroupIndex(CompactIndex):
         self._read_fields = _native.group_read_fields if _native is not None else gc.read_fields
         self._pack_group_reads = _native.group_pack_reads if _native is not None else gc.pack_reads
         self._slice_column = _native.group_slice_column if _native is not None else gc.slice_column
-        self._slice_writes = _native.group_slice_writes if _native is not None else gc.slice_writes
+        self._alone_groups = _native.group_alone_groups if _native is not None else gc.alone_groups
         self._keep_written = _native.group_keep_written if _native is not None else gc.keep_written
         self._pack_group_writes = _native.group_pack_writes if _native is not None else gc.pack_writes
         self._count_buckets = _native.group_count_buckets if _native is not None else gc.count_buckets
@@ -289,52 +289,68 @@ class GroupIndex(CompactIndex):
         return read
 
     # -- inserting -----------------------------------------------------------------------------------
-    def _write_alone(self, start: int, seq: int, hwm_bytes: bytes, hwm: float, groups: dict[int, list[Any]],
+    def _alone_round(self, ids: list[str], times: list[float], blobs: list[bytes], fields_of: list[list[bytes]],
+                     places_of: list[list[int]], id_places: list[int], slices: tuple[int, ...],
+                     writes: dict[int, dict[int, bytes]], hwm: float, seq: int) -> tuple[
+                         list[int], dict[int, Any], list[tuple[int, int, list[int]]], float, int]:
+        """`CompactIndex._alone_round`, its writes put into whole groups at once (`alone_groups`: no field-value
+        pairs of buckets and ids made): per slice written (its entries, its `HSET` arguments, the places of its
+        groups changed in the read, the read's values, its bits if this round makes the slice), as
+        `_write_groups` takes them. A slice's groups are those read, and those written since (`_last_raw`)."""
+        view = self._view
+        names, raw = view.names, self._last_raw
+        sides: dict[int, tuple[int, dict[bytes, bytes], Any]] = {}
+        made: dict[int, int] = {}
+        for s in slices:
+            bits = self._bits.get(s)
+            if bits is None:
+                bits = made[s] = max(gc.slice_bits(self._counts.get(s - 1)),
+                                     gc.slice_bits(self._expected.get(s, self._rate_count)))
+            # The slice's groups as they stand (each built once from those read and written since, which stay as
+            # they are until Redis takes the transaction).
+            written, read = raw.get(s, {}), self._last_read.get(s)
+            if read is not None and (read[3] != bits or names is not self._read_names):  # (not so: the read's terms)
+                if read[3] == bits:
+                    written = {**gc.groups_read(read[0], read[2]), **written}
+                read = None
+            sides[s] = (bits, written, read[:3] if read is not None else None)
+        results, out, pending, hwm, seq = self._alone_groups(
+            ids, times, blobs, places_of, id_places, slices, view.columns, writes, hwm, self.window,
+            self.slice_length, self.bucket_cap, seq, names, sides)
+        groups = {s: (count, flat, taken, None if sides[s][2] is None else sides[s][2][2], made.get(s))
+                  for s, (count, flat, taken) in out.items()}
+        return results, groups, pending, hwm, seq
+
+    def _write_alone(self, start: int, seq: int, hwm_bytes: bytes, hwm: float, groups: dict[int, Any],
                      results: Sequence[int], times: Sequence[float], places_of: Sequence[list[int] | None],
                      id_places: Sequence[int]) -> bool | None:
-        """`CompactIndex._write_alone`, its writes put into whole groups (`_write_groups`)."""
-        view = self._view
-        rows = [(r, ts, places, e) for r, ts, places, e in zip(results, times, places_of, id_places) if r > 0]
-        return self._write_groups(start, seq, view.hwm, hwm_bytes, hwm, groups, rows, view.names, self._last_raw)
+        """`CompactIndex._write_alone`, its writes those of whole groups (`_alone_round`, `_write_groups`)."""
+        return self._write_groups(start, seq, self._view.hwm, hwm_bytes, hwm, groups, self._last_raw)
 
     def _alone_unwatched(self) -> bool:
         """Without WATCH (Redis Cluster), an uncontended round's groups go through INSERT_ALONE_LUA (`_write_groups`)."""
         return not self._watchable()
 
     def _write_groups(self, start: int, seq: int, stored_hwm: bytes, hwm_bytes: bytes, hwm: float,
-                      groups: dict[int, list[Any]], rows: Sequence[tuple[int, float, Any, int]],
-                      names: Sequence[bytes], raw: dict[int, dict[bytes, bytes]]) -> bool | None:
-        """A round's writes (`groups`: per slice its count and the compact layout's field-value pairs, of which
-        the entries are taken; `rows`: (seq, event time, places of its buckets in `names`, place of its id) of
-        each entry written) as a watched MULTI/EXEC: each group touched rewritten whole from `raw` (the groups
-        read, updated once Redis took the transaction), a slice written for the first time given its bits.
-        Where no WATCH guards the round (Redis Cluster) the same writes go through INSERT_ALONE_LUA, which checks
-        that the seq and high-water mark are still what the lookup read. None: refused, nothing written; else
-        whether the meta hash still held what this wrote (after the script, True)."""
-        meta, ttl, cap = self._meta, self._ttl_ms, self.bucket_cap
+                      groups: dict[int, Any], raw: dict[int, dict[bytes, bytes]]) -> bool | None:
+        """A round's writes (`groups`, per slice: its entries, its `HSET` arguments (`slice_writes`: the groups
+        changed, whole, then the entries), the places of its groups in the read, the read's values (None: not
+        read) and its bits if the round makes the slice) as a watched MULTI/EXEC, a slice written for the first
+        time given its bits; once Redis took it, the groups written are kept where the next round finds them
+        (`keep_written`: in the read's values, else in `raw`). Where no WATCH guards the round (Redis Cluster)
+        the same writes go through INSERT_ALONE_LUA, which checks that the seq and high-water mark are still what
+        the lookup read. None: refused, nothing written; else whether the meta hash still held what this wrote
+        (after the script, True)."""
+        meta, ttl = self._meta, self._ttl_ms
         watched = self._watchable()
         commands: list[Any] = [("MULTI",)]
         made: dict[int, int] = {}
-        kept: list[tuple[int, list[bytes | None] | None, list[bytes], list[int]]] = []
         slices: list[Any] = []  # INSERT_ALONE_LUA's: per slice its key, entries, pairs and the pairs
         step = 2 * FIELDS_PER_CALL
-        listed, listed_rows = list(names), list(rows)
-        for s, (count, pairs) in groups.items():
-            bits = self._bits.get(s)
-            if bits is None:
-                bits = made[s] = max(gc.slice_bits(self._counts.get(s - 1)),
-                                     gc.slice_bits(self._expected.get(s, self._rate_count)))
+        for s, (count, flat, _, _, bits) in groups.items():
+            if bits is not None:
+                made[s] = bits
                 commands.append(("HSET", meta, f"k:{s}", bits))
-            # The slice's groups changed (each built once from those read and written since, which stay as they
-            # are until Redis takes the transaction) and its HSET arguments, entries last.
-            written, read = raw.get(s, {}), self._last_read.get(s)
-            if read is not None and (read[3] != bits or names is not self._read_names):  # (not so: the read's terms)
-                if read[3] == bits:
-                    written = {**gc.groups_read(read[0], read[2]), **written}
-                read = None
-            flat, taken = self._slice_writes(written, read[:3] if read is not None else None, listed, bits,
-                                             listed_rows, s, self.slice_length, cap, pairs)
-            kept.append((s, read[2] if read is not None else None, flat, taken))
             key = f"{self._spre}{s}"
             if not watched:
                 slices += [key, count, len(flat) // 2, *flat]
@@ -377,7 +393,7 @@ class GroupIndex(CompactIndex):
             self._bits.update(made)
             held = True
         ahead = self._ahead is not None  # a read sent ahead lacks these groups (`_taken`); one sent after has them
-        for s, values, flat, taken in kept:
+        for s, (_, flat, taken, values, _) in groups.items():
             self._keep_written(raw.setdefault(s, {}), values, flat, taken,
                                self._raw_written.setdefault(s, {}) if ahead else None)
         self._stored_top = max(self._stored_top, _stored_time(hwm_bytes))
