@@ -603,6 +603,7 @@ cdef class _SliceBuild:
         cdef int kind
         cdef Py_ssize_t k, kk
         cdef object old
+        cdef PyObject *got
         cdef _GroupAppend op
         if not 0 <= at < self.n_names:
             raise IndexError(f"place {at} of {self.n_names} names")
@@ -614,7 +615,6 @@ cdef class _SliceBuild:
             kk = <Py_ssize_t>(<object>PyList_GET_ITEM(self.read_places, at)) if self.read_places is not None else -1
             if not kk < self.n_read:
                 raise IndexError(f"place {kk} of {self.n_read} fields read")
-            self.taken.append(_place_in(self.ints, kk))
             old = None
             if kk >= 0:  # the read's field (its hash known) and value
                 self.fields.append(<object>PyList_GET_ITEM(self.read_fields, kk))
@@ -622,7 +622,11 @@ cdef class _SliceBuild:
             else:
                 self.fields.append(_group_name(j))
             if self.written:
-                old = self.groups.get(<object>PyList_GET_ITEM(self.fields, k), old)
+                got = PyDict_GetItemWithError(self.groups, <object>PyList_GET_ITEM(self.fields, k))
+                if got != NULL:  # written since: kept where it was (in `groups`, before the read's value)
+                    old = <object>got
+                    kk = -1
+            self.taken.append(_place_in(self.ints, kk))
             if old is not None:
                 _group_len(old)  # a whole number of records, else IndexCorrupt
                 self.sizes.push_back(PyBytes_GET_SIZE(old))
@@ -744,13 +748,16 @@ def group_alone_groups(list ids, list tss, list blobs, list places_of, list id_p
                        uint64_t seq, list names, dict sides) -> tuple:
     """`filters.index.group_codec.alone_groups` (which documents it), compiled: the compact layout's round
     (`alone_compact`) without its field-value pairs of buckets and ids, each entry's records put straight into
-    its slice's groups (`_SliceBuild`), each group made once."""
-    cdef Py_ssize_t count = len(ids), i, j, nf, n_id, most = 0, place
+    its slice's groups (`_SliceBuild`), each group made once. A slice's writes (`writes[s]`) are sized for the
+    round at once (the same items), its bucket values of the round kept by place until its end."""
+    cdef Py_ssize_t count = len(ids), i, j, nf, n_id, most = 0, place, n_col
     cdef double ts, old_ts
-    cdef bint live
+    cdef bint live, prior
     cdef object e, old, column, mine, p, v, side
-    cdef list places, results = [], written = []
-    cdef dict builds = {}, out = {}
+    cdef PyObject *got
+    cdef list places, latest, order, results = [], written = []
+    cdef dict builds = {}, out = {}, state_of = {}
+    cdef tuple state
     cdef _SliceBuild build
     cdef bytes id_bytes, rec, blob, value, name
     cdef char *rp
@@ -762,8 +769,10 @@ def group_alone_groups(list ids, list tss, list blobs, list places_of, list id_p
         e = id_places[i]
         live = False
         for s in slices:
-            old = (<dict>writes[s]).get(e)
-            if old is None:
+            got = PyDict_GetItemWithError(<dict>writes[s], e)
+            if got != NULL:
+                old = <object>got
+            else:
                 column = columns.get(s)
                 old = (<list>column)[e] if column is not None else None
             if old is not None:
@@ -789,8 +798,8 @@ def group_alone_groups(list ids, list tss, list blobs, list places_of, list id_p
         memcpy(rp, &ts, 8)
         put_be64(rp + 8, seq)
         sl = <long long>floor_div(ts, slice_length)
-        mine = writes[sl]
         column = columns[sl]
+        n_col = len(<list>column)
         places = places_of[i]
         nf = len(places)
         build = <_SliceBuild>builds.get(sl)
@@ -798,24 +807,37 @@ def group_alone_groups(list ids, list tss, list blobs, list places_of, list id_p
             side = sides[sl]
             build = _SliceBuild(<dict>side[1], side[2], names, side[0], most)
             builds[sl] = build
+            # The slice's writes sized for the round at once (a dict grown an item at a time rehashes itself a
+            # dozen times over a batch): the same items. Its bucket values of this round are kept by place
+            # (`latest`) and written into it once each, at the end, in the order first written (`order`).
+            mine = _PyDict_NewPresized(len(<dict>writes[sl]) + (count - i) * (nf + 1))
+            PyDict_Update(mine, writes[sl])
+            writes[sl] = mine
+            state = state_of[sl] = ([None] * n_col, [], len(<dict>mine) > 0)
+        else:
+            mine = writes[sl]
+            state = <tuple>state_of[sl]
+        latest, order, prior = <list>state[0], <list>state[1], state[2]
         build.count += 1
         for j in range(nf):
             p = places[j]
             place = p
-            if place < 0 or place >= len(<list>column):
-                raise IndexError(f"field place {place} outside the {len(<list>column)} read")
-            v = (<dict>mine).get(p)
+            if place < 0 or place >= n_col:
+                raise IndexError(f"field place {place} outside the {n_col} read")
+            v = <object>PyList_GET_ITEM(latest, place)
             if v is None:
-                v = <object>PyList_GET_ITEM(column, place)
+                order.append(p)
+                got = PyDict_GetItemWithError(mine, p) if prior else NULL
+                v = <object>got if got != NULL else <object>PyList_GET_ITEM(column, place)
             if v is None:
                 v = rec
             else:
                 if len(<bytes>v) > too_long:
                     v = _trim16(<bytes>v, cap)
-                v = <bytes>v + rec
-            (<dict>mine)[p] = v
+                v = joined(<bytes>v, rec)
+            latest[place] = v
             build.add(place, False, ts, seq)
-        (<dict>mine)[e] = rec
+        PyDict_SetItem(mine, e, rec)
         build.add(e, True, ts, seq)
         id_bytes = (<str>ids[i]).encode("utf-8", "surrogatepass")
         n_id = len(id_bytes)
@@ -836,6 +858,11 @@ def group_alone_groups(list ids, list tss, list blobs, list places_of, list id_p
         build.entries.append(value)
         written.append((seq, sl, places))
         results.append(seq)
+    for sl, side in state_of.items():
+        mine = writes[sl]
+        latest = <list>(<tuple>side)[0]
+        for p in <list>(<tuple>side)[1]:
+            PyDict_SetItem(mine, p, <object>PyList_GET_ITEM(latest, <Py_ssize_t>p))
     for sl, side in builds.items():
         build = <_SliceBuild>side
         out[sl] = (build.count, build.flat(cap), build.taken)
@@ -846,7 +873,6 @@ def group_keep_written(dict groups, object values, list flat, list taken, object
     """`filters.index.group_codec.keep_written`, compiled."""
     cdef Py_ssize_t i, k, m = len(taken)
     cdef object field, value
-    cdef bint any_written = len(groups) > 0
     if len(flat) < 2 * m:
         raise ValueError("a field and value for each group taken")
     for i in range(m):
@@ -855,10 +881,8 @@ def group_keep_written(dict groups, object values, list flat, list taken, object
         k = <Py_ssize_t>(<object>PyList_GET_ITEM(taken, i))
         if k >= 0:
             (<list?>values)[k] = value
-            if any_written:
-                groups.pop(field, None)
         else:
-            groups[field] = value
+            PyDict_SetItem(groups, field, value)
         if also is not None:
             (<dict?>also)[field] = value
 

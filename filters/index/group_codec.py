@@ -252,7 +252,8 @@ def slice_writes(groups: dict[bytes, bytes], read: tuple[list[bytes], list[int],
     `pack_reads`, `slice_column`), those in `groups` (written since) in their place; both left as they are.
     Returns the slice's `HSET` arguments (each group changed, in the order first changed, with its value; then the
     entries (`e<seq>`) of the compact layout's `pairs`) and, per group changed, the place of its field in the read
-    (-1: not read): what `keep_written` keeps once Redis took them."""
+    (-1: not read, or in `groups`, which holds it before the read): what `keep_written` keeps once Redis took
+    them."""
     mine = [row for row in rows if math.floor(row[1] / slice_length) == s]
     current = groups_read(read[0], read[2]) if read is not None else {}
     current.update(groups)
@@ -264,7 +265,7 @@ def slice_writes(groups: dict[bytes, bytes], read: tuple[list[bytes], list[int],
         if pairs[a][:1] == b"e":
             flat += (pairs[a], pairs[a + 1])
     at = {f: k for k, f in enumerate(read[0])} if read is not None else {}
-    return flat, [at.get(f, -1) for f in changed]
+    return flat, [-1 if f in groups else at.get(f, -1) for f in changed]
 
 
 def alone_groups(ids: list[str], times: list[float], blobs: list[bytes], places_of: list[list[int]],
@@ -296,14 +297,14 @@ def alone_groups(ids: list[str], times: list[float], blobs: list[bytes], places_
 def keep_written(groups: dict[bytes, bytes], values: list[bytes | None] | None, flat: Sequence[bytes],
                  taken: Sequence[int], also: dict[bytes, bytes] | None) -> None:
     """Once Redis took a round's writes to a slice (`slice_writes`: `flat`, `taken`), each group changed kept
-    where the next round finds it: at its place in the read's `values`, else in `groups` (written since the
-    read); and in `also` too, when given (the groups a read sent ahead lacks)."""
+    where the next round finds it: at its place in the read's `values` (a group `groups` does not hold), else in
+    `groups` (written since the read: before the read's value); and in `also` too, when given (the groups a read
+    sent ahead lacks)."""
     for i, k in enumerate(taken):
         field, value = flat[2 * i], flat[2 * i + 1]
         if k >= 0:
             assert values is not None
             values[k] = value
-            groups.pop(field, None)
         else:
             groups[field] = value
         if also is not None:
