@@ -12,8 +12,9 @@ To the index above it, a read of groups looks like the compact layout's columns 
 a bucket's records as <event time: f64 LE><seq: u64 BE>, an id's newest record, a memo as read): its ranking,
 its uncontended round and its tails are the compact layout's. A round's writes go back into the groups as the
 checking script would make them, entry after entry (`apply_round`; `slice_writes` for a slice's round, from its
-read). `pack_reads`, `slice_column`, `slice_writes`, `keep_written` and `pack_writes` are a batch's read and
-round as the client makes them, the compiled twins doing each at once.
+read). `pack_reads`, `slice_column`, `alone_groups` (the compact layout's round and each slice's `slice_writes`),
+`keep_written` and `pack_writes` are a batch's read and round as the client makes them, the compiled twins doing
+each at once.
 """
 
 from __future__ import annotations

@@ -3,14 +3,14 @@ records by seq, its bucket records grouped in fields `g<j>` of the slice hash (`
 
 Chosen by `?layout=group`. A lookup reads one `HMGET` a slice (the distinct groups of the batch's buckets and
 ids, its memos: `group_codec.pack_reads`), which `slice_column` turns into the compact layout's columns, so the
-ranking, the uncontended round, the tails and the read sent ahead are the compact layout's (`CompactIndex`); a
-round's writes go back into whole groups (`slice_writes`, `pack_writes`, as `apply_round` writes them) in the
-watched transaction (on Redis Cluster, where there is no WATCH and a namespace's keys share one hash tag as the
-slot layout's, through the slot layout's `lua/insert_alone.lua`), and are kept where the next round finds them
-(`keep_written`). Any other round (a contended one, a restore's chunk refused) is the checking script,
-`lua/group_insert.lua`, which writes `apply_round`'s bytes. A
-rebuild (a fenced index without its marker) holds its entries' records and writes each group once
-(`group_codec.held_groups`), leaving the bytes the guarded chunks of any other restore leave.
+ranking, the tails and the read sent ahead are the compact layout's (`CompactIndex`); an uncontended round is
+the compact layout's round with its writes put at once into whole groups (`alone_groups`, `pack_writes`, as
+`apply_round` writes them) in the watched transaction (on Redis Cluster, where there is no WATCH and a
+namespace's keys share one hash tag as the slot layout's, through the slot layout's `lua/insert_alone.lua`), and
+are kept where the next round finds them (`keep_written`). Any other round (a contended one, a restore's chunk
+refused) is the checking script, `lua/group_insert.lua`, which writes `apply_round`'s bytes. A rebuild (a fenced
+index without its marker) holds its entries' records and writes each group once (`group_codec.held_groups`),
+leaving the bytes the guarded chunks of any other restore leave.
 """
 
 from __future__ import annotations
