@@ -226,7 +226,7 @@ def test_a_slices_writes_as_the_reference(bits: int, cap: int, rows: list[tuple[
     mine = [e for e in entries if e[1] // length == s]
     changed = gc.apply_round(applied, names, bits, mine, cap)
     assert flat == [x for f in changed for x in (f, applied[f])] + pairs[2:4] + pairs[6:8]
-    assert taken == [fields.index(f) if read is not None and f not in written else -1 for f in changed]
+    assert list(taken) == [fields.index(f) if read is not None and f not in written else -1 for f in changed]
     twin = {**(gc.groups_read(fields, read[2]) if read is not None else {}), **written}
     assert _native.group_apply_round(twin, names, bits, mine, cap) == changed and twin == applied
     # Kept once Redis took them: the next round finds what this one left, compiled as the reference.

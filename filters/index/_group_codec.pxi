@@ -1,7 +1,10 @@
 # The group layout's compiled per-batch work (included by filters/_native.pyx, after index/_compact_codec.pxi):
 # the twins of filters/index/group_codec.py, held to it by tests/test_group_codec.py.
 
+from cpython cimport array as c_array
 from libcpp.string cimport string
+
+import array as py_array
 
 cdef extern from "Python.h":
     Py_ssize_t PyBytes_GET_SIZE(object o)
@@ -558,6 +561,9 @@ cdef struct _GroupAppend:
     uint64_t seq
 
 
+cdef c_array.array _TAKEN_TEMPLATE = py_array.array("q")  # (`array("q")` is int64 on the platforms built for)
+
+
 cdef class _SliceBuild:
     """One slice's groups as a round writes them (`_round_into`, `group_alone_groups`), as `apply_round` writes
     them: the records appended (`add`) are listed, then each group touched is made once (`finish`): its records
@@ -567,7 +573,8 @@ cdef class _SliceBuild:
     are, and must stay so (and alive) until `finish`: their values are held borrowed."""
     cdef dict groups
     cdef bint written
-    cdef list names, fields, taken, ints, read_fields, read_places, read_values
+    cdef list names, fields, read_fields, read_places, read_values
+    cdef vector[int64_t] taken  # per group changed, the place of its field in the read (-1: none, or in `groups`)
     cdef Py_ssize_t n_names, n_read
     cdef int bits
     cdef _GroupSlots slots
@@ -582,8 +589,8 @@ cdef class _SliceBuild:
             raise ValueError(f"bits must be 0 to {GROUP_K_MAX}, got {bits!r}")
         self.groups, self.written, self.names, self.bits = groups, len(groups) > 0, names, bits
         self.n_names = len(names)
-        self.fields, self.taken, self.entries, self.count = [], [], [], 0
-        self.ints = _group_places()
+        self.fields, self.entries, self.count = [], [], 0
+        self.taken.reserve(most)
         self.slots = _GroupSlots(most)  # a group for each record at most
         self.olds.reserve(most)
         self.sizes.reserve(most)
@@ -626,7 +633,7 @@ cdef class _SliceBuild:
                 if got != NULL:  # written since: kept where it was (in `groups`, before the read's value)
                     old = <object>got
                     kk = -1
-            self.taken.append(_place_in(self.ints, kk))
+            self.taken.push_back(kk)
             if old is not None:
                 _group_len(old)  # a whole number of records, else IndexCorrupt
                 self.sizes.push_back(PyBytes_GET_SIZE(old))
@@ -671,6 +678,13 @@ cdef class _SliceBuild:
                                                       self.sizes[k])
         return values
 
+    cdef object taken_array(self):
+        """`taken` as `array("q")` (`slice_writes`' places)."""
+        cdef c_array.array out = c_array.clone(_TAKEN_TEMPLATE, <Py_ssize_t>self.taken.size(), False)
+        if self.taken.size():
+            memcpy(out.data.as_voidptr, &self.taken[0], self.taken.size() * sizeof(int64_t))
+        return out
+
     cdef list flat(self, Py_ssize_t cap):
         """`finish`, as the slice's `HSET` arguments: each group changed with its value, then `entries`."""
         cdef list values = self.finish(cap)
@@ -711,13 +725,14 @@ cdef tuple _round_into(dict groups, object read, list names, int bits, list rows
             build.add(places[a], False, ts, seq)
         build.add(row[3], True, ts, seq)
     values = build.finish(cap)
-    return build.fields, values, build.taken
+    return build.fields, values, build.taken_array()
 
 
 def group_slice_writes(dict groups, object read, list names, int bits, list rows, long long s, double slice_length,
                        Py_ssize_t cap, list pairs) -> tuple:
     """`filters.index.group_codec.slice_writes`, compiled: each group touched made once (`_round_into`)."""
-    cdef list fields, values, taken, flat
+    cdef list fields, values, flat
+    cdef object taken
     fields, values, taken = _round_into(groups, read, names, bits, rows, True, <double>s, slice_length, cap)
     cdef Py_ssize_t k, a, n = len(pairs), m = len(fields), e = 0
     cdef object name
@@ -865,20 +880,23 @@ def group_alone_groups(list ids, list tss, list blobs, list places_of, list id_p
             PyDict_SetItem(mine, p, <object>PyList_GET_ITEM(latest, <Py_ssize_t>p))
     for sl, side in builds.items():
         build = <_SliceBuild>side
-        out[sl] = (build.count, build.flat(cap), build.taken)
+        out[sl] = (build.count, build.flat(cap), build.taken_array())
     return results, out, written, hwm, seq
 
 
-def group_keep_written(dict groups, object values, list flat, list taken, object also) -> None:
+def group_keep_written(dict groups, object values, list flat, c_array.array taken, object also) -> None:
     """`filters.index.group_codec.keep_written`, compiled."""
+    if (<object>taken).typecode != "q":
+        raise TypeError("the places taken are an array('q')")
     cdef Py_ssize_t i, k, m = len(taken)
+    cdef const long long *at = taken.data.as_longlongs
     cdef object field, value
     if len(flat) < 2 * m:
         raise ValueError("a field and value for each group taken")
     for i in range(m):
         field = <object>PyList_GET_ITEM(flat, 2 * i)
         value = <object>PyList_GET_ITEM(flat, 2 * i + 1)
-        k = <Py_ssize_t>(<object>PyList_GET_ITEM(taken, i))
+        k = <Py_ssize_t>at[i]
         if k >= 0:
             (<list?>values)[k] = value
         else:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import struct
+from array import array
 from collections.abc import Sequence
 
 import numpy as np
@@ -246,15 +247,15 @@ def groups_read(fields: Sequence[bytes], values: Sequence[bytes | None]) -> dict
 
 def slice_writes(groups: dict[bytes, bytes], read: tuple[list[bytes], list[int], list[bytes | None]] | None,
                  names: Sequence[bytes], bits: int, rows: Sequence[tuple[int, float, Sequence[int], int]], s: int,
-                 slice_length: float, cap: int, pairs: Sequence[bytes]) -> tuple[list[bytes], list[int]]:
+                 slice_length: float, cap: int, pairs: Sequence[bytes]) -> tuple[list[bytes], array[int]]:
     """A round's writes to slice `s`: its rows (seq, event time, places of its buckets in `names`, place of its id;
     those whose event time is in slice `s`, by `slice_length`) applied as `apply_round` applies them to the
     slice's groups: those of its read of `names` (`read`: its fields, each name's place among them, their values;
     `pack_reads`, `slice_column`), those in `groups` (written since) in their place; both left as they are.
     Returns the slice's `HSET` arguments (each group changed, in the order first changed, with its value; then the
     entries (`e<seq>`) of the compact layout's `pairs`) and, per group changed, the place of its field in the read
-    (-1: not read, or in `groups`, which holds it before the read): what `keep_written` keeps once Redis took
-    them."""
+    (-1: not read, or in `groups`, which holds it before the read; as machine integers, `array("q")`): what
+    `keep_written` keeps once Redis took them."""
     mine = [row for row in rows if math.floor(row[1] / slice_length) == s]
     current = groups_read(read[0], read[2]) if read is not None else {}
     current.update(groups)
@@ -266,7 +267,7 @@ def slice_writes(groups: dict[bytes, bytes], read: tuple[list[bytes], list[int],
         if pairs[a][:1] == b"e":
             flat += (pairs[a], pairs[a + 1])
     at = {f: k for k, f in enumerate(read[0])} if read is not None else {}
-    return flat, [-1 if f in groups else at.get(f, -1) for f in changed]
+    return flat, array("q", [-1 if f in groups else at.get(f, -1) for f in changed])
 
 
 def alone_groups(ids: list[str], times: list[float], blobs: list[bytes], places_of: list[list[int]],
@@ -274,8 +275,8 @@ def alone_groups(ids: list[str], times: list[float], blobs: list[bytes], places_
                  writes: dict[int, dict[int, bytes]], hwm: float, window: float, slice_length: float, cap: int,
                  seq: int, names: list[bytes],
                  sides: dict[int, tuple[int, dict[bytes, bytes], tuple[list[bytes], list[int], list[bytes | None]] | None]],
-                 ) -> tuple[list[int], dict[int, tuple[int, list[bytes], list[int]]], list[tuple[int, int, list[int]]],
-                            float, int]:
+                 ) -> tuple[list[int], dict[int, tuple[int, list[bytes], array[int]]],
+                            list[tuple[int, int, list[int]]], float, int]:
     """An uncontended round in this layout, at once: the compact layout's round (`compact_codec.alone_round`, over
     the columns of `names` read, `writes` updated as it updates them: what it decides, its entries) and each
     slice's writes (`slice_writes`; per slice of `slices` in `sides`: its bits, the groups written since its read
@@ -287,7 +288,7 @@ def alone_groups(ids: list[str], times: list[float], blobs: list[bytes], places_
     results, groups, pending, hwm, seq = alone_round(ids, times, blobs, fields_of, places_of, id_places, slices,
                                                      columns, writes, hwm, window, slice_length, cap, seq)
     rows = [(r, ts, places, e) for r, ts, places, e in zip(results, times, places_of, id_places) if r > 0]
-    out: dict[int, tuple[int, list[bytes], list[int]]] = {}
+    out: dict[int, tuple[int, list[bytes], array[int]]] = {}
     for s, (count, pairs) in groups.items():
         bits, written, read = sides[s]
         flat, taken = slice_writes(written, read, names, bits, rows, s, slice_length, cap, pairs)
@@ -296,7 +297,7 @@ def alone_groups(ids: list[str], times: list[float], blobs: list[bytes], places_
 
 
 def keep_written(groups: dict[bytes, bytes], values: list[bytes | None] | None, flat: Sequence[bytes],
-                 taken: Sequence[int], also: dict[bytes, bytes] | None) -> None:
+                 taken: array[int], also: dict[bytes, bytes] | None) -> None:
     """Once Redis took a round's writes to a slice (`slice_writes`: `flat`, `taken`), each group changed kept
     where the next round finds it: at its place in the read's `values` (a group `groups` does not hold), else in
     `groups` (written since the read: before the read's value); and in `also` too, when given (the groups a read
