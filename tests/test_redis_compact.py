@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -562,3 +562,16 @@ def test_without_the_compiled_core_the_python_reference_decides_alike(make: Call
         verdicts[name] = [v for at in range(0, len(messages), 128) for v in nd.check_batch(messages[at : at + 128])]
     assert verdicts["reference"] == verdicts["compiled"]
     assert sum(v.duplicate for v in verdicts["compiled"]) > 0
+
+
+def test_the_entries_kept_by_seq_are_the_newest_once_a_quarter_more_came(make: Callable[..., RedisIndex]) -> None:
+    """The entries a client keeps by seq (`entry_cache`): once a quarter more than the cache came, the oldest go
+    and the newest `entry_cache` stay, in the order they came."""
+    index = cast(CompactIndex, make(entry_cache="8"))
+    kept = {seq: entry(f"m{seq}") for seq in range(1, 11)}
+    index._keep(kept)
+    assert list(index._by_seq) == list(range(1, 11))  # 10: not more than 8 + 8 // 4
+    newest = entry("m11")
+    index._keep({11: newest, 3: kept[3]})  # 3 again: it stays where it was, among the oldest
+    assert list(index._by_seq) == list(range(4, 12))
+    assert index._by_seq[11] is newest and index._by_seq[4] is kept[4]

@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from itertools import chain
+from itertools import chain, islice
 from typing import Any, ClassVar, Protocol, cast
 
 import numpy as np
@@ -624,8 +624,9 @@ class CompactIndex(RedisIndex):
             return
         known = self._by_seq
         known.update(entries)
-        if len(known) > cap + cap // 4:
-            self._by_seq = dict(list(known.items())[len(known) - cap :])
+        if len(known) > cap + cap // 4:  # the oldest go, in place: the newest `cap` are not copied again
+            for seq in list(islice(known, len(known) - cap)):
+                del known[seq]
 
     # -- inserting -----------------------------------------------------------------------------------
     def _keep_inserted(self, entries: Sequence[tuple[Entry, tuple[int, ...]]], results: Sequence[int]) -> None:
