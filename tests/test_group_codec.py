@@ -281,22 +281,28 @@ def test_a_rounds_decisions_and_groups_at_once_as_the_reference(data: st.DataObj
         sides[s] = (bits, {gc.group_field(j): g for j, g in enumerate(since) if g is not None}, read)
     before = {s: (dict(w), None if r is None else list(r[2])) for s, (_, w, r) in sides.items()}
 
-    def run(round_: object) -> tuple[object, ...]:
+    def run(round_: object, *also: bool) -> tuple[object, ...]:
         writes: dict[int, dict[int, bytes]] = {s: {} for s in slices}
         out = round_(list(ids), list(times), blobs, places_of, [id_at[id] for id in ids], slices,  # type: ignore[operator]
-                     {s: list(c) for s, c in columns.items()}, writes, hwm, 100.0, 100.0, cap, 40, names, sides)
+                     {s: list(c) for s, c in columns.items()}, writes, hwm, 100.0, 100.0, cap, 40, names, sides, *also)
         return (*out, writes)
 
     got = run(gc.alone_groups)
     assert run(_native.group_alone_groups) == got
+    assert run(_native.group_alone_groups, False) == got == run(gc.alone_groups, False)
+    with_also = run(gc.alone_groups, True)
+    assert run(_native.group_alone_groups, True) == with_also
+    for s, (count, flat, taken, changed) in with_also[1].items():  # type: ignore[attr-defined]
+        assert changed == dict(zip(flat[0 : 2 * len(taken) : 2], flat[1 : 2 * len(taken) : 2]))
+        assert got[1][s] == (count, flat, taken, None)  # type: ignore[index]
     assert {s: (dict(w), None if r is None else list(r[2])) for s, (_, w, r) in sides.items()} == before
     # The reference is the compact layout's round (less its pairs of buckets and ids) and `slice_writes` after it.
     results, out, pending, _, seq, writes = got
     compact = run(lambda *a: cc.alone_round(*a[:3], [[names[p] for p in ps] for ps in a[3]], *a[3:13]))
     assert (compact[0], compact[2], compact[4], compact[5]) == (results, pending, seq, writes)
     assert set(out) == set(compact[1]) and all(out[s][0] == compact[1][s][0] for s in out)  # type: ignore[index]
-    assert all(sum(1 for _, t, _ in pending if t == s) == count for s, (count, _, _) in out.items())
-    for s, (count, flat, _) in out.items():
+    assert all(sum(1 for _, t, _ in pending if t == s) == count for s, (count, _, _, _) in out.items())
+    for s, (count, flat, _, _) in out.items():
         assert flat[-2 * count :] == [x for a in range(0, len(compact[1][s][1]), 2)  # type: ignore[index]
                                       if compact[1][s][1][a][:1] == b"e" for x in compact[1][s][1][a : a + 2]]  # type: ignore[index]
 

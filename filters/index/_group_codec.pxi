@@ -760,11 +760,12 @@ def group_slice_writes(dict groups, object read, list names, int bits, list rows
 
 def group_alone_groups(list ids, list tss, list blobs, list places_of, list id_places, tuple slices,
                        dict columns, dict writes, double hwm, double window, double slice_length, Py_ssize_t cap,
-                       uint64_t seq, list names, dict sides) -> tuple:
+                       uint64_t seq, list names, dict sides, bint also=False) -> tuple:
     """`filters.index.group_codec.alone_groups` (which documents it), compiled: the compact layout's round
     (`alone_compact`) without its field-value pairs of buckets and ids, each entry's records put straight into
     its slice's groups (`_SliceBuild`), each group made once. A slice's writes (`writes[s]`) are sized for the
-    round at once (the same items), its bucket values of the round kept by place until its end."""
+    round at once (the same items), its bucket values of the round kept by place until its end; with `also`, the
+    dict of the groups changed made as they are made (their objects at hand), not after the round trip."""
     cdef Py_ssize_t count = len(ids), i, j, nf, n_id, most = 0, place, n_col
     cdef double ts, old_ts
     cdef bint live, prior
@@ -878,9 +879,19 @@ def group_alone_groups(list ids, list tss, list blobs, list places_of, list id_p
         latest = <list>(<tuple>side)[0]
         for p in <list>(<tuple>side)[1]:
             PyDict_SetItem(mine, p, <object>PyList_GET_ITEM(latest, <Py_ssize_t>p))
+    cdef list flat
+    cdef object changed
+    cdef Py_ssize_t k, m
     for sl, side in builds.items():
         build = <_SliceBuild>side
-        out[sl] = (build.count, build.flat(cap), build.taken_array())
+        flat = build.flat(cap)
+        changed = None
+        if also:
+            m = PyList_GET_SIZE(build.fields)
+            changed = _PyDict_NewPresized(m)
+            for k in range(m):
+                PyDict_SetItem(changed, <object>PyList_GET_ITEM(flat, 2 * k), <object>PyList_GET_ITEM(flat, 2 * k + 1))
+        out[sl] = (build.count, flat, build.taken_array(), changed)
     return results, out, written, hwm, seq
 
 

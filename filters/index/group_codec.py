@@ -275,24 +275,27 @@ def alone_groups(ids: list[str], times: list[float], blobs: list[bytes], places_
                  writes: dict[int, dict[int, bytes]], hwm: float, window: float, slice_length: float, cap: int,
                  seq: int, names: list[bytes],
                  sides: dict[int, tuple[int, dict[bytes, bytes], tuple[list[bytes], list[int], list[bytes | None]] | None]],
-                 ) -> tuple[list[int], dict[int, tuple[int, list[bytes], array[int]]],
-                            list[tuple[int, int, list[int]]], float, int]:
+                 also: bool = False) -> tuple[
+                     list[int], dict[int, tuple[int, list[bytes], array[int], dict[bytes, bytes] | None]],
+                     list[tuple[int, int, list[int]]], float, int]:
     """An uncontended round in this layout, at once: the compact layout's round (`compact_codec.alone_round`, over
     the columns of `names` read, `writes` updated as it updates them: what it decides, its entries) and each
     slice's writes (`slice_writes`; per slice of `slices` in `sides`: its bits, the groups written since its read
     and its read, or None). Returns (results, per slice written (its entries, `slice_writes`' HSET arguments, the
-    places of the groups changed in the read), (seq, slice, places) per entry written, high-water mark, seq): the
+    places of the groups changed in the read, with `also` the groups changed as a dict (field -> value: what a
+    read sent ahead lacks), else None), (seq, slice, places) per entry written, high-water mark, seq): the
     compact layout's field-value pairs of buckets and ids, which this layout does not write, are not made by the
-    compiled twin (`_native.group_alone_groups`)."""
+    compiled twin (`_native.group_alone_groups`), which makes the dict while the groups are fresh."""
     fields_of = [[names[p] for p in places] for places in places_of]
     results, groups, pending, hwm, seq = alone_round(ids, times, blobs, fields_of, places_of, id_places, slices,
                                                      columns, writes, hwm, window, slice_length, cap, seq)
     rows = [(r, ts, places, e) for r, ts, places, e in zip(results, times, places_of, id_places) if r > 0]
-    out: dict[int, tuple[int, list[bytes], array[int]]] = {}
+    out: dict[int, tuple[int, list[bytes], array[int], dict[bytes, bytes] | None]] = {}
     for s, (count, pairs) in groups.items():
         bits, written, read = sides[s]
         flat, taken = slice_writes(written, read, names, bits, rows, s, slice_length, cap, pairs)
-        out[s] = (count, flat, taken)
+        changed = 2 * len(taken)
+        out[s] = (count, flat, taken, dict(zip(flat[0:changed:2], flat[1:changed:2])) if also else None)
     return results, out, pending, hwm, seq
 
 

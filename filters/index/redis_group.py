@@ -295,8 +295,9 @@ class GroupIndex(CompactIndex):
                          list[int], dict[int, Any], list[tuple[int, int, list[int]]], float, int]:
         """`CompactIndex._alone_round`, its writes put into whole groups at once (`alone_groups`: no field-value
         pairs of buckets and ids made): per slice written (its entries, its `HSET` arguments, the places of its
-        groups changed in the read, the read's values, its bits if this round makes the slice), as
-        `_write_groups` takes them. A slice's groups are those read, and those written since (`_last_raw`)."""
+        groups changed in the read, the read's values, its bits if this round makes the slice, the groups changed
+        as a dict where a read was sent ahead), as `_write_groups` takes them. A slice's groups are those read,
+        and those written since (`_last_raw`)."""
         view = self._view
         names, raw = view.names, self._last_raw
         sides: dict[int, tuple[int, dict[bytes, bytes], Any]] = {}
@@ -314,11 +315,12 @@ class GroupIndex(CompactIndex):
                     written = {**gc.groups_read(read[0], read[2]), **written}
                 read = None
             sides[s] = (bits, written, read[:3] if read is not None else None)
+        # A read sent ahead lacks the groups this round writes (`_taken`): they are kept for it, as made.
         results, out, pending, hwm, seq = self._alone_groups(
             ids, times, blobs, places_of, id_places, slices, view.columns, writes, hwm, self.window,
-            self.slice_length, self.bucket_cap, seq, names, sides)
-        groups = {s: (count, flat, taken, None if sides[s][2] is None else sides[s][2][2], made.get(s))
-                  for s, (count, flat, taken) in out.items()}
+            self.slice_length, self.bucket_cap, seq, names, sides, self._ahead is not None)
+        groups = {s: (count, flat, taken, None if sides[s][2] is None else sides[s][2][2], made.get(s), changed)
+                  for s, (count, flat, taken, changed) in out.items()}
         return results, groups, pending, hwm, seq
 
     def _write_alone(self, start: int, seq: int, hwm_bytes: bytes, hwm: float, groups: dict[int, Any],
@@ -335,9 +337,10 @@ class GroupIndex(CompactIndex):
                       groups: dict[int, Any], raw: dict[int, dict[bytes, bytes]]) -> bool | None:
         """A round's writes (`groups`, per slice: its entries, its `HSET` arguments (`slice_writes`: the groups
         changed, whole, then the entries), the places of its groups in the read, the read's values (None: not
-        read) and its bits if the round makes the slice) as a watched MULTI/EXEC, a slice written for the first
-        time given its bits; once Redis took it, the groups written are kept where the next round finds them
-        (`keep_written`: in the read's values, else in `raw`). Where no WATCH guards the round (Redis Cluster)
+        read), its bits if the round makes the slice, and the groups changed as a dict or None) as a watched
+        MULTI/EXEC, a slice written for the first time given its bits; once Redis took it, the groups written are
+        kept where the next round finds them (`keep_written`: in the read's values, else in `raw`), and where a
+        read was sent ahead, for it (`_raw_written`). Where no WATCH guards the round (Redis Cluster)
         the same writes go through INSERT_ALONE_LUA, which checks that the seq and high-water mark are still what
         the lookup read. None: refused, nothing written; else whether the meta hash still held what this wrote
         (after the script, True)."""
@@ -347,7 +350,7 @@ class GroupIndex(CompactIndex):
         made: dict[int, int] = {}
         slices: list[Any] = []  # INSERT_ALONE_LUA's: per slice its key, entries, pairs and the pairs
         step = 2 * FIELDS_PER_CALL
-        for s, (count, flat, _, _, bits) in groups.items():
+        for s, (count, flat, _, _, bits, _) in groups.items():
             if bits is not None:
                 made[s] = bits
                 commands.append(("HSET", meta, f"k:{s}", bits))
@@ -393,9 +396,16 @@ class GroupIndex(CompactIndex):
             self._bits.update(made)
             held = True
         ahead = self._ahead is not None  # a read sent ahead lacks these groups (`_taken`); one sent after has them
-        for s, (_, flat, taken, values, _) in groups.items():
-            self._keep_written(raw.setdefault(s, {}), values, flat, taken,
-                               self._raw_written.setdefault(s, {}) if ahead else None)
+        for s, (_, flat, taken, values, _, changed) in groups.items():
+            kept = self._raw_written.get(s) if ahead else None
+            if ahead and changed is None and kept is None:  # (sent after the round was made)
+                kept = self._raw_written[s] = {}
+            self._keep_written(raw.setdefault(s, {}), values, flat, taken, kept if changed is None else None)
+            if ahead and changed is not None:  # made with the groups, no group touched again
+                if kept is None:
+                    self._raw_written[s] = changed
+                else:
+                    kept.update(changed)
         self._stored_top = max(self._stored_top, _stored_time(hwm_bytes))
         return held
 
