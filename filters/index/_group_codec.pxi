@@ -502,6 +502,7 @@ def group_slice_column(list replies, list places, list names, object bits, list 
     cdef vector[PyObject *] values
     cdef vector[int] kinds
     cdef vector[uint32_t] keys
+    cdef vector[Py_ssize_t] ks
     cdef vector[uint64_t] table_j  # j + 1; 0: empty
     cdef vector[PyObject *] table_v  # (borrowed: `written` holds them through the call)
     cdef uint64_t mask = 0, at
@@ -559,14 +560,17 @@ def group_slice_column(list replies, list places, list names, object bits, list 
                     others = True
     kinds.resize(n)
     keys.resize(n)
+    ks.resize(n)
+    cdef bint overlay = written and not by_name
     for p in range(n):
-        k = places[p]
+        k = <object>PyList_GET_ITEM(places, p)
         if k >= m:
             raise IndexError("a place past the fields")
-        kind = 0 if bits is None else _group_place(<bytes>names[p], b, &j, &key)
+        ks[p] = k
+        kind = 0 if bits is None else _group_place(<bytes?><object>PyList_GET_ITEM(names, p), b, &j, &key)
         kinds[p] = kind
         keys[p] = key
-        if k < 0 or not written or by_name:
+        if k < 0 or not overlay:
             continue
         if kind:
             at = ((j + 1) * 0x9E3779B97F4A7C15ULL) >> shift
@@ -584,7 +588,7 @@ def group_slice_column(list replies, list places, list names, object bits, list 
         _list_put(flat, k, <object>values[k])
     column = PyList_New(n)
     for p in range(n):
-        k = places[p]
+        k = ks[p]
         if k < 0:
             out = None
         else:
