@@ -3,7 +3,8 @@ records by seq, its bucket records grouped in fields `g<j>` of the slice hash (`
 
 Chosen by `?layout=group`. A lookup reads one `HMGET` a slice (the distinct groups of the batch's buckets and
 ids, its memos: `group_codec.pack_reads`), which `slice_column` turns into the compact layout's columns, so the
-ranking, the uncontended round, the tails and the read sent ahead are the compact layout's (`CompactIndex`); a
+ranking, the uncontended round and the tails are the compact layout's (`CompactIndex`); a read sent ahead gets the
+batch's writes (groups, memos) among its values by place before its columns are made (`_taken`); a
 round's writes go back into whole groups (`slice_writes`, `pack_writes`, as `apply_round` writes them) in the
 watched transaction (on Redis Cluster, where there is no WATCH and a namespace's keys share one hash tag as the
 slot layout's, through the slot layout's `lua/insert_alone.lua`), and are kept where the next round finds them
