@@ -500,9 +500,6 @@ def group_slice_column(list replies, list places, list names, object bits, list 
     whose objects lie all over the heap); the other fields written (memos) by name."""
     cdef Py_ssize_t n = len(names), m = len(fields), p, k, total = 0, t, size
     cdef vector[PyObject *] values
-    cdef vector[int] kinds
-    cdef vector[uint32_t] keys
-    cdef vector[Py_ssize_t] ks
     cdef vector[uint64_t] table_j  # j + 1; 0: empty
     cdef vector[PyObject *] table_v  # (borrowed: `written` holds them through the call)
     cdef uint64_t mask = 0, at
@@ -558,52 +555,44 @@ def group_slice_column(list replies, list places, list names, object bits, list 
                     table_v[at] = v
                 else:
                     others = True
-    kinds.resize(n)
-    keys.resize(n)
-    ks.resize(n)
     cdef bint overlay = written and not by_name
+    # One pass: a name's field put in its place (its group by number, once its group is known; a memo by name)
+    # before its column is made from it, the values of every field after.
+    column = PyList_New(n)
     for p in range(n):
         k = <object>PyList_GET_ITEM(places, p)
         if k >= m:
             raise IndexError("a place past the fields")
-        ks[p] = k
-        kind = 0 if bits is None else _group_place(<bytes?><object>PyList_GET_ITEM(names, p), b, &j, &key)
-        kinds[p] = kind
-        keys[p] = key
-        if k < 0 or not overlay:
-            continue
-        if kind:
-            at = ((j + 1) * 0x9E3779B97F4A7C15ULL) >> shift
-            while table_j[at] != 0:
-                if table_j[at] == j + 1:
-                    values[k] = table_v[at]
-                    break
-                at = (at + 1) & mask
-        elif others:
-            mine = PyDict_GetItemWithError(written, <object>PyList_GET_ITEM(names, p))
-            if mine != NULL:
-                values[k] = mine
-    flat = PyList_New(m)
-    for k in range(m):
-        _list_put(flat, k, <object>values[k])
-    column = PyList_New(n)
-    for p in range(n):
-        k = ks[p]
         if k < 0:
             out = None
         else:
+            kind = 0 if bits is None else _group_place(<bytes?><object>PyList_GET_ITEM(names, p), b, &j, &key)
+            if overlay:
+                if kind:
+                    at = ((j + 1) * 0x9E3779B97F4A7C15ULL) >> shift
+                    while table_j[at] != 0:
+                        if table_j[at] == j + 1:
+                            values[k] = table_v[at]
+                            break
+                        at = (at + 1) & mask
+                elif others:
+                    mine = PyDict_GetItemWithError(written, <object>PyList_GET_ITEM(names, p))
+                    if mine != NULL:
+                        values[k] = mine
             value = <object>values[k]
-            kind = kinds[p]
             if kind == 0:
                 out = value
             elif value is None or (type(value) is bytes and PyBytes_GET_SIZE(value) == 0):
                 out = None
             elif kind == 2:
-                out = _id_record(value, keys[p])
+                out = _id_record(value, key)
             else:
-                out = _bucket_records(value, keys[p])
+                out = _bucket_records(value, key)
         Py_INCREF(out)
         PyList_SET_ITEM(column, p, out)
+    flat = PyList_New(m)
+    for k in range(m):
+        _list_put(flat, k, <object>values[k])
     return column, flat
 
 
