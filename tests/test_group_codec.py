@@ -184,6 +184,15 @@ def test_a_slices_packed_read_and_its_column_as_the_reference(names: list[bytes]
     assert gc.groups_read(fields, values) == {f: v for f, v in zip(fields, values) if v is not None and f[:1] == b"g"}
     with pytest.raises(ValueError):
         _native.group_slice_column([*replies, [None]], places, names, bits, fields)
+    # Fields written since the read went out (whole groups, memos; some the read did not read), each put in its
+    # place first: the column and values of a read made after them.
+    written = {f: data.draw(groups()) for f in data.draw(st.lists(st.sampled_from([*fields, b"g99", b"g007", b"dx"]),
+                                                                  unique=True))}
+    now = [written.get(f, v) for f, v in zip(fields, values)]
+    over = gc.slice_column(replies, places, names, bits, fields, written)
+    assert over == (gc.column_of(now, places, names, bits), now)
+    assert _native.group_slice_column(replies, places, names, bits, fields, written) == over
+    assert _native.group_slice_column(replies, places, names, bits, fields, {}) == (column, flat)
 
 
 def test_a_name_spelt_as_a_group_is_read_as_the_reference() -> None:
@@ -194,6 +203,12 @@ def test_a_name_spelt_as_a_group_is_read_as_the_reference() -> None:
     names = [key, b"g%d" % j[0], b"g99", b"imsg"]
     assert _native.group_pack_reads("k", names, 3, 2) == gc.pack_reads("k", names, 3, 2)
     assert gc.read_fields(names, 3)[1][:2] == [0, 0]
+    _, _, fields, places = gc.pack_reads("k", names, 3, 2)
+    replies = [[None] * len(fields)]
+    written = {b"g%d" % j[0]: _rec(j[1], 1.0, 3), b"g99": _rec(b"abcd", 2.0, 4), b"imsg": b"x"}
+    over = gc.slice_column(replies, places, names, 3, fields, written)
+    assert over[0][0] == cc.record(1.0, 3) and over[0][2] == _rec(b"abcd", 2.0, 4)
+    assert _native.group_slice_column(replies, places, names, 3, fields, written) == over
 
 
 _GROUP_NAMES = [b"b" + (k * 0x0123456789).to_bytes(8, "big") for k in range(8)] + [b"ia", b"ib", b"ic"]

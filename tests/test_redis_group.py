@@ -619,3 +619,43 @@ def test_a_rebuild_without_the_compiled_core_leaves_the_same_bytes(redis_url: st
         assert _namespace_dump(redis_url, prefix, "ns") == _namespace_dump(redis_url, compiled_prefix, "ns")
     finally:
         _dropped(redis_url, (reference, prefix), (compiled, compiled_prefix))
+
+
+def test_a_read_sent_ahead_takes_the_batchs_writes_by_place(make: Callable[..., GroupIndex]) -> None:
+    """The next batch's read goes out before this batch's insert; its lookup puts the groups and memos that insert
+    wrote in their place among the values read (`_taken`): its columns and the groups it keeps are those of a read
+    made after the insert, nothing is kept beside the read, and the columns are not overlaid again (only after the
+    batch that made a slice, whose groups the read could not read)."""
+    from tests.test_redis_index import _decide_reading_ahead
+
+    index, other = make(), make()
+    overlays: list[object] = []
+    overlay = index._overlay
+
+    def counted(*args: Any) -> None:
+        overlays.append(args)
+        overlay(*args)
+
+    index._overlay = counted
+    checked: list[bool] = []
+    lookup = index.lookup
+
+    def compared(queries: Sequence[Query], limit: int) -> Any:
+        ahead = index._ahead is not None and index._ahead.queries is queries
+        got = lookup(queries, limit)
+        view = index._view
+        if ahead and view.slices:
+            _, _, columns = other._read(view.names, list(view.slices))
+            assert [view.columns[s] for s in view.slices] == columns
+            for s in view.slices:
+                if s in index._last_read:
+                    assert index._last_read[s][2] == other._last_read[s][2]
+            checked.append(not index._last_raw)
+        return got
+
+    index.lookup = compared  # type: ignore[method-assign]
+    messages = generated_messages(500, seed=11)
+    verdicts = _decide_reading_ahead(NearDupFilter(FilterConfig(window=WINDOW), index=index), messages, 50)
+    assert sum(v.duplicate for v in verdicts) >= 20  # memos written, and read back by the reads sent ahead
+    # (The batches' event times span a few slices: a lookup after the batch that made one overlays its columns.)
+    assert checked.count(True) >= 6 and len(overlays) == checked.count(False) <= 3

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import struct
 from array import array
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -230,13 +230,17 @@ def pack_reads(slice_key: str, names: Sequence[bytes], bits: int | None, per_com
 
 
 def slice_column(replies: Sequence[Sequence[bytes | None]], places: Sequence[int], names: Sequence[bytes],
-                 bits: int | None, fields: Sequence[bytes]) -> tuple[list[bytes | None], list[bytes | None]]:
+                 bits: int | None, fields: Sequence[bytes], written: Mapping[bytes, bytes] | None = None) -> tuple[
+                     list[bytes | None], list[bytes | None]]:
     """A slice's column in the compact layout's terms (`column_of`) from the replies of its HMGETs (`pack_reads`),
     and the values of its fields (`fields`, in order): the groups read, which a round's writes start from
-    (`slice_writes`)."""
+    (`slice_writes`). `written`: fields written since the read was sent (field -> value: whole groups, memos),
+    each put in its field's place first: the column and values of a read made after those writes."""
     values = [v for reply in replies for v in reply]
     if len(values) != len(fields):
         raise ValueError(f"{len(values)} values for {len(fields)} fields")
+    if written:
+        values = [written.get(f, v) for f, v in zip(fields, values)]
     return column_of(values, places, names, bits), values
 
 

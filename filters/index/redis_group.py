@@ -3,8 +3,9 @@ records by seq, its bucket records grouped in fields `g<j>` of the slice hash (`
 
 Chosen by `?layout=group`. A lookup reads one `HMGET` a slice (the distinct groups of the batch's buckets and
 ids, its memos: `group_codec.pack_reads`), which `slice_column` turns into the compact layout's columns, so the
-ranking, the tails and the read sent ahead are the compact layout's (`CompactIndex`); an uncontended round is
-the compact layout's round with its writes put at once into whole groups (`alone_groups`, `pack_writes`, as
+ranking and the tails are the compact layout's (`CompactIndex`); a read sent ahead gets the batch's writes
+(groups, memos) among its values by place before its columns are made (`_taken`); an uncontended round is the
+compact layout's round with its writes put at once into whole groups (`alone_groups`, `pack_writes`, as
 `apply_round` writes them) in the watched transaction (on Redis Cluster, where there is no WATCH and a
 namespace's keys share one hash tag as the slot layout's, through the slot layout's `lua/insert_alone.lua`), and
 are kept where the next round finds them (`keep_written`). Any other round (a contended one, a restore's chunk
@@ -168,11 +169,13 @@ class GroupIndex(CompactIndex):
         return self._names_kept
 
     def _parse_read(self, replies: Sequence[Any], names: Sequence[bytes], slices: Sequence[int],
-                    plans: Sequence[Any], probes: Sequence[int]) -> tuple[
+                    plans: Sequence[Any], probes: Sequence[int],
+                    written: dict[int, dict[bytes, bytes]] | None = None) -> tuple[
                         int, bytes, list[list[bytes | None]], dict[int, int | None]]:
         """(seq, stored high-water mark, columns in the compact layout's terms, the bits of each slice as the meta
         hash says) of `_read_plan`'s replies; refuses a namespace of another layout; keeps the groups read
-        (`_last_read`)."""
+        (`_last_read`). `written`: per slice the fields written since the read went out (`_taken`), put in their
+        place among the values read first."""
         state = replies[0]
         extra = 3 if self.fenced else 2
         self._check_continuity(state, state[extra + 1])
@@ -199,7 +202,8 @@ class GroupIndex(CompactIndex):
             count = replies[at + n]
             if count is not None:
                 self._counts[s] = int(count)
-            column, values = self._slice_column(list(replies[at : at + n]), places, listed, bits, fields)
+            column, values = self._slice_column(list(replies[at : at + n]), places, listed, bits, fields,
+                                                written.get(s) if written is not None and bits is not None else None)
             columns.append(column)
             if bits is not None:
                 kept[s] = (fields, places, values, bits)
@@ -219,13 +223,47 @@ class GroupIndex(CompactIndex):
 
     def _taken(self, ahead: _SentRead, low_mark: float, high_mark: float) -> tuple[int, bytes, tuple[int, ...],
                                                                               list[list[bytes | None]]] | None:
-        """`CompactIndex._taken`, the groups read ahead overlaid with those this batch wrote since (whole)."""
+        """`CompactIndex._taken` in this layout: the fields this batch wrote since the read went out (its groups,
+        whole, and its memos: `_raw_written`) put in their place among the values read before the columns are
+        made (`slice_column`), so that the columns and the groups kept are those of a read made now; one overlay,
+        by place. A group written that the read did not read is no group of its names: the next round, which
+        writes only those, never needs it. A slice the read found without bits but this batch wrote (it made
+        it) has no groups read to put them in: then the compact layout's overlay of the columns, the groups
+        written kept beside the read."""
+        view, plan = ahead.view, self._ahead_plan
         written = self._raw_written
-        got = super()._taken(ahead, low_mark, high_mark)
-        if got is not None:
-            for s, groups in written.items():
-                self._last_raw.setdefault(s, {}).update(groups)
-        return got
+        if plan is None or any(plan[1][s] is None for s in ahead.slices if s in written):
+            got = super()._taken(ahead, low_mark, high_mark)
+            if got is not None:
+                for s, fields in written.items():
+                    self._last_raw.setdefault(s, {}).update((f, v) for f, v in fields.items() if f[:1] == b"g")
+            return got
+        self._ahead_plan = None
+        plans, known, count, probes = plan
+        if (ahead.epoch != self._epoch or view is not self._view or view.watch != self._epoch or not view.exact
+                or view.reread or len(ahead.replies) != count):
+            return None
+        with self._errors():
+            self._raise_any(ahead.replies)
+        seq_read, stored, columns, read = self._parse_read(ahead.replies, ahead.names, ahead.slices, plans, probes,
+                                                           written)
+        if seq_read != view.mark or any(read[s] != known[s] for s in ahead.slices):
+            return None  # somebody inserted, or made a slice, between the last lookup and this read
+        seq, stored = view.mark + view.inserted, view.hwm if view.inserted else stored
+        need = set(self._slices(low_mark, high_mark)) | set(self._slices(low_mark, max(high_mark, _stored_time(stored))))
+        if not need <= set(ahead.slices):
+            return None
+        kept = [(s, column) for s, column in zip(ahead.slices, columns) if s in need]
+        return seq, stored, tuple(s for s, _ in kept), [column for _, column in kept]
+
+    def _memos_sent(self) -> None:
+        """`RedisIndex._memos_sent`; with a read sent ahead, the memos also among the fields written since it
+        (`_taken` puts them in their place)."""
+        memos = self._memos
+        super()._memos_sent()
+        if memos is not None and self._ahead is not None:
+            for s, id, value in memos.written:
+                self._raw_written.setdefault(s, {})[b"d" + id.encode("utf-8", "surrogatepass")] = value
 
     def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | Verdict | None, list[Candidate]]]:
         """`CompactIndex.lookup`; an id's record is its own only when its entry holds the id (another id alike in
