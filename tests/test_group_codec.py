@@ -11,6 +11,7 @@ from filters import _native
 from filters.errors import IndexCorrupt
 from filters.index import compact_codec as cc
 from filters.index import group_codec as gc
+from filters.index.redis_codec import SEQ
 
 U64 = (1 << 64) - 1
 _TIMES = [1.0, 2.5, 2.5, 7.0, -3.0]
@@ -293,11 +294,20 @@ def test_a_rounds_decisions_and_groups_at_once_as_the_reference(data: st.DataObj
         read = None if data.draw(st.booleans()) else (
             fields, places, [base[k] if f[:1] == b"g" else b"memo" for k, f in enumerate(fields)])
         since = data.draw(st.lists(st.one_of(st.none(), groups()), min_size=1 << bits, max_size=1 << bits))
-        sides[s] = (bits, {gc.group_field(j): g for j, g in enumerate(since) if g is not None}, read)
-    before = {s: (dict(w), None if r is None else list(r[2])) for s, (_, w, r) in sides.items()}
+        sides[s] = (bits, {gc.group_field(j): g for j, g in enumerate(since) if g is not None}, read,
+                    data.draw(st.booleans()))
+    before = {s: (dict(w), None if r is None else list(r[2])) for s, (_, w, r, _) in sides.items()}
+    # What earlier rounds of the view wrote: ids everywhere, bucket values where a slice keeps them whole.
+    earlier: dict[int, dict[int, bytes]] = {s: {} for s in slices}
+    for s in slices:
+        for p in data.draw(st.lists(st.sampled_from(sorted(id_at.values())), unique=True, max_size=2)):
+            earlier[s][p] = cc.record(data.draw(st.sampled_from([20.0, 150.0])), 41)
+        if sides[s][3]:
+            for p in data.draw(st.lists(st.integers(0, n_buckets - 1), unique=True, max_size=n_buckets)):
+                earlier[s][p] = _compact_value(data.draw(st.lists(record, min_size=1, max_size=8)))  # type: ignore[assignment]
 
     def run(round_: object, *also: bool) -> tuple[object, ...]:
-        writes: dict[int, dict[int, bytes]] = {s: {} for s in slices}
+        writes: dict[int, dict[int, bytes]] = {s: dict(w) for s, w in earlier.items()}
         out = round_(list(ids), list(times), blobs, places_of, [id_at[id] for id in ids], slices,  # type: ignore[operator]
                      {s: list(c) for s, c in columns.items()}, writes, hwm, 100.0, 100.0, cap, 40, names, sides, *also)
         return (*out, writes)
@@ -310,11 +320,22 @@ def test_a_rounds_decisions_and_groups_at_once_as_the_reference(data: st.DataObj
     for s, (count, flat, taken, changed) in with_also[1].items():  # type: ignore[attr-defined]
         assert changed == dict(zip(flat[0 : 2 * len(taken) : 2], flat[1 : 2 * len(taken) : 2]))
         assert got[1][s] == (count, flat, taken, None)  # type: ignore[index]
-    assert {s: (dict(w), None if r is None else list(r[2])) for s, (_, w, r) in sides.items()} == before
-    # The reference is the compact layout's round (less its pairs of buckets and ids) and `slice_writes` after it.
+    assert {s: (dict(w), None if r is None else list(r[2])) for s, (_, w, r, _) in sides.items()} == before
+    # The reference is the compact layout's round (less its pairs of buckets and ids) and `slice_writes` after it;
+    # its writes those of the compact round, but a slice not kept whole keeps its bucket values as they were.
     results, out, pending, _, seq, writes = got
     compact = run(lambda *a: cc.alone_round(*a[:3], [[names[p] for p in ps] for ps in a[3]], *a[3:13]))
-    assert (compact[0], compact[2], compact[4], compact[5]) == (results, pending, seq, writes)
+    assert (compact[0], compact[2], compact[4]) == (results, pending, seq)
+    bucket_places = set(range(n_buckets))
+    for s in slices:
+        want = dict(compact[5][s]) if sides[s][3] else {  # type: ignore[index]
+            p: v for p, v in compact[5][s].items() if p not in bucket_places or p in earlier[s]}  # type: ignore[index]
+        assert writes[s] == want  # type: ignore[index]
+    # A field's tail (`_View.settle_tails`): the seq of the round's last entry written there, as its value ends.
+    last: dict[tuple[int, int], int] = {}
+    for entry_seq, s, ps in pending:  # type: ignore[attr-defined]
+        last.update(dict.fromkeys(((s, p) for p in ps), entry_seq))
+    assert all(compact[5][s][p][-8:] == SEQ.pack(t) for (s, p), t in last.items())  # type: ignore[index]
     assert set(out) == set(compact[1]) and all(out[s][0] == compact[1][s][0] for s in out)  # type: ignore[index]
     assert all(sum(1 for _, t, _ in pending if t == s) == count for s, (count, _, _, _) in out.items())
     for s, (count, flat, _, _) in out.items():

@@ -844,11 +844,12 @@ def group_alone_groups(list ids, list tss, list blobs, list places_of, list id_p
     """`filters.index.group_codec.alone_groups` (which documents it), compiled: the compact layout's round
     (`alone_compact`) without its field-value pairs of buckets and ids, each entry's records put straight into
     its slice's groups (`_SliceBuild`), each group made once. A slice's writes (`writes[s]`) are sized for the
-    round at once (the same items), its bucket values of the round kept by place until its end; with `also`, the
-    dict of the groups changed made as they are made (their objects at hand), not after the round trip."""
+    round at once (the same items); its bucket values, made only where it keeps them whole, are kept by place
+    until the round's end; with `also`, the dict of the groups changed made as they are made (their objects at
+    hand), not after the round trip."""
     cdef Py_ssize_t count = len(ids), i, j, nf, n_id, most = 0, place, n_col
     cdef double ts, old_ts
-    cdef bint live, prior
+    cdef bint live, prior, whole
     cdef object e, old, column, mine, p, v, side
     cdef PyObject *got
     cdef list places, latest, order, results = [], written = []
@@ -903,36 +904,46 @@ def group_alone_groups(list ids, list tss, list blobs, list places_of, list id_p
             side = sides[sl]
             build = _SliceBuild(<dict>side[1], side[2], names, side[0], most)
             builds[sl] = build
+            whole = side[3]
             # The slice's writes sized for the round at once (a dict grown an item at a time rehashes itself a
-            # dozen times over a batch): the same items. Its bucket values of this round are kept by place
-            # (`latest`) and written into it once each, at the end, in the order first written (`order`).
-            mine = _PyDict_NewPresized(len(<dict>writes[sl]) + (count - i) * (nf + 1))
+            # dozen times over a batch): the same items. Where they keep its bucket values whole, those of this
+            # round are kept by place (`latest`) and written into it once each, at the end, in the order first
+            # written (`order`); else only the ids go in.
+            mine = _PyDict_NewPresized(len(<dict>writes[sl]) + (count - i) * (nf + 1 if whole else 1))
             PyDict_Update(mine, writes[sl])
             writes[sl] = mine
-            state = state_of[sl] = ([None] * n_col, [], len(<dict>mine) > 0)
+            state = state_of[sl] = ([None] * n_col if whole else None, [], len(<dict>mine) > 0)
         else:
             mine = writes[sl]
             state = <tuple>state_of[sl]
-        latest, order, prior = <list>state[0], <list>state[1], state[2]
         build.count += 1
-        for j in range(nf):
-            p = places[j]
-            place = p
-            if place < 0 or place >= n_col:
-                raise IndexError(f"field place {place} outside the {n_col} read")
-            v = <object>PyList_GET_ITEM(latest, place)
-            if v is None:
-                order.append(p)
-                got = PyDict_GetItemWithError(mine, p) if prior else NULL
-                v = <object>got if got != NULL else <object>PyList_GET_ITEM(column, place)
-            if v is None:
-                v = rec
-            else:
-                if len(<bytes>v) > too_long:
-                    v = _trim16(<bytes>v, cap)
-                v = joined(<bytes>v, rec)
-            latest[place] = v
-            build.add(place, False, ts, seq)
+        if state[0] is None:  # (bucket values not kept: its groups only)
+            for j in range(nf):
+                p = places[j]
+                place = p
+                if place < 0 or place >= n_col:
+                    raise IndexError(f"field place {place} outside the {n_col} read")
+                build.add(place, False, ts, seq)
+        else:
+            latest, order, prior = <list>state[0], <list>state[1], state[2]
+            for j in range(nf):
+                p = places[j]
+                place = p
+                if place < 0 or place >= n_col:
+                    raise IndexError(f"field place {place} outside the {n_col} read")
+                v = <object>PyList_GET_ITEM(latest, place)
+                if v is None:
+                    order.append(p)
+                    got = PyDict_GetItemWithError(mine, p) if prior else NULL
+                    v = <object>got if got != NULL else <object>PyList_GET_ITEM(column, place)
+                if v is None:
+                    v = rec
+                else:
+                    if len(<bytes>v) > too_long:
+                        v = _trim16(<bytes>v, cap)
+                    v = joined(<bytes>v, rec)
+                latest[place] = v
+                build.add(place, False, ts, seq)
         PyDict_SetItem(mine, e, rec)
         build.add(e, True, ts, seq)
         id_bytes = (<str>ids[i]).encode("utf-8", "surrogatepass")
@@ -955,6 +966,8 @@ def group_alone_groups(list ids, list tss, list blobs, list places_of, list id_p
         written.append((seq, sl, places))
         results.append(seq)
     for sl, side in state_of.items():
+        if (<tuple>side)[0] is None:
+            continue
         mine = writes[sl]
         latest = <list>(<tuple>side)[0]
         for p in <list>(<tuple>side)[1]:

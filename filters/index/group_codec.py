@@ -278,25 +278,37 @@ def alone_groups(ids: list[str], times: list[float], blobs: list[bytes], places_
                  id_places: list[int], slices: tuple[int, ...], columns: dict[int, list[bytes | None]],
                  writes: dict[int, dict[int, bytes]], hwm: float, window: float, slice_length: float, cap: int,
                  seq: int, names: list[bytes],
-                 sides: dict[int, tuple[int, dict[bytes, bytes], tuple[list[bytes], list[int], list[bytes | None]] | None]],
+                 sides: dict[int, tuple[int, dict[bytes, bytes], tuple[list[bytes], list[int], list[bytes | None]] | None,
+                                        bool]],
                  also: bool = False) -> tuple[
                      list[int], dict[int, tuple[int, list[bytes], array[int], dict[bytes, bytes] | None]],
                      list[tuple[int, int, list[int]]], float, int]:
     """An uncontended round in this layout, at once: the compact layout's round (`compact_codec.alone_round`, over
-    the columns of `names` read, `writes` updated as it updates them: what it decides, its entries) and each
-    slice's writes (`slice_writes`; per slice of `slices` in `sides`: its bits, the groups written since its read
-    and its read, or None). Returns (results, per slice written (its entries, `slice_writes`' HSET arguments, the
-    places of the groups changed in the read, with `also` the groups changed as a dict (field -> value: what a
-    read sent ahead lacks), else None), (seq, slice, places) per entry written, high-water mark, seq): the
-    compact layout's field-value pairs of buckets and ids, which this layout does not write, are not made by the
-    compiled twin (`_native.group_alone_groups`), which makes the dict while the groups are fresh."""
+    the columns of `names` read: what it decides, its entries) and each slice's writes (`slice_writes`; per slice
+    of `slices` in `sides`: its bits, the groups written since its read, its read or None, and whether `writes`
+    keeps its bucket values whole). `writes` is updated as `alone_round` updates it, except the bucket values of a
+    slice not kept whole, left as they were: the round's ids (what a later round finds live) are kept in every
+    slice. Returns (results, per slice written (its entries, `slice_writes`' HSET arguments, the places of the
+    groups changed in the read, with `also` the groups changed as a dict (field -> value: what a read sent ahead
+    lacks), else None), (seq, slice, places) per entry written, high-water mark, seq): the compact layout's
+    field-value pairs of buckets and ids, which this layout does not write, are not made by the compiled twin
+    (`_native.group_alone_groups`), which makes the dict while the groups are fresh, and a bucket's value only
+    where it is kept whole."""
     fields_of = [[names[p] for p in places] for places in places_of]
+    before = {s: dict(writes[s]) for s in slices if s in sides and not sides[s][3]}
     results, groups, pending, hwm, seq = alone_round(ids, times, blobs, fields_of, places_of, id_places, slices,
                                                      columns, writes, hwm, window, slice_length, cap, seq)
+    for _, s, places in pending:
+        if s in before:
+            for p in places:
+                if p in before[s]:
+                    writes[s][p] = before[s][p]
+                else:
+                    writes[s].pop(p, None)
     rows = [(r, ts, places, e) for r, ts, places, e in zip(results, times, places_of, id_places) if r > 0]
     out: dict[int, tuple[int, list[bytes], array[int], dict[bytes, bytes] | None]] = {}
     for s, (count, pairs) in groups.items():
-        bits, written, read = sides[s]
+        bits, written, read, _ = sides[s]
         flat, taken = slice_writes(written, read, names, bits, rows, s, slice_length, cap, pairs)
         changed = 2 * len(taken)
         out[s] = (count, flat, taken, dict(zip(flat[0:changed:2], flat[1:changed:2])) if also else None)

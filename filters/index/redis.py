@@ -403,6 +403,15 @@ class _View:
     # first needed: only a later round of the same lookup reads it (a conflict, or another chunk).
     _unsettled: list[list[tuple[int, int, list[int]]]] = field(default_factory=list)
 
+    def settle_tails(self) -> None:
+        """For a layout whose uncontended rounds keep no bucket values in `written` (`GroupIndex`): the tail of
+        each field those rounds wrote, the seq of the last entry written there (what its value ends with), put
+        in `written` and its basis settled; before `expected` or `_inserted` reads them."""
+        for written in self._unsettled:
+            for seq, s, places in written:
+                self.written.setdefault(s, {}).update(dict.fromkeys(places, SEQ.pack(seq)))
+        self.settled_bases()
+
     def settled_bases(self) -> dict[int, dict[int, int]]:
         for written in self._unsettled:
             for _, s, places in written:

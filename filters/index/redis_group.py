@@ -93,6 +93,10 @@ class GroupIndex(CompactIndex):
         # lacks them).
         self._last_raw: dict[int, dict[bytes, bytes]] = {}
         self._raw_written: dict[int, dict[bytes, bytes]] = {}
+        # Per slice the view's rounds wrote, whether they keep its bucket values whole in `_View.written` (only
+        # a slice its read found without bits: a read sent ahead without its groups takes them, `_taken`); the
+        # tails a checked round expects are the rounds' seqs (`_settle_tails`).
+        self._kept_whole: dict[int, bool] = {}
         # The last read itself: per slice (of known bits) its fields, each name's place among them, their values
         # and its bits (`slice_writes` finds a group there by its name's place), and the names it read. `_last_raw`
         # then holds only the groups written since.
@@ -219,6 +223,7 @@ class GroupIndex(CompactIndex):
                                                             list[list[int]], list[int]] | None:
         read = super()._read_view(queries)
         self._raw_written = {}  # the groups written since this read
+        self._kept_whole = {}
         return read
 
     def _taken(self, ahead: _SentRead, low_mark: float, high_mark: float) -> tuple[int, bytes, tuple[int, ...],
@@ -228,23 +233,21 @@ class GroupIndex(CompactIndex):
         made (`slice_column`), so that the columns and the groups kept are those of a read made now; one overlay,
         by place. A group written that the read did not read is no group of its names: the next round, which
         writes only those, never needs it. A slice the read found without bits but this batch wrote (it made
-        it) has no groups read to put them in: then the compact layout's overlay of the columns, the groups
-        written kept beside the read."""
+        it) has no groups read to put them in: its column is the view's values written there (`_View.written`,
+        which the rounds keep whole in a slice their view's read found without bits: `_alone_round`), and its
+        groups written are kept beside the read."""
         view, plan = ahead.view, self._ahead_plan
-        written = self._raw_written
-        if plan is None or any(plan[1][s] is None for s in ahead.slices if s in written):
-            got = super()._taken(ahead, low_mark, high_mark)
-            if got is not None:
-                for s, fields in written.items():
-                    self._last_raw.setdefault(s, {}).update((f, v) for f, v in fields.items() if f[:1] == b"g")
-            return got
         self._ahead_plan = None
+        if plan is None:
+            return None
         plans, known, count, probes = plan
         if (ahead.epoch != self._epoch or view is not self._view or view.watch != self._epoch or not view.exact
-                or view.reread or len(ahead.replies) != count):
+                or view.reread or len(ahead.replies) != count
+                or any(known[s] is None and self._kept_whole.get(s) is False for s in ahead.slices)):
             return None
         with self._errors():
             self._raise_any(ahead.replies)
+        written = self._raw_written
         seq_read, stored, columns, read = self._parse_read(ahead.replies, ahead.names, ahead.slices, plans, probes,
                                                            written)
         if seq_read != view.mark or any(read[s] != known[s] for s in ahead.slices):
@@ -254,6 +257,12 @@ class GroupIndex(CompactIndex):
         if not need <= set(ahead.slices):
             return None
         kept = [(s, column) for s, column in zip(ahead.slices, columns) if s in need]
+        made = [(s, column) for s, column in kept if known[s] is None and s in view.written]
+        if made:
+            self._overlay(ahead.names, view.names, made, view.written)
+        for s in ahead.slices:
+            if known[s] is None and s in written:
+                self._last_raw[s] = {f: v for f, v in written[s].items() if f[:1] == b"g"}
         return seq, stored, tuple(s for s, _ in kept), [column for _, column in kept]
 
     def _memos_sent(self) -> None:
@@ -338,7 +347,7 @@ class GroupIndex(CompactIndex):
         and those written since (`_last_raw`)."""
         view = self._view
         names, raw = view.names, self._last_raw
-        sides: dict[int, tuple[int, dict[bytes, bytes], Any]] = {}
+        sides: dict[int, tuple[int, dict[bytes, bytes], Any, bool]] = {}
         made: dict[int, int] = {}
         for s in slices:
             bits = self._bits.get(s)
@@ -352,7 +361,8 @@ class GroupIndex(CompactIndex):
                 if read[3] == bits:
                     written = {**gc.groups_read(read[0], read[2]), **written}
                 read = None
-            sides[s] = (bits, written, read[:3] if read is not None else None)
+            whole = self._kept_whole.setdefault(s, s not in self._last_read)
+            sides[s] = (bits, written, read[:3] if read is not None else None, whole)
         # A read sent ahead lacks the groups this round writes (`_taken`): they are kept for it, as made.
         results, out, pending, hwm, seq = self._alone_groups(
             ids, times, blobs, places_of, id_places, slices, view.columns, writes, hwm, self.window,
@@ -455,6 +465,7 @@ class GroupIndex(CompactIndex):
         bytes), atomically; the memos go with it. Returns (per entry its seq, 0 or -1; the high-water mark
         stored)."""
         view = self._view
+        view.settle_tails()  # (the uncontended rounds kept their seqs, not their bucket values)
         rows = []
         for id, ts, blob, fields, checked in zip(ids, times, blobs, fields_of, check, strict=True):
             expected = b""
