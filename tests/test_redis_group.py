@@ -659,3 +659,31 @@ def test_a_read_sent_ahead_takes_the_batchs_writes_by_place(make: Callable[..., 
     assert sum(v.duplicate for v in verdicts) >= 20  # memos written, and read back by the reads sent ahead
     # (The batches' event times span a few slices: a lookup after the batch that made one overlays its columns.)
     assert checked.count(True) >= 6 and len(overlays) == checked.count(False) <= 3
+
+
+def test_the_tails_a_checked_round_expects_after_uncontended_rounds_are_those_redis_holds(
+        make: Callable[..., GroupIndex]) -> None:
+    """The uncontended rounds keep no bucket values in the view (`alone_groups`): the tails a checking round then
+    expects of each id the lookup covered (`_View.settle_tails`, `expected`: the seq of the last entry those rounds
+    wrote in a bucket, else what the lookup read) are the newest seqs Redis holds in its buckets, as a read made
+    now finds them (in the slices Redis still holds: a round unlinks the slice that left the window)."""
+    index, other = make(), make()
+    engine = NearDupFilter(FilterConfig(window=WINDOW), index=index)
+    messages = generated_messages(400, seed=7)
+    compared = rounds = 0
+    for at in range(0, len(messages), 50):
+        batch = messages[at : at + 50]
+        engine.decide(batch, engine.prepare([m.text for m in batch]))
+        view = index._view
+        assert view.exact
+        rounds += len(view._unsettled)
+        view.settle_tails()
+        _, _, columns = other._read(view.names, list(view.slices))
+        held = [k for k, column in enumerate(columns) if any(v is not None for v in column)]
+        for id, q in view.looked.items():
+            places = view.places_of[q]
+            expected, size = view.expected(id, places), 8 * len(places)
+            assert [expected[k * size : (k + 1) * size] for k in held] == [
+                b"".join((columns[k][p] or b"")[-8:] or slot.ABSENT for p in places) for k in held]
+            compared += 1
+    assert rounds >= 8 and compared >= 350  # (a message a batch decides on its own is not looked up)
