@@ -862,16 +862,25 @@ def group_alone_groups(list ids, list tss, list blobs, list places_of, list id_p
     cdef long long s, sl
     for i in range(count):
         most += len(<list>places_of[i]) + 1
+    # Each slice's writes and column at hand, by its number in `slices` (not looked up an entry at a time).
+    cdef Py_ssize_t n_sl = len(slices), k_sl, ei
+    cdef list sl_writes = [writes[s] for s in slices], sl_columns = [columns.get(s) for s in slices]
     for i in range(count):
         e = id_places[i]
+        ei = e
         live = False
-        for s in slices:
-            got = PyDict_GetItemWithError(<dict>writes[s], e)
+        for k_sl in range(n_sl):
+            got = PyDict_GetItemWithError(<dict>PyList_GET_ITEM(sl_writes, k_sl), e)
             if got != NULL:
                 old = <object>got
             else:
-                column = columns.get(s)
-                old = (<list>column)[e] if column is not None else None
+                column = <object>PyList_GET_ITEM(sl_columns, k_sl)
+                if column is None:
+                    old = None
+                elif 0 <= ei < PyList_GET_SIZE(<list>column):
+                    old = <object>PyList_GET_ITEM(<list>column, ei)
+                else:
+                    old = (<list>column)[e]
             if old is not None:
                 if len(<bytes>old) < 16 or len(<bytes>old) % 16:
                     from filters.errors import IndexCorrupt
@@ -912,6 +921,9 @@ def group_alone_groups(list ids, list tss, list blobs, list places_of, list id_p
             mine = _PyDict_NewPresized(len(<dict>writes[sl]) + (count - i) * (nf + 1 if whole else 1))
             PyDict_Update(mine, writes[sl])
             writes[sl] = mine
+            for k_sl in range(n_sl):
+                if slices[k_sl] == sl:
+                    sl_writes[k_sl] = mine
             state = state_of[sl] = ([None] * n_col if whole else None, [], len(<dict>mine) > 0)
         else:
             mine = writes[sl]
