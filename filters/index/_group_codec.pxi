@@ -13,6 +13,7 @@ cdef extern from "Python.h":
     bint PyDict_Next(object p, Py_ssize_t *ppos, PyObject **pkey, PyObject **pvalue)
 
 cdef enum:
+    AHEAD = 16  # names on whose group `group_slice_column` fetches ahead
     GROUP_RECORD = 20
     GROUP_K_MAX = 30
 
@@ -567,6 +568,7 @@ def group_slice_column(list replies, list places, list names, object bits, list 
     cdef uint32_t key
     cdef int kind, b = 0 if bits is None else bits
     cdef bint by_name = False, others = False
+    cdef vector[PyObject *] wrote_f, wrote_v
     if len(places) != n:
         raise ValueError("one place a name expected")
     values.reserve(m)
@@ -599,8 +601,14 @@ def group_slice_column(list replies, list places, list names, object bits, list 
             mask = <uint64_t>size - 1
             table_j.assign(size, 0)
             table_v.assign(size, NULL)
+            # (The fields written, the batch before's, are cold: each fetched first, then read.)
             t = 0
             while PyDict_Next(written, &t, &f, &v):
+                wrote_f.push_back(f)
+                wrote_v.push_back(v)
+                nd_prefetch(f)
+            for t in range(<Py_ssize_t>wrote_f.size()):
+                f, v = wrote_f[t], wrote_v[t]
                 if _group_number(<object>f, &j):
                     at = ((j + 1) * 0x9E3779B97F4A7C15ULL) >> shift
                     while table_j[at] != 0 and table_j[at] != j + 1:
@@ -610,29 +618,51 @@ def group_slice_column(list replies, list places, list names, object bits, list 
                 else:
                     others = True
     cdef bint overlay = written and not by_name
-    # One pass: a name's field put in its place (its group by number, once its group is known; a memo by name)
-    # before its column is made from it, the values of every field after.
-    column = PyList_New(n)
+    # First each name's field put in its place (its group by number, once its group is known; a memo by name);
+    # then its column made from it, the group of the name `AHEAD` places on fetched meanwhile (the groups lie
+    # all over the heap: read by the drain, or written by the batch before).
+    cdef vector[Py_ssize_t] at_k
+    cdef vector[uint32_t] keys
+    cdef vector[char] kinds
+    cdef const char *g
+    at_k.resize(n)
+    keys.resize(n)
+    kinds.resize(n)
     for p in range(n):
         k = <object>PyList_GET_ITEM(places, p)
         if k >= m:
             raise IndexError("a place past the fields")
+        at_k[p] = k
+        if k < 0:
+            continue
+        kind = 0 if bits is None else _group_place(<bytes?><object>PyList_GET_ITEM(names, p), b, &j, &key)
+        kinds[p], keys[p] = kind, key
+        if overlay:
+            if kind:
+                at = ((j + 1) * 0x9E3779B97F4A7C15ULL) >> shift
+                while table_j[at] != 0:
+                    if table_j[at] == j + 1:
+                        values[k] = table_v[at]
+                        break
+                    at = (at + 1) & mask
+            elif others:
+                mine = PyDict_GetItemWithError(written, <object>PyList_GET_ITEM(names, p))
+                if mine != NULL:
+                    values[k] = mine
+    column = PyList_New(n)
+    for p in range(n):
+        if p + AHEAD < n and at_k[p + AHEAD] >= 0 and kinds[p + AHEAD]:
+            g = <const char *>values[at_k[p + AHEAD]]
+            nd_prefetch(g)
+            nd_prefetch(g + 64)
+            nd_prefetch(g + 128)
+            nd_prefetch(g + 192)
+            nd_prefetch(g + 256)
+        k = at_k[p]
         if k < 0:
             out = None
         else:
-            kind = 0 if bits is None else _group_place(<bytes?><object>PyList_GET_ITEM(names, p), b, &j, &key)
-            if overlay:
-                if kind:
-                    at = ((j + 1) * 0x9E3779B97F4A7C15ULL) >> shift
-                    while table_j[at] != 0:
-                        if table_j[at] == j + 1:
-                            values[k] = table_v[at]
-                            break
-                        at = (at + 1) & mask
-                elif others:
-                    mine = PyDict_GetItemWithError(written, <object>PyList_GET_ITEM(names, p))
-                    if mine != NULL:
-                        values[k] = mine
+            kind, key = kinds[p], keys[p]
             value = <object>values[k]
             if kind == 0:
                 out = value
