@@ -428,10 +428,13 @@ def test_release_drops_what_only_it_holds_and_leaves_the_rest(shape: list[tuple[
     def run(release: object) -> tuple[list[int], list[bool]]:
         pool = [Item() for _ in range(10)]
         made = [([pool[i] for i in items] + [Item() for _ in items], held) for items, held in shape]
-        alone = [weakref.ref(lst[-1]) for lst, held in made if lst and not held]  # an item only its list holds
-        kept = [(lst, list(lst)) for lst, held in made if held]
+        # A list of lists too, its lists held by it alone or also elsewhere.
+        nest = [([pool[i] for i in items] + [Item()], held) for items, held in shape]
+        made.append(([lst for lst, _ in nest], False))
+        alone = [weakref.ref(lst[-1]) for lst, held in made + nest if lst and not held and type(lst[-1]) is Item]
+        kept = [(lst, list(lst)) for lst, held in made + nest if held]
         lists = [lst for lst, _ in made]
-        del made
+        del made, nest
         release(lists)  # type: ignore[operator]
         assert lists == []
         assert all(lst == copy for lst, copy in kept)  # held elsewhere: as it was

@@ -38,7 +38,7 @@ cdef extern from * nogil:
     static inline Py_ssize_t nd_refcnt(PyObject *o) { return Py_REFCNT(o); }
     /* Empties list `l` as list_clear does (detached first, then each item's reference dropped), each item fetched
        64 ahead of its turn: the items of a batch's lists lie all over the heap, cold by then. */
-    static void nd_release_list(PyObject *l) {
+    static void nd_release_list(PyObject *l, int depth) {
         PyListObject *o = (PyListObject *)l;
         Py_ssize_t n = Py_SIZE(o), i;
         PyObject **items = o->ob_item;
@@ -49,6 +49,9 @@ cdef extern from * nogil:
         for (i = 0; i < n && i < 64; i++) if (items[i] != NULL) __builtin_prefetch(items[i]);
         for (i = 0; i < n; i++) {
             if (i + 64 < n && items[i + 64] != NULL) __builtin_prefetch(items[i + 64]);
+            /* (a list of lists: an inner list only this one holds emptied the same way, once) */
+            if (depth && items[i] != NULL && PyList_CheckExact(items[i]) && Py_REFCNT(items[i]) == 1)
+                nd_release_list(items[i], depth - 1);
             Py_XDECREF(items[i]);
         }
         PyMem_Free(items);
@@ -57,7 +60,7 @@ cdef extern from * nogil:
     void nd_prefetch(const void *p)
     PyObject **nd_list_items(PyObject *l)
     Py_ssize_t nd_refcnt(PyObject *o)
-    void nd_release_list(PyObject *l)
+    void nd_release_list(PyObject *l, int depth)
 
 
 cdef inline uint64_t _load_be64(const unsigned char *p) noexcept nogil:
@@ -1343,11 +1346,12 @@ def group_held_groups(keys, bounds, times, seqs, ids_mixed, int bits, Py_ssize_t
 def group_release(list lists) -> None:
     """`filters.index.group_codec.release`, compiled: each of `lists` that only `lists` holds emptied with its
     items fetched ahead (`nd_release_list`: a batch's ~20,000 values and names, whose references dropped one by
-    one waited on memory each), then `lists` itself. A list held elsewhere too is left as it is."""
+    one waited on memory each), and so each list in it that only it holds; then `lists` itself. A list held
+    elsewhere too is left as it is."""
     cdef Py_ssize_t i, n = len(lists)
     cdef object items
     for i in range(n):
         items = <object>PyList_GET_ITEM(lists, i)
         if type(items) is list and nd_refcnt(<PyObject *>items) == 2:  # (`lists`' reference and this one)
-            nd_release_list(<PyObject *>items)
+            nd_release_list(<PyObject *>items, 1)
     del lists[:]

@@ -221,9 +221,10 @@ class GroupIndex(CompactIndex):
         view, last = self._view, self._last_read
         read = super()._read_view(queries)
         self._raw_written = {}  # the groups written since this read
-        # What the view and the read before held (~20,000 values and names a batch) freed at once (`release`: a
-        # list still held elsewhere is left as it is).
-        old: list[list[Any]] = list(view.columns.values()) if self._view is not view else []
+        # What the view and the read before held (~20,000 values and names a batch, and the names of each query)
+        # freed at once (`release`: a list still held elsewhere is left as it is).
+        old: list[list[Any]] = [*view.columns.values(), view.names, view.fields_of, view.places_of] \
+            if self._view is not view else []
         if self._last_read is not last:
             old += [items for fields, places, values, _ in last.values() for items in (fields, places, values)]
         del view, last
