@@ -572,6 +572,7 @@ def group_slice_column(list replies, list places, list names, object bits, list 
     cdef int kind, b = 0 if bits is None else bits
     cdef bint by_name = False, others = False
     cdef vector[PyObject *] wrote_f, wrote_v
+    cdef Py_ssize_t many
     if len(places) != n:
         raise ValueError("one place a name expected")
     values.reserve(m)
@@ -604,13 +605,20 @@ def group_slice_column(list replies, list places, list names, object bits, list 
             mask = <uint64_t>size - 1
             table_j.assign(size, 0)
             table_v.assign(size, NULL)
-            # (The fields written, the batch before's, are cold: each fetched first, then read.)
+            # (The fields written, the batch before's, are cold: each fetched `AHEAD` fields before it is read, its
+            # name's bytes too, which may lie on the next line.)
             t = 0
             while PyDict_Next(written, &t, &f, &v):
                 wrote_f.push_back(f)
                 wrote_v.push_back(v)
-                nd_prefetch(f)
-            for t in range(<Py_ssize_t>wrote_f.size()):
+            many = wrote_f.size()
+            for t in range(min(many, AHEAD)):
+                nd_prefetch(wrote_f[t])
+                nd_prefetch(<const char *>wrote_f[t] + 40)
+            for t in range(many):
+                if t + AHEAD < many:
+                    nd_prefetch(wrote_f[t + AHEAD])
+                    nd_prefetch(<const char *>wrote_f[t + AHEAD] + 40)
                 f, v = wrote_f[t], wrote_v[t]
                 if _group_number(<object>f, &j):
                     at = ((j + 1) * 0x9E3779B97F4A7C15ULL) >> shift
