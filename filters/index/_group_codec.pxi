@@ -479,9 +479,9 @@ def group_pack_reads(str slice_key, list names, object bits, Py_ssize_t per_comm
     cdef PyObject **items = NULL
     cdef uint64_t kept = 0
     if not unknown:
-        # Each name's group first, and its kept field fetched ahead (a slot of a list of 2^17, then the field
-        # itself: both cold, a batch's ~6,000 groups drawn from all of them), so that the loop below, which
-        # counts a reference to each, does not wait for memory one field after the other.
+        # Each name's group first, and its kept field fetched ahead (a slot of a list of 2^17 here, then the field
+        # itself `AHEAD` names before its turn: both cold, a batch's ~6,000 groups drawn from all of them), so that
+        # the loop below, which counts a reference to each, does not wait for memory one field after the other.
         js.resize(n)
         kinds.resize(n)
         if cache is not None:
@@ -491,11 +491,14 @@ def group_pack_reads(str slice_key, list names, object bits, Py_ssize_t per_comm
             kinds[i] = _group_place(<bytes?>names[i], b, &js[i], &key)
             if kinds[i] and js[i] < kept:
                 nd_prefetch(&items[js[i]])
-        if kept:
-            for i in range(n):
-                if kinds[i] and js[i] < kept:
-                    nd_prefetch(items[js[i]])
+        for i in range(min(n, AHEAD)):
+            if kinds[i] and js[i] < kept:
+                nd_prefetch(items[js[i]])
+                nd_prefetch(<const char *>items[js[i]] + 40)
     for i in range(n):
+        if kept and i + AHEAD < n and kinds[i + AHEAD] and js[i + AHEAD] < kept:
+            nd_prefetch(items[js[i + AHEAD]])
+            nd_prefetch(<const char *>items[js[i + AHEAD]] + 40)
         name = <bytes?>names[i]
         if unknown:  # its groups are not read: only which names are a group's (no hashing)
             kind = _group_kind(name)
