@@ -432,3 +432,35 @@ def test_a_rebuilds_groups_refuse_what_is_not_a_slice_of_entries() -> None:
             fold([1], [0, 1], [1.0, 2.0], [1], gc.mixed_ids(["a"]), 3, 2, {})
         with pytest.raises(IndexCorrupt):
             fold([1], [0, 1], [1.0], [1], gc.mixed_ids(["a"]), 0, 2, {b"g0": b"x"})
+
+
+@settings(max_examples=200, deadline=None)
+@given(shape=st.lists(st.tuples(st.lists(st.integers(0, 9), max_size=300), st.booleans()), max_size=6))
+def test_release_drops_what_only_it_holds_and_leaves_the_rest(shape: list[tuple[list[int], bool]]) -> None:
+    """`release` (the lists of the view and the read before, freed with their items fetched ahead): the twin and
+    the reference leave the same objects alive, with the same references; a list held elsewhere is untouched, and
+    an object held elsewhere too survives a list freed."""
+    import sys
+    import weakref
+
+    class Item:  # (weak-referable: which ones are freed is seen)
+        pass
+
+    def run(release: object) -> tuple[list[int], list[bool]]:
+        pool = [Item() for _ in range(10)]
+        made = [([pool[i] for i in items] + [Item() for _ in items], held) for items, held in shape]
+        # A list of lists too, its lists held by it alone or also elsewhere.
+        nest = [([pool[i] for i in items] + [Item()], held) for items, held in shape]
+        made.append(([lst for lst, _ in nest], False))
+        alone = [weakref.ref(lst[-1]) for lst, held in made + nest if lst and not held and type(lst[-1]) is Item]
+        kept = [(lst, list(lst)) for lst, held in made + nest if held]
+        lists = [lst for lst, _ in made]
+        del made, nest
+        release(lists)  # type: ignore[operator]
+        assert lists == []
+        assert all(lst == copy for lst, copy in kept)  # held elsewhere: as it was
+        del kept
+        assert all(ref() is None for ref in alone)
+        return [sys.getrefcount(item) for item in pool], [ref() is None for ref in alone]
+
+    assert run(_native.group_release) == run(gc.release)

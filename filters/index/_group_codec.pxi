@@ -13,6 +13,7 @@ cdef extern from "Python.h":
     bint PyDict_Next(object p, Py_ssize_t *ppos, PyObject **pkey, PyObject **pvalue)
 
 cdef enum:
+    AHEAD = 16  # names on whose group `group_slice_column` fetches ahead
     GROUP_RECORD = 20
     GROUP_K_MAX = 30
 
@@ -28,6 +29,38 @@ cdef extern from * nogil:
     """
     unsigned long long nd_load_be64(const unsigned char *p)
     void nd_store_be64(unsigned char *p, unsigned long long v)
+
+
+cdef extern from * nogil:
+    """
+    static inline void nd_prefetch(const void *p) { __builtin_prefetch(p); }
+    static inline PyObject **nd_list_items(PyObject *l) { return ((PyListObject *)l)->ob_item; }
+    static inline Py_ssize_t nd_refcnt(PyObject *o) { return Py_REFCNT(o); }
+    /* Empties list `l` as list_clear does (detached first, then each item's reference dropped), each item fetched
+       64 ahead of its turn: the items of a batch's lists lie all over the heap, cold by then. */
+    static void nd_release_list(PyObject *l, int depth) {
+        PyListObject *o = (PyListObject *)l;
+        Py_ssize_t n = Py_SIZE(o), i;
+        PyObject **items = o->ob_item;
+        if (items == NULL) return;
+        o->ob_item = NULL;
+        Py_SET_SIZE(o, 0);
+        o->allocated = 0;
+        for (i = 0; i < n && i < 64; i++) if (items[i] != NULL) __builtin_prefetch(items[i]);
+        for (i = 0; i < n; i++) {
+            if (i + 64 < n && items[i + 64] != NULL) __builtin_prefetch(items[i + 64]);
+            /* (a list of lists: an inner list only this one holds emptied the same way, once) */
+            if (depth && items[i] != NULL && PyList_CheckExact(items[i]) && Py_REFCNT(items[i]) == 1)
+                nd_release_list(items[i], depth - 1);
+            Py_XDECREF(items[i]);
+        }
+        PyMem_Free(items);
+    }
+    """
+    void nd_prefetch(const void *p)
+    PyObject **nd_list_items(PyObject *l)
+    Py_ssize_t nd_refcnt(PyObject *o)
+    void nd_release_list(PyObject *l, int depth)
 
 
 cdef inline uint64_t _load_be64(const unsigned char *p) noexcept nogil:
@@ -441,12 +474,37 @@ def group_pack_reads(str slice_key, list names, object bits, Py_ssize_t per_comm
     cdef _GroupSlots slots = None if unknown else _GroupSlots(n)
     cdef list ints = _group_places()
     cdef object minus = _place_in(ints, -1)
+    cdef vector[uint64_t] js
+    cdef vector[int] kinds
+    cdef PyObject **items = NULL
+    cdef uint64_t kept = 0
+    if not unknown:
+        # Each name's group first, and its kept field fetched ahead (a slot of a list of 2^17 here, then the field
+        # itself `AHEAD` names before its turn: both cold, a batch's ~6,000 groups drawn from all of them), so that
+        # the loop below, which counts a reference to each, does not wait for memory one field after the other.
+        js.resize(n)
+        kinds.resize(n)
+        if cache is not None:
+            items = nd_list_items(<PyObject *>cache)
+            kept = <uint64_t>PyList_GET_SIZE(cache)
+        for i in range(n):
+            kinds[i] = _group_place(<bytes?>names[i], b, &js[i], &key)
+            if kinds[i] and js[i] < kept:
+                nd_prefetch(&items[js[i]])
+        for i in range(min(n, AHEAD)):
+            if kinds[i] and js[i] < kept:
+                nd_prefetch(items[js[i]])
+                nd_prefetch(<const char *>items[js[i]] + 40)
     for i in range(n):
+        if kept and i + AHEAD < n and kinds[i + AHEAD] and js[i + AHEAD] < kept:
+            nd_prefetch(items[js[i + AHEAD]])
+            nd_prefetch(<const char *>items[js[i + AHEAD]] + 40)
         name = <bytes?>names[i]
         if unknown:  # its groups are not read: only which names are a group's (no hashing)
             kind = _group_kind(name)
         else:
-            kind = _group_place(name, b, &j, &key)
+            kind = kinds[i]
+            j = js[i]
         if kind:
             if unknown:
                 _list_put(places, i, minus)
@@ -516,6 +574,8 @@ def group_slice_column(list replies, list places, list names, object bits, list 
     cdef uint32_t key
     cdef int kind, b = 0 if bits is None else bits
     cdef bint by_name = False, others = False
+    cdef vector[PyObject *] wrote_f, wrote_v
+    cdef Py_ssize_t many
     if len(places) != n:
         raise ValueError("one place a name expected")
     values.reserve(m)
@@ -548,8 +608,21 @@ def group_slice_column(list replies, list places, list names, object bits, list 
             mask = <uint64_t>size - 1
             table_j.assign(size, 0)
             table_v.assign(size, NULL)
+            # (The fields written, the batch before's, are cold: each fetched `AHEAD` fields before it is read, its
+            # name's bytes too, which may lie on the next line.)
             t = 0
             while PyDict_Next(written, &t, &f, &v):
+                wrote_f.push_back(f)
+                wrote_v.push_back(v)
+            many = wrote_f.size()
+            for t in range(min(many, AHEAD)):
+                nd_prefetch(wrote_f[t])
+                nd_prefetch(<const char *>wrote_f[t] + 40)
+            for t in range(many):
+                if t + AHEAD < many:
+                    nd_prefetch(wrote_f[t + AHEAD])
+                    nd_prefetch(<const char *>wrote_f[t + AHEAD] + 40)
+                f, v = wrote_f[t], wrote_v[t]
                 if _group_number(<object>f, &j):
                     at = ((j + 1) * 0x9E3779B97F4A7C15ULL) >> shift
                     while table_j[at] != 0 and table_j[at] != j + 1:
@@ -559,29 +632,51 @@ def group_slice_column(list replies, list places, list names, object bits, list 
                 else:
                     others = True
     cdef bint overlay = written and not by_name
-    # One pass: a name's field put in its place (its group by number, once its group is known; a memo by name)
-    # before its column is made from it, the values of every field after.
-    column = PyList_New(n)
+    # First each name's field put in its place (its group by number, once its group is known; a memo by name);
+    # then its column made from it, the group of the name `AHEAD` places on fetched meanwhile (the groups lie
+    # all over the heap: read by the drain, or written by the batch before).
+    cdef vector[Py_ssize_t] at_k
+    cdef vector[uint32_t] keys
+    cdef vector[char] kinds
+    cdef const char *g
+    at_k.resize(n)
+    keys.resize(n)
+    kinds.resize(n)
     for p in range(n):
         k = <object>PyList_GET_ITEM(places, p)
         if k >= m:
             raise IndexError("a place past the fields")
+        at_k[p] = k
+        if k < 0:
+            continue
+        kind = 0 if bits is None else _group_place(<bytes?><object>PyList_GET_ITEM(names, p), b, &j, &key)
+        kinds[p], keys[p] = kind, key
+        if overlay:
+            if kind:
+                at = ((j + 1) * 0x9E3779B97F4A7C15ULL) >> shift
+                while table_j[at] != 0:
+                    if table_j[at] == j + 1:
+                        values[k] = table_v[at]
+                        break
+                    at = (at + 1) & mask
+            elif others:
+                mine = PyDict_GetItemWithError(written, <object>PyList_GET_ITEM(names, p))
+                if mine != NULL:
+                    values[k] = mine
+    column = PyList_New(n)
+    for p in range(n):
+        if p + AHEAD < n and at_k[p + AHEAD] >= 0 and kinds[p + AHEAD]:
+            g = <const char *>values[at_k[p + AHEAD]]
+            nd_prefetch(g)
+            nd_prefetch(g + 64)
+            nd_prefetch(g + 128)
+            nd_prefetch(g + 192)
+            nd_prefetch(g + 256)
+        k = at_k[p]
         if k < 0:
             out = None
         else:
-            kind = 0 if bits is None else _group_place(<bytes?><object>PyList_GET_ITEM(names, p), b, &j, &key)
-            if overlay:
-                if kind:
-                    at = ((j + 1) * 0x9E3779B97F4A7C15ULL) >> shift
-                    while table_j[at] != 0:
-                        if table_j[at] == j + 1:
-                            values[k] = table_v[at]
-                            break
-                        at = (at + 1) & mask
-                elif others:
-                    mine = PyDict_GetItemWithError(written, <object>PyList_GET_ITEM(names, p))
-                    if mine != NULL:
-                        values[k] = mine
+            kind, key = kinds[p], keys[p]
             value = <object>values[k]
             if kind == 0:
                 out = value
@@ -1282,3 +1377,17 @@ def group_held_groups(keys, bounds, times, seqs, ids_mixed, int bits, Py_ssize_t
         out.append(PyBytes_FromStringAndSize(<const char *>buf.data(), buf.size()))
         at = stop
     return out
+
+
+def group_release(list lists) -> None:
+    """`filters.index.group_codec.release`, compiled: each of `lists` that only `lists` holds emptied with its
+    items fetched ahead (`nd_release_list`: a batch's ~20,000 values and names, whose references dropped one by
+    one waited on memory each), and so each list in it that only it holds; then `lists` itself. A list held
+    elsewhere too is left as it is."""
+    cdef Py_ssize_t i, n = len(lists)
+    cdef object items
+    for i in range(n):
+        items = <object>PyList_GET_ITEM(lists, i)
+        if type(items) is list and nd_refcnt(<PyObject *>items) == 2:  # (`lists`' reference and this one)
+            nd_release_list(<PyObject *>items, 1)
+    del lists[:]

@@ -110,6 +110,7 @@ class GroupIndex(CompactIndex):
         self._keep_written = _native.group_keep_written if _native is not None else gc.keep_written
         self._pack_group_writes = _native.group_pack_writes if _native is not None else gc.pack_writes
         self._count_buckets = _native.group_count_buckets if _native is not None else gc.count_buckets
+        self._release = _native.group_release if _native is not None else gc.release
 
     @staticmethod
     def _pack_send(conn: Any, commands: Sequence[Sequence[str | int | bytes] | _Packed]) -> int:
@@ -221,9 +222,18 @@ class GroupIndex(CompactIndex):
 
     def _read_view(self, queries: Sequence[Query]) -> tuple[list[float], list[str], list[list[bytes | None]],
                                                             list[list[int]], list[int]] | None:
+        view, last = self._view, self._last_read
         read = super()._read_view(queries)
         self._raw_written = {}  # the groups written since this read
         self._kept_whole = {}
+        # What the view and the read before held (~20,000 values and names a batch, and the names of each query)
+        # freed at once (`release`: a list still held elsewhere is left as it is).
+        old: list[list[Any]] = [*view.columns.values(), view.names, view.fields_of, view.places_of] \
+            if self._view is not view else []
+        if self._last_read is not last:
+            old += [items for fields, places, values, _ in last.values() for items in (fields, places, values)]
+        del view, last
+        self._release(old)
         return read
 
     def _taken(self, ahead: _SentRead, low_mark: float, high_mark: float) -> tuple[int, bytes, tuple[int, ...],
