@@ -489,11 +489,11 @@ class CompactIndex(RedisIndex):
             return None
         plans, known, count, probes = plan
         if (ahead.epoch != self._epoch or view is not self._view or view.watch != self._epoch or not view.exact
-                or view.reread or len(ahead.replies) != count):
+                or view.reread or len(ahead.replies) != count or not self._ahead_usable(ahead, known)):
             return None
         with self._errors():
             self._raise_any(ahead.replies)
-        seq_read, stored, columns, read = self._parse_read(ahead.replies, ahead.names, ahead.slices, plans, probes)
+        seq_read, stored, columns, read = self._parse_ahead(ahead, plans, probes)
         if seq_read != view.mark or any(read[s] != known[s] for s in ahead.slices):
             return None  # somebody inserted, or made a slice, between the last lookup and this read
         seq, stored = view.mark + view.inserted, view.hwm if view.inserted else stored
@@ -501,11 +501,27 @@ class CompactIndex(RedisIndex):
         if not need <= set(ahead.slices):
             return None
         kept = [(s, column) for s, column in zip(ahead.slices, columns) if s in need]
+        self._overlay_ahead(ahead, kept, known)
+        return seq, stored, tuple(s for s, _ in kept), [column for _, column in kept]
+
+    def _ahead_usable(self, ahead: _SentRead, known: dict[int, int | None]) -> bool:
+        """Can the read sent ahead (its slices' bits as known when it went out: `known`) stand for one made now,
+        as far as this layout can tell before parsing it? Here, always."""
+        return True
+
+    def _parse_ahead(self, ahead: _SentRead, plans: Sequence[Any], probes: Sequence[int]) -> tuple[
+            int, bytes, list[list[bytes | None]], dict[int, int | None]]:
+        """`_parse_read` of the read sent ahead."""
+        return self._parse_read(ahead.replies, ahead.names, ahead.slices, plans, probes)
+
+    def _overlay_ahead(self, ahead: _SentRead, kept: list[tuple[int, list[bytes | None]]],
+                       known: dict[int, int | None]) -> None:
+        """The batch's writes added to the columns read ahead (`kept`: per slice needed its column)."""
+        view = self._view
         # The marks read now see this batch's writes too (the transaction went through before this).
         self._resolve_marks(ahead.names, [s for s, _ in kept], [column for _, column in kept])
         if view.written:
             self._overlay(ahead.names, view.names, kept, view.written)
-        return seq, stored, tuple(s for s, _ in kept), [column for _, column in kept]
 
     def _check_continuity(self, state: Sequence[Any], gen: bytes | None) -> None:
         """Forgets what this client keeps of the namespace (entries by seq, bits, marks, counts) when the meta

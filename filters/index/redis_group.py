@@ -236,44 +236,34 @@ class GroupIndex(CompactIndex):
         self._release(old)
         return read
 
-    def _taken(self, ahead: _SentRead, low_mark: float, high_mark: float) -> tuple[int, bytes, tuple[int, ...],
-                                                                              list[list[bytes | None]]] | None:
-        """`CompactIndex._taken` in this layout: the fields this batch wrote since the read went out (its groups,
-        whole, and its memos: `_raw_written`) put in their place among the values read before the columns are
-        made (`slice_column`), so that the columns and the groups kept are those of a read made now; one overlay,
+    def _ahead_usable(self, ahead: _SentRead, known: dict[int, int | None]) -> bool:
+        """Not when a slice the read found without bits was written by a round that kept only its ids there
+        (`_kept_whole` False): no values to overlay it with (the lookup reads afresh)."""
+        return not any(known[s] is None and self._kept_whole.get(s) is False for s in ahead.slices)
+
+    def _parse_ahead(self, ahead: _SentRead, plans: Sequence[Any], probes: Sequence[int]) -> tuple[
+            int, bytes, list[list[bytes | None]], dict[int, int | None]]:
+        """The read sent ahead (`CompactIndex._taken`) parsed with the fields this batch wrote since it went out
+        (its groups, whole, and its memos: `_raw_written`) put in their place among the values read before the
+        columns are made (`slice_column`), so that the columns and the groups kept are those of a read made now; one overlay,
         by place. A group written that the read did not read is no group of its names: the next round, which
         writes only those, never needs it. A slice the read found without bits but this batch wrote (it made
         it) has no groups read to put them in: its column is the view's values written there (`_View.written`,
         which the rounds keep whole in a slice their view's read found without bits: `_alone_round`), and its
         groups written are kept beside the read."""
-        view, plan = ahead.view, self._ahead_plan
-        self._ahead_plan = None
-        if plan is None:
-            return None
-        plans, known, count, probes = plan
-        if (ahead.epoch != self._epoch or view is not self._view or view.watch != self._epoch or not view.exact
-                or view.reread or len(ahead.replies) != count
-                or any(known[s] is None and self._kept_whole.get(s) is False for s in ahead.slices)):
-            return None
-        with self._errors():
-            self._raise_any(ahead.replies)
-        written = self._raw_written
-        seq_read, stored, columns, read = self._parse_read(ahead.replies, ahead.names, ahead.slices, plans, probes,
-                                                           written)
-        if seq_read != view.mark or any(read[s] != known[s] for s in ahead.slices):
-            return None  # somebody inserted, or made a slice, between the last lookup and this read
-        seq, stored = view.mark + view.inserted, view.hwm if view.inserted else stored
-        need = set(self._slices(low_mark, high_mark)) | set(self._slices(low_mark, max(high_mark, _stored_time(stored))))
-        if not need <= set(ahead.slices):
-            return None
-        kept = [(s, column) for s, column in zip(ahead.slices, columns) if s in need]
+        return self._parse_read(ahead.replies, ahead.names, ahead.slices, plans, probes, self._raw_written)
+
+    def _overlay_ahead(self, ahead: _SentRead, kept: list[tuple[int, list[bytes | None]]],
+                       known: dict[int, int | None]) -> None:
+        """Only a slice the read found without bits (the batch made it) is overlaid, with the view's values
+        written there; its groups written are kept beside the read."""
+        view, written = self._view, self._raw_written
         made = [(s, column) for s, column in kept if known[s] is None and s in view.written]
         if made:
             self._overlay(ahead.names, view.names, made, view.written)
         for s in ahead.slices:
             if known[s] is None and s in written:
                 self._last_raw[s] = {f: v for f, v in written[s].items() if f[:1] == b"g"}
-        return seq, stored, tuple(s for s, _ in kept), [column for _, column in kept]
 
     def _memos_sent(self) -> None:
         """`RedisIndex._memos_sent`; with a read sent ahead, the memos also among the fields written since it
