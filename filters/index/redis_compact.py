@@ -714,6 +714,21 @@ class CompactIndex(RedisIndex):
         gone = self._slice(clock - self.window) - 1 if seq > start else None
         return self._write_watched_compact(start, seq, self._view.hwm, hwm_bytes, gone, groups)
 
+    def _meta_writes(self, start: int, seq: int, stored_hwm: bytes, hwm: bytes, made: bool,
+                     layout: str) -> list[Sequence[Any]]:
+        """The meta hash's writes in a round's transaction: the seq and layout (and `gen`, where it has none)
+        when the round inserted, the high-water mark when it rose, the TTL renewed when either changed or the
+        round made a slice (`made`)."""
+        meta = self._meta
+        out: list[Sequence[Any]] = []
+        if seq != start:
+            out += [("HSET", meta, "seq", seq, "layout", layout), ("HSETNX", meta, "gen", self._token)]
+        if hwm != stored_hwm:
+            out.append(("HSET", meta, "hwm", hwm))
+        if seq != start or hwm != stored_hwm or made:
+            out.append(("PEXPIRE", meta, self._ttl_ms))
+        return out
+
     def _write_watched_compact(self, start: int, seq: int, stored_hwm: bytes, hwm: bytes, gone: int | None,
                                groups: dict[int, list[Any]]) -> bool | None:
         """`RedisIndex._write_watched` with the writes where this layout keeps them; a slice written for the
@@ -741,12 +756,7 @@ class CompactIndex(RedisIndex):
             written = cast("list[Sequence[Any]]", self._write_commands_of(
                 f"{self._spre}{s}", pairs, bits, self._marks.get(s, set()), count, 0, ttl, FIELDS_PER_CALL))
             commands += self._renewing(s, bits, written, renewed)
-        if seq != start:
-            commands += [("HSET", meta, "seq", seq, "layout", cc.LAYOUT), ("HSETNX", meta, "gen", self._token)]
-        if hwm != stored_hwm:
-            commands.append(("HSET", meta, "hwm", hwm))
-        if seq != start or hwm != stored_hwm or made:
-            commands.append(("PEXPIRE", meta, ttl))
+        commands += self._meta_writes(start, seq, stored_hwm, hwm, bool(made), cc.LAYOUT)
         if gone is not None:
             commands.append(("UNLINK", f"{self._spre}{gone}"))
             bits = self._bits.get(gone)

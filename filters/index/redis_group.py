@@ -415,12 +415,7 @@ class GroupIndex(CompactIndex):
             clock = hwm if self._clock is None else self._clock
             gone = self._slice(clock - self.window) - 1
         if watched:
-            if seq != start:
-                commands += [("HSET", meta, "seq", seq, "layout", gc.LAYOUT), ("HSETNX", meta, "gen", self._token)]
-            if hwm_bytes != stored_hwm:
-                commands.append(("HSET", meta, "hwm", hwm_bytes))
-            if seq != start or hwm_bytes != stored_hwm or made:
-                commands.append(("PEXPIRE", meta, ttl))
+            commands += self._meta_writes(start, seq, stored_hwm, hwm_bytes, bool(made), gc.LAYOUT)
             if gone is not None:
                 commands += [("UNLINK", f"{self._spre}{gone}"), ("HDEL", meta, f"k:{gone}")]
             replies = self._exec_round(commands, made)
