@@ -268,6 +268,7 @@ class CompactIndex(RedisIndex):
     do yet."""
 
     LAYOUT: ClassVar[str] = cc.LAYOUT  # the meta hash's `layout` of a namespace of this layout
+    CHECKING: ClassVar[_Script] = COMPACT_INSERT  # the checking script: a contended round
 
     def __init__(self, url: str, *, window: float, bucket_cap: int, namespace: str, fenced: bool = False) -> None:
         super().__init__(url, window=window, bucket_cap=bucket_cap, namespace=namespace, fenced=fenced)
@@ -714,15 +715,14 @@ class CompactIndex(RedisIndex):
         gone = self._slice(clock - self.window) - 1 if seq > start else None
         return self._write_watched_compact(start, seq, self._view.hwm, hwm_bytes, gone, groups)
 
-    def _meta_writes(self, start: int, seq: int, stored_hwm: bytes, hwm: bytes, made: bool,
-                     layout: str) -> list[Sequence[Any]]:
+    def _meta_writes(self, start: int, seq: int, stored_hwm: bytes, hwm: bytes, made: bool) -> list[Sequence[Any]]:
         """The meta hash's writes in a round's transaction: the seq and layout (and `gen`, where it has none)
         when the round inserted, the high-water mark when it rose, the TTL renewed when either changed or the
         round made a slice (`made`)."""
         meta = self._meta
         out: list[Sequence[Any]] = []
         if seq != start:
-            out += [("HSET", meta, "seq", seq, "layout", layout), ("HSETNX", meta, "gen", self._token)]
+            out += [("HSET", meta, "seq", seq, "layout", self.LAYOUT), ("HSETNX", meta, "gen", self._token)]
         if hwm != stored_hwm:
             out.append(("HSET", meta, "hwm", hwm))
         if seq != start or hwm != stored_hwm or made:
@@ -756,7 +756,7 @@ class CompactIndex(RedisIndex):
             written = cast("list[Sequence[Any]]", self._write_commands_of(
                 f"{self._spre}{s}", pairs, bits, self._marks.get(s, set()), count, 0, ttl, FIELDS_PER_CALL))
             commands += self._renewing(s, bits, written, renewed)
-        commands += self._meta_writes(start, seq, stored_hwm, hwm, bool(made), cc.LAYOUT)
+        commands += self._meta_writes(start, seq, stored_hwm, hwm, bool(made))
         if gone is not None:
             commands.append(("UNLINK", f"{self._spre}{gone}"))
             bits = self._bits.get(gone)
@@ -830,13 +830,15 @@ class CompactIndex(RedisIndex):
         return args
 
     def _run_script(self, args: list[Any]) -> tuple[int, bytes, list[int]]:
-        [(lost, hwm, results)] = self._eval_pipelined(COMPACT_INSERT, [args], self._memo_commands())
-        self._memos_sent()
+        """One call of this layout's checking script (`CHECKING`), the memos beside it: (its first reply, the
+        high-water mark stored, per entry its result); a lost index or a namespace of another layout raised."""
+        [(lost, hwm, results)] = self._eval_pipelined(self.CHECKING, [args], self._memo_commands())
+        self._memos_sent()  # written beside the script, whatever it answered
         if lost == -1:
             raise self._lost()
         if lost == -2:
             raise ConfigError(f"the Redis index at {self._where} holds namespace {self.namespace!r} in another "
-                              "layout; this one is the compact layout: give a new prefix (?prefix=...)")
+                              f"layout; this one is the {self.LAYOUT} layout: give a new prefix (?prefix=...)")
         self._stored_top = max(self._stored_top, _stored_time(hwm))
         return lost, hwm, list(results)
 

@@ -84,6 +84,7 @@ class GroupIndex(CompactIndex):
     yet."""
 
     LAYOUT: ClassVar[str] = gc.LAYOUT
+    CHECKING: ClassVar[_Script] = GROUP_INSERT
 
     def __init__(self, url: str, *, window: float, bucket_cap: int, namespace: str, fenced: bool = False) -> None:
         super().__init__(url, window=window, bucket_cap=bucket_cap, namespace=namespace, fenced=fenced)
@@ -415,7 +416,7 @@ class GroupIndex(CompactIndex):
             clock = hwm if self._clock is None else self._clock
             gone = self._slice(clock - self.window) - 1
         if watched:
-            commands += self._meta_writes(start, seq, stored_hwm, hwm_bytes, bool(made), gc.LAYOUT)
+            commands += self._meta_writes(start, seq, stored_hwm, hwm_bytes, bool(made))
             if gone is not None:
                 commands += [("UNLINK", f"{self._spre}{gone}"), ("HDEL", meta, f"k:{gone}")]
             replies = self._exec_round(commands, made)
@@ -476,15 +477,8 @@ class GroupIndex(CompactIndex):
         for id, ts, blob, fields, expected in rows:
             args += [id.encode("utf-8", "surrogatepass"), repr(ts), blob, len(fields), expected,
                      _mixed(cc.id_hash(id)) + b"".join([_mixed(int.from_bytes(f[1:], "big")) for f in fields])]
-        [(lost, hwm, results)] = self._eval_pipelined(GROUP_INSERT, [args], self._memo_commands())
-        self._memos_sent()  # written beside the script, whatever it answered
-        if lost == -1:
-            raise self._lost()
-        if lost == -2:
-            raise ConfigError(f"the Redis index at {self._where} holds namespace {self.namespace!r} in another "
-                              "layout; this one is the group layout: give a new prefix (?prefix=...)")
-        self._stored_top = max(self._stored_top, _stored_time(hwm))
-        return list(results), hwm
+        _, hwm, results = self._run_script(args)
+        return results, hwm
 
     def _checked(self, entries: Sequence[tuple[Entry, tuple[int, ...]]],
                  fields_of: Sequence[list[bytes]]) -> list[int]:
