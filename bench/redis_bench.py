@@ -2,8 +2,8 @@
 
     eval "$(bash docker/services.sh env)"       # or pass the URLs below
     python bench/redis_bench.py [--limit 20000] [--runs 3] [--batch 512] [--sets all,short]
-                                [--backends memory,redis,redis-compact,redis-group,redis-serial,redis-unaided,rediss,
-                                            cluster,datasketch]
+                                [--backends memory,redis,redis-compact,redis-group,redis-serial,redis-unaided,
+                                            redis-batch,redis-group-batch,rediss,cluster,datasketch]
                                 [--db 9]
                                 [--redis URL --tls URL --cluster URL]
 
@@ -13,7 +13,9 @@ them alike; the table shows the median messages/s and the ratio to the memory in
 as `neardup filter FILE` works: `route_batches` over the raw JSONL records in batches of `--batch` (decode,
 fingerprint, look up, verify, insert); `redis-serial` routes batch after batch as the Kafka worker does,
 `redis-unaided` as `redis` without the next batch's read sent ahead and without the entries the client
-keeps (every lookup reads when it is made, and every candidate's entry), `redis-compact` as `redis` in the
+keeps (every lookup reads when it is made, and every candidate's entry), `redis-batch` and `redis-group-batch`
+as `redis` and `redis-group` with a whole batch a lookup and insert round (`?round=` the batch: not in parts of
+128, docs/design.md), `redis-compact` as `redis` in the
 compact layout (`?layout=compact`: docs/design.md, "The compact slot layout"), `redis-group` in the group layout
 (`?layout=group`: docs/design.md, "The group layout"). datasketch is used as
 bench/filter_bench.py uses it (MinHashLSH, 128 permutations, threshold 0.5, character 5-grams of
@@ -107,12 +109,16 @@ def server_cpu(r: redis.Redis) -> float:
     return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
+def with_option(url: str, name: str, value: object) -> str:
+    return f"{url}{'&' if '?' in url else '?'}{name}={value}"
+
+
 def with_layout(url: str, layout: str) -> str:
-    return f"{url}{'&' if '?' in url else '?'}layout={layout}"
+    return with_option(url, "layout", layout)
 
 
 def with_prefix(url: str, prefix: str) -> str:
-    return f"{url}{'&' if '?' in url else '?'}prefix={prefix}"
+    return with_option(url, "prefix", prefix)
 
 
 def client_for(url: str) -> redis.Redis | redis.RedisCluster:
@@ -205,10 +211,12 @@ def backends(args: argparse.Namespace) -> list[Backend]:
         if name == "memory":
             out.append(Backend("neardup, memory://", "", lambda c, tag: run_neardup("memory://", c, args.batch),
                                lambda tag: ""))
-        elif name in ("redis", "redis-compact", "redis-group", "redis-serial", "redis-unaided", "rediss", "cluster"):
+        elif name in ("redis", "redis-compact", "redis-group", "redis-serial", "redis-unaided", "redis-batch",
+                      "redis-group-batch", "rediss", "cluster"):
             url = {"redis": plain, "redis-compact": with_layout(plain, "compact"),
                    "redis-group": with_layout(plain, "group"), "redis-serial": plain,
-                   "redis-unaided": plain,
+                   "redis-unaided": plain, "redis-batch": with_option(plain, "round", args.batch),
+                   "redis-group-batch": with_option(with_layout(plain, "group"), "round", args.batch),
                    "rediss": with_db(args.tls, args.db) if args.tls else "", "cluster": args.cluster}[name]
             if not url:
                 print(f"  (no URL for {name}: skipped)", file=sys.stderr)
@@ -217,6 +225,8 @@ def backends(args: argparse.Namespace) -> list[Backend]:
                      "redis-group": "redis://?layout=group",
                      "redis-serial": "redis:// (plain), batch after batch",
                      "redis-unaided": "redis:// (plain), no read sent ahead, no entries kept",
+                     "redis-batch": "redis:// (plain), a batch a round",
+                     "redis-group-batch": "redis://?layout=group, a batch a round",
                      "rediss": "rediss:// (TLS)", "cluster": "Redis Cluster"}[name]
             out.append(Backend(f"neardup, {label}", url,
                                lambda c, tag, url=url, name=name: run_neardup(

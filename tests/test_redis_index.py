@@ -352,6 +352,9 @@ def test_open_index_by_url(redis_url: str, prefix: str) -> None:
     "redis://localhost:6379/0?grace=-1",
     "redis://localhost:6379/0?entry_cache=-1",
     "redis://localhost:6379/0?entry_cache=many",
+    "redis://localhost:6379/0?round=0",
+    "redis://localhost:6379/0?round=some",
+    "redis://localhost:6379/0?layout=spread&round=64",
     "redis+cluster://localhost:7001/3",
     "http://localhost:6379",
 ])
@@ -1119,6 +1122,26 @@ def test_a_read_sent_ahead_stores_and_decides_as_reading_after_the_insert(
     assert _namespace_dump(redis_url, prefix, "ahead") == _namespace_dump(redis_url, prefix, "serial")
 
 
+@pytest.mark.parametrize("most", [1, 37, 128])
+def test_a_batch_is_decided_in_rounds_of_at_most_round_messages(make: Callable[..., RedisIndex], redis_url: str,
+                                                                 prefix: str, most: int) -> None:
+    """A batch of more than `?round=` messages is decided in parts of that many, each as a batch of its own, the
+    next part's read sent ahead (the first part of the next batch's too): the verdicts and every stored byte of
+    the parts decided one after the other as batches, and every read sent ahead taken."""
+    config = FilterConfig(window=3600.0, bucket_cap=4)
+    parted = make("parted", window=3600.0, bucket_cap=4, round=str(most))
+    taken = _counting_taken(parted)
+    messages = generated_messages(500, seed=6)
+    verdicts = _decide_reading_ahead(NearDupFilter(config, index=parted), messages, 200)
+    parts = [messages[at + part : min(at + part + most, at + 200, len(messages))]
+             for at in range(0, len(messages), 200) for part in range(0, min(200, len(messages) - at), most)]
+    whole = NearDupFilter(config, index=make("whole", window=3600.0, bucket_cap=4, round="1000"))
+    assert verdicts == [v for part in parts for v in whole.check_batch(part)]
+    assert sum(v.duplicate for v in verdicts) > 50  # it tests something
+    assert taken == [True] * (len(parts) - 1)
+    assert _namespace_dump(redis_url, prefix, "parted") == _namespace_dump(redis_url, prefix, "whole")
+
+
 def test_a_foreign_insert_while_a_read_is_ahead_is_seen(make: Callable[..., RedisIndex]) -> None:
     """Another worker inserts into the next batch's bucket after its read went out, at any moment: before
     this batch's insert (whose transaction Redis then refuses: the next lookup reads afresh and sees
@@ -1582,6 +1605,7 @@ def test_a_user_made_by_the_documented_acl_rule_runs_the_spread_layout(redis_clu
 # tests/test_redis_group.py collect them again (`globals().update(ANY_LAYOUT)`), each with its own `make`, `watched`
 # and `race_url`.
 ANY_LAYOUT: dict[str, Callable[..., None]] = {test.__name__: test for test in (
+    test_a_batch_is_decided_in_rounds_of_at_most_round_messages,
     test_a_foreign_insert_while_a_read_is_ahead_is_seen,
     test_a_near_duplicate_inserted_during_a_lookup_is_seen,
     test_a_read_ahead_lost_with_its_connection_is_read_again,

@@ -188,6 +188,11 @@ __all__ = [
 DEFAULT_PREFIX = "neardup"
 DEFAULT_GRACE = 3600.0  # seconds of wall clock that keys outlive the window
 DEFAULT_ENTRY_CACHE = 16384  # entries (≈ 1 KB each, Python objects) a client keeps decoded: see `RedisIndex._entries`
+# Messages a lookup and insert round takes at most (`?round=`): a larger batch is decided in parts of this many
+# (`SharedDecider`), each part's read sent ahead while the one before is verified and inserted. A part's
+# replies, columns, candidates and writes then stay in the core's caches: 128 measured 1.1-1.3 times the
+# messages a second of whole batches of 512 to 2,000 on the development stream (docs/benchmarks.md).
+DEFAULT_ROUND = 128
 INSERT_CHUNK = 512  # entries per insert script: bounds how long one script blocks the server
 RESTORE_CHUNK = 4096  # entries per restore transaction: bounds how long one MULTI/EXEC blocks the server (≈ 50 ms)
 RESTORE_ATTEMPTS = 3  # transactions refused (others wrote meanwhile) before a restore chunk goes through the script
@@ -265,6 +270,7 @@ class RedisTarget:
     # records grouped in fields of the slice hash (filters/index/redis_group.py)
     spread: tuple[tuple[str, str], ...] = ()  # the spread layout's own options, checked there
     rate: float = 0.0  # layout=compact: messages a second a namespace expects (its first slice's size); 0: unsaid
+    round_size: int = DEFAULT_ROUND  # `?round=`: messages a lookup and insert round takes at most (not layout=spread)
 
     @classmethod
     def parse(cls, url: str) -> RedisTarget:
@@ -277,6 +283,7 @@ class RedisTarget:
             raise ConfigError(f"not a Redis URL: {redact_url(url)}")
         query: list[tuple[str, str]] = []
         prefix, grace, entry_cache, layout, rate = DEFAULT_PREFIX, DEFAULT_GRACE, DEFAULT_ENTRY_CACHE, "slot", 0.0
+        most: int | None = None
         spread: list[tuple[str, str]] = []
         for name, value in parse_qsl(parts.query, keep_blank_values=True):
             if name == "prefix":
@@ -294,6 +301,13 @@ class RedisTarget:
                     raise ConfigError(f"entry_cache must be a number of entries, got {value!r}") from None
                 if entry_cache < 0:
                     raise ConfigError(f"entry_cache must be >= 0, got {value!r}")
+            elif name == "round":
+                try:
+                    most = int(value)
+                except ValueError:
+                    raise ConfigError(f"round must be a number of messages, got {value!r}") from None
+                if most < 1:
+                    raise ConfigError(f"round must be >= 1 messages, got {value!r}")
             elif name == "rate":
                 try:
                     rate = float(value)
@@ -316,13 +330,16 @@ class RedisTarget:
             raise ConfigError(f"{', '.join(name for name, _ in spread)}: options of layout=spread only")
         if rate and layout not in ("compact", "group"):
             raise ConfigError("rate: an option of layout=compact and layout=group only")
+        if most is not None and layout == "spread":
+            raise ConfigError("round: an option of layout=slot, compact and group only")
         path = parts.path
         if cluster:
             if path.strip("/") not in ("", "0"):
                 raise ConfigError(f"Redis Cluster has only database 0: {redact_url(url)}")
             path = ""
         client_url = urlunsplit((scheme, parts.netloc, path, urlencode(query), ""))
-        return cls(client_url, cluster, prefix, grace, entry_cache, layout, tuple(spread), rate)
+        return cls(client_url, cluster, prefix, grace, entry_cache, layout, tuple(spread), rate,
+                   DEFAULT_ROUND if most is None else most)
 
 
 def redact_url(url: str) -> str:
@@ -544,7 +561,7 @@ class RedisIndex:
         # during the lookup's read and the insert's write, not the short read of entries between them.
         # It returns True when nothing is left.
         self.meanwhile: Callable[[], bool] | None = None
-        self._decider = SharedDecider()
+        self._decider = SharedDecider(target.round_size)
         self._rebuilt = _Rebuilt()
         options: dict[str, Any] = {
             "decode_responses": False,  # entries are bytes

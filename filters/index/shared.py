@@ -4,6 +4,9 @@ A shared index (Redis) is written by many workers. The whole batch is looked up 
 message still sees a representative that an earlier message of the same batch pushed out of a full bucket
 (the newest `bucket_cap` stay). Measured: 1 of 16,946 short messages of the development stream
 (`bench/redis_bench.py --sets short`), where the shared index finds a true copy that the memory index lost.
+A batch of more messages than the index's round (`SharedDecider.most`: `?round=`) is decided in parts of
+that many, one after the other, each as a batch of its own: a part's replies, columns and writes stay in the
+core's caches, where those of 2,000 messages do not.
 
 The duplicates' verdicts (memos) go with the batch's first insert round, or in a round of their own when
 the batch inserts nothing; a verdict changed after a lost race is written again. So every memo is stored
@@ -18,7 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from filters.fingerprint import METHOD_NAMES, Fingerprint
-from filters.index import Batch, Candidate, Entry, Memo, Query, Verifier, new_entry, new_query
+from filters.index import Batch, Candidate, Entry, Memo, Prepared, Query, Verifier, new_entry, new_query
 from filters.index.memory import MemoryIndex
 from filters.records import Message, Verdict, new_verdict
 
@@ -53,12 +56,46 @@ def _timed(observe: Callable[[str, float], None] | None, op: str, call: Callable
 class SharedDecider:
     """A shared index's `decide`, with the queries of the next batch whose read went ahead."""
 
-    def __init__(self) -> None:
+    def __init__(self, most: int | None = None) -> None:
         # The next batch's queries, whose read was sent ahead (`Batch.upcoming`), with the very message and
         # fingerprint lists they were made from.
         self._upcoming: tuple[Sequence[Message], Sequence[Fingerprint], list[Query]] | None = None
+        self.most = most  # messages a round takes at most (None: a batch is one round)
+        # The parts of the batch to come (`Batch.upcoming`), as cut when its first part's read went ahead, by
+        # the lists they were cut from: the same part objects are then decided, so that read is taken.
+        self._following: tuple[Sequence[Message], Prepared, list[tuple[Sequence[Message], Prepared]]] | None = None
 
     def decide(self, rounds: Rounds, batch: Batch, verifier: Verifier) -> list[Verdict]:
+        """`batch`'s verdicts, in parts of at most `most` messages decided in turn (each as a batch of its
+        own: looked up, checked against itself, inserted), the next part's read sent ahead meanwhile: the
+        verdicts of deciding the parts as batches one after the other."""
+        parts = self._parts(batch.messages, batch.prepared)
+        self._following = None
+        if batch.upcoming is None:
+            following = None
+        else:
+            following = self._parts(*batch.upcoming)
+            self._following = (*batch.upcoming, following)
+        if len(parts) == 1 and (following is None or len(following) == 1):
+            return self._decide(rounds, batch, verifier)
+        out: list[Verdict] = []
+        for k, (messages, prepared) in enumerate(parts):
+            upcoming = parts[k + 1] if k + 1 < len(parts) else following[0] if following is not None else None
+            out += self._decide(rounds, Batch(messages, prepared, batch.meanwhile, upcoming, batch.observe), verifier)
+        return out
+
+    def _parts(self, messages: Sequence[Message], prepared: Prepared) -> list[tuple[Sequence[Message], Prepared]]:
+        """`messages` and `prepared` cut in parts of at most `most` (the very parts cut when their read went
+        ahead, if it did)."""
+        most = self.most
+        if most is None or len(messages) <= most or not isinstance(prepared, list | tuple):
+            return [(messages, prepared)]
+        cut = self._following
+        if cut is not None and cut[0] is messages and cut[1] is prepared:
+            return cut[2]
+        return [(messages[i:i + most], prepared[i:i + most]) for i in range(0, len(messages), most)]
+
+    def _decide(self, rounds: Rounds, batch: Batch, verifier: Verifier) -> list[Verdict]:
         messages, fps = batch.messages, batch.prepared
         limit = verifier.config.max_candidates
         sent, self._upcoming = self._upcoming, None
