@@ -1142,6 +1142,29 @@ def test_a_batch_is_decided_in_rounds_of_at_most_round_messages(make: Callable[.
     assert _namespace_dump(redis_url, prefix, "parted") == _namespace_dump(redis_url, prefix, "whole")
 
 
+def test_a_round_is_128_messages_on_standalone_redis_and_a_batch_on_redis_cluster(
+        make: Callable[..., RedisIndex], redis_cluster_url: str) -> None:
+    """No read goes ahead on Redis Cluster, so a part's round trips would not overlap the part before: a batch is
+    one round there by default; `?round=` cuts it all the same, each part decided as a batch of its own."""
+    assert make()._decider.most == 128
+    prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
+    config = FilterConfig(window=WINDOW)
+    messages = generated_messages(300, seed=8)
+    try:
+        for query, most in (({}, None), ({"round": "64"}, 64)):
+            url = with_query(cluster_url(redis_cluster_url), prefix=prefix, **query)
+            index = RedisIndex(url, window=WINDOW, bucket_cap=config.bucket_cap, namespace=f"n{most}")
+            try:
+                assert index._decider.most == most
+                got = NearDupFilter(config, index=index).check_batch(messages)
+            finally:
+                index.close()
+            memory = NearDupFilter(config)
+            assert got == [v for at in range(0, 300, most or 300) for v in memory.check_batch(messages[at : at + (most or 300)])]
+    finally:
+        drop_cluster_namespace(cluster_url(redis_cluster_url), prefix)
+
+
 def test_a_foreign_insert_while_a_read_is_ahead_is_seen(make: Callable[..., RedisIndex]) -> None:
     """Another worker inserts into the next batch's bucket after its read went out, at any moment: before
     this batch's insert (whose transaction Redis then refuses: the next lookup reads afresh and sees

@@ -188,10 +188,12 @@ __all__ = [
 DEFAULT_PREFIX = "neardup"
 DEFAULT_GRACE = 3600.0  # seconds of wall clock that keys outlive the window
 DEFAULT_ENTRY_CACHE = 16384  # entries (≈ 1 KB each, Python objects) a client keeps decoded: see `RedisIndex._entries`
-# Messages a lookup and insert round takes at most (`?round=`): a larger batch is decided in parts of this many
-# (`SharedDecider`), each part's read sent ahead while the one before is verified and inserted. A part's
-# replies, columns, candidates and writes then stay in the core's caches: 128 measured 1.1-1.3 times the
-# messages a second of whole batches of 512 to 2,000 on the development stream (docs/benchmarks.md).
+# Messages a lookup and insert round takes at most on standalone Redis (`?round=`): a larger batch is decided in
+# parts of this many (`SharedDecider`), each part's read sent ahead while the one before is verified and
+# inserted. A part's replies, columns, candidates and writes then stay in the core's caches: 128 measured
+# 1.1-1.3 times the messages a second of whole batches of 512 to 2,000 on the development stream
+# (docs/benchmarks.md). On Redis Cluster no read goes ahead, so a part's round trips would not overlap the
+# part before: a batch is one round there unless `?round=` says otherwise.
 DEFAULT_ROUND = 128
 INSERT_CHUNK = 512  # entries per insert script: bounds how long one script blocks the server
 RESTORE_CHUNK = 4096  # entries per restore transaction: bounds how long one MULTI/EXEC blocks the server (≈ 50 ms)
@@ -270,7 +272,7 @@ class RedisTarget:
     # records grouped in fields of the slice hash (filters/index/redis_group.py)
     spread: tuple[tuple[str, str], ...] = ()  # the spread layout's own options, checked there
     rate: float = 0.0  # layout=compact: messages a second a namespace expects (its first slice's size); 0: unsaid
-    round_size: int = DEFAULT_ROUND  # `?round=`: messages a lookup and insert round takes at most (not layout=spread)
+    round_size: int | None = None  # `?round=`: messages a lookup and insert round takes at most (not layout=spread)
 
     @classmethod
     def parse(cls, url: str) -> RedisTarget:
@@ -338,8 +340,7 @@ class RedisTarget:
                 raise ConfigError(f"Redis Cluster has only database 0: {redact_url(url)}")
             path = ""
         client_url = urlunsplit((scheme, parts.netloc, path, urlencode(query), ""))
-        return cls(client_url, cluster, prefix, grace, entry_cache, layout, tuple(spread), rate,
-                   DEFAULT_ROUND if most is None else most)
+        return cls(client_url, cluster, prefix, grace, entry_cache, layout, tuple(spread), rate, most)
 
 
 def redact_url(url: str) -> str:
@@ -561,7 +562,8 @@ class RedisIndex:
         # during the lookup's read and the insert's write, not the short read of entries between them.
         # It returns True when nothing is left.
         self.meanwhile: Callable[[], bool] | None = None
-        self._decider = SharedDecider(target.round_size)
+        self._decider = SharedDecider(target.round_size if target.round_size is not None else
+                                      None if target.cluster else DEFAULT_ROUND)
         self._rebuilt = _Rebuilt()
         options: dict[str, Any] = {
             "decode_responses": False,  # entries are bytes
