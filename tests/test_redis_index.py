@@ -1142,16 +1142,16 @@ def test_a_batch_is_decided_in_rounds_of_at_most_round_messages(make: Callable[.
     assert _namespace_dump(redis_url, prefix, "parted") == _namespace_dump(redis_url, prefix, "whole")
 
 
-def test_a_round_is_128_messages_on_standalone_redis_and_a_batch_on_redis_cluster(
-        make: Callable[..., RedisIndex], redis_cluster_url: str) -> None:
-    """No read goes ahead on Redis Cluster, so a part's round trips would not overlap the part before: a batch is
-    one round there by default; `?round=` cuts it all the same, each part decided as a batch of its own."""
+def test_a_batch_is_decided_in_rounds_on_redis_cluster_too(make: Callable[..., RedisIndex],
+                                                            redis_cluster_url: str) -> None:
+    """No read goes ahead on Redis Cluster; a batch is decided in rounds of `?round=` (128 by default) all the same,
+    each part as a batch of its own."""
     assert make()._decider.most == 128
     prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
     config = FilterConfig(window=WINDOW)
     messages = generated_messages(300, seed=8)
     try:
-        for query, most in (({}, None), ({"round": "64"}, 64)):
+        for query, most in (({}, 128), ({"round": "64"}, 64), ({"round": "300"}, 300)):
             url = with_query(cluster_url(redis_cluster_url), prefix=prefix, **query)
             index = RedisIndex(url, window=WINDOW, bucket_cap=config.bucket_cap, namespace=f"n{most}")
             try:
@@ -1160,7 +1160,7 @@ def test_a_round_is_128_messages_on_standalone_redis_and_a_batch_on_redis_cluste
             finally:
                 index.close()
             memory = NearDupFilter(config)
-            assert got == [v for at in range(0, 300, most or 300) for v in memory.check_batch(messages[at : at + (most or 300)])]
+            assert got == [v for at in range(0, 300, most) for v in memory.check_batch(messages[at : at + most])]
     finally:
         drop_cluster_namespace(cluster_url(redis_cluster_url), prefix)
 

@@ -188,12 +188,13 @@ __all__ = [
 DEFAULT_PREFIX = "neardup"
 DEFAULT_GRACE = 3600.0  # seconds of wall clock that keys outlive the window
 DEFAULT_ENTRY_CACHE = 16384  # entries (≈ 1 KB each, Python objects) a client keeps decoded: see `RedisIndex._entries`
-# Messages a lookup and insert round takes at most on standalone Redis (`?round=`): a larger batch is decided in
-# parts of this many (`SharedDecider`), each part's read sent ahead while the one before is verified and
-# inserted. A part's replies, columns, candidates and writes then stay in the core's caches: 128 measured
-# 1.1-1.3 times the messages a second of whole batches of 512 to 2,000 on the development stream
-# (docs/benchmarks.md). On Redis Cluster no read goes ahead, so a part's round trips would not overlap the
-# part before: a batch is one round there unless `?round=` says otherwise.
+# Messages a lookup and insert round takes at most (`?round=`): a larger batch is decided in parts of this many
+# (`SharedDecider`), each part's read sent ahead (standalone Redis) while the one before is verified and
+# inserted. Redis spends less a message on a round of 128 than on one of 512 (its transaction's `HSET`s and
+# `EXEC` above all) though it sends more bytes, and the client's CPU stays the same: 128 measured 1.1-1.3 times
+# the messages a second of whole batches of 512 to 2,000 on the development stream (docs/benchmarks.md), and
+# 1.05-1.27 on Redis Cluster, where no read goes ahead. Each part costs its round trips: a Redis a millisecond
+# away wants a larger round.
 DEFAULT_ROUND = 128
 INSERT_CHUNK = 512  # entries per insert script: bounds how long one script blocks the server
 RESTORE_CHUNK = 4096  # entries per restore transaction: bounds how long one MULTI/EXEC blocks the server (≈ 50 ms)
@@ -562,8 +563,7 @@ class RedisIndex:
         # during the lookup's read and the insert's write, not the short read of entries between them.
         # It returns True when nothing is left.
         self.meanwhile: Callable[[], bool] | None = None
-        self._decider = SharedDecider(target.round_size if target.round_size is not None else
-                                      None if target.cluster else DEFAULT_ROUND)
+        self._decider = SharedDecider(DEFAULT_ROUND if target.round_size is None else target.round_size)
         self._rebuilt = _Rebuilt()
         options: dict[str, Any] = {
             "decode_responses": False,  # entries are bytes

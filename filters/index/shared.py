@@ -5,8 +5,8 @@ message still sees a representative that an earlier message of the same batch pu
 (the newest `bucket_cap` stay). Measured: 1 of 16,946 short messages of the development stream
 (`bench/redis_bench.py --sets short`), where the shared index finds a true copy that the memory index lost.
 A batch of more messages than the index's round (`SharedDecider.most`: `?round=`) is decided in parts of
-that many, one after the other, each as a batch of its own: a part's replies, columns and writes stay in the
-core's caches, where those of 2,000 messages do not.
+that many, one after the other, each as a batch of its own: Redis spends less a message on small rounds
+(docs/benchmarks.md, "Rounds of 128 messages").
 
 The duplicates' verdicts (memos) go with the batch's first insert round, or in a round of their own when
 the batch inserts nothing; a verdict changed after a lost race is written again. So every memo is stored
