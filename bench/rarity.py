@@ -34,6 +34,7 @@ import orjson
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from a clone
 
+from bench import needs  # noqa: E402
 from filters.config import FilterConfig  # noqa: E402
 from filters.engine import NearDupFilter  # noqa: E402
 from filters.fingerprint import Fingerprint  # noqa: E402
@@ -252,6 +253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--fps", action="store_true", help="print the defaults' false positives with their bucket sizes")
     p.add_argument("--idf", action="store_true", help="print the shingle-rarity table (below) instead of the rules")
     args = p.parse_args(argv)
+    needs.files(__file__, args.stream, args.truth, *([args.gen + ".stream.jsonl", args.gen + ".truth.jsonl"] if args.gen else []))
     pairs: list[tuple[int, Keys]] = []
     counts: list[tuple[str, tuple[Counter[str], Counter[str], Counter[str]]]] = []
     dev, dev_truth = load(args.stream), load(args.truth)

@@ -31,7 +31,7 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
-from aiokafka.errors import IllegalStateError, KafkaError
+from aiokafka.errors import IllegalStateError, KafkaError, UnknownTopicOrPartitionError
 
 from filters.engine import NearDupFilter
 from filters.errors import ConfigError, IndexUnavailable
@@ -70,6 +70,9 @@ log = logging.getLogger("neardup.worker")
 # once when one does) before it reads the marks again anyway (a mark that expired says nothing).
 _GROUP_POLL = 0.05
 STALL_WARNING = 30.0  # seconds without a record taken, with records waiting, before the worker says why
+# Seconds a worker asks again for the max.message.bytes of a topic the broker does not know yet: one that another
+# worker created a moment ago is described once its metadata reached every broker (KRaft: milliseconds).
+TOPIC_SETTLE = 5.0
 # How often, at most, a worker reads the log starts of partitions whose offsets jumped (`_unread`): a gap is
 # mostly what reading committed records skips, or a compacted topic's, and each read is a round trip.
 UNREAD_EVERY = 5.0
@@ -500,11 +503,21 @@ class AiokafkaWorker(WorkerCore):
     async def _batch_size(self, admin: AIOKafkaAdminClient) -> int:
         """The producer's record batch size: `batch_bytes`, lowered to the smallest max.message.bytes of the
         topics this producer writes to (a topic refuses a larger batch whole, and under exactly-once that
-        stops the worker). Not permitted to read them (DescribeConfigs): `batch_bytes`, with a warning."""
+        stops the worker). Not permitted to read them (DescribeConfigs): `batch_bytes`, with a warning. A topic
+        another worker created a moment ago may not be described yet (unknown to the broker that answers):
+        asked again, for up to `TOPIC_SETTLE` seconds."""
         s = self.settings
         topics = [*s.output_topics, *([s.changelog_name] if self.journal is not None else [])]
+        deadline = time.monotonic() + TOPIC_SETTLE
         try:
-            limits = await max_message_bytes(admin, topics)
+            while True:
+                try:
+                    limits = await max_message_bytes(admin, topics)
+                    break
+                except UnknownTopicOrPartitionError:
+                    if time.monotonic() >= deadline:
+                        raise
+                    await asyncio.sleep(0.1)
         except (KafkaError, TimeoutError) as exc:
             log.warning("cannot read the max.message.bytes of the output topics (%s): record batches stay at "
                         "batch_bytes %d, which a topic with a smaller max.message.bytes refuses (allow "

@@ -36,7 +36,7 @@ from bench.reliability import KEEP, cluster_text
 from filters.errors import ConfigError
 from stream import commands
 from stream.delivery import AtLeastOnce, Delivery, ExactlyOnce, capped_batch_bytes
-from stream.kafka_tools import KafkaRecord, client_options, ensure_topics
+from stream.kafka_tools import KafkaRecord, admin_client, client_options, ensure_topics
 from stream.outputs import OutRecord, raw_record
 from stream.router import Lookahead, route_records
 from stream.worker import AiokafkaWorker, make_worker
@@ -575,6 +575,33 @@ def records_of_500_bytes(n: int) -> list[bytes]:
         text = f"{cluster_text(cluster, copy)} {cluster_text(cluster + 100_000, copy)}"
         lines.append(orjson.dumps({"id": f"m{i}", "text": text}))
     return lines
+
+
+def test_the_batch_size_waits_for_an_output_topic_another_worker_is_creating(kafka_bootstrap: str,
+                                                                            index_url: str) -> None:
+    """Two workers start together: one creates an output topic (here of max.message.bytes 2,048) while the other
+    reads the topics' limits, which the broker does not describe yet (unknown topic). The second asks again
+    until it can, and sends batches the topic takes: kept at batch_bytes, its exactly-once batches of 64 KB were
+    refused and it stopped."""
+    settings = settings_for(kafka_bootstrap, index_url, id_field="id", processing_guarantee="exactly_once")
+    worker = make_worker(settings)
+    assert isinstance(worker, AiokafkaWorker)
+
+    async def scenario() -> int:
+        others = [t for t in [*settings.output_topics, settings.changelog_name] if t != settings.unique_topic]
+        await ensure_topics(settings, others, 1)
+
+        async def other_worker() -> None:
+            await asyncio.sleep(0.5)
+            await ensure_topics(settings, [settings.unique_topic], 1, {"max.message.bytes": "2048"})
+
+        async with admin_client(settings) as admin:
+            creating = asyncio.ensure_future(other_worker())
+            size = await worker._batch_size(admin)
+            await creating
+        return size
+
+    assert asyncio.run(scenario()) == 2048
 
 
 @pytest.mark.parametrize("guarantee", ["exactly_once", "at_least_once"])

@@ -298,19 +298,9 @@ class RedisTarget:
             elif name in SPREAD_OPTIONS:
                 spread.append((name, value))
             elif name == "entry_cache":
-                try:
-                    entry_cache = int(value)
-                except ValueError:
-                    raise ConfigError(f"entry_cache must be a number of entries, got {value!r}") from None
-                if entry_cache < 0:
-                    raise ConfigError(f"entry_cache must be >= 0, got {value!r}")
+                entry_cache = _count(name, value, "entries", 0)
             elif name == "round":
-                try:
-                    most = int(value)
-                except ValueError:
-                    raise ConfigError(f"round must be a number of messages, got {value!r}") from None
-                if most < 1:
-                    raise ConfigError(f"round must be >= 1 messages, got {value!r}")
+                most = _count(name, value, "messages", 1)
             elif name == "rate":
                 try:
                     rate = float(value)
@@ -342,6 +332,17 @@ class RedisTarget:
             path = ""
         client_url = urlunsplit((scheme, parts.netloc, path, urlencode(query), ""))
         return cls(client_url, cluster, prefix, grace, entry_cache, layout, tuple(spread), rate, most)
+
+
+def _count(name: str, value: str, unit: str, least: int) -> int:
+    """A URL option's whole number of `unit`, at least `least`; `ConfigError` otherwise."""
+    try:
+        count = int(value)
+    except ValueError:
+        raise ConfigError(f"{name} must be a number of {unit}, got {value!r}") from None
+    if count < least:
+        raise ConfigError(f"{name} must be >= {least}, got {value!r}")
+    return count
 
 
 def redact_url(url: str) -> str:
