@@ -273,7 +273,7 @@ class RedisTarget:
     # records grouped in fields of the slice hash (filters/index/redis_group.py)
     spread: tuple[tuple[str, str], ...] = ()  # the spread layout's own options, checked there
     rate: float = 0.0  # layout=compact: messages a second a namespace expects (its first slice's size); 0: unsaid
-    round_size: int | None = None  # `?round=`: messages a lookup and insert round takes at most (not layout=spread)
+    round_size: int = DEFAULT_ROUND  # `?round=`: messages a lookup and insert round takes at most (not layout=spread)
 
     @classmethod
     def parse(cls, url: str) -> RedisTarget:
@@ -331,7 +331,8 @@ class RedisTarget:
                 raise ConfigError(f"Redis Cluster has only database 0: {redact_url(url)}")
             path = ""
         client_url = urlunsplit((scheme, parts.netloc, path, urlencode(query), ""))
-        return cls(client_url, cluster, prefix, grace, entry_cache, layout, tuple(spread), rate, most)
+        return cls(client_url, cluster, prefix, grace, entry_cache, layout, tuple(spread), rate,
+                   DEFAULT_ROUND if most is None else most)
 
 
 def _count(name: str, value: str, unit: str, least: int) -> int:
@@ -564,7 +565,7 @@ class RedisIndex:
         # during the lookup's read and the insert's write, not the short read of entries between them.
         # It returns True when nothing is left.
         self.meanwhile: Callable[[], bool] | None = None
-        self._decider = SharedDecider(DEFAULT_ROUND if target.round_size is None else target.round_size)
+        self._decider = SharedDecider(target.round_size)
         self._rebuilt = _Rebuilt()
         options: dict[str, Any] = {
             "decode_responses": False,  # entries are bytes
