@@ -81,10 +81,11 @@ def test_the_concurrency_test_catches_check_then_insert(kafka_bootstrap: str, in
     that arrive together are all called unique."""
     # Each insert round waits until the three workers have looked up theirs: their batches overlap however the
     # machine schedules them (with a pause instead, 63-89 of 150 clusters were let through on a busy machine).
-    # Batches of at most 500, as when the margin below was measured: the default of 2,000 cuts the partitions into
-    # batches otherwise, and one CI run let only 28 clusters through (the atomic insert's test runs the default).
-    tally, per_cluster = rs.concurrency(kafka_bootstrap, index_url, tmp_path, workers=3, hook="racy,barrier=3",
-                                        name="check-then-insert", max_batch=500)
+    # Batches of at most 500, each one insert round (`?round=500`), as when the margin below was measured: the
+    # default of 2,000 cuts the partitions into batches otherwise, and rounds of 128 line up the workers' rounds
+    # otherwise; either let only 28 clusters through in a CI run (the atomic insert's test runs the defaults).
+    tally, per_cluster = rs.concurrency(kafka_bootstrap, f"{index_url}&round=500", tmp_path, workers=3,
+                                        hook="racy,barrier=3", name="check-then-insert", max_batch=500)
     TABLE.append(tally)
     assert tally.lost == 0
     # How many clusters go through depends on how each worker's fetches cut its partition into batches (a
