@@ -71,16 +71,14 @@ class SharedDecider:
         verdicts of deciding the parts as batches one after the other."""
         parts = self._parts(batch.messages, batch.prepared)
         self._following = None
-        if batch.upcoming is None:
-            following = None
-        else:
+        following = None
+        if batch.upcoming is not None:
             following = self._parts(*batch.upcoming)
             self._following = (*batch.upcoming, following)
-        if len(parts) == 1 and (following is None or len(following) == 1):
-            return self._decide(rounds, batch, verifier)
+        # Each part's successor, whose read goes ahead: the next part, after the last the next batch's first.
+        successors = [*parts[1:], following[0] if following is not None else None]
         out: list[Verdict] = []
-        for k, (messages, prepared) in enumerate(parts):
-            upcoming = parts[k + 1] if k + 1 < len(parts) else following[0] if following is not None else None
+        for (messages, prepared), upcoming in zip(parts, successors, strict=True):
             out += self._decide(rounds, Batch(messages, prepared, batch.meanwhile, upcoming, batch.observe), verifier)
         return out
 
