@@ -1,9 +1,10 @@
 """Benchmark: one namespace spread over 1, 3 and 6 masters (`?layout=spread`): each master's server CPU and memory
-per message, and the total throughput of the index.
+per message, and the total throughput of the index; and the other layouts with workers racing on one namespace.
 
     eval "$(bash docker/services.sh env)"
     python bench/spread_scale.py --cluster redis://127.0.0.1:7156 --cluster redis://127.0.0.1:7001 \
         --cluster redis://127.0.0.1:7011 [--workers 4] [--warm 8000] [--messages 16000] [--runs 3] [--slot]
+    python bench/spread_scale.py --cluster redis://127.0.0.1:6379/0 --layouts slot,group [--workers 4]
 
 Each --cluster is a node of a Redis Cluster (of any number of masters). Per run and cluster, alternating
 between the clusters: a fresh namespace; one worker decides the first --warm messages of the development
@@ -15,7 +16,11 @@ used_cpu_sys) and `INFO commandstats`, and `used_memory`. Printed, medians over 
 the memory the namespace added on all masters per message indexed (warm-up included: `used_memory` after
 less before, and the sum of `MEMORY USAGE` of its keys); the workers' own CPU µs per message (process
 time, all workers); messages/s.
-`--slot` adds the slot layout (one namespace on one master) on the first cluster, for comparison.
+`--slot` adds the slot layout (one namespace on one master) on the first cluster, for comparison; `--layouts`
+names the layouts (`spread` on every --cluster, any other on the first only). A --cluster that is a standalone
+Redis is its own one master: there every round of the slot, compact and group layouts is a watched transaction,
+and one that another worker's round got ahead of goes through the layout's checking script (what racing workers
+cost the server; `bench/redis_cpu.py --rounds checked` runs that script with nobody else writing).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import queue
 import statistics
 import sys
 import time
@@ -49,8 +55,16 @@ from filters.index.backends import open_index  # noqa: E402
 BATCH = 512
 
 
+def clustered(node: str) -> bool:
+    """Is `node` a node of a Redis Cluster (else a standalone Redis)?"""
+    with redis.Redis.from_url(node) as probe:
+        return bool(probe.info("cluster").get("cluster_enabled"))
+
+
 def masters(node: str) -> list[redis.Redis]:
-    """A client on each master of the cluster `node` belongs to."""
+    """A client on each master of the cluster `node` belongs to (a standalone Redis: itself)."""
+    if not clustered(node):
+        return [redis.Redis.from_url(node)]
     with redis.RedisCluster.from_url(node) as cluster:
         return [redis.Redis(host=n.host or "127.0.0.1", port=n.port) for n in cluster.get_primaries()]
 
@@ -90,6 +104,25 @@ def _work(url: str, messages: list[tuple[str, str, float]], w: int, workers: int
     index.close()
 
 
+def _alive(procs: list[Any]) -> None:
+    """Stops the benchmark with one line when a worker died (its traceback is above): the others would wait for
+    it forever."""
+    dead = [p for p in procs if p.exitcode not in (None, 0)]
+    if dead:
+        for p in procs:
+            p.kill()
+        raise SystemExit(f"spread_scale.py: a worker process exited with {dead[0].exitcode} (see above)")
+
+
+def _wait(barrier: Any, procs: list[Any]) -> None:
+    """`barrier.wait()` once every worker waits there (a timeout would break the barrier for them), for as long
+    as every worker lives."""
+    while barrier.n_waiting < barrier.parties - 1:
+        _alive(procs)
+        time.sleep(0.05)
+    barrier.wait()
+
+
 def run(node: str, url: str, messages: list[tuple[str, str, float]], workers: int, warm: int) -> dict[str, Any]:
     servers = masters(node)
     memory0 = [s.info("memory")["used_memory"] for s in servers]
@@ -98,13 +131,18 @@ def run(node: str, url: str, messages: list[tuple[str, str, float]], workers: in
     procs = [ctx.Process(target=_work, args=(url, messages, w, workers, warm, ready, go, done)) for w in range(workers)]
     for p in procs:
         p.start()
-    ready.wait()
+    _wait(ready, procs)
     for s in servers:
         s.config_resetstat()
     cpu0 = [s.info("cpu") for s in servers]
-    go.wait()
+    _wait(go, procs)
     t0 = time.perf_counter()
-    reports = [done.get() for _ in procs]
+    reports = []
+    while len(reports) < len(procs):
+        try:
+            reports.append(done.get(timeout=1.0))
+        except queue.Empty:
+            _alive(procs)
     wall = time.perf_counter() - t0
     uniques = sum(u for u, _ in reports)
     for p in procs:
@@ -133,7 +171,7 @@ def _committed(servers: list[redis.Redis], url: str) -> int:
     """Entries the namespace holds (committed), on all masters: its slices' `n` counters."""
     prefix = url.split("prefix=")[1].split("&")[0]
     return sum(int(s.hget(key, "n") or 0) for s in servers for key in s.scan_iter(match=f"{{{prefix}:*", count=1000)
-               if b":s:" in key)
+               if any(part in key for part in (b":s:", b":c:", b":g:")))  # slice hashes: slot, compact, group
 
 
 def drop(node: str, prefix: str) -> None:
@@ -142,6 +180,11 @@ def drop(node: str, prefix: str) -> None:
         for key in s.scan_iter(match=f"{{{prefix}:*", count=1000):
             pipe.unlink(key)  # one key a command: a namespace's keys are in many slots
         pipe.execute()
+        # The keys unlinked are freed in the background: the next run's `used_memory` before is taken once they are.
+        for _ in range(100):
+            if not s.info("memory").get("lazyfree_pending_objects"):
+                break
+            time.sleep(0.05)
         s.close()
 
 
@@ -156,18 +199,27 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--shards", type=int, default=None, help="the spread layout's shards (default: its own)")
     p.add_argument("--slot", action="store_true", help="also the slot layout, on the first cluster")
+    p.add_argument("--layouts", default="spread", help="comma-separated: spread (on every --cluster), slot, "
+                   "compact, group (on the first; default: spread)")
     args = p.parse_args()
+    layouts = [name for name in args.layouts.split(",") if name]
+    if args.slot and "slot" not in layouts:
+        layouts.append("slot")
+    if not layouts or not set(layouts) <= {"spread", "slot", "compact", "group"}:
+        p.error(f"--layouts: spread, slot, compact or group, comma-separated (got {args.layouts!r})")
     needs.files(__file__, args.stream)
     args.cluster = args.cluster or [os.environ.get("NEARDUP_TEST_REDIS_CLUSTER_URL", "redis://127.0.0.1:7001")]
     for node in args.cluster:
         needs.redis(__file__, node)
     messages = first_messages(args.stream, args.warm + args.messages)
-    setups = [(node, "spread") for node in args.cluster] + ([(args.cluster[0], "slot")] if args.slot else [])
+    setups = [(node, "spread") for node in args.cluster if "spread" in layouts] + [
+        (args.cluster[0], layout) for layout in layouts if layout != "spread"]
+    kinds = {node: clustered(node) for node in args.cluster}
     results: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for _ in range(args.runs):
         for node, layout in setups:
             prefix = f"scale-{uuid.uuid4().hex[:8]}"
-            base = node.replace("redis://", "redis+cluster://").split("/0")[0]
+            base = node.replace("redis://", "redis+cluster://").split("/0")[0] if kinds[node] else node.split("?")[0]
             shards = f"&shards={args.shards}" if args.shards and layout == "spread" else ""
             url = f"{base}?prefix={prefix}&layout={layout}{shards}"
             try:
