@@ -1105,6 +1105,53 @@ def _decide_reading_ahead(engine: NearDupFilter, messages: Sequence[Message], si
     return verdicts
 
 
+def test_no_read_goes_ahead_while_others_write_beside(make: Callable[..., RedisIndex]) -> None:
+    """Workers racing on one namespace: a read sent ahead is read for nothing once another worker wrote after the
+    lookup (the next lookup reads afresh). So while others write beside it, the index sends none; a lookup
+    that finds no writes but its own since the lookup before starts them again. The verdicts are those of
+    the same interleaving with no read ever sent ahead."""
+    config = FilterConfig()
+    mine = generated_messages(200, seed=5)
+    theirs = [Message(f"b-{m.id}", m.text, m.ts) for m in generated_messages(100, seed=99)]
+    runs = []
+    for read_ahead in (True, False):
+        namespace = f"race-{read_ahead}"
+        a, b = make(namespace), make(namespace)
+        a.read_ahead = read_ahead
+        ours, other = NearDupFilter(config, index=a), NearDupFilter(config, index=b)
+        sent: list[bool] = []
+        prefetch, lookup = a.prefetch, a.lookup
+
+        def counted(queries: Sequence[Query], prefetch: Callable[..., None] = prefetch, a: RedisIndex = a,
+                    sent: list[bool] = sent) -> None:
+            prefetch(queries)
+            sent.append(a._ahead is not None)
+
+        racing = iter(theirs[at : at + 20] for at in range(0, 100, 20))
+
+        def raced(*args: Any, lookup: Callable[..., Any] = lookup, other: NearDupFilter = other,
+                  racing: Iterator[list[Message]] = racing) -> Any:
+            found = lookup(*args)
+            batch = next(racing, None)
+            if batch is not None:  # the other worker's batch, between this one's lookup and its insert
+                other.check_batch(batch)
+            return found
+
+        a.prefetch, a.lookup = counted, raced  # type: ignore[method-assign]
+        batches = [mine[at : at + 20] for at in range(0, len(mine), 20)]
+        prepared = [ours.prepare([m.text for m in batch]) for batch in batches]
+        verdicts = []
+        for i, batch in enumerate(batches):
+            upcoming = (batches[i + 1], prepared[i + 1]) if i + 1 < len(batches) else None
+            verdicts += ours.decide(batch, prepared[i], upcoming=upcoming)
+        runs.append((verdicts, sent))
+    (verdicts, sent), (alone, _) = runs
+    assert verdicts == alone
+    # Lookups 1-5 found the other's writes since the one before (it wrote after lookups 0-4): none sent;
+    # lookup 6 found none since lookup 5, and from there reads go ahead again.
+    assert sent == [True, False, False, False, False, False, True, True, True]
+
+
 @pytest.mark.parametrize(("window", "cap"), [(3600.0, 8), (30.0, 2)])
 def test_a_read_sent_ahead_stores_and_decides_as_reading_after_the_insert(
         make: Callable[..., RedisIndex], redis_url: str, prefix: str, window: float, cap: int) -> None:

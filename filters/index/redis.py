@@ -560,6 +560,11 @@ class RedisIndex:
         self._conn: Any = None
         self._epoch = 0
         self._guarded = False  # a transaction is being sent: a reconnect now would lose its WATCH
+        # Others write the namespace beside this client (workers racing): its last transaction was refused, or
+        # its last lookup found writes not its own since the lookup before. Then no read goes ahead: the next
+        # lookup would find others' writes since and read afresh, Redis having read it for nothing
+        # (docs/benchmarks.md, "Workers racing on one namespace"). A lookup that finds none ends it.
+        self._contended = False
         # Set by `decide` from its batch (`Batch.meanwhile`): a share of other work to run after a request went out
         # and before its replies are read (the next batch's fingerprints, while Redis works on this one):
         # during the lookup's read and the insert's write, not the short read of entries between them.
@@ -636,6 +641,9 @@ class RedisIndex:
                                                                watch=watch)
             watch = watch and self._epoch == epoch  # both reads on the connection whose WATCH guards the view
         self._hwm = hwm
+        last = self._view
+        if last.slices:  # (a lookup before this one: did anybody else write since?)
+            self._contended = seq != last.mark + last.inserted
         ids = [q.id for q in queries]
         keys_of = [q.keys for q in queries]
         self._view = _View(slices, dict(zip(slices, columns)), names, seq, stored, dict(zip(ids, range(len(ids)))),
@@ -695,7 +703,7 @@ class RedisIndex:
         may go ahead: see `prefetch`."""
         view = self._view
         if not self.read_ahead or not queries or not self._watchable() or view.watch != self._epoch \
-                or not view.exact or view.inserted or view.reread:
+                or not view.exact or view.inserted or view.reread or self._contended:
             return None
         try:
             marks = high_marks(queries, self._hwm, self.slice_length)
@@ -1568,6 +1576,7 @@ class RedisIndex:
                 self._raise_any(replies)
                 done = replies[-3]
                 if done is None:
+                    self._contended = True
                     return None
                 self._raise_any(done)  # a command that failed inside the transaction (the others did run)
         except BaseException:
