@@ -120,6 +120,17 @@ def test_a_stream_leaves_its_records_in_groups_of_the_slice_hash(make: Callable[
         slot.close()
 
 
+def test_the_mixed_values_of_many_keys_are_each_keys_mixed_value() -> None:
+    """`mixed_keys` (a round's bucket keys at once, for the checking script) is `mixed` of each key."""
+    rng = random.Random(3)
+    keys = [0, 1, (1 << 64) - 1, 1 << 63, *(rng.getrandbits(64) for _ in range(500))]
+    flat = gc.mixed_keys(b"".join(k.to_bytes(8, "big") for k in keys))
+    assert flat == b"".join(gc.mixed(k).to_bytes(8, "big") for k in keys)
+    assert gc.mixed_keys(b"") == b""
+    with pytest.raises(ValueError):
+        gc.mixed_keys(b"\x00" * 7)
+
+
 @pytest.mark.parametrize("other", ["slot", "compact"])
 def test_a_namespace_of_another_layout_is_refused_with_one_line(make: Callable[..., RedisIndex], redis_url: str,
                                                                  prefix: str, other: str) -> None:

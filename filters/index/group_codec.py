@@ -58,6 +58,13 @@ def mixed(h: int) -> int:
     return h * _FIB & _MASK64
 
 
+def mixed_keys(keys: bytes) -> bytes:
+    """`mixed` of each 64-bit key of `keys` (8 bytes big-endian each), 8 bytes big-endian each, at once."""
+    if len(keys) % 8:
+        raise ValueError(f"{len(keys)} bytes are not 64-bit keys")
+    return (np.frombuffer(keys, ">u8").astype(np.uint64) * np.uint64(_FIB)).astype(">u8").tobytes()
+
+
 def group_of(h: int, bits: int) -> int:
     """The group (0 .. 2^bits - 1) of a bucket key or id hash `h` in a slice of `bits`."""
     if not 0 <= bits <= K_MAX:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Iterable, Iterator, Sequence
+from itertools import chain
 from typing import Any, ClassVar, cast
 
 import numpy as np
@@ -474,9 +475,16 @@ class GroupIndex(CompactIndex):
         args: list[Any] = [self._spre, repr(self.window), repr(self.slice_length), self.bucket_cap, self._ttl_ms,
                            repr(self._hwm), ",".join(map(str, view.slices)), view.mark, view.inserted,
                            self._clock_arg(), marker, self._token, rate]
+        # (The buckets' mixed values of the whole round at once: their fields are b"b" and the key's 8 bytes.)
+        if all(len(f) == 9 for f in chain.from_iterable(fields_of)):
+            flat = gc.mixed_keys(b"".join([f[1:] for f in chain.from_iterable(fields_of)]))
+        else:
+            flat = b"".join([_mixed(int.from_bytes(f[1:], "big")) for f in chain.from_iterable(fields_of)])
+        at = 0
         for id, ts, blob, fields, expected in rows:
             args += [id.encode("utf-8", "surrogatepass"), repr(ts), blob, len(fields), expected,
-                     _mixed(cc.id_hash(id)) + b"".join([_mixed(int.from_bytes(f[1:], "big")) for f in fields])]
+                     _mixed(cc.id_hash(id)) + flat[at : at + 8 * len(fields)]]
+            at += 8 * len(fields)
         _, hwm, results = self._run_script(args)
         return results, hwm
 
@@ -485,8 +493,8 @@ class GroupIndex(CompactIndex):
         view = self._view
         ids = [entry.id for entry, _ in entries]
         times = [_event_time(entry.ts, entry.id, self.slice_length) for entry, _ in entries]
-        results, hwm = self._guarded_round(ids, times, [encode_entry(e) for e, _ in entries], fields_of,
-                                     [True] * len(entries))
+        results, hwm = self._guarded_round(ids, times, self._encode(list(entries), encode_entry), fields_of,
+                                           [True] * len(entries))
         view.hwm = hwm
         view.exact = False  # the view's columns are not what Redis holds now
         for (entry, _), fields, result in zip(entries, fields_of, results):
