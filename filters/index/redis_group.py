@@ -475,11 +475,10 @@ class GroupIndex(CompactIndex):
         args: list[Any] = [self._spre, repr(self.window), repr(self.slice_length), self.bucket_cap, self._ttl_ms,
                            repr(self._hwm), ",".join(map(str, view.slices)), view.mark, view.inserted,
                            self._clock_arg(), marker, self._token, rate]
-        # (The buckets' mixed values of the whole round at once: their fields are b"b" and the key's 8 bytes.)
-        if all(len(f) == 9 for f in chain.from_iterable(fields_of)):
-            flat = gc.mixed_keys(b"".join([f[1:] for f in chain.from_iterable(fields_of)]))
-        else:
-            flat = b"".join([_mixed(int.from_bytes(f[1:], "big")) for f in chain.from_iterable(fields_of)])
+        # The buckets' mixed values of the whole round at once (a bucket's field: b"b" and its key's 8 bytes).
+        if any(len(f) != 9 for f in chain.from_iterable(fields_of)):
+            raise ValueError("bucket fields are b'b' and a 64-bit key")
+        flat = gc.mixed_keys(b"".join([f[1:] for f in chain.from_iterable(fields_of)]))
         at = 0
         for id, ts, blob, fields, expected in rows:
             args += [id.encode("utf-8", "surrogatepass"), repr(ts), blob, len(fields), expected,
