@@ -564,10 +564,10 @@ class RedisIndex:
         self._conn: Any = None
         self._epoch = 0
         self._guarded = False  # a transaction is being sent: a reconnect now would lose its WATCH
-        # Others write the namespace beside this client (workers racing): its last transaction was refused, or
-        # its last lookup found writes not its own since the lookup before. Then no read goes ahead: the next
-        # lookup would find others' writes since and read afresh, Redis having read it for nothing
-        # (docs/benchmarks.md, "Workers racing on one namespace"). A lookup that finds none ends it.
+        # Others write the namespace beside this client (workers racing): its last lookup found writes not its
+        # own since the lookup before. Then no read goes ahead: the next lookup would find others' writes since
+        # and read afresh, Redis having read it for nothing (docs/benchmarks.md, "Workers racing on one
+        # namespace"). Each lookup decides it again, before the read ahead that follows it.
         self._contended = False
         # Set by `decide` from its batch (`Batch.meanwhile`): a share of other work to run after a request went out
         # and before its replies are read (the next batch's fingerprints, while Redis works on this one):
@@ -1581,7 +1581,6 @@ class RedisIndex:
                 self._raise_any(replies)
                 done = replies[-3]
                 if done is None:
-                    self._contended = True
                     return None
                 self._raise_any(done)  # a command that failed inside the transaction (the others did run)
         except BaseException:
