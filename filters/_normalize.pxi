@@ -158,10 +158,12 @@ cdef class NormalizeStages:
     cdef vector[uint64_t] unit_words  # normalize._UNITS (`unit_keys`), for `nl_units`
     cdef NlUnits nl_units
     cdef bytes tlds  # normalize._TLD_WORDS in order, each ended by a NUL (`domain_spans`)
+    cdef uint64_t particles[432]  # normalize.PARTICLES, a bit each from U+3400 to U+9FFF (27,648 ÷ 64): separators
 
-    def __init__(self, stage1, bint leet, bint pinyin, str pinyin_codes, int pinyin_base, bint mask_urls=False, bint mask_numbers=False, frozenset units=frozenset(), tuple tlds=()):
+    def __init__(self, stage1, bint leet, bint pinyin, str pinyin_codes, int pinyin_base, bint mask_urls=False, bint mask_numbers=False, frozenset units=frozenset(), tuple tlds=(), str particles=""):
         """`mask_urls`, `mask_numbers`, `units` (normalize._UNITS) and `tlds` (normalize._TLD_WORDS): what
-        `each` needs of the word stage besides `leet`."""
+        `each` needs of the word stage besides `leet`; `particles` (normalize.PARTICLES, Han characters): what stage 3
+        drops as separators though they are `\w`."""
         self.stage1 = stage1
         self.multi = []
         self.leet = leet
@@ -178,6 +180,12 @@ cdef class NormalizeStages:
                 self.ascii_words[c] = 0x69 if c == 0x6C and leet else c
         for ch in pinyin_codes:
             self.pinyin_codes.push_back(ord(ch))
+        cdef uint32_t cp
+        for ch in particles:
+            cp = ord(ch)
+            if not 0x3400 <= cp <= 0x9FFF:
+                raise ValueError(f"a particle must be a Han character (U+3400-U+9FFF), got {ch!r}")
+            self.particles[(cp - 0x3400) >> 6] |= (<uint64_t>1) << ((cp - 0x3400) & 63)
 
     def __dealloc__(self):
         cdef Py_ssize_t i
@@ -408,6 +416,8 @@ cdef Py_ssize_t _words1(NormalizeStages self, uint32_t *buf, Py_ssize_t n, uint3
                 continue
         else:
             if 0x3400 <= cp <= 0x9FFF:
+                if (self.particles[(cp - 0x3400) >> 6] >> ((cp - 0x3400) & 63)) & 1:
+                    continue  # a particle: a separator (normalize.PARTICLES)
                 han = True
             if self.pinyin and self.pinyin_base <= cp < self.pinyin_base + npinyin \
                     and self.pinyin_codes[cp - self.pinyin_base] != 0:

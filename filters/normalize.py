@@ -31,7 +31,9 @@ did. The order matters and is fixed:
 - `mask_numbers` replaces each number by one placeholder; `mask_urls` does the same for URLs and
   e-mail addresses.
 - After `strip_separators` the text has no spaces, punctuation, symbols or emoji at all, so inserting
-  them between letters changes nothing; shingles are then taken over the remaining characters.
+  them between letters changes nothing; shingles are then taken over the remaining characters. Chinese
+  modal particles and interjections (`PARTICLES`: 啊 吧 呢 嘛 哈 ...) go with them: padding with them is
+  an evasion, and they carry no content.
 - Empty result: a text with no letters or digits (only emoji and punctuation) would normalize to ""
   and so equal every other such text. Instead, when removing the separators would leave nothing,
   `strip_separators` removes only the whitespace ("😀 🎉!" → "😀🎉!"; the earlier steps already did
@@ -80,7 +82,13 @@ except ImportError:  # pragma: no cover - depends on the install
 
 # Bumped whenever a step changes its output: stored fingerprints carry it (FilterConfig.digest), so a
 # shared index never mixes fingerprints of two normalizations.
-NORMALIZE_VERSION = 3
+NORMALIZE_VERSION = 4
+
+# Chinese modal particles and interjections (啊 吧 呢 嘛 ...): `strip_separators` removes them as it removes
+# punctuation. They carry tone, not content, and padding a message with them is how a copy evades a filter
+# ("免费注啊册", "源于啊实践"); in a word that holds one (酒吧, 哈尔滨) it goes from both texts alike.
+# 吗 (a question), 了 and 的 (grammar) stay: they change what a sentence says.
+PARTICLES = "啊吧呢嘛呀哦哈啦嗯哎喔哇呗咯噢呵嘿唉哟呐嗨呃诶"
 
 # Placeholders are letters of the Mende Kikakui script: word characters (so separator stripping
 # keeps them), untouched by NFKC, and never seen in the messages neardup filters.
@@ -109,7 +117,7 @@ _EMAIL = _lazy(r"(?<![\w.+-])[\w.+-]+@[\w-]+(?:\.[\w-]+)+")
 _HAS_TLD = _lazy(r"\." + _TLDS + r"\b")
 _BARE_DOMAIN = _lazy(r"\b(?:[a-z0-9-]+\.)+" + _TLDS + r"\b(?:/\S*)?")
 _DOMAIN_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789.-")
-_SEPARATORS = _lazy(r"[\W_]+")
+_SEPARATORS = _lazy(rf"[\W_{PARTICLES}]+")  # what `strip_separators` removes
 _SEP = r"(?:[^\w\x1e]|_)"  # one separator character, never the batch joiner
 _END = r"(?:[a-z]|\x1e|\Z)"  # a letter, or the end of the text
 # Symbols read as letters: `@` after a letter (`c@sh`, `w@17`, `sant@`) or between a digit and a letter
@@ -325,14 +333,15 @@ class Normalizer:
         self._steps: list[tuple[str, Callable[[str], str]]] = [
             (name, getattr(self, f"_{name}")) for name in order if getattr(self.options, name)
         ]
-        twins = {"strip_invisible": _drop_invisible, "strip_accents": _drop_marks}
+        twins = {"strip_invisible": _drop_invisible, "strip_accents": _drop_marks, "pinyin": _code_han}
         self._steps_unpatterned = [(name, twins.get(name, step)) for name, step in self._steps]
         fusable = _fusable(self.options)
         self._core = None
         if fusable and _native is not None and native is not False:
             o = self.options
             self._core = _native.NormalizeStages(_decomposed(o), o.leet, o.pinyin, charmaps.PINYIN_CODES,
-                                                 charmaps.PINYIN_BASE, o.mask_urls, o.mask_numbers, _UNITS, _TLD_WORDS)
+                                                 charmaps.PINYIN_BASE, o.mask_urls, o.mask_numbers, _UNITS, _TLD_WORDS,
+                                                 PARTICLES)
         # The numpy tables take ≈ 0.3 s to build: only without the compiled stages.
         self._stages = _stages(self.options) if fusable and self._core is None else None
 
@@ -734,6 +743,19 @@ def _drop_marks(text: str) -> str:
     return text if text.isascii() else "".join(c for c in unicodedata.normalize("NFD", text) if not _is_mark(c))
 
 
+def _code_han(text: str) -> str:
+    """The pinyin step for a text of separators only (its Han characters are particles, `PARTICLES`; it has no
+    Latin letter): each Han character as its syllable's code, read from `charmaps.PINYIN_CODES` as the compiled
+    stages read it, so a process on them never builds `_pinyin_table` (megabytes) for such a text."""
+    base, codes = charmaps.PINYIN_BASE, charmaps.PINYIN_CODES
+    out = []
+    for c in text:
+        i = ord(c) - base
+        code = codes[i] if 0 <= i < len(codes) else "\x00"
+        out.append(c if code == "\x00" else code)
+    return "".join(out)
+
+
 def _fusable(o: NormalizeOptions) -> bool:
     """The fused stages equal the steps when the per-character steps act character by character:
     NFKC composes, so it is fused only with strip_accents (NFD(NFKC(s)) = NFKD(s)); the batch joiner
@@ -795,6 +817,7 @@ def _stages(o: NormalizeOptions) -> _Stages:
     words_lut[kept] = kept
     for cp, value in words.items():
         words_lut[cp] = ord(value)
+    words_lut[[ord(ch) for ch in PARTICLES]] = _DROP  # separators, though `\w` (and after pinyin)
     words_lut[ord(_JOIN)] = ord(_JOIN)
     kinds_lut = np.zeros(0x110000, dtype=np.uint8)
     kinds_lut[ord("a") : ord("z") + 1] = 1

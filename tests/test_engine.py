@@ -311,6 +311,17 @@ def test_a_short_text_with_a_word_inserted_deleted_or_swapped_is_a_duplicate(nat
     assert not f.check("明天上午九点开会", id="d", ts=3).duplicate
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["compiled", "reference"])
+def test_a_short_chinese_copy_padded_with_particles_and_a_word_deleted_is_a_duplicate(native: bool) -> None:
+    """Particles inserted (normalize.PARTICLES) cost nothing; the edit left is the deleted character."""
+    f = NearDupFilter(native=native)
+    f.check("源于实践的思考", id="a", ts=0)
+    f.check("优点：价格适中，位置方便", id="b", ts=1)
+    assert f.check("源于啊实践的考吧", id="c", ts=2).duplicate_of == "a"
+    assert f.check("优点啦：价格适中哦，位置方便呀", id="d", ts=3).duplicate_of == "b"
+    assert not f.check("源于书本的思考", id="e", ts=4).duplicate
+
+
 def test_the_edit_check_is_for_short_texts() -> None:
     from filters.errors import ConfigError
 

@@ -169,6 +169,20 @@ def test_strip_separators_spaces_dots_emoji_between_letters() -> None:
     assert same("f-r_e*e/c~a|s\\h", "free cash")
 
 
+def test_chinese_particles_are_separators() -> None:
+    # Padding a message with modal particles and interjections (normalize.PARTICLES) is decoration, as punctuation is.
+    assert same("免费注啊册 网站导航", "免费注册网站导航")
+    assert same("源于啊实践的思考吧", "源于实践的思考")
+    assert same("這個價格真的很實惠喲", "这个价格真的很实惠")  # a particle's traditional form (喲 → 哟) too
+    assert dict(FULL.trace("免费注啊册"))["strip_separators"] == "免费注册"
+    # 吗 (a question), 了 and 的 say something: they stay.
+    assert not same("你好吗", "你好") and not same("我吃了", "我吃") and not same("我的书", "我书")
+    # A text of particles only keeps them, as a text of punctuation keeps it (strip_separators' rule).
+    assert FULL("哈哈哈") != "" and not same("哈哈哈", "嗯嗯") and same("哈哈哈！", "哈 哈 哈！")
+    # Without strip_separators they stay.
+    assert not same("免费注啊册", "免费注册", without("strip_separators"))
+
+
 def test_leetspeak() -> None:
     assert only("leet")("fr33c4sh") == "freecash"
     assert same("fr33 c4sh", "free cash")
@@ -317,6 +331,7 @@ TRICKY = [
     "\U000f0001fa", "转fa微博", "我在shanghai工作", "媽媽叫你來吃飯!!", "ΣΟΦΙΑ σοφια ς", "ГОРОД БАНК",
     "fr33 c4sh", "ab12 34 cd", "a@$b", "$$$", "x@y.org@z.com", "www.a.com/x_y http://b.io", "x_y.com",
     "call +1 (555) 010-0100", "😀🎉", "!!!", "\u200b", "\t\n\r", "he said \"hi\"\x00\x07",
+    "免费注啊册", "哈哈哈", "哈哈！", "酒吧ok啦", "好ba吧", "啊1啊2", "诶 ", "喲",
 ]
 OPTION_SETS = [
     NormalizeOptions(),
@@ -332,7 +347,8 @@ OPTION_SETS = [
 # Characters each step treats specially, so that random texts exercise their interplay.
 SPECIAL = st.sampled_from(
     [*"ab lI1059@$.-_/:wthpcomru", "https://", "www.", ".com", "@x.io", "\x1e", "\u200b", "\u0301", "\u0323",
-     "\u05bc", "\u3099", "ß", "Г", "Σ", "р", "ｆ", "①", "媽", "在", "转", "😀", "\U000f0002", "\ud800", "한"]
+     "\u05bc", "\u3099", "ß", "Г", "Σ", "р", "ｆ", "①", "媽", "在", "转", "😀", "\U000f0002", "\ud800", "한",
+     "啊", "吧", "诶"]
 )
 TEXTS = st.lists(st.one_of(st.text(max_size=8), SPECIAL), max_size=12).map("".join)
 
