@@ -3,8 +3,13 @@
 Each step is a named option (see `NormalizeOptions`) so that `neardup explain` can show what every step
 did. The order matters and is fixed:
 
-    nfkc → strip_invisible → strip_accents → confusables → traditional_to_simplified → casefold
-    → mask_urls → leet → mask_numbers → strip_separators → pinyin
+    strip_markers → nfkc → strip_invisible → strip_accents → confusables → traditional_to_simplified
+    → casefold → mask_urls → leet → mask_numbers → strip_separators → pinyin
+
+- `strip_markers` removes the marker a platform or a reposter puts where it cut a text: at its end
+  `(more)`, `[cont]`, `(continued)`, `（未完）`, `(待续)`, or an ellipsis and `全文` (`…全文`, `...展开全文`); at its
+  start `(more)` or `[cont]` (what a continuation begins with), each with the ellipsis before or after it.
+  Its letters would otherwise be the cut copy's own shingles. A text that is a marker only keeps it.
 
 - `strip_accents` decomposes (NFD) and drops every combining mark (nonzero combining class, and the
   combining diacritic blocks), so the result never depends on the order of stacked marks.
@@ -281,6 +286,7 @@ def _word_code_points() -> np.ndarray:
 class NormalizeOptions:
     """Which normalization steps run. The defaults are what `neardup filter` uses."""
 
+    strip_markers: bool = True
     nfkc: bool = True
     strip_invisible: bool = True
     strip_accents: bool = True
@@ -330,8 +336,10 @@ class Normalizer:
         # Latin runs between Han characters repeat ("app", "ok", "hao"): their splits are remembered.
         self._segmented: dict[str, str | None] = {}
         order = NormalizeOptions.step_names()
+        # The steps after `strip_markers`, which `__call__` and `normalize_batch` take first (not idempotent: a text
+        # may end in two markers).
         self._steps: list[tuple[str, Callable[[str], str]]] = [
-            (name, getattr(self, f"_{name}")) for name in order if getattr(self.options, name)
+            (name, getattr(self, f"_{name}")) for name in order if getattr(self.options, name) and name != "strip_markers"
         ]
         twins = {"strip_invisible": _drop_invisible, "strip_accents": _drop_marks, "pinyin": _code_han}
         self._steps_unpatterned = [(name, twins.get(name, step)) for name, step in self._steps]
@@ -347,6 +355,27 @@ class Normalizer:
 
     # -- public ------------------------------------------------------------------------------
     def __call__(self, text: str) -> str:
+        if self.options.strip_markers and (text[-1:] in EDGE_LAST or text[:1] in EDGE_FIRST):
+            text = _strip_markers(text)
+        return self._one(text)
+
+    def normalize_batch(self, texts: Sequence[str]) -> list[str]:
+        """`[self(t) for t in texts]`, computed with one pass of each stage over the whole batch."""
+        if self.options.strip_markers:
+            texts = [_strip_markers(t) if t[-1:] in EDGE_LAST or t[:1] in EDGE_FIRST else t for t in texts]
+        return self._many(texts)
+
+    def trace(self, text: str) -> list[tuple[str, str]]:
+        """The text after each enabled step, for `neardup explain`."""
+        out = []
+        steps = [("strip_markers", _strip_markers), *self._steps] if self.options.strip_markers else self._steps
+        for name, step in steps:
+            text = step(text)
+            out.append((name, text))
+        return out
+
+    def _one(self, text: str) -> str:
+        """`__call__` after `strip_markers`."""
         if self._core is not None:
             return self._compiled([text])[0]
         st = self._stages
@@ -357,13 +386,13 @@ class Normalizer:
         # (see the module docstring) is left to the steps: such texts are rare.
         return out if out or not text else self._stepwise(text)
 
-    def normalize_batch(self, texts: Sequence[str]) -> list[str]:
-        """`[self(t) for t in texts]`, computed with one pass of each stage over the whole batch."""
+    def _many(self, texts: Sequence[str]) -> list[str]:
+        """`normalize_batch` after `strip_markers`."""
         if self._core is not None:
             return self._compiled(texts)
         st = self._stages
         if st is None or len(texts) < 2:
-            return [self(t) for t in texts]
+            return [self._one(t) for t in texts]
         clean = [t.replace(_JOIN, "") if _JOIN in t else t for t in texts]
         ascii_at = [i for i, t in enumerate(clean) if t.isascii()]
         other_at = [i for i, t in enumerate(clean) if not t.isascii()] if len(ascii_at) < len(clean) else []
@@ -383,14 +412,6 @@ class Normalizer:
             for k, (i, s) in enumerate(zip(other_at, done.split(_JOIN), strict=True)):
                 out[i] = self._latin_pinyin(s) if k in latin_next_to_pinyin else s
         return [s if s or not t else self._stepwise(t) for s, t in zip(out, texts, strict=True)]
-
-    def trace(self, text: str) -> list[tuple[str, str]]:
-        """The text after each enabled step, for `neardup explain`."""
-        out = []
-        for name, step in self._steps:
-            text = step(text)
-            out.append((name, text))
-        return out
 
     def _stepwise(self, text: str, steps: list[tuple[str, Callable[[str], str]]] | None = None) -> str:
         for _, step in steps or self._steps:
@@ -731,6 +752,40 @@ def _decomposed(o: NormalizeOptions) -> Callable[[int], str]:
         return value(cp) if parts == ch else "".join([value(ord(c)) for c in parts])
 
     return decomposed
+
+
+_ELLIPSIS = r"(?:\.{2,}|…+)"
+_MARKER = r"[(\[（【](?:more|cont\.?|continued|未完|待续|未完待续)[)\]）】]"
+_END_MARKER = _lazy(rf"(?i)\s*(?:{_ELLIPSIS}\s*)?(?:{_MARKER}|{_ELLIPSIS}\s*(?:展开|阅读|查看)?全文)\s*\Z")
+_START_MARKER = _lazy(rf"(?i)\A\s*(?:{_ELLIPSIS}\s*)?{_MARKER}(?:\s*{_ELLIPSIS})?")
+_MARKER_LAST = frozenset(")]）】文")  # how a text that ends in a marker ends (but for whitespace)
+_MARKER_FIRST = frozenset("([（【.…")  # how one that starts with a marker starts
+_SPACES = frozenset(" \t\n\r\u3000")
+# What a text's last or first character must be for `_strip_markers` to look further: one test each, inline, so that
+# the texts that cannot have a marker (nearly all) cost no call.
+EDGE_LAST = _MARKER_LAST | _SPACES
+EDGE_FIRST = _MARKER_FIRST | _SPACES
+_MARKER_TAIL = 48  # characters from the end an end marker is looked for in (it is at most ~20 with its ellipsis)
+
+
+def _strip_markers(text: str) -> str:
+    """The strip_markers step (see the module docstring): at most one marker from the end, then one from the start;
+    a text that is a marker only is kept. The end marker is looked for in the last `_MARKER_TAIL` characters only (a
+    pattern ending in `\\Z`, searched from every position of a long text, costs as much as the rest of the steps)."""
+    end = len(text)
+    if text.rstrip()[-1:] in _MARKER_LAST:
+        m = _END_MARKER().search(text, max(0, end - _MARKER_TAIL))
+        if m is not None:
+            end = m.start()
+    start = 0
+    if text.lstrip()[:1] in _MARKER_FIRST:
+        m = _START_MARKER().match(text, 0, end)
+        if m is not None:
+            start = m.end()
+    if start == 0 and end == len(text):
+        return text
+    out = text[start:end]
+    return out if out.strip() else text
 
 
 def _drop_invisible(text: str) -> str:

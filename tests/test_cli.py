@@ -404,7 +404,7 @@ def test_explain_prints_normalized_forms_and_a_verdict(capsys: pytest.CaptureFix
     assert "== A: 'WIN a FREE iPhone, call 555-0100'" in out
     assert "== B: 'w i n a fr33 iPhone!! call 555-0199'" in out
     steps = re.findall(r"^  (\w+)\s+'(.*)'$", out, flags=re.M)
-    assert [s for s, _ in steps][:11] == ["nfkc", "strip_invisible", "strip_accents", "confusables",
+    assert [s for s, _ in steps][:12] == ["strip_markers", "nfkc", "strip_invisible", "strip_accents", "confusables",
                                           "traditional_to_simplified", "casefold", "mask_urls", "leet",
                                           "mask_numbers", "strip_separators", "pinyin"]
     finals = [v for s, v in steps if s == "pinyin"]

@@ -254,6 +254,8 @@ def test_containment_refuses_a_part_that_adds_words_of_its_own(native: bool) -> 
     f.check(text, id="full", ts=0)
     cut = text[: len(text) * 2 // 5]
     v = f.check(cut + " (more)", id="cut", ts=1)
+    assert v.duplicate_of == "full" and v.similarity == 1.0  # the marker is dropped (strip_markers)
+    v = f.check(cut + "lo", id="junction", ts=1)  # a cut inside a word: the junction is its own
     assert v.duplicate_of == "full" and v.similarity < 1.0
     assert not f.check(cut + " and then a few words of its own", id="own", ts=2).duplicate
 

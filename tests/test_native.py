@@ -1027,6 +1027,7 @@ _NORM_PIECES = st.sampled_from([
     "\ufe0f", "\u0301", "\u0323", "\u05bc", "\u3099", "ß", "ẞ", "Г", "Σ", "ς", "ϲ", "р", "ｆ", "Ｆ", "１", "①", "ℹ",
     "🈶", "媽", "在", "转", "发", "微博", "shanghai", "fa", "lai", "😀", "🎉", "\U000f0002", "\ud800", "한",
     "f r 3 3", "p @ y", "  ", "ǅ", "ﬁ", "㎏", "\U00020000", "\U000e0041", "啊", "吧", "哈哈", "诶", "喲", "ba",
+    "(more)", "...[cont]", "…全文",
 ])
 _NORM_TEXTS = st.lists(st.one_of(st.text(max_size=8), st.text(alphabet=st.characters(), max_size=4), _NORM_PIECES),
                        max_size=14).map("".join)

@@ -33,7 +33,7 @@ def same(a: str, b: str, n: Normalizer = FULL) -> bool:
 
 def test_step_names_are_the_documented_pipeline_order() -> None:
     assert STEPS == (
-        "nfkc", "strip_invisible", "strip_accents", "confusables", "traditional_to_simplified", "casefold",
+        "strip_markers", "nfkc", "strip_invisible", "strip_accents", "confusables", "traditional_to_simplified", "casefold",
         "mask_urls", "leet", "mask_numbers", "strip_separators", "pinyin",
     )
     assert all(getattr(NormalizeOptions(), s) is True for s in STEPS)
@@ -73,6 +73,7 @@ def test_trace_with_steps_off_and_all_off() -> None:
 
 # Per step: a pair the full pipeline makes equal, which stays different when only that step is off.
 DIFFERENTIAL = {
+    "strip_markers": ("Everybody had fun this...[cont]", "Everybody had fun this"),
     "nfkc": ("ｆｒｅｅ ｃａｓｈ", "free cash"),
     "strip_invisible": ("visit exam\u200bple.com today", "visit example.com today"),
     "strip_accents": ("café crème", "cafe creme"),
@@ -181,6 +182,26 @@ def test_chinese_particles_are_separators() -> None:
     assert FULL("哈哈哈") != "" and not same("哈哈哈", "嗯嗯") and same("哈哈哈！", "哈 哈 哈！")
     # Without strip_separators they stay.
     assert not same("免费注啊册", "免费注册", without("strip_separators"))
+
+
+def test_a_cut_copy_loses_the_marker_put_where_it_was_cut() -> None:
+    for cut, text in [
+        ("Everybody had fun this...[cont]", "Everybody had fun this"),
+        ("Ya ok, vikky vl c witin (more)", "Ya ok, vikky vl c witin"),
+        ("(more)dlrs net vs avg shrs", "dlrs net vs avg shrs"),
+        ("...[cont]never expect", "never expect"),
+        ("研究人员推测说，这种大鸟可能…全文", "研究人员推测说，这种大鸟可能"),
+        ("党委书记郭铁锋（未完）", "党委书记郭铁锋"),
+        ("rates rise (MORE) ", "rates rise"),
+    ]:
+        assert same(cut, text), cut
+        assert dict(FULL.trace(cut))["strip_markers"] == text
+    # Only a marker where the text was cut: the same words inside it, or a text that is a marker only, stay.
+    assert not same("tell me more", "tell me")
+    assert not same("more to come", "to come") and not same("a (more) b", "a b")
+    assert not same("阅读全文", "阅读") and FULL("(more)") != ""
+    # One marker a side: a text that ends in two keeps the first (as a word).
+    assert same("a (more) (more)", "a more") and dict(FULL.trace("a (more) (more)"))["strip_markers"] == "a (more)"
 
 
 def test_leetspeak() -> None:
@@ -332,6 +353,7 @@ TRICKY = [
     "fr33 c4sh", "ab12 34 cd", "a@$b", "$$$", "x@y.org@z.com", "www.a.com/x_y http://b.io", "x_y.com",
     "call +1 (555) 010-0100", "😀🎉", "!!!", "\u200b", "\t\n\r", "he said \"hi\"\x00\x07",
     "免费注啊册", "哈哈哈", "哈哈！", "酒吧ok啦", "好ba吧", "啊1啊2", "诶 ", "喲",
+    "(more)", "a (more) (more)", "...[cont]x", "可能…全文", "（未完）", " x [CONT] ", "全文",
 ]
 OPTION_SETS = [
     NormalizeOptions(),
@@ -343,12 +365,13 @@ OPTION_SETS = [
     NormalizeOptions().with_steps(casefold=False, confusables=False, mask_urls=False),
     NormalizeOptions().with_steps(strip_accents=False),  # NFKC alone composes: the step-by-step path
     NormalizeOptions().with_steps(strip_separators=False),
+    NormalizeOptions().with_steps(strip_markers=False),
 ]
 # Characters each step treats specially, so that random texts exercise their interplay.
 SPECIAL = st.sampled_from(
     [*"ab lI1059@$.-_/:wthpcomru", "https://", "www.", ".com", "@x.io", "\x1e", "\u200b", "\u0301", "\u0323",
      "\u05bc", "\u3099", "ß", "Г", "Σ", "р", "ｆ", "①", "媽", "在", "转", "😀", "\U000f0002", "\ud800", "한",
-     "啊", "吧", "诶"]
+     "啊", "吧", "诶", "(more)", "[cont]", "…全文", "..."]
 )
 TEXTS = st.lists(st.one_of(st.text(max_size=8), SPECIAL), max_size=12).map("".join)
 
