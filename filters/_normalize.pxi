@@ -1165,3 +1165,37 @@ def latin_pinyin(str coded, dict segmented, miss, uint32_t code_lo, uint32_t cod
         return coded
     parts.append(coded[last:])
     return "".join(parts)
+
+
+def marker_candidates(list texts, str last, str first) -> list:
+    """`normalize.marker_candidates`, compiled: the places of the texts whose last character is one of `last` or whose
+    first is one of `first` (two characters read a text, no object made)."""
+    cdef list out = []
+    cdef Py_ssize_t k, n, i, n_last = len(last), n_first = len(first)
+    cdef str t
+    cdef Py_UCS4 c
+    cdef Py_UCS4 lasts[16]
+    cdef Py_UCS4 firsts[16]
+    if n_last > 16 or n_first > 16:
+        raise ValueError("at most 16 last and 16 first characters")
+    for i in range(n_last):
+        lasts[i] = last[i]
+    for i in range(n_first):
+        firsts[i] = first[i]
+    for k in range(len(texts)):
+        t = texts[k]
+        n = len(t)
+        if n == 0:
+            continue
+        c = t[n - 1]
+        for i in range(n_last):
+            if c == lasts[i]:
+                out.append(k)
+                break
+        else:
+            c = t[0]
+            for i in range(n_first):
+                if c == firsts[i]:
+                    out.append(k)
+                    break
+    return out

@@ -1027,7 +1027,7 @@ _NORM_PIECES = st.sampled_from([
     "\ufe0f", "\u0301", "\u0323", "\u05bc", "\u3099", "ß", "ẞ", "Г", "Σ", "ς", "ϲ", "р", "ｆ", "Ｆ", "１", "①", "ℹ",
     "🈶", "媽", "在", "转", "发", "微博", "shanghai", "fa", "lai", "😀", "🎉", "\U000f0002", "\ud800", "한",
     "f r 3 3", "p @ y", "  ", "ǅ", "ﬁ", "㎏", "\U00020000", "\U000e0041", "啊", "吧", "哈哈", "诶", "喲", "ba",
-    "(more)", "...[cont]", "…全文",
+    "(more)", "...[cont]", "…全文", "（未完）", "【cont】", " ", "\u3000",
 ])
 _NORM_TEXTS = st.lists(st.one_of(st.text(max_size=8), st.text(alphabet=st.characters(), max_size=4), _NORM_PIECES),
                        max_size=14).map("".join)
@@ -1036,6 +1036,14 @@ _NORM_OPTIONS = [NormalizeOptions(), *(NormalizeOptions().with_steps(**{s: False
                                                  "casefold", "mask_urls", "leet", "mask_numbers", "pinyin")),
                  NormalizeOptions().with_steps(nfkc=False, strip_accents=False),
                  NormalizeOptions().with_steps(strip_separators=False)]  # not fused: the steps, both ways
+
+
+@given(texts=st.lists(_NORM_TEXTS, max_size=12))
+def test_marker_candidates_as_the_reference(texts: list[str]) -> None:
+    """The texts `strip_markers` looks at (last or first character one a marker can end or start with)."""
+    from filters.normalize import EDGE_FIRST, EDGE_LAST, marker_candidates
+
+    assert _native.marker_candidates(texts, EDGE_LAST, EDGE_FIRST) == marker_candidates(texts)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -1210,6 +1218,11 @@ def test_replies_gathered_and_their_first_error_as_the_reference(replies: list[o
     assert first is next((r for r in replies if isinstance(r, Exception)), None)
 
 
+# Ranking buffers an index keeps from lookup to lookup: shared by every example below, so that each ranks with
+# buffers an earlier one grew and stamped.
+_KEPT_SCRATCH = _native.rank_scratch()
+
+
 @settings(max_examples=200, deadline=None)
 @given(data=st.data(), n_buckets=st.integers(1, 6), n_queries=st.integers(1, 4), n_slices=st.integers(1, 2),
        limit=st.integers(1, 6), cap=st.integers(1, 4))
@@ -1237,6 +1250,7 @@ def test_rank_all_compact_as_the_reference(data: st.DataObject, n_buckets: int, 
 
     args = (columns, positions, id_places, ids, floors, limit, horizons, cap, memo_time)
     assert _native.rank_all_compact(*args) == compact_codec.rank_all(*args)
+    assert _native.rank_all_compact(*args, scratch=_KEPT_SCRATCH) == compact_codec.rank_all(*args)
     columns[0][id_places[0]] = compact_codec.record(1.0, 1) + b"x"
     for rank in (_native.rank_all_compact, compact_codec.rank_all):
         with pytest.raises(IndexCorrupt):

@@ -36,14 +36,16 @@ def rank_compact(list values, list positions, uint64_t own, Py_ssize_t floor, Py
 
 
 def rank_all_compact(list columns, list positions, list id_places, list ids, list floors, Py_ssize_t limit,
-                     list horizons, Py_ssize_t cap, memo_time) -> list:
-    """`filters.index.compact_codec.rank_all`, compiled."""
+                     list horizons, Py_ssize_t cap, memo_time, _RankScratch scratch=None) -> list:
+    """`filters.index.compact_codec.rank_all`, compiled. `scratch`: buffers kept by the caller (`rank_scratch`),
+    else made for this call."""
     cdef list out = [], column
     cdef Py_ssize_t q, e, n = len(positions)
     cdef double horizon, ts
     cdef uint64_t own_seq
     cdef object value, own, memo
-    cdef _RankScratch scratch = _RankScratch()
+    if scratch is None:
+        scratch = _RankScratch()
     if not (len(id_places) == len(ids) == len(floors) == len(horizons) == n):
         raise ValueError("one id place, id, floor and horizon a query expected")
     for q in range(n):

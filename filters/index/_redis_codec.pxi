@@ -120,8 +120,10 @@ cdef inline uint64_t be64(const char *p) noexcept nogil:
 
 
 cdef class _RankScratch:
-    """Buffers `rank_records` reuses from query to query of one lookup: the records of a bucket, the tally
-    table (a slot is taken when its stamp is this query's: no clearing between queries) and the hits."""
+    """Buffers `rank_records` reuses from query to query of one lookup, and an index from lookup to lookup
+    (`rank_scratch`): the records of a bucket, the tally table (a slot is taken when its stamp is this query's: no
+    clearing between queries; made afresh each lookup, it was grown and cleared each round, ~1,300 instructions a
+    message of the whole stream) and the hits."""
 
     cdef nd_record *recs
     cdef Py_ssize_t recs_cap
@@ -1206,15 +1208,21 @@ cdef object live_blob(list columns, Py_ssize_t place, double horizon, Py_ssize_t
     return None
 
 
+def rank_scratch() -> _RankScratch:
+    """Buffers for `rank_lookup` and `rank_all_compact` to keep from lookup to lookup (`scratch=`)."""
+    return _RankScratch()
+
+
 def rank_lookup(list columns, list positions_of, list id_places, list ids, list floors, Py_ssize_t limit,
-                list horizons, Py_ssize_t cap, entry_time, memo_time) -> list:
+                list horizons, Py_ssize_t cap, entry_time, memo_time, _RankScratch scratch=None) -> list:
     """`redis_codec.rank_lookup`, compiled: per query of a lookup, (its stored entry's bytes if live, else
     None; if none, its memo's bytes (the field after its entry's) if live, else None; `rank_records` of
-    its buckets)."""
+    its buckets). `scratch`: buffers kept by the caller (`rank_scratch`), else made for this call."""
     cdef Py_ssize_t i, e, n = len(ids)
     cdef double horizon
     cdef object own, memo
-    cdef _RankScratch scratch = _RankScratch()
+    if scratch is None:
+        scratch = _RankScratch()
     if len(id_places) != n:
         raise ValueError("ids and entry places differ in length")
     out = []

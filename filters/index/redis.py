@@ -103,6 +103,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from importlib import resources
 from itertools import chain, islice, pairwise
 from typing import Any, cast
@@ -554,7 +555,9 @@ class RedisIndex:
         self._bucket_pairs = _native.bucket_pairs if _native is not None else bucket_pairs
         self._bucket_commands = _native.bucket_commands if _native is not None else bucket_commands
         self._decode = _native.decode_entries if _native is not None else decode_entries
-        self._rank_all = _native.rank_lookup if _native is not None else rank_lookup
+        # (compiled: with buffers kept from lookup to lookup)
+        self._rank_all = partial(_native.rank_lookup, scratch=_native.rank_scratch()) if _native is not None \
+            else rank_lookup
         self._encode = _native.encode_entries if _native is not None else encode_entries
         self._overlay = _native.overlay_writes if _native is not None else overlay_writes
         self.alone_inserts = True  # INSERT_ALONE_LUA when nobody else inserted since the lookup
