@@ -776,13 +776,25 @@ def marker_candidates(texts: Sequence[str], last: str = EDGE_LAST, first: str = 
     return [k for k, t in enumerate(texts) if t[-1:] and (t[-1] in last or t[0] in first)]
 
 
+# A marker's word as the tricks the later steps undo leave it (`(m0r3)`, `[c0n7]`, `( m o r 3 )`, `(mσꭇe)`): the
+# look-alikes and the leet digits and symbols read as letters, spaces gone, lower case.
+_LEET_FOLD = str.maketrans("013457@$!", "oieastasi", " \t")
+
+
+def _marker_word(inside: str) -> bool:
+    """Is `inside` (what stands between a marker's brackets) one of `_MARKER_WORDS`, read past the tricks?"""
+    if inside.lower() in _MARKER_WORDS:
+        return True
+    return inside.translate(_translation_tables()[0]).lower().translate(_LEET_FOLD) in _MARKER_WORDS
+
+
 def _bracketed_end(text: str) -> int:
     """Where a bracketed marker (`_MARKER_WORDS`) that `text` ends in starts, else -1."""
     opening = _OPENING.get(text[-1:])
     if opening is None:
         return -1
-    at = text.rfind(opening, max(0, len(text) - 12), len(text) - 1)
-    return at if at >= 0 and text[at + 1 : -1].lower() in _MARKER_WORDS else -1
+    at = text.rfind(opening, max(0, len(text) - 24), len(text) - 1)
+    return at if at >= 0 and _marker_word(text[at + 1 : -1]) else -1
 
 
 def _strip_markers(text: str) -> str:
@@ -799,8 +811,8 @@ def _strip_markers(text: str) -> str:
     head = body.lstrip()
     if head[:1] in (".", "…"):
         head = head.lstrip(" .…\t\n\r\u3000")
-    close = min((i for i in (head.find(c, 1, 12) for c in _OPENING) if i > 0), default=-1)
-    if close > 0 and _OPENING[head[close]] == head[0] and head[1:close].lower() in _MARKER_WORDS:
+    close = min((i for i in (head.find(c, 1, 24) for c in _OPENING) if i > 0), default=-1)
+    if close > 0 and _OPENING[head[close]] == head[0] and _marker_word(head[1:close]):
         body = head[close + 1 :]
     elif at < 0:
         return text

@@ -200,6 +200,10 @@ def test_a_cut_copy_loses_the_marker_put_where_it_was_cut() -> None:
     assert not same("tell me more", "tell me")
     assert not same("more to come", "to come") and not same("a (more) b", "a b")
     assert not same("阅读全文", "阅读") and FULL("(more)") != ""
+    # A marker with the tricks the later steps undo applied to it is still one.
+    for tricked in ("Ya ok, vikky vl c witin (m0r3)", "Ya ok, vikky vl c witin ( m o r 3 )", "Ya ok, vikky vl c witin (mσꭇe)"):
+        assert same(tricked, "Ya ok, vikky vl c witin"), tricked
+    assert same("...[c0n7]never expect", "never expect")
     # One marker a side: a text that ends in two keeps the first (as a word).
     assert same("a (more) (more)", "a more") and dict(FULL.trace("a (more) (more)"))["strip_markers"] == "a (more) "
 
