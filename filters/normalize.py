@@ -356,7 +356,7 @@ class Normalizer:
 
     # -- public ------------------------------------------------------------------------------
     def __call__(self, text: str) -> str:
-        if self.options.strip_markers and text and (text[-1] in EDGE_LAST or text[0] in EDGE_FIRST):
+        if self.options.strip_markers and marker_candidates((text,)):
             text = _strip_markers(text)
         return self._one(text)
 
@@ -810,7 +810,7 @@ def _strip_markers(text: str) -> str:
         body = body[:at]
     head = body.lstrip()
     if head[:1] in (".", "…"):
-        head = head.lstrip(" .…\t\n\r\u3000")
+        head = head.lstrip(".…" + _SPACES)
     close = min((i for i in (head.find(c, 1, 24) for c in _OPENING) if i > 0), default=-1)
     if close > 0 and _OPENING[head[close]] == head[0] and _marker_word(head[1:close]):
         body = head[close + 1 :]
