@@ -8,8 +8,9 @@ did. The order matters and is fixed:
 
 - `strip_markers` removes the marker a platform or a reposter puts where it cut a text: at its end
   `(more)`, `[cont]`, `(continued)`, `（未完）`, `(待续)`, or an ellipsis and `全文` (`…全文`, `...展开全文`); at its
-  start `(more)` or `[cont]` (what a continuation begins with), each with the ellipsis before or after it.
-  Its letters would otherwise be the cut copy's own shingles. A text that is a marker only keeps it.
+  start `(more)` or `[cont]` (what a continuation begins with), after an ellipsis or not; the word in the brackets
+  read past leet, look-alikes and spaces (`(m0r3)`). Its letters would otherwise be the cut copy's own shingles. A
+  text that is a marker only keeps it.
 
 - `strip_accents` decomposes (NFD) and drops every combining mark (nonzero combining class, and the
   combining diacritic blocks), so the result never depends on the order of stacked marks.
