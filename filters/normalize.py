@@ -357,9 +357,7 @@ class Normalizer:
 
     # -- public ------------------------------------------------------------------------------
     def __call__(self, text: str) -> str:
-        if self.options.strip_markers and marker_candidates((text,)):
-            text = _strip_markers(text)
-        return self._one(text)
+        return self._one(_strip_markers(text) if self.options.strip_markers else text)
 
     def normalize_batch(self, texts: Sequence[str]) -> list[str]:
         """`[self(t) for t in texts]`, computed with one pass of each stage over the whole batch."""
@@ -800,7 +798,11 @@ def _bracketed_end(text: str) -> int:
 
 def _strip_markers(text: str) -> str:
     """The strip_markers step (see the module docstring): at most one marker from the end, then one from the start;
-    a text that is a marker only is kept. The ellipsis and spaces around a marker are separators: they are left."""
+    a text that is a marker only is kept. The ellipsis and spaces around a marker are separators: they are left. A
+    text that `marker_candidates` passes over is returned as it is (`normalize_batch` asks it for the whole batch
+    first, so `trace` and `__call__` take the same texts)."""
+    if not marker_candidates((text,)):
+        return text
     body = text.rstrip()
     at = _bracketed_end(body)
     if at < 0 and body.endswith("全文"):

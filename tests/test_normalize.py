@@ -357,7 +357,7 @@ TRICKY = [
     "fr33 c4sh", "ab12 34 cd", "a@$b", "$$$", "x@y.org@z.com", "www.a.com/x_y http://b.io", "x_y.com",
     "call +1 (555) 010-0100", "😀🎉", "!!!", "\u200b", "\t\n\r", "he said \"hi\"\x00\x07",
     "免费注啊册", "哈哈哈", "哈哈！", "酒吧ok啦", "好ba吧", "啊1啊2", "诶 ", "喲",
-    "(more)", "a (more) (more)", "...[cont]x", "可能…全文", "（未完）", " x [CONT] ", "全文",
+    "(more)", "a (more) (more)", "...[cont]x", "可能…全文", "（未完）", " x [CONT] ", "全文", "x y (more)\xa0",
 ]
 OPTION_SETS = [
     NormalizeOptions(),
