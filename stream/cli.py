@@ -231,7 +231,7 @@ def sample_paths() -> tuple[Path, Path]:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from stream.eval_report import length_table, score_lengths
+    from stream.eval_report import length_table, score_lengths, worst
     from stream.evaluate import read_truth, score
 
     if args.sample:
@@ -252,18 +252,24 @@ def cmd_eval(args: argparse.Namespace) -> int:
                            "the truth needs one row per record, in the same order")
     verdicts: list[Verdict | None] = []
     texts: list[str] = []  # for recall by length; a rejected record counts as empty
+    ids: list[str] = []  # for the worst misses and false positives: what a verdict's duplicate_of names
     started = time.perf_counter()
     for i in range(0, len(lines), args.batch_size):
         batch = [RawRecord(line, str(i + j + 1), 0.0) for j, line in enumerate(lines[i : i + args.batch_size])]
         for r in route_batch(nd, batch, fmt):
             verdicts.append(r.verdict if r.kind in (UNIQUE, DUPLICATE) else None)
             texts.append(r.decoded.message.text if r.decoded is not None else "")
+            ids.append(r.decoded.message.id if r.decoded is not None else "")
     report = score(truth, verdicts)
     report.seconds = time.perf_counter() - started
     nd.index.close()
     print(report.table())
     print()
     print(length_table(score_lengths(truth, texts, verdicts)))
+    if args.misses or args.fps:
+        print()
+        stream = [{"id": id, "text": text} for id, text in zip(ids, texts)]
+        print(worst(stream, truth, verdicts, settings.filter_config(), args.misses, args.fps))
     return 0
 
 
@@ -353,6 +359,10 @@ def _add_eval(sub: Any) -> None:
     p.add_argument("--sample", action="store_true", help="the labelled sample in the clone's tests/data/")
     p.add_argument("--batch-size", type=_positive_int, default=FILE_BATCH,
                    help=f"records routed together (default {FILE_BATCH})")
+    p.add_argument("--misses", type=_count, default=0, metavar="N",
+                   help="list the N nearest misses, each with the rule that refused it (default 0)")
+    p.add_argument("--fps", type=_count, default=0, metavar="N",
+                   help="list the N weakest false positives, each with what it matched (default 0)")
     _add_filter_options(p)
     p.set_defaults(func=cmd_eval)
 
@@ -361,14 +371,22 @@ _CORE: dict[str, Callable[[Any], None]] = {"filter": _add_filter, "explain": _ad
 CORE_COMMANDS = tuple(_CORE)  # this module's commands: the others are stream.commands' (Kafka, Redis)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return value
+def _at_least(least: int) -> Callable[[str], int]:
+    """An argparse type: a whole number of at least `least`."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be >= {least}, got {text}")
+        return value
+
+    return parse
+
+
+_positive_int = _at_least(1)
+_count = _at_least(0)
 
 
 def _glue_normalize_value(argv: Sequence[str]) -> list[str]:

@@ -1,19 +1,16 @@
-"""Where the filter misses on a labelled stream: recall per perturbation kind and text length, worst misses and false positives.
+"""Where the filter misses on a labelled stream (`neardup eval`): recall per text length, worst misses and false positives.
 
-Runs the measure of shared/eval/README.md (through `stream.evaluate.score`) and adds what tuning needs:
-recall per perturbation kind (ptype) and per length band of the message (characters of the raw text:
-<= 30, 31-70, 71-200, > 200), and the worst misses and false positives, each with `explain`-style detail
-against the message it should (or should not) have matched: shared bucket keys, sketch Jaccard and
-containment, and which rule refused.
+What `neardup eval` adds to the measure of shared/eval/README.md (`stream.evaluate.score`, which gives recall per
+perturbation kind): recall and precision per length band of the message (characters of the raw text: <= 30,
+31-70, 71-200, > 200), and the worst misses and false positives, each with `explain`-style detail against the
+message it should (or should not) have matched: shared bucket keys, sketch Jaccard and containment, and which
+rule refused.
 
-    python -m stream.eval_report STREAM TRUTH [--index memory://|redis://...] [--misses 10] [--fps 10]
+    neardup eval STREAM TRUTH [--index memory://|redis://...] [--misses 10] [--fps 10] [filter options]
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
-import time
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,12 +20,11 @@ import orjson
 
 from filters.config import FilterConfig
 from filters.edits import lcs_similarity
-from filters.engine import Message, NearDupFilter, Verdict
+from filters.engine import NearDupFilter, Verdict
 from filters.fingerprint import key_method
 from filters.index import Candidate, Entry
 from filters.sketch import overlap, size_ratio
-from stream.evaluate import Report, Tally, _count, score
-from stream.runner import FILE_BATCH
+from stream.evaluate import Tally, _count
 
 LENGTH_BANDS: tuple[tuple[str, int], ...] = (("<=30", 30), ("31-70", 70), ("71-200", 200), (">200", 1 << 62))
 
@@ -78,7 +74,7 @@ def pair_detail(nd: NearDupFilter, earlier: str, later: str) -> PairDetail:
     elif len(shared) < floor:
         rule = f"too few shared keys ({dict(Counter(key_method(k) for k in shared))} < min_shared floor)"
     elif match.ok:
-        rule = f"matches alone via {match.method} (lost to ranking, bucket cap or another candidate)"
+        rule = f"matches alone via {match.method}"
     elif ov.jaccard >= cfg.threshold and edit < 0 and containment < cfg.containment:
         rule = (f"jaccard passes threshold {cfg.threshold} but not threshold_long {cfg.threshold_long} "
                 "(a long pair of about one size)")
@@ -119,17 +115,6 @@ def score_lengths(truth: Sequence[dict[str, Any]], texts: Sequence[str],
     return LengthReport(by_length, by_pl)
 
 
-def run(stream: Sequence[dict[str, Any]], config: FilterConfig, index: str = "memory://",
-        batch_size: int = FILE_BATCH) -> tuple[NearDupFilter, list[Verdict], float]:
-    nd = NearDupFilter(config, index=index)
-    verdicts: list[Verdict] = []
-    started = time.perf_counter()
-    for i in range(0, len(stream), batch_size):
-        batch = [Message(r["id"], r["text"], float(r.get("ts", 0.0))) for r in stream[i : i + batch_size]]
-        verdicts.extend(nd.check_batch(batch))
-    return nd, verdicts, time.perf_counter() - started
-
-
 def length_table(lengths: LengthReport) -> str:
     lines = ["| length (chars) | duplicates | recall | precision |", "|---|---|---|---|"]
     for name, _ in LENGTH_BANDS:
@@ -138,88 +123,59 @@ def length_table(lengths: LengthReport) -> str:
     return "\n".join(lines)
 
 
-def worst(stream: Sequence[dict[str, Any]], truth: Sequence[dict[str, Any]], verdicts: Sequence[Verdict],
+def worst(stream: Sequence[dict[str, Any]], truth: Sequence[dict[str, Any]], verdicts: Sequence[Verdict | None],
           config: FilterConfig, n_misses: int, n_fps: int) -> str:
     """Misses (against the first message of their cluster) and false positives (against what they matched)."""
     first_of: dict[str, int] = {}
     by_id = {r["id"]: i for i, r in enumerate(stream)}
     misses: list[int] = []
-    fps: list[int] = []
+    fps: list[tuple[int, Verdict]] = []
     for i, (row, v) in enumerate(zip(truth, verdicts, strict=True)):
         truly = row["cluster"] in first_of
         first_of.setdefault(row["cluster"], i)
+        if v is None:
+            continue  # rejected: `score` counts it, there is no pair to show
         if truly and not v.duplicate:
             misses.append(i)
         elif v.duplicate and not truly and not row.get("gray", False):
-            fps.append(i)
+            fps.append((i, v))
     probe = NearDupFilter(config)
-    out: list[str] = [f"## Misses ({len(misses)})"]
-    rules: Counter[str] = Counter()
-    details: list[tuple[float, int, PairDetail]] = []
-    for i in misses:
-        d = pair_detail(probe, stream[first_of[truth[i]["cluster"]]]["text"], stream[i]["text"])
-        rules[d.rule.split(" (")[0]] += 1
-        details.append((max(d.jaccard, d.containment), i, d))
-    out.append("| refusing rule | misses |")
-    out.append("|---|---|")
-    out += [f"| {r} | {c} |" for r, c in rules.most_common()]
-    out.append("")
-    details.sort(key=lambda t: -t[0])  # the nearest misses first: the cheapest to win back
-    for _, i, d in details[:n_misses]:
-        a = stream[first_of[truth[i]["cluster"]]]["text"]
-        out.append(f"- [{truth[i]['ptype']}, {truth[i]['corpus']}, {len(stream[i]['text'])} chars] {d.line()}")
-        out.append(f"  A: {a[:160]!r}")
-        out.append(f"  B: {stream[i]['text'][:160]!r}")
-    out += ["", f"## False positives ({len(fps)})"]
-    fp_details = []
-    for i in fps:
-        j = by_id.get(verdicts[i].duplicate_of or "", i)
-        fp_details.append((verdicts[i].similarity, i, j, pair_detail(probe, stream[j]["text"], stream[i]["text"])))
-    fp_details.sort(key=lambda t: t[0])  # the weakest wrong matches first: the cheapest to refuse
-    for sim, i, j, d in fp_details[:n_fps]:
-        out.append(f"- [{truth[i]['corpus']}, {len(stream[i]['text'])} chars, similarity {sim:.2f} via "
-                   f"{verdicts[i].method}] {d.line()}")
-        out.append(f"  A: {stream[j]['text'][:160]!r}")
-        out.append(f"  B: {stream[i]['text'][:160]!r}")
+    out: list[str] = []
+    if n_misses:
+        out.append(f"## Misses ({len(misses)})")
+        rules: Counter[str] = Counter()
+        details: list[tuple[float, int, PairDetail]] = []
+        for i in misses:
+            d = pair_detail(probe, stream[first_of[truth[i]["cluster"]]]["text"], stream[i]["text"])
+            rules[d.rule.split(" (")[0]] += 1
+            details.append((max(d.jaccard, d.containment), i, d))
+        out.append("| refusing rule | misses |")
+        out.append("|---|---|")
+        out += [f"| {r} | {c} |" for r, c in rules.most_common()]
+        out.append("")
+        out.append("(A miss that matches alone lost to the ranking, the bucket cap or another candidate.)")
+        out.append("")
+        details.sort(key=lambda t: -t[0])  # the nearest misses first: the cheapest to win back
+        for _, i, d in details[:n_misses]:
+            a = stream[first_of[truth[i]["cluster"]]]["text"]
+            out.append(f"- [{truth[i]['ptype']}, {truth[i]['corpus']}, {len(stream[i]['text'])} chars] {d.line()}")
+            out.append(f"  A: {a[:160]!r}")
+            out.append(f"  B: {stream[i]['text'][:160]!r}")
+    if n_fps:
+        out += [""] * bool(out) + [f"## False positives ({len(fps)})"]
+        fp_details = []
+        for i, v in fps:
+            j = by_id.get(v.duplicate_of or "", i)
+            fp_details.append((v.similarity, v.method, i, j, pair_detail(probe, stream[j]["text"], stream[i]["text"])))
+        fp_details.sort(key=lambda t: t[0])  # the weakest wrong matches first: the cheapest to refuse
+        for sim, method, i, j, d in fp_details[:n_fps]:
+            out.append(f"- [{truth[i]['corpus']}, {len(stream[i]['text'])} chars, similarity {sim:.2f} via "
+                       f"{method}] {d.line()}")
+            out.append(f"  A: {stream[j]['text'][:160]!r}")
+            out.append(f"  B: {stream[i]['text'][:160]!r}")
     return "\n".join(out)
-
-
-def report(stream: Sequence[dict[str, Any]], truth: Sequence[dict[str, Any]], config: FilterConfig,
-           index: str = "memory://", n_misses: int = 10, n_fps: int = 10) -> tuple[Report, LengthReport, str]:
-    nd, verdicts, seconds = run(stream, config, index)
-    nd.index.close()
-    rep = score(truth, verdicts)
-    rep.seconds = seconds
-    lengths = score_lengths(truth, [r["text"] for r in stream], verdicts)
-    text = "\n\n".join([rep.table(), length_table(lengths),
-                        worst(stream, truth, verdicts, config, n_misses, n_fps)])
-    return rep, lengths, text
 
 
 def load(path: str) -> list[dict[str, Any]]:
     with open(path, "rb") as f:
         return [orjson.loads(line) for line in f if line.strip()]
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m stream.eval_report", description=__doc__.splitlines()[0])
-    p.add_argument("stream")
-    p.add_argument("truth")
-    p.add_argument("--index", default="memory://")
-    p.add_argument("--misses", type=int, default=10)
-    p.add_argument("--fps", type=int, default=10)
-    args = p.parse_args(argv)
-    try:
-        stream, truth = load(args.stream), load(args.truth)
-    except OSError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if len(stream) != len(truth):
-        print(f"error: {args.stream} has {len(stream)} messages, {args.truth} {len(truth)}", file=sys.stderr)
-        return 2
-    print(report(stream, truth, FilterConfig(), args.index, args.misses, args.fps)[2])
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

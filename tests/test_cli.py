@@ -449,6 +449,18 @@ def test_eval_prints_precision_and_recall(tmp_path: Path, capsys: pytest.Capture
     assert "| word_edit | 1 | 0.000 |" in out
     assert "| width_swap | 1 | 1.000 |" in out
     assert "| <=30 | 1 | 1.000 | 1.0000 |" in out and "| 31-70 | 2 | 0.500 | 0.5000 |" in out  # by text length
+    assert "## Misses" not in out and "## False positives" not in out  # only when asked for
+
+    # The worst misses and false positives, each with the rule that refused or accepted the pair.
+    assert main(["eval", str(stream), str(truth), "--misses", "5", "--fps", "5"]) == 0
+    worst = capsys.readouterr().out.split("## Misses (1)", 1)[1]
+    misses, fps = worst.split("## False positives (1)")
+    assert "| no shared bucket key |" in misses and "weather on Mars" in misses
+    assert "[test, 70 chars, similarity 1.00 via exact]" in fps and "verified True; matches alone via exact" in fps
+    assert repr(OTHER) in fps and repr(OTHER.upper()) in fps  # A (what it matched), then B
+    assert main(["eval", str(stream), str(truth), "--fps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "## False positives (1)" in out and "## Misses" not in out
 
 
 # -- the embedded runner --------------------------------------------------------------------------
@@ -724,6 +736,10 @@ def test_eval_of_the_shipped_sample_and_without_data() -> None:
     assert done.returncode == 0, done.stderr
     assert "messages 302  routed 300  rejected 2  lost 0" in done.stdout.decode()
     assert re.search(r"\| F1 \| 0\.9\d+|\| F1 \| 1\.0000", done.stdout.decode())
+    listed = neardup("eval", "--sample", "--misses", "3", "--fps", "3")  # the rejected records have no pair to show
+    assert listed.returncode == 0, listed.stderr
+    assert "## Misses (" in listed.stdout.decode() and "## False positives (" in listed.stdout.decode()
+    assert neardup("eval", "--sample", "--misses", "-1").returncode == 2
     bare = neardup("eval")
     assert bare.returncode == 2
     assert "eval needs a labelled stream" in one_line(bare)

@@ -8,7 +8,7 @@ import pytest
 
 from filters.config import FilterConfig
 from filters.engine import NearDupFilter, Verdict
-from stream.eval_report import length_band, pair_detail, report, score_lengths
+from stream.eval_report import length_band, pair_detail, score_lengths
 
 SPAM = "Congratulations! You have won a 1000 pound prize. Call 09061701461 now to claim, T&Cs apply."
 
@@ -43,19 +43,6 @@ def test_pair_detail_names_the_rule_that_refuses() -> None:
     assert not template.verified and "threshold_long" in template.rule
     clause = pair_detail(nd, "Sorry, I'll call later", "Sorry,in meeting I'll call later")
     assert not clause.verified and "containment_slack_share" in clause.rule
-
-
-def test_report_lists_misses_and_false_positives() -> None:
-    stream = [{"id": "1", "text": SPAM, "ts": 0.0}, {"id": "2", "text": SPAM + " Reply STOP", "ts": 1.0},
-              {"id": "3", "text": "see you at noon", "ts": 2.0}, {"id": "4", "text": "lunch at 12 then?", "ts": 3.0}]
-    truth = [{"id": "1", "cluster": 1, "corpus": "c", "ptype": "base"},
-             {"id": "2", "cluster": 1, "corpus": "c", "ptype": "ad_prefix_suffix"},
-             {"id": "3", "cluster": 2, "corpus": "c", "ptype": "base"},
-             {"id": "4", "cluster": 2, "corpus": "c", "ptype": "word_edit"}]
-    rep, lengths, text = report(stream, truth, FilterConfig())
-    assert (rep.overall.tp, rep.overall.fn, rep.overall.fp) == (1, 1, 0)
-    assert "## Misses (1)" in text and "lunch at 12 then?" in text
-    assert lengths.by_length["<=30"].fn == 1
 
 
 @pytest.fixture(scope="module")
