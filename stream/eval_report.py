@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
@@ -130,6 +130,8 @@ def worst(stream: Sequence[dict[str, Any]], truth: Sequence[dict[str, Any]], ver
     by_id = {r["id"]: i for i, r in enumerate(stream)}
     misses: list[int] = []
     fps: list[tuple[int, Verdict]] = []
+    indexed: set[str] = set()  # the clusters with a message routed unique so far: one the index holds
+    unindexed: set[int] = set()  # the misses none of whose cluster's earlier messages the index holds
     for i, (row, v) in enumerate(zip(truth, verdicts, strict=True)):
         truly = row["cluster"] in first_of
         first_of.setdefault(row["cluster"], i)
@@ -137,8 +139,12 @@ def worst(stream: Sequence[dict[str, Any]], truth: Sequence[dict[str, Any]], ver
             continue  # rejected: `score` counts it, there is no pair to show
         if truly and not v.duplicate:
             misses.append(i)
+            if row["cluster"] not in indexed:
+                unindexed.add(i)
         elif v.duplicate and not truly and not row.get("gray", False):
             fps.append((i, v))
+        if not v.duplicate:
+            indexed.add(row["cluster"])
     probe = NearDupFilter(config)
     out: list[str] = []
     if n_misses:
@@ -147,6 +153,9 @@ def worst(stream: Sequence[dict[str, Any]], truth: Sequence[dict[str, Any]], ver
         details: list[tuple[float, int, PairDetail]] = []
         for i in misses:
             d = pair_detail(probe, stream[first_of[truth[i]["cluster"]]]["text"], stream[i]["text"])
+            if d.verified and i in unindexed:  # a duplicate is not indexed: a copy of it finds only what it matched
+                d = replace(d, rule="matches alone, but its cluster's earlier messages were all routed duplicate "
+                                    "(none indexed)")
             rules[d.rule.split(" (")[0]] += 1
             details.append((max(d.jaccard, d.containment), i, d))
         out.append("| refusing rule | misses |")

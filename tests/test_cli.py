@@ -463,6 +463,28 @@ def test_eval_prints_precision_and_recall(tmp_path: Path, capsys: pytest.Capture
     assert "## False positives (1)" in out and "## Misses" not in out
 
 
+def test_eval_names_a_miss_whose_cluster_the_index_never_held(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """X (gray) is routed a duplicate of Y, another cluster's, so it is not indexed; Z, a copy of X that is not
+    near Y, finds nothing: the miss is not the ranking's, and `--misses` says so."""
+    words = ("river stone cloud market yellow window garden silver morning engine paper orange forest bridge "
+             "candle winter harbor pencil mirror castle rocket velvet planet copper meadow thunder violin lantern "
+             "pepper falcon").split()
+    added = "zebra quartz nectar walnut jigsaw kettle lemon mango".split()
+    y, x = " ".join(words), " ".join(words[:22] + added)
+    z = " ".join(words[:17] + "tulip ocean puzzle sparrow tiger".split() + added)
+    stream = write_lines(tmp_path / "s.jsonl", [jl({"id": i, "text": t, "ts": n})
+                                                for n, (i, t) in enumerate([("y", y), ("x", x), ("z", z)])])
+    truth = write_lines(tmp_path / "t.jsonl", [jl({"id": "y", "cluster": "a", "corpus": "c", "ptype": "base"}),
+                                               jl({"id": "x", "cluster": "b", "corpus": "c", "ptype": "base",
+                                                   "gray": True}),
+                                               jl({"id": "z", "cluster": "b", "corpus": "c", "ptype": "word_edit"})])
+    assert main(["eval", str(stream), str(truth), "--misses", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| TP / FP / FN | 0 / 0 / 1 |" in out  # x routed duplicate (gray: no false positive), z unique
+    assert "| matches alone, but its cluster's earlier messages were all routed duplicate | 1 |" in out
+
+
 # -- the embedded runner --------------------------------------------------------------------------
 
 
