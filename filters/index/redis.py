@@ -224,6 +224,14 @@ def meta_key(prefix: str, namespace: str) -> str:
 # --- the insert scripts ----------------------------------------------------------------------------
 
 
+def kept_ranking(name: str, reference: Callable[..., list[Any]]) -> Callable[..., list[Any]]:
+    """The compiled ranking `_native.<name>` bound to buffers an index keeps from lookup to lookup (`rank_scratch`:
+    made afresh each lookup, they were grown and cleared each round); the Python `reference` without the core."""
+    if _native is None:
+        return reference
+    return partial(getattr(_native, name), scratch=_native.rank_scratch())
+
+
 def _lua(*names: str) -> str:
     """Scripts of filters/index/lua/ (package data), one after the other, with FIELDS_PER_CALL filled in."""
     sources = [resources.files("filters.index").joinpath("lua", name).read_text(encoding="utf-8") for name in names]
@@ -555,9 +563,7 @@ class RedisIndex:
         self._bucket_pairs = _native.bucket_pairs if _native is not None else bucket_pairs
         self._bucket_commands = _native.bucket_commands if _native is not None else bucket_commands
         self._decode = _native.decode_entries if _native is not None else decode_entries
-        # (compiled: with buffers kept from lookup to lookup)
-        self._rank_all = partial(_native.rank_lookup, scratch=_native.rank_scratch()) if _native is not None \
-            else rank_lookup
+        self._rank_all = kept_ranking("rank_lookup", rank_lookup)
         self._encode = _native.encode_entries if _native is not None else encode_entries
         self._overlay = _native.overlay_writes if _native is not None else overlay_writes
         self.alone_inserts = True  # INSERT_ALONE_LUA when nobody else inserted since the lookup

@@ -14,7 +14,6 @@ import time
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from itertools import chain, islice
 from typing import Any, ClassVar, Protocol, cast
 
@@ -40,6 +39,7 @@ from filters.index.redis import (
     _SentRead,
     _stored_time,
     _View,
+    kept_ranking,
 )
 from filters.index.redis_codec import ABSENT, SEQ, decode_entry, decode_memo, encode_entry, memo_time
 from filters.records import Verdict
@@ -305,9 +305,7 @@ class CompactIndex(RedisIndex):
         self._rate_count = math.ceil(rate * self.slice_length) if rate else 0
         self._alone_compact = _native.alone_compact if _native is not None else cc.alone_round
         self._rank_compact = _native.rank_compact if _native is not None else cc.rank_records
-        # (compiled: with buffers kept from lookup to lookup)
-        self._rank_batch = partial(_native.rank_all_compact, scratch=_native.rank_scratch()) if _native is not None \
-            else cc.rank_all
+        self._rank_batch = kept_ranking("rank_all_compact", cc.rank_all)
         self._read_commands_of = _native.read_commands if _native is not None else cc.read_commands
         self._column_of = _native.column_of if _native is not None else cc.column_of
         self._marked_places = _native.marked_places if _native is not None else cc.marked_places

@@ -39,7 +39,6 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from itertools import islice
 from typing import Any, cast
 
@@ -64,6 +63,7 @@ from filters.index.redis import (
     _lua,
     _Script,
     high_marks,
+    kept_ranking,
     redact_url,
     redis_errors,
 )
@@ -513,9 +513,7 @@ class SpreadIndex:
         self._known_cap = target.entry_cache
         self._decider = SharedDecider()
         self._engine: _Engine | None = None  # set by `decide` for its inserts: the engine's verification
-        # (compiled: with buffers kept from lookup to lookup)
-        self._rank_all = partial(_native.rank_lookup, scratch=_native.rank_scratch()) if _native is not None \
-            else rank_lookup
+        self._rank_all = kept_ranking("rank_lookup", rank_lookup)
         self._rank = _native.rank_records if _native is not None else rank_records
         self._plan = _native.plan_fields if _native is not None else plan_fields
         self._decode = _native.decode_entries if _native is not None else decode_entries
