@@ -269,7 +269,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.misses or args.fps:
         print()
         stream = [{"id": id, "text": text} for id, text in zip(ids, texts)]
-        print(worst(stream, truth, verdicts, settings.filter_config(), args.misses, args.fps))
+        print(worst(stream, truth, verdicts, settings.filter_config(), args.misses, args.fps, args.kind))
     return 0
 
 
@@ -363,6 +363,8 @@ def _add_eval(sub: Any) -> None:
                    help="list the N nearest misses, each with the rule that refused it (default 0)")
     p.add_argument("--fps", type=_count, default=0, metavar="N",
                    help="list the N weakest false positives, each with what it matched (default 0)")
+    p.add_argument("--kind", metavar="PTYPE",
+                   help="list only the misses and false positives of this perturbation kind (the truth's ptype)")
     _add_filter_options(p)
     p.set_defaults(func=cmd_eval)
 

@@ -124,8 +124,9 @@ def length_table(lengths: LengthReport) -> str:
 
 
 def worst(stream: Sequence[dict[str, Any]], truth: Sequence[dict[str, Any]], verdicts: Sequence[Verdict | None],
-          config: FilterConfig, n_misses: int, n_fps: int) -> str:
-    """Misses (against the first message of their cluster) and false positives (against what they matched)."""
+          config: FilterConfig, n_misses: int, n_fps: int, kind: str | None = None) -> str:
+    """Misses (against the first message of their cluster) and false positives (against what they matched);
+    with `kind`, only those whose truth row has that perturbation kind (`ptype`)."""
     first_of: dict[str, int] = {}
     by_id = {r["id"]: i for i, r in enumerate(stream)}
     misses: list[int] = []
@@ -137,18 +138,20 @@ def worst(stream: Sequence[dict[str, Any]], truth: Sequence[dict[str, Any]], ver
         first_of.setdefault(row["cluster"], i)
         if v is None:
             continue  # rejected: `score` counts it, there is no pair to show
-        if truly and not v.duplicate:
+        listed = kind is None or row["ptype"] == kind
+        if truly and not v.duplicate and listed:
             misses.append(i)
             if row["cluster"] not in indexed:
                 unindexed.add(i)
-        elif v.duplicate and not truly and not row.get("gray", False):
+        elif v.duplicate and not truly and not row.get("gray", False) and listed:
             fps.append((i, v))
         if not v.duplicate:
             indexed.add(row["cluster"])
     probe = NearDupFilter(config)
     out: list[str] = []
+    of = f" of kind {kind}" if kind is not None else ""
     if n_misses:
-        out.append(f"## Misses ({len(misses)})")
+        out.append(f"## Misses{of} ({len(misses)})")
         rules: Counter[str] = Counter()
         details: list[tuple[float, int, PairDetail]] = []
         for i in misses:
@@ -171,7 +174,7 @@ def worst(stream: Sequence[dict[str, Any]], truth: Sequence[dict[str, Any]], ver
             out.append(f"  A: {a[:160]!r}")
             out.append(f"  B: {stream[i]['text'][:160]!r}")
     if n_fps:
-        out += [""] * bool(out) + [f"## False positives ({len(fps)})"]
+        out += [""] * bool(out) + [f"## False positives{of} ({len(fps)})"]
         fp_details = []
         for i, v in fps:
             j = by_id.get(v.duplicate_of or "", i)

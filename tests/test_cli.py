@@ -461,6 +461,14 @@ def test_eval_prints_precision_and_recall(tmp_path: Path, capsys: pytest.Capture
     assert main(["eval", str(stream), str(truth), "--fps", "1"]) == 0
     out = capsys.readouterr().out
     assert "## False positives (1)" in out and "## Misses" not in out
+    # One kind's: the miss is a word_edit, the false positive a base message; the measures stay the whole stream's.
+    assert main(["eval", str(stream), str(truth), "--misses", "5", "--fps", "5", "--kind", "word_edit"]) == 0
+    out = capsys.readouterr().out
+    assert "| TP / FP / FN | 3 / 1 / 1 |" in out
+    assert "## Misses of kind word_edit (1)" in out and "weather on Mars" in out
+    assert "## False positives of kind word_edit (0)" in out and repr(OTHER.upper()) not in out
+    assert main(["eval", str(stream), str(truth), "--misses", "5", "--kind", "base"]) == 0
+    assert "## Misses of kind base (0)" in capsys.readouterr().out
 
 
 def test_eval_names_a_miss_whose_cluster_the_index_never_held(tmp_path: Path,
