@@ -124,3 +124,28 @@ def test_hard_negatives_are_clusters_of_their_own() -> None:
 
     negs = negatives(random.Random(1), 5, ["first donor sentence here ok", "second donor sentence here"])
     assert {k for k, _ in negs} == set(NEGATIVES) and len(negs) == 15
+
+
+def test_the_frontier_scores_each_combination_and_keeps_the_feasible_ones() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    grid = ["--threshold", "0.5,0.9", "--threshold-long", "0.9", "--containment", "0.8", "--edit-similarity", "0.85",
+            "--min-shared", "0.2"]
+    out = subprocess.run([sys.executable, str(root / "bench" / "frontier.py"), "--stream", str(root / "tests/data/sample.jsonl"),
+                          "--truth", str(root / "tests/data/sample_truth.jsonl"), *grid, "--f1", "0.9", "--top", "2"],
+                         capture_output=True, text=True, check=True).stdout
+    assert out.splitlines()[0].startswith("302 messages, 2 combinations")  # the 2 rejected records counted
+    rows = [line for line in out.splitlines() if line.startswith("| threshold")]
+    assert rows[0].startswith("| threshold 0.5, threshold_long 0.55, containment 0.8")  # the defaults
+    # A Jaccard of 0.9 refuses copies that 0.5 takes: its recall of a kind falls under 0.95, so only 0.5 is feasible.
+    feasible = out.split("Feasible")[1].split("All,")[0]
+    assert "threshold 0.5, threshold_long 0.9" in feasible and "threshold 0.9," not in feasible
+    by_threshold = {line.split(",")[0]: [float(x) for x in line.split("|")[2:4]] for line in rows[-2:]}
+    (p_strict, r_strict), (p_loose, r_loose) = by_threshold["| threshold 0.9"], by_threshold["| threshold 0.5"]
+    assert p_strict >= p_loose and r_strict < r_loose
+    bad = subprocess.run([sys.executable, str(root / "bench" / "frontier.py"), "--stream", "/nonexistent.jsonl"],
+                         capture_output=True, text=True)
+    assert bad.returncode != 0 and bad.stderr.startswith("frontier:") and "Traceback" not in bad.stderr
