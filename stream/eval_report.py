@@ -152,6 +152,7 @@ def worst(stream: Sequence[dict[str, Any]], truth: Sequence[dict[str, Any]], ver
     of = f" of kind {kind}" if kind is not None else ""
     if n_misses:
         out.append(f"## Misses{of} ({len(misses)})")
+    if n_misses and misses:
         rules: Counter[str] = Counter()
         details: list[tuple[float, int, PairDetail]] = []
         for i in misses:
