@@ -30,8 +30,10 @@ sys.path.insert(0, str(ROOT))
 from filters.config import FilterConfig  # noqa: E402
 from filters.engine import NearDupFilter  # noqa: E402
 from filters.records import Message  # noqa: E402
+from stream.codec import Decoded, RecordFormat, decode_batch  # noqa: E402
 from stream.eval_report import score_lengths  # noqa: E402
 from stream.evaluate import score  # noqa: E402
+from stream.runner import RawRecord  # noqa: E402
 
 GRID = {"threshold": "0.5,0.55,0.6,0.65", "threshold_long": "0.55,0.6,0.65,0.7", "containment": "0.8,0.85,0.9",
         "edit_similarity": "0.85,0.88,0.9", "min_shared": "0.2,0.25,0.3"}
@@ -76,19 +78,6 @@ def measure(messages: list[Message | None], truth: list[dict[str, object]], text
     return Point(tuple(params.items()), o.precision, o.recall, o.f1, o.tp, o.fp, o.fn, weakest, short)
 
 
-def _message(line: bytes, n: int) -> Message | None:
-    """The record's message (its event time: the window slides as in `neardup eval`), or None for one that
-    `neardup eval` rejects (not a JSON object with a text)."""
-    try:
-        record = orjson.loads(line)
-    except orjson.JSONDecodeError:
-        return None
-    if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-        return None
-    ts = record.get("ts", 0.0)
-    return Message(str(record.get("id", n)), record["text"], float(ts) if isinstance(ts, int | float) else 0.0)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stream", type=Path, default=ROOT.parent / "shared" / "eval" / "stream.jsonl")
@@ -103,13 +92,15 @@ def main() -> None:
     try:
         grid = {name: [float(v) for v in getattr(args, name).split(",")] for name in GRID}
         with open(args.stream, "rb") as s, open(args.truth, "rb") as t:
-            lines = [line for line in s if line.strip()]
+            lines = [line.rstrip(b"\r\n") for line in s if line.strip()]
             truth = [orjson.loads(line) for line in t if line.strip()]
     except (OSError, ValueError) as exc:
         raise SystemExit(f"frontier: {exc}") from None
     if len(lines) != len(truth):
         raise SystemExit(f"frontier: {args.truth} has {len(truth)} rows but {args.stream} has {len(lines)} records")
-    messages = [_message(line, n) for n, line in enumerate(lines)]
+    # Decoded as `neardup eval` decodes them: a record it rejects has no verdict.
+    decoded = decode_batch([RawRecord(line, str(n + 1), 0.0) for n, line in enumerate(lines)], RecordFormat())
+    messages = [d.message if isinstance(d, Decoded) else None for d in decoded]
     texts = [m.text if m is not None else "" for m in messages]
     defaults = FilterConfig()
     started = time.perf_counter()
