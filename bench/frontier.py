@@ -27,6 +27,7 @@ import orjson
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import needs  # noqa: E402
 from filters.config import FilterConfig  # noqa: E402
 from filters.engine import NearDupFilter  # noqa: E402
 from filters.records import Message  # noqa: E402
@@ -89,6 +90,7 @@ def main() -> None:
     p.add_argument("--short", type=float, default=0.95, help="the lowest recall of texts <= 30 and 31-70 chars")
     p.add_argument("--top", type=int, default=5)
     args = p.parse_args()
+    needs.files(__file__, args.stream, args.truth)
     try:
         grid = {name: [float(v) for v in getattr(args, name).split(",")] for name in GRID}
         with open(args.stream, "rb") as s, open(args.truth, "rb") as t:

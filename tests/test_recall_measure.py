@@ -146,6 +146,7 @@ def test_the_frontier_scores_each_combination_and_keeps_the_feasible_ones() -> N
     by_threshold = {line.split(",")[0]: [float(x) for x in line.split("|")[2:4]] for line in rows[-2:]}
     (p_strict, r_strict), (p_loose, r_loose) = by_threshold["| threshold 0.9"], by_threshold["| threshold 0.5"]
     assert p_strict >= p_loose and r_strict < r_loose
-    bad = subprocess.run([sys.executable, str(root / "bench" / "frontier.py"), "--stream", "/nonexistent.jsonl"],
+    bad = subprocess.run([sys.executable, str(root / "bench" / "frontier.py"), "--stream", str(root / "tests/data/sample.jsonl"),
+                          "--truth", str(root / "tests/data/sample_truth.jsonl"), "--threshold", "half"],
                          capture_output=True, text=True)
-    assert bad.returncode != 0 and bad.stderr.startswith("frontier:") and "Traceback" not in bad.stderr
+    assert bad.returncode != 0 and bad.stderr.startswith("frontier: ") and "Traceback" not in bad.stderr
