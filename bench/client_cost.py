@@ -2,7 +2,7 @@
 
     eval "$(bash docker/services.sh env)"
     python bench/client_cost.py [--redis URL | --memory] [--messages 8192] [--batch 512] [--layout slot|compact|group]
-                                [--corpora sms_en,tweets_en,reviews_zh | --corpora all] [--keep FILE]
+                                [--round N] [--corpora sms_en,tweets_en,reviews_zh | --corpora all] [--keep FILE]
 
 Wall and CPU time drift by up to 2× within minutes on a shared machine; an instruction count does not
 (runs differ by under 0.2 %: Python's per-process string hashing changes set and dict orders), so two
@@ -56,7 +56,8 @@ def measure(args: argparse.Namespace) -> None:
     batches = [[RawRecord(line, str(i + j), 0.0) for j, line in enumerate(lines[i : i + args.batch])]
                for i in range(0, len(lines), args.batch)]
     index = ("memory://" if args.memory else
-             f"{args.redis.split('?')[0]}?prefix=cost-{uuid.uuid4().hex[:10]}&layout={args.layout}")
+             f"{args.redis.split('?')[0]}?prefix=cost-{uuid.uuid4().hex[:10]}&layout={args.layout}"
+             + (f"&round={args.round}" if args.round else ""))
     nd = NearDupFilter(FilterConfig(window=1e9), index=index)
     route_batch(nd, batches[0], fmt)  # warm-up, not counted
     # Counted: everything inside this reduce (callgrind --toggle-collect=functools_reduce).
@@ -76,6 +77,8 @@ def main() -> int:
     p.add_argument("--corpora", default=SHORT,
                    help="the corpora whose messages are routed, comma-separated; all: the whole stream")
     p.add_argument("--layout", choices=("slot", "compact", "group"), default="slot", help="the Redis index's layout")
+    p.add_argument("--round", type=int, help="messages a lookup and insert round takes at most (the index's ?round=; "
+                                             "default: the index's)")
     p.add_argument("--keep", help="keep callgrind's output in this file")
     p.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -104,7 +107,7 @@ def main() -> int:
         return 1
     counted = int(found.group(1).replace(",", ""))
     messages = int(routed.group(1))
-    where = "memory://" if args.memory else f"Redis ({args.layout} layout)"
+    where = "memory://" if args.memory else f"Redis ({args.layout} layout{f', rounds of {args.round}' if args.round else ''})"
     which = "short message" if args.corpora == SHORT else "message" if args.corpora == "all" else f"message of {args.corpora}"
     print(f"client instructions per {which} on {where} (callgrind, {messages} messages after a warm-up batch): "
           f"{counted / messages:,.0f}")
