@@ -21,8 +21,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
-import orjson
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -30,10 +29,11 @@ sys.path.insert(0, str(ROOT))
 from bench import needs  # noqa: E402
 from filters.config import FilterConfig  # noqa: E402
 from filters.engine import NearDupFilter  # noqa: E402
+from filters.errors import ConfigError  # noqa: E402
 from filters.records import Message  # noqa: E402
 from stream.codec import Decoded, RecordFormat, decode_batch  # noqa: E402
 from stream.eval_report import score_lengths  # noqa: E402
-from stream.evaluate import score  # noqa: E402
+from stream.evaluate import read_truth, score  # noqa: E402
 from stream.runner import RawRecord  # noqa: E402
 
 GRID = {"threshold": "0.5,0.55,0.6,0.65", "threshold_long": "0.55,0.6,0.65,0.7", "containment": "0.8,0.85,0.9",
@@ -64,14 +64,14 @@ class Point:
                 f"{self.fn} | {name} {recall:.3f} | {self.weakest_short:.3f} |")
 
 
-def measure(messages: list[Message | None], truth: list[dict[str, object]], texts: list[str],
+def measure(messages: list[Message | None], truth: list[dict[str, Any]], texts: list[str],
             params: dict[str, float]) -> Point:
     nd = NearDupFilter(FilterConfig(**params))  # type: ignore[arg-type]
     routed = [m for m in messages if m is not None]
     decided = iter([v for i in range(0, len(routed), 512) for v in nd.check_batch(routed[i : i + 512])])
     verdicts = [None if m is None else next(decided) for m in messages]  # a record that is not a message: rejected
-    report = score(truth, verdicts)  # type: ignore[arg-type]
-    lengths = score_lengths(truth, texts, verdicts)  # type: ignore[arg-type]
+    report = score(truth, verdicts)
+    lengths = score_lengths(truth, texts, verdicts)
     o = report.overall
     kinds = [(name, t.recall) for name, t in report.by_ptype.items() if t.tp + t.fn]
     weakest = min(kinds, key=lambda k: k[1])
@@ -83,8 +83,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--stream", type=Path, default=ROOT.parent / "shared" / "eval" / "stream.jsonl")
     p.add_argument("--truth", type=Path, default=ROOT.parent / "shared" / "eval" / "truth.jsonl")
-    for name, values in GRID.items():
-        p.add_argument("--" + name.replace("_", "-"), default=values, help=f"values to try (default {values})")
+    for name, tried in GRID.items():
+        p.add_argument("--" + name.replace("_", "-"), default=tried, help=f"values to try (default {tried})")
     p.add_argument("--f1", type=float, default=0.99)
     p.add_argument("--kind", type=float, default=0.95, help="the lowest recall of a perturbation kind")
     p.add_argument("--short", type=float, default=0.95, help="the lowest recall of texts <= 30 and 31-70 chars")
@@ -95,8 +95,8 @@ def main() -> None:
         grid = {name: [float(v) for v in getattr(args, name).split(",")] for name in GRID}
         with open(args.stream, "rb") as s, open(args.truth, "rb") as t:
             lines = [line.rstrip(b"\r\n") for line in s if line.strip()]
-            truth = [orjson.loads(line) for line in t if line.strip()]
-    except (OSError, ValueError) as exc:
+            truth = read_truth(t, str(args.truth))
+    except (OSError, ValueError, ConfigError) as exc:
         raise SystemExit(f"frontier: {exc}") from None
     if len(lines) != len(truth):
         raise SystemExit(f"frontier: {args.truth} has {len(truth)} rows but {args.stream} has {len(lines)} records")
