@@ -1146,9 +1146,21 @@ def decode_entries(list ids, list blobs, make, fallback) -> dict:
     return out
 
 
+cdef inline uint64_t _name_hash(object name) except? 0:
+    """A field name's hash for `overlay_writes`' table: a bucket's (b"b" and its 8-byte key) by its key mixed,
+    any other by Python's. Most names a round reads are new bytes, and Python's siphash of them was most of
+    the overlay's work (docs/benchmarks.md, "Rounds of 128 messages")."""
+    cdef uint64_t key
+    if type(name) is bytes and len(<bytes>name) == 9 and PyBytes_AS_STRING(name)[0] == 98:  # b"b"
+        memcpy(&key, PyBytes_AS_STRING(name) + 1, 8)
+        return mix64(key)
+    return <uint64_t>PyObject_Hash(name)
+
+
 def overlay_writes(list names, list written_names, list kept, dict written) -> None:
-    """`redis_codec.overlay_writes`, compiled: `names` in an open-addressing table of their (cached)
-    hashes, then each written field looked up by hash and compared only on a hash match."""
+    """`redis_codec.overlay_writes`, compiled: `names` in an open-addressing table of their hashes (a
+    bucket field's by its key, `_name_hash`), then each written field looked up by hash and compared only on
+    a hash match."""
     cdef Py_ssize_t n = len(names), mask, slot, i
     cdef uint64_t h
     cdef uint64_t *slot_hash
@@ -1160,7 +1172,7 @@ def overlay_writes(list names, list written_names, list kept, dict written) -> N
     mask = open_table(n, &slot_hash, &slot_at) - 1
     try:
         for i in range(n):
-            h = <uint64_t>PyObject_Hash(names[i])
+            h = _name_hash(names[i])
             slot = <Py_ssize_t>(h & <uint64_t>mask)
             while slot_at[slot] >= 0:  # the names are distinct: no comparison needed to place one
                 slot = (slot + 1) & mask
@@ -1173,7 +1185,7 @@ def overlay_writes(list names, list written_names, list kept, dict written) -> N
             column = pair[1]
             for p, value in (<dict>w).items():
                 name = written_names[p]
-                h = <uint64_t>PyObject_Hash(name)
+                h = _name_hash(name)
                 slot = <Py_ssize_t>(h & <uint64_t>mask)
                 while True:
                     i = slot_at[slot]
