@@ -367,7 +367,7 @@ class Normalizer:
             if at:
                 texts = texts[:]
                 for k in at:
-                    texts[k] = _strip_markers(texts[k])
+                    texts[k] = _markers_stripped(texts[k])
         return self._many(texts)
 
     def trace(self, text: str) -> list[tuple[str, str]]:
@@ -799,10 +799,12 @@ def _bracketed_end(text: str) -> int:
 def _strip_markers(text: str) -> str:
     """The strip_markers step (see the module docstring): at most one marker from the end, then one from the start;
     a text that is a marker only is kept. The ellipsis and spaces around a marker are separators: they are left. A
-    text that `marker_candidates` passes over is returned as it is (`normalize_batch` asks it for the whole batch
-    first, so `trace` and `__call__` take the same texts)."""
-    if not marker_candidates((text,)):
-        return text
+    text that `marker_candidates` passes over is returned as it is, as `normalize_batch` leaves it."""
+    return _markers_stripped(text) if marker_candidates((text,)) else text
+
+
+def _markers_stripped(text: str) -> str:
+    """`_strip_markers` of a text `marker_candidates` took (`normalize_batch` asks it once for the whole batch)."""
     body = text.rstrip()
     at = _bracketed_end(body)
     if at < 0 and body.endswith("全文"):
