@@ -29,8 +29,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from a clone
 
@@ -42,6 +40,7 @@ from filters.index import Candidate  # noqa: E402
 from filters.index.memory import MemoryIndex  # noqa: E402
 from filters.records import Message, Verdict  # noqa: E402
 from filters.sketch import Probe  # noqa: E402
+from stream.eval_report import load  # noqa: E402
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,11 +186,6 @@ def idf_table(dev: Sequence[dict[str, Any]], truth: Sequence[dict[str, Any]]) ->
         lines.append(f"| {value:.2f} | {sum(1 for f in fps if f <= value)} | {len(below)} | "
                      f"{sum(1 for k in below if k in WEAK)} |")
     return "\n".join(lines)
-
-
-def load(path: str) -> list[dict[str, Any]]:
-    with open(path, "rb") as f:
-        return [orjson.loads(line) for line in f if line.strip()]
 
 
 def tally(truth: Sequence[dict[str, Any]], verdicts: Sequence[Verdict], kinds_of: Callable[[dict[str, Any]], bool],
