@@ -158,6 +158,11 @@ def wait_assigned(workers: Sequence[Serve], partitions: int, timeout: float = 60
     wait_until(stable, timeout, f"{len(workers)} workers sharing {partitions} partitions", check=check)
 
 
+def _waited(self: Any, entries: Any, memos: Any = ()) -> bool:
+    """`RedisIndex.insert_ahead` for the hooks on `insert`: no round goes ahead, every one is an `insert`."""
+    return False
+
+
 def _install_hook(spec: str) -> None:
     from filters.index.redis import RedisIndex
     from filters.index.redis_spread import SpreadIndex
@@ -197,6 +202,7 @@ def _install_hook(spec: str) -> None:
                 return _insert(self, entries, memos)
 
             RedisIndex.insert = barrier  # type: ignore[method-assign]
+            RedisIndex.insert_ahead = _waited  # type: ignore[method-assign]  # every round through `insert`
         elif part == "racy":
             insert = RedisIndex.insert
 
@@ -215,6 +221,7 @@ def _install_hook(spec: str) -> None:
                 return [None] * len(entries)
 
             RedisIndex.insert = racy_insert  # type: ignore[method-assign]
+            RedisIndex.insert_ahead = _waited  # type: ignore[method-assign]  # every round through `insert`
             SpreadIndex.insert = racy_claims  # type: ignore[method-assign]
         elif part.startswith("request_timeout="):
             import stream.worker

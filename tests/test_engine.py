@@ -55,6 +55,12 @@ class ProxyIndex(IndexWrapper):
     def prefetch(self, queries: Sequence[Query]) -> None:
         pass  # nothing to read ahead in memory
 
+    def insert_ahead(self, entries: Sequence[tuple[Entry, tuple[int, ...]]], memos: Sequence[Memo] = ()) -> bool:
+        return False  # every insert round is answered at once in memory
+
+    def settle(self) -> tuple[bool, bool]:
+        return True, True
+
     def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | Verdict | None, list[Candidate]]]:
         self.lookups += 1
         return super().lookup(queries, limit)

@@ -45,6 +45,12 @@ class Racing(IndexWrapper):
     def prefetch(self, queries: Sequence[Query]) -> None:
         pass  # every lookup reads when it is made
 
+    def insert_ahead(self, entries: Sequence[tuple[Entry, tuple[int, ...]]], memos: Sequence[Memo] = ()) -> bool:
+        return False  # every insert goes through `insert`, where the other worker wins the race
+
+    def settle(self) -> tuple[bool, bool]:
+        return True, True
+
     def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]],
                memos: Sequence[Memo] = ()) -> list[list[Candidate] | None]:
         if self.batch:

@@ -12,7 +12,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -890,6 +890,56 @@ def test_the_compiled_shared_loop_decides_as_the_python_one(make: Callable[..., 
     assert kinds["replay"] > 5 and kinds[True] > 100 and kinds[False] > 100, kinds
 
 
+@pytest.mark.parametrize("race", ["before", "after"])
+def test_a_round_sent_ahead_and_raced_is_decided_as_one_waited_for(make: Callable[..., RedisIndex], redis_url: str,
+                                                                   prefix: str, race: str) -> None:
+    """An insert round sent without waiting for its answer (`insert_ahead`), the next part looked up and checked
+    meanwhile: when another worker writes just before it goes (Redis refuses it: its entries go again, through
+    the checking script, and the next part is looked up again) or right after it, before its WATCH is armed
+    again (its answer shows a seq it did not leave: the next part is looked up again), the verdicts and the
+    bytes stored are those of the same rounds each waited for, with the same writes of the other worker at the
+    same moments."""
+    config = FilterConfig(window=WINDOW, bucket_cap=4)
+    messages = generated_messages(400, seed=5)
+    verdicts, dumps, settled = [], [], []
+    for namespace in ("ahead", "waited"):
+        index, other = make(namespace, bucket_cap=4, round="32"), make(namespace, bucket_cap=4)
+        index.write_ahead = namespace == "ahead"
+        build, settle, turns, answers = index._watched_commands, index.settle, [0], Counter[tuple[bool, bool]]()
+
+        def intruding(*args: Any, index: RedisIndex = index, other: RedisIndex = other, build: Any = build,
+                      turns: list[int] = turns) -> list[Any]:
+            commands = build(*args)
+            turns[0] += 1
+            if turns[0] % 3 == 0:
+                if race == "before":  # the WATCH sees it: Redis refuses the transaction
+                    ts = float(args[3])
+                    other.lookup([Query(f"x{turns[0]}", ts, (turns[0],))], 8)
+                    assert other.insert([(entry(f"x{turns[0]}", ts, seed=turns[0]), (turns[0],))]) == [None]
+                else:  # as if written right after it, before its WATCH went again: the answer shows a seq moved on
+                    commands.insert(commands.index(("EXEC",)), ("HINCRBY", index._meta, "seq", 1))
+            return cast("list[Any]", commands)
+
+        def counted(settle: Any = settle, answers: Counter[tuple[bool, bool]] = answers) -> tuple[bool, bool]:
+            answer = settle()
+            answers[answer] += 1
+            return cast("tuple[bool, bool]", answer)
+
+        index._watched_commands = intruding  # type: ignore[method-assign]
+        index.settle = counted  # type: ignore[method-assign]
+        engine = NearDupFilter(config, index=index)
+        verdicts.append([v for at in range(0, len(messages), 100) for v in engine.check_batch(messages[at : at + 100])])
+        dumps.append(_namespace_dump(redis_url, prefix, namespace))
+        settled.append(answers)
+    assert verdicts[0] == verdicts[1]
+    assert dumps[0] == dumps[1]
+    raced = (False, False) if race == "before" else (True, False)
+    assert settled[0][raced] >= 5 and settled[0][(True, True)] >= 5, settled[0]
+    assert sum(settled[1].values()) == 0  # waited for: nothing went ahead
+    kinds = Counter(v.duplicate for v in verdicts[0])
+    assert kinds[True] > 50 and kinds[False] > 50, kinds
+
+
 def test_work_given_to_decide_runs_while_redis_answers(make: Callable[..., RedisIndex]) -> None:
     """`decide(..., meanwhile=...)`: a share of the work runs after a request of the batch went out and
     before its replies are read, until the work says it is done: during the lookup's read and the
@@ -1026,8 +1076,8 @@ def assert_stored_alike(config: FilterConfig, fast: RedisIndex, checked: RedisIn
     calls = {"fast": 0}
     alone = fast._alone
 
-    def counted(*args: object) -> object:
-        result = alone(*args)  # type: ignore[arg-type]
+    def counted(*args: object, **kwargs: bool) -> object:
+        result = alone(*args, **kwargs)  # type: ignore[arg-type]
         calls["fast"] += result is not None
         return result
 
@@ -1320,6 +1370,34 @@ def test_a_read_ahead_lost_with_its_connection_is_read_again(make: Callable[...,
         index.lookup(following, 8)  # its replies went with the connection: a retriable error, never wrong ones
     [(_, found)] = index.lookup(following, 8)  # the worker's retry reads afresh, on a new connection
     assert ids(found) == ["a"]
+
+
+def test_a_round_sent_ahead_lost_with_its_connection_fails_the_batch_and_its_retry_decides_it(
+        make: Callable[..., RedisIndex], redis_url: str) -> None:
+    """The connection goes while an insert round sent ahead (`insert_ahead`) waits for its answer: whether Redis
+    wrote it is unknown, so the batch fails with the index's retriable error, never a verdict; the worker's retry
+    (a new connection) decides the batch as if uninterrupted (what was written comes back as replays)."""
+    index, uninterrupted = make(round="16"), make("uninterrupted", round="16")
+    engine = NearDupFilter(FilterConfig(), index=index)
+    messages = generated_messages(64, seed=4)
+    expected = [(v.id, v.duplicate, v.duplicate_of)
+                for v in NearDupFilter(FilterConfig(), index=uninterrupted).check_batch(messages)]
+    index.lookup([Query("warm", 1.7e9, (1,))], 8)
+    [client_id] = index._execute([("CLIENT", "ID")])
+    send, killed = index._send_watched, []
+
+    def killing(*args: Any) -> bool:
+        sent = send(*args)
+        if sent and not killed:
+            with redis.Redis.from_url(redis_url) as client:
+                killed.append(client.client_kill_filter(_id=client_id))
+        return cast("bool", sent)
+
+    index._send_watched = killing  # type: ignore[method-assign]
+    with pytest.raises(IndexUnavailable):
+        engine.check_batch(messages)
+    assert killed == [1]
+    assert [(v.id, v.duplicate, v.duplicate_of) for v in engine.check_batch(messages)] == expected
 
 
 def test_a_slice_that_left_the_window_is_unlinked(make: Callable[..., RedisIndex], redis_url: str, prefix: str) -> None:

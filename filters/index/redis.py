@@ -506,6 +506,22 @@ class _SentRead:
     replies: list[Any] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class _HeldRound:
+    """An insert round sent without reading its answer (`RedisIndex.insert_ahead`), until `settle` reads it."""
+
+    view: _View  # the view of the lookup it was decided from, its writes kept in it
+    epoch: int  # the pinned connection's epoch it was sent on
+    pending: int  # replies not read yet
+    seq: int  # the namespace's seq and high-water mark it leaves if nobody else writes right after
+    stored: bytes
+    view_hwm: bytes  # the view's high-water mark before it (restored if refused)
+    before: _SentRead | None  # the read sent ahead before it (its replies come first)
+    replies: list[Any] = field(default_factory=list)
+    entries: Sequence[tuple[Entry, tuple[int, ...]]] = ()
+    hwm_before: float = 0.0  # the index's high-water mark when it was sent (restored if refused)
+
+
 @dataclass(frozen=True, slots=True)
 class _Memos:
     """Memos to write with the next round trip that writes (`RedisIndex.insert`): the commands, and
@@ -568,6 +584,9 @@ class RedisIndex:
         self._overlay = _native.overlay_writes if _native is not None else overlay_writes
         self.alone_inserts = True  # INSERT_ALONE_LUA when nobody else inserted since the lookup
         self.read_ahead = True  # `prefetch` sends the read (off: every lookup reads when it is made)
+        self.write_ahead = True  # `insert_ahead` sends an uncontended round (off: every insert waits for its answer)
+        # The round `insert_ahead` sent, whose answer is not read yet (`settle` reads it).
+        self._held: _HeldRound | None = None
         # Standalone Redis: one connection for the instance's round trips, so that the lookup's WATCH
         # still guards the insert's MULTI/EXEC; a reconnect drops the WATCH, so it moves the epoch.
         self._conn: Any = None
@@ -618,6 +637,11 @@ class RedisIndex:
             self._rebuilt = _Rebuilt()  # a restore's memory (megabytes): not needed once batches flow again
         try:
             verdicts = self._decider.decide(self, batch, verifier)
+        except BaseException:
+            if self._held is not None and self._conn is not None:  # its answer may still be on its way
+                self._lose(self._conn)
+            self._held = None
+            raise
         finally:
             left, self.meanwhile = self.meanwhile, None
         finish(left)
@@ -779,6 +803,100 @@ class RedisIndex:
         finally:
             self._memos = None
         return out
+
+    def insert_ahead(self, entries: Sequence[tuple[Entry, tuple[int, ...]]], memos: Sequence[Memo] = ()) -> bool:
+        """See `Rounds.insert_ahead`: the lookup's first insert round, when it is uncontended and guarded by
+        the lookup's WATCH (`_alone` as a transaction), sent without reading its answer; its writes are kept
+        in the view as if it had been answered (the next lookup adds them to its read, as after an answered
+        round), and undone by `settle` if Redis refused it."""
+        view = self._view
+        # Not while others write beside (`_contended`): Redis would likely refuse it, and the next part's lookup
+        # made meanwhile would be made again.
+        if (not self.write_ahead or not self.alone_inserts or self._contended or not entries
+                or len(entries) > INSERT_CHUNK or self._held is not None or view.watch != self._epoch
+                or not view.exact or view.inserted or view.written or view.reread or view.own or view._unsettled):
+            return False
+        fields_of, places_of = self._fields_of(entries)
+        if any(places is None for places in places_of):
+            return False
+        self._memos = self._memo_writes(memos)
+        hwm_before = self._hwm
+        try:
+            results = self._alone(entries, fields_of, places_of, ahead=True)
+        finally:
+            self._memos = None
+        if results is None:
+            return False
+        held = self._held
+        assert held is not None
+        held.entries, held.hwm_before = entries, hwm_before
+        self._keep_inserted(entries, results)
+        return True
+
+    def settle(self) -> tuple[bool, bool]:
+        """See `Rounds.settle`: the answer of the round `insert_ahead` sent, read as `_exec_watched` reads it.
+        Refused: its writes leave the view (as if it had never been sent) and its entries the ones kept; the
+        view goes by the checking script from here. Refused, or somebody wrote right after it: the lookups
+        since went by a view that does not hold, so the view is the round's again (the next lookup reads
+        afresh: `_taken` takes no read that went ahead for another view)."""
+        held, since = self._held, self._view
+        if held is None:
+            return True, True
+        if held.pending and self.meanwhile is not None and self.meanwhile():  # the engine's work while Redis writes
+            self.meanwhile = None
+        try:
+            self._read_held()
+        finally:
+            self._held = None
+        replies = held.replies
+        try:
+            with self._errors():
+                self._raise_any(replies)
+                done = replies[-3]
+                if done is not None:
+                    self._raise_any(done)  # a command that failed inside the transaction (the others did run)
+        except BaseException:
+            if self._conn is not None:  # Redis before 6.2 stays in MULTI after refusing EXEC itself
+                self._lose(self._conn)
+            raise
+        view = held.view
+        if done is None:
+            self._view = view
+            view.hwm, view.inserted, view.watch = held.view_hwm, 0, -1
+            view.own.clear()
+            view.written.clear()
+            view._unsettled.clear()
+            self._hwm = held.hwm_before
+            for entry, _ in held.entries:
+                self._known.pop((entry.id, float(entry.ts)), None)
+            return False, False
+        now_seq, now_hwm = replies[-1]
+        if int(now_seq or 0) == held.seq and (now_hwm or b"") == held.stored:
+            assert self._view is since
+            return True, True
+        self._view = view
+        view.watch = -1  # somebody wrote right after: later rounds go through the script's check
+        return True, False
+
+    def _read_held(self) -> None:
+        """Reads the answer of the round `insert_ahead` sent, if not read yet (after the replies of a read
+        sent ahead before it)."""
+        held = self._held
+        if held is None or not held.pending:
+            return
+        if held.epoch != self._epoch or self._conn is None:
+            with self._errors():
+                raise redis.exceptions.ConnectionError("the connection an insert went on was lost before its answer")
+        ahead = self._ahead
+        if ahead is not None and ahead.pending and ahead is held.before:
+            self._drain()  # sent before the round: its replies come first
+        conn, n, held.pending = self._conn, held.pending, 0
+        try:
+            with self._errors():
+                held.replies = read_responses(conn, n)
+        except BaseException:
+            self._lose(conn)
+            raise
 
     def _memo_writes(self, memos: Sequence[Memo]) -> _Memos | None:
         """The commands that write `memos` in the slices of their event times (each slice's TTL renewed and
@@ -1411,7 +1529,10 @@ class RedisIndex:
             self._known = dict(islice(known.items(), len(known) - cap, None))
 
     # -- inserting -------------------------------------------------------------------------------
-    def _insert_chunk(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]:
+    def _fields_of(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> tuple[list[list[bytes]],
+                                                                                    list[list[int] | None]]:
+        """Each entry's bucket fields, and their places in the lookup's columns (None: the lookup did not cover
+        it with these keys)."""
         view = self._view
         looked = view.looked
         fields_of: list[list[bytes]] = []
@@ -1424,6 +1545,10 @@ class RedisIndex:
             else:
                 fields_of.append([field_of(key) for key in keys])
                 places_of.append(None)
+        return fields_of, places_of
+
+    def _insert_chunk(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> list[list[Candidate] | None]:
+        fields_of, places_of = self._fields_of(entries)
         results = self._alone(entries, fields_of, places_of) if self.alone_inserts else None
         if results is None:
             results = self._checked(entries, fields_of)
@@ -1481,12 +1606,15 @@ class RedisIndex:
         view.settled_bases().setdefault(s, {}).update(dict.fromkeys(known, basis))
 
     def _alone(self, entries: Sequence[tuple[Entry, tuple[int, ...]]], fields_of: Sequence[list[bytes]],
-               places_of: Sequence[list[int] | None]) -> list[int] | None:
+               places_of: Sequence[list[int] | None], *, ahead: bool = False) -> list[int] | None:
         """What INSERT_LUA would do if nobody else inserted since the lookup, computed here from what
         the lookup read and written with INSERT_ALONE_LUA; None if it cannot be (an id not looked up,
-        a slice not read, an earlier INSERT_LUA call, or somebody else wrote after all)."""
+        a slice not read, an earlier INSERT_LUA call, or somebody else wrote after all). `ahead`: as the
+        WATCH-guarded transaction only, sent without reading its answer (`insert_ahead`; None if it cannot
+        go so: nothing sent)."""
         view = self._view
-        if not view.exact or not view.slices or any(p is None for p in places_of):
+        if not view.exact or not view.slices or any(p is None for p in places_of) \
+                or (ahead and view.watch != self._epoch):
             return None
         window, cap = self.window, self.bucket_cap
         times = _event_times(entries, self.slice_length)
@@ -1508,7 +1636,11 @@ class RedisIndex:
         hwm_bytes = view.hwm if hwm <= stored_hwm else (b"%.17g" % hwm)
         clock = hwm if self._clock is None else self._clock
         gone = f"{self._spre}{self._slice(clock - window) - 1}" if seq > start else ""
-        if view.watch == self._epoch:  # -1 never is: epochs start at 1 with the first connection
+        if ahead:
+            if not self._send_watched(self._watched_commands(start, seq, view.hwm, hwm_bytes, gone, groups),
+                                      seq, hwm_bytes):
+                return None
+        elif view.watch == self._epoch:  # -1 never is: epochs start at 1 with the first connection
             written = self._write_watched(start, seq, view.hwm, hwm_bytes, gone, groups)
             if written is None:
                 return None
@@ -1547,6 +1679,15 @@ class RedisIndex:
         the meta hash (armed by the lookup's read, or re-armed by the previous call) makes Redis refuse it
         if anybody else wrote since. None: refused, nothing written. Else written, and WATCH re-armed:
         True if the meta hash then still held what this wrote (the next round may go the same way)."""
+        replies = self._exec_watched(self._watched_commands(start, seq, stored_hwm, hwm, gone, groups))
+        if replies is None:
+            return None
+        now_seq, now_hwm = replies[-1]
+        return int(now_seq or 0) == seq and (now_hwm or b"") == hwm
+
+    def _watched_commands(self, start: int, seq: int, stored_hwm: bytes, hwm: bytes, gone: str,
+                          groups: dict[int, list[Any]]) -> list[Sequence[str | int | bytes]]:
+        """`_write_watched`'s transaction: MULTI, the writes, EXEC, then WATCH and HMGET of the meta hash."""
         meta, ttl = self._meta, self._ttl_ms
         step = 2 * FIELDS_PER_CALL
         commands: list[Sequence[str | int | bytes]] = [("MULTI",)]
@@ -1564,11 +1705,27 @@ class RedisIndex:
             commands.append(("UNLINK", gone))
         commands += self._memo_commands()  # in the transaction: written with the entries, or not at all
         commands += [("EXEC",), ("WATCH", meta), ("HMGET", meta, "seq", "hwm")]
-        replies = self._exec_watched(commands)
-        if replies is None:
-            return None
-        now_seq, now_hwm = replies[-1]
-        return int(now_seq or 0) == seq and (now_hwm or b"") == hwm
+        return commands
+
+    def _send_watched(self, commands: Sequence[Sequence[str | int | bytes]], seq: int, hwm: bytes) -> bool:
+        """Sends a `_write_watched` transaction on the pinned connection without reading its replies, kept as
+        the round sent ahead (`_held`, read by `settle`); False if it could not go guarded (nothing sent)."""
+        self._guarded = True
+        try:
+            with self._errors():
+                conn = self._pinned()
+                try:
+                    self._pack_and_send(conn, commands)
+                except _WatchLost:
+                    return False
+                except BaseException:
+                    self._lose(conn)  # some of it may have gone: never reuse it (it reconnects)
+                    raise
+        finally:
+            self._guarded = False
+        view = self._view
+        self._held = _HeldRound(view, self._epoch, len(commands), seq, hwm, view.hwm, self._ahead)
+        return True
 
     def _raise_any(self, replies: Sequence[Any]) -> None:
         """`_raise_any` of the module; a layout may read its replies' errors its own way."""
@@ -1686,9 +1843,10 @@ class RedisIndex:
                 self.meanwhile = None
             if pinned:
                 self._drain()  # a read sent ahead on this connection: its replies come first
+                self._read_held()  # ... and those of a round sent ahead
             return read_responses(conn, len(commands))
         except BaseException:
-            conn.disconnect()  # replies may still be on their way: never reuse it (it reconnects)
+            self._lose(conn)  # replies may still be on their way: never reuse it (it reconnects)
             raise
 
     @staticmethod
@@ -1705,6 +1863,9 @@ class RedisIndex:
         ahead = self._ahead
         if ahead is None or not ahead.pending:
             return
+        held = self._held
+        if held is not None and held.pending and ahead is not held.before:
+            self._read_held()  # the round `insert_ahead` sent went before this read: its answer comes first
         if ahead.epoch != self._epoch or self._conn is None:
             self._ahead = None
             return
@@ -1712,9 +1873,17 @@ class RedisIndex:
         try:
             ahead.replies.extend(self._read_many(conn, n))
         except BaseException:
-            self._ahead = None
-            conn.disconnect()
+            self._lose(conn)
             raise
+
+    def _lose(self, conn: Any) -> None:
+        """`conn` is not to be used again (replies may still be on their way): disconnected (the next send
+        reconnects); if it is the pinned one, what went on it unanswered (a read or a round sent ahead) goes
+        with it."""
+        conn.disconnect()
+        if conn is self._conn:
+            self._ahead = None
+            self._held = None
 
     @staticmethod
     def _read_many(conn: Any, n: int) -> list[Any]:

@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Protocol, cast
 import numpy as np
 
 from filters.errors import ConfigError, IndexCorrupt
-from filters.index import Candidate, Entry, Query, Stored, new_candidate
+from filters.index import Candidate, Entry, Memo, Query, Stored, new_candidate
 from filters.index import compact_codec as cc
 from filters.index import redis as slot  # its restore's chunk and attempts, read when restoring
 from filters.index.redis import (
@@ -651,12 +651,18 @@ class CompactIndex(RedisIndex):
         """Keeps the inserted entries by their seq (the result > 0)."""
         self._keep({seq: entry for (entry, _), seq in zip(entries, results) if seq > 0})
 
+    def insert_ahead(self, entries: Sequence[tuple[Entry, tuple[int, ...]]], memos: Sequence[Memo] = ()) -> bool:
+        """`RedisIndex.insert_ahead` in this layout: no round goes without its answer here (each round waits
+        for it: `insert`)."""
+        return False
+
     def _alone(self, entries: Sequence[tuple[Entry, tuple[int, ...]]], fields_of: Sequence[list[bytes]],
-               places_of: Sequence[list[int] | None]) -> list[int] | None:
+               places_of: Sequence[list[int] | None], *, ahead: bool = False) -> list[int] | None:
         """`RedisIndex._alone` in this layout, as a WATCH-guarded transaction only (None otherwise: the script),
-        or where there is no WATCH through INSERT_ALONE_LUA if the layout writes so (`_alone_unwatched`)."""
+        or where there is no WATCH through INSERT_ALONE_LUA if the layout writes so (`_alone_unwatched`); never
+        sent ahead (`insert_ahead`)."""
         view = self._view
-        if not view.exact or not view.slices or any(p is None for p in places_of) \
+        if ahead or not view.exact or not view.slices or any(p is None for p in places_of) \
                 or (view.watch != self._epoch and not self._alone_unwatched()):
             return None
         return self._alone_rows([e.id for e, _ in entries],

@@ -6,7 +6,10 @@ message still sees a representative that an earlier message of the same batch pu
 (`bench/redis_bench.py --sets short`), where the shared index finds a true copy that the memory index lost.
 A batch of more messages than the index's round (`SharedDecider.most`: `?round=`) is decided in parts of
 that many, one after the other, each as a batch of its own: Redis spends less a message on small rounds
-(docs/benchmarks.md, "Rounds of 128 messages").
+(docs/benchmarks.md, "Rounds of 128 messages"). A part's first insert round may go without waiting for its
+answer (`Rounds.insert_ahead`): the next part is looked up and checked while Redis writes it, and the answer
+is read before that part inserts; if Redis refused it, the part is inserted again and the next one looked up
+again. The verdicts are those of the parts decided one after the other.
 
 The duplicates' verdicts (memos) go with the batch's first insert round, or in a round of their own when
 the batch inserts nothing; a verdict changed after a lost race is written again. So every memo is stored
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from filters.fingerprint import METHOD_NAMES, Fingerprint
@@ -40,6 +44,20 @@ class Rounds(Protocol):
 
     def prefetch(self, queries: Sequence[Query]) -> None:
         """Sends the read of the next lookup (of these queries) ahead; it is used if that lookup comes."""
+        ...
+
+    def insert_ahead(self, entries: Sequence[tuple[Entry, tuple[int, ...]]], memos: Sequence[Memo] = ()) -> bool:
+        """Sends an insert round whose answer its results do not depend on (nobody else wrote since the lookup:
+        every entry goes in as the lookup saw), without waiting for that answer; True if sent, False if the
+        round needs its answer (then `insert` it). What is sent is taken as written by the next lookup, and
+        `settle` reads the answer."""
+        ...
+
+    def settle(self) -> tuple[bool, bool]:
+        """Reads the answer of the round `insert_ahead` sent, if any: (written, the lookups since stand). Not
+        written: Redis refused it (somebody else wrote first), nothing of it is, and its entries are to be
+        inserted again with `insert`. The lookups made since it was sent do not stand when it was refused or
+        somebody wrote right after it: they are to be made again."""
         ...
 
 
@@ -78,8 +96,26 @@ class SharedDecider:
         # Each part's successor, whose read goes ahead: the next part, after the last the next batch's first.
         successors = [*parts[1:], following[0] if following is not None else None]
         out: list[Verdict] = []
+        # A part whose insert round went without waiting for its answer (`Rounds.insert_ahead`): Redis writes
+        # it while the next part is looked up and checked here; its answer is read before that part inserts.
+        held: _Held | None = None
         for (messages, prepared), upcoming in zip(parts, successors, strict=True):
-            out += self._decide(rounds, Batch(messages, prepared, batch.meanwhile, upcoming, batch.observe), verifier)
+            part = Batch(messages, prepared, batch.meanwhile, upcoming, batch.observe)
+            looked = self._look(rounds, part, verifier)
+            if held is not None:
+                verdicts, stood = self._settle(rounds, held, verifier)
+                out += verdicts
+                held = None
+                if not stood:
+                    looked = self._look(rounds, part, verifier)  # it went by what was not written
+            verdicts, pending, remembered = looked
+            first = self._first_round(part, verdicts, pending, remembered)
+            if pending and _timed(part.observe, "insert", lambda: [rounds.insert_ahead(*first)])[0]:  # noqa: B023
+                held = _Held(part, verdicts, pending, remembered)
+                continue
+            out += self._insert(rounds, part, verifier, verdicts, pending, remembered)
+        if held is not None:
+            out += self._settle(rounds, held, verifier)[0]
         return out
 
     def _parts(self, messages: Sequence[Message], prepared: Prepared) -> list[tuple[Sequence[Message], Prepared]]:
@@ -93,7 +129,9 @@ class SharedDecider:
             return cut[2]
         return [(messages[i:i + most], prepared[i:i + most]) for i in range(0, len(messages), most)]
 
-    def _decide(self, rounds: Rounds, batch: Batch, verifier: Verifier) -> list[Verdict]:
+    def _look(self, rounds: Rounds, batch: Batch, verifier: Verifier) -> tuple[list[Verdict], dict[int, Entry], list[int]]:
+        """A part looked up (the next part's read sent ahead meanwhile) and checked against what was found and
+        itself (`against`): its verdicts, the entries of its unique messages by place, its duplicates' places."""
         messages, fps = batch.messages, batch.prepared
         limit = verifier.config.max_candidates
         sent, self._upcoming = self._upcoming, None
@@ -107,7 +145,30 @@ class SharedDecider:
             following = _queries(verifier, *upcoming)
             self._upcoming = (upcoming[0], upcoming[1], following)
             rounds.prefetch(following)
-        verdicts, pending, remembered = against(verifier, messages, fps, looked)
+        return against(verifier, messages, fps, looked)
+
+    @staticmethod
+    def _first_round(batch: Batch, verdicts: list[Verdict], pending: dict[int, Entry],
+                     remembered: list[int]) -> tuple[list[tuple[Entry, tuple[int, ...]]], list[Memo]]:
+        """A part's first insert round: its entries with their keys, and its duplicates' memos."""
+        messages, fps = batch.messages, batch.prepared
+        return ([(entry, fps[i].keys) for i, entry in pending.items()],
+                [(verdicts[i], messages[i].ts) for i in remembered])
+
+    def _settle(self, rounds: Rounds, held: _Held, verifier: Verifier) -> tuple[list[Verdict], bool]:
+        """The verdicts of the part whose first insert round went ahead, once its answer is read (inserted
+        again if Redis refused it), and whether the lookups made since stand (`Rounds.settle`)."""
+        written, stood = _timed(held.batch.observe, "insert", lambda: list(rounds.settle()))
+        if written:
+            return held.verdicts, stood
+        return self._insert(rounds, held.batch, verifier, held.verdicts, held.pending, held.remembered), stood
+
+    def _insert(self, rounds: Rounds, batch: Batch, verifier: Verifier, verdicts: list[Verdict],
+                pending: dict[int, Entry], remembered: list[int]) -> list[Verdict]:
+        """A part's insert rounds: its unique messages' entries and its duplicates' memos written; a message
+        that lost a race (another worker inserted into its buckets since the lookup) verified again against
+        what won, and inserted again if still unique. Its verdicts."""
+        messages, fps = batch.messages, batch.prepared
         unsent = remembered  # places of duplicates whose memo is not written yet
         written: dict[int, Verdict] = {}  # place -> the memo written
         lost_race = False
@@ -140,6 +201,17 @@ class SharedDecider:
             memos = [(verdicts[i], messages[i].ts) for i in unsent]
             _timed(batch.observe, "insert", lambda: rounds.insert([], memos))
         return verdicts
+
+
+@dataclass(frozen=True, slots=True)
+class _Held:
+    """A part whose first insert round went ahead (`Rounds.insert_ahead`): what deciding it left to do if
+    Redis refuses that round."""
+
+    batch: Batch
+    verdicts: list[Verdict]
+    pending: dict[int, Entry]
+    remembered: list[int]
 
 
 def _point_at_representatives(messages: Sequence[Message], verdicts: list[Verdict]) -> None:
