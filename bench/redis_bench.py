@@ -3,7 +3,7 @@
     eval "$(bash docker/services.sh env)"       # or pass the URLs below
     python bench/redis_bench.py [--limit 20000] [--runs 3] [--batch 512] [--sets all,short]
                                 [--backends memory,redis,redis-compact,redis-group,redis-serial,redis-unaided,
-                                            redis-batch,redis-group-batch,rediss,cluster,datasketch]
+                                            redis-waiting,redis-batch,redis-group-batch,rediss,cluster,datasketch]
                                 [--db 9]
                                 [--redis URL --tls URL --cluster URL]
 
@@ -13,7 +13,8 @@ them alike; the table shows the median messages/s and the ratio to the memory in
 as `neardup filter FILE` works: `route_batches` over the raw JSONL records in batches of `--batch` (decode,
 fingerprint, look up, verify, insert); `redis-serial` routes batch after batch as the Kafka worker does,
 `redis-unaided` as `redis` without the next batch's read sent ahead and without the entries the client
-keeps (every lookup reads when it is made, and every candidate's entry), `redis-batch` and `redis-group-batch`
+keeps (every lookup reads when it is made, and every candidate's entry), `redis-waiting` as `redis` with every
+insert round waiting for its answer (none sent ahead while the next part is looked up), `redis-batch` and `redis-group-batch`
 as `redis` and `redis-group` with a whole batch a lookup and insert round (`?round=` the batch: not in parts of
 128, docs/design.md), `redis-compact` as `redis` in the
 compact layout (`?layout=compact`: docs/design.md, "The compact slot layout"), `redis-group` in the group layout
@@ -149,14 +150,18 @@ def drop(url: str, pattern: str) -> int:
 # --- the runners ----------------------------------------------------------------------------------------
 
 
-def run_neardup(index_url: str, corpus: Corpus, batch: int, serial: bool = False, unaided: bool = False) -> Run:
+def run_neardup(index_url: str, corpus: Corpus, batch: int, serial: bool = False, unaided: bool = False,
+                waiting: bool = False) -> Run:
     """`route_batches` over the raw records, in batches, as `neardup filter --index URL FILE` does (reading
     two batches ahead); `serial`: `route_batch` of one batch after the other, as the Kafka worker does;
     `unaided`: `route_batches` with no lookup read sent ahead and no entries kept by the client (every
-    lookup reads its buckets when it is made, and every candidate's entry), for comparison."""
+    lookup reads its buckets when it is made, and every candidate's entry), for comparison; `waiting`: every
+    insert round waits for its answer (`RedisIndex.write_ahead` off)."""
     nd = NearDupFilter(FilterConfig(window=1e9), index=f"{index_url}&entry_cache=0" if unaided else index_url)
     if unaided:
         nd.index.read_ahead = False  # type: ignore[attr-defined]
+    if waiting:
+        nd.index.write_ahead = False  # type: ignore[attr-defined]
     records = [RawRecord(line, str(i), 0.0) for i, line in enumerate(corpus.lines)]
     verdicts: list[Verdict] = []
     gc.collect()
@@ -211,11 +216,11 @@ def backends(args: argparse.Namespace) -> list[Backend]:
         if name == "memory":
             out.append(Backend("neardup, memory://", "", lambda c, tag: run_neardup("memory://", c, args.batch),
                                lambda tag: ""))
-        elif name in ("redis", "redis-compact", "redis-group", "redis-serial", "redis-unaided", "redis-batch",
-                      "redis-group-batch", "rediss", "cluster"):
+        elif name in ("redis", "redis-compact", "redis-group", "redis-serial", "redis-unaided", "redis-waiting",
+                      "redis-batch", "redis-group-batch", "rediss", "cluster"):
             url = {"redis": plain, "redis-compact": with_layout(plain, "compact"),
                    "redis-group": with_layout(plain, "group"), "redis-serial": plain,
-                   "redis-unaided": plain, "redis-batch": with_option(plain, "round", args.batch),
+                   "redis-unaided": plain, "redis-waiting": plain, "redis-batch": with_option(plain, "round", args.batch),
                    "redis-group-batch": with_option(with_layout(plain, "group"), "round", args.batch),
                    "rediss": with_db(args.tls, args.db) if args.tls else "", "cluster": args.cluster}[name]
             if not url:
@@ -225,13 +230,14 @@ def backends(args: argparse.Namespace) -> list[Backend]:
                      "redis-group": "redis://?layout=group",
                      "redis-serial": "redis:// (plain), batch after batch",
                      "redis-unaided": "redis:// (plain), no read sent ahead, no entries kept",
+                     "redis-waiting": "redis:// (plain), every insert waited for",
                      "redis-batch": "redis:// (plain), a batch a round",
                      "redis-group-batch": "redis://?layout=group, a batch a round",
                      "rediss": "rediss:// (TLS)", "cluster": "Redis Cluster"}[name]
             out.append(Backend(f"neardup, {label}", url,
                                lambda c, tag, url=url, name=name: run_neardup(
                                    with_prefix(url, tag), c, args.batch, name == "redis-serial",
-                                   unaided=name == "redis-unaided"),
+                                   unaided=name == "redis-unaided", waiting=name == "redis-waiting"),
                                lambda tag: f"{{{tag}:*"))
         elif name == "datasketch":
             out.append(Backend("datasketch MinHashLSH, Redis", plain,
