@@ -56,7 +56,8 @@ def measure(args: argparse.Namespace) -> None:
     batches = [[RawRecord(line, str(i + j), 0.0) for j, line in enumerate(lines[i : i + args.batch])]
                for i in range(0, len(lines), args.batch)]
     index = ("memory://" if args.memory else
-             f"{args.redis.split('?')[0]}?prefix=cost-{uuid.uuid4().hex[:10]}&layout={args.layout}"
+             f"{args.redis.split('?')[0]}?prefix=cost-{uuid.uuid4().hex[:10]}"
+             + (f"&layout={args.layout}" if args.layout != "slot" else "")  # (the default: an older checkout takes it)
              + (f"&round={args.round}" if args.round else ""))
     nd = NearDupFilter(FilterConfig(window=1e9), index=index)
     route_batch(nd, batches[0], fmt)  # warm-up, not counted

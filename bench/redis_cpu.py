@@ -140,7 +140,8 @@ def main() -> int:
         for layout in layouts:  # alternating: the machine's load moves both alike
             row = rows[layout]
             prefix = f"cpu-{uuid.uuid4().hex[:10]}"
-            url = f"{args.redis.split('?')[0]}?prefix={prefix}&layout={layout}"
+            url = (f"{args.redis.split('?')[0]}?prefix={prefix}"
+                   + (f"&layout={layout}" if layout != "slot" else ""))  # (the default: an older checkout takes it)
             nd = NearDupFilter(FilterConfig(window=1e9), index=url)
             if args.rounds == "checked":
                 nd.index.alone_inserts = False  # type: ignore[attr-defined]
