@@ -839,7 +839,7 @@ class RedisIndex:
         view goes by the checking script from here. Refused, or somebody wrote right after it: the lookups
         since went by a view that does not hold, so the view is the round's again (the next lookup reads
         afresh: `_taken` takes no read that went ahead for another view)."""
-        held, since = self._held, self._view
+        held = self._held
         if held is None:
             return True, True
         if held.pending and self.meanwhile is not None and self.meanwhile():  # the engine's work while Redis writes
@@ -865,6 +865,7 @@ class RedisIndex:
             view.hwm, view.inserted, view.watch = held.view_hwm, 0, -1
             view.own.clear()
             view.written.clear()
+            view.bases.clear()
             view._unsettled.clear()
             self._hwm = held.hwm_before
             for entry, _ in held.entries:
@@ -872,8 +873,7 @@ class RedisIndex:
             return False, False
         now_seq, now_hwm = replies[-1]
         if int(now_seq or 0) == held.seq and (now_hwm or b"") == held.stored:
-            assert self._view is since
-            return True, True
+            return True, True  # the lookups since stand: their view stays
         self._view = view
         view.watch = -1  # somebody wrote right after: later rounds go through the script's check
         return True, False
@@ -1388,6 +1388,7 @@ class RedisIndex:
 
     def close(self) -> None:
         self._ahead = None
+        self._held = None
         if self._conn is not None:
             self._conn.deregister_connect_callback(self._connected)
             self._conn.disconnect()

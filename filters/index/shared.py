@@ -109,10 +109,11 @@ class SharedDecider:
                 if not stood:
                     looked = self._look(rounds, part, verifier)  # it went by what was not written
             verdicts, pending, remembered = looked
-            first = self._first_round(part, verdicts, pending, remembered)
-            if pending and _timed(part.observe, "insert", lambda: [rounds.insert_ahead(*first)])[0]:  # noqa: B023
-                held = _Held(part, verdicts, pending, remembered)
-                continue
+            if pending:
+                first = self._first_round(part, verdicts, pending, remembered)
+                if _timed(part.observe, "insert", lambda: [rounds.insert_ahead(*first)])[0]:  # noqa: B023
+                    held = _Held(part, verdicts, pending, remembered)
+                    continue
             out += self._insert(rounds, part, verifier, verdicts, pending, remembered)
         if held is not None:
             out += self._settle(rounds, held, verifier)[0]
