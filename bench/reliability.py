@@ -47,6 +47,7 @@ from bench.kafka_support import TcpProxy, free_port, redis_namespace, settings_f
 from filters.config import FilterConfig
 from filters.engine import NearDupFilter
 from filters.index.redis_codec import parse_records
+from filters.index.shared import AnsweredRounds
 from stream.config import Settings, setting_fields
 from stream.kafka_tools import KafkaRecord, client_options, ensure_topics, producer
 from stream.runner import RawRecord, route_batch
@@ -158,11 +159,6 @@ def wait_assigned(workers: Sequence[Serve], partitions: int, timeout: float = 60
     wait_until(stable, timeout, f"{len(workers)} workers sharing {partitions} partitions", check=check)
 
 
-def _waited(self: Any, entries: Any, memos: Any = ()) -> bool:
-    """`RedisIndex.insert_ahead` for the hooks on `insert`: no round goes ahead, every one is an `insert`."""
-    return False
-
-
 def _install_hook(spec: str) -> None:
     from filters.index.redis import RedisIndex
     from filters.index.redis_spread import SpreadIndex
@@ -202,7 +198,7 @@ def _install_hook(spec: str) -> None:
                 return _insert(self, entries, memos)
 
             RedisIndex.insert = barrier  # type: ignore[method-assign]
-            RedisIndex.insert_ahead = _waited  # type: ignore[method-assign]  # every round through `insert`
+            RedisIndex.insert_ahead = AnsweredRounds.insert_ahead  # type: ignore[method-assign]  # all through `insert`
         elif part == "racy":
             insert = RedisIndex.insert
 
@@ -221,7 +217,7 @@ def _install_hook(spec: str) -> None:
                 return [None] * len(entries)
 
             RedisIndex.insert = racy_insert  # type: ignore[method-assign]
-            RedisIndex.insert_ahead = _waited  # type: ignore[method-assign]  # every round through `insert`
+            RedisIndex.insert_ahead = AnsweredRounds.insert_ahead  # type: ignore[method-assign]  # all through `insert`
             SpreadIndex.insert = racy_claims  # type: ignore[method-assign]
         elif part.startswith("request_timeout="):
             import stream.worker

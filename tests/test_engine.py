@@ -15,7 +15,7 @@ from filters.engine import Match, Message, NearDupFilter, Verdict
 from filters.fingerprint import hamming, key_method, minhash_jaccard
 from filters.index import Batch, Candidate, CandidateIndex, Entry, IndexWrapper, Memo, Query, Verifier, finish
 from filters.index.memory import MemoryIndex
-from filters.index.shared import SharedDecider
+from filters.index.shared import AnsweredRounds, SharedDecider
 from stream.testing import ManualClock
 
 LETTERS = "abcdefghjkmnpqrstuvwxyz"
@@ -33,7 +33,7 @@ def words(rng: random.Random, n: int) -> str:
     return " ".join("".join(rng.choice(LETTERS) for _ in range(rng.randint(3, 8))) for _ in range(n))
 
 
-class ProxyIndex(IndexWrapper):
+class ProxyIndex(AnsweredRounds, IndexWrapper):
     """A `CandidateIndex` that is not a `MemoryIndex`: makes the engine take its shared-index path
     (one lookup and one insert round per batch) over a MemoryIndex, counting the rounds."""
 
@@ -55,11 +55,6 @@ class ProxyIndex(IndexWrapper):
     def prefetch(self, queries: Sequence[Query]) -> None:
         pass  # nothing to read ahead in memory
 
-    def insert_ahead(self, entries: Sequence[tuple[Entry, tuple[int, ...]]], memos: Sequence[Memo] = ()) -> bool:
-        return False  # every insert round is answered at once in memory
-
-    def settle(self) -> tuple[bool, bool]:
-        return True, True
 
     def lookup(self, queries: Sequence[Query], limit: int) -> list[tuple[Entry | Verdict | None, list[Candidate]]]:
         self.lookups += 1

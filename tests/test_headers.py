@@ -15,7 +15,7 @@ from bench.reliability import read_outputs
 from filters.engine import Message, NearDupFilter, Verdict
 from filters.index import Batch, Candidate, Entry, IndexWrapper, Memo, Query, Verifier, finish
 from filters.index.redis import RedisIndex
-from filters.index.shared import SharedDecider
+from filters.index.shared import AnsweredRounds, SharedDecider
 from stream.kafka_tools import KafkaRecord, ensure_topics
 from stream.outputs import OutRecord
 from stream.router import open_filter
@@ -27,7 +27,7 @@ COPY_B = "Congratulations! You have won a 1000 dollar gift card, call 555-0199 n
 COPY_C = "Congratulations!! You have won a 1000 dollar gift voucher, call 555-0177 now to claim your prize"
 
 
-class Racing(IndexWrapper):
+class Racing(AnsweredRounds, IndexWrapper):
     """The Redis index of one worker, with another worker's batch decided between its lookup and its insert:
     what two workers racing on near-duplicates do, on cue (the shared decision over its own rounds)."""
 
@@ -45,11 +45,6 @@ class Racing(IndexWrapper):
     def prefetch(self, queries: Sequence[Query]) -> None:
         pass  # every lookup reads when it is made
 
-    def insert_ahead(self, entries: Sequence[tuple[Entry, tuple[int, ...]]], memos: Sequence[Memo] = ()) -> bool:
-        return False  # every insert goes through `insert`, where the other worker wins the race
-
-    def settle(self) -> tuple[bool, bool]:
-        return True, True
 
     def insert(self, entries: Sequence[tuple[Entry, tuple[int, ...]]],
                memos: Sequence[Memo] = ()) -> list[list[Candidate] | None]:

@@ -517,9 +517,9 @@ class _HeldRound:
     stored: bytes
     view_hwm: bytes  # the view's high-water mark before it (restored if refused)
     before: _SentRead | None  # the read sent ahead before it (its replies come first)
+    entries: Sequence[tuple[Entry, tuple[int, ...]]]  # its entries (no longer kept if refused)
+    hwm_before: float  # the index's high-water mark when it was sent (restored if refused)
     replies: list[Any] = field(default_factory=list)
-    entries: Sequence[tuple[Entry, tuple[int, ...]]] = ()
-    hwm_before: float = 0.0  # the index's high-water mark when it was sent (restored if refused)
 
 
 @dataclass(frozen=True, slots=True)
@@ -820,16 +820,12 @@ class RedisIndex:
         if any(places is None for places in places_of):
             return False
         self._memos = self._memo_writes(memos)
-        hwm_before = self._hwm
         try:
             results = self._alone(entries, fields_of, places_of, ahead=True)
         finally:
             self._memos = None
         if results is None:
             return False
-        held = self._held
-        assert held is not None
-        held.entries, held.hwm_before = entries, hwm_before
         self._keep_inserted(entries, results)
         return True
 
@@ -1639,7 +1635,7 @@ class RedisIndex:
         gone = f"{self._spre}{self._slice(clock - window) - 1}" if seq > start else ""
         if ahead:
             if not self._send_watched(self._watched_commands(start, seq, view.hwm, hwm_bytes, gone, groups),
-                                      seq, hwm_bytes):
+                                      seq, hwm_bytes, entries):
                 return None
         elif view.watch == self._epoch:  # -1 never is: epochs start at 1 with the first connection
             written = self._write_watched(start, seq, view.hwm, hwm_bytes, gone, groups)
@@ -1708,7 +1704,8 @@ class RedisIndex:
         commands += [("EXEC",), ("WATCH", meta), ("HMGET", meta, "seq", "hwm")]
         return commands
 
-    def _send_watched(self, commands: Sequence[Sequence[str | int | bytes]], seq: int, hwm: bytes) -> bool:
+    def _send_watched(self, commands: Sequence[Sequence[str | int | bytes]], seq: int, hwm: bytes,
+                      entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> bool:
         """Sends a `_write_watched` transaction on the pinned connection without reading its replies, kept as
         the round sent ahead (`_held`, read by `settle`); False if it could not go guarded (nothing sent)."""
         self._guarded = True
@@ -1725,7 +1722,7 @@ class RedisIndex:
         finally:
             self._guarded = False
         view = self._view
-        self._held = _HeldRound(view, self._epoch, len(commands), seq, hwm, view.hwm, self._ahead)
+        self._held = _HeldRound(view, self._epoch, len(commands), seq, hwm, view.hwm, self._ahead, entries, self._hwm)
         return True
 
     def _raise_any(self, replies: Sequence[Any]) -> None:

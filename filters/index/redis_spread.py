@@ -86,7 +86,7 @@ from filters.index.redis_codec import (
     stored_entries,
     trim_records,
 )
-from filters.index.shared import SharedDecider
+from filters.index.shared import AnsweredRounds, SharedDecider
 from filters.records import Verdict
 
 try:  # redis-py's hiredis parser: `_read_many` reads replies from its reader
@@ -1236,8 +1236,9 @@ class _Checks:
         return ranked, new
 
 
-class _Rounds:
-    """`SharedDecider`'s rounds on a spread index, with the engine's verification for the claims."""
+class _Rounds(AnsweredRounds):
+    """`SharedDecider`'s rounds on a spread index, with the engine's verification for the claims; each insert
+    round waits for its answer (a claim's round decides by the home scripts' answer)."""
 
     def __init__(self, index: SpreadIndex, batch: Batch, verifier: Verifier) -> None:
         self.index = index
@@ -1253,9 +1254,4 @@ class _Rounds:
     def prefetch(self, queries: Sequence[Query]) -> None:
         self.index.prefetch(queries)
 
-    def insert_ahead(self, entries: Sequence[tuple[Entry, tuple[int, ...]]], memos: Sequence[Memo] = ()) -> bool:
-        return False  # a claim's round decides by its answer (the home scripts'): each waits for it
-
-    def settle(self) -> tuple[bool, bool]:
-        return True, True
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from filters.fingerprint import METHOD_NAMES, Fingerprint
 from filters.index import Batch, Candidate, Entry, Memo, Prepared, Query, Verifier, new_entry, new_query
@@ -30,6 +30,8 @@ from filters.index.memory import MemoryIndex
 from filters.records import Message, Verdict, new_verdict
 
 _MAX_INSERT_ROUNDS = 8
+
+T = TypeVar("T")
 
 Looked = Sequence[tuple[Entry | Verdict | None, list[Candidate]]]
 
@@ -61,7 +63,18 @@ class Rounds(Protocol):
         ...
 
 
-def _timed(observe: Callable[[str, float], None] | None, op: str, call: Callable[[], list]) -> list:  # type: ignore[type-arg]
+class AnsweredRounds:
+    """`Rounds.insert_ahead` and `Rounds.settle` of rounds that wait for every insert's answer: none goes ahead
+    (a layout, or a wrapper, whose insert round decides by its answer)."""
+
+    def insert_ahead(self, entries: Sequence[tuple[Entry, tuple[int, ...]]], memos: Sequence[Memo] = ()) -> bool:
+        return False
+
+    def settle(self) -> tuple[bool, bool]:
+        return True, True
+
+
+def _timed(observe: Callable[[str, float], None] | None, op: str, call: Callable[[], T]) -> T:
     if observe is None:
         return call()
     t0 = time.perf_counter()
@@ -111,7 +124,7 @@ class SharedDecider:
             verdicts, pending, remembered = looked
             if pending:
                 first = self._first_round(part, verdicts, pending, remembered)
-                if _timed(part.observe, "insert", lambda: [rounds.insert_ahead(*first)])[0]:  # noqa: B023
+                if _timed(part.observe, "insert", lambda: rounds.insert_ahead(*first)):  # noqa: B023
                     held = _Held(part, verdicts, pending, remembered)
                     continue
             out += self._insert(rounds, part, verifier, verdicts, pending, remembered)
@@ -159,7 +172,7 @@ class SharedDecider:
     def _settle(self, rounds: Rounds, held: _Held, verifier: Verifier) -> tuple[list[Verdict], bool]:
         """The verdicts of the part whose first insert round went ahead, once its answer is read (inserted
         again if Redis refused it), and whether the lookups made since stand (`Rounds.settle`)."""
-        written, stood = _timed(held.batch.observe, "insert", lambda: list(rounds.settle()))
+        written, stood = _timed(held.batch.observe, "insert", rounds.settle)
         if written:
             return held.verdicts, stood
         return self._insert(rounds, held.batch, verifier, held.verdicts, held.pending, held.remembered), stood
