@@ -538,6 +538,67 @@ def test_the_first_slice_gets_the_small_hashes_of_the_rate_the_url_names(make: C
     assert bits == cc.slice_bits(20_000) > cc.K_FIRST
 
 
+def test_a_refused_round_sent_ahead_leaves_the_slice_it_would_have_made_unmade(
+        make: Callable[..., CompactIndex]) -> None:
+    """A round sent ahead (`insert_ahead`) that makes a slice (its bits in the meta hash) and that Redis refuses
+    made nothing: the client does not take the slice as made, so the next round that writes there makes it, and
+    another client reads what it wrote."""
+    a, b = make(), make()
+    t = WINDOW * 10 + 1.0  # in slice 10, which nobody made
+    for id, ts in (("b1", t - WINDOW), ("b2", t - WINDOW + 1)):  # slice 9
+        b.lookup([Query(id, ts, (7,))], 8)
+        assert b.insert([(entry(id, ts), (7,))]) == [None]
+        if id == "b1":
+            a.lookup([Query("a1", t, (1, 2))], 8)  # b2 goes in after this lookup
+    assert a.insert_ahead([(entry("a1", t), (1, 2))])
+    assert a.settle() == (False, False)
+    # a1 not inserted after all (as an entry that lost a race): the next round to write slice 10 is a2's.
+    a.lookup([Query("a2", t, (3, 4))], 8)
+    assert a.insert([(entry("a2", t), (3, 4))]) == [None]
+    [(_, found)] = make().lookup([Query("q", t, (3, 4))], 8)
+    assert ids(found) == ["a2"]
+
+
+def test_a_small_hash_a_refused_round_sent_ahead_would_have_renewed_gets_its_ttl_from_the_next_round(
+        make: Callable[..., CompactIndex], redis_url: str, prefix: str) -> None:
+    """A refused round sent ahead renewed nothing: the next round that writes its small hashes sets their TTL (a
+    client sets a small hash's TTL once a period, `_renewing`)."""
+    a, b = make(grace="600"), make(grace="600")
+    for id in ("b1", "b2"):
+        b.lookup([Query(id, 1000.0, (1, 2))], 8)
+        assert b.insert([(entry(id, 1000.0), (1, 2))]) == [None]
+        if id == "b1":
+            a.lookup([Query("a1", 1000.0, (1, 2))], 8)  # b2 goes in after this lookup
+    bits = b._bits[b._slice(1000.0)]
+    small = [cc.small_key(f"{b._spre}{b._slice(1000.0)}", cc.small_hash(key, bits)) for key in (1, 2)]
+    with redis.Redis.from_url(redis_url) as client:
+        for key in small:
+            assert client.pexpire(key, 5000)  # as if set long ago, with 5 s of it left
+        assert a.insert_ahead([(entry("a1", 1000.0), (1, 2))])
+        assert a.settle() == (False, False)
+        a.lookup([Query("a2", 1000.0, (1, 2))], 8)
+        assert a.insert([(entry("a2", 1000.0), (1, 2))]) == [None]
+        assert all(client.pttl(key) > (WINDOW + 300) * 1000 for key in small)
+
+
+def test_a_refused_round_sent_ahead_moves_no_window_for_the_reaping(make: Callable[..., CompactIndex]) -> None:
+    """A refused round sent ahead far ahead in event time (it would have moved the window past slice 0) raised
+    no high-water mark: the client reaps no small hash of a slice still inside the window (`_gone`)."""
+    a, b = make(), make()
+    far = 1000.0 + 3 * WINDOW
+    for id in ("b1", "b2"):
+        b.lookup([Query(id, 1000.0, (1, 2))], 8)
+        assert b.insert([(entry(id, 1000.0), (1, 2))]) == [None]
+        if id == "b1":
+            a.lookup([Query("a1", far, (5,))], 8)  # b2 goes in after this lookup
+    assert a.insert_ahead([(entry("a1", far), (5,))])
+    assert a.settle() == (False, False)
+    for id in ("q1", "q2"):  # (a lookup's read sends the reaping its previous read found to do)
+        a.lookup([Query(id, 1001.0, (1, 2))], 8)
+    [(_, found)] = make().lookup([Query("q", 1002.0, (1, 2))], 8)
+    assert sorted(ids(found)) == ["b1", "b2"]
+
+
 def test_rate_is_an_option_of_the_compact_layout_only() -> None:
     assert RedisTarget.parse("redis://h/0?layout=compact&rate=2.5").rate == 2.5
     for url in ("redis://h/0?rate=3", "redis://h/0?layout=compact&rate=0", "redis://h/0?layout=compact&rate=x",

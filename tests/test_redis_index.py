@@ -786,8 +786,8 @@ def _counting_watched(index: RedisIndex, watched: str) -> list[bool | None]:
     results: list[bool | None] = []
     write = getattr(index, watched)
 
-    def counted(*args: object) -> bool | None:
-        result: bool | None = write(*args)
+    def counted(*args: object, **kwargs: object) -> bool | None:
+        result: bool | None = write(*args, **kwargs)
         results.append(result)
         return result
 
@@ -901,31 +901,46 @@ def test_a_round_sent_ahead_and_raced_is_decided_as_one_waited_for(make: Callabl
     same moments."""
     config = FilterConfig(window=WINDOW, bucket_cap=4)
     messages = generated_messages(400, seed=5)
+    prepare = NearDupFilter(config)
     verdicts, dumps, settled = [], [], []
     for namespace in ("ahead", "waited"):
         index, other = make(namespace, bucket_cap=4, round="32"), make(namespace, bucket_cap=4)
         index.write_ahead = namespace == "ahead"
-        build, settle, turns, answers = index._watched_commands, index.settle, [0], Counter[tuple[bool, bool]]()
+        turns, answers = [0], Counter[tuple[bool, bool]]()
 
-        def intruding(*args: Any, index: RedisIndex = index, other: RedisIndex = other, build: Any = build,
-                      turns: list[int] = turns) -> list[Any]:
-            commands = build(*args)
+        def intrude(commands: list[Any], index: RedisIndex = index, other: RedisIndex = other,
+                    turns: list[int] = turns) -> None:
             turns[0] += 1
             if turns[0] % 3 == 0:
                 if race == "before":  # the WATCH sees it: Redis refuses the transaction
-                    ts = float(args[3])
-                    other.lookup([Query(f"x{turns[0]}", ts, (turns[0],))], 8)
-                    assert other.insert([(entry(f"x{turns[0]}", ts, seed=turns[0]), (turns[0],))]) == [None]
+                    # A copy of a message still to come: it takes the seq the refused round would have given its
+                    # first entry, and that message, when it comes, is its duplicate (found by that seq).
+                    ts, id = index._hwm, f"x{turns[0]}"
+                    coming = next((m.text for m in messages if ts + 60 < m.ts < ts + 600 and "#" in m.text), id)
+                    [fp] = prepare.fingerprinter.fingerprint_batch([coming + " reply now"])
+                    other.lookup([Query(id, ts, fp.keys)], 8)
+                    assert other.insert([(Entry.of(id, ts, fp), fp.keys)]) == [None]
                 else:  # as if written right after it, before its WATCH went again: the answer shows a seq moved on
                     commands.insert(commands.index(("EXEC",)), ("HINCRBY", index._meta, "seq", 1))
-            return cast("list[Any]", commands)
+
+        # Every watched transaction, sent ahead or waited for, in the order the rounds go.
+        send, execute, settle = index._send_watched, index._exec_watched, index.settle
+
+        def sending(commands: list[Any], *args: Any, send: Any = send, intrude: Any = intrude) -> bool:
+            intrude(commands)
+            return cast("bool", send(commands, *args))
+
+        def executing(commands: list[Any], execute: Any = execute, intrude: Any = intrude) -> list[Any] | None:
+            intrude(commands)
+            return cast("list[Any] | None", execute(commands))
 
         def counted(settle: Any = settle, answers: Counter[tuple[bool, bool]] = answers) -> tuple[bool, bool]:
             answer = settle()
             answers[answer] += 1
             return cast("tuple[bool, bool]", answer)
 
-        index._watched_commands = intruding  # type: ignore[method-assign]
+        index._send_watched = sending  # type: ignore[method-assign]
+        index._exec_watched = executing  # type: ignore[method-assign]
         index.settle = counted  # type: ignore[method-assign]
         engine = NearDupFilter(config, index=index)
         verdicts.append([v for at in range(0, len(messages), 100) for v in engine.check_batch(messages[at : at + 100])])
@@ -938,6 +953,8 @@ def test_a_round_sent_ahead_and_raced_is_decided_as_one_waited_for(make: Callabl
     assert sum(settled[1].values()) == 0  # waited for: nothing went ahead
     kinds = Counter(v.duplicate for v in verdicts[0])
     assert kinds[True] > 50 and kinds[False] > 50, kinds
+    if race == "before":
+        assert sum(1 for v in verdicts[0] if (v.duplicate_of or "").startswith("x")) >= 3
 
 
 def test_work_given_to_decide_runs_while_redis_answers(make: Callable[..., RedisIndex]) -> None:
@@ -1759,6 +1776,8 @@ ANY_LAYOUT: dict[str, Callable[..., None]] = {test.__name__: test for test in (
     test_a_read_ahead_lost_with_its_connection_is_read_again,
     test_a_read_sent_ahead_stores_and_decides_as_reading_after_the_insert,
     test_a_reconnect_between_lookup_and_insert_never_sends_the_transaction_unguarded,
+    test_a_round_sent_ahead_and_raced_is_decided_as_one_waited_for,
+    test_a_round_sent_ahead_lost_with_its_connection_fails_the_batch_and_its_retry_decides_it,
     test_a_replayed_duplicate_finds_its_memo_on_any_redis,
     test_after_a_stream_every_key_has_a_ttl,
     test_an_insert_after_close_is_checked_by_the_script,

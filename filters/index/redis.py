@@ -517,8 +517,9 @@ class _HeldRound:
     stored: bytes
     view_hwm: bytes  # the view's high-water mark before it (restored if refused)
     before: _SentRead | None  # the read sent ahead before it (its replies come first)
-    entries: Sequence[tuple[Entry, tuple[int, ...]]]  # its entries (no longer kept if refused)
     hwm_before: float  # the index's high-water mark when it was sent (restored if refused)
+    # If refused: forgets what it left in the layout's keeping beside the view (its entries kept, ...).
+    forget: Callable[[], None]
     replies: list[Any] = field(default_factory=list)
 
 
@@ -864,8 +865,7 @@ class RedisIndex:
             view.bases.clear()
             view._unsettled.clear()
             self._hwm = held.hwm_before
-            for entry, _ in held.entries:
-                self._known.pop((entry.id, float(entry.ts)), None)
+            held.forget()
             return False, False
         now_seq, now_hwm = replies[-1]
         if int(now_seq or 0) == held.seq and (now_hwm or b"") == held.stored:
@@ -889,7 +889,7 @@ class RedisIndex:
         conn, n, held.pending = self._conn, held.pending, 0
         try:
             with self._errors():
-                held.replies = read_responses(conn, n)
+                held.replies = self._read_many(conn, n)
         except BaseException:
             self._lose(conn)
             raise
@@ -1635,7 +1635,7 @@ class RedisIndex:
         gone = f"{self._spre}{self._slice(clock - window) - 1}" if seq > start else ""
         if ahead:
             if not self._send_watched(self._watched_commands(start, seq, view.hwm, hwm_bytes, gone, groups),
-                                      seq, hwm_bytes, entries):
+                                      seq, hwm_bytes, partial(self._forget_kept, entries)):
                 return None
         elif view.watch == self._epoch:  # -1 never is: epochs start at 1 with the first connection
             written = self._write_watched(start, seq, view.hwm, hwm_bytes, gone, groups)
@@ -1705,15 +1705,16 @@ class RedisIndex:
         return commands
 
     def _send_watched(self, commands: Sequence[Sequence[str | int | bytes]], seq: int, hwm: bytes,
-                      entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> bool:
+                      forget: Callable[[], None]) -> bool:
         """Sends a `_write_watched` transaction on the pinned connection without reading its replies, kept as
-        the round sent ahead (`_held`, read by `settle`); False if it could not go guarded (nothing sent)."""
+        the round sent ahead (`_held`, read by `settle`, which calls `forget` if Redis refused it); False if it
+        could not go guarded (nothing sent)."""
         self._guarded = True
         try:
             with self._errors():
                 conn = self._pinned()
                 try:
-                    self._pack_and_send(conn, commands)
+                    count = self._pack_send(conn, commands)
                 except _WatchLost:
                     return False
                 except BaseException:
@@ -1722,8 +1723,13 @@ class RedisIndex:
         finally:
             self._guarded = False
         view = self._view
-        self._held = _HeldRound(view, self._epoch, len(commands), seq, hwm, view.hwm, self._ahead, entries, self._hwm)
+        self._held = _HeldRound(view, self._epoch, count, seq, hwm, view.hwm, self._ahead, self._hwm, forget)
         return True
+
+    def _forget_kept(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> None:
+        """A refused round's entries are no longer kept (`_remember`)."""
+        for entry, _ in entries:
+            self._known.pop((entry.id, float(entry.ts)), None)
 
     def _raise_any(self, replies: Sequence[Any]) -> None:
         """`_raise_any` of the module; a layout may read its replies' errors its own way."""
@@ -1846,6 +1852,13 @@ class RedisIndex:
         except BaseException:
             self._lose(conn)  # replies may still be on their way: never reuse it (it reconnects)
             raise
+
+    @staticmethod
+    def _pack_send(conn: Any, commands: Sequence[Sequence[str | int | bytes]]) -> int:
+        """Sends `commands` (`_pack_and_send`); the number of replies they get (a layout may send commands
+        packed already among them)."""
+        RedisIndex._pack_and_send(conn, commands)
+        return len(commands)
 
     @staticmethod
     def _pack_and_send(conn: Any, commands: Sequence[Sequence[str | int | bytes]]) -> None:

@@ -14,13 +14,14 @@ import time
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import chain, islice
 from typing import Any, ClassVar, Protocol, cast
 
 import numpy as np
 
 from filters.errors import ConfigError, IndexCorrupt
-from filters.index import Candidate, Entry, Memo, Query, Stored, new_candidate
+from filters.index import Candidate, Entry, Query, Stored, new_candidate
 from filters.index import compact_codec as cc
 from filters.index import redis as slot  # its restore's chunk and attempts, read when restoring
 from filters.index.redis import (
@@ -329,10 +330,11 @@ class CompactIndex(RedisIndex):
             if pinned and share and self.meanwhile is not None and self.meanwhile():
                 self.meanwhile = None
             if pinned:
-                self._drain()
+                self._drain()  # a read sent ahead on this connection: its replies come first
+                self._read_held()  # ... and those of a round sent ahead
             return _read_replies(conn, count)
         except BaseException:
-            conn.disconnect()  # replies may still be on their way: never reuse it (it reconnects)
+            self._lose(conn)  # replies may still be on their way: never reuse it (it reconnects)
             raise
 
     def _raise_any(self, replies: Sequence[Any]) -> None:
@@ -651,23 +653,17 @@ class CompactIndex(RedisIndex):
         """Keeps the inserted entries by their seq (the result > 0)."""
         self._keep({seq: entry for (entry, _), seq in zip(entries, results) if seq > 0})
 
-    def insert_ahead(self, entries: Sequence[tuple[Entry, tuple[int, ...]]], memos: Sequence[Memo] = ()) -> bool:
-        """`RedisIndex.insert_ahead` in this layout: no round goes without its answer here (each round waits
-        for it: `insert`)."""
-        return False
-
     def _alone(self, entries: Sequence[tuple[Entry, tuple[int, ...]]], fields_of: Sequence[list[bytes]],
                places_of: Sequence[list[int] | None], *, ahead: bool = False) -> list[int] | None:
         """`RedisIndex._alone` in this layout, as a WATCH-guarded transaction only (None otherwise: the script),
-        or where there is no WATCH through INSERT_ALONE_LUA if the layout writes so (`_alone_unwatched`); never
-        sent ahead (`insert_ahead`)."""
+        or where there is no WATCH through INSERT_ALONE_LUA if the layout writes so (`_alone_unwatched`)."""
         view = self._view
-        if ahead or not view.exact or not view.slices or any(p is None for p in places_of) \
-                or (view.watch != self._epoch and not self._alone_unwatched()):
+        if not view.exact or not view.slices or any(p is None for p in places_of) \
+                or (view.watch != self._epoch and (ahead or not self._alone_unwatched())):
             return None
         return self._alone_rows([e.id for e, _ in entries],
                                 [_event_time(e.ts, e.id, self.slice_length) for e, _ in entries],
-                                self._encode(list(entries), encode_entry), fields_of, places_of)
+                                self._encode(list(entries), encode_entry), fields_of, places_of, ahead=ahead)
 
     def _alone_unwatched(self) -> bool:
         """Does an uncontended round go through INSERT_ALONE_LUA where no WATCH guards it (Redis Cluster)? Not in
@@ -675,10 +671,12 @@ class CompactIndex(RedisIndex):
         return False
 
     def _alone_rows(self, ids: list[str], times: list[float], blobs: list[bytes], fields_of: Sequence[list[bytes]],
-                    places_of: Sequence[list[int] | None], low: float | None = None) -> list[int] | None:
+                    places_of: Sequence[list[int] | None], low: float | None = None, *,
+                    ahead: bool = False) -> list[int] | None:
         """`_alone` of entries given by id, event time and stored bytes (an insert's, or a restore's). `low`: the
         event time whose window the first entry's live id is looked for in (a restore's: the namespace's newest
-        event time before it, as the slot layout's restore reads it), else the insert script's."""
+        event time before it, as the slot layout's restore reads it), else the insert script's. `ahead`: the
+        transaction sent without reading its answer (`insert_ahead`)."""
         view = self._view
         window = self.window
         stored_hwm = _stored_time(view.hwm)
@@ -695,7 +693,7 @@ class CompactIndex(RedisIndex):
             ids, times, blobs, list(fields_of), cast("list[list[int]]", list(places_of)), id_places, tuple(slices),
             writes, hwm, seq)
         hwm_bytes = view.hwm if hwm <= stored_hwm else (b"%.17g" % hwm)
-        written = self._write_alone(start, seq, hwm_bytes, hwm, groups, results, times, places_of, id_places)
+        written = self._write_alone(start, seq, hwm_bytes, hwm, groups, ahead)
         if written is None:
             return None
         if not written:
@@ -714,13 +712,12 @@ class CompactIndex(RedisIndex):
                                         writes, hwm, self.window, self.slice_length, self.bucket_cap, seq))
 
     def _write_alone(self, start: int, seq: int, hwm_bytes: bytes, hwm: float, groups: dict[int, list[Any]],
-                     results: Sequence[int], times: Sequence[float], places_of: Sequence[list[int] | None],
-                     id_places: Sequence[int]) -> bool | None:
+                     ahead: bool) -> bool | None:
         """The transaction of `_alone_rows`' round (`_write_watched_compact`), under the lookup's WATCH: None when
-        refused, else whether the meta hash still held what it wrote."""
+        refused, else whether the meta hash still held what it wrote (sent ahead: True, `settle` tells)."""
         clock = hwm if self._clock is None else self._clock
         gone = self._slice(clock - self.window) - 1 if seq > start else None
-        return self._write_watched_compact(start, seq, self._view.hwm, hwm_bytes, gone, groups)
+        return self._write_watched_compact(start, seq, self._view.hwm, hwm_bytes, gone, groups, ahead)
 
     def _meta_writes(self, start: int, seq: int, stored_hwm: bytes, hwm: bytes, made: bool) -> list[Sequence[Any]]:
         """The meta hash's writes in a round's transaction: the seq and layout (and `gen`, where it has none)
@@ -737,7 +734,7 @@ class CompactIndex(RedisIndex):
         return out
 
     def _write_watched_compact(self, start: int, seq: int, stored_hwm: bytes, hwm: bytes, gone: int | None,
-                               groups: dict[int, list[Any]]) -> bool | None:
+                               groups: dict[int, list[Any]], ahead: bool) -> bool | None:
         """`RedisIndex._write_watched` with the writes where this layout keeps them; a slice written for the
         first time gets its bits."""
         meta, ttl = self._meta, self._ttl_ms
@@ -771,27 +768,54 @@ class CompactIndex(RedisIndex):
                 keys = [f"{self._spre}{gone}:{j}" for j in range(1 << bits)]
                 commands += [("UNLINK", *keys[a : a + REAP_KEYS]) for a in range(0, len(keys), REAP_KEYS)]
                 commands.append(("HDEL", meta, f"k:{gone}"))
-        replies = self._exec_round(commands, made)
-        if replies is None:
-            return None
-        for s, j in renewed:  # only now: a transaction refused renewed nothing
-            self._renewed[s][j >> 3] |= 1 << (j & 7)
-        self._stored_top = max(self._stored_top, _stored_time(hwm))
-        now_seq, now_hwm = replies[-1]
-        return int(now_seq or 0) == seq and (now_hwm or b"") == hwm
+        return self._exec_round(commands, made, start, seq, hwm, ahead=ahead, renewed=renewed)
 
-    def _exec_round(self, commands: list[Any], made: dict[int, int]) -> list[Any] | None:
+    def _exec_round(self, commands: list[Any], made: dict[int, int], start: int, seq: int, hwm: bytes, *,
+                    ahead: bool = False, renewed: Sequence[tuple[int, int]] = ()) -> bool | None:
         """A round's transaction (`commands`, from its MULTI), closed with the reaps and memos that go with it,
-        then the meta hash watched and read again: its replies, None if Redis refused it (nothing written). Keeps
-        the bits of the slices it `made`."""
+        then the meta hash watched and read again. None if Redis refused it (nothing written); else whether the
+        meta hash still held the seq and high-water mark it wrote. Once taken (`ahead`: once sent, undone by
+        `_forget_round` if `settle` finds it refused), the bits of the slices it `made` and the small hashes it
+        `renewed` are kept."""
         meta = self._meta
         commands += self._reap_commands()  # in the transaction: its HDEL does not dirty the WATCH
         commands += self._memo_commands()
         commands += [("EXEC",), ("WATCH", meta), ("HMGET", meta, "seq", "hwm")]
-        replies = self._exec_watched(cast("list[Sequence[str | int | bytes]]", commands))
-        if replies is not None:
-            self._bits.update(made)
-        return replies
+        watched = cast("list[Sequence[str | int | bytes]]", commands)
+        top = max(self._stored_top, _stored_time(hwm))
+        if ahead:
+            if not self._send_watched(watched, seq, hwm, partial(self._forget_round, made, start, seq, top,
+                                                                 self._stored_top, renewed)):
+                return None
+            clean = True
+        else:
+            replies = self._exec_watched(watched)
+            if replies is None:
+                return None
+            now_seq, now_hwm = replies[-1]
+            clean = int(now_seq or 0) == seq and (now_hwm or b"") == hwm
+        self._bits.update(made)
+        for s, j in renewed:  # only now: a transaction refused renewed nothing
+            self._renewed[s][j >> 3] |= 1 << (j & 7)
+        self._stored_top = top
+        return clean
+
+    def _forget_round(self, made: dict[int, int], start: int, seq: int, top: float, top_before: float,
+                      renewed: Sequence[tuple[int, int]]) -> None:
+        """What a round sent ahead and refused left kept, forgotten where nothing changed it since: the bits of
+        the slices it made, the small hashes it renewed, the namespace's high-water mark it raised, its entries
+        by seq (others took those seqs)."""
+        for s, bits in made.items():
+            if self._bits.get(s) == bits:
+                del self._bits[s]
+        for s, j in renewed:
+            seen = self._renewed.get(s)
+            if seen is not None and len(seen) > j >> 3:
+                seen[j >> 3] &= ~(1 << (j & 7))
+        if self._stored_top == top:
+            self._stored_top = top_before
+        for s in range(start + 1, seq + 1):
+            self._by_seq.pop(s, None)
 
     def _renewing(self, s: int, bits: int, commands: list[Sequence[Any]],
                   renewed: list[tuple[int, int]]) -> list[Sequence[Any]]:

@@ -374,17 +374,16 @@ class GroupIndex(CompactIndex):
         return results, groups, pending, hwm, seq
 
     def _write_alone(self, start: int, seq: int, hwm_bytes: bytes, hwm: float, groups: dict[int, Any],
-                     results: Sequence[int], times: Sequence[float], places_of: Sequence[list[int] | None],
-                     id_places: Sequence[int]) -> bool | None:
+                     ahead: bool) -> bool | None:
         """`CompactIndex._write_alone`, its writes those of whole groups (`_alone_round`, `_write_groups`)."""
-        return self._write_groups(start, seq, self._view.hwm, hwm_bytes, hwm, groups, self._last_raw)
+        return self._write_groups(start, seq, self._view.hwm, hwm_bytes, hwm, groups, self._last_raw, ahead=ahead)
 
     def _alone_unwatched(self) -> bool:
         """Without WATCH (Redis Cluster), an uncontended round's groups go through INSERT_ALONE_LUA (`_write_groups`)."""
         return not self._watchable()
 
     def _write_groups(self, start: int, seq: int, stored_hwm: bytes, hwm_bytes: bytes, hwm: float,
-                      groups: dict[int, Any], raw: dict[int, dict[bytes, bytes]]) -> bool | None:
+                      groups: dict[int, Any], raw: dict[int, dict[bytes, bytes]], *, ahead: bool = False) -> bool | None:
         """A round's writes (`groups`, per slice: its entries, its `HSET` arguments (`slice_writes`: the groups
         changed, whole, then the entries), the places of its groups in the read, the read's values (None: not
         read), its bits if the round makes the slice, and the groups changed as a dict or None) as a watched
@@ -420,11 +419,9 @@ class GroupIndex(CompactIndex):
             commands += self._meta_writes(start, seq, stored_hwm, hwm_bytes, bool(made))
             if gone is not None:
                 commands += [("UNLINK", f"{self._spre}{gone}"), ("HDEL", meta, f"k:{gone}")]
-            replies = self._exec_round(commands, made)
-            if replies is None:
+            held = self._exec_round(commands, made, start, seq, hwm_bytes, ahead=ahead)
+            if held is None:
                 return None
-            now_seq, now_hwm = replies[-1]
-            held = int(now_seq or 0) == seq and (now_hwm or b"") == hwm_bytes
         else:
             fields: list[Any] = [f for s, bits in made.items() for f in (f"k:{s}", bits)]
             if seq != start:
@@ -439,19 +436,21 @@ class GroupIndex(CompactIndex):
                 self._memos_sent()  # written beside the script, whatever it answered
                 return None
             self._bits.update(made)
+            self._stored_top = max(self._stored_top, _stored_time(hwm_bytes))
             held = True
-        ahead = self._ahead is not None  # a read sent ahead lacks these groups (`_taken`); one sent after has them
+        # Kept at once, also for a round sent ahead: if Redis refuses it, the view goes by the checking script
+        # (which needs none of these) until a read made afresh replaces them all (`_parse_read`, `_read_view`).
+        before = self._ahead is not None  # a read sent ahead lacks these groups (`_taken`); one sent after has them
         for s, (_, flat, taken, values, _, changed) in groups.items():
-            kept = self._raw_written.get(s) if ahead else None
-            if ahead and changed is None and kept is None:  # (sent after the round was made)
+            kept = self._raw_written.get(s) if before else None
+            if before and changed is None and kept is None:  # (sent after the round was made)
                 kept = self._raw_written[s] = {}
             self._keep_written(raw.setdefault(s, {}), values, flat, taken, kept if changed is None else None)
-            if ahead and changed is not None:  # made with the groups, no group touched again
+            if before and changed is not None:  # made with the groups, no group touched again
                 if kept is None:
                     self._raw_written[s] = changed
                 else:
                     kept.update(changed)
-        self._stored_top = max(self._stored_top, _stored_time(hwm_bytes))
         return held
 
     def _guarded_round(self, ids: list[str], times: list[float], blobs: list[bytes], fields_of: Sequence[list[bytes]],
