@@ -3,8 +3,8 @@
     eval "$(bash docker/services.sh env)"       # or pass the URLs below
     python bench/redis_bench.py [--limit 20000] [--runs 3] [--batch 512] [--sets all,short]
                                 [--backends memory,redis,redis-compact,redis-group,redis-serial,redis-unaided,
-                                            redis-waiting,redis-group-waiting,redis-batch,redis-group-batch,
-                                            rediss,cluster,datasketch]
+                                            redis-waiting,redis-compact-waiting,redis-group-waiting,redis-batch,
+                                            redis-group-batch,rediss,cluster,datasketch]
                                 [--db 9]
                                 [--redis URL --tls URL --cluster URL]
 
@@ -15,8 +15,8 @@ as `neardup filter FILE` works: `route_batches` over the raw JSONL records in ba
 fingerprint, look up, verify, insert); `redis-serial` routes batch after batch as the Kafka worker does,
 `redis-unaided` as `redis` without the next batch's read sent ahead and without the entries the client
 keeps (every lookup reads when it is made, and every candidate's entry), `redis-waiting` as `redis` with every
-insert round waiting for its answer (none sent ahead while the next part is looked up; `redis-group-waiting`
-the same in the group layout), `redis-batch` and `redis-group-batch`
+insert round waiting for its answer (none sent ahead while the next part is looked up; `redis-compact-waiting`
+and `redis-group-waiting` the same in the compact and group layouts), `redis-batch` and `redis-group-batch`
 as `redis` and `redis-group` with a whole batch a lookup and insert round (`?round=` the batch: not in parts of
 128, docs/design.md), `redis-compact` as `redis` in the
 compact layout (`?layout=compact`: docs/design.md, "The compact slot layout"), `redis-group` in the group layout
@@ -219,10 +219,12 @@ def backends(args: argparse.Namespace) -> list[Backend]:
             out.append(Backend("neardup, memory://", "", lambda c, tag: run_neardup("memory://", c, args.batch),
                                lambda tag: ""))
         elif name in ("redis", "redis-compact", "redis-group", "redis-serial", "redis-unaided", "redis-waiting",
-                      "redis-group-waiting", "redis-batch", "redis-group-batch", "rediss", "cluster"):
+                      "redis-compact-waiting", "redis-group-waiting", "redis-batch", "redis-group-batch", "rediss",
+                      "cluster"):
             url = {"redis": plain, "redis-compact": with_layout(plain, "compact"),
                    "redis-group": with_layout(plain, "group"), "redis-serial": plain,
-                   "redis-unaided": plain, "redis-waiting": plain, "redis-group-waiting": with_layout(plain, "group"),
+                   "redis-unaided": plain, "redis-waiting": plain, "redis-compact-waiting": with_layout(plain, "compact"),
+                   "redis-group-waiting": with_layout(plain, "group"),
                    "redis-batch": with_option(plain, "round", args.batch),
                    "redis-group-batch": with_option(with_layout(plain, "group"), "round", args.batch),
                    "rediss": with_db(args.tls, args.db) if args.tls else "", "cluster": args.cluster}[name]
@@ -234,6 +236,7 @@ def backends(args: argparse.Namespace) -> list[Backend]:
                      "redis-serial": "redis:// (plain), batch after batch",
                      "redis-unaided": "redis:// (plain), no read sent ahead, no entries kept",
                      "redis-waiting": "redis:// (plain), every insert waited for",
+                     "redis-compact-waiting": "redis://?layout=compact, every insert waited for",
                      "redis-group-waiting": "redis://?layout=group, every insert waited for",
                      "redis-batch": "redis:// (plain), a batch a round",
                      "redis-group-batch": "redis://?layout=group, a batch a round",
