@@ -15,7 +15,7 @@ import redis
 
 from filters.config import FilterConfig
 from filters.engine import NearDupFilter
-from filters.errors import ConfigError
+from filters.errors import ConfigError, IndexUnavailable
 from filters.index import Entry, Query
 from filters.index import compact_codec as cc
 from filters.index.redis import RedisIndex, RedisTarget
@@ -553,6 +553,29 @@ def test_a_refused_round_sent_ahead_leaves_the_slice_it_would_have_made_unmade(
     assert a.insert_ahead([(entry("a1", t), (1, 2))])
     assert a.settle() == (False, False)
     # a1 not inserted after all (as an entry that lost a race): the next round to write slice 10 is a2's.
+    a.lookup([Query("a2", t, (3, 4))], 8)
+    assert a.insert([(entry("a2", t), (3, 4))]) == [None]
+    [(_, found)] = make().lookup([Query("q", t, (3, 4))], 8)
+    assert ids(found) == ["a2"]
+
+
+def test_a_round_sent_ahead_whose_answer_is_lost_leaves_nothing_of_it_kept(make: Callable[..., CompactIndex]) -> None:
+    """A round sent ahead (refused by Redis: another client wrote after the lookup) whose answer goes with the
+    connection: `settle` fails the batch (whether Redis wrote it is unknown), and the client keeps nothing of
+    the round: no entry at a seq another client took, no slice taken as made."""
+    a, b = make(), make()
+    t = WINDOW * 10 + 1.0  # in slice 10, which nobody made
+    for id, ts in (("b1", t - WINDOW), ("b2", t - WINDOW + 1)):  # slice 9, seqs 1 and 2
+        b.lookup([Query(id, ts, (7,))], 8)
+        assert b.insert([(entry(id, ts), (7,))]) == [None]
+        if id == "b1":
+            a.lookup([Query("a1", t, (1, 2))], 8)  # b2 goes in after this lookup
+    assert a.insert_ahead([(entry("a1", t), (1, 2))])  # a1 at seq 2, if Redis took it
+    a._conn.disconnect()  # the connection goes before the answer is read
+    with pytest.raises(IndexUnavailable):
+        a.settle()
+    [(_, found)] = a.lookup([Query("q", t - WINDOW + 2, (7,))], 8)
+    assert sorted(ids(found)) == ["b1", "b2"]
     a.lookup([Query("a2", t, (3, 4))], 8)
     assert a.insert([(entry("a2", t), (3, 4))]) == [None]
     [(_, found)] = make().lookup([Query("q", t, (3, 4))], 8)

@@ -33,6 +33,7 @@ from tests.test_redis_compact import (
     assert_refused_after,
     test_a_cluster_routes_as_the_memory_index,
     test_a_refused_round_sent_ahead_leaves_the_slice_it_would_have_made_unmade,
+    test_a_round_sent_ahead_whose_answer_is_lost_leaves_nothing_of_it_kept,
     test_the_checking_script_is_loaded_again_after_a_script_flush,
     test_without_the_compiled_core_the_python_reference_decides_alike,
 )
@@ -54,6 +55,7 @@ globals().update(ANY_LAYOUT)  # collected here again, each with this module's `m
 __all__ = [  # idem, the compact layout's that hold for this one, with this module's `make` and `layout`
     "test_a_cluster_routes_as_the_memory_index",
     "test_a_refused_round_sent_ahead_leaves_the_slice_it_would_have_made_unmade",
+    "test_a_round_sent_ahead_whose_answer_is_lost_leaves_nothing_of_it_kept",
     "test_the_checking_script_is_loaded_again_after_a_script_flush",
     "test_without_the_compiled_core_the_python_reference_decides_alike",
 ]

@@ -641,7 +641,7 @@ class RedisIndex:
         except BaseException:
             if self._held is not None and self._conn is not None:  # its answer may still be on its way
                 self._lose(self._conn)
-            self._held = None
+            self._drop_held()
             raise
         finally:
             left, self.meanwhile = self.meanwhile, None
@@ -843,8 +843,10 @@ class RedisIndex:
             self.meanwhile = None
         try:
             self._read_held()
-        finally:
-            self._held = None
+        except BaseException:
+            self._drop_held()
+            raise
+        self._held = None
         replies = held.replies
         try:
             with self._errors():
@@ -855,6 +857,7 @@ class RedisIndex:
         except BaseException:
             if self._conn is not None:  # Redis before 6.2 stays in MULTI after refusing EXEC itself
                 self._lose(self._conn)
+            held.forget()  # (some of it may have been written: what it kept is read again)
             raise
         view = held.view
         if done is None:
@@ -1384,7 +1387,7 @@ class RedisIndex:
 
     def close(self) -> None:
         self._ahead = None
-        self._held = None
+        self._drop_held()
         if self._conn is not None:
             self._conn.deregister_connect_callback(self._connected)
             self._conn.disconnect()
@@ -1894,7 +1897,15 @@ class RedisIndex:
         conn.disconnect()
         if conn is self._conn:
             self._ahead = None
-            self._held = None
+            self._drop_held()
+
+    def _drop_held(self) -> None:
+        """The round sent ahead is dropped with its answer unread (its connection lost, its batch failed, the
+        index closed): whether Redis wrote it is unknown, so what it left in the layout's keeping is forgotten
+        (`_HeldRound.forget`) and read again when needed. Its view goes too: the next lookup reads afresh."""
+        held, self._held = self._held, None
+        if held is not None:
+            held.forget()
 
     @staticmethod
     def _read_many(conn: Any, n: int) -> list[Any]:
