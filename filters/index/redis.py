@@ -731,9 +731,9 @@ class RedisIndex:
         with self._errors():
             conn = self._pinned()
             self._drain()
-            self._pack_and_send(conn, commands)
+            count = self._pack_send(conn, commands)
             epoch = self._epoch  # after sending: a reconnect on the way sent it on the new connection
-        self._ahead = _SentRead(queries, names, key_fields, positions, id_places, slices, epoch, view, len(commands))
+        self._ahead = _SentRead(queries, names, key_fields, positions, id_places, slices, epoch, view, count)
 
     def _plan_ahead(self, queries: Sequence[Query]) -> tuple[list[bytes], list[list[bytes]], list[list[int]],
                                                              list[int], tuple[int, ...]] | None:
@@ -1845,13 +1845,13 @@ class RedisIndex:
     def _send(self, conn: Any, commands: Sequence[Sequence[str | int | bytes]], *, pinned: bool = False,
               share: bool = True) -> list[Any]:
         try:
-            self._pack_and_send(conn, commands)
+            count = self._pack_send(conn, commands)
             if pinned and share and self.meanwhile is not None and self.meanwhile():  # the engine's thread: its work
                 self.meanwhile = None
             if pinned:
                 self._drain()  # a read sent ahead on this connection: its replies come first
                 self._read_held()  # ... and those of a round sent ahead
-            return read_responses(conn, len(commands))
+            return read_responses(conn, count)
         except BaseException:
             self._lose(conn)  # replies may still be on their way: never reuse it (it reconnects)
             raise
