@@ -66,6 +66,7 @@ cdef extern from "Python.h":
     int PyUnicode_KIND(object o)
     void *PyUnicode_DATA(object o)
     bint PyUnicode_IS_ASCII(object o)
+    bint PyExceptionInstance_Check(object o)
 
 
 # One extension module, its source split by concern, each part beside the Python reference it is held to.

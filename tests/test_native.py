@@ -1201,21 +1201,35 @@ _REPLY = st.one_of(st.none(), st.binary(max_size=4), st.integers(-5, 5),
                    st.sampled_from([ValueError("x"), KeyError("y")]))
 
 
-@given(replies=st.lists(_REPLY, max_size=12), gaps=st.lists(st.integers(0, 3), max_size=12))
+class _Fatal(Exception):
+    """A reply of the kind a reader raises at once (redis-py's `ConnectionError` replies: LOADING)."""
+
+
+@given(replies=st.lists(_REPLY | st.just(_Fatal("loading")), max_size=12), gaps=st.lists(st.integers(0, 3), max_size=12))
 def test_replies_gathered_and_their_first_error_as_the_reference(replies: list[object], gaps: list[int]) -> None:
-    """The compact layout's reading of replies (a reader that has none yet now and then) and its check for an
-    error reply among them: the compiled twins give the reference's replies, calls and error."""
-    for gather in (_native.gather_replies, compact_codec.gather_replies):
+    """Every layout's reading of replies (a reader that has none yet now and then, a fatal reply raised at once)
+    and the compact layout's check for an error reply among them: the compiled twins give the reference's
+    replies, calls, raised reply and error."""
+    fatal = next((at for at, r in enumerate(replies) if isinstance(r, _Fatal)), None)
+    for gather in (_native.gather_replies, redis_codec.gather_replies):
         not_enough = object()
         script = [r for at, reply in enumerate(replies) for r in [not_enough] * (gaps[at] if at < len(gaps) else 0)
                   + [reply]]
         feed: Iterator[object] = iter(script)
         reads: list[int] = []
-        got = gather(feed.__next__, functools.partial(reads.append, 1), len(replies), not_enough)
-        assert got == replies and len(reads) == len(script) - len(replies)
-    first = compact_codec.first_error(replies)
-    assert _native.first_error(replies) is first
-    assert first is next((r for r in replies if isinstance(r, Exception)), None)
+        if fatal is None:
+            got = gather(feed.__next__, functools.partial(reads.append, 1), len(replies), not_enough, _Fatal)
+            assert got == replies and len(reads) == len(script) - len(replies)
+        else:
+            with pytest.raises(_Fatal) as raised:
+                gather(feed.__next__, functools.partial(reads.append, 1), len(replies), not_enough, _Fatal)
+            assert raised.value is replies[fatal]
+            assert next(feed, None) is (script[script.index(replies[fatal]) + 1]
+                                        if script.index(replies[fatal]) + 1 < len(script) else None)
+    kept = [r for r in replies if not isinstance(r, _Fatal)]
+    first = compact_codec.first_error(kept)
+    assert _native.first_error(kept) is first
+    assert first is next((r for r in kept if isinstance(r, Exception)), None)
 
 
 # Ranking buffers an index keeps from lookup to lookup: shared by every example below, so that each ranks with

@@ -184,31 +184,6 @@ def test_the_checking_script_is_loaded_again_after_a_script_flush(make: Callable
     assert ids(index.lookup([Query("q", 1000.0, (1,))], 8)[0][1]) == ["b", "a"]
 
 
-@pytest.mark.parametrize("parser", ["hiredis", "python"])
-def test_replies_read_in_bulk_are_those_of_read_response(redis_url: str, parser: str) -> None:
-    """Values, nils, arrays and error replies, in order, with redis-py's hiredis reader or its Python one."""
-    from redis._parsers import _HiredisParser, _RESP2Parser
-
-    from filters.index.redis_compact import _read_replies
-
-    client = redis.Redis.from_url(redis_url, parser_class=_HiredisParser if parser == "hiredis" else _RESP2Parser)
-    conn = client.connection_pool.get_connection()
-    try:
-        commands = [("SET", "{t}:x", "1"), ("HSET", "{t}:x", "f", "v"), ("GET", "{t}:x"), ("HMGET", "{t}:h", "a", "b"),
-                    *[("ECHO", b"y" * 100)] * 2000]
-        conn.send_packed_command(conn.pack_commands(commands))
-        replies = _read_replies(conn, len(commands))
-        assert replies[0] is True or replies[0] == b"OK"
-        assert isinstance(replies[1], redis.ResponseError) and "WRONGTYPE" in str(replies[1])
-        assert replies[2:4] == [b"1", [None, None]]
-        assert replies[4:] == [b"y" * 100] * 2000
-        assert conn.send_command("PING") is None and conn.read_response() in (b"PONG", True)  # still in step
-    finally:
-        client.connection_pool.release(conn)
-        client.delete("{t}:x")
-        client.close()
-
-
 # --- the fence (docs/design.md, "The index changelog"): as tests/test_changelog.py's, in the compact layout ---
 
 def _fenced(url: str) -> CompactIndex:

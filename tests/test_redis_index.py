@@ -957,7 +957,8 @@ def test_a_round_sent_ahead_and_raced_is_decided_as_one_waited_for(make: Callabl
         assert sum(1 for v in verdicts[0] if (v.duplicate_of or "").startswith("x")) >= 3
 
 
-def test_work_given_to_decide_runs_while_redis_answers(make: Callable[..., RedisIndex]) -> None:
+def test_work_given_to_decide_runs_while_redis_answers(make: Callable[..., RedisIndex],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """`decide(..., meanwhile=...)`: a share of the work runs after a request of the batch went out and
     before its replies are read, until the work says it is done: during the lookup's read and the
     insert's transaction, not the short read of entries between them; what is left after the batch
@@ -968,13 +969,15 @@ def test_work_given_to_decide_runs_while_redis_answers(make: Callable[..., Redis
     events: list[str] = []
     index.lookup([Query("warm", 1.7e9, (1,))], 8)  # connects the pinned connection
     conn = index._conn
-    read = conn.read_response
+    import filters.index.redis as redis_index
 
-    def reading(*args: object, **kwargs: object) -> object:
+    read = redis_index.read_replies
+
+    def reading(*args: Any, **kwargs: Any) -> list[Any]:
         events.append("read")
         return read(*args, **kwargs)
 
-    conn.read_response = reading
+    monkeypatch.setattr(redis_index, "read_replies", reading)
     send = conn.send_packed_command
 
     def sending(packed: list[bytes], *args: object, **kwargs: object) -> object:
@@ -1004,11 +1007,11 @@ def test_work_given_to_decide_runs_while_redis_answers(make: Callable[..., Redis
         inside = [events[i - 1] for i, e in enumerate(events) if e == "work" and events[i - 1] != "work"]
         assert inside[:-1] == ["send lookup", "send insert"] and inside[-1] == "read"
     finally:
-        del conn.read_response
         del conn.send_packed_command
 
 
-def test_a_wrapped_index_keeps_the_overlap_and_the_read_ahead(make: Callable[..., RedisIndex]) -> None:
+def test_a_wrapped_index_keeps_the_overlap_and_the_read_ahead(make: Callable[..., RedisIndex],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Through a wrapper (`TimedIndex`, as `neardup serve` wraps the index), the batch's `meanwhile` work still
     runs while Redis answers the lookup, the next batch's read still goes ahead, and each round is timed."""
     index = make(bucket_cap=64)
@@ -1019,9 +1022,11 @@ def test_a_wrapped_index_keeps_the_overlap_and_the_read_ahead(make: Callable[...
     index.lookup([Query("warm", 1.7e9, (1,))], 8)  # connects the pinned connection
     conn = index._conn
     events: list[str] = []
-    read, send = conn.read_response, conn.send_packed_command
+    import filters.index.redis as redis_index
 
-    def reading(*args: object, **kwargs: object) -> object:
+    read, send = redis_index.read_replies, conn.send_packed_command
+
+    def reading(*args: Any, **kwargs: Any) -> list[Any]:
         events.append("read")
         return read(*args, **kwargs)
 
@@ -1033,7 +1038,8 @@ def test_a_wrapped_index_keeps_the_overlap_and_the_read_ahead(make: Callable[...
         events.append("work")
         return events.count("work") >= 2
 
-    conn.read_response, conn.send_packed_command = reading, sending
+    monkeypatch.setattr(redis_index, "read_replies", reading)
+    conn.send_packed_command = sending
     try:
         first, following = messages[:30], messages[30:]
         later = engine.prepare([m.text for m in following])
@@ -1041,7 +1047,6 @@ def test_a_wrapped_index_keeps_the_overlap_and_the_read_ahead(make: Callable[...
         assert events[:2] == ["send lookup", "work"] and events.count("work") == 2
         assert index._ahead is not None  # the following batch's read went out
     finally:
-        del conn.read_response
         del conn.send_packed_command
     assert timed[:2] == ["lookup", "insert"]
     assert engine.decide(following, later) == NearDupFilter(config).check_batch(messages)[30:]
@@ -1417,6 +1422,35 @@ def test_a_round_sent_ahead_lost_with_its_connection_fails_the_batch_and_its_ret
     assert [(v.id, v.duplicate, v.duplicate_of) for v in engine.check_batch(messages)] == expected
 
 
+def test_a_connection_lost_under_a_round_sent_ahead_after_the_next_read_fails_the_batch_as_unavailable(
+        make: Callable[..., RedisIndex]) -> None:
+    """The next batch's read went ahead, then the batch's round without its answer, and the connection's socket
+    fails before either is read: `settle` reads the read's replies first, and their loss fails the batch with the index's
+    retriable error (not redis-py's own); the retry decides the batch as if uninterrupted."""
+    index, uninterrupted = make(), make("uninterrupted")
+    engine = NearDupFilter(FilterConfig(), index=index)
+    messages = generated_messages(48, seed=6)
+    first, following = messages[:24], messages[24:]
+    expected = [(v.id, v.duplicate, v.duplicate_of)
+                for v in NearDupFilter(FilterConfig(), index=uninterrupted).check_batch(first)]
+    prepared, later = engine.prepare([m.text for m in first]), engine.prepare([m.text for m in following])
+    send, cut = index.insert_ahead, []
+
+    def cutting(*args: Any) -> bool:
+        sent = send(*args)
+        if sent and not cut:
+            ahead = index._ahead
+            cut.append(ahead is not None and ahead.pending > 0)  # the read went ahead before the round
+            index._conn._sock.close()  # type: ignore[union-attr]  # (their replies may be on it already: gone too)
+        return sent
+
+    index.insert_ahead = cutting  # type: ignore[method-assign]
+    with pytest.raises(IndexUnavailable):
+        engine.decide(first, prepared, upcoming=(following, later))
+    assert cut == [True]
+    assert [(v.id, v.duplicate, v.duplicate_of) for v in engine.decide(first, prepared)] == expected
+
+
 def test_a_slice_that_left_the_window_is_unlinked(make: Callable[..., RedisIndex], redis_url: str, prefix: str) -> None:
     index = make(window=100.0)
     for id, ts in (("a", 10.0), ("b", 150.0), ("c", 250.0)):  # slices 0, 1, 2
@@ -1778,6 +1812,7 @@ ANY_LAYOUT: dict[str, Callable[..., None]] = {test.__name__: test for test in (
     test_a_reconnect_between_lookup_and_insert_never_sends_the_transaction_unguarded,
     test_a_round_sent_ahead_and_raced_is_decided_as_one_waited_for,
     test_a_round_sent_ahead_lost_with_its_connection_fails_the_batch_and_its_retry_decides_it,
+    test_a_connection_lost_under_a_round_sent_ahead_after_the_next_read_fails_the_batch_as_unavailable,
     test_a_replayed_duplicate_finds_its_memo_on_any_redis,
     test_after_a_stream_every_key_has_a_ttl,
     test_an_insert_after_close_is_checked_by_the_script,
@@ -1794,3 +1829,49 @@ ANY_LAYOUT: dict[str, Callable[..., None]] = {test.__name__: test for test in (
     test_the_next_lookup_sees_the_memos_the_batch_wrote_after_the_read_went_out,
     test_the_next_lookup_sees_what_the_batch_inserted_after_the_read_went_out,
 )}
+
+
+@pytest.mark.parametrize("parser", ["hiredis", "python"])
+def test_replies_read_in_bulk_are_those_of_read_response(redis_url: str, parser: str) -> None:
+    """Every layout's reading of replies (`read_replies`): values, nils, arrays and error replies, in order, with
+    redis-py's hiredis reader or its Python one, the connection still in step afterwards."""
+    from redis._parsers import _HiredisParser, _RESP2Parser
+
+    from filters.index.redis import read_replies
+
+    client = redis.Redis.from_url(redis_url, parser_class=_HiredisParser if parser == "hiredis" else _RESP2Parser)
+    conn = client.connection_pool.get_connection()
+    try:
+        commands = [("SET", "{t}:x", "1"), ("HSET", "{t}:x", "f", "v"), ("GET", "{t}:x"), ("HMGET", "{t}:h", "a", "b"),
+                    *[("ECHO", b"y" * 100)] * 2000]
+        conn.send_packed_command(conn.pack_commands(commands))
+        replies = read_replies(conn, len(commands))
+        assert replies[0] is True or replies[0] == b"OK"
+        assert isinstance(replies[1], redis.ResponseError) and "WRONGTYPE" in str(replies[1])
+        assert replies[2:4] == [b"1", [None, None]]
+        assert replies[4:] == [b"y" * 100] * 2000
+        assert conn.send_command("PING") is None and conn.read_response() in (b"PONG", True)  # still in step
+    finally:
+        client.connection_pool.release(conn)
+        client.delete("{t}:x")
+        client.close()
+
+
+@pytest.mark.parametrize("parser", ["hiredis", "python"])
+def test_a_socket_failing_while_replies_are_read_is_a_redis_connection_error(redis_url: str, parser: str) -> None:
+    """A read that the socket fails (here: closed under it) raises redis-py's ConnectionError, which the index maps
+    to `IndexUnavailable`, not a bare OSError that the boundary would let through as a traceback."""
+    from redis._parsers import _HiredisParser, _RESP2Parser
+
+    from filters.index.redis import read_replies
+
+    client = redis.Redis.from_url(redis_url, parser_class=_HiredisParser if parser == "hiredis" else _RESP2Parser)
+    conn = client.connection_pool.get_connection()
+    try:
+        conn.send_packed_command(conn.pack_commands([("PING",)]))
+        conn._sock.close()  # type: ignore[attr-defined]
+        with pytest.raises(redis.ConnectionError):
+            read_replies(conn, 1)
+    finally:
+        conn.disconnect()
+        client.close()

@@ -746,20 +746,7 @@ def pack_writes(str slice_key, list pairs, int bits, marked, Py_ssize_t entries,
     return out, o.commands, renewing
 
 
-# --- replies (the twins of `compact_codec.gather_replies`, `first_error`) ------------------------------------
-
-def gather_replies(gets, more, Py_ssize_t n, not_enough) -> list:
-    """`filters.index.compact_codec.gather_replies`, compiled."""
-    cdef list out = []
-    cdef object reply
-    while len(out) < n:
-        reply = gets()
-        if reply is not_enough:
-            more()
-        else:
-            out.append(reply)
-    return out
-
+# --- replies (the twin of `compact_codec.first_error`) ----------------------------------------------------
 
 def first_error(replies):
     """`filters.index.compact_codec.first_error`, compiled."""

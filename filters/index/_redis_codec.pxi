@@ -375,6 +375,26 @@ def pack_commands(list commands) -> bytes:
     return out
 
 
+cdef extern from "Python.h":
+    bint PyType_IsSubtype(PyTypeObject *a, PyTypeObject *b)
+    PyTypeObject *Py_TYPE_OF "Py_TYPE" (object o)
+
+
+def gather_replies(gets, more, Py_ssize_t n, not_enough, type fatal) -> list:
+    """`filters.index.redis_codec.gather_replies`, compiled."""
+    cdef list out = []
+    cdef object reply
+    while len(out) < n:
+        reply = gets()
+        if reply is not_enough:
+            more()
+        elif PyExceptionInstance_Check(reply) and PyType_IsSubtype(Py_TYPE_OF(reply), <PyTypeObject *>fatal):
+            raise reply  # (`isinstance` looks `__class__` up on every reply that is not an instance: most)
+        else:
+            out.append(reply)
+    return out
+
+
 # --- naming the fields of a Redis lookup ------------------------------------------------------------------
 
 cdef inline bytes bucket_field(uint64_t key):

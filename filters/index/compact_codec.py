@@ -317,19 +317,6 @@ def pack_writes(slice_key: str, pairs: Sequence[bytes], bits: int, marked: froze
     return resp(kept), len(kept), renewing
 
 
-def gather_replies(gets: Callable[[], Any], more: Callable[[], Any], n: int, not_enough: Any) -> list[Any]:
-    """The next `n` replies of a reader: `gets()` gives one, or `not_enough` while the bytes read so far hold
-    none (then `more()` reads more)."""
-    out: list[Any] = []
-    while len(out) < n:
-        reply = gets()
-        if reply is not_enough:
-            more()
-        else:
-            out.append(reply)
-    return out
-
-
 def first_error(replies: Sequence[Any]) -> Exception | None:
     """The first error reply among `replies` (they come back in their places), None if there is none."""
     for reply in replies:

@@ -156,6 +156,7 @@ from filters.index.redis_codec import (
     encode_memo,
     entry_time,
     field_of,
+    gather_replies,
     id_field,
     memo_time,
     newest_records,
@@ -173,6 +174,16 @@ try:  # the compiled core; absent when it could not be built at install time (no
     import filters._native as _native
 except ImportError:  # pragma: no cover - exercised on machines without a compiler
     _native = None
+
+_HIREDIS: tuple[Any, Any] | None  # redis-py's hiredis parser and its "not enough data yet" (`read_replies`)
+try:
+    from redis._parsers import hiredis as _parsers
+
+    _HIREDIS = (_parsers._HiredisParser, _parsers.NOT_ENOUGH_DATA)
+except (ImportError, AttributeError):  # pragma: no cover - another redis-py: replies are read one by one
+    _HIREDIS = None
+
+_gather = _native.gather_replies if _native is not None else gather_replies
 
 __all__ = [
     "INSERT_ALONE_LUA",
@@ -842,7 +853,8 @@ class RedisIndex:
         if held.pending and self.meanwhile is not None and self.meanwhile():  # the engine's work while Redis writes
             self.meanwhile = None
         try:
-            self._read_held()
+            with self._errors():  # (a read sent ahead before the round is drained first: its errors too)
+                self._read_held()
         except BaseException:
             self._drop_held()
             raise
@@ -892,7 +904,7 @@ class RedisIndex:
         conn, n, held.pending = self._conn, held.pending, 0
         try:
             with self._errors():
-                held.replies = self._read_many(conn, n)
+                held.replies = read_replies(conn, n)
         except BaseException:
             self._lose(conn)
             raise
@@ -1325,7 +1337,7 @@ class RedisIndex:
             if conn is None:
                 replies: list[Any] = sent
             else:
-                replies = read_responses(conn, sent)
+                replies = read_replies(conn, sent)
             _raise_any(replies)
         return replies
 
@@ -1851,7 +1863,7 @@ class RedisIndex:
             if pinned:
                 self._drain()  # a read sent ahead on this connection: its replies come first
                 self._read_held()  # ... and those of a round sent ahead
-            return read_responses(conn, count)
+            return read_replies(conn, count)
         except BaseException:
             self._lose(conn)  # replies may still be on their way: never reuse it (it reconnects)
             raise
@@ -1885,7 +1897,7 @@ class RedisIndex:
             return
         conn, n, ahead.pending = self._conn, ahead.pending, 0
         try:
-            ahead.replies.extend(self._read_many(conn, n))
+            ahead.replies.extend(read_replies(conn, n))
         except BaseException:
             self._lose(conn)
             raise
@@ -1906,11 +1918,6 @@ class RedisIndex:
         held, self._held = self._held, None
         if held is not None:
             held.forget()
-
-    @staticmethod
-    def _read_many(conn: Any, n: int) -> list[Any]:
-        """The next `n` replies on `conn` (`read_responses`); a layout may read them its own faster way."""
-        return read_responses(conn, n)
 
     def _watchable(self) -> bool:
         """Can the uncontended insert go as a transaction guarded by WATCH (`_write_watched`)?"""
@@ -2165,12 +2172,23 @@ def high_marks(queries: Sequence[Query], hwm: float, slice_length: float) -> lis
     return marks
 
 
-def read_responses(conn: Any, n: int) -> list[Any]:
-    """The next `n` replies on `conn`, an error reply in its place (as `RedisIndex._send` gives them)."""
-    out: list[Any] = []
-    for _ in range(n):
-        try:
-            out.append(conn.read_response())
-        except ResponseError as exc:  # read whole: the connection stays in step
-            out.append(exc)
-    return out
+def read_replies(conn: Any, n: int) -> list[Any]:
+    """The next `n` replies on `conn`, an error reply in its place (read whole: the connection stays in step),
+    for every layout. Straight from redis-py's hiredis reader when the connection has one: redis-py's own
+    path (`read_response`, a few µs a reply) costs more than a small reply, and a compact round has thousands.
+    What `read_response` raises is raised: a reply saying the server cannot serve (a `ConnectionError`:
+    LOADING), the socket's errors as redis-py's errors. The caller drops the connection when it raises."""
+    parser: Any = getattr(conn, "_parser", None)
+    reader: Any = getattr(parser, "_reader", None)
+    if _HIREDIS is None or type(parser) is not _HIREDIS[0] or reader is None:
+        out: list[Any] = []
+        for _ in range(n):
+            try:
+                out.append(conn.read_response())
+            except ResponseError as exc:
+                out.append(exc)
+        return out
+    try:
+        return cast("list[Any]", _gather(reader.gets, parser.read_from_socket, n, _HIREDIS[1], redis.ConnectionError))
+    except OSError as exc:  # a reset socket: what redis-py's own read makes of it (timeouts it maps itself)
+        raise redis.ConnectionError(f"Error while reading from the socket: {exc}") from exc

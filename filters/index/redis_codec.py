@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import chain
 from operator import itemgetter
 from typing import Any
@@ -613,6 +613,25 @@ def trim_records(value: bytes, cap: int) -> bytes:
         return value
     newest = sorted(range(len(spans)), key=lambda j: spans[j][:2], reverse=True)[:cap]
     return b"".join(value[spans[j][2] : spans[j][3]] for j in sorted(newest))
+
+
+# --- replies (filters/index/redis.py, `read_replies`) ------------------------------------------------------
+
+def gather_replies(gets: Callable[[], Any], more: Callable[[], Any], n: int, not_enough: Any,
+                   fatal: type[BaseException]) -> list[Any]:
+    """The next `n` replies of a reader: `gets()` gives one, or `not_enough` while the bytes read so far hold
+    none (then `more()` reads more). A reply of the `fatal` kind is raised at once, as redis-py's
+    `read_response` raises it (a server that cannot serve yet: LOADING)."""
+    out: list[Any] = []
+    while len(out) < n:
+        reply = gets()
+        if reply is not_enough:
+            more()
+        elif isinstance(reply, fatal):
+            raise reply
+        else:
+            out.append(reply)
+    return out
 
 
 # --- a restore's Bloom filter of the bucket fields it wrote (filters/index/redis.py, `_Rebuilt`) ------------

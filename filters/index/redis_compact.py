@@ -55,14 +55,6 @@ try:  # redis-py's C protocol parser (the `redis` extra); packs commands where t
 except ImportError:  # pragma: no cover - without the extra, the commands go through redis-py's pipeline
     hiredis = None  # type: ignore[assignment]
 
-_HIREDIS: tuple[Any, Any] | None  # redis-py's hiredis parser and its "not enough data yet" (`_read_replies`)
-try:
-    from redis._parsers import hiredis as _parsers
-
-    _HIREDIS = (_parsers._HiredisParser, _parsers.NOT_ENOUGH_DATA)
-except (ImportError, AttributeError):  # pragma: no cover - another redis-py
-    _HIREDIS = None
-
 _FIB = 0x9E3779B97F4A7C15
 _MASK64 = (1 << 64) - 1
 STATS_SAMPLE = 1 << cc.K_MIN  # small hashes a slice whose fields `stats` counts (all of a slice of the fewest)
@@ -86,19 +78,6 @@ def _script() -> _Script:
 
 
 COMPACT_INSERT = _script()
-
-
-def _read_replies(conn: Any, n: int) -> list[Any]:
-    """The next `n` replies on `conn`, an error reply in its place (as `RedisIndex._send` gives them): straight
-    from redis-py's hiredis reader, whose replies and errors are those of `read_response` without its own work
-    per reply (~5 µs: most of the client's time in a batch of thousands of commands, which the compact layout
-    sends: a command per small hash); through `read_response` where redis-py has no such reader."""
-    parser: Any = getattr(conn, "_parser", None)
-    reader: Any = getattr(parser, "_reader", None)
-    if _HIREDIS is None or type(parser) is not _HIREDIS[0] or reader is None:
-        return slot.read_responses(conn, n)
-    gather = _native.gather_replies if _native is not None else cc.gather_replies
-    return cast("list[Any]", gather(reader.gets, parser.read_from_socket, n, _HIREDIS[1]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -321,22 +300,6 @@ class CompactIndex(RedisIndex):
         self._packs = self._direct()
 
     # -- plumbing ------------------------------------------------------------------------------------
-    def _send(self, conn: Any, commands: Sequence[Sequence[str | int | bytes]], *, pinned: bool = False,
-              share: bool = True) -> list[Any]:
-        """`RedisIndex._send`, commands packed already among them (`_Packed`), its replies read in bulk
-        (`_read_replies`)."""
-        try:
-            count = self._pack_send(conn, commands)
-            if pinned and share and self.meanwhile is not None and self.meanwhile():
-                self.meanwhile = None
-            if pinned:
-                self._drain()  # a read sent ahead on this connection: its replies come first
-                self._read_held()  # ... and those of a round sent ahead
-            return _read_replies(conn, count)
-        except BaseException:
-            self._lose(conn)  # replies may still be on their way: never reuse it (it reconnects)
-            raise
-
     def _raise_any(self, replies: Sequence[Any]) -> None:
         """Raises the first error reply among `replies`, if any (`RedisIndex`'s `_raise_any`, compiled)."""
         error = self._first_error(replies)
@@ -353,11 +316,6 @@ class CompactIndex(RedisIndex):
         blobs, count = _pieces(commands)
         conn.send_packed_command([b"".join(blobs)])
         return count
-
-    @staticmethod
-    def _read_many(conn: Any, n: int) -> list[Any]:
-        """`RedisIndex._read_many` in bulk (`_read_replies`)."""
-        return _read_replies(conn, n)
 
     # -- reading -------------------------------------------------------------------------------------
     def _planned(self, queries: Sequence[Query]) -> tuple[list[bytes], list[list[bytes]], list[list[int]], list[int]]:
@@ -1131,7 +1089,7 @@ class CompactIndex(RedisIndex):
                     for a in range(0, len(blob), SEND_BYTES):  # the socket's timeout bounds each piece's send
                         sender.send(blob[a : a + SEND_BYTES], n if a == 0 else 0)
                 sender.send(_pack(commands), len(commands))
-                replies = _read_replies(conn, sender.close())
+                replies = slot.read_replies(conn, sender.close())
             except BaseException:
                 sender.close(raising=False)
                 conn.disconnect()  # replies may still be on their way: never reuse it (it reconnects)

@@ -47,7 +47,7 @@ import numpy as np
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
-from redis.exceptions import AskError, ClusterDownError, NoScriptError, ResponseError, TryAgainError
+from redis.exceptions import AskError, ClusterDownError, NoScriptError, TryAgainError
 from redis.retry import Retry
 
 from filters.errors import ConfigError, IndexCorrupt, IndexUnavailable
@@ -64,6 +64,7 @@ from filters.index.redis import (
     _Script,
     high_marks,
     kept_ranking,
+    read_replies,
     redact_url,
     redis_errors,
 )
@@ -88,11 +89,6 @@ from filters.index.redis_codec import (
 )
 from filters.index.shared import AnsweredRounds, SharedDecider
 from filters.records import Verdict
-
-try:  # redis-py's hiredis parser: `_read_many` reads replies from its reader
-    from redis._parsers.hiredis import NOT_ENOUGH_DATA as _NOT_ENOUGH_DATA
-except ImportError:  # pragma: no cover - another redis-py: replies are read one by one
-    _NOT_ENOUGH_DATA = None
 
 try:  # the compiled core; absent when it could not be built at install time (no C++ compiler)
     import filters._native as _native
@@ -303,10 +299,10 @@ class _Nodes:
                         if asked:
                             for i, size in zip(at, sizes):
                                 if i in asked:
-                                    _read(conn)  # ASKING's OK
-                                replies[i] = _read(conn) if size == 1 else _exec_reply([_read(conn) for _ in range(size)])
+                                    read_replies(conn, 1)[0]  # ASKING's OK
+                                replies[i] = read_replies(conn, 1)[0] if size == 1 else _exec_reply(read_replies(conn, size))
                         else:
-                            got = _read_many(conn, sum(sizes))
+                            got = read_replies(conn, sum(sizes))
                             p = 0
                             for i, size in zip(at, sizes):
                                 replies[i] = got[p] if size == 1 else _exec_reply(got[p : p + size])
@@ -370,7 +366,7 @@ class _Nodes:
         conn = self.conns[name]
         try:
             _send(conn, [("SCRIPT", "LOAD", source)])
-            reply = _read(conn)
+            reply = read_replies(conn, 1)[0]
         except BaseException:
             self.drop()
             raise
@@ -416,37 +412,6 @@ def _send(conn: Any, commands: Sequence[Sequence[Any]]) -> None:
         conn.send_packed_command([_native.pack_commands(list(commands))])
     else:
         conn.send_packed_command(conn.pack_commands(list(commands)))
-
-
-def _read(conn: Any) -> Any:
-    try:
-        return conn.read_response()
-    except ResponseError as exc:  # read whole: the connection stays in step
-        return exc
-
-
-def _read_many(conn: Any, n: int) -> list[Any]:
-    """`n` replies of `conn`, an error reply in its place: straight from its hiredis reader when it has
-    one (redis-py's per-reply path costs more than the reply when a round has thousands of small ones)."""
-    parser: Any = getattr(conn, "_parser", None)
-    reader = getattr(parser, "_reader", None)
-    if reader is None or _NOT_ENOUGH_DATA is None:
-        return [_read(conn) for _ in range(n)]
-    out: list[Any] = []
-    while len(out) < n:
-        reply = reader.gets()
-        if reply is _NOT_ENOUGH_DATA:
-            try:
-                parser.read_from_socket()
-            except TimeoutError as exc:
-                raise redis.TimeoutError(f"Timeout reading from {conn.host}:{conn.port}") from exc
-            except OSError as exc:  # what redis-py's own read makes of a reset or closed socket
-                raise redis.ConnectionError(f"Error while reading from {conn.host}:{conn.port}: {exc}") from exc
-        elif isinstance(reply, (redis.ConnectionError, redis.TimeoutError)):
-            raise reply
-        else:
-            out.append(reply)
-    return out
 
 
 # --- what a lookup leaves for the inserts ---------------------------------------------------------------
