@@ -1451,6 +1451,44 @@ def test_a_connection_lost_under_a_round_sent_ahead_after_the_next_read_fails_th
     assert [(v.id, v.duplicate, v.duplicate_of) for v in engine.decide(first, prepared)] == expected
 
 
+@pytest.mark.parametrize("ahead", [True, False], ids=["sent-ahead", "waited-for"])
+def test_a_duplicate_never_names_a_message_that_lost_its_race_in_a_batch_that_failed(
+        make: Callable[..., RedisIndex], redis_url: str, ahead: bool) -> None:
+    """x2 copies x1, the first message of its batch; another worker inserts x0 (a copy too) while the batch's lookup
+    is on its way, so x1 loses its race, and the connection goes before x1 is verified again. The batch fails; on
+    its retry x1 is a duplicate of x0, and so is x2: no memo of x2 naming x1 was written beside the insert that x1
+    lost (a duplicate must name a message that was indexed, never one routed as a duplicate)."""
+    mine, other = make(), make()
+    mine.write_ahead = ahead
+    engine, rival = NearDupFilter(FilterConfig(), index=mine), NearDupFilter(FilterConfig(), index=other)
+    text = "Limited offer: claim your free cruise to the Bahamas today, call 555-0199 before midnight to reserve"
+    x0, x1, x2 = (Message(f"x{i}", text, 1_700_000_000.0 + i) for i in range(3))
+    raced: list[bool] = []
+
+    def meanwhile() -> bool:  # the batch's lookup went out: the other worker inserts x0 now, unseen by it
+        if not raced:
+            raced.append(not rival.check_batch([x0])[0].duplicate)
+        return True
+
+    mine.lookup([Query("warm", 1.7e9, (1,))], 8)
+    [client_id] = mine._execute([("CLIENT", "ID")])
+    reread, killed = mine._reread, []
+
+    def killing(*args: Any, **kwargs: Any) -> Any:  # x1 lost its race: the connection goes before it is read again
+        if not killed:
+            with redis.Redis.from_url(redis_url) as client:
+                killed.append(client.client_kill_filter(_id=client_id))
+        return reread(*args, **kwargs)
+
+    mine._reread = killing  # type: ignore[method-assign]
+    prepared = engine.prepare([x1.text, x2.text])
+    with pytest.raises(IndexUnavailable):
+        engine.decide([x1, x2], prepared, meanwhile=meanwhile)
+    assert raced == [True] and killed == [1]
+    retried = [(v.id, v.duplicate, v.duplicate_of) for v in engine.decide([x1, x2], prepared)]
+    assert retried == [("x1", True, "x0"), ("x2", True, "x0")]
+
+
 def test_a_slice_that_left_the_window_is_unlinked(make: Callable[..., RedisIndex], redis_url: str, prefix: str) -> None:
     index = make(window=100.0)
     for id, ts in (("a", 10.0), ("b", 150.0), ("c", 250.0)):  # slices 0, 1, 2
@@ -1813,6 +1851,7 @@ ANY_LAYOUT: dict[str, Callable[..., None]] = {test.__name__: test for test in (
     test_a_round_sent_ahead_and_raced_is_decided_as_one_waited_for,
     test_a_round_sent_ahead_lost_with_its_connection_fails_the_batch_and_its_retry_decides_it,
     test_a_connection_lost_under_a_round_sent_ahead_after_the_next_read_fails_the_batch_as_unavailable,
+    test_a_duplicate_never_names_a_message_that_lost_its_race_in_a_batch_that_failed,
     test_a_replayed_duplicate_finds_its_memo_on_any_redis,
     test_after_a_stream_every_key_has_a_ttl,
     test_an_insert_after_close_is_checked_by_the_script,

@@ -185,32 +185,41 @@ class SharedDecider:
         messages, fps = batch.messages, batch.prepared
         unsent = remembered  # places of duplicates whose memo is not written yet
         written: dict[int, Verdict] = {}  # place -> the memo written
-        lost_race = False
         for _ in range(_MAX_INSERT_ROUNDS):
             if not pending:
                 break
             order = list(pending)
             entries = [(pending[i], fps[i].keys) for i in order]
+            # A memo naming an entry of this round waits for that entry's answer (it goes with the next round):
+            # beside a checking script a memo is written whatever the script answers, and one left naming an
+            # entry that lost its race (the batch failed before the memo was written again) would, on the
+            # batch's retry, make its duplicate name a message that was never indexed.
+            ids = {pending[i].id for i in order}
+            held = [i for i in unsent if verdicts[i].duplicate_of in ids]
+            if held:
+                unsent = [i for i in unsent if verdicts[i].duplicate_of not in ids]
             memos = [(verdicts[i], messages[i].ts) for i in unsent]
             results = _timed(batch.observe, "insert", lambda: rounds.insert(entries, memos))  # noqa: B023
             written.update((i, verdicts[i]) for i in unsent)
-            unsent = []
+            unsent = held
             retry: dict[int, Entry] = {}
+            lost = False
             for i, conflicts in zip(order, results):
                 if conflicts is None:
                     continue
                 verdict = verifier.first_match(messages[i], fps[i], conflicts)
                 verdicts[i] = verdict
                 if verdict.duplicate:
-                    lost_race = True
+                    lost = True
                     unsent.append(i)
                 else:
                     retry[i] = pending[i]
             pending = retry
+            if lost:  # its duplicates name what it matched now, before any memo of theirs goes (again)
+                _point_at_representatives(messages, verdicts)
+                again = set(unsent)
+                unsent += [i for i, memo in written.items() if verdicts[i] is not memo and i not in again]
         # A bucket this contended is a spam wave; the message stays unique but is not indexed.
-        if lost_race:
-            _point_at_representatives(messages, verdicts)
-            unsent += [i for i, memo in written.items() if verdicts[i] is not memo]  # now names another
         if unsent:
             memos = [(verdicts[i], messages[i].ts) for i in unsent]
             _timed(batch.observe, "insert", lambda: rounds.insert([], memos))
