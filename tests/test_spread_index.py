@@ -24,7 +24,7 @@ import pytest
 import redis
 
 from filters.config import FilterConfig
-from filters.engine import NearDupFilter
+from filters.engine import Message, NearDupFilter
 from filters.errors import ConfigError, IndexUnavailable
 from filters.index import Candidate, Entry, Memo, Query
 from filters.index import claims as cl
@@ -156,6 +156,7 @@ def test_the_scripts_do_what_the_model_of_the_protocol_does(make: Callable[..., 
                            dict[tuple[int, int], int]]] = {}
     ids = ["a", "b", "c", "d"]
     fields = [b"b" + k.to_bytes(8, "big") for k in range(5)]
+    looked = index._slices(ts, ts + index.window)  # what a lookup reads: up to the slice after its high-water mark's
     for _ in range(120):
         id = rng.choice(ids)
         kind = rng.choice(["create", "look", "claim", "claim", "read", "state", "note", "commit", "poll", "refresh",
@@ -166,7 +167,7 @@ def test_the_scripts_do_what_the_model_of_the_protocol_does(make: Callable[..., 
         elif kind == "look":  # what a lookup of `id` sees of its fields now, on each side (the slices' marks first)
             chosen = tuple(rng.sample(fields, rng.randint(1, 3)))
             with redis.Redis.from_url(redis_url) as client:
-                marks = {(0, s): int(client.hget(index._slice_key(0, s), "w") or 0) for s in index._slices(ts, ts)
+                marks = {(0, s): int(client.hget(index._slice_key(0, s), "w") or 0) for s in looked
                          if rng.random() < 0.8}  # a mark not read: every field is compared
             [columns] = index._ops([cl.Read(0, chosen)])
             looks[id] = (chosen, columns, {f: model.buckets.get(f) for f in chosen}, marks)
@@ -178,7 +179,7 @@ def test_the_scripts_do_what_the_model_of_the_protocol_does(make: Callable[..., 
                 index._view, seen = _View(), None
             else:
                 chosen, columns, seen, marks = look
-                index._view = _View(index._slices(ts, ts), columns, {f: j for j, f in enumerate(chosen)}, looked={id: 0},
+                index._view = _View(looked, columns, {f: j for j, f in enumerate(chosen)}, looked={id: 0},
                                     slice_marks=marks)
             op = cl.Claim(0, id, ts, chosen, look is not None)
             [real] = index._ops([op])
@@ -446,6 +447,57 @@ def _pending(redis_url: str, prefix: str) -> list[bytes]:
     with redis.Redis.from_url(redis_url) as client:
         return [f for key in set(client.scan_iter(match=f"{{{prefix}:*:s:*")) for f in client.hkeys(key)
                 if f.startswith(b"c")]
+
+
+_EDGE = 86_400.0 * 19_676  # a slice boundary of the default 24 h window (slices are a window long)
+_OFFER = "Limited offer: claim your free cruise tickets now at example dot com, reply STOP to opt out"
+
+
+@pytest.mark.parametrize("race", [True, False], ids=["racing", "one-after-the-other"])
+def test_near_duplicates_racing_across_a_slice_boundary_are_never_both_unique(
+        make: Callable[..., SpreadIndex], race: bool) -> None:
+    """a, just before a slice boundary, is looked up; b, its copy just after it, is decided whole by another worker
+    while a's lookup is on its way. a's lookup read the slices up to its own high-water mark's, but b's record went
+    to the next one: a's claim must still meet it (the lookup reads the next slice and its mark too, and a claim
+    observes every slice the lookup read), so a is b's duplicate, as if b had come first."""
+    first, second = (NearDupFilter(FilterConfig(), index=make(window=86_400.0)) for _ in range(2))
+    a, b = Message("a", _OFFER, _EDGE - 1), Message("b", _OFFER, _EDGE + 1)
+    got: list[Verdict] = []
+
+    def meanwhile() -> bool:  # a's lookup is on its way
+        if not got:
+            got.append(second.decide([b], second.prepare([b.text]))[0])
+        return True
+
+    if not race:
+        meanwhile()
+    [va] = first.decide([a], first.prepare([a.text]), meanwhile=meanwhile)
+    assert not got[0].duplicate
+    assert va.duplicate and va.duplicate_of == "b"
+
+
+def test_a_claim_observes_every_slice_its_lookup_read(make: Callable[..., SpreadIndex]) -> None:
+    """An unrelated message z just after the boundary makes a's lookup read the next slice; b, a's copy there, is
+    written while a's claim round is on its way: the claim finds the slice's mark moved, and its observation reads
+    that slice again too (not only the slices of a's own high-water mark), so a is b's duplicate."""
+    other = "Minutes of the quarterly budget meeting: attendance, the treasurer's report and the vote on the roof"
+    first, second, third = (NearDupFilter(FilterConfig(), index=make(window=86_400.0)) for _ in range(3))
+    z = Message("z", other, _EDGE + 5)
+    assert not third.decide([z], third.prepare([z.text]))[0].duplicate
+    a, b = Message("a", _OFFER, _EDGE - 1), Message("b", _OFFER, _EDGE + 1)
+    calls, got = [0], list[Verdict]()
+
+    def meanwhile() -> bool:  # a's second round trip is on its way
+        calls[0] += 1
+        if calls[0] < 2:
+            return False
+        got.append(second.decide([b], second.prepare([b.text]))[0])
+        return True
+
+    [va] = first.decide([a], first.prepare([a.text]), meanwhile=meanwhile)
+    assert first.index._view.slices == (19_674, 19_675, 19_676)
+    assert got and not got[0].duplicate
+    assert va.duplicate and va.duplicate_of == "b"
 
 
 def test_a_dead_workers_claim_holds_a_later_near_duplicate_until_it_expires_then_the_record_is_a_duplicate(

@@ -25,7 +25,9 @@ atomic on one shard (a slot of the cluster): see docs/design.md, "The spread lay
    failover) starts a new attempt, which observes everything afresh.
 
 Two similar claims that share a bucket always meet: on that bucket's node one appended after the other,
-and the later one either read the earlier's record in its lookup or found the bucket changed. The one
+and the later one either read the earlier's record in its lookup or found the bucket changed (a storage
+that keeps a bucket in several places, as the spread layout's slices of event time, has its lookups and
+observations cover every place a similar claim can write). The one
 that meets the other either waits for it, notes it, or yields to it, so one of the two decides first
 and the other sees that decision; by commit order, no unique is a near-duplicate of a unique committed
 before it. "Similar" here is the verification without the floor of shared keys (`Checks.similar`),

@@ -546,8 +546,11 @@ class SpreadIndex:
         shard_of[np.asarray(id_places, dtype=np.int64)] = homes
         shard_of[np.asarray(id_places, dtype=np.int64) + 1] = homes  # its memo field (`plan_fields`)
         shard_of[np.asarray(state_places, dtype=np.int64)] = homes
-        slices, columns, stored, slice_marks = self._read_fields(names, shard_of, self._slices(marks[0], hwm), marks[0],
-                                                                 hwm)
+        # The slice after the high-water mark's too: a near-duplicate up to a window after the batch's newest message
+        # is written there (a slice is a window long), and a claim that reads its mark finds it moved if another
+        # worker wrote there meanwhile (one racing across a slice boundary would be unseen by both otherwise).
+        slices, columns, stored, slice_marks = self._read_fields(names, shard_of, self._slices(marks[0], hwm + self.window),
+                                                                 marks[0], hwm)
         self._hwm = hwm
         self._top = max(self._top, stored)
         found = self._rank_all(columns, positions, id_places, ids, [q.min_shared for q in queries], limit,
@@ -883,7 +886,8 @@ class SpreadIndex:
         for shard, at in homes.items():
             commands.append((self._slots[shard], self._home_call(shard, [ops[i] for i in at])))
             takes.append(("home", at))
-        slices = self._slices(self._hwm, self._hwm)
+        # A claim observes its buckets in every slice its lookup read (and the live ones now, with the one after).
+        slices = tuple(sorted({*self._view.slices, *self._slices(self._hwm, self._hwm + self.window)}))
         for i in reads:
             op = ops[i]
             if isinstance(op, cl.Read):
