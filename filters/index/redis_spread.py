@@ -887,7 +887,7 @@ class SpreadIndex:
             commands.append((self._slots[shard], self._home_call(shard, [ops[i] for i in at])))
             takes.append(("home", at))
         # A claim observes its buckets in every slice its lookup read (and the live ones now, with the one after).
-        slices = tuple(sorted({*self._view.slices, *self._slices(self._hwm, self._hwm + self.window)}))
+        slices = tuple(sorted({*self._view.slices, *self._slices(self._hwm, self._hwm + self.window)})) if reads else ()
         for i in reads:
             op = ops[i]
             if isinstance(op, cl.Read):
