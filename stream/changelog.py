@@ -37,6 +37,7 @@ import queue
 import struct
 import time
 import uuid
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -339,6 +340,12 @@ class IndexGuard:
 
         try:
             read_n, written = await restore_from(read, write, progress)
+        except Exception:
+            # Let the lock go at once: this worker's retry, and the others, would wait out LOCK_TTL for it.
+            with contextlib.suppress(Exception):
+                if await self._client.get(self.lock) == self.member.encode():
+                    await self._client.delete(self.lock)
+            raise
         finally:
             refresh.cancel()
             self.restore_read = 0
@@ -382,8 +389,11 @@ async def read_changelog(consumer: Any, topic: str, partitions: Sequence[int], n
                          write: Write) -> int:
     """Reads `partitions` of `topic` from `since_ms` (wall clock) to their end, as a `read_committed`
     `consumer` (started, in no group) sees it, and hands the entries of `namespace` to `write` in chunks
-    of about RESTORE_CHUNK. The end is taken again once reached, until a pass finds nothing new. Returns
-    the number of entries read."""
+    of about RESTORE_CHUNK, in the order they were journaled: the partitions merged by their records'
+    timestamps, the lowest head first (as Kafka Streams restores and processes), each partition in its own
+    order. A restore gives its entries seqs in the order it gets them, and a full bucket keeps the newest:
+    read in another order, it would keep other representatives. The end is taken again once reached, until
+    a pass finds nothing new. Returns the number of entries read."""
     from aiokafka import TopicPartition
 
     tps = [TopicPartition(topic, p) for p in partitions]
@@ -399,6 +409,7 @@ async def read_changelog(consumer: Any, topic: str, partitions: Sequence[int], n
     read = 0
     parts: list[Stored] = []
     held = 0
+    heads: dict[Any, deque[tuple[int, int, Stored]]] = {tp: deque() for tp in tps}  # per partition, read not handed
 
     async def hand() -> None:
         nonlocal parts, held, read
@@ -406,6 +417,19 @@ async def read_changelog(consumer: Any, topic: str, partitions: Sequence[int], n
         parts, held = [], 0
         read += len(entries)
         await write(entries)
+
+    def merged(remaining: set[Any]) -> None:
+        """Moves records to `parts`, the lowest timestamp first, while no partition still being read has
+        none waiting (its next record could be the lowest)."""
+        nonlocal held
+        while not any(not heads[tp] for tp in remaining):
+            waiting = [(q[0][0], tp.partition, tp) for tp, q in heads.items() if q]
+            if not waiting:
+                return
+            _, _, tp = min(waiting)
+            part = heads[tp].popleft()[2]
+            parts.append(part)
+            held += len(part)
 
     for _ in range(10):  # passes: until the end stops moving
         remaining = {tp for tp in tps if await consumer.position(tp) < ends[tp]}
@@ -420,18 +444,18 @@ async def read_changelog(consumer: Any, topic: str, partitions: Sequence[int], n
                         continue
                     if dict(m.headers or ()).get(NAMESPACE_HEADER) != wanted:
                         continue
-                    part = decode_records(m.key, m.value)
-                    parts.append(part)
-                    held += len(part)
+                    heads[tp].append((m.timestamp, m.offset, decode_records(m.key, m.value)))
             for tp in list(remaining):
                 if await consumer.position(tp) >= ends[tp]:
                     remaining.discard(tp)
+            merged(remaining)
             if held >= RESTORE_CHUNK:
                 await hand()
         newer = await consumer.end_offsets(tps)
         if newer == ends:
             break
         ends = newer
+    merged(set())
     if parts:
         await hand()
     return read

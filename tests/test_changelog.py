@@ -16,7 +16,7 @@ import redis
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from bench.kafka_support import PrivateRedis, drop_index, redis_namespace
-from bench.reliability import Serve, create_topics, produce_to, read, scenario_settings, serving, wait_assigned
+from bench.reliability import KEEP, Serve, create_topics, produce_to, read, scenario_settings, serving, wait_assigned
 from filters.config import FilterConfig
 from filters.engine import NearDupFilter
 from filters.errors import IndexCorrupt, IndexLost
@@ -27,9 +27,17 @@ from filters.index.redis import MARKER, RedisIndex, meta_key
 from filters.index.redis_codec import encode_entry_v2, stored_entries, stored_of
 from filters.records import Message
 from stream.backlog import Item, backlog, differences, f1, reference, verdicts_of
-from stream.changelog import IndexGuard, Journal, decode_records, encode_records, read_changelog
+from stream.changelog import (
+    LOCK_TTL,
+    NAMESPACE_HEADER,
+    IndexGuard,
+    Journal,
+    decode_records,
+    encode_records,
+    read_changelog,
+)
 from stream.config import Settings
-from stream.kafka_tools import KafkaRecord, client_options, producer
+from stream.kafka_tools import KafkaRecord, client_options, ensure_topics, producer
 
 TEXTS = [
     "WIN a FREE iPhone now!!! call 555-0100 to claim your prize today",
@@ -195,6 +203,71 @@ def test_the_guard_restores_once_and_the_others_wait(redis_url: str) -> None:
                 await b.close()
 
         asyncio.run(go())
+
+
+def test_a_restore_that_fails_lets_its_lock_go_at_once(redis_url: str) -> None:
+    """A restore whose changelog read fails (the broker gone mid-read) lets its lock go: the next attempt, its
+    own or another worker's, restores at once instead of waiting out the lock's TTL."""
+    with redis_namespace(redis_url) as url:
+        async def failing(write):  # type: ignore[no-untyped-def]
+            raise RuntimeError("the changelog could not be read")
+
+        async def read(write):  # type: ignore[no-untyped-def]
+            return 0
+
+        async def go() -> None:
+            a = IndexGuard(url, namespace="ns", window=60.0, member="a")
+            b = IndexGuard(url, namespace="ns", window=60.0, member="b")
+            try:
+                with pytest.raises(RuntimeError):
+                    await a.ensure(failing, lambda e: 0)
+                assert await a._client.get(a.lock) is None
+                t0 = time.monotonic()
+                assert await b.ensure(read, lambda e: 0) is True
+                assert time.monotonic() - t0 < LOCK_TTL / 3
+                assert await a.intact()
+            finally:
+                await a.close()
+                await b.close()
+
+        asyncio.run(go())
+
+
+def test_a_restore_reads_the_changelog_partitions_in_the_order_they_were_journaled(kafka_bootstrap: str) -> None:
+    """Entries journaled one after the other land on the changelog's partitions by their keys; a restore gives
+    them seqs in the order it reads them, and a full bucket keeps the newest. So it merges the partitions by
+    their records' timestamps, the lowest head first, whatever order a fetch returns them in."""
+    settings = scenario_settings(kafka_bootstrap, "memory://")
+    topic = f"neardup-test-changelog-order-{time.time_ns()}"
+    namespace = "ns-order"
+    base = int(time.time() * 1000) - 60_000
+    journaled = [(i, (i * 7) % 3) for i in range(12)]  # (entry, partition): spread over the 3 partitions
+
+    async def go() -> list[str]:
+        await ensure_topics(settings, [topic], partitions=3, configs=KEEP)
+        async with producer(settings) as p:
+            for partition in (2, 0, 1):  # a partition at a time: a fetch returns them grouped so too
+                for i, part in journaled:
+                    if part == partition:
+                        [(key, value)] = encode_records([(Entry(f"e{i}", 1000.0 + i, i, 30, np.arange(8, dtype=np.uint64)),
+                                                          (1, 2))])
+                        await (await p.send(topic, key=key, value=value, partition=part, timestamp_ms=base + 10 * i,
+                                            headers=[(NAMESPACE_HEADER, namespace.encode())]))
+        consumer = AIOKafkaConsumer(enable_auto_commit=False, isolation_level="read_committed", **client_options(settings))
+        await consumer.start()
+        ids: list[str] = []
+
+        async def write(entries: Stored) -> int:
+            ids.extend(entries.ids)
+            return len(entries)
+
+        try:
+            assert await read_changelog(consumer, topic, [0, 1, 2], namespace, 0, write) == len(journaled)
+        finally:
+            await consumer.stop()
+        return ids
+
+    assert asyncio.run(go()) == [f"e{i}" for i in range(12)]
 
 
 # -- the fence: a changelogged index refuses to decide without its marker -------------------------------
