@@ -253,19 +253,7 @@ def test_a_restore_reads_the_changelog_partitions_in_the_order_they_were_journal
                                                           (1, 2))])
                         await (await p.send(topic, key=key, value=value, partition=part, timestamp_ms=base + 10 * i,
                                             headers=[(NAMESPACE_HEADER, namespace.encode())]))
-        consumer = AIOKafkaConsumer(enable_auto_commit=False, isolation_level="read_committed", **client_options(settings))
-        await consumer.start()
-        ids: list[str] = []
-
-        async def write(entries: Stored) -> int:
-            ids.extend(entries.ids)
-            return len(entries)
-
-        try:
-            assert await read_changelog(consumer, topic, [0, 1, 2], namespace, 0, write) == len(journaled)
-        finally:
-            await consumer.stop()
-        return ids
+        return await _changelog(settings, topic, namespace)
 
     assert asyncio.run(go()) == [f"e{i}" for i in range(12)]
 
@@ -483,8 +471,11 @@ def test_two_workers_route_a_backlog_as_the_filter_though_redis_loses_its_data(
     assert not any(r.header("neardup-method") == b"replay" for r in got)
 
 
-async def _changelog(settings: Settings) -> list[str]:
-    """The ids of the entries the changelog holds, as a restore reads it (`read_committed`)."""
+async def _changelog(settings: Settings, topic: str | None = None, namespace: str | None = None) -> list[str]:
+    """The ids of the entries the changelog holds (`topic`, by default the settings'; of `namespace`, by default
+    the default configuration's), in the order a restore reads them (`read_committed`)."""
+    topic = topic or settings.changelog_name
+    namespace = namespace or NearDupFilter().config.digest()
     consumer = AIOKafkaConsumer(enable_auto_commit=False, isolation_level="read_committed",
                                 max_partition_fetch_bytes=8 * 1024 * 1024, **client_options(settings))
     await consumer.start()
@@ -496,8 +487,8 @@ async def _changelog(settings: Settings) -> list[str]:
 
     try:
         async with producer(settings) as p:  # (a consumer's metadata may not list the topic yet)
-            partitions = sorted(await p.partitions_for(settings.changelog_name))
-        await read_changelog(consumer, settings.changelog_name, partitions, NearDupFilter().config.digest(), 0, write)
+            partitions = sorted(await p.partitions_for(topic))
+        await read_changelog(consumer, topic, partitions, namespace, 0, write)
     finally:
         await consumer.stop()
     return ids
