@@ -343,8 +343,7 @@ class IndexGuard:
         except Exception:
             # Let the lock go at once: this worker's retry, and the others, would wait out LOCK_TTL for it.
             with contextlib.suppress(Exception):
-                if await self._client.get(self.lock) == self.member.encode():
-                    await self._client.delete(self.lock)
+                await self._release_lock()
             raise
         finally:
             refresh.cancel()
@@ -357,13 +356,17 @@ class IndexGuard:
                 pipe.pexpire(self.meta, self.ttl_ms)
                 await pipe.execute()
             self.epoch = epoch
-            if await self._client.get(self.lock) == self.member.encode():
-                await self._client.delete(self.lock)
+            await self._release_lock()
         done = Restored(read_n, written, time.monotonic() - t0)
         self.last = done
         log.info("index rebuilt from the changelog: %d entries read, %d written, in %.1fs", done.read, done.written,
                  done.seconds)
         return done
+
+    async def _release_lock(self) -> None:
+        """Deletes the restore lock if this worker holds it."""
+        if await self._client.get(self.lock) == self.member.encode():
+            await self._client.delete(self.lock)
 
     async def _keep_lock(self, lock_ms: int) -> None:
         while True:
@@ -409,7 +412,7 @@ async def read_changelog(consumer: Any, topic: str, partitions: Sequence[int], n
     read = 0
     parts: list[Stored] = []
     held = 0
-    heads: dict[Any, deque[tuple[int, int, Stored]]] = {tp: deque() for tp in tps}  # per partition, read not handed
+    heads: dict[Any, deque[tuple[int, Stored]]] = {tp: deque() for tp in tps}  # per partition: (timestamp, entries) read
 
     async def hand() -> None:
         nonlocal parts, held, read
@@ -427,7 +430,7 @@ async def read_changelog(consumer: Any, topic: str, partitions: Sequence[int], n
             if not waiting:
                 return
             _, _, tp = min(waiting)
-            part = heads[tp].popleft()[2]
+            part = heads[tp].popleft()[1]
             parts.append(part)
             held += len(part)
 
@@ -444,7 +447,7 @@ async def read_changelog(consumer: Any, topic: str, partitions: Sequence[int], n
                         continue
                     if dict(m.headers or ()).get(NAMESPACE_HEADER) != wanted:
                         continue
-                    heads[tp].append((m.timestamp, m.offset, decode_records(m.key, m.value)))
+                    heads[tp].append((m.timestamp, decode_records(m.key, m.value)))
             for tp in list(remaining):
                 if await consumer.position(tp) >= ends[tp]:
                     remaining.discard(tp)

@@ -194,10 +194,12 @@ class SharedDecider:
             # beside a checking script a memo is written whatever the script answers, and one left naming an
             # entry that lost its race (the batch failed before the memo was written again) would, on the
             # batch's retry, make its duplicate name a message that was never indexed.
-            ids = {pending[i].id for i in order}
-            held = [i for i in unsent if verdicts[i].duplicate_of in ids]
-            if held:
-                unsent = [i for i in unsent if verdicts[i].duplicate_of not in ids]
+            held: list[int] = []
+            if unsent:
+                ids = {pending[i].id for i in order}
+                held = [i for i in unsent if verdicts[i].duplicate_of in ids]
+                if held:
+                    unsent = [i for i in unsent if verdicts[i].duplicate_of not in ids]
             memos = [(verdicts[i], messages[i].ts) for i in unsent]
             results = _timed(batch.observe, "insert", lambda: rounds.insert(entries, memos))  # noqa: B023
             written.update((i, verdicts[i]) for i in unsent)
