@@ -96,18 +96,10 @@ for _, e in ipairs(entries) do
   if not live then
     if ts > hwm then hwm = ts end
     if ts >= hwm - window then
-      if tails ~= '' and not alone then
-        for _, s in ipairs(slices) do
-          local o, seen = orig[s], {}
-          for j = 1, n do
-            local v = o[ARGV[at + 5 + j]]
-            seen[j] = v and string.sub(v, -8) or ABSENT
-          end
-          local base = seen_at[s]
-          local want = base and string.sub(tails, base * n * 8 + 1, (base + 1) * n * 8) or string.rep(ABSENT, n)
-          if table.concat(seen) ~= want then result = -1; break end
-        end
-      end
+      if tails ~= '' and not alone and buckets_moved(tails, n, slices, seen_at, function(s, j)
+        local v = orig[s][ARGV[at + 5 + j]]
+        return v and string.sub(v, -8) or ABSENT
+      end) then result = -1 end
       if result == 0 then
         seq = seq + 1
         local seq_bytes = struct.pack('>I8', seq)

@@ -157,18 +157,11 @@ for _, e in ipairs(entries) do
   if not live(id, m) then
     if ts > hwm then hwm = ts end
     if ts >= hwm - window then
-      if tails ~= '' and not alone then
-        for _, s in ipairs(slices) do
-          local b, o, seen = bits[s], orig[s], {}
-          for j = 1, n do
-            local g = b and o[group_of(m, j, b)]
-            seen[j] = g and tail(g, sub(m, 8 * j + 5, 8 * j + 8)) or ABSENT
-          end
-          local base_at = seen_at[s]
-          local want = base_at and sub(tails, base_at * n * 8 + 1, (base_at + 1) * n * 8) or string.rep(ABSENT, n)
-          if table.concat(seen) ~= want then result = -1; break end
-        end
-      end
+      if tails ~= '' and not alone and buckets_moved(tails, n, slices, seen_at, function(s, j)
+        local b = bits[s]
+        local g = b and orig[s][group_of(m, j, b)]
+        return g and tail(g, sub(m, 8 * j + 5, 8 * j + 8)) or ABSENT
+      end) then result = -1 end
       if result == 0 then
         seq = seq + 1
         local seq_bytes = struct.pack('>I8', seq)

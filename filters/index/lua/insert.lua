@@ -13,7 +13,6 @@
 local meta, spre = KEYS[1], ARGV[1]
 local window, slice_len, cap, ttl = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
 local hwm = tonumber(ARGV[6])
-local ABSENT = string.rep('\0', 8)
 local FIRST, PER_CALL = 12, FIELDS_PER_CALL
 local state = redis.call('HMGET', meta, 'seq', 'hwm', 'epoch')
 if ARGV[11] ~= '' and state[3] ~= ARGV[11] then return {-1, '', {}} end
@@ -74,18 +73,10 @@ for _, e in ipairs(entries) do
   if not live then
     if ts > hwm then hwm = ts end
     if ts >= hwm - window then  -- else it is outside the window already and could never match
-      if tails ~= '' and not alone then
-        for _, s in ipairs(slices) do
-          local o, seen = orig[s], {}
-          for j = 1, n do
-            local v = o[ARGV[at + 4 + j]]
-            seen[j] = v and string.sub(v, -8) or ABSENT
-          end
-          local base = seen_at[s]
-          local want = base and string.sub(tails, base * n * 8 + 1, (base + 1) * n * 8) or string.rep(ABSENT, n)
-          if table.concat(seen) ~= want then result = -1; break end
-        end
-      end
+      if tails ~= '' and not alone and buckets_moved(tails, n, slices, seen_at, function(s, j)
+        local v = orig[s][ARGV[at + 4 + j]]
+        return v and string.sub(v, -8) or ABSENT
+      end) then result = -1 end
       if result == 0 then
         seq = seq + 1
         local rec = struct.pack('<dI4', ts, #id) .. id .. struct.pack('>I8', seq)

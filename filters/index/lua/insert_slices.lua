@@ -38,6 +38,21 @@ local function insert_slices(first, width, hwm, window, slice_len, fixed)
   end
   return entries, slices, seen_at, read_all
 end
+local ABSENT = string.rep('\0', 8)  -- a bucket that held nothing, as its tail (8 bytes)
+-- Whether an entry's buckets changed since the caller read them (then the entry is not inserted, -1): in each
+-- slice, the tail of each of its n buckets as the slice holds it now (`tail(s, j)`: bucket j's last 8 bytes,
+-- ABSENT if it holds nothing) against what the caller saw (`tails`: n tails per slice it read, in the order of
+-- ARGV[7]; a slice it did not read, it saw empty).
+local function buckets_moved(tails, n, slices, seen_at, tail)
+  for _, s in ipairs(slices) do
+    local seen = {}
+    for j = 1, n do seen[j] = tail(s, j) end
+    local base = seen_at[s]
+    local want = base and string.sub(tails, base * n * 8 + 1, (base + 1) * n * 8) or string.rep(ABSENT, n)
+    if table.concat(seen) ~= want then return true end
+  end
+  return false
+end
 -- Sets the field-value pairs `args` ({field, value, ...}) in hash `key`, FIELDS_PER_CALL pairs a call.
 local function hset_pairs(key, args)
   for a = 1, #args, 2 * FIELDS_PER_CALL do

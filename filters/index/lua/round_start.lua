@@ -7,7 +7,6 @@
 local meta, spre = KEYS[1], ARGV[1]
 local window, slice_len, cap, ttl = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
 local hwm = tonumber(ARGV[6])
-local ABSENT = string.rep('\0', 8)
 local FIRST, PER_CALL = 14, FIELDS_PER_CALL
 local expected = tonumber(ARGV[13])
 local state = redis.call('HMGET', meta, 'seq', 'hwm', 'epoch', 'layout')
