@@ -441,9 +441,10 @@ async def read_changelog(consumer: Any, topic: str, partitions: Sequence[int], n
         while remaining:
             fetched = await consumer.getmany(*remaining, timeout_ms=200, max_records=2_000)
             for tp, msgs in fetched.items():
-                end = ends[tp]
+                # (Records past the end taken are kept: the position moves past them, and the next pass, which
+                # reads from the end taken again, would never see them.)
                 for m in msgs:
-                    if m.offset >= end or m.key is None or m.value is None:
+                    if m.key is None or m.value is None:
                         continue
                     if dict(m.headers or ()).get(NAMESPACE_HEADER) != wanted:
                         continue

@@ -8,6 +8,7 @@ import asyncio
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -256,6 +257,55 @@ def test_a_restore_reads_the_changelog_partitions_in_the_order_they_were_journal
         return await _changelog(settings, topic, namespace)
 
     assert asyncio.run(go()) == [f"e{i}" for i in range(12)]
+
+
+
+def test_a_restore_reads_what_is_journaled_while_it_reads(kafka_bootstrap: str) -> None:
+    """A worker journals on while another restores: what lands on the changelog after the restore took its end
+    is read too (the end is taken again once reached), also when a fetch of the first pass returns it."""
+    settings = scenario_settings(kafka_bootstrap, "memory://")
+    topic = f"neardup-test-changelog-meanwhile-{time.time_ns()}"
+    namespace = "ns-meanwhile"
+
+    async def journal(p: Any, i: int) -> None:
+        [(key, value)] = encode_records([(Entry(f"e{i}", 1000.0 + i, i, 30, np.arange(8, dtype=np.uint64)), (1, 2))])
+        await (await p.send(topic, key=key, value=value, partition=0, headers=[(NAMESPACE_HEADER, namespace.encode())]))
+
+    async def go() -> list[str]:
+        await ensure_topics(settings, [topic], partitions=1, configs=KEEP)
+        consumer = AIOKafkaConsumer(enable_auto_commit=False, isolation_level="read_committed",
+                                    **client_options(settings))
+        await consumer.start()
+        ids: list[str] = []
+
+        async def write(entries: Stored) -> int:
+            ids.extend(entries.ids)
+            return len(entries)
+
+        try:
+            async with producer(settings) as p:
+                for i in range(3):
+                    await journal(p, i)
+                ends = consumer.end_offsets
+
+                async def ends_then_two_more(tps: list[TopicPartition]) -> dict[TopicPartition, int]:
+                    """The broker's answer, after which a worker journals two more (once): the first pass's
+                    fetch returns them with the three before."""
+                    got = await ends(tps)
+                    if not journaled:
+                        journaled.append(True)
+                        await journal(p, 3)
+                        await journal(p, 4)
+                    return got
+
+                journaled: list[bool] = []
+                consumer.end_offsets = ends_then_two_more  # type: ignore[method-assign]
+                await read_changelog(consumer, topic, [0], namespace, 0, write)
+        finally:
+            await consumer.stop()
+        return ids
+
+    assert asyncio.run(go()) == [f"e{i}" for i in range(5)]
 
 
 # -- the fence: a changelogged index refuses to decide without its marker -------------------------------
