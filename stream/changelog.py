@@ -253,11 +253,13 @@ class IndexGuard:
         import redis.asyncio as aioredis
         from redis.asyncio.cluster import RedisCluster
 
-        from filters.index.redis import RedisTarget, meta_key, redact_url
+        from filters.index.backends import marker_keys
+        from filters.index.redis import RedisTarget, redact_url
 
         target = RedisTarget.parse(url)
         self.where = redact_url(url)
-        self.meta = meta_key(target.prefix, namespace)
+        self.metas = marker_keys(url, namespace)  # one, or on the spread layout one a shard
+        self.meta = self.metas[0]
         self.lock = f"{{{target.prefix}:{namespace}}}:restoring"
         self.member = member or uuid.uuid4().hex[:12]
         self.ttl_ms = max(1, round((window + target.grace) * 1000))  # as long as the index's own keys
@@ -272,11 +274,12 @@ class IndexGuard:
         self.epoch: bytes | None = None  # the marker this worker last found (or set)
 
     async def marker(self) -> bytes | None:
-        """The index's marker (None: missing)."""
+        """The index's marker (None: missing, from any of its meta hashes, or not the same in all)."""
         from filters.index.redis import MARKER, redis_errors
 
         with redis_errors(self.where):
-            return cast("bytes | None", await self._client.hget(self.meta, MARKER))
+            found = [cast("bytes | None", await self._client.hget(meta, MARKER)) for meta in self.metas]
+        return found[0] if len(set(found)) == 1 else None
 
     async def intact(self) -> bool:
         """Whether the index holds its marker."""
@@ -304,8 +307,9 @@ class IndexGuard:
         self.losses += 1
         self.restoring = True
         try:
-            log.warning("the index at %s holds no marker of this window (%s %s): its data was lost or never built; "
-                        "rebuilding it from the changelog before routing on", self.where, self.meta, "epoch")
+            log.warning("the index at %s holds no marker of this window (%s %s%s): its data was lost or never "
+                        "built; rebuilding it from the changelog before routing on", self.where, self.meta, "epoch",
+                        f" and {len(self.metas) - 1} more" if len(self.metas) > 1 else "")
             if before is not None:
                 await before()
             await self._restore_or_wait(read, write)
@@ -351,10 +355,11 @@ class IndexGuard:
         self.restored_entries += written
         with redis_errors(self.where):
             epoch = uuid.uuid4().hex[:12].encode()
-            async with self._client.pipeline(transaction=True) as pipe:
-                pipe.hset(self.meta, MARKER, epoch)
-                pipe.pexpire(self.meta, self.ttl_ms)
-                await pipe.execute()
+            for meta in self.metas:
+                async with self._client.pipeline(transaction=True) as pipe:
+                    pipe.hset(meta, MARKER, epoch)
+                    pipe.pexpire(meta, self.ttl_ms)
+                    await pipe.execute()
             self.epoch = epoch
             await self._release_lock()
         done = Restored(read_n, written, time.monotonic() - t0)

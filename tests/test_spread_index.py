@@ -4,6 +4,7 @@ masters (the contract suite runs on it too: tests/test_index_contract.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import signal
@@ -13,7 +14,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,13 +26,14 @@ import redis
 
 from filters.config import FilterConfig
 from filters.engine import Message, NearDupFilter
-from filters.errors import ConfigError, IndexUnavailable
-from filters.index import Candidate, Entry, Memo, Query
+from filters.errors import ConfigError, IndexLost, IndexUnavailable
+from filters.index import Candidate, Entry, Memo, Query, Stored
 from filters.index import claims as cl
 from filters.index.backends import open_index
-from filters.index.redis_codec import encode_entry, field_of, parse_records
+from filters.index.redis_codec import encode_entry, field_of, parse_records, stored_of
 from filters.index.redis_spread import _CLAIM, SLOTS, SpreadIndex, _Transaction, _View, key_slot, shard_tags
 from filters.records import Verdict
+from stream.changelog import IndexGuard, Journal
 from stream.codec import RecordFormat
 from stream.runner import RawRecord, route_batch
 from tests.test_claim_model import Shard
@@ -791,3 +793,133 @@ def test_racing_workers_through_a_failover_or_a_resharding(redis_cluster_ha_url:
               f"redirects followed: {dict(got['redirects'])}")
     finally:
         drop_cluster_namespace(base, prefix)
+
+
+# --- the fence: a changelogged spread index and its rebuild ----------------------------------------------------
+
+
+def _drop_shard(base: str, index: SpreadIndex, shard: int) -> None:
+    """What a master restarted empty does to one shard: its keys are gone (its meta hash, the marker with it)."""
+    client: Any = (redis.RedisCluster.from_url(base.replace("+cluster", "")) if "+cluster" in base
+                   else redis.Redis.from_url(base))
+    with client:
+        nodes = client.get_primaries() if "+cluster" in base else [None]
+        for node in nodes:
+            options = {"target_nodes": node} if node is not None else {}
+            for key in list(client.scan_iter(match=f"{{{index.tags[shard]}}}*", **options)):
+                client.unlink(key)
+
+
+class _DiesBeforeItsRecords(SpreadIndex):
+    """A restore that dies (its connection killed, its worker gone) after a chunk's entries are written at their
+    homes, before their bucket records are."""
+
+    def _ops(self, ops: Sequence[cl.Op]) -> list[Any]:
+        raise IndexUnavailable("connection lost (the test)")
+
+
+@pytest.mark.parametrize("where", ["redis", "cluster"])
+def test_a_changelogged_spread_index_decides_nothing_while_a_shard_lacks_its_marker_and_is_rebuilt_whole(
+        request: pytest.FixtureRequest, where: str) -> None:
+    """Fenced (a worker with the changelog), the spread index decides no batch while some shard lacks the marker:
+    never built, or one shard's data lost (its master restarted empty); a rebuild that died before it wrote its
+    entries' records leaves no trace. Each time the guard rebuilds it from the changelog, and it decides as an
+    index that never lost anything (the memory index) does."""
+    base = request.getfixturevalue("redis_url") if where == "redis" else cluster_url(
+        request.getfixturevalue("redis_cluster_url"))
+    prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
+    url = spread_url(base, prefix)
+    cfg = FilterConfig()
+    rng = random.Random(5)
+    syllables = ["ka", "lo", "mi", "ne", "ru", "ta", "vo", "si", "pe", "du", "ar", "en", "il", "om", "ub", "zy"]
+    texts = [" ".join("".join(rng.choice(syllables) for _ in range(3)) for _ in range(14)) for _ in range(40)]
+    first = [Message(f"a{i}", t, 1000.0 + i) for i, t in enumerate(texts)]
+    later = [Message(f"b{i}", t + " !!", 2000.0 + i) for i, t in enumerate(texts)]  # a near-duplicate each
+    last = [Message(f"c{i}", t + " ??", 3000.0 + i) for i, t in enumerate(texts)]  # another
+    memory = NearDupFilter(cfg)
+    want_first, want_later, want_last = (memory.check_batch(batch) for batch in (first, later, last))
+    assert all(v.duplicate for v in want_later + want_last)
+    index = SpreadIndex(url, window=cfg.window, bucket_cap=cfg.bucket_cap, namespace="ns", fenced=True)
+    dying = _DiesBeforeItsRecords(url, window=cfg.window, bucket_cap=cfg.bucket_cap, namespace="ns", fenced=True)
+    journal = Journal(index)
+    nd = NearDupFilter(cfg, index=journal)
+    changelog: list[tuple[Entry, tuple[int, ...]]] = []
+
+    async def read(write: Callable[[Stored], Awaitable[int]]) -> int:
+        if changelog:
+            await write(stored_of(changelog))
+        return len(changelog)
+
+    def seen(verdicts: list[Verdict]) -> list[tuple[str, bool, str | None]]:
+        return [(v.id, v.duplicate, v.duplicate_of) for v in verdicts]
+
+    async def go() -> None:
+        guard = IndexGuard(url, namespace="ns", window=cfg.window, member="t")
+        try:
+            with pytest.raises(IndexLost, match="holds no marker"):
+                nd.check_batch(first)  # never built
+            assert await guard.ensure(read, index.restore) is True
+            assert seen(nd.check_batch(first)) == seen(want_first)
+            changelog.extend(journal.take())
+            _drop_shard(base, index, index._home("a0"))  # a shard's data lost
+            with pytest.raises(IndexLost, match="holds no marker in 1 of its 64 shards"):
+                nd.check_batch(later)
+            assert await guard.marker() is None
+            assert await guard.ensure(read, index.restore) is True
+            assert seen(nd.check_batch(later)) == seen(want_later)
+            for shard in range(index.shards):  # every shard's data lost (FLUSHALL)
+                _drop_shard(base, index, shard)
+            with pytest.raises(IndexUnavailable):  # a rebuild that dies half way
+                await guard.ensure(read, dying.restore)
+            with pytest.raises(IndexLost):
+                nd.check_batch(last)
+            assert await guard.ensure(read, index.restore) is True  # the next one
+            assert seen(nd.check_batch(last)) == seen(want_last)
+        finally:
+            await guard.close()
+
+    try:
+        asyncio.run(go())
+    finally:
+        index.close()
+        dying.close()
+        (drop_namespace if where == "redis" else drop_cluster_namespace)(base, prefix)
+        (drop_namespace if where == "redis" else drop_cluster_namespace)(base, f"{prefix}:ns")
+
+
+def test_a_changelogged_spread_index_keeps_its_marker_in_every_shard_while_it_is_used(redis_url: str,
+                                                                                        prefix: str) -> None:
+    """A shard's meta hash (its marker) is written by the ids whose home it is: with a stream too quiet for every
+    shard to be some id's home within window + grace, the lookups keep them all (with a TTL), so the marker
+    stays while workers route and no rebuild is made of a loss that did not happen."""
+    window = 2.0
+    url = spread_url(redis_url, prefix, grace="1")
+    cfg = FilterConfig(window=window)
+    index = SpreadIndex(url, window=window, bucket_cap=8, namespace="ns", fenced=True)
+    nd = NearDupFilter(cfg, index=index)
+
+    async def read(write: Callable[[Stored], Awaitable[int]]) -> int:
+        return 0
+
+    async def go() -> None:
+        guard = IndexGuard(url, namespace="ns", window=window, member="t")
+        try:
+            assert await guard.ensure(read, index.restore) is True
+            t0 = time.time()
+            i = 0
+            while time.time() - t0 < 2 * (window + 1):  # twice the TTL: 20 messages for 64 shards
+                nd.check_batch([Message(f"m{i}", f"message number {i} of a quiet stream", time.time())])
+                i += 1
+                await asyncio.sleep(0.3)
+            assert await guard.marker() is not None
+            assert await guard.ensure(read, index.restore) is False
+        finally:
+            await guard.close()
+
+    try:
+        asyncio.run(go())
+        with redis.Redis.from_url(redis_url) as client:
+            metas = [f"{{{tag}}}:meta" for tag in index.tags]
+            assert all(0 < client.pttl(meta) <= 3000 for meta in metas)
+    finally:
+        index.close()

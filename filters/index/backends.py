@@ -25,7 +25,7 @@ def open_index(url: str, *, window: float, bucket_cap: int, namespace: str,
         if RedisTarget.parse(url).layout == "spread":
             from filters.index.redis_spread import SpreadIndex
 
-            return SpreadIndex(url, window=window, bucket_cap=bucket_cap, namespace=namespace)
+            return SpreadIndex(url, window=window, bucket_cap=bucket_cap, namespace=namespace, fenced=fenced)
         if RedisTarget.parse(url).layout == "compact":
             from filters.index.redis_compact import CompactIndex
 
@@ -36,3 +36,16 @@ def open_index(url: str, *, window: float, bucket_cap: int, namespace: str,
             return GroupIndex(url, window=window, bucket_cap=bucket_cap, namespace=namespace, fenced=fenced)
         return RedisIndex(url, window=window, bucket_cap=bucket_cap, namespace=namespace, fenced=fenced)
     raise ConfigError(f"unknown index URL scheme {scheme!r} in {url!r}: use memory:// or redis://")
+
+
+def marker_keys(url: str, namespace: str) -> list[str]:
+    """The keys whose `epoch` field holds the marker of a changelogged shared index (see `RedisIndex`, "Fence"):
+    the namespace's meta hash, or on the spread layout every shard's (`filters.index.redis_spread`)."""
+    from filters.index.redis import RedisTarget, meta_key
+
+    target = RedisTarget.parse(url)
+    if target.layout == "spread":
+        from filters.index.redis_spread import shard_meta_keys
+
+        return shard_meta_keys(target, namespace)
+    return [meta_key(target.prefix, namespace)]

@@ -23,6 +23,16 @@ module asks it (`_round`: the home ops of a shard, and the insert's memos there,
 mark moved since the lookup, else in one call of `spread_claim.lua` (`_ClaimPlan`), reads as HMGETs), in one
 round trip per round (two when a mark moved).
 
+Fence. With the index changelog (`fenced`, as the slot layout's "Fence"), every shard's meta hash holds the
+marker its guard set once the index held the changelog's window (`shard_meta_keys`; stream/changelog.py). A
+lookup reads every shard's meta hash anyway: one without the marker lost its data (its master restarted empty
+or failed over to a replica that had not synced it) and the lookup raises `IndexLost`, so no batch is decided
+against a lost shard; a marker changed everywhere tells a rebuild by another worker. A rebuild (a restore
+while some shard lacks the marker) drops the namespace's keys on every master first and writes the window
+again from the changelog. A round looked up before a loss may still write after it: its writes are noticed by
+the next lookup (the shard has no marker) and dropped by the rebuild, which the round's entries reach through
+the changelog or its worker's write-back.
+
 Redirects. A reply MOVED (the slot has a new owner: failover, resharding), ASK (the slot is being migrated
 and the keys are on the target) or TRYAGAIN (a script's keys are split between the two) means the command
 did not run: it is sent again where the cluster says (`ASKING` first for ASK), TRYAGAIN after a short
@@ -50,7 +60,7 @@ from redis.cluster import RedisCluster
 from redis.exceptions import AskError, ClusterDownError, NoScriptError, TryAgainError
 from redis.retry import Retry
 
-from filters.errors import ConfigError, IndexCorrupt, IndexUnavailable
+from filters.errors import ConfigError, IndexCorrupt, IndexLost, IndexUnavailable
 from filters.index import Batch, Candidate, Entry, Memo, Query, Stored, Verifier, finish, new_candidate, new_entry
 from filters.index import claims as cl
 from filters.index.redis import (
@@ -58,6 +68,7 @@ from filters.index.redis import (
     DEFAULT_SOCKET_TIMEOUT,
     FIELDS_PER_HMGET,
     INSERT_CHUNK,
+    MARKER,
     RedisTarget,
     _event_time,
     _lua,
@@ -95,7 +106,8 @@ try:  # the compiled core; absent when it could not be built at install time (no
 except ImportError:  # pragma: no cover - exercised on machines without a compiler
     _native = None
 
-__all__ = ["DEFAULT_CLAIM_TTL", "DEFAULT_SHARDS", "SpreadIndex", "bucket_shards", "home_shard", "shard_tags"]
+__all__ = ["DEFAULT_CLAIM_TTL", "DEFAULT_SHARDS", "SpreadIndex", "bucket_shards", "home_shard", "shard_meta_keys",
+           "shard_tags"]
 
 DEFAULT_SHARDS = 64
 MAX_SHARDS = 1024
@@ -152,6 +164,11 @@ _HOME_OP = struct.Struct("<BHdI")  # spread_home.lua's numbers of an op: code, k
 # --- where things live ---------------------------------------------------------------------------------
 
 
+def _glob_escape(text: str) -> str:
+    """`text` matched as it is by a SCAN pattern."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
 def key_slot(key: bytes) -> int:
     """Redis Cluster's slot of a key without a hash tag (CRC16/XMODEM mod 16384)."""
     return binascii.crc_hqx(key, 0) % SLOTS
@@ -171,6 +188,11 @@ def shard_tags(prefix: str, namespace: str, shards: int) -> list[str]:
             tags[k] = tag
         n += 1
     return [tags[k] for k in range(shards)]
+
+
+def shard_meta_keys(target: RedisTarget, namespace: str) -> list[str]:
+    """The meta hash of every shard of `namespace` (each holds a fenced index's marker)."""
+    return [f"{{{tag}}}:meta" for tag in shard_tags(target.prefix, namespace, _options(target)[0])]
 
 
 def bucket_shards(keys: np.ndarray, shards: int) -> np.ndarray:
@@ -444,7 +466,8 @@ class SpreadIndex:
     """`CandidateIndex` on a namespace spread over the slots of a Redis Cluster (or over one Redis), shared
     by any number of workers. One instance is used by one thread at a time (`stats` excepted)."""
 
-    def __init__(self, url: str, *, window: float, bucket_cap: int, namespace: str) -> None:
+    def __init__(self, url: str, *, window: float, bucket_cap: int, namespace: str, fenced: bool = False) -> None:
+        """`fenced`: lookups require the marker an index changelog keeps in every shard (see "Fence" above)."""
         if not window > 0 or bucket_cap < 1:
             raise ConfigError("window must be > 0 seconds and bucket_cap >= 1")
         if not _NAME.fullmatch(namespace):
@@ -456,6 +479,9 @@ class SpreadIndex:
         self.bucket_cap = bucket_cap
         self.namespace = namespace
         self.prefix = target.prefix
+        self.fenced = fenced
+        self._marker = b""  # the marker every shard held at the last lookup (fenced)
+        self._metas_kept = -math.inf  # when the lookups last renewed the shards' meta hashes' TTLs (fenced)
         self._where = redact_url(url)
         self.tags = shard_tags(target.prefix, namespace, self.shards)
         self._slots = [key_slot(tag.encode()) for tag in self.tags]
@@ -610,8 +636,31 @@ class SpreadIndex:
         return out
 
     def restore(self, parts: Iterable[Stored]) -> int:
-        """See `CandidateIndex.restore`: entries written committed at once (home, then records), unchecked."""
+        """See `CandidateIndex.restore`: entries written committed at once (home, then records), unchecked. A
+        fenced index whose shards do not all hold the marker is being rebuilt: what its shards hold is dropped
+        first (a shard lost its data, so every shard's part of the window comes again from the changelog; and a
+        rebuild that died left entries at their homes whose records it had not written, which a put of the
+        same id would skip)."""
+        if self.fenced:
+            markers = self._nodes.execute([(self._slots[k], ("HGET", f"{{{tag}}}:meta", MARKER))
+                                           for k, tag in enumerate(self.tags)], self._scripts)
+            if any(marker is None for marker in markers) or len(set(markers)) > 1:
+                self._drop()
         return sum(self._restore_entries(stored_entries(stored)) for stored in parts)
+
+    def _drop(self) -> None:
+        """Unlinks every key of the namespace's shards (`{<prefix>:<namespace>:<n>}...`), on every master."""
+        client = self._nodes.client
+        pattern = _glob_escape(f"{{{self.prefix}:{self.namespace}:") + "*"
+        with redis_errors(self._where):
+            if isinstance(client, RedisCluster):
+                keys = [key for node in cast(Any, client).get_primaries()
+                        for key in client.scan_iter(match=pattern, count=1000, target_nodes=node)]
+            else:
+                keys = list(client.scan_iter(match=pattern, count=1000))
+            for key in keys:  # (one a call: a cluster's keys are in as many slots)
+                client.unlink(key)
+        self._known, self._view, self._top, self._gone = {}, _View(), -math.inf, -math.inf
 
     def _restore_entries(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> int:
         written = 0
@@ -716,8 +765,19 @@ class SpreadIndex:
         # Every shard's high-water mark (the namespace's is the highest), then the fields, each (shard, slice)'s
         # mark `w` first: a call of spread_claim.lua or spread_append.lua that wrote there after any of its
         # fields was read moved it.
-        commands: list[tuple[int, Sequence[Any]]] = [(self._slots[k], ("HGET", f"{{{tag}}}:meta", "hwm"))
+        meta: tuple[Any, ...] = ("hwm", MARKER) if self.fenced else ("hwm",)
+        commands: list[tuple[int, Sequence[Any]]] = [(self._slots[k], ("HMGET", f"{{{tag}}}:meta", *meta))
                                                      for k, tag in enumerate(self.tags)]
+        now = time.monotonic()
+        if self.fenced and now - self._metas_kept >= self._ttl_ms / 4000:
+            # A shard's meta hash (its marker with it) lives by the writes of the ids whose home it is; a shard
+            # few ids of a quiet stream home to would lose it with nothing lost. Lookups renew them all, a few
+            # times a TTL (a lost shard's is not made again: PEXPIRE of no key). (Replies after the reads'.)
+            self._metas_kept = now
+            renew: list[tuple[int, Sequence[Any]]] = [(self._slots[k], ("PEXPIRE", f"{{{tag}}}:meta", self._ttl_ms))
+                                                      for k, tag in enumerate(self.tags)]
+        else:
+            renew = []
         step = FIELDS_PER_HMGET
         for k, _, fields in plan:
             slot = self._slots[k]
@@ -725,9 +785,12 @@ class SpreadIndex:
                 key = self._slice_key(k, s)
                 commands.append((slot, ("HMGET", key, b"w", *fields[:step])))
                 commands += [(slot, ("HMGET", key, *fields[a : a + step])) for a in range(step, len(fields), step)]
-        replies = iter(self._nodes.execute(commands, self._scripts))
+        replies = iter(self._nodes.execute(commands + renew, self._scripts))
         arrays = [np.empty(n, dtype=object) for _ in slices]
-        stored = max((float(hwm) for hwm in islice(replies, self.shards) if hwm is not None), default=-math.inf)
+        states = list(islice(replies, self.shards))
+        if self.fenced:
+            self._check_marker([state[1] for state in states])
+        stored = max((float(state[0]) for state in states if state[0] is not None), default=-math.inf)
         slice_marks: dict[tuple[int, int], int] = {}
         for k, places, fields in plan:
             for s, array in zip(slices, arrays):
@@ -738,6 +801,25 @@ class SpreadIndex:
                     values.extend(next(replies))
                 array[places] = np.fromiter(values, dtype=object, count=len(values))
         return stored, [array.tolist() for array in arrays], slice_marks
+
+    def _check_marker(self, found: Sequence[bytes | None]) -> None:
+        """Raises `IndexLost` unless every shard holds the marker (see "Fence"): one without it lost its data
+        (its master restarted empty, or failed over to a replica that had not synced it; FLUSHALL) or is being
+        rebuilt; every one with another marker than at the last lookup, the index was rebuilt since."""
+        missing = sum(marker is None for marker in found)
+        if missing or len(set(found)) > 1:
+            self._marker = b""  # the loss is told (the caller rebuilds or waits): the next marker is taken as it is
+            raise IndexLost(f"the Redis index at {self._where} holds no marker in {missing or 'some'} of its "
+                            f"{self.shards} shards ({MARKER} of their meta hashes): their data was lost, or the index "
+                            "is being rebuilt from the changelog")
+        marker = cast(bytes, found[0])
+        rebuilt = bool(self._marker) and marker != self._marker
+        self._marker = marker
+        if rebuilt:
+            # As in the slot layout: the rebuild read the changelog before this worker committed its last batches;
+            # told once, so that the worker writes them back before deciding anything against the index.
+            raise IndexLost(f"the Redis index at {self._where} was rebuilt since this worker's last batch (its "
+                            f"shards' marker {MARKER} changed)")
 
     def _homes(self, wanted: Iterable[tuple[str, float]]) -> dict[tuple[str, float], tuple[str, Entry | None]]:
         """The state and entry of the homes named by (id, event time): committed entries kept lately are
