@@ -576,14 +576,19 @@ class AiokafkaWorker(WorkerCore):
             if assignment == self._rebalance.assignments:  # else aborted: routed again, and journaled then
                 delivered.extend(o for a, _, logged in self._recent if a == assignment for o in logged)
 
+        losses = guard.losses
         try:
             if await guard.ensure(read, index.restore, deliver) and delivered:
                 # Beside the others, who route again (a guarded restore): live ids are kept as they are.
                 await asyncio.to_thread(index.restore, [entries_of([(o.key or b"", o.value or b"") for o in delivered])])
         except IndexUnavailable as exc:
             # The router meets the outage itself (its policy: block, or pass unchecked); a lookup finds the
-            # index without its marker again if it came back empty.
-            log.debug("the index's marker could not be read: %s", exc)
+            # index without its marker again if it came back empty, and the rebuild starts over.
+            if guard.losses > losses:
+                log.warning("rebuilding the index from the changelog failed: %s; the next batch's lookup starts it "
+                            "again", exc)
+            else:
+                log.debug("the index's marker could not be read: %s", exc)
 
     def _logged(self, routed: int, assignment: int) -> list[OutRecord]:
         """The changelog's records of the entries a batch of `routed` records just made unique; those of the
