@@ -3,7 +3,7 @@
     eval "$(bash docker/services.sh env)"
     python bench/index_loss.py [--stream ../shared/eval/stream.jsonl] [--losses restart,flushall,kill,none]
                                [--guarantee exactly_once] [--at 0.5] [--max-batch 2000] [--runs 1]
-                               [--align on,off] [--max-skew 5] [--compress 1]
+                               [--align on,off] [--max-skew 5] [--compress 1] [--layout slot|spread]
 
 The labelled development stream (`--stream`, its `truth.jsonl` beside it), each record in a random partition
 of 4 (seeded; every partition in event-time order), is produced at once to a fresh topic after two workers
@@ -21,6 +21,7 @@ backlog is produced after them, a partition whose first records arrive after ano
 than `max_skew`: the documented rule for a quiet partition that wakes up with old records).
 `--align on,off` runs each loss with event-time alignment on and off (`--max-skew` seconds of event time;
 `--compress K` makes the stream K times denser in event time), alternating, and gives their throughput ratio.
+`--layout spread`: the index in the spread layout (its 64 shards on the one redis-server).
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ def run(args: argparse.Namespace, items: Sequence[Item], truth: Sequence[dict[st
     server = PrivateRedis(workdir)
     server.start()
     try:
-        settings = scenario_settings(args.bootstrap, f"{server.url}?prefix=loss", ts_field="ts",
+        layout = "" if args.layout == "slot" else f"&layout={args.layout}"
+        settings = scenario_settings(args.bootstrap, f"{server.url}?prefix=loss{layout}", ts_field="ts",
                                      max_batch=args.max_batch, processing_guarantee=args.guarantee,
                                      partitions=PARTITIONS, log_level="info", align=align, max_skew=args.max_skew)
         asyncio.run(create_topics(settings, PARTITIONS))
@@ -128,6 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-skew", type=float, default=5.0, help="seconds of event time (the setting max_skew)")
     p.add_argument("--compress", type=float, default=1.0, help="divide the stream's event time by this (denser)")
     p.add_argument("--logs", type=Path, default=None, help="a directory to keep every run's workers' logs in")
+    p.add_argument("--layout", default="slot", choices=("slot", "spread"), help="the Redis index's layout")
     args = p.parse_args(argv)
     truth_path = args.truth or args.stream.with_name("truth.jsonl")
     needs.files(__file__, args.stream, truth_path)
@@ -138,7 +141,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     truth = read_truth(truth_path.read_bytes().splitlines()[: len(items)], str(truth_path))
     want = reference(items, NearDupFilter())
     filter_f1 = f1_of(truth, want)
-    print(f"{len(items)} records on {PARTITIONS} partitions, 2 workers, {args.guarantee}, max_batch {args.max_batch}, "
+    print(f"{len(items)} records on {PARTITIONS} partitions, 2 workers, {args.layout} layout, {args.guarantee}, "
+          f"max_batch {args.max_batch}, "
           f"max_skew {args.max_skew:g}s; Redis loses its data once {args.at:.0%} are routed; neardup filter F1 "
           f"{filter_f1:.4f}", flush=True)
     print("| loss | align | runs | lost | doubled | F1 (workers) | F1 − filter's | routed otherwise | entries restored "

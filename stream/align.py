@@ -85,6 +85,7 @@ class _Lane:
     last: float | None = None  # event time of the last record buffered (the next is at least that)
     quiet_since: float | None = None  # since when it is empty with nothing left to fetch (or not known)
     known: bool = False  # whether its lag was ever known
+    left: int | None = None  # records left to fetch beyond its buffer at the last `flow` (None: not known)
     paused: bool = False
     next_offset: int | None = None  # the offset after the last record buffered: one before it is a re-fetch
     chunk: int = 0  # the most records one fetch returned of it (`add`): its buffer holds two such at least
@@ -147,6 +148,9 @@ class Aligner:
                 self._timeless.difference_update(id(r) for _, r in lane.records)
                 lane.records.clear()
                 lane.next_offset = None
+                # Its next record is one sent back, earlier than those buffered: until it comes again, the
+                # partition may hold anything (as when just assigned), not what it held buffered.
+                lane.last = None
         gone = set(lanes)
         self._timeless.difference_update(id(a[2]) for a in self._arrival if a[0] in gone)
         self._arrival = deque(a for a in self._arrival if a[0] not in gone)
@@ -194,6 +198,7 @@ class Aligner:
         pause, resume = [], []
         total = len(self._arrival)  # unordered: one buffer for all, paused and resumed together
         for key, lane in self._lanes.items():
+            lane.left = lag(key)
             n = len(lane.records) if self.ordered else total * (lane.paused or total >= self.buffer)
             limit = max(self.buffer, 2 * lane.chunk) if self.ordered else self.buffer
             if not lane.paused and n >= limit:
@@ -203,7 +208,7 @@ class Aligner:
                 lane.paused = False
                 resume.append(key)
             if n == 0 and not lane.paused:
-                left = lag(key)
+                left = lane.left
                 lane.known = lane.known or left is not None
                 if not left:  # 0, or not known
                     if lane.quiet_since is None:
@@ -233,12 +238,19 @@ class Aligner:
             return False
         return now - lane.quiet_since >= (self.idle_timeout if lane.known else max(self.idle_timeout, UNKNOWN_GRACE))
 
+    def _dry_bound(self, lane: _Lane, last: float = -math.inf) -> float:
+        """How far an empty, not idle partition lets the others go: its last event time (`last` if it has none;
+        its next record is at least that), + max_skew only when it has nothing left to fetch (live traffic: its
+        next record is not produced yet). One with records left to fetch, or not known to have none, is waited for."""
+        last = lane.last if lane.last is not None else last
+        return last + (self.max_skew if lane.left == 0 else 0.0)
+
     def _lane_bound(self, now: float) -> float:
-        """How far records may go: an empty, not idle partition's last event time + max_skew."""
+        """How far records may go: the bound of every empty, not idle partition (`_dry_bound`)."""
         bound = math.inf
         for lane in self._lanes.values():
             if not lane.records and not self._idle(lane, now):
-                bound = min(bound, -math.inf if lane.last is None else lane.last + self.max_skew)
+                bound = min(bound, self._dry_bound(lane))
         return bound
 
     def take(self, n: int, group: GroupView | None = None) -> Taken:
@@ -274,7 +286,7 @@ class Aligner:
             else:
                 heapq.heappop(heads)
                 if not self._idle(lane, now):
-                    lane_bound = min(lane_bound, (lane.last if lane.last is not None else ts) + self.max_skew)
+                    lane_bound = min(lane_bound, self._dry_bound(lane, ts))
             records.append(record)
             times.append(ts)
             if id(record) in self._timeless:

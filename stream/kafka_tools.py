@@ -390,6 +390,27 @@ def lags_of(positions: dict[tuple[str, int], tuple[int, int]]) -> dict[tuple[str
     return {lane: max(0, end - position) for lane, (position, end) in positions.items()}
 
 
+def stale_ends(consumer: AIOKafkaConsumer, older_than: float) -> set[tuple[str, int]]:
+    """The assigned partitions whose end (high-water mark, last stable offset) a fetch last told more than
+    `older_than` seconds ago. The fetcher asks for the end of a partition only with its records, and not
+    while records it fetched of it wait to be returned (the worker not polling: a restore waited for, a long
+    batch): such an end says nothing of what was produced since (a lag of 0 from it is not known)."""
+    out: set[tuple[str, int]] = set()
+    try:
+        assigned = consumer.assignment()
+    except IllegalStateError:
+        return out
+    now_ms = time.time() * 1000
+    for tp in assigned:
+        try:
+            told = consumer.last_poll_timestamp(tp)
+        except (IllegalStateError, AssertionError):
+            continue
+        if told is not None and now_ms - told > older_than * 1000:
+            out.add((tp.topic, tp.partition))
+    return out
+
+
 async def partition_positions(consumer: AIOKafkaConsumer,
                               committed_only: bool = False) -> dict[tuple[str, int], tuple[int, int]]:
     """Per assigned partition whose end is known: the consumer's position and that end (see `partition_lags`)."""

@@ -59,6 +59,7 @@ from stream.kafka_tools import (
     max_message_bytes,
     partition_positions,
     producer,
+    stale_ends,
     transient,
 )
 from stream.outputs import MAX_OUTPUT_BYTES, OutRecord, arrived, late_output, record_time
@@ -73,9 +74,16 @@ STALL_WARNING = 30.0  # seconds without a record taken, with records waiting, be
 # Seconds a worker asks again for the max.message.bytes of a topic the broker does not know yet: one that another
 # worker created a moment ago is described once its metadata reached every broker (KRaft: milliseconds).
 TOPIC_SETTLE = 5.0
+# How old (seconds) a partition's end may be for a lag of 0 to count (nothing to fetch): the fetcher reads the end of
+# every partition it holds no fetched records of at least every fetch_max_wait_ms (aiokafka's 500 ms); an older one is
+# that of a partition whose fetched records waited for the loop (`stale_ends`), and more may have been produced since.
+END_FRESH = 1.0
 # How often, at most, a worker reads the log starts of partitions whose offsets jumped (`_unread`): a gap is
 # mostly what reading committed records skips, or a compacted topic's, and each read is a round trip.
 UNREAD_EVERY = 5.0
+# Seconds a poll that keeps the consumer in its group during an index outage may wait: a rebalance makes it wait for
+# the new assignment, which waits for the batch being retried to let its partitions go (`_Rebalance.revoking`).
+KEEPALIVE_WAIT = 0.5
 
 
 
@@ -87,11 +95,14 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
         self.assigned = assigned
         # Counts assignments; aiokafka fetches nothing of a new assignment before this callback runs.
         self.assignments = 0
+        self.revoking = False  # from the revocation to the next assignment: a batch in an outage lets go
 
     async def on_partitions_revoked(self, revoked: Any) -> None:
+        self.revoking = True
         await self.let_go()
 
     async def on_partitions_assigned(self, assigned: Any) -> None:
+        self.revoking = False
         self.assignments += 1
         await self.assigned(assigned)
         if assigned:
@@ -245,8 +256,11 @@ class AiokafkaWorker(WorkerCore):
         pushed = False  # the group's view came with the news that another worker moved: no need to read it
         try:
             while not self.stop_event.is_set():
-                if pending is not None and (pending_assignment != self._rebalance.assignments or self._rewound):
-                    pending, pending_assignment = self._still_owned(pending), self._rebalance.assignments
+                if pending is not None and pending_assignment != self._rebalance.assignments:
+                    self._put_back(pending)  # taken against the group's view before a rebalance: taken again
+                    pending = None
+                elif pending is not None and self._rewound:
+                    pending = self._still_owned(pending)
                 self._rewound.clear()
                 if pending is not None:
                     batch, assignment, pending = pending, pending_assignment, None
@@ -283,17 +297,48 @@ class AiokafkaWorker(WorkerCore):
                     self.held_seconds += time.monotonic() - held_since
                     held_since = None
                 await self._fetch(consumer, 0, stop_wait)
-                following = self.aligner.take(s.max_batch, self.group)
                 pending_assignment = self._rebalance.assignments
+                following = self.aligner.take(s.max_batch, self.group)
                 async with self._lock:
-                    owned: Taken | None = batch
-                    if assignment != self._rebalance.assignments or self._rewound:  # a rebalance meanwhile
-                        owned, assignment = self._still_owned(batch), self._rebalance.assignments
-                    if owned is not None:
-                        await self._batch(consumer, owned, assignment, following.records)
+                    if assignment != self._rebalance.assignments:
+                        # A rebalance since `batch` was taken: partitions came or went, and with them the group's
+                        # view (the other workers' marks). What this worker keeps of both batches is taken again
+                        # against the new view: decided as taken, it could run far ahead of a worker that took
+                        # over partitions of the same event times.
+                        self._put_back(batch, following)
+                        following = Taken([], [], [])
+                    else:
+                        owned = self._still_owned(batch) if self._rewound else batch
+                        if owned is not None and not await self._batch(consumer, owned, assignment,
+                                                                       following.records):
+                            self._put_back(owned, following)  # let go during an outage (a rebalance, stopping)
+                            following = Taken([], [], [])
                 pending = following if following else None
         finally:
             stop_wait.cancel()
+
+    def _put_back(self, *taken: Taken) -> None:
+        """Batches taken and not decided (a rebalance came in between) are taken again: the aligner forgets them,
+        and the consumer reads the partitions this worker still owns again from the first record of them (their
+        records buffered after those come again too); the next owner of the others reads them from the committed
+        offsets."""
+        first: dict[tuple[str, int], int] = {}
+        for batch in taken:
+            self.aligner.dropped(batch)
+            for r in batch.records:
+                lane = (r.topic, r.partition)
+                if self.aligner.owns(lane):
+                    first[lane] = min(first.get(lane, r.offset), r.offset)
+        self._send_back(first)
+
+    def _send_back(self, first: dict[tuple[str, int], int]) -> None:
+        """The consumer sent back to these offsets, and the aligner's buffers of their partitions dropped."""
+        for lane, offset in first.items():
+            with contextlib.suppress(IllegalStateError):
+                assert self._consumer is not None
+                self._consumer.seek(TopicPartition(*lane), offset)
+        self.aligner.rewind(first)
+        self._read_to.update(first)
 
     def _still_owned(self, taken: Taken) -> Taken | None:
         """`taken`, taken before a rebalance, without the records of partitions this worker no longer owns
@@ -337,9 +382,12 @@ class AiokafkaWorker(WorkerCore):
     async def _take(self, consumer: AIOKafkaConsumer, refresh: bool) -> Taken:
         """The next batch in event-time order (`Aligner.take`), after pausing the partitions whose buffer is
         full and resuming the drained ones; the group's marks are read again when `refresh` or due."""
+        # Before the ends are read (a fetch answered meanwhile only makes one fresher): a lag of 0 from an old end is
+        # not known, a lag above 0 is (an old end is a floor).
+        stale = stale_ends(consumer, END_FRESH)
         positions = await partition_positions(consumer,
                                               committed_only=self._guarantee.isolation_level == "read_committed")
-        lags = lags_of(positions)
+        lags = {lane: n for lane, n in lags_of(positions).items() if n or lane not in stale}
         for lane, (position, _) in positions.items():
             if self._went_on(lane, position):  # moved on without returning records
                 self._read_to[lane] = position
@@ -461,10 +509,15 @@ class AiokafkaWorker(WorkerCore):
                 offsets = await asyncio.wait_for(asyncio.gather(*(consumer.committed(tp) for tp in tps)), 2.0)
                 self._read_to = {(tp.topic, tp.partition): o for tp, o in zip(tps, offsets, strict=True) if o is not None}
         if self.settings.align:
+            # The group's view from before the rebalance is another group's: until this worker hears the new one
+            # (the index's Redis may be down), it takes nothing.
+            self.group = GroupView(None, complete=False)
             await self._publish_marks()
 
     async def _batch(self, consumer: AIOKafkaConsumer, taken: Taken, assignment: int = 0,
-                     following: Sequence[KafkaRecord] = ()) -> None:
+                     following: Sequence[KafkaRecord] = ()) -> bool:
+        """Routes `taken` and hands its outputs over; False if it let it go unrouted (stopping, or its partitions
+        revoked, while the index was out)."""
         def pause() -> None:
             consumer.pause(*consumer.assignment())
 
@@ -474,8 +527,12 @@ class AiokafkaWorker(WorkerCore):
 
         async def keepalive() -> None:
             await self._drain()  # what was routed before the outage need not wait for the index
-            # Paused partitions return nothing; polling keeps the consumer in its group.
-            await consumer.getmany(timeout_ms=0)
+            # Polling keeps the consumer in its group (its partitions paused: it returns little, kept as fetched).
+            # A rebalance makes the poll wait for the new assignment, which waits for this batch to let its
+            # partitions go: waited for only so long, then the retry sees `revoking` and lets the batch go.
+            timer = asyncio.ensure_future(asyncio.sleep(KEEPALIVE_WAIT))
+            await self._fetch(consumer, 0, timer)
+            timer.cancel()
 
         records = taken.records
         if self.journal is not None:
@@ -487,11 +544,14 @@ class AiokafkaWorker(WorkerCore):
             low = [m for m in (self.aligner.low_mark(), self.group.low) if m is not None]
             if low:
                 self.nd.index.expire(min(low))
+        rebalance = self._rebalance
         outs = await self.router.route(records, following=following, pause=pause, resume=resume,
-                                       keepalive=keepalive, stopping=self.stop_event.is_set,
+                                       keepalive=keepalive,
+                                       stopping=lambda: self.stop_event.is_set() or rebalance.revoking,
                                        before_retry=self._check_index if self.guard is not None else None)
         if outs is None:
-            return  # stopping during an index outage: nothing of this batch produced or committed
+            # Stopping, or partitions revoked, during an index outage: nothing of this batch produced or committed.
+            return False
         logged = self._logged(len(records), assignment)
         self.aligner.decided(taken)
         if self.aligner.ordered:
@@ -499,6 +559,7 @@ class AiokafkaWorker(WorkerCore):
         if any(taken.late):
             outs = [late_output(o, behind) if behind else o for o, behind in zip(outs, taken.late, strict=True)]
         await self._hand_over(Outgoing(records, outs, assignment, logged))
+        return True
 
     async def _batch_size(self, admin: AIOKafkaAdminClient) -> int:
         """The producer's record batch size: `batch_bytes`, lowered to the smallest max.message.bytes of the
@@ -660,12 +721,7 @@ class AiokafkaWorker(WorkerCore):
             if self.aligner.owns(lane):
                 first[lane] = min(first.get(lane, r.offset), r.offset)
         self._queued = [q for q in self._queued if not any((r.topic, r.partition) in first for r in q.records)]
-        for lane, offset in first.items():
-            with contextlib.suppress(IllegalStateError):
-                assert self._consumer is not None
-                self._consumer.seek(TopicPartition(*lane), offset)
-        self.aligner.rewind(first)
-        self._read_to.update(first)
+        self._send_back(first)
         self._rewound |= set(first)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import shutil
 import subprocess
 import time
@@ -12,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import orjson
 import pytest
 import redis
 
@@ -97,6 +99,24 @@ def test_an_empty_partition_with_records_left_to_fetch_is_waited_for() -> None:
     a.add([rec(1, 1.5), rec(1, 99)])
     a.flow(lambda lane: 0)
     assert times(a.take(100).records) == [1, 1.5, 2, 99, 100]
+
+
+def test_a_partition_run_dry_with_records_left_to_fetch_holds_the_others_to_its_last_event_time() -> None:
+    """A partition whose buffer runs dry in a take lets the others go max_skew past its last event time only when
+    it has nothing left to fetch (live traffic); with records left to fetch, or none known, not past it at all."""
+    clock = Clock()
+    a = aligner(clock, skew=5.0)
+    a.assign([("in", 0), ("in", 1)])
+    a.add([rec(0, t) for t in (1, 2)])  # a short first fetch: more of partition 0 comes
+    a.add([rec(1, t) for t in (1.5, 3, 4, 6)])
+    a.flow(lambda lane: 10 if lane == ("in", 0) else 0)
+    taken = a.take(100)
+    assert times(taken.records) == [1, 1.5, 2] and taken.waiting == "partition"
+    a.flow(lambda lane: None if lane == ("in", 0) else 0)  # its end not known (a stale one says nothing)
+    assert not a.take(100)
+    a.add([rec(0, 2.5), rec(0, 5)])
+    a.flow(lambda lane: 0)  # all fetched: partition 0 runs dry at 5, with nothing left to fetch
+    assert times(a.take(100).records) == [2.5, 3, 4, 5, 6]
 
 
 def test_a_partition_never_fetched_is_waited_for_only_so_long() -> None:
@@ -514,6 +534,41 @@ def test_a_backlog_on_four_partitions_is_routed_as_the_filter_routes_it(kafka_bo
     assert f1(got, items) == f1(want, items) == 1.0
 
 
+
+def test_a_worker_joining_mid_backlog_changes_no_verdict(kafka_bootstrap: str, index_url: str) -> None:
+    """One worker routes a backlog alone; a second joins while it holds a batch taken under the old assignment
+    (and the next, taken ahead): what it keeps of them is taken again under the group's new view, so the copies
+    (half an hour apart at least, max_skew one minute) are decided after their originals whoever decides them."""
+    items = backlog(clusters=600, apart=(0.5, 3.0))
+    want = reference(items, NearDupFilter())
+    settings = scenario_settings(kafka_bootstrap, index_url, ts_field="ts", max_batch=200, max_skew=60.0,
+                                 session_timeout=10.0)
+    _produce(settings, items)
+
+    async def slowly(records: Sequence[KafkaRecord], outs: object) -> None:
+        if not workers[1].stats.seen:  # the first worker, a batch in 0.5 s until the second routes
+            await asyncio.sleep(0.5)
+
+    workers = [AiokafkaWorker(settings, observer=slowly), AiokafkaWorker(settings)]
+
+    async def go() -> list[KafkaRecord]:
+        tasks = [asyncio.ensure_future(workers[0].run())]
+        deadline = time.monotonic() + 120
+        try:
+            await _seen(workers[:1], tasks, 200, deadline)  # the first alone, mid-backlog
+            tasks.append(asyncio.ensure_future(workers[1].run()))
+            await _seen(workers, tasks, len(items), deadline)
+        finally:
+            for w in workers:
+                w.stop()
+            await asyncio.gather(*tasks)
+        assert all(w.stats.seen for w in workers)  # (both routed some)
+        return await read_outputs(settings, sources=len(items), settle=0.5)
+
+    got = verdicts_of(asyncio.run(go()))
+    assert len(got) == len(items)
+    assert differences(got, want) == []
+
 def test_two_exactly_once_workers_fit_a_small_max_message_bytes_on_a_backlog_and_live_records(
         kafka_bootstrap: str, index_url: str, caplog: pytest.LogCaptureFixture) -> None:
     """The unique topic takes record batches of at most 2,048 bytes (a batch of its outputs is several times
@@ -610,6 +665,67 @@ def test_a_quiet_partition_does_not_stall_live_traffic(kafka_bootstrap: str, ind
     assert latencies[-3] < 1.0, latencies  # at most the first records waited for the idle partition
 
 
+def test_a_backlog_produced_while_the_worker_waits_for_a_restore_is_routed_in_event_time_order(
+        kafka_bootstrap: str, index_url: str) -> None:
+    """The worker waits for another's restore of the index (its lock held) before its first batch; meanwhile
+    its consumer fetched the first few records of partition 3 (produced alone), and, once the rest of the
+    backlog came, a full fetch of the others, but not partition 3 again (what it fetched of it waits to be
+    returned): partition 3's end is that of the first fetch, its lag 0. Its few records run dry in the first
+    take; the rest of it is still to fetch, so the others wait for it: a message of partition 3 and its later
+    copy in partition 0, a few seconds apart, are decided in event-time order, as the filter decides them."""
+    from filters.index.redis import RedisTarget
+
+    rng = random.Random(5)
+
+    def words(n: int) -> str:
+        return " ".join("".join(rng.choice("kalomineruta") for _ in range(rng.randint(4, 9))) for _ in range(n))
+
+    def item(partition: int, ts: float, ident: str, text: str) -> Item:
+        return Item(partition, ts, ident, 0, orjson.dumps({"id": ident, "text": text, "ts": ts}))
+
+    original = words(18) + " 48213"
+    head = [item(3, 1000.0 + k, f"head-{k}", words(12)) for k in range(5)]  # partition 3's first fetch
+    rest = [item(3, 1010.0, "original", original), item(0, 1020.0, "copy", original.replace("48213", "77125"))]
+    rest += [item(p, 1000.5 + 2 * k + p / 4, f"f{p}-{k}", words(12)) for p in range(3) for k in range(150)]
+    rest += [item(3, 1011.0 + 2 * k, f"f3-{k}", words(12)) for k in range(150)]  # partitions are in event-time order
+    rest.sort(key=lambda i: i.ts)
+    want = reference([*head, *rest], NearDupFilter())
+    assert want["original"] == "unique" and want["copy"] == "duplicate"
+    settings = scenario_settings(kafka_bootstrap, index_url, ts_field="ts", max_batch=100, max_skew=60.0)
+    lock = f"{{{RedisTarget.parse(index_url).prefix}:{settings.filter_config().digest()}}}:restoring"
+    r = redis.Redis.from_url(RedisTarget.parse(index_url).client_url)
+
+    async def go() -> list[KafkaRecord]:
+        await create_topics(settings, 4)
+        r.set(lock, b"another worker", px=60_000)  # another worker restores the index (its marker is missing)
+        worker = AiokafkaWorker(settings)
+        task = asyncio.ensure_future(worker.run())
+        try:
+            deadline = time.monotonic() + 60
+            while not worker._rebalance.assignments:
+                assert not task.done() and time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            await produce_to(settings, [(i.partition, i.id.encode(), i.value) for i in head])
+            await asyncio.sleep(1.5)  # partition 3's first fetch: its head only
+            await produce_to(settings, [(i.partition, i.id.encode(), i.value) for i in rest])
+            await asyncio.sleep(1.5)  # the others' fetches; partition 3's first waits to be returned meanwhile
+            assert worker.stats.seen == 0
+            r.delete(lock)  # the restore is done: the worker restores (an empty changelog) and routes
+            await _seen([worker], [task], len(head) + len(rest), deadline)
+        finally:
+            worker.stop()
+            await task
+        return await read_outputs(settings, sources=len(head) + len(rest), settle=0.5)
+
+    try:
+        got = verdicts_of(asyncio.run(go()))
+    finally:
+        r.delete(lock)
+        r.close()
+    assert (got["original"], got["copy"]) == ("unique", "duplicate")
+    assert differences(got, want) == []
+
+
 def test_a_worker_that_takes_nothing_though_records_wait_says_why(kafka_bootstrap: str, index_url: str,
                                                                   caplog: pytest.LogCaptureFixture,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
@@ -646,7 +762,8 @@ def test_while_the_marks_cannot_be_shared_the_last_view_holds_unless_records_pas
         redis_url: str, policy: str) -> None:
     """Redis unreachable: a worker that routes nothing meanwhile (block) keeps the group's last view, so the
     batch it takes during the outage, decided once the index is back, is no further ahead of the others than
-    before; one whose records pass unchecked meanwhile goes on alone."""
+    before, and after a rebalance it takes nothing until it hears the group again; one whose records pass
+    unchecked meanwhile goes on alone."""
     host, port = urlsplit(redis_url).hostname or "127.0.0.1", urlsplit(redis_url).port or 6379
     with ProxyThread(host, port) as proxy, redis_namespace(redis_url) as direct:
         index = direct.replace(f"{host}:{port}", f"127.0.0.1:{proxy.port}", 1)
@@ -661,12 +778,65 @@ def test_while_the_marks_cannot_be_shared_the_last_view_holds_unless_records_pas
                 proxy.down()
                 await worker._publish_marks()
                 assert worker.group == (GroupView(100.0) if policy == "block" else GroupView(None))
+                # A new assignment meanwhile: the last view is another group's; until it hears the new one,
+                # the worker takes nothing (it would take a batch far ahead of the others: decided as soon as
+                # the index is back, before it hears of them again).
+                await worker._assigned([])
+                assert worker.group == (GroupView(None, complete=False) if policy == "block" else GroupView(None))
             finally:
                 proxy.up()
                 await worker.marks.close()
 
         asyncio.run(go())
 
+
+def test_a_rebalance_during_an_index_outage_lets_the_batch_go_and_both_workers_route_on(
+        kafka_bootstrap: str, redis_url: str) -> None:
+    """Redis unreachable while a worker retries a batch, and a second worker joins: the first lets the batch go
+    (nothing of it produced or committed: its partitions are revoked) instead of holding the rebalance up for
+    the whole outage, and its poll that keeps it in the group does not wait for the rebalance that waits for it.
+    The group settles during the outage, the newcomer takes nothing until it hears the group, and once Redis is
+    back both route on: every record once, as the filter routes them."""
+    items = backlog(clusters=200, copies=3)
+    want = reference(items, NearDupFilter())
+    host, port = urlsplit(redis_url).hostname or "127.0.0.1", urlsplit(redis_url).port or 6379
+    with ProxyThread(host, port) as proxy, redis_namespace(redis_url) as direct:
+        index = direct.replace(f"{host}:{port}", f"127.0.0.1:{proxy.port}", 1)
+        settings = scenario_settings(kafka_bootstrap, index, ts_field="ts", max_batch=50, max_skew=1800.0,
+                                     session_timeout=6.0, retry_initial=0.2, retry_max=1.0)
+        _produce(settings, items)
+
+        async def slowly(records: Sequence[KafkaRecord], outs: object) -> None:
+            await asyncio.sleep(0.2)  # the first worker is mid-backlog when Redis goes
+
+        workers = [AiokafkaWorker(settings, observer=slowly), AiokafkaWorker(settings)]
+
+        async def go() -> list[KafkaRecord]:
+            tasks = [asyncio.ensure_future(workers[0].run())]
+            deadline = time.monotonic() + 120
+            try:
+                await _seen(workers[:1], tasks, 100, deadline)
+                proxy.down()
+                await asyncio.sleep(1.0)  # its batch retried
+                tasks.append(asyncio.ensure_future(workers[1].run()))
+                while not (workers[1]._rebalance.assignments and workers[0]._rebalance.assignments > 1):
+                    assert time.monotonic() < deadline - 90, "the rebalance did not end during the outage"
+                    await asyncio.sleep(0.05)
+                assert workers[1].stats.seen == 0  # nothing taken without the group's view
+            finally:
+                proxy.up()
+            try:
+                await _seen(workers, tasks, len(items), deadline)
+            finally:
+                for w in workers:
+                    w.stop()
+                await asyncio.gather(*tasks)
+            return await read_outputs(settings, sources=len(items), settle=0.5)
+
+        records = asyncio.run(go())
+    sources = [r.header("neardup-source") for r in records]
+    assert len(sources) == len(set(sources)) == len(items)
+    assert differences(verdicts_of(records), want) == []
 
 @pytest.mark.parametrize("options", ["", "&round=16", "&layout=group&round=16"])
 def test_two_serve_workers_with_a_kill_9_and_a_redis_outage_route_a_backlog_as_the_filter(

@@ -197,8 +197,9 @@ def test_crash_after_produce_before_commit_then_restart(kafka_bootstrap: str, in
 
 def test_index_outage_blocks_then_resumes(kafka_bootstrap: str, redis_url: str,
                                           caplog: pytest.LogCaptureFixture) -> None:
-    """Redis behind a proxy that is down: nothing is produced or committed, one log line; then it
-    comes back and everything is routed."""
+    """Redis behind a proxy that goes down once the worker has joined its group (and heard the group's
+    event-time marks): the records produced then are taken, nothing is produced or committed, one log line;
+    then Redis comes back and everything is routed."""
     port = free_port()
     host, redis_port = redis_url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
     with redis_namespace(redis_url) as direct:
@@ -207,10 +208,16 @@ def test_index_outage_blocks_then_resumes(kafka_bootstrap: str, redis_url: str,
         proxy = TcpProxy(host, int(redis_port), port)
         inputs = GOOD + BAD
         worker = make_worker(settings)
+        assert isinstance(worker, AiokafkaWorker)
 
         async def scenario() -> list[KafkaRecord]:
-            await produce(settings, settings.input_topics[0], inputs)
+            await proxy.start()
             task = asyncio.ensure_future(run_until(worker, lambda s: s.seen >= len(inputs)))
+            while not (worker._rebalance.assignments and worker.group.complete):
+                assert not task.done(), task
+                await asyncio.sleep(0.02)
+            await proxy.stop()
+            await produce(settings, settings.input_topics[0], inputs)
             while worker.stats.index_errors < 3:
                 assert not task.done(), task
                 await asyncio.sleep(0.02)
