@@ -8,7 +8,7 @@ import asyncio
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -273,37 +273,27 @@ def test_a_restore_reads_what_is_journaled_while_it_reads(kafka_bootstrap: str) 
 
     async def go() -> list[str]:
         await ensure_topics(settings, [topic], partitions=1, configs=KEEP)
-        consumer = AIOKafkaConsumer(enable_auto_commit=False, isolation_level="read_committed",
-                                    **client_options(settings))
-        await consumer.start()
-        ids: list[str] = []
+        async with producer(settings) as p:
+            for i in range(3):
+                await journal(p, i)
+            journaled: list[bool] = []
 
-        async def write(entries: Stored) -> int:
-            ids.extend(entries.ids)
-            return len(entries)
-
-        try:
-            async with producer(settings) as p:
-                for i in range(3):
-                    await journal(p, i)
+            def two_more_once_the_end_is_taken(consumer: AIOKafkaConsumer) -> None:
+                """The broker's answer, after which a worker journals two more (once): the first pass's fetch
+                returns them with the three before."""
                 ends = consumer.end_offsets
 
-                async def ends_then_two_more(tps: list[TopicPartition]) -> dict[TopicPartition, int]:
-                    """The broker's answer, after which a worker journals two more (once): the first pass's
-                    fetch returns them with the three before."""
+                async def end_offsets(tps: list[TopicPartition]) -> dict[TopicPartition, int]:
                     got = await ends(tps)
                     if not journaled:
                         journaled.append(True)
                         await journal(p, 3)
                         await journal(p, 4)
-                    return got
+                    return cast("dict[TopicPartition, int]", got)
 
-                journaled: list[bool] = []
-                consumer.end_offsets = ends_then_two_more  # type: ignore[method-assign]
-                await read_changelog(consumer, topic, [0], namespace, 0, write)
-        finally:
-            await consumer.stop()
-        return ids
+                consumer.end_offsets = end_offsets  # type: ignore[method-assign]
+
+            return await _changelog(settings, topic, namespace, prepare=two_more_once_the_end_is_taken)
 
     assert asyncio.run(go()) == [f"e{i}" for i in range(5)]
 
@@ -521,14 +511,18 @@ def test_two_workers_route_a_backlog_as_the_filter_though_redis_loses_its_data(
     assert not any(r.header("neardup-method") == b"replay" for r in got)
 
 
-async def _changelog(settings: Settings, topic: str | None = None, namespace: str | None = None) -> list[str]:
+async def _changelog(settings: Settings, topic: str | None = None, namespace: str | None = None,
+                     prepare: Callable[[AIOKafkaConsumer], None] | None = None) -> list[str]:
     """The ids of the entries the changelog holds (`topic`, by default the settings'; of `namespace`, by default
-    the default configuration's), in the order a restore reads them (`read_committed`)."""
+    the default configuration's), in the order a restore reads them (`read_committed`); `prepare` is shown the
+    restore's consumer first."""
     topic = topic or settings.changelog_name
     namespace = namespace or NearDupFilter().config.digest()
     consumer = AIOKafkaConsumer(enable_auto_commit=False, isolation_level="read_committed",
                                 max_partition_fetch_bytes=8 * 1024 * 1024, **client_options(settings))
     await consumer.start()
+    if prepare is not None:
+        prepare(consumer)
     ids: list[str] = []
 
     async def write(entries: Stored) -> int:
