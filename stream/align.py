@@ -9,8 +9,9 @@ watermark. `Aligner` does both for one worker, and `GroupMarks` extends it to th
 
 - Inside a worker, records are taken from the partition whose head record has the lowest event time
   (a merge: exact order, whatever the skew). A partition with nothing buffered holds the others back
-  to its last event time + `max_skew` (its next record is at least that old, partitions being in
-  order), unless it is idle: nothing to fetch (no lag) for `idle_timeout`. So a quiet partition delays
+  to its last event time (its next record is at least that old, partitions being in order), + `max_skew`
+  when it has nothing left to fetch (live traffic), unless it is idle: nothing to fetch (no lag) for
+  `idle_timeout`. So a quiet partition delays
   live traffic once by at most `idle_timeout`, and a lagging one (a backlog being fetched) is waited for.
 - Across workers, each publishes its low mark (the event time of the next record it will decide) and
   the partitions it owns through `GroupMarks`; a worker takes only records at most `max_skew` ahead of
@@ -149,8 +150,9 @@ class Aligner:
                 lane.records.clear()
                 lane.next_offset = None
                 # Its next record is one sent back, earlier than those buffered: until it comes again, the
-                # partition may hold anything (as when just assigned), not what it held buffered.
+                # partition may hold anything (as when just assigned), not what it held buffered, and is not idle.
                 lane.last = None
+                lane.quiet_since = None
         gone = set(lanes)
         self._timeless.difference_update(id(a[2]) for a in self._arrival if a[0] in gone)
         self._arrival = deque(a for a in self._arrival if a[0] not in gone)

@@ -278,7 +278,10 @@ class IndexGuard:
         from filters.index.redis import MARKER, redis_errors
 
         with redis_errors(self.where):
-            found = [cast("bytes | None", await self._client.hget(meta, MARKER)) for meta in self.metas]
+            async with self._client.pipeline(transaction=False) as pipe:  # (on a cluster: a pipeline a node)
+                for meta in self.metas:
+                    pipe.hget(meta, MARKER)
+                found = cast("list[bytes | None]", await pipe.execute())
         return found[0] if len(set(found)) == 1 else None
 
     async def intact(self) -> bool:

@@ -160,9 +160,9 @@ class Router:
             except IndexUnavailable as exc:
                 self.stats.index_errors += 1
                 self._attempts += 1
+                pause()  # (every time: a new assignment since the outage began is not paused)
                 if self._down_since is None:
                     self._down_since = time.monotonic()
-                    pause()
                     log.error("index unavailable: consumption paused, retrying with backoff up to %gs, "
                               "nothing committed meanwhile: %s", self.settings.retry_max, exc)
                 delay = self.backoff.step()

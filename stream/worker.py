@@ -300,7 +300,8 @@ class AiokafkaWorker(WorkerCore):
                 pending_assignment = self._rebalance.assignments
                 following = self.aligner.take(s.max_batch, self.group)
                 async with self._lock:
-                    if assignment != self._rebalance.assignments:
+                    # (`revoking`: aiokafka may return a new assignment's records before its callback counts it.)
+                    if assignment != self._rebalance.assignments or self._rebalance.revoking:
                         # A rebalance since `batch` was taken: partitions came or went, and with them the group's
                         # view (the other workers' marks). What this worker keeps of both batches is taken again
                         # against the new view: decided as taken, it could run far ahead of a worker that took
@@ -318,7 +319,8 @@ class AiokafkaWorker(WorkerCore):
             stop_wait.cancel()
 
     def _put_back(self, *taken: Taken) -> None:
-        """Batches taken and not decided (a rebalance came in between) are taken again: the aligner forgets them,
+        """Batches taken and not decided (a rebalance came in between, or they were let go during an index outage)
+        are taken again: the aligner forgets them,
         and the consumer reads the partitions this worker still owns again from the first record of them (their
         records buffered after those come again too); the next owner of the others reads them from the committed
         offsets."""
@@ -327,7 +329,7 @@ class AiokafkaWorker(WorkerCore):
             self.aligner.dropped(batch)
             for r in batch.records:
                 lane = (r.topic, r.partition)
-                if self.aligner.owns(lane):
+                if self.aligner.owns(lane) and lane not in self._rewound:  # (sent back further already)
                     first[lane] = min(first.get(lane, r.offset), r.offset)
         self._send_back(first)
 
@@ -341,7 +343,7 @@ class AiokafkaWorker(WorkerCore):
         self._read_to.update(first)
 
     def _still_owned(self, taken: Taken) -> Taken | None:
-        """`taken`, taken before a rebalance, without the records of partitions this worker no longer owns
+        """`taken`, taken before a transaction aborted, without the records of partitions sent back (`_reread`)
         (their next owner reads them from the committed offset); None if nothing is left. The others are
         decided here: the consumer fetches them again, and the aligner knows them by their offsets."""
         self.aligner.dropped(taken)
@@ -527,12 +529,16 @@ class AiokafkaWorker(WorkerCore):
 
         async def keepalive() -> None:
             await self._drain()  # what was routed before the outage need not wait for the index
+            if self._rebalance.revoking:
+                return  # the retry lets the batch go: its partitions are being revoked
             # Polling keeps the consumer in its group (its partitions paused: it returns little, kept as fetched).
             # A rebalance makes the poll wait for the new assignment, which waits for this batch to let its
             # partitions go: waited for only so long, then the retry sees `revoking` and lets the batch go.
             timer = asyncio.ensure_future(asyncio.sleep(KEEPALIVE_WAIT))
-            await self._fetch(consumer, 0, timer)
-            timer.cancel()
+            try:
+                await self._fetch(consumer, 0, timer)
+            finally:
+                timer.cancel()
 
         records = taken.records
         if self.journal is not None:
@@ -646,8 +652,9 @@ class AiokafkaWorker(WorkerCore):
             # The router meets the outage itself (its policy: block, or pass unchecked); a lookup finds the
             # index without its marker again if it came back empty, and the rebuild starts over.
             if guard.losses > losses:
-                log.warning("rebuilding the index from the changelog failed: %s; the next batch's lookup starts it "
-                            "again", exc)
+                log.warning("rebuilding the index from the changelog, or writing back what this worker routed, "
+                            "failed: %s; a lookup that finds the index without its marker starts the rebuild again",
+                            exc)
             else:
                 log.debug("the index's marker could not be read: %s", exc)
 

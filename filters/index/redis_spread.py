@@ -653,13 +653,9 @@ class SpreadIndex:
         client = self._nodes.client
         pattern = _glob_escape(f"{{{self.prefix}:{self.namespace}:") + "*"
         with redis_errors(self._where):
-            if isinstance(client, RedisCluster):
-                keys = [key for node in cast(Any, client).get_primaries()
-                        for key in client.scan_iter(match=pattern, count=1000, target_nodes=node)]
-            else:
-                keys = list(client.scan_iter(match=pattern, count=1000))
-            for key in keys:  # (one a call: a cluster's keys are in as many slots)
-                client.unlink(key)
+            keys = list(client.scan_iter(match=pattern, count=1000))  # (on a cluster: every master's)
+            for a in range(0, len(keys), 500):
+                client.unlink(*keys[a : a + 500])  # (on a cluster, redis-py splits them by slot)
         self._known, self._view, self._top, self._gone = {}, _View(), -math.inf, -math.inf
 
     def _restore_entries(self, entries: Sequence[tuple[Entry, tuple[int, ...]]]) -> int:
@@ -768,16 +764,6 @@ class SpreadIndex:
         meta: tuple[Any, ...] = ("hwm", MARKER) if self.fenced else ("hwm",)
         commands: list[tuple[int, Sequence[Any]]] = [(self._slots[k], ("HMGET", f"{{{tag}}}:meta", *meta))
                                                      for k, tag in enumerate(self.tags)]
-        now = time.monotonic()
-        if self.fenced and now - self._metas_kept >= self._ttl_ms / 4000:
-            # A shard's meta hash (its marker with it) lives by the writes of the ids whose home it is; a shard
-            # few ids of a quiet stream home to would lose it with nothing lost. Lookups renew them all, a few
-            # times a TTL (a lost shard's is not made again: PEXPIRE of no key). (Replies after the reads'.)
-            self._metas_kept = now
-            renew: list[tuple[int, Sequence[Any]]] = [(self._slots[k], ("PEXPIRE", f"{{{tag}}}:meta", self._ttl_ms))
-                                                      for k, tag in enumerate(self.tags)]
-        else:
-            renew = []
         step = FIELDS_PER_HMGET
         for k, _, fields in plan:
             slot = self._slots[k]
@@ -785,7 +771,13 @@ class SpreadIndex:
                 key = self._slice_key(k, s)
                 commands.append((slot, ("HMGET", key, b"w", *fields[:step])))
                 commands += [(slot, ("HMGET", key, *fields[a : a + step])) for a in range(step, len(fields), step)]
-        replies = iter(self._nodes.execute(commands + renew, self._scripts))
+        if self.fenced and time.monotonic() - self._metas_kept >= self._ttl_ms / 4000:
+            # A shard's meta hash (its marker with it) lives by the writes of the ids whose home it is; a shard
+            # few ids of a quiet stream home to would lose it with nothing lost. Lookups renew them all, a few
+            # times a TTL (a lost shard's is not made again: PEXPIRE of no key). (Replies after the reads'.)
+            self._metas_kept = time.monotonic()
+            commands += [(self._slots[k], ("PEXPIRE", f"{{{tag}}}:meta", self._ttl_ms)) for k, tag in enumerate(self.tags)]
+        replies = iter(self._nodes.execute(commands, self._scripts))
         arrays = [np.empty(n, dtype=object) for _ in slices]
         states = list(islice(replies, self.shards))
         if self.fenced:
