@@ -275,14 +275,13 @@ class IndexGuard:
 
     async def marker(self) -> bytes | None:
         """The index's marker (None: missing, from any of its meta hashes, or not the same in all)."""
-        from filters.index.redis import MARKER, redis_errors
+        from filters.index.redis import MARKER, one_marker, redis_errors
 
         with redis_errors(self.where):
             async with self._client.pipeline(transaction=False) as pipe:  # (on a cluster: a pipeline a node)
                 for meta in self.metas:
                     pipe.hget(meta, MARKER)
-                found = cast("list[bytes | None]", await pipe.execute())
-        return found[0] if len(set(found)) == 1 else None
+                return one_marker(cast("list[bytes | None]", await pipe.execute()))
 
     async def intact(self) -> bool:
         """Whether the index holds its marker."""

@@ -26,7 +26,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
@@ -320,27 +320,29 @@ class AiokafkaWorker(WorkerCore):
 
     def _put_back(self, *taken: Taken) -> None:
         """Batches taken and not decided (a rebalance came in between, or they were let go during an index outage)
-        are taken again: the aligner forgets them,
-        and the consumer reads the partitions this worker still owns again from the first record of them (their
-        records buffered after those come again too); the next owner of the others reads them from the committed
-        offsets."""
-        first: dict[tuple[str, int], int] = {}
+        are taken again: the aligner forgets them, and the consumer reads the partitions this worker still owns
+        again from the first record of them (their records buffered after those come again too); the next owner
+        of the others reads them from the committed offsets."""
         for batch in taken:
             self.aligner.dropped(batch)
-            for r in batch.records:
-                lane = (r.topic, r.partition)
-                if self.aligner.owns(lane) and lane not in self._rewound:  # (sent back further already)
-                    first[lane] = min(first.get(lane, r.offset), r.offset)
-        self._send_back(first)
+        self._send_back(r for batch in taken for r in batch.records
+                        if (r.topic, r.partition) not in self._rewound)  # (sent back further already)
 
-    def _send_back(self, first: dict[tuple[str, int], int]) -> None:
-        """The consumer sent back to these offsets, and the aligner's buffers of their partitions dropped."""
+    def _send_back(self, records: Iterable[KafkaRecord]) -> dict[tuple[str, int], int]:
+        """The consumer sent back to the first of `records` in each partition this worker owns, and the aligner's
+        buffers of those partitions dropped; those first offsets."""
+        first: dict[tuple[str, int], int] = {}
+        for r in records:
+            lane = (r.topic, r.partition)
+            if self.aligner.owns(lane):
+                first[lane] = min(first.get(lane, r.offset), r.offset)
         for lane, offset in first.items():
             with contextlib.suppress(IllegalStateError):
                 assert self._consumer is not None
                 self._consumer.seek(TopicPartition(*lane), offset)
         self.aligner.rewind(first)
         self._read_to.update(first)
+        return first
 
     def _still_owned(self, taken: Taken) -> Taken | None:
         """`taken`, taken before a transaction aborted, without the records of partitions sent back (`_reread`)
@@ -721,14 +723,8 @@ class AiokafkaWorker(WorkerCore):
         """Records whose outputs were aborted: where this worker still owns their partitions, the consumer
         is sent back to them (and what the aligner buffered, and the batches queued behind them, of those
         partitions, are dropped: they come again); the others' owner reads them from the committed offsets."""
-        queued = [r for q in self._queued for r in q.records]
-        first: dict[tuple[str, int], int] = {}
-        for r in (*records, *queued):
-            lane = (r.topic, r.partition)
-            if self.aligner.owns(lane):
-                first[lane] = min(first.get(lane, r.offset), r.offset)
+        first = self._send_back([*records, *(r for q in self._queued for r in q.records)])
         self._queued = [q for q in self._queued if not any((r.topic, r.partition) in first for r in q.records)]
-        self._send_back(first)
         self._rewound |= set(first)
 
 

@@ -193,6 +193,7 @@ __all__ = [
     "RedisTarget",
     "map_redis_error",
     "meta_key",
+    "one_marker",
     "redact_url",
     "redis_errors",
 ]
@@ -223,6 +224,12 @@ _MIN_TS = -float(2**52)  # event times must be above it
 _MAX_SLICE = float(2**50)  # ... and less than this many slices (windows) from 0
 _NAME = re.compile(r"[A-Za-z0-9_.:-]+")  # prefix and namespace: no glob or hash-tag characters
 MARKER = "epoch"  # the meta hash's field a fenced index requires (see Fence)
+
+
+def one_marker(found: Sequence[bytes | None]) -> bytes | None:
+    """The marker of an index whose meta hashes (one, or one a shard of the spread layout) hold `found`: None
+    unless they all hold the same one (one without it lost its data, or a rebuild is setting them)."""
+    return found[0] if found and found[0] is not None and all(m == found[0] for m in found) else None
 REBUILDING = "rebuilding"  # the meta hash's field a rebuild sets until it wrote its bucket fields (`RedisIndex._rebuild`)
 SPREAD_OPTIONS = ("shards", "claim_ttl")  # URL options of layout=spread (filters/index/redis_spread.py)
 

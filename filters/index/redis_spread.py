@@ -75,6 +75,7 @@ from filters.index.redis import (
     _Script,
     high_marks,
     kept_ranking,
+    one_marker,
     read_replies,
     redact_url,
     redis_errors,
@@ -644,7 +645,7 @@ class SpreadIndex:
         if self.fenced:
             markers = self._nodes.execute([(self._slots[k], ("HGET", f"{{{tag}}}:meta", MARKER))
                                            for k, tag in enumerate(self.tags)], self._scripts)
-            if any(marker is None for marker in markers) or len(set(markers)) > 1:
+            if one_marker(markers) is None:
                 self._drop()
         return sum(self._restore_entries(stored_entries(stored)) for stored in parts)
 
@@ -798,13 +799,13 @@ class SpreadIndex:
         """Raises `IndexLost` unless every shard holds the marker (see "Fence"): one without it lost its data
         (its master restarted empty, or failed over to a replica that had not synced it; FLUSHALL) or is being
         rebuilt; every one with another marker than at the last lookup, the index was rebuilt since."""
-        missing = sum(marker is None for marker in found)
-        if missing or len(set(found)) > 1:
+        marker = one_marker(found)
+        if marker is None:
+            missing = sum(m is None for m in found)
             self._marker = b""  # the loss is told (the caller rebuilds or waits): the next marker is taken as it is
             raise IndexLost(f"the Redis index at {self._where} holds no marker in {missing or 'some'} of its "
                             f"{self.shards} shards ({MARKER} of their meta hashes): their data was lost, or the index "
                             "is being rebuilt from the changelog")
-        marker = cast(bytes, found[0])
         rebuilt = bool(self._marker) and marker != self._marker
         self._marker = marker
         if rebuilt:
