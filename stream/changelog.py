@@ -40,7 +40,7 @@ import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import numpy as np
 
@@ -188,7 +188,12 @@ class Restored:
 Write = Callable[[Stored], Awaitable[int]]  # takes a chunk of entries read (for `Restore`)
 # Reads the changelog whole (what its retention keeps) and hands the entries, in chunks, to a `Write`.
 ChangelogReader = Callable[[Write], Awaitable[int]]
-Restore = Callable[[Iterable[Stored]], int]  # writes entries into the index: `CandidateIndex.restore`
+
+
+class Restore(Protocol):
+    """Writes entries into the index: `CandidateIndex.restore`."""
+
+    def __call__(self, parts: Iterable[Stored], *, rebuild: bool = False) -> int: ...
 
 
 class _Feed:
@@ -222,9 +227,10 @@ async def restore_from(read: ChangelogReader, restore: Restore, progress: Callab
                        ) -> tuple[int, int]:
     """Reads the changelog (`read`) into `restore`, which runs in a thread meanwhile, chunk after chunk as they
     come (the index's restore sees the whole changelog in one call: it may keep what recurs until the end).
-    `progress` is told the entries read so far. Returns (entries read, entries written)."""
+    A rebuild (`rebuild=True`): the caller holds the group's restore lock, or is alone. `progress` is told
+    the entries read so far. Returns (entries read, entries written)."""
     feed = _Feed()
-    writing = asyncio.ensure_future(asyncio.to_thread(restore, feed))
+    writing = asyncio.ensure_future(asyncio.to_thread(restore, feed, rebuild=True))
     read_n = 0
 
     async def hand(entries: Stored) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, cast
 from urllib.parse import urlsplit
@@ -63,6 +63,11 @@ def _same(got: list[tuple[Entry, tuple[int, ...]]], want: list[tuple[Entry, tupl
         assert np.array_equal(g.sketch, w.sketch)
         assert (g.minhash is None) == (w.minhash is None)
 
+
+
+def _writes_nothing(parts: Iterable[Stored], *, rebuild: bool = False) -> int:
+    """A `Restore` that writes nothing (the guard's own steps are what is tested)."""
+    return 0
 
 def test_records_read_back_as_the_entries_and_keys_they_were_made_of() -> None:
     nd = NearDupFilter(FilterConfig(methods=("exact", "mgram", "simhash", "minhash", "sentences")))
@@ -194,10 +199,10 @@ def test_the_guard_restores_once_and_the_others_wait(redis_url: str) -> None:
             a = IndexGuard(url, namespace="ns", window=60.0, member="a")
             b = IndexGuard(url, namespace="ns", window=60.0, member="b")
             try:
-                assert await asyncio.gather(a.ensure(read, lambda e: 0), b.ensure(read, lambda e: 0)) == [True, True]
+                assert await asyncio.gather(a.ensure(read, _writes_nothing), b.ensure(read, _writes_nothing)) == [True, True]
                 assert len(restores) == 1
                 assert await a.intact() and await b.intact()
-                assert await a.ensure(read, lambda e: 0) is False
+                assert await a.ensure(read, _writes_nothing) is False
                 assert a.losses == b.losses == 1
             finally:
                 await a.close()
@@ -221,10 +226,10 @@ def test_a_restore_that_fails_lets_its_lock_go_at_once(redis_url: str) -> None:
             b = IndexGuard(url, namespace="ns", window=60.0, member="b")
             try:
                 with pytest.raises(RuntimeError):
-                    await a.ensure(failing, lambda e: 0)
+                    await a.ensure(failing, _writes_nothing)
                 assert await a._client.get(a.lock) is None
                 t0 = time.monotonic()
-                assert await b.ensure(read, lambda e: 0) is True
+                assert await b.ensure(read, _writes_nothing) is True
                 assert time.monotonic() - t0 < LOCK_TTL / 3
                 assert await a.intact()
             finally:
@@ -369,16 +374,16 @@ def test_a_rebuild_between_two_batches_is_told_once_and_the_guard_has_the_worker
             delivered.append(1)
 
         async def go() -> None:
-            assert await guard.ensure(read, lambda e: 0, deliver) is False  # the marker as it is: e1
+            assert await guard.ensure(read, _writes_nothing, deliver) is False  # the marker as it is: e1
             assert index.lookup([Query("a", 1000.0, (1, 2))], 8) == [(None, [])]
             assert index.insert([(_entry("a"), (1, 2))]) == [None]
             drop_index(url)
             _mark(url, "e2")  # another worker rebuilt it: without "a", committed after its read
             with pytest.raises(IndexLost, match="rebuilt since this worker's last batch"):
                 index.lookup([Query("b", 1000.0, (1, 2))], 8)
-            assert await guard.ensure(read, lambda e: 0, deliver) is True
+            assert await guard.ensure(read, _writes_nothing, deliver) is True
             assert (restores, delivered, guard.losses) == ([], [1], 1)
-            assert await guard.ensure(read, lambda e: 0, deliver) is False  # told once
+            assert await guard.ensure(read, _writes_nothing, deliver) is False  # told once
             assert index.lookup([Query("b", 1000.0, (1, 2))], 8) == [(None, [])]
 
         async def run() -> None:

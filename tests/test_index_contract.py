@@ -369,7 +369,7 @@ def restore_into(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
             index = RedisIndex(with_query(url, prefix=prefix), window=window, bucket_cap=bucket_cap,
                                namespace=namespace, fenced=request.param == "redis-rebuild")
         made.append(index)
-        written = index.restore([stored])
+        written = index.restore([stored], rebuild=request.param.endswith("-rebuild"))
         if request.param.endswith("-rebuild"):
             client: redis.Redis | redis.RedisCluster = redis.RedisCluster.from_url(url.replace("+cluster", "")) \
                 if "+cluster" in url else redis.Redis.from_url(url)
@@ -410,6 +410,40 @@ def test_a_restore_is_as_inserting_one_after_another(restore_into: RestoreInto,
             assert _view(index.lookup(query, 8)) == _view(reference.lookup(query, 8))
     if len({id for id, _, _ in entries}) == len(entries):  # (an id made again after it left the window may be new)
         assert index.restore([stored_of(made)]) == 0
+
+
+@pytest.mark.parametrize("layout", ["slot", "compact", "group", "spread"])
+def test_a_write_back_beside_a_rebuild_drops_nothing(redis_url: str, layout: str) -> None:
+    """A worker writing back what it delivered (`restore`) into a fenced index without its marker (lost again
+    just after a rebuild) while the guard's lock holder rebuilds it (`restore(..., rebuild=True)`): only the
+    rebuild may write unguarded or drop what a loss left; the write-back adds, guarded, and drops nothing of
+    what the rebuild wrote before it. Every entry of both is found once the marker is set."""
+    from filters.index.backends import marker_keys, open_index
+    from filters.index.redis import MARKER
+
+    prefix = f"neardup-test-{uuid.uuid4().hex[:10]}"
+    url = with_query(redis_url, prefix=prefix, **({} if layout == "slot" else {"layout": layout}))
+    made = [(entry(f"r{n}", 100.0 + n, seed=n), (1 + n % 5, 100 + n)) for n in range(40)]
+    back = [(entry(f"w{n}", 110.0 + n, seed=100 + n), (1 + n % 5, 200 + n)) for n in range(10)]
+    rebuilder, writer = (open_index(url, window=3600.0, bucket_cap=64, namespace="ns", fenced=True) for _ in "ab")
+
+    def changelog() -> Iterator[Stored]:
+        yield stored_of(made[:20])
+        assert writer.restore([stored_of(back)]) == len(back)  # meanwhile, beside the rebuild
+        yield stored_of(made[20:])
+
+    try:
+        assert rebuilder.restore(changelog(), rebuild=True) == len(made)
+        with redis.Redis.from_url(redis_url) as client:
+            for meta in marker_keys(url, "ns"):
+                client.hset(meta, MARKER, "1")
+        for key in range(1, 6):
+            [(_, found)] = rebuilder.lookup([Query("q", 200.0, (key,))], 64)
+            assert sorted(c.entry.id for c in found) == sorted(e.id for e, keys in made + back if key in keys)
+    finally:
+        rebuilder.close()
+        writer.close()
+        drop_namespace(redis_url, prefix)
 
 
 # --- the engine on top ---------------------------------------------------------------------------------

@@ -960,11 +960,12 @@ class RedisIndex:
             if q is not None:
                 view.written.setdefault(s, {})[view.entry_places[q] + 1] = value  # its memo field (`plan_fields`)
 
-    def restore(self, parts: Iterable[Stored]) -> int:
+    def restore(self, parts: Iterable[Stored], *, rebuild: bool = False) -> int:
         """See `CandidateIndex.restore`. The entries' stored bytes pass through; per chunk, one read of what
         their fields hold and the writes computed here (`restore_round`, as the insert script would insert
-        them with nothing to compare). A fenced index without its marker is being rebuilt: nobody else
-        writes it (the fence keeps the workers out, the guard's lock other restorers), so chunks of
+        them with nothing to compare). A rebuild (`rebuild`, by the guard's lock holder) of a fenced index
+        without its marker: nobody else writes it (the fence keeps the workers out, the lock other restorers,
+        and a worker's write-back goes guarded whatever the marker), so chunks of
         REBUILD_CHUNK stream without transactions, the next chunk computed while Redis writes the last
         (`_rebuild`). Otherwise each chunk of RESTORE_CHUNK is a MULTI/EXEC guarded by WATCH
         (`_restore_chunk`), or on Redis Cluster, and for a chunk others kept writing beside, the insert
@@ -976,7 +977,7 @@ class RedisIndex:
         self._rebuilt.hwm = max(self._rebuilt.hwm, self._hwm, _stored_time(replies[0][0] or b""))
         chunks: Iterator[_Chunk] = (c for part in parts for c in self._chunks(part, REBUILD_CHUNK))
         written = 0
-        if self.fenced and replies[0][1] is None:
+        if rebuild and self.fenced and replies[0][1] is None:
             chunks, written = self._rebuild(chunks)
         for chunk in chunks:
             for at in range(0, len(chunk.ids), RESTORE_CHUNK):

@@ -879,10 +879,11 @@ class CompactIndex(RedisIndex):
                 for (_, keys), cands in zip(entries, ranked)]
 
     # -- restoring, stats ----------------------------------------------------------------------------
-    def restore(self, parts: Iterable[Stored]) -> int:
-        """See `CandidateIndex.restore`. A fenced index without its marker, empty (or left by a rebuild that
-        died), is being rebuilt: nobody else writes it, and `_rebuild_compact` holds the bucket records and
-        writes each small hash (group) once. Otherwise (and for what a rebuild hands on) per chunk of
+    def restore(self, parts: Iterable[Stored], *, rebuild: bool = False) -> int:
+        """See `CandidateIndex.restore`. A rebuild (`rebuild`, by the guard's lock holder) of a fenced index
+        without its marker, empty (or left by a rebuild that died): nobody else writes it unguarded, and
+        `_rebuild_compact` holds the bucket records and writes each small hash (group) once. Otherwise (and for
+        what a rebuild hands on) per chunk of
         `RESTORE_CHUNK` entries, as the uncontended insert: a read of what its fields hold (after a WATCH of the
         meta hash), the writes computed here (as the insert script would insert them with nothing to compare) and
         one MULTI/EXEC, which Redis refuses if anybody wrote meanwhile; after `RESTORE_ATTEMPTS` refusals, and
@@ -899,7 +900,7 @@ class CompactIndex(RedisIndex):
         self._stored_top = max(self._stored_top, _stored_time(stored_hwm or b""))
         try:
             rest: Iterable[tuple[Stored, int]] = ((part, 0) for part in parts)
-            if self.fenced and marker is None and (stored_seq is None or died):
+            if rebuild and self.fenced and marker is None and (stored_seq is None or died):
                 rest, written = self._rebuild_compact(iter(parts), died)
             for part, begin in rest:
                 times = [_event_time(float(t), id, self.slice_length) for id, t in zip(part.ids, part.times)]

@@ -636,13 +636,14 @@ class SpreadIndex:
                 out.append(_Memo(self._home(verdict.id), verdict.id, ts, encode_memo(verdict, ts)))
         return out
 
-    def restore(self, parts: Iterable[Stored]) -> int:
+    def restore(self, parts: Iterable[Stored], *, rebuild: bool = False) -> int:
         """See `CandidateIndex.restore`: entries written committed at once (home, then records), unchecked. A
-        fenced index whose shards do not all hold the marker is being rebuilt: what its shards hold is dropped
-        first (a shard lost its data, so every shard's part of the window comes again from the changelog; and a
-        rebuild that died left entries at their homes whose records it had not written, which a put of the
-        same id would skip)."""
-        if self.fenced:
+        rebuild (`rebuild`, by the guard's lock holder) of a fenced index whose shards do not all hold the
+        marker drops what its shards hold first (a shard lost its data, so every shard's part of the window
+        comes again from the changelog; and a rebuild that died left entries at their homes whose records it
+        had not written, which a put of the same id would skip). A write-back never drops: another worker may
+        be rebuilding meanwhile, and what it adds to a lost index is dropped by that index's rebuild."""
+        if rebuild and self.fenced:
             markers = self._nodes.execute([(self._slots[k], ("HGET", f"{{{tag}}}:meta", MARKER))
                                            for k, tag in enumerate(self.tags)], self._scripts)
             if one_marker(markers) is None:
