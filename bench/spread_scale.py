@@ -21,6 +21,9 @@ names the layouts (`spread` on every --cluster, any other on the first only). A 
 Redis is its own one master: there every round of the slot, compact and group layouts is a watched transaction,
 and one that another worker's round got ahead of goes through the layout's checking script (what racing workers
 cost the server; `bench/redis_cpu.py --rounds checked` runs that script with nobody else writing).
+`--fenced` runs each layout also fenced, alternating with the unfenced runs: as a worker with the index
+changelog, every lookup reads the marker (on the spread layout, in every shard's meta hash) and checks it,
+the marker set before the warm-up as the guard sets it (what the fence costs).
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ sys.path.insert(0, str(ROOT))
 from bench import needs  # noqa: E402
 from filters.config import FilterConfig  # noqa: E402
 from filters.engine import Message, NearDupFilter  # noqa: E402
-from filters.index.backends import open_index  # noqa: E402
+from filters.index.backends import marker_keys, open_index  # noqa: E402
+from filters.index.redis import MARKER  # noqa: E402
 
 BATCH = 512
 
@@ -75,11 +79,19 @@ def first_messages(stream: str | Path, n: int) -> list[tuple[str, str, float]]:
     return [(str(r["id"]), r["text"], float(r["ts"])) for r in rows]
 
 
-def engine_at(url: str, namespace: str) -> NearDupFilter:
-    """The default filter on the index at `url` (close `engine.index` after)."""
+def engine_at(url: str, namespace: str, fenced: bool = False) -> NearDupFilter:
+    """The default filter on the index at `url` (close `engine.index` after); `fenced`: as a worker with the
+    changelog (the marker must be set: `set_marker`)."""
     config = FilterConfig()
     return NearDupFilter(config, index=open_index(url, window=config.window, bucket_cap=config.bucket_cap,
-                                                  namespace=namespace))
+                                                  namespace=namespace, fenced=fenced))
+
+
+def set_marker(node: str, url: str, namespace: str) -> None:
+    """What the changelog's guard does once the index holds its window: the marker in every meta hash."""
+    with (redis.RedisCluster.from_url(node) if clustered(node) else redis.Redis.from_url(node)) as client:
+        for meta in marker_keys(url, namespace):
+            client.hset(meta, MARKER, "bench")
 
 
 def decide(engine: NearDupFilter, messages: list[Message], start: int, stop: int) -> None:
@@ -88,9 +100,9 @@ def decide(engine: NearDupFilter, messages: list[Message], start: int, stop: int
         engine.check_batch(messages[at : min(at + BATCH, stop)])
 
 
-def _work(url: str, messages: list[tuple[str, str, float]], w: int, workers: int, warm: int,
+def _work(url: str, messages: list[tuple[str, str, float]], w: int, workers: int, warm: int, fenced: bool,
           ready: Any, go: Any, done: Any) -> None:
-    engine = engine_at(url, "scale")
+    engine = engine_at(url, "scale", fenced)
     index = engine.index
     batch = [Message(*m) for m in messages]
     if w == 0:
@@ -123,12 +135,15 @@ def _wait(barrier: Any, procs: list[Any]) -> None:
     barrier.wait()
 
 
-def run(node: str, url: str, messages: list[tuple[str, str, float]], workers: int, warm: int) -> dict[str, Any]:
+def run(node: str, url: str, messages: list[tuple[str, str, float]], workers: int, warm: int,
+        fenced: bool = False) -> dict[str, Any]:
     servers = masters(node)
+    if fenced:
+        set_marker(node, url, "scale")
     memory0 = [s.info("memory")["used_memory"] for s in servers]
     ctx = mp.get_context("fork")
     ready, go, done = ctx.Barrier(workers + 1), ctx.Barrier(workers + 1), ctx.Queue()
-    procs = [ctx.Process(target=_work, args=(url, messages, w, workers, warm, ready, go, done)) for w in range(workers)]
+    procs = [ctx.Process(target=_work, args=(url, messages, w, workers, warm, fenced, ready, go, done)) for w in range(workers)]
     for p in procs:
         p.start()
     _wait(ready, procs)
@@ -201,6 +216,8 @@ def main() -> int:
     p.add_argument("--slot", action="store_true", help="also the slot layout, on the first cluster")
     p.add_argument("--layouts", default="spread", help="comma-separated: spread (on every --cluster), slot, "
                    "compact, group (on the first; default: spread)")
+    p.add_argument("--fenced", action="store_true", help="each layout also fenced (as with the index changelog), "
+                   "alternating")
     args = p.parse_args()
     layouts = [name for name in args.layouts.split(",") if name]
     if args.slot and "slot" not in layouts:
@@ -214,16 +231,18 @@ def main() -> int:
     messages = first_messages(args.stream, args.warm + args.messages)
     setups = [(node, "spread") for node in args.cluster if "spread" in layouts] + [
         (args.cluster[0], layout) for layout in layouts if layout != "spread"]
+    fences = [False, True] if args.fenced else [False]
     kinds = {node: clustered(node) for node in args.cluster}
     results: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for _ in range(args.runs):
-        for node, layout in setups:
+        for (node, layout), fenced in ((setup, fenced) for setup in setups for fenced in fences):
             prefix = f"scale-{uuid.uuid4().hex[:8]}"
             base = node.replace("redis://", "redis+cluster://").split("/0")[0] if kinds[node] else node.split("?")[0]
             shards = f"&shards={args.shards}" if args.shards and layout == "spread" else ""
             url = f"{base}?prefix={prefix}&layout={layout}{shards}"
             try:
-                results.setdefault((node, layout), []).append(run(node, url, messages, args.workers, args.warm))
+                name = f"{layout} (fenced)" if fenced else layout
+                results.setdefault((node, name), []).append(run(node, url, messages, args.workers, args.warm, fenced))
             finally:
                 drop(node, prefix)
     print(f"{args.messages:,} messages of the development stream after {args.warm:,} of warm-up, {args.workers} "
