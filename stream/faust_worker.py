@@ -7,14 +7,21 @@ import logging
 import shutil
 import tempfile
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
+
+from aiokafka.errors import KafkaError, MessageSizeTooLargeError, RecordListTooLargeError
 
 from filters.engine import NearDupFilter
+from filters.errors import ServiceError
 from stream.config import Settings
-from stream.kafka_tools import KafkaRecord, client_options, ensure_topics
+from stream.kafka_tools import KafkaRecord, broker_errors, client_options, ensure_topics, map_kafka_error
+from stream.outputs import OUTPUT_TOO_LARGE, OutRecord, refused_output
 from stream.router import BatchObserver, WorkerCore, WorkerStats
 
 log = logging.getLogger("neardup.worker")
+
+_TOO_LARGE = (MessageSizeTooLargeError, RecordListTooLargeError)
+BATCH_WAIT = 60.0  # seconds a stop waits for the batch in progress
 
 
 class FaustWorker(WorkerCore):
@@ -65,6 +72,10 @@ class FaustWorker(WorkerCore):
             producer_acks=-1,
             producer_linger=s.linger,
             broker_commit_interval=1.0,
+            # The group's liveness as the aiokafka runtime has it: a member killed is replaced within
+            # `session_timeout` (faust's own default is 60 s).
+            broker_session_timeout=s.session_timeout,
+            broker_heartbeat_interval=max(0.1, s.session_timeout / 3),
             stream_buffer_maxsize=max(4096, 2 * s.max_batch),
             # Unacked events (a failed batch) are simply not committed; faust must not wait for them.
             stream_wait_empty=False,
@@ -73,57 +84,126 @@ class FaustWorker(WorkerCore):
         )
         source = app.topic(*s.input_topics, key_type=bytes, value_type=bytes,
                            key_serializer="raw", value_serializer="raw")
-        sinks = {t: app.topic(t, key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw")
-                 for t in s.output_topics}
 
         async def agent(stream: Any) -> None:
             # noack_take, not take_events: take_events acks a batch in a `finally`, so a batch whose
             # routing or delivery failed would be committed anyway (measured: lost records).
             async for events in stream.noack_take(s.max_batch, within=s.batch_within):
-                try:
-                    async with self._lock:  # run() takes it to stop between batches
-                        if not await self._batch(events, sinks):
+                # run() takes the lock to stop between batches, and keeps it: an agent waiting for it is
+                # cancelled by the app's stop, which is no failure (nothing of its batch was acked).
+                async with self._lock:
+                    try:
+                        if not await self._batch(events):
                             return
-                except BaseException as exc:
-                    # Nothing of this batch is acked; stop the worker rather than let faust restart
-                    # the agent past a gap that would be committed only after a restart anyway.
-                    self._failure = self._failure or exc
-                    self.stop()
-                    raise
+                    except asyncio.CancelledError:
+                        if self.stop_event.is_set():
+                            return  # the stop gave up waiting for this batch (`BATCH_WAIT`): nothing acked
+                        raise
+                    except BaseException as exc:
+                        # Nothing of this batch is acked; stop the worker rather than let faust restart
+                        # the agent past a gap that would be committed only after a restart anyway.
+                        self._failure = self._failure or exc
+                        self.stop()
+                        raise
                 for event in events:
                     await stream.ack(event)
 
         app.agent(source, name="neardup.route")(agent)
         return app
 
-    async def _batch(self, events: Sequence[Any], sinks: dict[str, Any]) -> bool:
+    async def _batch(self, events: Sequence[Any]) -> bool:
         """Route, produce and await the deliveries of one batch; False when stopping instead."""
         records = [_faust_record(e.message) for e in events]
         outs = await self.router.route(records, stopping=self.stop_event.is_set)
         if outs is None:
             return False  # stopping during an index outage: nothing produced, nothing acked
-        futures = [await sinks[o.topic].send(key=o.key, value=o.value, headers=list(o.headers)) for o in outs]
-        await asyncio.gather(*futures)
+        outs = await self._deliver(records, list(outs))
         await self.acknowledged(records, outs)
         return True
+
+    async def _deliver(self, records: Sequence[KafkaRecord], outs: list[OutRecord]) -> list[OutRecord]:
+        """Produces the batch's outputs and waits for them; returns them as delivered. As the aiokafka runtime
+        (`stream.delivery`): an output refused as too large is sent again alone, and if refused alone,
+        dead-lettered without its value (reason `output_too_large`); one the dead-letter topic refuses stops
+        the worker. Other errors stop it (nothing of the batch acked). Through the app's producer (a topic's
+        `send` would leave a future of its own with the error, unretrieved, to be logged with a traceback)."""
+        from faust.exceptions import ProducerSendError  # faust is imported by this runtime only
+
+        producer = self.app.producer
+
+        async def send(o: OutRecord) -> asyncio.Future[Any]:
+            # A keyless record dead-lettered without its value: aiokafka's `send` refuses a record with neither
+            # (the aiokafka runtime sends it in a record batch of its own), so it carries an empty value here.
+            value = b"" if o.key is None and o.value is None else o.value
+            try:
+                return cast("asyncio.Future[Any]", await producer.send(o.topic, o.key, value, None, None,
+                                                                      list(o.headers)))
+            except ProducerSendError as exc:  # refused at once (larger than a request may be): as if sent
+                failed = asyncio.get_running_loop().create_future()
+                failed.set_exception(exc.__cause__ if isinstance(exc.__cause__, KafkaError) else exc)
+                return failed
+
+        results = await asyncio.gather(*[await send(o) for o in outs], return_exceptions=True)
+        for i, result in enumerate(results):
+            if not isinstance(result, BaseException):
+                continue
+            if not isinstance(result, _TOO_LARGE):
+                raise result
+            try:
+                await (await send(outs[i]))  # alone: its record batch was refused, maybe for the others
+                continue
+            except _TOO_LARGE as again:
+                outs[i] = refused_output(records[i], outs[i], again, self.settings)
+            log.warning("output of %s refused as too large: dead-lettered without its value (%s)",
+                        records[i].coordinates, OUTPUT_TOO_LARGE)
+            try:
+                await (await send(outs[i]))
+            except _TOO_LARGE as exc:
+                raise ServiceError(f"the dead-letter topic {outs[i].topic!r} refused the record for "
+                                   f"{records[i].coordinates} as too large: stopping, nothing of the batch "
+                                   f"acked") from exc
+        return outs
 
     async def run(self) -> WorkerStats:
         s = self.settings
         if s.align:
             log.info("faust runtime: records are decided in the order fetched (event-time alignment needs the "
                      "aiokafka runtime)")
-        if s.create_topics:
-            await ensure_topics(s, [*s.input_topics, *s.output_topics])
-        await self.app.start()
+        unfinished = ""
         try:
-            await self.stop_event.wait()
-            await asyncio.wait_for(self._lock.acquire(), timeout=60)  # let the batch in progress finish
+            if s.create_topics:
+                await ensure_topics(s, [*s.input_topics, *s.output_topics])
+            # The app starts once the group assigned its partitions: a stop meanwhile is not kept waiting.
+            starting = asyncio.ensure_future(self.app.start())
+            stopped = asyncio.ensure_future(self.stop_event.wait())
+            try:
+                with broker_errors(s):
+                    await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+                    if starting.done():
+                        starting.result()
+                        await stopped
+            finally:
+                for task in (starting, stopped):
+                    task.cancel()
+            try:
+                await asyncio.wait_for(self._lock.acquire(), timeout=BATCH_WAIT)  # the batch in progress finishes
+            except TimeoutError:
+                unfinished = (f"the batch in progress did not finish within {BATCH_WAIT:.0f}s (the broker or the "
+                              "index unreachable?)")
         finally:
+            # Waits for the broker if it is unreachable (faust flushes its producer), as the aiokafka runtime
+            # does: cut short, faust's tasks are left half stopped and the process never exits.
             await self.app.stop()
             if self._own_datadir:
                 shutil.rmtree(self._datadir, ignore_errors=True)
         if self._failure is not None:
-            raise self._failure
+            failure = self._failure
+            if isinstance(failure, KafkaError):
+                raise map_kafka_error(failure, s.kafka_bootstrap) from failure
+            raise failure
+        if unfinished:
+            raise ServiceError(f"{unfinished}: stopped without it; what was not acknowledged is read again after "
+                               "a restart")
         log.info("stopped: %s", self.stats.line())
         return self.stats
 

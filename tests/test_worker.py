@@ -33,9 +33,11 @@ from bench.kafka_support import (
     unique_name,
 )
 from bench.reliability import KEEP, cluster_text
-from filters.errors import ConfigError
+from filters.errors import BrokerUnavailable, ConfigError
 from stream import commands
+from stream.config import Settings
 from stream.delivery import AtLeastOnce, Delivery, ExactlyOnce, capped_batch_bytes
+from stream.faust_worker import FaustWorker
 from stream.kafka_tools import KafkaRecord, admin_client, client_options, ensure_topics
 from stream.outputs import OutRecord, raw_record
 from stream.router import Lookahead, route_records
@@ -113,6 +115,22 @@ def test_good_duplicate_and_bad_records_land_in_the_right_topics(
     assert notext.header("neardup-reason") == b"no_text"
     assert tomb.value is None and tomb.header("neardup-reason") == b"invalid_json"
     assert all(r.header("neardup-verdict") == b"rejected" for r in (utf, js, notext, tomb))
+
+
+def test_the_faust_runtime_keeps_the_group_liveness_of_the_settings(tmp_path: Path) -> None:
+    """A member killed is replaced within `session_timeout` on the faust runtime too (faust's own default is
+    60 s: the group stood still a minute after a kill -9)."""
+    worker = FaustWorker(Settings(runtime="faust", session_timeout=6.0, index="memory://", state_dir=str(tmp_path)))
+    assert (worker.app.conf.broker_session_timeout, worker.app.conf.broker_heartbeat_interval) == (6.0, 2.0)
+
+
+def test_the_faust_runtime_without_a_broker_stops_with_one_error(index_url: str) -> None:
+    """Kafka unreachable, topics not created first: the error the worker stops with is neardup's (one line
+    and an exit code), not the Kafka client's traceback; as the aiokafka runtime's."""
+    for runtime in ("aiokafka", "faust"):
+        settings = settings_for("127.0.0.1:1", index_url, runtime=runtime, create_topics=False)
+        with pytest.raises(BrokerUnavailable, match="127.0.0.1:1"):
+            asyncio.run(asyncio.wait_for(make_worker(settings).run(), 60))
 
 
 def test_replay_gets_the_same_verdict(kafka_bootstrap: str, index_url: str) -> None:
