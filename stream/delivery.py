@@ -446,8 +446,9 @@ class ExactlyOnce:
                 pending.clear()
                 return
             for tp, offset in zip(tps, shown, strict=True):
-                if offset is not None and offset >= pending[tp]:
-                    del pending[tp]
+                # (`get`: a release running beside this one, a stop meeting a rebalance, may have let it go)
+                if offset is not None and offset >= pending.get(tp, offset):
+                    pending.pop(tp, None)
             if not pending:
                 return
             if time.monotonic() >= deadline:

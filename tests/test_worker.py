@@ -36,8 +36,9 @@ from bench.reliability import KEEP, cluster_text
 from filters.errors import BrokerUnavailable, ConfigError
 from stream import commands
 from stream.config import Settings
-from stream.delivery import AtLeastOnce, Delivery, ExactlyOnce, capped_batch_bytes
+from stream.delivery import AtLeastOnce, Delivery, ExactlyOnce, Link, capped_batch_bytes
 from stream.faust_worker import FaustWorker
+from stream.kafka_health import KafkaHealth
 from stream.kafka_tools import KafkaRecord, admin_client, client_options, ensure_topics
 from stream.outputs import OutRecord, raw_record
 from stream.router import Lookahead, route_records
@@ -131,6 +132,33 @@ def test_the_faust_runtime_without_a_broker_stops_with_one_error(index_url: str)
         settings = settings_for("127.0.0.1:1", index_url, runtime=runtime, create_topics=False)
         with pytest.raises(BrokerUnavailable, match="127.0.0.1:1"):
             asyncio.run(asyncio.wait_for(make_worker(settings).run(), 60))
+
+
+def test_two_releases_at_once_let_go_of_the_same_partitions(kafka_bootstrap: str) -> None:
+    """A worker stopping (SIGTERM) while a rebalance revokes its partitions lets go of them twice at once:
+    both wait until the group shows the offsets its transactions committed, and neither fails when the other
+    let a partition go first (it was a KeyError: the worker died with a traceback instead of leaving)."""
+    settings = settings_for(kafka_bootstrap, "memory://", processing_guarantee="exactly_once")
+    topic = settings.input_topics[0]
+    tps = [TopicPartition(topic, p) for p in range(2)]
+
+    async def scenario() -> dict[TopicPartition, int]:
+        await ensure_topics(settings, [topic], partitions=2)
+        consumer = AIOKafkaConsumer(group_id=settings.group_id, enable_auto_commit=False, **client_options(settings))
+        await consumer.start()
+        try:
+            consumer.assign(tps)
+            await consumer.commit({tp: 3 for tp in tps})
+            delivery = ExactlyOnce(settings, Link(
+                consumer=consumer, producer=None, kafka=KafkaHealth(), stopping=lambda: False,
+                acknowledged=lambda records, outs: asyncio.sleep(0), assignments=lambda: 0, reread=lambda r: None))
+            delivery.unconfirmed.update({tp: 3 for tp in tps})
+            await asyncio.gather(delivery.release(), delivery.release())
+            return delivery.unconfirmed
+        finally:
+            await consumer.stop()
+
+    assert asyncio.run(scenario()) == {}
 
 
 def test_replay_gets_the_same_verdict(kafka_bootstrap: str, index_url: str) -> None:
