@@ -1914,3 +1914,28 @@ def test_a_socket_failing_while_replies_are_read_is_a_redis_connection_error(red
     finally:
         conn.disconnect()
         client.close()
+
+
+def test_a_connection_reset_mid_command_is_an_outage_and_a_bug_of_ours_is_not(redis_url: str) -> None:
+    """redis-py's asyncio connection reset while a command is written leaves its writer None and raises an
+    AttributeError inside redis-py (not a ConnectionError): at the boundary it is an outage the worker waits
+    out (`IndexUnavailable`), not a crash. An AttributeError of neardup's own code stays what it is."""
+    import redis.asyncio as aioredis
+
+    from filters.index.redis import redis_errors
+
+    async def go() -> None:
+        client = aioredis.Redis.from_url(redis_url)
+        conn = await client.connection_pool.get_connection()
+        try:
+            await conn.connect()
+            conn._writer = None  # what a reset of the peer, seen by another task, leaves while a command is sent
+            with pytest.raises(IndexUnavailable, match="reset mid-command"), redis_errors("here"):
+                await conn._send_packed_command(conn.pack_command("PING"))
+            with pytest.raises(AttributeError), redis_errors("here"):
+                cast(Any, None).writelines()
+        finally:
+            await conn.disconnect()
+            await client.aclose()
+
+    asyncio.run(go())

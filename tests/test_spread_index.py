@@ -887,6 +887,59 @@ def test_a_changelogged_spread_index_decides_nothing_while_a_shard_lacks_its_mar
         (drop_namespace if where == "redis" else drop_cluster_namespace)(base, f"{prefix}:ns")
 
 
+@pytest.mark.parametrize("step", ["_homes", "_round"])
+def test_a_changelogged_spread_index_decides_nothing_on_what_a_loss_after_its_lookup_took(
+        redis_url: str, prefix: str, step: str) -> None:
+    """The lookup checks every shard's marker in its first read; the masters lose their data after it, before
+    the read of the candidates' homes (`_homes`) or a round of the claims (`_round`). Those read the markers
+    of their shards in the same pipeline: `IndexLost`, not candidates read as gone and the batch decided
+    unique against the lost index. Without the loss, every near-duplicate is found."""
+    url = spread_url(redis_url, prefix)
+    cfg = FilterConfig()
+    rng = random.Random(3)
+    syllables = ["ka", "lo", "mi", "ne", "ru", "ta", "vo", "si", "pe", "du", "ar", "en", "il", "om"]
+    texts = [" ".join("".join(rng.choice(syllables) for _ in range(3)) for _ in range(12)) for _ in range(20)]
+
+    async def read(write: Callable[[Stored], Awaitable[int]]) -> int:
+        return 0
+
+    async def decide(lose: bool) -> list[Verdict]:
+        namespace = uuid.uuid4().hex[:8]
+        guard = IndexGuard(url, namespace=namespace, window=cfg.window, member="t")
+        first, later = (SpreadIndex(url, window=cfg.window, bucket_cap=cfg.bucket_cap, namespace=namespace,
+                                    fenced=True) for _ in "ab")
+        try:
+            await guard.ensure(read, first.restore)
+            NearDupFilter(cfg, index=first).check_batch([Message(f"a{i}", t, 1000.0 + i) for i, t in enumerate(texts)])
+            nd = NearDupFilter(cfg, index=later)
+            nd.check_batch([Message("warm", "nothing like the others at all", 1500.0)])  # its marker taken
+            if lose:
+                went = getattr(later, step)
+
+                def after_a_loss(*args: Any) -> Any:
+                    for shard in range(later.shards):
+                        _drop_shard(redis_url, later, shard)
+                    setattr(later, step, went)
+                    return went(*args)
+
+                setattr(later, step, after_a_loss)
+            batch = [Message(f"b{i}", t + " !!", 2000.0 + i) for i, t in enumerate(texts)]
+            if step == "_round":  # new texts: no candidates, a claim round for each
+                other = random.Random(4)
+                batch = [Message(f"c{i}", " ".join("".join(other.choice(syllables[::-1]) for _ in range(4))
+                                                   for _ in range(12)), 2000.0 + i) for i in range(20)]
+            return nd.check_batch(batch)
+        finally:
+            first.close()
+            later.close()
+            await guard.close()
+
+    found = asyncio.run(decide(False))
+    assert all(v.duplicate for v in found) if step == "_homes" else not any(v.duplicate for v in found)
+    with pytest.raises(IndexLost):
+        asyncio.run(decide(True))
+
+
 def test_a_changelogged_spread_index_keeps_its_marker_in_every_shard_while_it_is_used(redis_url: str,
                                                                                         prefix: str) -> None:
     """A shard's meta hash (its marker) is written by the ids whose home it is: with a stream too quiet for every

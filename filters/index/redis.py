@@ -106,6 +106,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from importlib import resources
 from itertools import chain, islice, pairwise
+from pathlib import Path
 from typing import Any, cast
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -405,6 +406,18 @@ def map_redis_error(exc: BaseException, where: str) -> NeardupError:
     return ServiceError(detail)
 
 
+_REDIS_PY = str(Path(redis.__file__).parent)  # redis-py's own source files
+
+
+def _reset_mid_command(exc: BaseException) -> bool:
+    """An AttributeError or TypeError raised inside redis-py itself: its asyncio connection reset while a
+    command was being written leaves a writer of None (redis/redis-py#3546, #4287), not a ConnectionError."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code.co_filename.startswith(_REDIS_PY)
+
+
 @contextmanager
 def redis_errors(where: str) -> Iterator[None]:
     """Maps redis-py's errors inside the block to the exception tree (`map_redis_error`), at the boundary."""
@@ -412,6 +425,11 @@ def redis_errors(where: str) -> Iterator[None]:
         yield
     except (RedisError, RedisClusterException) as exc:
         raise map_redis_error(exc, where) from exc
+    except (AttributeError, TypeError) as exc:
+        if not _reset_mid_command(exc):
+            raise  # neardup's own: a bug, not an outage
+        raise IndexUnavailable(f"Redis index at {where}: the connection was reset mid-command "
+                               f"({type(exc).__name__} in redis-py: {exc})") from exc
 
 
 @dataclass(slots=True)

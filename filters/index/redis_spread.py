@@ -27,7 +27,8 @@ Fence. With the index changelog (`fenced`, as the slot layout's "Fence"), every 
 marker its guard set once the index held the changelog's window (`shard_meta_keys`; stream/changelog.py). A
 lookup reads every shard's meta hash anyway: one without the marker lost its data (its master restarted empty
 or failed over to a replica that had not synced it) and the lookup raises `IndexLost`, so no batch is decided
-against a lost shard; a marker changed everywhere tells a rebuild by another worker. A rebuild (a restore
+against a lost shard; a marker changed everywhere tells a rebuild by another worker. The reads that follow (the
+candidates' homes, the claims' rounds) read the markers of their shards in the same pipeline (`_fenced`). A rebuild (a restore
 while some shard lacks the marker) drops the namespace's keys on every master first and writes the window
 again from the changelog. A round looked up before a loss may still write after it: its writes are noticed by
 the next lookup (the shard has no marker) and dropped by the rebuild, which the round's entries reach through
@@ -486,6 +487,7 @@ class SpreadIndex:
         self._where = redact_url(url)
         self.tags = shard_tags(target.prefix, namespace, self.shards)
         self._slots = [key_slot(tag.encode()) for tag in self.tags]
+        self._shard_at = {slot: k for k, slot in enumerate(self._slots)}  # (every shard's slot is its own)
         self._ttl_ms = max(1, round((self.window + target.grace) * 1000))
         self._hwm = -math.inf  # the highest event time this instance decided (as the slot layout's)
         self._top = -math.inf  # the highest event time stored, as the shards' marks last said
@@ -832,7 +834,7 @@ class SpreadIndex:
         commands = [(self._slots[k], ("HMGET", self._slice_key(k, s), *(f for id, _ in items
                                                                          for f in (id_field(id), b"c" + id_field(id)[1:]))))
                     for (k, s), items in groups]
-        replies = self._nodes.execute(commands, self._scripts)
+        replies = self._fenced(commands)
         committed: list[Entry] = []
         for (_, items), values in zip(groups, replies):
             blobs = values[0::2]
@@ -936,9 +938,29 @@ class SpreadIndex:
     def _round(self, round_: cl.Round) -> list[Any]:
         if round_.delay:
             time.sleep(round_.delay)
-        return self._ops(round_.ops)
+        return self._ops(round_.ops, fence=True)
 
-    def _ops(self, ops: Sequence[cl.Op]) -> list[Any]:
+    def _fenced(self, commands: Sequence[tuple[int, Sequence[Any] | _Transaction]], fence: bool = True) -> list[Any]:
+        """`commands` ((slot, command)) in one round trip per node (`_Nodes.execute`). `fence` (a fenced index
+        deciding: the lookup's second read, a claim's rounds): each shard's marker is read in the same pipeline,
+        after the shard's commands, and must be the one the lookup found; else `IndexLost` before any reply is
+        used. A master restarted empty breaks its connections, so a marker read on one came after any loss its
+        replies saw; without this, the entries of a lost shard read as gone and the batch was decided unique."""
+        if not (fence and self.fenced) or not commands:
+            return self._nodes.execute(commands, self._scripts)
+        shards = sorted({self._shard_at[slot] for slot, _ in commands})
+        marks = [(self._slots[k], ("HGET", f"{{{self.tags[k]}}}:meta", MARKER)) for k in shards]
+        replies = self._nodes.execute([*commands, *marks], self._scripts)
+        found = replies[len(commands) :]
+        if not self._marker or any(m != self._marker for m in found):
+            missing = sum(m is None for m in found)
+            self._marker = b""  # the loss is told (the caller rebuilds or waits): the next marker is taken as it is
+            raise IndexLost(f"the Redis index at {self._where} holds no marker in {missing} of the {len(shards)} shards "
+                            f"a round read, or another than its lookup found: their data was lost, or the index was "
+                            "rebuilt meanwhile")
+        return replies[: len(commands)]
+
+    def _ops(self, ops: Sequence[cl.Op], fence: bool = False) -> list[Any]:
         """Runs a round's ops in one round trip per node: per shard, its home ops and the insert's memos still to
         write in one call of spread_home.lua, its claims in one transaction gated by spread_append.lua or one
         call of spread_claim.lua (`_ClaimPlan`), its reads as HMGETs. Returns the replies in the order of `ops`."""
@@ -981,7 +1003,7 @@ class SpreadIndex:
         plan = _ClaimPlan(self, [(i, cast(cl.Claim, ops[i])) for i in claims], fast) if claims else None
         if plan is not None:
             commands += plan.commands
-        replies = self._nodes.execute(commands, self._scripts)
+        replies = self._fenced(commands, fence)
         out: list[Any] = [None] * len(ops)
         it = iter(replies[: len(replies) - (len(plan.commands) if plan is not None else 0)])
         for kind, at in takes:
@@ -1003,7 +1025,7 @@ class SpreadIndex:
         if plan is not None:
             results, again, answers = plan.results(replies[len(replies) - len(plan.commands) :])
             if again:  # others wrote where the records go since the lookup: compared field by field
-                for claims_of, reply in zip(answers, self._nodes.execute(again, self._scripts), strict=True):
+                for claims_of, reply in zip(answers, self._fenced(again, fence), strict=True):
                     results.update(plan.answer(claims_of, reply))
             appended = len(plan.commands) - sum(shard < 0 for shard, _ in plan.order)
             if appended:
