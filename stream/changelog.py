@@ -363,11 +363,15 @@ class IndexGuard:
         self.restored_entries += written
         with redis_errors(self.where):
             epoch = uuid.uuid4().hex[:12].encode()
-            for meta in self.metas:
-                async with self._client.pipeline(transaction=True) as pipe:
+            # In one round trip per node (the spread layout's 64 meta hashes: they were 64 transactions in turn):
+            # a node restarted empty after the rebuild wrote to it and before its marker is set would hold the
+            # marker without its data, so the time between the two is kept short. An HSET and a PEXPIRE of one
+            # key: if the second fails, the error stops the worker (and a meta hash's TTL is renewed by lookups).
+            async with self._client.pipeline(transaction=False) as pipe:
+                for meta in self.metas:
                     pipe.hset(meta, MARKER, epoch)
                     pipe.pexpire(meta, self.ttl_ms)
-                    await pipe.execute()
+                await pipe.execute()
             self.epoch = epoch
             await self._release_lock()
         done = Restored(read_n, written, time.monotonic() - t0)
