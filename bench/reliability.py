@@ -693,14 +693,16 @@ class MetricsPoller:
         return [got[name] for _, got in self.samples if name in got]
 
 
-def broker_restart(bootstrap: str, index: str, log_dir: Path, *, messages: int = 1000) -> Tally:
-    """The broker stops and starts (same data) while one worker is mid-stream; its /metrics is scraped
-    all along (kafka_up, kafka_errors_total) and its log is checked for the outage's two lines."""
+def broker_restart(bootstrap: str, index: str, log_dir: Path, *, messages: int = 1000,
+                   runtime: str = "aiokafka") -> Tally:
+    """The broker stops and starts (same data) while one worker (of `runtime`) is mid-stream; its /metrics is
+    scraped all along (kafka_up, kafka_errors_total) and its log is checked for the outage's two lines."""
     port = free_port()
     settings = scenario_settings(bootstrap, index, max_batch=10, ts_field="ts", group_instance_id="worker-1",
-                                 metrics_port=port, metrics_host="127.0.0.1")
+                                 metrics_port=port, metrics_host="127.0.0.1", runtime=runtime)
     lines = stream_lines(messages)
-    tally = Tally("Kafka broker restarted mid-stream", len(lines), "1 broker stop/start")
+    tally = Tally("Kafka broker restarted mid-stream" + (f" ({runtime} runtime)" if runtime != "aiokafka" else ""),
+                  len(lines), "1 broker stop/start")
     asyncio.run(create_topics(settings, 1))
     asyncio.run(produce_to(settings, [(0, None, v) for v in lines]))
     names = ("neardup_kafka_up", "neardup_kafka_errors_total")

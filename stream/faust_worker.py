@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import shutil
 import tempfile
 from collections.abc import Sequence
 from typing import Any, cast
 
+from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError, MessageSizeTooLargeError, RecordListTooLargeError
 
 from filters.engine import NearDupFilter
@@ -170,6 +172,12 @@ class FaustWorker(WorkerCore):
             log.info("faust runtime: records are decided in the order fetched (event-time alignment needs the "
                      "aiokafka runtime)")
         unfinished = ""
+        # The broker's outages said and counted as on the aiokafka runtime (`KafkaHealth`): one line each way,
+        # `neardup_kafka_up`, and aiokafka's reconnect loop (faust's clients are aiokafka's) kept out of the log.
+        filtered = self.kafka.attach()
+        prober = AIOKafkaAdminClient(**client_options(s))
+        self.kafka.probe = prober.list_topics  # a metadata request
+        watch: asyncio.Future[None] | None = None
         try:
             if s.create_topics:
                 await ensure_topics(s, [*s.input_topics, *s.output_topics])
@@ -181,6 +189,8 @@ class FaustWorker(WorkerCore):
                     await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
                     if starting.done():
                         starting.result()
+                        await prober.start()
+                        watch = asyncio.ensure_future(self.kafka.watch())
                         await stopped
             finally:
                 for task in (starting, stopped):
@@ -194,6 +204,12 @@ class FaustWorker(WorkerCore):
             # Waits for the broker if it is unreachable (faust flushes its producer), as the aiokafka runtime
             # does: cut short, faust's tasks are left half stopped and the process never exits.
             await self.app.stop()
+            if watch is not None:
+                watch.cancel()
+            with contextlib.suppress(Exception):
+                await prober.close()
+            for logger in filtered:
+                logger.removeFilter(self.kafka)
             if self._own_datadir:
                 shutil.rmtree(self._datadir, ignore_errors=True)
         if self._failure is not None:

@@ -240,7 +240,7 @@ class WorkerCore:
         self.nd = nd or open_filter(settings)
         self.stats = WorkerStats()
         self.router = Router(settings, self.nd, self.stats)
-        self.kafka = KafkaHealth()  # the aiokafka runtime gives it a probe and watches the broker
+        self.kafka = KafkaHealth()  # each runtime gives it a probe and watches the broker
         self.observer = observer
         self.stop_event = asyncio.Event()
 
