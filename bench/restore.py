@@ -101,7 +101,7 @@ async def restore(bootstrap: str, topic: str, partitions: int, namespace: str, u
 
     try:
         t0 = time.perf_counter()
-        read_n, written = await restore_from(read, index.restore)  # as the worker's guard does
+        read_n, written = await restore_from(read, index.restore, stamp=b"bench")  # as the worker's guard does
         seconds = time.perf_counter() - t0
     finally:
         await reader.stop()

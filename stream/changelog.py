@@ -40,11 +40,12 @@ import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from importlib import resources
 from typing import Any, Protocol, cast
 
 import numpy as np
 
-from filters.errors import IndexCorrupt
+from filters.errors import IndexCorrupt, IndexLost
 from filters.index import Batch, CandidateIndex, Entry, IndexWrapper, Stored, Verifier
 from filters.index.redis_codec import ENTRY_MIN, VERSIONS, encode_entries, entry_time, join_stored, stored_of
 from filters.records import Verdict
@@ -62,6 +63,7 @@ RECORD_BYTES = 512 * 1024  # a record's value at most (a single larger entry get
 _HEAD = struct.Struct("<B3xIII")  # format, entries, bucket keys, id bytes
 _HEAD_1 = struct.Struct("<BI")  # format 1: format, number of bucket keys
 _F64, _U64, _U32 = np.dtype("<f8"), np.dtype("<u8"), np.dtype("<u4")
+MARKER_LUA = resources.files("stream").joinpath("lua/marker.lua").read_text(encoding="utf-8")
 RESTORE_CHUNK = 65536  # entries handed to `CandidateIndex.restore` at once
 LOCK_TTL = 15.0  # seconds a restorer's lock lives unless it is refreshed (a dead restorer's lock expires)
 PROGRESS_EVERY = 500_000  # entries read between two progress lines of a restore
@@ -193,7 +195,7 @@ ChangelogReader = Callable[[Write], Awaitable[int]]
 class Restore(Protocol):
     """Writes entries into the index: `CandidateIndex.restore`."""
 
-    def __call__(self, parts: Iterable[Stored], *, rebuild: bool = False) -> int: ...
+    def __call__(self, parts: Iterable[Stored], *, rebuild: bytes = b"") -> int: ...
 
 
 class _Feed:
@@ -224,13 +226,13 @@ class _Feed:
 
 
 async def restore_from(read: ChangelogReader, restore: Restore, progress: Callable[[int], None] = lambda n: None,
-                       ) -> tuple[int, int]:
+                       *, stamp: bytes) -> tuple[int, int]:
     """Reads the changelog (`read`) into `restore`, which runs in a thread meanwhile, chunk after chunk as they
     come (the index's restore sees the whole changelog in one call: it may keep what recurs until the end).
-    A rebuild (`rebuild=True`): the caller holds the group's restore lock, or is alone. `progress` is told
-    the entries read so far. Returns (entries read, entries written)."""
+    A rebuild (`rebuild=stamp`, see `CandidateIndex.restore`): the caller holds the group's restore lock, or is
+    alone. `progress` is told the entries read so far. Returns (entries read, entries written)."""
     feed = _Feed()
-    writing = asyncio.ensure_future(asyncio.to_thread(restore, feed, rebuild=True))
+    writing = asyncio.ensure_future(asyncio.to_thread(restore, feed, rebuild=stamp))
     read_n = 0
 
     async def hand(entries: Stored) -> int:
@@ -275,6 +277,7 @@ class IndexGuard:
         self.restoring = False
         self.losses = 0  # times the marker was found missing
         self.restored_entries = 0
+        self._set_marker = self._client.register_script(MARKER_LUA)
         self.restore_read = 0  # entries of the changelog the restore going on has read so far (its progress)
         self.last: Restored | None = None
         self.epoch: bytes | None = None  # the marker this worker last found (or set)
@@ -326,7 +329,7 @@ class IndexGuard:
             self.restoring = False
 
     async def _restore_or_wait(self, read: ChangelogReader, write: Restore) -> Restored | None:
-        from filters.index.redis import MARKER, redis_errors
+        from filters.index.redis import MARKER, STAMP, redis_errors
 
         lock_ms = round(LOCK_TTL * 1000)
         while True:
@@ -350,8 +353,16 @@ class IndexGuard:
                 told[0] = n
                 log.info("rebuilding the index from the changelog: %d entries read in %.1fs", n, time.monotonic() - t0)
 
+        stamp = uuid.uuid4().hex[:12].encode()
         try:
-            read_n, written = await restore_from(read, write, progress)
+            # Every meta hash stamped before the rebuild writes: the marker is set only where the stamp still is.
+            with redis_errors(self.where):
+                async with self._client.pipeline(transaction=False) as pipe:
+                    for meta in self.metas:
+                        pipe.hset(meta, STAMP, stamp)
+                        pipe.pexpire(meta, self.ttl_ms)
+                    await pipe.execute()
+            read_n, written = await restore_from(read, write, progress, stamp=stamp)
         except Exception:
             # Let the lock go at once: this worker's retry, and the others, would wait out LOCK_TTL for it.
             with contextlib.suppress(Exception):
@@ -361,19 +372,21 @@ class IndexGuard:
             refresh.cancel()
             self.restore_read = 0
         self.restored_entries += written
-        with redis_errors(self.where):
-            epoch = uuid.uuid4().hex[:12].encode()
-            # In one round trip per node (the spread layout's 64 meta hashes: they were 64 transactions in turn):
-            # a node restarted empty after the rebuild wrote to it and before its marker is set would hold the
-            # marker without its data, so the time between the two is kept short. An HSET and a PEXPIRE of one
-            # key: if the second fails, the error stops the worker (and a meta hash's TTL is renewed by lookups).
-            async with self._client.pipeline(transaction=False) as pipe:
-                for meta in self.metas:
-                    pipe.hset(meta, MARKER, epoch)
-                    pipe.pexpire(meta, self.ttl_ms)
-                await pipe.execute()
-            self.epoch = epoch
-            await self._release_lock()
+        epoch = uuid.uuid4().hex[:12].encode()
+        try:
+            with redis_errors(self.where):
+                # Only where the stamp still is (stream/lua/marker.lua); on the spread layout 64 calls at once.
+                set_ = await asyncio.gather(*(self._set_marker(keys=[meta], args=[STAMP, stamp, MARKER, epoch,
+                                                                                  self.ttl_ms])
+                                              for meta in self.metas))
+        finally:
+            with contextlib.suppress(Exception):
+                await self._release_lock()
+        if not all(set_):
+            lost = len(self.metas) - sum(map(int, set_))
+            raise IndexLost(f"the index at {self.where} lost data while it was rebuilt ({lost} of its {len(self.metas)} "
+                            "meta hashes no longer hold the rebuild's stamp): rebuilding again")
+        self.epoch = epoch
         done = Restored(read_n, written, time.monotonic() - t0)
         self.last = done
         log.info("index rebuilt from the changelog: %d entries read, %d written, in %.1fs", done.read, done.written,

@@ -5,8 +5,9 @@ its data (restarted without persistence, or FLUSHALL) mid-stream."""
 from __future__ import annotations
 
 import asyncio
+import random
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, cast
 from urllib.parse import urlsplit
@@ -65,7 +66,7 @@ def _same(got: list[tuple[Entry, tuple[int, ...]]], want: list[tuple[Entry, tupl
 
 
 
-def _writes_nothing(parts: Iterable[Stored], *, rebuild: bool = False) -> int:
+def _writes_nothing(parts: Iterable[Stored], *, rebuild: bytes = b"") -> int:
     """A `Restore` that writes nothing (the guard's own steps are what is tested)."""
     return 0
 
@@ -304,6 +305,60 @@ def test_a_restore_reads_what_is_journaled_while_it_reads(kafka_bootstrap: str) 
 
 
 # -- the fence: a changelogged index refuses to decide without its marker -------------------------------
+
+
+@pytest.mark.parametrize("layout_name", ["slot", "compact", "group", "spread"])
+def test_a_rebuild_that_loses_data_before_its_marker_is_set_is_not_marked(redis_url: str, layout_name: str) -> None:
+    """Redis restarts empty after the rebuild's last write and before the guard sets the marker: the marker
+    goes only where the rebuild's stamp still is (none here), the guard says the index lost data, and a
+    lookup refuses to decide (`IndexLost`) until the next rebuild, after which it decides as the memory
+    index does. (Without the stamp the marker was set on the empty index: every copy decided unique.)"""
+    cfg = FilterConfig()
+    rng = random.Random(5)
+    syllables = ["ka", "lo", "mi", "ne", "ru", "ta", "vo", "si", "pe", "du", "ar", "en", "il", "om", "ub", "zy"]
+    texts = [" ".join("".join(rng.choice(syllables) for _ in range(3)) for _ in range(14)) for _ in range(30)]
+    originals = [Message(f"a{i}", t, 1000.0 + i) for i, t in enumerate(texts)]
+    copies = [Message(f"b{i}", t + " !!", 2000.0 + i) for i, t in enumerate(texts)]
+    with redis_namespace(redis_url) as base:
+        url = base + ("" if layout_name == "slot" else f"&layout={layout_name}")
+        index = open_index(url, window=cfg.window, bucket_cap=cfg.bucket_cap, namespace="ns", fenced=True)
+        journal = Journal(index)
+        nd = NearDupFilter(cfg, index=journal)
+        made: list[tuple[Entry, tuple[int, ...]]] = []
+
+        async def read(write: Callable[[Stored], Awaitable[int]]) -> int:
+            if made:
+                await write(stored_of(made))
+            return len(made)
+
+        def then_lost(parts: Iterable[Stored], *, rebuild: bytes = b"") -> int:
+            written = index.restore(parts, rebuild=rebuild)
+            drop_index(url)  # its master restarted empty, before the marker
+            return written
+
+        async def go() -> None:
+            guard = IndexGuard(url, namespace="ns", window=cfg.window, member="t")
+            try:
+                assert await guard.ensure(read, index.restore) is True  # never built: built
+                nd.check_batch(originals)
+                made.extend(journal.take())
+                drop_index(url)  # lost
+                with pytest.raises(IndexLost):
+                    nd.check_batch(copies)
+                with pytest.raises(IndexLost, match="lost data while it was rebuilt"):
+                    await guard.ensure(read, then_lost)
+                assert await guard.marker() is None
+                with pytest.raises(IndexLost):
+                    nd.check_batch(copies)
+                assert await guard.ensure(read, index.restore) is True
+                assert [v.duplicate_of for v in nd.check_batch(copies)] == [f"a{i}" for i in range(len(texts))]
+            finally:
+                await guard.close()
+
+        try:
+            asyncio.run(go())
+        finally:
+            index.close()
 
 
 def _keys(url: str) -> list[bytes]:

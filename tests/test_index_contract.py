@@ -369,7 +369,7 @@ def restore_into(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
             index = RedisIndex(with_query(url, prefix=prefix), window=window, bucket_cap=bucket_cap,
                                namespace=namespace, fenced=request.param == "redis-rebuild")
         made.append(index)
-        written = index.restore([stored], rebuild=request.param.endswith("-rebuild"))
+        written = index.restore([stored], rebuild=b"t" if request.param.endswith("-rebuild") else b"")
         if request.param.endswith("-rebuild"):
             client: redis.Redis | redis.RedisCluster = redis.RedisCluster.from_url(url.replace("+cluster", "")) \
                 if "+cluster" in url else redis.Redis.from_url(url)
@@ -415,7 +415,7 @@ def test_a_restore_is_as_inserting_one_after_another(restore_into: RestoreInto,
 @pytest.mark.parametrize("layout", ["slot", "compact", "group", "spread"])
 def test_a_write_back_beside_a_rebuild_drops_nothing(redis_url: str, layout: str) -> None:
     """A worker writing back what it delivered (`restore`) into a fenced index without its marker (lost again
-    just after a rebuild) while the guard's lock holder rebuilds it (`restore(..., rebuild=True)`): only the
+    just after a rebuild) while the guard's lock holder rebuilds it (`restore(..., rebuild=b"t")`): only the
     rebuild may write unguarded or drop what a loss left; the write-back adds, guarded, and drops nothing of
     what the rebuild wrote before it. Every entry of both is found once the marker is set."""
     from filters.index.backends import marker_keys, open_index
@@ -433,7 +433,7 @@ def test_a_write_back_beside_a_rebuild_drops_nothing(redis_url: str, layout: str
         yield stored_of(made[20:])
 
     try:
-        assert rebuilder.restore(changelog(), rebuild=True) == len(made)
+        assert rebuilder.restore(changelog(), rebuild=b"t") == len(made)
         with redis.Redis.from_url(redis_url) as client:
             for meta in marker_keys(url, "ns"):
                 client.hset(meta, MARKER, "1")

@@ -315,7 +315,7 @@ def test_a_rebuild_holds_the_fields_and_writes_each_small_hash_once(redis_url: s
         rebuilt = _fenced(url)
         raw = _recording(rebuilt)
         try:
-            assert rebuilt.restore([stored_of(journal)], rebuild=True) == 40
+            assert rebuilt.restore([stored_of(journal)], rebuild=b"t") == 40
             sent = _unpacked(bytes(raw))
             names = [c[0] for c in sent]
             assert "MULTI" not in names and "WATCH" not in names and "EVALSHA" not in names
@@ -361,13 +361,13 @@ def test_a_rebuild_that_holds_more_than_it_may_writes_it_and_goes_on(redis_url: 
     queries = [Query("q", 10_000.0, (3, 101)), Query("j5", 10_000.0, (5,)), Query("x", 10_000.0, (1290,))]
     with redis_namespace(redis_url) as whole_url, redis_namespace(redis_url) as url:
         whole = CompactIndex(whole_url, window=3600.0, bucket_cap=cap, namespace="ns", fenced=True)
-        assert whole.restore([stored_of(journal)], rebuild=True) == 300
+        assert whole.restore([stored_of(journal)], rebuild=b"t") == 300
         monkeypatch.setattr(compact, "HOLD_RECORDS", 30)
         rebuilt = CompactIndex(url, window=3600.0, bucket_cap=cap, namespace="ns", fenced=True)
         raw = _recording(rebuilt)
         rebuilt._restore_watched = None  # type: ignore[assignment,method-assign] # never called
         try:
-            assert rebuilt.restore([stored_of(journal)], rebuild=True) == 300
+            assert rebuilt.restore([stored_of(journal)], rebuild=b"t") == 300
             sent = _unpacked(bytes(raw))
             names = [c[0] for c in sent]
             assert "MULTI" not in names and "WATCH" not in names and "EVALSHA" not in names
@@ -403,7 +403,7 @@ def test_a_rebuild_after_one_that_died_drops_what_it_left(redis_url: str) -> Non
             client.hset(f"{{{prefix}:ns}}:c:9", "n", "3")
         rebuilt = _fenced(url)
         try:
-            assert rebuilt.restore([stored_of(journal)], rebuild=True) == 40
+            assert rebuilt.restore([stored_of(journal)], rebuild=b"t") == 40
             with redis.Redis.from_url(redis_url) as client:
                 assert not client.exists(f"{{{prefix}:ns}}:c:9")
                 assert client.hget(f"{{{prefix}:ns}}:meta", "seq") == b"40"
@@ -452,7 +452,7 @@ def _assert_rebuilt_beside_an_intruder(rebuilt: CompactIndex, other: CompactInde
     handed on in guarded chunks, each taken."""
     intruded = _intruded(rebuilt, other)
     watched = _watched_rounds(rebuilt)
-    assert rebuilt.restore([stored_of(journal)], rebuild=True) == 40
+    assert rebuilt.restore([stored_of(journal)], rebuild=b"t") == 40
     assert intruded and watched and all(watched)
     del rebuilt._execute  # (the class's again)
 

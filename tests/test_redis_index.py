@@ -1664,8 +1664,8 @@ def test_a_rebuild_holds_what_inserting_would(race_url: str, monkeypatch: pytest
     namespace = uuid.uuid4().hex[:12]
     index = RedisIndex(race_url, window=100, bucket_cap=4, namespace=namespace, fenced=True)
     try:
-        written = index.restore([redis_codec.stored_of(made[:300])], rebuild=True)
-        written += index.restore([redis_codec.stored_of(made[300:350]), redis_codec.stored_of(made[350:])], rebuild=True)
+        written = index.restore([redis_codec.stored_of(made[:300])], rebuild=b"t")
+        written += index.restore([redis_codec.stored_of(made[300:350]), redis_codec.stored_of(made[350:])], rebuild=b"t")
         assert written == inserted
         target = redis_index.RedisTarget.parse(race_url)
         with (redis.RedisCluster.from_url(target.client_url) if target.cluster
@@ -1700,12 +1700,12 @@ def test_a_rebuild_after_one_that_died_holds_what_inserting_would(redis_url: str
     monkeypatch.setattr(RedisIndex, "_flush", dies)
     first = RedisIndex(url, window=100, bucket_cap=4, namespace=namespace, fenced=True)
     with pytest.raises(IndexUnavailable):
-        first.restore([redis_codec.stored_of(made)], rebuild=True)
+        first.restore([redis_codec.stored_of(made)], rebuild=b"t")
     first.close()
     monkeypatch.setattr(RedisIndex, "_flush", flush)
     index = RedisIndex(url, window=100, bucket_cap=4, namespace=namespace, fenced=True)
     try:
-        assert index.restore([redis_codec.stored_of(made)], rebuild=True) == inserted
+        assert index.restore([redis_codec.stored_of(made)], rebuild=b"t") == inserted
         with redis.Redis.from_url(redis_url) as client:
             client.hset(redis_index.meta_key(prefix, namespace), redis_index.MARKER, "1")
             assert not client.hexists(redis_index.meta_key(prefix, namespace), redis_index.REBUILDING)
@@ -1739,7 +1739,7 @@ def test_a_rebuild_that_finds_another_writer_hands_the_rest_to_guarded_chunks(re
 
     index._restore_accept = accept_and_meddle
     try:
-        assert index.restore([redis_codec.stored_of(made)], rebuild=True) == inserted
+        assert index.restore([redis_codec.stored_of(made)], rebuild=b"t") == inserted
         assert len(calls) < 5  # the rest (of 5 chunks) went as guarded chunks
         with redis.Redis.from_url(redis_url) as client:
             client.hset(meta, redis_index.MARKER, "1")
@@ -1810,7 +1810,7 @@ def test_a_user_made_by_the_documented_acl_rule_runs_the_index_its_restore_and_t
         index = RedisIndex(with_query(url, prefix=prefix), window=100, bucket_cap=4, namespace="restored",
                            fenced=True)
         try:
-            assert index.restore([redis_codec.stored_of(made)], rebuild=True) == 60
+            assert index.restore([redis_codec.stored_of(made)], rebuild=b"t") == 60
         finally:
             index.close()
 

@@ -186,16 +186,18 @@ class CandidateIndex(Protocol):
         already outside the window is not kept; a later one of the same id replaces it."""
         ...
 
-    def restore(self, parts: Iterable[Stored], *, rebuild: bool = False) -> int:
+    def restore(self, parts: Iterable[Stored], *, rebuild: bytes = b"") -> int:
         """Write representatives that were decided unique before (an index changelog's entries, chunk after
         chunk, in order) under their keys, with no verification: a lost index is rebuilt so. An id that is
         live already (stored, or earlier in `parts`) is kept as it is, and an entry outside the window is
         skipped; returns how many were written. Safe beside other writers (they may insert meanwhile).
 
-        `rebuild`: the caller holds the group's restore lock (`stream.changelog.IndexGuard`) and writes the
-        whole window of a fenced index found without its marker, so nobody else writes it meanwhile: a layout
-        may then write without guards, and discard what a loss or a rebuild that died left. Without it (a
-        worker writing back what it delivered) the write only adds, guarded, whatever the marker says."""
+        `rebuild` (the stamp of a rebuild, not empty): the caller holds the group's restore lock
+        (`stream.changelog.IndexGuard`) and writes the whole window of a fenced index found without its marker,
+        so nobody else writes it meanwhile: a layout may then write without guards, and discard what a loss or a
+        rebuild that died left; a meta hash it discards it stamps again (field `STAMP`, which the guard wrote
+        before and requires when it sets the marker: a meta hash without it lost its data since). Empty (a
+        worker writing back what it delivered): the write only adds, guarded, whatever the marker says."""
         ...
 
     def expire(self, now: float) -> int:
@@ -234,7 +236,7 @@ class IndexWrapper:
                memos: Sequence[Memo] = ()) -> list[list[Candidate] | None]:
         return self.inner.insert(entries, memos)
 
-    def restore(self, parts: Iterable[Stored], *, rebuild: bool = False) -> int:
+    def restore(self, parts: Iterable[Stored], *, rebuild: bytes = b"") -> int:
         return self.inner.restore(parts, rebuild=rebuild)
 
     def expire(self, now: float) -> int:

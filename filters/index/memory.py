@@ -360,7 +360,7 @@ class MemoryIndex:
             self.table.remember(verdict, ts)
         return [None] * len(entries)
 
-    def restore(self, parts: Iterable[Stored], *, rebuild: bool = False) -> int:
+    def restore(self, parts: Iterable[Stored], *, rebuild: bytes = b"") -> int:
         from filters.index.redis_codec import stored_entries  # numpy: imported when restoring, not by every process
 
         insert = self.table.insert

@@ -225,6 +225,7 @@ _MIN_TS = -float(2**52)  # event times must be above it
 _MAX_SLICE = float(2**50)  # ... and less than this many slices (windows) from 0
 _NAME = re.compile(r"[A-Za-z0-9_.:-]+")  # prefix and namespace: no glob or hash-tag characters
 MARKER = "epoch"  # the meta hash's field a fenced index requires (see Fence)
+STAMP = "rebuild"  # the meta hash's field a rebuild's stamp is in until the guard sets the marker (stream/changelog.py)
 
 
 def one_marker(found: Sequence[bytes | None]) -> bytes | None:
@@ -409,9 +410,12 @@ def map_redis_error(exc: BaseException, where: str) -> NeardupError:
 _REDIS_PY = str(Path(redis.__file__).parent)  # redis-py's own source files
 
 
-def _reset_mid_command(exc: BaseException) -> bool:
-    """An AttributeError or TypeError raised inside redis-py itself: its asyncio connection reset while a
-    command was being written leaves a writer of None (redis/redis-py#3546, #4287), not a ConnectionError."""
+def _reset_mid_command(exc: AttributeError) -> bool:
+    """An attribute of None read inside redis-py itself: its asyncio connection reset while a command was being
+    written leaves a writer (or reader) of None (redis/redis-py#3546, #4287), not a ConnectionError. (Any other
+    error of redis-py that is not its own, a bad keyword of a URL's say, is not an outage.)"""
+    if not str(exc).startswith("'NoneType' object has no attribute"):
+        return False
     tb = exc.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
@@ -425,7 +429,7 @@ def redis_errors(where: str) -> Iterator[None]:
         yield
     except (RedisError, RedisClusterException) as exc:
         raise map_redis_error(exc, where) from exc
-    except (AttributeError, TypeError) as exc:
+    except AttributeError as exc:
         if not _reset_mid_command(exc):
             raise  # neardup's own: a bug, not an outage
         raise IndexUnavailable(f"Redis index at {where}: the connection was reset mid-command "
@@ -978,7 +982,7 @@ class RedisIndex:
             if q is not None:
                 view.written.setdefault(s, {})[view.entry_places[q] + 1] = value  # its memo field (`plan_fields`)
 
-    def restore(self, parts: Iterable[Stored], *, rebuild: bool = False) -> int:
+    def restore(self, parts: Iterable[Stored], *, rebuild: bytes = b"") -> int:
         """See `CandidateIndex.restore`. The entries' stored bytes pass through; per chunk, one read of what
         their fields hold and the writes computed here (`restore_round`, as the insert script would insert
         them with nothing to compare). A rebuild (`rebuild`, by the guard's lock holder) of a fenced index

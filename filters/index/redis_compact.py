@@ -32,6 +32,7 @@ from filters.index.redis import (
     INSERT_CHUNK,
     MARKER,
     REBUILDING,
+    STAMP,
     RedisIndex,
     RedisTarget,
     _event_time,
@@ -879,7 +880,7 @@ class CompactIndex(RedisIndex):
                 for (_, keys), cands in zip(entries, ranked)]
 
     # -- restoring, stats ----------------------------------------------------------------------------
-    def restore(self, parts: Iterable[Stored], *, rebuild: bool = False) -> int:
+    def restore(self, parts: Iterable[Stored], *, rebuild: bytes = b"") -> int:
         """See `CandidateIndex.restore`. A rebuild (`rebuild`, by the guard's lock holder) of a fenced index
         without its marker, empty (or left by a rebuild that died): nobody else writes it unguarded, and
         `_rebuild_compact` holds the bucket records and writes each small hash (group) once. Otherwise (and for
@@ -901,7 +902,7 @@ class CompactIndex(RedisIndex):
         try:
             rest: Iterable[tuple[Stored, int]] = ((part, 0) for part in parts)
             if rebuild and self.fenced and marker is None and (stored_seq is None or died):
-                rest, written = self._rebuild_compact(iter(parts), died)
+                rest, written = self._rebuild_compact(iter(parts), died, rebuild)
             for part, begin in rest:
                 times = [_event_time(float(t), id, self.slice_length) for id, t in zip(part.ids, part.times)]
                 self._expected = cc.expected_counts(times, self.slice_length)
@@ -921,9 +922,11 @@ class CompactIndex(RedisIndex):
         counts once (as the memory index and the slot layout's restore count it)."""
         return [(part.ids[i], times[i], part.blobs[i], tuple(dict.fromkeys(part.keys_of(i)))) for i in range(at, stop)]
 
-    def _rebuild_compact(self, parts: Iterator[Stored], died: bool) -> tuple[Iterator[tuple[Stored, int]], int]:
+    def _rebuild_compact(self, parts: Iterator[Stored], died: bool,
+                         stamp: bytes) -> tuple[Iterator[tuple[Stored, int]], int]:
         """Restores `parts` into a fenced namespace without its marker that nobody else writes (`restore`; `died`:
-        a rebuild before this one left its `rebuilding` field: what it wrote goes first), the compact and the
+        a rebuild before this one left its `rebuilding` field: what it wrote goes first, the meta hash with it,
+        which is given the rebuild's `stamp` again), the compact and the
         group layout's alike. Per chunk of `REBUILD_CHUNK` entries, which entries the insert would take and their
         seqs are told here from the ids it took (`_rebuild_plan`'s `accept`: an id stays live as long as its
         newest entry is inside the window; nothing is read from Redis), their entries written at once (with the
@@ -944,7 +947,7 @@ class CompactIndex(RedisIndex):
             with self._errors():
                 keys = list(dict.fromkeys(self._client.scan_iter(match=f"{self._spre}*", count=1000)))
             start += [("UNLINK", *keys[a : a + REAP_KEYS]) for a in range(0, len(keys), REAP_KEYS)]
-            start.append(("DEL", meta))
+            start += [("DEL", meta), ("HSET", meta, STAMP, stamp)]
             self._stored_top = -math.inf
         start += [("HSET", meta, REBUILDING, "1", "layout", self.LAYOUT), ("HSETNX", meta, "gen", self._token),
                   ("PEXPIRE", meta, ttl), ("HMGET", meta, "seq", "hwm")]

@@ -70,6 +70,7 @@ from filters.index.redis import (
     FIELDS_PER_HMGET,
     INSERT_CHUNK,
     MARKER,
+    STAMP,
     RedisTarget,
     _event_time,
     _lua,
@@ -638,7 +639,7 @@ class SpreadIndex:
                 out.append(_Memo(self._home(verdict.id), verdict.id, ts, encode_memo(verdict, ts)))
         return out
 
-    def restore(self, parts: Iterable[Stored], *, rebuild: bool = False) -> int:
+    def restore(self, parts: Iterable[Stored], *, rebuild: bytes = b"") -> int:
         """See `CandidateIndex.restore`: entries written committed at once (home, then records), unchecked. A
         rebuild (`rebuild`, by the guard's lock holder) of a fenced index whose shards do not all hold the
         marker drops what its shards hold first (a shard lost its data, so every shard's part of the window
@@ -650,6 +651,10 @@ class SpreadIndex:
                                            for k, tag in enumerate(self.tags)], self._scripts)
             if one_marker(markers) is None:
                 self._drop()
+                # The guard's stamp went with the meta hashes: again, so that its marker finds what it set.
+                self._nodes.execute([(self._slots[k], c) for k, tag in enumerate(self.tags)
+                                     for c in (("HSET", f"{{{tag}}}:meta", STAMP, rebuild),
+                                               ("PEXPIRE", f"{{{tag}}}:meta", self._ttl_ms))], self._scripts)
         return sum(self._restore_entries(stored_entries(stored)) for stored in parts)
 
     def _drop(self) -> None:
