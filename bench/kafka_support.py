@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import shutil
 import socket
 import subprocess
@@ -141,6 +142,20 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_cluster_port() -> int:
+    """A free port whose cluster bus port (10,000 above it, as Redis Cluster takes it) is free too."""
+    rng = random.Random()
+    while True:
+        port = rng.randrange(20000, 45000)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 10000))
+            return port
+        except OSError:
+            continue
+
+
 class PrivateRedis:
     """A redis-server of the caller's own, without persistence, that it may restart (losing everything) or
     flush: a Redis that loses its data."""
@@ -185,6 +200,77 @@ class PrivateRedis:
         else:
             with redis.Redis(port=self.port) as client:
                 client.flushall()
+
+
+class PrivateCluster:
+    """A Redis Cluster of the caller's own (`masters` masters, no replicas, no persistence) whose masters it may
+    restart empty: a master that loses its data, as after a crash without persistence, and rejoins with its
+    slots (its cluster configuration kept)."""
+
+    def __init__(self, workdir: Path, masters: int = 3) -> None:
+        self.workdir = workdir
+        self.ports = [free_cluster_port() for _ in range(masters)]
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+
+    @property
+    def url(self) -> str:
+        return f"redis+cluster://127.0.0.1:{self.ports[0]}/0"
+
+    def _start(self, port: int) -> None:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise AssertionError("redis-server is not installed (.ci/run installs it)")
+        home = self.workdir / f"cluster-{port}"
+        home.mkdir(parents=True, exist_ok=True)
+        self.procs[port] = subprocess.Popen(
+            [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(home),
+             "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "5000"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                if redis.Redis(port=port, socket_timeout=1).ping():
+                    return
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.05)
+
+    def start(self) -> None:
+        for port in self.ports:
+            self._start(port)
+        cli = shutil.which("redis-cli")
+        if cli is None:
+            raise AssertionError("redis-cli is not installed (.ci/run installs it)")
+        subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports), "--cluster-replicas", "0",
+                        "--cluster-yes"], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self._wait_ok()
+
+    def _wait_ok(self) -> None:
+        deadline = time.monotonic() + 30
+        while True:
+            states = []
+            for port in self.ports:
+                with redis.Redis(port=port, socket_timeout=1) as client:
+                    states.append(b"cluster_state:ok" in client.execute_command("CLUSTER", "INFO"))
+            if all(states):
+                return
+            assert time.monotonic() < deadline, f"the cluster did not form: {states}"
+            time.sleep(0.1)
+
+    def lose(self, master: int) -> None:
+        """Master number `master` killed and started again empty (its slots kept): its data gone."""
+        port = self.ports[master]
+        proc = self.procs.pop(port)
+        proc.kill()
+        proc.wait()
+        self._start(port)
+        self._wait_ok()
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            proc.kill()
+            proc.wait()
+        self.procs.clear()
 
 
 class TcpProxy:

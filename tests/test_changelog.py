@@ -17,7 +17,7 @@ import pytest
 import redis
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from bench.kafka_support import PrivateRedis, drop_index, redis_namespace
+from bench.kafka_support import PrivateCluster, PrivateRedis, drop_index, redis_namespace
 from bench.reliability import KEEP, Serve, create_topics, produce_to, read, scenario_settings, serving, wait_assigned
 from filters.config import FilterConfig
 from filters.engine import NearDupFilter
@@ -568,6 +568,53 @@ def test_two_workers_route_a_backlog_as_the_filter_though_redis_loses_its_data(
     # the runs so far); without the changelog, every copy of what the window held before.
     assert len(diff) <= 3, diff
     assert abs(f1(routed, items) - f1(want, items)) <= 0.01
+    assert not any(r.header("neardup-method") == b"replay" for r in got)
+
+
+@pytest.mark.parametrize("lost", ["one master", "every master"])
+def test_two_workers_route_a_backlog_as_the_filter_though_a_spread_clusters_masters_lose_their_data(
+        kafka_bootstrap: str, tmp_path: Path, lost: str) -> None:
+    """As above, on the spread layout over a Redis Cluster of 3 masters of the test's own: mid-stream one master
+    (or each in turn) is killed and started again empty, with its slots. The workers notice the shard without
+    its marker (the lookup, or a later read of the batch: `IndexLost`), one rebuilds the whole namespace from
+    the changelog, and they route on: every record exactly once, and the routing equal to the filter's."""
+    items = backlog(clusters=300, copies=3)
+    want = reference(items, NearDupFilter())
+    cluster = PrivateCluster(tmp_path)
+    cluster.start()
+    try:
+        settings = scenario_settings(kafka_bootstrap, cluster.url + "?prefix=cl&layout=spread", ts_field="ts",
+                                     max_batch=20, max_skew=1800.0, processing_guarantee="exactly_once",
+                                     session_timeout=6.0, retry_initial=0.2, retry_max=1.0)
+
+        async def load() -> None:
+            await create_topics(settings, 4)
+            await produce_to(settings, [(i.partition, i.id.encode(), i.value) for i in items],
+                             enable_idempotence=True)
+
+        asyncio.run(load())
+        with serving() as started:
+            hook = "pause=0.1"  # slowed down, so that the loss lands mid-stream
+            a = Serve(settings, tmp_path, "a", hook=hook, args=["--group-instance-id", "a"])
+            b = Serve(settings, tmp_path, "b", hook=hook, args=["--group-instance-id", "b"])
+            started += [a, b]
+            wait_assigned([a, b], 4)
+            read(settings, committed=True, sources=len(items) // 3, settle=0.0, timeout=90)
+            for master in range(3) if lost == "every master" else [1]:
+                cluster.lose(master)
+            got = read(settings, committed=True, sources=len(items), settle=2.0, timeout=240)
+            for w in (a, b):
+                w.alive()
+            logs = "".join(w.log() for w in started)
+    finally:
+        cluster.stop()
+    sources = [r.header("neardup-source") for r in got]
+    assert len(sources) == len(set(sources)) == len(items)  # lost 0, doubled 0
+    routed = verdicts_of(got)
+    diff = differences(routed, want)
+    print(lost, len(diff), f1(routed, items), f1(want, items), logs.count("rebuilding it from"))
+    assert "rebuilding it from the changelog" in logs and "index rebuilt from the changelog" in logs
+    assert len(diff) <= 3, diff
     assert not any(r.header("neardup-method") == b"replay" for r in got)
 
 
