@@ -248,6 +248,10 @@ class _Nodes:
         # A share of other work (the engine's next batch) to run while replies are on their way.
         self.meanwhile: Callable[[], bool] | None = None
 
+    def node_name(self, slot: int) -> str:
+        """The name of the node that serves `slot` as the client knows it ("" on standalone Redis)."""
+        return self._node(slot)[0]
+
     def _node(self, slot: int) -> tuple[str, Any]:
         if not self.cluster:
             return "", None
@@ -947,13 +951,18 @@ class SpreadIndex:
 
     def _fenced(self, commands: Sequence[tuple[int, Sequence[Any] | _Transaction]], fence: bool = True) -> list[Any]:
         """`commands` ((slot, command)) in one round trip per node (`_Nodes.execute`). `fence` (a fenced index
-        deciding: the lookup's second read, a claim's rounds): each shard's marker is read in the same pipeline,
-        after the shard's commands, and must be the one the lookup found; else `IndexLost` before any reply is
+        deciding: the lookup's second read, a claim's rounds): the marker of a shard on each node is read in the
+        same pipeline, after the node's commands, and must be the one the lookup found; else `IndexLost` before any reply is
         used. A master restarted empty breaks its connections, so a marker read on one came after any loss its
         replies saw; without this, the entries of a lost shard read as gone and the batch was decided unique."""
         if not (fence and self.fenced) or not commands:
             return self._nodes.execute(commands, self._scripts)
-        shards = sorted({self._shard_at[slot] for slot, _ in commands})
+        # One shard's marker a node: what this guards against after the lookup (which read every shard's) is a
+        # master restarted empty or flushed, which takes every shard it serves.
+        first: dict[str, int] = {}
+        for slot, _ in commands:
+            first.setdefault(self._nodes.node_name(slot), self._shard_at[slot])
+        shards = sorted(first.values())
         marks = [(self._slots[k], ("HGET", f"{{{self.tags[k]}}}:meta", MARKER)) for k in shards]
         replies = self._nodes.execute([*commands, *marks], self._scripts)
         found = replies[len(commands) :]
