@@ -101,12 +101,14 @@ class FaustWorker(WorkerCore):
                         if self.stop_event.is_set():
                             return  # the stop gave up waiting for this batch (`BATCH_WAIT`): nothing acked
                         raise
-                    except BaseException as exc:
+                    except Exception as exc:
                         # Nothing of this batch is acked; stop the worker rather than let faust restart
-                        # the agent past a gap that would be committed only after a restart anyway.
+                        # the agent past a gap that would be committed only after a restart anyway. Returned,
+                        # not raised: faust logs an agent that raised as crashed (a traceback) and restarts it,
+                        # which would take the next batch while the worker stops. run() raises the failure.
                         self._failure = self._failure or exc
                         self.stop()
-                        raise
+                        return
                 for event in events:
                     await stream.ack(event)
 

@@ -315,6 +315,30 @@ def _small(i: int) -> bytes:
 
 
 @pytest.mark.parametrize("runtime", ["aiokafka", "faust"])
+def test_a_record_the_dead_letter_topic_refuses_too_stops_the_worker_with_one_error(
+        kafka_bootstrap: str, index_url: str, runtime: str, caplog: pytest.LogCaptureFixture) -> None:
+    """An output refused as too large, and its dead-letter record refused as well (the dead-letter topic's
+    max.message.bytes 150): the record can go nowhere, so the worker stops with one error and commits
+    nothing of its batch. On the faust runtime too, without faust logging its agent as crashed and starting
+    another, which took the next batch while the worker stopped."""
+    settings = rs.scenario_settings(kafka_bootstrap, index_url, create_topics=False, linger=0.05, max_batch=100,
+                                    runtime=runtime)
+    big = orjson.dumps({"id": "big", "text": " ".join(rs.cluster_text(900 + i, 0) for i in range(25))})
+    records: list[tuple[int | None, bytes | None, bytes | None]] = [(0, b"k", _small(0)), (0, b"big-key", big)]
+
+    async def scenario() -> int | None:
+        await create_topics_with(settings, {settings.unique_topic: 2000, settings.duplicate_topic: 2000,
+                                            settings.dead_letter_topic: 150})
+        await rs.produce_to(settings, records)
+        with pytest.raises(ServiceError, match="refused the record .* as too large"):
+            await run_until(make_worker(settings), lambda s: False, timeout=60)
+        return await _committed(settings)
+
+    assert asyncio.run(scenario()) in (None, 0)  # nothing of the batch committed
+    assert not [r for r in caplog.records if "Crashed" in r.getMessage() or "Restarting dead" in r.getMessage()]
+
+
+@pytest.mark.parametrize("runtime", ["aiokafka", "faust"])
 def test_output_refused_as_too_large_is_dead_lettered_and_the_batch_commits(kafka_bootstrap: str,
                                                                            index_url: str, runtime: str) -> None:
     """unique and duplicate topics with max.message.bytes 2000: a 5 KB record that passes the codec is
