@@ -102,6 +102,9 @@ class Link:
     acknowledged: Callable[[Sequence[KafkaRecord], Sequence[OutRecord]], Awaitable[None]]
     assignments: Callable[[], int]  # exactly-once: the worker's assignment count now
     reread: Callable[[Sequence[KafkaRecord]], None]  # exactly-once: the records of an aborted transaction
+    # exactly-once: the partitions' revocation has gone on so long that the group may have given them to
+    # another member, who reads them from the committed offsets: what is not committed yet must not be.
+    late: Callable[[], bool] = lambda: False
 
 
 class Delivery(Protocol):
@@ -404,9 +407,10 @@ class ExactlyOnce:
         s, batch, prod = self.settings, flight.batch, self.link.producer
         with broker_errors(s):
             await asyncio.gather(*flight.deliveries, *flight.log_deliveries)
-        if batch.assignment != self.link.assignments():
-            # The partitions were reassigned since the batch was fetched: their owner now (maybe this
-            # worker) re-reads it from the committed offsets, so committing it too would repeat it.
+        if batch.assignment != self.link.assignments() or self.link.late():
+            # The partitions were reassigned since the batch was fetched (or, late in a revocation, may have
+            # been): their owner now (maybe this worker) re-reads it from the committed offsets, so committing it
+            # too would repeat it.
             log.warning("partitions reassigned while a batch of %d records was in flight: its transaction is "
                         "aborted, the records are re-read by their owner", len(batch.records))
             with broker_errors(s):

@@ -84,6 +84,11 @@ UNREAD_EVERY = 5.0
 # Seconds a poll that keeps the consumer in its group during an index outage may wait: a rebalance makes it wait for
 # the new assignment, which waits for the batch being retried to let its partitions go (`_Rebalance.revoking`).
 KEEPALIVE_WAIT = 0.5
+# How long the group waits for a member to rejoin once a rebalance began (aiokafka's default is the session
+# timeout): the revocation delivers and commits what was routed first, which may wait for a batch held by the
+# index (a Redis stall, a rebuild). A member that rejoins later has lost its partitions to another, so a batch
+# it had not committed within half of it is aborted rather than committed late (`_Rebalance.late`).
+REBALANCE_TIMEOUT = 60.0
 
 
 
@@ -96,9 +101,16 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
         # Counts assignments; aiokafka fetches nothing of a new assignment before this callback runs.
         self.assignments = 0
         self.revoking = False  # from the revocation to the next assignment: a batch in an outage lets go
+        self.revoked_at = math.inf  # when the revocation going on began (monotonic)
+
+    def late(self) -> bool:
+        """A revocation going on for so long that the group may have given this member's partitions to
+        another: what it has not committed yet must not be committed any more (it is re-read by the owner)."""
+        return self.revoking and time.monotonic() - self.revoked_at > REBALANCE_TIMEOUT / 2
 
     async def on_partitions_revoked(self, revoked: Any) -> None:
         self.revoking = True
+        self.revoked_at = time.monotonic()
         await self.let_go()
 
     async def on_partitions_assigned(self, assigned: Any) -> None:
@@ -195,6 +207,7 @@ class AiokafkaWorker(WorkerCore):
             group_instance_id=s.group_instance_id or None,
             session_timeout_ms=round(s.session_timeout * 1000),
             heartbeat_interval_ms=max(100, round(s.session_timeout * 1000 / 3)),
+            rebalance_timeout_ms=round(max(REBALANCE_TIMEOUT, s.session_timeout) * 1000),
             isolation_level=self._guarantee.isolation_level,
             **client_options(s),
         )
@@ -219,6 +232,7 @@ class AiokafkaWorker(WorkerCore):
                 self.delivery = self._guarantee(s, Link(
                     consumer=consumer, producer=prod, kafka=self.kafka, stopping=self.stop_event.is_set,
                     acknowledged=self.acknowledged, assignments=lambda: self._rebalance.assignments,
+                    late=self._rebalance.late,
                     reread=self._reread))
                 await self._check_index()  # before the first batch: a lost index is rebuilt first
                 await self._loop(consumer)
@@ -514,9 +528,11 @@ class AiokafkaWorker(WorkerCore):
                 self._read_to = {(tp.topic, tp.partition): o for tp, o in zip(tps, offsets, strict=True) if o is not None}
         if self.settings.align:
             # The group's view from before the rebalance is another group's: until this worker hears the new one
-            # (the index's Redis may be down), it takes nothing.
+            # (the index's Redis may be down), it takes nothing. It is published by the loop's next take, not
+            # here: aiokafka sends no heartbeat until this callback returns, and a Redis that stalls would
+            # hold it past the session timeout (the member expelled, its commits then doubling another's).
             self.group = GroupView(None, complete=False)
-            await self._publish_marks()
+            self._marked_at = -math.inf
 
     async def _batch(self, consumer: AIOKafkaConsumer, taken: Taken, assignment: int = 0,
                      following: Sequence[KafkaRecord] = ()) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -32,16 +33,19 @@ from bench.kafka_support import (
     settings_for,
     unique_name,
 )
-from bench.reliability import KEEP, cluster_text
+from bench.reliability import KEEP, cluster_text, read
 from filters.errors import BrokerUnavailable, ConfigError
+from filters.index import Batch, CandidateIndex, IndexWrapper, Verifier
+from filters.records import Verdict
 from stream import commands
+from stream.backlog import backlog
 from stream.config import Settings
 from stream.delivery import AtLeastOnce, Delivery, ExactlyOnce, Link, capped_batch_bytes
 from stream.faust_worker import FaustWorker
 from stream.kafka_health import KafkaHealth
-from stream.kafka_tools import KafkaRecord, admin_client, client_options, ensure_topics
+from stream.kafka_tools import KafkaRecord, admin_client, client_options, ensure_topics, producer
 from stream.outputs import OutRecord, raw_record
-from stream.router import Lookahead, route_records
+from stream.router import Lookahead, open_filter, route_records
 from stream.worker import AiokafkaWorker, make_worker
 
 pytestmark = [pytest.mark.services, pytest.mark.timeout(120)]
@@ -159,6 +163,65 @@ def test_two_releases_at_once_let_go_of_the_same_partitions(kafka_bootstrap: str
             await consumer.stop()
 
     assert asyncio.run(scenario()) == {}
+
+
+class _Stalls(IndexWrapper):
+    """The index's door, whose next batch (once `armed`) takes `seconds` longer: an index that stalls (a Redis
+    paused, a rebuild waited for)."""
+
+    def __init__(self, inner: CandidateIndex, seconds: float) -> None:
+        super().__init__(inner)
+        self.seconds = seconds
+        self.armed = False
+        self.stalled = threading.Event()
+
+    def decide(self, batch: Batch, verifier: Verifier) -> list[Verdict]:
+        if self.armed:
+            self.armed = False
+            self.stalled.set()
+            time.sleep(self.seconds)
+        return self.inner.decide(batch, verifier)
+
+
+def test_a_revocation_held_up_by_the_index_longer_than_the_session_doubles_nothing(
+        kafka_bootstrap: str, redis_url: str) -> None:
+    """Exactly-once, static members, session 6 s: worker `a` routes a 4-partition backlog alone; a second
+    worker joins while `a`'s batch is held 10 s by its index, so `a`'s revocation (which first delivers and
+    commits what it routed) takes that long. The group waits for it (`REBALANCE_TIMEOUT`), so the partitions
+    go to `b` only after `a` committed: every input in the outputs exactly once. (With the group's wait at the
+    session timeout, `b` read the committed offsets first and routed `a`'s batch again.)"""
+    items = backlog(clusters=120, copies=3)
+    with redis_namespace(redis_url) as url:
+        settings = settings_for(kafka_bootstrap, url, id_field="id", ts_field="ts", max_batch=20, max_skew=1800.0,
+                                processing_guarantee="exactly_once", session_timeout=6.0, changelog=False)
+        topic = settings.input_topics[0]
+        nd_a = open_filter(settings)
+        stalls = _Stalls(nd_a.index, 10.0)
+        nd_a.index = stalls
+        a = AiokafkaWorker(replace(settings, group_instance_id="a"), nd_a)
+        b = AiokafkaWorker(replace(settings, group_instance_id="b"))
+
+        async def scenario() -> None:
+            await ensure_topics(settings, [topic, *settings.output_topics], 4)
+            async with producer(settings) as p:
+                await asyncio.gather(*[await p.send(topic, i.value, partition=i.partition) for i in items])
+            running_a = asyncio.ensure_future(a.run())
+            try:
+                while a.stats.seen < len(items) // 4:
+                    assert not running_a.done(), running_a.result()
+                    await asyncio.sleep(0.05)
+                stalls.armed = True
+                while not stalls.stalled.is_set():
+                    await asyncio.sleep(0.01)
+                await run_until(b, lambda s: a.stats.seen + s.seen >= len(items), timeout=120)
+            finally:
+                a.stop()
+                await asyncio.wait_for(running_a, 60)
+
+        asyncio.run(scenario())
+        got = read(settings, committed=True, sources=len(items), settle=2.0, timeout=60)
+    sources = [r.header("neardup-source") for r in got]
+    assert len(sources) == len(set(sources)) == len(items)  # lost 0, doubled 0
 
 
 def test_replay_gets_the_same_verdict(kafka_bootstrap: str, index_url: str) -> None:
