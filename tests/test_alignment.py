@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import shutil
 import subprocess
@@ -782,6 +783,11 @@ def test_while_the_marks_cannot_be_shared_the_last_view_holds_unless_records_pas
                 # the worker takes nothing (it would take a batch far ahead of the others: decided as soon as
                 # the index is back, before it hears of them again).
                 await worker._assigned([])
+                assert worker.group == GroupView(None, complete=False)
+                # The loop's next take publishes (not the assignment callback: aiokafka sends no heartbeat until
+                # it returns, and Redis may stall).
+                assert worker._marked_at == -math.inf
+                await worker._publish_marks()
                 assert worker.group == (GroupView(None, complete=False) if policy == "block" else GroupView(None))
             finally:
                 proxy.up()
