@@ -1,9 +1,11 @@
-"""List sources and sinks and a settable clock, so whole pipelines run in tests and notebooks with no broker."""
+"""List sources and sinks, a list changelog and a settable clock, so pipelines run in tests and notebooks with no broker."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
+
+from filters.index import Entry, Stored
 
 
 @dataclass
@@ -43,3 +45,19 @@ class ManualClock:
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
+
+
+@dataclass
+class ListChangelog:
+    """An index changelog held in a list, so that a rebuild (`IndexGuard.ensure`) runs with no broker: the
+    entries journaled (`Journal.take`, appended to `entries`) are read back in one chunk, as
+    `stream.changelog.read_changelog` hands a topic's."""
+
+    entries: list[tuple[Entry, tuple[int, ...]]] = field(default_factory=list)
+
+    async def __call__(self, write: Callable[[Stored], Awaitable[int]]) -> int:
+        from filters.index.redis_codec import stored_of  # numpy: imported by a rebuild only
+
+        if self.entries:
+            await write(stored_of(self.entries))
+        return len(self.entries)

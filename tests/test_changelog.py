@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, cast
 from urllib.parse import urlsplit
@@ -40,6 +40,7 @@ from stream.changelog import (
 )
 from stream.config import Settings
 from stream.kafka_tools import KafkaRecord, client_options, ensure_topics, producer
+from stream.testing import ListChangelog
 
 TEXTS = [
     "WIN a FREE iPhone now!!! call 555-0100 to claim your prize today",
@@ -324,12 +325,7 @@ def test_a_rebuild_that_loses_data_before_its_marker_is_set_is_not_marked(redis_
         index = open_index(url, window=cfg.window, bucket_cap=cfg.bucket_cap, namespace="ns", fenced=True)
         journal = Journal(index)
         nd = NearDupFilter(cfg, index=journal)
-        made: list[tuple[Entry, tuple[int, ...]]] = []
-
-        async def read(write: Callable[[Stored], Awaitable[int]]) -> int:
-            if made:
-                await write(stored_of(made))
-            return len(made)
+        read = ListChangelog()
 
         def then_lost(parts: Iterable[Stored], *, rebuild: bytes = b"") -> int:
             written = index.restore(parts, rebuild=rebuild)
@@ -341,7 +337,7 @@ def test_a_rebuild_that_loses_data_before_its_marker_is_set_is_not_marked(redis_
             try:
                 assert await guard.ensure(read, index.restore) is True  # never built: built
                 nd.check_batch(originals)
-                made.extend(journal.take())
+                read.entries.extend(journal.take())
                 drop_index(url)  # lost
                 with pytest.raises(IndexLost):
                     nd.check_batch(copies)

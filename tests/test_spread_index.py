@@ -30,12 +30,13 @@ from filters.errors import ConfigError, IndexLost, IndexUnavailable
 from filters.index import Candidate, Entry, Memo, Query, Stored
 from filters.index import claims as cl
 from filters.index.backends import open_index
-from filters.index.redis_codec import encode_entry, field_of, parse_records, stored_of
+from filters.index.redis_codec import encode_entry, field_of, parse_records
 from filters.index.redis_spread import _CLAIM, SLOTS, SpreadIndex, _Transaction, _View, key_slot, shard_tags
 from filters.records import Verdict
 from stream.changelog import IndexGuard, Journal
 from stream.codec import RecordFormat
 from stream.runner import RawRecord, route_batch
+from stream.testing import ListChangelog
 from tests.test_claim_model import Shard
 from tests.test_index_contract import drop_namespace, with_query
 from tests.test_redis_index import SAMPLE, PausedLookup, _spam, cluster_url, drop_cluster_namespace, race
@@ -843,12 +844,7 @@ def test_a_changelogged_spread_index_decides_nothing_while_a_shard_lacks_its_mar
     dying = _DiesBeforeItsRecords(url, window=cfg.window, bucket_cap=cfg.bucket_cap, namespace="ns", fenced=True)
     journal = Journal(index)
     nd = NearDupFilter(cfg, index=journal)
-    changelog: list[tuple[Entry, tuple[int, ...]]] = []
-
-    async def read(write: Callable[[Stored], Awaitable[int]]) -> int:
-        if changelog:
-            await write(stored_of(changelog))
-        return len(changelog)
+    read = ListChangelog()
 
     def seen(verdicts: list[Verdict]) -> list[tuple[str, bool, str | None]]:
         return [(v.id, v.duplicate, v.duplicate_of) for v in verdicts]
@@ -860,7 +856,7 @@ def test_a_changelogged_spread_index_decides_nothing_while_a_shard_lacks_its_mar
                 nd.check_batch(first)  # never built
             assert await guard.ensure(read, index.restore) is True
             assert seen(nd.check_batch(first)) == seen(want_first)
-            changelog.extend(journal.take())
+            read.entries.extend(journal.take())
             _drop_shard(base, index, index._home("a0"))  # a shard's data lost
             with pytest.raises(IndexLost, match="holds no marker in 1 of its 64 shards"):
                 nd.check_batch(later)
