@@ -156,6 +156,23 @@ def free_cluster_port() -> int:
             continue
 
 
+def redis_server(port: int, workdir: Path, *options: str) -> subprocess.Popen[bytes]:
+    """A redis-server of the caller's own on `port`, without persistence, started and answering."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise AssertionError("redis-server is not installed (.ci/run installs it)")
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(workdir), *options], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            if redis.Redis(port=port, socket_timeout=1).ping():
+                return proc
+        except redis.ConnectionError:
+            assert time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.05)
+
+
 class PrivateRedis:
     """A redis-server of the caller's own, without persistence, that it may restart (losing everything) or
     flush: a Redis that loses its data."""
@@ -170,20 +187,7 @@ class PrivateRedis:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
-        exe = shutil.which("redis-server")
-        if exe is None:
-            raise AssertionError("redis-server is not installed (.ci/run installs it)")
-        self.proc = subprocess.Popen([exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--dir", str(self.workdir)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                if redis.Redis(port=self.port, socket_timeout=1).ping():
-                    return
-            except redis.ConnectionError:
-                assert time.monotonic() < deadline, "redis-server did not start"
-                time.sleep(0.05)
+        self.proc = redis_server(self.port, self.workdir)
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -217,23 +221,10 @@ class PrivateCluster:
         return f"redis+cluster://127.0.0.1:{self.ports[0]}/0"
 
     def _start(self, port: int) -> None:
-        exe = shutil.which("redis-server")
-        if exe is None:
-            raise AssertionError("redis-server is not installed (.ci/run installs it)")
         home = self.workdir / f"cluster-{port}"
         home.mkdir(parents=True, exist_ok=True)
-        self.procs[port] = subprocess.Popen(
-            [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(home),
-             "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "5000"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                if redis.Redis(port=port, socket_timeout=1).ping():
-                    return
-            except redis.ConnectionError:
-                assert time.monotonic() < deadline, "redis-server did not start"
-                time.sleep(0.05)
+        self.procs[port] = redis_server(port, home, "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                                        "--cluster-node-timeout", "5000")
 
     def start(self) -> None:
         for port in self.ports:

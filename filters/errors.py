@@ -53,8 +53,10 @@ class IndexUnavailable(ServiceError):
 class IndexLost(IndexUnavailable):
     """A changelogged (fenced) index answered without the marker that says it holds its window: its data was
     lost (a restart without persistence, FLUSHALL, a failover to an empty replica), or it was rebuilt since the
-    batch's lookup or this instance's last batch. Nothing of the batch was written; the worker rebuilds the
-    index (or waits for it), writes back what it routed meanwhile, and decides the batch again."""
+    batch's lookup or this instance's last batch. Nothing of the batch was written (but on the spread layout,
+    whose claim rounds span masters: what a round wrote on the masters that kept their data, which a rebuild
+    drops, and which a batch decided again takes over as its own pending claims); the worker rebuilds the index
+    (or waits for it), writes back what it routed meanwhile, and decides the batch again."""
 
 
 class IndexCorrupt(ServiceError):

@@ -35,26 +35,17 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.errors import (
-    CommitFailedError,
-    IllegalStateError,
-    KafkaError,
-    MessageSizeTooLargeError,
-    RecordListTooLargeError,
-)
+from aiokafka.errors import CommitFailedError, IllegalStateError, KafkaError
 from aiokafka.partitioner import DefaultPartitioner
 
 from filters.errors import ServiceError
 from stream.config import Settings
 from stream.kafka_health import KafkaHealth
-from stream.kafka_tools import KafkaRecord, broker_errors, map_kafka_error, transient
+from stream.kafka_tools import TOO_LARGE, KafkaRecord, broker_errors, map_kafka_error, transient
 from stream.outputs import OUTPUT_TOO_LARGE, OutRecord, refused_output
 
 log = logging.getLogger("neardup.worker")
 
-# The broker refused a record batch as larger than the topic's max.message.bytes (Kafka's
-# MESSAGE_TOO_LARGE / RecordTooLarge, and RECORD_LIST_TOO_LARGE).
-_TOO_LARGE = (MessageSizeTooLargeError, RecordListTooLargeError)
 
 
 def capped_batch_bytes(batch_bytes: int, limits: Mapping[str, int]) -> tuple[int, str | None]:
@@ -246,7 +237,7 @@ class Sender:
             return self._failed(exc)
 
     def _failed(self, exc: KafkaError) -> asyncio.Future[Any]:
-        if not self.keep_failures or not (transient(exc) or isinstance(exc, _TOO_LARGE)):
+        if not self.keep_failures or not (transient(exc) or isinstance(exc, TOO_LARGE)):
             raise exc
         failed: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         failed.set_exception(exc)
@@ -340,7 +331,7 @@ class AtLeastOnce:
             for i, result in zip(list(pending), results, strict=True):
                 if not isinstance(result, BaseException):
                     continue
-                if isinstance(result, _TOO_LARGE):
+                if isinstance(result, TOO_LARGE):
                     if i not in alone:
                         alone.add(i)
                         self.resent_alone += 1
@@ -432,8 +423,8 @@ class ExactlyOnce:
         after `commit_transaction` returned; until then aiokafka's OffsetFetch (below v7: no require_stable)
         answers the offset before. The partitions' next owner starts from that answer, so letting them go
         earlier would have it route the last batch again (`bench/txn_offsets.py`: about half or more of the
-        reads right after a commit are stale, for a few ms). Bounded by half the session timeout: the
-        rebalance waits for this member only so long."""
+        reads right after a commit are stale, for a few ms). Bounded by half the session timeout: a stop, or a
+        revocation that already waited for its last batch, is not held much longer."""
         pending, consumer = self.unconfirmed, self.link.consumer
         if not pending:
             return

@@ -11,18 +11,17 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 from aiokafka.admin import AIOKafkaAdminClient
-from aiokafka.errors import KafkaError, MessageSizeTooLargeError, RecordListTooLargeError
+from aiokafka.errors import KafkaError
 
 from filters.engine import NearDupFilter
 from filters.errors import ServiceError
 from stream.config import Settings
-from stream.kafka_tools import KafkaRecord, broker_errors, client_options, ensure_topics, map_kafka_error
+from stream.kafka_tools import TOO_LARGE, KafkaRecord, broker_errors, client_options, ensure_topics, map_kafka_error
 from stream.outputs import OUTPUT_TOO_LARGE, OutRecord, refused_output
 from stream.router import BatchObserver, WorkerCore, WorkerStats
 
 log = logging.getLogger("neardup.worker")
 
-_TOO_LARGE = (MessageSizeTooLargeError, RecordListTooLargeError)
 BATCH_WAIT = 60.0  # seconds a stop waits for the batch in progress
 
 
@@ -151,18 +150,24 @@ class FaustWorker(WorkerCore):
         for i, result in enumerate(results):
             if not isinstance(result, BaseException):
                 continue
-            if not isinstance(result, _TOO_LARGE):
+            if not isinstance(result, TOO_LARGE):
                 raise result
             try:
-                await (await send(outs[i]))  # alone: its record batch was refused, maybe for the others
+                # Alone (sent and awaited before the next: a record batch of its own), as its record batch was
+                # refused whole, maybe for another record's size.
+                await (await send(outs[i]))
                 continue
-            except _TOO_LARGE as again:
+            except TOO_LARGE as again:
+                if outs[i].topic == self.settings.dead_letter_topic:
+                    raise ServiceError(f"the dead-letter topic {outs[i].topic!r} refused the record for "
+                                       f"{records[i].coordinates} as too large: stopping, nothing of the batch "
+                                       "acked") from again
                 outs[i] = refused_output(records[i], outs[i], again, self.settings)
             log.warning("output of %s refused as too large: dead-lettered without its value (%s)",
                         records[i].coordinates, OUTPUT_TOO_LARGE)
             try:
                 await (await send(outs[i]))
-            except _TOO_LARGE as exc:
+            except TOO_LARGE as exc:
                 raise ServiceError(f"the dead-letter topic {outs[i].topic!r} refused the record for "
                                    f"{records[i].coordinates} as too large: stopping, nothing of the batch "
                                    f"acked") from exc
@@ -177,10 +182,11 @@ class FaustWorker(WorkerCore):
         # The broker's outages said and counted as on the aiokafka runtime (`KafkaHealth`): one line each way,
         # `neardup_kafka_up`, and aiokafka's reconnect loop (faust's clients are aiokafka's) kept out of the log.
         filtered = self.kafka.attach()
-        prober = AIOKafkaAdminClient(**client_options(s))
-        self.kafka.probe = prober.list_topics  # a metadata request
+        prober: AIOKafkaAdminClient | None = None
         watch: asyncio.Future[None] | None = None
         try:
+            prober = AIOKafkaAdminClient(**client_options(s))
+            self.kafka.probe = prober.list_topics  # a metadata request
             if s.create_topics:
                 await ensure_topics(s, [*s.input_topics, *s.output_topics])
             # The app starts once the group assigned its partitions: a stop meanwhile is not kept waiting.
@@ -197,6 +203,8 @@ class FaustWorker(WorkerCore):
             finally:
                 for task in (starting, stopped):
                     task.cancel()
+                # (its error, if it failed once the stop had won, is not this worker's: retrieved, not logged)
+                starting.add_done_callback(lambda task: task.cancelled() or task.exception())
             try:
                 await asyncio.wait_for(self._lock.acquire(), timeout=BATCH_WAIT)  # the batch in progress finishes
             except TimeoutError:
@@ -208,14 +216,19 @@ class FaustWorker(WorkerCore):
             await self.app.stop()
             if watch is not None:
                 watch.cancel()
-            with contextlib.suppress(Exception):
-                await prober.close()
+            if prober is not None:
+                with contextlib.suppress(Exception):
+                    await prober.close()
             for logger in filtered:
                 logger.removeFilter(self.kafka)
             if self._own_datadir:
                 shutil.rmtree(self._datadir, ignore_errors=True)
         if self._failure is not None:
             failure = self._failure
+            from faust.exceptions import ProducerSendError
+
+            if isinstance(failure, ProducerSendError) and isinstance(failure.__cause__, KafkaError):
+                failure = failure.__cause__
             if isinstance(failure, KafkaError):
                 raise map_kafka_error(failure, s.kafka_bootstrap) from failure
             raise failure

@@ -26,8 +26,10 @@ from aiokafka.errors import (
     KafkaConnectionError,
     KafkaError,
     KafkaTimeoutError,
+    MessageSizeTooLargeError,
     NoBrokersAvailable,
     NodeNotReadyError,
+    RecordListTooLargeError,
     RequestTimedOutError,
     SaslAuthenticationFailed,
     TopicAlreadyExistsError,
@@ -55,6 +57,9 @@ _REFUSED = (AuthenticationFailedError, SaslAuthenticationFailed, AuthenticationM
 # The broker is not reachable now (retrying helps), as opposed to refusing what it was asked.
 KAFKA_UNAVAILABLE = (KafkaConnectionError, NoBrokersAvailable, NodeNotReadyError, KafkaTimeoutError,
                      RequestTimedOutError)
+# The broker refused a record batch as larger than the topic's max.message.bytes (Kafka's MESSAGE_TOO_LARGE /
+# RecordTooLarge, and RECORD_LIST_TOO_LARGE).
+TOO_LARGE = (MessageSizeTooLargeError, RecordListTooLargeError)
 
 
 @dataclass(frozen=True, slots=True)

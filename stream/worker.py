@@ -91,12 +91,19 @@ KEEPALIVE_WAIT = 0.5
 REBALANCE_TIMEOUT = 60.0
 
 
+def rebalance_timeout(settings: Settings) -> float:
+    """The group's wait for a member to rejoin: `REBALANCE_TIMEOUT`, or the session timeout if longer."""
+    return max(REBALANCE_TIMEOUT, settings.session_timeout)
+
+
 
 class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
     """Before partitions are taken away, deliver and commit what was routed from them."""
 
-    def __init__(self, let_go: Callable[[], Awaitable[None]], assigned: Callable[[Any], Awaitable[None]]) -> None:
+    def __init__(self, let_go: Callable[[], Awaitable[None]], assigned: Callable[[Any], Awaitable[None]],
+                 timeout: float) -> None:
         self.let_go = let_go
+        self.timeout = timeout  # the group's wait for this member to rejoin (`rebalance_timeout`)
         self.assigned = assigned
         # Counts assignments; aiokafka fetches nothing of a new assignment before this callback runs.
         self.assignments = 0
@@ -106,7 +113,7 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
     def late(self) -> bool:
         """A revocation going on for so long that the group may have given this member's partitions to
         another: what it has not committed yet must not be committed any more (it is re-read by the owner)."""
-        return self.revoking and time.monotonic() - self.revoked_at > REBALANCE_TIMEOUT / 2
+        return self.revoking and time.monotonic() - self.revoked_at > self.timeout / 2
 
     async def on_partitions_revoked(self, revoked: Any) -> None:
         self.revoking = True
@@ -170,7 +177,7 @@ class AiokafkaWorker(WorkerCore):
         self._gaps_read_at = -math.inf  # when the log starts were last read for them (at most every UNREAD_EVERY)
         self.unread = 0  # records the broker deleted before this worker read them (a metric)
         self._member = settings.group_instance_id or uuid.uuid4().hex[:12]
-        self._rebalance = _Rebalance(self._let_go, self._assigned)
+        self._rebalance = _Rebalance(self._let_go, self._assigned, rebalance_timeout(settings))
         # The index changelog (stream/changelog.py): what each batch made unique, and the guard that rebuilds
         # a shared index that lost its data.
         self.journal: Journal | None = None
@@ -207,7 +214,7 @@ class AiokafkaWorker(WorkerCore):
             group_instance_id=s.group_instance_id or None,
             session_timeout_ms=round(s.session_timeout * 1000),
             heartbeat_interval_ms=max(100, round(s.session_timeout * 1000 / 3)),
-            rebalance_timeout_ms=round(max(REBALANCE_TIMEOUT, s.session_timeout) * 1000),
+            rebalance_timeout_ms=round(self._rebalance.timeout * 1000),
             isolation_level=self._guarantee.isolation_level,
             **client_options(s),
         )
@@ -517,8 +524,8 @@ class AiokafkaWorker(WorkerCore):
                 for p in sorted(consumer.partitions_for_topic(topic) or ())]
 
     async def _assigned(self, tps: Any) -> None:
-        """A new assignment: the aligner starts afresh and the group hears of it at once (until every
-        member has said what it owns, nobody takes anything: `GroupView.complete`)."""
+        """A new assignment: the aligner starts afresh and the group hears of it at the loop's next take (until
+        every member has said what it owns, nobody takes anything: `GroupView.complete`)."""
         self.aligner.assign(lanes_of(tps))
         self._read_to, self._gaps = {}, {}
         consumer, tps = self._consumer, sorted(tps)

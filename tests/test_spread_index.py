@@ -946,9 +946,7 @@ def test_a_changelogged_spread_index_keeps_its_marker_in_every_shard_while_it_is
     cfg = FilterConfig(window=window)
     index = SpreadIndex(url, window=window, bucket_cap=8, namespace="ns", fenced=True)
     nd = NearDupFilter(cfg, index=index)
-
-    async def read(write: Callable[[Stored], Awaitable[int]]) -> int:
-        return 0
+    read = ListChangelog()  # empty
 
     async def go() -> None:
         guard = IndexGuard(url, namespace="ns", window=window, member="t")

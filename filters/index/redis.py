@@ -986,12 +986,11 @@ class RedisIndex:
         """See `CandidateIndex.restore`. The entries' stored bytes pass through; per chunk, one read of what
         their fields hold and the writes computed here (`restore_round`, as the insert script would insert
         them with nothing to compare). A rebuild (`rebuild`, by the guard's lock holder) of a fenced index
-        without its marker: nobody else writes it (the fence keeps the workers out, the lock other restorers,
-        and a worker's write-back goes guarded whatever the marker), so chunks of
-        REBUILD_CHUNK stream without transactions, the next chunk computed while Redis writes the last
-        (`_rebuild`). Otherwise each chunk of RESTORE_CHUNK is a MULTI/EXEC guarded by WATCH
-        (`_restore_chunk`), or on Redis Cluster, and for a chunk others kept writing beside, the insert
-        script with nothing to compare."""
+        without its marker: nobody else writes it unguarded (the fence keeps the workers out, the lock other
+        restorers, and a worker's write-back goes guarded whatever the marker), so chunks of REBUILD_CHUNK
+        stream without transactions, the next chunk computed while Redis writes the last (`_rebuild`).
+        Otherwise each chunk of RESTORE_CHUNK is a MULTI/EXEC guarded by WATCH (`_restore_chunk`), or on Redis
+        Cluster, and for a chunk others kept writing beside, the insert script with nothing to compare."""
         self._forget_view()
         with self._errors():  # the high-water mark (the slices a live id may be in), and a fenced index's marker
             replies = self._execute([("HMGET", self._meta, "hwm", MARKER)])

@@ -958,11 +958,12 @@ class SpreadIndex:
         if not (fence and self.fenced) or not commands:
             return self._nodes.execute(commands, self._scripts)
         # One shard's marker a node: what this guards against after the lookup (which read every shard's) is a
-        # master restarted empty or flushed, which takes every shard it serves.
+        # master restarted empty or flushed, which takes every shard it serves. (Planned on the client's slot map:
+        # a round redirected to another node meanwhile, a resharding, is checked by the next lookup.)
         first: dict[str, int] = {}
-        for slot, _ in commands:
+        for slot in {slot for slot, _ in commands}:
             first.setdefault(self._nodes.node_name(slot), self._shard_at[slot])
-        shards = sorted(first.values())
+        shards = list(first.values())
         marks = [(self._slots[k], ("HGET", f"{{{self.tags[k]}}}:meta", MARKER)) for k in shards]
         replies = self._nodes.execute([*commands, *marks], self._scripts)
         found = replies[len(commands) :]
