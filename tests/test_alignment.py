@@ -7,7 +7,6 @@ import asyncio
 import logging
 import math
 import random
-import shutil
 import subprocess
 import time
 from collections.abc import Iterator, Sequence
@@ -18,7 +17,7 @@ import orjson
 import pytest
 import redis
 
-from bench.kafka_support import free_port, redis_namespace
+from bench.kafka_support import free_port, redis_namespace, redis_server
 from bench.reliability import (
     KEEP,
     ProxyThread,
@@ -353,28 +352,11 @@ def test_a_worker_held_back_wakes_when_another_mark_moves_not_when_it_is_refresh
     asyncio.run(scenario())
 
 
-def _redis_server(port: int, workdir: Path) -> subprocess.Popen[bytes]:
-    """A redis-server of the test's own (no persistence: a restart loses everything), once it answers."""
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.fail("redis-server is not installed (.ci/run installs it)", pytrace=False)
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(workdir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            if redis.Redis(port=port, socket_timeout=1).ping():
-                return proc
-        except redis.ConnectionError:
-            assert time.monotonic() < deadline, "redis-server did not start"
-            time.sleep(0.05)
-
-
 def test_a_user_not_granted_the_channel_shares_its_marks_and_polls_them(tmp_path: Path) -> None:
     """An ACL user without pub/sub: the script's publish is refused inside it (the marks are written all the
     same), the subscription fails, and a held worker reads the marks again after a millisecond, not 50."""
     port = free_port()
-    proc = _redis_server(port, tmp_path)
+    proc = redis_server(port, tmp_path)
     try:
         redis.Redis(port=port).acl_setuser("marks", enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all"],
                                            reset_channels=True)
@@ -408,7 +390,7 @@ def test_after_a_redis_restart_the_marks_are_pushed_again(tmp_path: Path) -> Non
     port = free_port()
 
     def start() -> subprocess.Popen[bytes]:
-        return _redis_server(port, tmp_path)
+        return redis_server(port, tmp_path)
 
     async def scenario() -> None:
         every = [("in", 0), ("in", 1)]
