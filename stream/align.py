@@ -59,6 +59,10 @@ class GroupView:
     # Whether the live workers' claims cover the input's partitions once: if not, a worker's mark is
     # missing (it has just been assigned partitions and not said so yet) or stale, and nobody may go on.
     complete: bool = True
+    # Whether this worker's own mark was gone (Redis lost its data, the marks were reset after the index lost
+    # its data, or it expired): published as 0 meanwhile, it holds the group back until the worker has checked
+    # the index and written back what it decided, then published again (`GroupMarks.publish`).
+    rejoined: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -356,7 +360,14 @@ class GroupMarks(Protocol):
     """Where a worker publishes its marks and reads the group's (`GroupView`)."""
 
     async def publish(self, low: float | None, owned: Iterable[Lane], every: Iterable[Lane]) -> GroupView:
-        """This worker's low mark and the partitions it owns (of `every`, the input's); the group's view."""
+        """This worker's low mark and the partitions it owns (of `every`, the input's); the group's view. If the
+        mark it published before is gone, it is published as 0 instead (`GroupView.rejoined`): the index may have
+        lost what this worker decided, and the group waits until it has written that back."""
+        ...
+
+    async def reset(self) -> None:
+        """Forgets every worker's mark (the index lost its data): each worker's next publish rejoins, so the group
+        goes on only once every live worker has written back what it decided (`GroupView.rejoined`)."""
         ...
 
     async def moved(self, timeout: float) -> GroupView | None:
@@ -377,6 +388,9 @@ class SoloMarks:
     async def moved(self, timeout: float) -> GroupView | None:
         await asyncio.sleep(timeout)
         return None
+
+    async def reset(self) -> None:
+        pass
 
     async def close(self) -> None:
         pass
@@ -428,6 +442,7 @@ class RedisMarks:
         self._newest: tuple[int, bytes] = (0, b"")  # the newest marks published: their call's number, the marks
         self._every: list[Lane] = []
         self._warned = False
+        self._marked = False  # a mark of this worker's is in the hash, as far as it knows (published, not left)
 
     async def publish(self, low: float | None, owned: Iterable[Lane], every: Iterable[Lane]) -> GroupView:
         from filters.index.redis import redis_errors
@@ -436,14 +451,15 @@ class RedisMarks:
         claims = " ".join(f"{topic}/{partition}" for topic, partition in sorted(owned))
         with redis_errors(self.where):
             got = await self._script(keys=[self.key, f"{self.key}:n"],
-                                     args=[self.member, _text(low), self.ttl_ms, claims])
+                                     args=[self.member, _text(low), self.ttl_ms, claims, "1" if self._marked else ""])
+        self._marked = bool(claims) or low is not None
         number = int(got[2])  # later than any marks taken from the channel before, unless ...
         if number < self._read:
             self._newest = (0, b"")  # ... the counter started again (Redis restarted with nothing saved)
         self._read = number  # (marks newer than this call, published while it was answered, are kept)
         if self._listener is None or self._listener.done():
             await self._listen()  # from now on: a move between this read and the subscription falls to the timeout
-        return GroupView(_number(got[0]), covers(got[1], self._every))
+        return GroupView(_number(got[0]), covers(got[1], self._every), rejoined=bool(int(got[3])))
 
     async def moved(self, timeout: float) -> GroupView | None:
         if self._listener is None or self._listener.done():
@@ -516,13 +532,20 @@ class RedisMarks:
         self._listener = asyncio.ensure_future(listen())
         return True
 
+    async def reset(self) -> None:
+        from filters.index.redis import redis_errors
+
+        with redis_errors(self.where):
+            await self._client.delete(self.key)
+
     async def close(self) -> None:
         from filters.errors import NeardupError
         from filters.index.redis import redis_errors
 
+        self._marked = False
         try:
             with redis_errors(self.where):
-                await self._script(keys=[self.key, f"{self.key}:n"], args=[self.member, "", self.ttl_ms, ""])  # leave
+                await self._script(keys=[self.key, f"{self.key}:n"], args=[self.member, "", self.ttl_ms, "", ""])  # leave
         except NeardupError:
             pass  # leaving is best effort: the mark expires anyway
         if self._listener is not None:

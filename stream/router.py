@@ -142,11 +142,12 @@ class Router:
         resume: Callable[[], None] = lambda: None,
         keepalive: Callable[[], Awaitable[None]] | None = None,
         stopping: Callable[[], bool] = lambda: False,
-        before_retry: Callable[[], Awaitable[None]] | None = None,
+        before_retry: Callable[[], Awaitable[bool]] | None = None,
     ) -> list[OutRecord] | None:
         """The outputs of `records`, or None when stopping before they could be routed. `following`: the
         records to be routed next, if fetched already (prepared meanwhile). `before_retry` runs before the
-        batch is routed again after the index lost its data (`IndexLost`: the index changelog's guard)."""
+        batch is routed again after the index lost its data (`IndexLost`: the index changelog's guard), and says
+        whether it is (else None is returned: its worker takes it again)."""
         if self.settings.on_index_error == "unchecked":
             return await self._route_unchecked(records, before_retry)
         while True:
@@ -155,7 +156,9 @@ class Router:
             except IndexLost:
                 if before_retry is None:
                     raise
-                await before_retry()  # rebuilt (or waited for): the batch is decided again, nothing of it written
+                # Rebuilt (or waited for): the batch is decided again, nothing of it written; or let go, taken again.
+                if not await before_retry():
+                    return None
                 continue
             except IndexUnavailable as exc:
                 self.stats.index_errors += 1
@@ -190,7 +193,7 @@ class Router:
         return self._down_since is not None
 
     async def _route_unchecked(self, records: Sequence[KafkaRecord],
-                               before_retry: Callable[[], Awaitable[None]] | None = None) -> list[OutRecord]:
+                               before_retry: Callable[[], Awaitable[bool]] | None = None) -> list[OutRecord]:
         now = time.monotonic()
         if self._down_since is None or now >= self._retry_at:
             if self._down_since is not None:

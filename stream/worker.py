@@ -166,6 +166,9 @@ class AiokafkaWorker(WorkerCore):
         self.marks: GroupMarks = SoloMarks()  # the group's marks: opened by `run` (in the index's Redis)
         self.group = GroupView()  # what the group's marks said last
         self._marked_at = -math.inf
+        # After the index lost its data: this worker's mark was gone and it has not written back what it decided
+        # yet (it publishes 0 meanwhile: `_rejoin`).
+        self._rejoining = False
         self._took_at: float | None = None  # when a record was last taken (`_stalled`)
         self._stall_told = -math.inf
         self.held_seconds = 0.0  # waited for a partition or the group (a metric)
@@ -425,6 +428,9 @@ class AiokafkaWorker(WorkerCore):
             consumer.resume(*(TopicPartition(*lane) for lane in resume))
         if refresh or time.monotonic() - self._marked_at > self.settings.session_timeout / 4:
             await self._publish_marks()
+            if self._rejoining:
+                async with self._lock:
+                    await self._rejoin()
         taken = self.aligner.take(self.settings.max_batch, self.group)
         await self._stalled(consumer, taken, lags)
         return taken
@@ -504,9 +510,11 @@ class AiokafkaWorker(WorkerCore):
         index's Redis is down, routing waits for the index (`on_index_error` block) and the last view holds: a
         worker that went on alone would take a batch far ahead of the others, decided as soon as the index is
         back, before it hears of them again. Records passed unchecked meanwhile need no order: the worker goes
-        on alone."""
+        on alone. A mark found gone (`GroupView.rejoined`) is published as 0 until `_rejoin`."""
         try:
-            self.group = await self.marks.publish(self.aligner.low_mark(), self.aligner.lanes(), self._every())
+            low = 0.0 if self._rejoining else self.aligner.low_mark()
+            self.group = await self.marks.publish(low, self.aligner.lanes(), self._every())
+            self._rejoining = self._rejoining or self.group.rejoined
         except IndexUnavailable as exc:
             log.debug("event-time marks not shared while the index is unavailable: %s", exc)
             if self.settings.on_index_error == "unchecked":
@@ -514,6 +522,20 @@ class AiokafkaWorker(WorkerCore):
             else:
                 await asyncio.sleep(_GROUP_POLL)  # held by the last view meanwhile: no busy retry of the marks
         self._marked_at = time.monotonic()
+
+    async def _rejoin(self) -> None:
+        """This worker's mark was gone (the index's Redis lost its data, or another worker reset the marks after
+        finding the index lost): what it decided may be missing from the index, rebuilt from a changelog that does
+        not hold its last batches yet. Until it has checked the index and written those back (`_check_index`), its
+        mark stays 0 and the group waits: a worker that went on meanwhile would decide copies of them as new, and
+        their originals, decided again after a crash of this one, as their duplicates. Called with `_lock` held."""
+        for _ in range(3):  # a reset met by the check itself: once more (each loss is met once)
+            if await self._check_index() is None:
+                return  # the index is out: published as 0 until a check goes through
+            self._rejoining = False
+            await self._publish_marks()
+            if not self._rejoining:
+                return
 
     def _every(self) -> list[tuple[str, int]]:
         """Every partition of the input topics (as the consumer's metadata knows them)."""
@@ -575,18 +597,27 @@ class AiokafkaWorker(WorkerCore):
             low = [m for m in (self.aligner.low_mark(), self.group.low) if m is not None]
             if low:
                 self.nd.index.expire(min(low))
+
+        async def again() -> bool:
+            # The index lost its data since the batch was taken: under alignment the group's marks were reset, and
+            # the batch is taken again against the new view (once every worker has written back: `_rejoin`).
+            return not (await self._check_index() and self.aligner.ordered)
+
         rebalance = self._rebalance
         outs = await self.router.route(records, following=following, pause=pause, resume=resume,
                                        keepalive=keepalive,
                                        stopping=lambda: self.stop_event.is_set() or rebalance.revoking,
-                                       before_retry=self._check_index if self.guard is not None else None)
+                                       before_retry=again if self.guard is not None else None)
         if outs is None:
-            # Stopping, or partitions revoked, during an index outage: nothing of this batch produced or committed.
+            # Stopping, or partitions revoked, during an index outage, or taken again after a loss of the index's
+            # data (`again`): nothing of this batch produced or committed.
             return False
         logged = self._logged(len(records), assignment)
         self.aligner.decided(taken)
         if self.aligner.ordered:
             await self._publish_marks()  # decided: the group may move past these records
+            if self._rejoining:
+                await self._rejoin()  # (`_lock` is held)
         if any(taken.late):
             outs = [late_output(o, behind) if behind else o for o, behind in zip(outs, taken.late, strict=True)]
         await self._hand_over(Outgoing(records, outs, assignment, logged))
@@ -633,15 +664,18 @@ class AiokafkaWorker(WorkerCore):
                 "min.insync.replicas": "1" if s.replication_factor < 3 else "2"})
         self.guard = IndexGuard(s.index, namespace=self.nd.config.digest(), window=s.window, member=self._member)
 
-    async def _check_index(self) -> None:
+    async def _check_index(self) -> bool | None:
         """A shared index that lost its window (its marker is gone: found before the first batch, or by a
         batch's lookup or insert, `IndexLost`) is rebuilt from the changelog before routing goes on: what was
         routed is delivered first, then one worker of the group restores and the others wait for it. Then
         each writes back the entries of the batches it delivered meanwhile: inserted before the loss, their
-        changelog records may have been committed after the restorer read their partition."""
+        changelog records may have been committed after the restorer read their partition. Under event-time
+        alignment a loss also resets the group's marks, and the batch being routed is taken again: the group
+        goes on once every live worker has written back (`_rejoin`), in event-time order again. Whether a loss
+        (or a rebuild by another worker) was met; None if the index could not be checked (unavailable)."""
         guard = self.guard
         if guard is None:
-            return
+            return False
         s = self.settings
         index = self.nd.index
 
@@ -670,9 +704,14 @@ class AiokafkaWorker(WorkerCore):
 
         losses = guard.losses
         try:
-            if await guard.ensure(read, index.restore, deliver) and delivered:
+            lost = await guard.ensure(read, index.restore, deliver)
+            if lost and delivered:
                 # Beside the others, who route again (a guarded restore): live ids are kept as they are.
                 await asyncio.to_thread(index.restore, [entries_of([(o.key or b"", o.value or b"") for o in delivered])])
+            if lost and self.aligner.ordered:
+                self._marked_at = -math.inf  # the next take publishes, and rejoins
+                await self.marks.reset()
+            return lost
         except IndexUnavailable as exc:
             # The router meets the outage itself (its policy: block, or pass unchecked); a lookup finds the
             # index without its marker again if it came back empty, and the rebuild starts over.
@@ -682,6 +721,7 @@ class AiokafkaWorker(WorkerCore):
                             exc)
             else:
                 log.debug("the index's marker could not be read: %s", exc)
+            return None
 
     def _logged(self, routed: int, assignment: int) -> list[OutRecord]:
         """The changelog's records of the entries a batch of `routed` records just made unique; those of the

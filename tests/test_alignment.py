@@ -352,6 +352,37 @@ def test_a_worker_held_back_wakes_when_another_mark_moves_not_when_it_is_refresh
     asyncio.run(scenario())
 
 
+def test_a_worker_whose_mark_is_gone_holds_the_group_until_it_publishes_again(index_url: str) -> None:
+    """The index's Redis lost its data, or a worker reset the group's marks after finding the index lost: a worker
+    whose mark is gone may have decided records the rebuilt index does not hold. Its next publish writes its mark
+    as 0 (`rejoined`), holding the group until it has written those back and published again; a worker that never
+    published, or left, comes back without that."""
+    async def scenario() -> None:
+        every = [("in", 0), ("in", 1)]
+        a = RedisMarks(index_url, namespace="ns", group="g", member="a", ttl=60)
+        b = RedisMarks(index_url, namespace="ns", group="g", member="b", ttl=60)
+        try:
+            assert await a.publish(10.0, [("in", 0)], every) == GroupView(None, complete=False)
+            assert await b.publish(15.0, [("in", 1)], every) == GroupView(10.0)
+            await b.reset()
+            assert await a.publish(20.0, [("in", 0)], every) == GroupView(None, complete=False, rejoined=True)
+            assert await b.publish(30.0, [("in", 1)], every) == GroupView(0.0, rejoined=True)  # a holds it at 0
+            assert await a.publish(20.0, [("in", 0)], every) == GroupView(0.0)  # a wrote back; b has not yet
+            assert await b.publish(30.0, [("in", 1)], every) == GroupView(20.0)
+            assert await a.publish(21.0, [("in", 0)], every) == GroupView(30.0)
+            await a.close()
+            again = RedisMarks(index_url, namespace="ns", group="g", member="a", ttl=60)
+            try:
+                assert await again.publish(22.0, [("in", 0)], every) == GroupView(30.0)  # left: no rejoin
+            finally:
+                await again.close()
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_user_not_granted_the_channel_shares_its_marks_and_polls_them(tmp_path: Path) -> None:
     """An ACL user without pub/sub: the script's publish is refused inside it (the marks are written all the
     same), the subscription fails, and a held worker reads the marks again after a millisecond, not 50."""
@@ -716,7 +747,9 @@ def test_a_worker_that_takes_nothing_though_records_wait_says_why(kafka_bootstra
     STALL_WARNING the worker logs what holds each partition."""
     monkeypatch.setattr(worker_module, "STALL_WARNING", 1.0)
     items = backlog(clusters=20, copies=2)
-    settings = scenario_settings(kafka_bootstrap, index_url, ts_field="ts", max_batch=10, session_timeout=10.0)
+    # (No changelog: a worker that builds the index at its start resets the group's marks, the member's with them.)
+    settings = scenario_settings(kafka_bootstrap, index_url, ts_field="ts", max_batch=10, session_timeout=10.0,
+                                 changelog=False)
     _produce(settings, items)
     worker = AiokafkaWorker(settings)
 

@@ -7,27 +7,39 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 from urllib.parse import urlsplit
 
 import numpy as np
+import orjson
 import pytest
 import redis
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from bench.kafka_support import PrivateCluster, PrivateRedis, drop_index, redis_namespace
-from bench.reliability import KEEP, Serve, create_topics, produce_to, read, scenario_settings, serving, wait_assigned
+from bench.reliability import (
+    KEEP,
+    Serve,
+    create_topics,
+    produce_to,
+    read,
+    read_outputs,
+    scenario_settings,
+    serving,
+    wait_assigned,
+)
 from filters.config import FilterConfig
 from filters.engine import NearDupFilter
 from filters.errors import IndexCorrupt, IndexLost
-from filters.index import Entry, Query, Stored
+from filters.index import Batch, CandidateIndex, Entry, IndexWrapper, Query, Stored, Verifier
 from filters.index.backends import open_index
 from filters.index.memory import MemoryIndex
 from filters.index.redis import MARKER, RedisIndex, meta_key
 from filters.index.redis_codec import encode_entry_v2, stored_entries, stored_of
-from filters.records import Message
+from filters.records import Message, Verdict
 from stream.backlog import Item, backlog, differences, f1, reference, verdicts_of
 from stream.changelog import (
     LOCK_TTL,
@@ -40,7 +52,10 @@ from stream.changelog import (
 )
 from stream.config import Settings
 from stream.kafka_tools import KafkaRecord, client_options, ensure_topics, producer
+from stream.outputs import OutRecord
+from stream.router import open_filter
 from stream.testing import ListChangelog
+from stream.worker import AiokafkaWorker
 
 TEXTS = [
     "WIN a FREE iPhone now!!! call 555-0100 to claim your prize today",
@@ -577,10 +592,10 @@ def test_two_workers_route_a_backlog_as_the_filter_though_redis_loses_its_data(
         assert len(diff) > 100
         return
     assert "rebuilding it from the changelog" in logs and "index rebuilt from the changelog" in logs
-    # The fence: no batch is decided against the lost index. What may still differ: a copy routed by one
-    # worker between the rebuild and the other's write-back of the entries it delivered meanwhile (none in
-    # the runs so far); without the changelog, every copy of what the window held before.
-    assert len(diff) <= 3, diff
+    # The fence: no batch is decided against the lost index; and the group goes on only once each worker has
+    # written back what it decided (its mark, found gone, published as 0 until then). Without the changelog,
+    # every copy of what the window held before differs.
+    assert diff == []
     assert not any(r.header("neardup-method") == b"replay" for r in got)
 
 
@@ -606,7 +621,7 @@ def test_two_workers_route_a_backlog_as_the_filter_though_a_spread_clusters_mast
         cluster.stop()
     diff = _routed_as_the_filter(got, logs, items)
     assert "rebuilding it from the changelog" in logs and "index rebuilt from the changelog" in logs
-    assert len(diff) <= 3, diff
+    assert diff == []
     assert not any(r.header("neardup-method") == b"replay" for r in got)
 
 
@@ -635,6 +650,93 @@ async def _changelog(settings: Settings, topic: str | None = None, namespace: st
     finally:
         await consumer.stop()
     return ids
+
+
+class _Crash(Exception):
+    pass
+
+
+class _LosesItsData(IndexWrapper):
+    """The index's door, whose Redis loses its data (FLUSHALL) right after the first batch holding message `id`
+    was decided: its entries inserted, the batch not yet handed over."""
+
+    def __init__(self, inner: CandidateIndex, server: PrivateRedis, id: str, armed: list[bool]) -> None:
+        super().__init__(inner)
+        self.server, self.id, self.armed = server, id, armed
+
+    def decide(self, batch: Batch, verifier: Verifier) -> list[Verdict]:
+        verdicts = self.inner.decide(batch, verifier)
+        if self.armed[0] and any(m.id == self.id for m in batch.messages):
+            self.armed[0] = False
+            self.server.lose("flushall")
+        return verdicts
+
+
+def test_a_worker_that_dies_after_redis_lost_its_data_lets_no_copy_overtake_what_it_decided(
+        kafka_bootstrap: str, tmp_path: Path) -> None:
+    """Exactly-once, aligned, two workers of one partition each: `x` (partition 0) and its copy `y` 50 s later
+    (partition 1), `max_skew` 1 s. Right after the worker of `x` decided it, Redis loses its data (FLUSHALL:
+    the index and the group's marks); that worker then dies before committing (its transaction stays open) and
+    comes back under its instance id 3 s later. Its mark, found gone, was published as 0 until it had written
+    `x` back into the rebuilt index, so the other worker decides `y` only after that: `y` a duplicate of `x`, as
+    the filter decides. (Before, its mark went on past `x` at once: `y` was decided unique against an index
+    rebuilt without `x`, and `x`, decided again after the restart, a duplicate of its own later copy.)"""
+    text = "Your parcel is held at the depot, confirm your address at parcel-help.example within 24 hours"
+    t = 1_700_000_000.0
+    rows = [(0, "a0", "Lunch at noon? The new place on the corner has good noodles", t + 10),
+            (0, "x", text + " ref 1182", t + 100), (0, "a2", "The committee meets on Thursday about the budget", t + 300),
+            (1, "b0", "Quarterly earnings beat expectations as revenue grew twelve percent", t + 20),
+            (1, "y", text + " ref 9907", t + 150), (1, "b2", "Rain is expected over the weekend in the north", t + 310)]
+    items = [Item(part, ts, id, 0, orjson.dumps({"id": id, "text": body, "ts": ts})) for part, id, body, ts in rows]
+    want = reference(items, NearDupFilter())
+    assert want["y"] == "duplicate" and want["x"] == "unique"
+    server = PrivateRedis(tmp_path)
+    server.start()
+    settings = scenario_settings(kafka_bootstrap, server.url + "?prefix=rj", ts_field="ts", max_batch=20, max_skew=1.0,
+                                 processing_guarantee="exactly_once", idle_timeout=30.0)
+    armed, crash_armed = [True], [True]
+
+    def crash(records: Sequence[KafkaRecord], outs: Sequence[OutRecord]) -> None:
+        if crash_armed[0] and any(b'"id":"x"' in (r.value or b"") for r in records):
+            crash_armed[0] = False
+            raise _Crash
+
+    def worker(name: str, hooked: bool) -> AiokafkaWorker:
+        nd = open_filter(replace(settings, group_instance_id=name))
+        if hooked:
+            nd.index = _LosesItsData(nd.index, server, "x", armed)
+        return AiokafkaWorker(replace(settings, group_instance_id=name), nd, observer=crash if hooked else None)
+
+    async def scenario() -> list[KafkaRecord]:
+        await create_topics(settings, 2)
+        workers = {name: worker(name, True) for name in "ab"}
+        tasks = {name: asyncio.ensure_future(w.run()) for name, w in workers.items()}
+        try:
+            deadline = time.monotonic() + 60
+            while not all(len(w.aligner.lanes()) == 1 and w.group.complete for w in workers.values()):
+                assert time.monotonic() < deadline and not any(t.done() for t in tasks.values())
+                await asyncio.sleep(0.05)
+            await produce_to(settings, [(i.partition, i.id.encode(), i.value) for i in items], enable_idempotence=True)
+            done, _ = await asyncio.wait(tasks.values(), timeout=60, return_when=asyncio.FIRST_COMPLETED)
+            dead = next(name for name, t in tasks.items() if t in done)
+            with pytest.raises(_Crash):
+                tasks[dead].result()
+            await asyncio.sleep(3.0)  # the other worker goes on meanwhile, as far as the group lets it
+            workers[dead] = worker(dead, False)
+            tasks[dead] = asyncio.ensure_future(workers[dead].run())
+            return await read_outputs(settings, committed=True, sources=len(items), settle=2.0, timeout=90)
+        finally:
+            for w in workers.values():
+                w.stop()
+            await asyncio.wait_for(asyncio.gather(*tasks.values(), return_exceptions=True), 60)
+
+    try:
+        got = asyncio.run(scenario())
+    finally:
+        server.stop()
+    sources = [r.header("neardup-source") for r in got]
+    assert len(sources) == len(set(sources)) == len(items)  # lost 0, doubled 0
+    assert differences(verdicts_of(got), want) == []
 
 
 def _indexed(index_url: str) -> list[str]:

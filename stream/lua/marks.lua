@@ -9,6 +9,11 @@
 -- then somebody's mark is missing or stale). Expired marks (a worker that died) are removed. Server
 -- time, so workers' clocks never matter.
 -- KEYS[2]: a counter of these calls (their order), returned third.
+-- ARGV[5]: '1' when the worker has a mark here it expects to find (it published one and did not leave).
+-- If that mark is gone (Redis lost its data, the group's marks were reset after the index lost its data,
+-- or the mark expired), the worker may have decided records the index no longer holds: its mark is then
+-- written as 0, holding the group back until it has checked the index and written back what it decided
+-- (and published again); returned fourth, 1 when so.
 -- When what the others see of the group changes (this worker's low mark or claims, its leaving, a mark
 -- expired), the marks as they are now go out on the channel KEYS[1] .. ':moved', headed by the call's
 -- number ("<n>\n<worker>|<low mark>|<claims>\n..."): a worker held back by the group waits for that
@@ -19,6 +24,11 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local before = redis.call('HGET', key, me)
 local moved = false
+local rejoined = 0
+if not before and ARGV[5] == '1' and claims ~= '' then
+  low = '0'
+  rejoined = 1
+end
 if low == '' and claims == '' then
   moved = redis.call('HDEL', key, me) == 1
 else
@@ -48,4 +58,4 @@ redis.call('PEXPIRE', key, 10 * ttl)
 redis.call('PEXPIRE', KEYS[2], 10 * ttl)
 -- pcall: a user not granted the channel (an ACL without it) still shares its marks; the others poll them.
 if moved then redis.pcall('PUBLISH', key .. ':moved', table.concat(marks, '\n')) end
-return {low_s, owned, n}
+return {low_s, owned, n, rejoined}
