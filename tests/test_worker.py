@@ -38,6 +38,7 @@ from filters.errors import BrokerUnavailable, ConfigError
 from filters.index import Batch, CandidateIndex, IndexWrapper, Verifier
 from filters.records import Verdict
 from stream import commands
+from stream import worker as worker_module
 from stream.backlog import backlog
 from stream.config import Settings
 from stream.delivery import AtLeastOnce, Delivery, ExactlyOnce, Link, capped_batch_bytes
@@ -183,13 +184,18 @@ class _Stalls(IndexWrapper):
         return self.inner.decide(batch, verifier)
 
 
+@pytest.mark.parametrize("group_wait", [None, 7.0])
 def test_a_revocation_held_up_by_the_index_longer_than_the_session_doubles_nothing(
-        kafka_bootstrap: str, redis_url: str) -> None:
+        kafka_bootstrap: str, redis_url: str, monkeypatch: pytest.MonkeyPatch, group_wait: float | None) -> None:
     """Exactly-once, static members, session 6 s: worker `a` routes a 4-partition backlog alone; a second
     worker joins while `a`'s batch is held 10 s by its index, so `a`'s revocation (which first delivers and
     commits what it routed) takes that long. The group waits for it (`REBALANCE_TIMEOUT`), so the partitions
     go to `b` only after `a` committed: every input in the outputs exactly once. (With the group's wait at the
-    session timeout, `b` read the committed offsets first and routed `a`'s batch again.)"""
+    session timeout, `b` read the committed offsets first and routed `a`'s batch again.) With the group's wait
+    at 7 s (`group_wait`), shorter than the stall, the group gives `a`'s partitions to `b` first: `a`, past
+    half of that wait, aborts its batch instead of committing it (`_Rebalance.late`), and `b` routes it once."""
+    if group_wait is not None:
+        monkeypatch.setattr(worker_module, "REBALANCE_TIMEOUT", group_wait)
     items = backlog(clusters=120, copies=3)
     with redis_namespace(redis_url) as url:
         settings = settings_for(kafka_bootstrap, url, id_field="id", ts_field="ts", max_batch=20, max_skew=1800.0,
