@@ -7,8 +7,8 @@ Runs the scenarios of bench/reliability.py against the real broker and Redis of
 docker/services.sh (NEARDUP_TEST_* variables): three and four `neardup serve` processes racing on
 near-duplicates (standalone Redis and Redis Cluster), the same against a check-then-insert index,
 kill -9 and restart (at-least-once and exactly-once), a worker added and one removed mid-run, a
-broker restart (`docker/services.sh restart kafka`: other users of the broker see a short outage),
-Redis unreachable for 10 s, a 200,000-message spam wave and a long stream with a 2 s window. Prints
+broker restart (`docker/services.sh restart kafka`: other users of the broker see a short outage), the
+broker hung for 10 s (`docker/services.sh freeze kafka 10`: the same), Redis unreachable for 10 s, a 200,000-message spam wave and a long stream with a 2 s window. Prints
 two Markdown tables. Each scenario uses topics and a Redis namespace of its own.
 """
 
@@ -28,7 +28,7 @@ from bench import reliability as rs
 from bench.kafka_support import redis_namespace
 
 SCENARIOS = ("concurrency", "check-then-insert", "cluster", "crash", "rebalance", "broker-restart",
-             "redis-outage", "memory")
+             "broker-freeze", "redis-outage", "memory")
 
 
 def main() -> int:
@@ -78,6 +78,7 @@ def main() -> int:
         run("crash", lambda ix, eo=exactly_once: rs.crash(bootstrap, ix, logs, exactly_once=eo))
         run("rebalance", lambda ix, eo=exactly_once: rs.rebalance(bootstrap, ix, logs, exactly_once=eo))
     run("broker-restart", lambda ix: rs.broker_restart(bootstrap, ix, logs))
+    run("broker-freeze", lambda ix: rs.broker_restart(bootstrap, ix, logs, freeze=10.0))
     if "redis-outage" not in skip:
         for _ in range(args.runs):
             tallies.append(rs.redis_outage(bootstrap, redis_url, logs, outage=10.0))

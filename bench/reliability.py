@@ -230,6 +230,9 @@ def _install_hook(spec: str) -> None:
                 return _make(settings, **{"request_timeout_ms": _timeout_ms, **overrides})
 
             stream.worker.producer = short_producer  # type: ignore[assignment]
+            import stream.kafka_tools
+
+            stream.kafka_tools.REQUEST_TIMEOUT = timeout_ms / 1000  # the faust runtime's producer
         elif part.startswith("hold_commit="):
             import stream.delivery
 
@@ -349,11 +352,20 @@ def read(settings: Settings, **kwargs: Any) -> list[KafkaRecord]:
 
 def restart_kafka() -> float:
     """`docker/services.sh restart kafka`: the broker stops and starts on its data; returns seconds."""
+    return _services("restart", "kafka")
+
+
+def freeze_kafka(seconds: float) -> float:
+    """`docker/services.sh freeze kafka SECONDS`: a hung broker (stopped, its connections open); returns seconds."""
+    return _services("freeze", "kafka", str(seconds))
+
+
+def _services(*args: str) -> float:
     start = time.monotonic()
-    done = subprocess.run(["bash", str(REPO / "docker" / "services.sh"), "restart", "kafka"],
-                          capture_output=True, text=True, timeout=180)
+    done = subprocess.run(["bash", str(REPO / "docker" / "services.sh"), *args], capture_output=True, text=True,
+                          timeout=180)
     if done.returncode != 0:
-        raise AssertionError(f"kafka restart failed: {done.stderr[-2000:]}")
+        raise AssertionError(f"services.sh {' '.join(args)} failed: {done.stderr[-2000:]}")
     return time.monotonic() - start
 
 
@@ -694,15 +706,20 @@ class MetricsPoller:
 
 
 def broker_restart(bootstrap: str, index: str, log_dir: Path, *, messages: int = 1000,
-                   runtime: str = "aiokafka") -> Tally:
-    """The broker stops and starts (same data) while one worker (of `runtime`) is mid-stream; its /metrics is
+                   runtime: str = "aiokafka", freeze: float = 0.0) -> Tally:
+    """The broker stops and starts (same data) while one worker (of `runtime`) is mid-stream, or with `freeze`
+    hangs that many seconds (stopped, its connections open; the group's session then 30 s); its /metrics is
     scraped all along (kafka_up, kafka_errors_total) and its log is checked for the outage's two lines."""
     port = free_port()
+    # A freeze outlasts the default session of 6 s: the group would expel the worker (the broker judges once it
+    # runs again), and it would read again what it routed since its last commit (faust commits once a second).
     settings = scenario_settings(bootstrap, index, max_batch=10, ts_field="ts", group_instance_id="worker-1",
-                                 metrics_port=port, metrics_host="127.0.0.1", runtime=runtime)
+                                 metrics_port=port, metrics_host="127.0.0.1", runtime=runtime,
+                                 **({"session_timeout": 30.0} if freeze else {}))
     lines = stream_lines(messages)
-    tally = Tally("Kafka broker restarted mid-stream" + (f" ({runtime} runtime)" if runtime != "aiokafka" else ""),
-                  len(lines), "1 broker stop/start")
+    tally = Tally(("Kafka broker hung mid-stream" if freeze else "Kafka broker restarted mid-stream")
+                  + (f" ({runtime} runtime)" if runtime != "aiokafka" else ""), len(lines),
+                  f"1 broker freeze of {freeze:g} s" if freeze else "1 broker stop/start")
     asyncio.run(create_topics(settings, 1))
     asyncio.run(produce_to(settings, [(0, None, v) for v in lines]))
     names = ("neardup_kafka_up", "neardup_kafka_errors_total")
@@ -711,7 +728,7 @@ def broker_restart(bootstrap: str, index: str, log_dir: Path, *, messages: int =
         read(settings, sources=len(lines) // 5, timeout=60, settle=0.0)
         worker.alive()
         before = poller.scrape()
-        down = restart_kafka()
+        down = freeze_kafka(freeze) if freeze else restart_kafka()
         worker.alive()
         records = read(settings, sources=len(lines), timeout=90, settle=1.0)
         worker.alive()

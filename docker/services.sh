@@ -3,6 +3,8 @@
 #
 #   docker/services.sh start|stop|status|env [redis|kafka|cluster|cluster6|cluster-ha|clusters|all]
 #   docker/services.sh restart kafka   stop and start the broker keeping its data (a short outage)
+#   docker/services.sh freeze kafka N  a hung broker: SIGSTOP for N seconds (connections stay open, nothing
+#                                      answers), then SIGCONT
 #
 #   redis       plain Redis (:6379), Redis with requirepass (:6380), TLS Redis (:6381, self-signed CA)
 #   kafka       Apache Kafka 3.9.1, one combined broker+controller: PLAINTEXT :9092, SASL_PLAINTEXT/PLAIN :9094
@@ -55,7 +57,7 @@ log() { printf '[services] %s\n' "$*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
 
 usage() {
-  sed -n '2,24p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
+  sed -n '2,25p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
   exit 2
 }
 
@@ -478,6 +480,19 @@ restart_kafka() {
   launch_kafka
 }
 
+# A hung broker for fault-injection tests: the process stopped (SIGSTOP) for $1 seconds, then continued.
+freeze_kafka() {
+  local seconds=$1 pid
+  [[ $seconds =~ ^[0-9]+([.][0-9]+)?$ ]] || die "freeze kafka SECONDS: not a number of seconds: $seconds"
+  pid_alive "$KAFKA_DIR/kafka.pid" || die "kafka is not running (start it with: $0 start kafka)"
+  pid=$(pid_of "$KAFKA_DIR/kafka.pid")
+  kill -STOP "$pid"
+  log "kafka frozen (pid $pid) for ${seconds}s"
+  sleep "$seconds"
+  kill -CONT "$pid"
+  log "kafka thawed"
+}
+
 stop_kafka() {
   if pid_alive "$KAFKA_DIR/kafka.pid"; then
     kill_pidfile "$KAFKA_DIR/kafka.pid" 30
@@ -550,7 +565,7 @@ print_env() {
 # --- main -------------------------------------------------------------------------------------------
 
 main() {
-  local cmd=${1:-} what=${2:-all} name
+  local cmd=${1:-} what=${2:-all} name seconds=${3:-}
   [[ $what =~ ^(redis|kafka|cluster|cluster6|cluster-ha|clusters|all)$ ]] || usage
   case $cmd in
     start)
@@ -572,6 +587,9 @@ main() {
     restart)
       [[ $what == kafka ]] || usage
       restart_kafka ;;
+    freeze)
+      [[ $what == kafka && -n $seconds ]] || usage
+      freeze_kafka "$seconds" ;;
     status) status "$what" ;;
     env) print_env "$what" ;;
     *) usage ;;

@@ -309,7 +309,7 @@ class AtLeastOnce:
                 if not transient(result):
                     raise result
                 kafka.failed(result, f"delivery to {logged[i].topic}")
-                if not await kafka.wait_up(self.link.stopping):
+                if not await kafka.retry(self.link.stopping):
                     raise result
                 again[i] = await self.sender.send(logged[i])
             pending = again
@@ -348,7 +348,7 @@ class AtLeastOnce:
                     again[i] = await self.sender.send_alone(outs[i])
                 elif transient(result):
                     kafka.failed(result, f"delivery to {outs[i].topic}")
-                    if not await kafka.wait_up(self.link.stopping):
+                    if not await kafka.retry(self.link.stopping):
                         raise result  # stopping during the outage: nothing of the batch committed
                     again[i] = await (self.sender.send_alone(outs[i]) if i in alone else self.sender.send(outs[i]))
                     resent += 1

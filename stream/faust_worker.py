@@ -15,8 +15,17 @@ from aiokafka.errors import KafkaError
 
 from filters.engine import NearDupFilter
 from filters.errors import ServiceError
+from stream import kafka_tools
 from stream.config import Settings
-from stream.kafka_tools import TOO_LARGE, KafkaRecord, broker_errors, client_options, ensure_topics, map_kafka_error
+from stream.kafka_tools import (
+    TOO_LARGE,
+    KafkaRecord,
+    broker_errors,
+    client_options,
+    ensure_topics,
+    map_kafka_error,
+    transient,
+)
 from stream.outputs import OUTPUT_TOO_LARGE, OutRecord, refused_output
 from stream.router import BatchObserver, WorkerCore, WorkerStats
 
@@ -72,6 +81,9 @@ class FaustWorker(WorkerCore):
             consumer_auto_offset_reset="earliest",
             producer_acks=-1,
             producer_linger=s.linger,
+            # A produce request unanswered this long fails (and the outage is said, then waited out: `_deliver`),
+            # as on the aiokafka runtime; faust's own default is 20 minutes, during which a hung broker went unsaid.
+            producer_request_timeout=kafka_tools.REQUEST_TIMEOUT,
             broker_commit_interval=1.0,
             # The group's liveness as the aiokafka runtime has it: a member killed is replaced within
             # `session_timeout` (faust's own default is 60 s).
@@ -126,10 +138,12 @@ class FaustWorker(WorkerCore):
 
     async def _deliver(self, records: Sequence[KafkaRecord], outs: list[OutRecord]) -> list[OutRecord]:
         """Produces the batch's outputs and waits for them; returns them as delivered. As the aiokafka runtime
-        (`stream.delivery`): an output refused as too large is sent again alone, and if refused alone,
-        dead-lettered without its value (reason `output_too_large`); one the dead-letter topic refuses stops
-        the worker. Other errors stop it (nothing of the batch acked). Through the app's producer (a topic's
-        `send` would leave a future of its own with the error, unretrieved, to be logged with a traceback)."""
+        (`stream.delivery.AtLeastOnce`): an output that failed with a `transient` error (the broker unreachable or
+        hung, a leader election) is sent again once the broker answers (`KafkaHealth`: the outage said in one
+        line); an output refused as too large is sent again alone, and if refused alone, dead-lettered without
+        its value (reason `output_too_large`); one the dead-letter topic refuses stops the worker. Other errors
+        stop it (nothing of the batch acked). Through the app's producer (a topic's `send` would leave a future
+        of its own with the error, unretrieved, to be logged with a traceback)."""
         from faust.exceptions import ProducerSendError  # faust is imported by this runtime only
 
         producer = self.app.producer
@@ -146,31 +160,41 @@ class FaustWorker(WorkerCore):
                 failed.set_exception(exc.__cause__ if isinstance(exc.__cause__, KafkaError) else exc)
                 return failed
 
-        results = await asyncio.gather(*[await send(o) for o in outs], return_exceptions=True)
-        for i, result in enumerate(results):
-            if not isinstance(result, BaseException):
-                continue
-            if not isinstance(result, TOO_LARGE):
-                raise result
-            try:
-                # Alone (sent and awaited before the next: a record batch of its own), as its record batch was
-                # refused whole, maybe for another record's size.
-                await (await send(outs[i]))
-                continue
-            except TOO_LARGE as again:
-                if outs[i].topic == self.settings.dead_letter_topic:
-                    raise ServiceError(f"the dead-letter topic {outs[i].topic!r} refused the record for "
-                                       f"{records[i].coordinates} as too large: stopping, nothing of the batch "
-                                       "acked") from again
-                outs[i] = refused_output(records[i], outs[i], again, self.settings)
-            log.warning("output of %s refused as too large: dead-lettered without its value (%s)",
-                        records[i].coordinates, OUTPUT_TOO_LARGE)
-            try:
-                await (await send(outs[i]))
-            except TOO_LARGE as exc:
-                raise ServiceError(f"the dead-letter topic {outs[i].topic!r} refused the record for "
-                                   f"{records[i].coordinates} as too large: stopping, nothing of the batch "
-                                   f"acked") from exc
+        def refused(i: int, exc: BaseException) -> ServiceError:
+            return ServiceError(f"the dead-letter topic {outs[i].topic!r} refused the record for "
+                                f"{records[i].coordinates} as too large: stopping, nothing of the batch acked")
+
+        pending = {i: await send(o) for i, o in enumerate(outs)}
+        while pending:
+            results = await asyncio.gather(*pending.values(), return_exceptions=True)
+            again: dict[int, asyncio.Future[Any]] = {}
+            for i, result in zip(list(pending), results, strict=True):
+                if not isinstance(result, BaseException):
+                    continue
+                if transient(result):
+                    self.kafka.failed(result, f"delivery to {outs[i].topic}")
+                    if not await self.kafka.retry(self.stop_event.is_set):
+                        raise result  # stopping: nothing of the batch acked, read again after a restart
+                    again[i] = await send(outs[i])
+                    continue
+                if not isinstance(result, TOO_LARGE):
+                    raise result
+                try:
+                    # Alone (sent and awaited before the next: a record batch of its own), as its record batch was
+                    # refused whole, maybe for another record's size.
+                    await (await send(outs[i]))
+                    continue
+                except TOO_LARGE as alone:
+                    if outs[i].topic == self.settings.dead_letter_topic:
+                        raise refused(i, alone) from alone
+                    outs[i] = refused_output(records[i], outs[i], alone, self.settings)
+                log.warning("output of %s refused as too large: dead-lettered without its value (%s)",
+                            records[i].coordinates, OUTPUT_TOO_LARGE)
+                again[i] = await send(outs[i])
+            if any(transient(r) for r in results if isinstance(r, BaseException)):
+                log.info("%d outputs not delivered during the outage sent again",
+                         sum(1 for r in results if isinstance(r, BaseException) and transient(r)))
+            pending = again
         return outs
 
     async def run(self) -> WorkerStats:

@@ -14,12 +14,13 @@ from typing import Any
 
 from aiokafka.errors import KafkaError
 
-from stream.kafka_tools import KAFKA_UNAVAILABLE
+from stream.kafka_tools import INCONCLUSIVE, KAFKA_UNAVAILABLE
 
 log = logging.getLogger("neardup.worker")
 
 KAFKA_PROBE_EVERY = 1.0  # seconds between reachability probes while the broker is unavailable
 _KAFKA_PROBE_TIMEOUT = 5.0
+RETRY_PAUSE = 0.1  # seconds before an operation that failed with a transient error is tried again
 
 
 class KafkaHealth(logging.Filter):
@@ -51,11 +52,17 @@ class KafkaHealth(logging.Filter):
 
     def failed(self, exc: BaseException, where: str) -> None:
         """An operation of the worker failed with a `transient` error: the broker is down if it was
-        unreachable, suspect otherwise (a leader election, say: the probe decides)."""
+        unreachable, suspect otherwise (a leader election, a request that timed out, a connection being made:
+        the probe decides). A timeout says the broker hung, or says it late: the requests sent to a broker that
+        hung fail one after another once it answers again, while the clients connect anew, and each taken for
+        a new outage would say it again."""
         self.errors += 1
         self._suspect = True
-        if isinstance(exc, KAFKA_UNAVAILABLE):
-            self._mark_down(f"{where}: {type(exc).__name__}: {exc}")
+        cause = f"{where}: {type(exc).__name__}: {exc}"
+        if isinstance(exc, INCONCLUSIVE):
+            self._evidence = self._evidence or cause
+        elif isinstance(exc, KAFKA_UNAVAILABLE):
+            self._mark_down(cause)
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not self._suspect:
@@ -85,6 +92,12 @@ class KafkaHealth(logging.Filter):
                 self._mark_down(self._evidence or f"metadata request: {type(exc).__name__}: {exc}")
             else:
                 self._mark_up()
+
+    async def retry(self, stopping: Callable[[], bool]) -> bool:
+        """Before an operation that failed with a `transient` error is tried again: a pause (a leader elected, a
+        connection made: no busy loop), then until the broker answers again (True), or stopping (False)."""
+        await asyncio.sleep(RETRY_PAUSE)
+        return await self.wait_up(stopping)
 
     async def wait_up(self, stopping: Callable[[], bool]) -> bool:
         """Until the broker answers again (True), or stopping (False)."""

@@ -57,6 +57,12 @@ _REFUSED = (AuthenticationFailedError, SaslAuthenticationFailed, AuthenticationM
 # The broker is not reachable now (retrying helps), as opposed to refusing what it was asked.
 KAFKA_UNAVAILABLE = (KafkaConnectionError, NoBrokersAvailable, NodeNotReadyError, KafkaTimeoutError,
                      RequestTimedOutError)
+# Errors of KAFKA_UNAVAILABLE that do not show by themselves that the broker is down: a request that timed out
+# (a hung broker, or one that answers late: a broker thawed after a freeze), a connection still being made.
+INCONCLUSIVE = (KafkaTimeoutError, RequestTimedOutError, NodeNotReadyError)
+# How long a produce request may go unanswered before it fails: aiokafka's default, which the aiokafka runtime
+# keeps and the faust runtime is given (faust's own is 20 minutes: a hung broker went unsaid that long).
+REQUEST_TIMEOUT = 40.0
 # The broker refused a record batch as larger than the topic's max.message.bytes (Kafka's MESSAGE_TOO_LARGE /
 # RecordTooLarge, and RECORD_LIST_TOO_LARGE).
 TOO_LARGE = (MessageSizeTooLargeError, RecordListTooLargeError)

@@ -396,8 +396,7 @@ class AiokafkaWorker(WorkerCore):
                 if not transient(exc):
                     raise
                 self.kafka.failed(exc, "fetch")
-                await asyncio.sleep(0.1)  # a leader election does not mark the broker down
-                return await self.kafka.wait_up(self.stop_event.is_set)
+                return await self.kafka.retry(self.stop_event.is_set)
         for tp, msgs in fetched.items():
             if not msgs:
                 continue
