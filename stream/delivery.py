@@ -96,6 +96,9 @@ class Link:
     # exactly-once: the partitions' revocation has gone on so long that the group may have given them to
     # another member, who reads them from the committed offsets: what is not committed yet must not be.
     late: Callable[[], bool] = lambda: False
+    # Called per batch handed over once its outputs are visible to consumers: acknowledged (at-least-once, the
+    # index changelog's records too), committed (exactly-once).
+    visible: Callable[[Outgoing], None] = lambda batch: None
 
 
 class Delivery(Protocol):
@@ -283,6 +286,7 @@ class AtLeastOnce:
             flight.batch.outs = await self._delivered(flight)
             await self._logs_delivered(flight)
         await _acknowledged(self.link, flight.batch)
+        self.link.visible(flight.batch)
         try:
             await self.link.consumer.commit(offsets_of(flight.batch.records))
         except (CommitFailedError, IllegalStateError) as exc:
@@ -413,6 +417,7 @@ class ExactlyOnce:
         with broker_errors(s):
             await prod.send_offsets_to_transaction(offsets, s.group_id)
             await prod.commit_transaction()
+        self.link.visible(batch)
         for tp, offset in offsets.items():
             self.unconfirmed[tp] = max(self.unconfirmed.get(tp, 0), offset)
 

@@ -27,6 +27,7 @@ import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
@@ -95,6 +96,15 @@ def rebalance_timeout(settings: Settings) -> float:
     """The group's wait for a member to rejoin: `REBALANCE_TIMEOUT`, or the session timeout if longer."""
     return max(REBALANCE_TIMEOUT, settings.session_timeout)
 
+
+
+@dataclass(slots=True)
+class _Logged:
+    """A routed batch's changelog records, kept for a write-back after the index lost its data (`_check_index`)."""
+
+    records: list[KafkaRecord]  # the very list routed (an outgoing batch's part): known by its identity, held
+    logged: list[OutRecord]
+    visible: bool = False  # its outputs were acknowledged (at-least-once) or committed (exactly-once)
 
 
 class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -189,9 +199,9 @@ class AiokafkaWorker(WorkerCore):
             self.nd.index = self.journal
         self.guard: IndexGuard | None = None
         self._log_headers = ((NAMESPACE_HEADER, self.nd.config.digest().encode()),)  # of each changelog record
-        # The changelog records of the batches routed last (assignment, records routed, records): after a
-        # restore, the entries of those delivered meanwhile are written back (`_check_index`).
-        self._recent: collections.deque[tuple[int, int, list[OutRecord]]] = collections.deque()
+        # The changelog records of the batches routed last: after a restore, the entries of those whose outputs
+        # are visible are written back (`_check_index`).
+        self._recent: collections.deque[_Logged] = collections.deque()
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -242,7 +252,7 @@ class AiokafkaWorker(WorkerCore):
                 self.delivery = self._guarantee(s, Link(
                     consumer=consumer, producer=prod, kafka=self.kafka, stopping=self.stop_event.is_set,
                     acknowledged=self.acknowledged, assignments=lambda: self._rebalance.assignments,
-                    late=self._rebalance.late,
+                    late=self._rebalance.late, visible=self._visible,
                     reread=self._reread))
                 await self._check_index()  # before the first batch: a lost index is rebuilt first
                 await self._loop(consumer)
@@ -611,7 +621,7 @@ class AiokafkaWorker(WorkerCore):
             # Stopping, or partitions revoked, during an index outage, or taken again after a loss of the index's
             # data (`again`): nothing of this batch produced or committed.
             return False
-        logged = self._logged(len(records), assignment)
+        logged = self._logged(records)
         self.aligner.decided(taken)
         if self.aligner.ordered:
             await self._publish_marks()  # decided: the group may move past these records
@@ -696,10 +706,10 @@ class AiokafkaWorker(WorkerCore):
         delivered: list[OutRecord] = []
 
         async def deliver() -> None:
-            assignment = self._rebalance.assignments
             await self._drain()
-            if assignment == self._rebalance.assignments:  # else aborted: routed again, and journaled then
-                delivered.extend(o for a, _, logged in self._recent if a == assignment for o in logged)
+            # Those of an aborted transaction are not: their records are routed again, and journaled then. Those of
+            # an earlier assignment are (committed before its partitions went, maybe after the restore read them).
+            delivered.extend(o for batch in self._recent if batch.visible for o in batch.logged)
 
         losses = guard.losses
         try:
@@ -722,18 +732,26 @@ class AiokafkaWorker(WorkerCore):
                 log.debug("the index's marker could not be read: %s", exc)
             return None
 
-    def _logged(self, routed: int, assignment: int) -> list[OutRecord]:
-        """The changelog's records of the entries a batch of `routed` records just made unique; those of the
+    def _logged(self, records: list[KafkaRecord]) -> list[OutRecord]:
+        """The changelog's records of the entries the batch of `records` just routed made unique; those of the
         batches routed last (some 3 × max_batch records: what may not be committed yet) are kept."""
         if self.journal is None:
             return []
         topic, headers = self.settings.changelog_name, self._log_headers
         logged = [OutRecord(topic, key, value, headers) for key, value in encode_records(self.journal.take())]
         recent = self._recent
-        recent.append((assignment, routed, logged))
-        while sum(n for _, n, _ in recent) - recent[0][1] >= 3 * self.settings.max_batch:
+        recent.append(_Logged(records, logged))
+        while sum(len(b.records) for b in recent) - len(recent[0].records) >= 3 * self.settings.max_batch:
             recent.popleft()
         return logged
+
+    def _visible(self, batch: Outgoing) -> None:
+        """`batch`'s outputs are visible to consumers (`Link.visible`): the entries of its routed batches are
+        written back after a restore."""
+        parts = {id(part) for part in batch.parts or [batch.records]}
+        for routed in self._recent:
+            if id(routed.records) in parts:
+                routed.visible = True
 
     async def _hand_over(self, batch: Outgoing) -> None:
         """Queues a routed batch for delivery. While the previous hand-over is still going on (its acks, or

@@ -51,6 +51,7 @@ from stream.changelog import (
     read_changelog,
 )
 from stream.config import Settings
+from stream.delivery import ExactlyOnce
 from stream.kafka_tools import KafkaRecord, client_options, ensure_topics, producer
 from stream.outputs import OutRecord
 from stream.router import open_filter
@@ -736,6 +737,77 @@ def test_a_worker_that_dies_after_redis_lost_its_data_lets_no_copy_overtake_what
         server.stop()
     sources = [r.header("neardup-source") for r in got]
     assert len(sources) == len(set(sources)) == len(items)  # lost 0, doubled 0
+    assert differences(verdicts_of(got), want) == []
+
+
+def test_a_batch_committed_as_its_partitions_go_is_written_back_after_a_rebuild_that_missed_it(
+        kafka_bootstrap: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Exactly-once, aligned. Worker `a` routes ten originals alone; their transaction stays open 6 s. Meanwhile
+    Redis loses its data (FLUSHALL) and worker `b` joins: `b` rebuilds the index from the changelog, which does not
+    show the open transaction, and the rebalance waits for `a` to commit the batch as its partitions go. Then ten
+    copies, later in event time. `a`, under its new assignment, finds the index rebuilt and writes back what it
+    delivered, that batch included (committed under the assignment before): every copy a duplicate, as the filter
+    decides. (Before, the write-back took only the batches of the worker's current assignment: 10 copies unique.)"""
+    t = 1_700_000_000.0
+    words = [f"word{i}" for i in range(40)]
+    texts = [" ".join(random.Random(n).sample(words, 18)) for n in range(10)]
+    originals = [Item(n % 2, t + n, f"o{n}", n, orjson.dumps({"id": f"o{n}", "text": texts[n], "ts": t + n}))
+                 for n in range(10)]
+    copies = [Item(n % 2, t + 100 + n, f"c{n}", n,
+                   orjson.dumps({"id": f"c{n}", "text": texts[n] + " call 555-01" + str(n), "ts": t + 100 + n}))
+              for n in range(10)]
+    want = reference(originals + copies, NearDupFilter())
+    assert all(want[c.id] == "duplicate" for c in copies)
+    server = PrivateRedis(tmp_path)
+    server.start()
+    settings = scenario_settings(kafka_bootstrap, server.url + "?prefix=wb", ts_field="ts", max_batch=20, max_skew=5.0,
+                                 processing_guarantee="exactly_once", idle_timeout=2.0)
+    held = [True]
+    commit = ExactlyOnce.commit
+
+    async def held_commit(self: ExactlyOnce) -> None:
+        flight = self._in_flight
+        if held[0] and flight is not None and any(b'"id":"o0"' in (r.value or b"") for r in flight.batch.records):
+            held[0] = False
+            await asyncio.sleep(6.0)  # the transaction stays open, its outputs and changelog records sent
+        await commit(self)
+
+    monkeypatch.setattr(ExactlyOnce, "commit", held_commit)
+
+    async def scenario() -> list[KafkaRecord]:
+        await create_topics(settings, 2)
+        a = AiokafkaWorker(replace(settings, group_instance_id="a"))
+        b = AiokafkaWorker(replace(settings, group_instance_id="b"))
+        tasks = [asyncio.ensure_future(a.run())]
+        try:
+            deadline = time.monotonic() + 60
+            while not (len(a.aligner.lanes()) == 2 and a.group.complete):
+                assert time.monotonic() < deadline and not tasks[0].done()
+                await asyncio.sleep(0.05)
+            await produce_to(settings, [(i.partition, i.id.encode(), i.value) for i in originals],
+                             enable_idempotence=True)
+            while held[0]:  # a's batch routed, its transaction open
+                assert time.monotonic() < deadline and not tasks[0].done()
+                await asyncio.sleep(0.02)
+            server.lose("flushall")
+            tasks.append(asyncio.ensure_future(b.run()))
+            while not (b.guard is not None and b.guard.losses and len(b.aligner.lanes()) == 1
+                       and len(a.aligner.lanes()) == 1):
+                assert time.monotonic() < deadline + 30 and not any(t.done() for t in tasks)
+                await asyncio.sleep(0.05)
+            await produce_to(settings, [(i.partition, i.id.encode(), i.value) for i in copies], enable_idempotence=True)
+            return await read_outputs(settings, committed=True, sources=20, settle=2.0, timeout=90)
+        finally:
+            a.stop()
+            b.stop()
+            await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 60)
+
+    try:
+        got = asyncio.run(scenario())
+    finally:
+        server.stop()
+    sources = [r.header("neardup-source") for r in got]
+    assert len(sources) == len(set(sources)) == 20  # lost 0, doubled 0
     assert differences(verdicts_of(got), want) == []
 
 
