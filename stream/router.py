@@ -156,6 +156,9 @@ class Router:
             except IndexLost:
                 if before_retry is None:
                     raise
+                # The index answered (it said it lost its data): an outage before ends here, and consumption goes on,
+                # also when the batch is let go below (taken again, its records fetched again).
+                self._answered(resume)
                 # Rebuilt (or waited for): the batch is decided again, nothing of it written; or let go, taken again.
                 if not await before_retry():
                     return None
@@ -178,14 +181,18 @@ class Router:
                     await asyncio.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
                 self.retries += 1
                 continue
-            if self._down_since is not None:
-                log.warning("index available again after %.1fs (%d failed attempts): consumption resumed",
-                            time.monotonic() - self._down_since, self._attempts)
-                self._down_since = None
-                self._attempts = 0
-                self.backoff.reset()
-                resume()
+            self._answered(resume)
             return outs
+
+    def _answered(self, resume: Callable[[], None]) -> None:
+        """The index answered: the outage going on, if any, ends (one log line) and consumption resumes."""
+        if self._down_since is not None:
+            log.warning("index available again after %.1fs (%d failed attempts): consumption resumed",
+                        time.monotonic() - self._down_since, self._attempts)
+            self._down_since = None
+            self._attempts = 0
+            self.backoff.reset()
+            resume()
 
     @property
     def index_down(self) -> bool:

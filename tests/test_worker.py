@@ -354,6 +354,46 @@ def test_index_outage_blocks_then_resumes(kafka_bootstrap: str, redis_url: str,
     assert any("index available again" in r.message for r in caplog.records)
 
 
+def test_an_outage_that_ends_with_the_index_lost_resumes_consumption(kafka_bootstrap: str, redis_url: str) -> None:
+    """As above, but Redis comes back without the namespace's data: the retry finds the index lost, the worker
+    rebuilds it from the changelog and, under event-time alignment, takes the batch again against the group's
+    new view. Consumption, paused during the outage, resumes: everything is routed. (Before, a batch let go
+    that way left the consumer paused for good, and the worker routed nothing more.)"""
+    port = free_port()
+    host, redis_port = redis_url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
+    with redis_namespace(redis_url) as direct:
+        url = direct.replace(f"{host}:{redis_port}", f"127.0.0.1:{port}", 1)
+        settings = settings_for(kafka_bootstrap, url, retry_initial=0.05, retry_max=0.2, id_field="id")
+        proxy = TcpProxy(host, int(redis_port), port)
+        inputs = GOOD + BAD
+        worker = make_worker(settings)
+        assert isinstance(worker, AiokafkaWorker)
+
+        async def scenario() -> list[KafkaRecord]:
+            await proxy.start()
+            task = asyncio.ensure_future(run_until(worker, lambda s: s.seen >= len(inputs)))
+            while not (worker._rebalance.assignments and worker.group.complete):
+                assert not task.done(), task
+                await asyncio.sleep(0.02)
+            await proxy.stop()
+            await produce(settings, settings.input_topics[0], inputs)
+            while worker.stats.index_errors < 3:
+                assert not task.done(), task
+                await asyncio.sleep(0.02)
+            drop_index(direct)  # the namespace's data lost while the worker could not reach it
+            await proxy.start()
+            try:
+                await task
+            finally:
+                await proxy.stop()
+            return await outputs(settings, len(inputs))
+
+        got = asyncio.run(scenario())
+    assert Counter(r.topic for r in got) == {settings.unique_topic: 2, settings.duplicate_topic: 1,
+                                             settings.dead_letter_topic: 4}
+    assert worker.guard is not None and worker.guard.losses >= 1
+
+
 def test_index_outage_unchecked_passes_records(kafka_bootstrap: str) -> None:
     settings = settings_for(kafka_bootstrap, f"redis://127.0.0.1:{free_port()}/0", on_index_error="unchecked",
                             id_field="id")
