@@ -8,8 +8,9 @@ docker/services.sh (NEARDUP_TEST_* variables): three and four `neardup serve` pr
 near-duplicates (standalone Redis and Redis Cluster), the same against a check-then-insert index,
 kill -9 and restart (at-least-once and exactly-once), a worker added and one removed mid-run, a
 broker restart (`docker/services.sh restart kafka`: other users of the broker see a short outage), the
-broker hung for 10 s (`docker/services.sh freeze kafka 10`: the same), Redis unreachable for 10 s, a 200,000-message spam wave and a long stream with a 2 s window. Prints
-two Markdown tables. Each scenario uses topics and a Redis namespace of its own.
+broker hung for 10 s (`docker/services.sh freeze kafka 10`: the same), Redis unreachable for 10 s, a
+200,000-message spam wave and a long stream with a 2 s window. Prints two Markdown tables. Each scenario
+uses topics and a Redis namespace of its own.
 """
 
 from __future__ import annotations

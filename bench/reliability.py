@@ -232,7 +232,7 @@ def _install_hook(spec: str) -> None:
             stream.worker.producer = short_producer  # type: ignore[assignment]
             import stream.kafka_tools
 
-            stream.kafka_tools.REQUEST_TIMEOUT = timeout_ms / 1000  # the faust runtime's producer
+            stream.kafka_tools.REQUEST_TIMEOUT = timeout_ms / 1000  # what the faust runtime's producer is given
         elif part.startswith("hold_commit="):
             import stream.delivery
 

@@ -306,17 +306,14 @@ class AtLeastOnce:
         pending = dict(enumerate(flight.log_deliveries))
         while pending:
             results = await asyncio.gather(*pending.values(), return_exceptions=True)
-            again: dict[int, asyncio.Future[Any]] = {}
-            for i, result in zip(list(pending), results, strict=True):
-                if not isinstance(result, BaseException):
-                    continue
+            failed = [(i, r) for i, r in zip(list(pending), results, strict=True) if isinstance(r, BaseException)]
+            for i, result in failed:
                 if not transient(result):
                     raise result
                 kafka.failed(result, f"delivery to {logged[i].topic}")
-                if not await kafka.retry(self.link.stopping):
-                    raise result
-                again[i] = await self.sender.send(logged[i])
-            pending = again
+            if failed and not await kafka.retry(self.link.stopping):  # once a round (a record batch's share a future)
+                raise failed[0][1]
+            pending = {i: await self.sender.send(logged[i]) for i, _ in failed}
 
     async def _delivered(self, flight: _InFlight) -> list[OutRecord]:
         """Waits until every output of the batch was acknowledged, and returns the outputs as delivered. An
@@ -331,7 +328,8 @@ class AtLeastOnce:
         while pending:
             results = await asyncio.gather(*pending.values(), return_exceptions=True)
             again: dict[int, asyncio.Future[Any]] = {}
-            resent = split = 0
+            split = 0
+            outage: list[tuple[int, BaseException]] = []
             for i, result in zip(list(pending), results, strict=True):
                 if not isinstance(result, BaseException):
                     continue
@@ -352,14 +350,16 @@ class AtLeastOnce:
                     again[i] = await self.sender.send_alone(outs[i])
                 elif transient(result):
                     kafka.failed(result, f"delivery to {outs[i].topic}")
-                    if not await kafka.retry(self.link.stopping):
-                        raise result  # stopping during the outage: nothing of the batch committed
-                    again[i] = await (self.sender.send_alone(outs[i]) if i in alone else self.sender.send(outs[i]))
-                    resent += 1
+                    outage.append((i, result))
                 else:
                     raise result
-            if resent:
-                log.info("%d outputs not delivered during the outage sent again", resent)
+            # Once a round, not once an output: the outputs of a record batch share its future, and its error.
+            if outage and not await kafka.retry(self.link.stopping):
+                raise outage[0][1]  # stopping during the outage: nothing of the batch committed
+            for i, _ in outage:
+                again[i] = await (self.sender.send_alone(outs[i]) if i in alone else self.sender.send(outs[i]))
+            if outage:
+                log.info("%d outputs not delivered during the outage sent again", len(outage))
             if split:
                 log.info("%d outputs sent again one by one: their record batches were refused as too large", split)
             pending = again

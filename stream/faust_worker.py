@@ -160,40 +160,46 @@ class FaustWorker(WorkerCore):
                 failed.set_exception(exc.__cause__ if isinstance(exc.__cause__, KafkaError) else exc)
                 return failed
 
-        def refused(i: int, exc: BaseException) -> ServiceError:
-            return ServiceError(f"the dead-letter topic {outs[i].topic!r} refused the record for "
-                                f"{records[i].coordinates} as too large: stopping, nothing of the batch acked")
+        async def send_alone(o: OutRecord) -> asyncio.Future[Any]:
+            # Sent and awaited before the next: a record batch of its own, as a batch is refused whole (maybe for
+            # another record's size). Returned done, its error (if any) read with the others'.
+            sent = await send(o)
+            await asyncio.wait([sent])
+            return sent
 
+        alone: set[int] = set()
         pending = {i: await send(o) for i, o in enumerate(outs)}
         while pending:
             results = await asyncio.gather(*pending.values(), return_exceptions=True)
             again: dict[int, asyncio.Future[Any]] = {}
+            outage: list[tuple[int, BaseException]] = []
             for i, result in zip(list(pending), results, strict=True):
                 if not isinstance(result, BaseException):
                     continue
-                if transient(result):
+                if isinstance(result, TOO_LARGE):
+                    if i not in alone:
+                        alone.add(i)
+                    elif outs[i].topic != self.settings.dead_letter_topic:
+                        outs[i] = refused_output(records[i], outs[i], result, self.settings)
+                        log.warning("output of %s refused as too large: dead-lettered without its value (%s)",
+                                    records[i].coordinates, OUTPUT_TOO_LARGE)
+                    else:
+                        raise ServiceError(f"the dead-letter topic {outs[i].topic!r} refused the record for "
+                                           f"{records[i].coordinates} as too large: stopping, nothing of the batch "
+                                           "acked") from result
+                    again[i] = await send_alone(outs[i])
+                elif transient(result):
                     self.kafka.failed(result, f"delivery to {outs[i].topic}")
-                    if not await self.kafka.retry(self.stop_event.is_set):
-                        raise result  # stopping: nothing of the batch acked, read again after a restart
-                    again[i] = await send(outs[i])
-                    continue
-                if not isinstance(result, TOO_LARGE):
+                    outage.append((i, result))
+                else:
                     raise result
-                try:
-                    # Alone (sent and awaited before the next: a record batch of its own), as its record batch was
-                    # refused whole, maybe for another record's size.
-                    await (await send(outs[i]))
-                    continue
-                except TOO_LARGE as alone:
-                    if outs[i].topic == self.settings.dead_letter_topic:
-                        raise refused(i, alone) from alone
-                    outs[i] = refused_output(records[i], outs[i], alone, self.settings)
-                log.warning("output of %s refused as too large: dead-lettered without its value (%s)",
-                            records[i].coordinates, OUTPUT_TOO_LARGE)
-                again[i] = await send(outs[i])
-            if any(transient(r) for r in results if isinstance(r, BaseException)):
-                log.info("%d outputs not delivered during the outage sent again",
-                         sum(1 for r in results if isinstance(r, BaseException) and transient(r)))
+            # Once a round, not once an output: the outputs of a record batch share its future, and its error.
+            if outage and not await self.kafka.retry(self.stop_event.is_set):
+                raise outage[0][1]  # stopping: nothing of the batch acked, read again after a restart
+            for i, _ in outage:
+                again[i] = await (send_alone(outs[i]) if i in alone else send(outs[i]))
+            if outage:
+                log.info("%d outputs not delivered during the outage sent again", len(outage))
             pending = again
         return outs
 

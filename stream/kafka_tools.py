@@ -60,8 +60,8 @@ KAFKA_UNAVAILABLE = (KafkaConnectionError, NoBrokersAvailable, NodeNotReadyError
 # Errors of KAFKA_UNAVAILABLE that do not show by themselves that the broker is down: a request that timed out
 # (a hung broker, or one that answers late: a broker thawed after a freeze), a connection still being made.
 INCONCLUSIVE = (KafkaTimeoutError, RequestTimedOutError, NodeNotReadyError)
-# How long a produce request may go unanswered before it fails: aiokafka's default, which the aiokafka runtime
-# keeps and the faust runtime is given (faust's own is 20 minutes: a hung broker went unsaid that long).
+# How long a produce request may go unanswered before it fails, on both runtimes (aiokafka's default; faust's own
+# is 20 minutes: a hung broker went unsaid that long).
 REQUEST_TIMEOUT = 40.0
 # The broker refused a record batch as larger than the topic's max.message.bytes (Kafka's MESSAGE_TOO_LARGE /
 # RecordTooLarge, and RECORD_LIST_TOO_LARGE).
@@ -251,7 +251,8 @@ async def delete_topics(settings: Settings, topics: Sequence[str]) -> None:
 
 @asynccontextmanager
 async def producer(settings: Settings, **overrides: Any) -> AsyncIterator[AIOKafkaProducer]:
-    options = {"acks": "all", "linger_ms": round(settings.linger * 1000), **client_options(settings), **overrides}
+    options = {"acks": "all", "linger_ms": round(settings.linger * 1000),
+               "request_timeout_ms": round(REQUEST_TIMEOUT * 1000), **client_options(settings), **overrides}
     p = AIOKafkaProducer(**options)
     with broker_errors(settings):
         await p.start()

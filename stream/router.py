@@ -200,7 +200,7 @@ class Router:
         return self._down_since is not None
 
     async def _route_unchecked(self, records: Sequence[KafkaRecord],
-                               before_retry: Callable[[], Awaitable[bool]] | None = None) -> list[OutRecord]:
+                               before_retry: Callable[[], Awaitable[bool]] | None = None) -> list[OutRecord] | None:
         now = time.monotonic()
         if self._down_since is None or now >= self._retry_at:
             if self._down_since is not None:
@@ -211,7 +211,8 @@ class Router:
                 except IndexLost:
                     if before_retry is None:
                         raise
-                    await before_retry()  # rebuilt (or waited for): the batch once more
+                    if not await before_retry():  # rebuilt (or waited for): the batch once more, or taken again
+                        return None
                     outs = await self._run(route_records, self.nd, records, self.settings)
             except IndexUnavailable as exc:
                 self.stats.index_errors += 1

@@ -102,7 +102,10 @@ def rebalance_timeout(settings: Settings) -> float:
 class _Logged:
     """A routed batch's changelog records, kept for a write-back after the index lost its data (`_check_index`)."""
 
-    records: list[KafkaRecord]  # the very list routed (an outgoing batch's part): known by its identity, held
+    # The very list routed (an outgoing batch's part), known by its identity: held (so that no other list takes
+    # its id) until its outputs are visible.
+    records: list[KafkaRecord] | None
+    routed: int  # its length
     logged: list[OutRecord]
     visible: bool = False  # its outputs were acknowledged (at-least-once) or committed (exactly-once)
 
@@ -177,8 +180,10 @@ class AiokafkaWorker(WorkerCore):
         self.group = GroupView()  # what the group's marks said last
         self._marked_at = -math.inf
         # After the index lost its data: this worker's mark was gone and it has not written back what it decided
-        # yet (it publishes 0 meanwhile: `_rejoin`).
+        # yet (it publishes 0 meanwhile: `_rejoin`); and how many times the group's marks were reset (by this
+        # worker, or found reset), so that a batch taken against the view before is taken again.
         self._rejoining = False
+        self._regroups = 0
         self._took_at: float | None = None  # when a record was last taken (`_stalled`)
         self._stall_told = -math.inf
         self.held_seconds = 0.0  # waited for a partition or the group (a metric)
@@ -285,24 +290,26 @@ class AiokafkaWorker(WorkerCore):
         timeout_ms = max(1, round(s.batch_within * 1000))
         stop_wait = asyncio.ensure_future(self.stop_event.wait())
         pending: Taken | None = None  # taken with the last batch (its records prepared meanwhile): next
-        pending_assignment = 0
+        pending_assignment = pending_regroups = 0
         held_since: float | None = None  # since when the aligner holds records back (waiting)
         pushed = False  # the group's view came with the news that another worker moved: no need to read it
         try:
             while not self.stop_event.is_set():
-                if pending is not None and pending_assignment != self._rebalance.assignments:
-                    self._put_back(pending)  # taken against the group's view before a rebalance: taken again
+                if pending is not None and (pending_assignment != self._rebalance.assignments
+                                            or pending_regroups != self._regroups):
+                    self._put_back(pending)  # taken against the group's view before a rebalance (or a loss): again
                     pending = None
                 elif pending is not None and self._rewound:
                     pending = self._still_owned(pending)
                 self._rewound.clear()
                 if pending is not None:
-                    batch, assignment, pending = pending, pending_assignment, None
+                    batch, assignment, regroups, pending = pending, pending_assignment, pending_regroups, None
                 else:
                     if not await self._fetch(consumer, 0, stop_wait):
                         break
                     assignment = self._rebalance.assignments
                     batch = await self._take(consumer, refresh=held_since is not None and not pushed)
+                    regroups = self._regroups
                     pushed = False
                     if not batch:
                         busy = (self._delivering is not None or bool(self._queued)
@@ -331,7 +338,7 @@ class AiokafkaWorker(WorkerCore):
                     self.held_seconds += time.monotonic() - held_since
                     held_since = None
                 await self._fetch(consumer, 0, stop_wait)
-                pending_assignment = self._rebalance.assignments
+                pending_assignment, pending_regroups = self._rebalance.assignments, self._regroups
                 following = self.aligner.take(s.max_batch, self.group)
                 async with self._lock:
                     # (`revoking`: aiokafka may return a new assignment's records before its callback counts it.)
@@ -345,18 +352,20 @@ class AiokafkaWorker(WorkerCore):
                     else:
                         owned = self._still_owned(batch) if self._rewound else batch
                         if owned is not None and not await self._batch(consumer, owned, assignment,
-                                                                       following.records):
-                            self._put_back(owned, following)  # let go during an outage (a rebalance, stopping)
+                                                                       following.records, regroups):
+                            # Let go during an outage (a rebalance, stopping), or after a loss of the index's data.
+                            self._put_back(owned, following)
                             following = Taken([], [], [])
                 pending = following if following else None
         finally:
             stop_wait.cancel()
 
     def _put_back(self, *taken: Taken) -> None:
-        """Batches taken and not decided (a rebalance came in between, or they were let go during an index outage)
-        are taken again: the aligner forgets them, and the consumer reads the partitions this worker still owns
-        again from the first record of them (their records buffered after those come again too); the next owner
-        of the others reads them from the committed offsets."""
+        """Batches taken and not decided (a rebalance came in between, they were let go during an index outage, or
+        the group's marks were reset after a loss of the index's data) are taken again: the aligner forgets them,
+        and the consumer reads the partitions this worker still owns again from the first record of them (their
+        records buffered after those come again too); the next owner of the others reads them from the committed
+        offsets."""
         for batch in taken:
             self.aligner.dropped(batch)
         self._send_back(r for batch in taken for r in batch.records
@@ -523,7 +532,9 @@ class AiokafkaWorker(WorkerCore):
         try:
             low = 0.0 if self._rejoining else self.aligner.low_mark()
             self.group = await self.marks.publish(low, self.aligner.lanes(), self._every())
-            self._rejoining = self._rejoining or self.group.rejoined
+            if self.group.rejoined:
+                self._rejoining = True
+                self._regroups += 1
         except IndexUnavailable as exc:
             log.debug("event-time marks not shared while the index is unavailable: %s", exc)
             if self.settings.on_index_error == "unchecked":
@@ -573,9 +584,10 @@ class AiokafkaWorker(WorkerCore):
             self._marked_at = -math.inf
 
     async def _batch(self, consumer: AIOKafkaConsumer, taken: Taken, assignment: int = 0,
-                     following: Sequence[KafkaRecord] = ()) -> bool:
-        """Routes `taken` and hands its outputs over; False if it let it go unrouted (stopping, or its partitions
-        revoked, while the index was out)."""
+                     following: Sequence[KafkaRecord] = (), regroups: int = 0) -> bool:
+        """Routes `taken` (taken when `_regroups` was `regroups`) and hands its outputs over; False if it let it go
+        unrouted: stopping, or its partitions revoked, while the index was out; or the group's marks reset since it
+        was taken (the index lost its data: it is taken again against the group's new view)."""
         def pause() -> None:
             consumer.pause(*consumer.assignment())
 
@@ -597,6 +609,8 @@ class AiokafkaWorker(WorkerCore):
                 timer.cancel()
 
         records = taken.records
+        if self.aligner.ordered and self._regroups != regroups:
+            return False
         if self.journal is not None:
             self.journal.take()  # what a failed attempt left (its entries come again as replays)
         if self.aligner.ordered:
@@ -608,9 +622,11 @@ class AiokafkaWorker(WorkerCore):
                 self.nd.index.expire(min(low))
 
         async def again() -> bool:
-            # The index lost its data since the batch was taken: under alignment the group's marks were reset, and
-            # the batch is taken again against the new view (once every worker has written back: `_rejoin`).
-            return not (await self._check_index() and self.aligner.ordered)
+            # The index lost its data since the batch was taken: under alignment the group's marks were reset (by
+            # this check, or another worker's), and the batch is taken again against the new view (once every
+            # worker has written back: `_rejoin`).
+            lost = await self._check_index()
+            return not (self.aligner.ordered and (lost or self._regroups != regroups))
 
         rebalance = self._rebalance
         outs = await self.router.route(records, following=following, pause=pause, resume=resume,
@@ -625,11 +641,11 @@ class AiokafkaWorker(WorkerCore):
         self.aligner.decided(taken)
         if self.aligner.ordered:
             await self._publish_marks()  # decided: the group may move past these records
-            if self._rejoining:
-                await self._rejoin()  # (`_lock` is held)
         if any(taken.late):
             outs = [late_output(o, behind) if behind else o for o, behind in zip(outs, taken.late, strict=True)]
         await self._hand_over(Outgoing(records, outs, assignment, logged))
+        if self._rejoining:
+            await self._rejoin()  # after the hand-over: this batch is delivered, and written back (`_lock` is held)
         return True
 
     async def _batch_size(self, admin: AIOKafkaAdminClient) -> int:
@@ -719,6 +735,7 @@ class AiokafkaWorker(WorkerCore):
                 await asyncio.to_thread(index.restore, [entries_of([(o.key or b"", o.value or b"") for o in delivered])])
             if lost and self.aligner.ordered:
                 self._marked_at = -math.inf  # the next take publishes, and rejoins
+                self._regroups += 1
                 await self.marks.reset()
             return lost
         except IndexUnavailable as exc:
@@ -740,8 +757,8 @@ class AiokafkaWorker(WorkerCore):
         topic, headers = self.settings.changelog_name, self._log_headers
         logged = [OutRecord(topic, key, value, headers) for key, value in encode_records(self.journal.take())]
         recent = self._recent
-        recent.append(_Logged(records, logged))
-        while sum(len(b.records) for b in recent) - len(recent[0].records) >= 3 * self.settings.max_batch:
+        recent.append(_Logged(records, len(records), logged))
+        while sum(b.routed for b in recent) - recent[0].routed >= 3 * self.settings.max_batch:
             recent.popleft()
         return logged
 
@@ -750,8 +767,8 @@ class AiokafkaWorker(WorkerCore):
         written back after a restore."""
         parts = {id(part) for part in batch.parts or [batch.records]}
         for routed in self._recent:
-            if id(routed.records) in parts:
-                routed.visible = True
+            if routed.records is not None and id(routed.records) in parts:
+                routed.visible, routed.records = True, None
 
     async def _hand_over(self, batch: Outgoing) -> None:
         """Queues a routed batch for delivery. While the previous hand-over is still going on (its acks, or

@@ -673,15 +673,18 @@ class _LosesItsData(IndexWrapper):
         return verdicts
 
 
+@pytest.mark.parametrize("dies", [True, False])
 def test_a_worker_that_dies_after_redis_lost_its_data_lets_no_copy_overtake_what_it_decided(
-        kafka_bootstrap: str, tmp_path: Path) -> None:
+        kafka_bootstrap: str, tmp_path: Path, dies: bool) -> None:
     """Exactly-once, aligned, two workers of one partition each: `x` (partition 0) and its copy `y` 50 s later
     (partition 1), `max_skew` 1 s. Right after the worker of `x` decided it, Redis loses its data (FLUSHALL:
     the index and the group's marks); that worker then dies before committing (its transaction stays open) and
-    comes back under its instance id 3 s later. Its mark, found gone, was published as 0 until it had written
-    `x` back into the rebuilt index, so the other worker decides `y` only after that: `y` a duplicate of `x`, as
-    the filter decides. (Before, its mark went on past `x` at once: `y` was decided unique against an index
-    rebuilt without `x`, and `x`, decided again after the restart, a duplicate of its own later copy.)"""
+    comes back under its instance id 3 s later (or, `dies` false, goes on). Its mark, found gone, was published
+    as 0 until it had delivered `x` and written it back into the rebuilt index, so the other worker decides `y`
+    only after that: `y` a duplicate of `x`, as the filter decides. (Before, its mark went on past `x` at once:
+    `y` was decided unique against an index rebuilt without `x`, and `x`, decided again after the restart, a
+    duplicate of its own later copy; and a worker that went on wrote back only the batches delivered before
+    it published its mark again, not `x`'s.)"""
     text = "Your parcel is held at the depot, confirm your address at parcel-help.example within 24 hours"
     t = 1_700_000_000.0
     rows = [(0, "a0", "Lunch at noon? The new place on the corner has good noodles", t + 10),
@@ -695,7 +698,7 @@ def test_a_worker_that_dies_after_redis_lost_its_data_lets_no_copy_overtake_what
     server.start()
     settings = scenario_settings(kafka_bootstrap, server.url + "?prefix=rj", ts_field="ts", max_batch=20, max_skew=1.0,
                                  processing_guarantee="exactly_once", idle_timeout=30.0)
-    armed, crash_armed = [True], [True]
+    armed, crash_armed = [True], [dies]
 
     def crash(records: Sequence[KafkaRecord], outs: Sequence[OutRecord]) -> None:
         if crash_armed[0] and any(b'"id":"x"' in (r.value or b"") for r in records):
@@ -718,13 +721,14 @@ def test_a_worker_that_dies_after_redis_lost_its_data_lets_no_copy_overtake_what
                 assert time.monotonic() < deadline and not any(t.done() for t in tasks.values())
                 await asyncio.sleep(0.05)
             await produce_to(settings, [(i.partition, i.id.encode(), i.value) for i in items], enable_idempotence=True)
-            done, _ = await asyncio.wait(tasks.values(), timeout=60, return_when=asyncio.FIRST_COMPLETED)
-            dead = next(name for name, t in tasks.items() if t in done)
-            with pytest.raises(_Crash):
-                tasks[dead].result()
-            await asyncio.sleep(3.0)  # the other worker goes on meanwhile, as far as the group lets it
-            workers[dead] = worker(dead, False)
-            tasks[dead] = asyncio.ensure_future(workers[dead].run())
+            if dies:
+                done, _ = await asyncio.wait(tasks.values(), timeout=60, return_when=asyncio.FIRST_COMPLETED)
+                dead = next(name for name, t in tasks.items() if t in done)
+                with pytest.raises(_Crash):
+                    tasks[dead].result()
+                await asyncio.sleep(3.0)  # the other worker goes on meanwhile, as far as the group lets it
+                workers[dead] = worker(dead, False)
+                tasks[dead] = asyncio.ensure_future(workers[dead].run())
             return await read_outputs(settings, committed=True, sources=len(items), settle=2.0, timeout=90)
         finally:
             for w in workers.values():
@@ -742,9 +746,9 @@ def test_a_worker_that_dies_after_redis_lost_its_data_lets_no_copy_overtake_what
 
 def test_a_batch_committed_as_its_partitions_go_is_written_back_after_a_rebuild_that_missed_it(
         kafka_bootstrap: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Exactly-once, aligned. Worker `a` routes ten originals alone; their transaction stays open 6 s. Meanwhile
-    Redis loses its data (FLUSHALL) and worker `b` joins: `b` rebuilds the index from the changelog, which does not
-    show the open transaction, and the rebalance waits for `a` to commit the batch as its partitions go. Then ten
+    """Exactly-once, aligned. Worker `a` routes ten originals alone, and their transaction is held open while Redis
+    loses its data (FLUSHALL) and worker `b` joins: `b` rebuilds the index from the changelog, which does not show
+    the open transaction, and the rebalance waits for `a` to commit the batch as its partitions go. Then ten
     copies, later in event time. `a`, under its new assignment, finds the index rebuilt and writes back what it
     delivered, that batch included (committed under the assignment before): every copy a duplicate, as the filter
     decides. (Before, the write-back took only the batches of the worker's current assignment: 10 copies unique.)"""
@@ -763,13 +767,14 @@ def test_a_batch_committed_as_its_partitions_go_is_written_back_after_a_rebuild_
     settings = scenario_settings(kafka_bootstrap, server.url + "?prefix=wb", ts_field="ts", max_batch=20, max_skew=5.0,
                                  processing_guarantee="exactly_once", idle_timeout=2.0)
     held = [True]
+    restored = asyncio.Event()  # b rebuilt the index (from a changelog without the batch held open)
     commit = ExactlyOnce.commit
 
     async def held_commit(self: ExactlyOnce) -> None:
         flight = self._in_flight
         if held[0] and flight is not None and any(b'"id":"o0"' in (r.value or b"") for r in flight.batch.records):
             held[0] = False
-            await asyncio.sleep(6.0)  # the transaction stays open, its outputs and changelog records sent
+            await asyncio.wait_for(restored.wait(), 60)  # the transaction stays open, its outputs and records sent
         await commit(self)
 
     monkeypatch.setattr(ExactlyOnce, "commit", held_commit)
@@ -791,9 +796,12 @@ def test_a_batch_committed_as_its_partitions_go_is_written_back_after_a_rebuild_
                 await asyncio.sleep(0.02)
             server.lose("flushall")
             tasks.append(asyncio.ensure_future(b.run()))
-            while not (b.guard is not None and b.guard.losses and len(b.aligner.lanes()) == 1
-                       and len(a.aligner.lanes()) == 1):
+            while not (b.guard is not None and b.guard.last is not None):  # b's rebuild done
                 assert time.monotonic() < deadline + 30 and not any(t.done() for t in tasks)
+                await asyncio.sleep(0.02)
+            restored.set()
+            while not (len(b.aligner.lanes()) == 1 and len(a.aligner.lanes()) == 1):
+                assert time.monotonic() < deadline + 60 and not any(t.done() for t in tasks)
                 await asyncio.sleep(0.05)
             await produce_to(settings, [(i.partition, i.id.encode(), i.value) for i in copies], enable_idempotence=True)
             return await read_outputs(settings, committed=True, sources=20, settle=2.0, timeout=90)

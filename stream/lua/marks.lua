@@ -13,7 +13,8 @@
 -- If that mark is gone (Redis lost its data, the group's marks were reset after the index lost its data,
 -- or the mark expired), the worker may have decided records the index no longer holds: its mark is then
 -- written as 0, holding the group back until it has checked the index and written back what it decided
--- (and published again); returned fourth, 1 when so.
+-- (and published again); returned fourth, 1 when so. Also a worker that owns nothing any more: the batches it
+-- committed as its partitions went may be what the rebuild missed.
 -- When what the others see of the group changes (this worker's low mark or claims, its leaving, a mark
 -- expired), the marks as they are now go out on the channel KEYS[1] .. ':moved', headed by the call's
 -- number ("<n>\n<worker>|<low mark>|<claims>\n..."): a worker held back by the group waits for that
@@ -25,7 +26,7 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local before = redis.call('HGET', key, me)
 local moved = false
 local rejoined = 0
-if not before and ARGV[5] == '1' and claims ~= '' then
+if not before and ARGV[5] == '1' then
   low = '0'
   rejoined = 1
 end
