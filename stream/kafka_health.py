@@ -81,6 +81,7 @@ class KafkaHealth(logging.Filter):
     async def watch(self) -> None:
         """Until cancelled: settle suspicions and outages with probes."""
         assert self.probe is not None
+        inconclusive = False  # the last probe failed as a connection being made fails
         while True:
             await asyncio.sleep(KAFKA_PROBE_EVERY if self.down else 0.2)
             if not self._suspect:
@@ -89,9 +90,15 @@ class KafkaHealth(logging.Filter):
                 await asyncio.wait_for(self.probe(), _KAFKA_PROBE_TIMEOUT)
             except (KafkaError, OSError, TimeoutError) as exc:
                 self.errors += 1
+                if isinstance(exc, INCONCLUSIVE) and not self.down and not inconclusive:
+                    # Once: the clients connecting anew to a broker that answers again (after a freeze, say). A
+                    # broker that does not answer makes the next probe time out, or fail the same way again.
+                    inconclusive = True
+                    continue
                 self._mark_down(self._evidence or f"metadata request: {type(exc).__name__}: {exc}")
             else:
                 self._mark_up()
+            inconclusive = False
 
     async def retry(self, stopping: Callable[[], bool]) -> bool:
         """Before an operation that failed with a `transient` error is tried again: a pause (a leader elected, a
