@@ -177,7 +177,7 @@ class AiokafkaWorker(WorkerCore):
                                max_skew=settings.max_skew, idle_timeout=settings.idle_timeout,
                                buffer=2 * settings.max_batch, ordered=settings.align)
         self.marks: GroupMarks = SoloMarks()  # the group's marks: opened by `run` (in the index's Redis)
-        self.group = GroupView()  # what the group's marks said last
+        self.group = GroupView(None, complete=False)  # what the group's marks said last (nothing yet)
         self._marked_at = -math.inf
         # After the index lost its data: this worker's mark was gone and it has not written back what it decided
         # yet (it publishes 0 meanwhile: `_rejoin`); and how many times the group's marks were reset (by this
