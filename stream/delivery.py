@@ -316,54 +316,65 @@ class AtLeastOnce:
             pending = {i: await self.sender.send(logged[i]) for i, _ in failed}
 
     async def _delivered(self, flight: _InFlight) -> list[OutRecord]:
-        """Waits until every output of the batch was acknowledged, and returns the outputs as delivered. An
-        output refused as too large is sent again alone, and if refused alone, dead-lettered without its value
-        (reason `output_too_large`); one the dead-letter topic refuses stops the worker (nothing committed). An
-        output that failed with a `transient` error (the broker unreachable, a leader election) is sent again
-        once the broker answers. Other errors stop the worker."""
-        kafka, records = self.link.kafka, flight.batch.records
+        """Waits until every output of the batch was acknowledged (`settle_outputs`), and returns the outputs as
+        delivered."""
         outs = list(flight.batch.outs)
-        alone: set[int] = set()
-        pending = dict(enumerate(flight.deliveries))
-        while pending:
-            results = await asyncio.gather(*pending.values(), return_exceptions=True)
-            again: dict[int, asyncio.Future[Any]] = {}
-            split = 0
-            outage: list[tuple[int, BaseException]] = []
-            for i, result in zip(list(pending), results, strict=True):
-                if not isinstance(result, BaseException):
-                    continue
-                if isinstance(result, TOO_LARGE):
-                    if i not in alone:
-                        alone.add(i)
-                        self.resent_alone += 1
-                        split += 1
-                    elif outs[i].topic != self.settings.dead_letter_topic:
-                        outs[i] = refused_output(records[i], outs[i], result, self.settings)
-                        log.warning("output of %s refused as too large: dead-lettered without its value (%s)",
-                                    records[i].coordinates, OUTPUT_TOO_LARGE)
-                    else:
-                        raise ServiceError(
-                            f"the dead-letter topic {outs[i].topic!r} refused the record for "
-                            f"{records[i].coordinates} as too large: stopping, nothing of the batch "
-                            f"committed") from result
-                    again[i] = await self.sender.send_alone(outs[i])
-                elif transient(result):
-                    kafka.failed(result, f"delivery to {outs[i].topic}")
-                    outage.append((i, result))
-                else:
-                    raise result
-            # Once a round, not once an output: the outputs of a record batch share its future, and its error.
-            if outage and not await kafka.retry(self.link.stopping):
-                raise outage[0][1]  # stopping during the outage: nothing of the batch committed
-            for i, _ in outage:
-                again[i] = await (self.sender.send_alone(outs[i]) if i in alone else self.sender.send(outs[i]))
-            if outage:
-                log.info("%d outputs not delivered during the outage sent again", len(outage))
-            if split:
-                log.info("%d outputs sent again one by one: their record batches were refused as too large", split)
-            pending = again
+        self.resent_alone += await settle_outputs(flight.deliveries, outs, flight.batch.records, self.sender.send,
+                                                  self.sender.send_alone, self.link.kafka, self.link.stopping,
+                                                  self.settings)
         return outs
+
+
+async def settle_outputs(deliveries: Sequence[asyncio.Future[Any]], outs: list[OutRecord],
+                         records: Sequence[KafkaRecord], send: Callable[[OutRecord], Awaitable[asyncio.Future[Any]]],
+                         send_alone: Callable[[OutRecord], Awaitable[asyncio.Future[Any]]], kafka: KafkaHealth,
+                         stopping: Callable[[], bool], settings: Settings) -> int:
+    """Waits until every output (`outs[i]`, handed over as `deliveries[i]`) was acknowledged, `outs` updated in
+    place as delivered; returns how many were sent again alone. For both runtimes, at-least-once: an output
+    refused as too large is sent again alone (`send_alone`: a record batch of its own, as a batch is refused
+    whole, maybe for another record's size), and if refused alone, dead-lettered without its value (reason
+    `output_too_large`); one the dead-letter topic refuses stops the worker (nothing of the batch committed).
+    An output that failed with a `transient` error (the broker unreachable or hung, a leader election) is sent
+    again once the broker answers (`KafkaHealth.retry`). Other errors stop the worker."""
+    alone: set[int] = set()
+    pending = dict(enumerate(deliveries))
+    while pending:
+        results = await asyncio.gather(*pending.values(), return_exceptions=True)
+        again: dict[int, asyncio.Future[Any]] = {}
+        split = 0
+        outage: list[tuple[int, BaseException]] = []
+        for i, result in zip(list(pending), results, strict=True):
+            if not isinstance(result, BaseException):
+                continue
+            if isinstance(result, TOO_LARGE):
+                if i not in alone:
+                    alone.add(i)
+                    split += 1
+                elif outs[i].topic != settings.dead_letter_topic:
+                    outs[i] = refused_output(records[i], outs[i], result, settings)
+                    log.warning("output of %s refused as too large: dead-lettered without its value (%s)",
+                                records[i].coordinates, OUTPUT_TOO_LARGE)
+                else:
+                    raise ServiceError(
+                        f"the dead-letter topic {outs[i].topic!r} refused the record for {records[i].coordinates} "
+                        "as too large: stopping, nothing of the batch committed") from result
+                again[i] = await send_alone(outs[i])
+            elif transient(result):
+                kafka.failed(result, f"delivery to {outs[i].topic}")
+                outage.append((i, result))
+            else:
+                raise result
+        # Once a round, not once an output: the outputs of a record batch share its future, and its error.
+        if outage and not await kafka.retry(stopping):
+            raise outage[0][1]  # stopping during the outage: nothing of the batch committed
+        for i, _ in outage:
+            again[i] = await (send_alone(outs[i]) if i in alone else send(outs[i]))
+        if outage:
+            log.info("%d outputs not delivered during the outage sent again", len(outage))
+        if split:
+            log.info("%d outputs sent again one by one: their record batches were refused as too large", split)
+        pending = again
+    return len(alone)
 
 
 class ExactlyOnce:

@@ -17,16 +17,15 @@ from filters.engine import NearDupFilter
 from filters.errors import ServiceError
 from stream import kafka_tools
 from stream.config import Settings
+from stream.delivery import settle_outputs
 from stream.kafka_tools import (
-    TOO_LARGE,
     KafkaRecord,
     broker_errors,
     client_options,
     ensure_topics,
     map_kafka_error,
-    transient,
 )
-from stream.outputs import OUTPUT_TOO_LARGE, OutRecord, refused_output
+from stream.outputs import OutRecord
 from stream.router import BatchObserver, WorkerCore, WorkerStats
 
 log = logging.getLogger("neardup.worker")
@@ -137,13 +136,10 @@ class FaustWorker(WorkerCore):
         return True
 
     async def _deliver(self, records: Sequence[KafkaRecord], outs: list[OutRecord]) -> list[OutRecord]:
-        """Produces the batch's outputs and waits for them; returns them as delivered. As the aiokafka runtime
-        (`stream.delivery.AtLeastOnce`): an output that failed with a `transient` error (the broker unreachable or
-        hung, a leader election) is sent again once the broker answers (`KafkaHealth`: the outage said in one
-        line); an output refused as too large is sent again alone, and if refused alone, dead-lettered without
-        its value (reason `output_too_large`); one the dead-letter topic refuses stops the worker. Other errors
-        stop it (nothing of the batch acked). Through the app's producer (a topic's `send` would leave a future
-        of its own with the error, unretrieved, to be logged with a traceback)."""
+        """Produces the batch's outputs and waits for them (`stream.delivery.settle_outputs`, as the aiokafka
+        runtime: too-large outputs sent again alone, then dead-lettered; those failed in an outage sent again once
+        the broker answers); returns them as delivered. Through the app's producer (a topic's `send` would leave a
+        future of its own with the error, unretrieved, to be logged with a traceback)."""
         from faust.exceptions import ProducerSendError  # faust is imported by this runtime only
 
         producer = self.app.producer
@@ -167,40 +163,9 @@ class FaustWorker(WorkerCore):
             await asyncio.wait([sent])
             return sent
 
-        alone: set[int] = set()
-        pending = {i: await send(o) for i, o in enumerate(outs)}
-        while pending:
-            results = await asyncio.gather(*pending.values(), return_exceptions=True)
-            again: dict[int, asyncio.Future[Any]] = {}
-            outage: list[tuple[int, BaseException]] = []
-            for i, result in zip(list(pending), results, strict=True):
-                if not isinstance(result, BaseException):
-                    continue
-                if isinstance(result, TOO_LARGE):
-                    if i not in alone:
-                        alone.add(i)
-                    elif outs[i].topic != self.settings.dead_letter_topic:
-                        outs[i] = refused_output(records[i], outs[i], result, self.settings)
-                        log.warning("output of %s refused as too large: dead-lettered without its value (%s)",
-                                    records[i].coordinates, OUTPUT_TOO_LARGE)
-                    else:
-                        raise ServiceError(f"the dead-letter topic {outs[i].topic!r} refused the record for "
-                                           f"{records[i].coordinates} as too large: stopping, nothing of the batch "
-                                           "acked") from result
-                    again[i] = await send_alone(outs[i])
-                elif transient(result):
-                    self.kafka.failed(result, f"delivery to {outs[i].topic}")
-                    outage.append((i, result))
-                else:
-                    raise result
-            # Once a round, not once an output: the outputs of a record batch share its future, and its error.
-            if outage and not await self.kafka.retry(self.stop_event.is_set):
-                raise outage[0][1]  # stopping: nothing of the batch acked, read again after a restart
-            for i, _ in outage:
-                again[i] = await (send_alone(outs[i]) if i in alone else send(outs[i]))
-            if outage:
-                log.info("%d outputs not delivered during the outage sent again", len(outage))
-            pending = again
+        deliveries = [await send(o) for o in outs]
+        await settle_outputs(deliveries, outs, records, send, send_alone, self.kafka, self.stop_event.is_set,
+                             self.settings)
         return outs
 
     async def run(self) -> WorkerStats:

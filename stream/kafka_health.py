@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -21,6 +22,9 @@ log = logging.getLogger("neardup.worker")
 KAFKA_PROBE_EVERY = 1.0  # seconds between reachability probes while the broker is unavailable
 _KAFKA_PROBE_TIMEOUT = 5.0
 RETRY_PAUSE = 0.1  # seconds before an operation that failed with a transient error is tried again
+# Seconds after an outage ended during which only a probe left unanswered (timed out) starts another: the clients
+# reconnect and find the group coordinator again meanwhile, and their failures are no news.
+SETTLE = 5.0
 
 
 class KafkaHealth(logging.Filter):
@@ -45,6 +49,7 @@ class KafkaHealth(logging.Filter):
         self._suspect = False
         self._evidence = ""
         self._shown: set[tuple[str, Any]] = set()
+        self._up_at = -math.inf  # when the last outage ended
 
     @property
     def down(self) -> bool:
@@ -59,10 +64,13 @@ class KafkaHealth(logging.Filter):
         self.errors += 1
         self._suspect = True
         cause = f"{where}: {type(exc).__name__}: {exc}"
-        if isinstance(exc, INCONCLUSIVE):
+        if isinstance(exc, INCONCLUSIVE) or self._settling():
             self._evidence = self._evidence or cause
         elif isinstance(exc, KAFKA_UNAVAILABLE):
             self._mark_down(cause)
+
+    def _settling(self) -> bool:
+        return time.monotonic() - self._up_at < SETTLE
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not self._suspect:
@@ -90,9 +98,10 @@ class KafkaHealth(logging.Filter):
                 await asyncio.wait_for(self.probe(), _KAFKA_PROBE_TIMEOUT)
             except (KafkaError, OSError, TimeoutError) as exc:
                 self.errors += 1
-                if isinstance(exc, INCONCLUSIVE) and not self.down and not inconclusive:
-                    # Once: the clients connecting anew to a broker that answers again (after a freeze, say). A
-                    # broker that does not answer makes the next probe time out, or fail the same way again.
+                if not self.down and not isinstance(exc, TimeoutError) and (
+                        self._settling() or (isinstance(exc, INCONCLUSIVE) and not inconclusive)):
+                    # The clients connecting anew to a broker that answers again (after a freeze, say): the next
+                    # probes decide. A broker that does not answer makes a probe time out.
                     inconclusive = True
                     continue
                 self._mark_down(self._evidence or f"metadata request: {type(exc).__name__}: {exc}")
@@ -123,6 +132,7 @@ class KafkaHealth(logging.Filter):
 
     def _mark_up(self) -> None:
         if self._down_since is not None:
+            self._up_at = time.monotonic()
             log.info("kafka available again after %.1fs (%d failed operations and probes; %d repeated client log "
                      "lines not shown)", time.monotonic() - self._down_since, self.errors - self._errors_before,
                      self.suppressed)

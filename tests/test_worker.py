@@ -314,11 +314,12 @@ def test_crash_after_produce_before_commit_then_restart(kafka_bootstrap: str, in
             assert verdict(r) == expected, source
 
 
-def test_index_outage_blocks_then_resumes(kafka_bootstrap: str, redis_url: str,
-                                          caplog: pytest.LogCaptureFixture) -> None:
+def _through_an_index_outage(kafka_bootstrap: str, redis_url: str, *, lose: bool
+                             ) -> tuple[list[KafkaRecord], AiokafkaWorker, Settings]:
     """Redis behind a proxy that goes down once the worker has joined its group (and heard the group's
-    event-time marks): the records produced then are taken, nothing is produced or committed, one log line;
-    then Redis comes back and everything is routed."""
+    event-time marks); the records produced then are taken, nothing is produced or committed; then Redis comes
+    back (with `lose`, without the namespace's data) and the worker runs until every record is routed. The
+    outputs, the worker and its settings."""
     port = free_port()
     host, redis_port = redis_url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
     with redis_namespace(redis_url) as direct:
@@ -342,49 +343,8 @@ def test_index_outage_blocks_then_resumes(kafka_bootstrap: str, redis_url: str,
                 await asyncio.sleep(0.02)
             assert await outputs(settings, 1, timeout=0.5) == []
             assert await committed(settings) == {}
-            await proxy.start()
-            try:
-                await task
-            finally:
-                await proxy.stop()
-            return await outputs(settings, len(inputs))
-
-        with caplog.at_level(logging.INFO, logger="neardup.worker"):
-            got = asyncio.run(scenario())
-    assert Counter(r.topic for r in got) == {settings.unique_topic: 2, settings.duplicate_topic: 1,
-                                             settings.dead_letter_topic: 4}
-    paused = [r for r in caplog.records if "index unavailable" in r.message]
-    assert len(paused) == 1 and "consumption paused" in paused[0].message
-    assert any("index available again" in r.message for r in caplog.records)
-
-
-def test_an_outage_that_ends_with_the_index_lost_resumes_consumption(kafka_bootstrap: str, redis_url: str) -> None:
-    """As above, but Redis comes back without the namespace's data: the retry finds the index lost, the worker
-    rebuilds it from the changelog and, under event-time alignment, takes the batch again against the group's
-    new view. Consumption, paused during the outage, resumes: everything is routed. (Before, a batch let go
-    that way left the consumer paused for good, and the worker routed nothing more.)"""
-    port = free_port()
-    host, redis_port = redis_url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
-    with redis_namespace(redis_url) as direct:
-        url = direct.replace(f"{host}:{redis_port}", f"127.0.0.1:{port}", 1)
-        settings = settings_for(kafka_bootstrap, url, retry_initial=0.05, retry_max=0.2, id_field="id")
-        proxy = TcpProxy(host, int(redis_port), port)
-        inputs = GOOD + BAD
-        worker = make_worker(settings)
-        assert isinstance(worker, AiokafkaWorker)
-
-        async def scenario() -> list[KafkaRecord]:
-            await proxy.start()
-            task = asyncio.ensure_future(run_until(worker, lambda s: s.seen >= len(inputs)))
-            while not (worker._rebalance.assignments and worker.group.complete):
-                assert not task.done(), task
-                await asyncio.sleep(0.02)
-            await proxy.stop()
-            await produce(settings, settings.input_topics[0], inputs)
-            while worker.stats.index_errors < 3:
-                assert not task.done(), task
-                await asyncio.sleep(0.02)
-            drop_index(direct)  # the namespace's data lost while the worker could not reach it
+            if lose:
+                drop_index(direct)  # the namespace's data lost while the worker could not reach it
             await proxy.start()
             try:
                 await task
@@ -395,6 +355,26 @@ def test_an_outage_that_ends_with_the_index_lost_resumes_consumption(kafka_boots
         got = asyncio.run(scenario())
     assert Counter(r.topic for r in got) == {settings.unique_topic: 2, settings.duplicate_topic: 1,
                                              settings.dead_letter_topic: 4}
+    return got, worker, settings
+
+
+def test_index_outage_blocks_then_resumes(kafka_bootstrap: str, redis_url: str,
+                                          caplog: pytest.LogCaptureFixture) -> None:
+    """Redis down while the worker routes: nothing is produced or committed, one log line; then Redis comes back
+    and everything is routed (`_through_an_index_outage`)."""
+    with caplog.at_level(logging.INFO, logger="neardup.worker"):
+        _through_an_index_outage(kafka_bootstrap, redis_url, lose=False)
+    paused = [r for r in caplog.records if "index unavailable" in r.message]
+    assert len(paused) == 1 and "consumption paused" in paused[0].message
+    assert any("index available again" in r.message for r in caplog.records)
+
+
+def test_an_outage_that_ends_with_the_index_lost_resumes_consumption(kafka_bootstrap: str, redis_url: str) -> None:
+    """As above, but Redis comes back without the namespace's data: the retry finds the index lost, the worker
+    rebuilds it from the changelog and, under event-time alignment, takes the batch again against the group's
+    new view. Consumption, paused during the outage, resumes: everything is routed. (Before, a batch let go
+    that way left the consumer paused for good, and the worker routed nothing more.)"""
+    _, worker, _ = _through_an_index_outage(kafka_bootstrap, redis_url, lose=True)
     assert worker.guard is not None and worker.guard.losses >= 1
 
 
