@@ -609,8 +609,6 @@ class AiokafkaWorker(WorkerCore):
                 timer.cancel()
 
         records = taken.records
-        if self.aligner.ordered and self._regroups != regroups:
-            return False
         if self.journal is not None:
             self.journal.take()  # what a failed attempt left (its entries come again as replays)
         if self.aligner.ordered:
